@@ -1,0 +1,249 @@
+"""Load and run a contiguous range of layers [start, end) of any mlx-lm model.
+
+The shard reuses the model family's own forward pass instead of re-implementing it: mlx-lm
+builds the model (lazily, so no tensor is read from disk yet), then every layer outside the
+range is swapped for a weightless placeholder and the embedding, final norm and head are
+dropped where the shard does not need them. Only the remaining parameters are evaluated,
+so only their bytes are read from the safetensors files.
+
+Running the family's own ``__call__`` keeps every family quirk (embedding scale, sliding
+window masks, logit soft-capping, tied heads) exactly as mlx-lm wrote it. Two placeholders
+make a slice of that forward pass:
+
+* the placeholder just before ``start`` swaps the hidden state computed so far (from a
+  dummy embedding) for the activation received from the previous stage;
+* the placeholder at ``end`` raises :class:`_StageOutput` carrying the hidden state, so the
+  forward pass stops before the final norm and head.
+
+Masks in mlx-lm are derived from the cache of a fixed layer (``cache[0]``, the first full
+attention layer, ...). The per-request cache list therefore has one entry per layer of the
+whole model: the shard's own layers get real caches, every other position points to an
+owned cache of the same kind, so the family computes the right mask from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_config, load_model
+
+log = logging.getLogger(__name__)
+
+
+class _StageOutput(Exception):
+    """Carries the hidden state out of the family's forward pass at the shard's end."""
+
+    def __init__(self, hidden: mx.array):
+        super().__init__("stage output")
+        self.hidden = hidden
+
+
+class _Skip(nn.Module):
+    """Stands in for a layer held by another stage: passes the hidden state through."""
+
+    def __call__(self, h, *args, **kwargs):
+        return h
+
+
+class _Inject(nn.Module):
+    """Stands in for layer start-1: replaces the hidden state with the received activation."""
+
+    def __init__(self, slot: threading.local):
+        super().__init__()
+        self._slot = slot
+
+    def __call__(self, h, *args, **kwargs):
+        return self._slot.hidden
+
+
+class _Exit(nn.Module):
+    """Stands in for layer ``end``: stops the forward pass and hands out the hidden state."""
+
+    def __call__(self, h, *args, **kwargs):
+        raise _StageOutput(h)
+
+
+class _NoEmbedding(nn.Module):
+    """Replaces the embedding on stages that start with a received activation.
+
+    The family's forward still calls it (and may scale the result); the value is never used
+    because :class:`_Inject` swaps it out, so MLX's lazy graph never even computes it.
+    """
+
+    def __init__(self, hidden_size: int, dtype: mx.Dtype):
+        super().__init__()
+        self._hidden_size = hidden_size
+        self._dtype = dtype
+
+    def __call__(self, inputs):
+        return mx.zeros((*inputs.shape, self._hidden_size), dtype=self._dtype)
+
+
+class _Absent(nn.Module):
+    """Replaces the final norm / head on stages that never reach them."""
+
+    def __call__(self, *args, **kwargs):  # pragma: no cover - unreachable by construction
+        raise RuntimeError("this shard does not hold the model's final norm or head")
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The module that owns embed_tokens / layers / norm (``model.model`` for most families)."""
+    for name in ("model", "language_model", "transformer"):
+        sub = getattr(model, name, None)
+        if isinstance(sub, nn.Module) and hasattr(sub, "embed_tokens"):
+            return sub
+        if isinstance(sub, nn.Module) and isinstance(getattr(sub, "model", None), nn.Module):
+            return _inner(sub)
+    if hasattr(model, "embed_tokens"):
+        return model
+    raise ValueError(f"unsupported model layout: {type(model).__name__} has no embed_tokens")
+
+
+def _stand_in(placeholder: nn.Module, original: nn.Module) -> nn.Module:
+    """Give a placeholder the original layer's plain attributes (``use_sliding``, ...).
+
+    Families read such flags off each layer in their forward pass; parameters and
+    sub-modules live in the module's dict and are not copied.
+    """
+    for key, value in vars(original).items():
+        if not key.startswith("_") and key not in vars(placeholder):
+            object.__setattr__(placeholder, key, value)
+    return placeholder
+
+
+def _cache_kind(c: Any) -> tuple:
+    return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    start: int
+    end: int
+    num_layers: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.num_layers
+
+
+class Shard:
+    """Layers [start, end) of a model, ready to run one request's slice of the forward pass.
+
+    ``forward`` takes token ids (first shard) or the previous stage's hidden state (others)
+    and returns the hidden state (all but the last shard) or the logits (last shard).
+    """
+
+    def __init__(self, model_path: str | Path, start: int, end: int):
+        model_path = Path(model_path)
+        config = load_config(model_path)
+        model, config = load_model(model_path, lazy=True, strict=True)
+        layers = model.layers
+        num_layers = len(layers)
+        if not (0 <= start < end <= num_layers):
+            raise ValueError(f"invalid layer range [{start}, {end}) for a {num_layers}-layer model")
+        self.path = model_path
+        self.config = config
+        self.spec = ShardSpec(start, end, num_layers)
+        self.model = model
+        self._slot = threading.local()
+        self._lock = threading.Lock()
+
+        # Caches of the whole model, to learn each layer's cache kind (full, sliding, ...).
+        self._cache_template = make_prompt_cache(model)
+        if len(self._cache_template) != num_layers:
+            raise ValueError(
+                f"{config.get('model_type')}: one cache per layer expected, "
+                f"got {len(self._cache_template)} for {num_layers} layers"
+            )
+
+        inner = _inner(model)
+        embed = inner.embed_tokens
+        tied = not hasattr(model, "lm_head") or bool(config.get("tie_word_embeddings", False))
+        self.hidden_size = int(embed.weight.shape[-1]) if hasattr(embed, "weight") else None
+        dtype = embed.weight.dtype if hasattr(embed, "weight") else mx.float32
+        if hasattr(embed, "scales"):  # quantized embedding: activations are float16 / bf16
+            dtype = embed.scales.dtype
+        self.dtype = dtype
+
+        # Weightless placeholders for every layer this shard does not hold.
+        for i in range(num_layers):
+            if i < start or i >= end:
+                if i == start - 1:
+                    stand_in = _Inject(self._slot)
+                elif i == end:
+                    stand_in = _Exit()
+                else:
+                    stand_in = _Skip()
+                layers[i] = _stand_in(stand_in, layers[i])
+        if start > 0 and not (self.spec.is_last and tied):
+            inner.embed_tokens = _NoEmbedding(self.hidden_size, dtype)
+        if not self.spec.is_last:
+            inner.norm = _Absent()
+            if hasattr(model, "lm_head"):
+                model.lm_head = _Absent()
+        # Read exactly the remaining tensors from disk.
+        mx.eval(model.parameters())
+        self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        log.info(
+            "loaded layers [%d, %d) of %s (%d layers): %.1f MiB",
+            start, end, model_path.name, num_layers, self.nbytes / 2**20,
+        )
+
+    @property
+    def start(self) -> int:
+        return self.spec.start
+
+    @property
+    def end(self) -> int:
+        return self.spec.end
+
+    def parameter_names(self) -> list[str]:
+        return [k for k, _ in tree_flatten(self.model.parameters())]
+
+    def make_cache(self) -> list[Any]:
+        """A fresh per-request cache: real caches for owned layers, aliases for the rest."""
+        start, end = self.spec.start, self.spec.end
+        caches: list[Any] = [None] * self.spec.num_layers
+        by_kind: dict[tuple, Any] = {}
+        for i in range(start, end):
+            caches[i] = copy.deepcopy(self._cache_template[i])
+            by_kind.setdefault(_cache_kind(caches[i]), caches[i])
+        for i, template in enumerate(self._cache_template):
+            if caches[i] is None:
+                # A kind this shard never runs gets a private, never-updated cache: only the
+                # layers of that kind (all elsewhere) would use the mask derived from it.
+                caches[i] = by_kind.get(_cache_kind(template)) or copy.deepcopy(template)
+        return caches
+
+    def owned(self, cache: list[Any]) -> list[Any]:
+        """The caches of this shard's own layers (what holds memory for a request)."""
+        return cache[self.spec.start : self.spec.end]
+
+    def forward(self, x: mx.array, cache: list[Any]) -> mx.array:
+        """Run this shard's layers. Returns a lazy array: hidden state or logits."""
+        with self._lock:
+            if self.spec.is_first:
+                tokens = x
+            else:
+                self._slot.hidden = x
+                tokens = mx.zeros(x.shape[:2], dtype=mx.int32)
+            try:
+                out = self.model(tokens, cache=cache)
+            except _StageOutput as stop:
+                out = stop.hidden
+            finally:
+                self._slot.hidden = None
+            return out
