@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC code for protos/mesh.proto (regenerate: python -m meshnode.proto.generate)."""
