@@ -1,0 +1,342 @@
+"""The ``meshnode`` command: ``run``, ``status``, ``plan``, ``install``, ``uninstall``.
+
+Imports stay light here (no mlx, grpc or aiohttp at module level) so that ``meshnode --help`` and
+``meshnode status`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+from meshnode import __version__
+from meshnode.config import ConfigError, Settings, load_settings
+
+__all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
+
+log = logging.getLogger("meshnode")
+
+DEFAULT_STATUS_URL = "http://127.0.0.1:8470"
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+
+
+# --------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage errors: exit 2 with a short message
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="meshnode",
+        description="Run one large language model across the machines of a home lab.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser(
+        "run",
+        help="run a node (serves the API and joins the mesh)",
+        description=(
+            "Run a node. Settings come from defaults < --config FILE < MESHNODE_* environment < these "
+            "flags; see configs/default.toml for every setting."
+        ),
+    )
+    run.add_argument("--config", metavar="FILE", type=Path, help="TOML config file (default: $MESHNODE_CONFIG)")
+    run.add_argument("--model", metavar="M", help="local mlx-lm model directory or Hugging Face id (default: demo)")
+    run.add_argument("--host", metavar="ADDR", help="bind address for HTTP and gRPC (default 0.0.0.0)")
+    run.add_argument("--http-port", metavar="N", help="HTTP API port (default 8470)")
+    run.add_argument("--grpc-port", metavar="N", help="gRPC port for peers (default 8471)")
+    run.add_argument("--node-id", metavar="ID", help="this node's id (default: generated once and kept)")
+    run.add_argument(
+        "--cluster-key", metavar="KEY",
+        help="shared secret of the mesh (prefer MESHNODE_CLUSTER_KEY: flags are visible in ps)",
+    )
+    run.add_argument("--memory-budget", metavar="SIZE", help="memory to offer, e.g. 16GiB (default: a fraction of free)")
+    run.add_argument(
+        "--peer", metavar="HOST:PORT", action="append", dest="peers",
+        help="a static peer's gRPC address (repeatable; replaces peers from the config file and environment)",
+    )
+    run.add_argument("--no-mdns", action="store_const", const=False, dest="mdns", help="do not use mDNS")
+    run.add_argument("--max-context", metavar="N", help="tokens of KV cache reserved per request (default 4096)")
+    run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
+    run.add_argument("--cache-dir", metavar="DIR", help="folder for cached models")
+    run.add_argument("--log-level", metavar="L", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
+    run.set_defaults(handler=cmd_run)
+
+    status = sub.add_parser(
+        "status",
+        help="show a running node's view of the mesh",
+        description=(
+            "Ask a node for GET /v1/mesh and summarise it. Exit status: 0 healthy, 1 answered but not "
+            "healthy (or refused), 2 unreachable."
+        ),
+    )
+    status.add_argument("--url", help=f"the node's HTTP address (default {DEFAULT_STATUS_URL})")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait (default 3)")
+    status.add_argument("--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
+    status.set_defaults(handler=cmd_status)
+
+    plan = sub.add_parser("plan", help="show how a model would be split over the mesh (not implemented yet)")
+    plan.set_defaults(handler=cmd_not_implemented)
+    install = sub.add_parser("install", help="install meshnode as a launchd/systemd service (not implemented yet)")
+    install.set_defaults(handler=cmd_not_implemented)
+    uninstall = sub.add_parser("uninstall", help="remove the meshnode service (not implemented yet)")
+    uninstall.set_defaults(handler=cmd_not_implemented)
+    return parser
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class _SecretFilter(logging.Filter):
+    """Replaces the literal text of secrets in every log record (belt and braces: code never logs them)."""
+
+    def __init__(self, secrets: Sequence[str]):
+        super().__init__()
+        self.secrets = [s for s in secrets if s and len(s) >= 4]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            message = record.getMessage()
+            cleaned = message
+            for secret in self.secrets:
+                cleaned = cleaned.replace(secret, "<redacted>")
+            if cleaned != message:
+                record.msg, record.args = cleaned, None
+        return True
+
+
+def setup_logging(settings: Settings, stream=None) -> None:
+    """Root logging: ``time level logger: message`` on stderr, at settings.log_level."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    handler.addFilter(_SecretFilter([settings.cluster_key or "", settings.api_key or ""]))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(settings.log_level)
+    if settings.log_level != "DEBUG":
+        for noisy in ("asyncio", "aiohttp.access", "zeroconf", "urllib3", "filelock", "huggingface_hub"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# --------------------------------------------------------------------------- run
+
+
+_RUN_FLAGS = (
+    "model", "host", "http_port", "grpc_port", "node_id", "cluster_key", "memory_budget", "peers", "mdns",
+    "max_context", "state_dir", "cache_dir", "log_level",
+)
+
+
+def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
+    flags = {name: getattr(args, name, None) for name in _RUN_FLAGS}
+    return load_settings(args.config, env=env, flags=flags)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)  # ConfigError is handled in main()
+    setup_logging(settings)
+    log.info("meshnode %s starting", __version__)
+    log.debug("settings: %s", json.dumps(settings.redacted(), sort_keys=True))
+    from meshnode.node import run_node  # lazy: pulls in mlx, grpc, aiohttp
+
+    try:
+        return int(run_node(settings) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        # e.g. a port in use, or a state folder that is not writable: a message, not a traceback
+        log.debug("start-up failed", exc_info=True)
+        log.error("%s", exc)
+        return EXIT_FAIL
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _fetch_json(url: str, timeout: float, api_key: str | None) -> tuple[int, Any]:
+    """(HTTP status, parsed JSON body or None). Raises URLError/OSError when nothing answered."""
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            code, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        code, raw = exc.code, exc.read()
+    try:
+        return code, json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return code, None
+
+
+def _gib(n: Any) -> str:
+    try:
+        return f"{float(n) / 2**30:.1f} GiB"
+    except (TypeError, ValueError):
+        return "?"
+
+
+def status_exit_code(data: Any) -> int:
+    """0 when the node reports itself healthy (or, without a ``healthy`` key, has a plan), else 1."""
+    if not isinstance(data, dict):
+        return EXIT_FAIL
+    if "healthy" in data:
+        return EXIT_OK if data["healthy"] is True else EXIT_FAIL
+    return EXIT_OK if data.get("plan") else EXIT_FAIL
+
+
+def format_status(data: dict[str, Any]) -> str:
+    """A human summary of a /v1/mesh document."""
+    lines: list[str] = []
+    me = data.get("node_id", "?")
+    healthy = data.get("healthy")
+    state = "healthy" if healthy is True else "NOT healthy" if healthy is False else "unknown health"
+    lines.append(f"node         {me}  (meshnode {data.get('version', '?')}, {state})")
+    if data.get("model"):
+        lines.append(f"model        {data['model']}")
+    coordinator = data.get("coordinator")
+    lines.append(f"coordinator  {coordinator if coordinator else '(none yet)'}")
+    epoch = data.get("epoch")
+    ready = data.get("ready_epoch")
+    epoch_text = "-" if epoch is None else str(epoch)
+    if ready is not None and ready != epoch:
+        epoch_text += f" (ready: {ready})"
+    lines.append(f"epoch        {epoch_text}")
+    plan = data.get("plan")
+    if isinstance(plan, dict) and plan.get("stages") is not None:
+        strategy = plan.get("strategy") or "plan"
+        head = f"plan         {strategy}, epoch {plan.get('epoch', '?')}"
+        if plan.get("max_context"):
+            head += f", max context {plan['max_context']}"
+        lines.append(head)
+        for stage in plan.get("stages") or []:
+            start, end = stage.get("start_layer"), stage.get("end_layer")
+            nodes = stage.get("nodes") or []
+            where = " + ".join(str(n) for n in nodes) or "?"
+            if isinstance(start, int) and isinstance(end, int) and end > start:
+                span = f"layers {start}–{end - 1}"
+            else:
+                span = f"layers {start}–{end}"
+            lines.append(f"  {span} on node {where}")
+        if plan.get("reason"):
+            lines.append(f"  why: {plan['reason']}")
+    else:
+        lines.append("plan         (none)")
+    if data.get("plan_error"):
+        lines.append(f"plan error   {data['plan_error']}")
+    nodes = data.get("nodes") or []
+    lines.append(f"nodes        {len(nodes)}")
+    for node in nodes:
+        if not isinstance(node, dict):
+            continue
+        nid = node.get("node_id", "?")
+        marks = []
+        if nid == me:
+            marks.append("this node")
+        if node.get("role") == "coordinator" or nid == coordinator:
+            marks.append("coordinator")
+        address = node.get("address") or ""
+        if address and node.get("http_port"):
+            address = f"{address}:{node['http_port']}"
+        memory = f"offers {_gib(node.get('memory_budget'))} of {_gib(node.get('total_memory'))}"
+        compute = node.get("compute")
+        compute_text = f", {compute:.0f} GFLOP/s" if isinstance(compute, (int, float)) else ""
+        extra = f"  [{', '.join(marks)}]" if marks else ""
+        lines.append(f"  {nid}  {address}  {memory}{compute_text}{extra}".rstrip())
+    return "\n".join(lines)
+
+
+def _default_status_url() -> tuple[str, str | None]:
+    """(URL, api key) from the environment's settings, when they can be read; else the defaults."""
+    try:
+        settings = load_settings()
+    except ConfigError:
+        return DEFAULT_STATUS_URL, os.environ.get("MESHNODE_API_KEY") or None
+    host = settings.host
+    if host in ("0.0.0.0", "::", "", "*"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    port = settings.http_port or 8470
+    return f"http://{host}:{port}", settings.api_key
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    default_url, default_key = _default_status_url()
+    base = (args.url or default_url).rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    api_key = args.api_key or default_key
+    url = base + "/v1/mesh"
+    try:
+        code, data = _fetch_json(url, args.timeout, api_key)
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: a malformed URL
+        reason = getattr(exc, "reason", exc)
+        print(f"meshnode status: cannot reach a node at {base}: {reason}", file=sys.stderr)
+        print("Is `meshnode run` running there? (use --url to ask another address)", file=sys.stderr)
+        return EXIT_USAGE
+    if code == 401:
+        print(f"meshnode status: {base} wants an API key (give --api-key or set MESHNODE_API_KEY)", file=sys.stderr)
+        return EXIT_FAIL
+    if code != 200 or not isinstance(data, dict):
+        detail = ""
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            detail = f": {data['error'].get('message', '')}"
+        what = f"HTTP {code}" if code != 200 else "something that is not a JSON object"
+        print(f"meshnode status: {url} answered {what}{detail}", file=sys.stderr)
+        return EXIT_FAIL
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(format_status(data))
+    return status_exit_code(data)
+
+
+# --------------------------------------------------------------------------- later
+
+
+def cmd_not_implemented(args: argparse.Namespace) -> int:
+    print(f"meshnode {args.command}: not implemented yet", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return int(exc.code) if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    if not getattr(args, "handler", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        print(f"meshnode: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""One ``Settings`` object for the whole node.
+
+Precedence, lowest first::
+
+    dataclass defaults  <  config file (TOML)  <  environment (MESHNODE_<FIELD>)  <  command-line flags
+
+The defaults live only in :class:`Settings`; ``configs/default.toml`` documents every key (a test keeps
+the two in step).
+
+Value syntax, the same in every source (a TOML file may also use native TOML types):
+
+* optional values (``model``, ``node_id``, ``cluster_key``, ``memory_budget``, ``state_dir``,
+  ``cache_dir``, ``api_key``): an empty string (or, for ``memory_budget``, ``"auto"``) means "not
+  set" (TOML has no null).
+* sizes (``memory_budget``, ``max_body_bytes``): plain bytes or a number with a unit, see
+  :func:`parse_size`: ``K M G T`` and ``KiB MiB GiB TiB`` are binary (1024^n), ``KB MB GB TB`` are
+  SI (1000^n); ``B`` is bytes.  Units are case-insensitive.  ``"1.5GiB"``, ``"512M"``, ``1048576``.
+* durations (``heartbeat_interval``, ``failure_timeout``): seconds, float; ``"500ms"`` and ``"2s"``
+  are accepted too.
+* booleans: TOML booleans, or ``1/0 true/false yes/no on/off``.
+* ``peers``: a TOML array of ``"HOST:PORT"`` strings (gRPC port; IPv6 as ``"[::1]:8471"``); in the
+  environment a comma-separated list.
+* paths: ``~`` is expanded; a relative path in a config file is relative to that file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping
+
+__all__ = [
+    "ConfigError",
+    "ENV_PREFIX",
+    "Settings",
+    "default_cache_dir",
+    "default_state_dir",
+    "load_settings",
+    "parse_bool",
+    "parse_duration",
+    "parse_peer",
+    "parse_size",
+]
+
+ENV_PREFIX = "MESHNODE_"
+#: Environment variable naming a config file, used when ``load_settings`` gets no ``config_file``.
+CONFIG_ENV = "MESHNODE_CONFIG"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SECRET_FIELDS = ("cluster_key", "api_key")
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A setting has an unknown name or a bad value; the message names the key and where it came from."""
+
+
+# --------------------------------------------------------------------------- value parsers
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"123"``, ``"4K"``, ``"1.5GiB"``, ``"2GB"`` ...
+
+    ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are binary (1024^n); ``KB/MB/GB/TB`` are SI (1000^n); ``B`` or
+    no unit is bytes. Units are case-insensitive. Fractions are rounded down to whole bytes; the result
+    must be a whole, non-negative number of bytes.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"expected a size, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative, got {text}")
+        return text
+    if isinstance(text, float):
+        if not math.isfinite(text) or text < 0:
+            raise ValueError(f"expected a non-negative size, got {text!r}")
+        return int(text)
+    if not isinstance(text, str):
+        raise ValueError(f"expected a size, got {text!r}")
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(
+            f"expected a size like 1048576, 512M, 1.5GiB or 2GB, got {text!r} "
+            "(K/M/G/T and KiB/MiB/GiB/TiB are 1024^n, KB/MB/GB/TB are 1000^n)"
+        )
+    number, unit = m.group(1), m.group(2).lower()
+    if "." in number:
+        return int(float(number) * _SIZE_UNITS[unit])
+    return int(number) * _SIZE_UNITS[unit]
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds from ``2``, ``0.5``, ``"0.5"``, ``"2s"`` or ``"500ms"``."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected seconds, got {text!r}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    elif isinstance(text, str):
+        s = text.strip().lower()
+        scale = 1.0
+        if s.endswith("ms"):
+            s, scale = s[:-2], 1e-3
+        elif s.endswith("s"):
+            s = s[:-1]
+        try:
+            value = float(s.strip()) * scale
+        except ValueError:
+            raise ValueError(f"expected seconds like 0.5, 2s or 500ms, got {text!r}") from None
+    else:
+        raise ValueError(f"expected seconds, got {text!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number of seconds, got {text!r}")
+    return value
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str | bool | int) -> bool:
+    if isinstance(text, bool):
+        return text
+    if isinstance(text, int) and text in (0, 1):
+        return bool(text)
+    if isinstance(text, str):
+        s = text.strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+    raise ValueError(f"expected true/false (or 1/0, yes/no, on/off), got {text!r}")
+
+
+def parse_peer(text: str) -> str:
+    """Validate one ``"HOST:PORT"`` (IPv6: ``"[addr]:PORT"``) and return it stripped."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected a peer 'HOST:PORT', got {text!r}")
+    s = text.strip()
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected a peer 'HOST:PORT' (the peer's gRPC port), got {text!r}")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError(f"bad IPv6 peer {text!r}: write it as '[addr]:PORT'")
+    elif ":" in host:
+        raise ValueError(f"bad peer {text!r}: write IPv6 addresses as '[addr]:PORT'")
+    if any(c.isspace() for c in host):
+        raise ValueError(f"bad peer {text!r}: the host contains white space")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"bad peer {text!r}: port must be 1..65535")
+    return s
+
+
+# --------------------------------------------------------------------------- per-field coercion
+
+
+def _optional(inner: Callable[[Any], Any], empty: tuple[str, ...] = ("",)) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().lower() in empty:
+            return None
+        return inner(value)
+
+    return parse
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""), 10)
+        except ValueError:
+            pass
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        result = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(result):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return result
+
+
+def _path(value: Any) -> Path:
+    if isinstance(value, Path):
+        return value.expanduser()
+    if isinstance(value, str):
+        return Path(value).expanduser()
+    raise ValueError(f"expected a path, got {value!r}")
+
+
+def _peers(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items = [p for p in re.split(r"[,\s]+", value) if p]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"expected a list of 'HOST:PORT' peers, got {value!r}")
+    out: list[str] = []
+    for item in items:
+        peer = parse_peer(item)
+        if peer not in out:
+            out.append(peer)
+    return tuple(out)
+
+
+def _log_level(value: Any) -> str:
+    s = _str(value).strip().upper()
+    if s == "WARN":
+        s = "WARNING"
+    if s not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return s
+
+
+def _node_id(value: Any) -> str:
+    s = _str(value).strip()
+    if not NODE_ID_RE.match(s):
+        raise ValueError(
+            f"node id {value!r} must be 1-63 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return s
+
+
+def _range(parse: Callable[[Any], Any], check: Callable[[Any], bool], what: str) -> Callable[[Any], Any]:
+    def parse_checked(value: Any) -> Any:
+        result = parse(value)
+        if result is not None and not check(result):
+            raise ValueError(f"must be {what}, got {value!r}")
+        return result
+
+    return parse_checked
+
+
+def _port(value: Any) -> int:
+    return _range(_int, lambda p: 0 <= p <= 65535, "a port 0..65535 (0 = any free port)")(value)
+
+
+def _positive_int(value: Any) -> int:
+    return _range(_int, lambda n: n >= 1, "an integer >= 1")(value)
+
+
+def _positive_duration(value: Any) -> float:
+    return _range(parse_duration, lambda s: s > 0, "a positive number of seconds")(value)
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "model": _optional(_str),
+    "host": _range(lambda v: _str(v).strip(), bool, "a non-empty address"),
+    "http_port": _port,
+    "grpc_port": _port,
+    "node_id": _optional(_node_id),
+    "cluster_key": _optional(_str),
+    "memory_budget": _optional(_range(parse_size, lambda n: n > 0, "a positive size"), empty=("", "auto")),
+    "memory_fraction": _range(_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
+    "max_context": _positive_int,
+    "prefill_step_size": _positive_int,
+    "max_tokens_limit": _positive_int,
+    "default_max_tokens": _positive_int,
+    "max_body_bytes": _range(parse_size, lambda n: n >= 1, "a positive size"),
+    "max_concurrent_requests": _positive_int,
+    "peers": _peers,
+    "mdns": parse_bool,
+    "heartbeat_interval": _positive_duration,
+    "failure_timeout": _positive_duration,
+    "state_dir": _optional(_path),
+    "cache_dir": _optional(_path),
+    "api_key": _optional(_str),
+    "log_level": _log_level,
+}
+
+
+# --------------------------------------------------------------------------- platform defaults
+
+
+def _is_macos() -> bool:
+    return sys.platform == "darwin"
+
+
+def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """macOS: ~/Library/Application Support/meshnode; elsewhere $XDG_STATE_HOME/meshnode or
+    ~/.local/state/meshnode."""
+    environ = os.environ if environ is None else environ
+    if _is_macos():
+        return Path.home() / "Library" / "Application Support" / "meshnode"
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "meshnode"
+    return Path.home() / ".local" / "state" / "meshnode"
+
+
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """macOS: ~/Library/Caches/meshnode; elsewhere $XDG_CACHE_HOME/meshnode or ~/.cache/meshnode."""
+    environ = os.environ if environ is None else environ
+    if _is_macos():
+        return Path.home() / "Library" / "Caches" / "meshnode"
+    xdg = environ.get("XDG_CACHE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "meshnode"
+    return Path.home() / ".cache" / "meshnode"
+
+
+# --------------------------------------------------------------------------- Settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a node can be told. Defaults here are the only defaults (see configs/default.toml)."""
+
+    #: None = the built-in demo model; else a local mlx-lm directory or a Hugging Face id.
+    model: str | None = None
+    #: Bind address for HTTP and gRPC.
+    host: str = "0.0.0.0"
+    http_port: int = 8470
+    grpc_port: int = 8471
+    #: None = generated once and persisted in state_dir/node_id.
+    node_id: str | None = None
+    #: Nodes with the same key form one mesh; None = the open cluster. Never logged.
+    cluster_key: str | None = field(default=None, repr=False)
+    #: Bytes offered for weights + KV cache; None = memory_fraction x available memory.
+    memory_budget: int | None = None
+    memory_fraction: float = 0.75
+    #: Tokens of KV cache a plan reserves per request.
+    max_context: int = 4096
+    prefill_step_size: int = 512
+    #: The largest max_tokens a request may ask for.
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 512
+    max_body_bytes: int = 1 << 20
+    max_concurrent_requests: int = 8
+    #: Static peers, "HOST:PORT" of their gRPC port.
+    peers: tuple[str, ...] = ()
+    mdns: bool = True
+    heartbeat_interval: float = 0.5
+    failure_timeout: float = 2.0
+    #: None = platform default (see default_state_dir).
+    state_dir: Path | None = None
+    #: None = platform default (see default_cache_dir).
+    cache_dir: Path | None = None
+    #: Optional Bearer key for the HTTP API. Never logged.
+    api_key: str | None = field(default=None, repr=False)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        # Normalise and validate, so that Settings(...) built in code obeys the same rules as a file.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            try:
+                parsed = _PARSERS[f.name](value)
+            except ValueError as exc:
+                raise ConfigError(f"setting {f.name!r}: {exc}") from None
+            if parsed is not value:
+                object.__setattr__(self, f.name, parsed)
+        _check_consistency(self, sources=None)
+
+    # ------------------------------------------------------------------ derived values
+    def resolved_state_dir(self) -> Path:
+        """Where the node keeps its state (node id ...): ``state_dir`` or the platform default."""
+        return self.state_dir if self.state_dir is not None else default_state_dir()
+
+    def resolved_cache_dir(self) -> Path:
+        """Where downloaded/built models are cached: ``cache_dir`` or the platform default."""
+        return self.cache_dir if self.cache_dir is not None else default_cache_dir()
+
+    def redacted(self) -> dict[str, Any]:
+        """A JSON-friendly dict of every setting with the secrets (cluster_key, api_key) hidden."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECRET_FIELDS:
+                value = None if value is None else "<redacted>"
+            elif isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
+assert set(FIELD_NAMES) == set(_PARSERS), "every Settings field needs a parser"
+
+
+def env_var(name: str) -> str:
+    """The environment variable for a field: ``http_port`` -> ``MESHNODE_HTTP_PORT``."""
+    return ENV_PREFIX + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_consistency(s: Any, sources: Mapping[str, str] | None) -> None:
+    def where(*names: str) -> str:
+        if not sources:
+            return ""
+        parts = [f"{n} from {sources.get(n, 'the defaults')}" for n in names]
+        return " (" + "; ".join(parts) + ")"
+
+    if s.default_max_tokens > s.max_tokens_limit:
+        raise ConfigError(
+            f"default_max_tokens ({s.default_max_tokens}) must not exceed max_tokens_limit "
+            f"({s.max_tokens_limit}){where('default_max_tokens', 'max_tokens_limit')}"
+        )
+    if s.failure_timeout <= s.heartbeat_interval:
+        raise ConfigError(
+            f"failure_timeout ({s.failure_timeout} s) must be longer than heartbeat_interval "
+            f"({s.heartbeat_interval} s){where('failure_timeout', 'heartbeat_interval')}"
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The raw key/value table of a TOML config file (keys checked, values not yet parsed)."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    unknown = [k for k in data if k not in _PARSERS]
+    if unknown:
+        k = unknown[0]
+        hint = ""
+        if isinstance(data[k], dict):
+            hint = " (sections are not used: put every key at the top level)"
+        else:
+            close = _close_match(k)
+            hint = f" (did you mean {close!r}?)" if close else ""
+        raise ConfigError(f"config file {path}: unknown key {k!r}{hint}")
+    return data
+
+
+def _close_match(name: str) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(name.replace("-", "_").lower(), FIELD_NAMES, n=1)
+    return match[0] if match else None
+
+
+def load_settings(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build Settings from defaults < config file < environment < flags.
+
+    ``config_file``: a TOML file; when None, the file named by ``$MESHNODE_CONFIG`` (if set).
+    ``env``: the environment to read ``MESHNODE_<FIELD>`` from (default ``os.environ``); other
+    ``MESHNODE_*`` variables are ignored. ``flags``: field name -> value; ``None`` means "not given".
+    Raises :class:`ConfigError` naming the key and its source.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def put(name: str, raw: Any, source: str) -> None:
+        try:
+            values[name] = _PARSERS[name](raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        sources[name] = source
+
+    if config_file is None and env.get(CONFIG_ENV):
+        config_file = Path(env[CONFIG_ENV])
+    if config_file is not None:
+        config_file = Path(config_file).expanduser()
+        for name, raw in read_config_file(config_file).items():
+            if name in ("state_dir", "cache_dir") and isinstance(raw, str) and raw:
+                p = Path(raw).expanduser()
+                raw = p if p.is_absolute() else (config_file.parent / p)
+            put(name, raw, f"config file {config_file}: key {name!r}")
+
+    for name in FIELD_NAMES:
+        var = env_var(name)
+        if var in env:
+            put(name, env[var], f"environment {var}")
+
+    for name, raw in (flags or {}).items():
+        if name not in _PARSERS:
+            raise ConfigError(f"unknown setting {name!r} given as a flag")
+        if raw is None:
+            continue
+        put(name, raw, f"flag {flag_name(name)}")
+
+    merged = {f.name: values.get(f.name, f.default) for f in dataclasses.fields(Settings)}
+    _check_consistency(SimpleNamespace(**merged), sources)
+    return Settings(**values)

@@ -1,0 +1,213 @@
+"""Facts about this machine: memory, CPUs, platform and a quick compute figure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshnode.config import Settings
+
+__all__ = [
+    "available_memory",
+    "compute_figure",
+    "cpu_count",
+    "memory_budget",
+    "platform_name",
+    "total_memory",
+]
+
+log = logging.getLogger(__name__)
+
+
+def platform_name() -> str:
+    """``"macos"``, ``"linux"``, or ``sys.platform`` elsewhere."""
+    if sys.platform == "darwin":
+        return "macos"
+    if sys.platform.startswith("linux"):
+        return "linux"
+    return sys.platform
+
+
+def cpu_count() -> int:
+    """CPUs this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except OSError:
+            pass
+    return os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- Linux
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return out
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) of this process's cgroup v2 memory controller, if it has a limit."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as fh:
+            rel = next((line.strip()[3:] for line in fh if line.startswith("0::")), None)
+        if rel is None:
+            return None
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        usage = int((base / "memory.current").read_text().strip())
+        return int(limit), usage
+    except (OSError, ValueError):
+        return None
+
+
+def _sysconf_total() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+# --------------------------------------------------------------------------- macOS
+
+
+def _sysctl_int(name: str) -> int:
+    out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5, check=True)
+    return int(out.stdout.strip())
+
+
+def _vm_stat_available() -> int:
+    out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5, check=True).stdout
+    m = re.search(r"page size of (\d+) bytes", out)
+    page = int(m.group(1)) if m else os.sysconf("SC_PAGE_SIZE")
+    pages = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        value = value.strip().rstrip(".")
+        if value.isdigit():
+            pages[key.strip()] = int(value)
+    free = pages.get("Pages free", 0) + pages.get("Pages inactive", 0) + pages.get("Pages speculative", 0)
+    # purgeable pages are reclaimable too, but are already counted among the above on recent macOS
+    return free * page
+
+
+# --------------------------------------------------------------------------- public
+
+
+def total_memory() -> int:
+    """Physical memory in bytes (capped by a cgroup limit on Linux)."""
+    total = 0
+    if sys.platform == "darwin":
+        try:
+            total = _sysctl_int("hw.memsize")
+        except (OSError, ValueError, subprocess.SubprocessError):
+            total = 0
+    elif sys.platform.startswith("linux"):
+        try:
+            total = _meminfo().get("MemTotal", 0)
+        except OSError:
+            total = 0
+        cg = _cgroup_limit()
+        if cg is not None and total:
+            total = min(total, cg[0])
+    return total or _sysconf_total()
+
+
+def available_memory() -> int:
+    """Memory in bytes that could be used now without swapping.
+
+    Linux: ``MemAvailable`` from /proc/meminfo (capped by the cgroup v2 limit minus usage).
+    macOS: free + inactive + speculative pages from ``vm_stat``.
+    """
+    avail = 0
+    if sys.platform == "darwin":
+        try:
+            avail = _vm_stat_available()
+        except (OSError, ValueError, subprocess.SubprocessError):
+            avail = 0
+    elif sys.platform.startswith("linux"):
+        try:
+            info = _meminfo()
+            avail = info.get("MemAvailable") or (info.get("MemFree", 0) + info.get("Cached", 0))
+        except OSError:
+            avail = 0
+        cg = _cgroup_limit()
+        if cg is not None and avail:
+            avail = min(avail, max(0, cg[0] - cg[1]))
+    if not avail:
+        avail = total_memory() // 2
+    return avail
+
+
+def memory_budget(settings: "Settings") -> int:
+    """Bytes this node offers: ``settings.memory_budget`` if set, else fraction x available memory."""
+    if settings.memory_budget is not None:
+        return int(settings.memory_budget)
+    return int(settings.memory_fraction * available_memory())
+
+
+_compute_lock = threading.Lock()
+_compute_cache: float | None = None
+
+
+def compute_figure() -> float:
+    """Matrix-multiply throughput of this machine's default MLX device in GFLOP/s.
+
+    A quick estimate (well under 0.3 s, once per process; cached in memory): float32 square matmuls,
+    grown from 256 until one takes a few milliseconds, best of a few timed runs. Only the ratios
+    between nodes matter (the planner weighs stages with it). Returns 1.0 if MLX is unusable.
+    """
+    global _compute_cache
+    with _compute_lock:
+        if _compute_cache is None:
+            try:
+                _compute_cache = _measure_matmul()
+            except Exception as exc:  # pragma: no cover - only when MLX is broken
+                log.warning("could not measure compute speed (%s); assuming 1 GFLOP/s", exc)
+                _compute_cache = 1.0
+        return _compute_cache
+
+
+def _measure_matmul(budget_s: float = 0.2) -> float:
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    deadline = start + budget_s
+    key = mx.random.key(0)
+    n = 256
+    best = 0.0
+    while True:
+        a = mx.random.normal((n, n), dtype=mx.float32, key=key)
+        b = mx.random.normal((n, n), dtype=mx.float32, key=key)
+        mx.eval(a, b)
+        mx.eval(a @ b)  # warm-up
+        took = None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            mx.eval(a @ b)
+            dt = time.perf_counter() - t0
+            took = dt if took is None else min(took, dt)
+            if time.perf_counter() > deadline:
+                break
+        best = max(best, 2.0 * n**3 / max(took, 1e-9) / 1e9)
+        # Small matmuls on a fast GPU measure launch overhead: grow until one takes a few ms.
+        if took >= 0.003 or n >= 2048 or time.perf_counter() + 40 * took > deadline:
+            break
+        n *= 2
+    return round(best, 3)
