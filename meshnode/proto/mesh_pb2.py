@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0bmeshnode.v1\"\xdb\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x11\n\thttp_port\x18\x03 \x01(\r\x12\x11\n\tgrpc_port\x18\x04 \x01(\r\x12\x15\n\rmemory_budget\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_memory\x18\x06 \x01(\x04\x12\x0f\n\x07\x63ompute\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x12\n\ncluster_id\x18\t \x01(\t\x12\x0e\n\x06models\x18\n \x03(\t\x12\x12\n\nstarted_at\x18\x0b \x01(\x01\">\n\x05Stage\x12\x13\n\x0bstart_layer\x18\x01 \x01(\r\x12\x11\n\tend_layer\x18\x02 \x01(\r\x12\r\n\x05nodes\x18\x03 \x03(\t\"\x94\x01\n\x04Plan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\"\n\x06stages\x18\x04 \x03(\x0b\x32\x12.meshnode.v1.Stage\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x06 \x01(\t\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\"\x8b\x01\n\x10HeartbeatRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\"\xaf\x01\n\x0eHeartbeatReply\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12$\n\x05known\x18\x06 \x03(\x0b\x32\x15.meshnode.v1.NodeInfo\">\n\x0cInstallReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x1a\n\x07Goodbye\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x05\n\x03\x41\x63k\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\"\n\x05input\x18\x05 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"3\n\x0c\x46orwardReply\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06prompt\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x03\"\x1e\n\rGenerateReply\x12\r\n\x05token\x18\x01 \x01(\r2\xc8\x02\n\x04Mesh\x12G\n\tHeartbeat\x12\x1d.meshnode.v1.HeartbeatRequest\x1a\x1b.meshnode.v1.HeartbeatReply\x12\x37\n\x07Install\x12\x11.meshnode.v1.Plan\x1a\x19.meshnode.v1.InstallReply\x12/\n\x05Leave\x12\x14.meshnode.v1.Goodbye\x1a\x10.meshnode.v1.Ack\x12\x45\n\x07\x46orward\x12\x1b.meshnode.v1.ForwardRequest\x1a\x19.meshnode.v1.ForwardReply(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.meshnode.v1.GenerateRequest\x1a\x1a.meshnode.v1.GenerateReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0bmeshnode.v1\"\xdb\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x11\n\thttp_port\x18\x03 \x01(\r\x12\x11\n\tgrpc_port\x18\x04 \x01(\r\x12\x15\n\rmemory_budget\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_memory\x18\x06 \x01(\x04\x12\x0f\n\x07\x63ompute\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x12\n\ncluster_id\x18\t \x01(\t\x12\x0e\n\x06models\x18\n \x03(\t\x12\x12\n\nstarted_at\x18\x0b \x01(\x01\">\n\x05Stage\x12\x13\n\x0bstart_layer\x18\x01 \x01(\r\x12\x11\n\tend_layer\x18\x02 \x01(\r\x12\r\n\x05nodes\x18\x03 \x03(\t\"\x94\x01\n\x04Plan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\"\n\x06stages\x18\x04 \x03(\x0b\x32\x12.meshnode.v1.Stage\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x06 \x01(\t\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\"\xb4\x01\n\x10HeartbeatRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12\x13\n\x0bready_epoch\x18\x06 \x01(\x04\x12\x12\n\nplan_error\x18\x07 \x01(\t\"\xd8\x01\n\x0eHeartbeatReply\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12$\n\x05known\x18\x06 \x03(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0bready_epoch\x18\x07 \x01(\x04\x12\x12\n\nplan_error\x18\x08 \x01(\t\">\n\x0cInstallReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x1a\n\x07Goodbye\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x05\n\x03\x41\x63k\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\"\n\x05input\x18\x05 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"3\n\x0c\x46orwardReply\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06prompt\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x03\"\x1e\n\rGenerateReply\x12\r\n\x05token\x18\x01 \x01(\r2\xc8\x02\n\x04Mesh\x12G\n\tHeartbeat\x12\x1d.meshnode.v1.HeartbeatRequest\x1a\x1b.meshnode.v1.HeartbeatReply\x12\x37\n\x07Install\x12\x11.meshnode.v1.Plan\x1a\x19.meshnode.v1.InstallReply\x12/\n\x05Leave\x12\x14.meshnode.v1.Goodbye\x1a\x10.meshnode.v1.Ack\x12\x45\n\x07\x46orward\x12\x1b.meshnode.v1.ForwardRequest\x1a\x19.meshnode.v1.ForwardReply(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.meshnode.v1.GenerateRequest\x1a\x1a.meshnode.v1.GenerateReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,25 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLAN']._serialized_start=314
   _globals['_PLAN']._serialized_end=462
   _globals['_HEARTBEATREQUEST']._serialized_start=465
-  _globals['_HEARTBEATREQUEST']._serialized_end=604
-  _globals['_HEARTBEATREPLY']._serialized_start=607
-  _globals['_HEARTBEATREPLY']._serialized_end=782
-  _globals['_INSTALLREPLY']._serialized_start=784
-  _globals['_INSTALLREPLY']._serialized_end=846
-  _globals['_GOODBYE']._serialized_start=848
-  _globals['_GOODBYE']._serialized_end=874
-  _globals['_ACK']._serialized_start=876
-  _globals['_ACK']._serialized_end=881
-  _globals['_TENSOR']._serialized_start=883
-  _globals['_TENSOR']._serialized_end=935
-  _globals['_FORWARDREQUEST']._serialized_start=937
-  _globals['_FORWARDREQUEST']._serialized_end=1064
-  _globals['_FORWARDREPLY']._serialized_start=1066
-  _globals['_FORWARDREPLY']._serialized_end=1117
-  _globals['_GENERATEREQUEST']._serialized_start=1120
-  _globals['_GENERATEREQUEST']._serialized_end=1276
-  _globals['_GENERATEREPLY']._serialized_start=1278
-  _globals['_GENERATEREPLY']._serialized_end=1308
-  _globals['_MESH']._serialized_start=1311
-  _globals['_MESH']._serialized_end=1639
+  _globals['_HEARTBEATREQUEST']._serialized_end=645
+  _globals['_HEARTBEATREPLY']._serialized_start=648
+  _globals['_HEARTBEATREPLY']._serialized_end=864
+  _globals['_INSTALLREPLY']._serialized_start=866
+  _globals['_INSTALLREPLY']._serialized_end=928
+  _globals['_GOODBYE']._serialized_start=930
+  _globals['_GOODBYE']._serialized_end=956
+  _globals['_ACK']._serialized_start=958
+  _globals['_ACK']._serialized_end=963
+  _globals['_TENSOR']._serialized_start=965
+  _globals['_TENSOR']._serialized_end=1017
+  _globals['_FORWARDREQUEST']._serialized_start=1019
+  _globals['_FORWARDREQUEST']._serialized_end=1146
+  _globals['_FORWARDREPLY']._serialized_start=1148
+  _globals['_FORWARDREPLY']._serialized_end=1199
+  _globals['_GENERATEREQUEST']._serialized_start=1202
+  _globals['_GENERATEREQUEST']._serialized_end=1358
+  _globals['_GENERATEREPLY']._serialized_start=1360
+  _globals['_GENERATEREPLY']._serialized_end=1390
+  _globals['_MESH']._serialized_start=1393
+  _globals['_MESH']._serialized_end=1721
 # @@protoc_insertion_point(module_scope)

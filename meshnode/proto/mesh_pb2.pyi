@@ -61,34 +61,42 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., model: _Optional[str] = ..., strategy: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., reason: _Optional[str] = ..., coordinator: _Optional[str] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node", "coordinator", "epoch", "alive", "plan")
+    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "ready_epoch", "plan_error")
     NODE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    READY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ERROR_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     coordinator: str
     epoch: int
     alive: _containers.RepeatedScalarFieldContainer[str]
     plan: Plan
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+    ready_epoch: int
+    plan_error: str
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "known")
+    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "known", "ready_epoch", "plan_error")
     NODE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    READY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ERROR_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     coordinator: str
     epoch: int
     alive: _containers.RepeatedScalarFieldContainer[str]
     plan: Plan
     known: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., known: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    ready_epoch: int
+    plan_error: str
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., known: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ...) -> None: ...
 
 class InstallReply(_message.Message):
     __slots__ = ("accepted", "error", "epoch")

@@ -1,0 +1,199 @@
+"""The pipeline's data plane over gRPC.
+
+Server side (:class:`StageServer`): a ``Forward`` stream is one request's use of one stage.
+Its first message names the request, the epoch and the layer range; the stage opens a KV
+cache for it, and every message after that is one activation in, one activation out.
+Everything received is validated against the plan before an array is built.
+
+Client side (:class:`RemoteStage`): the head node's generation thread calls ``forward`` on a
+remote stage synchronously; the call runs on the node's asyncio loop over a long-lived
+stream, with a deadline on every hop so a hung peer can never hang the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+import mlx.core as mx
+import numpy as np
+
+from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+
+if TYPE_CHECKING:
+    from meshnode.data.shard import Shard
+    from meshnode.generation import TokenScheduler
+
+log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+class StageError(RuntimeError):
+    """A remote stage failed, refused, or did not answer in time."""
+
+
+class StageRefused(StageError):
+    """The stage said no (stale epoch, not loaded): retrying on a new plan may help."""
+
+
+def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> mx.array:
+    arr = from_tensor(tensor, dtypes=("int32",), expect=(1, None))
+    if arr.shape[1] > max_chunk:
+        raise WireError(f"{arr.shape[1]} tokens in one message (limit {max_chunk})")
+    ids = np.frombuffer(tensor.data, dtype="<i4")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
+    return arr
+
+
+class StageServer:
+    """Serves ``Forward`` streams for the shards this node holds in the current plan."""
+
+    def __init__(self, scheduler: "TokenScheduler", *, vocab_size: int, max_chunk: int, max_context: int):
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.max_chunk = max_chunk
+        self.max_context = max_context
+        self.epoch = 0
+        self.shards: dict[tuple[int, int], "Shard"] = {}
+
+    def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
+        self.epoch, self.shards = epoch, dict(shards)
+
+    def _input(self, shard: "Shard", tensor: mesh_pb2.Tensor) -> mx.array:
+        if shard.spec.is_first:
+            return _check_tokens(tensor, self.vocab_size, self.max_chunk)
+        arr = from_tensor(tensor, dtypes=(_DTYPE_NAMES[shard.dtype],), expect=(1, None, shard.hidden_size))
+        if arr.shape[1] > self.max_chunk:
+            raise WireError(f"{arr.shape[1]} positions in one message (limit {self.max_chunk})")
+        return arr
+
+    async def forward(
+        self, requests: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.ForwardReply]:
+        first = True
+        shard = cache = None
+        seen = 0
+        try:
+            async for msg in requests:
+                if first:
+                    first = False
+                    key = (msg.start_layer, msg.end_layer)
+                    if msg.epoch != self.epoch:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                            f"epoch {msg.epoch} is not the current epoch {self.epoch}")
+                    shard = self.shards.get(key)
+                    if shard is None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            f"layers [{key[0]}, {key[1]}) are not loaded here")
+                    cache = shard.make_cache()
+                try:
+                    x = self._input(shard, msg.input)
+                except WireError as exc:
+                    log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", exc)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                seen += x.shape[1]
+                if seen > self.max_context:
+                    await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                        f"request exceeds the context of {self.max_context} tokens")
+
+                def run(x=x):
+                    out = shard.forward(x, cache)
+                    mx.eval(out)
+                    return out
+
+                out = await self.scheduler.call(run)
+                yield mesh_pb2.ForwardReply(output=to_tensor(out))
+        finally:
+            cache = None
+
+
+class RemoteSession:
+    """One request's stream to one remote stage, driven from the generation thread."""
+
+    def __init__(self, stage: "RemoteStage", request_id: str):
+        self._stage = stage
+        self._request_id = request_id
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def _forward(self, x: mx.array) -> mx.array:
+        st = self._stage
+        msg = mesh_pb2.ForwardRequest(input=to_tensor(x))
+        if self._call is None:
+            self._call = st.stub.Forward(timeout=st.request_timeout)
+            msg.request_id, msg.epoch = self._request_id, st.epoch
+            msg.start_layer, msg.end_layer = st.start, st.end
+        try:
+            await self._call.write(msg)
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _stage_error(st, exc) from None
+        if reply is grpc.aio.EOF:
+            code = await self._call.code()
+            details = await self._call.details()
+            raise _stage_error(st, None, code, details)
+        try:
+            return from_tensor(reply.output, dtypes=(st.dtype_name,), expect=(1, x.shape[1], st.hidden_size))
+        except WireError as exc:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
+
+    def forward(self, x: mx.array) -> mx.array:
+        if x.dtype == mx.uint32:
+            x = x.astype(mx.int32)
+        st = self._stage
+        future = asyncio.run_coroutine_threadsafe(self._forward(x), st.loop)
+        try:
+            return future.result(timeout=st.hop_timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise StageError(
+                f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {st.hop_timeout:.1f} s"
+            ) from None
+
+    def close(self) -> None:
+        if self._call is not None:
+            call, self._call = self._call, None
+            self._stage.loop.call_soon_threadsafe(call.cancel)
+
+
+def _stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
+    code = exc.code() if exc is not None else code
+    details = exc.details() if exc is not None else details
+    kind = StageRefused if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) else StageError
+    return kind(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name if code else '?'}: {details}")
+
+
+class RemoteStage:
+    """A stage held by a peer, as the generation thread sees it."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        channel: grpc.aio.Channel,
+        loop: asyncio.AbstractEventLoop,
+        start: int,
+        end: int,
+        epoch: int,
+        hidden_size: int,
+        dtype: mx.Dtype,
+        hop_timeout: float,
+        request_timeout: float = 3600.0,
+    ):
+        self.node_id = node_id
+        self.stub = mesh_pb2_grpc.MeshStub(channel)
+        self.loop = loop
+        self.start, self.end, self.epoch = start, end, epoch
+        self.hidden_size = hidden_size
+        self.dtype_name = _DTYPE_NAMES[dtype]
+        self.hop_timeout = hop_timeout
+        self.request_timeout = request_timeout
+
+    def open(self, request_id: str) -> RemoteSession:
+        return RemoteSession(self, request_id)

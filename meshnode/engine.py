@@ -1,0 +1,90 @@
+"""Turns a stream of token ids into the text a client sees.
+
+The engine owns what is per-request on the serving node: the streaming detokenizer, EOS,
+stop strings and max_tokens. Where the token ids come from is a :class:`TokenSource`: the
+local pipeline, or (in a mesh) the node that holds the model's head. Keeping the text here
+means a generation that moves to another placement mid-way still reads as one stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from meshnode.generation import SamplingParams
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of generated text; the last one has ``finish_reason`` set."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+
+
+class TokenSource(Protocol):
+    def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]: ...
+
+
+class Engine:
+    def __init__(
+        self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int
+    ):
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.source = source
+        self.max_context = max_context
+
+    async def stream(
+        self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = ()
+    ) -> AsyncIterator[Delta]:
+        detokenizer = self.tokenizer.detokenizer
+        eos = self.tokenizer.eos_token_ids
+        stops = [s for s in stop if s]
+        hold = max((len(s) for s in stops), default=1) - 1
+        text, emitted, count = "", 0, 0
+        finish = "length"
+
+        def cut() -> tuple[str, bool]:
+            """Text that is safe to emit now, and whether a stop string ended the output."""
+            nonlocal emitted
+            if stops:
+                window = max(0, emitted - hold)
+                hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
+                if hits:
+                    end = min(hits)
+                    out, emitted = text[emitted:end], max(emitted, end)
+                    return out, True
+            safe = len(text) - hold if stops else len(text)
+            if safe <= emitted:
+                return "", False
+            out, emitted = text[emitted:safe], safe
+            return out, False
+
+        async for token in self.source.tokens(prompt, params):
+            if token in eos:
+                finish = "stop"
+                break
+            count += 1
+            detokenizer.add_token(token)
+            text += detokenizer.last_segment
+            piece, stopped = cut()
+            if stopped:
+                yield Delta(piece, count, "stop")
+                return
+            if piece:
+                yield Delta(piece, count)
+            if count >= params.max_tokens:
+                break
+        detokenizer.finalize()
+        text += detokenizer.last_segment
+        piece, stopped = cut()
+        if stopped:
+            yield Delta(piece, count, "stop")
+            return
+        yield Delta(text[emitted:], count, finish)
