@@ -1,0 +1,102 @@
+"""Generations that survive the loss of a stage.
+
+:class:`FailoverSource` is the token source the API's engine uses in a mesh. It asks the node for
+the current plan's placement (the local pipeline on the head, or the head over gRPC) and relays
+its tokens. When that fails mid-way (a stage died, hung, or the head vanished), it waits for the
+mesh to publish and load a new plan, then replays the prompt plus every token already produced
+on the new placement (prefill rebuilds the KV caches) and carries on. The client sees one
+stream: no token missing, none repeated; with greedy decoding the output is identical to a run
+without the fault. Attempts are bounded and logged; waiting for the new plan uses tenacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_delay, wait_fixed
+
+from meshnode.generation import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class PlacementLost(RuntimeError):
+    """The placement serving a generation failed; a new plan may carry it on."""
+
+
+class NotReady(RuntimeError):
+    """No placement newer than the failed one is ready yet."""
+
+
+class Placement(Protocol):
+    epoch: int
+
+    def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]: ...
+
+
+class FailoverSource:
+    """Token source that replays a generation onto a new plan when its placement fails.
+
+    ``current(after_epoch)`` returns the placement to use now; with ``after_epoch`` set it must
+    raise :class:`NotReady` until a plan with a higher epoch is ready (and may raise any other
+    error to give up at once, e.g. when the model no longer fits).
+    """
+
+    def __init__(
+        self,
+        current: Callable[[int | None], Placement],
+        *,
+        attempts: int = 4,
+        deadline: float = 30.0,
+        poll: float = 0.05,
+        retryable: tuple[type[BaseException], ...] = (PlacementLost,),
+    ):
+        self._current = current
+        self._attempts = attempts
+        self._deadline = deadline
+        self._poll = poll
+        self._retryable = retryable
+
+    async def _next_placement(self, after_epoch: int, until: float) -> Placement:
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(max(0.0, until - time.monotonic())),
+            wait=wait_fixed(self._poll),
+            retry=retry_if_exception_type(NotReady),
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return self._current(after_epoch)
+        except RetryError:
+            raise PlacementLost(f"no new plan was ready within {self._deadline:.0f} s of losing epoch "
+                                f"{after_epoch}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+        produced: list[int] = []
+        until = time.monotonic() + self._deadline
+        placement = self._current(None)
+        for attempt in range(1, self._attempts + 1):
+            try:
+                left = params.max_tokens - len(produced)
+                if left <= 0:
+                    return
+                async for token in placement.tokens([*prompt, *produced], replace(params, max_tokens=left)):
+                    produced.append(token)
+                    yield token
+                return
+            except self._retryable as exc:
+                lost = placement.epoch
+                if attempt == self._attempts or time.monotonic() >= until:
+                    log.error("generation failed for good on epoch %d after %d tokens (%d attempts): %s",
+                              lost, len(produced), attempt, exc)
+                    raise
+                log.warning("generation lost epoch %d after %d tokens: %s; waiting for a new plan (retry %d/%d)",
+                            lost, len(produced), exc, attempt, self._attempts - 1)
+                placement = await self._next_placement(lost, until)
+                log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt, len(prompt),
+                         len(produced), placement.epoch)
