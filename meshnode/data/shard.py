@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_config, load_model
+from mlx_lm.utils import load_model
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,9 @@ class Shard:
 
     def __init__(self, model_path: str | Path, start: int, end: int):
         model_path = Path(model_path)
-        config = load_config(model_path)
         model, config = load_model(model_path, lazy=True, strict=True)
-        layers = model.layers
+        inner = _inner(model)
+        layers = inner.layers  # the list itself: model.layers may be a copy (pipeline_layers)
         num_layers = len(layers)
         if not (0 <= start < end <= num_layers):
             raise ValueError(f"invalid layer range [{start}, {end}) for a {num_layers}-layer model")
@@ -169,7 +169,6 @@ class Shard:
                 f"got {len(self._cache_template)} for {num_layers} layers"
             )
 
-        inner = _inner(model)
         embed = inner.embed_tokens
         tied = not hasattr(model, "lm_head") or bool(config.get("tie_word_embeddings", False))
         self.hidden_size = int(embed.weight.shape[-1]) if hasattr(embed, "weight") else None
