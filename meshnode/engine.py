@@ -87,4 +87,4 @@ class Engine:
         if stopped:
             yield Delta(piece, count, "stop")
             return
-        yield Delta(text[emitted:], count, finish)
+        yield Delta(piece + text[emitted:], count, finish)  # the tail held back for stop strings

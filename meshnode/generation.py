@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from meshnode.data.shard import Shard
 
@@ -132,20 +132,23 @@ class PipelineModel:
             self.state.close()
 
 
-def seeded(sampler: Callable[[mx.array], mx.array], seed: int) -> Callable[[mx.array], mx.array]:
-    """A sampler with its own random stream, so concurrent requests don't share one."""
-    key = [mx.random.key(seed)]
+def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler; with a seed, the same filtering drawn from the request's own key.
+
+    MLX's random state is global, so concurrent requests would share one stream; a seeded
+    request instead splits its own key per token and is reproducible whatever else runs.
+    """
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(temp=params.temperature, top_p=params.top_p)
+    key = mx.random.key(params.seed)
+    top_p, inv_temp = params.top_p, 1.0 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
-        saved = mx.random.state[0]
-        mx.random.state[0] = key[0]
-        try:
-            out = sampler(logprobs)
-            mx.eval(out)
-        finally:
-            key[0] = mx.random.state[0]
-            mx.random.state[0] = saved
-        return out
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return sample
 
@@ -158,9 +161,7 @@ def generate_tokens(
     prefill_step_size: int = 512,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end."""
-    sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-    if params.seed is not None and params.temperature > 0:
-        sampler = seeded(sampler, params.seed)
+    sampler = make_request_sampler(params)
     try:
         for token, _ in generate_step(
             mx.array(list(prompt), dtype=mx.uint32),

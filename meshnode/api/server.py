@@ -66,7 +66,8 @@ async def errors_middleware(request: web.Request, handler):
         if exc.status == 413:
             limit = request.app[SETTINGS].max_body_bytes
             message = f"request body too large (limit {limit} bytes)"
-        return _error_response(ApiError(exc.status, message, type=kind, headers=dict(exc.headers)))
+        keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return _error_response(ApiError(exc.status, message, type=kind, headers=keep))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

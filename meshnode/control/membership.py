@@ -1,0 +1,85 @@
+"""Which peers are alive: heartbeats in, a timeout-based failure detector out.
+
+A peer is alive while we heard from it (its heartbeat to us, or its reply to ours) within
+``failure_timeout``. An mDNS removal is only a hint: the peer is dropped when heartbeats stop,
+or at once when it says goodbye. Pure bookkeeping; the clock is injected for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshnode.control.discovery import NodeInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    info: NodeInfo
+    target: str  # "host:port" we reach its gRPC server at
+    last_seen: float = float("-inf")
+    coordinator: str = ""
+    epoch: int = 0
+    alive_view: frozenset[str] = field(default_factory=frozenset)
+    ready_epoch: int = 0  # the plan epoch whose shard the peer has loaded
+    plan_error: str = ""
+
+
+class Membership:
+    def __init__(self, me: NodeInfo, *, failure_timeout: float, clock: Callable[[], float] = time.monotonic):
+        self.me = me
+        self.failure_timeout = failure_timeout
+        self.clock = clock
+        self.peers: dict[str, Peer] = {}
+        self._alive: set[str] = set()
+
+    def add_target(self, info: NodeInfo, target: str) -> None:
+        """A peer we learned of (mDNS, gossip): heartbeat it, but it is not alive until it answers."""
+        if info.node_id == self.me.node_id:
+            return
+        peer = self.peers.get(info.node_id)
+        if peer is None:
+            self.peers[info.node_id] = Peer(info=info, target=target)
+        else:
+            peer.info, peer.target = info, target
+
+    def observe(self, info: NodeInfo, *, target: str, coordinator: str, epoch: int,
+                alive_view: frozenset[str] = frozenset()) -> None:
+        """We heard from a peer directly."""
+        if info.node_id == self.me.node_id:
+            return
+        peer = self.peers.get(info.node_id)
+        if peer is None:
+            peer = self.peers[info.node_id] = Peer(info=info, target=target)
+        peer.info, peer.target = info, target
+        peer.last_seen = self.clock()
+        peer.coordinator, peer.epoch, peer.alive_view = coordinator, epoch, alive_view
+
+    def goodbye(self, node_id: str) -> None:
+        peer = self.peers.get(node_id)
+        if peer is not None:
+            peer.last_seen = float("-inf")
+
+    def forget(self, node_id: str) -> None:
+        self.peers.pop(node_id, None)
+
+    def refresh(self) -> tuple[set[str], set[str]]:
+        """Re-evaluate liveness; returns (joined, left) since the last call."""
+        now = self.clock()
+        alive = {nid for nid, p in self.peers.items() if now - p.last_seen <= self.failure_timeout}
+        joined, left = alive - self._alive, self._alive - alive
+        self._alive = alive
+        return joined, left
+
+    def alive_peers(self) -> dict[str, Peer]:
+        return {nid: self.peers[nid] for nid in self._alive if nid in self.peers}
+
+    def alive_infos(self) -> dict[str, NodeInfo]:
+        """Alive nodes including this one."""
+        out = {nid: p.info for nid, p in self.alive_peers().items()}
+        out[self.me.node_id] = self.me
+        return out

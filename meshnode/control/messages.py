@@ -1,0 +1,73 @@
+"""Conversions between the control plane's dataclasses and protos/mesh.proto messages."""
+
+from __future__ import annotations
+
+from meshnode.control.discovery import NodeInfo
+from meshnode.control.planner import Plan, Stage
+from meshnode.proto import mesh_pb2
+
+MAX_ID_LEN = 128
+
+
+def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
+    return mesh_pb2.NodeInfo(
+        node_id=info.node_id,
+        addresses=list(info.addresses),
+        http_port=info.http_port,
+        grpc_port=info.grpc_port,
+        memory_budget=info.memory_budget,
+        total_memory=info.total_memory,
+        compute=info.compute,
+        version=info.version,
+        cluster_id=info.cluster_id,
+        models=list(info.models),
+        started_at=info.started_at,
+    )
+
+
+def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
+    if not msg.node_id or len(msg.node_id) > MAX_ID_LEN:
+        raise ValueError("node info without a valid node id")
+    if not (0 < msg.grpc_port < 65536) or msg.http_port >= 65536:
+        raise ValueError(f"node {msg.node_id!r} announces invalid ports")
+    return NodeInfo(
+        node_id=msg.node_id,
+        addresses=tuple(msg.addresses),
+        http_port=msg.http_port,
+        grpc_port=msg.grpc_port,
+        memory_budget=msg.memory_budget,
+        total_memory=msg.total_memory,
+        compute=msg.compute,
+        version=msg.version,
+        cluster_id=msg.cluster_id,
+        models=tuple(msg.models),
+        started_at=msg.started_at,
+    )
+
+
+def plan_to_pb(plan: Plan, coordinator: str) -> mesh_pb2.Plan:
+    return mesh_pb2.Plan(
+        epoch=plan.epoch,
+        model=plan.model,
+        strategy=plan.strategy,
+        stages=[mesh_pb2.Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=list(s.nodes))
+                for s in plan.stages],
+        reason=plan.reason,
+        coordinator=coordinator,
+        max_context=plan.max_context,
+    )
+
+
+def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
+    """Decode and check a plan: stages must tile [0, num_layers) with one node each."""
+    stages = tuple(Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=tuple(s.nodes), bytes=0)
+                   for s in msg.stages)
+    edge = 0
+    for s in stages:
+        if s.start_layer != edge or s.end_layer <= s.start_layer or not s.nodes:
+            raise ValueError(f"plan epoch {msg.epoch}: stages do not tile the model's layers")
+        edge = s.end_layer
+    if edge != num_layers:
+        raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")
+    return Plan(model=msg.model, strategy=msg.strategy, stages=stages, epoch=msg.epoch,
+                reason=msg.reason, max_context=msg.max_context)

@@ -1,0 +1,673 @@
+"""One running meshnode: model, scheduler, gRPC and HTTP servers, and the control plane.
+
+Every node runs the same loop. It learns of peers (mDNS, static ``--peer`` addresses, and
+gossip in heartbeat replies), heartbeats them, and keeps the set of live nodes. The oldest
+live node coordinates: it plans (pure planner over the nodes' memory budgets) and publishes
+each new plan with a higher epoch. Every node loads the shard the plan gives it and reports
+the epoch it is ready for; the node holding the model's last layers (the head) runs each
+generation, calling the other stages over gRPC. Any node serves HTTP: the head generates
+locally, the others ask the head for tokens.
+
+``run_node`` is what ``meshnode run`` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from aiohttp import web
+from mlx_lm.utils import load_config, load_tokenizer
+
+from meshnode import __version__
+from meshnode.api.server import ApiSettings, make_app
+from meshnode.api.validation import ApiError, Limits
+from meshnode.config import Settings
+from meshnode.control.discovery import Discovery, NodeInfo
+from meshnode.control.election import Candidate, choose_coordinator, next_epoch
+from meshnode.control.membership import Membership
+from meshnode.control.messages import node_from_pb, node_to_pb, plan_from_pb, plan_to_pb
+from meshnode.control.planner import NodeSpec, Plan, PlanError, plan as make_plan
+from meshnode.data.profile import ModelProfile, profile_model
+from meshnode.data.shard import Shard
+from meshnode.data.stage import RemoteStage, StageError, StageServer
+from meshnode.engine import Engine
+from meshnode.generation import LocalStage, PipelineSource, SamplingParams, TokenScheduler, new_request_id
+from meshnode.identity import cluster_id as derive_cluster_id
+from meshnode.identity import load_or_create_node_id
+from meshnode.modelsource import resolve_model
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.resilience import FailoverSource, NotReady, PlacementLost
+from meshnode import sysinfo
+
+log = logging.getLogger(__name__)
+
+MAX_GRPC_MESSAGE = 64 * 2**20
+
+
+def _unavailable(message: str, retry_after: int = 2, code: str = "mesh_unavailable") -> ApiError:
+    return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
+def _local_addresses() -> tuple[str, ...]:
+    """This host's IPv4 addresses other than loopback (what peers can reach us at)."""
+    import ifaddr  # zeroconf's own dependency
+
+    addrs = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
+             if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
+    if not addrs:
+        try:
+            addrs = [socket.gethostbyname(socket.gethostname())]
+        except OSError:
+            addrs = ["127.0.0.1"]
+    return tuple(addrs)
+
+
+class HeadPlacement:
+    """This node is the head of the plan: generate here, calling the other stages over gRPC."""
+
+    def __init__(self, node: "Node", plan: Plan):
+        self.epoch = plan.epoch
+        self._source = PipelineSource(node.scheduler, lambda: node.stage_handles(plan),
+                                      prefill_step_size=node.settings.prefill_step_size)
+
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+        try:
+            async for token in self._source.tokens(prompt, params):
+                yield token
+        except StageError as exc:
+            raise PlacementLost(str(exc)) from None
+
+
+class RemoteHeadPlacement:
+    """Another node is the head: ask it for tokens over a gRPC Generate stream."""
+
+    def __init__(self, node: "Node", plan: Plan):
+        self.node, self.epoch = node, plan.epoch
+        self.head = plan.stages[-1].nodes[0]
+
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+        node = self.node
+        stub = mesh_pb2_grpc.MeshStub(node.channel_to(self.head))
+        request = mesh_pb2.GenerateRequest(
+            request_id=new_request_id(node.node_id), epoch=self.epoch, prompt=list(prompt),
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            has_seed=params.seed is not None, seed=params.seed or 0,
+        )
+        call = stub.Generate(request)
+        # Every wait on the head has a deadline: the prompt's prefill first, then one token's time.
+        timeout = node.prefill_timeout(len(prompt))
+        try:
+            while True:
+                reply = await asyncio.wait_for(call.read(), timeout=timeout)
+                if reply is grpc.aio.EOF:
+                    code = await call.code()
+                    if code != grpc.StatusCode.OK:
+                        raise PlacementLost(f"head {self.head}: {code.name}: {await call.details()}")
+                    return
+                timeout = node.settings.failure_timeout
+                yield reply.token
+        except grpc.aio.AioRpcError as exc:
+            raise PlacementLost(f"head {self.head}: {exc.code().name}: {exc.details()}") from None
+        except asyncio.TimeoutError:
+            raise PlacementLost(f"head {self.head} did not answer within {timeout:.1f} s") from None
+        finally:
+            call.cancel()
+
+
+class MeshServicer(mesh_pb2_grpc.MeshServicer):
+    def __init__(self, node: "Node"):
+        self.node = node
+
+    async def Heartbeat(self, request, context):
+        return await self.node.on_heartbeat(request, context)
+
+    async def Install(self, request, context):
+        return self.node.on_install(request)
+
+    async def Leave(self, request, context):
+        self.node.on_goodbye(request.node_id)
+        return mesh_pb2.Ack()
+
+    def Forward(self, request_iterator, context):
+        return self.node.stage_server.forward(request_iterator, context)
+
+    async def Generate(self, request, context):
+        async for reply in self.node.on_generate(request, context):
+            yield reply
+
+
+class Backend:
+    """What the HTTP API asks of the node."""
+
+    def __init__(self, node: "Node"):
+        self.node = node
+
+    def engine(self) -> Engine:
+        return self.node.engine_for_request()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        ok = self.node.serving_ready()
+        return ok, {"status": "ok" if ok else "unavailable", "node_id": self.node.node_id, "version": __version__,
+                    "epoch": self.node.epoch}
+
+    def mesh_status(self) -> dict[str, Any]:
+        return self.node.status()
+
+
+class Node:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.started_at = time.time()
+        state_dir = settings.resolved_state_dir()
+        self.node_id = load_or_create_node_id(state_dir, settings.node_id)
+        self.cluster_id = derive_cluster_id(settings.cluster_key)
+        self.memory_budget = sysinfo.memory_budget(settings)
+        self.scheduler = TokenScheduler()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # Model (filled by load_model)
+        self.model_id: str | None = None
+        self.model_path = None
+        self.profile: ModelProfile | None = None
+        self.tokenizer = None
+        self.vocab_size = 0
+        # Control plane state
+        self.me: NodeInfo | None = None
+        self.membership: Membership | None = None
+        self.discovery: Discovery | None = None
+        self.coordinator: str | None = None
+        self.plan: Plan | None = None
+        self.plan_coordinator = ""
+        self._dropped_epoch = 0  # epoch of a plan withdrawn for lack of capacity
+        self.plan_error = ""
+        self.max_epoch_seen = 0
+        self.ready_epoch = 0
+        self._planned_for: frozenset[str] = frozenset()
+        self.shards: dict[tuple[int, int], Shard] = {}
+        self._apply_task: asyncio.Task | None = None
+        self._placements: dict[int, Any] = {}
+        self.engine: Engine | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._static_targets = list(settings.peers)
+        self._tasks: list[asyncio.Task] = []
+        self.stage_server: StageServer | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self.http_port = settings.http_port
+        self.grpc_port = settings.grpc_port
+        self.events: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self._load_model_metadata()
+        self.stage_server = StageServer(self.scheduler, vocab_size=self.vocab_size,
+                                        max_chunk=self.settings.prefill_step_size,
+                                        max_context=self.settings.max_context)
+        await self._start_grpc()
+        await self._start_http()
+        self.me = NodeInfo(
+            node_id=self.node_id, addresses=_local_addresses(), http_port=self.http_port, grpc_port=self.grpc_port,
+            memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
+            compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
+            cluster_id=self.cluster_id, models=(self.model_id,), started_at=self.started_at,
+        )
+        self.membership = Membership(self.me, failure_timeout=self.settings.failure_timeout)
+        if self.settings.mdns:
+            self.discovery = Discovery(self.me, on_change=self._on_discovery)
+            await self.discovery.start()
+        self._tasks.append(asyncio.create_task(self._control_loop(), name="meshnode-control"))
+        log.info("node %s up: HTTP :%d, gRPC :%d, budget %.2f GiB, cluster %s", self.node_id, self.http_port,
+                 self.grpc_port, self.memory_budget / 2**30, self.cluster_id)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.membership is not None:
+            await asyncio.gather(*(self._say_goodbye(p.target) for p in self.membership.alive_peers().values()),
+                                 return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self._http is not None:
+            await self._http.cleanup()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        for channel in self._channels.values():
+            await channel.close()
+        self.scheduler.stop()
+
+    async def _load_model_metadata(self) -> None:
+        cache_dir = self.settings.resolved_cache_dir()
+        self.model_id, self.model_path = await asyncio.to_thread(resolve_model, self.settings.model, cache_dir)
+        self.profile = await asyncio.to_thread(profile_model, self.model_path, self.model_id)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
+        source = FailoverSource(self.placement, deadline=self.settings.failover_deadline)
+        self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
+                             vocab_size=self.vocab_size)
+
+    async def _start_grpc(self) -> None:
+        options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                   ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
+        self._grpc = grpc.aio.server(options=options)
+        mesh_pb2_grpc.add_MeshServicer_to_server(MeshServicer(self), self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
+        if not self.grpc_port:
+            raise OSError(f"cannot listen for gRPC on {self.settings.host}:{self.settings.grpc_port}")
+        await self._grpc.start()
+
+    async def _start_http(self) -> None:
+        s = self.settings
+        api = ApiSettings(
+            limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
+            max_body_bytes=s.max_body_bytes, max_concurrent_requests=s.max_concurrent_requests, api_key=s.api_key,
+        )
+        self._http = web.AppRunner(make_app(Backend(self), api), access_log=None, shutdown_timeout=2.0)
+        await self._http.setup()
+        site = web.TCPSite(self._http, s.host, s.http_port)
+        await site.start()
+        self.http_port = self._http.addresses[0][1]
+
+    # ------------------------------------------------------------------ peers
+    def channel_to(self, node_id_or_target: str) -> grpc.aio.Channel:
+        target = node_id_or_target
+        peer = self.membership.peers.get(node_id_or_target) if self.membership else None
+        if peer is not None:
+            target = peer.target
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(target, options=[
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+            ])
+            self._channels[target] = channel
+        return channel
+
+    def _on_discovery(self, node_id: str, info: NodeInfo | None) -> None:
+        if info is None:
+            log.info("mDNS says %s left; waiting for heartbeats to confirm", node_id)
+            return
+        if info.cluster_id != self.cluster_id or node_id == self.node_id:
+            return
+        self.membership.add_target(info, f"{info.addresses[0]}:{info.grpc_port}")
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"time": time.time(), "event": kind, **fields})
+        del self.events[:-100]
+
+    def _heartbeat_msg(self) -> mesh_pb2.HeartbeatRequest:
+        msg = mesh_pb2.HeartbeatRequest(
+            node=node_to_pb(self.me), coordinator=self.coordinator or "", epoch=self.epoch,
+            alive=sorted(self.membership.alive_infos()), ready_epoch=self.ready_epoch, plan_error=self.plan_error,
+        )
+        if self.plan is not None:
+            msg.plan.CopyFrom(plan_to_pb(self.plan, self.plan_coordinator))
+        return msg
+
+    async def _heartbeat(self, target: str) -> None:
+        stub = mesh_pb2_grpc.MeshStub(self.channel_to(target))
+        try:
+            reply = await stub.Heartbeat(self._heartbeat_msg(), timeout=self.settings.failure_timeout / 2)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                log.warning("peer at %s refused us: %s", target, exc.details())
+            return
+        try:
+            info = node_from_pb(reply.node)
+        except ValueError as exc:
+            log.warning("ignoring a bad heartbeat reply from %s: %s", target, exc)
+            return
+        if info.cluster_id != self.cluster_id:
+            log.warning("peer at %s belongs to another cluster; ignoring it", target)
+            return
+        self._observe(info, target, reply)
+        for known in reply.known:
+            try:
+                k = node_from_pb(known)
+            except ValueError:
+                continue
+            if k.cluster_id == self.cluster_id and k.node_id != self.node_id and k.node_id not in self.membership.peers:
+                self.membership.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
+
+    def _observe(self, info: NodeInfo, target: str, msg) -> None:
+        self.membership.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
+                                alive_view=frozenset(msg.alive))
+        peer = self.membership.peers[info.node_id]
+        peer.ready_epoch = msg.ready_epoch
+        peer.plan_error = msg.plan_error
+        self.max_epoch_seen = max(self.max_epoch_seen, msg.epoch)
+        if msg.HasField("plan") and msg.plan.epoch > self.epoch:
+            self._adopt_pb(msg.plan, source=info.node_id)
+
+    async def on_heartbeat(self, request: mesh_pb2.HeartbeatRequest, context) -> mesh_pb2.HeartbeatReply:
+        try:
+            info = node_from_pb(request.node)
+        except ValueError as exc:
+            log.warning("refused a malformed heartbeat from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if info.cluster_id != self.cluster_id:
+            log.warning("refused a heartbeat from %s (%s): other cluster", info.node_id, context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this cluster")
+        if self.membership is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
+        target = f"{info.addresses[0]}:{info.grpc_port}" if info.addresses else _peer_host(context, info.grpc_port)
+        if info.node_id == self.node_id:
+            if info.started_at != self.started_at:
+                log.error("two nodes use node id %s (the other at %s); give one a different --node-id",
+                          info.node_id, target)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"node id {info.node_id} is already in use")
+        self._observe(info, target, request)
+        reply = mesh_pb2.HeartbeatReply(
+            node=node_to_pb(self.me), coordinator=self.coordinator or "", epoch=self.epoch,
+            alive=sorted(self.membership.alive_infos()), ready_epoch=self.ready_epoch, plan_error=self.plan_error,
+            known=[node_to_pb(p.info) for p in self.membership.alive_peers().values()],
+        )
+        if self.plan is not None:
+            reply.plan.CopyFrom(plan_to_pb(self.plan, self.plan_coordinator))
+        return reply
+
+    def on_goodbye(self, node_id: str) -> None:
+        if self.membership is not None and node_id in self.membership.peers:
+            log.info("%s said goodbye", node_id)
+            self.membership.goodbye(node_id)
+
+    async def _say_goodbye(self, target: str) -> None:
+        stub = mesh_pb2_grpc.MeshStub(self.channel_to(target))
+        await stub.Leave(mesh_pb2.Goodbye(node_id=self.node_id), timeout=1.0)
+
+    # ------------------------------------------------------------------ control loop
+    async def _control_loop(self) -> None:
+        interval = self.settings.heartbeat_interval
+        while True:
+            targets = {p.target for p in self.membership.peers.values()}
+            known_targets = targets | set(self._static_targets)
+            await asyncio.gather(*(self._heartbeat(t) for t in known_targets), return_exceptions=True)
+            try:
+                self._tick()
+            except Exception:
+                log.exception("control loop tick failed")
+            await asyncio.sleep(interval)
+
+    def _tick(self) -> None:
+        joined, left = self.membership.refresh()
+        for nid in sorted(joined):
+            log.info("peer %s joined (epoch %d)", nid, self.epoch)
+            self._event("join", node_id=nid)
+        for nid in sorted(left):
+            log.warning("peer %s is gone (no heartbeat for %.1f s; epoch %d)", nid, self.settings.failure_timeout,
+                        self.epoch)
+            self._event("leave", node_id=nid)
+        alive = self.membership.alive_infos()
+        coordinator = choose_coordinator(Candidate(n.node_id, n.started_at) for n in alive.values())
+        if coordinator != self.coordinator:
+            log.info("coordinator is now %s (was %s)", coordinator, self.coordinator)
+            self._event("coordinator", node_id=coordinator)
+            self.coordinator = coordinator
+        if coordinator == self.node_id:
+            self._coordinate(alive)
+
+    def _coordinate(self, alive: dict[str, NodeInfo]) -> None:
+        members = frozenset(alive)
+        plan_ok = self.plan is not None and set(self.plan.node_ids()) <= members
+        if plan_ok and members == self._planned_for:
+            return
+        nodes = [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute) for n in alive.values()]
+        preferred = tuple(self.plan.node_ids()) if self.plan is not None else ()
+        try:
+            desired = make_plan(self.profile, nodes, max_context=self.settings.max_context, preferred=preferred)
+        except PlanError as exc:
+            if self.plan_error != str(exc):
+                log.error("no plan fits (epoch %d): %s", self.epoch, exc)
+                self._event("no-plan", reason=str(exc))
+            self.plan_error = str(exc)
+            self._planned_for = members
+            if self.plan is not None and not plan_ok:
+                self._drop_plan()
+            return
+        self.plan_error = ""
+        self._planned_for = members
+        if plan_ok and _same_layout(desired, self.plan):
+            return
+        epoch = next_epoch(self.max_epoch_seen, self.epoch)
+        desired = desired.with_epoch(epoch)
+        log.info("publishing plan epoch %d: %s (%s)", epoch, _describe(desired), desired.reason)
+        self._adopt(desired, coordinator=self.node_id, source="self")
+        msg = plan_to_pb(desired, self.node_id)
+        for peer in self.membership.alive_peers().values():
+            asyncio.create_task(self._install(peer.target, msg))
+
+    async def _install(self, target: str, msg: mesh_pb2.Plan) -> None:
+        stub = mesh_pb2_grpc.MeshStub(self.channel_to(target))
+        try:
+            reply = await stub.Install(msg, timeout=self.settings.failure_timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.info("installing epoch %d at %s failed (%s); heartbeats will carry it", msg.epoch, target,
+                     exc.code().name)
+            return
+        if not reply.accepted:
+            log.info("%s refused epoch %d: %s", target, msg.epoch, reply.error)
+            self.max_epoch_seen = max(self.max_epoch_seen, reply.epoch)
+
+    def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
+        if msg.epoch <= self.epoch:
+            log.info("refused plan epoch %d from %s: current epoch is %d", msg.epoch, msg.coordinator, self.epoch)
+            return mesh_pb2.InstallReply(accepted=False, error=f"stale epoch (current {self.epoch})", epoch=self.epoch)
+        try:
+            self._adopt_pb(msg, source=msg.coordinator)
+        except ValueError as exc:
+            return mesh_pb2.InstallReply(accepted=False, error=str(exc), epoch=self.epoch)
+        return mesh_pb2.InstallReply(accepted=True, epoch=self.epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch if self.plan is not None else self._dropped_epoch
+
+    def _adopt_pb(self, msg: mesh_pb2.Plan, source: str) -> None:
+        try:
+            plan = plan_from_pb(msg, self.profile.num_layers)
+        except ValueError as exc:
+            log.warning("ignoring an invalid plan from %s: %s", source, exc)
+            raise
+        if plan.model != self.model_id:
+            raise ValueError(f"plan is for model {plan.model!r}; this node serves {self.model_id!r}")
+        self._adopt(plan, coordinator=msg.coordinator, source=source)
+
+    def _adopt(self, plan: Plan, *, coordinator: str, source: str) -> None:
+        if plan.epoch <= self.epoch:
+            return
+        self.plan = plan
+        self.plan_coordinator = coordinator
+        self.plan_error = ""
+        self.max_epoch_seen = max(self.max_epoch_seen, plan.epoch)
+        self._placements.clear()
+        log.info("epoch %d adopted (from %s): %s", plan.epoch, source, _describe(plan))
+        self._event("plan", epoch=plan.epoch, stages=_describe(plan))
+        if self._apply_task is not None:
+            self._apply_task.cancel()
+        self._apply_task = asyncio.create_task(self._apply(plan))
+
+    def _drop_plan(self) -> None:
+        self._dropped_epoch = self.epoch
+        log.warning("epoch %d withdrawn: %s", self.epoch, self.plan_error)
+        self.plan = None
+        self._placements.clear()
+
+    async def _apply(self, plan: Plan) -> None:
+        """Load this node's shard for the plan (make before break), then serve it."""
+        mine = [(s.start_layer, s.end_layer) for s in plan.stages if self.node_id in s.nodes]
+        wanted = {}
+        for key in mine:
+            shard = self.shards.get(key)
+            if shard is None:
+                log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
+                t0 = time.monotonic()
+                shard = await self.scheduler.call(lambda k=key: Shard(self.model_path, k[0], k[1]))
+                log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
+            wanted[key] = shard
+        if self.plan is not plan:
+            return
+        self.shards = wanted
+        self.stage_server.serve(plan.epoch, wanted)
+        self.ready_epoch = plan.epoch
+        log.info("ready for epoch %d", plan.epoch)
+
+    # ------------------------------------------------------------------ serving
+    def prefill_timeout(self, tokens: int) -> float:
+        return self.settings.failure_timeout + 0.05 * tokens
+
+    def head(self) -> str | None:
+        return self.plan.stages[-1].nodes[0] if self.plan is not None else None
+
+    def serving_ready(self) -> bool:
+        plan = self.plan
+        if plan is None:
+            return False
+        for node_id in plan.node_ids():
+            if node_id == self.node_id:
+                if self.ready_epoch != plan.epoch:
+                    return False
+            else:
+                peer = self.membership.peers.get(node_id)
+                if peer is None or peer.ready_epoch != plan.epoch:
+                    return False
+        return True
+
+    def engine_for_request(self) -> Engine:
+        """The engine, after checking that the current plan can serve (else a 503)."""
+        self.placement(None)
+        return self.engine
+
+    def placement(self, after_epoch: int | None):
+        """The placement of the current plan; with ``after_epoch``, only a newer, ready one."""
+        plan = self.plan
+        waiting = after_epoch is not None
+        if plan is None:
+            if self.plan_error:
+                raise _unavailable(f"the model does not fit on the nodes available: {self.plan_error}", 5,
+                                   "insufficient_capacity")
+            if waiting:
+                raise NotReady("no plan yet")
+            raise _unavailable("the mesh is still forming; no plan yet")
+        if waiting and plan.epoch <= after_epoch:
+            raise NotReady(f"still on epoch {plan.epoch}")
+        if not self.serving_ready():
+            if waiting:
+                raise NotReady(f"epoch {plan.epoch} is loading")
+            raise _unavailable(f"loading the model's shards for epoch {plan.epoch}")
+        placement = self._placements.get(plan.epoch)
+        if placement is None:
+            kind = HeadPlacement if self.head() == self.node_id else RemoteHeadPlacement
+            placement = self._placements[plan.epoch] = kind(self, plan)
+        return placement
+
+    def stage_handles(self, plan: Plan):
+        handles = []
+        for stage in plan.stages:
+            node_id = stage.nodes[0]
+            key = (stage.start_layer, stage.end_layer)
+            if node_id == self.node_id:
+                shard = self.shards.get(key)
+                if shard is None:
+                    raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
+                handles.append(LocalStage(shard))
+            else:
+                handles.append(RemoteStage(
+                    node_id=node_id, channel=self.channel_to(node_id), loop=self.loop,
+                    start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
+                    hidden_size=self.profile.hidden_size, dtype=self._activation_dtype(),
+                    hop_timeout=self.settings.failure_timeout,
+                ))
+        return handles
+
+    def _activation_dtype(self):
+        shard = next(iter(self.shards.values()))
+        return shard.dtype
+
+    async def on_generate(self, request: mesh_pb2.GenerateRequest, context):
+        if request.epoch != self.epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"epoch {request.epoch} is not the current epoch {self.epoch}")
+        if self.head() != self.node_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
+        prompt = list(request.prompt)
+        if not prompt or len(prompt) >= self.settings.max_context or max(prompt) >= self.vocab_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty, too long or out of vocabulary")
+        if not (1 <= request.max_tokens <= self.settings.max_tokens_limit) or not (0 <= request.temperature <= 2) \
+                or not (0 < request.top_p <= 1):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
+        if not self.serving_ready():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"epoch {self.epoch} is not ready here")
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                top_p=request.top_p, seed=request.seed if request.has_seed else None)
+        try:
+            async for token in self.placement(None).tokens(prompt, params):
+                yield mesh_pb2.GenerateReply(token=token)
+        except PlacementLost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        nodes = []
+        if self.membership is not None:
+            for nid, info in sorted(self.membership.alive_infos().items()):
+                nodes.append({
+                    "node_id": nid, "address": info.addresses[0] if info.addresses else "",
+                    "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
+                    "memory_budget": info.memory_budget, "total_memory": info.total_memory,
+                    "compute": info.compute, "version": info.version,
+                    "role": "coordinator" if nid == self.coordinator else "member",
+                })
+        plan = None
+        if self.plan is not None:
+            plan = {"epoch": self.plan.epoch, "model": self.plan.model, "strategy": self.plan.strategy,
+                    "reason": self.plan.reason, "max_context": self.plan.max_context,
+                    "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes)}
+                               for s in self.plan.stages]}
+        return {
+            "node_id": self.node_id, "version": __version__, "model": self.model_id,
+            "coordinator": self.coordinator, "epoch": self.epoch, "ready_epoch": self.ready_epoch,
+            "healthy": self.serving_ready(), "plan_error": self.plan_error or None,
+            "nodes": nodes, "plan": plan, "events": self.events[-20:],
+        }
+
+
+def _peer_host(context, port: int) -> str:
+    peer = context.peer()  # "ipv4:1.2.3.4:5678"
+    host = peer.split(":")[1] if peer.startswith("ipv4:") else "127.0.0.1"
+    return f"{host}:{port}"
+
+
+def _same_layout(a: Plan, b: Plan) -> bool:
+    return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in a.stages] == \
+           [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in b.stages]
+
+
+def _describe(plan: Plan) -> str:
+    return ", ".join(f"[{s.start_layer},{s.end_layer})@{'+'.join(s.nodes)}" for s in plan.stages)
+
+
+async def serve(settings: Settings) -> None:
+    node = Node(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await node.start()
+        await stop.wait()
+    finally:
+        log.info("stopping: saying goodbye to peers")
+        await node.stop()
+
+
+def run_node(settings: Settings) -> int:
+    asyncio.run(serve(settings))
+    return 0

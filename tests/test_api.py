@@ -1,0 +1,210 @@
+"""The OpenAI-compatible API of one real node: answers equal mlx_lm.generate; bad input gets a 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import pytest
+from mlx_lm import generate as mlx_generate
+from mlx_lm import load as mlx_load
+from openai import OpenAI
+
+from meshnode.modelbuild import build_model
+from tests.helpers import running_node
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("api") / "llama", "llama", num_layers=4, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def node(model_path, tmp_path_factory):
+    with running_node(model_path, tmp_path_factory.mktemp("node"), max_context=512, max_body_bytes=64 * 1024,
+                      max_concurrent_requests=3) as (node, base):
+        yield node, base
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    model, tokenizer = mlx_load(str(model_path))
+
+    def ref(messages=MESSAGES, max_tokens=20, prompt=None):
+        if prompt is None:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return mlx_generate(model, tokenizer, prompt=prompt, max_tokens=max_tokens)
+
+    return ref
+
+
+def client(base):
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_health(node):
+    n, base = node
+    c = client(base)
+    assert [m.id for m in c.models.list().data] == [n.model_id]
+
+
+def test_chat_matches_mlx_lm(node, reference):
+    n, base = node
+    out = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=20, temperature=0)
+    assert out.choices[0].message.content == reference()
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens <= 20 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_chat_stream_matches_mlx_lm(node, reference):
+    n, base = node
+    stream = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=20,
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert text == reference()
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_completions_match_mlx_lm(node, reference):
+    n, base = node
+    c = client(base)
+    out = c.completions.create(model=n.model_id, prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert out.choices[0].text == reference(prompt="Once upon a time", max_tokens=16)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=n.model_id, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True) if ch.choices)
+    assert streamed == out.choices[0].text
+
+
+async def test_raw_sse_format(node):
+    n, base = node
+    async with aiohttp.ClientSession() as s:
+        body = {"model": n.model_id, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "stream": True}
+        async with s.post(f"{base}/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_stop_strings(node, reference):
+    n, base = node
+    full = reference(max_tokens=30)
+    cut = full[len(full) // 2: len(full) // 2 + 2]
+    if not cut.strip():
+        pytest.skip("no usable stop string in this output")
+    out = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=30, temperature=0,
+                                               stop=[cut])
+    assert out.choices[0].message.content == full[: full.index(cut)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(node):
+    n, base = node
+    c = client(base)
+    kw = dict(model=n.model_id, messages=MESSAGES, max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    assert c.chat.completions.create(**kw).choices[0].message.content == \
+        c.chat.completions.create(**kw).choices[0].message.content
+
+
+def test_concurrent_requests_each_correct(node, reference):
+    n, base = node
+    want = reference()
+    c = client(base)
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda _: c.chat.completions.create(
+            model=n.model_id, messages=MESSAGES, max_tokens=20, temperature=0).choices[0].message.content, range(3)))
+    assert outs == [want] * 3
+
+
+async def test_client_disconnect_stops_generation(node):
+    n, base = node
+    async with aiohttp.ClientSession() as s:
+        body = {"model": n.model_id, "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True}
+        async with s.post(f"{base}/v1/completions", json=body) as r:
+            await r.content.readline()
+            assert n.scheduler.active == 1
+    deadline = time.monotonic() + 10
+    while n.scheduler.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert n.scheduler.active == 0
+
+
+BAD = [
+    ("not json", 400),
+    (json.dumps([1, 2]), 400),
+    (json.dumps({"messages": MESSAGES}), 400),  # no model
+    (json.dumps({"model": "MODEL", "messages": []}), 400),
+    (json.dumps({"model": "MODEL", "messages": "hi"}), 400),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}), 400),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": 5}]}), 400),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user"}]}), 400),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": -1}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": 10**9}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": "ten"}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "temperature": 3}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "temperature": -0.5}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "top_p": 0}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "stream": "yes"}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "stop": [1, 2]}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "n": 3}), 400),
+    (json.dumps({"model": "no-such-model", "messages": MESSAGES}), 404),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "word " * 2000}]}), 400),
+    (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": 500}), 400),  # prompt + 500 > 512
+]
+
+
+@pytest.mark.parametrize("body,status", BAD)
+async def test_bad_chat_input(node, body, status):
+    n, base = node
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{base}/v1/chat/completions", data=body.replace("MODEL", n.model_id),
+                          headers={"Content-Type": "application/json"}) as r:
+            assert r.status == status, await r.text()
+            err = (await r.json())["error"]
+            assert err["message"] and err["type"]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": ""}, {"prompt": 5}, {"prompt": [1, -3]}, {"prompt": [10**9]}, {"prompt": None},
+])
+async def test_bad_completion_input(node, body):
+    n, base = node
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{base}/v1/completions", json={"model": n.model_id, **body}) as r:
+            assert r.status == 400, await r.text()
+
+
+async def test_body_too_large_and_unknown_route(node):
+    n, base = node
+    async with aiohttp.ClientSession() as s:
+        big = {"model": n.model_id, "messages": [{"role": "user", "content": "x" * 100_000}]}
+        async with s.post(f"{base}/v1/chat/completions", json=big) as r:
+            assert r.status == 413
+            assert "too large" in (await r.json())["error"]["message"]
+        async with s.get(f"{base}/v1/nothing") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]
+        async with s.get(f"{base}/v1/chat/completions") as r:
+            assert r.status == 405
+    # and the node still serves
+    out = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=3, temperature=0)
+    assert out.choices[0].message.content is not None
