@@ -136,8 +136,9 @@ class MeshServicer(mesh_pb2_grpc.MeshServicer):
         self.node.on_goodbye(request.node_id)
         return mesh_pb2.Ack()
 
-    def Forward(self, request_iterator, context):
-        return self.node.stage_server.forward(request_iterator, context)
+    async def Forward(self, request_iterator, context):
+        async for reply in self.node.stage_server.forward(request_iterator, context):
+            yield reply
 
     async def Generate(self, request, context):
         async for reply in self.node.on_generate(request, context):

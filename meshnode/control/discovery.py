@@ -134,7 +134,7 @@ class Discovery:
             log.debug("ignoring %s: another cluster", node.node_id)
             return
         if node.node_id == self.me.node_id:
-            if name != self._info.name or node.started_at != self.me.started_at:
+            if name != self._info.name or not set(node.addresses) <= set(self.me.addresses):
                 if node.node_id not in self.duplicates:
                     log.error("two nodes use node id %s (the other at %s); give one a different --node-id",
                               node.node_id, ",".join(node.addresses))

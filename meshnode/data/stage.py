@@ -93,23 +93,24 @@ class StageServer:
                         await context.abort(grpc.StatusCode.UNAVAILABLE,
                                             f"layers [{key[0]}, {key[1]}) are not loaded here")
                     cache = shard.make_cache()
-                try:
-                    x = self._input(shard, msg.input)
-                except WireError as exc:
-                    log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", exc)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                seen += x.shape[1]
+                positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
+                seen += positions
                 if seen > self.max_context:
                     await context.abort(grpc.StatusCode.OUT_OF_RANGE,
                                         f"request exceeds the context of {self.max_context} tokens")
 
-                def run(x=x):
-                    out = shard.forward(x, cache)
+                def run(tensor=msg.input):
+                    # Arrays live on the MLX thread: decode, run and encode there.
+                    out = shard.forward(self._input(shard, tensor), cache)
                     mx.eval(out)
-                    return out
+                    return to_tensor(out)
 
-                out = await self.scheduler.call(run)
-                yield mesh_pb2.ForwardReply(output=to_tensor(out))
+                try:
+                    output = await self.scheduler.call(run)
+                except WireError as exc:
+                    log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", exc)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                yield mesh_pb2.ForwardReply(output=output)
         finally:
             cache = None
 
@@ -122,9 +123,9 @@ class RemoteSession:
         self._request_id = request_id
         self._call: grpc.aio.StreamStreamCall | None = None
 
-    async def _forward(self, x: mx.array) -> mx.array:
+    async def _forward(self, tensor: mesh_pb2.Tensor) -> mesh_pb2.Tensor:
         st = self._stage
-        msg = mesh_pb2.ForwardRequest(input=to_tensor(x))
+        msg = mesh_pb2.ForwardRequest(input=tensor)
         if self._call is None:
             self._call = st.stub.Forward(timeout=st.request_timeout)
             msg.request_id, msg.epoch = self._request_id, st.epoch
@@ -138,23 +139,27 @@ class RemoteSession:
             code = await self._call.code()
             details = await self._call.details()
             raise _stage_error(st, None, code, details)
-        try:
-            return from_tensor(reply.output, dtypes=(st.dtype_name,), expect=(1, x.shape[1], st.hidden_size))
-        except WireError as exc:
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
+        return reply.output
 
     def forward(self, x: mx.array) -> mx.array:
+        """Called on the MLX thread: arrays are encoded and decoded here, the I/O runs on the loop."""
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         st = self._stage
-        future = asyncio.run_coroutine_threadsafe(self._forward(x), st.loop)
+        positions = x.shape[1]
+        future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x)), st.loop)
+        timeout = st.hop_timeout + st.prefill_allowance * positions
         try:
-            return future.result(timeout=st.hop_timeout)
+            reply = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise StageError(
-                f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {st.hop_timeout:.1f} s"
+                f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {timeout:.1f} s"
             ) from None
+        try:
+            return from_tensor(reply, dtypes=(st.dtype_name,), expect=(1, positions, st.hidden_size))
+        except WireError as exc:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
 
     def close(self) -> None:
         if self._call is not None:
@@ -184,6 +189,7 @@ class RemoteStage:
         hidden_size: int,
         dtype: mx.Dtype,
         hop_timeout: float,
+        prefill_allowance: float = 0.05,
         request_timeout: float = 3600.0,
     ):
         self.node_id = node_id
@@ -193,6 +199,7 @@ class RemoteStage:
         self.hidden_size = hidden_size
         self.dtype_name = _DTYPE_NAMES[dtype]
         self.hop_timeout = hop_timeout
+        self.prefill_allowance = prefill_allowance  # extra seconds per position in one message
         self.request_timeout = request_timeout
 
     def open(self, request_id: str) -> RemoteSession:
