@@ -60,10 +60,11 @@ class LocalSession:
         self._cache = shard.make_cache()
 
     def forward(self, x: mx.array) -> mx.array:
+        # Stays lazy: generate_step overlaps building the next step with evaluating this one.
+        # (A remote stage evaluates when it encodes the activation for the wire.)
         out = self._shard.forward(x, self._cache)
         if self._shard.spec.is_last:
             out = out[:, -1:, :]
-        mx.eval(out)
         return out
 
     def close(self) -> None:

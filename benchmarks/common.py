@@ -1,0 +1,106 @@
+"""Shared pieces of the benchmarks: the model, mlx-lm's own figure, and streaming from a node."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+# ~100M parameters in float32: llama, hidden 768, 16 layers, MLP 2048.
+BENCH_MODEL = dict(family="llama", num_layers=16, hidden_size=768, intermediate_size=2048, num_heads=12,
+                   num_kv_heads=4, dtype="float32")
+PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
+
+
+def bench_model_dir(root: Path) -> Path:
+    from meshnode.modelbuild import model_dir_for
+
+    kwargs = dict(BENCH_MODEL)
+    family = kwargs.pop("family")
+    return model_dir_for(root, family, **kwargs)
+
+
+def param_count(path: Path) -> int:
+    from meshnode.data.profile import profile_model
+
+    p = profile_model(path)
+    bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}.get(p.dtype, 4)
+    return (sum(p.layer_bytes) + p.embed_bytes + p.head_bytes + p.norm_bytes) // bytes_per
+
+
+def mlx_lm_decode_tps(path: Path, max_tokens: int, repeats: int = 3) -> float:
+    """Decode tokens/s of mlx_lm.stream_generate in this process (best of ``repeats``)."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    figures = []
+    for _ in range(repeats):
+        times = []
+        for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            times.append(time.perf_counter())
+        figures.append((len(times) - 1) / (times[-1] - times[0]))
+    return max(figures)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never became healthy")
+
+
+def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3) -> tuple[float, int]:
+    """Decode tokens/s seen by an HTTP streaming client (best of ``repeats``), and tokens streamed."""
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
+    figures, count = [], 0
+    for _ in range(repeats):
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        times = []
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+                    times.append(time.perf_counter())
+        count = len(times)
+        figures.append((len(times) - 1) / (times[-1] - times[0]))
+    return max(figures), count
+
+
+def start_node(args: list[str], env: dict | None = None, log: Path | None = None, prefix: list[str] = ()) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    return subprocess.Popen([*prefix, sys.executable, "-m", "meshnode.cli", "run", *args], stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def median(xs):
+    return statistics.median(xs)
