@@ -1,0 +1,119 @@
+"""Issue 2 benchmark: a 2-stage pipeline on two namespace hosts vs mlx_lm.stream_generate.
+
+Same ~100M-parameter float32 model, same prompt, same run. Two `meshnode run` processes on two
+network-namespace hosts (each offered 60 % of the model, so both are needed) and a client
+namespace that streams from the head. Prints:
+  - decode tokens/s of both and the ratio (target >= 0.95),
+  - added latency per hop in µs: (pipeline time per token - mlx-lm time per token) / hops,
+  - bytes on the wire per token per hop (from the veth counters, idle heartbeat traffic
+    subtracted), against the activation size (target <= activation + 256).
+Needs root (network namespaces).
+
+    sudo .venv/bin/python benchmarks/pipeline.py [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import BENCH_MODEL, bench_model_dir, mlx_lm_decode_tps, param_count  # noqa: E402
+from meshnode.data.profile import profile_model  # noqa: E402
+from tests.netns import netns_mesh  # noqa: E402
+
+HTTP, GRPC = 8470, 8471
+
+
+def in_ns(host, code: str, timeout: float = 600) -> dict:
+    out = host.run([sys.executable, "-c", code], timeout=timeout, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def counters(host) -> int:
+    stats = json.loads(host.run(["ip", "-s", "-j", "link", "show", host.dev]).stdout)[0]["stats64"]
+    return stats["rx"]["bytes"] + stats["tx"]["bytes"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
+    args = ap.parse_args()
+    path = bench_model_dir(args.cache)
+    profile = profile_model(path)
+    ctx = 1024
+    print(f"model: {path.name}, {param_count(path) / 1e6:.0f}M parameters, float32, "
+          f"hidden {BENCH_MODEL['hidden_size']}")
+    ref = mlx_lm_decode_tps(path, args.tokens)
+    print(f"mlx_lm.stream_generate (in process): {ref:.2f} tok/s")
+    budget = int(profile.total_bytes(ctx) * 0.6)
+    with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
+        a, b, client = mesh.hosts
+        for h in (a, b):
+            state = Path(tmp) / h.name
+            state.mkdir()
+            h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
+                     "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
+                     "--state-dir", str(state), "--max-context", str(ctx)],
+                    env={**os.environ, "PYTHONPATH": str(ROOT)}, log_path=state / "node.log")
+        probe = ("import json,time,urllib.request\n"
+                 "for _ in range(600):\n"
+                 "  try:\n"
+                 f"    v=json.load(urllib.request.urlopen('http://{a.ip}:{HTTP}/v1/mesh',timeout=2))\n"
+                 "    if v['healthy'] and len(v['plan']['stages'])==2: print(json.dumps(v)); break\n"
+                 "  except OSError: pass\n"
+                 "  time.sleep(0.2)\n")
+        view = in_ns(client, probe, timeout=180)
+        head_id = view["plan"]["stages"][-1]["nodes"][0]
+        head = a if head_id == a.name else b
+        other = b if head is a else a
+        print("plan:", ", ".join(f"layers {s['start_layer']}-{s['end_layer'] - 1} on {s['nodes'][0]}"
+                                 for s in view["plan"]["stages"]))
+        def stream(tokens: int, repeats: int = 3) -> dict:
+            return in_ns(client, f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+                                 "from benchmarks.common import http_decode_tps\n"
+                                 f"tps,n=http_decode_tps('http://{head.ip}:{HTTP}', {path.name!r}, {tokens}, "
+                                 f"{repeats})\n"
+                                 "print(json.dumps({'tps':tps,'n':n}))")
+
+        def traffic(tokens: int) -> tuple[float, int]:
+            """Bytes through stage 0's link for one request, idle heartbeat traffic subtracted."""
+            before, t0 = counters(other), time.monotonic()
+            n = stream(tokens, repeats=1)["n"]
+            return counters(other) - before - idle_rate * (time.monotonic() - t0), n
+
+        stream(8, 1)  # warm-up (first-use kernel compilation on both hosts)
+        idle0, t0 = counters(other), time.monotonic()
+        time.sleep(3)
+        idle_rate = (counters(other) - idle0) / (time.monotonic() - t0)
+        result = stream(args.tokens)
+        # Decode-only bytes: the same prompt with two lengths; the difference is pure decode traffic.
+        short, n_short = traffic(16)
+        long, n_long = traffic(args.tokens)
+    tps, n = result["tps"], result["n"]
+    hops = 2  # per token: head -> stage 0 (token id), stage 0 -> head (activation)
+    added_us = (1 / tps - 1 / ref) / hops * 1e6
+    activation = BENCH_MODEL["hidden_size"] * 4
+    per_hop = (long - short) / (n_long - n_short) / hops
+    print(f"meshnode, 2 stages on 2 hosts:       {tps:.2f} tok/s ({n} tokens)")
+    print(f"ratio: {tps / ref:.3f} (target >= 0.95)")
+    print(f"added latency per hop: {added_us:.0f} µs (target <= 150)")
+    print(f"bytes on the wire per decoded token per hop (the two hops averaged, TCP/IP and ACKs included): "
+          f"{per_hop:.0f} (activation {activation} bytes; target <= {activation + 256})")
+    print(json.dumps({"mlx_lm_tps": ref, "pipeline_tps": tps, "ratio": tps / ref, "added_us_per_hop": added_us,
+                      "bytes_per_token_per_hop": per_hop, "activation_bytes": activation}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
