@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set everything up (a venv in .venv with meshnode and its test extra) and run the whole suite.
+# Multi-host tests need root (network namespaces); without root they are skipped with a reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+export TMPDIR=${TMPDIR:-/tmp}
+exec .venv/bin/python -m pytest -q -ra "$@"
