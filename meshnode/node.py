@@ -75,7 +75,9 @@ class HeadPlacement:
 
     def __init__(self, node: "Node", plan: Plan):
         self.epoch = plan.epoch
-        self._source = PipelineSource(node.scheduler, lambda: node.stage_handles(plan),
+        # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
+        handles = node.stage_handles(plan)
+        self._source = PipelineSource(node.scheduler, lambda: handles,
                                       prefill_step_size=node.settings.prefill_step_size)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
