@@ -1,19 +1,30 @@
 """Build real mlx-lm models offline: random weights from a fixed seed plus a locally trained tokenizer.
 
-No model hub is needed: the model classes are mlx-lm's own, the tokenizer is a byte-level BPE
-trained with ``tokenizers`` on a small built-in corpus and saved with transformers'
-``PreTrainedTokenizerFast``, and the weights are written with mlx-lm's ``save_model``. Builds
-are deterministic: the same arguments give byte-identical files on every machine (the demo
-model relies on that, since every node of a mesh must hold the same weights).
+No model hub is needed. The tokenizer is a byte-level BPE trained with ``tokenizers`` on a small
+built-in corpus and saved with transformers' ``PreTrainedTokenizerFast`` (with a chat template);
+the model is the family's own mlx-lm class, so loading, sharding and generation are exactly what a
+downloaded model would get. Builds are deterministic: the same arguments give byte-identical files
+(the demo model relies on that, since every node of a mesh must hold the same weights). The weight
+values come from an integer hash, not ``mx.random.normal``, so they are identical on every
+platform (see :func:`_init_weights`).
 
-About 100M parameters in float32: ``build_model(path, "llama", num_layers=12, hidden_size=768,
-intermediate_size=2048, num_heads=12, num_kv_heads=4)``.
+Sizes: ``vocab_size`` is the tokenizer's training target; the trained vocabulary is capped by the
+small corpus (a little over 1,000 tokens), and the model's vocab_size is always ``len(tokenizer)``.
+About 100M parameters in float32 (~400 MB)::
+
+    build_model(path, "llama", num_layers=16, hidden_size=768, intermediate_size=2048,
+                num_heads=12, num_kv_heads=4)
+
+Each such layer holds 6.29M parameters (attention 1.57M, MLP 4.72M), so 16 layers give 100.7M plus
+~1.6M for the embedding and head. Per layer in general: ``hidden * (2 * hidden + 2 * kv_heads *
+hidden // heads) + 3 * hidden * intermediate``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -22,6 +33,9 @@ from typing import Any
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3",
                              "phi3")
+
+# Changes whenever the same arguments would build different files; part of model_dir_for's cache key.
+BUILD_VERSION = 2
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
                   "<|endoftext|>"]  # the last: some tokenizer classes (qwen2) add it if missing
@@ -37,23 +51,62 @@ CHAT_TEMPLATE = (
 _CORPUS = """\
 The sea was calm that morning, and the lighthouse keeper climbed the stairs to watch the boats.
 Rivers run to the sea; the sea gives rain to the clouds, and the clouds give it back to the hills.
-A small machine can hold a small model. Three machines together can hold a larger one, if the
-network between them is fast enough to carry the activations from one stage to the next.
 Once upon a time there was a fox who lived at the edge of a forest. Every evening she walked to
 the river to drink, and every evening the heron told her a story about the mountains.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1024 2048 3.14159 2.71828. Dates: 2026-11-22, 12:30.
-Code: def add(a, b): return a + b. for i in range(10): print(i). {"key": "value", "list": [1, 2]}
+"Where are you going?" asked the old man. "To the market," said the girl, "to sell our apples."
+She smiled, picked up the basket, and walked down the road while the dog followed behind her.
+The train was late again. People checked their phones, looked at the clock, and sighed.
+In the library it was quiet; only the pages turned, and somewhere a pencil scratched on paper.
+A small machine can hold a small model. Three machines together can hold a larger one, if the
+network between them is fast enough to carry the activations from one stage to the next.
+Each node announces itself on the local network, measures its links, and joins the mesh.
+When a node leaves, the others agree on a new plan and carry on with the request in flight.
+The coordinator splits the layers so that every stage fits into the memory of its machine.
+Latency is the time one message takes; bandwidth is how much data can move in one second.
 Questions and answers. What is the capital of France? Paris. How many legs does a spider have?
 Eight. Why is the sky blue? Because air scatters blue light more than red light.
+What is two plus two? Four. Who wrote Hamlet? William Shakespeare. What is water made of?
+Hydrogen and oxygen. Which planet is the largest? Jupiter. How many days are in a week? Seven.
 Cooking: chop the onions, warm the oil, add garlic, stir for a minute, then add the tomatoes.
+Bake the bread at two hundred degrees for forty minutes, then let it cool on a wire rack.
 Weather: cloudy with a chance of rain in the afternoon, clearing by evening, light winds.
-Punctuation and symbols: ! ? , . ; : ' " ( ) [ ] { } < > / \\ | @ # $ % ^ & * - + = ~ `
-Unicode: café, naïve, Straße, ¿qué tal?, 東京, 北京, こんにちは, Привет, γειά σου, 🙂 🚀.
+Tomorrow will be sunny and warm, with a gentle breeze from the south and clear skies at night.
+Shopping list: milk, eggs, butter, flour, sugar, salt, pepper, rice, beans, lemons, coffee, tea.
+Dear Anna, thank you for your letter. We are all well here, and the garden is full of flowers.
+Please find attached the report for the third quarter. Let me know if you have any questions.
+Meeting notes: review the budget, plan the release, fix the login bug, and update the docs.
+History: the printing press spread books across Europe, and with them new ideas and old ones.
+Science: plants turn sunlight, water and carbon dioxide into sugar and oxygen by photosynthesis.
+Music: the orchestra tuned their instruments, the conductor raised her hands, and silence fell.
+Sports: the team scored twice in the second half and won the final in front of a happy crowd.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 42 64 100 128 256 512 1024 2048 4096 65536.
+Decimals and dates: 3.14159 2.71828 1.41421 0.5 -7 +3 1e-5 2026-11-22 12:30:45 $19.99 50% 3/4.
+Code: def add(a, b): return a + b. for i in range(10): print(i). if x > 0 and y < 1: pass.
+class Node: def __init__(self, name): self.name = name. import os, sys, json. return None.
+const total = items.reduce((sum, x) => sum + x, 0); fn main() { println!("hello"); }
+SELECT name, age FROM users WHERE age >= 18 ORDER BY name; git commit -m "fix: handle errors"
+JSON: {"key": "value", "list": [1, 2, 3], "nested": {"ok": true, "none": null}}.
+Paths and addresses: /usr/local/bin, ~/.cache/models, C:\\Users\\me, https://example.com/a?b=c#d.
+Punctuation and symbols: ! ? , . ; : ' " ( ) [ ] { } < > / \\ | @ # $ % ^ & * - + = ~ `_ ...
+Lists:
+- first item
+- second item
+  1. nested one
+  2. nested two
+Tabs\tand\tcolumns\there, and CAPITAL LETTERS, MixedCase words, and snake_case_names too.
+Unicode: café, naïve, résumé, Straße, ¿qué tal?, ça va, smørrebrød, Zürich, Kraków, São Paulo.
+东京, 北京, 你好世界, こんにちは, ありがとう, 안녕하세요, Привет, мир, γειά σου, שלום, مرحبا, नमस्ते.
+Emoji and symbols: 🙂 🚀 ❤️ 👍 🎉 ✓ ✗ → ← ↑ ↓ • € £ ¥ © ® ™ ° ± × ÷ ≤ ≥ ≠ ∞ π Σ √.
 """
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
-    """Train a byte-level BPE tokenizer, save it with a chat template; returns its length."""
+    """Train a byte-level BPE tokenizer and save it, with a chat template, into ``out_dir``.
+
+    Byte level: every byte has a token, so any Unicode text encodes and decodes losslessly. The
+    vocabulary is at least the 256 bytes plus :data:`SPECIAL_TOKENS`, at most what the corpus
+    yields. ``<|end|>`` (end of a chat turn) also counts as end of sequence. Returns its length.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,9 +125,9 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
         additional_special_tokens=SPECIAL_TOKENS[3:],
     )
     fast.chat_template = CHAT_TEMPLATE
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
-    # End of an assistant turn counts as end of sequence, as with real chat models.
     gen = {"bos_token_id": fast.bos_token_id, "eos_token_id": [fast.eos_token_id,
                                                                 fast.convert_tokens_to_ids("<|end|>")]}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
@@ -84,37 +137,123 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
 def _family_config(family: str, *, num_layers: int, hidden_size: int, intermediate_size: int, num_heads: int,
                    num_kv_heads: int, vocab_size: int, tie: bool | None, num_experts: int, experts_per_tok: int,
                    max_position_embeddings: int) -> dict[str, Any]:
+    """config.json for one family: its model_type and every field its ModelArgs needs."""
     head_dim = hidden_size // num_heads
-    base: dict[str, Any] = dict(
+    cfg: dict[str, Any] = dict(
         hidden_size=hidden_size, num_hidden_layers=num_layers, intermediate_size=intermediate_size,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, rms_norm_eps=1e-5,
         vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
+        model_type=family, tie_word_embeddings=bool(tie),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,  # SPECIAL_TOKENS order
     )
-    if family in ("llama", "mistral"):
-        cfg = dict(base, model_type=family, tie_word_embeddings=bool(tie) if tie is not None else False)
-    elif family == "qwen2":
-        cfg = dict(base, model_type="qwen2", tie_word_embeddings=True if tie is None else tie)
-    elif family == "qwen3":
-        cfg = dict(base, model_type="qwen3", head_dim=head_dim, tie_word_embeddings=True if tie is None else tie)
+    if family in ("qwen2", "qwen3"):  # small Qwen models tie their embeddings
+        cfg.update(tie_word_embeddings=True if tie is None else tie)
+        if family == "qwen3":
+            cfg.update(head_dim=head_dim)
     elif family == "qwen3_moe":
-        cfg = dict(base, model_type="qwen3_moe", head_dim=head_dim, num_experts=num_experts,
-                   num_experts_per_tok=experts_per_tok, decoder_sparse_step=1, mlp_only_layers=[],
-                   moe_intermediate_size=intermediate_size // 2, norm_topk_prob=True,
-                   tie_word_embeddings=False if tie is None else tie)
+        cfg.update(head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=experts_per_tok,
+                   decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=max(1, intermediate_size // 2),
+                   norm_topk_prob=True)
     elif family == "mixtral":
-        cfg = dict(base, model_type="mixtral", num_local_experts=num_experts, num_experts_per_tok=experts_per_tok,
-                   tie_word_embeddings=False if tie is None else tie)
-    elif family == "gemma2":
-        cfg = dict(base, model_type="gemma2", head_dim=head_dim, query_pre_attn_scalar=head_dim,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16)
-    elif family == "gemma3":
-        cfg = dict(base, model_type="gemma3_text", head_dim=head_dim, query_pre_attn_scalar=head_dim,
-                   sliding_window=16, sliding_window_pattern=3, rope_local_base_freq=10000.0)
-    elif family == "phi3":
-        cfg = dict(base, model_type="phi3", tie_word_embeddings=False if tie is None else tie)
-    else:
-        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+        cfg.update(num_local_experts=num_experts, num_experts_per_tok=experts_per_tok)
+    elif family == "gemma2":  # mlx-lm's gemma2 always ties; it has no sliding-window attention of its own
+        if tie is False:
+            raise ValueError("gemma2 always ties its embeddings in mlx-lm")
+        cfg.update(head_dim=head_dim, query_pre_attn_scalar=head_dim, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, sliding_window=16, tie_word_embeddings=True)
+    elif family == "gemma3":  # text-only Gemma 3; every third layer global, the rest a 16-token window
+        # (mlx-lm fails on fewer layers than the pattern)
+        cfg.update(model_type="gemma3_text", head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                   sliding_window=16, sliding_window_pattern=min(3, num_layers), rope_local_base_freq=10000.0)
     return cfg
+
+
+# Gains over the usual 1/sqrt(fan_in) init, by parameter-name suffix. With plain init a random model
+# settles into emitting one token forever (attention near uniform, the MLP nearly linear; with tied
+# embeddings, the head also echoes the residual stream). Sharper attention and a more nonlinear MLP
+# give varied greedy output in every family; a larger head gives logits with a standard deviation
+# of about 2, so ties are rare even in bfloat16. ("gate_up_proj" is phi3's fused gate and up.)
+_GAINS = (("gate_proj.weight", 3.0), ("up_proj.weight", 3.0), ("q_proj.weight", 2.0), ("k_proj.weight", 2.0),
+          ("lm_head.weight", 4.0))
+
+
+def _hash32(x):
+    """Wellons' lowbias32 integer hash, elementwise on uint32 (wrapping arithmetic, exact everywhere)."""
+    import mlx.core as mx
+
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, mx.uint32)
+    return x ^ (x >> 16)
+
+
+def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
+    """Uniform values in [-bound, bound), from (seed, name, position) alone.
+
+    Integer hashing, then exact float steps (a 24-bit integer scaled by a power of two, minus 1) and
+    one correctly rounded multiply: bit-identical on any CPU, unlike transcendental-based samplers.
+    """
+    import mlx.core as mx
+
+    salt = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    i = mx.arange(math.prod(shape), dtype=mx.uint32)
+    h = _hash32(_hash32(i ^ mx.array(salt & 0xFFFFFFFF, mx.uint32)) ^ mx.array(salt >> 32, mx.uint32))
+    u = (h >> 8).astype(mx.float32) * (2.0 ** -23) - 1.0
+    return (u * bound).reshape(shape)
+
+
+def _init_weights(model, seed: int) -> dict[str, Any]:
+    """Deterministic float32 values for every parameter of ``model``, in its own order.
+
+    Matrices: uniform with bound gain / sqrt(fan_in) (mlx's Linear init; embeddings get the same
+    standard deviation as mlx's normal init), biases likewise with their weight's fan-in; norm
+    scales keep the class's constant init (ones, or zeros for Gemma's 1 + w).
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    out = {}
+    with mx.stream(mx.cpu):
+        for name, p in params.items():
+            if not mx.issubdtype(p.dtype, mx.floating) or (p.ndim == 1 and not name.endswith("bias")):
+                out[name] = p
+                continue
+            if name.endswith("bias"):
+                fan_in = params[name[: -len("bias")] + "weight"].shape[-1]
+            else:
+                fan_in = p.shape[-1]
+            if "embed_tokens" in name:
+                bound = math.sqrt(3.0 / fan_in)
+            else:
+                bound = next((g for suffix, g in _GAINS if name.endswith(suffix)), 1.0) / math.sqrt(fan_in)
+            out[name] = _uniform(tuple(p.shape), seed, name, bound)
+            mx.eval(out[name])
+    return out
+
+
+def _save_weights(out_dir: Path, weights: dict, max_bytes: int) -> None:
+    """mlx-lm's save_model layout (shards, names, index) with any shard size, not whole gigabytes."""
+    import mlx.core as mx
+
+    shards: list[dict] = []
+    size = 0
+    for name, w in weights.items():
+        if not shards or size + w.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        mx.save_safetensors(str(out_dir / file), shard, metadata={"format": "mlx"})
+        weight_map.update({k: file for k in shard})
+    index = {"metadata": {"total_size": sum(w.nbytes for w in weights.values()),
+                          "total_parameters": sum(w.size for w in weights.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
 
 
 def build_model(
@@ -136,11 +275,21 @@ def build_model(
     max_file_size_mb: int | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a complete mlx-lm model directory (config, tokenizer, safetensors) and return it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.utils import _get_classes, save_config, save_model
+    """Write a complete mlx-lm model directory (config, tokenizer, safetensors) and return it.
 
+    ``family`` is one of :data:`FAMILIES`. ``intermediate_size`` defaults to twice the hidden size
+    (MoE families: each expert gets half of it). ``tie_word_embeddings=None`` takes the family's
+    usual choice (tied for qwen2, qwen3 and gemma2). ``max_file_size_mb`` splits the weights into
+    ``model-0000k-of-0000n.safetensors`` files. ``overrides`` go into config.json last. The
+    directory loads with ``mlx_lm.load``; the same arguments always give the same bytes.
+    """
+    import mlx.core as mx
+    from mlx_lm.utils import MAX_FILE_SIZE_GB, _get_classes, save_config
+
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
     out_dir = Path(out_dir)
     vocab = build_tokenizer(out_dir, vocab_size)
     config = _family_config(
@@ -149,71 +298,48 @@ def build_model(
         vocab_size=vocab, tie=tie_word_embeddings, num_experts=num_experts, experts_per_tok=experts_per_tok,
         max_position_embeddings=max_position_embeddings,
     )
-    config.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # SPECIAL_TOKENS order
     config.update(overrides)
     model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
+    mx.random.seed(seed)  # nothing random escapes the seed; the values themselves come from _init_weights
     model = model_class(args_class.from_dict(config))
-    # mlx-lm's default init makes logits nearly flat: widen the embedding and head so greedy output
-    # varies. (A tied head echoes the input embedding whatever its scale; tests of tied families
-    # therefore compare logits bit for bit, not just tokens.)
-    weights = dict(tree_flatten(model.parameters()))
-    tied = not any(name.startswith("lm_head") for name in weights)
-    for name, w in weights.items():
-        if not tied and ("embed_tokens" in name or "lm_head" in name) and w.ndim == 2:
-            weights[name] = w * 8.0
-    model.load_weights(list(weights.items()))
+    weights = _init_weights(model, seed)
+    if config.get("tie_word_embeddings"):
+        # gemma3_text builds an lm_head whatever the config says and ties when the file has none.
+        weights.pop("lm_head.weight", None)
     target = getattr(mx, dtype)
-    model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
-    mx.eval(model.parameters())
+    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     config["torch_dtype"] = dtype
-    if max_file_size_mb:
-        _save_split(out_dir, dict(tree_flatten(model.parameters())), max_file_size_mb << 20)
-    else:
-        save_model(out_dir, model, donate_model=False)
+    max_bytes = (max_file_size_mb << 20) if max_file_size_mb else (MAX_FILE_SIZE_GB << 30)
+    _save_weights(out_dir, weights, max_bytes)
     save_config(config, config_path=out_dir / "config.json")
     return out_dir
 
 
-def _save_split(out_dir: Path, weights: dict, max_bytes: int) -> None:
-    """Like mlx-lm's save_model, with a shard size below its whole-gigabyte granularity."""
-    import mlx.core as mx
+def build_once(final: Path, family: str = "llama", **kwargs: Any) -> Path:
+    """``build_model`` into ``final`` unless it is already there; never leaves a half-built model.
 
-    shards: list[dict] = []
-    size = 0
-    for name, w in weights.items():
-        if not shards or size + w.nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = w
-        size += w.nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(out_dir / file), shard, metadata={"format": "mlx"})
-        weight_map.update({k: file for k in shard})
-    index = {"metadata": {"total_size": sum(w.nbytes for w in weights.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-
-
-def model_dir_for(cache_root: Path, family: str = "llama", **kwargs: Any) -> Path:
-    """A cached build: named by a hash of its arguments, built once, published atomically."""
-    key = json.dumps({"family": family, **kwargs, "v": 1}, sort_keys=True)
-    name = f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    final = Path(cache_root) / name
-    if (final / "config.json").exists():
+    The build goes to a hidden temporary sibling that is renamed into place in one step. When two
+    processes race, both build and the first rename wins; the other returns the winner's model.
+    """
+    final = Path(final)
+    if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         build_model(tmp, family, **kwargs)
         try:
             os.replace(tmp, final)
         except OSError:  # another process published it first
-            if not (final / "config.json").exists():
+            if not (final / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def model_dir_for(cache_root: Path, family: str = "llama", **kwargs: Any) -> Path:
+    """A cached build under ``cache_root``, named by a hash of its arguments; built once, atomically."""
+    key = json.dumps({"family": family, **kwargs, "v": BUILD_VERSION}, sort_keys=True)
+    name = f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return build_once(Path(cache_root) / name, family, **kwargs)
