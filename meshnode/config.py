@@ -296,6 +296,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval": _positive_duration,
     "failure_timeout": _positive_duration,
     "failover_deadline": _positive_duration,
+    "rebalance_dwell": _positive_duration,
     "state_dir": _optional(_path),
     "cache_dir": _optional(_path),
     "api_key": _optional(_str),
@@ -368,6 +369,8 @@ class Settings:
     failure_timeout: float = 2.0
     #: Seconds a generation whose stage failed may wait for a new plan before it fails.
     failover_deadline: float = 30.0
+    #: Seconds a plan stays before the coordinator moves to a better one (a node joined).
+    rebalance_dwell: float = 5.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
     #: None = platform default (see default_cache_dir).

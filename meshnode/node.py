@@ -188,6 +188,8 @@ class Node:
         self.coordinator: str | None = None
         self.plan: Plan | None = None
         self.plan_coordinator = ""
+        self.previous: Plan | None = None  # the last ready plan, served until the current one is ready
+        self._plan_changed_at = 0.0
         self._dropped_epoch = 0  # epoch of a plan withdrawn for lack of capacity
         self.plan_error = ""
         self.max_epoch_seen = 0
@@ -416,6 +418,7 @@ class Node:
             self.coordinator = coordinator
         if coordinator == self.node_id:
             self._coordinate(alive)
+        self._retire_previous()
 
     def _coordinate(self, alive: dict[str, NodeInfo]) -> None:
         members = frozenset(alive)
@@ -436,9 +439,17 @@ class Node:
                 self._drop_plan()
             return
         self.plan_error = ""
+        if plan_ok:
+            # The current plan still works: move only for a real gain (fewer hops per token), and
+            # not sooner than rebalance_dwell after the last change (hysteresis: no flapping).
+            if _same_layout(desired, self.plan) or len(desired.stages) >= len(self.plan.stages):
+                self._planned_for = members
+                return
+            if time.monotonic() - self._plan_changed_at < self.settings.rebalance_dwell:
+                return  # look again on a later tick
+            log.info("rebalancing: %d stages -> %d (%s)", len(self.plan.stages), len(desired.stages),
+                     desired.reason)
         self._planned_for = members
-        if plan_ok and _same_layout(desired, self.plan):
-            return
         epoch = next_epoch(self.max_epoch_seen, self.epoch)
         desired = desired.with_epoch(epoch)
         log.info("publishing plan epoch %d: %s (%s)", epoch, _describe(desired), desired.reason)
@@ -486,11 +497,14 @@ class Node:
     def _adopt(self, plan: Plan, *, coordinator: str, source: str) -> None:
         if plan.epoch <= self.epoch:
             return
+        if self.plan is not None and self._ready(self.plan):
+            # Make before break: keep serving the ready plan until the new one is ready everywhere.
+            self.previous = self.plan
         self.plan = plan
+        self._plan_changed_at = time.monotonic()
         self.plan_coordinator = coordinator
         self.plan_error = ""
         self.max_epoch_seen = max(self.max_epoch_seen, plan.epoch)
-        self._placements.clear()
         log.info("epoch %d adopted (from %s): %s", plan.epoch, source, _describe(plan))
         self._event("plan", epoch=plan.epoch, stages=_describe(plan))
         if self._apply_task is not None:
@@ -501,6 +515,7 @@ class Node:
         self._dropped_epoch = self.epoch
         log.warning("epoch %d withdrawn: %s", self.epoch, self.plan_error)
         self.plan = None
+        self.previous = None
         self._placements.clear()
 
     async def _apply(self, plan: Plan) -> None:
@@ -517,10 +532,24 @@ class Node:
             wanted[key] = shard
         if self.plan is not plan:
             return
-        self.shards = wanted
+        self.shards = {**self.shards, **wanted}
         self.stage_server.serve(plan.epoch, wanted)
         self.ready_epoch = plan.epoch
         log.info("ready for epoch %d", plan.epoch)
+
+    def _retire_previous(self) -> None:
+        """Once the current plan is ready on every node, stop serving older epochs and free them."""
+        plan = self.plan
+        if plan is None or not self._ready(plan):
+            return
+        if self.previous is None and list(self.stage_server.epochs) == [plan.epoch]:
+            return
+        keep = {(s.start_layer, s.end_layer) for s in plan.stages if self.node_id in s.nodes}
+        self.shards = {k: v for k, v in self.shards.items() if k in keep}
+        self.stage_server.retire_before(plan.epoch)
+        if self.previous is not None:
+            log.info("epoch %d is ready everywhere; epoch %d retired", plan.epoch, self.previous.epoch)
+        self.previous = None
 
     # ------------------------------------------------------------------ serving
     def prefill_timeout(self, tokens: int) -> float:
@@ -529,19 +558,29 @@ class Node:
     def head(self) -> str | None:
         return self.plan.stages[-1].nodes[0] if self.plan is not None else None
 
-    def serving_ready(self) -> bool:
-        plan = self.plan
-        if plan is None:
-            return False
+    def _ready(self, plan: Plan) -> bool:
+        """Every node of the plan is alive and has loaded its shard for it."""
+        alive = self.membership.alive_peers() if self.membership is not None else {}
         for node_id in plan.node_ids():
             if node_id == self.node_id:
-                if self.ready_epoch != plan.epoch:
+                if self.ready_epoch < plan.epoch or plan.epoch not in self.stage_server.epochs:
                     return False
             else:
-                peer = self.membership.peers.get(node_id)
-                if peer is None or peer.ready_epoch != plan.epoch:
+                peer = alive.get(node_id)
+                if peer is None or peer.ready_epoch < plan.epoch:
                     return False
         return True
+
+    def serving_plan(self) -> Plan | None:
+        """The plan requests use now: the current one once ready, else the previous one still up."""
+        if self.plan is not None and self._ready(self.plan):
+            return self.plan
+        if self.plan is not None and self.previous is not None and self._ready(self.previous):
+            return self.previous
+        return None
+
+    def serving_ready(self) -> bool:
+        return self.serving_plan() is not None
 
     def engine_for_request(self) -> Engine:
         """The engine, after checking that the current plan can serve (else a 503)."""
@@ -559,16 +598,20 @@ class Node:
             if waiting:
                 raise NotReady("no plan yet")
             raise _unavailable("the mesh is still forming; no plan yet")
-        if waiting and plan.epoch <= after_epoch:
-            raise NotReady(f"still on epoch {plan.epoch}")
-        if not self.serving_ready():
+        serving = self.serving_plan()
+        if serving is None or (waiting and serving.epoch <= after_epoch):
             if waiting:
                 raise NotReady(f"epoch {plan.epoch} is loading")
             raise _unavailable(f"loading the model's shards for epoch {plan.epoch}")
+        return self.placement_for(serving)
+
+    def placement_for(self, plan: Plan):
         placement = self._placements.get(plan.epoch)
         if placement is None:
-            kind = HeadPlacement if self.head() == self.node_id else RemoteHeadPlacement
+            kind = HeadPlacement if plan.stages[-1].nodes[0] == self.node_id else RemoteHeadPlacement
             placement = self._placements[plan.epoch] = kind(self, plan)
+            for epoch in [e for e in self._placements if e < plan.epoch - 1]:
+                del self._placements[epoch]
         return placement
 
     def stage_handles(self, plan: Plan):
@@ -595,10 +638,12 @@ class Node:
         return shard.dtype
 
     async def on_generate(self, request: mesh_pb2.GenerateRequest, context):
-        if request.epoch != self.epoch:
+        serving = self.serving_plan()
+        if serving is None or serving.epoch != request.epoch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"epoch {request.epoch} is not the current epoch {self.epoch}")
-        if self.head() != self.node_id:
+                                f"epoch {request.epoch} is not the epoch served here "
+                                f"({serving.epoch if serving else 'none'})")
+        if serving.stages[-1].nodes[0] != self.node_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
         prompt = list(request.prompt)
         if not prompt or len(prompt) >= self.settings.max_context or max(prompt) >= self.vocab_size:
@@ -606,12 +651,10 @@ class Node:
         if not (1 <= request.max_tokens <= self.settings.max_tokens_limit) or not (0 <= request.temperature <= 2) \
                 or not (0 < request.top_p <= 1):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
-        if not self.serving_ready():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"epoch {self.epoch} is not ready here")
         params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed if request.has_seed else None)
         try:
-            async for token in self.placement(None).tokens(prompt, params):
+            async for token in self.placement_for(serving).tokens(prompt, params):
                 yield mesh_pb2.GenerateReply(token=token)
         except PlacementLost as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

@@ -60,11 +60,16 @@ class StageServer:
         self.vocab_size = vocab_size
         self.max_chunk = max_chunk
         self.max_context = max_context
-        self.epoch = 0
-        self.shards: dict[tuple[int, int], "Shard"] = {}
+        # epoch -> the shards served for it. Usually one epoch; two while a new plan loads
+        # (make before break), so requests on the old placement keep being served.
+        self.epochs: dict[int, dict[tuple[int, int], "Shard"]] = {}
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
-        self.epoch, self.shards = epoch, dict(shards)
+        self.epochs[epoch] = dict(shards)
+
+    def retire_before(self, epoch: int) -> None:
+        for old in [e for e in self.epochs if e < epoch]:
+            del self.epochs[old]
 
     def _input(self, shard: "Shard", tensor: mesh_pb2.Tensor) -> mx.array:
         if shard.spec.is_first:
@@ -85,10 +90,11 @@ class StageServer:
                 if first:
                     first = False
                     key = (msg.start_layer, msg.end_layer)
-                    if msg.epoch != self.epoch:
+                    if msg.epoch not in self.epochs:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                            f"epoch {msg.epoch} is not the current epoch {self.epoch}")
-                    shard = self.shards.get(key)
+                                            f"epoch {msg.epoch} is not served here (serving "
+                                            f"{sorted(self.epochs) or 'none'})")
+                    shard = self.epochs[msg.epoch].get(key)
                     if shard is None:
                         await context.abort(grpc.StatusCode.UNAVAILABLE,
                                             f"layers [{key[0]}, {key[1]}) are not loaded here")
