@@ -139,7 +139,7 @@ def cleanup_leftovers() -> list[str]:
     return removed
 
 
-@dataclass
+@dataclass(eq=False)  # hashable, compared by identity
 class NetHost:
     """One host: a network namespace with ``dev`` (veth) on the mesh bridge at ``ip``."""
 
@@ -334,6 +334,9 @@ class Mesh:
                 for proc in host.procs:
                     if proc.poll() is None:
                         self.kill(proc)
+                    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                        if pipe is not None:
+                            pipe.close()
             for ns in reversed(self.names):  # deleting a host's namespace removes its veths too
                 _delete(ns)
         finally:

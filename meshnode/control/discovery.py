@@ -1,25 +1,80 @@
-"""Zero-configuration discovery over mDNS (python-zeroconf).
+"""Zero-configuration discovery over mDNS (python-zeroconf, asyncio API).
 
-Each node announces ``<node_id>._meshnode._tcp.local.`` with its ports, memory, compute,
-version and cluster id (derived from the cluster key, never the key) in TXT properties, and
-browses for the others. Nodes of another cluster are ignored; a malformed announcement from
-some other device on the LAN is logged and skipped. mDNS removals are reported as hints: the
-membership layer decides liveness from heartbeats.
+Each node announces ``<node_id>._meshnode._tcp.local.`` with its ports, memory, compute, version,
+models and cluster id (derived from the cluster key, never the key itself) in TXT properties, and
+browses for the others. Nodes of another cluster are ignored; a malformed announcement from some
+other device on the LAN is logged and skipped, never fatal. Two nodes that use the same node id are
+reported (``Discovery.duplicates`` and an error in the log); among other nodes the one that started
+first keeps the id. mDNS removals are hints: the membership layer decides liveness by heartbeats.
+
+``python -m meshnode.control.discovery --node-id X --cluster-key K --seconds N`` announces and
+browses on its own and prints what it sees as JSON lines (used by the multi-host tests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+import re
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 
-from zeroconf import NonUniqueNameException, ServiceStateChange
+from zeroconf import BadTypeInNameException, InterfaceChoice, IPVersion, NonUniqueNameException, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+__all__ = ["SERVICE_TYPE", "NodeInfo", "Discovery", "local_addresses"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_meshnode._tcp.local."
+RESOLVE_TIMEOUT_MS = 3000
+_VALID_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # as meshnode.identity; fits one DNS label
+_MAX_TXT_ENTRY = 255  # bytes per "key=value" (RFC 6763)
+_MAX_TEXT = 128
+
+
+def _text(props: Mapping[str, str], key: str, limit: int = _MAX_TEXT) -> str:
+    value = props[key]
+    if len(value) > limit or not value.isprintable():
+        raise ValueError(f"{key!r} is not a short printable string")
+    return value
+
+
+def _int(props: Mapping[str, str], key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    value = int(props[key])
+    if not lo <= value <= hi:
+        raise ValueError(f"{key}={value} out of range")
+    return value
+
+
+def _float(props: Mapping[str, str], key: str, default: str | None = None) -> float:
+    value = float(props[key] if default is None else props.get(key) or default)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{key}={value} is not a finite, non-negative number")
+    return value
+
+
+def _ordered(addresses: Iterable[str]) -> tuple[str, ...]:
+    """Valid, distinct addresses, IPv4 first (order otherwise kept)."""
+    parsed = []
+    for a in addresses:
+        ip = ipaddress.ip_address(a)
+        if str(ip) not in {str(p) for p in parsed}:
+            parsed.append(ip)
+    return tuple(str(ip) for ip in sorted(parsed, key=lambda ip: ip.version))
+
+
+def local_addresses() -> tuple[str, ...]:
+    """This host's IPv4 addresses other than loopback (link-local ones only if there is nothing else)."""
+    import ifaddr  # zeroconf's own dependency
+
+    found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
+             if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback]
+    routable = [a for a in found if not ipaddress.ip_address(a).is_link_local]
+    return tuple(dict.fromkeys(routable or found))
 
 
 @dataclass(frozen=True)
@@ -37,110 +92,316 @@ class NodeInfo:
     started_at: float = 0.0
 
     def to_properties(self) -> dict[str, str]:
-        return {
+        props = {
             "id": self.node_id, "http": str(self.http_port), "grpc": str(self.grpc_port),
             "budget": str(self.memory_budget), "total": str(self.total_memory), "compute": f"{self.compute:.3f}",
-            "version": self.version, "cluster": self.cluster_id, "models": ",".join(self.models),
-            "started": f"{self.started_at:.6f}",
+            "version": self.version, "cluster": self.cluster_id, "started": f"{self.started_at:.6f}",
         }
+        models: list[str] = []
+        for m in self.models:  # one TXT entry holds at most 255 bytes: announce the models that fit
+            if len(("models=" + ",".join([*models, m])).encode()) > _MAX_TXT_ENTRY:
+                log.warning("announcing %d of %d models: the mDNS record has no room for more",
+                            len(models), len(self.models))
+                break
+            models.append(m)
+        props["models"] = ",".join(models)
+        return props
 
     @classmethod
-    def from_service_info(cls, info: AsyncServiceInfo) -> "NodeInfo | None":
+    def from_properties(cls, props: Mapping[bytes | str, bytes | str | None],
+                        addresses: Iterable[str]) -> "NodeInfo":
+        """Parse TXT properties; raises ValueError (or TypeError) for anything malformed."""
+        text: dict[str, str] = {}
+        for k, v in props.items():
+            k = k.decode("utf-8") if isinstance(k, bytes) else k
+            v = v.decode("utf-8") if isinstance(v, bytes) else v
+            if not isinstance(k, str) or not isinstance(v, str | None):
+                raise TypeError(f"property {k!r} is not text")
+            text[k] = v or ""
         try:
-            props = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
-            node = cls(
-                node_id=props["id"], addresses=tuple(info.parsed_addresses()), http_port=int(props["http"]),
-                grpc_port=int(props["grpc"]), memory_budget=int(props["budget"]), total_memory=int(props["total"]),
-                compute=float(props["compute"]), version=props["version"], cluster_id=props["cluster"],
-                models=tuple(m for m in props.get("models", "").split(",") if m),
-                started_at=float(props.get("started", "0")),
+            node_id = text["id"]
+            if not _VALID_ID.match(node_id):
+                raise ValueError(f"invalid node id {node_id!r}")
+            models = tuple(m for m in _text(text, "models", _MAX_TXT_ENTRY).split(",") if m) \
+                if "models" in text else ()
+            addrs = _ordered(addresses)
+            if not addrs:
+                raise ValueError("no addresses")
+            return cls(
+                node_id=node_id, addresses=addrs, http_port=_int(text, "http", 1, 65535),
+                grpc_port=_int(text, "grpc", 1, 65535), memory_budget=_int(text, "budget"),
+                total_memory=_int(text, "total"), compute=_float(text, "compute"),
+                version=_text(text, "version"), cluster_id=_text(text, "cluster", 64), models=models,
+                started_at=_float(text, "started", default="0"),
             )
-        except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as exc:
-            log.debug("ignoring a malformed meshnode announcement %s: %s", info.name, exc)
+        except KeyError as exc:
+            raise ValueError(f"missing property {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_service_info(cls, info, *, quiet: bool = False) -> "NodeInfo | None":
+        """The node an mDNS announcement describes, or None (logged unless ``quiet``) if malformed."""
+        try:
+            addresses = [*info.parsed_addresses(IPVersion.V4Only), *info.parsed_addresses(IPVersion.V6Only)]
+            return cls.from_properties(info.properties or {}, addresses)
+        except Exception as exc:  # noqa: BLE001 -- whatever some device on the LAN sends, never crash
+            log.log(logging.DEBUG if quiet else logging.WARNING, "ignoring a malformed meshnode announcement %s: %s",
+                    getattr(info, "name", "?"), exc)
             return None
-        if not node.node_id or not node.addresses or not (0 < node.grpc_port < 65536):
-            return None
-        return node
 
 
 class Discovery:
-    def __init__(self, me: NodeInfo, *, on_change: Callable[[str, NodeInfo | None], None] | None = None):
-        self.me = me
+    """Announce ``me`` and track the peers of the same cluster; see the module docstring.
+
+    ``on_change(node_id, info)`` is called in the event loop for every peer added or changed, and with
+    ``info=None`` when one is gone (goodbye packet or expired records).
+    """
+
+    def __init__(self, me: NodeInfo, *, interfaces=None,
+                 on_change: Callable[[str, NodeInfo | None], None] | None = None):
+        self._interfaces = interfaces if interfaces is not None else InterfaceChoice.All
+        self.me = self._with_addresses(me)
         self.on_change = on_change or (lambda *_: None)
+        self.duplicates: dict[str, set[str]] = {}  # node id -> what was seen of the nodes sharing it
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
         self._info: AsyncServiceInfo | None = None
+        self._by_name: dict[str, NodeInfo] = {}  # service name -> node (our cluster, not us)
         self._peers: dict[str, NodeInfo] = {}
-        self._names: dict[str, str] = {}  # service name -> node id
-        self.duplicates: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._resolving: dict[str, asyncio.Task] = {}
+        self._quiet: set[str] = set()  # names already logged as foreign or malformed
+        self._server = f"{self.me.node_id}.local."  # our mDNS host name
 
-    def _service_info(self) -> AsyncServiceInfo:
+    def _with_addresses(self, me: NodeInfo) -> NodeInfo:
+        if me.addresses:
+            return me
+        if isinstance(self._interfaces, list | tuple):  # explicit interface addresses: announce those
+            addrs = []
+            for a in self._interfaces:
+                try:
+                    ip = ipaddress.ip_address(a) if isinstance(a, str) else None
+                except ValueError:
+                    ip = None
+                if ip is not None and not ip.is_loopback:
+                    addrs.append(str(ip))
+            addrs = _ordered(addrs)
+        else:
+            addrs = local_addresses()
+        return replace(me, addresses=addrs)
+
+    @property
+    def name(self) -> str:
+        """Our service instance name (it differs from "<node_id>.<type>" after a name conflict)."""
+        return self._info.name if self._info else f"{self.me.node_id}.{SERVICE_TYPE}"
+
+    def _service_info(self, name: str | None = None) -> AsyncServiceInfo:
         return AsyncServiceInfo(
-            SERVICE_TYPE, f"{self.me.node_id}.{SERVICE_TYPE}", port=self.me.grpc_port,
-            properties=self.me.to_properties(), parsed_addresses=list(self.me.addresses),
-            server=f"{self.me.node_id}.local.",
+            SERVICE_TYPE, name or f"{self.me.node_id}.{SERVICE_TYPE}", port=self.me.grpc_port,
+            properties=self.me.to_properties(), parsed_addresses=list(self.me.addresses), server=self._server,
         )
 
     async def start(self) -> None:
-        self._zc = AsyncZeroconf()
+        if not _VALID_ID.match(self.me.node_id):
+            raise ValueError(f"node id {self.me.node_id!r} cannot be announced over mDNS")
+        self._zc = AsyncZeroconf(interfaces=self._interfaces)
         self._info = self._service_info()
         try:
             await self._zc.async_register_service(self._info, allow_name_change=False)
         except NonUniqueNameException:
-            log.error("another node on this LAN already announces node id %s; give one a different --node-id",
-                      self.me.node_id)
-            self.duplicates.add(self.me.node_id)
+            self._duplicate(self.me.node_id, "another node announced it first")
+            # a host name of our own too, so peers never mix our address records with the other's
+            self._server = f"{self.me.node_id}-{secrets.token_hex(3)}.local."
+            self._info = self._service_info()
             await self._zc.async_register_service(self._info, allow_name_change=True)
+            log.warning("announcing as %s instead", self._info.name)
         self._browser = AsyncServiceBrowser(self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_state])
 
     async def update(self, me: NodeInfo) -> None:
+        """Re-announce changed properties (e.g. a new memory budget)."""
+        me = self._with_addresses(me)
+        if me.node_id != self.me.node_id:
+            raise ValueError("the node id cannot change while announced")
         self.me = me
-        if self._zc is not None:
-            self._info = self._service_info()
+        if self._zc is not None and self._info is not None:
+            self._info = self._service_info(self._info.name)
             await self._zc.async_update_service(self._info)
 
     async def stop(self) -> None:
+        """Say goodbye (so peers drop us at once) and close."""
+        for task in self._resolving.values():
+            task.cancel()
+        await asyncio.gather(*self._resolving.values(), return_exceptions=True)
+        self._resolving.clear()
         if self._browser is not None:
             await self._browser.async_cancel()
+            self._browser = None
         if self._zc is not None:
-            if self._info is not None:
-                await self._zc.async_unregister_service(self._info)  # goodbye packets
-            await self._zc.async_close()
-        for task in self._tasks:
-            task.cancel()
+            try:
+                if self._info is not None:
+                    await asyncio.wait_for(await self._zc.async_unregister_service(self._info), 5)
+            except (asyncio.TimeoutError, OSError) as exc:
+                log.debug("mDNS goodbye not sent: %s", exc)
+            finally:
+                await self._zc.async_close()
+                self._zc = None
 
     def peers(self) -> dict[str, NodeInfo]:
+        """The peers of our cluster known now, by node id."""
         return dict(self._peers)
 
+    # -- browsing
     def _on_state(self, zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if (task := self._resolving.pop(name, None)) is not None:
+            task.cancel()
         if state_change is ServiceStateChange.Removed:
-            node_id = self._names.pop(name, None)
-            if node_id and self._peers.pop(node_id, None) is not None:
-                self.on_change(node_id, None)
+            self._forget(name)
             return
         task = asyncio.ensure_future(self._resolve(service_type, name))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._resolving[name] = task
+        task.add_done_callback(lambda t: self._resolving.pop(name, None) if self._resolving.get(name) is t
+                               else None)
 
     async def _resolve(self, service_type: str, name: str) -> None:
-        info = AsyncServiceInfo(service_type, name)
-        if not await info.async_request(self._zc.zeroconf, 3000):
+        try:
+            info = AsyncServiceInfo(service_type, name)
+            if not await info.async_request(self._zc.zeroconf, RESOLVE_TIMEOUT_MS):
+                log.debug("could not resolve %s", name)
+                return
+        except (BadTypeInNameException, OSError, ValueError) as exc:
+            log.debug("could not resolve %s: %s", name, exc)
             return
-        node = NodeInfo.from_service_info(info)
+        self._accept(name, info)
+
+    def _accept(self, name: str, info) -> None:
+        """A resolved announcement (kept separate from the network for tests)."""
+        node = NodeInfo.from_service_info(info, quiet=name in self._quiet)
+        if name == self.name:  # our own records: someone else claims them if they differ from ours
+            if node is not None and (not set(node.addresses) <= set(self.me.addresses)
+                                     or node.grpc_port != self.me.grpc_port
+                                     or f"{node.started_at:.6f}" != f"{self.me.started_at:.6f}"):
+                self._duplicate(self.me.node_id, f"{name} also answers from " + _endpoint(node))
+            return
         if node is None:
+            self._quiet.add(name)
+            self._forget(name)
             return
         if node.cluster_id != self.me.cluster_id:
-            log.debug("ignoring %s: another cluster", node.node_id)
+            if name not in self._quiet:
+                log.debug("ignoring %s (%s): another cluster", name, node.node_id)
+                self._quiet.add(name)
+            self._forget(name)
             return
         if node.node_id == self.me.node_id:
-            if name != self._info.name or not set(node.addresses) <= set(self.me.addresses):
-                if node.node_id not in self.duplicates:
-                    log.error("two nodes use node id %s (the other at %s); give one a different --node-id",
-                              node.node_id, ",".join(node.addresses))
-                self.duplicates.add(node.node_id)
+            self._duplicate(node.node_id, f"{name} at {_endpoint(node)}")
             return
-        self._names[name] = node.node_id
-        if self._peers.get(node.node_id) != node:
-            self._peers[node.node_id] = node
-            self.on_change(node.node_id, node)
+        self._by_name[name] = node
+        self._recompute()
+
+    def _forget(self, name: str) -> None:
+        if self._by_name.pop(name, None) is not None:
+            self._recompute()
+
+    def _duplicate(self, node_id: str, where: str) -> None:
+        seen = self.duplicates.setdefault(node_id, set())
+        if where not in seen:
+            seen.add(where)
+            log.error("two nodes use node id %s: %s; give one of them another --node-id", node_id, where)
+
+    def _recompute(self) -> None:
+        """Peers by node id; if several announcements share an id, the earliest started keeps it."""
+        groups: dict[str, list[tuple[str, NodeInfo]]] = {}
+        for name, node in self._by_name.items():
+            groups.setdefault(node.node_id, []).append((name, node))
+        new: dict[str, NodeInfo] = {}
+        for node_id, entries in groups.items():
+            entries.sort(key=lambda e: (e[1].started_at, e[0]))
+            if len(entries) > 1:
+                self._duplicate(node_id, " and ".join(f"{name} at {_endpoint(n)}" for name, n in entries))
+            new[node_id] = entries[0][1]
+        old, self._peers = self._peers, new
+        for node_id in old.keys() - self._peers.keys():
+            self.on_change(node_id, None)
+        for node_id, node in self._peers.items():
+            if old.get(node_id) != node:
+                self.on_change(node_id, node)
+
+
+def _endpoint(node: NodeInfo) -> str:
+    return f"{node.addresses[0]}:{node.grpc_port}" if node.addresses else f"?:{node.grpc_port}"
+
+
+# ---------------------------------------------------------------------------------- standalone use
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+    from dataclasses import asdict
+
+    from meshnode import __version__
+    from meshnode.identity import cluster_id
+
+    p = argparse.ArgumentParser(prog="python -m meshnode.control.discovery",
+                                description="Announce a meshnode over mDNS and print the peers seen (JSON lines).")
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--cluster-key", default=os.environ.get("MESHNODE_CLUSTER_KEY"))
+    p.add_argument("--seconds", type=float, default=30.0, help="exit after this long")
+    p.add_argument("--http-port", type=int, default=8470)
+    p.add_argument("--grpc-port", type=int, default=8471)
+    p.add_argument("--memory-budget", type=int, default=2**30)
+    p.add_argument("--address", action="append", default=[], help="address to announce (default: all IPv4)")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def emit(event: str, **fields) -> None:
+        print(json.dumps({"event": event, "t": round(time.time(), 3), **fields}), flush=True)
+
+    async def run() -> None:
+        me = NodeInfo(node_id=args.node_id, addresses=tuple(args.address), http_port=args.http_port,
+                      grpc_port=args.grpc_port, memory_budget=args.memory_budget,
+                      total_memory=args.memory_budget, compute=1.0, version=__version__,
+                      cluster_id=cluster_id(args.cluster_key), started_at=time.time())
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+
+        def read_stdin() -> None:  # stdin lines: "quit" ends the run, "budget N" re-announces a new budget
+            for line in sys.stdin:
+                words = line.split()
+                if words[:1] in (["quit"], ["stop"]):
+                    loop.call_soon_threadsafe(done.set)
+                    return
+                if len(words) == 2 and words[0] == "budget" and words[1].isdigit():
+                    new = replace(disc.me, memory_budget=int(words[1]))
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(disc.update(new)))
+
+        disc: Discovery
+
+        def changed(node_id: str, info: NodeInfo | None) -> None:
+            emit("peers", change=node_id, gone=info is None,
+                 peers={k: asdict(v) for k, v in sorted(disc.peers().items())},
+                 duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
+
+        disc = Discovery(me, on_change=changed)
+        await disc.start()
+        threading.Thread(target=read_stdin, daemon=True).start()
+        emit("up", node=asdict(disc.me), name=disc.name,
+             duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
+        try:
+            await asyncio.wait_for(done.wait(), args.seconds)
+        except asyncio.TimeoutError:
+            pass
+        await disc.stop()
+        emit("down", peers=sorted(disc.peers()), duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,38 @@
+"""Fixtures for the multi-host tests (network namespaces); see tests/netns.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.*` imports under plain `pytest`
+
+from tests import netns  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if item.get_closest_marker("netns")]
+    if marked and (reason := netns.available()):
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def netns_mesh_factory():
+    """``make(n, prefix=None) -> Mesh``; every mesh made is removed after the test."""
+    meshes: list[netns.Mesh] = []
+
+    def make(n: int, prefix: str | None = None) -> netns.Mesh:
+        if not meshes:
+            netns.prepare()
+        mesh = netns.Mesh(n, prefix)
+        meshes.append(mesh)
+        return mesh
+
+    try:
+        yield make
+    finally:
+        for mesh in reversed(meshes):
+            mesh.close()
