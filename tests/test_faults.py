@@ -218,3 +218,48 @@ def test_capacity_gone_503_then_back(model, reference, tmp_path):
         cluster.wait(lambda: cluster.converged([a, b], 2), 40, "recovery")
         status, _, out = cluster.fetch(f"http://{a.ip}:{HTTP}/v1/chat/completions", body, timeout=60)
         assert status == 200, (out, cluster.logs())
+
+
+def test_join_during_load_rebalances_without_failing_a_request(model, tmp_path):
+    from mlx_lm import generate, load
+
+    m, tok = load(str(model))
+    want = generate(m, tok, prompt=tok.apply_chat_template(MESSAGES, add_generation_prompt=True), max_tokens=20)
+    with netns_mesh(3) as mesh:
+        hosts = list(mesh.hosts)
+        total = profile_model(model).total_bytes(512)
+        a, b, big = hosts
+        cluster = Cluster.__new__(Cluster)
+        cluster.mesh, cluster.model, cluster.tmp, cluster.procs, cluster.flags = mesh, model, tmp_path, {}, {}
+        cluster.hosts = [a, b, big]
+        cluster.client = mesh.add_host("client")
+        cluster.start(a, int(total * 0.6))
+        cluster.start(b, int(total * 0.6))
+        view = cluster.wait(lambda: cluster.converged([a, b], 2), 40, "two-node pipeline")[0]
+        assert len(view["plan"]["stages"]) == 2
+        # A steady stream of requests through a; meanwhile a node that holds the whole model joins.
+        load = ("import json,sys,time,urllib.request,urllib.error\n"
+                "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
+                "while time.time()<until:\n"
+                "  req=urllib.request.Request(url,data=body.encode(),headers={'Content-Type':'application/json'})\n"
+                "  t=time.time()\n"
+                "  try:\n"
+                "    r=urllib.request.urlopen(req,timeout=30); out=json.loads(r.read())\n"
+                "    print(json.dumps([r.status,out['choices'][0]['message']['content'],time.time()-t]),flush=True)\n"
+                "  except urllib.error.HTTPError as e:\n"
+                "    print(json.dumps([e.code,e.read().decode(),time.time()-t]),flush=True)\n")
+        body = json.dumps({"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0})
+        client = subprocess.Popen(cluster.client.exec_args([sys.executable, "-c", load,
+                                                            f"http://{a.ip}:{HTTP}/v1/chat/completions", body, "20"]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2)
+        cluster.start(big, int(total * 1.5))
+        out, err = client.communicate(timeout=90)
+        results = [json.loads(line) for line in out.splitlines() if line.strip()]
+        assert results, err
+        failed = [r for r in results if r[0] != 200 or r[1] != want]
+        assert not failed, (failed[:3], cluster.logs())
+        final = cluster.wait(lambda: (v := cluster.mesh_view(a)) and len(v["plan"]["stages"]) == 1 and v, 20,
+                             "rebalance onto the big node")
+        assert final["plan"]["stages"][0]["nodes"] == [big.name]
+        print(f"{len(results)} requests during the join, slowest {max(r[2] for r in results):.2f} s")
