@@ -3,121 +3,420 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import time
+from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from meshnode.control.planner import NodeSpec, PlanError, plan
+from meshnode.control.planner import NodeSpec, Plan, PlanError, Stage, plan
 from meshnode.data.profile import ModelProfile
 
 GiB = 2**30
+# MESHNODE_PLANNER_EXAMPLES=5000 for a deeper search than the default run's.
+EXAMPLES = int(os.environ.get("MESHNODE_PLANNER_EXAMPLES", "250"))
+PROPS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def profile(layer_bytes, embed=100, head=100, tied=False, kv=1, name="m"):
+def profile(layer_bytes, embed=100, head=100, norm=1, tied=False, kv=1, windows=None, name="m"):
     n = len(layer_bytes)
+    kv = (kv,) * n if isinstance(kv, int) else tuple(kv)
     return ModelProfile(
         name=name, model_type="llama", num_layers=n, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
-        head_bytes=0 if tied else head, norm_bytes=1, tied_embeddings=tied, kv_bytes_per_token=(kv,) * n,
-        sliding_window=(None,) * n, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
-        intermediate_size=16, num_experts=0, vocab_size=10, dtype="float32")
+        head_bytes=0 if tied else head, norm_bytes=norm, tied_embeddings=tied, kv_bytes_per_token=kv,
+        sliding_window=tuple(windows) if windows else (None,) * n, hidden_size=8, num_heads=2, num_kv_heads=1,
+        head_dim=4, intermediate_size=16, num_experts=0, vocab_size=10, dtype="float32")
 
 
-def fits(p, order, ctx) -> bool:
-    """Brute force: is there any contiguous split of the layers over nodes in this order?"""
+# ---- an independent model of what a stage costs, and brute force over every placement ----
+
+def stage_cost(p: ModelProfile, start: int, end: int, ctx: int) -> int:
+    """Written from the spec, not from the planner or ModelProfile.stage_bytes."""
+    total = 0
+    for i in range(start, end):
+        w = p.sliding_window[i]
+        total += p.layer_bytes[i] + p.kv_bytes_per_token[i] * (ctx if w is None else min(ctx, w))
+    if start == 0:
+        total += p.embed_bytes
+    if end == p.num_layers:
+        total += p.norm_bytes + p.head_bytes
+        if p.tied_embeddings and start > 0:
+            total += p.embed_bytes
+    return total
+
+
+def order_fits(p, order, ctx) -> bool:
     k, n = len(order), p.num_layers
     for cuts in itertools.combinations(range(1, n), k - 1):
         edges = [0, *cuts, n]
-        if all(p.stage_bytes(edges[i], edges[i + 1], ctx) <= order[i].memory_budget for i in range(k)):
+        if all(stage_cost(p, edges[i], edges[i + 1], ctx) <= order[i].memory_budget for i in range(k)):
             return True
     return False
 
 
-def min_nodes(p, nodes, ctx):
-    for k in range(1, len(nodes) + 1):
-        for subset in itertools.combinations(nodes, k):
-            if any(fits(p, order, ctx) for order in itertools.permutations(subset)):
-                return k
-    return None
+def subset_fits(p, subset, ctx) -> bool:
+    return any(order_fits(p, order, ctx) for order in itertools.permutations(subset))
 
 
-clusters = st.lists(st.integers(50, 3000), min_size=1, max_size=4).map(
-    lambda bs: [NodeSpec(f"n{i}", b) for i, b in enumerate(bs)])
-profiles = st.builds(
-    profile,
-    st.lists(st.integers(10, 400), min_size=1, max_size=9),
-    embed=st.integers(0, 300), head=st.integers(0, 300), tied=st.booleans(), kv=st.integers(0, 2))
+def fitting_subsets(p, nodes, ctx, min_k=1, max_k=None):
+    """(k, [subsets of size k that fit]) for the least k >= min_k with any; (None, []) if none."""
+    max_k = len(nodes) if max_k is None else max_k
+    for k in range(min_k, max_k + 1):
+        found = [c for c in itertools.combinations(nodes, k) if subset_fits(p, c, ctx)]
+        if found:
+            return k, found
+    return None, []
 
 
-@settings(max_examples=400, deadline=None)
-@given(profiles, clusters, st.integers(1, 64))
-def test_plans_are_valid_minimal_and_errors_are_true(p, nodes, ctx):
-    best = min_nodes(p, nodes, ctx)
+def best_max_fraction(p, order, ctx) -> Fraction:
+    k, n = len(order), p.num_layers
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *cuts, n]
+        costs = [stage_cost(p, edges[i], edges[i + 1], ctx) for i in range(k)]
+        if all(c <= x.memory_budget for c, x in zip(costs, order)):
+            v = max(Fraction(c, x.memory_budget) for c, x in zip(costs, order))
+            best = v if best is None else min(best, v)
+    return best
+
+
+def check_valid(p, nodes, result, ctx):
+    budgets = {x.node_id: x.memory_budget for x in nodes}
+    edges = [(s.start_layer, s.end_layer) for s in result.stages]
+    assert edges[0][0] == 0 and edges[-1][1] == p.num_layers
+    assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+    assert all(a < b for a, b in edges)
+    covered = [i for a, b in edges for i in range(a, b)]
+    assert covered == list(range(p.num_layers))  # every layer exactly once, in order
+    for s in result.stages:
+        assert len(s.nodes) == 1 and s.nodes[0] in budgets
+        assert s.bytes == stage_cost(p, s.start_layer, s.end_layer, ctx) <= budgets[s.nodes[0]]
+    used = result.node_ids()
+    assert len(set(used)) == len(used)
+    assert result.strategy == ("single" if len(used) == 1 else "pipeline")
+    assert result.max_context == ctx and result.model == p.name and result.reason
+    result.check(p.num_layers)
+
+
+def explains_failure(exc: PlanError) -> bool:
+    text = str(exc)
+    return bool(exc.reasons) and any(s in text for s in ("short by", "alone needs", "no contiguous split",
+                                                         "at least two"))
+
+
+# ---- made-up models and clusters ----
+
+@st.composite
+def models(draw, max_layers=8):
+    n = draw(st.integers(1, max_layers))
+    layers = draw(st.lists(st.integers(1, 400), min_size=n, max_size=n))
+    kv = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    windows = draw(st.lists(st.none() | st.integers(1, 16), min_size=n, max_size=n))
+    return profile(layers, embed=draw(st.integers(0, 300)), head=draw(st.integers(0, 300)),
+                   norm=draw(st.integers(0, 20)), tied=draw(st.booleans()), kv=kv, windows=windows,
+                   name=draw(st.sampled_from(["m", "llama-7b"])))
+
+
+@st.composite
+def clusters(draw, p, ctx, max_nodes=5):
+    """Budgets scaled to the model so that fits, near-fits and misfits all come up; ties too."""
+    total = p.total_bytes(ctx)
+    m = draw(st.sampled_from(range(1, max_nodes + 1)))
+    spread = draw(st.sampled_from(range(1, m + 1)))  # about how many nodes the model should need
+    pct = draw(st.lists(st.integers(max(2, 50 // spread), 150 // spread + 20), min_size=m, max_size=m))
+    ids = draw(st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=len(pct), max_size=len(pct),
+                        unique=True))
+    return [NodeSpec(i, max(1, total * q // 100)) for i, q in zip(ids, pct)]
+
+
+@st.composite
+def cases(draw, max_nodes=5, max_layers=8):
+    p = draw(models(max_layers))
+    ctx = draw(st.integers(1, 64))
+    nodes = draw(clusters(p, ctx, max_nodes))
+    return p, nodes, ctx
+
+
+# ---- properties ----
+
+@PROPS
+@given(cases(), st.data())
+def test_plans_are_valid_minimal_deterministic_and_errors_are_true(case, data):
+    p, nodes, ctx = case
+    k, fitting = fitting_subsets(p, nodes, ctx)
     try:
         result = plan(p, nodes, max_context=ctx)
     except PlanError as exc:
-        assert best is None, f"planner missed a fit with {best} nodes: {exc}"
-        assert exc.reasons and str(exc)
+        assert k is None, f"planner missed a fit with {k} nodes: {exc}"
+        assert explains_failure(exc), str(exc)
         return
-    budgets = {n.node_id: n.memory_budget for n in nodes}
-    edges = [(s.start_layer, s.end_layer) for s in result.stages]
-    assert edges[0][0] == 0 and edges[-1][1] == p.num_layers
-    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(edges, edges[1:]))
-    for s in result.stages:
-        assert len(s.nodes) == 1
-        assert p.stage_bytes(s.start_layer, s.end_layer, ctx) == s.bytes <= budgets[s.nodes[0]]
-    used = result.node_ids()
-    assert len(set(used)) == len(used) == best
-    assert result.strategy == ("single" if best == 1 else "pipeline")
+    check_valid(p, nodes, result, ctx)
+    assert len(result.stages) == k  # the fewest nodes
+    # Largest budgets first (ties by id): the top k always fit when any k do.
+    ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
+    assert set(result.node_ids()) == {x.node_id for x in ranked[:k]}
+    # The split is the least-loaded one for that stage order.
+    by_id = {x.node_id: x for x in nodes}
+    order = [by_id[s.nodes[0]] for s in result.stages]
+    used = max(Fraction(s.bytes, by_id[s.nodes[0]].memory_budget) for s in result.stages)
+    assert used == best_max_fraction(p, order, ctx)
     # Deterministic, whatever order the nodes are listed in.
-    assert plan(p, list(reversed(nodes)), max_context=ctx) == result
+    shuffled = data.draw(st.permutations(nodes))
+    assert plan(p, shuffled, max_context=ctx) == result
+    assert plan(p, nodes, max_context=ctx) == result
 
+
+@PROPS
+@given(cases(), st.data())
+def test_preferred_nodes_win_among_equally_small_placements(case, data):
+    p, nodes, ctx = case
+    ids = [x.node_id for x in nodes]
+    preferred = data.draw(st.lists(st.sampled_from(ids + ["gone"]), unique=True, max_size=len(ids) + 1))
+    k, fitting = fitting_subsets(p, nodes, ctx)
+    try:
+        result = plan(p, nodes, max_context=ctx, preferred=preferred)
+    except PlanError:
+        assert k is None
+        return
+    check_valid(p, nodes, result, ctx)
+    assert len(result.stages) == k
+    best = max(sum(1 for x in c if x.node_id in preferred) for c in fitting)
+    assert sum(1 for n in result.node_ids() if n in preferred) == best
+    # Preferred nodes keep their given order when that order fits.
+    kept = [n for n in result.node_ids() if n in preferred]
+    by_id = {x.node_id: x for x in nodes}
+    natural = [n for n in preferred if n in kept]
+    if kept != natural:
+        rest = [n for n in result.node_ids() if n not in preferred]
+        assert not order_fits(p, [by_id[n] for n in natural + sorted(
+            rest, key=lambda n: (-by_id[n].memory_budget, n))], ctx)
+    assert plan(p, data.draw(st.permutations(nodes)), max_context=ctx, preferred=preferred) == result
+
+
+@PROPS
+@given(cases(), st.sampled_from(["single", "pipeline"]))
+def test_forced_strategies(case, strategy):
+    p, nodes, ctx = case
+    if strategy == "single":
+        k, _ = fitting_subsets(p, nodes, ctx, 1, 1)
+    else:
+        k, _ = fitting_subsets(p, nodes, ctx, 2)
+    try:
+        result = plan(p, nodes, max_context=ctx, strategy=strategy)
+    except PlanError as exc:
+        assert k is None, f"planner missed a {strategy} fit with {k} nodes: {exc}"
+        assert explains_failure(exc) or "single" in str(exc), str(exc)
+        return
+    check_valid(p, nodes, result, ctx)
+    assert result.strategy == strategy and len(result.stages) == k
+
+
+@settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
+@given(cases(max_nodes=7, max_layers=12))
+def test_larger_clusters_stay_valid_and_minimal_by_budget(case):
+    """Up to 7 nodes and 12 layers: the minimal k is checked on the top-k nodes only."""
+    p, nodes, ctx = case
+    ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
+    least = next((k for k in range(1, len(ranked) + 1) if subset_fits(p, ranked[:k], ctx)), None)
+    try:
+        result = plan(p, nodes, max_context=ctx)
+    except PlanError as exc:
+        assert least is None, str(exc)
+        return
+    check_valid(p, nodes, result, ctx)
+    assert len(result.stages) == least
+
+
+@PROPS
+@given(st.integers(1, 40), st.integers(1, 1000), st.lists(st.integers(1, 10**6), min_size=1, max_size=6))
+def test_uniform_layers_follow_budgets(n, layer, raw_budgets):
+    """Equal layers, nothing else: each node's share is within half a layer of proportional; no
+    single move of a layer between two stages would load the nodes more evenly."""
+    p = profile([layer] * n, embed=0, head=0, norm=0, kv=0)
+    nodes = [NodeSpec(f"n{i}", b) for i, b in enumerate(raw_budgets)]
+    try:
+        result = plan(p, nodes, max_context=1)
+    except PlanError:
+        assert sum(b // layer for b in sorted(raw_budgets)[::-1][:n]) < n or n < 1
+        return
+    by_id = {x.node_id: x.memory_budget for x in nodes}
+    counts = [(s.num_layers, by_id[s.nodes[0]]) for s in result.stages]
+    peak = max(Fraction(c * layer, b) for c, b in counts)
+    cap = {i: int(peak * b / layer) for i, (_, b) in enumerate(counts)}
+    for (i, (li, bi)), (j, (lj, bj)) in itertools.permutations(enumerate(counts), 2):
+        if li >= 2 and lj + 1 <= cap[j]:
+            assert (2 * li - 1) * bj <= (2 * lj + 1) * bi, counts  # moving one from i to j is no better
+    # the peak load cannot drop by moving one layer from a fullest stage to any other
+    fullest = [i for i, (li, bi) in enumerate(counts) if Fraction(li * layer, bi) == peak]
+    if len(fullest) == 1 and counts[fullest[0]][0] >= 2:
+        i = fullest[0]
+        assert all(Fraction((lj + 1) * layer, bj) >= peak for j, (lj, bj) in enumerate(counts) if j != i)
+
+
+# ---- examples ----
 
 def test_one_machine_beats_two():
     p = profile([100] * 8)
-    result = plan(p, [NodeSpec("big", 10**6), NodeSpec("small", 10**6 - 1)], max_context=4)
+    result = plan(p, [NodeSpec("small", 10**6 - 1), NodeSpec("big", 10**6)], max_context=4)
     assert result.strategy == "single" and result.node_ids() == ["big"]
-    assert "alone" in result.reason
+    assert result.stages == (Stage(0, 8, ("big",), p.total_bytes(4)),)
+    assert "fits on big alone" in result.reason
 
 
 def test_layers_follow_budgets():
-    p = profile([100] * 30, embed=0, head=0, kv=0)
+    p = profile([100] * 30, embed=0, head=0, norm=0, kv=0)
     result = plan(p, [NodeSpec("a", 1000), NodeSpec("b", 1100), NodeSpec("c", 1200)], max_context=1)
-    counts = {s.nodes[0]: s.end_layer - s.start_layer for s in result.stages}
+    counts = {s.nodes[0]: s.num_layers for s in result.stages}
     # 3000 bytes needed, no two nodes suffice; each fills about 91 % of its budget.
     assert counts == {"a": 9, "b": 10, "c": 11}
+    assert result.node_ids() == ["c", "b", "a"]  # largest budget first
+    assert result.reason.startswith("needs 3 nodes (no 2 nodes hold")
+
+    p = profile([GiB // 8] * 60, embed=0, head=0, norm=0, kv=0)
+    result = plan(p, [NodeSpec("s", 1 * GiB + 1), NodeSpec("m", 2 * GiB + 1), NodeSpec("l", 5 * GiB)],
+                  max_context=1)
+    assert {s.nodes[0]: s.num_layers for s in result.stages} == {"l": 38, "m": 15, "s": 7}
+
+
+def test_embedding_and_head_weigh_on_the_end_stages():
+    p = profile([100] * 10, embed=400, head=400, norm=0, kv=0)
+    result = plan(p, [NodeSpec("a", 1000), NodeSpec("b", 1000)], max_context=1)
+    assert [s.num_layers for s in result.stages] == [5, 5] and all(s.bytes == 900 for s in result.stages)
+    # tied: the last stage holds the embedding as its head, so a split needs it twice
+    p = profile([100] * 10, embed=400, tied=True, norm=0, kv=0)
+    assert p.total_bytes(1) == 1400
+    result = plan(p, [NodeSpec("a", 900), NodeSpec("b", 900)], max_context=1)
+    assert [s.bytes for s in result.stages] == [900, 900]
+    with pytest.raises(PlanError, match=r"tied embedding.*short by 399 B"):
+        plan(p, [NodeSpec("a", 700), NodeSpec("b", 701)], max_context=1)
+
+
+def test_sliding_windows_cap_the_kv_cache():
+    full = profile([100] * 4, embed=0, head=0, norm=0, kv=10)
+    windowed = profile([100] * 4, embed=0, head=0, norm=0, kv=10, windows=[8, 8, 8, None])
+    assert full.total_bytes(100) == 400 + 4 * 1000
+    assert windowed.total_bytes(100) == 400 + 3 * 80 + 1000
+    nodes = [NodeSpec("a", 2000), NodeSpec("b", 2000)]
+    assert plan(windowed, nodes, max_context=100).strategy == "single"
+    # each full-context layer needs 1100 bytes: one per node
+    assert len(plan(full, [NodeSpec(x, 2000) for x in "abcd"], max_context=100).stages) == 4
 
 
 def test_preferred_nodes_keep_their_place():
-    p = profile([100] * 10, embed=0, head=0, kv=0)
+    p = profile([100] * 10, embed=0, head=0, norm=0, kv=0)
     nodes = [NodeSpec("a", 600), NodeSpec("b", 600), NodeSpec("c", 600)]
-    assert set(plan(p, nodes, max_context=1).node_ids()) == {"a", "b"}
-    assert set(plan(p, nodes, max_context=1, preferred=["b", "c"]).node_ids()) == {"b", "c"}
+    assert plan(p, nodes, max_context=1).node_ids() == ["a", "b"]
+    again = plan(p, nodes, max_context=1, preferred=["c", "b"])
+    assert again.node_ids() == ["c", "b"]  # the current plan's nodes, in its order
+    assert "keeps c, b from the current plan" in again.reason
+    # a larger newcomer does not displace the current nodes while they still fit...
+    bigger = nodes + [NodeSpec("d", 900)]
+    assert plan(p, bigger, max_context=1, preferred=["c", "b"]).node_ids() == ["c", "b"]
+    # ...but wins when it alone is enough: one machine beats two
+    assert plan(p, nodes + [NodeSpec("e", 1000)], max_context=1, preferred=["c", "b"]).node_ids() == ["e"]
+    # a preferred node that left is ignored; the survivor keeps its place and gets a partner
+    assert plan(p, [NodeSpec("b", 600), NodeSpec("a", 600), NodeSpec("z", 600)], max_context=1,
+                preferred=["c", "b"]).node_ids() == ["b", "a"]
+
+
+def test_another_stage_order_when_the_natural_one_does_not_fit():
+    p = profile([900, 100, 100, 100], embed=0, head=0, norm=0, kv=0)
+    result = plan(p, [NodeSpec("big", 950), NodeSpec("small", 300)], max_context=1)
+    assert result.node_ids() == ["big", "small"]
+    p = profile([100, 100, 100, 900], embed=0, head=0, norm=0, kv=0)
+    result = plan(p, [NodeSpec("big", 950), NodeSpec("small", 300)], max_context=1)
+    assert result.node_ids() == ["small", "big"]  # largest-first does not fit; the reverse does
+    assert [(s.start_layer, s.end_layer) for s in result.stages] == [(0, 3), (3, 4)]
 
 
 def test_error_messages_say_what_is_missing():
+    p = profile([GiB] * 4, embed=0, head=0, norm=0, kv=0)
+    with pytest.raises(PlanError) as info:
+        plan(p, [NodeSpec("a", 2 * GiB), NodeSpec("b", GiB)], max_context=4096)
+    assert str(info.value) == ("model needs 4.0 GiB for 4096 tokens of context; the 2 nodes offer 3.0 GiB "
+                               "together (short by 1.0 GiB)")
+    assert info.value.reasons == [str(info.value)]
+
+    big = profile([GiB, 5 * GiB, GiB], embed=0, head=0, norm=0, kv=0)
+    with pytest.raises(PlanError, match=r"^layer 1 alone needs 5\.0 GiB for 1 token of context, more than any "
+                                        r"node's budget \(largest: a, 4\.0 GiB\)$"):
+        plan(big, [NodeSpec("a", 4 * GiB), NodeSpec("b", 4 * GiB)], max_context=1)
+    with pytest.raises(PlanError, match="layer 0 with the embedding alone needs"):
+        plan(profile([GiB, 1], embed=4 * GiB), [NodeSpec("a", 4 * GiB), NodeSpec("b", 4 * GiB)], max_context=1)
+
+    # enough memory in total, but layers are whole: 3 layers of 1 GiB on nodes of 1.5 GiB
+    with pytest.raises(PlanError, match="no contiguous split") as info:
+        plan(profile([GiB] * 3, embed=0, head=0, norm=0, kv=0),
+             [NodeSpec("a", 3 * GiB // 2), NodeSpec("b", 3 * GiB // 2)], max_context=1)
+    assert len(info.value.reasons) == 1
+
+
+def test_error_suggests_a_context_that_fits():
+    p = profile([1000] * 4, embed=0, head=0, norm=0, kv=10)
+    with pytest.raises(PlanError, match=r"short by .*; it would fit with max_context 150$"):
+        plan(p, [NodeSpec("a", 5000), NodeSpec("b", 5000)], max_context=1000)
+    assert len(plan(p, [NodeSpec("a", 5000), NodeSpec("b", 5000)], max_context=150).stages) == 2
+
+
+def test_bad_input_is_refused_with_a_reason():
     p = profile([GiB] * 4, embed=0, head=0, kv=0)
-    with pytest.raises(PlanError, match="short by"):
-        plan(p, [NodeSpec("a", 2 * GiB)], max_context=1)
-    with pytest.raises(PlanError, match="single layer"):
-        plan(profile([5 * GiB, 1]), [NodeSpec("a", 4 * GiB), NodeSpec("b", 4 * GiB)], max_context=1)
-    with pytest.raises(PlanError, match="duplicate"):
+    with pytest.raises(PlanError, match="duplicate node ids: a"):
         plan(p, [NodeSpec("a", 1), NodeSpec("a", 1)], max_context=1)
     with pytest.raises(PlanError, match="no nodes"):
         plan(p, [], max_context=1)
-    with pytest.raises(PlanError, match="unknown strategy"):
+    with pytest.raises(PlanError, match="positive memory budget: b, c"):
+        plan(p, [NodeSpec("a", GiB), NodeSpec("c", -1), NodeSpec("b", 0)], max_context=1)
+    with pytest.raises(PlanError, match="max_context must be positive"):
+        plan(p, [NodeSpec("a", 10 * GiB)], max_context=0)
+    with pytest.raises(PlanError, match="unknown strategy 'magic'"):
         plan(p, [NodeSpec("a", 10 * GiB)], max_context=1, strategy="magic")
-    with pytest.raises(PlanError):
-        plan(p, [NodeSpec("a", 10 * GiB)], max_context=1, strategy="pipeline")
 
 
-def test_forced_pipeline_splits_even_when_one_fits():
+def test_forced_strategies_examples():
     p = profile([100] * 6)
     result = plan(p, [NodeSpec("a", 10**6), NodeSpec("b", 10**6)], max_context=1, strategy="pipeline")
-    assert result.strategy == "pipeline" and len(result.stages) == 2
+    assert result.strategy == "pipeline" and len(result.stages) == 2 and "pipeline forced" in result.reason
+    with pytest.raises(PlanError, match="at least two nodes"):
+        plan(p, [NodeSpec("a", 10**6)], max_context=1, strategy="pipeline")
+    with pytest.raises(PlanError, match="at least two layers"):
+        plan(profile([100]), [NodeSpec("a", 10**6), NodeSpec("b", 10**6)], max_context=1, strategy="pipeline")
+    with pytest.raises(PlanError, match=r"strategy 'single'.*largest node \(a\).*short by"):
+        plan(p, [NodeSpec("a", 500), NodeSpec("b", 500)], max_context=1, strategy="single")
+    assert plan(p, [NodeSpec("a", 10**6), NodeSpec("b", 10**6)], max_context=1,
+                strategy="single").node_ids() == ["a"]
 
 
-def test_plan_round_trips_through_dict():
+def test_plan_round_trips_through_json():
     p = profile([100] * 6)
-    result = plan(p, [NodeSpec("a", 500), NodeSpec("b", 500)], max_context=1).with_epoch(7)
-    from meshnode.control.planner import Plan
-    assert Plan.from_dict(result.to_dict()) == result
+    result = plan(p, [NodeSpec("a", 500), NodeSpec("b", 500)], max_context=3).with_epoch(7)
+    assert result.epoch == 7
+    again = Plan.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again == result
+    assert result.stage_of("b") == result.stages[1] and result.stage_of("zz") is None
+    assert result.to_dict()["stages"][0] == {"start_layer": 0, "end_layer": result.stages[0].end_layer,
+                                             "nodes": ["a"], "bytes": result.stages[0].bytes}
+    with pytest.raises(ValueError):
+        Plan("m", "pipeline", (Stage(0, 2, ("a",)), Stage(3, 6, ("b",)))).check(6)
+    with pytest.raises(ValueError):
+        Plan("m", "pipeline", (Stage(0, 2, ("a",)), Stage(2, 6, ("a",)))).check(6)
+
+
+def test_big_clusters_and_models_plan_quickly():
+    # 80 layers of a 70B-class model on 8 machines, and an impossible variant: both fast.
+    p = profile([1_700_000_000] * 80, embed=2 * GiB, head=2 * GiB, kv=4096)
+    nodes = [NodeSpec(f"mac{i}", (16 + 8 * (i % 3)) * GiB) for i in range(8)]
+    t = time.perf_counter()
+    result = plan(p, nodes, max_context=8192)
+    assert time.perf_counter() - t < 2
+    check_valid(p, nodes, result, 8192)
+    t = time.perf_counter()
+    with pytest.raises(PlanError, match="short by"):
+        plan(p, nodes[:5], max_context=8192)
+    assert time.perf_counter() - t < 2
+    # beyond the exact search (more than 12 stages), natural orders still find a plan
+    many = [NodeSpec(f"n{i:02d}", 11 * GiB) for i in range(16)]
+    result = plan(p, many, max_context=8192)
+    check_valid(p, many, result, 8192)
+    assert len(result.stages) == 14

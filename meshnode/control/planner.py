@@ -1,16 +1,31 @@
 """The planner: which nodes hold which layers. Pure: no I/O, no clock, no randomness.
 
 Input: the model's profile, the live nodes with their memory budgets, the max context.
-Output: a :class:`Plan` or a :class:`PlanError` that says what is missing.
+Output: a :class:`Plan`, or a :class:`PlanError` whose reasons say what is missing.
 
 Rules, in order:
-1. Use the fewest nodes that fit: one machine is faster than two, since every hop costs a
-   network round trip per token.
-2. Among subsets of that size, prefer the nodes of the current plan (no needless reloads), then
-   the nodes with the largest budgets.
-3. Split the layers contiguously so that every node uses the same fraction of its budget as
-   nearly as possible (layers in proportion to memory), never exceeding any budget. The split
-   minimises the largest fraction used (exact dynamic programme over the layer boundaries).
+
+1. Use the fewest nodes that fit: one machine beats two, since every hop costs a network
+   round trip per token. The search is exact: if any k nodes can hold the model, then so can
+   the k nodes with the largest budgets (swap each node of a fitting placement for a larger
+   one in the same position), so the least k is found by testing the top-k nodes in every
+   stage order at once (a dynamic programme over subsets, exact up to ``EXACT_MAX_NODES``
+   stages; beyond that a few natural orders are tried).
+2. Among the subsets of that size that fit, prefer the most nodes of ``preferred`` (the
+   current plan's, so that a re-plan reloads as little as possible), then the largest budgets
+   (ties by node id). Stage order: the preferred nodes in their given order, then by budget,
+   largest first (it holds the embedding), then node id; another order only if that one does
+   not fit.
+3. Split the layers contiguously in proportion to memory, never exceeding a budget: first
+   minimise the largest fraction of a budget any stage uses, then, among the splits that reach
+   that, minimise sum(bytes_i**2 / budget_i), whose optimum gives each node bytes in proportion
+   to its budget. Both are exact dynamic programmes over the layer boundaries. A stage's bytes
+   are its layers' weights, their KV cache for ``max_context`` tokens (capped by a layer's
+   sliding window), the embedding on the first stage and the final norm and head on the last
+   (plus the embedding again on the last when tied and it is not also the first).
+
+``NodeSpec.compute`` is carried but not weighed: a pipeline runs its stages one after another
+for each token, so memory, not speed, decides the split.
 """
 
 from __future__ import annotations
@@ -22,35 +37,44 @@ from typing import Any
 
 from meshnode.data.profile import ModelProfile
 
+__all__ = ["STRATEGIES", "NodeSpec", "Plan", "PlanError", "Stage", "plan"]
+
 STRATEGIES = ("single", "pipeline")
-_EXACT_ORDERS_UP_TO = 4  # try every stage order for this many nodes; a few sensible ones beyond
+EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here
+_PREFERRED_WORK = 2**14  # subsets tried for `preferred` before settling for the largest: this / 2**k
 
 
 @dataclass(frozen=True)
 class NodeSpec:
     node_id: str
-    memory_budget: int
-    compute: float = 1.0
+    memory_budget: int  # bytes offered for weights + KV cache
+    compute: float = 1.0  # relative speed, higher is faster (informational)
+    address: str = ""
 
 
 @dataclass(frozen=True)
 class Stage:
     start_layer: int
     end_layer: int  # exclusive
-    nodes: tuple[str, ...]
-    bytes: int = 0
+    nodes: tuple[str, ...]  # one node for a pipeline stage
+    bytes: int = 0  # memory the stage needs on its node
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
 
 
 @dataclass(frozen=True)
 class Plan:
     model: str
-    strategy: str
+    strategy: str  # "single" | "pipeline"
     stages: tuple[Stage, ...]
     epoch: int = 0
     reason: str = ""
     max_context: int = 0
 
     def node_ids(self) -> list[str]:
+        """Every node of the plan, in stage order."""
         return [n for s in self.stages for n in s.nodes]
 
     def stage_of(self, node_id: str) -> Stage | None:
@@ -59,80 +83,223 @@ class Plan:
     def with_epoch(self, epoch: int) -> "Plan":
         return replace(self, epoch=epoch)
 
+    def check(self, num_layers: int) -> None:
+        """Raise ValueError unless the stages tile [0, num_layers) with distinct nodes."""
+        edge = 0
+        for s in self.stages:
+            if s.start_layer != edge or s.end_layer <= s.start_layer or not s.nodes:
+                raise ValueError(f"plan epoch {self.epoch}: stages do not tile the model's layers")
+            edge = s.end_layer
+        if edge != num_layers:
+            raise ValueError(f"plan epoch {self.epoch} covers {edge} of {num_layers} layers")
+        ids = self.node_ids()
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"plan epoch {self.epoch} names a node twice")
+
     def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "model": self.model, "strategy": self.strategy, "reason": self.reason,
+        return {"model": self.model, "strategy": self.strategy, "epoch": self.epoch, "reason": self.reason,
                 "max_context": self.max_context,
                 "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
                             "bytes": s.bytes} for s in self.stages]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        stages = tuple(Stage(int(s["start_layer"]), int(s["end_layer"]), tuple(s["nodes"]), int(s.get("bytes", 0)))
-                       for s in d["stages"])
-        return cls(model=d["model"], strategy=d["strategy"], stages=stages, epoch=int(d.get("epoch", 0)),
-                   reason=d.get("reason", ""), max_context=int(d.get("max_context", 0)))
+        stages = tuple(Stage(int(s["start_layer"]), int(s["end_layer"]), tuple(str(n) for n in s["nodes"]),
+                             int(s.get("bytes", 0))) for s in d["stages"])
+        return cls(model=str(d["model"]), strategy=str(d["strategy"]), stages=stages, epoch=int(d.get("epoch", 0)),
+                   reason=str(d.get("reason", "")), max_context=int(d.get("max_context", 0)))
 
 
 class PlanError(Exception):
-    def __init__(self, reasons: list[str]):
-        super().__init__("; ".join(reasons))
-        self.reasons = reasons
+    """No plan fits; ``reasons`` says why, one sentence each."""
+
+    def __init__(self, reasons: Sequence[str] | str):
+        self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
+        super().__init__("; ".join(self.reasons))
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def human_bytes(n: float) -> str:
+    """31.2 GiB, 512.0 MiB, 300 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _context(ctx: int) -> str:
+    return f"for {ctx} token{'s' if ctx != 1 else ''} of context"
 
 
 class _Costs:
-    """O(1) stage sizes from prefix sums."""
+    """Stage sizes in O(1) from prefix sums of per-layer weights + KV."""
 
     def __init__(self, profile: ModelProfile, max_context: int):
-        self.p = profile
-        self.n = profile.num_layers
-        per_layer = [profile.layer_bytes[i] + profile.kv_bytes(i, max_context) for i in range(self.n)]
-        self.prefix = [0, *itertools.accumulate(per_layer)]
+        p = profile
+        self.n = n = p.num_layers
+        self.prefix = [0, *itertools.accumulate(p.layer_bytes[i] + p.kv_bytes(i, max_context) for i in range(n))]
+        self.head = p.embed_bytes  # added when start == 0
+        self.tail = p.norm_bytes + p.head_bytes  # added when end == n
+        self.tied = p.embed_bytes if p.tied_embeddings else 0  # added when end == n and start != 0
 
     def stage(self, start: int, end: int) -> int:
-        p = self.p
         total = self.prefix[end] - self.prefix[start]
         if start == 0:
-            total += p.embed_bytes
+            total += self.head
         if end == self.n:
-            total += p.norm_bytes + p.head_bytes + (p.embed_bytes if p.tied_embeddings and start != 0 else 0)
+            total += self.tail + (self.tied if start != 0 else 0)
         return total
 
+    def reach(self, start: int, budget: int, cap: int) -> int:
+        """The furthest end <= cap with stage(start, end) <= budget, or start if none."""
+        lo, hi = start, cap  # stage() grows with end: binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.stage(start, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
-def _greedy_fits(costs: _Costs, budgets: Sequence[int]) -> bool:
-    """Exact feasibility for a fixed stage order: each stage takes as many layers as fit."""
-    start, k = 0, len(budgets)
-    for i, budget in enumerate(budgets):
-        if i == k - 1:
-            return costs.stage(start, costs.n) <= budget
-        end = start
-        while end < costs.n - (k - 1 - i) and costs.stage(start, end + 1) <= budget:
-            end += 1
-        if end == start:
-            return False
-        start = end
-    return False
+    def greedy(self, budgets: Sequence[int]) -> bool:
+        """Whether this stage order fits, each stage taking as many layers as it can while leaving
+        one for each later stage. Sound always; exact when no fewer nodes fit (see _order)."""
+        start, k = 0, len(budgets)
+        for i, b in enumerate(budgets):
+            end = self.reach(start, b, self.n - (k - 1 - i))
+            if end == start:
+                return False
+            start = end
+        return start == self.n
 
 
-def _balanced_split(costs: _Costs, budgets: Sequence[int]) -> list[int] | None:
-    """Boundaries minimising the largest fraction of a budget used (None if nothing fits)."""
+def _subset_reach(costs: _Costs, budgets: Sequence[int]) -> list[int]:
+    """f[mask]: the furthest layer the nodes in mask can cover from layer 0, each holding at least
+    one layer and leaving one for each node not in mask, in the best order (-1: none).
+
+    Taking the furthest reach at each step loses nothing while no smaller set of nodes fits: were
+    a greedy boundary to overtake a fitting split's next boundary and get stuck, dropping the node
+    in between would leave a fitting split with fewer nodes.
+    """
+    k, n = len(budgets), costs.n
+    f = [-1] * (1 << k)
+    f[0] = 0
+    for mask in range(1, 1 << k):
+        cap = n - (k - bin(mask).count("1"))
+        best = -1
+        for i in range(k):
+            bit = 1 << i
+            if mask & bit:
+                s = f[mask ^ bit]
+                if 0 <= s < cap:
+                    e = costs.reach(s, budgets[i], cap)
+                    if e > s and e > best:
+                        best = e
+        f[mask] = best
+    return f
+
+
+def _fits(costs: _Costs, nodes: Sequence[NodeSpec]) -> bool:
+    budgets = [x.memory_budget for x in nodes]
+    if len(nodes) <= EXACT_MAX_NODES:
+        return _subset_reach(costs, budgets)[-1] == costs.n
+    return any(costs.greedy([x.memory_budget for x in order]) for order in _natural_orders(nodes))
+
+
+def _natural_orders(nodes: Sequence[NodeSpec]) -> list[tuple[NodeSpec, ...]]:
+    """For clusters beyond the exact search: the given order, reversed, and every choice of the
+    first and last node (where the embedding and head go) with the rest in between."""
+    base = tuple(nodes)
+    out = [base, tuple(reversed(base))]
+    for first, last in itertools.permutations(base, 2):
+        out.append((first, *[x for x in base if x is not first and x is not last], last))
+    return out
+
+
+def _order(costs: _Costs, nodes: Sequence[NodeSpec]) -> tuple[NodeSpec, ...] | None:
+    """A stage order of these nodes that fits: the given order if it does, else the first (in
+    lexicographic order over the given one) along a chain of the subset programme's best reaches."""
+    base = tuple(nodes)
+    if costs.greedy([x.memory_budget for x in base]):
+        return base
+    if len(base) > EXACT_MAX_NODES:
+        return next((o for o in _natural_orders(base) if costs.greedy([x.memory_budget for x in o])), None)
+    k, n = len(base), costs.n
+    budgets = [x.memory_budget for x in base]
+    f = _subset_reach(costs, budgets)
+    full = (1 << k) - 1
+    if f[full] != n:
+        return None
+
+    def step(mask: int, i: int) -> int:  # where node i ends when it follows the nodes in mask
+        return costs.reach(f[mask], budgets[i], n - (k - bin(mask).count("1") - 1))
+
+    # done[mask]: from the best reach of mask, best reaches lead on to every node.
+    done = [False] * (1 << k)
+    done[full] = True
+    for mask in range(full - 1, -1, -1):
+        if f[mask] >= 0:
+            done[mask] = any(not mask & (1 << i) and done[mask | 1 << i] and f[mask] < step(mask, i) == f[mask | 1 << i]
+                             for i in range(k))
+    if not done[0]:  # cannot happen: f[full] == n is itself such a chain
+        return None
+    order: list[NodeSpec] = []
+    mask = 0
+    while mask != full:
+        i = next(i for i in range(k) if not mask & (1 << i) and done[mask | 1 << i]
+                 and f[mask] < step(mask, i) == f[mask | 1 << i])
+        order.append(base[i])
+        mask |= 1 << i
+    return tuple(order)
+
+
+def _split(costs: _Costs, budgets: Sequence[int]) -> list[int] | None:
+    """Layer boundaries [0, b1, ..., n] for stages with these budgets, in this order: the split
+    that minimises the largest fraction of a budget used, then sum(bytes**2 / budget)."""
     n, k = costs.n, len(budgets)
     inf = float("inf")
-    # best[i][e]: min over splits of layers [0, e) into stages 0..i of the max fraction used.
-    best = [[inf] * (n + 1) for _ in range(k)]
-    back = [[0] * (n + 1) for _ in range(k)]
-    for e in range(1, n + 1):
-        best[0][e] = costs.stage(0, e) / budgets[0]
+    # Pass 1: best1[i][e] = least max fraction over splits of layers [0, e) into stages 0..i.
+    best1 = [[inf] * (n + 1) for _ in range(k)]
+    for e in range(1, n - k + 2):
+        c = costs.stage(0, e)
+        if c <= budgets[0]:
+            best1[0][e] = c / budgets[0]
     for i in range(1, k):
-        for e in range(i + 1, n + 1):
+        b = budgets[i]
+        prev, row = best1[i - 1], best1[i]
+        for e in range(i + 1, n - (k - 1 - i) + 1):
+            m = inf
             for s in range(i, e):
-                v = max(best[i - 1][s], costs.stage(s, e) / budgets[i])
-                if v < best[i][e]:
-                    best[i][e], back[i][e] = v, s
-    if best[k - 1][n] > 1.0:
+                if prev[s] < m:
+                    c = costs.stage(s, e)
+                    if c <= b:
+                        v = max(prev[s], c / b)
+                        if v < m:
+                            m = v
+            row[e] = m
+    limit = best1[k - 1][n]
+    if limit == inf:
+        return None
+    # Pass 2: least sum(bytes**2 / budget) over splits whose every fraction stays within `limit`.
+    best2 = [[inf] * (n + 1) for _ in range(k)]
+    back = [[0] * (n + 1) for _ in range(k)]
+    for e in range(1, n - k + 2):
+        c = costs.stage(0, e)
+        if c <= budgets[0] and c / budgets[0] <= limit:
+            best2[0][e] = c * c / budgets[0]
+    for i in range(1, k):
+        b = budgets[i]
+        prev, row, brow = best2[i - 1], best2[i], back[i]
+        for e in range(i + 1, n - (k - 1 - i) + 1):
+            m, arg = inf, 0
+            for s in range(i, e):
+                if prev[s] < inf:
+                    c = costs.stage(s, e)
+                    if c <= b and c / b <= limit:
+                        v = prev[s] + c * c / b
+                        if v < m:
+                            m, arg = v, s
+            row[e], brow[e] = m, arg
+    if best2[k - 1][n] == inf:  # cannot happen: pass 1's split qualifies
         return None
     edges = [n]
     for i in range(k - 1, 0, -1):
@@ -140,23 +307,31 @@ def _balanced_split(costs: _Costs, budgets: Sequence[int]) -> list[int] | None:
     return [0, *reversed(edges)]
 
 
-def _orders(nodes: Sequence[NodeSpec]) -> list[tuple[NodeSpec, ...]]:
-    base = tuple(nodes)  # already sorted: largest budget first
-    if len(base) <= _EXACT_ORDERS_UP_TO:
-        perms = list(itertools.permutations(base))
-        return [base, *[p for p in perms if p != base]]
-    # Beyond that: the stage order matters mostly at the ends (embedding first, head last).
-    out = [base, tuple(reversed(base))]
-    for first, last in itertools.permutations(base, 2):
-        middle = [x for x in base if x is not first and x is not last]
-        out.append((first, *middle, last))
-    return out
+def _candidates(ranked: list[NodeSpec], k: int, preferred: dict[str, int]):
+    """k-subsets in order of preference: the top k by budget, preceded by those holding more
+    preferred nodes (most first; then the larger budgets). Each comes in stage order."""
+    top = ranked[:k]
+    top_pref = sum(1 for x in top if x.node_id in preferred)
+    pref_idx = [i for i, x in enumerate(ranked) if x.node_id in preferred]
+    other_idx = [i for i, x in enumerate(ranked) if x.node_id not in preferred]
+    tried, limit = 0, max(8, _PREFERRED_WORK >> k)
+    for j in range(min(k, len(pref_idx)), top_pref, -1):
+        if k - j > len(other_idx):
+            continue
+        combos = sorted(tuple(sorted(p + q)) for p in itertools.combinations(pref_idx, j)
+                        for q in itertools.combinations(other_idx, k - j))
+        for combo in combos:
+            if tried >= limit:
+                break
+            tried += 1
+            yield _stage_order([ranked[i] for i in combo], preferred)
+    yield _stage_order(top, preferred)
 
 
-def _subsets(nodes: Sequence[NodeSpec], k: int, preferred: set[str]):
-    combos = list(itertools.combinations(nodes, k))
-    # Stable: the current plan's nodes first, then by the (budget-sorted) combination order.
-    return sorted(combos, key=lambda c: -sum(1 for n in c if n.node_id in preferred))
+def _stage_order(subset: Sequence[NodeSpec], preferred: dict[str, int]) -> list[NodeSpec]:
+    pref = sorted((x for x in subset if x.node_id in preferred), key=lambda x: preferred[x.node_id])
+    rest = [x for x in subset if x.node_id not in preferred]  # already by budget, then id
+    return pref + rest
 
 
 def plan(
@@ -167,71 +342,160 @@ def plan(
     strategy: str | None = None,
     preferred: Sequence[str] = (),
 ) -> Plan:
+    """Place ``profile``'s layers on the fewest of ``nodes`` that hold them with ``max_context``
+    tokens of KV cache. ``strategy`` forces "single" or "pipeline"; ``preferred`` node ids (the
+    current plan's, in stage order) win among placements with equally few nodes."""
     if strategy is not None and strategy not in STRATEGIES:
         raise PlanError([f"unknown strategy {strategy!r}; this planner knows {', '.join(STRATEGIES)}"])
     if not nodes:
         raise PlanError(["no nodes to place the model on"])
-    ids = [n.node_id for n in nodes]
+    ids = [x.node_id for x in nodes]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise PlanError([f"duplicate node ids: {', '.join(dup)}"])
-    bad = [n.node_id for n in nodes if n.memory_budget <= 0]
+    bad = sorted(x.node_id for x in nodes if not x.memory_budget > 0)
     if bad:
-        raise PlanError([f"nodes without a memory budget: {', '.join(sorted(bad))}"])
-    if max_context <= 0 or profile.num_layers <= 0:
-        raise PlanError(["max_context and the number of layers must be positive"])
+        raise PlanError([f"nodes without a positive memory budget: {', '.join(bad)}"])
+    if profile.num_layers <= 0:
+        raise PlanError([f"model {profile.name!r} has no layers"])
+    if max_context <= 0:
+        raise PlanError([f"max_context must be positive, not {max_context}"])
 
     costs = _Costs(profile, max_context)
-    ordered = sorted(nodes, key=lambda n: (-n.memory_budget, n.node_id))
-    need = costs.stage(0, profile.num_layers)
-    offered = sum(n.memory_budget for n in nodes)
-    sizes = range(1, min(len(ordered), profile.num_layers) + 1)
-    if strategy == "single":
-        sizes = range(1, 2)
-    elif strategy == "pipeline":
-        sizes = range(2, min(len(ordered), profile.num_layers) + 1)
-    pref = set(preferred)
-    for k in sizes:
-        for subset in _subsets(ordered, k, pref):
-            for order in _orders(subset):
-                budgets = [n.memory_budget for n in order]
-                if not _greedy_fits(costs, budgets):
-                    continue
-                edges = _balanced_split(costs, budgets)
-                assert edges is not None  # greedy said it fits
-                stages = tuple(
-                    Stage(edges[i], edges[i + 1], (order[i].node_id,), costs.stage(edges[i], edges[i + 1]))
-                    for i in range(k)
-                )
-                return Plan(model=profile.name, strategy="single" if k == 1 else "pipeline", stages=stages,
-                            reason=_reason(profile, stages, order, need, max_context), max_context=max_context)
-    raise PlanError(_why_not(profile, costs, ordered, need, offered, max_context, strategy))
+    n = profile.num_layers
+    ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
+    pref = {}
+    for node_id in preferred:
+        if node_id in ids and node_id not in pref:
+            pref[node_id] = len(pref)
+    low = 2 if strategy == "pipeline" else 1
+    high = 1 if strategy == "single" else min(len(ranked), n)
+    # A lower bound on the bytes of any split into k >= 2 stages: a tied embedding is held twice.
+    split_need = costs.stage(0, n) + costs.tied
+    for k in range(low, high + 1):
+        top = ranked[:k]
+        if sum(x.memory_budget for x in top) < (costs.stage(0, n) if k == 1 else split_need):
+            continue
+        if not _fits(costs, top):
+            continue
+        for subset in _candidates(ranked, k, pref):
+            if sum(x.memory_budget for x in subset) < (costs.stage(0, n) if k == 1 else split_need):
+                continue
+            order = _order(costs, subset)
+            if order is None:
+                continue
+            edges = _split(costs, [x.memory_budget for x in order])
+            if edges is None:  # cannot happen: the order fits
+                continue
+            stages = tuple(Stage(edges[i], edges[i + 1], (order[i].node_id,), costs.stage(edges[i], edges[i + 1]))
+                           for i in range(k))
+            return Plan(model=profile.name, strategy="single" if k == 1 else "pipeline", stages=stages,
+                        reason=_reason(profile, costs, stages, order, ranked, max_context, strategy, pref),
+                        max_context=max_context)
+    raise PlanError(_why_not(profile, costs, ranked, max_context, strategy))
 
 
-def _reason(profile: ModelProfile, stages, order, need: int, ctx: int) -> str:
+def _reason(profile, costs: _Costs, stages, order, ranked, ctx: int, strategy, pref) -> str:
+    need = costs.stage(0, costs.n)
     if len(stages) == 1:
-        return (f"fits on {stages[0].nodes[0]} alone ({gib(need)} for {ctx} tokens of context; "
-                f"one machine beats two)")
-    parts = ", ".join(f"{s.nodes[0]} layers {s.start_layer}-{s.end_layer - 1} ({gib(s.bytes)} of "
-                      f"{gib(n.memory_budget)})" for s, n in zip(stages, order))
-    return f"needs {len(stages)} nodes for {gib(need)}: layers split by memory: {parts}"
+        node = order[0]
+        return (f"fits on {node.node_id} alone: {human_bytes(need)} of its {human_bytes(node.memory_budget)} "
+                f"{_context(ctx)} (one machine beats two)")
+    k = len(stages)
+    if strategy == "pipeline" and ranked[0].memory_budget >= need:
+        why = "pipeline forced"
+    elif k == 2:
+        why = f"no single node holds {human_bytes(need)} {_context(ctx)}"
+    else:
+        why = f"no {k - 1} nodes hold {human_bytes(need)} {_context(ctx)}"
+    kept = [x.node_id for x in order if x.node_id in pref]
+    keep = f"; keeps {', '.join(kept)} from the current plan" if kept else ""
+    parts = ", ".join(f"{s.nodes[0]} layers {s.start_layer}-{s.end_layer - 1} ({human_bytes(s.bytes)} of "
+                      f"{human_bytes(x.memory_budget)})" for s, x in zip(stages, order))
+    return f"needs {k} nodes ({why}); layers split by memory: {parts}{keep}"
 
 
-def _why_not(profile, costs, ordered, need, offered, ctx, strategy) -> list[str]:
-    reasons = []
+def _why_not(profile: ModelProfile, costs: _Costs, ranked: list[NodeSpec], ctx: int, strategy) -> list[str]:
+    n = costs.n
+    need = costs.stage(0, n)
+    offered = sum(x.memory_budget for x in ranked)
+    largest = ranked[0]
+    # "the 3 nodes offer 24.0 GiB together" / "node a offers 8.0 GiB"
+    offer = f"node {largest.node_id} offers" if len(ranked) == 1 else f"the {len(ranked)} nodes offer"
+    together = "" if len(ranked) == 1 else " together"
+    context = _context(ctx)
     if strategy == "single":
-        reasons.append(f"the model needs {gib(need)} for {ctx} tokens of context; the largest node "
-                       f"({ordered[0].node_id}) offers {gib(ordered[0].memory_budget)}")
-    elif strategy == "pipeline" and len(ordered) < 2:
-        reasons.append("a pipeline needs at least two nodes")
+        return [f"strategy 'single': model needs {human_bytes(need)} {context}; the largest node ({largest.node_id}) "
+                f"offers {human_bytes(largest.memory_budget)} (short by {human_bytes(need - largest.memory_budget)})"]
+    reasons: list[str] = []
+    if strategy == "pipeline" and len(ranked) < 2:
+        reasons.append(f"a pipeline needs at least two nodes; there is only {largest.node_id}")
+    if strategy == "pipeline" and n < 2:
+        reasons.append(f"a pipeline needs at least two layers; model {profile.name!r} has {n}")
+    split_need = need + costs.tied
     if need > offered:
-        reasons.append(f"the model needs {gib(need)} for {ctx} tokens of context; the {len(ordered)} node(s) "
-                       f"offer {gib(offered)} together (short by {gib(need - offered)})")
-    biggest = max(costs.stage(i, i + 1) for i in range(profile.num_layers))
-    if biggest > ordered[0].memory_budget:
-        reasons.append(f"a single layer needs up to {gib(biggest)}, more than any node's budget "
-                       f"(largest {gib(ordered[0].memory_budget)})")
+        reasons.append(f"model needs {human_bytes(need)} {context}; {offer} {human_bytes(offered)}{together} "
+                       f"(short by {human_bytes(need - offered)})")
+    elif split_need > offered and len(ranked) > 1 and n > 1 and (strategy == "pipeline"
+                                                                 or largest.memory_budget < need):
+        reasons.append(f"model needs {human_bytes(split_need)} {context} when split over nodes (its tied embedding "
+                       f"is held by the first and the last stage); {offer} {human_bytes(offered)}{together} "
+                       f"(short by {human_bytes(split_need - offered)})")
+    # The stage holding layer i needs at least stage(i, i + 1): the embedding comes with layer 0,
+    # the norm and head with the last layer.
+    alone = [costs.stage(i, i + 1) for i in range(n)]
+    too_big = [i for i in range(n) if alone[i] > largest.memory_budget]
+    if too_big and not (n == 1 and reasons):
+        worst = max(too_big, key=lambda i: alone[i])
+        what = f"layer {worst}"
+        if n > 1 and worst == 0:
+            what += " with the embedding"
+        elif n > 1 and worst == n - 1:
+            what += " with the final norm and head"
+        others = [i for i in too_big if i != worst]
+        more = ("" if not others else f" (so does layer {others[0]})" if len(others) == 1
+                else f" (so do layers {_ranges(others)})")
+        reasons.append(f"{what} alone needs {human_bytes(alone[worst])} {context}, more than any node's budget "
+                       f"(largest: {largest.node_id}, {human_bytes(largest.memory_budget)}){more}")
     if not reasons:
-        reasons.append(f"the model needs {gib(need)} and the nodes offer {gib(offered)}, but no contiguous split "
-                       f"of its {profile.num_layers} layers fits their budgets (layers are placed whole)")
+        reasons.append(f"model needs {human_bytes(need)} {context} and {offer} {human_bytes(offered)}{together}, but "
+                       f"layers are placed whole and no contiguous split of its {n} layers fits their budgets "
+                       f"(largest: {largest.node_id}, {human_bytes(largest.memory_budget)})")
+    if strategy is None:
+        fit = _max_context_that_fits(profile, ranked, ctx)
+        if fit:
+            reasons.append(f"it would fit with max_context {fit}")
     return reasons
+
+
+def _ranges(layers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out = []
+    for _, group in itertools.groupby(enumerate(layers), key=lambda t: t[1] - t[0]):
+        run = [x for _, x in group]
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(out)
+
+
+def _max_context_that_fits(profile: ModelProfile, ranked: list[NodeSpec], ctx: int) -> int:
+    """The largest context below ctx at which some node set fits (0: none), by bisection."""
+    if len(ranked) > EXACT_MAX_NODES or not any(profile.kv_bytes_per_token):
+        return 0
+    n = profile.num_layers
+
+    def fits(c: int) -> bool:
+        costs = _Costs(profile, c)
+        need = costs.stage(0, n)
+        return any(_fits(costs, ranked[:k]) for k in range(1, min(len(ranked), n) + 1)
+                   if sum(x.memory_budget for x in ranked[:k]) >= (need if k == 1 else need + costs.tied))
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, ctx - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,9 +1,11 @@
 """A model's memory profile, read from config.json and the safetensors headers only.
 
 The planner needs to know what each layer costs: its weight bytes (summed from the tensor
-entries of the safetensors headers, so quantized models count exactly), the embedding, final
-norm and head, and the KV cache per token per layer (capped by a sliding window where a layer
-has one). No tensor data is read.
+entries of the safetensors headers, so quantized models with their ``.scales``/``.biases``
+count exactly), the embedding, final norm and head, and the KV cache per token per layer
+(capped by a sliding window where a layer has one). No tensor data is ever read: a
+safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
+dtype, shape and byte range, then the raw data, and only the first two are looked at.
 """
 
 from __future__ import annotations
@@ -11,14 +13,26 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+__all__ = ["ModelProfile", "profile_model", "read_safetensors_header", "tensor_bytes", "weight_files"]
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2,
+               "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 MAX_HEADER = 100 * 2**20
+
+# One transformer block: "model.layers.3.self_attn.q_proj.weight", "language_model.model.layers.3...",
+# gpt2's "model.h.3.attn...", olmo's "model.transformer.blocks.3...".
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|wte|embed_in|tok_embeddings|word_embeddings|wpe)\.")
+_HEAD = re.compile(r"(?:^|\.)(?:lm_head|embed_out)\.|^output\.")
+# Towers mlx-lm's text models drop when they load a multimodal checkpoint: not part of any stage.
+_SKIP = re.compile(r"^(?:[\w]*\.)?(?:vision_tower|vision_model|visual|vision|audio_tower|audio_model|"
+                   r"multi_modal_projector|mm_projector|embed_vision|embed_audio)\.")
 
 
 @dataclass(frozen=True)
@@ -26,29 +40,44 @@ class ModelProfile:
     name: str
     model_type: str
     num_layers: int
-    layer_bytes: tuple[int, ...]
-    embed_bytes: int
-    head_bytes: int  # 0 when tied: the last stage then holds the embedding too
-    norm_bytes: int  # final norm and any other tensor outside the layers
+    layer_bytes: tuple[int, ...]  # weight bytes of each transformer block
+    embed_bytes: int  # token (and position) embeddings: on the first stage
+    head_bytes: int  # lm_head; 0 when tied: the last stage then holds the embedding too
+    norm_bytes: int  # final norm and any other tensor outside the blocks: on the last stage
     tied_embeddings: bool
-    kv_bytes_per_token: tuple[int, ...]  # per layer
-    sliding_window: tuple[int | None, ...]  # per layer; None = full attention
+    kv_bytes_per_token: tuple[int, ...]  # per layer, keys and values together
+    sliding_window: tuple[int | None, ...]  # per layer; None = the KV grows with the whole context
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    num_experts: int
+    num_experts: int  # 0 for a dense model
     vocab_size: int
-    dtype: str
+    dtype: str  # activation (and KV cache) dtype, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        n = self.num_layers
+        if not (len(self.layer_bytes) == len(self.kv_bytes_per_token) == len(self.sliding_window) == n):
+            raise ValueError(f"profile of {self.name!r}: per-layer tuples must have {n} entries")
 
     def kv_bytes(self, layer: int, context: int) -> int:
+        """KV cache bytes of one layer holding ``context`` tokens (capped by its sliding window)."""
         window = self.sliding_window[layer]
-        return self.kv_bytes_per_token[layer] * (min(context, window) if window else context)
+        tokens = min(context, window) if window else context
+        return self.kv_bytes_per_token[layer] * max(tokens, 0)
+
+    def layers_bytes(self, start: int, end: int, max_context: int) -> int:
+        """Weights plus KV of layers [start, end), without embedding, norm or head."""
+        return sum(self.layer_bytes[start:end]) + sum(self.kv_bytes(i, max_context) for i in range(start, end))
 
     def stage_bytes(self, start: int, end: int, max_context: int) -> int:
-        """Memory a stage holding layers [start, end) needs: weights + KV for max_context."""
-        total = sum(self.layer_bytes[start:end]) + sum(self.kv_bytes(i, max_context) for i in range(start, end))
+        """Memory a stage holding layers [start, end) needs: weights + KV for max_context, plus the
+        embedding on the first stage and norm + head on the last (+ the embedding again when tied,
+        unless the last stage is also the first)."""
+        if not 0 <= start < end <= self.num_layers:
+            raise ValueError(f"bad layer range [{start}, {end}) for {self.num_layers} layers")
+        total = self.layers_bytes(start, end, max_context)
         if start == 0:
             total += self.embed_bytes
         if end == self.num_layers:
@@ -58,20 +87,41 @@ class ModelProfile:
         return total
 
     def total_bytes(self, max_context: int) -> int:
+        """Memory the whole model needs on one machine."""
         return self.stage_bytes(0, self.num_layers, max_context)
 
+    def weight_bytes(self) -> int:
+        """Bytes of all tensors counted (what the safetensors files hold for this model)."""
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for key in ("layer_bytes", "kv_bytes_per_token", "sliding_window"):
+            d[key] = list(d[key])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
-        d = dict(d)
-        for key in ("layer_bytes", "kv_bytes_per_token", "sliding_window"):
-            d[key] = tuple(d[key])
-        return cls(**d)
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
+        known = {f.name for f in fields(cls)}
+        missing = known - set(d)
+        if missing:
+            raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
+        kw: dict[str, Any] = {k: d[k] for k in known}
+        for key in ("layer_bytes", "kv_bytes_per_token"):
+            kw[key] = tuple(int(x) for x in kw[key])
+        kw["sliding_window"] = tuple(None if w is None else int(w) for w in kw["sliding_window"])
+        for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
+                    "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size"):
+            kw[key] = int(kw[key])
+        for key in ("name", "model_type", "dtype"):
+            kw[key] = str(kw[key])
+        kw["tied_embeddings"] = bool(kw["tied_embeddings"])
+        return cls(**kw)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (without ``__metadata__``); reads no tensor data."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -79,81 +129,188 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER:
             raise ValueError(f"{path}: header of {n} bytes is implausible")
-        header = json.loads(f.read(n))
+        body = f.read(n)
+    if len(body) != n:
+        raise ValueError(f"{path}: truncated safetensors header")
+    header = json.loads(body)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     return header
 
 
-def tensor_bytes(model_dir: Path) -> dict[str, int]:
-    """Bytes of every tensor in the model's safetensors files, by name."""
-    out: dict[str, int] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
+def weight_files(model_dir: Path) -> list[Path]:
+    """The weight files mlx-lm loads: ``model*.safetensors`` (not e.g. a ``consolidated`` copy)."""
+    return sorted(Path(model_dir).glob("model*.safetensors"))
+
+
+def _entry_bytes(path: Path, name: str, info: dict[str, Any]) -> int:
+    start, end = (int(x) for x in info["data_offsets"])
+    size = end - start
+    if size < 0:
+        raise ValueError(f"{path}: tensor {name} has negative size")
+    item = DTYPE_BYTES.get(str(info.get("dtype")))
+    if item is not None and "shape" in info:
+        expected = item
+        for dim in info["shape"]:
+            expected *= int(dim)
+        if expected != size:
+            raise ValueError(f"{path}: tensor {name} spans {size} bytes, its dtype and shape say {expected}")
+    return size
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _tensors(model_dir: Path) -> dict[str, _Tensor]:
+    out: dict[str, _Tensor] = {}
+    for file in weight_files(model_dir):
         for name, info in read_safetensors_header(file).items():
-            start, end = info["data_offsets"]
-            out[name] = int(end) - int(start)
+            out[name] = _Tensor(_entry_bytes(file, name, info), str(info.get("dtype", "")),
+                                tuple(int(d) for d in info.get("shape", ())))
     return out
 
 
+def tensor_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes of every tensor in the model's weight files, by name (headers only)."""
+    return {name: t.bytes for name, t in _tensors(Path(model_dir)).items()}
+
+
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    return {**config, **config.get("text_config", {})}
+    """Multimodal configs nest the language model's fields under ``text_config``."""
+    text = config.get("text_config") or config.get("language_config") or {}
+    return {**config, **text}
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
 
 
 def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
+    """Per layer: the sliding window mlx-lm caps its KV cache at (RotatingKVCache), or None."""
+    model_type = str(cfg.get("model_type", ""))
     window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:  # qwen2 configs carry a window they do not use
+        return (None,) * n
+    if model_type in ("gemma3", "gemma3_text") and window is None:
+        window = 512  # mlx-lm's default
     if not window:
         return (None,) * n
-    if cfg.get("layer_types"):
-        return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
+    window = int(window)
+    types = cfg.get("layer_types")
+    if types:
+        types = list(types)[:n] + ["full_attention"] * max(0, n - len(types))
+        return tuple(window if t == "sliding_attention" else None for t in types)
     pattern = cfg.get("sliding_window_pattern")
-    if pattern:  # gemma3: every pattern-th layer is global
+    if pattern is None:
+        pattern = {"gemma3": 6, "gemma3_text": 6, "cohere2": 4}.get(model_type)
+    if model_type == "gpt_oss":  # alternating, starting with a sliding layer
+        return tuple(window if i % 2 == 0 else None for i in range(n))
+    if pattern:  # every pattern-th layer is global, the others slide
+        pattern = int(pattern)
         return tuple(None if i % pattern == pattern - 1 else window for i in range(n))
-    return (None,) * n  # a window the model does not use per layer (e.g. mistral's): full KV
+    # A window the mlx-lm model does not apply per layer (mistral's, gemma2's): the KV is full.
+    return (None,) * n
+
+
+def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
+    """The dtype activations and the KV cache get: the embedding's output dtype (for a quantized
+    embedding, the dtype of its scales), else what config.json says."""
+    embeds = sorted(k for k in tensors if _EMBED.search(k) and not _SKIP.search(k))
+    for suffix in (".scales", ".weight"):
+        for key in embeds:
+            if key.endswith(suffix) and tensors[key].dtype in _DTYPE_NAMES:
+                return _DTYPE_NAMES[tensors[key].dtype]
+    dtype = str(_first(cfg, "torch_dtype", "dtype", default="float16"))
+    return dtype if dtype in _ITEM else "float16"
+
+
+_FUSED_QKV = re.compile(r"\.(?:qkv_proj|c_attn|query_key_value|Wqkv|qkv)\.weight$")
+
+
+def _kv_per_token(layer_keys: list[list[str]], tensors: dict[str, _Tensor], cfg: dict[str, Any], item: int,
+                  default: int) -> tuple[int, ...]:
+    """KV bytes per token of each layer, from the out-features of its k_proj and v_proj where the
+    layer has them (so per-layer head counts count), the config's formula for fused projections,
+    and nothing for layers without attention (the recurrent layers of hybrid models keep a state of
+    fixed size)."""
+    if cfg.get("kv_lora_rank"):  # multi-head latent attention: one compressed latent per token
+        return ((int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)) * item,) * len(layer_keys)
+    any_kv = any(k.endswith(("k_proj.weight", "v_proj.weight")) for keys in layer_keys for k in keys)
+    out = []
+    for keys in layer_keys:
+        k = [tensors[x].shape[0] for x in keys if x.endswith(".k_proj.weight") and tensors[x].shape]
+        v = [tensors[x].shape[0] for x in keys if x.endswith(".v_proj.weight") and tensors[x].shape]
+        if k and v:
+            out.append((k[0] + v[0]) * item)
+        elif not any_kv or any(_FUSED_QKV.search(x) for x in keys):
+            out.append(default)
+        else:
+            out.append(0)
+    return tuple(out)
 
 
 def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
+    """Profile an mlx-lm model directory (config.json + ``model*.safetensors``), reading headers only."""
     model_dir = Path(model_dir)
-    cfg = _text_config(json.loads((model_dir / "config.json").read_text()))
-    n = int(cfg["num_hidden_layers"])
-    sizes = tensor_bytes(model_dir)
-    if not sizes:
-        raise ValueError(f"{model_dir}: no safetensors weights")
+    raw_cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = _text_config(raw_cfg)
+    n = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
+    tensors = _tensors(model_dir)
+    if not tensors:
+        raise ValueError(f"{model_dir}: no model*.safetensors weights")
     layer_bytes = [0] * n
+    layer_keys: list[list[str]] = [[] for _ in range(n)]
     embed = head = other = 0
-    for key, size in sizes.items():
+    for key in sorted(tensors):
+        size = tensors[key].bytes
+        if _SKIP.search(key):
+            continue
         m = _LAYER.search(key)
-        if m and int(m.group(1)) < n:
-            layer_bytes[int(m.group(1))] += size
-        elif "embed_tokens" in key or key.endswith("wte.weight"):
+        if m:
+            i = int(m.group(1))
+            if i < n:
+                layer_bytes[i] += size
+                layer_keys[i].append(key)
+            # else: an extra block mlx-lm drops on load (e.g. deepseek's multi-token-prediction layer)
+        elif _EMBED.search(key):
             embed += size
-        elif key.startswith("lm_head") or ".lm_head." in key:
+        elif _HEAD.search(key):
             head += size
         else:
             other += size
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    hidden = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-    # KV cache entries are kept in the activation dtype (float16/bfloat16 for quantized models).
-    kv_item = 4 if dtype == "float32" else 2
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+    heads = int(_first(cfg, "num_attention_heads", "n_head"))
+    kv_heads = int(_first(cfg, "num_key_value_heads", "num_kv_heads", default=heads))
+    hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
+    head_dim = int(_first(cfg, "head_dim", default=hidden // heads))
+    dtype = _activation_dtype(tensors, cfg)
+    item = _ITEM[dtype]
+    kv = _kv_per_token(layer_keys, tensors, cfg, item, 2 * kv_heads * head_dim * item)
+    experts = int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
     return ModelProfile(
         name=name or model_dir.name,
-        model_type=str(cfg.get("model_type", "")),
+        model_type=str(raw_cfg.get("model_type") or cfg.get("model_type", "")),
         num_layers=n,
         layer_bytes=tuple(layer_bytes),
         embed_bytes=embed,
         head_bytes=head,
         norm_bytes=other,
         tied_embeddings=head == 0,
-        kv_bytes_per_token=(2 * kv_heads * head_dim * kv_item,) * n,
+        kv_bytes_per_token=kv,
         sliding_window=_sliding(cfg, n),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        intermediate_size=int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", default=0) or 0),
         num_experts=experts,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=int(_first(cfg, "vocab_size", default=0)),
         dtype=dtype,
     )
