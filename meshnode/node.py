@@ -324,6 +324,13 @@ class Node:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 log.warning("peer at %s refused us: %s", target, exc.details())
+            elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
+                # The host answered but nothing listens: the process is gone. No need to wait out
+                # the failure timeout (a hung or unreachable peer still takes the full timeout).
+                for peer in self.membership.alive_peers().values():
+                    if peer.target == target:
+                        log.warning("%s refuses connections: its process is gone", peer.info.node_id)
+                        self.membership.goodbye(peer.info.node_id)
             return
         try:
             info = node_from_pb(reply.node)
@@ -389,17 +396,18 @@ class Node:
         await stub.Leave(mesh_pb2.Goodbye(node_id=self.node_id), timeout=1.0)
 
     # ------------------------------------------------------------------ control loop
+    async def _heartbeat_all(self) -> None:
+        targets = {p.target for p in self.membership.peers.values()} | set(self._static_targets)
+        await asyncio.gather(*(self._heartbeat(t) for t in targets), return_exceptions=True)
+        try:
+            self._tick()
+        except Exception:
+            log.exception("control loop tick failed")
+
     async def _control_loop(self) -> None:
-        interval = self.settings.heartbeat_interval
         while True:
-            targets = {p.target for p in self.membership.peers.values()}
-            known_targets = targets | set(self._static_targets)
-            await asyncio.gather(*(self._heartbeat(t) for t in known_targets), return_exceptions=True)
-            try:
-                self._tick()
-            except Exception:
-                log.exception("control loop tick failed")
-            await asyncio.sleep(interval)
+            await self._heartbeat_all()
+            await asyncio.sleep(self.settings.heartbeat_interval)
 
     def _tick(self) -> None:
         joined, left = self.membership.refresh()
@@ -536,6 +544,7 @@ class Node:
         self.stage_server.serve(plan.epoch, wanted)
         self.ready_epoch = plan.epoch
         log.info("ready for epoch %d", plan.epoch)
+        asyncio.create_task(self._heartbeat_all())  # tell the mesh now, not at the next beat
 
     def _retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""

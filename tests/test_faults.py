@@ -263,3 +263,71 @@ def test_join_during_load_rebalances_without_failing_a_request(model, tmp_path):
                              "rebalance onto the big node")
         assert final["plan"]["stages"][0]["nodes"] == [big.name]
         print(f"{len(results)} requests during the join, slowest {max(r[2] for r in results):.2f} s")
+
+
+def test_bounded_chaos_nothing_lost_or_hung(model, tmp_path):
+    """Requests stream through one gateway while random faults hit the other nodes of 4 hosts."""
+    import random
+
+    from mlx_lm import generate, load
+
+    m, tok = load(str(model))
+    want = generate(m, tok, prompt=tok.apply_chat_template(MESSAGES, add_generation_prompt=True), max_tokens=24)
+    rng = random.Random(7)
+    with netns_mesh(4) as mesh:
+        cluster, view = setup(mesh, model, tmp_path)
+        total = profile_model(model).total_bytes(512)
+        gateway, *others = cluster.hosts
+        load = ("import json,sys,time,urllib.request,urllib.error,socket\n"
+                "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
+                "while time.time()<until:\n"
+                "  req=urllib.request.Request(url,data=body.encode(),headers={'Content-Type':'application/json'})\n"
+                "  t=time.time()\n"
+                "  try:\n"
+                "    r=urllib.request.urlopen(req,timeout=60); out=json.loads(r.read())\n"
+                "    print(json.dumps(['ok',out['choices'][0]['message']['content'],time.time()-t]),flush=True)\n"
+                "  except urllib.error.HTTPError as e:\n"
+                "    print(json.dumps([e.code,e.headers.get('Retry-After'),time.time()-t]),flush=True)\n"
+                "  except (socket.timeout, TimeoutError):\n"
+                "    print(json.dumps(['hung',None,time.time()-t]),flush=True)\n"
+                "  except Exception as e:\n"
+                "    print(json.dumps(['lost',repr(e),time.time()-t]),flush=True)\n"
+                "  time.sleep(0.1)\n")
+        body = json.dumps({"model": model.name, "messages": MESSAGES, "max_tokens": 24, "temperature": 0})
+        duration = 40
+        client = subprocess.Popen(cluster.client.exec_args([sys.executable, "-c", load,
+                                                            f"http://{gateway.ip}:{HTTP}/v1/chat/completions",
+                                                            body, str(duration)]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        faults = []
+        end = time.monotonic() + duration - 8
+        while time.monotonic() < end:
+            time.sleep(rng.uniform(2, 4))
+            victim = rng.choice(others)
+            kind = rng.choice(["kill", "freeze", "link"])
+            faults.append(f"{kind} {victim.name}")
+            proc = cluster.procs[victim.name]
+            if kind == "kill":
+                mesh.kill(proc)
+                time.sleep(rng.uniform(1, 3))
+                cluster.start(victim, int(total * 0.6))
+            elif kind == "freeze":
+                mesh.freeze(proc)
+                time.sleep(rng.uniform(1, 3))
+                mesh.thaw(proc)
+            else:
+                victim.link_down()
+                time.sleep(rng.uniform(1, 3))
+                victim.link_up()
+        out, err = client.communicate(timeout=duration + 90)
+        results = [json.loads(line) for line in out.splitlines() if line.strip()]
+        identical = sum(1 for r in results if r[0] == "ok" and r[1] == want)
+        wrong = [r for r in results if r[0] == "ok" and r[1] != want]
+        refused = [r for r in results if r[0] == 503 and r[1]]
+        lost = [r for r in results if r[0] not in ("ok", 503, "hung") or (r[0] == 503 and not r[1])]
+        hung = [r for r in results if r[0] == "hung"]
+        print(f"chaos: {len(results)} requests, faults: {', '.join(faults)}")
+        print(f"identical {identical}, explicit 503 {len(refused)}, wrong {len(wrong)}, lost {len(lost)}, "
+              f"hung {len(hung)}")
+        assert results and not wrong and not lost and not hung, (wrong[:2], lost[:2], hung[:2], cluster.logs())
+        assert identical > 0
