@@ -331,3 +331,24 @@ def test_bounded_chaos_nothing_lost_or_hung(model, tmp_path):
               f"hung {len(hung)}")
         assert results and not wrong and not lost and not hung, (wrong[:2], lost[:2], hung[:2], cluster.logs())
         assert identical > 0
+
+
+def test_partition_minority_cannot_serve_then_heals_into_one_plan(model, reference, tmp_path):
+    """A stage cut off alone (it cannot hold the model by itself, so it publishes no plan of its own);
+    the majority re-plans and serves; when the link heals, all agree on one coordinator and epoch."""
+    with netns_mesh(3) as mesh:
+        cluster, view = setup(mesh, model, tmp_path)
+        hosts = cluster.hosts
+        lonely = cluster.host(stage_nodes(view)[0])
+        majority = [h for h in hosts if h is not lonely]
+        lonely.link_down()
+        after = cluster.wait(lambda: (v := cluster.converged(majority, 2)) and v[0]["epoch"] > view["epoch"] and v,
+                             20, "the majority re-plans")
+        body = {"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
+        status, _, out = cluster.fetch(f"http://{majority[0].ip}:{HTTP}/v1/chat/completions", body, timeout=60)
+        assert status == 200 and reference.startswith(out["choices"][0]["message"]["content"])
+        lonely.link_up()
+        healed = cluster.wait(lambda: cluster.converged(hosts, 3), 30, "the partition heals into one plan")
+        assert healed[0]["epoch"] >= after[0]["epoch"]
+        status, _, out = cluster.fetch(f"http://{lonely.ip}:{HTTP}/v1/chat/completions", body, timeout=60)
+        assert status == 200 and reference.startswith(out["choices"][0]["message"]["content"])
