@@ -7,22 +7,19 @@ complete with exactly the tokens of an uninterrupted run (greedy), nothing missi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from meshnode.data.profile import profile_model
 from meshnode.modelbuild import build_model
+from tests.cluster import HTTP, Cluster, read_stream
 from tests.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
-KEY = "fault-test-key"
-HTTP, GRPC = 8470, 8471
 MESSAGES = [{"role": "user", "content": "Tell me a very long story about the sea and the rivers."}]
 MAX_TOKENS = 240
 
@@ -41,113 +38,6 @@ def reference(model):
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
     text = generate(m, tok, prompt=prompt, max_tokens=MAX_TOKENS)
     return text
-
-
-class Cluster:
-    """n meshnode hosts plus a client host; every request is made from the client namespace."""
-
-    def __init__(self, mesh, model: Path, tmp: Path, budgets, **flags):
-        self.mesh, self.model, self.tmp = mesh, model, tmp
-        self.hosts = list(mesh.hosts)
-        self.client = mesh.add_host("client")
-        self.procs = {}
-        self.flags = flags
-        for h, b in zip(self.hosts, budgets):
-            self.start(h, b)
-
-    def start(self, host, budget):
-        state = self.tmp / host.name
-        state.mkdir(exist_ok=True)
-        args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(self.model), "--http-port", str(HTTP),
-                "--grpc-port", str(GRPC), "--node-id", host.name, "--memory-budget", str(budget),
-                "--state-dir", str(state), "--max-context", "512"]
-        self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": KEY},
-                                           log_path=state / "node.log")
-
-    def host(self, name):
-        return next(h for h in self.hosts if h.name == name)
-
-    def fetch(self, url, body=None, timeout=10.0):
-        code = ("import json,sys,urllib.request,urllib.error\n"
-                "url,body,t=sys.argv[1],sys.argv[2],float(sys.argv[3])\n"
-                "req=urllib.request.Request(url,data=body.encode() if body else None,"
-                "headers={'Content-Type':'application/json'})\n"
-                "try:\n"
-                "  r=urllib.request.urlopen(req,timeout=t); print(json.dumps([r.status,dict(r.headers),"
-                "json.loads(r.read())]))\n"
-                "except urllib.error.HTTPError as e:\n"
-                "  print(json.dumps([e.code,dict(e.headers),json.loads(e.read())]))\n")
-        out = self.client.run([sys.executable, "-c", code, url, json.dumps(body) if body else "", str(timeout)],
-                              timeout=timeout + 10, check=False)
-        if out.returncode != 0:
-            raise OSError((out.stderr.strip().splitlines() or ["request failed"])[-1])
-        return json.loads(out.stdout)
-
-    def mesh_view(self, host):
-        return self.fetch(f"http://{host.ip}:{HTTP}/v1/mesh", timeout=3)[2]
-
-    def wait(self, predicate, timeout, what):
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            try:
-                last = predicate()
-                if last:
-                    return last
-            except OSError as exc:
-                last = exc
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}; last: {last!r}\n{self.logs()}")
-
-    def converged(self, hosts, nodes):
-        views = [self.mesh_view(h) for h in hosts]
-        ok = (len({v["epoch"] for v in views}) == 1 and len({v["coordinator"] for v in views}) == 1
-              and all(v["healthy"] for v in views) and all(len(v["nodes"]) == nodes for v in views))
-        return views if ok else None
-
-    def stream(self, host) -> subprocess.Popen:
-        """A streamed chat completion from the client; prints one JSON line per SSE event."""
-        body = json.dumps({"model": self.model.name, "messages": MESSAGES, "max_tokens": MAX_TOKENS,
-                           "temperature": 0, "stream": True})
-        code = ("import sys,urllib.request\n"
-                "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
-                "headers={'Content-Type':'application/json'})\n"
-                "for line in urllib.request.urlopen(req,timeout=120):\n"
-                "  line=line.strip()\n"
-                "  if line: print(line.decode(),flush=True)\n")
-        return subprocess.Popen(self.client.exec_args([sys.executable, "-c", code,
-                                                       f"http://{host.ip}:{HTTP}/v1/chat/completions", body]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def logs(self):
-        return "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(self.tmp.glob("*/node.log")))
-
-
-def read_stream(proc, fault=None, after_chunks=10, timeout=90):
-    """Collect the streamed text; call ``fault()`` once ``after_chunks`` content chunks arrived."""
-    text, chunks, done, error = "", 0, False, None
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        line = line.strip()
-        assert time.monotonic() < deadline, "stream hung"
-        if line == "data: [DONE]":
-            done = True
-            break
-        event = json.loads(line[6:])
-        if "error" in event:
-            error = event["error"]
-            continue
-        for choice in event["choices"]:
-            piece = choice["delta"].get("content")
-            if piece:
-                text += piece
-                chunks += 1
-                if fault is not None and chunks == after_chunks:
-                    fault()
-                    fault = None
-    proc.wait(10)
-    assert error is None, error
-    assert done, f"stream ended without [DONE]: {proc.stderr.read()[-2000:]}"
-    return text, fault is None
 
 
 def setup(mesh, model, tmp):
@@ -172,7 +62,7 @@ def test_stage_fault_mid_stream_output_identical(model, reference, tmp_path, fau
         action = {"kill": lambda: mesh.kill(proc), "freeze": lambda: mesh.freeze(proc),
                   "link_down": victim.link_down}[fault]
         t0 = time.monotonic()
-        text, faulted = read_stream(cluster.stream(cluster.host(head)), fault=action)
+        text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS), fault=action)
         assert faulted
         assert text == reference, cluster.logs()
         after = cluster.mesh_view(cluster.host(head))
@@ -229,35 +119,19 @@ def test_join_during_load_rebalances_without_failing_a_request(model, tmp_path):
         hosts = list(mesh.hosts)
         total = profile_model(model).total_bytes(512)
         a, b, big = hosts
-        cluster = Cluster.__new__(Cluster)
-        cluster.mesh, cluster.model, cluster.tmp, cluster.procs, cluster.flags = mesh, model, tmp_path, {}, {}
-        cluster.hosts = [a, b, big]
-        cluster.client = mesh.add_host("client")
+        cluster = Cluster(mesh, model, tmp_path)
         cluster.start(a, int(total * 0.6))
         cluster.start(b, int(total * 0.6))
         view = cluster.wait(lambda: cluster.converged([a, b], 2), 40, "two-node pipeline")[0]
         assert len(view["plan"]["stages"]) == 2
         # A steady stream of requests through a; meanwhile a node that holds the whole model joins.
-        load = ("import json,sys,time,urllib.request,urllib.error\n"
-                "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
-                "while time.time()<until:\n"
-                "  req=urllib.request.Request(url,data=body.encode(),headers={'Content-Type':'application/json'})\n"
-                "  t=time.time()\n"
-                "  try:\n"
-                "    r=urllib.request.urlopen(req,timeout=30); out=json.loads(r.read())\n"
-                "    print(json.dumps([r.status,out['choices'][0]['message']['content'],time.time()-t]),flush=True)\n"
-                "  except urllib.error.HTTPError as e:\n"
-                "    print(json.dumps([e.code,e.read().decode(),time.time()-t]),flush=True)\n")
-        body = json.dumps({"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0})
-        client = subprocess.Popen(cluster.client.exec_args([sys.executable, "-c", load,
-                                                            f"http://{a.ip}:{HTTP}/v1/chat/completions", body, "20"]),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = cluster.load(a, MESSAGES, 20, seconds=20)
         time.sleep(2)
         cluster.start(big, int(total * 1.5))
         out, err = client.communicate(timeout=90)
         results = [json.loads(line) for line in out.splitlines() if line.strip()]
         assert results, err
-        failed = [r for r in results if r[0] != 200 or r[1] != want]
+        failed = [r for r in results if r[0] != "ok" or r[1] != want]
         assert not failed, (failed[:3], cluster.logs())
         final = cluster.wait(lambda: (v := cluster.mesh_view(a)) and len(v["plan"]["stages"]) == 1 and v, 20,
                              "rebalance onto the big node")
@@ -278,27 +152,8 @@ def test_bounded_chaos_nothing_lost_or_hung(model, tmp_path):
         cluster, view = setup(mesh, model, tmp_path)
         total = profile_model(model).total_bytes(512)
         gateway, *others = cluster.hosts
-        load = ("import json,sys,time,urllib.request,urllib.error,socket\n"
-                "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
-                "while time.time()<until:\n"
-                "  req=urllib.request.Request(url,data=body.encode(),headers={'Content-Type':'application/json'})\n"
-                "  t=time.time()\n"
-                "  try:\n"
-                "    r=urllib.request.urlopen(req,timeout=60); out=json.loads(r.read())\n"
-                "    print(json.dumps(['ok',out['choices'][0]['message']['content'],time.time()-t]),flush=True)\n"
-                "  except urllib.error.HTTPError as e:\n"
-                "    print(json.dumps([e.code,e.headers.get('Retry-After'),time.time()-t]),flush=True)\n"
-                "  except (socket.timeout, TimeoutError):\n"
-                "    print(json.dumps(['hung',None,time.time()-t]),flush=True)\n"
-                "  except Exception as e:\n"
-                "    print(json.dumps(['lost',repr(e),time.time()-t]),flush=True)\n"
-                "  time.sleep(0.1)\n")
-        body = json.dumps({"model": model.name, "messages": MESSAGES, "max_tokens": 24, "temperature": 0})
         duration = 40
-        client = subprocess.Popen(cluster.client.exec_args([sys.executable, "-c", load,
-                                                            f"http://{gateway.ip}:{HTTP}/v1/chat/completions",
-                                                            body, str(duration)]),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = cluster.load(gateway, MESSAGES, 24, seconds=duration)
         faults = []
         end = time.monotonic() + duration - 8
         while time.monotonic() < end:
