@@ -208,3 +208,25 @@ async def test_body_too_large_and_unknown_route(node):
     # and the node still serves
     out = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=3, temperature=0)
     assert out.choices[0].message.content is not None
+
+
+async def test_too_many_concurrent_requests_get_429(node):
+    n, base = node
+    body = {"model": n.model_id, "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        streams = [await s.post(f"{base}/v1/completions", json=body) for _ in range(3)]  # the fixture's limit
+        try:
+            for r in streams:
+                assert r.status == 200
+                await r.content.readline()
+            async with s.post(f"{base}/v1/completions", json=body) as r:
+                assert r.status == 429
+                assert int(r.headers["Retry-After"]) >= 1
+                assert (await r.json())["error"]["type"] == "rate_limit_error"
+        finally:
+            for r in streams:
+                r.close()
+    deadline = time.monotonic() + 10
+    while n.scheduler.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert n.scheduler.active == 0
