@@ -211,7 +211,7 @@ class TokenScheduler:
     """Runs all MLX work on one thread, one token per active generation in turn."""
 
     def __init__(self, name: str = "meshnode-mlx"):
-        self._inbox: queue.Queue[TokenJob | None] = queue.Queue()
+        self._inbox: queue.Queue[TokenJob | _Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._active = 0
         self._thread.start()
@@ -229,19 +229,7 @@ class TokenScheduler:
         """Run ``fn`` on the MLX thread (between tokens) and await its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-
-        def once() -> Iterator[int]:
-            try:
-                result = fn()
-            except BaseException as exc:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
-            return
-            yield  # pragma: no cover - makes this a generator
-
-        job = TokenJob(once(), loop)
-        self._inbox.put(job)
+        self._inbox.put(_Call(fn, loop, future))
         return future
 
     def stop(self) -> None:
@@ -260,7 +248,10 @@ class TokenScheduler:
                             j.tokens.close()
                             j._put(_END)
                         return
-                    active.append(job)
+                    if isinstance(job, _Call):
+                        job.run()
+                    else:
+                        active.append(job)
             except queue.Empty:
                 pass
             self._active = len(active)
@@ -281,6 +272,23 @@ class TokenScheduler:
                 else:
                     job._put(token)
             self._active = len(active)
+
+
+class _Call:
+    """A one-off function for the MLX thread (loading a shard, a remote stage's forward)."""
+
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+        self.fn, self.loop, self.future = fn, loop, future
+
+    def run(self) -> None:
+        try:
+            result, exc = self.fn(), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, exc)
+        except RuntimeError:  # the caller's loop is gone
+            pass
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
