@@ -69,20 +69,34 @@ def wait_healthy(url: str, timeout: float = 120) -> None:
 
 
 def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3) -> tuple[float, int]:
-    """Decode tokens/s seen by an HTTP streaming client (best of ``repeats``), and tokens streamed."""
+    """Decode tokens/s seen by an HTTP streaming client (best of ``repeats``), and tokens generated.
+
+    Tokens are counted from the usage chunk, not from text chunks: a token that ends inside a
+    multi-byte character streams no text of its own. The clock runs from the first text chunk
+    to the last chunk, so the prompt's prefill is not counted.
+    """
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
-                       "max_tokens": max_tokens, "temperature": 0}).encode()
+                       "max_tokens": max_tokens, "temperature": 0,
+                       "stream_options": {"include_usage": True}}).encode()
     figures, count = [], 0
     for _ in range(repeats):
         req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        times = []
+        first = last = None
         with urllib.request.urlopen(req, timeout=600) as r:
             for line in r:
-                if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                    times.append(time.perf_counter())
-        count = len(times)
-        figures.append((len(times) - 1) / (times[-1] - times[0]))
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    count = event["usage"]["completion_tokens"]
+                    continue
+                delta = event["choices"][0]["delta"]
+                if first is None and delta.get("content"):
+                    first = time.perf_counter()
+                if event["choices"][0]["finish_reason"]:
+                    last = time.perf_counter()
+        figures.append((count - 1) / (last - first))
     return max(figures), count
 
 
