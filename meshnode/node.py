@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from aiohttp import web
-from mlx_lm.utils import load_config, load_tokenizer
+from mlx_lm.utils import load_tokenizer
 
 from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
 from meshnode.api.validation import ApiError, Limits
 from meshnode.config import Settings
-from meshnode.control.discovery import Discovery, NodeInfo
+from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
 from meshnode.control.election import Candidate, choose_coordinator, next_epoch
 from meshnode.control.membership import Membership
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_from_pb, plan_to_pb
@@ -54,20 +52,6 @@ MAX_GRPC_MESSAGE = 64 * 2**20
 
 def _unavailable(message: str, retry_after: int = 2, code: str = "mesh_unavailable") -> ApiError:
     return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after)})
-
-
-def _local_addresses() -> tuple[str, ...]:
-    """This host's IPv4 addresses other than loopback (what peers can reach us at)."""
-    import ifaddr  # zeroconf's own dependency
-
-    addrs = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
-             if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
-    if not addrs:
-        try:
-            addrs = [socket.gethostbyname(socket.gethostname())]
-        except OSError:
-            addrs = ["127.0.0.1"]
-    return tuple(addrs)
 
 
 class HeadPlacement:
@@ -219,7 +203,7 @@ class Node:
         await self._start_grpc()
         await self._start_http()
         self.me = NodeInfo(
-            node_id=self.node_id, addresses=_local_addresses(), http_port=self.http_port, grpc_port=self.grpc_port,
+            node_id=self.node_id, addresses=local_addresses() or ("127.0.0.1",), http_port=self.http_port, grpc_port=self.grpc_port,
             memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
             compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
             cluster_id=self.cluster_id, models=(self.model_id,), started_at=self.started_at,

@@ -7,8 +7,6 @@ complete with exactly the tokens of an uninterrupted run (greedy), nothing missi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -77,11 +75,11 @@ def test_coordinator_killed_new_one_within_3s(model, reference, tmp_path):
         mesh.kill(cluster.procs[coordinator])
         survivors = [h for h in cluster.hosts if h.name != coordinator]
         t0 = time.monotonic()
-        views = cluster.wait(lambda: (v := [cluster.mesh_view(h) for h in survivors]) and
+        cluster.wait(lambda: (v := [cluster.mesh_view(h) for h in survivors]) and
                              all(x["coordinator"] not in (coordinator, None) for x in v) and
                              len({x["coordinator"] for x in v}) == 1 and v, 10, "a new coordinator")
         took = time.monotonic() - t0
-        assert took <= 3.0 + 0.5, f"new coordinator after {took:.1f} s"
+        assert took <= 3.0 + 0.5, f"new coordinator after {took:.1f} s"  # + polling from the client host
         cluster.wait(lambda: cluster.converged(survivors, 2), 20, "re-plan")
         for h in survivors:
             body = {"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}

@@ -1,7 +1,6 @@
 """Tensors on the wire: exact round trips, and every malformed tensor refused before use."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
