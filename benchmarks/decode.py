@@ -8,7 +8,6 @@ and the ratio (target >= 0.95).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -16,15 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (bench_model_dir, free_port, http_decode_tps, mlx_lm_decode_tps, param_count,
+from benchmarks.common import (bench_model_dir, parse_args, free_port, http_decode_tps, mlx_lm_decode_tps, param_count,
                                start_node, stop, wait_healthy)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     path = bench_model_dir(args.cache)
     print(f"model: {path.name}, {param_count(path) / 1e6:.0f}M parameters, float32")
     ref = mlx_lm_decode_tps(path, args.tokens)

@@ -14,7 +14,6 @@ Needs root (network namespaces).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import BENCH_MODEL, bench_model_dir, mlx_lm_decode_tps, param_count  # noqa: E402
+from benchmarks.common import (BENCH_MODEL, bench_model_dir, mlx_lm_decode_tps, param_count,  # noqa: E402
+                               parse_args)
 from meshnode.data.profile import profile_model  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 
@@ -45,10 +45,7 @@ def counters(host) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     path = bench_model_dir(args.cache)
     profile = profile_model(path)
     ctx = 1024

@@ -3,11 +3,6 @@
 # Multi-host tests need root (network namespaces); without root they are skipped with a reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+./scripts/setup-venv.sh "[test]"
 export TMPDIR=${TMPDIR:-/tmp}
 exec .venv/bin/python -m pytest -q -ra "$@"
