@@ -28,6 +28,7 @@ from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
 from meshnode.api.validation import ApiError, Limits
 from meshnode.config import Settings
+from meshnode.control.auth import ClusterAuth, client_interceptors
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
 from meshnode.control.election import Candidate, choose_coordinator, next_epoch
 from meshnode.control.membership import Membership
@@ -156,6 +157,7 @@ class Node:
         state_dir = settings.resolved_state_dir()
         self.node_id = load_or_create_node_id(state_dir, settings.node_id)
         self.cluster_id = derive_cluster_id(settings.cluster_key)
+        self.auth = ClusterAuth(settings.cluster_key)  # every gRPC call in and out is signed
         self.memory_budget = sysinfo.memory_budget(settings)
         self.scheduler = TokenScheduler()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -246,7 +248,7 @@ class Node:
     async def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
                    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
-        self._grpc = grpc.aio.server(options=options)
+        self._grpc = grpc.aio.server(options=options, interceptors=[self.auth.server_interceptor()])
         mesh_pb2_grpc.add_MeshServicer_to_server(MeshServicer(self), self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
         if not self.grpc_port:
@@ -276,7 +278,7 @@ class Node:
             channel = grpc.aio.insecure_channel(target, options=[
                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
                 ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
-            ])
+            ], interceptors=client_interceptors(self.auth, self.node_id))
             self._channels[target] = channel
         return channel
 
@@ -306,8 +308,8 @@ class Node:
         try:
             reply = await stub.Heartbeat(self._heartbeat_msg(), timeout=self.settings.failure_timeout / 2)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                log.warning("peer at %s refused us: %s", target, exc.details())
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                log.warning("peer at %s refused us (another cluster key?): %s", target, exc.details())
             elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
                 # The host answered but nothing listens: the process is gone. No need to wait out
                 # the failure timeout (a hung or unreachable peer still takes the full timeout).

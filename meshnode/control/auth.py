@@ -1,0 +1,399 @@
+"""Authentication of every node-to-node gRPC call with the shared cluster key.
+
+How it works
+------------
+Both ends derive a MAC key from the cluster key (HKDF-SHA256, label ``meshnode grpc auth v1``);
+the cluster key itself never leaves :class:`ClusterAuth` and is never logged. The client
+interceptors (:func:`client_interceptors`) add four metadata entries to every call:
+
+* ``x-mesh-ts``: the caller's clock in unix milliseconds,
+* ``x-mesh-nonce``: 16 random bytes, hex,
+* ``x-mesh-node``: the caller's node id,
+* ``x-mesh-mac``: hex HMAC-SHA256(mac_key, method, ts, nonce, caller, body digest), each field
+  length-prefixed, where the body digest is SHA-256 of the serialized request for calls with a
+  single request message (unary-unary, unary-stream) and empty for request streams.
+
+The server interceptor (:meth:`ClusterAuth.server_interceptor`) refuses, with
+``UNAUTHENTICATED`` and a short message, any call whose metadata is missing or malformed, whose
+timestamp is more than ``window`` seconds away from the server's clock, whose MAC does not match
+(constant-time compare), or whose nonce was already accepted within the window (a bounded replay
+cache; nonces are only recorded once their MAC is verified, so unauthenticated callers cannot
+fill it). For single-request methods the MAC is checked over the raw request bytes before they
+are deserialized. Refusals are logged at most once per peer host per 10 s; neither the key nor
+MACs are ever logged.
+
+Threat model
+------------
+Protected, against anyone on the network without the cluster key:
+
+* only key holders can call a node: join/heartbeat, install plans, leave, forward activations
+  or ask for generations;
+* a captured call cannot be replayed: outside the window its timestamp is refused, inside it
+  its nonce is;
+* the request body of single-request calls (Heartbeat, Install, Leave, Generate) cannot be
+  altered in transit without the MAC failing.
+
+Not protected:
+
+* **no secrecy**: requests, replies, activations and tokens travel in clear; anyone on the path
+  can read them until TLS is enabled (a later step);
+* replies are not authenticated (a man in the middle can alter them);
+* in request streams (Forward) only the call's opening is authenticated; the messages of the
+  stream are not individually MACed, so an active man in the middle could alter or inject them
+  within an authenticated connection;
+* a key holder is fully trusted (it can claim any node id; ``x-mesh-node`` is informational);
+* the open cluster (no key) uses a fixed, public key so the code path is the same, which gives
+  **no protection at all** — anyone can compute its MACs;
+* the replay cache is per process: a replay within the window to a node that restarted in the
+  meantime is accepted; clocks of the nodes must agree within ``window`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import inspect
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+
+__all__ = [
+    "ClusterAuth", "AuthServerInterceptor", "client_interceptors",
+    "HEADER_TS", "HEADER_NONCE", "HEADER_NODE", "HEADER_MAC",
+]
+
+log = logging.getLogger(__name__)
+
+LABEL = b"meshnode grpc auth v1"
+OPEN_KEY = "meshnode open cluster (public, no secrecy)"
+
+HEADER_TS = "x-mesh-ts"
+HEADER_NONCE = "x-mesh-nonce"
+HEADER_NODE = "x-mesh-node"
+HEADER_MAC = "x-mesh-mac"
+_HEADERS = (HEADER_TS, HEADER_NONCE, HEADER_NODE, HEADER_MAC)
+
+_MAX_NODE_LEN = 256
+_LOG_INTERVAL = 10.0
+_LOG_PEERS_MAX = 4096
+_STREAM_REFUSAL_READ_TIMEOUT = 1.0
+
+
+def _hkdf(key: bytes, label: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) with salt = info = ``label``, 32 bytes of output."""
+    prk = hmac.new(label, key, hashlib.sha256).digest()
+    return hmac.new(prk, label + b"\x01", hashlib.sha256).digest()
+
+
+def _field(value: bytes) -> bytes:
+    return len(value).to_bytes(4, "big") + value
+
+
+def _method_str(method: str | bytes) -> str:
+    return method.decode("utf-8", "replace") if isinstance(method, (bytes, bytearray)) else str(method)
+
+
+def _serialize(request: Any) -> bytes:
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        return bytes(request)
+    return request.SerializeToString()
+
+
+class _ReplayCache:
+    """Nonces accepted within the window, oldest first; bounded (oldest evicted first)."""
+
+    def __init__(self, ttl: float, max_entries: int):
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, nonce: str, now: float) -> bool:
+        """Record ``nonce``; False if it was already seen within the ttl."""
+        with self._lock:
+            while self._seen:
+                oldest, expires = next(iter(self._seen.items()))
+                if expires > now:
+                    break
+                del self._seen[oldest]
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = now + self.ttl
+            while len(self._seen) > self.max_entries:
+                self._seen.popitem(last=False)
+            return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+class _Refused(Exception):
+    pass
+
+
+class ClusterAuth:
+    """The MAC key of a cluster and the checks both ends run.
+
+    ``cluster_key`` None or "" is the open cluster: the same checks run with a fixed public key,
+    which gives no secrecy and no authentication (see the module docstring). ``window`` is the
+    accepted clock difference in seconds (and how long nonces are remembered); ``max_nonces``
+    caps the replay cache (oldest evicted first).
+    """
+
+    def __init__(self, cluster_key: str | None, *, window: float = 30.0, max_nonces: int = 100_000,
+                 clock: Callable[[], float] = time.time):
+        self.open = not cluster_key
+        self._mac_key = _hkdf((cluster_key or OPEN_KEY).encode("utf-8"), LABEL)
+        self.window = float(window)
+        self._clock = clock
+        # A nonce must be remembered for as long as its timestamp is acceptable: up to 2 windows.
+        self._nonces = _ReplayCache(2 * self.window, max_nonces)
+        self._logged: OrderedDict[str, float] = OrderedDict()
+        self._log_lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never show the key
+        return f"ClusterAuth(open={self.open}, window={self.window})"
+
+    # ------------------------------------------------------------------ MACs
+    def mac(self, method: str | bytes, ts: str, nonce: str, caller: str, body_digest: bytes) -> str:
+        msg = b"".join(_field(x) for x in (
+            _method_str(method).encode("utf-8"), ts.encode("utf-8"), nonce.encode("utf-8"),
+            caller.encode("utf-8"), body_digest))
+        return hmac.new(self._mac_key, msg, hashlib.sha256).hexdigest()
+
+    def sign(self, method: str | bytes, caller: str, body: bytes | None) -> list[tuple[str, str]]:
+        """The metadata for one call; ``body`` is the serialized request, None for request streams."""
+        ts = str(int(self._clock() * 1000))
+        nonce = os.urandom(16).hex()
+        digest = hashlib.sha256(body).digest() if body is not None else b""
+        return [(HEADER_TS, ts), (HEADER_NONCE, nonce), (HEADER_NODE, caller),
+                (HEADER_MAC, self.mac(method, ts, nonce, caller, digest))]
+
+    # ------------------------------------------------------------------ checks
+    def _parse(self, metadata: Iterable[Any] | None) -> tuple[str, str, str, str]:
+        found: dict[str, str] = {}
+        for item in metadata or ():
+            key, value = item[0], item[1]
+            if key in _HEADERS:
+                if key in found or not isinstance(value, str):
+                    raise _Refused("malformed authentication metadata")
+                found[key] = value
+        if len(found) != len(_HEADERS):
+            raise _Refused("missing authentication metadata")
+        ts, nonce, node, mac = (found[h] for h in _HEADERS)
+        if not (ts.isascii() and ts.isdigit() and 0 < len(ts) <= 15):
+            raise _Refused("malformed timestamp")
+        if len(nonce) != 32 or not _is_hex(nonce):
+            raise _Refused("malformed nonce")
+        if len(mac) != 64 or not _is_hex(mac):
+            raise _Refused("malformed mac")
+        if not node or len(node) > _MAX_NODE_LEN:
+            raise _Refused("malformed node id")
+        if abs(int(ts) / 1000.0 - self._clock()) > self.window:
+            raise _Refused("timestamp outside the accepted window (clocks out of sync?)")
+        return ts, nonce, node, mac
+
+    def _verify(self, method: str, fields: tuple[str, str, str, str], body: bytes | None) -> None:
+        ts, nonce, node, mac = fields
+        digest = hashlib.sha256(body).digest() if body is not None else b""
+        if not hmac.compare_digest(self.mac(method, ts, nonce, node, digest), mac.lower()):
+            raise _Refused("bad mac (wrong cluster key?)")
+        if not self._nonces.add(nonce, self._clock()):
+            raise _Refused("replayed call")
+
+    def _log_refusal(self, context: Any, method: str, reason: str) -> None:
+        try:
+            peer = context.peer() or "?"
+        except Exception:  # noqa: BLE001 - logging must never fail a call
+            peer = "?"
+        host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+        now = time.monotonic()
+        with self._log_lock:
+            last = self._logged.get(host)
+            if last is not None and now - last < _LOG_INTERVAL:
+                return
+            self._logged[host] = now
+            self._logged.move_to_end(host)
+            while len(self._logged) > _LOG_PEERS_MAX:
+                self._logged.popitem(last=False)
+        log.warning("refused gRPC call %s from %s: %s", method, host, reason)
+
+    # ------------------------------------------------------------------ interceptors
+    def server_interceptor(self) -> "AuthServerInterceptor":
+        return AuthServerInterceptor(self)
+
+    def client_interceptors(self, node_id: str) -> list:
+        return client_interceptors(self, node_id)
+
+
+def _is_hex(value: str) -> bool:
+    return all(c in "0123456789abcdefABCDEF" for c in value)
+
+
+# ---------------------------------------------------------------------------- client side
+class _ClientBase:
+    def __init__(self, auth: ClusterAuth, node_id: str):
+        self._auth = auth
+        self._node_id = node_id
+
+    def _details(self, details: grpc.aio.ClientCallDetails, body: bytes | None) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata()
+        for key, value in (details.metadata or ()):
+            if key not in _HEADERS:
+                metadata.add(key, value)
+        for key, value in self._auth.sign(details.method, self._node_id, body):
+            metadata.add(key, value)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+
+class _UnaryUnary(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details, _serialize(request)), request)
+
+
+class _UnaryStream(_ClientBase, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details, _serialize(request)), request)
+
+
+class _StreamUnary(_ClientBase, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details, None), request_iterator)
+
+
+class _StreamStream(_ClientBase, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details, None), request_iterator)
+
+
+def client_interceptors(auth: ClusterAuth, node_id: str) -> list:
+    """Interceptors for ``grpc.aio.insecure_channel(target, interceptors=...)`` that sign every
+    call as ``node_id``. Unary requests must be protobuf messages (or bytes): the MAC covers
+    ``request.SerializeToString()``, the bytes the channel sends."""
+    return [cls(auth, node_id) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+
+
+# ---------------------------------------------------------------------------- server side
+class _Checked:
+    """What the wrapped deserializer hands to the wrapped behaviour."""
+
+    __slots__ = ("message", "refusal")
+
+    def __init__(self, message: Any, refusal: str | None):
+        self.message = message
+        self.refusal = refusal
+
+
+async def _call_unary_response(behavior, request, context):
+    result = behavior(request, context)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+async def _call_stream_response(behavior, request, context):
+    result = behavior(request, context)
+    if hasattr(result, "__aiter__"):
+        try:
+            async for item in result:
+                await context.write(item)
+        finally:  # close the servicer's generator now (its cleanup runs) even when cancelled
+            aclose = getattr(result, "aclose", None)
+            if aclose is not None:
+                await aclose()
+    elif inspect.isawaitable(result):
+        await result
+    elif result is not None:
+        for item in result:
+            await context.write(item)
+
+
+class AuthServerInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call not signed with the cluster's MAC key."""
+
+    def __init__(self, auth: ClusterAuth):
+        self._auth = auth
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = _method_str(handler_call_details.method)
+        handler = await continuation(handler_call_details)
+        try:
+            fields = self._auth._parse(handler_call_details.invocation_metadata)
+            if handler is not None and handler.request_streaming:
+                self._auth._verify(method, fields, None)
+        except _Refused as exc:
+            return self._refusing(handler, method, str(exc))
+        if handler is None or handler.request_streaming:
+            return handler
+        return self._checking(handler, method, fields)
+
+    def _refusing(self, handler, method: str, reason: str):
+        auth = self._auth
+
+        async def refuse(_request, context):
+            auth._log_refusal(context, method, reason)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+        async def refuse_stream(_requests, context):
+            # Take the first message (raw bytes, never parsed) before refusing: a client that
+            # writes and then reads, as RemoteStage does, then sees UNAUTHENTICATED. Refusing
+            # while the client is still writing makes grpc.aio clients report INTERNAL "Internal
+            # error from Core" instead (grpc/grpc#36066).
+            try:
+                await asyncio.wait_for(context.read(), _STREAM_REFUSAL_READ_TIMEOUT)
+            except Exception:  # noqa: BLE001 - timeout, cancelled or broken stream: refuse anyway
+                pass
+            await refuse(None, context)
+
+        # Match the handler's shape so the request is consumed the way the client sends it;
+        # the request is never deserialized (raw bytes).
+        if handler is None or (not handler.request_streaming and not handler.response_streaming):
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        if not handler.request_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        if not handler.response_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse_stream)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+
+    def _checking(self, handler, method: str, fields):
+        auth = self._auth
+        deserialize = handler.request_deserializer
+
+        def checked_deserializer(raw: bytes) -> _Checked:
+            try:
+                auth._verify(method, fields, bytes(raw))
+            except _Refused as exc:
+                return _Checked(None, str(exc))
+            return _Checked(deserialize(raw) if deserialize is not None else raw, None)
+
+        async def refuse(checked: _Checked, context) -> bool:
+            if checked.refusal is None:
+                return False
+            auth._log_refusal(context, method, checked.refusal)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, checked.refusal)
+            return True
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            async def unary_stream(checked: _Checked, context):
+                if not await refuse(checked, context):
+                    await _call_stream_response(behavior, checked.message, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, checked_deserializer, handler.response_serializer)
+
+        behavior = handler.unary_unary
+
+        async def unary_unary(checked: _Checked, context):
+            if not await refuse(checked, context):
+                return await _call_unary_response(behavior, checked.message, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, checked_deserializer, handler.response_serializer)
