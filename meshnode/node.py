@@ -78,7 +78,7 @@ class RemoteHeadPlacement:
 
     def __init__(self, node: "Node", plan: Plan):
         self.node, self.epoch = node, plan.epoch
-        self.head = plan.stages[-1].nodes[0]
+        self.head = _head(plan)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         node = self.node
@@ -550,9 +550,6 @@ class Node:
     def prefill_timeout(self, tokens: int) -> float:
         return self.settings.failure_timeout + 0.05 * tokens
 
-    def head(self) -> str | None:
-        return self.plan.stages[-1].nodes[0] if self.plan is not None else None
-
     def _ready(self, plan: Plan) -> bool:
         """Every node of the plan is alive and has loaded its shard for it."""
         alive = self.membership.alive_peers() if self.membership is not None else {}
@@ -603,7 +600,7 @@ class Node:
     def placement_for(self, plan: Plan):
         placement = self._placements.get(plan.epoch)
         if placement is None:
-            kind = HeadPlacement if plan.stages[-1].nodes[0] == self.node_id else RemoteHeadPlacement
+            kind = HeadPlacement if _head(plan) == self.node_id else RemoteHeadPlacement
             placement = self._placements[plan.epoch] = kind(self, plan)
             for epoch in [e for e in self._placements if e < plan.epoch - 1]:
                 del self._placements[epoch]
@@ -638,7 +635,7 @@ class Node:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"epoch {request.epoch} is not the epoch served here "
                                 f"({serving.epoch if serving else 'none'})")
-        if serving.stages[-1].nodes[0] != self.node_id:
+        if _head(serving) != self.node_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
         prompt = list(request.prompt)
         if not prompt or len(prompt) >= self.settings.max_context or max(prompt) >= self.vocab_size:
@@ -684,6 +681,11 @@ def _peer_host(context, port: int) -> str:
     peer = context.peer()  # "ipv4:1.2.3.4:5678"
     host = peer.split(":")[1] if peer.startswith("ipv4:") else "127.0.0.1"
     return f"{host}:{port}"
+
+
+def _head(plan: Plan) -> str:
+    """The node holding the model's last layers: it runs each generation of the plan."""
+    return plan.stages[-1].nodes[0]
 
 
 def _same_layout(a: Plan, b: Plan) -> bool:
