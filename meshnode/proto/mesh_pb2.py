@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0bmeshnode.v1\"\xdb\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x11\n\thttp_port\x18\x03 \x01(\r\x12\x11\n\tgrpc_port\x18\x04 \x01(\r\x12\x15\n\rmemory_budget\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_memory\x18\x06 \x01(\x04\x12\x0f\n\x07\x63ompute\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x12\n\ncluster_id\x18\t \x01(\t\x12\x0e\n\x06models\x18\n \x03(\t\x12\x12\n\nstarted_at\x18\x0b \x01(\x01\">\n\x05Stage\x12\x13\n\x0bstart_layer\x18\x01 \x01(\r\x12\x11\n\tend_layer\x18\x02 \x01(\r\x12\r\n\x05nodes\x18\x03 \x03(\t\"\x94\x01\n\x04Plan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\"\n\x06stages\x18\x04 \x03(\x0b\x32\x12.meshnode.v1.Stage\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x06 \x01(\t\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\"\xb4\x01\n\x10HeartbeatRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12\x13\n\x0bready_epoch\x18\x06 \x01(\x04\x12\x12\n\nplan_error\x18\x07 \x01(\t\"\xd8\x01\n\x0eHeartbeatReply\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12$\n\x05known\x18\x06 \x03(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0bready_epoch\x18\x07 \x01(\x04\x12\x12\n\nplan_error\x18\x08 \x01(\t\">\n\x0cInstallReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x1a\n\x07Goodbye\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x05\n\x03\x41\x63k\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\"\n\x05input\x18\x05 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"3\n\x0c\x46orwardReply\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06prompt\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x03\"\x1e\n\rGenerateReply\x12\r\n\x05token\x18\x01 \x01(\r2\xc8\x02\n\x04Mesh\x12G\n\tHeartbeat\x12\x1d.meshnode.v1.HeartbeatRequest\x1a\x1b.meshnode.v1.HeartbeatReply\x12\x37\n\x07Install\x12\x11.meshnode.v1.Plan\x1a\x19.meshnode.v1.InstallReply\x12/\n\x05Leave\x12\x14.meshnode.v1.Goodbye\x1a\x10.meshnode.v1.Ack\x12\x45\n\x07\x46orward\x12\x1b.meshnode.v1.ForwardRequest\x1a\x19.meshnode.v1.ForwardReply(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.meshnode.v1.GenerateRequest\x1a\x1a.meshnode.v1.GenerateReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0bmeshnode.v1\"\x92\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x11\n\thttp_port\x18\x03 \x01(\r\x12\x11\n\tgrpc_port\x18\x04 \x01(\r\x12\x15\n\rmemory_budget\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_memory\x18\x06 \x01(\x04\x12\x0f\n\x07\x63ompute\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x12\n\ncluster_id\x18\t \x01(\t\x12\x0e\n\x06models\x18\n \x03(\t\x12\x12\n\nstarted_at\x18\x0b \x01(\x01\x12\x13\n\x0btensor_port\x18\x0c \x01(\r\x12 \n\x05links\x18\r \x03(\x0b\x32\x11.meshnode.v1.Link\"p\n\x04Link\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06rtt_us\x18\x03 \x01(\x01\x12\x11\n\tjitter_us\x18\x04 \x01(\x01\x12\x11\n\tbandwidth\x18\x05 \x01(\x01\x12\x13\n\x0bmeasured_at\x18\x06 \x01(\x01\"M\n\x05Stage\x12\x13\n\x0bstart_layer\x18\x01 \x01(\r\x12\x11\n\tend_layer\x18\x02 \x01(\r\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xbe\x01\n\x04Plan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\"\n\x06stages\x18\x04 \x03(\x0b\x32\x12.meshnode.v1.Stage\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x06 \x01(\t\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x12\n\nestimate_s\x18\x08 \x01(\x01\x12\x14\n\x0c\x61lternatives\x18\t \x01(\t\"\xb4\x01\n\x10HeartbeatRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12\x13\n\x0bready_epoch\x18\x06 \x01(\x04\x12\x12\n\nplan_error\x18\x07 \x01(\t\"\xd8\x01\n\x0eHeartbeatReply\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x61live\x18\x04 \x03(\t\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.meshnode.v1.Plan\x12$\n\x05known\x18\x06 \x03(\x0b\x32\x15.meshnode.v1.NodeInfo\x12\x13\n\x0bready_epoch\x18\x07 \x01(\x04\x12\x12\n\nplan_error\x18\x08 \x01(\t\">\n\x0cInstallReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x1a\n\x07Goodbye\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x05\n\x03\x41\x63k\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\"\n\x05input\x18\x05 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"3\n\x0c\x46orwardReply\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.meshnode.v1.Tensor\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06prompt\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x03\"\x1e\n\rGenerateReply\x12\r\n\x05token\x18\x01 \x01(\r\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x32\x85\x03\n\x04Mesh\x12G\n\tHeartbeat\x12\x1d.meshnode.v1.HeartbeatRequest\x1a\x1b.meshnode.v1.HeartbeatReply\x12\x37\n\x07Install\x12\x11.meshnode.v1.Plan\x1a\x19.meshnode.v1.InstallReply\x12/\n\x05Leave\x12\x14.meshnode.v1.Goodbye\x1a\x10.meshnode.v1.Ack\x12\x45\n\x07\x46orward\x12\x1b.meshnode.v1.ForwardRequest\x1a\x19.meshnode.v1.ForwardReply(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.meshnode.v1.GenerateRequest\x1a\x1a.meshnode.v1.GenerateReply0\x01\x12;\n\x05Probe\x12\x19.meshnode.v1.ProbeRequest\x1a\x17.meshnode.v1.ProbeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODEINFO']._serialized_start=28
-  _globals['_NODEINFO']._serialized_end=247
-  _globals['_STAGE']._serialized_start=249
-  _globals['_STAGE']._serialized_end=311
-  _globals['_PLAN']._serialized_start=314
-  _globals['_PLAN']._serialized_end=462
-  _globals['_HEARTBEATREQUEST']._serialized_start=465
-  _globals['_HEARTBEATREQUEST']._serialized_end=645
-  _globals['_HEARTBEATREPLY']._serialized_start=648
-  _globals['_HEARTBEATREPLY']._serialized_end=864
-  _globals['_INSTALLREPLY']._serialized_start=866
-  _globals['_INSTALLREPLY']._serialized_end=928
-  _globals['_GOODBYE']._serialized_start=930
-  _globals['_GOODBYE']._serialized_end=956
-  _globals['_ACK']._serialized_start=958
-  _globals['_ACK']._serialized_end=963
-  _globals['_TENSOR']._serialized_start=965
-  _globals['_TENSOR']._serialized_end=1017
-  _globals['_FORWARDREQUEST']._serialized_start=1019
-  _globals['_FORWARDREQUEST']._serialized_end=1146
-  _globals['_FORWARDREPLY']._serialized_start=1148
-  _globals['_FORWARDREPLY']._serialized_end=1199
-  _globals['_GENERATEREQUEST']._serialized_start=1202
-  _globals['_GENERATEREQUEST']._serialized_end=1358
-  _globals['_GENERATEREPLY']._serialized_start=1360
-  _globals['_GENERATEREPLY']._serialized_end=1390
-  _globals['_MESH']._serialized_start=1393
-  _globals['_MESH']._serialized_end=1721
+  _globals['_NODEINFO']._serialized_end=302
+  _globals['_LINK']._serialized_start=304
+  _globals['_LINK']._serialized_end=416
+  _globals['_STAGE']._serialized_start=418
+  _globals['_STAGE']._serialized_end=495
+  _globals['_PLAN']._serialized_start=498
+  _globals['_PLAN']._serialized_end=688
+  _globals['_HEARTBEATREQUEST']._serialized_start=691
+  _globals['_HEARTBEATREQUEST']._serialized_end=871
+  _globals['_HEARTBEATREPLY']._serialized_start=874
+  _globals['_HEARTBEATREPLY']._serialized_end=1090
+  _globals['_INSTALLREPLY']._serialized_start=1092
+  _globals['_INSTALLREPLY']._serialized_end=1154
+  _globals['_GOODBYE']._serialized_start=1156
+  _globals['_GOODBYE']._serialized_end=1182
+  _globals['_ACK']._serialized_start=1184
+  _globals['_ACK']._serialized_end=1189
+  _globals['_TENSOR']._serialized_start=1191
+  _globals['_TENSOR']._serialized_end=1243
+  _globals['_FORWARDREQUEST']._serialized_start=1245
+  _globals['_FORWARDREQUEST']._serialized_end=1372
+  _globals['_FORWARDREPLY']._serialized_start=1374
+  _globals['_FORWARDREPLY']._serialized_end=1425
+  _globals['_GENERATEREQUEST']._serialized_start=1428
+  _globals['_GENERATEREQUEST']._serialized_end=1584
+  _globals['_GENERATEREPLY']._serialized_start=1586
+  _globals['_GENERATEREPLY']._serialized_end=1616
+  _globals['_PROBEREQUEST']._serialized_start=1618
+  _globals['_PROBEREQUEST']._serialized_end=1670
+  _globals['_PROBEREPLY']._serialized_start=1672
+  _globals['_PROBEREPLY']._serialized_end=1701
+  _globals['_MESH']._serialized_start=1704
+  _globals['_MESH']._serialized_end=2093
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at")
+    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class NodeInfo(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PORT_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     http_port: int
@@ -30,20 +32,40 @@ class NodeInfo(_message.Message):
     cluster_id: str
     models: _containers.RepeatedScalarFieldContainer[str]
     started_at: float
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ...) -> None: ...
+    tensor_port: int
+    links: _containers.RepeatedCompositeFieldContainer[Link]
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ...) -> None: ...
+
+class Link(_message.Message):
+    __slots__ = ("peer", "address", "rtt_us", "jitter_us", "bandwidth", "measured_at")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RTT_US_FIELD_NUMBER: _ClassVar[int]
+    JITTER_US_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    address: str
+    rtt_us: float
+    jitter_us: float
+    bandwidth: float
+    measured_at: float
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., rtt_us: _Optional[float] = ..., jitter_us: _Optional[float] = ..., bandwidth: _Optional[float] = ..., measured_at: _Optional[float] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("start_layer", "end_layer", "nodes")
+    __slots__ = ("start_layer", "end_layer", "nodes", "bytes")
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     start_layer: int
     end_layer: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    bytes: int
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "model", "strategy", "stages", "reason", "coordinator", "max_context")
+    __slots__ = ("epoch", "model", "strategy", "stages", "reason", "coordinator", "max_context", "estimate_s", "alternatives")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +73,8 @@ class Plan(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     model: str
     strategy: str
@@ -58,7 +82,9 @@ class Plan(_message.Message):
     reason: str
     coordinator: str
     max_context: int
-    def __init__(self, epoch: _Optional[int] = ..., model: _Optional[str] = ..., strategy: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., reason: _Optional[str] = ..., coordinator: _Optional[str] = ..., max_context: _Optional[int] = ...) -> None: ...
+    estimate_s: float
+    alternatives: str
+    def __init__(self, epoch: _Optional[int] = ..., model: _Optional[str] = ..., strategy: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., reason: _Optional[str] = ..., coordinator: _Optional[str] = ..., max_context: _Optional[int] = ..., estimate_s: _Optional[float] = ..., alternatives: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "ready_epoch", "plan_error")
@@ -173,3 +199,17 @@ class GenerateReply(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     token: int
     def __init__(self, token: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...

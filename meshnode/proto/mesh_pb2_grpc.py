@@ -59,6 +59,11 @@ class MeshStub:
                 request_serializer=mesh__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=mesh__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/meshnode.v1.Mesh/Probe',
+                request_serializer=mesh__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=mesh__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class MeshServicer:
@@ -94,6 +99,12 @@ class MeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_MeshServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=mesh__pb2.GenerateRequest.FromString,
                     response_serializer=mesh__pb2.GenerateReply.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=mesh__pb2.ProbeRequest.FromString,
+                    response_serializer=mesh__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Mesh:
             '/meshnode.v1.Mesh/Generate',
             mesh__pb2.GenerateRequest.SerializeToString,
             mesh__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnode.v1.Mesh/Probe',
+            mesh__pb2.ProbeRequest.SerializeToString,
+            mesh__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,
