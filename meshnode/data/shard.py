@@ -120,6 +120,26 @@ def _stand_in(placeholder: nn.Module, original: nn.Module) -> nn.Module:
     return placeholder
 
 
+def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, group) -> None:
+    """Tensor-parallel: split layers [start, end) over ``group`` with the family's own ``shard()``.
+
+    mlx-lm's ``shard`` walks ``model.layers``; it is shown only the real layers of this shard
+    (the placeholders have no projections to split), then the full list is put back.
+    Embedding, final norm and head stay whole on every member, as in mlx-lm.
+    """
+    if not callable(getattr(model, "shard", None)):
+        raise ValueError(f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx-lm has no tensor-parallel shard() "
+                         "for this model family")
+    full = inner.layers
+    inner.layers = full[start:end]
+    try:
+        model.shard(group)
+    finally:
+        kept = inner.layers
+        inner.layers = full
+        full[start:end] = kept
+
+
 def _cache_kind(c: Any) -> tuple:
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
 
@@ -146,7 +166,7 @@ class Shard:
     and returns the hidden state (all but the last shard) or the logits (last shard).
     """
 
-    def __init__(self, model_path: str | Path, start: int, end: int):
+    def __init__(self, model_path: str | Path, start: int, end: int, group: "mx.distributed.Group | None" = None):
         model_path = Path(model_path)
         model, config = load_model(model_path, lazy=True, strict=True)
         inner = _inner(model)
@@ -193,6 +213,9 @@ class Shard:
             inner.norm = _Absent()
             if hasattr(model, "lm_head"):
                 model.lm_head = _Absent()
+        if group is not None and group.size() > 1:
+            _shard_layers(model, inner, start, end, group)
+        self.group_size = group.size() if group is not None else 1
         # Read exactly the remaining tensors from disk.
         mx.eval(model.parameters())
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -199,6 +200,32 @@ class GenerateReply(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     token: int
     def __init__(self, token: _Optional[int] = ...) -> None: ...
+
+class WorkerCommand(_message.Message):
+    __slots__ = ("op", "slot", "input")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FORWARD: _ClassVar[WorkerCommand.Op]
+        CLOSE: _ClassVar[WorkerCommand.Op]
+    FORWARD: WorkerCommand.Op
+    CLOSE: WorkerCommand.Op
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    op: WorkerCommand.Op
+    slot: int
+    input: Tensor
+    def __init__(self, op: _Optional[_Union[WorkerCommand.Op, str]] = ..., slot: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class WorkerReply(_message.Message):
+    __slots__ = ("output", "error", "info")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    error: str
+    info: str
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., info: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")

@@ -1,0 +1,371 @@
+"""Tensor parallelism: a group of nodes shares every layer of a stage over ``mx.distributed``.
+
+mlx-lm's ``model.shard(group)`` splits each layer's projections over the group; the forward
+pass then does two all-reduces per layer. ``mx.distributed`` keeps its group for the life of
+a process, so every member runs the group in a **worker subprocess** that its node starts for
+a plan and kills when the plan changes. The ring backend has no timeouts (a vanished peer
+hangs a collective), so the node supervises: every call on the worker has a deadline, and a
+worker that misses it is killed, which breaks the ring for the other members too (their
+collectives fail with "connection to a peer was lost" and their workers exit).
+
+Rank 0's node drives the group. It talks to its worker over the worker's stdin/stdout with
+length-prefixed protobuf frames (``WorkerCommand`` / ``WorkerReply``; local pipes, never the
+network). Rank 0's worker broadcasts each command to the other ranks through the group
+itself: a small int32 header, then the input, each an ``all_sum`` to which the other ranks
+add zeros (exact for any dtype). Every rank then runs the same forward pass in lockstep and
+ends with the full output (mlx-lm's sharded-to-all layers all-reduce it); rank 0 replies.
+
+:class:`TensorShard` is the node's side: it looks like a :class:`~meshnode.data.shard.Shard`
+(``spec``, ``dtype``, ``hidden_size``, ``make_cache``, ``forward``) so the stage server and the
+local pipeline use it unchanged.
+
+Run as ``python -m meshnode.data.tensor`` by :class:`TensorShard` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, BinaryIO, Sequence
+
+import mlx.core as mx
+
+from meshnode.data.shard import ShardSpec
+from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.proto import mesh_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 512 * 2**20
+_LEN = struct.Struct("<I")
+_DTYPE_CODES = {mx.int32: 1, mx.float32: 2, mx.float16: 3, mx.bfloat16: 4}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_HEADER = 7  # op, slot, dtype code, ndim, d0, d1, d2
+_OP_FORWARD, _OP_CLOSE, _OP_STOP = 1, 2, 3
+
+
+class TensorGroupError(RuntimeError):
+    """The group's worker failed, exited or missed its deadline."""
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def write_frame(stream: BinaryIO, msg) -> None:
+    data = msg.SerializeToString()
+    stream.write(_LEN.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read_exact(stream: BinaryIO, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = stream.read(left)
+        if not chunk:
+            raise EOFError("pipe closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(stream: BinaryIO, cls):
+    (n,) = _LEN.unpack(_read_exact(stream, _LEN.size))
+    if n > MAX_FRAME:
+        raise TensorGroupError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    msg = cls()
+    msg.ParseFromString(_read_exact(stream, n))
+    return msg
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+def _die_with_parent() -> None:
+    """Exit when the node that started this worker is gone, even from inside a hung collective.
+
+    (Linux's PR_SET_PDEATHSIG fires when the *thread* that forked exits, not the process, so a
+    parent-pid watcher is used on every platform.)
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class _Worker:
+    def __init__(self, shard, group):
+        self.shard = shard
+        self.group = group
+        self.caches: dict[int, list[Any]] = {}
+
+    def _broadcast(self, x: mx.array) -> mx.array:
+        out = mx.distributed.all_sum(x, group=self.group)
+        mx.eval(out)
+        return out
+
+    def _header(self, op: int = 0, slot: int = 0, x: mx.array | None = None) -> list[int]:
+        hdr = [0] * _HEADER
+        if x is not None:
+            shape = list(x.shape) + [0] * (3 - x.ndim)
+            hdr = [op, slot, _DTYPE_CODES[x.dtype], x.ndim, *shape]
+        elif op:
+            hdr[0], hdr[1] = op, slot
+        return self._broadcast(mx.array(hdr, dtype=mx.int32)).tolist()
+
+    def step(self, op: int, slot: int, x: mx.array | None) -> mx.array | None:
+        """One command, run identically on every rank (rank 0 passes the real input)."""
+        if op == _OP_CLOSE:
+            self.caches.pop(slot, None)
+            return None
+        cache = self.caches.get(slot)
+        if cache is None:
+            cache = self.caches[slot] = self.shard.make_cache()
+        x = self._broadcast(x)
+        out = self.shard.forward(x, cache)
+        if self.shard.spec.is_last:
+            out = out[:, -1:, :]
+        mx.eval(out)
+        return out
+
+    def lead(self, inp: BinaryIO, out: BinaryIO) -> None:
+        while True:
+            try:
+                cmd = read_frame(inp, mesh_pb2.WorkerCommand)
+            except EOFError:
+                self._header(_OP_STOP)
+                return
+            if cmd.op == mesh_pb2.WorkerCommand.CLOSE:
+                self._header(_OP_CLOSE, cmd.slot)
+                self.step(_OP_CLOSE, cmd.slot, None)
+                continue
+            try:
+                x = from_tensor(cmd.input, dtypes=("int32",) if self.shard.spec.is_first else
+                                (_name(self.shard.dtype),))
+                if x.ndim not in (2, 3) or x.dtype not in _DTYPE_CODES:
+                    raise WireError(f"bad input shape {x.shape}")
+            except WireError as exc:
+                write_frame(out, mesh_pb2.WorkerReply(error=f"bad input: {exc}"))
+                continue
+            self._header(_OP_FORWARD, cmd.slot, x)
+            result = self.step(_OP_FORWARD, cmd.slot, x)
+            write_frame(out, mesh_pb2.WorkerReply(output=to_tensor(result)))
+
+    def follow(self) -> None:
+        while True:
+            op, slot, code, ndim, *dims = self._header()
+            if op == _OP_STOP:
+                return
+            if op == _OP_CLOSE:
+                self.step(op, slot, None)
+                continue
+            if op != _OP_FORWARD or code not in _CODE_DTYPES or ndim not in (2, 3):
+                raise TensorGroupError(f"unexpected header {[op, slot, code, ndim, *dims]}")
+            self.step(op, slot, mx.zeros(tuple(dims[:ndim]), dtype=_CODE_DTYPES[code]))
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[dtype]
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshnode.data.tensor")
+    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--start", required=True, type=int)
+    parser.add_argument("--end", required=True, type=int)
+    parser.add_argument("--backend", default="ring")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)-7s tensor-worker[{rank}]: %(message)s")
+    # Frames go over the real stdout; nothing else may write there.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    inp = sys.stdin.buffer
+    if rank != 0:  # a follower never reads commands: its node closing stdin means stop
+        threading.Thread(target=lambda: (inp.read(), os._exit(0)), name="stdin-watch", daemon=True).start()
+
+    from meshnode.data.shard import Shard
+
+    group = mx.distributed.init(backend=args.backend, strict=True)
+    shard = Shard(args.model, args.start, args.end, group=group)
+    info = {"rank": group.rank(), "size": group.size(), "dtype": _name(shard.dtype),
+            "hidden_size": shard.hidden_size, "nbytes": shard.nbytes}
+    write_frame(out, mesh_pb2.WorkerReply(info=json.dumps(info)))
+    worker = _Worker(shard, group)
+    try:
+        if group.rank() == 0:
+            worker.lead(inp, out)
+        else:
+            worker.follow()
+    except RuntimeError as exc:  # the ring lost a peer: the node re-plans
+        log.error("tensor group failed: %s", exc)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------- the node's side
+
+
+class _Slot:
+    """A request's KV cache in the worker; freeing it tells the worker (at its next command)."""
+
+    def __init__(self, owner: "TensorShard", slot: int):
+        self.slot = slot
+        weakref.finalize(self, owner._closed.append, slot)
+
+
+class TensorShard:
+    """This node's member of a tensor-parallel group, run in a worker subprocess.
+
+    Looks like a :class:`~meshnode.data.shard.Shard` to the stage server and the pipeline.
+    Only rank 0 runs requests; the other members just keep their worker alive.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        start: int,
+        end: int,
+        num_layers: int,
+        *,
+        rank: int,
+        endpoints: Sequence[str],
+        backend: str = "ring",
+        hop_timeout: float = 2.0,
+        prefill_allowance: float = 0.05,
+    ):
+        self.path = Path(model_path)
+        self.spec = ShardSpec(start, end, num_layers)
+        self.rank, self.endpoints, self.backend = rank, list(endpoints), backend
+        self.group_size = len(self.endpoints)
+        self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
+        self.dtype: mx.Dtype = mx.float32
+        self.hidden_size: int | None = None
+        self.nbytes = 0
+        self._proc: subprocess.Popen | None = None
+        self._hostfile: str | None = None
+        self._lock = threading.Lock()
+        self._closed: collections.deque[int] = collections.deque()
+        self._next_slot = 0
+        self._failed: str | None = None
+
+    @property
+    def start(self) -> int:
+        return self.spec.start
+
+    @property
+    def end(self) -> int:
+        return self.spec.end
+
+    # ---------------------------------------------------------------- lifecycle
+    def launch(self, ready_timeout: float) -> None:
+        """Start the worker and wait until the group has formed and loaded (blocking)."""
+        fd, self._hostfile = tempfile.mkstemp(prefix="meshnode-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[e] for e in self.endpoints], f)
+        env = {**os.environ, "MLX_RANK": str(self.rank), "MLX_HOSTFILE": self._hostfile}
+        cmd = [sys.executable, "-m", "meshnode.data.tensor", "--model", str(self.path),
+               "--start", str(self.start), "--end", str(self.end), "--backend", self.backend]
+        log.info("starting tensor worker rank %d of %s for layers [%d, %d)", self.rank,
+                 ",".join(self.endpoints), self.start, self.end)
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        try:
+            reply = self._read(ready_timeout, "forming the group and loading its layers")
+        except BaseException:
+            self.close()
+            raise
+        info = json.loads(reply.info)
+        self.dtype = getattr(mx, info["dtype"])
+        self.hidden_size = int(info["hidden_size"])
+        self.nbytes = int(info["nbytes"])
+        log.info("tensor worker rank %d ready: layers [%d, %d), %.1f MiB", self.rank, self.start, self.end,
+                 self.nbytes / 2**20)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and self._failed is None
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        if self._hostfile:
+            Path(self._hostfile).unlink(missing_ok=True)
+            self._hostfile = None
+
+    def _fail(self, why: str) -> TensorGroupError:
+        self._failed = why
+        log.error("tensor group for layers [%d, %d): %s; stopping its worker", self.start, self.end, why)
+        self.close()
+        return TensorGroupError(f"tensor group [{self.start}, {self.end}): {why}")
+
+    def _read(self, timeout: float, doing: str) -> mesh_pb2.WorkerReply:
+        proc = self._proc
+        if proc is None:
+            raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is stopped")
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            raise self._fail(f"no answer within {timeout:.1f} s while {doing}")
+        try:
+            reply = read_frame(proc.stdout, mesh_pb2.WorkerReply)
+        except (EOFError, OSError, TensorGroupError) as exc:
+            raise self._fail(f"worker exited while {doing} ({exc}, exit code {proc.poll()})") from None
+        if reply.error:
+            raise TensorGroupError(f"tensor group [{self.start}, {self.end}): {reply.error}")
+        return reply
+
+    # ---------------------------------------------------------------- Shard interface
+    def make_cache(self) -> _Slot:
+        with self._lock:
+            self._next_slot += 1
+            return _Slot(self, self._next_slot)
+
+    def forward(self, x: mx.array, cache: _Slot) -> mx.array:
+        if self.rank != 0:
+            raise TensorGroupError("only rank 0 of a tensor group runs requests")
+        if x.dtype == mx.uint32:
+            x = x.astype(mx.int32)
+        mx.eval(x)
+        positions = x.shape[1]
+        with self._lock:
+            if not self.alive():
+                raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is down: {self._failed or 'stopped'}")
+            try:
+                while self._closed:
+                    write_frame(self._proc.stdin, mesh_pb2.WorkerCommand(op=mesh_pb2.WorkerCommand.CLOSE,
+                                                                         slot=self._closed.popleft()))
+                write_frame(self._proc.stdin, mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x)))
+            except OSError as exc:
+                raise self._fail(f"worker pipe broke ({exc})") from None
+            reply = self._read(self.hop_timeout + self.prefill_allowance * positions, "running a step")
+        expect = (1, 1 if self.spec.is_last else positions, None)
+        try:
+            return from_tensor(reply.output, expect=expect)
+        except WireError as exc:
+            raise self._fail(f"bad output from the worker: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,142 @@
+"""Tensor-parallel groups (meshnode.data.tensor): real worker processes over mx.distributed's ring
+backend on loopback. Multi-host groups inside real meshes are in test_tensor_mesh.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from meshnode.data.shard import Shard
+from meshnode.data.tensor import TensorGroupError, TensorShard
+from meshnode.modelbuild import build_model
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [1, 5, 9, 22, 7, 3, 100, 45]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("tp") / "llama", "llama", num_layers=6, hidden_size=128,
+                       dtype="float32")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _group(model, start, end, size=2, **kwargs) -> list[TensorShard]:
+    endpoints = [f"127.0.0.1:{p}" for p in _free_ports(size)]
+    members = [TensorShard(model, start, end, 6, rank=r, endpoints=endpoints, **kwargs) for r in range(size)]
+    errors: list[BaseException] = []
+
+    def launch(m):
+        try:
+            m.launch(60)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=launch, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for m in members:
+            m.close()
+        raise errors[0]
+    return members
+
+
+def _greedy(step, n: int) -> list[int]:
+    x, out = mx.array([PROMPT]), []
+    for _ in range(n):
+        token = int(mx.argmax(step(x)[:, -1, :], axis=-1).item())
+        out.append(token)
+        x = mx.array([[token]])
+    return out
+
+
+def test_whole_model_group_matches_mlx_lm(model):
+    members = _group(model, 0, 6)
+    try:
+        lead = members[0]
+        assert lead.hidden_size == 128 and lead.dtype == mx.float32 and lead.alive()
+        cache = lead.make_cache()
+        got = _greedy(lambda x: lead.forward(x, cache), 16)
+        m, _ = load(str(model))
+        want = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=16)), range(16))]
+        assert got == want
+        # A second request gets its own KV cache in the worker; the first one's is freed.
+        del cache
+        again = lead.make_cache()
+        assert _greedy(lambda x: lead.forward(x, again), 16) == want
+        with pytest.raises(TensorGroupError, match="only rank 0"):
+            members[1].forward(mx.array([PROMPT]), members[1].make_cache())
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_middle_stage_group_matches_a_plain_shard(model):
+    first = Shard(model, 0, 2)
+    plain = Shard(model, 2, 5)
+    members = _group(model, 2, 5)
+    try:
+        hidden = first.forward(mx.array([PROMPT]), first.make_cache())
+        mx.eval(hidden)
+        want = plain.forward(hidden, plain.make_cache())
+        got = members[0].forward(hidden, members[0].make_cache())
+        assert got.shape == want.shape == (1, len(PROMPT), 128)
+        assert mx.allclose(got, want, atol=1e-4).item()
+    finally:
+        for m in members:
+            m.close()
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
+    members = _group(model, 0, 6, hop_timeout=2.0)
+    lead, other = members
+    pid = other._proc.pid
+    try:
+        cache = lead.make_cache()
+        lead.forward(mx.array([PROMPT]), cache)
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorGroupError):
+            lead.forward(mx.array([[7]]), cache)
+        assert time.monotonic() - t0 < 6
+        assert not lead.alive()
+        with pytest.raises(TensorGroupError, match="down"):
+            lead.forward(mx.array([[7]]), cache)
+    finally:
+        if fault == "freeze":
+            os.kill(pid, signal.SIGCONT)
+        for m in members:
+            m.close()
+    assert lead._proc is None and other._proc is None
+
+
+def test_a_group_that_cannot_form_gives_up(model):
+    endpoints = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    lonely = TensorShard(model, 0, 6, 6, rank=0, endpoints=endpoints)
+    t0 = time.monotonic()
+    with pytest.raises(TensorGroupError, match="no answer"):
+        lonely.launch(3)
+    assert time.monotonic() - t0 < 10 and not lonely.alive()
