@@ -276,6 +276,9 @@ def _positive_duration(value: Any) -> float:
     return _range(parse_duration, lambda s: s > 0, "a positive number of seconds")(value)
 
 
+STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
+TENSOR_PORTS = 16  # a node's ring endpoints: tensor_port .. tensor_port + 15
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": _optional(_str),
     "host": _range(lambda v: _str(v).strip(), bool, "a non-empty address"),
@@ -297,6 +300,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "failure_timeout": _positive_duration,
     "failover_deadline": _positive_duration,
     "rebalance_dwell": _positive_duration,
+    "strategy": _range(lambda v: _str(v).strip().lower(), lambda v: v in STRATEGY_CHOICES,
+                       "one of " + ", ".join(STRATEGY_CHOICES)),
+    "group_ready_timeout": _positive_duration,
+    "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - TENSOR_PORTS, f"a port from 0 to {65535 - 16}"),
     "state_dir": _optional(_path),
     "cache_dir": _optional(_path),
     "api_key": _optional(_str),
@@ -371,6 +378,13 @@ class Settings:
     failover_deadline: float = 30.0
     #: Seconds a plan stays before the coordinator moves to a better one (a node joined).
     rebalance_dwell: float = 5.0
+    #: How the coordinator splits the model: auto (lowest estimated time per token), or force
+    #: single, pipeline, tensor or hybrid.
+    strategy: str = "auto"
+    #: First of 16 TCP ports for tensor-parallel groups (mx.distributed ring); 0 = grpc_port + 1.
+    tensor_port: int = 0
+    #: Seconds a tensor group may take to form and load its layers before its worker is stopped.
+    group_ready_timeout: float = 300.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
     #: None = platform default (see default_cache_dir).

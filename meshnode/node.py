@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from mlx_lm.utils import load_tokenizer
 from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
 from meshnode.api.validation import ApiError, Limits
-from meshnode.config import Settings
+from meshnode.config import TENSOR_PORTS, Settings
 from meshnode.control.auth import ClusterAuth, client_interceptors
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
 from meshnode.control.election import Candidate, choose_coordinator, next_epoch
@@ -37,6 +38,7 @@ from meshnode.control.planner import NodeSpec, Plan, PlanError, plan as make_pla
 from meshnode.data.profile import ModelProfile, profile_model
 from meshnode.data.shard import Shard
 from meshnode.data.stage import RemoteStage, StageError, StageServer
+from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.engine import Engine
 from meshnode.generation import LocalStage, PipelineSource, SamplingParams, TokenScheduler, new_request_id
 from meshnode.identity import cluster_id as derive_cluster_id
@@ -181,8 +183,11 @@ class Node:
         self.max_epoch_seen = 0
         self.ready_epoch = 0
         self._planned_for: frozenset[str] = frozenset()
-        self.shards: dict[tuple[int, int], Shard] = {}
+        # What this node holds, by stage key (see _stage_key): Shards, and its member of each
+        # tensor group (a TensorShard supervising a worker process).
+        self.shards: dict[tuple, Shard | TensorShard] = {}
         self._apply_task: asyncio.Task | None = None
+        self._group_restart_at = 0.0
         self._placements: dict[int, Any] = {}
         self.engine: Engine | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -209,6 +214,7 @@ class Node:
             memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
             compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
             cluster_id=self.cluster_id, models=(self.model_id,), started_at=self.started_at,
+            tensor_port=self.settings.tensor_port or self.grpc_port + 1,
         )
         self.membership = Membership(self.me, failure_timeout=self.settings.failure_timeout)
         if self.settings.mdns:
@@ -229,6 +235,9 @@ class Node:
             await self.discovery.stop()
         if self._http is not None:
             await self._http.cleanup()
+        for shard in self.shards.values():
+            _close(shard)
+        self.shards = {}
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         for channel in self._channels.values():
@@ -412,7 +421,24 @@ class Node:
             self.coordinator = coordinator
         if coordinator == self.node_id:
             self._coordinate(alive)
+        self._restart_dead_groups()
         self._retire_previous()
+
+    def _restart_dead_groups(self) -> None:
+        """A tensor group's worker died (a member's ring broke) while its plan is current: this
+        node is not ready for the plan until the group has formed again (every member does the same)."""
+        plan = self.plan
+        if plan is None or self.ready_epoch < plan.epoch or self._groups_alive(plan):
+            return
+        if self._apply_task is not None and not self._apply_task.done():
+            return
+        if time.monotonic() - self._group_restart_at < 2 * self.settings.heartbeat_interval:
+            return
+        self._group_restart_at = time.monotonic()
+        log.warning("epoch %d: a tensor group this node belongs to is down; forming it again", plan.epoch)
+        self._event("group-down", epoch=plan.epoch)
+        self.ready_epoch = plan.epoch - 1
+        self._apply_task = asyncio.create_task(self._apply(plan))
 
     def _coordinate(self, alive: dict[str, NodeInfo]) -> None:
         members = frozenset(alive)
@@ -513,24 +539,67 @@ class Node:
         self._placements.clear()
 
     async def _apply(self, plan: Plan) -> None:
-        """Load this node's shard for the plan (make before break), then serve it."""
-        mine = [(s.start_layer, s.end_layer) for s in plan.stages if self.node_id in s.nodes]
-        wanted = {}
-        for key in mine:
-            shard = self.shards.get(key)
-            if shard is None:
-                log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
-                t0 = time.monotonic()
-                shard = await self.scheduler.call(lambda k=key: Shard(self.model_path, k[0], k[1]))
-                log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
-            wanted[key] = shard
+        """Load this node's shards for the plan (make before break), then serve them."""
+        wanted: dict[tuple, Shard | TensorShard] = {}
+        launching: list[TensorShard] = []
+        try:
+            for stage in plan.stages:
+                if self.node_id not in stage.nodes:
+                    continue
+                key = _stage_key(stage)
+                shard = self.shards.get(key)
+                if isinstance(shard, TensorShard) and not shard.alive():
+                    shard = None  # its worker died: start the group again
+                if shard is None and len(stage.nodes) == 1:
+                    log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
+                    t0 = time.monotonic()
+                    shard = await self.scheduler.call(lambda k=key: Shard(self.model_path, k[0], k[1]))
+                    log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
+                elif shard is None:
+                    shard = self._tensor_shard(stage)
+                    launching.append(shard)
+                    t0 = time.monotonic()
+                    await asyncio.to_thread(shard.launch, self.settings.group_ready_timeout)
+                    launching.remove(shard)
+                    self._event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
+                                seconds=round(time.monotonic() - t0, 2))
+                wanted[key] = shard
+        except BaseException as exc:
+            for shard in launching:
+                shard.close()  # unblocks the launching thread
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("epoch %d: could not load this node's part: %s", plan.epoch, exc)
+                self._event("load-failed", epoch=plan.epoch, error=str(exc))
+            raise
         if self.plan is not plan:
+            for key, shard in wanted.items():
+                if key not in self.shards:
+                    _close(shard)
             return
+        replaced = [v for k, v in self.shards.items() if k in wanted and v is not wanted[k]]
         self.shards = {**self.shards, **wanted}
-        self.stage_server.serve(plan.epoch, wanted)
+        for shard in replaced:
+            _close(shard)
+        served = {(s.start_layer, s.end_layer): wanted[_stage_key(s)] for s in plan.stages if s.nodes[0] == self.node_id}
+        self.stage_server.serve(plan.epoch, served)
         self.ready_epoch = plan.epoch
         log.info("ready for epoch %d", plan.epoch)
         asyncio.create_task(self._heartbeat_all())  # tell the mesh now, not at the next beat
+
+    def _tensor_shard(self, stage) -> TensorShard:
+        """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
+        alive = self.membership.alive_infos() if self.membership is not None else {}
+        key = f"{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
+        offset = zlib.crc32(key.encode()) % TENSOR_PORTS
+        endpoints = []
+        for node_id in stage.nodes:
+            info = self.me if node_id == self.node_id else alive.get(node_id)
+            if info is None or not info.tensor_port:
+                raise TensorGroupError(f"group member {node_id} is unknown or has no tensor port")
+            endpoints.append(f"{info.addresses[0]}:{info.tensor_port + offset}")
+        return TensorShard(self.model_path, stage.start_layer, stage.end_layer, self.profile.num_layers,
+                           rank=stage.nodes.index(self.node_id), endpoints=endpoints,
+                           hop_timeout=self.settings.failure_timeout)
 
     def _retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""
@@ -539,7 +608,10 @@ class Node:
             return
         if self.previous is None and list(self.stage_server.epochs) == [plan.epoch]:
             return
-        keep = {(s.start_layer, s.end_layer) for s in plan.stages if self.node_id in s.nodes}
+        keep = {_stage_key(s) for s in plan.stages if self.node_id in s.nodes}
+        for key, shard in self.shards.items():
+            if key not in keep:
+                _close(shard)
         self.shards = {k: v for k, v in self.shards.items() if k in keep}
         self.stage_server.retire_before(plan.epoch)
         if self.previous is not None:
@@ -557,9 +629,19 @@ class Node:
             if node_id == self.node_id:
                 if self.ready_epoch < plan.epoch or plan.epoch not in self.stage_server.epochs:
                     return False
+                if not self._groups_alive(plan):
+                    return False
             else:
                 peer = alive.get(node_id)
                 if peer is None or peer.ready_epoch < plan.epoch:
+                    return False
+        return True
+
+    def _groups_alive(self, plan: Plan) -> bool:
+        for stage in plan.stages:
+            if self.node_id in stage.nodes and len(stage.nodes) > 1:
+                shard = self.shards.get(_stage_key(stage))
+                if shard is None or not shard.alive():
                     return False
         return True
 
@@ -610,7 +692,7 @@ class Node:
         handles = []
         for stage in plan.stages:
             node_id = stage.nodes[0]
-            key = (stage.start_layer, stage.end_layer)
+            key = _stage_key(stage)
             if node_id == self.node_id:
                 shard = self.shards.get(key)
                 if shard is None:
@@ -681,6 +763,19 @@ def _peer_host(context, port: int) -> str:
     peer = context.peer()  # "ipv4:1.2.3.4:5678"
     host = peer.split(":")[1] if peer.startswith("ipv4:") else "127.0.0.1"
     return f"{host}:{port}"
+
+
+def _stage_key(stage) -> tuple:
+    """What a node holds for a stage: its layers, plus the group's members for a tensor group
+    (the same layers shared with other nodes are a different thing to load)."""
+    if len(stage.nodes) == 1:
+        return (stage.start_layer, stage.end_layer)
+    return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
+
+
+def _close(shard) -> None:
+    if isinstance(shard, TensorShard):
+        shard.close()
 
 
 def _head(plan: Plan) -> str:

@@ -22,6 +22,7 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         cluster_id=info.cluster_id,
         models=list(info.models),
         started_at=info.started_at,
+        tensor_port=info.tensor_port,
     )
 
 
@@ -42,6 +43,7 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         cluster_id=msg.cluster_id,
         models=tuple(msg.models),
         started_at=msg.started_at,
+        tensor_port=msg.tensor_port if msg.tensor_port < 65536 else 0,
     )
 
 
