@@ -303,6 +303,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "strategy": _range(lambda v: _str(v).strip().lower(), lambda v: v in STRATEGY_CHOICES,
                        "one of " + ", ".join(STRATEGY_CHOICES)),
     "group_ready_timeout": _positive_duration,
+    "link_probe_interval": _positive_duration,
     "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - TENSOR_PORTS, f"a port from 0 to {65535 - 16}"),
     "state_dir": _optional(_path),
     "cache_dir": _optional(_path),
@@ -385,6 +386,8 @@ class Settings:
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load its layers before its worker is stopped.
     group_ready_timeout: float = 300.0
+    #: Seconds between measurements of the link to each peer (RTT, jitter, bandwidth).
+    link_probe_interval: float = 30.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
     #: None = platform default (see default_cache_dir).

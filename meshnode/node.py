@@ -32,6 +32,7 @@ from meshnode.config import TENSOR_PORTS, Settings
 from meshnode.control.auth import ClusterAuth, client_interceptors
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
 from meshnode.control.election import Candidate, choose_coordinator, next_epoch
+from meshnode.control.links import LinkProber, LinkStat, best as best_link, probe_reply
 from meshnode.control.membership import Membership
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_from_pb, plan_to_pb
 from meshnode.control.planner import NodeSpec, Plan, PlanError, plan as make_plan
@@ -84,7 +85,7 @@ class RemoteHeadPlacement:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         node = self.node
-        stub = mesh_pb2_grpc.MeshStub(node.channel_to(self.head))
+        stub = mesh_pb2_grpc.MeshStub(node.data_channel(self.head))
         request = mesh_pb2.GenerateRequest(
             request_id=new_request_id(node.node_id), epoch=self.epoch, prompt=list(prompt),
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -128,6 +129,9 @@ class MeshServicer(mesh_pb2_grpc.MeshServicer):
     async def Forward(self, request_iterator, context):
         async for reply in self.node.stage_server.forward(request_iterator, context):
             yield reply
+
+    async def Probe(self, request, context):
+        return probe_reply(request)
 
     async def Generate(self, request, context):
         async for reply in self.node.on_generate(request, context):
@@ -199,6 +203,8 @@ class Node:
         self.http_port = settings.http_port
         self.grpc_port = settings.grpc_port
         self.events: list[dict[str, Any]] = []
+        self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
+        self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -210,7 +216,8 @@ class Node:
         await self._start_grpc()
         await self._start_http()
         self.me = NodeInfo(
-            node_id=self.node_id, addresses=local_addresses() or ("127.0.0.1",), http_port=self.http_port, grpc_port=self.grpc_port,
+            node_id=self.node_id, addresses=self._announced_addresses(), http_port=self.http_port,
+            grpc_port=self.grpc_port,
             memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
             compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
             cluster_id=self.cluster_id, models=(self.model_id,), started_at=self.started_at,
@@ -221,8 +228,16 @@ class Node:
             self.discovery = Discovery(self.me, on_change=self._on_discovery)
             await self.discovery.start()
         self._tasks.append(asyncio.create_task(self._control_loop(), name="meshnode-control"))
+        self._tasks.append(asyncio.create_task(self.links.run(self._probe_targets), name="meshnode-links"))
         log.info("node %s up: HTTP :%d, gRPC :%d, budget %.2f GiB, cluster %s", self.node_id, self.http_port,
                  self.grpc_port, self.memory_budget / 2**30, self.cluster_id)
+
+    def _announced_addresses(self) -> tuple[str, ...]:
+        """Where peers can reach this node: the bind address if it is a specific one, else every
+        address of the machine."""
+        if self.settings.host not in ("0.0.0.0", "::", ""):
+            return (self.settings.host,)
+        return local_addresses() or ("127.0.0.1",)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -299,13 +314,31 @@ class Node:
             return
         self.membership.add_target(info, f"{info.addresses[0]}:{info.grpc_port}")
 
+    def _probe_targets(self) -> dict[str, tuple[tuple[str, ...], int]]:
+        if self.membership is None:
+            return {}
+        return {p.info.node_id: (p.info.addresses, p.info.grpc_port) for p in self.membership.alive_peers().values()}
+
+    def data_channel(self, node_id: str) -> grpc.aio.Channel:
+        """The channel for per-token traffic to a peer: over its fastest measured address."""
+        peer = self.membership.peers.get(node_id) if self.membership else None
+        address = self.links.best_address(node_id)
+        if peer is None or address is None:
+            return self.channel_to(node_id)
+        return self.channel_to(f"{address}:{peer.info.grpc_port}")
+
+    def _me_pb(self) -> mesh_pb2.NodeInfo:
+        msg = node_to_pb(self.me)
+        msg.links.extend(link.to_pb() for link in self.links.links())
+        return msg
+
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **fields})
         del self.events[:-100]
 
     def _heartbeat_msg(self) -> mesh_pb2.HeartbeatRequest:
         msg = mesh_pb2.HeartbeatRequest(
-            node=node_to_pb(self.me), coordinator=self.coordinator or "", epoch=self.epoch,
+            node=self._me_pb(), coordinator=self.coordinator or "", epoch=self.epoch,
             alive=sorted(self.membership.alive_infos()), ready_epoch=self.ready_epoch, plan_error=self.plan_error,
         )
         if self.plan is not None:
@@ -345,6 +378,10 @@ class Node:
                 self.membership.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
 
     def _observe(self, info: NodeInfo, target: str, msg) -> None:
+        try:
+            self.peer_links[info.node_id] = tuple(LinkStat.from_pb(link) for link in msg.node.links[:256])
+        except ValueError as exc:
+            log.warning("ignoring bad link figures from %s: %s", info.node_id, exc)
         self.membership.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
                                 alive_view=frozenset(msg.alive))
         peer = self.membership.peers[info.node_id]
@@ -373,7 +410,7 @@ class Node:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"node id {info.node_id} is already in use")
         self._observe(info, target, request)
         reply = mesh_pb2.HeartbeatReply(
-            node=node_to_pb(self.me), coordinator=self.coordinator or "", epoch=self.epoch,
+            node=self._me_pb(), coordinator=self.coordinator or "", epoch=self.epoch,
             alive=sorted(self.membership.alive_infos()), ready_epoch=self.ready_epoch, plan_error=self.plan_error,
             known=[node_to_pb(p.info) for p in self.membership.alive_peers().values()],
         )
@@ -700,7 +737,7 @@ class Node:
                 handles.append(LocalStage(shard))
             else:
                 handles.append(RemoteStage(
-                    node_id=node_id, channel=self.channel_to(node_id), loop=self.loop,
+                    node_id=node_id, channel=self.data_channel(node_id), loop=self.loop,
                     start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
                     hidden_size=self.profile.hidden_size, dtype=self._activation_dtype(),
                     hop_timeout=self.settings.failure_timeout,
@@ -743,6 +780,9 @@ class Node:
                     "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
                     "memory_budget": info.memory_budget, "total_memory": info.total_memory,
                     "compute": info.compute, "version": info.version,
+                    "tensor_port": info.tensor_port,
+                    "links": [link.to_dict() for link in
+                              (self.links.links() if nid == self.node_id else self.peer_links.get(nid, ()))],
                     "role": "coordinator" if nid == self.coordinator else "member",
                 })
         plan = None

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links")
+    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class NodeInfo(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PORT_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     http_port: int
@@ -35,7 +36,8 @@ class NodeInfo(_message.Message):
     started_at: float
     tensor_port: int
     links: _containers.RepeatedCompositeFieldContainer[Link]
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ...) -> None: ...
+    layer_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ...) -> None: ...
 
 class Link(_message.Message):
     __slots__ = ("peer", "address", "rtt_us", "jitter_us", "bandwidth", "measured_at")
@@ -54,16 +56,18 @@ class Link(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., rtt_us: _Optional[float] = ..., jitter_us: _Optional[float] = ..., bandwidth: _Optional[float] = ..., measured_at: _Optional[float] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("start_layer", "end_layer", "nodes", "bytes")
+    __slots__ = ("start_layer", "end_layer", "nodes", "bytes", "endpoints")
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     start_layer: int
     end_layer: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     bytes: int
-    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "model", "strategy", "stages", "reason", "coordinator", "max_context", "estimate_s", "alternatives")

@@ -1,0 +1,139 @@
+"""Measured links: round-trip time, jitter and bandwidth to every peer, on each of its addresses.
+
+The planner needs facts about the links, not guesses: tensor parallelism pays two collectives
+per layer per token and only wins on a low-latency link, and data should flow over the fastest
+path between two machines (a Thunderbolt bridge rather than Wi-Fi) while discovery may use any.
+
+Each node probes each peer's announced addresses with the ``Probe`` RPC: ``samples`` small
+round trips (median = RTT, p90 - p10 = jitter) and one bulk transfer (``bulk_bytes`` up,
+a few bytes back: bandwidth = bytes / (time - RTT)). A peer is re-measured every
+``interval`` seconds, one address at a time with pauses in between, so the duty cycle stays
+low (a few ms of traffic per peer per interval).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_PROBE_BYTES = 4 * 2**20  # the largest payload a node echoes or accepts in a probe
+
+
+@dataclass(frozen=True)
+class LinkStat:
+    peer: str
+    address: str
+    rtt_us: float
+    jitter_us: float
+    bandwidth: float  # bytes per second
+    measured_at: float
+
+    def to_pb(self) -> mesh_pb2.Link:
+        return mesh_pb2.Link(peer=self.peer, address=self.address, rtt_us=self.rtt_us, jitter_us=self.jitter_us,
+                             bandwidth=self.bandwidth, measured_at=self.measured_at)
+
+    @classmethod
+    def from_pb(cls, msg: mesh_pb2.Link) -> "LinkStat":
+        values = (msg.rtt_us, msg.jitter_us, msg.bandwidth)
+        if not all(0 <= v < 1e13 for v in values) or len(msg.peer) > 128 or len(msg.address) > 64:
+            raise ValueError("link figures out of range")
+        return cls(msg.peer, msg.address, msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.measured_at)
+
+    def to_dict(self) -> dict:
+        return {"peer": self.peer, "address": self.address, "rtt_us": round(self.rtt_us, 1),
+                "jitter_us": round(self.jitter_us, 1), "bandwidth": round(self.bandwidth),
+                "measured_at": self.measured_at}
+
+
+def probe_reply(request: mesh_pb2.ProbeRequest) -> mesh_pb2.ProbeReply:
+    """The receiving side: echo back the number of bytes asked for (bounded)."""
+    return mesh_pb2.ProbeReply(payload=bytes(min(request.reply_bytes, MAX_PROBE_BYTES)))
+
+
+def best(links: Iterable[LinkStat]) -> LinkStat | None:
+    """The fastest measured path: lowest RTT, then highest bandwidth."""
+    ranked = sorted(links, key=lambda s: (s.rtt_us, -s.bandwidth))
+    return ranked[0] if ranked else None
+
+
+class LinkProber:
+    """Measures this node's links to its peers in the background."""
+
+    def __init__(
+        self,
+        channel_for: Callable[[str], grpc.aio.Channel],
+        *,
+        interval: float = 30.0,
+        samples: int = 12,
+        bulk_bytes: int = 1 << 20,
+        timeout: float = 2.0,
+        pause: float = 0.05,
+    ):
+        self._channel_for = channel_for
+        self.interval, self.samples, self.bulk_bytes = interval, samples, min(bulk_bytes, MAX_PROBE_BYTES)
+        self.timeout, self.pause = timeout, pause
+        self._stats: dict[tuple[str, str], LinkStat] = {}
+
+    async def measure(self, peer: str, address: str, port: int) -> LinkStat:
+        stub = mesh_pb2_grpc.MeshStub(self._channel_for(f"{address}:{port}"))
+        small = mesh_pb2.ProbeRequest(payload=b"\0" * 64, reply_bytes=64)
+        await stub.Probe(small, timeout=self.timeout)  # connect (and warm up) first
+        rtts = []
+        for _ in range(self.samples):
+            t0 = time.perf_counter()
+            await stub.Probe(small, timeout=self.timeout)
+            rtts.append(time.perf_counter() - t0)
+        rtts.sort()
+        rtt = statistics.median(rtts)
+        jitter = rtts[int(0.9 * (len(rtts) - 1))] - rtts[int(0.1 * (len(rtts) - 1))]
+        bulk = mesh_pb2.ProbeRequest(payload=b"\0" * self.bulk_bytes, reply_bytes=0)
+        t0 = time.perf_counter()
+        await stub.Probe(bulk, timeout=self.timeout * 5)
+        elapsed = time.perf_counter() - t0
+        bandwidth = self.bulk_bytes / max(elapsed - rtt, 1e-6)
+        return LinkStat(peer, address, rtt * 1e6, jitter * 1e6, bandwidth, time.time())
+
+    async def refresh(self, peers: dict[str, tuple[tuple[str, ...], int]]) -> None:
+        """Measure every stale (peer, address); forget peers that are gone."""
+        for key in [k for k in self._stats if k[0] not in peers]:
+            del self._stats[key]
+        now = time.time()
+        for peer, (addresses, port) in peers.items():
+            for address in addresses:
+                stat = self._stats.get((peer, address))
+                if stat is not None and now - stat.measured_at < self.interval:
+                    continue
+                try:
+                    self._stats[(peer, address)] = await self.measure(peer, address, port)
+                except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+                    code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "TIMEOUT"
+                    log.debug("probing %s at %s failed: %s", peer, address, code)
+                    self._stats.pop((peer, address), None)
+                await asyncio.sleep(self.pause)
+
+    async def run(self, peers: Callable[[], dict[str, tuple[tuple[str, ...], int]]], period: float = 1.0) -> None:
+        while True:
+            try:
+                await self.refresh(peers())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let measurement take the node down
+                log.exception("link measurement failed")
+            await asyncio.sleep(period)
+
+    def links(self) -> tuple[LinkStat, ...]:
+        return tuple(sorted(self._stats.values(), key=lambda s: (s.peer, s.rtt_us)))
+
+    def best_address(self, peer: str) -> str | None:
+        stat = best(s for s in self._stats.values() if s.peer == peer)
+        return stat.address if stat else None

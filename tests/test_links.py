@@ -1,0 +1,63 @@
+"""Link measurement between two real nodes (loopback): RTT, jitter and bandwidth per address,
+shown in /v1/mesh and carried to peers in heartbeats."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+
+import pytest
+
+from meshnode.control.links import MAX_PROBE_BYTES, LinkStat, best, probe_reply
+from meshnode.proto import mesh_pb2
+from tests.helpers import running_node
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_probe_reply_is_bounded():
+    assert len(probe_reply(mesh_pb2.ProbeRequest(reply_bytes=10)).payload) == 10
+    assert len(probe_reply(mesh_pb2.ProbeRequest(reply_bytes=2**31)).payload) == MAX_PROBE_BYTES
+
+
+def test_best_prefers_low_rtt_then_bandwidth():
+    slow = LinkStat("b", "10.0.0.2", 900.0, 50.0, 1e7, 0.0)
+    fast = LinkStat("b", "10.0.1.2", 40.0, 5.0, 1e9, 0.0)
+    fatter = LinkStat("b", "10.0.2.2", 40.0, 5.0, 2e9, 0.0)
+    assert best([slow, fast]) is fast
+    assert best([slow, fast, fatter]) is fatter
+    assert best([]) is None
+
+
+def test_link_stat_from_a_peer_is_checked():
+    with pytest.raises(ValueError):
+        LinkStat.from_pb(mesh_pb2.Link(peer="x", address="1.2.3.4", rtt_us=-1))
+    with pytest.raises(ValueError):
+        LinkStat.from_pb(mesh_pb2.Link(peer="x" * 500, address="1.2.3.4", rtt_us=1))
+
+
+def _mesh(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/v1/mesh", timeout=5) as r:
+        return json.load(r)
+
+
+def test_two_nodes_measure_their_link(tmp_path):
+    with contextlib.ExitStack() as stack:
+        a, base_a = stack.enter_context(running_node(None, tmp_path / "a", node_id="node-a", link_probe_interval=1))
+        b, base_b = stack.enter_context(running_node(None, tmp_path / "b", node_id="node-b", link_probe_interval=1,
+                                                     peers=[f"127.0.0.1:{a.grpc_port}"]))
+        deadline = time.monotonic() + 30
+        while True:
+            nodes = {n["node_id"]: n for n in _mesh(base_a)["nodes"]}
+            if len(nodes) == 2 and nodes["node-a"]["links"] and nodes["node-b"]["links"]:
+                break
+            assert time.monotonic() < deadline, f"no link figures in /v1/mesh: {nodes}"
+            time.sleep(0.2)
+        mine, theirs = nodes["node-a"]["links"][0], nodes["node-b"]["links"][0]
+        assert mine["peer"] == "node-b" and theirs["peer"] == "node-a"  # b's figures reached a by heartbeat
+        for link in (mine, theirs):
+            assert link["address"] == "127.0.0.1"
+            assert 0 < link["rtt_us"] < 200_000 and link["jitter_us"] >= 0 and link["bandwidth"] > 1e6
+        assert a.links.best_address("node-b") == "127.0.0.1"
