@@ -36,6 +36,7 @@ from meshnode.control.links import LinkProber, LinkStat, best as best_link, prob
 from meshnode.control.membership import Membership
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_from_pb, plan_to_pb
 from meshnode.control.planner import NodeSpec, Plan, PlanError, plan as make_plan
+from meshnode.data.compute import layer_seconds
 from meshnode.data.profile import ModelProfile, profile_model
 from meshnode.data.shard import Shard
 from meshnode.data.stage import RemoteStage, StageError, StageServer
@@ -222,6 +223,8 @@ class Node:
             compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
             cluster_id=self.cluster_id, models=(self.model_id,), started_at=self.started_at,
             tensor_port=self.settings.tensor_port or self.grpc_port + 1,
+            layer_seconds=await self.scheduler.call(
+                lambda: layer_seconds(self.model_path, self.profile.num_layers, self.settings.resolved_state_dir())),
         )
         self.membership = Membership(self.me, failure_timeout=self.settings.failure_timeout)
         if self.settings.mdns:
@@ -780,7 +783,7 @@ class Node:
                     "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
                     "memory_budget": info.memory_budget, "total_memory": info.total_memory,
                     "compute": info.compute, "version": info.version,
-                    "tensor_port": info.tensor_port,
+                    "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
                     "links": [link.to_dict() for link in
                               (self.links.links() if nid == self.node_id else self.peer_links.get(nid, ()))],
                     "role": "coordinator" if nid == self.coordinator else "member",

@@ -91,13 +91,14 @@ class NodeInfo:
     models: tuple[str, ...] = ()
     started_at: float = 0.0
     tensor_port: int = 0  # first of the node's mx.distributed ring ports (0 = none)
+    layer_seconds: float = 0.0  # measured decode time of one layer of the served model (0 = unknown)
 
     def to_properties(self) -> dict[str, str]:
         props = {
             "id": self.node_id, "http": str(self.http_port), "grpc": str(self.grpc_port),
             "budget": str(self.memory_budget), "total": str(self.total_memory), "compute": f"{self.compute:.3f}",
             "version": self.version, "cluster": self.cluster_id, "started": f"{self.started_at:.6f}",
-            "tensor": str(self.tensor_port),
+            "tensor": str(self.tensor_port), "layer": f"{self.layer_seconds:.9f}",
         }
         models: list[str] = []
         for m in self.models:  # one TXT entry holds at most 255 bytes: announce the models that fit
@@ -136,6 +137,7 @@ class NodeInfo:
                 version=_text(text, "version"), cluster_id=_text(text, "cluster", 64), models=models,
                 started_at=_float(text, "started", default="0"),
                 tensor_port=_int(text, "tensor", 0, 65535) if text.get("tensor") else 0,
+                layer_seconds=_float(text, "layer", default="0"),
             )
         except KeyError as exc:
             raise ValueError(f"missing property {exc.args[0]!r}") from None

@@ -23,6 +23,7 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         models=list(info.models),
         started_at=info.started_at,
         tensor_port=info.tensor_port,
+        layer_seconds=info.layer_seconds,
     )
 
 
@@ -44,6 +45,7 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         models=tuple(msg.models),
         started_at=msg.started_at,
         tensor_port=msg.tensor_port if msg.tensor_port < 65536 else 0,
+        layer_seconds=msg.layer_seconds if 0 <= msg.layer_seconds < 3600 else 0.0,
     )
 
 
