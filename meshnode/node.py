@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-from mlx_lm.utils import load_tokenizer
+from mlx_lm.utils import load_config, load_tokenizer
 
 from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
@@ -132,6 +132,8 @@ class MeshServicer(mesh_pb2_grpc.MeshServicer):
             yield reply
 
     async def Probe(self, request, context):
+        if self.node.settings.inject_latency_us:
+            await asyncio.sleep(self.node.settings.inject_latency_us * 1e-6)
         return probe_reply(request)
 
     async def Generate(self, request, context):
@@ -213,7 +215,8 @@ class Node:
         await self._load_model_metadata()
         self.stage_server = StageServer(self.scheduler, vocab_size=self.vocab_size,
                                         max_chunk=self.settings.prefill_step_size,
-                                        max_context=self.settings.max_context)
+                                        max_context=self.settings.max_context,
+                                        inject_latency=self.settings.inject_latency_us * 1e-6)
         await self._start_grpc()
         await self._start_http()
         self.me = NodeInfo(
@@ -266,7 +269,9 @@ class Node:
         cache_dir = self.settings.resolved_cache_dir()
         self.model_id, self.model_path = await asyncio.to_thread(resolve_model, self.settings.model, cache_dir)
         self.profile = await asyncio.to_thread(profile_model, self.model_path, self.model_id)
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        # As mlx_lm.load does: the model's own end-of-sequence ids (generation_config.json included).
+        eos = (await asyncio.to_thread(load_config, self.model_path)).get("eos_token_id")
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path, eos_token_ids=eos)
         self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
         source = FailoverSource(self.placement, deadline=self.settings.failover_deadline)
         self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
@@ -784,6 +789,7 @@ class Node:
                     "memory_budget": info.memory_budget, "total_memory": info.total_memory,
                     "compute": info.compute, "version": info.version,
                     "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
+                    "data_address": self.links.best_address(nid) if nid != self.node_id else None,
                     "links": [link.to_dict() for link in
                               (self.links.links() if nid == self.node_id else self.peer_links.get(nid, ()))],
                     "role": "coordinator" if nid == self.coordinator else "member",
