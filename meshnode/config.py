@@ -304,6 +304,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
                        "one of " + ", ".join(STRATEGY_CHOICES)),
     "group_ready_timeout": _positive_duration,
     "link_probe_interval": _positive_duration,
+    "inject_latency_us": _range(_float, lambda f: 0 <= f <= 1e6, "microseconds from 0 to 1000000"),
     "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - TENSOR_PORTS, f"a port from 0 to {65535 - 16}"),
     "state_dir": _optional(_path),
     "cache_dir": _optional(_path),
@@ -388,6 +389,9 @@ class Settings:
     group_ready_timeout: float = 300.0
     #: Seconds between measurements of the link to each peer (RTT, jitter, bandwidth).
     link_probe_interval: float = 30.0
+    #: Tests and benchmarks only: microseconds added to every reply this node sends on the data
+    #: path (Forward) and to link probes, as a slower link would. 0 in real use.
+    inject_latency_us: float = 0.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
     #: None = platform default (see default_cache_dir).

@@ -44,7 +44,7 @@ class Cluster:
         for h, b in zip(self.hosts, budgets):
             self.start(h, b)
 
-    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True):
+    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None):
         state = self.tmp / host.name
         state.mkdir(exist_ok=True)
         args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(self.model), "--http-port", str(HTTP),
@@ -54,7 +54,7 @@ class Cluster:
             args += ["--peer", p]
         if not mdns:
             args.append("--no-mdns")
-        self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key},
+        self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
                                            log_path=state / "node.log")
 
     def host(self, name):

@@ -22,12 +22,14 @@ def test_probe_reply_is_bounded():
     assert len(probe_reply(mesh_pb2.ProbeRequest(reply_bytes=2**31)).payload) == MAX_PROBE_BYTES
 
 
-def test_best_prefers_low_rtt_then_bandwidth():
+def test_best_is_the_least_time_for_a_typical_message():
     slow = LinkStat("b", "10.0.0.2", 900.0, 50.0, 1e7, 0.0)
     fast = LinkStat("b", "10.0.1.2", 40.0, 5.0, 1e9, 0.0)
     fatter = LinkStat("b", "10.0.2.2", 40.0, 5.0, 2e9, 0.0)
+    throttled = LinkStat("b", "10.0.3.2", 30.0, 5.0, 1.25e6, 0.0)  # 10 Mbit/s: 13 ms per 16 KiB
     assert best([slow, fast]) is fast
     assert best([slow, fast, fatter]) is fatter
+    assert best([throttled, fast]) is fast
     assert best([]) is None
 
 

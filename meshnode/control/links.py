@@ -60,9 +60,18 @@ def probe_reply(request: mesh_pb2.ProbeRequest) -> mesh_pb2.ProbeReply:
     return mesh_pb2.ProbeReply(payload=bytes(min(request.reply_bytes, MAX_PROBE_BYTES)))
 
 
+TYPICAL_MESSAGE = 16 * 2**10  # bytes: a prefill chunk's activation is this order of size
+
+
+def transfer_seconds(link: LinkStat, nbytes: int = TYPICAL_MESSAGE) -> float:
+    """What one message of ``nbytes`` costs on this path: a one-way trip plus its serialisation."""
+    return link.rtt_us * 0.5e-6 + nbytes / max(link.bandwidth, 1.0)
+
+
 def best(links: Iterable[LinkStat]) -> LinkStat | None:
-    """The fastest measured path: lowest RTT, then highest bandwidth."""
-    ranked = sorted(links, key=lambda s: (s.rtt_us, -s.bandwidth))
+    """The fastest measured path for per-token traffic: least time for a typical message, so a
+    low-latency but throttled path loses to a slightly slower but wide one."""
+    ranked = sorted(links, key=lambda s: (transfer_seconds(s), s.address))
     return ranked[0] if ranked else None
 
 

@@ -55,8 +55,10 @@ def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> m
 class StageServer:
     """Serves ``Forward`` streams for the shards this node holds in the current plan."""
 
-    def __init__(self, scheduler: "TokenScheduler", *, vocab_size: int, max_chunk: int, max_context: int):
+    def __init__(self, scheduler: "TokenScheduler", *, vocab_size: int, max_chunk: int, max_context: int,
+                 inject_latency: float = 0.0):
         self.scheduler = scheduler
+        self.inject_latency = inject_latency  # seconds added to every reply (tests and benchmarks)
         self.vocab_size = vocab_size
         self.max_chunk = max_chunk
         self.max_context = max_context
@@ -116,6 +118,8 @@ class StageServer:
                 except WireError as exc:
                     log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", exc)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                if self.inject_latency:
+                    await asyncio.sleep(self.inject_latency)
                 yield mesh_pb2.ForwardReply(output=output)
         finally:
             cache = None

@@ -1,0 +1,63 @@
+"""Two links between two hosts, one throttled (tc tbf), one fast: the nodes measure both and the
+per-token traffic takes the fast one, while discovery and heartbeats may use either."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnode.data.profile import profile_model
+from meshnode.modelbuild import build_model
+from tests.cluster import Cluster
+from tests.netns import netns_mesh
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+
+MESSAGES = [{"role": "user", "content": "Which way does the wind blow?"}]
+
+
+def _bytes(host, dev: str) -> int:
+    out = host.run(["cat", f"/sys/class/net/{dev}/statistics/tx_bytes"]).stdout
+    return int(out)
+
+
+def test_data_takes_the_fast_link(tmp_path):
+    from mlx_lm import generate, load
+
+    model = build_model(tmp_path / "llama", "llama", num_layers=8, hidden_size=256, intermediate_size=512,
+                        dtype="float32")
+    m, tok = load(str(model))
+    reference = generate(m, tok, prompt=tok.apply_chat_template(MESSAGES, add_generation_prompt=True),
+                         max_tokens=40)
+    total = profile_model(model).total_bytes(512)
+    with netns_mesh(2) as mesh:
+        a, b = mesh.hosts
+        link = mesh.add_link(a, b)  # the fast path: a direct veth pair
+        for h in (a, b):  # the bridge (where mDNS runs): throttled to 10 Mbit/s
+            mesh.shape(h, rate="10mbit", burst="32kbit", latency="400ms")
+        cluster = Cluster(mesh, model, tmp_path)
+        for h in (a, b):  # neither holds the model alone: a two-stage pipeline
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_LINK_PROBE_INTERVAL": "30"})
+        cluster.wait(lambda: cluster.converged([a, b], 2), 60, "a two-node plan")
+
+        def measured():
+            view = cluster.mesh_view(a)
+            links = {x["address"]: x for n in view["nodes"] if n["node_id"] == a.name for x in n["links"]}
+            return len(links) == 2 and view
+
+        view = cluster.wait(measured, 60, "both paths measured")
+        me = next(n for n in view["nodes"] if n["node_id"] == a.name)
+        links = {x["address"]: x for x in me["links"]}
+        fast, slow = links[link.ip_b], links[b.ip]
+        assert fast["bandwidth"] > 4 * slow["bandwidth"], links  # tbf holds the bridge to ~1.25 MB/s
+        peer = next(n for n in view["nodes"] if n["node_id"] == b.name)
+        assert peer["data_address"] == link.ip_b
+
+        # Per-token traffic between the stages goes over the direct link.
+        before = {dev: (_bytes(a, dev), _bytes(b, dev)) for dev in (a.dev, link.dev_a)}
+        assert cluster.chat(a, MESSAGES, 40) == reference
+        assert cluster.chat(b, MESSAGES, 40) == reference
+        after = {dev: (_bytes(a, dev), _bytes(b, dev)) for dev in (a.dev, link.dev_a)}
+        sent = {dev: sum(x1 - x0 for x0, x1 in zip(before[dev], after[dev])) for dev in before}
+        activations = 2 * 40 * 256 * 4  # two chats, >= 40 hidden states of 256 float32 each
+        assert sent[link.dev_a] > activations, sent
+        assert sent[link.dev_a] > 3 * sent[a.dev], sent  # the bridge carries heartbeats and probes only
