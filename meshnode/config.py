@@ -277,7 +277,7 @@ def _positive_duration(value: Any) -> float:
 
 
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
-TENSOR_PORTS = 16  # a node's ring endpoints: tensor_port .. tensor_port + 15
+TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": _optional(_str),
@@ -305,7 +305,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "group_ready_timeout": _positive_duration,
     "link_probe_interval": _positive_duration,
     "inject_latency_us": _range(_float, lambda f: 0 <= f <= 1e6, "microseconds from 0 to 1000000"),
-    "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - TENSOR_PORTS, f"a port from 0 to {65535 - 16}"),
+    "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - 2 * TENSOR_PORTS,
+                          f"a port from 0 to {65535 - 2 * 16}"),
     "state_dir": _optional(_path),
     "cache_dir": _optional(_path),
     "api_key": _optional(_str),
@@ -383,7 +384,7 @@ class Settings:
     #: How the coordinator splits the model: auto (lowest estimated time per token), or force
     #: single, pipeline, tensor or hybrid.
     strategy: str = "auto"
-    #: First of 16 TCP ports for tensor-parallel groups (mx.distributed ring); 0 = grpc_port + 1.
+    #: First of 32 TCP ports for tensor-parallel groups (mx.distributed ring and control); 0 = grpc_port + 1.
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load its layers before its worker is stopped.
     group_ready_timeout: float = 300.0

@@ -14,6 +14,8 @@ locally, the others ask the head for tokens.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import signal
 import time
@@ -167,6 +169,9 @@ class Node:
         self.node_id = load_or_create_node_id(state_dir, settings.node_id)
         self.cluster_id = derive_cluster_id(settings.cluster_key)
         self.auth = ClusterAuth(settings.cluster_key)  # every gRPC call in and out is signed
+        # Tensor-group members prove the key to each other with this (never the key itself).
+        self._group_secret = hmac.new(settings.cluster_key.encode(), b"meshnode tensor group v1",
+                                      hashlib.sha256).digest() if settings.cluster_key else b""
         self.memory_budget = sysinfo.memory_budget(settings)
         self.scheduler = TokenScheduler()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -636,15 +641,17 @@ class Node:
         alive = self.membership.alive_infos() if self.membership is not None else {}
         key = f"{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
         offset = zlib.crc32(key.encode()) % TENSOR_PORTS
-        endpoints = []
+        endpoints, controls = [], []
         for node_id in stage.nodes:
             info = self.me if node_id == self.node_id else alive.get(node_id)
             if info is None or not info.tensor_port:
                 raise TensorGroupError(f"group member {node_id} is unknown or has no tensor port")
-            endpoints.append(f"{info.addresses[0]}:{info.tensor_port + offset}")
+            host = _endpoint_host(stage, node_id, info)
+            endpoints.append(f"{host}:{info.tensor_port + offset}")
+            controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
         return TensorShard(self.model_path, stage.start_layer, stage.end_layer, self.profile.num_layers,
-                           rank=stage.nodes.index(self.node_id), endpoints=endpoints,
-                           hop_timeout=self.settings.failure_timeout)
+                           rank=stage.nodes.index(self.node_id), endpoints=endpoints, control=controls[0],
+                           secret=self._group_secret, hop_timeout=self.settings.failure_timeout)
 
     def _retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""
@@ -820,6 +827,15 @@ def _stage_key(stage) -> tuple:
     if len(stage.nodes) == 1:
         return (stage.start_layer, stage.end_layer)
     return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
+
+
+def _endpoint_host(stage, node_id: str, info: NodeInfo) -> str:
+    """The address a group member's ring listens on: the plan's choice (the coordinator picks the
+    fastest measured path), else the member's first announced address."""
+    endpoints = getattr(stage, "endpoints", ())
+    if endpoints:
+        return endpoints[stage.nodes.index(node_id)]
+    return info.addresses[0]
 
 
 def _close(shard) -> None:

@@ -40,14 +40,17 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _group(model, start, end, size=2, **kwargs) -> list[TensorShard]:
-    endpoints = [f"127.0.0.1:{p}" for p in _free_ports(size)]
-    members = [TensorShard(model, start, end, 6, rank=r, endpoints=endpoints, **kwargs) for r in range(size)]
+def _group(model, start, end, size=2, secrets=None, ready_timeout_s=60, **kwargs) -> list[TensorShard]:
+    *ring, control = _free_ports(size + 1)
+    endpoints = [f"127.0.0.1:{p}" for p in ring]
+    secrets = secrets or [b"k" * 32] * size
+    members = [TensorShard(model, start, end, 6, rank=r, endpoints=endpoints, control=f"127.0.0.1:{control}",
+                           secret=secrets[r], **kwargs) for r in range(size)]
     errors: list[BaseException] = []
 
     def launch(m):
         try:
-            m.launch(60)
+            m.launch(ready_timeout_s)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -88,6 +91,24 @@ def test_whole_model_group_matches_mlx_lm(model):
         assert _greedy(lambda x: lead.forward(x, again), 16) == want
         with pytest.raises(TensorGroupError, match="only rank 0"):
             members[1].forward(mx.array([PROMPT]), members[1].make_cache())
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_a_member_without_the_key_is_refused(model):
+    with pytest.raises(TensorGroupError):
+        _group(model, 0, 6, secrets=[b"k" * 32, b"x" * 32], ready_timeout_s=8)
+
+
+def test_an_idle_follower_does_not_spin(model):
+    members = _group(model, 0, 6)
+    try:
+        follower = members[1]._proc.pid
+        ticks = lambda: sum(int(x) for x in open(f"/proc/{follower}/stat").read().rsplit(")", 1)[1].split()[11:13])  # noqa: E731
+        before = ticks()
+        time.sleep(2)
+        assert ticks() - before < 0.25 * 2 * os.sysconf("SC_CLK_TCK")  # under a quarter of a core
     finally:
         for m in members:
             m.close()
@@ -134,8 +155,9 @@ def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
 
 
 def test_a_group_that_cannot_form_gives_up(model):
-    endpoints = [f"127.0.0.1:{p}" for p in _free_ports(2)]
-    lonely = TensorShard(model, 0, 6, 6, rank=0, endpoints=endpoints)
+    *ring, control = _free_ports(3)
+    lonely = TensorShard(model, 0, 6, 6, rank=0, endpoints=[f"127.0.0.1:{p}" for p in ring],
+                         control=f"127.0.0.1:{control}")
     t0 = time.monotonic()
     with pytest.raises(TensorGroupError, match="no answer"):
         lonely.launch(3)

@@ -10,10 +10,15 @@ collectives fail with "connection to a peer was lost" and their workers exit).
 
 Rank 0's node drives the group. It talks to its worker over the worker's stdin/stdout with
 length-prefixed protobuf frames (``WorkerCommand`` / ``WorkerReply``; local pipes, never the
-network). Rank 0's worker broadcasts each command to the other ranks through the group
-itself: a small int32 header, then the input, each an ``all_sum`` to which the other ranks
-add zeros (exact for any dtype). Every rank then runs the same forward pass in lockstep and
-ends with the full output (mlx-lm's sharded-to-all layers all-reduce it); rank 0 replies.
+network). Rank 0's worker hands each command to the other ranks over plain TCP control
+connections (a 20-byte header and the input's raw bytes; each follower proves the cluster key
+with an HMAC when it connects). A follower waits for its next command in a blocking read:
+waiting inside a ring collective instead would busy-spin a core for as long as the group is
+idle. Every rank then runs the same forward pass in lockstep and ends with the full output
+(mlx-lm's sharded-to-all layers all-reduce it); rank 0 replies.
+
+The ring's own connections are plain TCP without authentication (MLX's backend); the README
+says so. On Macs with Thunderbolt, JACCL is the same code with RDMA.
 
 :class:`TensorShard` is the node's side: it looks like a :class:`~meshnode.data.shard.Shard`
 (``spec``, ``dtype``, ``hidden_size``, ``make_cache``, ``forward``) so the stage server and the
@@ -26,10 +31,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
+import hmac
 import json
 import logging
+import math
 import os
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -50,10 +59,14 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME = 512 * 2**20
 _LEN = struct.Struct("<I")
-_DTYPE_CODES = {mx.int32: 1, mx.float32: 2, mx.float16: 3, mx.bfloat16: 4}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_HEADER = 7  # op, slot, dtype code, ndim, d0, d1, d2
-_OP_FORWARD, _OP_CLOSE, _OP_STOP = 1, 2, 3
+_OP_FORWARD, _OP_CLOSE = 1, 2
+# Rank 0 -> other ranks, per command: op, dtype code, ndim, pad, slot, three dims; then the input.
+_CONTROL = struct.Struct("<BBBBI3I")
+_WIRE_CODES = {"int32": 1, "float32": 2, "float16": 3, "bfloat16": 4}
+_CODE_WIRE = {code: name for name, code in _WIRE_CODES.items()}
+_ITEMSIZE = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
+_HELLO = struct.Struct("<I32s")  # rank, HMAC-SHA256 proving the cluster key
+SECRET_ENV = "MESHNODE_GROUP_SECRET"
 
 
 class TensorGroupError(RuntimeError):
@@ -109,74 +122,123 @@ def _die_with_parent() -> None:
 
 
 class _Worker:
-    def __init__(self, shard, group):
+    """Runs the shard on every rank in lockstep; rank 0 takes commands from its node and hands
+    each one to the other ranks over the group's control connections before running it."""
+
+    def __init__(self, shard, group, peers: list[socket.socket]):
         self.shard = shard
         self.group = group
+        self.peers = peers  # rank 0: one control connection per other rank
         self.caches: dict[int, list[Any]] = {}
 
-    def _broadcast(self, x: mx.array) -> mx.array:
-        out = mx.distributed.all_sum(x, group=self.group)
-        mx.eval(out)
-        return out
-
-    def _header(self, op: int = 0, slot: int = 0, x: mx.array | None = None) -> list[int]:
-        hdr = [0] * _HEADER
-        if x is not None:
-            shape = list(x.shape) + [0] * (3 - x.ndim)
-            hdr = [op, slot, _DTYPE_CODES[x.dtype], x.ndim, *shape]
-        elif op:
-            hdr[0], hdr[1] = op, slot
-        return self._broadcast(mx.array(hdr, dtype=mx.int32)).tolist()
-
     def step(self, op: int, slot: int, x: mx.array | None) -> mx.array | None:
-        """One command, run identically on every rank (rank 0 passes the real input)."""
+        """One command, run identically on every rank."""
         if op == _OP_CLOSE:
             self.caches.pop(slot, None)
             return None
         cache = self.caches.get(slot)
         if cache is None:
             cache = self.caches[slot] = self.shard.make_cache()
-        x = self._broadcast(x)
         out = self.shard.forward(x, cache)
         if self.shard.spec.is_last:
             out = out[:, -1:, :]
         mx.eval(out)
         return out
 
+    def _tell(self, op: int, slot: int, tensor: mesh_pb2.Tensor | None = None) -> None:
+        if tensor is None:
+            frame = _CONTROL.pack(op, 0, 0, 0, slot, 0, 0, 0)
+        else:
+            dims = list(tensor.shape) + [0] * (3 - len(tensor.shape))
+            frame = _CONTROL.pack(op, _WIRE_CODES[tensor.dtype], len(tensor.shape), 0, slot, *dims) + tensor.data
+        for peer in self.peers:
+            peer.sendall(frame)
+
     def lead(self, inp: BinaryIO, out: BinaryIO) -> None:
         while True:
             try:
                 cmd = read_frame(inp, mesh_pb2.WorkerCommand)
             except EOFError:
-                self._header(_OP_STOP)
-                return
+                return  # the node is done with this group: closing the connections stops the rest
             if cmd.op == mesh_pb2.WorkerCommand.CLOSE:
-                self._header(_OP_CLOSE, cmd.slot)
+                self._tell(_OP_CLOSE, cmd.slot)
                 self.step(_OP_CLOSE, cmd.slot, None)
                 continue
             try:
                 x = from_tensor(cmd.input, dtypes=("int32",) if self.shard.spec.is_first else
                                 (_name(self.shard.dtype),))
-                if x.ndim not in (2, 3) or x.dtype not in _DTYPE_CODES:
+                if x.ndim != (2 if self.shard.spec.is_first else 3):
                     raise WireError(f"bad input shape {x.shape}")
             except WireError as exc:
                 write_frame(out, mesh_pb2.WorkerReply(error=f"bad input: {exc}"))
                 continue
-            self._header(_OP_FORWARD, cmd.slot, x)
+            self._tell(_OP_FORWARD, cmd.slot, cmd.input)
             result = self.step(_OP_FORWARD, cmd.slot, x)
             write_frame(out, mesh_pb2.WorkerReply(output=to_tensor(result)))
 
-    def follow(self) -> None:
+    def follow(self, leader: socket.socket) -> None:
+        stream = leader.makefile("rb")
         while True:
-            op, slot, code, ndim, *dims = self._header()
-            if op == _OP_STOP:
-                return
+            try:
+                op, code, ndim, _, slot, *dims = _CONTROL.unpack(_read_exact(stream, _CONTROL.size))
+            except EOFError:
+                return  # rank 0 stopped
             if op == _OP_CLOSE:
                 self.step(op, slot, None)
                 continue
-            if op != _OP_FORWARD or code not in _CODE_DTYPES or ndim not in (2, 3):
-                raise TensorGroupError(f"unexpected header {[op, slot, code, ndim, *dims]}")
-            self.step(op, slot, mx.zeros(tuple(dims[:ndim]), dtype=_CODE_DTYPES[code]))
+            if op != _OP_FORWARD or code not in _CODE_WIRE or ndim not in (2, 3) or any(d <= 0 for d in dims[:ndim]):
+                raise TensorGroupError(f"unexpected command {(op, code, ndim, slot, *dims)}")
+            name = _CODE_WIRE[code]
+            tensor = mesh_pb2.Tensor(dtype=name, shape=dims[:ndim])
+            nbytes = _ITEMSIZE[name] * math.prod(dims[:ndim])
+            if nbytes > MAX_FRAME:
+                raise TensorGroupError(f"command of {nbytes} bytes exceeds {MAX_FRAME}")
+            tensor.data = _read_exact(stream, nbytes)
+            self.step(op, slot, from_tensor(tensor))
+
+
+def _hello_mac(secret: bytes, group_id: str, rank: int) -> bytes:
+    return hmac.new(secret, f"meshnode-tensor-group|{group_id}|{rank}".encode(), hashlib.sha256).digest()
+
+
+def _accept_followers(server: socket.socket, size: int, secret: bytes, group_id: str) -> list[socket.socket]:
+    """Rank 0: one authenticated control connection from every other rank, in rank order."""
+    peers: dict[int, socket.socket] = {}
+    while len(peers) < size - 1:
+        conn, addr = server.accept()
+        conn.settimeout(10)
+        try:
+            hello = _read_exact(conn.makefile("rb"), _HELLO.size)
+            rank, mac = _HELLO.unpack(hello)
+        except (EOFError, OSError, struct.error):
+            log.warning("dropped a control connection from %s: no hello", addr[0])
+            conn.close()
+            continue
+        if not (0 < rank < size) or rank in peers or not hmac.compare_digest(mac, _hello_mac(secret, group_id, rank)):
+            log.warning("refused a control connection from %s: not a member of this group", addr[0])
+            conn.close()
+            continue
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peers[rank] = conn
+    return [peers[r] for r in sorted(peers)]
+
+
+def _connect_leader(address: str, rank: int, secret: bytes, group_id: str, timeout: float = 60.0) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    conn.settimeout(None)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.sendall(_HELLO.pack(rank, _hello_mac(secret, group_id, rank)))
+    return conn
 
 
 def _name(dtype: mx.Dtype) -> str:
@@ -189,9 +251,12 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--start", required=True, type=int)
     parser.add_argument("--end", required=True, type=int)
     parser.add_argument("--backend", default="ring")
+    parser.add_argument("--control", required=True, help="HOST:PORT where rank 0 takes the other ranks' commands")
     args = parser.parse_args(argv)
     _die_with_parent()
     rank = int(os.environ.get("MLX_RANK", "0"))
+    secret = bytes.fromhex(os.environ.pop(SECRET_ENV, ""))
+    group_id = Path(os.environ["MLX_HOSTFILE"]).read_text().strip()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)-7s tensor-worker[{rank}]: %(message)s")
     # Frames go over the real stdout; nothing else may write there.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -199,21 +264,33 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     inp = sys.stdin.buffer
     if rank != 0:  # a follower never reads commands: its node closing stdin means stop
         threading.Thread(target=lambda: (inp.read(), os._exit(0)), name="stdin-watch", daemon=True).start()
+    server = None
+    if rank == 0:  # listen before the ring forms, so the others find it once they have loaded
+        host, port = args.control.rsplit(":", 1)
+        server = socket.create_server((host, int(port)), reuse_port=False)
 
     from meshnode.data.shard import Shard
 
     group = mx.distributed.init(backend=args.backend, strict=True)
     shard = Shard(args.model, args.start, args.end, group=group)
+    try:
+        if rank == 0:
+            peers = _accept_followers(server, group.size(), secret, group_id)
+            server.close()
+        else:
+            leader = _connect_leader(args.control, rank, secret, group_id)
+    except OSError as exc:
+        log.error("tensor group could not connect its control channel: %s", exc)
+        return 1
     info = {"rank": group.rank(), "size": group.size(), "dtype": _name(shard.dtype),
             "hidden_size": shard.hidden_size, "nbytes": shard.nbytes}
     write_frame(out, mesh_pb2.WorkerReply(info=json.dumps(info)))
-    worker = _Worker(shard, group)
     try:
-        if group.rank() == 0:
-            worker.lead(inp, out)
+        if rank == 0:
+            _Worker(shard, group, peers).lead(inp, out)
         else:
-            worker.follow()
-    except RuntimeError as exc:  # the ring lost a peer: the node re-plans
+            _Worker(shard, group, []).follow(leader)
+    except (RuntimeError, OSError) as exc:  # the ring or the control channel lost a peer
         log.error("tensor group failed: %s", exc)
         return 1
     return 0
@@ -246,6 +323,8 @@ class TensorShard:
         *,
         rank: int,
         endpoints: Sequence[str],
+        control: str,
+        secret: bytes = b"",
         backend: str = "ring",
         hop_timeout: float = 2.0,
         prefill_allowance: float = 0.05,
@@ -253,6 +332,7 @@ class TensorShard:
         self.path = Path(model_path)
         self.spec = ShardSpec(start, end, num_layers)
         self.rank, self.endpoints, self.backend = rank, list(endpoints), backend
+        self.control, self._secret = control, secret
         self.group_size = len(self.endpoints)
         self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
         self.dtype: mx.Dtype = mx.float32
@@ -279,9 +359,11 @@ class TensorShard:
         fd, self._hostfile = tempfile.mkstemp(prefix="meshnode-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[e] for e in self.endpoints], f)
-        env = {**os.environ, "MLX_RANK": str(self.rank), "MLX_HOSTFILE": self._hostfile}
+        env = {**os.environ, "MLX_RANK": str(self.rank), "MLX_HOSTFILE": self._hostfile,
+               SECRET_ENV: self._secret.hex()}
         cmd = [sys.executable, "-m", "meshnode.data.tensor", "--model", str(self.path),
-               "--start", str(self.start), "--end", str(self.end), "--backend", self.backend]
+               "--start", str(self.start), "--end", str(self.end), "--backend", self.backend,
+               "--control", self.control]
         log.info("starting tensor worker rank %d of %s for layers [%d, %d)", self.rank,
                  ",".join(self.endpoints), self.start, self.end)
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
