@@ -64,6 +64,16 @@ class MeshStub:
                 request_serializer=mesh__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=mesh__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.Manifest = channel.unary_unary(
+                '/meshnode.v1.Mesh/Manifest',
+                request_serializer=mesh__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=mesh__pb2.ModelManifest.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/meshnode.v1.Mesh/Fetch',
+                request_serializer=mesh__pb2.FetchRequest.SerializeToString,
+                response_deserializer=mesh__pb2.Chunk.FromString,
+                _registered_method=True)
 
 
 class MeshServicer:
@@ -105,6 +115,18 @@ class MeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Manifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_MeshServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=mesh__pb2.ProbeRequest.FromString,
                     response_serializer=mesh__pb2.ProbeReply.SerializeToString,
+            ),
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=mesh__pb2.ManifestRequest.FromString,
+                    response_serializer=mesh__pb2.ModelManifest.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=mesh__pb2.FetchRequest.FromString,
+                    response_serializer=mesh__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class Mesh:
             '/meshnode.v1.Mesh/Probe',
             mesh__pb2.ProbeRequest.SerializeToString,
             mesh__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnode.v1.Mesh/Manifest',
+            mesh__pb2.ManifestRequest.SerializeToString,
+            mesh__pb2.ModelManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshnode.v1.Mesh/Fetch',
+            mesh__pb2.FetchRequest.SerializeToString,
+            mesh__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,
