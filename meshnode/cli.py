@@ -92,10 +92,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="show how a model would be split over the mesh (not implemented yet)")
     plan.set_defaults(handler=cmd_not_implemented)
-    install = sub.add_parser("install", help="install meshnode as a launchd/systemd service (not implemented yet)")
-    install.set_defaults(handler=cmd_not_implemented)
-    uninstall = sub.add_parser("uninstall", help="remove the meshnode service (not implemented yet)")
-    uninstall.set_defaults(handler=cmd_not_implemented)
+    install = sub.add_parser(
+        "install", help="install meshnode as a launchd (macOS) or systemd (Linux) service and start it",
+        description=(
+            "Write the service (a per-user LaunchAgent / systemd user unit; --system: a LaunchDaemon / "
+            "system unit) running `meshnode run --config FILE`, create FILE with a new cluster key unless "
+            "it exists (the key is printed once), and start the service at once and at every boot."
+        ),
+    )
+    uninstall = sub.add_parser(
+        "uninstall", help="stop and remove the meshnode service",
+        description="Stop the service and remove the files install wrote; the config (with the cluster key) "
+                    "and the logs stay unless --purge.",
+    )
+    for service_cmd, handler in ((install, cmd_install), (uninstall, cmd_uninstall)):
+        service_cmd.add_argument("--system", action="store_true",
+                                 help="a system service (LaunchDaemon / system unit; needs root), not a per-user one")
+        service_cmd.add_argument("--dry-run", action="store_true",
+                                 help="print every file and command, change nothing")
+        service_cmd.add_argument("--platform", choices=("macos", "linux"),
+                                 help="the platform to show with --dry-run (default: this one)")
+        service_cmd.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)  # tests
+        service_cmd.add_argument("--home", type=Path, help=argparse.SUPPRESS)  # tests
+        service_cmd.set_defaults(handler=handler)
+    install.add_argument("--executable", metavar="PATH", type=Path,
+                         help="the meshnode program the service runs (default: this one)")
+    uninstall.add_argument("--purge", action="store_true", help="also remove the config (cluster key) and the logs")
     return parser
 
 
@@ -315,6 +337,62 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_not_implemented(args: argparse.Namespace) -> int:
     print(f"meshnode {args.command}: not implemented yet", file=sys.stderr)
     return EXIT_USAGE
+
+
+# --------------------------------------------------------------------------- install, uninstall
+
+
+def _service_layout(args: argparse.Namespace):
+    """The service Layout for the arguments, or None after printing why they cannot be used."""
+    from meshnode import service  # lazy: only these commands need it
+
+    platform = args.platform or service.host_platform()
+    if platform != service.host_platform() and not args.dry_run:
+        print(f"meshnode {args.command}: --platform {platform} on this machine needs --dry-run", file=sys.stderr)
+        return None
+    return service.layout(platform, system=args.system, root=args.root, home=args.home)
+
+
+def _service_apply(args: argparse.Namespace, act, uninstall: bool) -> int:
+    from meshnode import service
+
+    if args.dry_run:
+        print(f"# meshnode {args.command} --dry-run: nothing is changed; a real run does this:")
+        print(service.describe(act, uninstall=uninstall), end="")
+        return EXIT_OK
+    try:
+        service.apply(act, uninstall=uninstall)
+    except PermissionError as exc:
+        hint = " (a --system service needs root: run it with sudo)" if args.system else ""
+        print(f"meshnode {args.command}: {exc}{hint}", file=sys.stderr)
+        return EXIT_FAIL
+    except (service.CommandFailed, OSError) as exc:
+        print(f"meshnode {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from meshnode import service
+
+    lay = _service_layout(args)
+    if lay is None:
+        return EXIT_USAGE
+    try:
+        executable = args.executable or service.default_executable()
+    except FileNotFoundError as exc:
+        print(f"meshnode install: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return _service_apply(args, service.plan_install(lay, executable, dry_run=args.dry_run), uninstall=False)
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    from meshnode import service
+
+    lay = _service_layout(args)
+    if lay is None:
+        return EXIT_USAGE
+    return _service_apply(args, service.plan_uninstall(lay, purge=args.purge), uninstall=True)
 
 
 # --------------------------------------------------------------------------- main
