@@ -8,13 +8,17 @@ means a generation that moves to another placement mid-way still reads as one st
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from meshnode.generation import SamplingParams
+
+if TYPE_CHECKING:
+    from meshnode.metrics import NodeMetrics
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,10 @@ class TokenSource(Protocol):
 
 class Engine:
     def __init__(
-        self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int
+        self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int,
+        metrics: "NodeMetrics | None" = None,
     ):
+        self.metrics = metrics  # counts tokens, times the first one (meshnode.metrics)
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -66,7 +72,16 @@ class Engine:
             out, emitted = text[emitted:safe], safe
             return out, False
 
+        metrics, started, first_at = self.metrics, time.monotonic(), None
         async for token in self.source.tokens(prompt, params):
+            if metrics is not None:
+                if first_at is None:
+                    first_at = time.monotonic()
+                    metrics.first_token(first_at - started)
+                if token not in eos:
+                    metrics.token()
+                    if count:  # the decode rate of this generation so far (tokens after the first)
+                        metrics.generation_done(count, time.monotonic() - first_at)
             if token in eos:
                 finish = "stop"
                 break

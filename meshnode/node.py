@@ -47,6 +47,7 @@ from meshnode.engine import Engine
 from meshnode.generation import LocalStage, PipelineSource, SamplingParams, TokenScheduler, new_request_id
 from meshnode.identity import cluster_id as derive_cluster_id
 from meshnode.identity import load_or_create_node_id
+from meshnode.metrics import NodeMetrics, Progress
 from meshnode.modelsource import resolve_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.resilience import FailoverSource, NotReady, PlacementLost
@@ -148,6 +149,7 @@ class Backend:
 
     def __init__(self, node: "Node"):
         self.node = node
+        self.metrics = node.metrics
 
     def engine(self) -> Engine:
         return self.node.engine_for_request()
@@ -213,6 +215,9 @@ class Node:
         self.events: list[dict[str, Any]] = []
         self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
         self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
+        self.metrics = NodeMetrics(epoch=lambda: self.epoch)  # GET /metrics, and figures in /v1/mesh
+        self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
+        self._goodbyes: set[str] = set()  # peers that said goodbye (leave), as opposed to lost
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -278,9 +283,10 @@ class Node:
         eos = (await asyncio.to_thread(load_config, self.model_path)).get("eos_token_id")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path, eos_token_ids=eos)
         self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
-        source = FailoverSource(self.placement, deadline=self.settings.failover_deadline)
+        source = FailoverSource(self.placement, deadline=self.settings.failover_deadline,
+                                on_retry=self.metrics.retry)
         self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
-                             vocab_size=self.vocab_size)
+                             vocab_size=self.vocab_size, metrics=self.metrics)
 
     async def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -348,6 +354,7 @@ class Node:
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **fields})
         del self.events[:-100]
+        self.metrics.event(kind, fields)
 
     def _heartbeat_msg(self) -> mesh_pb2.HeartbeatRequest:
         msg = mesh_pb2.HeartbeatRequest(
@@ -434,6 +441,7 @@ class Node:
     def on_goodbye(self, node_id: str) -> None:
         if self.membership is not None and node_id in self.membership.peers:
             log.info("%s said goodbye", node_id)
+            self._goodbyes.add(node_id)
             self.membership.goodbye(node_id)
 
     async def _say_goodbye(self, target: str) -> None:
@@ -462,7 +470,8 @@ class Node:
         for nid in sorted(left):
             log.warning("peer %s is gone (no heartbeat for %.1f s; epoch %d)", nid, self.settings.failure_timeout,
                         self.epoch)
-            self._event("leave", node_id=nid)
+            self._event("leave" if nid in self._goodbyes else "loss", node_id=nid)
+        self._goodbyes -= joined | left
         alive = self.membership.alive_infos()
         coordinator = choose_coordinator(Candidate(n.node_id, n.started_at) for n in alive.values())
         if coordinator != self.coordinator:
@@ -603,7 +612,12 @@ class Node:
                 if shard is None and len(stage.nodes) == 1:
                     log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
                     t0 = time.monotonic()
-                    shard = await self.scheduler.call(lambda k=key: Shard(self.model_path, k[0], k[1]))
+                    task = f"loading layers {key[0]}-{key[1] - 1} of {self.model_id}"
+                    try:
+                        shard = await self.scheduler.call(lambda k=key, t=task: Shard(
+                            self.model_path, k[0], k[1], progress=lambda d, n: self.progress.update(t, d, n)))
+                    finally:
+                        self.progress.finish()
                     log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
                 elif shard is None:
                     shard = self._tensor_shard(stage)
@@ -755,7 +769,7 @@ class Node:
                     node_id=node_id, channel=self.data_channel(node_id), loop=self.loop,
                     start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
                     hidden_size=self.profile.hidden_size, dtype=self._activation_dtype(),
-                    hop_timeout=self.settings.failure_timeout,
+                    hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
                 ))
         return handles
 
@@ -812,6 +826,7 @@ class Node:
             "coordinator": self.coordinator, "epoch": self.epoch, "ready_epoch": self.ready_epoch,
             "healthy": self.serving_ready(), "plan_error": self.plan_error or None,
             "nodes": nodes, "plan": plan, "events": self.events[-20:],
+            "progress": self.progress.current, "metrics": self.metrics.summary(),
         }
 
 

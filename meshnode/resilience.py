@@ -54,7 +54,9 @@ class FailoverSource:
         deadline: float = 30.0,
         poll: float = 0.05,
         retryable: tuple[type[BaseException], ...] = (PlacementLost,),
+        on_retry: Callable[[], None] | None = None,
     ):
+        self._on_retry = on_retry  # called once per retry (metrics)
         self._current = current
         self._attempts = attempts
         self._deadline = deadline
@@ -97,6 +99,8 @@ class FailoverSource:
                     raise
                 log.warning("generation lost epoch %d after %d tokens: %s; waiting for a new plan (retry %d/%d)",
                             lost, len(produced), exc, attempt, self._attempts - 1)
+                if self._on_retry is not None:
+                    self._on_retry()
                 placement = await self._next_placement(lost, until)
                 log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt, len(prompt),
                          len(produced), placement.epoch)

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -22,6 +23,9 @@ from aiohttp import web
 from meshnode.api.validation import ApiError, GenerationRequest, Limits, parse_request
 from meshnode.engine import Delta, Engine
 from meshnode.generation import SamplingParams
+from meshnode.metrics import NodeMetrics, outcome_for_status
+
+STATIC = Path(__file__).resolve().parent / "static"  # the dashboard (GET /)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class ApiSettings:
 BACKEND = web.AppKey("backend", object)
 SETTINGS = web.AppKey("settings", ApiSettings)
 ACTIVE = web.AppKey("active", list)
+METRICS = web.AppKey("metrics", NodeMetrics)
 
 
 def _error_response(err: ApiError) -> web.Response:
@@ -78,7 +83,9 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[SETTINGS].api_key
-    if key and request.path != "/health":
+    # Open without the key: /health, and the dashboard's own files (it asks for the key and sends
+    # it with every API call it makes). /metrics and every /v1 route need it.
+    if key and request.path != "/health" and request.path != "/" and not request.path.startswith("/static/"):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", type="authentication_error",
@@ -162,6 +169,26 @@ class _Slot:
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    """Serve one generation request and count it by outcome (meshnode_requests_total)."""
+    outcome = "error"
+    try:
+        response = await _serve_generation(request, kind)
+        outcome = response.get("outcome", "ok")
+        return response
+    except ApiError as err:
+        outcome = outcome_for_status(err.status)
+        raise
+    except web.HTTPException as exc:
+        outcome = outcome_for_status(exc.status)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "cancelled"
+        raise
+    finally:
+        request.app[METRICS].request(outcome)
+
+
+async def _serve_generation(request: web.Request, kind: str) -> web.StreamResponse:
     app = request.app
     settings: ApiSettings = app[SETTINGS]
     req = parse_request(await _json_body(request), kind, settings.limits)
@@ -259,6 +286,7 @@ async def _stream(request: web.Request, deltas: AsyncIterator[Delta], meta: _Met
         await deltas.aclose()
         raise
     except ApiError as err:
+        response["outcome"] = outcome_for_status(err.status)  # counted by _generate
         await send(err.body())
         await send("[DONE]")
     finally:
@@ -290,15 +318,29 @@ async def mesh(request: web.Request) -> web.Response:
     return web.json_response(request.app[BACKEND].mesh_status())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[METRICS]
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+async def dashboard(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
 def make_app(backend: Backend, settings: ApiSettings = ApiSettings()) -> web.Application:
     # aiohttp enforces the body limit itself (413) for reads beyond it.
     app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=settings.max_body_bytes)
     app[BACKEND] = backend
     app[SETTINGS] = settings
     app[ACTIVE] = []
+    # The node's own metrics (one registry per node); a backend without any gets a fresh set.
+    app[METRICS] = getattr(backend, "metrics", None) or NodeMetrics()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/mesh", mesh)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", dashboard)
+    app.router.add_static("/static/", STATIC)
     return app

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,8 @@ class Shard:
     and returns the hidden state (all but the last shard) or the logits (last shard).
     """
 
-    def __init__(self, model_path: str | Path, start: int, end: int, group: "mx.distributed.Group | None" = None):
+    def __init__(self, model_path: str | Path, start: int, end: int, group: "mx.distributed.Group | None" = None,
+                 progress: Callable[[int, int], None] | None = None):
         model_path = Path(model_path)
         model, config = load_model(model_path, lazy=True, strict=True)
         inner = _inner(model)
@@ -216,7 +218,12 @@ class Shard:
         if group is not None and group.size() > 1:
             _shard_layers(model, inner, start, end, group)
         self.group_size = group.size() if group is not None else 1
-        # Read exactly the remaining tensors from disk.
+        # Read exactly the remaining tensors from disk: layer by layer (``progress(done, total)``
+        # after each), then what is left (embedding, norm, head).
+        for k, i in enumerate(range(start, end)):
+            mx.eval(layers[i].parameters())
+            if progress is not None:
+                progress(k + 1, end - start)
         mx.eval(model.parameters())
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         log.info(

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -157,10 +158,13 @@ class RemoteSession:
             x = x.astype(mx.int32)
         st = self._stage
         positions = x.shape[1]
+        sent = time.perf_counter()
         future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x)), st.loop)
         timeout = st.hop_timeout + st.prefill_allowance * positions
         try:
             reply = future.result(timeout=timeout)
+            if st.observe is not None:
+                st.observe(time.perf_counter() - sent, positions)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise StageError(
@@ -201,7 +205,9 @@ class RemoteStage:
         hop_timeout: float,
         prefill_allowance: float = 0.05,
         request_timeout: float = 3600.0,
+        observe: Callable[[float, int], None] | None = None,
     ):
+        self.observe = observe  # called with (seconds, positions) after each hop's round trip
         self.node_id = node_id
         self.stub = mesh_pb2_grpc.MeshStub(channel)
         self.loop = loop

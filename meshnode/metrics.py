@@ -1,0 +1,178 @@
+"""What a node measures about itself: Prometheus metrics, live figures and load progress.
+
+Each node has its own :class:`NodeMetrics` with its own ``CollectorRegistry`` (several nodes
+may run in one process, e.g. in tests); ``GET /metrics`` renders it in Prometheus text format.
+The hooks sit where things happen: the HTTP API counts requests by outcome, the engine counts
+tokens and times the first one, remote stages time every hop, the node counts membership
+changes and plans, the failover source counts retries.
+
+:class:`Progress` reports a long task (loading a model's layers): a bar on a terminal (stderr
+is a TTY) and a dict for ``/v1/mesh`` and the dashboard.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+OUTCOMES = ("ok", "client_error", "unavailable", "error", "cancelled")
+MEMBERSHIP_KINDS = ("join", "loss", "leave")
+RATE_WINDOW = 5.0  # seconds of tokens the live decode rate looks at
+RATE_IDLE = 2.0  # no token for this long: not decoding, the live rate is 0
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_HOP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+def outcome_for_status(status: int) -> str:
+    """The outcome label of a request answered with HTTP ``status``."""
+    if status < 400:
+        return "ok"
+    if status in (429, 503):  # busy, or the mesh cannot serve right now: retry later
+        return "unavailable"
+    if status < 500:
+        return "client_error"
+    return "error"
+
+
+class NodeMetrics:
+    """One node's metrics, in a registry of its own."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, epoch: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.registry = r = CollectorRegistry()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._recent: deque[float] = deque(maxlen=8192)  # times of recent tokens (all requests)
+        self.last_request_tps = 0.0  # decode rate of the last finished generation
+        self.tokens = Counter("meshnode_tokens_generated", "Tokens generated for this node's clients", registry=r)
+        self.decode_rate = Gauge("meshnode_decode_tokens_per_second",
+                                 f"Tokens per second decoded for this node's clients over the last {RATE_WINDOW:g} s "
+                                 "(0 when idle)", registry=r)
+        self.decode_rate.set_function(self.tokens_per_second)
+        self.ttft = Histogram("meshnode_time_to_first_token_seconds",
+                              "Seconds from the start of a generation to its first token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.hop = Histogram("meshnode_hop_latency_seconds",
+                             "Round trip of one activation to a remote stage and back (Forward)",
+                             labelnames=("peer", "phase"), buckets=_HOP_BUCKETS, registry=r)
+        self.requests = Counter("meshnode_requests", "Generation requests by outcome", labelnames=("outcome",),
+                                registry=r)
+        self.membership = Counter("meshnode_membership_changes",
+                                  "Peers that joined, were lost (no heartbeat) or left (said goodbye)",
+                                  labelnames=("kind",), registry=r)
+        self.epoch = Gauge("meshnode_plan_epoch", "Epoch of the plan this node follows", registry=r)
+        self._epoch_value = 0
+        self.epoch.set_function(epoch or (lambda: self._epoch_value))
+        self.replans = Counter("meshnode_plans_adopted", "Plans (new epochs) this node adopted", registry=r)
+        self.failovers = Counter("meshnode_generation_retries",
+                                 "Generations carried over to a new placement after theirs failed", registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        for kind in MEMBERSHIP_KINDS:
+            self.membership.labels(kind=kind)
+
+    # -- hooks
+    def request(self, outcome: str) -> None:
+        self.requests.labels(outcome=outcome).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def token(self) -> None:
+        self.tokens.inc()
+        with self._lock:
+            self._recent.append(self._clock())
+
+    def generation_done(self, tokens: int, decode_seconds: float) -> None:
+        """The latest generation so far: ``tokens`` after its first one took ``decode_seconds``."""
+        if tokens > 0 and decode_seconds > 0:
+            self.last_request_tps = tokens / decode_seconds
+
+    def hop_observer(self, peer: str) -> Callable[[float, int], None]:
+        prefill, decode = self.hop.labels(peer=peer, phase="prefill"), self.hop.labels(peer=peer, phase="decode")
+
+        def observe(seconds: float, positions: int) -> None:
+            (decode if positions <= 1 else prefill).observe(seconds)
+
+        return observe
+
+    def retry(self) -> None:
+        self.failovers.inc()
+
+    def event(self, kind: str, fields: dict[str, Any]) -> None:
+        """A node event (see ``Node._event``)."""
+        if kind in MEMBERSHIP_KINDS:
+            self.membership.labels(kind=kind).inc()
+        elif kind == "plan":
+            self.replans.inc()
+            self._epoch_value = int(fields.get("epoch", 0))
+
+    # -- figures
+    def tokens_per_second(self) -> float:
+        """Live decode rate: tokens of the last RATE_WINDOW s over the time they span; 0 when idle."""
+        now = self._clock()
+        with self._lock:
+            while self._recent and now - self._recent[0] > RATE_WINDOW:
+                self._recent.popleft()
+            if len(self._recent) < 2 or now - self._recent[-1] > RATE_IDLE:
+                return 0.0
+            span = self._recent[-1] - self._recent[0]
+            return (len(self._recent) - 1) / span if span > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The figures the dashboard shows (from the same metrics /metrics exports)."""
+        requests = {o: int(self.requests.labels(outcome=o)._value.get()) for o in OUTCOMES}
+        ttft_sum = sum(s.value for m in self.ttft.collect() for s in m.samples if s.name.endswith("_sum"))
+        ttft_count = sum(s.value for m in self.ttft.collect() for s in m.samples if s.name.endswith("_count"))
+        return {
+            "tokens_generated": int(self.tokens._value.get()),
+            "tokens_per_second": round(self.tokens_per_second(), 2),
+            "last_request_tokens_per_second": round(self.last_request_tps, 2),
+            "mean_time_to_first_token": round(ttft_sum / ttft_count, 4) if ttft_count else None,
+            "requests": requests,
+            "retries": int(self.failovers._value.get()),
+        }
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Progress:
+    """A long task's progress: ``current`` for /v1/mesh, and a bar on stderr when it is a TTY."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 30):
+        self._stream = stream if stream is not None else sys.stderr
+        self._width = width
+        self.current: dict[str, Any] | None = None
+        self._drawn = False
+
+    def _tty(self) -> bool:
+        try:
+            return self._stream.isatty()
+        except (AttributeError, ValueError):
+            return False
+
+    def update(self, task: str, done: int, total: int) -> None:
+        self.current = {"task": task, "done": done, "total": total}
+        if self._tty():
+            filled = self._width * done // total if total else 0
+            bar = "#" * filled + "-" * (self._width - filled)
+            self._stream.write(f"\r{task} [{bar}] {done}/{total}\x1b[K")
+            self._stream.flush()
+            self._drawn = True
+
+    def finish(self) -> None:
+        self.current = None
+        if self._drawn:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._drawn = False
