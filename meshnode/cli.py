@@ -90,8 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
     status.set_defaults(handler=cmd_status)
 
-    plan = sub.add_parser("plan", help="show how a model would be split over the mesh (not implemented yet)")
-    plan.set_defaults(handler=cmd_not_implemented)
+    plan = sub.add_parser(
+        "plan", help="dry run: how a model would be placed on the mesh, the alternatives and why",
+        description="Plan a model on the live mesh (--url) or on a cluster described in a TOML file (--cluster, "
+                    "see configs/example-cluster.toml) without changing anything: the chosen plan, the "
+                    "alternatives with estimated tokens/s and memory per node, and why.")
+    plan.add_argument("--model", required=True, metavar="DIR", help="the model directory (config.json + safetensors)")
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--cluster", metavar="FILE.toml", help="a described cluster: [[node]] and [[link]] tables")
+    where.add_argument("--url", help=f"a live node whose /v1/mesh lists the nodes (default {DEFAULT_STATUS_URL})")
+    plan.add_argument("--strategy", choices=("single", "pipeline", "tensor", "hybrid"), help="force a strategy")
+    plan.add_argument("--max-context", type=int, default=4096, metavar="N", help="tokens of KV cache (default 4096)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait for --url")
+    plan.set_defaults(handler=cmd_plan)
     install = sub.add_parser(
         "install", help="install meshnode as a launchd (macOS) or systemd (Linux) service and start it",
         description=(
@@ -329,6 +341,140 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(data))
     return status_exit_code(data)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _bandwidth(value: Any) -> float:
+    """Bytes per second from 1e9, "1GB/s", "800MiB/s"."""
+    from meshnode.config import parse_size
+
+    if isinstance(value, str):
+        value = value.strip()
+        value = value[:-2] if value.lower().endswith("/s") else value
+    return float(parse_size(value))
+
+
+def load_cluster(path: Path):
+    """(nodes, links) from a cluster file: ``[[node]]`` id, memory, layer_ms?, compute?;
+    ``[[link]]`` a, b, rtt_us, bandwidth. Raises ValueError saying what is wrong."""
+    import tomllib
+
+    from meshnode.config import parse_size
+    from meshnode.control.planner import LinkSpec, NodeSpec
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    nodes, links = [], {}
+    for i, raw in enumerate(data.get("node") or []):
+        try:
+            layer_ms = raw.get("layer_ms")
+            nodes.append(NodeSpec(node_id=str(raw["id"]), memory_budget=parse_size(raw["memory"]),
+                                  compute=float(raw.get("compute", 1.0)),
+                                  layer_seconds=float(layer_ms) / 1e3 if layer_ms else None))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: node {i + 1} needs id and memory (and numbers for layer_ms, compute): "
+                             f"{exc}") from None
+    for i, raw in enumerate(data.get("link") or []):
+        try:
+            links[(str(raw["a"]), str(raw["b"]))] = LinkSpec(float(raw["rtt_us"]) / 1e6, _bandwidth(raw["bandwidth"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: link {i + 1} needs a, b, rtt_us and bandwidth: {exc}") from None
+    if not nodes:
+        raise ValueError(f"{path}: no [[node]] tables")
+    return nodes, links
+
+
+def cluster_from_mesh(data: dict[str, Any]):
+    """(nodes, links) from a node's GET /v1/mesh: each node's budget and measured layer time, and
+    for each pair its fastest measured path (least RTT)."""
+    from meshnode.control.planner import LinkSpec, NodeSpec
+
+    nodes, links = [], {}
+    for raw in data.get("nodes") or []:
+        layer = float(raw.get("layer_seconds") or 0)
+        nodes.append(NodeSpec(node_id=str(raw["node_id"]), memory_budget=int(raw.get("memory_budget") or 0),
+                              compute=float(raw.get("compute") or 1.0), layer_seconds=layer if layer > 0 else None))
+        for link in raw.get("links") or []:
+            try:
+                key = tuple(sorted((str(raw["node_id"]), str(link["peer"]))))
+                spec = LinkSpec(float(link["rtt_us"]) / 1e6, float(link["bandwidth"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            if key not in links or spec.rtt_s < links[key].rtt_s:
+                links[key] = spec
+    return nodes, links
+
+
+def format_plan(result, nodes) -> str:
+    from meshnode.control.planner import human_bytes
+
+    budgets = {x.node_id: x.memory_budget for x in nodes}
+    est = f"est. {result.tokens_per_s:.3g} tok/s ({result.estimate_s * 1e3:.3g} ms/token)" if result.estimate_s else ""
+    lines = [f"plan         {result.strategy}, {est}, max context {result.max_context}"]
+    for s in result.stages:
+        each = " each" if len(s.nodes) > 1 else ""
+        lines.append(f"  layers {s.start_layer}-{s.end_layer - 1}  on {'+'.join(s.nodes)}  "
+                     f"{human_bytes(s.bytes)}{each}")
+    lines.append("memory       " + ", ".join(f"{n} {human_bytes(s.bytes)} of {human_bytes(budgets.get(n, 0))}"
+                                              for s in result.stages for n in s.nodes))
+    lines.append(f"why          {result.reason}")
+    if result.alternatives:
+        lines.append("alternatives")
+        for a in result.alternatives:
+            if a.get("feasible"):
+                memory = ", ".join(f"{n} {human_bytes(b)}" for n, b in (a.get("memory") or {}).items())
+                lines.append(f"  {a['strategy']:<9} {a['tokens_per_s']:.3g} tok/s  {a['stages']}  ({memory}): "
+                             f"{a['why']}")
+            else:
+                lines.append(f"  {a['strategy']:<9} impossible: {a['why']}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from meshnode.control.planner import PlanError, plan as make_plan
+    from meshnode.data.profile import profile_model
+
+    try:
+        profile = profile_model(Path(args.model))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"meshnode plan: cannot read the model at {args.model}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    try:
+        if args.cluster:
+            nodes, links = load_cluster(Path(args.cluster))
+        else:
+            url, key = (args.url, os.environ.get("MESHNODE_API_KEY") or None) if args.url else _default_status_url()
+            code, data = _fetch_json(url.rstrip("/") + "/v1/mesh", args.timeout, key)
+            if code != 200 or not isinstance(data, dict):
+                print(f"meshnode plan: {url} answered HTTP {code} without a mesh", file=sys.stderr)
+                return EXIT_FAIL
+            nodes, links = cluster_from_mesh(data)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"meshnode plan: cannot reach the node: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except ValueError as exc:
+        print(f"meshnode plan: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    try:
+        result = make_plan(profile, nodes, max_context=args.max_context, strategy=args.strategy, links=links)
+    except PlanError as exc:
+        if args.json:
+            print(json.dumps({"model": profile.name, "error": exc.reasons}, indent=2))
+        else:
+            print(f"no plan for {profile.name} on {len(nodes)} node(s):")
+            for reason in exc.reasons:
+                print(f"  - {reason}")
+        return EXIT_FAIL
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(f"model        {profile.name} ({profile.num_layers} layers, {profile.model_type})")
+        print(format_plan(result, nodes))
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- later

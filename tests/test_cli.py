@@ -121,10 +121,9 @@ def test_no_command_and_bad_usage(capsys):
     assert "error" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["plan"])  # install, uninstall: tests/test_service.py
-def test_later_commands_not_implemented(command, capsys):
-    assert cli.main([command]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_plan_needs_a_model(capsys):  # plan itself: tests/test_cli_plan.py; install, uninstall: test_service.py
+    assert cli.main(["plan"]) == 2
+    assert "--model" in capsys.readouterr().err
 
 
 def test_run_flags_become_settings(tmp_path):

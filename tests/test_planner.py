@@ -420,3 +420,189 @@ def test_big_clusters_and_models_plan_quickly():
     result = plan(p, many, max_context=8192)
     check_valid(p, many, result, 8192)
     assert len(result.stages) == 14
+
+
+# ---- time per token: tensor, hybrid, links (the cost model in planner's docstring) ----
+
+from meshnode.control.messages import plan_from_pb, plan_to_pb  # noqa: E402
+from meshnode.control.planner import (FAST_RTT_S, LinkSpec, crossover_latency, group_size_problem,  # noqa: E402
+                                      supports_tensor)
+
+MiB = 2**20
+
+
+def shaped(n=32, layer=200 * MiB, heads=32, kv_heads=8, inter=14336, hidden=4096, experts=0, model_type="llama",
+           embed=500 * MiB, kv=4096, name="m"):
+    return ModelProfile(name=name, model_type=model_type, num_layers=n, layer_bytes=(layer,) * n,
+                        embed_bytes=embed, head_bytes=embed, norm_bytes=8192, tied_embeddings=False,
+                        kv_bytes_per_token=(kv,) * n, sliding_window=(None,) * n, hidden_size=hidden,
+                        num_heads=heads, num_kv_heads=kv_heads, head_dim=128, intermediate_size=inter,
+                        num_experts=experts, vocab_size=32000, dtype="bfloat16")
+
+
+def link_all(ids, rtt, bw=5e9):
+    return {(a, b): LinkSpec(rtt, bw) for a, b in itertools.combinations(ids, 2)}
+
+
+@st.composite
+def timed_cases(draw):
+    n = draw(st.integers(1, 8))
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
+    kv_heads = draw(st.sampled_from([h for h in (1, 2, 3, 4, 6, 8, 12) if heads % h == 0]))
+    experts = draw(st.sampled_from([0, 0, 4]))
+    model_type = draw(st.sampled_from(["llama", "qwen3", "qwen3_moe", "mixtral", "gemma3_text"]))
+    p = ModelProfile(
+        name="m", model_type=model_type, num_layers=n,
+        layer_bytes=tuple(draw(st.lists(st.integers(100, 4000), min_size=n, max_size=n))),
+        embed_bytes=draw(st.integers(0, 2000)), head_bytes=draw(st.integers(0, 2000)), norm_bytes=8,
+        tied_embeddings=False, kv_bytes_per_token=(draw(st.integers(0, 4)),) * n, sliding_window=(None,) * n,
+        hidden_size=8, num_heads=heads, num_kv_heads=kv_heads, head_dim=2,
+        intermediate_size=draw(st.sampled_from([16, 24, 36])), num_experts=experts, vocab_size=10, dtype="float16")
+    ctx = draw(st.integers(1, 16))
+    m = draw(st.integers(2, 6))
+    total = p.total_bytes(ctx)
+    ids = [f"n{i}" for i in range(m)]
+    nodes = [NodeSpec(i, max(1, total * draw(st.integers(15, 130)) // 100),
+                      layer_seconds=draw(st.none() | st.floats(1e-5, 1e-2))) for i in ids]
+    links = {}
+    for a, b in itertools.combinations(ids, 2):
+        if draw(st.integers(0, 3)):
+            links[(a, b)] = LinkSpec(draw(st.sampled_from([5e-6, 30e-6, 150e-6, 400e-6, 2e-3])),
+                                     draw(st.sampled_from([1e8, 1e9, 1e10])))
+    return p, nodes, links, ctx
+
+
+def check_grouped(p, nodes, links, ctx, result, fast_rtt=FAST_RTT_S):
+    budgets = {x.node_id: x.memory_budget for x in nodes}
+    result.check(p.num_layers)  # every layer exactly once, no node twice
+    covered = [i for s in result.stages for i in range(s.start_layer, s.end_layer)]
+    assert covered == list(range(p.num_layers))
+    for s in result.stages:
+        assert all(s.bytes <= budgets[m] for m in s.nodes)  # every member within its budget
+        g = len(s.nodes)
+        if g == 1:
+            assert s.bytes == stage_cost(p, s.start_layer, s.end_layer, ctx)
+            continue
+        assert p.model_type in ("llama", "qwen3", "qwen3_moe")  # families with shard() in mlx-lm
+        assert p.num_heads % g == 0 and p.num_kv_heads % g == 0 and p.intermediate_size % g == 0
+        if p.num_experts:  # experts never cross a slow link
+            for a, b in itertools.combinations(s.nodes, 2):
+                spec = links.get((a, b)) or links.get((b, a))
+                assert spec is not None and spec.rtt_s < fast_rtt
+        # each member holds at least its share of the weights and KV, plus the ends whole
+        share = stage_cost(p, s.start_layer, s.end_layer, ctx) - sum(
+            p.layer_bytes[i] + p.kv_bytes(i, ctx) for i in range(s.start_layer, s.end_layer))
+        assert s.bytes >= share + p.layers_bytes(s.start_layer, s.end_layer, ctx) // g
+    kinds = {1: "single"} if len(result.stages) == 1 else {}
+    grouped = any(len(s.nodes) > 1 for s in result.stages)
+    expected = (("tensor" if grouped else "single") if len(result.stages) == 1
+                else ("hybrid" if grouped else "pipeline"))
+    assert result.strategy == expected, kinds
+    assert result.estimate_s > 0 and result.reason
+    for a in result.alternatives:  # the chosen one is the fastest feasible
+        if a["feasible"]:
+            assert result.estimate_s <= a["estimate_s"] * (1 + 1e-9)
+            assert all(a["memory"][n] <= budgets[n] for n in a["memory"])
+        else:
+            assert a["why"]
+
+
+@PROPS
+@given(timed_cases(), st.sampled_from([None, "single", "pipeline", "tensor", "hybrid"]))
+def test_timed_plans_are_valid_legal_and_fastest(case, strategy):
+    p, nodes, links, ctx = case
+    try:
+        result = plan(p, nodes, max_context=ctx, links=links, strategy=strategy)
+    except PlanError as exc:
+        assert exc.reasons and all(exc.reasons)
+        if strategy is None:  # nothing fits at all: not even a pipeline
+            k, _ = fitting_subsets(p, nodes, ctx)
+            assert k is None
+        if strategy == "tensor" and not supports_tensor(p):
+            assert "no tensor-parallel implementation" in str(exc)
+        return
+    check_grouped(p, nodes, links, ctx, result)
+    if strategy is not None:
+        assert result.strategy == strategy
+    # deterministic whatever the order of the nodes, and JSON / protobuf round trips
+    assert plan(p, nodes[::-1], max_context=ctx, links=links, strategy=strategy) == result
+    assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert plan_from_pb(plan_to_pb(result, "c"), p.num_layers) == result
+
+
+def test_fast_link_makes_tensor_pay_and_a_tcp_link_does_not():
+    p = shaped()  # 32 layers, ~0.5 ms each: a compute-bound 8B-class model
+    nodes = [NodeSpec("a", 16 * GiB, layer_seconds=5e-4), NodeSpec("b", 16 * GiB, layer_seconds=5e-4)]
+    fast = plan(p, nodes, max_context=4096, links=link_all("ab", 20e-6))
+    assert fast.strategy == "tensor" and fast.stages[0].nodes == ("a", "b")
+    assert "tensor over 0-31@a+b" in fast.reason and "vs single" in fast.reason and "20 µs RTT" in fast.reason
+    single = next(a for a in fast.alternatives if a["strategy"] == "single")
+    assert fast.estimate_s < single["estimate_s"]
+    # members hold half the layers each, the embedding and head whole
+    assert fast.stages[0].bytes < p.total_bytes(4096) // 2 + 2 * p.embed_bytes
+    slow = plan(p, nodes, max_context=4096, links=link_all("ab", 300e-6))
+    assert slow.strategy in ("single", "pipeline")
+    assert "tensor" in {a["strategy"] for a in slow.alternatives if a["feasible"]}
+    # unknown links are assumed a LAN, and the reason says so
+    unknown = plan(p, nodes, max_context=4096, strategy="tensor")
+    assert "unmeasured link a-b assumed 1 ms RTT" in unknown.reason
+
+
+def test_three_nodes_where_three_does_not_divide_the_heads_get_a_hybrid():
+    p = shaped(heads=8, kv_heads=8, n=32)
+    nodes = [NodeSpec(x, 3 * GiB, layer_seconds=2e-3) for x in "abc"]
+    result = plan(p, nodes, max_context=1024, links=link_all("abc", 20e-6))
+    assert result.strategy == "hybrid"
+    assert sorted(len(s.nodes) for s in result.stages) == [1, 2]
+    check_grouped(p, nodes, link_all("abc", 20e-6), 1024, result)
+    with pytest.raises(PlanError, match="tensor: 3 does not divide 8 heads"):
+        plan(p, nodes, max_context=1024, strategy="tensor")
+    assert group_size_problem(p, 3).startswith("tensor: 3 does not divide 8 heads")
+    assert group_size_problem(p, 2) is None
+
+
+def test_mixtral_and_families_without_shard_never_get_groups():
+    nodes = [NodeSpec(x, 16 * GiB, layer_seconds=2e-3) for x in "ab"]
+    for model_type in ("mixtral", "gemma3_text"):
+        p = shaped(model_type=model_type, experts=8 if model_type == "mixtral" else 0)
+        assert not supports_tensor(p)
+        assert plan(p, nodes, max_context=1024, links=link_all("ab", 5e-6)).strategy in ("single", "pipeline")
+        with pytest.raises(PlanError, match=f"tensor: {model_type} has no tensor-parallel implementation in mlx-lm"):
+            plan(p, nodes, max_context=1024, strategy="tensor")
+
+
+def test_moe_groups_only_over_fast_links():
+    p = shaped(model_type="qwen3_moe", experts=8)
+    nodes = [NodeSpec(x, 16 * GiB, layer_seconds=5e-4) for x in "ab"]
+    assert plan(p, nodes, max_context=1024, links=link_all("ab", 20e-6)).strategy == "tensor"
+    with pytest.raises(PlanError, match="mixture of experts and no 2 nodes are joined by links under 200 µs"):
+        plan(p, nodes, max_context=1024, links=link_all("ab", 250e-6), strategy="tensor")
+
+
+def test_crossover_latency_is_where_the_planner_flips():
+    p = shaped()
+    nodes = [NodeSpec("a", 16 * GiB, layer_seconds=5e-4), NodeSpec("b", 16 * GiB, layer_seconds=5e-4)]
+    links = link_all("ab", 20e-6)
+    cross = crossover_latency(p, nodes, max_context=4096, links=links)
+    assert 5e-6 < cross < 150e-6
+    below = plan(p, nodes, max_context=4096, links=links, link_latency_s=cross * 0.99)
+    above = plan(p, nodes, max_context=4096, links=links, link_latency_s=cross * 1.01)
+    assert below.strategy == "tensor" and above.strategy in ("single", "pipeline")
+    # at the crossover both estimates agree
+    at = plan(p, nodes, max_context=4096, links=links, link_latency_s=cross, strategy="tensor")
+    best_plain = min(plan(p, nodes, max_context=4096, links=links, link_latency_s=cross, strategy=s).estimate_s
+                     for s in ("single", "pipeline"))
+    assert at.estimate_s == pytest.approx(best_plain, rel=1e-9)
+    # slower compute moves the crossover out: more to save per token
+    slower = [NodeSpec(x.node_id, x.memory_budget, layer_seconds=2e-3) for x in nodes]
+    assert crossover_latency(p, slower, max_context=4096, links=links) > cross
+    # no tensor for the family: tensor never wins
+    assert crossover_latency(shaped(model_type="mixtral", experts=8), nodes, max_context=4096) == 0.0
+
+
+def test_faster_nodes_hold_more_layers_in_a_pipeline():
+    p = shaped(n=32, embed=0, kv=0)
+    nodes = [NodeSpec("slow", 5 * GiB, layer_seconds=2e-3), NodeSpec("fast", 5 * GiB, layer_seconds=5e-4)]
+    result = plan(p, nodes, max_context=1, links=link_all(["slow", "fast"], 300e-6))
+    counts = {s.nodes[0]: s.num_layers for s in result.stages}
+    assert result.strategy == "pipeline" and counts["fast"] > counts["slow"]

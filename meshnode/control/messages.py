@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 from meshnode.control.discovery import NodeInfo
 from meshnode.control.planner import Plan, Stage
 from meshnode.proto import mesh_pb2
@@ -54,17 +57,35 @@ def plan_to_pb(plan: Plan, coordinator: str) -> mesh_pb2.Plan:
         epoch=plan.epoch,
         model=plan.model,
         strategy=plan.strategy,
-        stages=[mesh_pb2.Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=list(s.nodes))
+        stages=[mesh_pb2.Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=list(s.nodes), bytes=s.bytes)
                 for s in plan.stages],
         reason=plan.reason,
         coordinator=coordinator,
         max_context=plan.max_context,
+        estimate_s=plan.estimate_s,
+        alternatives=json.dumps(list(plan.alternatives)) if plan.alternatives else "",
     )
+
+
+MAX_ALTERNATIVES_JSON = 64 * 1024
+
+
+def _alternatives_from_json(text: str) -> tuple[dict, ...]:
+    """The plan's alternatives as a peer sent them: informational, so anything malformed is dropped."""
+    if not text or len(text) > MAX_ALTERNATIVES_JSON:
+        return ()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return ()
+    if not isinstance(data, list):
+        return ()
+    return tuple(a for a in data[:16] if isinstance(a, dict))
 
 
 def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
     """Decode and check a plan: stages must tile [0, num_layers) with one node each."""
-    stages = tuple(Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=tuple(s.nodes), bytes=0)
+    stages = tuple(Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=tuple(s.nodes), bytes=s.bytes)
                    for s in msg.stages)
     edge = 0
     for s in stages:
@@ -73,5 +94,7 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
         edge = s.end_layer
     if edge != num_layers:
         raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")
+    estimate = msg.estimate_s if math.isfinite(msg.estimate_s) and msg.estimate_s >= 0 else 0.0
     return Plan(model=msg.model, strategy=msg.strategy, stages=stages, epoch=msg.epoch,
-                reason=msg.reason, max_context=msg.max_context)
+                reason=msg.reason, max_context=msg.max_context, estimate_s=estimate,
+                alternatives=_alternatives_from_json(msg.alternatives))

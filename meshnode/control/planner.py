@@ -1,6 +1,7 @@
 """The planner: which nodes hold which layers. Pure: no I/O, no clock, no randomness.
 
-Input: the model's profile, the live nodes with their memory budgets, the max context.
+Input: the model's profile, the live nodes with their memory budgets and measured speed, the
+links between them, the max context.
 Output: a :class:`Plan`, or a :class:`PlanError` whose reasons say what is missing.
 
 Rules, in order:
@@ -24,22 +25,66 @@ Rules, in order:
    sliding window), the embedding on the first stage and the final norm and head on the last
    (plus the embedding again on the last when tied and it is not also the first).
 
-``NodeSpec.compute`` is carried but not weighed: a pipeline runs its stages one after another
-for each token, so memory, not speed, decides the split.
+Those rules give the *memory-driven* plan. Since tensor parallelism it is one candidate among
+many, all estimated in seconds per decoded token; the least estimate wins, and the memory-driven
+plan wins every tie (estimates within a relative 1e-9), so with equal nodes and equal links the
+rules above still decide.
+
+Strategies: ``single`` (one node), ``pipeline`` (stages of one node each), ``tensor`` (one group
+of g >= 2 nodes holding every layer, mlx-lm's ``model.shard``), ``hybrid`` (a pipeline whose
+stages are groups, at least one of g >= 2: e.g. 3 nodes where 3 does not divide the heads, a
+pair plus a stage). ``strategy=`` forces one; PlanError says why it is impossible.
+
+Cost model (seconds per token; decode is memory-bound, so compute scales with weight bytes):
+
+* A node's seconds per weight byte: ``layer_seconds / average layer bytes`` when measured (one
+  decode step of an average layer of this model), else ``1 / (DEFAULT_BYTES_PER_S * compute)``.
+* A unit (a stage on a group of g nodes; g = 1 for a pipeline stage) holding layers [s, e):
+  ``slowest member's s/B * bytes(s, e) / g`` (members run in lockstep), plus, per layer, two ring
+  all-reduces of one activation (``hidden_size * dtype`` bytes = M), each
+  ``2 (g - 1) (one-way + M / (g * bandwidth))`` over the group's worst link (one-way = RTT / 2),
+  plus once per token rank 0 handing the input to the others (one-way + M / bandwidth). The last
+  unit also runs the head (``head_bytes``, or the tied embedding), unsharded, on every member.
+  The embedding lookup and the KV reads are left out (one row; small at decode lengths).
+* A pipeline of k >= 2 units: k - 1 hops of M bytes between consecutive ranks 0, plus the sampled
+  token going back from the last to the first (the first embeds the next token): k one-way trips.
+* Links: ``links[(a, b)]`` (either order); an unmeasured pair is assumed ``DEFAULT_LINK`` (1 ms RTT,
+  100 MB/s) and the reason says so; ``link_latency_s`` replaces every one-way latency (benchmarks
+  that inject latency per message). Every estimate is linear in that latency, which is how
+  :func:`crossover_latency` finds where tensor stops paying.
+
+Memory of a group member holding layers [s, e): 1/g of the layers' weights and KV cache, all of
+their norms (and MoE routers: replicated by ``shard``), and the embedding / norm / head whole
+(mlx-lm's ``shard`` leaves ``embed_tokens`` and ``lm_head`` unsharded). Each member must fit.
+
+Legality: a group of g nodes needs a family whose mlx-lm class has ``shard`` with the rules here
+(:data:`TENSOR_FAMILIES`; not mixtral), and g dividing heads, kv heads and the (expert)
+intermediate size. A mixture-of-experts model's group must have every pairwise link faster than
+``fast_rtt_s`` (200 µs RTT): experts never spread over a slow link; pipeline stages keep whole
+layers, so a layer's experts stay on one node.
+
+Search: exact for home labs, heuristic beyond. Single: every node. Pipelines: every subset of up
+to ``EXACT_SUBSET_NODES`` nodes (all stage orders up to 3 stages; else the memory order, fastest
+first and its reverse), the top-k by budget and by speed beyond; split by the least time within
+budgets (the memory split above when the stage nodes are equally fast: time then does not depend
+on it). Tensor: every g-subset (top-g by budget and by speed beyond). Hybrid: every partition of
+every subset into legal groups in every order up to ``EXACT_GROUP_NODES`` nodes; beyond, the
+nodes by budget and by speed cut into consecutive groups of g, in both directions.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from meshnode.data.profile import ModelProfile
 
-__all__ = ["STRATEGIES", "NodeSpec", "Plan", "PlanError", "Stage", "plan"]
+__all__ = ["DEFAULT_LINK", "FAST_RTT_S", "STRATEGIES", "TENSOR_FAMILIES", "LinkSpec", "NodeSpec", "Plan", "PlanError",
+           "Stage", "crossover_latency", "group_size_problem", "plan", "supports_tensor", "tensor_parallel_problem"]
 
-STRATEGIES = ("single", "pipeline")
+STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
 EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here
 _PREFERRED_WORK = 2**14  # subsets tried for `preferred` before settling for the largest: this / 2**k
 
@@ -48,8 +93,17 @@ _PREFERRED_WORK = 2**14  # subsets tried for `preferred` before settling for the
 class NodeSpec:
     node_id: str
     memory_budget: int  # bytes offered for weights + KV cache
-    compute: float = 1.0  # relative speed, higher is faster (informational)
+    compute: float = 1.0  # relative speed, higher is faster: used only when layer_seconds is unknown
     address: str = ""
+    layer_seconds: float | None = None  # measured decode step of one average layer (None/0: unknown)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A measured link between two nodes (symmetric)."""
+
+    rtt_s: float  # round trip of a small message
+    bandwidth_Bps: float  # bytes per second
 
 
 @dataclass(frozen=True)
@@ -67,11 +121,17 @@ class Stage:
 @dataclass(frozen=True)
 class Plan:
     model: str
-    strategy: str  # "single" | "pipeline"
+    strategy: str  # "single" | "pipeline" | "tensor" | "hybrid"
     stages: tuple[Stage, ...]
     epoch: int = 0
     reason: str = ""
     max_context: int = 0
+    estimate_s: float = 0.0  # estimated seconds per decoded token (0: not estimated)
+    alternatives: tuple[dict, ...] = ()  # the best plan of each other strategy, or why it has none
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.estimate_s if self.estimate_s > 0 else 0.0
 
     def node_ids(self) -> list[str]:
         """Every node of the plan, in stage order."""
@@ -98,7 +158,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "strategy": self.strategy, "epoch": self.epoch, "reason": self.reason,
-                "max_context": self.max_context,
+                "max_context": self.max_context, "estimate_s": self.estimate_s,
+                "alternatives": [dict(a) for a in self.alternatives],
                 "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
                             "bytes": s.bytes} for s in self.stages]}
 
@@ -107,7 +168,9 @@ class Plan:
         stages = tuple(Stage(int(s["start_layer"]), int(s["end_layer"]), tuple(str(n) for n in s["nodes"]),
                              int(s.get("bytes", 0))) for s in d["stages"])
         return cls(model=str(d["model"]), strategy=str(d["strategy"]), stages=stages, epoch=int(d.get("epoch", 0)),
-                   reason=str(d.get("reason", "")), max_context=int(d.get("max_context", 0)))
+                   reason=str(d.get("reason", "")), max_context=int(d.get("max_context", 0)),
+                   estimate_s=float(d.get("estimate_s", 0.0) or 0.0),
+                   alternatives=tuple(dict(a) for a in d.get("alternatives") or () if isinstance(a, dict)))
 
 
 class PlanError(Exception):
@@ -334,40 +397,11 @@ def _stage_order(subset: Sequence[NodeSpec], preferred: dict[str, int]) -> list[
     return pref + rest
 
 
-def plan(
-    profile: ModelProfile,
-    nodes: Sequence[NodeSpec],
-    *,
-    max_context: int,
-    strategy: str | None = None,
-    preferred: Sequence[str] = (),
-) -> Plan:
-    """Place ``profile``'s layers on the fewest of ``nodes`` that hold them with ``max_context``
-    tokens of KV cache. ``strategy`` forces "single" or "pipeline"; ``preferred`` node ids (the
-    current plan's, in stage order) win among placements with equally few nodes."""
-    if strategy is not None and strategy not in STRATEGIES:
-        raise PlanError([f"unknown strategy {strategy!r}; this planner knows {', '.join(STRATEGIES)}"])
-    if not nodes:
-        raise PlanError(["no nodes to place the model on"])
-    ids = [x.node_id for x in nodes]
-    if len(set(ids)) != len(ids):
-        dup = sorted({i for i in ids if ids.count(i) > 1})
-        raise PlanError([f"duplicate node ids: {', '.join(dup)}"])
-    bad = sorted(x.node_id for x in nodes if not x.memory_budget > 0)
-    if bad:
-        raise PlanError([f"nodes without a positive memory budget: {', '.join(bad)}"])
-    if profile.num_layers <= 0:
-        raise PlanError([f"model {profile.name!r} has no layers"])
-    if max_context <= 0:
-        raise PlanError([f"max_context must be positive, not {max_context}"])
-
-    costs = _Costs(profile, max_context)
+def _memory_plan(profile: ModelProfile, costs: _Costs, ranked: list[NodeSpec], ids: list[str], max_context: int,
+                 strategy: str | None, pref: dict[str, int]) -> Plan | None:
+    """The memory-driven single/pipeline plan: the fewest nodes, split by memory (rules 1-3 above).
+    It comes first among the candidates, so it wins every tie of the estimates."""
     n = profile.num_layers
-    ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
-    pref = {}
-    for node_id in preferred:
-        if node_id in ids and node_id not in pref:
-            pref[node_id] = len(pref)
     low = 2 if strategy == "pipeline" else 1
     high = 1 if strategy == "single" else min(len(ranked), n)
     # A lower bound on the bytes of any split into k >= 2 stages: a tied embedding is held twice.
@@ -392,7 +426,7 @@ def plan(
             return Plan(model=profile.name, strategy="single" if k == 1 else "pipeline", stages=stages,
                         reason=_reason(profile, costs, stages, order, ranked, max_context, strategy, pref),
                         max_context=max_context)
-    raise PlanError(_why_not(profile, costs, ranked, max_context, strategy))
+    return None
 
 
 def _reason(profile, costs: _Costs, stages, order, ranked, ctx: int, strategy, pref) -> str:
@@ -499,3 +533,539 @@ def _max_context_that_fits(profile: ModelProfile, ranked: list[NodeSpec], ctx: i
         else:
             hi = mid - 1
     return lo
+
+
+# ---- time per token: the cost model, and the search over strategies ----
+
+DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: a conservative LAN
+DEFAULT_BYTES_PER_S = 100e9  # weight bytes a node of compute 1.0 streams per second (decode is memory-bound)
+FAST_RTT_S = 200e-6  # a link below this RTT may carry a MoE layer's expert traffic (Thunderbolt, not TCP)
+TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
+# Families whose mlx-lm model class has ``shard(group)`` and whose sharding needs only heads, kv heads and
+# (expert) intermediate sizes divisible by the group size. mlx-lm has shard() for more families (deepseek,
+# glm4_moe, gpt_oss, ...) with other rules; they stay pipeline-only until their rules are written here.
+TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; a few natural ones beyond
+EXACT_GROUP_NODES = 4  # every partition into groups (hybrid) up to here; chunked orders beyond
+_TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate wins
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def tensor_parallel_problem(profile: ModelProfile) -> str | None:
+    """None when mlx-lm can shard this model over a tensor group; else why not (one sentence)."""
+    if profile.model_type in TENSOR_FAMILIES:
+        return None
+    return f"tensor: {profile.model_type or 'this model'} has no tensor-parallel implementation in mlx-lm"
+
+
+def supports_tensor(profile: ModelProfile) -> bool:
+    return tensor_parallel_problem(profile) is None
+
+
+def group_size_problem(profile: ModelProfile, g: int) -> str | None:
+    """None when a tensor group of g nodes may hold this model's layers; else why not."""
+    if g <= 1:
+        return None
+    family = tensor_parallel_problem(profile)
+    if family:
+        return family
+    dims = [(profile.num_heads, f"{profile.num_heads} heads"), (profile.num_kv_heads, f"{profile.num_kv_heads} kv heads"),
+            (profile.intermediate_size, f"the intermediate size {profile.intermediate_size}")]
+    moe_inter = int(getattr(profile, "moe_intermediate_size", 0) or 0)
+    if moe_inter:
+        dims.append((moe_inter, f"the expert intermediate size {moe_inter}"))
+    bad = [text for v, text in dims if v > 0 and v % g]
+    if profile.num_heads <= 0 or profile.num_kv_heads <= 0:
+        bad.append("an unknown number of heads")
+    return f"tensor: {g} does not divide {', '.join(bad)}" if bad else None
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} µs" if seconds < 0.999e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+def _tps(estimate: float) -> str:
+    return f"{1.0 / estimate:.3g} tok/s" if estimate > 0 else "∞ tok/s"
+
+
+def _summary(units) -> str:
+    """'0-11@a+b | 12-23@c'."""
+    return " | ".join(f"{s}-{e - 1}@{'+'.join(ids)}" for ids, s, e in units)
+
+
+def _kind(units) -> str:
+    grouped = any(len(ids) > 1 for ids, _, _ in units)
+    if len(units) == 1:
+        return "tensor" if grouped else "single"
+    return "hybrid" if grouped else "pipeline"
+
+
+class _Cx:
+    """Everything the estimates need, precomputed: see the module docstring for the model."""
+
+    def __init__(self, profile: ModelProfile, nodes: Sequence[NodeSpec], max_context: int,
+                 links: Mapping[tuple[str, str], LinkSpec] | None, link_latency_s: float | None, fast_rtt_s: float):
+        p = self.p = profile
+        self.n = n = p.num_layers
+        self.ctx = max_context
+        self.costs = _Costs(p, max_context)
+        self.by_id = {x.node_id: x for x in nodes}
+        self.W = [0, *itertools.accumulate(p.layer_bytes)]
+        self.avg = max(self.W[-1] / n, 1.0) if n else 1.0
+        self.head_w = p.head_bytes or (p.embed_bytes if p.tied_embeddings else 0)
+        item = _ITEMSIZE.get(p.dtype, 2)
+        self.msg = max(p.hidden_size, 1) * item  # one token's activation
+        per_layer_repl = 2 * p.hidden_size * item + (p.hidden_size * p.num_experts * item if p.num_experts else 0)
+        self.R = [0, *itertools.accumulate(min(b, per_layer_repl) for b in p.layer_bytes)]
+        self.KV = [0, *itertools.accumulate(p.kv_bytes(i, max_context) for i in range(n))]
+        self.links: dict[tuple[str, str], LinkSpec] = {}
+        for (a, b), spec in (links or {}).items():
+            self.links[(a, b)] = self.links[(b, a)] = spec
+        self.lat = link_latency_s
+        self.fast_rtt = fast_rtt_s
+        self.moe = p.num_experts > 0
+
+    def spb(self, node_id: str) -> float:
+        """Seconds per byte of layer weights on this node in a decode step."""
+        x = self.by_id[node_id]
+        if x.layer_seconds and x.layer_seconds > 0:
+            return x.layer_seconds / self.avg
+        return 1.0 / (DEFAULT_BYTES_PER_S * (x.compute if x.compute > 0 else 1.0))
+
+    def link(self, a: str, b: str) -> tuple[float, float, bool]:
+        """(one-way latency s, bandwidth B/s, measured?)."""
+        spec = self.links.get((a, b))
+        known = spec is not None
+        spec = spec or DEFAULT_LINK
+        one_way = self.lat if self.lat is not None else spec.rtt_s / 2
+        return max(one_way, 0.0), max(spec.bandwidth_Bps, 1.0), known
+
+    def worst(self, ids: Sequence[str]) -> tuple[float, float]:
+        pairs = [self.link(a, b) for a, b in itertools.combinations(ids, 2)]
+        return max(p[0] for p in pairs), min(p[1] for p in pairs)
+
+    def fast(self, ids: Sequence[str]) -> bool:
+        return all(2 * self.link(a, b)[0] < self.fast_rtt for a, b in itertools.combinations(ids, 2))
+
+    def group_ok(self, ids: Sequence[str]) -> bool:
+        g = len(ids)
+        return g == 1 or (group_size_problem(self.p, g) is None and (not self.moe or self.fast(ids)))
+
+    def mem(self, s: int, e: int, g: int) -> int:
+        """Bytes each member of a g-node group holding layers [s, e) needs: 1/g of the layers' sharded
+        weights and KV, all of their norms (and MoE routers), the embedding and head whole."""
+        if g == 1:
+            return self.costs.stage(s, e)
+        ends = self.costs.stage(s, e) - (self.costs.prefix[e] - self.costs.prefix[s])
+        repl = self.R[e] - self.R[s]
+        sharded = self.W[e] - self.W[s] - repl
+        kv = self.KV[e] - self.KV[s]
+        return -(-sharded // g) + repl + -(-kv // g) + ends
+
+    def coll(self, ids: Sequence[str]) -> float:
+        """Collectives per layer per token in a group: 2 ring all-reduces of one activation."""
+        g = len(ids)
+        if g == 1:
+            return 0.0
+        one_way, bw = self.worst(ids)
+        return 2 * 2 * (g - 1) * (one_way + self.msg / (g * bw))
+
+    def unit_spec(self, ids: Sequence[str]):
+        slowest = max(self.spb(i) for i in ids)
+        return len(ids), min(self.by_id[i].memory_budget for i in ids), slowest / len(ids), self.coll(ids), slowest
+
+    def estimate(self, units) -> float:
+        """Seconds per decoded token of a plan given as ((node ids, start, end), ...)."""
+        total = 0.0
+        for ids, s, e in units:
+            g, _, rate, coll, slowest = self.unit_spec(ids)
+            total += rate * (self.W[e] - self.W[s]) + coll * (e - s)
+            if e == self.n:
+                total += slowest * self.head_w  # lm_head is not sharded: every member computes it
+            if g > 1:  # rank 0 hands the step's input to the other members
+                one_way, bw = self.worst(ids)
+                total += one_way + self.msg / bw
+        for (a, _, _), (b, _, _) in zip(units, units[1:]):
+            one_way, bw, _ = self.link(a[0], b[0])
+            total += one_way + self.msg / bw
+        if len(units) > 1:
+            one_way, bw, _ = self.link(units[-1][0][0], units[0][0][0])
+            total += one_way + TOKEN_BYTES / bw
+        return total
+
+    def unknown_links(self, units) -> list[str]:
+        """Links the estimate of this plan assumed (unmeasured)."""
+        pairs = set()
+        for ids, _, _ in units:
+            pairs.update(itertools.combinations(ids, 2))
+        heads = [ids[0] for ids, _, _ in units]
+        pairs.update(zip(heads, heads[1:]))
+        if len(heads) > 1:
+            pairs.add((heads[-1], heads[0]))
+        return sorted(f"{a}-{b}" for a, b in pairs if not self.link(a, b)[2])
+
+    def split(self, groups: Sequence[Sequence[str]]) -> list[int] | None:
+        """Layer boundaries for these units in this order: the least estimated time within every
+        member's budget, then the least largest fraction of a budget. Equal-speed single nodes get
+        the memory-proportional split of :func:`_split` (time does not depend on it)."""
+        n, k = self.n, len(groups)
+        if k > n or k == 0:
+            return None
+        specs = [self.unit_spec(ids) for ids in groups]
+        if all(sp[0] == 1 for sp in specs) and len({sp[2] for sp in specs}) == 1:
+            return _split(self.costs, [sp[1] for sp in specs])
+        const = len({(sp[0], sp[2], sp[3], sp[4]) for sp in specs}) == 1
+        inf = (float("inf"), float("inf"))
+        W, head_w = self.W, self.head_w
+
+        def cost(i: int, s: int, e: int):
+            g, budget, rate, coll, slowest = specs[i]
+            m = self.mem(s, e, g)
+            if m > budget:
+                return None
+            t = 0.0 if const else rate * (W[e] - W[s]) + coll * (e - s) + (slowest * head_w if e == n else 0.0)
+            return t, m / budget
+
+        best = [[inf] * (n + 1) for _ in range(k)]
+        back = [[0] * (n + 1) for _ in range(k)]
+        for e in range(1, n - k + 2):
+            c = cost(0, 0, e)
+            if c is not None:
+                best[0][e] = c
+        for i in range(1, k):
+            prev, row, brow = best[i - 1], best[i], back[i]
+            for e in range(i + 1, n - (k - 1 - i) + 1):
+                m, arg = inf, 0
+                for s in range(i, e):
+                    if prev[s][0] == inf[0]:
+                        continue
+                    c = cost(i, s, e)
+                    if c is None:
+                        continue
+                    v = (prev[s][0] + c[0], max(prev[s][1], c[1]))
+                    if v < m:
+                        m, arg = v, s
+                row[e], brow[e] = m, arg
+        if best[k - 1][n][0] == inf[0]:
+            return None
+        edges = [n]
+        for i in range(k - 1, 0, -1):
+            edges.append(back[i][edges[-1]])
+        return [0, *reversed(edges)]
+
+
+@dataclass(frozen=True)
+class _Cand:
+    strategy: str
+    units: tuple  # ((node ids, start, end), ...)
+    legacy: Plan | None = None
+
+
+def _partitions(items: Sequence[str], sizes: set[int]):
+    """Every partition of items into blocks whose sizes are in ``sizes`` (blocks keep item order)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], list(items[1:])
+    for r in range(len(rest) + 1):
+        if r + 1 not in sizes:
+            continue
+        for combo in itertools.combinations(rest, r):
+            left = [x for x in rest if x not in combo]
+            for tail in _partitions(left, sizes):
+                yield [(first, *combo), *tail]
+
+
+def _enumerate(cx: _Cx, ranked: list[NodeSpec], allowed: set[str], legacy: Plan | None) -> list[_Cand]:
+    """Every candidate placement, the memory-driven plan first (it wins ties)."""
+    n, N = cx.n, len(ranked)
+    ids = [x.node_id for x in ranked]  # by budget, largest first, then id
+    out: list[_Cand] = []
+    seen: set = set()  # placements (units) listed
+    tried: set = set()  # group sequences split
+
+    def add(groups: Sequence[Sequence[str]], legacy_plan: Plan | None = None) -> None:
+        groups = [tuple(g) for g in groups]
+        key = tuple(groups)
+        if key in tried or not all(cx.group_ok(g) for g in groups):
+            return
+        tried.add(key)
+        edges = cx.split(groups)
+        if edges is None:
+            return
+        units = tuple((g, edges[i], edges[i + 1]) for i, g in enumerate(groups))
+        strategy = _kind(units)
+        if strategy in allowed and units not in seen:
+            seen.add(units)
+            out.append(_Cand(strategy, units))
+
+    if legacy is not None:
+        units = tuple((s.nodes, s.start_layer, s.end_layer) for s in legacy.stages)
+        seen.add(units)
+        out.append(_Cand(legacy.strategy, units, legacy))
+    by_speed = sorted(ids, key=lambda i: (cx.spb(i), -cx.by_id[i].memory_budget, i))
+    if "single" in allowed:
+        for i in ids:
+            add([(i,)])
+    if "pipeline" in allowed and N >= 2 and n >= 2:
+        if N <= EXACT_SUBSET_NODES:
+            subsets = [c for k in range(2, min(N, n) + 1) for c in itertools.combinations(ids, k)]
+        else:
+            subsets = [tuple(base[:k]) for k in range(2, min(N, n) + 1) for base in (ids, by_speed)]
+        split_need = cx.costs.stage(0, n) + cx.costs.tied
+        for subset in subsets:
+            members = [cx.by_id[i] for i in subset]
+            if sum(x.memory_budget for x in members) < split_need:
+                continue
+            orders: list[Sequence[str]] = []
+            if len(subset) <= 3:
+                orders = list(itertools.permutations(subset))
+            else:
+                found = _order(cx.costs, members)
+                if found is not None:
+                    orders.append([x.node_id for x in found])
+                fastest = sorted(subset, key=by_speed.index)
+                orders += [fastest, fastest[::-1]]
+            for order in orders:
+                add([(i,) for i in order])
+    grouped = allowed & {"tensor", "hybrid"}
+    if not grouped or not supports_tensor(cx.p) or N < 2:
+        return out
+    sizes = {g for g in range(2, N + 1) if group_size_problem(cx.p, g) is None}
+    if not sizes:
+        return out
+    if "tensor" in allowed:
+        for g in sorted(sizes):
+            combos = (itertools.combinations(ids, g) if N <= EXACT_SUBSET_NODES
+                      else [tuple(ids[:g]), tuple(sorted(by_speed[:g], key=ids.index))])
+            for combo in combos:
+                add([combo])
+    if "hybrid" in allowed and N >= 3 and n >= 2:
+        if N <= EXACT_GROUP_NODES:
+            for k in range(3, N + 1):
+                for subset in itertools.combinations(ids, k):
+                    for blocks in _partitions(subset, sizes | {1}):
+                        if len(blocks) < 2 or all(len(b) == 1 for b in blocks) or len(blocks) > n:
+                            continue
+                        for order in itertools.permutations(blocks):
+                            add(order)
+        else:  # beyond the exact search: consecutive chunks of g of the nodes by budget and by speed
+            for g in sorted(sizes):
+                if g >= N:
+                    continue
+                for base in (ids, by_speed):
+                    blocks = [tuple(base[i:i + g]) for i in range(0, N - N % g, g)]
+                    blocks += [(x,) for x in base[N - N % g:]]
+                    blocks = [b for blk in blocks for b in ([blk] if cx.group_ok(blk) else [(x,) for x in blk])]
+                    if len(blocks) >= 2 and any(len(b) > 1 for b in blocks):
+                        add(blocks)
+                        add(blocks[::-1])
+    return out
+
+
+def _grouped_problems(cx: _Cx, ranked: list[NodeSpec], strategy: str) -> list[str]:
+    """Why no tensor (or hybrid) plan: one sentence per obstacle."""
+    p, N, n = cx.p, len(ranked), cx.n
+    family = tensor_parallel_problem(p)
+    if family:
+        return [family if strategy == "tensor" else family.replace("tensor:", "hybrid:", 1)]
+    ids = [x.node_id for x in ranked]
+    if strategy == "hybrid":
+        if N < 3:
+            return [f"hybrid: needs at least three nodes (a tensor group and another stage); there are {N}"]
+        if n < 2:
+            return [f"hybrid: needs at least two layers; model {p.name!r} has {n}"]
+        sizes = [g for g in range(2, N) if group_size_problem(p, g) is None]
+        if not sizes:
+            return [f"hybrid: no group size from 2 to {N - 1} is possible: "
+                    + "; ".join(group_size_problem(p, g) or "" for g in range(2, N)).replace("tensor: ", "")]
+        moe = (f" ({p.name!r} is a mixture of experts: its groups need links under {_us(cx.fast_rtt)} RTT)"
+               if cx.moe else "")
+        return [f"hybrid: no pipeline of tensor groups of {', '.join(map(str, sizes))} nodes fits the nodes' "
+                f"memory {_context(cx.ctx)}{moe}"]
+    if N < 2:
+        return [f"tensor: needs at least two nodes; there is only {ids[0]}"]
+    out = []
+    for g in range(2, N + 1):
+        problem = group_size_problem(p, g)
+        if problem:
+            out.append(problem)
+            continue
+        if cx.moe and not any(cx.fast(c) for c in itertools.combinations(ids, g)):
+            out.append(f"tensor over {g} nodes: {p.name!r} is a mixture of experts and no {g} nodes are joined by "
+                       f"links under {_us(cx.fast_rtt)} RTT")
+            continue
+        need, weakest = cx.mem(0, n, g), ranked[g - 1]
+        if need > weakest.memory_budget:
+            out.append(f"tensor over {g} nodes: each member needs {human_bytes(need)} {_context(cx.ctx)}; the "
+                       f"{g} largest budgets include {weakest.node_id} with {human_bytes(weakest.memory_budget)} "
+                       f"(short by {human_bytes(need - weakest.memory_budget)})")
+        else:
+            out.append(f"tensor over {g} nodes: no group of {g} fits")
+    return out
+
+
+def plan(
+    profile: ModelProfile,
+    nodes: Sequence[NodeSpec],
+    *,
+    max_context: int,
+    strategy: str | None = None,
+    preferred: Sequence[str] = (),
+    links: Mapping[tuple[str, str], LinkSpec] | None = None,
+    link_latency_s: float | None = None,
+    fast_rtt_s: float = FAST_RTT_S,
+) -> Plan:
+    """The placement of ``profile`` on ``nodes`` with the least estimated time per token that fits
+    ``max_context`` tokens of KV cache. ``strategy`` forces one of :data:`STRATEGIES`. Ties go to
+    the memory-driven plan (the fewest nodes; ``preferred`` node ids, the current plan's in stage
+    order, win among equally small ones). ``links`` maps (a, b) to a measured :class:`LinkSpec`
+    (either order; a missing pair is assumed :data:`DEFAULT_LINK`); ``link_latency_s`` replaces
+    every link's one-way latency (benchmarks that inject latency per message)."""
+    if strategy is not None and strategy not in STRATEGIES:
+        raise PlanError([f"unknown strategy {strategy!r}; this planner knows {', '.join(STRATEGIES)}"])
+    if not nodes:
+        raise PlanError(["no nodes to place the model on"])
+    ids = [x.node_id for x in nodes]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise PlanError([f"duplicate node ids: {', '.join(dup)}"])
+    bad = sorted(x.node_id for x in nodes if not x.memory_budget > 0)
+    if bad:
+        raise PlanError([f"nodes without a positive memory budget: {', '.join(bad)}"])
+    if profile.num_layers <= 0:
+        raise PlanError([f"model {profile.name!r} has no layers"])
+    if max_context <= 0:
+        raise PlanError([f"max_context must be positive, not {max_context}"])
+
+    cx = _Cx(profile, nodes, max_context, links, link_latency_s, fast_rtt_s)
+    ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
+    pref: dict[str, int] = {}
+    for node_id in preferred:
+        if node_id in ids and node_id not in pref:
+            pref[node_id] = len(pref)
+    allowed = set(STRATEGIES) if strategy is None else {strategy}
+    legacy = None
+    if allowed & {"single", "pipeline"}:
+        legacy = _memory_plan(profile, cx.costs, ranked, ids, max_context, strategy, pref)
+    cands = _enumerate(cx, ranked, allowed, legacy)
+    if not cands:
+        if strategy in ("tensor", "hybrid"):
+            raise PlanError(_grouped_problems(cx, ranked, strategy))
+        reasons = _why_not(profile, cx.costs, ranked, max_context, strategy)
+        if strategy is None and supports_tensor(profile) and any(
+                group_size_problem(profile, g) is None for g in range(2, len(ranked) + 1)):
+            reasons += _grouped_problems(cx, ranked, "tensor")
+        raise PlanError(reasons)
+    estimates = [cx.estimate(c.units) for c in cands]
+    low = min(estimates)
+    pick = next(i for i, t in enumerate(estimates) if t <= low * (1 + _TIE))
+    chosen, est = cands[pick], estimates[pick]
+    alternatives = _alternatives(cx, ranked, cands, estimates, pick, allowed)
+    reason = _why_chosen(cx, chosen, est, alternatives)
+    if chosen.legacy is not None:
+        return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives)
+    stages = tuple(Stage(s, e, ids_, cx.mem(s, e, len(ids_))) for ids_, s, e in chosen.units)
+    return Plan(model=profile.name, strategy=chosen.strategy, stages=stages, reason=reason,
+                max_context=max_context, estimate_s=est, alternatives=alternatives)
+
+
+def _alternatives(cx: _Cx, ranked, cands: list[_Cand], estimates: list[float], pick: int,
+                  allowed: set[str]) -> tuple[dict, ...]:
+    """The best plan of every other strategy (or why it has none), and the runner-up of the chosen one."""
+    chosen, est = cands[pick], estimates[pick]
+    out = []
+    for strategy in STRATEGIES:
+        idx = [i for i, c in enumerate(cands) if c.strategy == strategy and i != pick]
+        if idx:
+            i = min(idx, key=lambda j: (estimates[j], j))
+            units, t = cands[i].units, estimates[i]
+            memory = {node: cx.mem(s, e, len(ids_)) for ids_, s, e in units for node in ids_}
+            why = (f"slower: {_tps(t)} vs {_tps(est)}" if t > est * (1 + _TIE)
+                   else "as fast by the estimate; the chosen one came first (fewer nodes, current plan, budgets)")
+            out.append({"strategy": strategy, "stages": _summary(units), "estimate_s": t,
+                        "tokens_per_s": 1.0 / t if t > 0 else 0.0, "memory": memory, "feasible": True,
+                        "why": why})
+        elif strategy != chosen.strategy:
+            if strategy not in allowed:
+                why = "not considered: another strategy was forced"
+            elif strategy == "single":
+                why = _why_not(cx.p, cx.costs, ranked, cx.ctx, "single")[0]
+            elif strategy == "pipeline":
+                why = "; ".join(_why_not(cx.p, cx.costs, ranked, cx.ctx, "pipeline"))
+            else:
+                why = "; ".join(_grouped_problems(cx, ranked, strategy))
+            out.append({"strategy": strategy, "stages": "", "estimate_s": None, "tokens_per_s": None,
+                        "memory": {}, "feasible": False, "why": why})
+    return tuple(out)
+
+
+def _why_chosen(cx: _Cx, chosen: _Cand, est: float, alternatives: tuple[dict, ...]) -> str:
+    rivals = [f"{a['strategy']} {_tps(a['estimate_s'])}" for a in alternatives
+              if a["feasible"] and a["strategy"] != chosen.strategy]
+    versus = f" vs {', '.join(rivals)}" if rivals else ""
+    notes = []
+    grouped = [ids for ids, _, _ in chosen.units if len(ids) > 1]
+    for ids in grouped:
+        one_way, bw = cx.worst(ids)
+        notes.append(f"group {'+'.join(ids)} link {_us(2 * one_way)} RTT, {bw / 1e6:.0f} MB/s")
+    unknown = cx.unknown_links(chosen.units)
+    if unknown and cx.lat is None:
+        notes.append(f"unmeasured link{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} assumed "
+                     f"{_us(DEFAULT_LINK.rtt_s)} RTT, {DEFAULT_LINK.bandwidth_Bps / 1e6:.0f} MB/s")
+    if cx.lat is not None:
+        notes.append(f"link latency set to {_us(cx.lat)} one way")
+    tail = "".join(f"; {x}" for x in notes)
+    if chosen.legacy is not None:
+        return f"{chosen.legacy.reason}; est. {_tps(est)}{versus}{tail}"
+    return f"{chosen.strategy} over {_summary(chosen.units)}: {_tps(est)} est.{versus}{tail}"
+
+
+def crossover_latency(
+    profile: ModelProfile,
+    nodes: Sequence[NodeSpec],
+    *,
+    max_context: int,
+    links: Mapping[tuple[str, str], LinkSpec] | None = None,
+    fast_rtt_s: float = FAST_RTT_S,
+) -> float:
+    """The one-way per-message latency (every link's, as ``plan(link_latency_s=...)`` sets it) at
+    which plans with tensor groups (tensor, hybrid) stop beating those without (single, pipeline):
+    below it :func:`plan` picks a grouped plan, above it not. 0.0 when grouped plans never win (or
+    none fits); ``inf`` when nothing else fits. Every estimate is linear in that latency, so this is
+    where the lower envelopes of the two families of lines meet."""
+    plain = _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, {"single", "pipeline"})
+    grouped = _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, {"tensor", "hybrid"})
+    if not grouped:
+        return 0.0
+    if not plain:
+        return fast_rtt_s / 2 if profile.num_experts else float("inf")
+
+    def envelope(lines, lam):
+        return min(a + b * lam for a, b in lines)
+
+    if envelope(grouped, 0.0) >= envelope(plain, 0.0):
+        return 0.0
+    points = sorted({(ao - at) / (bt - bo) for at, bt in grouped for ao, bo in plain
+                     if bt != bo and (ao - at) / (bt - bo) > 0})
+    cross = next((lam for lam in points
+                  if envelope(grouped, lam) >= envelope(plain, lam) - 1e-12 * max(1.0, envelope(plain, lam))),
+                 float("inf"))
+    return min(cross, fast_rtt_s / 2) if profile.num_experts else cross
+
+
+def _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, allowed) -> list[tuple[float, float]]:
+    """(a, b) of estimate = a + b * one-way latency for every candidate of these strategies."""
+    at0 = _Cx(profile, nodes, max_context, links, 0.0, fast_rtt_s)  # all links fast: MoE groups allowed
+    at1 = _Cx(profile, nodes, max_context, links, 1.0, fast_rtt_s)
+    ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
+    ids = [x.node_id for x in nodes]
+    legacy = None
+    if allowed & {"single", "pipeline"}:
+        legacy = _memory_plan(profile, at0.costs, ranked, ids, max_context, None, {})
+    out = []
+    for c in _enumerate(at0, ranked, allowed, legacy):
+        if c.strategy in allowed:
+            a = at0.estimate(c.units)
+            out.append((a, at1.estimate(c.units) - a))
+    return out
