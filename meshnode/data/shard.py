@@ -141,6 +141,33 @@ def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, grou
         full[start:end] = kept
 
 
+# --- Folders holding only some layers' tensors (written by meshnode.data.transfer) -------------
+
+
+def _is_partial(model_path: Path) -> bool:
+    from meshnode.data.manifest import PARTIAL_MARKER
+
+    return (model_path / PARTIAL_MARKER).is_file()
+
+
+def _check_partial(model: nn.Module, model_path: Path, start: int, end: int) -> None:
+    """A partial folder loads with strict=False (the other layers' tensors are absent); every
+    parameter the shard keeps must then have come from the files, never from random init."""
+    weights: dict[str, Any] = {}
+    for wf in sorted(model_path.glob("model*.safetensors")):
+        weights.update(mx.load(str(wf)))  # lazy: headers only
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    missing = sorted(k for k, _ in tree_flatten(model.parameters()) if k not in weights)
+    if missing:
+        shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(f"{model_path} holds only some layers and lacks {len(missing)} tensor(s) that layers "
+                         f"[{start}, {end}) need: {shown}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
 def _cache_kind(c: Any) -> tuple:
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
 
@@ -170,7 +197,8 @@ class Shard:
     def __init__(self, model_path: str | Path, start: int, end: int, group: "mx.distributed.Group | None" = None,
                  progress: Callable[[int, int], None] | None = None):
         model_path = Path(model_path)
-        model, config = load_model(model_path, lazy=True, strict=True)
+        partial = _is_partial(model_path)
+        model, config = load_model(model_path, lazy=True, strict=not partial)
         inner = _inner(model)
         layers = inner.layers  # the list itself: model.layers may be a copy (pipeline_layers)
         num_layers = len(layers)
@@ -215,6 +243,8 @@ class Shard:
             inner.norm = _Absent()
             if hasattr(model, "lm_head"):
                 model.lm_head = _Absent()
+        if partial:
+            _check_partial(model, model_path, start, end)
         if group is not None and group.size() > 1:
             _shard_layers(model, inner, start, end, group)
         self.group_size = group.size() if group is not None else 1

@@ -1,0 +1,310 @@
+"""A model's content identity: every file and every tensor with its sha256.
+
+Nodes fetch exactly the tensors of their layers from peers (see :mod:`meshnode.data.transfer`).
+For that a model is named by its id plus a digest over its files' digests, and each tensor of
+each safetensors file is listed with its absolute byte range and the sha256 of its bytes, so a
+receiver can verify every tensor it gets on its own, without the rest of the file.
+
+Hashing a multi-GB model takes a while, so the manifest is cached next to the weights in
+``<model_dir>/.meshnode-manifest.json``, keyed by the files' sizes and mtimes; it is computed
+once per content. A folder written by a transfer (only some layers) carries the original
+model's manifest in its ``meshnode-partial.json`` marker instead.
+
+Layer classification reuses :mod:`meshnode.data.profile`'s regexes so that the planner's byte
+counts and the transfer's tensor choice can never disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from google.protobuf import json_format
+
+from meshnode.data.profile import (DTYPE_BYTES, _EMBED, _HEAD, _LAYER, _SKIP, _first, _text_config,
+                                   read_safetensors_header, weight_files)
+from meshnode.proto import mesh_pb2
+
+__all__ = ["CACHE_NAME", "PARTIAL_MARKER", "INDEX_NAME", "build_manifest", "tensors_for_layers", "layers_held",
+           "validate_manifest", "model_digest", "safe_relpath", "is_weight_file", "num_layers_of",
+           "manifest_to_dict", "manifest_from_dict", "read_marker"]
+
+CACHE_NAME = ".meshnode-manifest.json"
+PARTIAL_MARKER = "meshnode-partial.json"
+INDEX_NAME = "model.safetensors.index.json"
+_CACHE_VERSION = 1
+_READ = 1 << 20
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+# Weight formats never copied as "small files" (mlx-lm loads only model*.safetensors; the others
+# are duplicates some repositories ship, and the index is rewritten for the tensors held).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".ckpt", ".h5", ".msgpack",
+                    ".pkl", ".onnx", ".ot")
+MAX_FILES = 100_000
+MAX_TENSORS = 1_000_000
+MAX_SIZE = 1 << 50
+
+
+def is_weight_file(path: str) -> bool:
+    """Weights (or the weights' index): everything else is a small file a stage copies whole."""
+    name = PurePosixPath(path).name
+    return name.endswith(_WEIGHT_SUFFIXES) or name == INDEX_NAME
+
+
+def safe_relpath(path: str) -> str | None:
+    """``path`` if it is a plain relative "/"-separated path inside a folder, else None."""
+    if not isinstance(path, str) or not path or len(path) > 1024 or "\\" in path or "\x00" in path:
+        return None
+    if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
+        return None
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return None
+    return path
+
+
+def model_digest(files: list[tuple[str, str]]) -> str:
+    """sha256 over the sorted (path, file sha256) pairs: the model's content identity."""
+    h = hashlib.sha256()
+    for path, sha in sorted(files):
+        h.update(f"{len(path)}:{path}:{sha}\n".encode())
+    return h.hexdigest()
+
+
+def _list_files(model_dir: Path) -> list[str]:
+    out = []
+    for root, dirs, files in os.walk(model_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for f in files:
+            if f.startswith(".") or f == PARTIAL_MARKER:
+                continue
+            p = Path(root) / f
+            if p.is_file():  # follows symlinks (huggingface snapshots link to blobs)
+                out.append(p.relative_to(model_dir).as_posix())
+    return sorted(out)
+
+
+def _hash_file(path: Path, rel: str) -> mesh_pb2.FileEntry:
+    """One pass over the file: the file's sha256 and, for safetensors, each tensor's."""
+    size = path.stat().st_size
+    entry = mesh_pb2.FileEntry(path=rel, size=size)
+    spans: list[tuple[int, int, Any, mesh_pb2.TensorEntry]] = []
+    if rel.endswith(".safetensors"):
+        header = read_safetensors_header(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+        entry.header_length = 8 + n
+        for name, info in header.items():
+            s, e = (int(x) for x in info["data_offsets"])
+            t = mesh_pb2.TensorEntry(name=name, dtype=str(info["dtype"]), shape=[int(d) for d in info["shape"]],
+                                     offset=entry.header_length + s, length=e - s)
+            if e < s or t.offset + t.length > size:
+                raise ValueError(f"{path}: tensor {name} lies outside the file")
+            spans.append((t.offset, t.offset + t.length, hashlib.sha256(), t))
+        spans.sort(key=lambda x: x[0])
+        for a, b in zip(spans, spans[1:]):
+            if b[0] < a[1]:
+                raise ValueError(f"{path}: tensors {a[3].name} and {b[3].name} overlap")
+    whole = hashlib.sha256()
+    pos = 0
+    k = 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(_READ)
+            if not data:
+                break
+            whole.update(data)
+            end = pos + len(data)
+            while k < len(spans) and spans[k][1] <= pos:
+                k += 1
+            j = k
+            while j < len(spans) and spans[j][0] < end:
+                s, e, h, _ = spans[j]
+                h.update(data[max(s, pos) - pos: min(e, end) - pos])
+                j += 1
+            pos = end
+    if pos != size:
+        raise ValueError(f"{path}: changed while it was read")
+    entry.sha256 = whole.hexdigest()
+    for _, _, h, t in spans:
+        t.sha256 = h.hexdigest()
+        entry.tensors.append(t)
+    return entry
+
+
+def manifest_to_dict(m: mesh_pb2.ModelManifest) -> dict[str, Any]:
+    return json_format.MessageToDict(m, preserving_proto_field_name=True)
+
+
+def manifest_from_dict(d: dict[str, Any]) -> mesh_pb2.ModelManifest:
+    return json_format.ParseDict(d, mesh_pb2.ModelManifest())
+
+
+def _cache_key(model_dir: Path, rels: list[str]) -> list:
+    key = []
+    for rel in rels:
+        st = (model_dir / rel).stat()
+        key.append([rel, st.st_size, st.st_mtime_ns])
+    return key
+
+
+def build_manifest(model_dir: Path | str, model_id: str) -> mesh_pb2.ModelManifest:
+    """Every file of a (complete) model folder with sizes and digests, every tensor of its
+    safetensors files, and the model digest. Cached in ``<model_dir>/.meshnode-manifest.json``."""
+    model_dir = Path(model_dir)
+    rels = _list_files(model_dir)
+    key = _cache_key(model_dir, rels)
+    cache = model_dir / CACHE_NAME
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("version") == _CACHE_VERSION and cached.get("key") == key:
+            m = manifest_from_dict(cached["manifest"])
+            m.model_id = model_id
+            return m
+    except (OSError, ValueError, KeyError, json_format.ParseError):
+        pass
+    m = mesh_pb2.ModelManifest(model_id=model_id)
+    for rel in rels:
+        m.files.append(_hash_file(model_dir / rel, rel))
+    m.digest = model_digest([(f.path, f.sha256) for f in m.files])
+    if _cache_key(model_dir, rels) == key:  # unchanged while hashing
+        tmp = cache.with_name(f"{CACHE_NAME}.{os.getpid()}.tmp")
+        try:
+            body = {"version": _CACHE_VERSION, "key": key, "manifest": manifest_to_dict(m)}
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, cache)
+        except OSError:  # a read-only model folder: recompute next time
+            tmp.unlink(missing_ok=True)
+    return m
+
+
+def _loaded_weights(path: str) -> bool:
+    """The files mlx-lm loads (profile.weight_files): top-level ``model*.safetensors``."""
+    return "/" not in path and path.startswith("model") and path.endswith(".safetensors")
+
+
+def _kind(name: str, num_layers: int) -> tuple[str, int]:
+    """("layer", i) | ("embed", -1) | ("head", -1) | ("other", -1) | ("skip", -1), as profile.py counts."""
+    if _SKIP.search(name):
+        return "skip", -1
+    m = _LAYER.search(name)
+    if m:
+        i = int(m.group(1))
+        return ("layer", i) if i < num_layers else ("skip", -1)
+    if _EMBED.search(name):
+        return "embed", -1
+    if _HEAD.search(name):
+        return "head", -1
+    return "other", -1
+
+
+def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, num_layers: int,
+                       tied: bool | None = None) -> list[tuple[str, mesh_pb2.TensorEntry]]:
+    """(file path, tensor) of exactly the tensors a stage holding layers [start, end) needs: its
+    layers, the embedding on the first stage, final norm + head on the last, and the embedding on
+    the last when the head is tied (``tied=None``: tied when the model has no head tensor)."""
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"bad layer range [{start}, {end}) for {num_layers} layers")
+    weights = [(f.path, t) for f in manifest.files if _loaded_weights(f.path) for t in f.tensors]
+    kinds = [(_kind(t.name, num_layers), p, t) for p, t in weights]
+    if tied is None:
+        tied = not any(k == "head" for (k, _), _, _ in kinds)
+    first, last = start == 0, end == num_layers
+    out = []
+    for (kind, i), path, t in kinds:
+        if (kind == "layer" and start <= i < end) or (kind == "embed" and (first or (last and tied))) \
+                or (kind in ("head", "other") and last):
+            out.append((path, t))
+    return out
+
+
+def num_layers_of(config: dict[str, Any]) -> int:
+    """The number of transformer blocks a config.json declares."""
+    n = _first(_text_config(config), "num_hidden_layers", "n_layer", "num_layers")
+    if not isinstance(n, int) or not 0 < n < 100_000:
+        raise ValueError(f"config.json declares no plausible layer count ({n!r})")
+    return n
+
+
+def read_marker(model_dir: Path | str) -> dict[str, Any] | None:
+    """The ``meshnode-partial.json`` a transfer leaves in a folder holding some layers, or None."""
+    p = Path(model_dir) / PARTIAL_MARKER
+    if not p.is_file():
+        return None
+    d = json.loads(p.read_text())
+    if not isinstance(d, dict) or not isinstance(d.get("start"), int) or not isinstance(d.get("end"), int):
+        raise ValueError(f"{p}: malformed partial-model marker")
+    return d
+
+
+def _ranges(indices: set[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def layers_held(model_dir: Path | str) -> list[tuple[int, int]]:
+    """The [start, end) layer ranges whose tensors a local folder holds: the marker's range for a
+    folder written by a transfer, else the layers found in its safetensors headers."""
+    model_dir = Path(model_dir)
+    marker = read_marker(model_dir)
+    if marker is not None:
+        return [(marker["start"], marker["end"])]
+    n = num_layers_of(json.loads((model_dir / "config.json").read_text()))
+    found = set()
+    for f in weight_files(model_dir):
+        for name in read_safetensors_header(f):
+            kind, i = _kind(name, n)
+            if kind == "layer":
+                found.add(i)
+    return _ranges(found)
+
+
+def validate_manifest(m: mesh_pb2.ModelManifest, model_id: str) -> None:
+    """Check everything a peer's manifest says before anything is fetched by it: names, paths,
+    sizes, byte ranges inside their files and disjoint, dtype x shape = length, digests well formed
+    and the model digest equal to the digest of the files. Raises ValueError."""
+    if m.model_id != model_id:
+        raise ValueError(f"manifest names model {m.model_id!r}, asked for {model_id!r}")
+    if not _HEX.match(m.digest):
+        raise ValueError("manifest digest is not a sha256 hex digest")
+    if not 0 < len(m.files) <= MAX_FILES:
+        raise ValueError(f"manifest lists {len(m.files)} files")
+    paths, names, count = set(), set(), 0
+    for f in m.files:
+        if safe_relpath(f.path) is None or f.path in paths:
+            raise ValueError(f"manifest path {f.path!r} is unsafe or repeated")
+        paths.add(f.path)
+        if f.size > MAX_SIZE or not _HEX.match(f.sha256):
+            raise ValueError(f"{f.path}: bad size or digest")
+        if f.tensors and not 8 < f.header_length <= f.size:
+            raise ValueError(f"{f.path}: bad header length {f.header_length}")
+        spans = []
+        for t in f.tensors:
+            count += 1
+            if count > MAX_TENSORS:
+                raise ValueError("manifest lists too many tensors")
+            if not t.name or len(t.name) > 1024 or t.name in names or t.name.startswith("__"):
+                raise ValueError(f"{f.path}: tensor name {t.name[:80]!r} is empty, too long or repeated")
+            names.add(t.name)
+            item = DTYPE_BYTES.get(t.dtype)
+            if item is None or len(t.shape) > 16 or not _HEX.match(t.sha256):
+                raise ValueError(f"{f.path}: tensor {t.name}: bad dtype, shape or digest")
+            n = item
+            for d in t.shape:
+                n *= d
+            if n != t.length or t.offset < f.header_length or t.offset + t.length > f.size:
+                raise ValueError(f"{f.path}: tensor {t.name}: byte range disagrees with dtype, shape or file")
+            spans.append((t.offset, t.offset + t.length))
+        spans.sort()
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            raise ValueError(f"{f.path}: tensors overlap")
+    if model_digest([(f.path, f.sha256) for f in m.files]) != m.digest:
+        raise ValueError("manifest digest does not match its files")

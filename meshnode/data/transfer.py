@@ -1,0 +1,715 @@
+"""Models from peers: serve a held model's bytes, and fetch exactly the tensors of some layers.
+
+Server side, :class:`ModelStore` answers the ``Manifest`` and ``Fetch`` rpcs for the models this
+node holds, complete or in part. Fetch streams one byte range of one file that the manifest
+lists, in chunks; gRPC's streaming flow control keeps a slow receiver from making the sender
+buffer. Nothing outside the listed files is ever opened.
+
+Client side, :func:`fetch_layers` asks every peer for its manifest, keeps those that agree on the
+model digest, and downloads the needed tensors (one work item per tensor) and the small files
+(config, tokenizer, chat template, ...) from all peers that hold them at once. Each item is
+verified against its sha256; a corrupted, truncated or failed stream marks that peer bad for the
+item and the item goes back to the queue for another peer.
+
+Crash safety and resume: everything is written into ``<dest>.partial/``: the output safetensors
+files are laid out up front (their header is known from the manifest) and each tensor is written
+at its place; a journal records each verified item. A new call with the same plan re-verifies the
+journaled items on disk and fetches only the rest. The folder becomes ``<dest>`` by one rename
+once every item is verified, so an incomplete folder never looks complete. The result is an
+mlx-lm model folder holding only the stage's tensors plus ``meshnode-partial.json`` (the layer
+range and the original manifest), which :class:`meshnode.data.shard.Shard` loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from meshnode.data.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, is_weight_file, layers_held,
+                                    manifest_from_dict, manifest_to_dict, num_layers_of, read_marker,
+                                    safe_relpath, tensors_for_layers, validate_manifest)
+from meshnode.data.profile import read_safetensors_header, weight_files
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+
+__all__ = ["ModelStore", "fetch_layers", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+_JOURNAL = ".meshnode-journal"
+_PLAN = ".meshnode-plan.json"
+_MAX_SMALL = 256 << 20  # a "small file" bigger than this is not a config or tokenizer
+_OUT_FILE_BYTES = 4 << 30
+
+
+# ----------------------------------------------------------------------------------------------
+# Server side
+
+
+@dataclass
+class _Held:
+    """One local model folder served to peers."""
+
+    path: Path
+    manifest: mesh_pb2.ModelManifest  # what Manifest answers
+    files: dict[str, mesh_pb2.FileEntry]  # every file of the model, by path
+    # Partial folders: per original path, sorted (offset, length, local file, local offset).
+    spans: dict[str, list[tuple[int, int, Path, int]]] | None = None
+
+    def locate(self, rel: str, offset: int, length: int) -> tuple[Path, int, int] | None:
+        """(local file, local offset, expected local file size or -1) of a byte range, or None."""
+        entry = self.files[rel]
+        if self.spans is None:
+            return self.path / rel, offset, entry.size
+        if not is_weight_file(rel):
+            local = self.path / rel
+            return (local, offset, entry.size) if local.is_file() else None
+        for start, n, local, local_off in self.spans.get(rel, ()):
+            if start <= offset and offset + length <= start + n:
+                return local, local_off + offset - start, -1
+        return None
+
+
+class ModelStore:
+    """The models this node can serve, answering ``Manifest`` and ``Fetch``.
+
+    ``local_models`` maps model ids to complete model folders; ``cache_root`` holds folders
+    written by :func:`fetch_layers` (found by their ``meshnode-partial.json``) and complete ones
+    (named by their folder). Manifests are hashed once, in a thread, on first request.
+    A grpc.aio servicer delegates its ``Manifest``/``Fetch`` methods here.
+    """
+
+    def __init__(self, cache_root: Path | str | None = None, local_models: Mapping[str, Path | str] | None = None,
+                 *, chunk_size: int = CHUNK):
+        self.cache_root = Path(cache_root) if cache_root else None
+        self.chunk_size = int(chunk_size)
+        self._paths: dict[str, Path] = {k: Path(v) for k, v in (local_models or {}).items()}
+        self._held: dict[str, _Held] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def add(self, model_id: str, path: Path | str) -> None:
+        """Serve ``path`` as ``model_id`` (e.g. after a fetch finished)."""
+        self._paths[model_id] = Path(path)
+        self._held.pop(model_id, None)
+
+    def _scan(self) -> None:
+        if self.cache_root is None or not self.cache_root.is_dir():
+            return
+        for d in sorted(self.cache_root.iterdir()):
+            if d.name.startswith(".") or d.name.endswith(".partial") or not d.is_dir():
+                continue
+            try:
+                marker = read_marker(d)
+            except (OSError, ValueError):
+                continue
+            if marker is not None and isinstance(marker.get("model_id"), str):
+                self._paths.setdefault(marker["model_id"], d)
+            elif (d / "config.json").is_file():
+                self._paths.setdefault(d.name, d)
+
+    def model_ids(self) -> list[str]:
+        """The ids of every model held, in full or in part (what a node announces)."""
+        self._scan()
+        return sorted(self._paths)
+
+    async def held(self, model_id: str) -> _Held | None:
+        if model_id not in self._paths:
+            self._scan()
+        path = self._paths.get(model_id)
+        if path is None:
+            return None
+        lock = self._locks.setdefault(model_id, asyncio.Lock())
+        async with lock:
+            if model_id not in self._held:
+                self._held[model_id] = await asyncio.to_thread(self._load, model_id, path)
+            return self._held[model_id]
+
+    @staticmethod
+    def _load(model_id: str, path: Path) -> _Held:
+        marker = read_marker(path)
+        if marker is None:
+            m = build_manifest(path, model_id)
+            m.layers_held.extend(f"{a}-{b}" for a, b in layers_held(path))
+            m.complete = True
+            return _Held(path, m, {f.path: f for f in m.files})
+        original = manifest_from_dict(marker["manifest"])
+        files = {f.path: f for f in original.files}
+        local: dict[str, tuple[Path, int]] = {}  # tensor name -> (local file, local offset)
+        for wf in weight_files(path):
+            with open(wf, "rb") as f:
+                header_len = 8 + int.from_bytes(f.read(8), "little")
+            for name, info in read_safetensors_header(wf).items():
+                local[name] = (wf, header_len + int(info["data_offsets"][0]))
+        m = mesh_pb2.ModelManifest(model_id=model_id, digest=original.digest, complete=False)
+        spans: dict[str, list[tuple[int, int, Path, int]]] = {}
+        for f in original.files:
+            entry = m.files.add()
+            entry.CopyFrom(f)
+            del entry.tensors[:]
+            for t in f.tensors:
+                if t.name in local:
+                    entry.tensors.append(t)
+                    spans.setdefault(f.path, []).append((t.offset, t.length, *local[t.name]))
+        m.layers_held.extend(f"{a}-{b}" for a, b in layers_held(path))
+        return _Held(path, m, files, spans)
+
+    async def Manifest(self, request: mesh_pb2.ManifestRequest, context) -> mesh_pb2.ModelManifest:
+        held = await self.held(request.model_id)
+        if held is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
+        return held.manifest
+
+    async def Fetch(self, request: mesh_pb2.FetchRequest, context):
+        """Stream bytes [offset, offset + length) of one listed file (length 0: to its end)."""
+        held = await self.held(request.model_id)
+        if held is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
+        rel = safe_relpath(request.path)
+        if rel is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused path {request.path[:200]!r}")
+        entry = held.files.get(rel)
+        if entry is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{rel!r} is not a file of model {request.model_id!r}")
+        offset = request.offset
+        length = request.length or max(entry.size - offset, 0)
+        if offset > entry.size or offset + length > entry.size:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"{rel}: bytes [{offset}, {offset + length}) outside its {entry.size} bytes")
+        where = held.locate(rel, offset, length)
+        if where is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"{rel}: bytes [{offset}, {offset + length}) not held here")
+        local, local_off, expect = where
+        try:
+            f = open(local, "rb")
+        except OSError as e:
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"{rel}: cannot open: {e.strerror}")
+        with f:
+            if expect >= 0 and os.fstat(f.fileno()).st_size != expect:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rel} changed since its manifest")
+            f.seek(local_off)
+            done = 0
+            while done < length:
+                data = await asyncio.to_thread(f.read, min(self.chunk_size, length - done))
+                if not data:
+                    await context.abort(grpc.StatusCode.DATA_LOSS, f"{rel}: file ends before its manifest says")
+                yield mesh_pb2.Chunk(offset=offset + done, data=data)
+                done += len(data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Client side
+
+
+class FetchError(RuntimeError):
+    """A model's layers could not be fetched (no peer holds them, all failed, ...)."""
+
+
+class DiskSpaceError(FetchError):
+    """Not enough free disk space for a transfer; raised before anything is downloaded."""
+
+
+@dataclass
+class FetchResult:
+    path: Path  # the finished model folder
+    total_bytes: int  # bytes of the stage's tensors and small files
+    fetched_bytes: int  # bytes received from peers by this call (discarded ones included)
+    reused_bytes: int  # verified bytes an earlier, interrupted call had already written
+    by_peer: dict[str, int] = field(default_factory=dict)  # verified bytes per peer
+    refetched: int = 0  # items fetched again after a bad or failed stream
+
+
+@dataclass
+class _Item:
+    key: str  # tensor name, or "file:<path>"
+    path: str  # the file of the original model
+    offset: int
+    length: int
+    sha256: str
+    out: str  # file in the partial folder
+    out_offset: int
+    peers: list[str]  # who may supply it
+    bad: set[str] = field(default_factory=set)
+
+
+class _Failed(Exception):
+    def __init__(self, reason: str, peer_dead: bool = False):
+        super().__init__(reason)
+        self.peer_dead = peer_dead
+
+
+def tty_progress(label: str = "fetch") -> Callable[[int, int], None] | None:
+    """A progress callback drawing a bar on stderr when it is a terminal (else None)."""
+    if not sys.stderr.isatty():
+        return None
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 0.2:
+            return
+        last[0] = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{label} [{bar:<30}] {frac:6.1%} {done / 2**20:,.1f}/{total / 2**20:,.1f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+async def _manifests(peers, model_id: str, timeout: float, metadata) -> list[tuple[str, mesh_pb2.ModelManifest]]:
+    async def one(name, channel):
+        try:
+            m = await mesh_pb2_grpc.MeshStub(channel).Manifest(mesh_pb2.ManifestRequest(model_id=model_id),
+                                                               timeout=timeout, metadata=metadata)
+            validate_manifest(m, model_id)
+            return name, m
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("peer %s: no manifest of %s: %s %s", name, model_id, e.code().name, e.details())
+        except ValueError as e:
+            log.warning("peer %s: invalid manifest of %s: %s", name, model_id, e)
+        return None
+
+    got = await asyncio.gather(*(one(n, c) for n, c in peers))
+    return [g for g in got if g is not None]
+
+
+def _choose(manifests: list[tuple[str, mesh_pb2.ModelManifest]], model_id: str) -> mesh_pb2.ModelManifest:
+    """The reference manifest: the digest held in full by the most peers (else by the most peers)."""
+    if not manifests:
+        raise FetchError(f"no peer holds model {model_id!r}")
+    score: dict[str, tuple[int, int]] = {}
+    for _, m in manifests:
+        c, n = score.get(m.digest, (0, 0))
+        score[m.digest] = (c + int(m.complete), n + 1)
+    digest = max(score, key=lambda d: score[d])
+    if len(score) > 1:
+        log.warning("peers disagree on the content of %s; using digest %s…", model_id, digest[:12])
+    full = [m for _, m in manifests if m.digest == digest and m.complete]
+    if full:
+        return full[0]
+    # Only partial holders: the union of the tensors they list (a tensor nobody lists is then
+    # missing from the stage, which Shard's check of a partial folder reports by name).
+    merged = mesh_pb2.ModelManifest()
+    merged.CopyFrom(next(m for _, m in manifests if m.digest == digest))
+    seen = {t.name for f in merged.files for t in f.tensors}
+    files = {f.path: f for f in merged.files}
+    for _, m in manifests:
+        if m.digest != digest:
+            continue
+        for f in m.files:
+            for t in f.tensors:
+                if t.name not in seen and f.path in files:
+                    seen.add(t.name)
+                    files[f.path].tensors.append(t)
+    validate_manifest(merged, model_id)
+    return merged
+
+
+def _tensor_key(path: str, t: mesh_pb2.TensorEntry) -> str:
+    """Peers hold "the same tensor" only if every field of its entry (range, digest, ...) agrees."""
+    return f"{path}\0{t.SerializeToString(deterministic=True).hex()}"
+
+
+def _held_layers(m: mesh_pb2.ModelManifest) -> set[int]:
+    """The layer indices a manifest's ``layers_held`` ("start-end") names; malformed entries count for nothing."""
+    out: set[int] = set()
+    for r in m.layers_held[:10_000]:
+        a, _, b = r.partition("-")
+        if a.isdigit() and b.isdigit() and int(a) < int(b) <= 1_000_000:
+            out.update(range(int(a), int(b)))
+    return out
+
+
+def _layout(tensors: list[tuple[str, mesh_pb2.TensorEntry]], max_bytes: int) -> dict[str, dict]:
+    """Output safetensors files: name -> {"header": bytes-as-str, "tensors": [(tensor, out offset)]}."""
+    groups: list[list[mesh_pb2.TensorEntry]] = []
+    size = 0
+    for _, t in tensors:
+        if not groups or (size + t.length > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.length
+    out = {}
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
+        header: dict = {"__metadata__": {"format": "mlx"}}
+        pos = 0
+        for t in group:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.length]}
+            pos += t.length
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        base = 8 + len(raw)
+        out[name] = {"header": raw.decode(), "size": base + pos,
+                     "tensors": [(t.name, base + header[t.name]["data_offsets"][0]) for t in group]}
+    return out
+
+
+def _free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _hash_range(path: Path, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            data = f.read(min(CHUNK, left))
+            if not data:
+                return ""
+            h.update(data)
+            left -= len(data)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _Transfer:
+    """One fetch: the work queue, the per-peer workers and the journal."""
+
+    def __init__(self, peers: dict[str, grpc.aio.Channel], model_id: str, partial: Path, items: list[_Item],
+                 total: int, done_bytes: int, on_progress, streams_per_peer: int, chunk_timeout: float,
+                 max_peer_failures: int, metadata):
+        self.peers = peers
+        self.model_id = model_id
+        self.partial = partial
+        self.pending = list(items)
+        self.inflight = 0
+        self.dead: set[str] = set()
+        self.failures: dict[str, int] = {}
+        self.cond = asyncio.Condition()
+        self.total = total
+        self.done = done_bytes
+        self.fetched = 0
+        self.by_peer: dict[str, int] = {}
+        self.refetched = 0
+        self.on_progress = on_progress
+        self.streams = streams_per_peer
+        self.chunk_timeout = chunk_timeout
+        self.max_failures = max_peer_failures
+        self.metadata = metadata
+        self.journal = open(partial / _JOURNAL, "a")
+
+    def _eligible(self, peer: str, item: _Item) -> bool:
+        return peer in item.peers and peer not in item.bad
+
+    async def _worker(self, peer: str) -> None:
+        stub = mesh_pb2_grpc.MeshStub(self.peers[peer])
+        while True:
+            async with self.cond:
+                while True:
+                    if peer in self.dead:
+                        return
+                    item = next((it for it in self.pending if self._eligible(peer, it)), None)
+                    if item is not None:
+                        self.pending.remove(item)
+                        self.inflight += 1
+                        break
+                    if self.inflight == 0:
+                        return  # nothing left this peer could ever take
+                    await self.cond.wait()
+            ok = False
+            try:
+                await self._fetch(stub, peer, item)
+                ok = True
+            except _Failed as e:
+                what = "tensor" if not item.key.startswith("file:") else "file"
+                log.warning("peer %s: %s %s of %s: %s; refetching elsewhere", peer, what,
+                            item.key.removeprefix("file:"), self.model_id, e)
+                item.bad.add(peer)
+                self.failures[peer] = self.failures.get(peer, 0) + 1
+                if e.peer_dead or self.failures[peer] >= self.max_failures:
+                    log.warning("peer %s: dropped from this transfer", peer)
+                    self.dead.add(peer)
+            finally:
+                async with self.cond:
+                    self.inflight -= 1
+                    if not ok:
+                        self.refetched += 1
+                        self.pending.append(item)
+                    self.cond.notify_all()
+
+    async def _fetch(self, stub, peer: str, item: _Item) -> None:
+        req = mesh_pb2.FetchRequest(model_id=self.model_id, path=item.path, offset=item.offset, length=item.length)
+        call = stub.Fetch(req, metadata=self.metadata)
+        h = hashlib.sha256()
+        got = 0
+        out = self.partial / item.out
+        mode = "wb" if item.key.startswith("file:") else "r+b"
+        if mode == "wb":
+            out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(out, mode) as f:
+                f.seek(item.out_offset)
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(call.read(), self.chunk_timeout)
+                    except asyncio.TimeoutError:
+                        raise _Failed(f"no data for {self.chunk_timeout:g} s", peer_dead=True) from None
+                    if chunk is grpc.aio.EOF:
+                        break
+                    n = len(chunk.data)
+                    self.fetched += n
+                    if chunk.offset != item.offset + got or n == 0 or got + n > item.length:
+                        raise _Failed(f"chunk at {chunk.offset} with {n} bytes, expected offset "
+                                      f"{item.offset + got} and at most {item.length - got} bytes")
+                    h.update(chunk.data)
+                    f.write(chunk.data)
+                    got += n
+                    self._progress(n)
+                if got != item.length:
+                    raise _Failed(f"stream ended after {got} of {item.length} bytes")
+                if h.hexdigest() != item.sha256:
+                    raise _Failed(f"sha256 mismatch ({h.hexdigest()[:12]}… != {item.sha256[:12]}…)")
+                f.flush()
+                os.fsync(f.fileno())
+        except grpc.aio.AioRpcError as e:
+            self._progress(-got)
+            dead = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED)
+            raise _Failed(f"{e.code().name}: {e.details()}", peer_dead=dead) from None
+        except _Failed:
+            self._progress(-got)
+            raise
+        finally:
+            call.cancel()  # no-op once the stream ended; stops the peer's sender otherwise
+        self.by_peer[peer] = self.by_peer.get(peer, 0) + item.length
+        self.journal.write(json.dumps({"key": item.key, "sha256": item.sha256}) + "\n")
+        self.journal.flush()
+        os.fsync(self.journal.fileno())
+
+    def _progress(self, n: int) -> None:
+        self.done += n
+        if self.on_progress is not None and n:
+            self.on_progress(self.done, self.total)
+
+    async def run(self) -> None:
+        try:
+            workers = [asyncio.create_task(self._worker(p)) for p in self.peers for _ in range(self.streams)]
+            try:
+                await asyncio.gather(*workers)
+            finally:
+                for w in workers:
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+        finally:
+            self.journal.close()
+        if self.pending:
+            missing = ", ".join(it.key.removeprefix("file:") for it in self.pending[:5])
+            raise FetchError(f"no peer could supply {len(self.pending)} item(s) of {self.model_id} "
+                             f"({missing}{', …' if len(self.pending) > 5 else ''})")
+
+
+async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path, metadata, timeout) -> dict:
+    """config.json, read from an earlier partial folder or fetched into memory (verified)."""
+    entry = next((f for f in ref.files if f.path == "config.json"), None)
+    if entry is None or entry.size > _MAX_SMALL:
+        raise FetchError(f"model {ref.model_id} has no usable config.json")
+    local = partial / "config.json"
+    if local.is_file() and hashlib.sha256(local.read_bytes()).hexdigest() == entry.sha256:
+        return json.loads(local.read_bytes())
+    for name in holders:
+        try:
+            data = bytearray()
+            call = mesh_pb2_grpc.MeshStub(peers[name]).Fetch(
+                mesh_pb2.FetchRequest(model_id=ref.model_id, path="config.json", offset=0, length=entry.size),
+                metadata=metadata, timeout=timeout)
+            async for chunk in call:
+                if chunk.offset != len(data) or len(data) + len(chunk.data) > entry.size:
+                    raise ValueError("chunk out of place")
+                data += chunk.data
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise ValueError("sha256 mismatch")
+            return json.loads(bytes(data))
+        except (grpc.aio.AioRpcError, ValueError) as e:
+            log.warning("peer %s: config.json of %s: %s", name, ref.model_id, e)
+    raise FetchError(f"no peer supplied a valid config.json of {ref.model_id}")
+
+
+async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, start: int, end: int,
+                       dest_dir: Path | str, *, num_layers: int | None = None,
+                       on_progress: Callable[[int, int], None] | None = None, streams_per_peer: int = 2,
+                       chunk_timeout: float = 30.0, max_peer_failures: int = 3, reserve_bytes: int = 64 << 20,
+                       max_file_bytes: int = _OUT_FILE_BYTES, metadata=None) -> FetchResult:
+    """Fetch the tensors of layers [start, end) of ``model_id`` (plus config, tokenizer and the
+    other small files) from ``peers`` into the model folder ``dest_dir``; see the module doc.
+
+    ``peers``: (name, channel) pairs, channels carrying the cluster's auth interceptors. Raises
+    :class:`DiskSpaceError` before any download when the disk is too small, :class:`FetchError`
+    when no peer can supply something. Cancelling leaves ``<dest>.partial`` to resume from.
+    """
+    dest = Path(dest_dir)
+    partial = dest.with_name(dest.name + ".partial")
+    if dest.exists() and not (dest / PARTIAL_MARKER).is_file():
+        raise FetchError(f"{dest} exists and was not written by a transfer; not replacing it")
+    channels = dict(peers)
+    manifests = await _manifests(peers, model_id, chunk_timeout, metadata)
+    ref = _choose(manifests, model_id)
+    agree = [(n, m) for n, m in manifests if m.digest == ref.digest]
+    full_peers = [n for n, m in agree if m.complete]
+    n_layers = num_layers if num_layers is not None else \
+        num_layers_of(await _config_of(ref, channels, [n for n, _ in agree], partial, metadata, chunk_timeout))
+    needed = tensors_for_layers(ref, start, end, n_layers)
+    if not full_peers:  # partial holders only: their tensor lists say nothing about layers none holds
+        covered = set().union(*(_held_layers(m) for _, m in agree))
+        lacking_layers = [i for i in range(start, end) if i not in covered]
+        if lacking_layers:
+            raise FetchError(f"no peer holds layer(s) {lacking_layers} of {model_id}")
+    small = [f for f in ref.files if not is_weight_file(f.path)]
+    for f in small:
+        if f.size > _MAX_SMALL:
+            raise FetchError(f"{model_id}: {f.path} ({f.size} bytes) is too big for a config or tokenizer file")
+    layout = _layout(needed, max_file_bytes)
+    plan = {"model_id": model_id, "digest": ref.digest, "start": start, "end": end, "num_layers": n_layers,
+            "files": {k: {"header": v["header"], "size": v["size"]} for k, v in layout.items()},
+            "small": sorted(f.path for f in small)}
+
+    marker = None
+    try:
+        marker = read_marker(dest)
+    except (OSError, ValueError):
+        pass
+    total = sum(t.length for _, t in needed) + sum(f.size for f in small)
+    if marker and marker.get("digest") == ref.digest and marker.get("start") == start and marker.get("end") == end:
+        log.info("%s layers [%d, %d) already in %s", model_id, start, end, dest)
+        return FetchResult(dest, total, 0, total)
+
+    # Who holds what: complete peers hold everything; a partial peer the tensors its manifest lists
+    # (identical entries only) and every small file.
+    tensor_holders: dict[str, list[str]] = {}
+    for name, m in agree:
+        for f in m.files:
+            for t in f.tensors:
+                tensor_holders.setdefault(_tensor_key(f.path, t), []).append(name)
+    items: list[_Item] = []
+    by_name = {t.name: (p, t) for p, t in needed}
+    for out, spec in layout.items():
+        for tname, out_off in spec["tensors"]:
+            p, t = by_name[tname]
+            holders = tensor_holders.get(_tensor_key(p, t), [])
+            items.append(_Item(tname, p, t.offset, t.length, t.sha256, out, out_off, holders))
+    for f in small:
+        items.append(_Item(f"file:{f.path}", f.path, 0, f.size, f.sha256, f.path, 0, [n for n, _ in agree]))
+    lacking = [it.key for it in items if not it.peers]
+    if lacking:
+        raise FetchError(f"no peer holds {len(lacking)} tensor(s) of {model_id} layers [{start}, {end}): "
+                         f"{', '.join(lacking[:5])}")
+
+    # Resume: the same plan keeps what an earlier call verified (checked again on disk).
+    reused = 0
+    old_plan = None
+    try:
+        old_plan = json.loads((partial / _PLAN).read_text())
+    except (OSError, ValueError):
+        pass
+    if old_plan != plan and partial.exists():
+        shutil.rmtree(partial)
+    done_keys: set[str] = set()
+    if old_plan == plan:
+        try:
+            lines = (partial / _JOURNAL).read_text().splitlines()
+        except OSError:
+            lines = []
+        journaled = {}
+        for line in lines:
+            try:
+                rec = json.loads(line)
+                journaled[rec["key"]] = rec["sha256"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line from a crash
+        for it in items:
+            if journaled.get(it.key) == it.sha256 and \
+                    await asyncio.to_thread(_hash_range, partial / it.out, it.out_offset, it.length) == it.sha256:
+                done_keys.add(it.key)
+                reused += it.length
+    todo = [it for it in items if it.key not in done_keys]
+
+    headers = 0 if old_plan == plan else sum(len(v["header"]) + 8 for v in layout.values())
+    need = sum(it.length for it in todo) + headers
+    free = _free_bytes(dest.parent)
+    if need + reserve_bytes > free:
+        raise DiskSpaceError(f"fetching layers [{start}, {end}) of {model_id} needs {need / 2**20:,.1f} MiB "
+                             f"(+{reserve_bytes / 2**20:,.0f} MiB reserve) in {dest.parent}, only "
+                             f"{free / 2**20:,.1f} MiB free")
+
+    partial.mkdir(parents=True, exist_ok=True)
+    if old_plan != plan:
+        for out, spec in layout.items():
+            raw = spec["header"].encode()
+            with open(partial / out, "wb") as f:
+                f.write(len(raw).to_bytes(8, "little") + raw)
+                f.truncate(spec["size"])
+        (partial / _JOURNAL).unlink(missing_ok=True)
+        (partial / _PLAN).write_text(json.dumps(plan))
+        _fsync_dir(partial)
+
+    log.info("fetching %s layers [%d, %d): %.1f MiB to fetch, %.1f MiB already here, from %d peer(s) "
+             "(%d complete)", model_id, start, end, sum(it.length for it in todo) / 2**20, reused / 2**20,
+             len(agree), len(full_peers))
+    active = {n: channels[n] for n, _ in agree}
+    transfer = _Transfer(active, model_id, partial, todo, total, reused, on_progress, streams_per_peer,
+                         chunk_timeout, max_peer_failures, metadata)
+    if on_progress is not None:
+        on_progress(reused, total)
+    await transfer.run()
+    _finish(partial, dest, layout, ref, model_id, start, end, n_layers)
+    return FetchResult(dest, total, transfer.fetched, reused, transfer.by_peer, transfer.refetched)
+
+
+def _finish(partial: Path, dest: Path, layout: dict, ref: mesh_pb2.ModelManifest, model_id: str, start: int,
+            end: int, n_layers: int) -> None:
+    """Index, marker, then one rename: ``dest`` appears only complete."""
+    weight_map = {name: out for out, spec in layout.items() for name, _ in spec["tensors"]}
+    index = {"metadata": {"total_size": sum(spec["size"] for spec in layout.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (partial / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    marker = {"model_id": model_id, "digest": ref.digest, "start": start, "end": end, "num_layers": n_layers,
+              "manifest": manifest_to_dict(mesh_pb2.ModelManifest(model_id=ref.model_id, digest=ref.digest,
+                                                                  files=ref.files))}
+    (partial / PARTIAL_MARKER).write_text(json.dumps(marker))
+    for out in layout:
+        with open(partial / out, "rb") as f:
+            os.fsync(f.fileno())
+    (partial / _JOURNAL).unlink(missing_ok=True)
+    (partial / _PLAN).unlink(missing_ok=True)
+    _fsync_dir(partial)
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        os.replace(dest, old)
+    os.replace(partial, dest)
+    _fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("%s layers [%d, %d) ready in %s", model_id, start, end, dest)
