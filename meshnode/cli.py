@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer", metavar="HOST:PORT", action="append", dest="peers",
         help="a static peer's gRPC address (repeatable; replaces peers from the config file and environment)",
     )
+    run.add_argument("--encrypt", action="store_const", const=True, dest="encrypt",
+                     help="encrypt gRPC between nodes (mutual TLS from the cluster key, so it needs one)")
     run.add_argument("--no-mdns", action="store_const", const=False, dest="mdns", help="do not use mDNS")
     run.add_argument("--max-context", metavar="N", help="tokens of KV cache reserved per request (default 4096)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
@@ -174,7 +176,7 @@ def setup_logging(settings: Settings, stream=None) -> None:
 
 _RUN_FLAGS = (
     "model", "host", "http_port", "grpc_port", "node_id", "cluster_key", "memory_budget", "peers", "mdns",
-    "max_context", "state_dir", "cache_dir", "log_level",
+    "encrypt", "max_context", "state_dir", "cache_dir", "log_level",
 )
 
 

@@ -286,6 +286,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "grpc_port": _port,
     "node_id": _optional(_node_id),
     "cluster_key": _optional(_str),
+    "encrypt": parse_bool,
+    "authenticate": parse_bool,
     "memory_budget": _optional(_range(parse_size, lambda n: n > 0, "a positive size"), empty=("", "auto")),
     "memory_fraction": _range(_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
     "max_context": _positive_int,
@@ -361,6 +363,10 @@ class Settings:
     node_id: str | None = None
     #: Nodes with the same key form one mesh; None = the open cluster. Never logged.
     cluster_key: str | None = field(default=None, repr=False)
+    #: Encrypt node-to-node gRPC (mutual TLS with a certificate derived from cluster_key; needs one).
+    encrypt: bool = False
+    #: Tests and benchmarks only: False turns the HMAC signing of gRPC calls off (measures its cost).
+    authenticate: bool = True
     #: Bytes offered for weights + KV cache; None = memory_fraction x available memory.
     memory_budget: int | None = None
     memory_fraction: float = 0.75
@@ -465,6 +471,9 @@ def _check_consistency(s: Any, sources: Mapping[str, str] | None) -> None:
             f"default_max_tokens ({s.default_max_tokens}) must not exceed max_tokens_limit "
             f"({s.max_tokens_limit}){where('default_max_tokens', 'max_tokens_limit')}"
         )
+    if s.encrypt and not s.cluster_key:
+        raise ConfigError("encrypt needs a cluster_key (the certificate is derived from it)"
+                          + where("encrypt", "cluster_key"))
     if s.failure_timeout <= s.heartbeat_interval:
         raise ConfigError(
             f"failure_timeout ({s.failure_timeout} s) must be longer than heartbeat_interval "

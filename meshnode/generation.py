@@ -141,7 +141,9 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
     """
     if params.seed is None or params.temperature == 0:
         return make_sampler(temp=params.temperature, top_p=params.top_p)
-    key = mx.random.key(params.seed)
+    # The API accepts any int64 seed (OpenAI's range); mx.random.key takes uint64 only: a negative
+    # seed used to fail the generation (a 500, or a broken stream). Found by tests/test_fuzz.py.
+    key = mx.random.key(params.seed % 2**64)
     top_p, inv_temp = params.top_p, 1.0 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:

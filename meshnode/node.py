@@ -31,7 +31,8 @@ from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
 from meshnode.api.validation import ApiError, Limits
 from meshnode.config import TENSOR_PORTS, Settings
-from meshnode.control.auth import ClusterAuth, client_interceptors
+from meshnode.control.auth import ClusterAuth, SignedChannel
+from meshnode.control import tls
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
 from meshnode.control.election import Candidate, choose_coordinator, next_epoch
 from meshnode.control.links import LinkProber, LinkStat, best as best_link, probe_reply
@@ -171,6 +172,10 @@ class Node:
         self.node_id = load_or_create_node_id(state_dir, settings.node_id)
         self.cluster_id = derive_cluster_id(settings.cluster_key)
         self.auth = ClusterAuth(settings.cluster_key)  # every gRPC call in and out is signed
+        # encrypt: mutual TLS with a certificate derived from the cluster key (meshnode/control/tls.py)
+        self.tls = tls.derive_identity(settings.cluster_key) if settings.encrypt else None
+        if not settings.authenticate:
+            log.warning("authenticate = false: gRPC calls are not signed (tests and benchmarks only)")
         # Tensor-group members prove the key to each other with this (never the key itself).
         self._group_secret = hmac.new(settings.cluster_key.encode(), b"meshnode tensor group v1",
                                       hashlib.sha256).digest() if settings.cluster_key else b""
@@ -291,9 +296,12 @@ class Node:
     async def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
                    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
-        self._grpc = grpc.aio.server(options=options, interceptors=[self.auth.server_interceptor()])
+        interceptors = [self.auth.server_interceptor()] if self.settings.authenticate else []
+        self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         mesh_pb2_grpc.add_MeshServicer_to_server(MeshServicer(self), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
+        address = f"{self.settings.host}:{self.settings.grpc_port}"
+        self.grpc_port = (self._grpc.add_secure_port(address, tls.server_credentials(self.tls)) if self.tls
+                          else self._grpc.add_insecure_port(address))
         if not self.grpc_port:
             raise OSError(f"cannot listen for gRPC on {self.settings.host}:{self.settings.grpc_port}")
         await self._grpc.start()
@@ -318,10 +326,15 @@ class Node:
             target = peer.target
         channel = self._channels.get(target)
         if channel is None:
-            channel = grpc.aio.insecure_channel(target, options=[
-                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
-                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
-            ], interceptors=client_interceptors(self.auth, self.node_id))
+            options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                       ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
+            if self.tls:
+                channel = grpc.aio.secure_channel(target, tls.channel_credentials(self.tls),
+                                                  options=options + tls.channel_options())
+            else:
+                channel = grpc.aio.insecure_channel(target, options=options)
+            if self.settings.authenticate:  # signed when each call opens; nothing per message
+                channel = SignedChannel(channel, self.auth, self.node_id)
             self._channels[target] = channel
         return channel
 

@@ -30,6 +30,35 @@ STATIC = Path(__file__).resolve().parent / "static"  # the dashboard (GET /)
 log = logging.getLogger(__name__)
 
 
+class _MalformedHttpFilter(logging.Filter):
+    """aiohttp logs every request its parser rejects (not HTTP, bad method, oversized header: the
+    client's fault, answered 400 and closed) at ERROR with a traceback, so anyone who can reach the
+    port can fill the log. Keep one line per peer every 10 s instead (found by tests/test_fuzz.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, BadHttpMessage):
+            return True
+        peer = str(record.args[0]) if isinstance(record.args, tuple) and record.args else "?"
+        now = time.monotonic()
+        if now - self._last.get(peer, -1e9) >= 10.0:
+            if len(self._last) > 4096:
+                self._last.clear()
+            self._last[peer] = now
+            first = str(exc.message if hasattr(exc, "message") else exc).strip().splitlines()
+            log.warning("malformed HTTP request from %s: %s", peer, first[0][:200] if first else type(exc).__name__)
+        return False
+
+
+logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
+
+
 class Backend(Protocol):
     def engine(self) -> Engine:
         """The engine to serve with now, or raise ApiError (e.g. 503 while re-planning)."""
@@ -288,6 +317,11 @@ async def _stream(request: web.Request, deltas: AsyncIterator[Delta], meta: _Met
     except ApiError as err:
         response["outcome"] = outcome_for_status(err.status)  # counted by _generate
         await send(err.body())
+        await send("[DONE]")
+    except Exception:  # noqa: BLE001 - headers are sent: a 500 now would corrupt the stream
+        log.exception("generation %s failed mid-stream", meta.id)
+        response["outcome"] = "error"
+        await send(ApiError(500, "internal error", type="server_error").body())
         await send("[DONE]")
     finally:
         await deltas.aclose()

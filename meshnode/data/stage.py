@@ -23,6 +23,8 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
+from google.protobuf.message import DecodeError
+
 from meshnode.data.wire import WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
@@ -122,6 +124,10 @@ class StageServer:
                 if self.inject_latency:
                     await asyncio.sleep(self.inject_latency)
                 yield mesh_pb2.ForwardReply(output=output)
+        except DecodeError:
+            # A corrupt message in the stream (grpc parses them as they are read): the caller's
+            # error, answered INVALID_ARGUMENT, instead of an UNKNOWN and a traceback in the log.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
         finally:
             cache = None
 
