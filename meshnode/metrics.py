@@ -47,7 +47,8 @@ class NodeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, epoch: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, epoch: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic,
+                 unreachable: Callable[[], int] | None = None):
         self.registry = r = CollectorRegistry()
         self._clock = clock
         self._lock = threading.Lock()
@@ -75,6 +76,10 @@ class NodeMetrics:
         self.replans = Counter("meshnode_plans_adopted", "Plans (new epochs) this node adopted", registry=r)
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
+        self.unreachable = Gauge("meshnode_unreachable_peers",
+                                 "Peers announced over mDNS whose heartbeats from this node all failed for the "
+                                 "grace period (Local Network permission, firewall)", registry=r)
+        self.unreachable.set_function(unreachable or (lambda: 0))
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
         for kind in MEMBERSHIP_KINDS:

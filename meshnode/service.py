@@ -31,7 +31,7 @@ from xml.sax.saxutils import escape
 
 __all__ = [
     "LABEL", "UNIT", "PLATFORMS", "Layout", "Command", "Action", "layout", "host_platform",
-    "default_executable", "render_plist", "render_unit", "render_newsyslog", "render_config",
+    "default_executable", "templates_dir", "render_plist", "render_unit", "render_newsyslog", "render_config",
     "plan_install", "plan_uninstall", "apply", "describe", "run_command",
 ]
 
@@ -42,8 +42,17 @@ THROTTLE_INTERVAL = 10  # launchd: seconds between restarts at the least
 STOP_TIMEOUT = 20  # seconds a stopping node gets to say goodbye before it is killed
 ROTATE_COUNT, ROTATE_SIZE_KIB = 5, 10240
 
-#: The templates: systemd_launchd/ at the top of the source tree (beside the meshnode package).
-TEMPLATES = Path(__file__).resolve().parent.parent / "systemd_launchd"
+
+def templates_dir() -> Path:
+    """Where the templates are: inside the package when installed from a wheel
+    (``meshnode/service_templates``, mapped from systemd_launchd/ by setup.py), else in the
+    source tree's systemd_launchd/ beside the package (a checkout or an editable install)."""
+    package = Path(__file__).resolve().parent
+    for folder in (package / "service_templates", package.parent / "systemd_launchd"):
+        if (folder / "meshnode.service").is_file():
+            return folder
+    raise FileNotFoundError(f"the service templates are neither in {package / 'service_templates'} nor in "
+                            f"{package.parent / 'systemd_launchd'}: reinstall meshnode")
 
 
 def host_platform() -> str:
@@ -120,7 +129,7 @@ def layout(platform: str, system: bool = False, root: Path | str = "/", home: Pa
 
 
 def _template(name: str) -> Template:
-    return Template((TEMPLATES / name).read_text(encoding="utf-8"))
+    return Template((templates_dir() / name).read_text(encoding="utf-8"))
 
 
 def program_arguments(executable: Path | str, config_file: Path | str) -> list[str]:
@@ -171,7 +180,8 @@ def render_newsyslog(lay: Layout) -> str:
 
 def render_config(cluster_key: str) -> str:
     """A config the daemon loads: the cluster key, everything else at its default."""
-    quoted = cluster_key.replace("\\", "\\\\").replace('"', '\\"')
+    quoted = "".join(f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c
+                     for c in cluster_key.replace("\\", "\\\\").replace('"', '\\"'))  # a TOML basic string
     return (
         "# meshnode config, written by `meshnode install`. Every key, with its default, is documented\n"
         "# in configs/default.toml; add the ones you want to change here, then restart the service.\n"
@@ -213,16 +223,25 @@ def _systemctl(lay: Layout, *args: str, check: bool = True) -> Command:
     return Command(("systemctl", *([] if lay.system else ["--user"]), *args), check)
 
 
-def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False) -> Action:
-    """Everything ``meshnode install`` does for this layout. With ``dry_run`` no key is generated."""
+def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, cluster_key: str | None = None) -> Action:
+    """Everything ``meshnode install`` does for this layout. A new config gets ``cluster_key``
+    (another machine's, to join its mesh) or else a freshly generated key, which is shown once;
+    with ``dry_run`` no key is generated and none is shown."""
     act = Action()
     reinstall = lay.service_file.exists()
     if not lay.config_file.exists():
-        key = "<a new key, generated on install>" if dry_run else secrets.token_urlsafe(32)
-        act.cluster_key = None if dry_run else key
+        if cluster_key:
+            key = "<the key given in MESHNODE_CLUSTER_KEY>" if dry_run else cluster_key
+            act.notes.append("the config holds the cluster key given in MESHNODE_CLUSTER_KEY")
+        else:
+            key = "<a new key, generated on install>" if dry_run else secrets.token_urlsafe(32)
+            act.cluster_key = None if dry_run else key
         act.write.append((lay.config_file, render_config(key), 0o600))
     else:
         act.notes.append(f"keeping the existing config {lay.config_file} (and its cluster key)")
+        if cluster_key:
+            act.notes.append("MESHNODE_CLUSTER_KEY is not used: the existing config keeps its own key "
+                             "(change cluster_key there, then restart the service)")
     if lay.platform == "macos":
         act.make_dirs.append(lay.log_file.parent)
         act.write.append((lay.service_file, render_plist(lay, executable), 0o644))

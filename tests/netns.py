@@ -195,14 +195,35 @@ class NetHost:
         for ns, dev in ((self.ns, self.dev), (self.switch_ns, self.switch_port)):
             _in(ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
+    def drop_tcp_out(self, dst_ip: str, port: int) -> None:
+        """Silently drop every TCP packet this host sends to ``dst_ip:port`` (connection attempts
+        time out, as when macOS Local Network privacy or a firewall's DROP rule blocks them);
+        replies to connections that the other host opens still flow, and so does everything else.
+        Same means as ``block_multicast`` (u32 filter into an HTB class that holds nothing)."""
+        _blackhole(self.ns, self.dev)
+        _in(self.ns, "tc", "filter", "replace", "dev", self.dev, "parent", "1:", "protocol", "ip", "prio", "2",
+            "u32", "match", "ip", "protocol", "6", "0xff", "match", "ip", "dst", f"{dst_ip}/32",
+            "match", "ip", "dport", str(port), "0xffff", "flowid", "1:20")
 
-def _drop_multicast(ns: str, dev: str) -> None:
+    def allow_tcp_out(self) -> None:
+        """Undo ``drop_tcp_out``."""
+        _in(self.ns, "tc", "filter", "del", "dev", self.dev, "parent", "1:", "prio", "2", check=False)
+
+
+def _blackhole(ns: str, dev: str) -> None:
+    """An HTB root on ``dev`` whose default class passes everything and whose class 1:20 drops
+    what filters steer into it (its queue holds nothing); idempotent."""
     if shutil.which("tc") is None:
-        raise RuntimeError("blocking multicast needs tc (iproute2)")
-    _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        raise RuntimeError("dropping traffic needs tc (iproute2)")
+    if "htb 1: " not in _in(ns, "tc", "qdisc", "show", "dev", dev, "root").stdout:  # htb cannot be replaced
+        _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
     _in(ns, "tc", "class", "replace", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit")
     _in(ns, "tc", "class", "replace", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "1mbit")
     _in(ns, "tc", "qdisc", "replace", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
+
+
+def _drop_multicast(ns: str, dev: str) -> None:
+    _blackhole(ns, dev)
     _in(ns, "tc", "filter", "replace", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
         "match", "ip", "dst", "224.0.0.0/4", "flowid", "1:20")
 

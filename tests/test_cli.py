@@ -133,6 +133,7 @@ def test_run_flags_become_settings(tmp_path):
         "run", "--config", str(cfg), "--model", "flag-model", "--grpc-port", "9999", "--node-id", "n1",
         "--cluster-key", "k3y-value", "--memory-budget", "2GiB", "--peer", "10.0.0.2:8471", "--peer", "[::1]:1",
         "--no-mdns", "--max-context", "777", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "st"),
+        "--strategy", "hybrid",
     ])
     s = cli.settings_from_args(args, env={"MESHNODE_HTTP_PORT": "9100", "MESHNODE_LOG_LEVEL": "warning"})
     assert s.model == "flag-model"
@@ -144,6 +145,7 @@ def test_run_flags_become_settings(tmp_path):
     assert s.mdns is False and s.max_context == 777 and s.host == "127.0.0.1"
     assert s.log_level == "WARNING"
     assert s.state_dir == tmp_path / "st"
+    assert s.strategy == "hybrid"
 
 
 def test_run_without_flags_keeps_lower_layers():
@@ -275,6 +277,31 @@ def test_status_unreachable_exits_2(capsys):
 def test_status_url_without_scheme(serve):
     srv = serve(MESH)
     assert cli.main(["status", "--url", srv.url.removeprefix("http://")]) == 0
+
+
+def test_status_links_and_unreachable_peers(serve, capsys):
+    nodes = [dict(n) for n in MESH["nodes"]]
+    nodes[1]["links"] = [{"peer": "mac-mini-def456", "address": "169.254.10.2", "rtt_us": 180.4, "jitter_us": 20.0,
+                          "rpc_rtt_us": 610.0, "bandwidth": 2.5e9, "measured_at": 0},
+                         {"peer": "mac-mini-def456", "address": "192.168.1.20", "rtt_us": 2400.0, "jitter_us": 900.0,
+                          "bandwidth": 45e6, "measured_at": 0}]
+    body = {**MESH, "nodes": nodes}
+    assert cli.main(["status", "--url", serve(body).url]) == 0
+    out = capsys.readouterr().out
+    assert "  to mac-mini-def456 via 169.254.10.2  round trip 180 µs ± 20 µs (a gRPC call 610 µs), 2.5 GB/s" in out
+    assert "  to mac-mini-def456 via 192.168.1.20  round trip 2.40 ms ± 900 µs, 45.0 MB/s" in out
+    assert "health       ok: serving, every peer answers" in out
+
+    # serving, but a peer that mDNS shows never answers: not healthy, and the text says why and what to do
+    body["unreachable"] = [{"node_id": "mac-pro-1", "address": "192.168.1.30:8471", "seconds": 42.0,
+                            "error": "UNAVAILABLE: No route to host"}]
+    assert cli.main(["status", "--url", serve(body).url]) == 1
+    out = capsys.readouterr().out
+    assert "NOT healthy" in out
+    assert ("health       peer mac-pro-1 is announced over mDNS but does not answer at 192.168.1.30:8471 "
+            "(for 42.0 s: UNAVAILABLE: No route to host)") in out
+    assert "System Settings > Privacy & Security > Local Network" in out
+    assert cli.main(["status", "--url", serve(body).url, "--json"]) == 1
 
 
 def test_format_status_tolerates_sparse_json():

@@ -32,6 +32,19 @@ pytestmark = [
                        reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"),
 ]
 
+# Starts headless Chromium through chromedriver (both children of the script that runs this, so both
+# in its namespace), with a throw-away profile.
+CHROME = r"""
+profile = tempfile.mkdtemp(prefix="meshnode-chromium-")
+opts = webdriver.ChromeOptions()
+opts.binary_location = %(chromium)r
+for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-dev-shm-usage", "--window-size=1280,1500", "--user-data-dir=" + profile):
+    opts.add_argument(flag)
+driver = webdriver.Chrome(service=Service(%(chromedriver)r), options=opts)
+""" % {"chromium": CHROMIUM, "chromedriver": CHROMEDRIVER}
+
 # Runs inside the client namespace: drives Chromium through chromedriver (both its children, so
 # both in the namespace) and prints what the page showed as one JSON object.
 DRIVER = r"""
@@ -41,15 +54,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 url, shot, prompt, nodes, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
-profile = tempfile.mkdtemp(prefix="meshnode-chromium-")
-opts = webdriver.ChromeOptions()
-opts.binary_location = %(chromium)r
-for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", "--window-size=1280,1500", "--user-data-dir=" + profile):
-    opts.add_argument(flag)
-driver = webdriver.Chrome(service=Service(%(chromedriver)r), options=opts)
-out = {}
+%(chrome)sout = {}
 
 def wait(check, timeout, what):
     deadline = time.time() + timeout
@@ -109,7 +114,7 @@ finally:
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
 print(json.dumps(out))
-""" % {"chromium": CHROMIUM, "chromedriver": CHROMEDRIVER}
+""" % {"chrome": CHROME}
 
 SCRAPE = ("import sys,urllib.request\n"
           "print(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n")
@@ -181,3 +186,58 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
         for h in cluster.hosts:
             assert metrics_of(cluster, h)[("meshnode_membership_changes_total", (("kind", "join"),))] >= 1
         print(f"dashboard screenshot: {shot}")
+
+
+# Loads the page in the client namespace, waits for the unreachable-peer warning, prints it as JSON.
+WARNING_DRIVER = r"""
+import json, shutil, sys, tempfile, time
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+url, shot = sys.argv[1], sys.argv[2]
+%(chrome)s
+try:
+    driver.get(url)
+    box = driver.find_element(By.ID, "unreachable")
+    deadline = time.time() + 20
+    while not box.is_displayed() and time.time() < deadline:
+        time.sleep(0.1)
+    driver.save_screenshot(shot)
+    print(json.dumps({"shown": box.is_displayed(), "text": box.text,
+                      "peers": [e.get_attribute("data-node") for e in box.find_elements(By.CSS_SELECTOR, "[data-node]")],
+                      "health": driver.find_element(By.ID, "health").text,
+                      "health_class": driver.find_element(By.ID, "health").get_attribute("class")}))
+finally:
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+""" % {"chrome": CHROME}
+
+
+def test_dashboard_warns_of_a_peer_announced_but_unreachable(model, tmp_path):
+    """A real mDNS announcement of a node whose port nothing listens on: the page says so, with
+    the fix, and the health badge turns to a warning (the node itself still serves)."""
+    if os.geteuid() != 0:
+        pytest.skip("Chromium runs inside a network namespace: needs root")
+    from tests.cluster import GRPC, KEY
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "dashboard-unreachable.png"
+    shot.unlink(missing_ok=True)
+    with netns_mesh(2, "dashwarn") as mesh:
+        h0, h1 = mesh.hosts
+        cluster = Cluster(mesh, model, tmp_path, max_context=256)
+        cluster.start(h0, 8 * 2**30)
+        h1.popen([sys.executable, "-m", "meshnode.control.discovery", "--node-id", "ghost", "--cluster-key", KEY,
+                  "--grpc-port", str(GRPC), "--address", h1.ip, "--seconds", "120"], log_path=tmp_path / "ghost.log")
+        cluster.wait(lambda: [p["node_id"] for p in cluster.mesh_view(h0).get("unreachable", [])] == ["ghost"]
+                     and cluster.mesh_view(h0)["healthy"], 60, "h0 to report the ghost unreachable")
+        run = cluster.client.run([sys.executable, "-c", WARNING_DRIVER, f"http://{h0.ip}:{HTTP}/", str(shot)],
+                                 timeout=120, check=False, cwd=str(Path(__file__).resolve().parent.parent))
+        assert run.returncode == 0, f"browser run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        page = json.loads(run.stdout.strip().splitlines()[-1])
+        assert page["shown"] and page["peers"] == ["ghost"], page
+        assert f"ghost is announced over mDNS but does not answer at {h1.ip}:{GRPC}" in page["text"]
+        assert "Privacy & Security > Local Network" in page["text"] and "firewall" in page["text"]
+        assert page["health"] == "serving · peers unreachable" and "warn" in page["health_class"]
+        assert shot.exists() and shot.stat().st_size > 10_000

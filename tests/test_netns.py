@@ -163,6 +163,25 @@ def test_block_multicast_drops_mdns_traffic_but_not_unicast(netns_mesh_factory):
     assert trial() == ("hello", "hello")
 
 
+def test_drop_tcp_out_drops_one_port_to_one_host_only(netns_mesh_factory):
+    a, b, c = netns_mesh_factory(3, "droptcp").hosts
+    for h in (a, b):
+        serve_echo(h)
+    assert reach(a, [b.ip]) == {b.ip: True}
+    a.drop_tcp_out(b.ip, PORT)
+    assert reach(a, [b.ip], timeout=1) == {b.ip: False}  # a's connection attempts to b:PORT vanish
+    assert reach(c, [b.ip]) == {b.ip: True}  # others still reach b
+    assert reach(b, [a.ip]) == {a.ip: True}  # connections b opens to a still work both ways
+    a.block_multicast()  # the two blocks coexist on one device; unblocking multicast removes both
+    assert reach(a, [b.ip], timeout=1) == {b.ip: False}
+    a.unblock_multicast()
+    assert reach(a, [b.ip]) == {b.ip: True}
+    a.drop_tcp_out(b.ip, PORT)
+    assert reach(a, [b.ip], timeout=1) == {b.ip: False}
+    a.allow_tcp_out()
+    assert reach(a, [b.ip]) == {b.ip: True}
+
+
 def test_extra_link_and_shaping(netns_mesh_factory):
     mesh = netns_mesh_factory(3, "link")
     a, b, c = mesh.hosts

@@ -193,6 +193,27 @@ def test_install_then_uninstall(tmp_path, platform, system):
     assert not lay.config_file.parent.exists()
 
 
+def test_install_with_another_machines_key(tmp_path, capsys, monkeypatch):
+    """The second machine joins the first's mesh: its key comes from MESHNODE_CLUSTER_KEY, is
+    written (0600, exactly, whatever characters it has) and never printed."""
+    key = 'first "machine" \\ key\twith odd characters'
+    monkeypatch.setenv("MESHNODE_CLUSTER_KEY", key)
+    lay = service.layout("linux", system=False, root=tmp_path, uid=501, user="ada")
+    assert cli.main(["install", "--dry-run", "--platform", "linux", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "<the key given in MESHNODE_CLUSTER_KEY>" in out and key not in out and not lay.config_file.exists()
+
+    out = io.StringIO()
+    service.apply(service.plan_install(lay, EXE, cluster_key=key), runner=Recorder(), out=out)
+    assert _check_config(lay) == key
+    assert key not in out.getvalue() and "given in MESHNODE_CLUSTER_KEY" in out.getvalue()
+
+    # an existing config keeps its key, and the user is told the variable was not used
+    act = service.plan_install(lay, EXE, cluster_key="another key entirely")
+    assert not any(path == lay.config_file for path, _, _ in act.write)
+    assert any("MESHNODE_CLUSTER_KEY is not used" in n for n in act.notes)
+
+
 def test_failing_command_stops_install(tmp_path):
     lay = service.layout("linux", system=True, root=tmp_path)
     with pytest.raises(service.CommandFailed, match="daemon-reload"):

@@ -74,6 +74,7 @@ class ApiSettings:
     max_body_bytes: int = 1 << 20
     max_concurrent_requests: int = 8
     api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API; empty = none
 
 
 BACKEND = web.AppKey("backend", object)
@@ -114,7 +115,10 @@ async def auth_middleware(request: web.Request, handler):
     key = request.app[SETTINGS].api_key
     # Open without the key: /health, and the dashboard's own files (it asks for the key and sends
     # it with every API call it makes). /metrics and every /v1 route need it.
-    if key and request.path != "/health" and request.path != "/" and not request.path.startswith("/static/"):
+    # A CORS preflight carries no credentials by design; aiohttp-cors answers it and runs nothing.
+    preflight = request.method == "OPTIONS" and bool(request.app[SETTINGS].cors_origins)
+    if key and not preflight and request.path != "/health" and request.path != "/" \
+            and not request.path.startswith("/static/"):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", type="authentication_error",
@@ -377,4 +381,19 @@ def make_app(backend: Backend, settings: ApiSettings = ApiSettings()) -> web.App
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", dashboard)
     app.router.add_static("/static/", STATIC)
+    if settings.cors_origins:
+        _allow_origins(app, settings.cors_origins)
     return app
+
+
+def _allow_origins(app: web.Application, origins: tuple[str, ...]) -> None:
+    """CORS for the API routes (aiohttp-cors): pages of these origins may call them, sending the
+    Authorization header; no cookies are involved."""
+    import aiohttp_cors
+
+    options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",
+                                           allow_methods=["GET", "POST"], max_age=600)
+    cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
+    for route in list(app.router.routes()):
+        if not isinstance(route.resource, web.StaticResource):
+            cors.add(route)

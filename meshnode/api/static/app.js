@@ -77,9 +77,26 @@ function renderHeader(mesh) {
   $("epoch").textContent = mesh.epoch;
   $("coordinator").textContent = mesh.coordinator || "–";
   const health = $("health");
-  health.textContent = mesh.healthy ? "serving" : (mesh.plan_error ? "model does not fit" : "not serving yet");
-  health.className = "badge " + (mesh.healthy ? "ok" : "bad");
+  const unreachable = (mesh.unreachable || []).length;
+  health.textContent = mesh.healthy ? (unreachable ? "serving · peers unreachable" : "serving")
+    : (mesh.plan_error ? "model does not fit" : "not serving yet");
+  health.className = "badge " + (mesh.healthy ? (unreachable ? "warn" : "ok") : "bad");
   document.title = "meshnode · " + mesh.node_id;
+}
+
+// Peers that mDNS announces but that never answer this node (meshnode/control/reachability.py).
+function renderUnreachable(mesh) {
+  const peers = mesh.unreachable || [];
+  const box = $("unreachable");
+  box.hidden = !peers.length;
+  if (!peers.length) { box.replaceChildren(); return; }
+  box.replaceChildren(
+    ...peers.map((p) => el("div", {"data-node": p.node_id}, el("b", {}, p.node_id),
+      ` is announced over mDNS but does not answer at ${p.address} (for ${Math.round(p.seconds)} s: ${p.error})`)),
+    el("div", {class: "muted"}, "On macOS, a per-user service needs Local Network access on both machines " +
+      "(System Settings > Privacy & Security > Local Network: the entry for Python, meshnode's interpreter), " +
+      "then a restart of the service; a system service (sudo meshnode install --system) is exempt. On Linux, " +
+      "check that the firewall lets in the peer's gRPC port (TCP 8471 by default)."));
 }
 
 function renderNodes(mesh) {
@@ -188,6 +205,7 @@ async function poll() {
     const mesh = await r.json();
     showError("");
     renderHeader(mesh);
+    renderUnreachable(mesh);
     renderNodes(mesh);
     renderPlan(mesh);
     renderProgress(mesh);

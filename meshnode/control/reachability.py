@@ -1,0 +1,105 @@
+"""Peers that mDNS shows but that never answer: macOS Local Network privacy, or a firewall.
+
+macOS may refuse a process that launchd started any traffic to the LAN (Local Network privacy)
+without an error anyone sees, and a firewall can do the same on any system: the node then runs,
+mDNS may still show its peers, but every call to them fails. This module notices that: a peer
+that discovery still announces, whose every heartbeat from this node failed for ``grace``
+seconds, is *unreachable*. The node says so once in its log (with how to fix it, at most every
+``hint_every`` seconds), lists it in ``/v1/mesh`` (``unreachable``) and so in ``meshnode
+status``, and says when it answers again.
+
+Pure bookkeeping with an injected clock; ``meshnode.node`` feeds it from discovery and heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["HINT", "Reachability"]
+
+HINT = (
+    "If that machine runs meshnode: on macOS 15 or later, a per-user service (LaunchAgent) needs the "
+    "Local Network permission on both machines (System Settings > Privacy & Security > Local Network: "
+    "turn on the entry for Python, the interpreter of meshnode's venv), then restart the service; or "
+    "install it with `sudo meshnode install --system` (a LaunchDaemon, which macOS exempts). On Linux, "
+    "check the firewall on both machines (e.g. `sudo nft list ruleset`, `sudo ufw status`): the peer's "
+    "gRPC port (TCP, 8471 by default) must accept connections from this machine."
+)
+
+
+@dataclass
+class _Announced:
+    target: str  # host:port of its gRPC server, as announced
+    failing_since: float | None = None  # first failed heartbeat since the last answer (or announcement)
+    error: str = ""  # the last failure
+    reported: bool = False  # said in the log as unreachable (until it answers or is withdrawn)
+
+
+class Reachability:
+    def __init__(self, grace: float, *, clock: Callable[[], float] = time.monotonic, hint_every: float = 900.0):
+        self.grace = grace
+        self.clock = clock
+        self.hint_every = hint_every
+        self._peers: dict[str, _Announced] = {}  # by node id: the peers discovery announces now
+        self._hinted_at = float("-inf")
+
+    # -- what discovery and heartbeats tell
+    def announced(self, node_id: str, target: str) -> None:
+        """Discovery sees ``node_id`` at ``target`` (a new or changed announcement)."""
+        peer = self._peers.get(node_id)
+        if peer is None or peer.target != target:
+            self._peers[node_id] = _Announced(target)
+
+    def withdrawn(self, node_id: str) -> None:
+        """Discovery no longer sees ``node_id``: whether it answers is the failure detector's business."""
+        self._peers.pop(node_id, None)
+
+    def answered(self, target: str) -> None:
+        for peer in self._peers.values():
+            if peer.target == target:
+                peer.failing_since = None
+
+    def failed(self, target: str, error: str) -> None:
+        now = self.clock()
+        for peer in self._peers.values():
+            if peer.target == target:
+                if peer.failing_since is None:
+                    peer.failing_since = now
+                peer.error = error
+
+    # -- what to say
+    def unreachable(self) -> dict[str, _Announced]:
+        now = self.clock()
+        return {nid: p for nid, p in self._peers.items()
+                if p.failing_since is not None and now - p.failing_since >= self.grace}
+
+    def check(self) -> list[tuple[int, str, dict]]:
+        """Log lines due now, as (level, message, event fields): a peer that became unreachable
+        (with the hint, unless it was given within ``hint_every``), or answers again."""
+        now = self.clock()
+        out: list[tuple[int, str, dict]] = []
+        bad = self.unreachable()
+        for nid, peer in sorted(bad.items()):
+            if peer.reported:
+                continue
+            peer.reported = True
+            message = (f"peer {nid} is announced over mDNS but has not answered at {peer.target} for "
+                       f"{now - peer.failing_since:.0f} s ({peer.error})")
+            if now - self._hinted_at >= self.hint_every:
+                self._hinted_at = now
+                message += ". " + HINT
+            out.append((logging.WARNING, message, {"node_id": nid, "address": peer.target, "error": peer.error}))
+        for nid, peer in sorted(self._peers.items()):
+            if peer.reported and nid not in bad:
+                peer.reported = False
+                out.append((logging.INFO, f"peer {nid} answers at {peer.target} again", {"node_id": nid}))
+        return out
+
+    def report(self) -> list[dict]:
+        """For /v1/mesh: each unreachable peer, its address, for how long, the last error."""
+        now = self.clock()
+        return [{"node_id": nid, "address": p.target, "seconds": round(now - p.failing_since, 1), "error": p.error}
+                for nid, p in sorted(self.unreachable().items())]

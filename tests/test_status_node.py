@@ -1,0 +1,137 @@
+"""`meshnode status` against a real `meshnode run` on loopback: the text for a person, --json,
+and the exit status, for a healthy node, one that cannot serve, and one found by its config file.
+(Peers that mDNS announces but that do not answer: tests/test_reachability.py, on namespace hosts.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from meshnode.modelbuild import build_model
+
+pytestmark = pytest.mark.timeout(120)
+
+UP = re.compile(r"node (\S+) up: HTTP :(\d+), gRPC :(\d+)")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("status") / "llama", "llama", num_layers=4, hidden_size=64,
+                       intermediate_size=128, dtype="float32")
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MESHNODE_")}
+
+
+@contextmanager
+def meshnode_run(tmp_path: Path, *args: str):
+    """A real `meshnode run` process on 127.0.0.1 (mDNS off); yields (node id, http port, log path)."""
+    log = tmp_path / "node.log"
+    argv = [sys.executable, "-m", "meshnode.cli", "run", "--host", "127.0.0.1", "--no-mdns",
+            "--state-dir", str(tmp_path / "state"), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := UP.search(log.read_text())):
+            assert proc.poll() is None, f"meshnode run exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"meshnode run did not come up:\n{log.read_text()}"
+            time.sleep(0.1)
+        yield m.group(1), int(m.group(2)), log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def status(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out = subprocess.run([sys.executable, "-m", "meshnode.cli", "status", *args], capture_output=True, text=True,
+                         timeout=30, env=env or _env())
+    return out.returncode, out.stdout, out.stderr
+
+
+def wait_for(check, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return result
+
+
+def test_status_of_a_healthy_node(model, tmp_path):
+    with meshnode_run(tmp_path, "--model", str(model), "--http-port", "0", "--grpc-port", "0",
+                      "--memory-budget", "1GiB") as (node_id, port, _):
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: status("--url", url)[0] == 0, "the node to become healthy")
+        rc, out, err = status("--url", url)
+        assert rc == 0, out + err
+        lines = out.splitlines()
+        assert lines[0].startswith(f"node         {node_id}  (meshnode ") and lines[0].endswith(", healthy)")
+        assert "health       ok: serving, every peer answers" in lines
+        assert f"coordinator  {node_id}" in lines and "model        llama" in lines
+        assert any(line.startswith("plan         single, epoch 1") for line in lines), out
+        assert f"  layers 0–3 on node {node_id}" in lines
+        assert "nodes        1" in lines
+        assert any(line.startswith(f"  {node_id}  127.0.0.1:{port}  offers 1.0 GiB of ") and
+                   line.endswith("[this node, coordinator]") for line in lines), out
+        assert "hint" not in out and err == ""
+
+        rc, out, _ = status("--url", url, "--json")
+        data = json.loads(out)
+        assert rc == 0
+        assert data["node_id"] == node_id and data["healthy"] is True and data["unreachable"] == []
+        assert data["plan"]["stages"] == [{**data["plan"]["stages"][0], "start_layer": 0, "end_layer": 4,
+                                           "nodes": [node_id]}]
+
+
+def test_status_of_a_node_that_cannot_serve(model, tmp_path):
+    """A budget the model does not fit in: the node runs and answers, but serves nothing."""
+    with meshnode_run(tmp_path, "--model", str(model), "--http-port", "0", "--grpc-port", "0",
+                      "--memory-budget", "64KiB") as (node_id, port, _):
+        url = f"http://127.0.0.1:{port}"
+        data = wait_for(lambda: (d := json.loads(status("--url", url, "--json")[1])).get("plan_error") and d,
+                        "the node to find that the model does not fit")
+        assert data["healthy"] is False and data["plan"] is None
+        assert status("--url", url, "--json")[0] == 1
+        rc, out, _ = status("--url", url)
+        assert rc == 1
+        assert f"node         {node_id}  (meshnode " in out and "NOT healthy" in out
+        assert "health       not serving: the model does not fit on the nodes available" in out
+        assert "plan         (none)" in out
+
+
+def test_status_finds_the_node_by_its_config_file(model, tmp_path):
+    """As after `meshnode install`: the config names the port and an API key; status reads both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "meshnode.toml"
+    config.write_text(f'model = "{model}"\nhttp_port = {port}\napi_key = "status-test-key"\n'
+                      f'cluster_key = "a-cluster-key-for-this-test"\nmemory_budget = "1GiB"\n')
+    config.chmod(0o600)
+    with meshnode_run(tmp_path, "--config", str(config), "--grpc-port", "0") as (node_id, up_port, _):
+        assert up_port == port
+        wait_for(lambda: status("--config", str(config))[0] == 0, "the node to become healthy")
+        rc, out, _ = status("--config", str(config))
+        assert rc == 0 and f"node         {node_id}" in out
+        rc, _, err = status("--url", f"http://127.0.0.1:{port}")  # without the key
+        assert rc == 1 and "wants an API key" in err
+        rc, out, _ = status(env={**_env(), "MESHNODE_CONFIG": str(config)})  # the service's way
+        assert rc == 0 and f"node         {node_id}" in out
