@@ -168,6 +168,15 @@ class _Tensor:
 
 def _tensors(model_dir: Path) -> dict[str, _Tensor]:
     out: dict[str, _Tensor] = {}
+    if (model_dir / "meshnode-partial.json").is_file():  # some layers from peers: the whole model's
+        from meshnode.data.manifest import _loaded_weights, manifest_from_dict, read_marker  # (cycle)
+
+        manifest = manifest_from_dict(read_marker(model_dir)["manifest"])
+        for f in manifest.files:
+            if _loaded_weights(f.path):
+                for t in f.tensors:
+                    out[t.name] = _Tensor(int(t.length), t.dtype, tuple(int(d) for d in t.shape))
+        return out
     for file in weight_files(model_dir):
         for name, info in read_safetensors_header(file).items():
             out[name] = _Tensor(_entry_bytes(file, name, info), str(info.get("dtype", "")),

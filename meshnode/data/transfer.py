@@ -42,7 +42,7 @@ from meshnode.data.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, 
 from meshnode.data.profile import read_safetensors_header, weight_files
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
-__all__ = ["ModelStore", "fetch_layers", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
+__all__ = ["ModelStore", "fetch_layers", "fetch_metadata", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,9 @@ class ModelStore:
                 self._paths.setdefault(marker["model_id"], d)
             elif (d / "config.json").is_file():
                 self._paths.setdefault(d.name, d)
+
+    def path_of(self, model_id: str) -> Path | None:
+        return self._paths.get(model_id)
 
     def model_ids(self) -> list[str]:
         """The ids of every model held, in full or in part (what a node announces)."""
@@ -531,19 +534,16 @@ class _Transfer:
                              f"({missing}{', …' if len(self.pending) > 5 else ''})")
 
 
-async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path, metadata, timeout) -> dict:
-    """config.json, read from an earlier partial folder or fetched into memory (verified)."""
-    entry = next((f for f in ref.files if f.path == "config.json"), None)
+async def _small_file(ref: mesh_pb2.ModelManifest, path: str, peers, holders, metadata, timeout) -> bytes:
+    """One small (non-weight) file of the model, fetched into memory and verified."""
+    entry = next((f for f in ref.files if f.path == path), None)
     if entry is None or entry.size > _MAX_SMALL:
-        raise FetchError(f"model {ref.model_id} has no usable config.json")
-    local = partial / "config.json"
-    if local.is_file() and hashlib.sha256(local.read_bytes()).hexdigest() == entry.sha256:
-        return json.loads(local.read_bytes())
+        raise FetchError(f"model {ref.model_id} has no usable {path}")
     for name in holders:
         try:
             data = bytearray()
             call = mesh_pb2_grpc.MeshStub(peers[name]).Fetch(
-                mesh_pb2.FetchRequest(model_id=ref.model_id, path="config.json", offset=0, length=entry.size),
+                mesh_pb2.FetchRequest(model_id=ref.model_id, path=path, offset=0, length=entry.size),
                 metadata=metadata, timeout=timeout)
             async for chunk in call:
                 if chunk.offset != len(data) or len(data) + len(chunk.data) > entry.size:
@@ -551,10 +551,44 @@ async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path,
                 data += chunk.data
             if hashlib.sha256(data).hexdigest() != entry.sha256:
                 raise ValueError("sha256 mismatch")
-            return json.loads(bytes(data))
+            return bytes(data)
         except (grpc.aio.AioRpcError, ValueError) as e:
-            log.warning("peer %s: config.json of %s: %s", name, ref.model_id, e)
-    raise FetchError(f"no peer supplied a valid config.json of {ref.model_id}")
+            log.warning("peer %s: %s of %s: %s", name, path, ref.model_id, e)
+    raise FetchError(f"no peer supplied a valid {path} of {ref.model_id}")
+
+
+async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path, metadata, timeout) -> dict:
+    """config.json, read from an earlier partial folder or fetched into memory (verified)."""
+    entry = next((f for f in ref.files if f.path == "config.json"), None)
+    local = partial / "config.json"
+    if entry is not None and local.is_file() and hashlib.sha256(local.read_bytes()).hexdigest() == entry.sha256:
+        return json.loads(local.read_bytes())
+    return json.loads(await _small_file(ref, "config.json", peers, holders, metadata, timeout))
+
+
+async def fetch_metadata(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, dest_dir: Path | str, *,
+                         timeout: float = 30.0, metadata=None) -> Path:
+    """Only the small files of ``model_id`` (config, tokenizer, chat template, ...; no weights)
+    into ``dest_dir``, each verified, published by one rename. Its marker holds no layers
+    (start = end = 0) but the whole manifest, so the model can be profiled before any weight
+    arrives."""
+    dest = Path(dest_dir)
+    manifests = await _manifests(peers, model_id, timeout, metadata)
+    ref = _choose(manifests, model_id)
+    holders = [n for n, m in manifests if m.digest == ref.digest]
+    small = [f for f in ref.files if not is_weight_file(f.path)]
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    n_layers = 0
+    for f in small:
+        data = await _small_file(ref, f.path, dict(peers), holders, metadata, timeout)
+        if f.path == "config.json":
+            n_layers = num_layers_of(json.loads(data))
+        (partial / f.path).parent.mkdir(parents=True, exist_ok=True)
+        (partial / f.path).write_bytes(data)
+    _finish(partial, dest, {}, ref, model_id, 0, 0, n_layers)
+    return dest
 
 
 async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, start: int, end: int,

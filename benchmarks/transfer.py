@@ -1,0 +1,184 @@
+"""Issue 7 benchmark: a multi-GB shard fetched from a peer, as a fraction of raw TCP.
+
+Two network-namespace hosts. Host A serves a generated float32 llama (default ~3 GB) from a
+ModelStore behind the cluster's gRPC authentication, as a node does; host B runs fetch_layers
+for the first three quarters of its layers (chunked gRPC streams, sha256 per tensor, written to
+disk, journaled, published by a rename). In the same run, raw TCP between the same hosts: one
+socket, A sends the same number of bytes from memory, B reads them into a buffer and discards
+them, then again into a file fsync'd at the end (what this disk allows). Prints the throughputs
+and the ratios (target >= 0.8 of raw TCP). Needs root.
+
+    sudo .venv/bin/python benchmarks/transfer.py [--layers 16 --hidden 2048] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.netns import netns_mesh  # noqa: E402
+
+KEY = "benchmark-cluster-key"
+PORT, TCP_PORT = 8471, 8490
+
+SERVE = """
+import asyncio, sys, grpc
+from meshnode.control.auth import ClusterAuth
+from meshnode.data.transfer import ModelStore
+from meshnode.proto import mesh_pb2_grpc
+class S(mesh_pb2_grpc.MeshServicer):
+    def __init__(self, store): self.store = store
+    async def Manifest(self, r, c): return await self.store.Manifest(r, c)
+    async def Fetch(self, r, c):
+        async for x in self.store.Fetch(r, c): yield x
+async def main():
+    store = ModelStore(local_models={sys.argv[2]: sys.argv[1]}, chunk_size=int(sys.argv[5]))
+    await store.held(sys.argv[2])  # hash the manifest before the clock starts
+    srv = grpc.aio.server(interceptors=[ClusterAuth(sys.argv[3]).server_interceptor()],
+                          options=[("grpc.max_send_message_length", 64 << 20)])
+    mesh_pb2_grpc.add_MeshServicer_to_server(S(store), srv)
+    srv.add_insecure_port("0.0.0.0:%s" % sys.argv[4]); await srv.start()
+    print("ready", flush=True); await srv.wait_for_termination()
+asyncio.run(main())
+"""
+
+FETCH = """
+import asyncio, json, sys, time, grpc
+from meshnode.control.auth import ClusterAuth, SignedChannel
+from meshnode.data.transfer import fetch_layers
+async def main():
+    ch = SignedChannel(grpc.aio.insecure_channel(sys.argv[1], options=[("grpc.max_receive_message_length", 64 << 20)]),
+                       ClusterAuth(sys.argv[2]), "bench")
+    t0 = time.perf_counter()
+    r = await fetch_layers([("a", ch)], sys.argv[3], 0, int(sys.argv[4]), sys.argv[5], num_layers=int(sys.argv[6]),
+                           streams_per_peer=int(sys.argv[7]))
+    dt = time.perf_counter() - t0
+    print(json.dumps({"bytes": r.fetched_bytes, "seconds": dt}))
+asyncio.run(main())
+"""
+
+TCP_SEND = """
+import socket, sys
+n, buf = int(sys.argv[2]), memoryview(bytearray(4 << 20))
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept()
+while n > 0:
+    k = c.send(buf[:min(n, len(buf))]); n -= k
+c.close()
+"""
+
+TCP_RECV = """
+import json, os, socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf, got = bytearray(4 << 20), 0
+out = open(sys.argv[3], "wb") if len(sys.argv) > 3 else None
+t0 = time.perf_counter()
+while True:
+    k = c.recv_into(buf)
+    if not k: break
+    got += k
+    if out: out.write(memoryview(buf)[:k])
+if out:
+    out.flush(); os.fsync(out.fileno()); out.close(); os.unlink(sys.argv[3])
+print(json.dumps({"bytes": got, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def in_ns_json(host, code: str, *args: str, timeout: float = 1800) -> dict:
+    out = host.run([sys.executable, "-c", code, *map(str, args)], timeout=timeout, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def wait_ready(proc) -> None:
+    line = proc.stdout.readline()
+    if "ready" not in line:
+        raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+
+
+def raw_tcp(a, b, n: int, *to_file) -> dict:
+    """n bytes over one TCP socket from a to b, timed on b (into memory, or into a file)."""
+    import subprocess
+
+    sender = subprocess.Popen(a.exec_args([sys.executable, "-c", TCP_SEND, str(TCP_PORT), str(n)]),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        wait_ready(sender)
+        return in_ns_json(b, TCP_RECV, a.ip, TCP_PORT, *map(str, to_file))
+    finally:
+        sender.wait(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--chunk-kib", type=int, default=1024, help="Fetch chunk size (the node's default: 1024)")
+    ap.add_argument("--streams", type=int, default=2, help="streams per peer (the node's default: 2)")
+    ap.add_argument("--keep", type=Path, help="build (or reuse) the model here instead of a temporary folder")
+    args = ap.parse_args()
+    from meshnode.modelbuild import build_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="meshnode-transfer-"))
+    try:
+        model = (args.keep or tmp) / f"llama-{args.layers}x{args.hidden}"
+        if not (model / "config.json").is_file():
+            t0 = time.monotonic()
+            build_model(model, "llama", num_layers=args.layers, hidden_size=args.hidden,
+                        intermediate_size=int(args.hidden * 2.75), num_heads=16, num_kv_heads=8, dtype="float32")
+            print(f"built {model.name} in {time.monotonic() - t0:.0f} s")
+        size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        end = max(1, args.layers * 3 // 4)
+        print(f"model: {size / 2**30:.2f} GiB of weights; shard: layers [0, {end}) of {args.layers}")
+        with netns_mesh(2) as mesh:
+            a, b = mesh.hosts
+            server = a.popen([sys.executable, "-c", SERVE, str(model), model.name, KEY, str(PORT),
+                                 str(args.chunk_kib << 10)])
+            try:
+                time.sleep(0.5)
+                deadline = time.monotonic() + 300  # the first manifest hashes every tensor
+                fetched = None
+                while fetched is None:
+                    try:
+                        fetched = in_ns_json(b, FETCH, f"{a.ip}:{PORT}", KEY, model.name, end, tmp / "dest",
+                                             args.layers, args.streams)
+                    except RuntimeError as exc:
+                        if time.monotonic() > deadline:
+                            raise
+                        if "UNAVAILABLE" not in str(exc) and "no peer holds" not in str(exc):
+                            raise
+                        time.sleep(1)
+            finally:
+                mesh.stop(server)
+            shard = sum(f.stat().st_size for f in (tmp / "dest").glob("*.safetensors"))
+            shutil.rmtree(tmp / "dest")
+            raw, raw_disk = [raw_tcp(a, b, fetched["bytes"], *to) for to in ((), (tmp / "tcp.bin",))]
+        peer = fetched["bytes"] / fetched["seconds"]
+        tcp = raw["bytes"] / raw["seconds"]
+        print(f"shard on B's disk: {shard / 2**30:.2f} GiB")
+        print(f"peer transfer (fetch_layers, auth, sha256, to disk): {fetched['bytes'] / 2**30:.2f} GiB in "
+              f"{fetched['seconds']:.2f} s = {peer / 2**20:,.0f} MiB/s")
+        print(f"raw TCP, same hosts, same bytes, memory to memory: {raw['bytes'] / 2**30:.2f} GiB in "
+              f"{raw['seconds']:.2f} s = {tcp / 2**20:,.0f} MiB/s")
+        disk = raw_disk["bytes"] / raw_disk["seconds"]
+        print(f"raw TCP to disk (written, fsync'd at the end): {raw_disk['seconds']:.2f} s = {disk / 2**20:,.0f} MiB/s")
+        print(f"ratio to raw TCP to disk: {peer / disk:.3f}")
+        print(f"ratio: {peer / tcp:.3f} (target >= 0.8); chunks of {args.chunk_kib} KiB, {args.streams} "
+              f"streams, {len(__import__('os').sched_getaffinity(0))} CPUs")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

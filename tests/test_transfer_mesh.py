@@ -1,0 +1,209 @@
+"""Models from peers on real nodes in network namespaces: only one host holds the model on
+disk; the others start from its id alone, fetch its metadata and exactly their layers over
+authenticated gRPC, and the mesh answers as mlx_lm.generate does."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from meshnode.data.profile import profile_model
+from meshnode.modelbuild import build_model
+from tests.cluster import Cluster, mlx_reference, read_stream
+from tests.netns import netns_mesh
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
+MAX_TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("transfer") / "llama", "llama", num_layers=9, hidden_size=128,
+                       intermediate_size=512, dtype="float32", seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return mlx_reference(model, MESSAGES, MAX_TOKENS)
+
+
+def weights_on_disk(state: Path) -> int:
+    return sum(f.stat().st_size for f in (state / "cache").rglob("*.safetensors"))
+
+
+def stage_of(view, node):
+    return next((s["start_layer"], s["end_layer"]) for s in view["plan"]["stages"] if node in s["nodes"])
+
+
+def test_three_hosts_one_holds_the_model(model, reference, tmp_path):
+    total = profile_model(model).total_bytes(512)
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, model, tmp_path)
+        holder, *others = cluster.hosts
+        cluster.start(holder, int(total * 0.4))
+        for h in others:
+            cluster.start(h, int(total * 0.4), model=model.name)
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "convergence")
+        view = views[0]
+        assert len(view["plan"]["stages"]) == 3, view["plan"]
+        text = cluster.chat(cluster.host(view["plan"]["stages"][-1]["nodes"][0]), MESSAGES, MAX_TOKENS)
+        assert text == reference
+        for h in others:
+            start, end = stage_of(view, h.name)
+            on_disk = weights_on_disk(tmp_path / h.name)
+            assert 0 < on_disk < 0.75 * weights, (h.name, on_disk, weights)
+            me = next(n for n in cluster.mesh_view(h)["nodes"] if n["node_id"] == h.name)
+            assert [start, end] in me["holdings"][0]["layers"], me["holdings"]
+            assert me["holdings"][0]["complete"] is False
+        holder_view = next(n for n in view["nodes"] if n["node_id"] == holder.name)
+        assert holder_view["holdings"][0]["complete"] is True
+        log = (tmp_path / others[0].name / "node.log").read_text()
+        assert "fetched layers" in log
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    """~100 MB of float32 weights, so that a throttled transfer takes seconds."""
+    return build_model(tmp_path_factory.mktemp("transfer-big") / "llama", "llama", num_layers=8, hidden_size=512,
+                       intermediate_size=1536, num_heads=8, num_kv_heads=4, dtype="float32", seed=6)
+
+
+def _fetching(cluster, host):
+    """h's fetch progress once some tensors are in (verified and journaled) and many are not."""
+    p = cluster.mesh_view(host)["progress"]
+    return p if p and p["task"].startswith("fetching") and 0.2 * p["total"] < p["done"] < 0.7 * p["total"] else None
+
+
+def _two_sources_one_fetcher(mesh, cluster, total):
+    """a and b hold the model; c (largest budget) does not; the plan is {a, c}: c fetches from a
+    and b at once. Both sources send at 80 Mbit/s, so the transfer lasts seconds."""
+    a, b, c = cluster.hosts
+    for h in (a, b):
+        mesh.shape(h, rate="80mbit", burst="256kbit")
+    cluster.start(a, int(total * 0.3))
+    cluster.start(b, int(total * 0.3))
+    cluster.start(c, int(total * 0.75), model=cluster.model.name)
+    return a, b, c
+
+
+def test_source_killed_mid_transfer_completes_from_the_other(big_model, tmp_path):
+    total = profile_model(big_model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, big_model, tmp_path)
+        a, b, c = _two_sources_one_fetcher(mesh, cluster, total)
+        cluster.wait(lambda: _fetching(cluster, c), 90, "c fetching its layers")
+        mesh.kill(cluster.procs[b.name])
+        views = cluster.wait(lambda: cluster.converged([a, c], 2), 120, "a and c serving")
+        assert {s["nodes"][0] for s in views[0]["plan"]["stages"]} == {a.name, c.name}
+        log = (tmp_path / c.name / "node.log").read_text()
+        assert "fetched layers" in log, cluster.logs()
+        start, end = stage_of(views[0], c.name)
+        assert f"layers [{start}, {end})" in log
+        text = cluster.chat(a if views[0]["plan"]["stages"][-1]["nodes"][0] == a.name else c,
+                            MESSAGES, 8)
+        assert isinstance(text, str)
+
+
+def test_restarted_node_resumes_its_transfer(big_model, tmp_path):
+    total = profile_model(big_model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, big_model, tmp_path)
+        a, b, c = _two_sources_one_fetcher(mesh, cluster, total)
+        cluster.wait(lambda: _fetching(cluster, c), 90, "c fetching its layers")
+        mesh.kill(cluster.procs[c.name])
+        partial = list((tmp_path / c.name / "cache" / "peer-models").glob("*.partial"))
+        assert partial, "no partial folder left to resume from"
+        (tmp_path / c.name / "node.log").rename(tmp_path / c.name / "first.log")
+        cluster.start(c, int(total * 0.75), model=big_model.name)
+        cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving again")
+        log = (tmp_path / c.name / "node.log").read_text()
+        here = [float(line.split(" MiB already here")[0].rsplit(", ", 1)[-1]) for line in log.splitlines()
+                if "MiB already here" in line]
+        assert here and here[0] > 0, log[-3000:]  # the first fetch of the new process starts from the old one's
+        assert "fetched layers" in log
+
+
+def _corrupt_layers(model_dir: Path, layers: range) -> int:
+    """Flip one byte of every tensor of ``layers`` in place, keeping size and mtime, so the cached
+    manifest still vouches for the old bytes (bit rot after hashing): the peer serves bad data."""
+    from meshnode.data.manifest import build_manifest
+    from meshnode.data.profile import read_safetensors_header, weight_files
+
+    build_manifest(model_dir, model_dir.name)  # cached now, with the good digests
+    flipped = 0
+    for wf in weight_files(model_dir):
+        st = wf.stat()
+        with open(wf, "rb") as f:
+            base = 8 + int.from_bytes(f.read(8), "little")
+        with open(wf, "r+b") as f:
+            for name, info in read_safetensors_header(wf).items():
+                if any(f"layers.{i}." in name for i in layers):
+                    f.seek(base + int(info["data_offsets"][0]) + 5)
+                    byte = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                    flipped += 1
+        os.utime(wf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return flipped
+
+
+def test_corrupted_tensor_detected_refetched_elsewhere_logged(big_model, tmp_path):
+    from mlx_lm import generate, load
+
+    copy = tmp_path / "copy" / big_model.name
+    shutil.copytree(big_model, copy)
+    assert _corrupt_layers(copy, range(0, 8)) > 0
+    m, tok = load(str(big_model))
+    expected = generate(m, tok, prompt=tok.apply_chat_template(MESSAGES, add_generation_prompt=True), max_tokens=8)
+    del m
+    total = profile_model(big_model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, big_model, tmp_path)
+        a, b, c = cluster.hosts
+        cluster.start(a, int(total * 0.3))
+        cluster.start(b, int(total * 0.3), model=str(copy))  # same id and digest, bad bytes
+        cluster.start(c, int(total * 0.75), model=big_model.name)
+        views = cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving")
+        log = (tmp_path / c.name / "node.log").read_text()
+        bad = [line for line in log.splitlines() if f"peer {b.name}" in line and "sha256 mismatch" in line]
+        assert bad and "refetching elsewhere" in bad[0], cluster.logs()
+        head = cluster.host(views[0]["plan"]["stages"][-1]["nodes"][0])
+        assert cluster.chat(head, MESSAGES, 8) == expected  # only verified bytes were loaded
+
+
+FAILOVER_TOKENS = 240
+LONG = [{"role": "user", "content": "Tell me a very long story about the sea and the rivers."}]
+
+
+def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_path):
+    from mlx_lm import generate, load
+
+    model = build_model(tmp_path / "models" / "llama", "llama", num_layers=8, hidden_size=128,
+                        intermediate_size=256, dtype="float32", seed=3)  # a long answer (as in test_faults)
+    m, tok = load(str(model))
+    reference = generate(m, tok, prompt=tok.apply_chat_template(LONG, add_generation_prompt=True),
+                         max_tokens=FAILOVER_TOKENS)
+    assert len(reference) > 100
+    total = profile_model(model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, model, tmp_path)
+        a, b, c = cluster.hosts
+        cluster.start(a, int(total * 0.55))
+        cluster.start(b, int(total * 0.55))
+        cluster.start(c, int(total * 0.55), model=model.name)  # holds nothing: not in the first plan
+        views = cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving")
+        first, head = [s["nodes"][0] for s in views[0]["plan"]["stages"]]
+        assert c.name not in (first, head)
+        text, faulted = read_stream(cluster.stream(cluster.host(head), LONG, FAILOVER_TOKENS),
+                                    fault=lambda: mesh.kill(cluster.procs[first]))
+        assert faulted
+        assert text == reference, cluster.logs()
+        after = cluster.mesh_view(cluster.host(head))
+        assert c.name in [s["nodes"][0] for s in after["plan"]["stages"]]
+        assert "fetched layers" in (tmp_path / c.name / "node.log").read_text()
