@@ -78,6 +78,13 @@ def wait_healthy(url: str, timeout: float = 120) -> None:
     raise TimeoutError(f"{url} never became healthy")
 
 
+def sse_events(response):
+    """The JSON events of a server-sent event stream (``data: [DONE]`` and blank lines skipped)."""
+    for line in response:
+        if line.startswith(b"data: {"):
+            yield json.loads(line[6:])
+
+
 def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3) -> tuple[float, int]:
     """Decode tokens/s seen by an HTTP streaming client (best of ``repeats``), and tokens generated.
 
@@ -94,10 +101,7 @@ def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3) 
                                      headers={"Content-Type": "application/json"})
         first = last = None
         with urllib.request.urlopen(req, timeout=600) as r:
-            for line in r:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
+            for event in sse_events(r):
                 if event.get("usage"):
                     count = event["usage"]["completion_tokens"]
                     continue

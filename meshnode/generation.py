@@ -2,31 +2,37 @@
 
 :class:`PipelineModel` looks like an mlx-lm model to ``mlx_lm.generate.generate_step``: calling
 it runs the request's slice through every stage in order (local shards, or remote stages over
-gRPC) and returns the last stage's logits. mlx-lm keeps doing what it already does: chunked
-prefill, sampling (temperature, top_p), and the generation loop.
+gRPC) and returns the last stage's logits. mlx-lm keeps doing what it already does: sampling
+(temperature, top_p) and the generation loop. The prompt (all but its last token) is prefilled
+first with its chunks pipelined through the stages (meshnode.prefill).
 
-:class:`TokenScheduler` owns the one thread that runs MLX work. It advances every active
-generation by one token in turn (round robin), so concurrent requests share the node fairly
-and never interleave their caches.
+:class:`TokenScheduler` runs all MLX work of the node one piece at a time (:class:`Baton`). Each
+generation has its own thread and gives the baton up while a remote stage works on its
+activation, so concurrent generations overlap across the stages; they take turns a token each
+(fairness) and each keeps its own caches.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
 import secrets
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from meshnode.data.shard import Shard
+from meshnode.prefill import ChunkSizer, DoneTicket, pipelined_prefill
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +61,22 @@ class StageHandle(Protocol):
 
 
 class LocalSession:
+    remote = False
+
     def __init__(self, shard: Shard):
         self._shard = shard
         self._cache = shard.make_cache()
+
+    def submit(self, x: mx.array) -> DoneTicket:
+        """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters."""
+        out = self._shard.forward(x, self._cache)
+        if self._shard.spec.is_last:
+            owned = getattr(self._shard, "owned", None)
+            # As mlx-lm's own prefill: evaluate the cache, never the chunk's logits.
+            mx.eval([c.state for c in owned(self._cache)] if owned is not None else out)
+        else:
+            mx.eval(out)
+        return DoneTicket(out, x.shape[1])
 
     def forward(self, x: mx.array) -> mx.array:
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
@@ -128,6 +147,15 @@ class PipelineModel:
             x = session.forward(x)
         return x
 
+    def prefill(self, tokens: Sequence[int], options: PrefillOptions) -> int:
+        """Run ``tokens`` through every stage, chunks pipelined (meshnode.prefill); the number of chunks."""
+        sessions = self.state.sessions
+        sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk)
+        chunks = pipelined_prefill(sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield)
+        log.debug("%s: prefilled %d tokens in %d chunks through %d stages", self._request_id, len(tokens), chunks,
+                  len(sessions))
+        return chunks
+
     def close(self) -> None:
         if self.state is not None:
             self.state.close()
@@ -156,21 +184,43 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
     return sample
 
 
+@dataclass(frozen=True)
+class PrefillOptions:
+    """Pipelined prefill (meshnode.prefill): on, and the longest a stage's step may run."""
+
+    pipelined: bool = True
+    max_step: float = 0.5  # seconds
+    max_chunk: int = 512  # positions in one message (the stages refuse more)
+
+
 def generate_tokens(
     model: PipelineModel,
     prompt: Sequence[int],
     params: SamplingParams,
     *,
     prefill_step_size: int = 512,
+    prefill: PrefillOptions | None = None,
 ) -> Iterator[int]:
-    """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end."""
+    """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
+
+    With pipelined prefill, every prompt token but the last first streams through the stages in
+    chunks (meshnode.prefill); generate_step then gets the filled cache and the last token, and
+    samples and decodes exactly as it does for a prompt it prefilled itself.
+    """
     sampler = make_request_sampler(params)
     try:
+        ids = list(prompt)
+        cache = None
+        if prefill is not None and prefill.pipelined and len(ids) > 1:
+            cache = model.make_cache()
+            model.prefill(ids[:-1], prefill)
+            ids = ids[-1:]
         for token, _ in generate_step(
-            mx.array(list(prompt), dtype=mx.uint32),
+            mx.array(ids, dtype=mx.uint32),
             model,
             max_tokens=params.max_tokens,
             sampler=sampler,
+            prompt_cache=cache,
             prefill_step_size=prefill_step_size,
         ):
             yield int(token)
@@ -209,22 +259,123 @@ class TokenJob:
             self.cancelled.set()
 
 
+_held = threading.local()
+
+
+class Baton:
+    """The right to run MLX work on this node: one thread at a time, handed on in FIFO order.
+
+    Each generation runs on its own thread but computes only while holding the baton; it lets go
+    while it waits for a remote stage, so another generation computes meanwhile (overlapped
+    decoding), and after every token, so generations take turns (fairness).
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue: deque[object] = deque()
+        self._busy = False
+
+    def acquire(self) -> None:
+        ticket = object()
+        with self._cond:
+            self._queue.append(ticket)
+            while self._busy or self._queue[0] is not ticket:
+                self._cond.wait()
+            self._queue.popleft()
+            self._busy = True
+        _held.baton = self
+
+    def release(self) -> None:
+        _held.baton = None
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def pass_on(self, settle: Callable[[], None] | None = None) -> None:
+        """Let every thread already waiting go first, then take the baton back.
+
+        ``settle`` runs first (only when someone waits): it finishes the work this thread left
+        running, so the next holder gets the processor to itself and work finishes in turn
+        (first come, first done) instead of sharing it and everything finishing late.
+        """
+        with self._cond:
+            waiting = bool(self._queue)
+        if waiting:
+            if settle is not None:
+                settle()
+            self.release()
+            self.acquire()
+
+    @contextlib.contextmanager
+    def holding(self):
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+@contextlib.contextmanager
+def mlx_idle():
+    """While waiting (on the network), let other generations run MLX work."""
+    baton = getattr(_held, "baton", None)
+    if baton is None:
+        yield
+        return
+    baton.release()
+    try:
+        yield
+    finally:
+        baton.acquire()
+        _held.idled = True
+
+
+def mlx_yield() -> None:
+    """Let generations that are waiting for the MLX thread take a turn."""
+    baton = getattr(_held, "baton", None)
+    if baton is not None:
+        baton.pass_on()
+
+
+def _settle_generation() -> None:
+    mx.synchronize(generation_stream)
+
+
+def _wait_idle(futures: list[concurrent.futures.Future], timeout: float) -> None:
+    with mlx_idle():
+        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+
 class TokenScheduler:
-    """Runs all MLX work on one thread, one token per active generation in turn."""
+    """Runs all MLX work of this node, one piece at a time (:class:`Baton`).
+
+    Every generation gets a thread that advances it one token at a time, holding the baton
+    while it computes and letting go while a remote stage works on its activation; one-off calls
+    (a stage's step for another node's generation, loading a shard) run on the scheduler's own
+    thread, also under the baton.
+    """
 
     def __init__(self, name: str = "meshnode-mlx"):
         self._inbox: queue.Queue[TokenJob | _Call | None] = queue.Queue()
+        self._baton = Baton()
+        self._name = name
+        self._jobs: set[TokenJob] = set()
+        self._jobs_lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._active = 0
         self._thread.start()
 
     @property
     def active(self) -> int:
-        return self._active
+        return len(self._jobs)
 
     def submit(self, tokens: Iterator[int]) -> TokenJob:
         job = TokenJob(tokens, asyncio.get_running_loop())
-        self._inbox.put(job)
+        with self._jobs_lock:
+            if self._stopped:
+                raise RuntimeError("the scheduler is stopped")
+            self._jobs.add(job)
+        threading.Thread(target=self._drive, args=(job,), name=f"{self._name}-gen", daemon=True).start()
         return job
 
     def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
@@ -235,45 +386,56 @@ class TokenScheduler:
         return future
 
     def stop(self) -> None:
+        with self._jobs_lock:
+            self._stopped = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancelled.set()
+            job._put(_END)
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        active: list[TokenJob] = []
         while True:
-            # Block only when idle; otherwise pick up newcomers between tokens.
-            try:
-                while True:
-                    job = self._inbox.get(block=not active)
-                    if job is None:
-                        for j in active:
-                            j.tokens.close()
-                            j._put(_END)
-                        return
-                    if isinstance(job, _Call):
-                        job.run()
-                    else:
-                        active.append(job)
-            except queue.Empty:
-                pass
-            self._active = len(active)
-            for job in list(active):
-                if job.cancelled.is_set():
-                    job.tokens.close()
-                    active.remove(job)
-                    continue
+            call = self._inbox.get()
+            if call is None:
+                return
+            with self._baton.holding():
+                call.run()
+
+    def _drive(self, job: TokenJob) -> None:
+        """One generation's thread: a token at a time, each computed holding the baton."""
+        self._baton.acquire()
+        try:
+            while not job.cancelled.is_set():
                 try:
                     token = next(job.tokens)
                 except StopIteration:
                     job._put(_END)
-                    active.remove(job)
+                    return
                 except Exception as exc:  # the failure belongs to this request only
                     log.warning("generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
                     job._put(exc)
-                    active.remove(job)
+                    return
+                job._put(token)
+                if getattr(_held, "idled", False):
+                    # This token waited on a remote stage and queued for the baton again after
+                    # it: the others already had their turn, and this generation goes on to send
+                    # its next activation as soon as its own step is done.
+                    _held.idled = False
                 else:
-                    job._put(token)
-            self._active = len(active)
+                    # All stages local: the others' turn, a token each. generate_step left this
+                    # request's next step running (async_eval); it finishes first.
+                    self._baton.pass_on(_settle_generation)
+        finally:
+            try:
+                job.tokens.close()
+            except Exception:  # closing must not mask the outcome already sent
+                log.debug("closing a generation failed", exc_info=True)
+            finally:
+                self._baton.release()
+                with self._jobs_lock:
+                    self._jobs.discard(job)
 
 
 class _Call:
@@ -318,15 +480,18 @@ class PipelineSource:
         stages: Callable[[], Sequence[StageHandle]],
         *,
         prefill_step_size: int = 512,
+        prefill: PrefillOptions | None = None,
     ):
         self._scheduler = scheduler
         self._stages = stages
         self._prefill_step_size = prefill_step_size
+        self._prefill = prefill
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         model = PipelineModel(self._stages(), new_request_id())
         job = self._scheduler.submit(
-            generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size)
+            generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
+                            prefill=self._prefill)
         )
         async for token in job:
             yield token

@@ -1,0 +1,81 @@
+"""Pipelined prefill and the baton, in one process: chunk sizes, tokens equal to mlx-lm's, turns.
+
+The real-stage versions (gRPC between `meshnode run` processes) are in tests/test_speed_paths.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from meshnode.data.shard import Shard
+from meshnode.generation import (Baton, LocalStage, PipelineModel, PrefillOptions, SamplingParams, generate_tokens,
+                                 mlx_idle)
+from meshnode.modelbuild import build_model
+from meshnode.prefill import CHUNKS_PER_STAGE, MIN_CHUNK, ChunkSizer
+
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(300)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def model(request, tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("prefill") / request.param, request.param, num_layers=6,
+                       hidden_size=64, dtype="float32")
+
+
+def test_chunks_fit_the_step_limit_and_fill_the_pipe():
+    sizer = ChunkSizer(2, max_step=0.1, max_chunk=512)
+    assert sizer.next(1000, 1000) == 64  # nothing timed yet: a modest first chunk
+    sizer.observe(0, 64, 0.064)  # 1 ms per position: 100 positions fit in 0.1 s
+    assert sizer.next(1000, 1000) == 100
+    assert sizer.next(1000, 400) == 400 // (CHUNKS_PER_STAGE * 2)  # several chunks per stage
+    assert sizer.next(7, 1000) == 7  # never past the prompt
+    sizer.observe(1, 10, 10.0)  # a very slow stage: the smallest chunk, never zero
+    assert sizer.next(1000, 1000) == MIN_CHUNK
+    assert ChunkSizer(1, max_step=10, max_chunk=32).next(1000, 1000) == 32  # the stages' message limit
+
+
+def test_pipelined_prefill_gives_mlx_lm_tokens(model):
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    m, _ = load(str(model))
+    ref = [int(t) for t, _ in generate_step(mx.array(PROMPT, dtype=mx.uint32), m, max_tokens=16)]
+    stages = [LocalStage(Shard(model, a, b)) for a, b in ((0, 2), (2, 3), (3, 6))]
+    for options in (PrefillOptions(max_step=0.5), PrefillOptions(max_step=1e-6, max_chunk=64),
+                    PrefillOptions(pipelined=False)):
+        got = list(generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=16),
+                                   prefill=options))
+        assert got == ref, options
+
+
+def test_baton_one_holder_in_turn_and_free_while_waiting():
+    baton, inside, log, overlaps = Baton(), [], [], []
+
+    def worker(name):
+        baton.acquire()
+        try:
+            for _ in range(3):
+                inside.append(name)
+                time.sleep(0.002)
+                if inside != [name]:  # somebody else held it meanwhile
+                    overlaps.append(list(inside))
+                inside.remove(name)
+                log.append(name)
+                with mlx_idle():  # "waiting on the network": another thread may compute
+                    time.sleep(0.01)
+                baton.pass_on()
+        finally:
+            baton.release()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(log) == ["a"] * 3 + ["b"] * 3 and not overlaps
+    # Each lets go while it waits, so the two interleave instead of running one after the other.
+    assert log != ["a"] * 3 + ["b"] * 3 and log != ["b"] * 3 + ["a"] * 3
