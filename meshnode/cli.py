@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from meshnode import __version__
 from meshnode.config import ConfigError, Settings, load_settings
+from meshnode.status import format_status, status_exit_code
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--encrypt", action="store_const", const=True, dest="encrypt",
                      help="encrypt gRPC between nodes (mutual TLS from the cluster key, so it needs one)")
     run.add_argument("--no-mdns", action="store_const", const=False, dest="mdns", help="do not use mDNS")
+    run.add_argument("--strategy", choices=("auto", "single", "pipeline", "tensor", "hybrid"),
+                     help="how the coordinator splits the model (default auto: the least estimated time per token)")
     run.add_argument("--max-context", metavar="N", help="tokens of KV cache reserved per request (default 4096)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
     run.add_argument("--cache-dir", metavar="DIR", help="folder for cached models")
@@ -82,11 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="show a running node's view of the mesh",
         description=(
-            "Ask a node for GET /v1/mesh and summarise it. Exit status: 0 healthy, 1 answered but not "
-            "healthy (or refused), 2 unreachable."
+            "Ask a node for GET /v1/mesh and summarise it: this node, its peers, the coordinator, the plan, "
+            "the measured links and its health. Exit status: 0 healthy (serving, and every peer that mDNS "
+            "announces answers), 1 answered but not healthy (or refused), 2 no node answered."
         ),
     )
-    status.add_argument("--url", help=f"the node's HTTP address (default {DEFAULT_STATUS_URL})")
+    status.add_argument("--url", help=f"the node's HTTP address (default: from the node's config, else "
+                                      f"{DEFAULT_STATUS_URL})")
+    status.add_argument("--config", metavar="FILE", type=Path,
+                        help="the node's config file, for its port and API key (default: $MESHNODE_CONFIG, "
+                             "else the installed service's)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait (default 3)")
     status.add_argument("--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
@@ -111,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Write the service (a per-user LaunchAgent / systemd user unit; --system: a LaunchDaemon / "
             "system unit) running `meshnode run --config FILE`, create FILE with a new cluster key unless "
-            "it exists (the key is printed once), and start the service at once and at every boot."
+            "it exists (the key is printed once; on the next machines, give the first one's key in "
+            "MESHNODE_CLUSTER_KEY instead), and start the service at once and at every boot."
         ),
     )
     uninstall = sub.add_parser(
@@ -176,7 +185,7 @@ def setup_logging(settings: Settings, stream=None) -> None:
 
 _RUN_FLAGS = (
     "model", "host", "http_port", "grpc_port", "node_id", "cluster_key", "memory_budget", "peers", "mdns",
-    "encrypt", "max_context", "state_dir", "cache_dir", "log_level",
+    "encrypt", "strategy", "max_context", "state_dir", "cache_dir", "log_level",
 )
 
 
@@ -222,87 +231,28 @@ def _fetch_json(url: str, timeout: float, api_key: str | None) -> tuple[int, Any
         return code, None
 
 
-def _gib(n: Any) -> str:
-    try:
-        return f"{float(n) / 2**30:.1f} GiB"
-    except (TypeError, ValueError):
-        return "?"
+def _service_config() -> Path | None:
+    """The config file of the installed service (``meshnode install``): per-user first, then the
+    system's, whichever exists and can be read; None when there is none."""
+    from meshnode import service
 
-
-def status_exit_code(data: Any) -> int:
-    """0 when the node reports itself healthy (or, without a ``healthy`` key, has a plan), else 1."""
-    if not isinstance(data, dict):
-        return EXIT_FAIL
-    if "healthy" in data:
-        return EXIT_OK if data["healthy"] is True else EXIT_FAIL
-    return EXIT_OK if data.get("plan") else EXIT_FAIL
-
-
-def format_status(data: dict[str, Any]) -> str:
-    """A human summary of a /v1/mesh document."""
-    lines: list[str] = []
-    me = data.get("node_id", "?")
-    healthy = data.get("healthy")
-    state = "healthy" if healthy is True else "NOT healthy" if healthy is False else "unknown health"
-    lines.append(f"node         {me}  (meshnode {data.get('version', '?')}, {state})")
-    if data.get("model"):
-        lines.append(f"model        {data['model']}")
-    coordinator = data.get("coordinator")
-    lines.append(f"coordinator  {coordinator if coordinator else '(none yet)'}")
-    epoch = data.get("epoch")
-    ready = data.get("ready_epoch")
-    epoch_text = "-" if epoch is None else str(epoch)
-    if ready is not None and ready != epoch:
-        epoch_text += f" (ready: {ready})"
-    lines.append(f"epoch        {epoch_text}")
-    plan = data.get("plan")
-    if isinstance(plan, dict) and plan.get("stages") is not None:
-        strategy = plan.get("strategy") or "plan"
-        head = f"plan         {strategy}, epoch {plan.get('epoch', '?')}"
-        if plan.get("max_context"):
-            head += f", max context {plan['max_context']}"
-        lines.append(head)
-        for stage in plan.get("stages") or []:
-            start, end = stage.get("start_layer"), stage.get("end_layer")
-            nodes = stage.get("nodes") or []
-            where = " + ".join(str(n) for n in nodes) or "?"
-            if isinstance(start, int) and isinstance(end, int) and end > start:
-                span = f"layers {start}–{end - 1}"
-            else:
-                span = f"layers {start}–{end}"
-            lines.append(f"  {span} on node {where}")
-        if plan.get("reason"):
-            lines.append(f"  why: {plan['reason']}")
-    else:
-        lines.append("plan         (none)")
-    if data.get("plan_error"):
-        lines.append(f"plan error   {data['plan_error']}")
-    nodes = data.get("nodes") or []
-    lines.append(f"nodes        {len(nodes)}")
-    for node in nodes:
-        if not isinstance(node, dict):
+    for system in (False, True):
+        try:
+            path = service.layout(service.host_platform(), system=system).config_file
+            if path.is_file() and os.access(path, os.R_OK):
+                return path
+        except (OSError, KeyError, ValueError):
             continue
-        nid = node.get("node_id", "?")
-        marks = []
-        if nid == me:
-            marks.append("this node")
-        if node.get("role") == "coordinator" or nid == coordinator:
-            marks.append("coordinator")
-        address = node.get("address") or ""
-        if address and node.get("http_port"):
-            address = f"{address}:{node['http_port']}"
-        memory = f"offers {_gib(node.get('memory_budget'))} of {_gib(node.get('total_memory'))}"
-        compute = node.get("compute")
-        compute_text = f", {compute:.0f} GFLOP/s" if isinstance(compute, (int, float)) else ""
-        extra = f"  [{', '.join(marks)}]" if marks else ""
-        lines.append(f"  {nid}  {address}  {memory}{compute_text}{extra}".rstrip())
-    return "\n".join(lines)
+    return None
 
 
-def _default_status_url() -> tuple[str, str | None]:
-    """(URL, api key) from the environment's settings, when they can be read; else the defaults."""
+def _default_status_url(config: Path | None = None) -> tuple[str, str | None]:
+    """(URL, api key) from the settings the node runs with: ``config``, else $MESHNODE_CONFIG,
+    else the installed service's config file, and the environment; the defaults if unreadable."""
+    if config is None and not os.environ.get("MESHNODE_CONFIG"):
+        config = _service_config()
     try:
-        settings = load_settings()
+        settings = load_settings(config)
     except ConfigError:
         return DEFAULT_STATUS_URL, os.environ.get("MESHNODE_API_KEY") or None
     host = settings.host
@@ -315,7 +265,7 @@ def _default_status_url() -> tuple[str, str | None]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    default_url, default_key = _default_status_url()
+    default_url, default_key = _default_status_url(args.config)
     base = (args.url or default_url).rstrip("/")
     if "://" not in base:
         base = "http://" + base
@@ -359,7 +309,7 @@ def _bandwidth(value: Any) -> float:
 
 
 def load_cluster(path: Path):
-    """(nodes, links) from a cluster file: ``[[node]]`` id, memory, layer_ms?, compute?;
+    """(nodes, links) from a cluster file: ``[[node]]`` id, memory, layer_ms?, collective_us?, compute?;
     ``[[link]]`` a, b, rtt_us, bandwidth. Raises ValueError saying what is wrong."""
     import tomllib
 
@@ -373,12 +323,14 @@ def load_cluster(path: Path):
     nodes, links = [], {}
     for i, raw in enumerate(data.get("node") or []):
         try:
-            layer_ms = raw.get("layer_ms")
+            layer_ms, coll_us = raw.get("layer_ms"), raw.get("collective_us")
             nodes.append(NodeSpec(node_id=str(raw["id"]), memory_budget=parse_size(raw["memory"]),
                                   compute=float(raw.get("compute", 1.0)),
-                                  layer_seconds=float(layer_ms) / 1e3 if layer_ms else None))
+                                  layer_seconds=float(layer_ms) / 1e3 if layer_ms else None,
+                                  collective_s=float(coll_us) / 1e6 if coll_us else None))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: node {i + 1} needs id and memory (and numbers for layer_ms, compute): "
+            raise ValueError(f"{path}: node {i + 1} needs id and memory (and numbers for layer_ms, collective_us, "
+                             f"compute): "
                              f"{exc}") from None
     for i, raw in enumerate(data.get("link") or []):
         try:
@@ -397,13 +349,15 @@ def cluster_from_mesh(data: dict[str, Any]):
 
     nodes, links = [], {}
     for raw in data.get("nodes") or []:
-        layer = float(raw.get("layer_seconds") or 0)
+        layer, coll = float(raw.get("layer_seconds") or 0), float(raw.get("collective_seconds") or 0)
         nodes.append(NodeSpec(node_id=str(raw["node_id"]), memory_budget=int(raw.get("memory_budget") or 0),
-                              compute=float(raw.get("compute") or 1.0), layer_seconds=layer if layer > 0 else None))
+                              compute=float(raw.get("compute") or 1.0), layer_seconds=layer if layer > 0 else None,
+                              collective_s=coll if coll > 0 else None))
         for link in raw.get("links") or []:
             try:
                 key = tuple(sorted((str(raw["node_id"]), str(link["peer"]))))
-                spec = LinkSpec(float(link["rtt_us"]) / 1e6, float(link["bandwidth"]))
+                rtt, rpc = float(link["rtt_us"]) / 1e6, float(link.get("rpc_rtt_us") or 0) / 1e6
+                spec = LinkSpec(rtt, float(link["bandwidth"]), max(rpc - rtt, 0.0))
             except (KeyError, TypeError, ValueError):
                 continue
             if key not in links or spec.rtt_s < links[key].rtt_s:
@@ -479,14 +433,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# --------------------------------------------------------------------------- later
-
-
-def cmd_not_implemented(args: argparse.Namespace) -> int:
-    print(f"meshnode {args.command}: not implemented yet", file=sys.stderr)
-    return EXIT_USAGE
-
-
 # --------------------------------------------------------------------------- install, uninstall
 
 
@@ -531,7 +477,13 @@ def cmd_install(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"meshnode install: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return _service_apply(args, service.plan_install(lay, executable, dry_run=args.dry_run), uninstall=False)
+    try:
+        act = service.plan_install(lay, executable, dry_run=args.dry_run,
+                                   cluster_key=os.environ.get("MESHNODE_CLUSTER_KEY") or None)
+    except FileNotFoundError as exc:  # the templates are missing from this installation
+        print(f"meshnode install: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    return _service_apply(args, act, uninstall=False)
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:

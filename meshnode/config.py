@@ -235,6 +235,20 @@ def _peers(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _origins(value: Any) -> tuple[str, ...]:
+    """Web origins allowed to call the API from a browser: "*" or "scheme://host[:port]" each."""
+    if isinstance(value, str):
+        items = [p for p in re.split(r"[,\s]+", value) if p]
+    elif isinstance(value, (list, tuple)):
+        items = [_str(v) for v in value]
+    else:
+        raise ValueError(f"expected a list of origins, got {value!r}")
+    for item in items:
+        if item != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", item):
+            raise ValueError(f"expected \"*\" or an origin like \"https://host:port\", got {item!r}")
+    return tuple(dict.fromkeys(items))
+
+
 def _log_level(value: Any) -> str:
     s = _str(value).strip().upper()
     if s == "WARN":
@@ -278,6 +292,7 @@ def _positive_duration(value: Any) -> float:
 
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
+ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": _optional(_str),
@@ -292,6 +307,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "memory_fraction": _range(_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
     "max_context": _positive_int,
     "prefill_step_size": _positive_int,
+    "pipelined_prefill": parse_bool,
+    "max_step_ms": _range(_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": _positive_int,
     "default_max_tokens": _positive_int,
     "max_body_bytes": _range(parse_size, lambda n: n >= 1, "a positive size"),
@@ -307,11 +324,12 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "group_ready_timeout": _positive_duration,
     "link_probe_interval": _positive_duration,
     "inject_latency_us": _range(_float, lambda f: 0 <= f <= 1e6, "microseconds from 0 to 1000000"),
-    "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - 2 * TENSOR_PORTS,
-                          f"a port from 0 to {65535 - 2 * 16}"),
+    "tensor_port": _range(_int, lambda n: 0 <= n <= 65535 - 2 * TENSOR_PORTS - 1,
+                          f"a port from 0 to {65535 - 2 * 16 - 1}"),
     "state_dir": _optional(_path),
     "cache_dir": _optional(_path),
     "api_key": _optional(_str),
+    "cors_origins": _origins,
     "log_level": _log_level,
 }
 
@@ -373,6 +391,11 @@ class Settings:
     #: Tokens of KV cache a plan reserves per request.
     max_context: int = 4096
     prefill_step_size: int = 512
+    #: Prefill a prompt in chunks that flow through the stages like an assembly line.
+    pipelined_prefill: bool = True
+    #: The longest one stage's step of a prefill may run (chunks are sized to fit; Apple's GPU
+    #: watchdog kills a command that runs too long).
+    max_step_ms: float = 500.0
     #: The largest max_tokens a request may ask for.
     max_tokens_limit: int = 4096
     default_max_tokens: int = 512
@@ -388,16 +411,19 @@ class Settings:
     #: Seconds a plan stays before the coordinator moves to a better one (a node joined).
     rebalance_dwell: float = 5.0
     #: How the coordinator splits the model: auto (lowest estimated time per token), or force
-    #: single, pipeline, tensor or hybrid.
+    #: single, pipeline, tensor or hybrid (a preference: where it is impossible, e.g. tensor with one
+    #: node left, the mesh serves the auto plan rather than nothing, and says so in the log).
     strategy: str = "auto"
-    #: First of 32 TCP ports for tensor-parallel groups (mx.distributed ring and control); 0 = grpc_port + 1.
+    #: First of 33 TCP ports for tensor-parallel groups (mx.distributed ring and control) and the link
+    #: echo (the last); 0 = grpc_port + 1.
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load its layers before its worker is stopped.
     group_ready_timeout: float = 300.0
     #: Seconds between measurements of the link to each peer (RTT, jitter, bandwidth).
     link_probe_interval: float = 30.0
     #: Tests and benchmarks only: microseconds added to every reply this node sends on the data
-    #: path (Forward) and to link probes, as a slower link would. 0 in real use.
+    #: path (Forward), to link probes and echoes, and to each collective of its tensor groups, as a
+    #: link with that much more round-trip time would. 0 in real use.
     inject_latency_us: float = 0.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
@@ -405,6 +431,8 @@ class Settings:
     cache_dir: Path | None = None
     #: Optional Bearer key for the HTTP API. Never logged.
     api_key: str | None = field(default=None, repr=False)
+    #: Web pages of these origins may call the API from a browser (CORS); empty = none may.
+    cors_origins: tuple[str, ...] = ()
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ locally, the others ask the head for tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -21,6 +22,7 @@ import signal
 import time
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,26 +32,35 @@ from mlx_lm.utils import load_config, load_tokenizer
 from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
 from meshnode.api.validation import ApiError, Limits
-from meshnode.config import TENSOR_PORTS, Settings
+from meshnode.config import ECHO_OFFSET, TENSOR_PORTS, Settings
 from meshnode.control.auth import ClusterAuth, SignedChannel
 from meshnode.control import tls
+from meshnode.control.echo import EchoServer
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
 from meshnode.control.election import Candidate, choose_coordinator, next_epoch
-from meshnode.control.links import LinkProber, LinkStat, best as best_link, probe_reply
+from meshnode.control.links import LinkProber, LinkStat, best_paths, probe_reply, ring_address
 from meshnode.control.membership import Membership
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_from_pb, plan_to_pb
-from meshnode.control.planner import NodeSpec, Plan, PlanError, plan as make_plan
-from meshnode.data.compute import layer_seconds
+from meshnode.control.reachability import Reachability
+from meshnode.control.planner import (LinkSpec, NodeSpec, Plan, PlanError, estimate as plan_estimate,
+                                      plan as make_plan, supports_tensor)
+from meshnode.data.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.data.profile import ModelProfile, profile_model
 from meshnode.data.shard import Shard
+from meshnode.data.holdings import holdings_to_json, layers_of
+from meshnode.data.manifest import read_marker
+from meshnode.data.sourcing import LayerSource, cached_metadata, holdings_of, metadata_from_peers
+from meshnode.data.transfer import FetchError, ModelStore
+from meshnode.control.browse import Browser
 from meshnode.data.stage import RemoteStage, StageError, StageServer
 from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.engine import Engine
-from meshnode.generation import LocalStage, PipelineSource, SamplingParams, TokenScheduler, new_request_id
+from meshnode.generation import (LocalStage, PipelineSource, PrefillOptions, SamplingParams, TokenScheduler,
+                                 new_request_id)
 from meshnode.identity import cluster_id as derive_cluster_id
 from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import NodeMetrics, Progress
-from meshnode.modelsource import resolve_model
+from meshnode.modelsource import ModelNotFound, resolve_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.resilience import FailoverSource, NotReady, PlacementLost
 from meshnode import sysinfo
@@ -57,6 +68,13 @@ from meshnode import sysinfo
 log = logging.getLogger(__name__)
 
 MAX_GRPC_MESSAGE = 64 * 2**20
+# A working plan is replaced only by one estimated this much faster per token (hysteresis).
+REPLAN_GAIN = 0.15
+# A node whose all-reduce cost is not measured yet is assumed this slow (above what a Linux CPU
+# box measures): tensor groups must prove themselves rather than be formed on a guess.
+UNMEASURED_COLLECTIVE_S = 250e-6
+# How long a node configured with a model it does not hold waits for a peer that holds it.
+MODEL_WAIT_S = 300.0
 
 
 def _unavailable(message: str, retry_after: int = 2, code: str = "mesh_unavailable") -> ApiError:
@@ -70,14 +88,17 @@ class HeadPlacement:
         self.epoch = plan.epoch
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         handles = node.stage_handles(plan)
-        self._source = PipelineSource(node.scheduler, lambda: handles,
-                                      prefill_step_size=node.settings.prefill_step_size)
+        s = node.settings
+        prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
+                                 max_chunk=s.prefill_step_size)
+        self._source = PipelineSource(node.scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
+                                      prefill=prefill)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         try:
             async for token in self._source.tokens(prompt, params):
                 yield token
-        except StageError as exc:
+        except (StageError, TensorGroupError) as exc:
             raise PlacementLost(str(exc)) from None
 
 
@@ -144,6 +165,13 @@ class MeshServicer(mesh_pb2_grpc.MeshServicer):
         async for reply in self.node.on_generate(request, context):
             yield reply
 
+    async def Manifest(self, request, context):
+        return await self.node.store.Manifest(request, context)
+
+    async def Fetch(self, request, context):
+        async for chunk in self.node.store.Fetch(request, context):
+            yield chunk
+
 
 class Backend:
     """What the HTTP API asks of the node."""
@@ -188,6 +216,8 @@ class Node:
         self.profile: ModelProfile | None = None
         self.tokenizer = None
         self.vocab_size = 0
+        self.store: ModelStore | None = None  # serves held models to peers (Manifest/Fetch)
+        self.layer_source: LayerSource | None = None  # folders holding layer ranges, fetched when missing
         # Control plane state
         self.me: NodeInfo | None = None
         self.membership: Membership | None = None
@@ -202,6 +232,9 @@ class Node:
         self.max_epoch_seen = 0
         self.ready_epoch = 0
         self._planned_for: frozenset[str] = frozenset()
+        self._planned_at = 0.0  # when the coordinator last weighed a plan
+        self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
+        self._forced_note = ""  # why the configured strategy could not be used, last said
         # What this node holds, by stage key (see _stage_key): Shards, and its member of each
         # tensor group (a TensorShard supervising a worker process).
         self.shards: dict[tuple, Shard | TensorShard] = {}
@@ -220,9 +253,13 @@ class Node:
         self.events: list[dict[str, Any]] = []
         self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
         self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
-        self.metrics = NodeMetrics(epoch=lambda: self.epoch)  # GET /metrics, and figures in /v1/mesh
+        self.metrics = NodeMetrics(epoch=lambda: self.epoch,  # GET /metrics, and figures in /v1/mesh
+                                   unreachable=lambda: len(self.reach.unreachable()))
         self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
+        self._echo: EchoServer | None = None  # lets peers time the network without the RPC stack
         self._goodbyes: set[str] = set()  # peers that said goodbye (leave), as opposed to lost
+        # Peers mDNS announces but heartbeats never reach (macOS Local Network privacy, a firewall).
+        self.reach = Reachability(grace=max(10.0, 5 * settings.failure_timeout))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -234,17 +271,27 @@ class Node:
                                         inject_latency=self.settings.inject_latency_us * 1e-6)
         await self._start_grpc()
         await self._start_http()
+        tensor_port = self.settings.tensor_port or self.grpc_port + 1
+        try:
+            self._echo = EchoServer(self.settings.host or "0.0.0.0", tensor_port + ECHO_OFFSET,
+                                    delay=self.settings.inject_latency_us * 1e-6)
+        except OSError as exc:  # peers then time the link with gRPC calls, the RPC stack included
+            log.warning("link echo not started on port %d: %s", tensor_port + ECHO_OFFSET, exc)
         self.me = NodeInfo(
             node_id=self.node_id, addresses=self._announced_addresses(), http_port=self.http_port,
             grpc_port=self.grpc_port,
             memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
             compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
             cluster_id=self.cluster_id, models=(self.model_id,), started_at=self.started_at,
-            tensor_port=self.settings.tensor_port or self.grpc_port + 1,
+            tensor_port=tensor_port,
             layer_seconds=await self.scheduler.call(
-                lambda: layer_seconds(self.model_path, self.profile.num_layers, self.settings.resolved_state_dir())),
+                lambda: layer_seconds(self.model_path, self.profile.num_layers, self.settings.resolved_state_dir(),
+                                      max(self.profile.layer_bytes, default=0))) if self._weights_local else 0.0,
+            holdings=holdings_of(self.store),
         )
         self.membership = Membership(self.me, failure_timeout=self.settings.failure_timeout)
+        if supports_tensor(self.profile) and self._weights_local:
+            self._tasks.append(asyncio.create_task(self._measure_collectives(), name="meshnode-collective"))
         if self.settings.mdns:
             self.discovery = Discovery(self.me, on_change=self._on_discovery)
             await self.discovery.start()
@@ -278,12 +325,26 @@ class Node:
             await self._grpc.stop(grace=1.0)
         for channel in self._channels.values():
             await channel.close()
+        if self._echo is not None:
+            self._echo.close()
         self.scheduler.stop()
 
     async def _load_model_metadata(self) -> None:
         cache_dir = self.settings.resolved_cache_dir()
-        self.model_id, self.model_path = await asyncio.to_thread(resolve_model, self.settings.model, cache_dir)
+        peer_models = cache_dir / "peer-models"
+        try:
+            self.model_id, self.model_path = await asyncio.to_thread(resolve_model, self.settings.model, cache_dir)
+        except ModelNotFound as exc:  # not on this disk: from a folder fetched earlier, or from peers
+            if not self.settings.model or Path(self.settings.model).expanduser().is_absolute():
+                raise
+            self.model_id = self.settings.model
+            self.model_path = cached_metadata(peer_models, self.model_id) or await self._metadata_from_peers(exc)
+        # What this node serves to peers, and where its layers come from when its disk lacks them.
+        self.store = ModelStore(peer_models)
+        self.store.add(self.model_id, (self.model_path if read_marker(self.model_path) is None
+                                       else cached_metadata(peer_models, self.model_id) or self.model_path))
         self.profile = await asyncio.to_thread(profile_model, self.model_path, self.model_id)
+        self.layer_source = LayerSource(self.model_id, self.model_path, peer_models, self.store, self.profile.num_layers)
         # As mlx_lm.load does: the model's own end-of-sequence ids (generation_config.json included).
         eos = (await asyncio.to_thread(load_config, self.model_path)).get("eos_token_id")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path, eos_token_ids=eos)
@@ -292,6 +353,57 @@ class Node:
                                 on_retry=self.metrics.retry)
         self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
                              vocab_size=self.vocab_size, metrics=self.metrics)
+
+    @property
+    def _weights_local(self) -> bool:
+        """The configured model folder is complete (not metadata or a few layers from peers)."""
+        return read_marker(self.model_path) is None
+
+    async def _metadata_from_peers(self, exc: Exception) -> Path:
+        """Wait for a peer that holds the model (static peers, mDNS announcements naming it) and
+        fetch its small files, to profile it and load its tokenizer before announcing this node."""
+        log.info("%s; asking peers for model %s", exc, self.model_id)
+        browser = Browser(self.node_id, self.cluster_id) if self.settings.mdns else None
+        if browser is not None:
+            await browser.start()
+
+        def candidates():
+            found = [(t, self.channel_to(t)) for t in self._static_targets]
+            for nid, info in (browser.peers() if browser is not None else {}).items():
+                if self.model_id in info.models and info.addresses:
+                    found.append((nid, self.channel_to(f"{info.addresses[0]}:{info.grpc_port}")))
+            return found
+
+        try:
+            return await metadata_from_peers(self.model_id, self.settings.resolved_cache_dir() / "peer-models",
+                                             candidates, deadline_s=MODEL_WAIT_S)
+        except FetchError as err:
+            raise ModelNotFound(str(err)) from err
+        finally:
+            if browser is not None:
+                await browser.stop()
+
+    async def _layers_folder(self, start: int, end: int) -> Path:
+        """A folder holding layers [start, end): local, or fetched now from the live peers that
+        announce them (progress in ``self.progress``), then announced as held."""
+        if self.layer_source.local(start, end) is not None:
+            return self.layer_source.local(start, end)
+        alive = self.membership.alive_infos() if self.membership is not None else {}
+        peers = [(nid, self.channel_to(nid)) for nid, info in sorted(alive.items())
+                 if nid != self.node_id and any(m == self.model_id for m, _, _ in info.holdings)]
+        task = f"fetching layers {start}-{end - 1} of {self.model_id} from {len(peers)} peer(s)"
+        self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])
+        t0 = time.monotonic()
+        try:
+            path = await self.layer_source.folder(start, end, peers,
+                                                  on_progress=lambda d, n: self.progress.update(task, d, n))
+        finally:
+            self.progress.finish()
+        self._event("fetched", layers=[start, end], seconds=round(time.monotonic() - t0, 2))
+        self.me = dataclasses.replace(self.me, holdings=holdings_of(self.store))
+        if self.membership is not None:
+            self.membership.me = self.me
+        return path
 
     async def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -311,6 +423,7 @@ class Node:
         api = ApiSettings(
             limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
             max_body_bytes=s.max_body_bytes, max_concurrent_requests=s.max_concurrent_requests, api_key=s.api_key,
+            cors_origins=s.cors_origins,
         )
         self._http = web.AppRunner(make_app(Backend(self), api), access_log=None, shutdown_timeout=2.0)
         await self._http.setup()
@@ -341,15 +454,19 @@ class Node:
     def _on_discovery(self, node_id: str, info: NodeInfo | None) -> None:
         if info is None:
             log.info("mDNS says %s left; waiting for heartbeats to confirm", node_id)
+            self.reach.withdrawn(node_id)
             return
         if info.cluster_id != self.cluster_id or node_id == self.node_id:
             return
         self.membership.add_target(info, f"{info.addresses[0]}:{info.grpc_port}")
+        self.reach.announced(node_id, f"{info.addresses[0]}:{info.grpc_port}")
 
     def _probe_targets(self) -> dict[str, tuple[tuple[str, ...], int]]:
         if self.membership is None:
             return {}
-        return {p.info.node_id: (p.info.addresses, p.info.grpc_port) for p in self.membership.alive_peers().values()}
+        return {p.info.node_id: (p.info.addresses, p.info.grpc_port,
+                                 p.info.tensor_port + ECHO_OFFSET if p.info.tensor_port else 0)
+                for p in self.membership.alive_peers().values()}
 
     def data_channel(self, node_id: str) -> grpc.aio.Channel:
         """The channel for per-token traffic to a peer: over its fastest measured address."""
@@ -383,6 +500,7 @@ class Node:
         try:
             reply = await stub.Heartbeat(self._heartbeat_msg(), timeout=self.settings.failure_timeout / 2)
         except grpc.aio.AioRpcError as exc:
+            self.reach.failed(target, f"{exc.code().name}: {(exc.details() or '')[:200]}")
             if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 log.warning("peer at %s refused us (another cluster key?): %s", target, exc.details())
             elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
@@ -393,6 +511,7 @@ class Node:
                         log.warning("%s refuses connections: its process is gone", peer.info.node_id)
                         self.membership.goodbye(peer.info.node_id)
             return
+        self.reach.answered(target)
         try:
             info = node_from_pb(reply.node)
         except ValueError as exc:
@@ -485,6 +604,9 @@ class Node:
                         self.epoch)
             self._event("leave" if nid in self._goodbyes else "loss", node_id=nid)
         self._goodbyes -= joined | left
+        for level, message, fields in self.reach.check():
+            log.log(level, "%s", message)
+            self._event("unreachable" if level > logging.INFO else "reachable", **fields)
         alive = self.membership.alive_infos()
         coordinator = choose_coordinator(Candidate(n.node_id, n.started_at) for n in alive.values())
         if coordinator != self.coordinator:
@@ -493,55 +615,93 @@ class Node:
             self.coordinator = coordinator
         if coordinator == self.node_id:
             self._coordinate(alive)
-        self._restart_dead_groups()
+        self._ensure_applied()
         self._retire_previous()
 
-    def _restart_dead_groups(self) -> None:
-        """A tensor group's worker died (a member's ring broke) while its plan is current: this
-        node is not ready for the plan until the group has formed again (every member does the same)."""
-        plan = self.plan
-        if plan is None or self.ready_epoch < plan.epoch or self._groups_alive(plan):
+    def _ensure_applied(self) -> None:
+        """Keep trying to hold this node's part of the current plan: a load that failed (a group
+        member not heard from yet, a ring that did not form in time) is tried again, and a tensor
+        group whose worker died (a member's ring broke) is formed again; every member does the
+        same. Not ready meanwhile, so the plan is not served half-loaded."""
+        plan, task = self.plan, self._apply_task
+        if task is not None and not task.done():
             return
-        if self._apply_task is not None and not self._apply_task.done():
+        if task is not None and not task.cancelled():
+            task.exception()  # _apply logged any failure; mark it seen
+        if plan is None:
+            return
+        ready = self.ready_epoch >= plan.epoch
+        if ready and self._groups_alive(plan):
             return
         if time.monotonic() - self._group_restart_at < 2 * self.settings.heartbeat_interval:
             return
         self._group_restart_at = time.monotonic()
-        log.warning("epoch %d: a tensor group this node belongs to is down; forming it again", plan.epoch)
-        self._event("group-down", epoch=plan.epoch)
-        self.ready_epoch = plan.epoch - 1
+        if ready:
+            log.warning("epoch %d: a tensor group this node belongs to is down; forming it again", plan.epoch)
+            self._event("group-down", epoch=plan.epoch)
+            self.ready_epoch = plan.epoch - 1
+        else:
+            log.warning("epoch %d: loading this node's part again", plan.epoch)
         self._apply_task = asyncio.create_task(self._apply(plan))
 
     def _coordinate(self, alive: dict[str, NodeInfo]) -> None:
         members = frozenset(alive)
         plan_ok = self.plan is not None and set(self.plan.node_ids()) <= members
-        if plan_ok and members == self._planned_for:
+        now = time.monotonic()
+        # Re-plan on a membership change, and now and then with fresh link and compute figures.
+        if plan_ok and members == self._planned_for and now - self._planned_at < self.settings.link_probe_interval:
             return
-        nodes = [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute) for n in alive.values()]
+        nodes = [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute,
+                          layer_seconds=n.layer_seconds or None,
+                          collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S) for n in alive.values()]
+        links = self._link_specs(members)
         preferred = tuple(self.plan.node_ids()) if self.plan is not None else ()
+        strategy = None if self.settings.strategy == "auto" else self.settings.strategy
+        held = {nid: layers_of(info.holdings, self.model_id) for nid, info in alive.items()}  # reuse disks
         try:
-            desired = make_plan(self.profile, nodes, max_context=self.settings.max_context, preferred=preferred)
+            try:
+                desired = make_plan(self.profile, nodes, max_context=self.settings.max_context, preferred=preferred,
+                                    strategy=strategy, links=links, held=held)
+            except PlanError as forced:
+                if strategy is None:
+                    raise
+                # A configured strategy is a preference: serving some other way beats not serving.
+                desired = make_plan(self.profile, nodes, max_context=self.settings.max_context, preferred=preferred,
+                                    links=links, held=held)
+                if self._forced_note != str(forced):
+                    log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,
+                                desired.strategy)
+                    self._forced_note = str(forced)
         except PlanError as exc:
             if self.plan_error != str(exc):
                 log.error("no plan fits (epoch %d): %s", self.epoch, exc)
                 self._event("no-plan", reason=str(exc))
             self.plan_error = str(exc)
-            self._planned_for = members
+            self._planned_for, self._planned_at = members, now
             if self.plan is not None and not plan_ok:
                 self._drop_plan()
             return
         self.plan_error = ""
+        desired = self._with_endpoints(desired, members)
         if plan_ok:
-            # The current plan still works: move only for a real gain (fewer hops per token), and
-            # not sooner than rebalance_dwell after the last change (hysteresis: no flapping).
-            if _same_layout(desired, self.plan) or len(desired.stages) >= len(self.plan.stages):
-                self._planned_for = members
+            # The current plan still works: move only for a real gain by today's figures, and not
+            # sooner than rebalance_dwell after the last change (hysteresis: no flapping).
+            current = plan_estimate(self.profile, nodes, self.plan.stages, max_context=self.settings.max_context,
+                                    links=links)
+            preferred_now = strategy is not None and desired.strategy == strategy != self.plan.strategy
+            if _same_layout(desired, self.plan) or not (preferred_now or desired.estimate_s < current * (1 - REPLAN_GAIN)):
+                self._planned_for, self._planned_at, self._pending = members, now, None
                 return
-            if time.monotonic() - self._plan_changed_at < self.settings.rebalance_dwell:
+            if members == self._planned_for and not preferred_now and self._pending != _layout(desired):
+                # Same nodes, new figures: the move must win at two re-weighings in a row, so one
+                # noisy measurement does not tear down a working tensor group.
+                self._pending, self._planned_at = _layout(desired), now
+                return
+            if now - self._plan_changed_at < self.settings.rebalance_dwell:
                 return  # look again on a later tick
-            log.info("rebalancing: %d stages -> %d (%s)", len(self.plan.stages), len(desired.stages),
-                     desired.reason)
-        self._planned_for = members
+            log.info("rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s", _describe(self.plan),
+                     current * 1e3, _describe(desired), desired.estimate_s * 1e3, desired.reason)
+        self._planned_for, self._planned_at, self._pending = members, now, None
         epoch = next_epoch(self.max_epoch_seen, self.epoch)
         desired = desired.with_epoch(epoch)
         log.info("publishing plan epoch %d: %s (%s)", epoch, _describe(desired), desired.reason)
@@ -549,6 +709,45 @@ class Node:
         msg = plan_to_pb(desired, self.node_id)
         for peer in self.membership.alive_peers().values():
             asyncio.create_task(self._install(peer.target, msg))
+
+    async def _measure_collectives(self) -> None:
+        """Time a few layers of the model split two ways over a loopback ring on this machine
+        (cached; two short-lived processes), so the planner prices tensor groups by what their
+        all-reduces and unhalved per-operation costs add here; announced with the next heartbeat."""
+        split = await asyncio.to_thread(tensor_layer_seconds, self.model_path, self.profile.num_layers,
+                                        self.settings.resolved_state_dir(), max(self.profile.layer_bytes, default=0))
+        value = collective_overhead(self.me.layer_seconds, split)
+        if value > 0:
+            self.me = dataclasses.replace(self.me, collective_seconds=value)
+            self.membership.me = self.me
+
+    def _measured(self) -> list[tuple[str, LinkStat]]:
+        """Every link figure this node knows: its own probes and what peers reported."""
+        out = [(self.node_id, stat) for stat in self.links.links()]
+        out += [(nid, stat) for nid, stats in self.peer_links.items() for stat in stats]
+        return out
+
+    def _link_specs(self, members) -> dict[tuple[str, str], LinkSpec]:
+        """The planner's view of the links: the fastest measured path between each pair, its
+        network round trip and what the RPC stack adds to it (a pipeline hop pays both)."""
+        return {tuple(sorted(pair)): LinkSpec(rtt_s=stat.rtt_us * 1e-6, bandwidth_Bps=stat.bandwidth,
+                                              overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6)
+                for pair, (_, stat) in best_paths(self._measured(), members).items()}
+
+    def _with_endpoints(self, plan: Plan, members) -> Plan:
+        """Name, for each tensor group member, the address its ring should use: the one the other
+        members reach fastest (a Thunderbolt bridge rather than Wi-Fi), else its first announced."""
+        if all(len(s.nodes) == 1 for s in plan.stages):
+            return plan
+        measured = self._measured()
+        alive = self.membership.alive_infos()
+        stages = []
+        for stage in plan.stages:
+            if len(stage.nodes) > 1:
+                hosts = tuple(ring_address(measured, n, stage.nodes) or alive[n].addresses[0] for n in stage.nodes)
+                stage = dataclasses.replace(stage, endpoints=hosts)
+            stages.append(stage)
+        return dataclasses.replace(plan, stages=tuple(stages))
 
     async def _install(self, target: str, msg: mesh_pb2.Plan) -> None:
         stub = mesh_pb2_grpc.MeshStub(self.channel_to(target))
@@ -626,13 +825,15 @@ class Node:
                     log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
                     t0 = time.monotonic()
                     task = f"loading layers {key[0]}-{key[1] - 1} of {self.model_id}"
+                    path = await self._layers_folder(key[0], key[1])
                     try:
-                        shard = await self.scheduler.call(lambda k=key, t=task: Shard(
-                            self.model_path, k[0], k[1], progress=lambda d, n: self.progress.update(t, d, n)))
+                        shard = await self.scheduler.call(lambda k=key, t=task, p=path: Shard(
+                            p, k[0], k[1], progress=lambda d, n: self.progress.update(t, d, n)))
                     finally:
                         self.progress.finish()
                     log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
                 elif shard is None:
+                    await self._layers_folder(key[0], key[1])
                     shard = self._tensor_shard(stage)
                     launching.append(shard)
                     t0 = time.monotonic()
@@ -676,9 +877,11 @@ class Node:
             host = _endpoint_host(stage, node_id, info)
             endpoints.append(f"{host}:{info.tensor_port + offset}")
             controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
-        return TensorShard(self.model_path, stage.start_layer, stage.end_layer, self.profile.num_layers,
+        return TensorShard(self.layer_source.local(stage.start_layer, stage.end_layer) or self.model_path,
+                           stage.start_layer, stage.end_layer, self.profile.num_layers,
                            rank=stage.nodes.index(self.node_id), endpoints=endpoints, control=controls[0],
-                           secret=self._group_secret, hop_timeout=self.settings.failure_timeout)
+                           secret=self._group_secret, hop_timeout=self.settings.failure_timeout,
+                           inject_latency=self.settings.inject_latency_us * 1e-6)
 
     def _retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""
@@ -823,6 +1026,8 @@ class Node:
                     "memory_budget": info.memory_budget, "total_memory": info.total_memory,
                     "compute": info.compute, "version": info.version,
                     "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
+                    "collective_seconds": info.collective_seconds,
+                    "holdings": holdings_to_json(info.holdings),
                     "data_address": self.links.best_address(nid) if nid != self.node_id else None,
                     "links": [link.to_dict() for link in
                               (self.links.links() if nid == self.node_id else self.peer_links.get(nid, ()))],
@@ -832,12 +1037,16 @@ class Node:
         if self.plan is not None:
             plan = {"epoch": self.plan.epoch, "model": self.plan.model, "strategy": self.plan.strategy,
                     "reason": self.plan.reason, "max_context": self.plan.max_context,
-                    "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes)}
+                    "estimate_s": self.plan.estimate_s or None, "tokens_per_s": self.plan.tokens_per_s or None,
+                    "alternatives": list(self.plan.alternatives),
+                    "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
+                                "bytes": s.bytes, "endpoints": list(s.endpoints)}
                                for s in self.plan.stages]}
         return {
             "node_id": self.node_id, "version": __version__, "model": self.model_id,
             "coordinator": self.coordinator, "epoch": self.epoch, "ready_epoch": self.ready_epoch,
             "healthy": self.serving_ready(), "plan_error": self.plan_error or None,
+            "unreachable": self.reach.report(),
             "nodes": nodes, "plan": plan, "events": self.events[-20:],
             "progress": self.progress.current, "metrics": self.metrics.summary(),
         }
@@ -876,9 +1085,12 @@ def _head(plan: Plan) -> str:
     return plan.stages[-1].nodes[0]
 
 
+def _layout(plan: Plan) -> list:
+    return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in plan.stages]
+
+
 def _same_layout(a: Plan, b: Plan) -> bool:
-    return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in a.stages] == \
-           [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in b.stages]
+    return _layout(a) == _layout(b)
 
 
 def _describe(plan: Plan) -> str:

@@ -44,12 +44,14 @@ class Cluster:
         for h, b in zip(self.hosts, budgets):
             self.start(h, b)
 
-    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None):
+    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None, model=None):
+        """``model``: what ``--model`` names (default: the model folder); a node's own
+        ``--cache-dir`` is ``<tmp>/<host>/cache``."""
         state = self.tmp / host.name
         state.mkdir(exist_ok=True)
-        args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(self.model), "--http-port", str(HTTP),
-                "--grpc-port", str(GRPC), "--node-id", host.name, "--memory-budget", str(budget),
-                "--state-dir", str(state), "--max-context", str(self.max_context)]
+        args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(model or self.model), "--http-port",
+                str(HTTP), "--grpc-port", str(GRPC), "--node-id", host.name, "--memory-budget", str(budget),
+                "--state-dir", str(state), "--max-context", str(self.max_context), "--cache-dir", str(state / "cache")]
         for p in peers:
             args += ["--peer", p]
         if not mdns:
@@ -157,3 +159,11 @@ def read_stream(proc, fault=None, after_chunks=10, timeout=90):
     assert error is None, error
     assert done, f"stream ended without [DONE]: {proc.stderr.read()[-2000:]}"
     return text, fault is None
+
+
+def mlx_reference(model: Path, messages: list[dict], max_tokens: int) -> str:
+    """What ``mlx_lm.generate`` (greedy) makes of the chat on the whole model: what a mesh must match."""
+    from mlx_lm import generate, load
+
+    m, tok = load(str(model))
+    return generate(m, tok, prompt=tok.apply_chat_template(messages, add_generation_prompt=True), max_tokens=max_tokens)

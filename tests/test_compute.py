@@ -33,3 +33,20 @@ def test_a_corrupt_cache_is_remeasured(tmp_path):
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "compute.json").write_text("[not json")
     assert compute.layer_seconds(model, 2, tmp_path / "state") > 0
+
+
+def test_a_two_way_split_layer_is_timed_for_real_and_cached(tmp_path, monkeypatch):
+    model = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, dtype="float32")
+    whole = compute.layer_seconds(model, 4, tmp_path / "state")
+    split = compute.tensor_layer_seconds(model, 4, tmp_path / "state")
+    assert 0 < split < 1.0  # two real processes sharing the layers over an mx.distributed ring
+    assert compute.collective_overhead(whole, split) > 0
+    monkeypatch.setattr(compute, "measure_tensor_layer_seconds", lambda *a: pytest.fail("measured again"))
+    assert compute.tensor_layer_seconds(model, 4, tmp_path / "state") == split
+    assert len(json.loads((tmp_path / "state" / "compute.json").read_text())) == 2
+
+
+def test_collective_overhead_is_what_the_split_adds_beyond_half():
+    assert compute.collective_overhead(0.010, 0.0056) == pytest.approx(0.0003)
+    assert compute.collective_overhead(0.010, 0.004) == pytest.approx(1e-6)  # never zero or negative
+    assert compute.collective_overhead(0.0, 0.004) == 0.0 and compute.collective_overhead(0.01, 0.0) == 0.0

@@ -10,7 +10,10 @@ import urllib.request
 
 import pytest
 
-from meshnode.control.links import MAX_PROBE_BYTES, LinkStat, best, probe_reply
+import socket
+
+from meshnode.control.echo import FRAME, MAX_CONNECTIONS, EchoServer, echo_rtt
+from meshnode.control.links import MAX_PROBE_BYTES, LinkStat, best, best_paths, probe_reply, ring_address
 from meshnode.proto import mesh_pb2
 from tests.helpers import running_node
 
@@ -62,4 +65,45 @@ def test_two_nodes_measure_their_link(tmp_path):
         for link in (mine, theirs):
             assert link["address"] == "127.0.0.1"
             assert 0 < link["rtt_us"] < 200_000 and link["jitter_us"] >= 0 and link["bandwidth"] > 1e6
+            # The echo times the network alone; a gRPC call adds the RPC stack on top of it.
+            assert link["rpc_rtt_us"] > link["rtt_us"]
         assert a.links.best_address("node-b") == "127.0.0.1"
+
+
+def test_echo_times_the_network_and_survives_garbage():
+    server = EchoServer("127.0.0.1", 0)
+    try:
+        rtt, jitter = echo_rtt("127.0.0.1", server.port, samples=20)
+        assert 0 < rtt < 0.05 and jitter >= 0
+        # Garbage, a half frame and a flood of connections: dropped, and the echo still answers.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2) as bad:
+            bad.sendall(b"\xff" * (FRAME // 2))
+        hogs = [socket.create_connection(("127.0.0.1", server.port), timeout=2) for _ in range(MAX_CONNECTIONS + 4)]
+        for hog in hogs:
+            hog.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert echo_rtt("127.0.0.1", server.port, samples=3)[0] > 0
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the echo stopped answering"
+                time.sleep(0.1)
+    finally:
+        server.close()
+    with pytest.raises(OSError):
+        echo_rtt("127.0.0.1", server.port, samples=1, timeout=1)
+
+
+def test_best_paths_take_the_faster_end_and_ring_addresses_the_fastest_path():
+    wifi = LinkStat("b", "192.168.1.2", 3000.0, 500.0, 3e7, 0.0, 3500.0)
+    bridge = LinkStat("b", "169.254.0.2", 40.0, 5.0, 2e9, 0.0, 600.0)
+    back = LinkStat("a", "169.254.0.1", 90.0, 5.0, 2e9, 0.0, 700.0)  # b's view of a: busier end
+    stray = LinkStat("c", "10.0.0.3", 10.0, 1.0, 1e9, 0.0)  # c is not a member
+    measured = [("a", wifi), ("a", bridge), ("b", back), ("a", stray)]
+    paths = best_paths(measured, {"a", "b"})
+    assert list(paths) == [frozenset({"a", "b"})] and paths[frozenset({"a", "b"})] == ("a", bridge)
+    assert ring_address(measured, "b", ("a", "b")) == "169.254.0.2"
+    assert ring_address(measured, "a", ("a", "b")) == "169.254.0.1"
+    assert ring_address(measured, "c", ("a", "c")) == "10.0.0.3"
+    assert ring_address(measured, "a", ("a", "c")) is None  # c has measured nobody yet

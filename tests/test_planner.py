@@ -606,3 +606,125 @@ def test_faster_nodes_hold_more_layers_in_a_pipeline():
     result = plan(p, nodes, max_context=1, links=link_all(["slow", "fast"], 300e-6))
     counts = {s.nodes[0]: s.num_layers for s in result.stages}
     assert result.strategy == "pipeline" and counts["fast"] > counts["slow"]
+
+
+def test_estimate_of_a_placement_matches_the_plan_and_rpc_overhead_costs_only_hops():
+    from meshnode.control.planner import estimate
+
+    p = shaped(n=8)
+    nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]
+    bare = {("a", "b"): LinkSpec(rtt_s=50e-6, bandwidth_Bps=1e9)}
+    rpc = {("a", "b"): LinkSpec(rtt_s=50e-6, bandwidth_Bps=1e9, overhead_s=800e-6)}
+    for links in (bare, rpc):
+        for strategy in ("pipeline", "tensor"):
+            chosen = plan(p, nodes, max_context=1024, links=links, strategy=strategy)
+            assert estimate(p, nodes, chosen.stages, max_context=1024, links=links) == pytest.approx(chosen.estimate_s)
+    piped = [plan(p, nodes, max_context=1024, links=x, strategy="pipeline") for x in (bare, rpc)]
+    grouped = [plan(p, nodes, max_context=1024, links=x, strategy="tensor") for x in (bare, rpc)]
+    # A pipeline's two hops per token (there and back) each pay half the RPC round trip...
+    assert piped[1].estimate_s - piped[0].estimate_s == pytest.approx(800e-6)
+    # ...a tensor group's ring collectives run below the RPC stack and pay none of it.
+    assert grouped[1].estimate_s == pytest.approx(grouped[0].estimate_s)
+    assert estimate(p, nodes[:1], piped[0].stages, max_context=1024) == float("inf")  # b is gone
+
+
+def test_plan_endpoints_travel_and_bad_ones_are_refused():
+    p = shaped(n=8)
+    nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]
+    chosen = plan(p, nodes, max_context=1024, strategy="tensor")
+    stage = chosen.stages[0]
+    with_ep = Plan(chosen.model, chosen.strategy, (Stage(stage.start_layer, stage.end_layer, stage.nodes, stage.bytes,
+                                                         ("10.0.0.1", "fe80::1")),))
+    assert plan_from_pb(plan_to_pb(with_ep, "c"), p.num_layers) == with_ep
+    assert Plan.from_dict(json.loads(json.dumps(with_ep.to_dict()))) == with_ep
+    for endpoints in (("10.0.0.1",), ("10.0.0.1", "not-an-ip"), ("10.0.0.1", "10.0.0.2:80")):
+        msg = plan_to_pb(with_ep, "c")
+        del msg.stages[0].endpoints[:]
+        msg.stages[0].endpoints.extend(endpoints)
+        with pytest.raises(ValueError, match="endpoints"):
+            plan_from_pb(msg, p.num_layers)
+    msg = plan_to_pb(with_ep, "c")
+    msg.stages[0].nodes.append("a")
+    with pytest.raises(ValueError, match="repeated"):
+        plan_from_pb(msg, p.num_layers)
+
+
+def test_the_all_reduce_machinery_prices_tensor_out_of_small_layers_only():
+    """0.2 ms per all-reduce (what mx.distributed's ring costs on a Linux CPU box) outweighs
+    halving a 0.1 ms layer, not halving a 10 ms one."""
+    link = {("a", "b"): LinkSpec(rtt_s=20e-6, bandwidth_Bps=1e9, overhead_s=600e-6)}
+    for layer_s, expected in ((1e-4, "single"), (1e-2, "tensor")):
+        p = shaped(n=8)
+        nodes = [NodeSpec(x, 64 * GiB, layer_seconds=layer_s, collective_s=200e-6) for x in "ab"]
+        free = [NodeSpec(x, 64 * GiB, layer_seconds=layer_s) for x in "ab"]
+        chosen = plan(p, nodes, max_context=1024, links=link)
+        assert chosen.strategy == expected, chosen.reason
+        grouped = plan(p, nodes, max_context=1024, links=link, strategy="tensor")
+        assert grouped.estimate_s - plan(p, free, max_context=1024, links=link, strategy="tensor").estimate_s == \
+            pytest.approx((2 * 8 + 1) * 200e-6)  # two per layer, and the step's hand-off
+
+
+# ---- models from peers: placements that reuse the layers nodes hold on disk ----
+
+@PROPS
+@given(cases(), st.data())
+def test_a_replan_with_what_nodes_hold_fetches_nothing(case, data):
+    """Where the nodes of a previous plan hold exactly its stages on disk, planning again with
+    those holdings (no current plan to prefer, nodes listed in any order) reuses them all."""
+    from meshnode.control.planner import bytes_to_fetch
+
+    p, nodes, ctx = case
+    try:
+        first = plan(p, nodes, max_context=ctx, strategy="pipeline")
+    except PlanError:
+        return
+    held = {s.nodes[0]: frozenset(range(s.start_layer, s.end_layer)) for s in first.stages}
+    again = plan(p, data.draw(st.permutations(nodes)), max_context=ctx, strategy="pipeline", held=held)
+    check_valid(p, nodes, again, ctx)
+    assert len(again.stages) == len(first.stages)  # holdings never cost a node more
+    assert sum(bytes_to_fetch(p, again, held).values()) == 0
+
+
+@PROPS
+@given(cases(), st.data())
+def test_holdings_never_change_how_many_nodes_a_plan_uses(case, data):
+    p, nodes, ctx = case
+    ids = [x.node_id for x in nodes]
+    held = {i: frozenset(data.draw(st.lists(st.integers(0, p.num_layers - 1), max_size=p.num_layers)))
+            for i in data.draw(st.lists(st.sampled_from(ids), unique=True))}
+    try:
+        base = plan(p, nodes, max_context=ctx, strategy="pipeline")
+    except PlanError:
+        with pytest.raises(PlanError):
+            plan(p, nodes, max_context=ctx, strategy="pipeline", held=held)
+        return
+    with_held = plan(p, nodes, max_context=ctx, strategy="pipeline", held=held)
+    check_valid(p, nodes, with_held, ctx)
+    assert len(with_held.stages) == len(base.stages)
+
+
+def test_the_node_holding_the_first_layers_gets_the_first_stage():
+    from meshnode.control.planner import bytes_to_fetch
+
+    p = profile([100] * 6, embed=10, head=10)
+    nodes = [NodeSpec("a", 500), NodeSpec("b", 500), NodeSpec("c", 500)]
+    held = {"c": frozenset(range(0, 3)), "b": frozenset(range(3, 6))}
+    result = plan(p, nodes, max_context=1, strategy="pipeline", held=held)
+    assert [s.nodes[0] for s in result.stages] == ["c", "b"]
+    assert bytes_to_fetch(p, result, held) == {"c": 0, "b": 0}
+    without = plan(p, nodes, max_context=1, strategy="pipeline")
+    assert sum(bytes_to_fetch(p, without, held).values()) > 0
+
+
+@PROPS
+@given(cases())
+def test_holdings_alike_on_every_node_change_nothing(case):
+    """Where every node holds the same layers (every machine has the whole model), holdings
+    express no preference: the plan is the one made without them."""
+    p, nodes, ctx = case
+    everything = {x.node_id: frozenset(range(p.num_layers)) for x in nodes}
+    try:
+        base = plan(p, nodes, max_context=ctx)
+    except PlanError:
+        return
+    assert plan(p, nodes, max_context=ctx, held=everything) == base

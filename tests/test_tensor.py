@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -14,6 +13,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from meshnode.data.compute import free_ports
 from meshnode.data.shard import Shard
 from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.modelbuild import build_model
@@ -29,19 +29,8 @@ def model(tmp_path_factory):
                        dtype="float32")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _group(model, start, end, size=2, secrets=None, ready_timeout_s=60, **kwargs) -> list[TensorShard]:
-    *ring, control = _free_ports(size + 1)
+    *ring, control = free_ports(size + 1)
     endpoints = [f"127.0.0.1:{p}" for p in ring]
     secrets = secrets or [b"k" * 32] * size
     members = [TensorShard(model, start, end, 6, rank=r, endpoints=endpoints, control=f"127.0.0.1:{control}",
@@ -155,7 +144,7 @@ def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
 
 
 def test_a_group_that_cannot_form_gives_up(model):
-    *ring, control = _free_ports(3)
+    *ring, control = free_ports(3)
     lonely = TensorShard(model, 0, 6, 6, rank=0, endpoints=[f"127.0.0.1:{p}" for p in ring],
                          control=f"127.0.0.1:{control}")
     t0 = time.monotonic()

@@ -92,6 +92,9 @@ class NodeInfo:
     started_at: float = 0.0
     tensor_port: int = 0  # first of the node's mx.distributed ring ports (0 = none)
     layer_seconds: float = 0.0  # measured decode time of one layer of the served model (0 = unknown)
+    collective_seconds: float = 0.0  # measured time of one ring all-reduce of an activation (0 = unknown)
+    # Models on disk, in full or in part: (model id, complete, layer ranges); heartbeats only, not TXT.
+    holdings: tuple = ()
 
     def to_properties(self) -> dict[str, str]:
         props = {

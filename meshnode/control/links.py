@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from meshnode.control.echo import echo_rtt
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,24 +34,26 @@ MAX_PROBE_BYTES = 4 * 2**20  # the largest payload a node echoes or accepts in a
 class LinkStat:
     peer: str
     address: str
-    rtt_us: float
+    rtt_us: float  # the network's round trip (TCP echo; the gRPC one where the echo is unreachable)
     jitter_us: float
     bandwidth: float  # bytes per second
     measured_at: float
+    rpc_rtt_us: float = 0.0  # a small gRPC call's round trip: the network plus the RPC stack
 
     def to_pb(self) -> mesh_pb2.Link:
         return mesh_pb2.Link(peer=self.peer, address=self.address, rtt_us=self.rtt_us, jitter_us=self.jitter_us,
-                             bandwidth=self.bandwidth, measured_at=self.measured_at)
+                             bandwidth=self.bandwidth, measured_at=self.measured_at, rpc_rtt_us=self.rpc_rtt_us)
 
     @classmethod
     def from_pb(cls, msg: mesh_pb2.Link) -> "LinkStat":
-        values = (msg.rtt_us, msg.jitter_us, msg.bandwidth)
+        values = (msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.rpc_rtt_us)
         if not all(0 <= v < 1e13 for v in values) or len(msg.peer) > 128 or len(msg.address) > 64:
             raise ValueError("link figures out of range")
-        return cls(msg.peer, msg.address, msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.measured_at)
+        return cls(msg.peer, msg.address, msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.measured_at, msg.rpc_rtt_us)
 
     def to_dict(self) -> dict:
         return {"peer": self.peer, "address": self.address, "rtt_us": round(self.rtt_us, 1),
+                "rpc_rtt_us": round(self.rpc_rtt_us, 1),
                 "jitter_us": round(self.jitter_us, 1), "bandwidth": round(self.bandwidth),
                 "measured_at": self.measured_at}
 
@@ -93,7 +96,7 @@ class LinkProber:
         self.timeout, self.pause = timeout, pause
         self._stats: dict[tuple[str, str], LinkStat] = {}
 
-    async def measure(self, peer: str, address: str, port: int) -> LinkStat:
+    async def measure(self, peer: str, address: str, port: int, echo_port: int = 0) -> LinkStat:
         stub = mesh_pb2_grpc.MeshStub(self._channel_for(f"{address}:{port}"))
         small = mesh_pb2.ProbeRequest(payload=b"\0" * 64, reply_bytes=64)
         await stub.Probe(small, timeout=self.timeout)  # connect (and warm up) first
@@ -102,35 +105,41 @@ class LinkProber:
             t0 = time.perf_counter()
             await stub.Probe(small, timeout=self.timeout)
             rtts.append(time.perf_counter() - t0)
+        rpc_rtt = statistics.median(rtts)
         rtts.sort()
-        rtt = statistics.median(rtts)
-        jitter = rtts[int(0.9 * (len(rtts) - 1))] - rtts[int(0.1 * (len(rtts) - 1))]
+        rtt, jitter = rpc_rtt, rtts[int(0.9 * (len(rtts) - 1))] - rtts[int(0.1 * (len(rtts) - 1))]
+        if echo_port:
+            try:  # the network's own round trip, without the RPC stack (see meshnode/control/echo.py)
+                rtt, jitter = await asyncio.to_thread(echo_rtt, address, echo_port, self.samples, self.timeout)
+            except OSError as exc:
+                log.debug("echo of %s at %s:%d failed (%s); RTT from gRPC", peer, address, echo_port, exc)
         bulk = mesh_pb2.ProbeRequest(payload=b"\0" * self.bulk_bytes, reply_bytes=0)
         t0 = time.perf_counter()
         await stub.Probe(bulk, timeout=self.timeout * 5)
         elapsed = time.perf_counter() - t0
-        bandwidth = self.bulk_bytes / max(elapsed - rtt, 1e-6)
-        return LinkStat(peer, address, rtt * 1e6, jitter * 1e6, bandwidth, time.time())
+        bandwidth = self.bulk_bytes / max(elapsed - rpc_rtt, 1e-6)
+        return LinkStat(peer, address, rtt * 1e6, jitter * 1e6, bandwidth, time.time(), rpc_rtt * 1e6)
 
-    async def refresh(self, peers: dict[str, tuple[tuple[str, ...], int]]) -> None:
-        """Measure every stale (peer, address); forget peers that are gone."""
+    async def refresh(self, peers: dict[str, tuple[tuple[str, ...], int, int]]) -> None:
+        """Measure every stale (peer, address); forget peers that are gone. ``peers`` maps a node
+        id to (its addresses, its gRPC port, its echo port or 0)."""
         for key in [k for k in self._stats if k[0] not in peers]:
             del self._stats[key]
         now = time.time()
-        for peer, (addresses, port) in peers.items():
+        for peer, (addresses, port, echo_port) in peers.items():
             for address in addresses:
                 stat = self._stats.get((peer, address))
                 if stat is not None and now - stat.measured_at < self.interval:
                     continue
                 try:
-                    self._stats[(peer, address)] = await self.measure(peer, address, port)
+                    self._stats[(peer, address)] = await self.measure(peer, address, port, echo_port)
                 except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
                     code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "TIMEOUT"
                     log.debug("probing %s at %s failed: %s", peer, address, code)
                     self._stats.pop((peer, address), None)
                 await asyncio.sleep(self.pause)
 
-    async def run(self, peers: Callable[[], dict[str, tuple[tuple[str, ...], int]]], period: float = 1.0) -> None:
+    async def run(self, peers: Callable[[], dict[str, tuple[tuple[str, ...], int, int]]], period: float = 1.0) -> None:
         while True:
             try:
                 await self.refresh(peers())
@@ -146,3 +155,28 @@ class LinkProber:
     def best_address(self, peer: str) -> str | None:
         stat = best(s for s in self._stats.values() if s.peer == peer)
         return stat.address if stat else None
+
+
+def best_paths(measured: Iterable[tuple[str, LinkStat]], members: Iterable[str]) -> dict[frozenset, tuple[str, LinkStat]]:
+    """The fastest measured path between every pair of ``members``, from what each node measured
+    ((measuring node, stat) pairs; either end's measurement counts): {frozenset({a, b}): (who
+    measured, stat)}. A stat's address belongs to ``stat.peer``."""
+    members = set(members)
+    out: dict[frozenset, tuple[str, LinkStat]] = {}
+    for src, stat in measured:
+        if src not in members or stat.peer not in members or src == stat.peer or stat.bandwidth <= 0:
+            continue
+        key = frozenset((src, stat.peer))
+        held = out.get(key)
+        if held is None or transfer_seconds(stat) < transfer_seconds(held[1]):
+            out[key] = (src, stat)
+    return out
+
+
+def ring_address(measured: Iterable[tuple[str, LinkStat]], member: str, group: Iterable[str]) -> str | None:
+    """The address of ``member`` that the other members of its group reach fastest (their
+    measurements of it), or None when none has measured it yet."""
+    others = set(group) - {member}
+    stats = [stat for src, stat in measured if src in others and stat.peer == member]
+    chosen = best(stats)
+    return chosen.address if chosen else None

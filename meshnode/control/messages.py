@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 
 from meshnode.control.discovery import NodeInfo
 from meshnode.control.planner import Plan, Stage
+from meshnode.data.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.proto import mesh_pb2
 
 MAX_ID_LEN = 128
@@ -27,6 +29,8 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         started_at=info.started_at,
         tensor_port=info.tensor_port,
         layer_seconds=info.layer_seconds,
+        collective_seconds=info.collective_seconds,
+        holdings=holdings_to_pb(info.holdings),
     )
 
 
@@ -49,6 +53,8 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         started_at=msg.started_at,
         tensor_port=msg.tensor_port if msg.tensor_port < 65536 else 0,
         layer_seconds=msg.layer_seconds if 0 <= msg.layer_seconds < 3600 else 0.0,
+        collective_seconds=msg.collective_seconds if 0 <= msg.collective_seconds < 60 else 0.0,
+        holdings=holdings_from_pb(msg.holdings),
     )
 
 
@@ -57,7 +63,8 @@ def plan_to_pb(plan: Plan, coordinator: str) -> mesh_pb2.Plan:
         epoch=plan.epoch,
         model=plan.model,
         strategy=plan.strategy,
-        stages=[mesh_pb2.Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=list(s.nodes), bytes=s.bytes)
+        stages=[mesh_pb2.Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=list(s.nodes), bytes=s.bytes,
+                               endpoints=list(s.endpoints))
                 for s in plan.stages],
         reason=plan.reason,
         coordinator=coordinator,
@@ -83,14 +90,27 @@ def _alternatives_from_json(text: str) -> tuple[dict, ...]:
     return tuple(a for a in data[:16] if isinstance(a, dict))
 
 
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
     """Decode and check a plan: stages must tile [0, num_layers) with one node each."""
-    stages = tuple(Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=tuple(s.nodes), bytes=s.bytes)
+    stages = tuple(Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=tuple(s.nodes), bytes=s.bytes,
+                         endpoints=tuple(s.endpoints))
                    for s in msg.stages)
     edge = 0
     for s in stages:
         if s.start_layer != edge or s.end_layer <= s.start_layer or not s.nodes:
             raise ValueError(f"plan epoch {msg.epoch}: stages do not tile the model's layers")
+        if len(set(s.nodes)) != len(s.nodes) or any(not n or len(n) > MAX_ID_LEN for n in s.nodes):
+            raise ValueError(f"plan epoch {msg.epoch}: a stage names invalid or repeated nodes")
+        if s.endpoints and (len(s.endpoints) != len(s.nodes) or any(not _is_address(a) for a in s.endpoints)):
+            raise ValueError(f"plan epoch {msg.epoch}: a stage's endpoints do not match its nodes")
         edge = s.end_layer
     if edge != num_layers:
         raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")

@@ -42,15 +42,20 @@ Cost model (seconds per token; decode is memory-bound, so compute scales with we
 * A unit (a stage on a group of g nodes; g = 1 for a pipeline stage) holding layers [s, e):
   ``slowest member's s/B * bytes(s, e) / g`` (members run in lockstep), plus, per layer, two ring
   all-reduces of one activation (``hidden_size * dtype`` bytes = M), each
-  ``2 (g - 1) (one-way + M / (g * bandwidth))`` over the group's worst link (one-way = RTT / 2),
-  plus once per token rank 0 handing the input to the others (one-way + M / bandwidth). The last
+  ``2 (g - 1) (one-way + M / (g * bandwidth)) + C`` over the group's worst link (one-way = the
+  network's RTT / 2), where C is what an all-reduce costs beyond the wire (``collective_s``, the
+  slowest member's: each node times a few layers split two ways over a loopback ring and C =
+  (split - whole / 2) / 2, which also carries the per-operation costs sharding does not halve;
+  ~0.1 ms on a Linux CPU box, 10x the wire's round trip), plus once per token rank 0 handing the
+  input to the others (one-way + M / bandwidth + C: a pipe and a control socket). The last
   unit also runs the head (``head_bytes``, or the tied embedding), unsharded, on every member.
   The embedding lookup and the KV reads are left out (one row; small at decode lengths).
 * A pipeline of k >= 2 units: k - 1 hops of M bytes between consecutive ranks 0, plus the sampled
   token going back from the last to the first (the first embeds the next token): k one-way trips.
 * Links: ``links[(a, b)]`` (either order); an unmeasured pair is assumed ``DEFAULT_LINK`` (1 ms RTT,
-  100 MB/s) and the reason says so; ``link_latency_s`` replaces every one-way latency (benchmarks
-  that inject latency per message). Every estimate is linear in that latency, which is how
+  100 MB/s) and the reason says so; a link's ``overhead_s`` (the RPC stack's round trip, which a
+  ring collective does not pay) adds half of itself to each pipeline hop; ``link_latency_s``
+  replaces every one-way latency (benchmarks that inject latency per message). Every estimate is linear in that latency, which is how
   :func:`crossover_latency` finds where tensor stops paying.
 
 Memory of a group member holding layers [s, e): 1/g of the layers' weights and KV cache, all of
@@ -82,7 +87,7 @@ from typing import Any
 from meshnode.data.profile import ModelProfile
 
 __all__ = ["DEFAULT_LINK", "FAST_RTT_S", "STRATEGIES", "TENSOR_FAMILIES", "LinkSpec", "NodeSpec", "Plan", "PlanError",
-           "Stage", "crossover_latency", "group_size_problem", "plan", "supports_tensor", "tensor_parallel_problem"]
+           "Stage", "crossover_latency", "estimate", "group_size_problem", "plan", "supports_tensor", "tensor_parallel_problem"]
 
 STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
 EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here
@@ -96,14 +101,16 @@ class NodeSpec:
     compute: float = 1.0  # relative speed, higher is faster: used only when layer_seconds is unknown
     address: str = ""
     layer_seconds: float | None = None  # measured decode step of one average layer (None/0: unknown)
+    collective_s: float | None = None  # what one all-reduce adds beyond the wire, measured (None/0: not counted)
 
 
 @dataclass(frozen=True)
 class LinkSpec:
     """A measured link between two nodes (symmetric)."""
 
-    rtt_s: float  # round trip of a small message
+    rtt_s: float  # round trip of a small message on the network (what a ring collective pays)
     bandwidth_Bps: float  # bytes per second
+    overhead_s: float = 0.0  # what the RPC stack adds to a round trip (a pipeline hop pays it too)
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class Stage:
     end_layer: int  # exclusive
     nodes: tuple[str, ...]  # one node for a pipeline stage
     bytes: int = 0  # memory the stage needs on its node
+    endpoints: tuple[str, ...] = ()  # tensor group: the address each member's ring uses, by rank (the node fills it)
 
     @property
     def num_layers(self) -> int:
@@ -161,12 +169,14 @@ class Plan:
                 "max_context": self.max_context, "estimate_s": self.estimate_s,
                 "alternatives": [dict(a) for a in self.alternatives],
                 "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
-                            "bytes": s.bytes} for s in self.stages]}
+                            "bytes": s.bytes, **({"endpoints": list(s.endpoints)} if s.endpoints else {})}
+                           for s in self.stages]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         stages = tuple(Stage(int(s["start_layer"]), int(s["end_layer"]), tuple(str(n) for n in s["nodes"]),
-                             int(s.get("bytes", 0))) for s in d["stages"])
+                             int(s.get("bytes", 0)), tuple(str(a) for a in s.get("endpoints") or ()))
+                       for s in d["stages"])
         return cls(model=str(d["model"]), strategy=str(d["strategy"]), stages=stages, epoch=int(d.get("epoch", 0)),
                    reason=str(d.get("reason", "")), max_context=int(d.get("max_context", 0)),
                    estimate_s=float(d.get("estimate_s", 0.0) or 0.0),
@@ -640,6 +650,12 @@ class _Cx:
         one_way = self.lat if self.lat is not None else spec.rtt_s / 2
         return max(one_way, 0.0), max(spec.bandwidth_Bps, 1.0), known
 
+    def hop(self, a: str, b: str) -> tuple[float, float]:
+        """(seconds one way, bandwidth B/s) of a pipeline hop: the network plus the RPC stack."""
+        one_way, bw, _ = self.link(a, b)
+        spec = self.links.get((a, b))
+        return one_way + (spec.overhead_s / 2 if spec is not None else 0.0), bw
+
     def worst(self, ids: Sequence[str]) -> tuple[float, float]:
         pairs = [self.link(a, b) for a, b in itertools.combinations(ids, 2)]
         return max(p[0] for p in pairs), min(p[1] for p in pairs)
@@ -662,13 +678,17 @@ class _Cx:
         kv = self.KV[e] - self.KV[s]
         return -(-sharded // g) + repl + -(-kv // g) + ends
 
+    def machinery(self, ids: Sequence[str]) -> float:
+        """One all-reduce's own cost in this group (its slowest member's measurement)."""
+        return max(self.by_id[i].collective_s or 0.0 for i in ids)
+
     def coll(self, ids: Sequence[str]) -> float:
         """Collectives per layer per token in a group: 2 ring all-reduces of one activation."""
         g = len(ids)
         if g == 1:
             return 0.0
         one_way, bw = self.worst(ids)
-        return 2 * 2 * (g - 1) * (one_way + self.msg / (g * bw))
+        return 2 * (2 * (g - 1) * (one_way + self.msg / (g * bw)) + self.machinery(ids))
 
     def unit_spec(self, ids: Sequence[str]):
         slowest = max(self.spb(i) for i in ids)
@@ -684,12 +704,12 @@ class _Cx:
                 total += slowest * self.head_w  # lm_head is not sharded: every member computes it
             if g > 1:  # rank 0 hands the step's input to the other members
                 one_way, bw = self.worst(ids)
-                total += one_way + self.msg / bw
+                total += one_way + self.msg / bw + self.machinery(ids)
         for (a, _, _), (b, _, _) in zip(units, units[1:]):
-            one_way, bw, _ = self.link(a[0], b[0])
+            one_way, bw = self.hop(a[0], b[0])
             total += one_way + self.msg / bw
         if len(units) > 1:
-            one_way, bw, _ = self.link(units[-1][0][0], units[0][0][0])
+            one_way, bw = self.hop(units[-1][0][0], units[0][0][0])
             total += one_way + TOKEN_BYTES / bw
         return total
 
@@ -915,13 +935,17 @@ def plan(
     links: Mapping[tuple[str, str], LinkSpec] | None = None,
     link_latency_s: float | None = None,
     fast_rtt_s: float = FAST_RTT_S,
+    held: Mapping[str, frozenset[int]] | None = None,
 ) -> Plan:
     """The placement of ``profile`` on ``nodes`` with the least estimated time per token that fits
     ``max_context`` tokens of KV cache. ``strategy`` forces one of :data:`STRATEGIES`. Ties go to
     the memory-driven plan (the fewest nodes; ``preferred`` node ids, the current plan's in stage
     order, win among equally small ones). ``links`` maps (a, b) to a measured :class:`LinkSpec`
     (either order; a missing pair is assumed :data:`DEFAULT_LINK`); ``link_latency_s`` replaces
-    every link's one-way latency (benchmarks that inject latency per message)."""
+    every link's one-way latency (benchmarks that inject latency per message). ``held`` maps node
+    ids to the layers their disks hold: after ``preferred``, nodes holding layers are preferred,
+    in the order of the first layer they hold, so stages land where their bytes already are and
+    the least is fetched (:func:`bytes_to_fetch`)."""
     if strategy is not None and strategy not in STRATEGIES:
         raise PlanError([f"unknown strategy {strategy!r}; this planner knows {', '.join(STRATEGIES)}"])
     if not nodes:
@@ -943,6 +967,12 @@ def plan(
     pref: dict[str, int] = {}
     for node_id in preferred:
         if node_id in ids and node_id not in pref:
+            pref[node_id] = len(pref)
+    holds = {n: frozenset((held or {}).get(n, ())) for n in ids}
+    holders = [n for n in ids if holds[n]] if len(set(holds.values())) > 1 else []  # all alike: no preference
+    budget = {x.node_id: x.memory_budget for x in nodes}
+    for node_id in sorted(holders, key=lambda n: (min(holds[n]), -len(holds[n]), -budget[n], n)):
+        if node_id not in pref:
             pref[node_id] = len(pref)
     allowed = set(STRATEGIES) if strategy is None else {strategy}
     legacy = None
@@ -1019,6 +1049,37 @@ def _why_chosen(cx: _Cx, chosen: _Cand, est: float, alternatives: tuple[dict, ..
     if chosen.legacy is not None:
         return f"{chosen.legacy.reason}; est. {_tps(est)}{versus}{tail}"
     return f"{chosen.strategy} over {_summary(chosen.units)}: {_tps(est)} est.{versus}{tail}"
+
+
+def bytes_to_fetch(profile: ModelProfile, plan_: Plan, held: Mapping[str, frozenset[int]]) -> dict[str, int]:
+    """Layer weight bytes each node of ``plan_`` lacks on disk (what it must fetch first)."""
+    out: dict[str, int] = {}
+    for st in plan_.stages:
+        for node_id in st.nodes:
+            have = held.get(node_id, frozenset())
+            out[node_id] = out.get(node_id, 0) + sum(profile.layer_bytes[i] for i in range(st.start_layer,
+                                                                                           st.end_layer)
+                                                     if i not in have)
+    return out
+
+
+def estimate(
+    profile: ModelProfile,
+    nodes: Sequence[NodeSpec],
+    stages: Sequence[Stage],
+    *,
+    max_context: int,
+    links: Mapping[tuple[str, str], LinkSpec] | None = None,
+    fast_rtt_s: float = FAST_RTT_S,
+) -> float:
+    """Seconds per decoded token of an existing placement under today's figures (the same model
+    :func:`plan` uses), so a current plan and a new one can be compared fairly. ``inf`` when a
+    stage names a node not in ``nodes``."""
+    known = {x.node_id for x in nodes}
+    if any(n not in known for s in stages for n in s.nodes):
+        return float("inf")
+    cx = _Cx(profile, nodes, max_context, links, None, fast_rtt_s)
+    return cx.estimate(tuple((tuple(s.nodes), s.start_layer, s.end_layer) for s in stages))
 
 
 def crossover_latency(

@@ -25,6 +25,7 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
+from meshnode.data.tensor import TensorGroupError
 from meshnode.data.wire import WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
@@ -121,6 +122,8 @@ class StageServer:
                 except WireError as exc:
                     log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", exc)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 if self.inject_latency:
                     await asyncio.sleep(self.inject_latency)
                 yield mesh_pb2.ForwardReply(output=output)
@@ -133,23 +136,37 @@ class StageServer:
 
 
 class RemoteSession:
-    """One request's stream to one remote stage, driven from the generation thread."""
+    """One request's stream to one remote stage, driven from the generation thread.
+
+    Messages may be sent ahead of replies (pipelined prefill): writes go out in order, and
+    replies, which the stage sends in the same order, are read in that order.
+    """
+
+    remote = True
 
     def __init__(self, stage: "RemoteStage", request_id: str):
         self._stage = stage
         self._request_id = request_id
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._write_lock: asyncio.Lock | None = None
+        self._read_lock: asyncio.Lock | None = None
+        self._queued = 0  # positions sent and not answered yet
 
     async def _forward(self, tensor: mesh_pb2.Tensor) -> mesh_pb2.Tensor:
         st = self._stage
+        if self._write_lock is None:
+            self._write_lock, self._read_lock = asyncio.Lock(), asyncio.Lock()
         msg = mesh_pb2.ForwardRequest(input=tensor)
-        if self._call is None:
-            self._call = st.stub.Forward(timeout=st.request_timeout)
-            msg.request_id, msg.epoch = self._request_id, st.epoch
-            msg.start_layer, msg.end_layer = st.start, st.end
         try:
-            await self._call.write(msg)
-            reply = await self._call.read()
+            async with self._write_lock:
+                if self._call is None:
+                    self._call = st.stub.Forward(timeout=st.request_timeout)
+                    msg.request_id, msg.epoch = self._request_id, st.epoch
+                    msg.start_layer, msg.end_layer = st.start, st.end
+                await self._call.write(msg)
+            # Acquired in the order the writes finished: the n-th reader gets the n-th reply.
+            async with self._read_lock:
+                reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _stage_error(st, exc) from None
         if reply is grpc.aio.EOF:
@@ -158,33 +175,64 @@ class RemoteSession:
             raise _stage_error(st, None, code, details)
         return reply.output
 
-    def forward(self, x: mx.array) -> mx.array:
-        """Called on the MLX thread: arrays are encoded and decoded here, the I/O runs on the loop."""
+    def submit(self, x: mx.array) -> "RemoteTicket":
+        """Send ``x`` without waiting for the reply (called on the generation thread)."""
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         st = self._stage
         positions = x.shape[1]
-        sent = time.perf_counter()
+        self._queued += positions
+        # The deadline counts what is queued ahead of this message at the stage.
+        timeout = st.hop_timeout + st.prefill_allowance * self._queued
         future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x)), st.loop)
-        timeout = st.hop_timeout + st.prefill_allowance * positions
-        try:
-            reply = future.result(timeout=timeout)
-            if st.observe is not None:
-                st.observe(time.perf_counter() - sent, positions)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise StageError(
-                f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {timeout:.1f} s"
-            ) from None
-        try:
-            return from_tensor(reply, dtypes=(st.dtype_name,), expect=(1, positions, st.hidden_size))
-        except WireError as exc:
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
+        return RemoteTicket(self, future, positions, timeout)
+
+    def forward(self, x: mx.array) -> mx.array:
+        """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
+        from meshnode.generation import mlx_idle
+
+        ticket = self.submit(x)
+        with mlx_idle():  # other generations use the MLX thread while this one waits on the network
+            concurrent.futures.wait([ticket.future], timeout=ticket.timeout)
+        return ticket.result()
 
     def close(self) -> None:
         if self._call is not None:
             call, self._call = self._call, None
             self._stage.loop.call_soon_threadsafe(call.cancel)
+
+
+class RemoteTicket:
+    """One message sent to a remote stage; ``result`` checks and decodes its reply."""
+
+    def __init__(self, session: RemoteSession, future: concurrent.futures.Future, positions: int, timeout: float):
+        self.session, self.future, self.positions, self.timeout = session, future, positions, timeout
+        self.sent = time.perf_counter()
+        self.deadline = self.sent + timeout
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait_handle(self) -> concurrent.futures.Future:
+        return self.future
+
+    def result(self) -> mx.array:
+        st = self.session._stage
+        try:
+            left = self.timeout - (time.perf_counter() - self.sent)
+            reply = self.future.result(timeout=max(left, 0.0))
+        except concurrent.futures.TimeoutError:
+            self.future.cancel()
+            raise StageError(
+                f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {self.timeout:.1f} s"
+            ) from None
+        self.session._queued -= self.positions
+        if st.observe is not None:
+            st.observe(time.perf_counter() - self.sent, self.positions)
+        try:
+            return from_tensor(reply, dtypes=(st.dtype_name,), expect=(1, self.positions, st.hidden_size))
+        except WireError as exc:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
 
 
 def _stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:

@@ -252,6 +252,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--end", required=True, type=int)
     parser.add_argument("--backend", default="ring")
     parser.add_argument("--control", required=True, help="HOST:PORT where rank 0 takes the other ranks' commands")
+    parser.add_argument("--inject-latency-us", type=float, default=0.0,
+                        help="tests and benchmarks: every collective waits this long, as over a slower link")
     args = parser.parse_args(argv)
     _die_with_parent()
     rank = int(os.environ.get("MLX_RANK", "0"))
@@ -271,6 +273,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
     from meshnode.data.shard import Shard
 
+    if args.inject_latency_us > 0:
+        _delay_collectives(args.inject_latency_us * 1e-6)
     group = mx.distributed.init(backend=args.backend, strict=True)
     shard = Shard(args.model, args.start, args.end, group=group)
     try:
@@ -294,6 +298,22 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         log.error("tensor group failed: %s", exc)
         return 1
     return 0
+
+
+def _delay_collectives(seconds: float) -> None:
+    """Make every collective of this process take ``seconds`` longer, as a link with that much more
+    round-trip latency would (a 2-member ring all-reduce is one exchange each way). The sharded
+    layers look ``mx.distributed.all_sum`` up at call time, so wrapping it there reaches them."""
+    for name in ("all_sum", "all_gather"):
+        original = getattr(mx.distributed, name)
+
+        def delayed(x, *args, _original=original, **kwargs):
+            out = _original(x, *args, **kwargs)
+            mx.eval(out)
+            time.sleep(seconds)
+            return out
+
+        setattr(mx.distributed, name, delayed)
 
 
 # --------------------------------------------------------------------------- the node's side
@@ -328,6 +348,7 @@ class TensorShard:
         backend: str = "ring",
         hop_timeout: float = 2.0,
         prefill_allowance: float = 0.05,
+        inject_latency: float = 0.0,
     ):
         self.path = Path(model_path)
         self.spec = ShardSpec(start, end, num_layers)
@@ -335,6 +356,7 @@ class TensorShard:
         self.control, self._secret = control, secret
         self.group_size = len(self.endpoints)
         self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
+        self.inject_latency = inject_latency  # seconds every collective waits (tests and benchmarks)
         self.dtype: mx.Dtype = mx.float32
         self.hidden_size: int | None = None
         self.nbytes = 0
@@ -364,6 +386,8 @@ class TensorShard:
         cmd = [sys.executable, "-m", "meshnode.data.tensor", "--model", str(self.path),
                "--start", str(self.start), "--end", str(self.end), "--backend", self.backend,
                "--control", self.control]
+        if self.inject_latency > 0:
+            cmd += ["--inject-latency-us", str(self.inject_latency * 1e6)]
         log.info("starting tensor worker rank %d of %s for layers [%d, %d)", self.rank,
                  ",".join(self.endpoints), self.start, self.end)
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds")
+    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds", "collective_seconds", "holdings")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class NodeInfo(_message.Message):
     TENSOR_PORT_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     http_port: int
@@ -37,23 +39,37 @@ class NodeInfo(_message.Message):
     tensor_port: int
     links: _containers.RepeatedCompositeFieldContainer[Link]
     layer_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ...) -> None: ...
+    collective_seconds: float
+    holdings: _containers.RepeatedCompositeFieldContainer[ModelHolding]
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ..., collective_seconds: _Optional[float] = ..., holdings: _Optional[_Iterable[_Union[ModelHolding, _Mapping]]] = ...) -> None: ...
+
+class ModelHolding(_message.Message):
+    __slots__ = ("model_id", "complete", "layers")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    complete: bool
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., complete: _Optional[bool] = ..., layers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Link(_message.Message):
-    __slots__ = ("peer", "address", "rtt_us", "jitter_us", "bandwidth", "measured_at")
+    __slots__ = ("peer", "address", "rtt_us", "jitter_us", "bandwidth", "measured_at", "rpc_rtt_us")
     PEER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RTT_US_FIELD_NUMBER: _ClassVar[int]
     JITTER_US_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    RPC_RTT_US_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     rtt_us: float
     jitter_us: float
     bandwidth: float
     measured_at: float
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., rtt_us: _Optional[float] = ..., jitter_us: _Optional[float] = ..., bandwidth: _Optional[float] = ..., measured_at: _Optional[float] = ...) -> None: ...
+    rpc_rtt_us: float
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., rtt_us: _Optional[float] = ..., jitter_us: _Optional[float] = ..., bandwidth: _Optional[float] = ..., measured_at: _Optional[float] = ..., rpc_rtt_us: _Optional[float] = ...) -> None: ...
 
 class Stage(_message.Message):
     __slots__ = ("start_layer", "end_layer", "nodes", "bytes", "endpoints")
