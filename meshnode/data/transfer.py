@@ -13,7 +13,8 @@ item and the item goes back to the queue for another peer.
 
 Crash safety and resume: everything is written into ``<dest>.partial/``: the output safetensors
 files are laid out up front (their header is known from the manifest) and each tensor is written
-at its place; a journal records each verified item. A new call with the same plan re-verifies the
+at its place; a journal records each verified item once its bytes are on disk (fsynced in batches
+off the event loop, so receiving never waits on the disk). A new call with the same plan re-verifies the
 journaled items on disk and fetches only the rest. The folder becomes ``<dest>`` by one rename
 once every item is verified, so an incomplete folder never looks complete. The result is an
 mlx-lm model folder holding only the stage's tensors plus ``meshnode-partial.json`` (the layer
@@ -423,6 +424,10 @@ class _Transfer:
         self.max_failures = max_peer_failures
         self.metadata = metadata
         self.journal = open(partial / _JOURNAL, "a")
+        # Verified items wait here until their bytes are on disk: a committer fsyncs them in batches
+        # off the event loop and only then journals them, so the network never waits on the disk.
+        self.verified: list[_Item] = []
+        self.verified_ready = asyncio.Event()
 
     def _eligible(self, peer: str, item: _Item) -> bool:
         return peer in item.peers and peer not in item.bad
@@ -495,8 +500,6 @@ class _Transfer:
                     raise _Failed(f"stream ended after {got} of {item.length} bytes")
                 if h.hexdigest() != item.sha256:
                     raise _Failed(f"sha256 mismatch ({h.hexdigest()[:12]}… != {item.sha256[:12]}…)")
-                f.flush()
-                os.fsync(f.fileno())
         except grpc.aio.AioRpcError as e:
             self._progress(-got)
             dead = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
@@ -508,7 +511,37 @@ class _Transfer:
         finally:
             call.cancel()  # no-op once the stream ended; stops the peer's sender otherwise
         self.by_peer[peer] = self.by_peer.get(peer, 0) + item.length
-        self.journal.write(json.dumps({"key": item.key, "sha256": item.sha256}) + "\n")
+        self.verified.append(item)
+        self.verified_ready.set()
+
+    async def _committer(self, stop: asyncio.Event) -> None:
+        """Make verified items durable, as many at a time as have arrived meanwhile, then journal
+        them: an item is in the journal only once its bytes are (a crash refetches the rest)."""
+        while True:
+            waits = [asyncio.ensure_future(self.verified_ready.wait()), asyncio.ensure_future(stop.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            self.verified_ready.clear()
+            batch, self.verified = self.verified, []
+            if batch:
+                await asyncio.to_thread(self._make_durable, batch)
+            elif stop.is_set():
+                return
+
+    def _make_durable(self, batch: list["_Item"]) -> None:
+        if self.journal.closed:  # the transfer was cancelled meanwhile: the next call re-verifies
+            return
+        for out in dict.fromkeys(self.partial / it.out for it in batch):
+            fd = os.open(out, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for it in batch:
+            self.journal.write(json.dumps({"key": it.key, "sha256": it.sha256}) + "\n")
         self.journal.flush()
         os.fsync(self.journal.fileno())
 
@@ -518,6 +551,8 @@ class _Transfer:
             self.on_progress(self.done, self.total)
 
     async def run(self) -> None:
+        stop = asyncio.Event()
+        committer = asyncio.create_task(self._committer(stop))
         try:
             workers = [asyncio.create_task(self._worker(p)) for p in self.peers for _ in range(self.streams)]
             try:
@@ -526,7 +561,10 @@ class _Transfer:
                 for w in workers:
                     w.cancel()
                 await asyncio.gather(*workers, return_exceptions=True)
+                stop.set()  # what was verified still becomes durable and journaled, even on failure
+                await asyncio.shield(committer)
         finally:
+            committer.cancel()
             self.journal.close()
         if self.pending:
             missing = ", ".join(it.key.removeprefix("file:") for it in self.pending[:5])
