@@ -399,6 +399,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _absorb(h, f, data: bytes) -> None:
+    h.update(data)
+    f.write(data)
+
+
 class _Transfer:
     """One fetch: the work queue, the per-peer workers and the journal."""
 
@@ -477,25 +482,33 @@ class _Transfer:
         mode = "wb" if item.key.startswith("file:") else "r+b"
         if mode == "wb":
             out.parent.mkdir(parents=True, exist_ok=True)
+        absorbing = None  # the previous chunk being hashed and written while the next one arrives
         try:
             with open(out, mode) as f:
                 f.seek(item.out_offset)
-                while True:
-                    try:
-                        chunk = await asyncio.wait_for(call.read(), self.chunk_timeout)
-                    except asyncio.TimeoutError:
-                        raise _Failed(f"no data for {self.chunk_timeout:g} s", peer_dead=True) from None
-                    if chunk is grpc.aio.EOF:
-                        break
-                    n = len(chunk.data)
-                    self.fetched += n
-                    if chunk.offset != item.offset + got or n == 0 or got + n > item.length:
-                        raise _Failed(f"chunk at {chunk.offset} with {n} bytes, expected offset "
-                                      f"{item.offset + got} and at most {item.length - got} bytes")
-                    h.update(chunk.data)
-                    f.write(chunk.data)
-                    got += n
-                    self._progress(n)
+                try:
+                    while True:
+                        try:
+                            chunk = await asyncio.wait_for(call.read(), self.chunk_timeout)
+                        except asyncio.TimeoutError:
+                            raise _Failed(f"no data for {self.chunk_timeout:g} s", peer_dead=True) from None
+                        if absorbing is not None:
+                            await absorbing
+                            absorbing = None
+                        if chunk is grpc.aio.EOF:
+                            break
+                        n = len(chunk.data)
+                        self.fetched += n
+                        if chunk.offset != item.offset + got or n == 0 or got + n > item.length:
+                            raise _Failed(f"chunk at {chunk.offset} with {n} bytes, expected offset "
+                                          f"{item.offset + got} and at most {item.length - got} bytes")
+                        # hashlib and file writes release the GIL: off the loop, they overlap the network
+                        absorbing = asyncio.ensure_future(asyncio.to_thread(_absorb, h, f, chunk.data))
+                        got += n
+                        self._progress(n)
+                finally:
+                    if absorbing is not None:  # never close the file under a write still running
+                        await asyncio.gather(absorbing, return_exceptions=True)
                 if got != item.length:
                     raise _Failed(f"stream ended after {got} of {item.length} bytes")
                 if h.hexdigest() != item.sha256:
