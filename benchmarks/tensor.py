@@ -7,7 +7,9 @@ tensor group: what a link with that much more round-trip time would cost; ``tc n
 here), two `meshnode run` processes on two hosts are started with each strategy forced, and a
 client namespace streams from the head. Prints, per latency: decode tokens/s of each strategy,
 the planner's estimate for each, and what the planner picks on its own (``auto``) from the
-figures it measured. Then mlx-lm's sharded model (``model.shard()`` over an ``mx.distributed``
+figures it measured. Every node starts with the compute figures this machine measured once,
+quietly, before the runs (as an installed node has them cached), rather than timing its layers
+while the other host does the same on this 2-core machine. Then mlx-lm's sharded model (``model.shard()`` over an ``mx.distributed``
 ring between the same two hosts, ``stream_generate`` on both ranks) against meshnode's tensor
 pair at no injected latency (target: within 1.2x). Needs root (network namespaces).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -68,12 +71,29 @@ def stream_tps(client, url: str, model_id: str, tokens: int, repeats: int = 3) -
                          "print(json.dumps({'tps':tps,'n':n}))")["tps"]
 
 
-def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budget: int, tokens: int) -> dict:
+def measure_compute(host, path: Path, seed: Path) -> dict:
+    """This machine's layer and two-way split timings, measured once with nothing else running,
+    into ``seed/compute.json`` (what a node caches in its state folder)."""
+    seed.mkdir(exist_ok=True)
+    return in_ns(host, f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+                       "from pathlib import Path\n"
+                       "from meshnode.data.compute import layer_seconds, tensor_layer_seconds, collective_overhead\n"
+                       "from meshnode.data.profile import profile_model\n"
+                       f"p=Path({str(path)!r}); prof=profile_model(p); lb=max(prof.layer_bytes)\n"
+                       f"one=layer_seconds(p, prof.num_layers, Path({str(seed)!r}), lb)\n"
+                       f"two=tensor_layer_seconds(p, prof.num_layers, Path({str(seed)!r}), lb)\n"
+                       "print(json.dumps({'layer_s': one, 'split_s': two, 'collective_s': collective_overhead(one, two)}))")
+
+
+def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budget: int, tokens: int,
+             seed: Path | None = None) -> dict:
     a, b, client = mesh.hosts
     procs = []
     for h in (a, b):
         state = tmp / f"{strategy}-{int(inject_us)}-{h.name}"
         state.mkdir()
+        if seed is not None:
+            shutil.copy(seed / "compute.json", state / "compute.json")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_STRATEGY": strategy,
                "MESHNODE_INJECT_LATENCY_US": str(inject_us), "MESHNODE_LINK_PROBE_INTERVAL": str(PROBE_INTERVAL),
                "MESHNODE_REBALANCE_DWELL": "1"}
@@ -90,6 +110,8 @@ def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budge
         url = f"http://{(a if head == a.name else b).ip}:{HTTP}"
         stream_tps(client, url, path.name, 8, 1)  # warm-up: kernels compiled on every host
         tps = stream_tps(client, url, path.name, tokens) if strategy != "auto" else None
+        if strategy != "auto":  # links measured by now: the plan's estimate by today's figures
+            view = wait_plan(client, f"http://{a.ip}:{HTTP}", strategy)
         return {"tps": tps, "view": view}
     finally:
         for p in procs:
@@ -156,12 +178,18 @@ def main() -> int:
     rows = []
     with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        seed = tmp / "compute"
+        compute = measure_compute(mesh.hosts[0], path, seed)
+        print(f"compute here: one layer {compute['layer_s'] * 1e3:.2f} ms, split two ways "
+              f"{compute['split_s'] * 1e3:.2f} ms, each all-reduce adds {compute['collective_s'] * 1e6:.0f} µs",
+              flush=True)
         sharded = mlx_lm_sharded_tps(mesh, path, tmp, args.tokens)
         for inject in latencies:
             row = {"inject_us": inject}
             for strategy in (*STRATEGIES, "auto"):
-                out = run_mesh(mesh, path, tmp, strategy, inject, budget, args.tokens)
+                out = run_mesh(mesh, path, tmp, strategy, inject, budget, args.tokens, seed)
                 plan = out["view"]["plan"]
+                plan["tokens_per_s"] = plan.get("tokens_per_s_now") or plan["tokens_per_s"]
                 if strategy == "auto":
                     row["planner_pick"] = plan["strategy"]
                     row["planner_reason"] = plan["reason"]
@@ -185,7 +213,7 @@ def main() -> int:
     if tensor0:
         print(f"meshnode tensor pair at 0 µs: {tensor0:.2f} tok/s; mlx-lm / meshnode = {sharded / tensor0:.3f} "
               f"(target <= 1.2)")
-    figures = {"rows": rows, "mlx_lm_sharded_tps": sharded, "tensor_tps": tensor0,
+    figures = {"compute": compute, "rows": rows, "mlx_lm_sharded_tps": sharded, "tensor_tps": tensor0,
                "sharded_over_tensor": sharded / tensor0 if tensor0 else None}
     print(json.dumps(figures))
     if args.json:

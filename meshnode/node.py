@@ -651,9 +651,7 @@ class Node:
         # Re-plan on a membership change, and now and then with fresh link and compute figures.
         if plan_ok and members == self._planned_for and now - self._planned_at < self.settings.link_probe_interval:
             return
-        nodes = [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute,
-                          layer_seconds=n.layer_seconds or None,
-                          collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S) for n in alive.values()]
+        nodes = _node_specs(alive)
         links = self._link_specs(members)
         preferred = tuple(self.plan.node_ids()) if self.plan is not None else ()
         strategy = None if self.settings.strategy == "auto" else self.settings.strategy
@@ -709,6 +707,20 @@ class Node:
         msg = plan_to_pb(desired, self.node_id)
         for peer in self.membership.alive_peers().values():
             asyncio.create_task(self._install(peer.target, msg))
+
+    def _estimate_now(self) -> float | None:
+        """Seconds per token of the current plan by today's compute and link figures (the plan's own
+        estimate is from when it was made, often before the links were measured)."""
+        if self.plan is None or self.membership is None or self.profile is None:
+            return None
+        alive = self.membership.alive_infos()
+        if not set(self.plan.node_ids()) <= set(alive):
+            return None
+        try:
+            return plan_estimate(self.profile, _node_specs(alive), self.plan.stages,
+                                 max_context=self.settings.max_context, links=self._link_specs(frozenset(alive)))
+        except (PlanError, ValueError, KeyError):
+            return None
 
     async def _measure_collectives(self) -> None:
         """Time a few layers of the model split two ways over a loopback ring on this machine
@@ -1038,6 +1050,7 @@ class Node:
             plan = {"epoch": self.plan.epoch, "model": self.plan.model, "strategy": self.plan.strategy,
                     "reason": self.plan.reason, "max_context": self.plan.max_context,
                     "estimate_s": self.plan.estimate_s or None, "tokens_per_s": self.plan.tokens_per_s or None,
+                    "tokens_per_s_now": round(1 / now, 3) if (now := self._estimate_now()) else None,
                     "alternatives": list(self.plan.alternatives),
                     "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
                                 "bytes": s.bytes, "endpoints": list(s.endpoints)}
@@ -1087,6 +1100,13 @@ def _head(plan: Plan) -> str:
 
 def _layout(plan: Plan) -> list:
     return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in plan.stages]
+
+
+def _node_specs(alive: dict[str, NodeInfo]) -> list[NodeSpec]:
+    """What the planner needs of each live node, from what it announces."""
+    return [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute,
+                     layer_seconds=n.layer_seconds or None,
+                     collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S) for n in alive.values()]
 
 
 def _same_layout(a: Plan, b: Plan) -> bool:
