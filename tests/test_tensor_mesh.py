@@ -92,6 +92,22 @@ def test_three_hosts_where_three_does_not_divide_the_heads_make_a_hybrid(llama, 
             assert cluster.chat(h, MESSAGES, MAX_TOKENS) == reference, cluster.logs()
 
 
+def test_moe_hybrid_on_three_hosts_identical_tokens(tmp_path):
+    """qwen3_moe where three does not divide the kv heads: a tensor pair (each layer's experts
+    split over its fast link) plus a pipeline stage on the third host."""
+    path = build_model(tmp_path / "moe", "qwen3_moe", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2,
+                       intermediate_size=384, num_experts=4, experts_per_tok=2, dtype="float32", seed=11)
+    reference = _reference(path, 60)
+    total = profile_model(path).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, path, tmp_path)
+        for h in cluster.hosts:  # all three needed, as in the llama hybrid test
+            cluster.start(h, int(total * 0.45), env={"MESHNODE_STRATEGY": "hybrid"})
+        views = cluster.wait(lambda: _settled(cluster, "hybrid"), 90, "a hybrid plan")
+        assert sorted(len(nodes) for _, _, nodes in _stages(views[0])) == [1, 2], views[0]["plan"]
+        assert cluster.chat(cluster.hosts[0], MESSAGES, 60) == reference, cluster.logs()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe_models_split_with_identical_tokens(family, tmp_path):
     """qwen3_moe has mlx-lm's tensor sharding: a group keeps each layer's experts on fast links
