@@ -341,7 +341,7 @@ class Node:
             self.model_path = cached_metadata(peer_models, self.model_id) or await self._metadata_from_peers(exc)
         # What this node serves to peers, and where its layers come from when its disk lacks them.
         self.store = ModelStore(peer_models)
-        self.store.add(self.model_id, (self.model_path if read_marker(self.model_path) is None
+        self.store.add(self.model_id, (self.model_path if self._weights_local
                                        else cached_metadata(peer_models, self.model_id) or self.model_path))
         self.profile = await asyncio.to_thread(profile_model, self.model_path, self.model_id)
         self.layer_source = LayerSource(self.model_id, self.model_path, peer_models, self.store, self.profile.num_layers)
@@ -386,8 +386,8 @@ class Node:
     async def _layers_folder(self, start: int, end: int) -> Path:
         """A folder holding layers [start, end): local, or fetched now from the live peers that
         announce them (progress in ``self.progress``), then announced as held."""
-        if self.layer_source.local(start, end) is not None:
-            return self.layer_source.local(start, end)
+        if (local := self.layer_source.local(start, end)) is not None:
+            return local
         alive = self.membership.alive_infos() if self.membership is not None else {}
         peers = [(nid, self.channel_to(nid)) for nid, info in sorted(alive.items())
                  if nid != self.node_id and any(m == self.model_id for m, _, _ in info.holdings)]
@@ -400,10 +400,14 @@ class Node:
         finally:
             self.progress.finish()
         self._event("fetched", layers=[start, end], seconds=round(time.monotonic() - t0, 2))
-        self.me = dataclasses.replace(self.me, holdings=holdings_of(self.store))
+        self._update_me(holdings=holdings_of(self.store))
+        return path
+
+    def _update_me(self, **changes) -> None:
+        """Change what this node announces (sent with the next heartbeats)."""
+        self.me = dataclasses.replace(self.me, **changes)
         if self.membership is not None:
             self.membership.me = self.me
-        return path
 
     async def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -730,8 +734,7 @@ class Node:
                                         self.settings.resolved_state_dir(), max(self.profile.layer_bytes, default=0))
         value = collective_overhead(self.me.layer_seconds, split)
         if value > 0:
-            self.me = dataclasses.replace(self.me, collective_seconds=value)
-            self.membership.me = self.me
+            self._update_me(collective_seconds=value)
 
     def _measured(self) -> list[tuple[str, LinkStat]]:
         """Every link figure this node knows: its own probes and what peers reported."""
@@ -845,8 +848,7 @@ class Node:
                         self.progress.finish()
                     log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
                 elif shard is None:
-                    await self._layers_folder(key[0], key[1])
-                    shard = self._tensor_shard(stage)
+                    shard = self._tensor_shard(stage, await self._layers_folder(key[0], key[1]))
                     launching.append(shard)
                     t0 = time.monotonic()
                     await asyncio.to_thread(shard.launch, self.settings.group_ready_timeout)
@@ -876,7 +878,7 @@ class Node:
         log.info("ready for epoch %d", plan.epoch)
         asyncio.create_task(self._heartbeat_all())  # tell the mesh now, not at the next beat
 
-    def _tensor_shard(self, stage) -> TensorShard:
+    def _tensor_shard(self, stage, path: Path) -> TensorShard:
         """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
         alive = self.membership.alive_infos() if self.membership is not None else {}
         key = f"{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
@@ -889,8 +891,7 @@ class Node:
             host = _endpoint_host(stage, node_id, info)
             endpoints.append(f"{host}:{info.tensor_port + offset}")
             controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
-        return TensorShard(self.layer_source.local(stage.start_layer, stage.end_layer) or self.model_path,
-                           stage.start_layer, stage.end_layer, self.profile.num_layers,
+        return TensorShard(path, stage.start_layer, stage.end_layer, self.profile.num_layers,
                            rank=stage.nodes.index(self.node_id), endpoints=endpoints, control=controls[0],
                            secret=self._group_secret, hop_timeout=self.settings.failure_timeout,
                            inject_latency=self.settings.inject_latency_us * 1e-6)

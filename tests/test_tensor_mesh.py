@@ -13,7 +13,7 @@ import pytest
 
 from meshnode.data.profile import profile_model
 from meshnode.modelbuild import build_model
-from tests.cluster import Cluster, read_stream
+from tests.cluster import Cluster, mlx_reference, read_stream
 from tests.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
@@ -23,11 +23,7 @@ MAX_TOKENS = 240
 
 
 def _reference(path, max_tokens=MAX_TOKENS):
-    from mlx_lm import generate, load
-
-    m, tok = load(str(path))
-    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
-    return generate(m, tok, prompt=prompt, max_tokens=max_tokens)
+    return mlx_reference(path, MESSAGES, max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -433,6 +433,7 @@ class _Transfer:
         # off the event loop and only then journals them, so the network never waits on the disk.
         self.verified: list[_Item] = []
         self.verified_ready = asyncio.Event()
+        self.closing = False  # no more items will come: the committer drains and returns
 
     def _eligible(self, peer: str, item: _Item) -> bool:
         return peer in item.peers and peer not in item.bad
@@ -527,21 +528,16 @@ class _Transfer:
         self.verified.append(item)
         self.verified_ready.set()
 
-    async def _committer(self, stop: asyncio.Event) -> None:
+    async def _committer(self) -> None:
         """Make verified items durable, as many at a time as have arrived meanwhile, then journal
         them: an item is in the journal only once its bytes are (a crash refetches the rest)."""
         while True:
-            waits = [asyncio.ensure_future(self.verified_ready.wait()), asyncio.ensure_future(stop.wait())]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await self.verified_ready.wait()
             self.verified_ready.clear()
             batch, self.verified = self.verified, []
             if batch:
                 await asyncio.to_thread(self._make_durable, batch)
-            elif stop.is_set():
+            if self.closing and not self.verified:
                 return
 
     def _make_durable(self, batch: list["_Item"]) -> None:
@@ -564,8 +560,7 @@ class _Transfer:
             self.on_progress(self.done, self.total)
 
     async def run(self) -> None:
-        stop = asyncio.Event()
-        committer = asyncio.create_task(self._committer(stop))
+        committer = asyncio.create_task(self._committer())
         try:
             workers = [asyncio.create_task(self._worker(p)) for p in self.peers for _ in range(self.streams)]
             try:
@@ -574,7 +569,8 @@ class _Transfer:
                 for w in workers:
                     w.cancel()
                 await asyncio.gather(*workers, return_exceptions=True)
-                stop.set()  # what was verified still becomes durable and journaled, even on failure
+                self.closing = True  # what was verified still becomes durable and journaled, even on failure
+                self.verified_ready.set()
                 await asyncio.shield(committer)
         finally:
             committer.cancel()
