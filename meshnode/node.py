@@ -232,6 +232,10 @@ class Node:
         self.max_epoch_seen = 0
         self.ready_epoch = 0
         self._planned_for: frozenset[str] = frozenset()
+        # started_at of each node of the plan this coordinator published: a node that restarts
+        # comes back empty-handed, so its plan is published again under a new epoch (generations
+        # that lost the old epoch wait for a newer one).
+        self._plan_incarnations: dict[str, float] = {}
         self._planned_at = 0.0  # when the coordinator last weighed a plan
         self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
         self._forced_note = ""  # why the configured strategy could not be used, last said
@@ -651,6 +655,10 @@ class Node:
     def _coordinate(self, alive: dict[str, NodeInfo]) -> None:
         members = frozenset(alive)
         plan_ok = self.plan is not None and set(self.plan.node_ids()) <= members
+        restarted = sorted(n for n, t in self._plan_incarnations.items() if n in alive and alive[n].started_at != t)
+        if plan_ok and restarted:
+            log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted), self.plan.epoch)
+            plan_ok = False
         now = time.monotonic()
         # Re-plan on a membership change, and now and then with fresh link and compute figures.
         if plan_ok and members == self._planned_for and now - self._planned_at < self.settings.link_probe_interval:
@@ -704,6 +712,7 @@ class Node:
             log.info("rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s", _describe(self.plan),
                      current * 1e3, _describe(desired), desired.estimate_s * 1e3, desired.reason)
         self._planned_for, self._planned_at, self._pending = members, now, None
+        self._plan_incarnations = {n: alive[n].started_at for n in desired.node_ids()}
         epoch = next_epoch(self.max_epoch_seen, self.epoch)
         desired = desired.with_epoch(epoch)
         log.info("publishing plan epoch %d: %s (%s)", epoch, _describe(desired), desired.reason)
