@@ -7,10 +7,12 @@ model, token for token (float32: the all-reduce changes rounding only at the las
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
 
+from meshnode.data.compute import layer_seconds, tensor_layer_seconds
 from meshnode.data.profile import profile_model
 from meshnode.modelbuild import build_model
 from tests.cluster import Cluster, mlx_reference, read_stream
@@ -155,6 +157,11 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
     profile = profile_model(path)
     budget = int(profile.total_bytes(512) * 0.7)
     fast_replan = {"MESHNODE_LINK_PROBE_INTERVAL": "2", "MESHNODE_REBALANCE_DWELL": "1"}
+    # The nodes start with this machine's compute figures, measured once with nothing else running
+    # (as an installed node has them cached), not timed by both hosts at once on shared cores.
+    seed = tmp_path / "seed"
+    layer_seconds(path, profile.num_layers, seed, max(profile.layer_bytes))
+    assert tensor_layer_seconds(path, profile.num_layers, seed, max(profile.layer_bytes)) > 0
 
     def run(inject_us: float):
         with netns_mesh(2) as mesh:
@@ -162,6 +169,8 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
             work.mkdir()
             cluster = Cluster(mesh, path, work)
             for h in cluster.hosts:
+                (work / h.name).mkdir()
+                shutil.copy(seed / "compute.json", work / h.name / "compute.json")
                 cluster.start(h, budget, env={**fast_replan, "MESHNODE_INJECT_LATENCY_US": str(inject_us)})
 
             def agreed():
