@@ -12,8 +12,11 @@ processes on network-namespace hosts of this machine, a client in its own namesp
 in this process. Figures:
 
 - decode tokens/s of 1-, 2- and 3-stage pipelines / mlx-lm's (stream_generate, best of 3);
-- added latency per hop: (time per token - mlx-lm's) / hops (the head sends each token to the
-  first stage and every activation comes back to it: 2 hops per remote stage);
+- added latency per hop, all in: (time per token - mlx-lm's) / hops (the head sends each token to
+  the first stage and every activation comes back to it: 2 hops per remote stage); and the
+  transport's part of it, as the head times every decode hop (round trip minus the stage's own
+  reported time, halved: meshnode_hop_transport_seconds), next to the network's floor (half a bare
+  TCP echo round trip between the same hosts);
 - bytes on the wire per decoded token per hop (veth counters, idle traffic subtracted; the
   difference between a long and a short generation, so the prompt is not counted);
 - time to first token for 128- and 1,024-token prompts on 2 stages, pipelined prefill on and off;
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import BENCH_MODEL, PROMPT, bench_model_dir, mlx_lm_decode_tps, param_count  # noqa: E402
 from benchmarks.pipeline import counters, in_ns  # noqa: E402
 from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
+from benchmarks.tensor import measure_compute  # noqa: E402
+from meshnode.config import ECHO_OFFSET  # noqa: E402
 from meshnode.data.profile import profile_model  # noqa: E402
 from meshnode.modelbuild import model_dir_for  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
@@ -138,6 +144,9 @@ class Nodes:
         for h in self.hosts:
             state = tmp / f"{h.name}-{n}-{time.monotonic_ns()}"
             state.mkdir()
+            # Compute figures measured once, before any node ran (main): a node that measures them
+            # itself runs its timing subprocesses for a while after it is up, inside the timed window.
+            shutil.copy(tmp / "seed" / "compute.json", state / "compute.json")
             self.procs.append(h.popen(
                 [sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
                  "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
@@ -168,6 +177,28 @@ class Nodes:
                 "from benchmarks.common import http_decode_tps\n"
                 f"print(json.dumps(http_decode_tps({self.url!r}, {self.path.name!r}, {tokens}, 3)))")
         return in_ns(self.client, code)[0]
+
+    def transport_us_per_hop(self) -> float | None:
+        """What each decode hop added beyond the stage's own work, as the head timed it (its
+        meshnode_hop_transport_seconds: half of each round trip minus the stage's reported time)."""
+        code = (f"import urllib.request; print(urllib.request.urlopen('http://{self.head.ip}:{HTTP}/metrics', "
+                "timeout=5).read().decode())")
+        text = self.client.run([sys.executable, "-c", code], timeout=20).stdout
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith("meshnode_hop_transport_seconds_sum{"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("meshnode_hop_transport_seconds_count{"):
+                count += float(line.rsplit(" ", 1)[1])
+        return total / count * 1e6 if count else None
+
+    def network_us_per_hop(self) -> float:
+        """Half the median round trip of a bare TCP echo from the head to another node: the floor."""
+        other = next(h for h in self.hosts if h is not self.head)
+        code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+                "from meshnode.control.echo import echo_rtt\n"
+                f"print(json.dumps(echo_rtt({other.ip!r}, {GRPC + 1 + ECHO_OFFSET}, samples=200)[0]))")
+        return in_ns(self.head, code) / 2 * 1e6
 
     def bytes_per_token_per_hop(self, tokens: int) -> float:
         """Through the first stage's link (it is not the head: every hop of a 2-stage token crosses it)."""
@@ -249,8 +280,14 @@ def table(r: dict) -> str:
     for n in (2, 3):
         d = r["decode"].get(str(n))
         if d:
-            rows.append(f"| added latency per hop, {n} stages ({d['hops']} hops/token) | {d['added_us_per_hop']:.0f} µs "
-                        f"| | | <= 150 µs |")
+            rows.append(f"| added latency per hop, all in, {n} stages ({d['hops']} hops/token): (time per token "
+                        f"- mlx-lm's) / hops | {d['added_us_per_hop']:.0f} µs | | | <= 150 µs |")
+            if d.get("transport_us_per_hop") is not None:
+                rows.append(f"| added latency per hop, transport, {n} stages: (round trip - stage's own time) / 2 "
+                            f"| {d['transport_us_per_hop']:.0f} µs | | | <= 150 µs |")
+            if d.get("network_us_per_hop") is not None:
+                rows.append(f"| network floor per hop, {n} stages: half a bare TCP echo round trip "
+                            f"| {d['network_us_per_hop']:.0f} µs | | | |")
     if r.get("bytes_per_token_per_hop") is not None:
         rows.append(f"| bytes on the wire per token per hop, 2 stages (TCP/IP included) | "
                     f"{r['bytes_per_token_per_hop']:.0f} | activation {r['activation_bytes']} B | | |")
@@ -320,11 +357,16 @@ def main() -> int:
         hops = 2 * (nodes.stages - 1)
         d = {"tps": tps, "ratio": tps / ref_tps, "hops": hops,
              "added_us_per_hop": (1 / tps - 1 / ref_tps) / hops * 1e6 if hops else None}
+        if hops:
+            d["transport_us_per_hop"] = nodes.transport_us_per_hop()
+            d["network_us_per_hop"] = nodes.network_us_per_hop()
         r["decode"][str(nodes.stages)] = d
         print(f"{nodes.stages} stage(s): {d}", flush=True)
 
     with netns_mesh(4) as mesh, tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        for model in (path, small):
+            print(f"compute of {model.name}: {measure_compute(mesh.hosts[0], model, tmp / 'seed')}", flush=True)
         nodes = Nodes(mesh, path, tmp, 1, 1.5)
         decode(nodes)
         nodes.stop()

@@ -293,6 +293,7 @@ def _positive_duration(value: Any) -> float:
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
+DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in bare TCP frames (meshnode.data.dataport)
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": _optional(_str),
@@ -308,6 +309,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_context": _positive_int,
     "prefill_step_size": _positive_int,
     "pipelined_prefill": parse_bool,
+    "fast_hops": parse_bool,
     "max_step_ms": _range(_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": _positive_int,
     "default_max_tokens": _positive_int,
@@ -393,6 +395,9 @@ class Settings:
     prefill_step_size: int = 512
     #: Prefill a prompt in chunks that flow through the stages like an assembly line.
     pipelined_prefill: bool = True
+    #: Activations between pipeline stages travel in bare TCP frames on the data port (tensor_port
+    #: + 33) instead of gRPC streams: a hop then costs the network's round trip, not the RPC stack's.
+    fast_hops: bool = True
     #: The longest one stage's step of a prefill may run (chunks are sized to fit; Apple's GPU
     #: watchdog kills a command that runs too long).
     max_step_ms: float = 500.0
@@ -414,8 +419,8 @@ class Settings:
     #: single, pipeline, tensor or hybrid (a preference: where it is impossible, e.g. tensor with one
     #: node left, the mesh serves the auto plan rather than nothing, and says so in the log).
     strategy: str = "auto"
-    #: First of 33 TCP ports for tensor-parallel groups (mx.distributed ring and control) and the link
-    #: echo (the last); 0 = grpc_port + 1.
+    #: First of 34 TCP ports: tensor-parallel groups (mx.distributed ring and control), the link
+    #: echo (+32) and the data port (+33); 0 = grpc_port + 1.
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load its layers before its worker is stopped.
     group_ready_timeout: float = 300.0

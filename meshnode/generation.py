@@ -15,7 +15,6 @@ activation, so concurrent generations overlap across the stages; they take turns
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -32,7 +31,8 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from meshnode.data.shard import Shard
-from meshnode.prefill import ChunkSizer, DoneTicket, pipelined_prefill
+from meshnode.data.wire import Placeholder
+from meshnode.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,25 @@ class LocalSession:
     def __init__(self, shard: Shard):
         self._shard = shard
         self._cache = shard.make_cache()
+        self._prepared: tuple[Placeholder, mx.array] | None = None
+
+    def prepare(self) -> bool:
+        """Build the next one-position step on a placeholder while a remote stage before this one
+        works (MLX builds graphs in Python, ~0.2-0.3 ms a layer); False where that cannot be done."""
+        build_ahead = getattr(self._shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
+        self._prepared = build_ahead(self._cache) if build_ahead is not None else None
+        if self._prepared is None:
+            return False
+        if self._shard.spec.is_last:
+            placeholder, out = self._prepared
+            self._prepared = (placeholder, out[:, -1:, :])
+        return True
+
+    def run_prepared(self, x: mx.array) -> mx.array:
+        """The step :meth:`prepare` built, on ``x`` (evaluated, one position)."""
+        (placeholder, out), self._prepared = self._prepared, None
+        placeholder.fill_from(x)
+        return out
 
     def submit(self, x: mx.array) -> DoneTicket:
         """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters."""
@@ -143,8 +162,24 @@ class PipelineModel:
 
     def __call__(self, inputs: mx.array, cache: list[_RequestState]) -> mx.array:
         x = inputs
-        for session in cache[0].sessions:
-            x = session.forward(x)
+        sessions = cache[0].sessions
+        # One position: decoding (or the last prompt token), and one position at a time after it.
+        single = inputs.shape[1] == 1
+        i = 0
+        while i < len(sessions):
+            session = sessions[i]
+            after = sessions[i + 1] if i + 1 < len(sessions) else None
+            if single and session.remote:
+                ticket = session.submit(x, next_single=True)
+                if after is not None and not after.remote and after.prepare():
+                    # The local stage after it builds its step while the remote one computes.
+                    x = after.run_prepared(session.finish(ticket))
+                    i += 2
+                    continue
+                x = session.finish(ticket)
+            else:
+                x = session.forward(x)
+            i += 1
         return x
 
     def prefill(self, tokens: Sequence[int], options: PrefillOptions) -> int:
@@ -341,9 +376,9 @@ def _settle_generation() -> None:
     mx.synchronize(generation_stream)
 
 
-def _wait_idle(futures: list[concurrent.futures.Future], timeout: float) -> None:
+def _wait_idle(handles: list, timeout: float) -> None:
     with mlx_idle():
-        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        wait_first(handles, timeout)
 
 
 class TokenScheduler:
@@ -384,6 +419,11 @@ class TokenScheduler:
         future: asyncio.Future = loop.create_future()
         self._inbox.put(_Call(fn, loop, future))
         return future
+
+    def run_here(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the calling thread, holding the baton (a data-port stream's own thread)."""
+        with self._baton.holding():
+            return fn()
 
     def stop(self) -> None:
         with self._jobs_lock:

@@ -28,6 +28,7 @@ RATE_WINDOW = 5.0  # seconds of tokens the live decode rate looks at
 RATE_IDLE = 2.0  # no token for this long: not decoding, the live rate is 0
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TRANSPORT_BUCKETS = (0.000025, 0.00005, 0.0001, 0.00015, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 _HOP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
@@ -65,6 +66,11 @@ class NodeMetrics:
         self.hop = Histogram("meshnode_hop_latency_seconds",
                              "Round trip of one activation to a remote stage and back (Forward)",
                              labelnames=("peer", "phase"), buckets=_HOP_BUCKETS, registry=r)
+        self.hop_transport = Histogram(
+            "meshnode_hop_transport_seconds",
+            "Added latency of one hop of a decode step: half of (the round trip to a remote stage minus the "
+            "stage's own time), i.e. what the network and the transport add each way",
+            labelnames=("peer", "transport"), buckets=_TRANSPORT_BUCKETS, registry=r)
         self.requests = Counter("meshnode_requests", "Generation requests by outcome", labelnames=("outcome",),
                                 registry=r)
         self.membership = Counter("meshnode_membership_changes",
@@ -102,11 +108,17 @@ class NodeMetrics:
         if tokens > 0 and decode_seconds > 0:
             self.last_request_tps = tokens / decode_seconds
 
-    def hop_observer(self, peer: str) -> Callable[[float, int], None]:
+    def hop_observer(self, peer: str) -> Callable[[float, int, float, str], None]:
         prefill, decode = self.hop.labels(peer=peer, phase="prefill"), self.hop.labels(peer=peer, phase="decode")
+        overhead = {t: self.hop_transport.labels(peer=peer, transport=t) for t in ("tcp", "grpc")}
 
-        def observe(seconds: float, positions: int) -> None:
-            (decode if positions <= 1 else prefill).observe(seconds)
+        def observe(seconds: float, positions: int, stage_seconds: float = 0.0, transport: str = "grpc") -> None:
+            if positions <= 1:
+                decode.observe(seconds)
+                if stage_seconds > 0:
+                    overhead[transport].observe(max(seconds - stage_seconds, 0.0) / 2)
+            else:
+                prefill.observe(seconds)
 
         return observe
 

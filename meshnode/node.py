@@ -32,7 +32,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from meshnode import __version__
 from meshnode.api.server import ApiSettings, make_app
 from meshnode.api.validation import ApiError, Limits
-from meshnode.config import ECHO_OFFSET, TENSOR_PORTS, Settings
+from meshnode.config import DATA_OFFSET, ECHO_OFFSET, TENSOR_PORTS, Settings
 from meshnode.control.auth import ClusterAuth, SignedChannel
 from meshnode.control import tls
 from meshnode.control.echo import EchoServer
@@ -52,6 +52,8 @@ from meshnode.data.manifest import read_marker
 from meshnode.data.sourcing import LayerSource, cached_metadata, holdings_of, metadata_from_peers
 from meshnode.data.transfer import FetchError, ModelStore
 from meshnode.control.browse import Browser
+from meshnode.data.dataport import DataServer
+from meshnode.data.hop import serve_forward
 from meshnode.data.stage import RemoteStage, StageError, StageServer
 from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.engine import Engine
@@ -261,6 +263,7 @@ class Node:
                                    unreachable=lambda: len(self.reach.unreachable()))
         self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
         self._echo: EchoServer | None = None  # lets peers time the network without the RPC stack
+        self._data: DataServer | None = None  # activations in bare TCP frames (meshnode.data.dataport)
         self._goodbyes: set[str] = set()  # peers that said goodbye (leave), as opposed to lost
         # Peers mDNS announces but heartbeats never reach (macOS Local Network privacy, a firewall).
         self.reach = Reachability(grace=max(10.0, 5 * settings.failure_timeout))
@@ -281,6 +284,16 @@ class Node:
                                     delay=self.settings.inject_latency_us * 1e-6)
         except OSError as exc:  # peers then time the link with gRPC calls, the RPC stack included
             log.warning("link echo not started on port %d: %s", tensor_port + ECHO_OFFSET, exc)
+        if self.settings.fast_hops and self.tls is None:  # encrypted clusters keep activations on TLS
+            try:
+                self._data = DataServer(
+                    self.settings.host or "0.0.0.0", tensor_port + DATA_OFFSET,
+                    auth=self.auth if self.settings.authenticate else None, log_auth=self.auth,
+                    forward=lambda conn, opening, host: serve_forward(self.stage_server, self.scheduler.run_here,
+                                                                      conn, opening, host))
+            except OSError as exc:  # peers then send this node's activations over gRPC
+                log.warning("data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET,
+                            exc)
         self.me = NodeInfo(
             node_id=self.node_id, addresses=self._announced_addresses(), http_port=self.http_port,
             grpc_port=self.grpc_port,
@@ -331,6 +344,8 @@ class Node:
             await channel.close()
         if self._echo is not None:
             self._echo.close()
+        if self._data is not None:
+            self._data.close()
         self.scheduler.stop()
 
     async def _load_model_metadata(self) -> None:
@@ -475,6 +490,15 @@ class Node:
         return {p.info.node_id: (p.info.addresses, p.info.grpc_port,
                                  p.info.tensor_port + ECHO_OFFSET if p.info.tensor_port else 0)
                 for p in self.membership.alive_peers().values()}
+
+    def data_port_of(self, node_id: str) -> tuple[str, int] | None:
+        """Where to send a peer's activations in bare TCP frames (fast_hops): its data port on its
+        fastest measured address; None where activations go over gRPC (encrypt, or fast_hops off)."""
+        peer = self.membership.peers.get(node_id) if self.membership else None
+        if self._data is None or peer is None or not peer.info.tensor_port:
+            return None
+        address = self.links.best_address(node_id) or peer.target.rsplit(":", 1)[0].strip("[]")
+        return address, peer.info.tensor_port + DATA_OFFSET
 
     def data_channel(self, node_id: str) -> grpc.aio.Channel:
         """The channel for per-token traffic to a peer: over its fastest measured address."""
@@ -1008,6 +1032,7 @@ class Node:
                     start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
                     hidden_size=self.profile.hidden_size, dtype=self._activation_dtype(),
                     hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
+                    data_port=self.data_port_of(node_id), auth=self.auth, caller=self.node_id,
                 ))
         return handles
 

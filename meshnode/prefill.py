@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import select
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ class Ticket(Protocol):
 
     def result(self) -> mx.array: ...
 
-    def wait_handle(self) -> concurrent.futures.Future | None: ...
+    def wait_handle(self) -> object | None: ...  # see wait_first
 
 
 class PipelinedSession(Protocol):
@@ -113,7 +114,7 @@ def pipelined_prefill(
     ready: list[deque] = [deque() for _ in range(n)]  # inputs that can go into stage i
     running: list[deque] = [deque() for _ in range(n)]  # (ticket, started) in order, per stage
     sent = chunks = 0
-    wait = wait or _wait_first
+    wait = wait or wait_first
 
     while True:
         # Results leave each stage in order; a stage's next chunk starts when its last one ends.
@@ -165,8 +166,25 @@ def pipelined_prefill(
 
 
 class WaitFn(Protocol):
-    def __call__(self, futures: list[concurrent.futures.Future], timeout: float) -> None: ...
+    def __call__(self, handles: list, timeout: float) -> None: ...
 
 
-def _wait_first(futures: list[concurrent.futures.Future], timeout: float) -> None:
-    concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+def wait_first(handles: list, timeout: float) -> None:
+    """Block until one of ``handles`` is ready or ``timeout`` passes.
+
+    A handle is a ``concurrent.futures.Future`` (a reply the event loop receives: gRPC) or an
+    object with ``fileno()`` (a stream the generation thread reads itself: the data port), which
+    is ready when it has bytes to read.
+    """
+    futures = [h for h in handles if isinstance(h, concurrent.futures.Future)]
+    streams = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
+    if not streams:
+        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        return
+    if not futures:
+        select.select(streams, [], [], timeout)
+        return
+    end = time.perf_counter() + timeout  # both kinds (a stage on an old peer): look at each in turn
+    while time.perf_counter() < end and not any(f.done() for f in futures):
+        if select.select(streams, [], [], 0.0005)[0]:
+            return

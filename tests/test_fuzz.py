@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshnode.control.auth import ClusterAuth, SignedChannel
+from meshnode.data.dataport import hello as data_hello, recv_frame, send_frame
 from meshnode.modelbuild import build_model
 from meshnode.node import MAX_GRPC_MESSAGE
 from meshnode.proto import mesh_pb2
@@ -529,10 +530,10 @@ def test_grpc_without_the_key_is_refused(node):
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
-@pytest.mark.parametrize("port_kind", ["http", "grpc"])
+@pytest.mark.parametrize("port_kind", ["http", "grpc", "data"])
 def test_raw_garbage_on_the_ports(node, port_kind):
     n, base, handler = node
-    port = n.http_port if port_kind == "http" else n.grpc_port
+    port = {"http": n.http_port, "grpc": n.grpc_port, "data": n._data.port}[port_kind]
     prefixes = st.sampled_from([b"", b"GET / HTTP/1.1\r\n",
                                 b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n",
                                 HTTP2_PREFACE, HTTP2_PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00",
@@ -549,8 +550,8 @@ def test_raw_garbage_on_the_ports(node, port_kind):
                 s.settimeout(0.5 if not half_close else 5)
                 while s.recv(65536):
                     pass
-            except (TimeoutError, socket.timeout, ConnectionError):
-                pass  # the server may wait for more, or reset: either is fine, as long as it lives on
+            except OSError:  # timed out, reset, or already closed by the server
+                pass  # the server may wait for more, or close: either is fine, as long as it lives on
 
     run()
     # Still serving on both ports.
@@ -561,6 +562,84 @@ def test_raw_garbage_on_the_ports(node, port_kind):
         assert code == grpc.StatusCode.OK and len(mesh_pb2.ProbeReply.FromString(replies[0]).payload) == 8
     finally:
         client.close()
+    _no_unhandled(handler)
+
+
+# ---------------------------------------------------------------------------- (c') the data port
+def _data_stream(n, auth: ClusterAuth, hello: bytes | None = None) -> socket.socket:
+    plan = n.serving_plan()
+    stage = plan.stages[0]
+    opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
+        request_id="fuzz", epoch=plan.epoch, start_layer=stage.start_layer, end_layer=stage.end_layer))
+    s = socket.create_connection(("127.0.0.1", n._data.port), timeout=TIMEOUT)
+    send_frame(s, hello if hello is not None else data_hello(auth, "fuzzer", opening))
+    return s
+
+
+def _closed_without_reply(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionError:
+        return True
+
+
+def test_data_port_refuses_the_wrong_key_and_replays_and_logs_it(node, caplog):
+    n, base, handler = node
+    caplog.set_level(logging.WARNING)
+    n.auth._logged.clear()  # refusals are logged once per peer per 10 s: start this test's count afresh
+    with _data_stream(n, ClusterAuth("not the cluster key")) as s:
+        send_frame(s, mesh_pb2.ForwardRequest(input=mesh_pb2.Tensor(dtype="int32", shape=[1, 1],
+                                                                    data=b"\x01\x00\x00\x00")).SerializeToString())
+        assert _closed_without_reply(s)
+    assert any("refused data stream" in r.getMessage() and "bad mac" in r.getMessage() for r in caplog.records)
+    assert KEY not in caplog.text
+    # A hello captured off the wire and sent again is refused (the nonce was used).
+    plan, auth = n.serving_plan(), ClusterAuth(KEY)
+    hello = data_hello(auth, "fuzzer", mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
+        request_id="fuzz", epoch=plan.epoch, start_layer=plan.stages[0].start_layer,
+        end_layer=plan.stages[0].end_layer)))
+    tokens = mesh_pb2.ForwardRequest(input=mesh_pb2.Tensor(dtype="int32", shape=[1, 1], data=b"\x01\x00\x00\x00"))
+    with _data_stream(n, auth, hello) as s:
+        send_frame(s, tokens.SerializeToString())
+        reply = mesh_pb2.ForwardReply.FromString(bytes(recv_frame(s)))
+        assert not reply.error and list(reply.output.shape)[:2] == [1, 1]
+    n.auth._logged.clear()
+    with _data_stream(n, auth, hello) as s:
+        send_frame(s, tokens.SerializeToString())
+        assert _closed_without_reply(s)
+    assert any("replayed" in r.getMessage() for r in caplog.records)
+    _no_unhandled(handler)
+
+
+def test_data_port_random_frames_after_a_valid_hello(node):
+    """Each frame is refused with a reply that names the error, or answered; the stream then
+    closes or goes on; the node lives on."""
+    n, base, handler = node
+    auth = ClusterAuth(KEY)
+    tensor = st.builds(mesh_pb2.Tensor, dtype=st.sampled_from(["int32", "float32", "bfloat16", "int64", ""]),
+                       shape=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 3), max_size=5),
+                       data=st.binary(max_size=64))
+    frame = st.one_of(st.binary(max_size=256),
+                      st.builds(lambda x, ns: mesh_pb2.ForwardRequest(input=x, next_single=ns).SerializeToString(),
+                                tensor, st.booleans()))
+
+    @fuzz(120)
+    @given(frames=st.lists(frame, min_size=1, max_size=3))
+    def run(frames):
+        with _data_stream(n, auth) as s:
+            for payload in frames:
+                send_frame(s, payload)
+                got = recv_frame(s)
+                if got is None:
+                    return
+                reply = mesh_pb2.ForwardReply.FromString(bytes(got))
+                OUTCOMES["data:" + (grpc.StatusCode.INVALID_ARGUMENT.name if reply.code == 3 else
+                                    "ok" if not reply.error else str(reply.code))] += 1
+                if reply.error:
+                    assert _closed_without_reply(s)
+                    return
+
+    run()
     _no_unhandled(handler)
 
 

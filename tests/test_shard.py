@@ -99,3 +99,26 @@ def test_middle_shard_reads_only_its_bytes(tmp_path):
     assert shard.nbytes < total / 3
     # The two layers' bytes, plus headers and config: far below the whole model.
     assert read < shard.nbytes * 1.2 + 200_000, (read, shard.nbytes, total)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_steps_built_ahead_equal_steps_built_on_their_input(models, family):
+    """A stage that builds its next decode step on a placeholder before the input arrives (the data
+    port's next_single; the head's local stage behind a remote one) computes exactly what it would
+    have computed building the step on the input itself, step after step, for every family."""
+    path = models[family]
+    for a, b in [(0, 3), (3, LAYERS)]:
+        shard = Shard(path, a, b)
+        plain, ahead = shard.make_cache(), shard.make_cache()
+        if a == 0:
+            prompt, steps = mx.array([PROMPT[:12]]), [mx.array([[t]]) for t in PROMPT[12:20]]
+        else:
+            hidden = Shard(path, 0, a).forward(mx.array([PROMPT[:20]]), Shard(path, 0, a).make_cache())
+            prompt, steps = hidden[:, :12], [hidden[:, i:i + 1] for i in range(12, 20)]
+        mx.eval(prompt, *steps)
+        mx.eval(shard.forward(prompt, plain), shard.forward(prompt, ahead))
+        for x in steps:
+            want = shard.forward(x, plain)
+            placeholder, got = shard.build_ahead(ahead)
+            placeholder.fill_from(x.astype(mx.int32) if a == 0 else x)
+            assert mx.array_equal(got, want).item(), (family, a, b)

@@ -67,13 +67,27 @@ def _concurrent_chats(cluster, host) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _run(model, tmp_path, hosts: int, fraction: float):
+def _decode_hops(cluster, host) -> dict[str, float]:
+    """Decode hops the head timed, by transport (tcp: the data port; grpc), from its /metrics."""
+    code = (f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
+            ".read().decode())")
+    text = cluster.client.run([sys.executable, "-c", code], timeout=20).stdout
+    counts = {"tcp": 0.0, "grpc": 0.0}
+    for line in text.splitlines():
+        if line.startswith("meshnode_hop_transport_seconds_count{"):
+            transport = line.split('transport="')[1].split('"')[0]
+            counts[transport] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _run(model, tmp_path, hosts: int, fraction: float, transport: str = "tcp"):
     references = _references(model)
     budget = int(profile_model(model).total_bytes(512) * fraction)
+    env = {**FAST_CHUNKS, "MESHNODE_FAST_HOPS": "true" if transport == "tcp" else "false"}
     with netns_mesh(hosts) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=512)
         for h in cluster.hosts:
-            cluster.start(h, budget, env=FAST_CHUNKS)
+            cluster.start(h, budget, env=env)
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, hosts), 60, "convergence")
         assert len(views[0]["plan"]["stages"]) == hosts, views[0]["plan"]
         head = next(h for h in cluster.hosts if h.name == views[0]["plan"]["stages"][-1]["nodes"][0])
@@ -83,12 +97,16 @@ def _run(model, tmp_path, hosts: int, fraction: float):
         for host in (head, other):
             got = _concurrent_chats(cluster, host)
             assert got == references, f"via {host.name}: {got} != {references}\n{cluster.logs()}"
+        # Every decode hop went the configured way: the data port, or gRPC with fast_hops off.
+        hops = _decode_hops(cluster, head)
+        assert hops[transport] > 0 and sum(hops.values()) == hops[transport], hops
 
 
-def test_dense_two_stages_pipelined_prefill_and_overlapped_decoding(tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_dense_two_stages_pipelined_prefill_and_overlapped_decoding(tmp_path_factory, tmp_path, transport):
     model = build_model(tmp_path_factory.mktemp("speed") / "llama", "llama", num_layers=8, hidden_size=128,
                         intermediate_size=256, dtype="float32")
-    _run(model, tmp_path, hosts=2, fraction=0.6)
+    _run(model, tmp_path, hosts=2, fraction=0.6, transport=transport)
 
 
 def test_moe_three_stages_pipelined_prefill_and_overlapped_decoding(tmp_path_factory, tmp_path):

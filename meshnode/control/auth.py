@@ -214,12 +214,27 @@ class ClusterAuth:
         if not self._nonces.add(nonce, self._clock()):
             raise _Refused("replayed call")
 
+    def check(self, method: str, metadata: Iterable[Any], body: bytes | None) -> str | None:
+        """Verify a signature made by :meth:`sign` outside gRPC (the data port's hello).
+
+        Returns None when it holds, else the reason for refusing, as the interceptor would.
+        """
+        try:
+            self._verify(method, self._parse(metadata), body)
+        except _Refused as exc:
+            return str(exc)
+        return None
+
     def _log_refusal(self, context: Any, method: str, reason: str) -> None:
         try:
             peer = context.peer() or "?"
         except Exception:  # noqa: BLE001 - logging must never fail a call
             peer = "?"
         host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+        self.log_refusal(host, f"gRPC call {method}", reason)
+
+    def log_refusal(self, host: str, what: str, reason: str) -> None:
+        """Log a refused call, at most once per peer host per 10 s (never the key or a MAC)."""
         now = time.monotonic()
         with self._log_lock:
             last = self._logged.get(host)
@@ -229,7 +244,7 @@ class ClusterAuth:
             self._logged.move_to_end(host)
             while len(self._logged) > _LOG_PEERS_MAX:
                 self._logged.popitem(last=False)
-        log.warning("refused gRPC call %s from %s: %s", method, host, reason)
+        log.warning("refused %s from %s: %s", what, host, reason)
 
     # ------------------------------------------------------------------ interceptors
     def server_interceptor(self) -> "AuthServerInterceptor":

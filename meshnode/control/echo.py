@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import socket
 import statistics
-import threading
 import time
+
+from meshnode.listener import ThreadedListener, recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -31,58 +32,27 @@ IDLE_S = 5.0
 class EchoServer:
     def __init__(self, host: str, port: int, delay: float = 0.0):
         self.delay = delay  # seconds each answer waits (tests and benchmarks inject link latency)
-        self._sock = socket.create_server((host, port), reuse_port=False)
-        self._sock.settimeout(0.5)
-        self.port = self._sock.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="meshnode-echo", daemon=True)
-        self._thread.start()
+        self._listener = ThreadedListener(host, port, self._serve, name="meshnode-echo",
+                                          max_connections=MAX_CONNECTIONS)
+        self.port = self._listener.port
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+    def _serve(self, conn: socket.socket, _host: str) -> None:
+        conn.settimeout(IDLE_S)
+        for _ in range(MAX_FRAMES):
+            frame = _read(conn, FRAME)
+            if frame is None or self._listener.stopped:
                 return
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # busy: the prober tries again at its next round
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="meshnode-echo-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(IDLE_S)
-            for _ in range(MAX_FRAMES):
-                frame = _read(conn, FRAME)
-                if frame is None or self._stop.is_set():
-                    return
-                if self.delay:
-                    time.sleep(self.delay)
-                conn.sendall(frame)
-        except OSError:
-            return
-        finally:
-            conn.close()
-            self._slots.release()
+            if self.delay:
+                time.sleep(self.delay)
+            conn.sendall(frame)
 
     def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
-        self._thread.join(timeout=2)
+        self._listener.close()
 
 
 def _read(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        part = conn.recv(n - len(buf))
-        if not part:
-            return None
-        buf += part
-    return bytes(buf)
+    buf = recv_exact(conn, n)
+    return None if buf is None else bytes(buf)
 
 
 def echo_rtt(host: str, port: int, samples: int = 12, timeout: float = 2.0) -> tuple[float, float]:

@@ -37,6 +37,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from meshnode.data.wire import Placeholder, dtype_name, placeholders_work
+
 log = logging.getLogger(__name__)
 
 
@@ -290,6 +292,16 @@ class Shard:
     def owned(self, cache: list[Any]) -> list[Any]:
         """The caches of this shard's own layers (what holds memory for a request)."""
         return cache[self.spec.start : self.spec.end]
+
+    def build_ahead(self, cache: list[Any]) -> "tuple[Placeholder, mx.array] | None":
+        """The next one-position step, built before its input exists (meshnode.data.wire.Placeholder):
+        fill the placeholder, then evaluate the output. None where placeholders do not work."""
+        if not placeholders_work():
+            return None
+        first = self.spec.is_first
+        placeholder = Placeholder("int32" if first else dtype_name(self.dtype),
+                                  (1, 1) if first else (1, 1, self.hidden_size))
+        return placeholder, self.forward(placeholder.array, cache)
 
     def forward(self, x: mx.array, cache: list[Any]) -> mx.array:
         """Run this shard's layers. Returns a lazy array: hidden state or logits."""

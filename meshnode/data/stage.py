@@ -26,10 +26,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.data.tensor import TensorGroupError
-from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.data.wire import Placeholder, WireError, from_tensor, host_array, to_array, to_tensor
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
+    from meshnode.control.auth import ClusterAuth
+    from meshnode.data.hop import HopSession
     from meshnode.data.shard import Shard
     from meshnode.generation import TokenScheduler
 
@@ -46,14 +48,13 @@ class StageRefused(StageError):
     """The stage said no (stale epoch, not loaded): retrying on a new plan may help."""
 
 
-def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> mx.array:
-    arr = from_tensor(tensor, dtypes=("int32",), expect=(1, None))
-    if arr.shape[1] > max_chunk:
-        raise WireError(f"{arr.shape[1]} tokens in one message (limit {max_chunk})")
-    ids = np.frombuffer(tensor.data, dtype="<i4")
+def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> np.ndarray:
+    ids = host_array(tensor, dtypes=("int32",), expect=(1, None))
+    if ids.shape[1] > max_chunk:
+        raise WireError(f"{ids.shape[1]} tokens in one message (limit {max_chunk})")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
-    return arr
+    return ids
 
 
 class StageServer:
@@ -77,62 +78,109 @@ class StageServer:
         for old in [e for e in self.epochs if e < epoch]:
             del self.epochs[old]
 
-    def _input(self, shard: "Shard", tensor: mesh_pb2.Tensor) -> mx.array:
-        if shard.spec.is_first:
-            return _check_tokens(tensor, self.vocab_size, self.max_chunk)
-        arr = from_tensor(tensor, dtypes=(_DTYPE_NAMES[shard.dtype],), expect=(1, None, shard.hidden_size))
-        if arr.shape[1] > self.max_chunk:
-            raise WireError(f"{arr.shape[1]} positions in one message (limit {self.max_chunk})")
-        return arr
+    def open(self, msg: mesh_pb2.ForwardRequest) -> "OpenStage":
+        """One request's use of a stage served here (raises :class:`StageRefusal`)."""
+        key = (msg.start_layer, msg.end_layer)
+        if msg.epoch not in self.epochs:
+            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"epoch {msg.epoch} is not served here (serving {sorted(self.epochs) or 'none'})")
+        shard = self.epochs[msg.epoch].get(key)
+        if shard is None:
+            raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
+        return OpenStage(self, shard)
 
     async def forward(
         self, requests: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mesh_pb2.ForwardReply]:
-        first = True
-        shard = cache = None
-        seen = 0
+        stage: OpenStage | None = None
         try:
             async for msg in requests:
-                if first:
-                    first = False
-                    key = (msg.start_layer, msg.end_layer)
-                    if msg.epoch not in self.epochs:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                            f"epoch {msg.epoch} is not served here (serving "
-                                            f"{sorted(self.epochs) or 'none'})")
-                    shard = self.epochs[msg.epoch].get(key)
-                    if shard is None:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                            f"layers [{key[0]}, {key[1]}) are not loaded here")
-                    cache = shard.make_cache()
-                positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
-                seen += positions
-                if seen > self.max_context:
-                    await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                        f"request exceeds the context of {self.max_context} tokens")
-
-                def run(tensor=msg.input):
-                    # Arrays live on the MLX thread: decode, run and encode there.
-                    out = shard.forward(self._input(shard, tensor), cache)
-                    mx.eval(out)
-                    return to_tensor(out)
-
                 try:
-                    output = await self.scheduler.call(run)
-                except WireError as exc:
-                    log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", exc)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    if stage is None:
+                        stage = self.open(msg)
+                    stage.admit(msg.input)
+                    output, seconds = await self.scheduler.call(lambda m=msg: stage.run(m))
+                except StageRefusal as refusal:
+                    if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
+                        log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", refusal)
+                    await context.abort(refusal.code, str(refusal))
                 if self.inject_latency:
                     await asyncio.sleep(self.inject_latency)
-                yield mesh_pb2.ForwardReply(output=output)
+                yield mesh_pb2.ForwardReply(output=output, stage_seconds=seconds)
         except DecodeError:
             # A corrupt message in the stream (grpc parses them as they are read): the caller's
             # error, answered INVALID_ARGUMENT, instead of an UNKNOWN and a traceback in the log.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
         finally:
-            cache = None
+            stage = None
+
+
+class StageRefusal(Exception):
+    """Why a stage will not run a message, as the gRPC status the caller gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class OpenStage:
+    """One request's use of one stage on the serving side: its KV cache and what it has seen.
+
+    Transport-neutral: the gRPC ``Forward`` stream and the data port (meshnode.data.hop) both
+    admit each message, then run it on the MLX thread.
+    """
+
+    def __init__(self, server: StageServer, shard: "Shard"):
+        self.server, self.shard = server, shard
+        self.cache = shard.make_cache()
+        self.seen = 0
+        self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
+
+    def admit(self, tensor: mesh_pb2.Tensor) -> None:
+        self.seen += tensor.shape[1] if len(tensor.shape) > 1 else 0
+        if self.seen > self.server.max_context:
+            raise StageRefusal(grpc.StatusCode.OUT_OF_RANGE,
+                               f"request exceeds the context of {self.server.max_context} tokens")
+
+    def _host_input(self, tensor: mesh_pb2.Tensor) -> np.ndarray:
+        shard = self.shard
+        if shard.spec.is_first:
+            return _check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
+        host = host_array(tensor, dtypes=(self._dtype,), expect=(1, None, shard.hidden_size))
+        if host.shape[1] > self.server.max_chunk:
+            raise WireError(f"{host.shape[1]} positions in one message (limit {self.server.max_chunk})")
+        return host
+
+    @property
+    def _dtype(self) -> str:
+        return "int32" if self.shard.spec.is_first else _DTYPE_NAMES[self.shard.dtype]
+
+    def run(self, msg: mesh_pb2.ForwardRequest) -> tuple[mesh_pb2.Tensor, float]:
+        """Decode, run and encode one message (on the MLX thread): the output and the seconds it took."""
+        started = time.perf_counter()
+        try:
+            host = self._host_input(msg.input)
+            if self.prepared is not None:  # this step's graph was built ahead: fill in its input
+                placeholder, out = self.prepared
+                self.prepared = None
+                if host.shape[1] != 1:
+                    raise WireError(f"{host.shape[1]} positions after a promise of one")
+                placeholder.fill(host)
+            else:
+                out = self.shard.forward(to_array(host, self._dtype), self.cache)
+            mx.eval(out)
+            return to_tensor(out), time.perf_counter() - started
+        except WireError as exc:
+            raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
+            raise StageRefusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+
+    def prepare(self) -> None:
+        """Build the next one-position step on a placeholder (the head promised one: next_single),
+        so it costs nothing once its input arrives. On the MLX thread, after the reply went out."""
+        build_ahead = getattr(self.shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
+        if self.prepared is None and build_ahead is not None:
+            self.prepared = build_ahead(self.cache)
 
 
 class RemoteSession:
@@ -152,7 +200,7 @@ class RemoteSession:
         self._read_lock: asyncio.Lock | None = None
         self._queued = 0  # positions sent and not answered yet
 
-    async def _forward(self, tensor: mesh_pb2.Tensor) -> mesh_pb2.Tensor:
+    async def _forward(self, tensor: mesh_pb2.Tensor) -> mesh_pb2.ForwardReply:
         st = self._stage
         if self._write_lock is None:
             self._write_lock, self._read_lock = asyncio.Lock(), asyncio.Lock()
@@ -173,10 +221,14 @@ class RemoteSession:
             code = await self._call.code()
             details = await self._call.details()
             raise _stage_error(st, None, code, details)
-        return reply.output
+        return reply
 
-    def submit(self, x: mx.array) -> "RemoteTicket":
-        """Send ``x`` without waiting for the reply (called on the generation thread)."""
+    def submit(self, x: mx.array, *, next_single: bool = False) -> "RemoteTicket":
+        """Send ``x`` without waiting for the reply (called on the generation thread).
+
+        ``next_single`` is a hint for the data port (meshnode.data.hop); gRPC stages build each
+        step when its input arrives.
+        """
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         st = self._stage
@@ -189,9 +241,11 @@ class RemoteSession:
 
     def forward(self, x: mx.array) -> mx.array:
         """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
+        return self.finish(self.submit(x))
+
+    def finish(self, ticket: "RemoteTicket") -> mx.array:
         from meshnode.generation import mlx_idle
 
-        ticket = self.submit(x)
         with mlx_idle():  # other generations use the MLX thread while this one waits on the network
             concurrent.futures.wait([ticket.future], timeout=ticket.timeout)
         return ticket.result()
@@ -228,9 +282,9 @@ class RemoteTicket:
             ) from None
         self.session._queued -= self.positions
         if st.observe is not None:
-            st.observe(time.perf_counter() - self.sent, self.positions)
+            st.observe(time.perf_counter() - self.sent, self.positions, reply.stage_seconds, "grpc")
         try:
-            return from_tensor(reply, dtypes=(st.dtype_name,), expect=(1, self.positions, st.hidden_size))
+            return from_tensor(reply.output, dtypes=(st.dtype_name,), expect=(1, self.positions, st.hidden_size))
         except WireError as exc:
             raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
 
@@ -259,9 +313,16 @@ class RemoteStage:
         hop_timeout: float,
         prefill_allowance: float = 0.05,
         request_timeout: float = 3600.0,
-        observe: Callable[[float, int], None] | None = None,
+        observe: Callable[[float, int, float, str], None] | None = None,
+        data_port: tuple[str, int] | None = None,
+        auth: "ClusterAuth | None" = None,
+        caller: str = "",
     ):
-        self.observe = observe  # called with (seconds, positions) after each hop's round trip
+        # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
+        self.observe = observe
+        # Where the peer's data port is (meshnode.data.hop), when activations may go there.
+        self.data_port = data_port
+        self.auth, self.caller = auth, caller
         self.node_id = node_id
         self.stub = mesh_pb2_grpc.MeshStub(channel)
         self.loop = loop
@@ -272,5 +333,16 @@ class RemoteStage:
         self.prefill_allowance = prefill_allowance  # extra seconds per position in one message
         self.request_timeout = request_timeout
 
-    def open(self, request_id: str) -> RemoteSession:
+    def open(self, request_id: str) -> "RemoteSession | HopSession":
+        """The request's stream to this stage: over the peer's data port where it has one, else gRPC."""
+        if self.data_port is not None and self.auth is not None:
+            from meshnode.data.hop import HopSession
+
+            host, port = self.data_port
+            try:
+                return HopSession(self, request_id, host, port, auth=self.auth, node_id=self.caller)
+            except OSError as exc:  # an older peer, or its data port blocked: gRPC still works
+                log.info("data port of %s at %s:%d unreachable (%s); activations go over gRPC", self.node_id,
+                         host, port, exc)
+                self.data_port = None
         return RemoteSession(self, request_id)

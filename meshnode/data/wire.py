@@ -27,6 +27,14 @@ _NAMES = {mx_dtype: name for name, (mx_dtype, _, _) in _DTYPES.items()}
 MAX_TENSOR_BYTES = 256 * 2**20  # no single activation is anywhere near this
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """The wire name of an MLX dtype that can be sent."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"dtype {dtype} cannot be sent")
+    return name
+
+
 class WireError(ValueError):
     """A tensor from a peer that does not match what was expected."""
 
@@ -42,17 +50,17 @@ def to_tensor(array: mx.array) -> mesh_pb2.Tensor:
     return mesh_pb2.Tensor(dtype=name, shape=list(array.shape), data=data)
 
 
-def from_tensor(
+def host_array(
     tensor: mesh_pb2.Tensor,
     *,
     dtypes: Sequence[str] = tuple(_DTYPES),
     expect: Sequence[int | None] | None = None,
     max_bytes: int = MAX_TENSOR_BYTES,
-) -> mx.array:
-    """Validate a received tensor and build an mx.array from it."""
+) -> np.ndarray:
+    """Validate a received tensor; a read-only numpy view of its bytes (bfloat16 as uint16)."""
     if tensor.dtype not in _DTYPES or tensor.dtype not in dtypes:
         raise WireError(f"dtype {tensor.dtype!r} not allowed (allowed: {', '.join(dtypes)})")
-    mx_dtype, np_dtype, itemsize = _DTYPES[tensor.dtype]
+    _, np_dtype, itemsize = _DTYPES[tensor.dtype]
     shape = tuple(int(d) for d in tensor.shape)
     if not shape or len(shape) > 4 or any(d <= 0 for d in shape):
         raise WireError(f"bad shape {shape}")
@@ -64,8 +72,64 @@ def from_tensor(
         raise WireError(f"tensor of {nbytes} bytes exceeds the limit of {max_bytes}")
     if len(tensor.data) != nbytes:
         raise WireError(f"{len(tensor.data)} bytes for shape {shape} {tensor.dtype} (expected {nbytes})")
-    host = np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
+    return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
+
+
+def to_array(host: np.ndarray, dtype_name: str) -> mx.array:
     array = mx.array(host)
-    if tensor.dtype == "bfloat16":
-        array = array.view(mx.bfloat16)
-    return array
+    return array.view(mx.bfloat16) if dtype_name == "bfloat16" else array
+
+
+def from_tensor(
+    tensor: mesh_pb2.Tensor,
+    *,
+    dtypes: Sequence[str] = tuple(_DTYPES),
+    expect: Sequence[int | None] | None = None,
+    max_bytes: int = MAX_TENSOR_BYTES,
+) -> mx.array:
+    """Validate a received tensor and build an mx.array from it."""
+    return to_array(host_array(tensor, dtypes=dtypes, expect=expect, max_bytes=max_bytes), tensor.dtype)
+
+
+class Placeholder:
+    """An input whose values arrive after the graph that uses it was built.
+
+    MLX builds a graph in Python (hundreds of microseconds per layer) and evaluates it later. A
+    stage that knows the shape of its next input builds that step ahead, on this array, while
+    the rest of the pipeline works; when the input arrives its bytes are written into this
+    array's memory (shared with numpy on the CPU and on Apple's unified memory) and the graph is
+    evaluated. The array is held here, so MLX never donates its buffer to another op.
+    """
+
+    def __init__(self, dtype_name: str, shape: tuple[int, ...]):
+        _, np_dtype, _ = _DTYPES[dtype_name]
+        self.dtype_name, self.shape = dtype_name, tuple(shape)
+        self._base = mx.array(np.zeros(shape, dtype=np_dtype))  # owns its buffer
+        self._host = np.asarray(self._base)  # a writable view of that buffer
+        self.array = self._base.view(mx.bfloat16) if dtype_name == "bfloat16" else self._base
+
+    def fill(self, host: np.ndarray) -> None:
+        if host.shape != self.shape:
+            raise WireError(f"shape {host.shape} does not match the step built ahead {self.shape}")
+        self._host[...] = host
+
+    def fill_from(self, array: mx.array) -> None:
+        """Fill from an evaluated array of the same dtype (what a remote stage sent back)."""
+        self.fill(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array))
+
+
+def placeholders_work() -> bool:
+    """Whether writing through numpy reaches an evaluated MLX array (checked once per process)."""
+    global _PLACEHOLDERS_WORK
+    if _PLACEHOLDERS_WORK is None:
+        try:
+            ph = Placeholder("float32", (1, 2))
+            out = ph.array * 2
+            ph.fill(np.array([[1.0, 2.0]], dtype=np.float32))
+            _PLACEHOLDERS_WORK = out.tolist() == [[2.0, 4.0]]
+        except Exception:  # noqa: BLE001 - any failure: build steps when their input is here
+            _PLACEHOLDERS_WORK = False
+    return _PLACEHOLDERS_WORK
+
+
+_PLACEHOLDERS_WORK: bool | None = None

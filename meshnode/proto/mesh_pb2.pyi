@@ -176,24 +176,32 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input")
+    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SINGLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     start_layer: int
     end_layer: int
     input: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    next_single: bool
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("output",)
+    __slots__ = ("output", "code", "error", "stage_seconds")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     output: Tensor
-    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    code: int
+    error: str
+    stage_seconds: float
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed")
@@ -330,3 +338,23 @@ class Chunk(_message.Message):
     offset: int
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DataOpen(_message.Message):
+    __slots__ = ("forward",)
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    forward: ForwardRequest
+    def __init__(self, forward: _Optional[_Union[ForwardRequest, _Mapping]] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("open", "ts", "nonce", "node", "mac")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    open: bytes
+    ts: str
+    nonce: str
+    node: str
+    mac: str
+    def __init__(self, open: _Optional[bytes] = ..., ts: _Optional[str] = ..., nonce: _Optional[str] = ..., node: _Optional[str] = ..., mac: _Optional[str] = ...) -> None: ...

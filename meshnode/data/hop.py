@@ -1,0 +1,270 @@
+"""A pipeline hop over the data port (meshnode.data.dataport): activations in bare TCP frames.
+
+Serving side (:func:`serve_forward`): the stream's hello opened one request's use of one stage
+(``DataOpen.forward``: request, epoch, layer range, no input). Each frame after it is a
+``ForwardRequest`` whose input the stage runs, on the connection's own thread holding the
+node's MLX baton (no hand-off to another thread), answered by a ``ForwardReply`` frame with the
+output and the stage's own seconds. A refusal is a reply with ``code`` (a gRPC status number)
+and ``error``, after which the stream closes. The same checks as the gRPC path apply
+(meshnode.data.stage.OpenStage).
+
+Head side (:class:`HopSession`): the generation thread writes a frame and reads the reply
+itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. Messages may run
+ahead of replies (pipelined prefill); replies come back in order. Large frames (prefill chunks)
+are written by a helper thread, so the head never blocks on a stage that is still busy with the
+previous chunk; frames already queued there keep their order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import select
+import socket
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import grpc
+import mlx.core as mx
+from google.protobuf.message import DecodeError
+
+from meshnode.data.dataport import FrameError, connect, recv_frame, send_frame
+from meshnode.data.stage import StageError, StageRefusal, StageRefused
+from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.proto import mesh_pb2
+
+if TYPE_CHECKING:
+    from meshnode.control.auth import ClusterAuth
+    from meshnode.data.stage import RemoteStage, StageServer
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = 3600.0  # a request's stream with no message for this long is dropped (as gRPC's deadline)
+WRITE_INLINE = 256 * 1024  # larger frames go out from the session's writer thread
+
+
+# --------------------------------------------------------------------------- serving side
+
+
+def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
+                  host: str) -> None:
+    """Serve one request's stream to one stage until the head closes it.
+
+    ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton.
+    """
+    request_id = opening.forward.request_id or "?"
+    try:
+        stage = server.open(opening.forward)
+    except StageRefusal as refusal:
+        _refuse(conn, refusal)
+        return
+    conn.settimeout(IDLE_TIMEOUT)
+    try:
+        while True:
+            try:
+                frame = recv_frame(conn)
+                if frame is None:
+                    return  # the head is done with this request
+                msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
+            except (FrameError, DecodeError) as exc:
+                log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
+                _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
+                return
+            try:
+                stage.admit(msg.input)
+                output, seconds = run_here(lambda: stage.run(msg))
+            except StageRefusal as refusal:
+                if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    log.warning("refused a malformed activation from %s for %s: %s", host, request_id, refusal)
+                _refuse(conn, refusal)
+                return
+            if server.inject_latency:
+                time.sleep(server.inject_latency)
+            send_frame(conn, mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString())
+            if msg.next_single:  # build the next step while the rest of the pipeline works
+                run_here(stage.prepare)
+    finally:
+        stage.cache = stage.prepared = None
+
+
+def _refuse(conn: socket.socket, refusal: StageRefusal) -> None:
+    try:
+        send_frame(conn, mesh_pb2.ForwardReply(code=refusal.code.value[0], error=str(refusal)).SerializeToString())
+    except OSError:
+        pass
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+# --------------------------------------------------------------------------- head side
+
+
+class HopSession:
+    """One request's stream to one remote stage over its data port, driven from the generation thread."""
+
+    remote = True
+
+    def __init__(self, stage: "RemoteStage", request_id: str, host: str, port: int, *, auth: "ClusterAuth",
+                 node_id: str):
+        self._stage = stage
+        opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
+            request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end))
+        self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
+        self._unanswered: deque[HopTicket] = deque()
+        self._queued = 0  # positions sent and not answered yet
+        self._writes: queue.Queue | None = None  # frames for the writer thread
+        self._writing = 0  # frames handed to it and not yet written
+        self._write_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- writing
+    def submit(self, x: mx.array, *, next_single: bool = False) -> "HopTicket":
+        """Send ``x`` without waiting for the reply (called on the generation thread).
+
+        ``next_single``: the next message, if any, carries one position (decoding), so the stage
+        may build that step ahead.
+        """
+        st = self._stage
+        if x.dtype == mx.uint32:
+            x = x.astype(mx.int32)
+        positions = x.shape[1]
+        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single).SerializeToString()
+        self._queued += positions
+        ticket = HopTicket(self, positions, st.hop_timeout + st.prefill_allowance * self._queued)
+        self._unanswered.append(ticket)
+        try:
+            with self._lock:
+                behind = self._writing > 0
+                if behind or len(payload) > WRITE_INLINE:
+                    self._writing += 1
+            if behind or len(payload) > WRITE_INLINE:
+                self._write_later(payload)
+            else:
+                send_frame(self._sock, payload)
+        except OSError as exc:
+            raise self._lost(exc) from None
+        return ticket
+
+    def _write_later(self, payload: bytes) -> None:
+        if self._write_error is not None:
+            raise self._lost(self._write_error)
+        if self._writes is None:
+            self._writes = queue.Queue()
+            threading.Thread(target=self._writer, name="meshnode-hop-writer", daemon=True).start()
+        self._writes.put(payload)
+
+    def _writer(self) -> None:
+        while True:
+            payload = self._writes.get()
+            if payload is None:
+                return
+            try:
+                send_frame(self._sock, payload)
+            except OSError as exc:
+                self._write_error = exc
+                return
+            finally:
+                with self._lock:
+                    self._writing -= 1
+
+    # -- reading
+    def readable(self) -> bool:
+        return bool(select.select([self._sock], [], [], 0)[0])
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def _read_next(self, deadline: float) -> None:
+        """Read one reply and give it to the oldest unanswered ticket."""
+        st = self._stage
+        ticket = self._unanswered[0]
+        self._sock.settimeout(max(deadline - time.perf_counter(), 0.001))
+        try:
+            frame = recv_frame(self._sock)
+        except (TimeoutError, socket.timeout):
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within "
+                             f"{ticket.timeout:.1f} s") from None
+        except (OSError, FrameError) as exc:
+            raise self._lost(exc) from None
+        if frame is None:
+            raise self._lost(ConnectionError("the stage closed the stream"))
+        try:
+            reply = mesh_pb2.ForwardReply.FromString(bytes(frame))
+        except DecodeError:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
+                from None
+        if reply.error or reply.code:
+            code = _CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
+            kind = StageRefused if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) \
+                else StageError
+            raise kind(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name}: {reply.error}")
+        self._unanswered.popleft()
+        ticket.reply = reply
+
+    def _lost(self, exc: BaseException) -> StageError:
+        st = self._stage
+        return StageError(f"stage [{st.start}, {st.end}) on {st.node_id}: data stream lost ({exc})")
+
+    def forward(self, x: mx.array) -> mx.array:
+        """One activation through the stage and back; other generations use MLX meanwhile."""
+        return self.finish(self.submit(x))
+
+    def finish(self, ticket: "HopTicket") -> mx.array:
+        """The reply to ``ticket``; other generations use MLX while this one waits."""
+        from meshnode.generation import mlx_idle
+
+        if not ticket.done():
+            with mlx_idle():
+                ticket.wait()
+        return ticket.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._writes is not None:
+            self._writes.put(None)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class HopTicket:
+    """One message sent over a hop; ``result`` checks and decodes its reply."""
+
+    def __init__(self, session: HopSession, positions: int, timeout: float):
+        self.session, self.positions, self.timeout = session, positions, timeout
+        self.sent = time.perf_counter()
+        self.deadline = self.sent + timeout
+        self.reply: mesh_pb2.ForwardReply | None = None
+
+    def done(self) -> bool:
+        if self.reply is None and self.session._unanswered[0] is self and self.session.readable():
+            self.wait()
+        return self.reply is not None
+
+    def wait(self) -> None:
+        """Block until the reply is here (no MLX work: callable without the baton)."""
+        while self.reply is None:
+            self.session._read_next(self.deadline)
+
+    def wait_handle(self) -> HopSession:
+        return self.session
+
+    def result(self) -> mx.array:
+        self.wait()
+        st = self.session._stage
+        self.session._queued -= self.positions
+        if st.observe is not None:
+            st.observe(time.perf_counter() - self.sent, self.positions, self.reply.stage_seconds, "tcp")
+        try:
+            return from_tensor(self.reply.output, dtypes=(st.dtype_name,),
+                               expect=(1, self.positions, st.hidden_size))
+        except WireError as exc:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
