@@ -368,8 +368,10 @@ class Node:
         eos = (await asyncio.to_thread(load_config, self.model_path)).get("eos_token_id")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path, eos_token_ids=eos)
         self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
-        source = FailoverSource(self.placement, deadline=self.settings.failover_deadline,
-                                on_retry=self.metrics.retry)
+        source = FailoverSource(
+            self.placement, deadline=self.settings.failover_deadline, on_retry=self.metrics.retry,
+            give_up=lambda exc: _unavailable(f"the mesh lost this generation's placement and had no new plan ready "
+                                             f"in time ({exc})", 2, "placement_lost"))
         self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
                              vocab_size=self.vocab_size, metrics=self.metrics)
 
@@ -1033,6 +1035,7 @@ class Node:
                     hidden_size=self.profile.hidden_size, dtype=self._activation_dtype(),
                     hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
                     data_port=self.data_port_of(node_id), auth=self.auth, caller=self.node_id,
+                    concurrency=lambda: self.scheduler.active,
                 ))
         return handles
 

@@ -55,8 +55,11 @@ class FailoverSource:
         poll: float = 0.05,
         retryable: tuple[type[BaseException], ...] = (PlacementLost,),
         on_retry: Callable[[], None] | None = None,
+        give_up: Callable[[BaseException], BaseException] | None = None,
     ):
         self._on_retry = on_retry  # called once per retry (metrics)
+        # What the caller gets when the generation is lost for good (the API: a 503, retry later).
+        self._give_up = give_up
         self._current = current
         self._attempts = attempts
         self._deadline = deadline
@@ -79,6 +82,15 @@ class FailoverSource:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+        try:
+            async for token in self._tokens(prompt, params):
+                yield token
+        except PlacementLost as exc:
+            if self._give_up is None:
+                raise
+            raise self._give_up(exc) from exc
+
+    async def _tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
         produced: list[int] = []
         until = time.monotonic() + self._deadline
         placement = self._current(None)

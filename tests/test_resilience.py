@@ -78,3 +78,19 @@ def test_other_errors_are_not_retried():
 
     with pytest.raises(Gone):
         collect(FailoverSource(current, poll=0.01))
+
+
+def test_giving_up_raises_what_the_caller_maps_it_to():
+    """The node maps a generation lost for good to the API's 503 with Retry-After (not a 500)."""
+    from meshnode.api.validation import ApiError
+
+    def unavailable(exc):
+        return ApiError(503, f"lost: {exc}", headers={"Retry-After": "2"})
+
+    for source in (FailoverSource(Mesh([Placement(1, fail_after=2), Placement(2, fail_after=2)]).current,
+                                  poll=0.01, attempts=2, give_up=unavailable),
+                   FailoverSource(Mesh([Placement(1, fail_after=2)]).current, poll=0.01, deadline=0.3,
+                                  give_up=unavailable)):
+        with pytest.raises(ApiError) as info:
+            collect(source)
+        assert info.value.status == 503 and isinstance(info.value.__cause__, PlacementLost)

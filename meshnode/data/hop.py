@@ -134,7 +134,7 @@ class HopSession:
         positions = x.shape[1]
         payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single).SerializeToString()
         self._queued += positions
-        ticket = HopTicket(self, positions, st.hop_timeout + st.prefill_allowance * self._queued)
+        ticket = HopTicket(self, positions, st.deadline(self._queued))
         self._unanswered.append(ticket)
         try:
             with self._lock:

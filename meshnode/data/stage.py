@@ -1,4 +1,9 @@
-"""The pipeline's data plane over gRPC.
+"""The pipeline's data plane over gRPC, and the stage logic every transport shares.
+
+Activations normally travel over the data port (meshnode.data.hop, ``fast_hops``); gRPC
+carries them in encrypted clusters, to peers without a reachable data port, and with
+``fast_hops = false``. :class:`OpenStage` (one request's use of a stage: checks, KV cache, the
+step built ahead) serves both.
 
 Server side (:class:`StageServer`): a ``Forward`` stream is one request's use of one stage.
 Its first message names the request, the epoch and the layer range; the stage opens a KV
@@ -235,7 +240,7 @@ class RemoteSession:
         positions = x.shape[1]
         self._queued += positions
         # The deadline counts what is queued ahead of this message at the stage.
-        timeout = st.hop_timeout + st.prefill_allowance * self._queued
+        timeout = st.deadline(self._queued)
         future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x)), st.loop)
         return RemoteTicket(self, future, positions, timeout)
 
@@ -317,9 +322,13 @@ class RemoteStage:
         data_port: tuple[str, int] | None = None,
         auth: "ClusterAuth | None" = None,
         caller: str = "",
+        concurrency: Callable[[], int] | None = None,
     ):
         # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
         self.observe = observe
+        # How many generations this node runs at once: each can have a step queued at the stage
+        # ahead of this one, so a busy stage is given that much longer before it counts as hung.
+        self.concurrency = concurrency
         # Where the peer's data port is (meshnode.data.hop), when activations may go there.
         self.data_port = data_port
         self.auth, self.caller = auth, caller
@@ -332,6 +341,11 @@ class RemoteStage:
         self.hop_timeout = hop_timeout
         self.prefill_allowance = prefill_allowance  # extra seconds per position in one message
         self.request_timeout = request_timeout
+
+    def deadline(self, queued_positions: int) -> float:
+        """Seconds the stage gets to answer a message with ``queued_positions`` sent ahead of the reply."""
+        steps_ahead = max(1, self.concurrency()) if self.concurrency is not None else 1
+        return self.hop_timeout * steps_ahead + self.prefill_allowance * queued_positions
 
     def open(self, request_id: str) -> "RemoteSession | HopSession":
         """The request's stream to this stage: over the peer's data port where it has one, else gRPC."""
