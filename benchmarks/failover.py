@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from meshnode.data.profile import profile_model  # noqa: E402
 from meshnode.modelbuild import model_dir_for  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
+from benchmarks.tensor import measure_compute  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
 MODEL = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4, dtype="float32")
@@ -46,8 +48,12 @@ def trial(path: Path, which: str) -> float:
     with netns_mesh(4) as mesh, tempfile.TemporaryDirectory() as tmp:
         *hosts, client = mesh.hosts
         procs = {}
+        # This machine's compute figures measured once, with nothing else running: a node that
+        # measures them itself runs timing subprocesses for ~20 s after it is up, inside the trial.
+        measure_compute(hosts[0], path, Path(tmp) / "seed")
         for h in hosts:
             (Path(tmp) / h.name).mkdir()
+            shutil.copy(Path(tmp) / "seed" / "compute.json", Path(tmp) / h.name / "compute.json")
             procs[h.name] = h.popen(
                 [sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
                  "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget), "--state-dir",

@@ -119,7 +119,8 @@ class RemoteHeadPlacement:
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             has_seed=params.seed is not None, seed=params.seed or 0,
         )
-        call = stub.Generate(request)
+        # A channel still reconnecting (a link that just came back) gets the prefill deadline to do so.
+        call = stub.Generate(request, wait_for_ready=True)
         # Every wait on the head has a deadline: the prompt's prefill first, then one token's time.
         timeout = node.prefill_timeout(len(prompt))
         try:
@@ -465,7 +466,11 @@ class Node:
         channel = self._channels.get(target)
         if channel is None:
             options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
-                       ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
+                       ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                       # A peer that was unreachable (link down, restarting) is tried again within a
+                       # second, not after gRPC's default backoff of up to two minutes.
+                       ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                       ("grpc.max_reconnect_backoff_ms", 1000)]
             if self.tls:
                 channel = grpc.aio.secure_channel(target, tls.channel_credentials(self.tls),
                                                   options=options + tls.channel_options())

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 3600.0  # a request's stream with no message for this long is dropped (as gRPC's deadline)
-WRITE_INLINE = 256 * 1024  # larger frames go out from the session's writer thread
+WRITE_INLINE = 64 * 1024  # larger frames (prefill chunks) go out from the session's writer thread: a socket
+# buffer holds ~128 KiB before the stage reads, and the head must not wait for a busy stage to read
 
 
 # --------------------------------------------------------------------------- serving side
