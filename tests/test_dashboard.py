@@ -67,7 +67,10 @@ def wait(check, timeout, what):
     raise SystemExit(json.dumps(out))
 
 def texts(css):
-    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+    # Read in one script: the page re-renders every second, and an element found in one call
+    # may be gone by the next (StaleElementReferenceException).
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText.trim())", css)
 
 try:
     driver.set_page_load_timeout(30)
@@ -76,9 +79,9 @@ try:
          == set(nodes), 30, "both nodes listed")
     wait(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#plan .stage")) == len(nodes), 30, "plan bars")
     out["rows"] = texts("#nodes tbody tr")
-    out["stages"] = [{"node": e.get_attribute("data-node"), "layers": int(e.get_attribute("data-layers")),
-                      "width": e.size["width"], "text": e.text}
-                     for e in driver.find_elements(By.CSS_SELECTOR, "#plan .stage")]
+    out["stages"] = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#plan .stage')).map(e => ({node: e.dataset.node, "
+        "layers: parseInt(e.dataset.layers), width: e.getBoundingClientRect().width, text: e.innerText.trim()}))")
     out["health"] = driver.find_element(By.ID, "health").text
     out["events"] = texts("#events li")
     # Record every text the answer shows, as the page writes it (proof that it streams).

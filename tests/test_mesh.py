@@ -82,7 +82,9 @@ def test_static_peers_without_multicast_and_other_key_ignored_and_stop_replans(m
         views = cluster.wait(lambda: cluster.converged([a, b, d], 3), 30, "convergence over static peers")
         assert {n["node_id"] for n in views[0]["nodes"]} == {a.name, b.name, d.name}
         plan = views[0]["plan"]
-        assert len(plan["stages"]) == 2
+        # Two of the three serve: a two-stage pipeline, or a tensor pair where this run's measured
+        # compute and links make the planner prefer one (it decides from measurements).
+        assert sum(len(s["nodes"]) for s in plan["stages"]) == 2, plan
         assert cluster.chat(a, MESSAGES, 16) == reference
         # c (another key) serves alone and is never listed by the others
         vc = cluster.wait(lambda: (v := cluster.mesh_view(c))["healthy"] and v, 30, "c alone")
