@@ -289,7 +289,7 @@ class Node:
             try:
                 self._data = DataServer(
                     self.settings.host or "0.0.0.0", tensor_port + DATA_OFFSET,
-                    auth=self.auth if self.settings.authenticate else None, log_auth=self.auth,
+                    auth=self.auth, verify=self.settings.authenticate,
                     forward=lambda conn, opening, host: serve_forward(self.stage_server, self.scheduler.run_here,
                                                                       conn, opening, host))
             except OSError as exc:  # peers then send this node's activations over gRPC

@@ -112,15 +112,13 @@ Handler = Callable[[socket.socket, mesh_pb2.DataOpen, str], None]
 class DataServer:
     """Accepts data streams, checks each hello, hands the stream to the handler of what it opens.
 
-    ``auth`` None: the cluster does not authenticate (``authenticate = false``), as for gRPC.
-    A refused hello or a malformed frame is logged (at most once per peer per 10 s) and the
-    stream closed; nothing reaches a handler before its hello is verified.
+    ``verify`` False: the cluster does not authenticate (``authenticate = false``), as for gRPC.
+    A refused hello or a malformed frame is logged through ``auth`` (at most once per peer per
+    10 s) and the stream closed; nothing reaches a handler before its hello is verified.
     """
 
-    def __init__(self, host: str, port: int, *, auth: ClusterAuth | None, forward: Handler,
-                 log_auth: ClusterAuth):
-        self._auth = auth
-        self._log = log_auth  # rate-limits refusal logs even where calls are not authenticated
+    def __init__(self, host: str, port: int, *, auth: ClusterAuth, verify: bool, forward: Handler):
+        self._auth, self._verify = auth, verify
         self._forward = forward
         self._listener = ThreadedListener(host, port, self._serve, name="meshnode-data",
                                           max_connections=MAX_CONNECTIONS)
@@ -135,23 +133,23 @@ class DataServer:
                 return
             msg = mesh_pb2.DataHello.FromString(bytes(frame))
         except (FrameError, DecodeError, TimeoutError) as exc:
-            self._log.log_refusal(host, "data stream", f"bad hello ({exc or type(exc).__name__})")
+            self._auth.log_refusal(host, "data stream", f"bad hello ({exc or type(exc).__name__})")
             return
-        if self._auth is not None:
+        if self._verify:
             reason = self._auth.check(HELLO_METHOD, [(HEADER_TS, msg.ts), (HEADER_NONCE, msg.nonce),
                                                      (HEADER_NODE, msg.node), (HEADER_MAC, msg.mac)], msg.open)
             if reason is not None:
-                self._log.log_refusal(host, "data stream", reason)
+                self._auth.log_refusal(host, "data stream", reason)
                 return
         try:
             opening = mesh_pb2.DataOpen.FromString(msg.open)
         except DecodeError:
-            self._log.log_refusal(host, "data stream", "signed opening does not parse")
+            self._auth.log_refusal(host, "data stream", "signed opening does not parse")
             return
         if opening.HasField("forward"):
             self._forward(conn, opening, host)
         else:
-            self._log.log_refusal(host, "data stream", "opens nothing this node serves")
+            self._auth.log_refusal(host, "data stream", "opens nothing this node serves")
 
     def close(self) -> None:
         self._listener.close()

@@ -31,8 +31,8 @@ import mlx.core as mx
 from google.protobuf.message import DecodeError
 
 from meshnode.data.dataport import FrameError, connect, recv_frame, send_frame
-from meshnode.data.stage import StageError, StageRefusal, StageRefused
-from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.data.stage import StageError, StageRefusal, stage_error
+from meshnode.data.wire import to_tensor
 from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:
@@ -138,11 +138,10 @@ class HopSession:
         ticket = HopTicket(self, positions, st.deadline(self._queued))
         self._unanswered.append(ticket)
         try:
-            with self._lock:
-                behind = self._writing > 0
-                if behind or len(payload) > WRITE_INLINE:
-                    self._writing += 1
-            if behind or len(payload) > WRITE_INLINE:
+            with self._lock:  # behind frames already queued, or large: the writer thread sends it
+                later = self._writing > 0 or len(payload) > WRITE_INLINE
+                self._writing += later
+            if later:
                 self._write_later(payload)
             else:
                 send_frame(self._sock, payload)
@@ -199,10 +198,7 @@ class HopSession:
             raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
                 from None
         if reply.error or reply.code:
-            code = _CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
-            kind = StageRefused if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) \
-                else StageError
-            raise kind(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name}: {reply.error}")
+            raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
         self._unanswered.popleft()
         ticket.reply = reply
 
@@ -260,12 +256,5 @@ class HopTicket:
 
     def result(self) -> mx.array:
         self.wait()
-        st = self.session._stage
         self.session._queued -= self.positions
-        if st.observe is not None:
-            st.observe(time.perf_counter() - self.sent, self.positions, self.reply.stage_seconds, "tcp")
-        try:
-            return from_tensor(self.reply.output, dtypes=(st.dtype_name,),
-                               expect=(1, self.positions, st.hidden_size))
-        except WireError as exc:
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
+        return self.session._stage.accept(self.reply, self.positions, self.sent, "tcp")

@@ -31,7 +31,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.data.tensor import TensorGroupError
-from meshnode.data.wire import Placeholder, WireError, from_tensor, host_array, to_array, to_tensor
+from meshnode.data.wire import Placeholder, WireError, dtype_name, from_tensor, host_array, to_array, to_tensor
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 class StageError(RuntimeError):
@@ -158,7 +157,7 @@ class OpenStage:
 
     @property
     def _dtype(self) -> str:
-        return "int32" if self.shard.spec.is_first else _DTYPE_NAMES[self.shard.dtype]
+        return "int32" if self.shard.spec.is_first else dtype_name(self.shard.dtype)
 
     def run(self, msg: mesh_pb2.ForwardRequest) -> tuple[mesh_pb2.Tensor, float]:
         """Decode, run and encode one message (on the MLX thread): the output and the seconds it took."""
@@ -221,11 +220,11 @@ class RemoteSession:
             async with self._read_lock:
                 reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise _stage_error(st, exc) from None
+            raise stage_error(st, exc) from None
         if reply is grpc.aio.EOF:
             code = await self._call.code()
             details = await self._call.details()
-            raise _stage_error(st, None, code, details)
+            raise stage_error(st, None, code, details)
         return reply
 
     def submit(self, x: mx.array, *, next_single: bool = False) -> "RemoteTicket":
@@ -286,15 +285,11 @@ class RemoteTicket:
                 f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {self.timeout:.1f} s"
             ) from None
         self.session._queued -= self.positions
-        if st.observe is not None:
-            st.observe(time.perf_counter() - self.sent, self.positions, reply.stage_seconds, "grpc")
-        try:
-            return from_tensor(reply.output, dtypes=(st.dtype_name,), expect=(1, self.positions, st.hidden_size))
-        except WireError as exc:
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad activation: {exc}") from None
+        return st.accept(reply, self.positions, self.sent, "grpc")
 
 
-def _stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
+def stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
+    """The error for a stage's refusal: StageRefused where a new plan may help, else StageError."""
     code = exc.code() if exc is not None else code
     details = exc.details() if exc is not None else details
     kind = StageRefused if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) else StageError
@@ -337,10 +332,20 @@ class RemoteStage:
         self.loop = loop
         self.start, self.end, self.epoch = start, end, epoch
         self.hidden_size = hidden_size
-        self.dtype_name = _DTYPE_NAMES[dtype]
+        self.dtype_name = dtype_name(dtype)
         self.hop_timeout = hop_timeout
         self.prefill_allowance = prefill_allowance  # extra seconds per position in one message
         self.request_timeout = request_timeout
+
+    def accept(self, reply: mesh_pb2.ForwardReply, positions: int, sent: float, transport: str) -> mx.array:
+        """A reply's activation, checked against the plan, its round trip observed (either transport)."""
+        if self.observe is not None:
+            self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
+        try:
+            return from_tensor(reply.output, dtypes=(self.dtype_name,), expect=(1, positions, self.hidden_size))
+        except WireError as exc:
+            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
+                from None
 
     def deadline(self, queued_positions: int) -> float:
         """Seconds the stage gets to answer a message with ``queued_positions`` sent ahead of the reply."""
