@@ -72,16 +72,15 @@ def stream_tps(client, url: str, model_id: str, tokens: int, repeats: int = 3) -
 
 
 def measure_compute(host, path: Path, seed: Path) -> dict:
-    """This machine's layer and two-way split timings, measured once with nothing else running,
-    into ``seed/compute.json`` (what a node caches in its state folder)."""
+    """This machine's layer and two-way split timings, measured in alternation with nothing else
+    running (best of three each), into ``seed/compute.json`` (what a node caches in its state folder)."""
     seed.mkdir(exist_ok=True)
     return in_ns(host, f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
                        "from pathlib import Path\n"
-                       "from meshnode.data.compute import layer_seconds, tensor_layer_seconds, collective_overhead\n"
+                       "from meshnode.data.compute import seed_figures, collective_overhead\n"
                        "from meshnode.data.profile import profile_model\n"
-                       f"p=Path({str(path)!r}); prof=profile_model(p); lb=max(prof.layer_bytes)\n"
-                       f"one=layer_seconds(p, prof.num_layers, Path({str(seed)!r}), lb)\n"
-                       f"two=tensor_layer_seconds(p, prof.num_layers, Path({str(seed)!r}), lb)\n"
+                       f"p=Path({str(path)!r}); prof=profile_model(p)\n"
+                       f"one, two = seed_figures(p, prof.num_layers, Path({str(seed)!r}), max(prof.layer_bytes))\n"
                        "print(json.dumps({'layer_s': one, 'split_s': two, 'collective_s': collective_overhead(one, two)}))")
 
 

@@ -50,3 +50,13 @@ def test_collective_overhead_is_what_the_split_adds_beyond_half():
     assert compute.collective_overhead(0.010, 0.0056) == pytest.approx(0.0003)
     assert compute.collective_overhead(0.010, 0.004) == pytest.approx(1e-6)  # never zero or negative
     assert compute.collective_overhead(0.0, 0.004) == 0.0 and compute.collective_overhead(0.01, 0.0) == 0.0
+
+
+def test_seeded_figures_are_what_a_node_then_reads(tmp_path, monkeypatch):
+    model = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, dtype="float32")
+    one, two = compute.seed_figures(model, 4, tmp_path / "seed", rounds=2)
+    assert 0 < one < 1.0 and 0 < two < 1.0
+    monkeypatch.setattr(compute, "measure_layer_seconds", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(compute, "measure_tensor_layer_seconds", lambda *a: pytest.fail("measured again"))
+    assert compute.layer_seconds(model, 4, tmp_path / "seed") == one
+    assert compute.tensor_layer_seconds(model, 4, tmp_path / "seed") == two
