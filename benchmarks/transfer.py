@@ -8,13 +8,19 @@ socket, A sends the same number of bytes from memory, B reads them into a buffer
 them, then again into a file fsync'd at the end (what this disk allows). Prints the throughputs
 and the ratios (target >= 0.8 of raw TCP). Needs root.
 
-    sudo .venv/bin/python benchmarks/transfer.py [--layers 16 --hidden 2048] [--keep DIR]
+Each is run at several link rates (tc tbf on A's side): home links (1 Gbit/s Ethernet, 2.5 Gbit/s)
+and the bare veth link. The bare link between two namespaces of one VM runs at memory speed,
+faster than this VM's disk can take the bytes, so there the figure says what the disk and the
+CPUs allow, not how well the link is used; the ratio to raw TCP written to disk says that.
+
+    sudo .venv/bin/python benchmarks/transfer.py [--layers 16 --hidden 2048] [--rates 1gbit,none] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +34,7 @@ from tests.netns import netns_mesh  # noqa: E402
 
 KEY = "benchmark-cluster-key"
 PORT, TCP_PORT = 8471, 8490
+BURST = "4mb"  # tbf bucket: enough for 10 Gbit/s at a 1 ms timer tick
 
 SERVE = """
 import asyncio, sys, grpc
@@ -119,17 +126,46 @@ def raw_tcp(a, b, n: int, *to_file) -> dict:
         sender.wait(30)
 
 
+def peer_fetch(mesh, a, b, model: Path, end: int, layers: int, dest: Path, chunk_kib: int, streams: int) -> dict:
+    """fetch_layers on b from a ModelStore on a: {"bytes", "seconds", "shard"} (shard: bytes on b's disk)."""
+    server = a.popen([sys.executable, "-c", SERVE, str(model), model.name, KEY, str(PORT), str(chunk_kib << 10)])
+    try:
+        time.sleep(0.5)
+        deadline = time.monotonic() + 300  # the first manifest hashes every tensor
+        while True:
+            try:
+                fetched = in_ns_json(b, FETCH, f"{a.ip}:{PORT}", KEY, model.name, end, dest, layers, streams)
+                break
+            except RuntimeError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                if "UNAVAILABLE" not in str(exc) and "no peer holds" not in str(exc):
+                    raise
+                time.sleep(1)
+    finally:
+        mesh.stop(server)
+    fetched["shard"] = sum(f.stat().st_size for f in dest.glob("*.safetensors"))
+    shutil.rmtree(dest)
+    return fetched
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--chunk-kib", type=int, default=1024, help="Fetch chunk size (the node's default: 1024)")
     ap.add_argument("--streams", type=int, default=2, help="streams per peer (the node's default: 2)")
+    ap.add_argument("--rates", default="1gbit,2500mbit,none",
+                    help="link rates to run at, comma-separated tc rates; none: the bare veth link")
+    ap.add_argument("--dest", type=Path, help="where B writes the shard (default: a temporary folder on this disk; "
+                    "/dev/shm takes the disk out of the figure)")
     ap.add_argument("--keep", type=Path, help="build (or reuse) the model here instead of a temporary folder")
     args = ap.parse_args()
     from meshnode.modelbuild import build_model
 
     tmp = Path(tempfile.mkdtemp(prefix="meshnode-transfer-"))
+    out = Path(tempfile.mkdtemp(prefix="meshnode-transfer-", dir=args.dest)) if args.dest else tmp
+    rows = []
     try:
         model = (args.keep or tmp) / f"llama-{args.layers}x{args.hidden}"
         if not (model / "config.json").is_file():
@@ -139,44 +175,30 @@ def main() -> int:
             print(f"built {model.name} in {time.monotonic() - t0:.0f} s")
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         end = max(1, args.layers * 3 // 4)
-        print(f"model: {size / 2**30:.2f} GiB of weights; shard: layers [0, {end}) of {args.layers}")
-        with netns_mesh(2) as mesh:
-            a, b = mesh.hosts
-            server = a.popen([sys.executable, "-c", SERVE, str(model), model.name, KEY, str(PORT),
-                                 str(args.chunk_kib << 10)])
-            try:
-                time.sleep(0.5)
-                deadline = time.monotonic() + 300  # the first manifest hashes every tensor
-                fetched = None
-                while fetched is None:
-                    try:
-                        fetched = in_ns_json(b, FETCH, f"{a.ip}:{PORT}", KEY, model.name, end, tmp / "dest",
-                                             args.layers, args.streams)
-                    except RuntimeError as exc:
-                        if time.monotonic() > deadline:
-                            raise
-                        if "UNAVAILABLE" not in str(exc) and "no peer holds" not in str(exc):
-                            raise
-                        time.sleep(1)
-            finally:
-                mesh.stop(server)
-            shard = sum(f.stat().st_size for f in (tmp / "dest").glob("*.safetensors"))
-            shutil.rmtree(tmp / "dest")
-            raw, raw_disk = [raw_tcp(a, b, fetched["bytes"], *to) for to in ((), (tmp / "tcp.bin",))]
-        peer = fetched["bytes"] / fetched["seconds"]
-        tcp = raw["bytes"] / raw["seconds"]
-        print(f"shard on B's disk: {shard / 2**30:.2f} GiB")
-        print(f"peer transfer (fetch_layers, auth, sha256, to disk): {fetched['bytes'] / 2**30:.2f} GiB in "
-              f"{fetched['seconds']:.2f} s = {peer / 2**20:,.0f} MiB/s")
-        print(f"raw TCP, same hosts, same bytes, memory to memory: {raw['bytes'] / 2**30:.2f} GiB in "
-              f"{raw['seconds']:.2f} s = {tcp / 2**20:,.0f} MiB/s")
-        disk = raw_disk["bytes"] / raw_disk["seconds"]
-        print(f"raw TCP to disk (written, fsync'd at the end): {raw_disk['seconds']:.2f} s = {disk / 2**20:,.0f} MiB/s")
-        print(f"ratio to raw TCP to disk: {peer / disk:.3f}")
-        print(f"ratio: {peer / tcp:.3f} (target >= 0.8); chunks of {args.chunk_kib} KiB, {args.streams} "
-              f"streams, {len(__import__('os').sched_getaffinity(0))} CPUs")
+        print(f"model: {size / 2**30:.2f} GiB of weights; shard: layers [0, {end}) of {args.layers}; "
+              f"chunks of {args.chunk_kib} KiB, {args.streams} streams, {len(os.sched_getaffinity(0))} CPUs")
+        for rate in args.rates.split(","):
+            with netns_mesh(2) as mesh:
+                a, b = mesh.hosts
+                if rate != "none":  # what A sends (the bytes B fetches) at this rate, like a LAN link
+                    mesh.shape(a, rate=rate, burst=BURST, latency="20ms")
+                got = peer_fetch(mesh, a, b, model, end, args.layers, out / "dest", args.chunk_kib, args.streams)
+                raw = raw_tcp(a, b, got["bytes"])
+                disk = raw_tcp(a, b, got["bytes"], out / "tcp.bin")
+            peer, tcp, to_disk = (x["bytes"] / x["seconds"] for x in (got, raw, disk))
+            rows.append((rate, peer, tcp, to_disk))
+            print(f"link {rate}: peer transfer (fetch_layers: auth, sha256, to disk) {got['bytes'] / 2**30:.2f} GiB "
+                  f"in {got['seconds']:.2f} s = {peer / 2**20:,.0f} MiB/s (shard on B's disk "
+                  f"{got['shard'] / 2**30:.2f} GiB); raw TCP memory to memory {tcp / 2**20:,.0f} MiB/s; raw TCP "
+                  f"to disk (fsync'd at the end) {to_disk / 2**20:,.0f} MiB/s", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    print("\n| link | peer transfer | raw TCP | ratio (target >= 0.8) | raw TCP to disk | ratio to it |")
+    print("|---|---|---|---|---|---|")
+    for rate, peer, tcp, to_disk in rows:
+        print(f"| {rate} | {peer / 2**20:,.0f} MiB/s | {tcp / 2**20:,.0f} MiB/s | {peer / tcp:.3f} | "
+              f"{to_disk / 2**20:,.0f} MiB/s | {peer / to_disk:.3f} |")
     return 0
 
 
