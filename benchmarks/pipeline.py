@@ -62,7 +62,11 @@ def main() -> int:
             h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
                      "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
                      "--state-dir", str(state), "--max-context", str(ctx)],
-                    env={**os.environ, "PYTHONPATH": str(ROOT)}, log_path=state / "node.log")
+                    env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
+                         # a pipeline, though the planner may prefer a tensor pair on these fast links;
+                         # links measured once, so no bandwidth probe lands in the byte counts
+                         "MESHNODE_STRATEGY": "pipeline", "MESHNODE_LINK_PROBE_INTERVAL": "3600"},
+                    log_path=state / "node.log")
         probe = ("import json,time,urllib.request\n"
                  "for _ in range(600):\n"
                  "  try:\n"
