@@ -5,8 +5,9 @@ ModelStore behind the cluster's gRPC authentication, as a node does; host B runs
 for the first three quarters of its layers (chunked gRPC streams, sha256 per tensor, written to
 disk, journaled, published by a rename). In the same run, raw TCP between the same hosts: one
 socket, A sends the same number of bytes from memory, B reads them into a buffer and discards
-them, then again into a file fsync'd at the end (what this disk allows). Prints the throughputs
-and the ratios (target >= 0.8 of raw TCP). Needs root.
+them, then again into a file fsync'd at the end (what this disk allows); and a bare gRPC stream
+of the same bytes from memory, dropped on arrival (what the transport the transfer is built on
+allows by itself). Prints the throughputs and the ratios (target >= 0.8 of raw TCP). Needs root.
 
 Each is run at several link rates (tc tbf on A's side): home links (1 Gbit/s Ethernet, 2.5 Gbit/s)
 and the bare veth link. The bare link between two namespaces of one VM runs at memory speed,
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +74,37 @@ async def main():
 asyncio.run(main())
 """
 
+GRPC_SEND = """
+import asyncio, sys, grpc
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+n, chunk = int(sys.argv[2]), bytes(int(sys.argv[3]))
+class S(mesh_pb2_grpc.MeshServicer):
+    async def Fetch(self, r, c):
+        left = n
+        while left > 0:
+            yield mesh_pb2.Chunk(offset=n - left, data=chunk[:left])
+            left -= len(chunk)
+async def main():
+    srv = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    mesh_pb2_grpc.add_MeshServicer_to_server(S(), srv)
+    srv.add_insecure_port("0.0.0.0:%s" % sys.argv[1]); await srv.start()
+    print("ready", flush=True); await srv.wait_for_termination()
+asyncio.run(main())
+"""
+
+GRPC_RECV = """
+import asyncio, json, sys, time, grpc
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+async def main():
+    ch = grpc.aio.insecure_channel(sys.argv[1], options=[("grpc.max_receive_message_length", 64 << 20)])
+    await ch.channel_ready()
+    t0, got = time.perf_counter(), 0
+    async for c in mesh_pb2_grpc.MeshStub(ch).Fetch(mesh_pb2.FetchRequest()):
+        got += len(c.data)
+    print(json.dumps({"bytes": got, "seconds": time.perf_counter() - t0}))
+asyncio.run(main())
+"""
+
 TCP_SEND = """
 import socket, sys
 n, buf = int(sys.argv[2]), memoryview(bytearray(4 << 20))
@@ -115,8 +148,6 @@ def wait_ready(proc) -> None:
 
 def raw_tcp(a, b, n: int, *to_file) -> dict:
     """n bytes over one TCP socket from a to b, timed on b (into memory, or into a file)."""
-    import subprocess
-
     sender = subprocess.Popen(a.exec_args([sys.executable, "-c", TCP_SEND, str(TCP_PORT), str(n)]),
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -124,6 +155,18 @@ def raw_tcp(a, b, n: int, *to_file) -> dict:
         return in_ns_json(b, TCP_RECV, a.ip, TCP_PORT, *map(str, to_file))
     finally:
         sender.wait(30)
+
+
+def bare_grpc(mesh, a, b, n: int, chunk: int) -> dict:
+    """n bytes streamed by gRPC (Python, asyncio) from memory on a to b, in chunks of ``chunk``
+    bytes, read and dropped: what the transport the transfer is built on allows by itself."""
+    server = a.popen([sys.executable, "-c", GRPC_SEND, str(PORT), str(n), str(chunk)],
+                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_ready(server)
+        return in_ns_json(b, GRPC_RECV, f"{a.ip}:{PORT}")
+    finally:
+        mesh.stop(server)
 
 
 def peer_fetch(mesh, a, b, model: Path, end: int, layers: int, dest: Path, chunk_kib: int, streams: int) -> dict:
@@ -183,22 +226,25 @@ def main() -> int:
                 if rate != "none":  # what A sends (the bytes B fetches) at this rate, like a LAN link
                     mesh.shape(a, rate=rate, burst=BURST, latency="20ms")
                 got = peer_fetch(mesh, a, b, model, end, args.layers, out / "dest", args.chunk_kib, args.streams)
+                grpc_only = bare_grpc(mesh, a, b, got["bytes"], args.chunk_kib << 10)
                 raw = raw_tcp(a, b, got["bytes"])
                 disk = raw_tcp(a, b, got["bytes"], out / "tcp.bin")
-            peer, tcp, to_disk = (x["bytes"] / x["seconds"] for x in (got, raw, disk))
-            rows.append((rate, peer, tcp, to_disk))
+            peer, tcp, to_disk, bare = (x["bytes"] / x["seconds"] for x in (got, raw, disk, grpc_only))
+            rows.append((rate, peer, tcp, to_disk, bare))
             print(f"link {rate}: peer transfer (fetch_layers: auth, sha256, to disk) {got['bytes'] / 2**30:.2f} GiB "
                   f"in {got['seconds']:.2f} s = {peer / 2**20:,.0f} MiB/s (shard on B's disk "
                   f"{got['shard'] / 2**30:.2f} GiB); raw TCP memory to memory {tcp / 2**20:,.0f} MiB/s; raw TCP "
-                  f"to disk (fsync'd at the end) {to_disk / 2**20:,.0f} MiB/s", flush=True)
+                  f"to disk (fsync'd at the end) {to_disk / 2**20:,.0f} MiB/s; bare gRPC stream, memory to memory "
+                  f"{bare / 2**20:,.0f} MiB/s", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
-    print("\n| link | peer transfer | raw TCP | ratio (target >= 0.8) | raw TCP to disk | ratio to it |")
-    print("|---|---|---|---|---|---|")
-    for rate, peer, tcp, to_disk in rows:
+    print("\n| link | peer transfer | raw TCP | ratio (target >= 0.8) | raw TCP to disk | ratio to it "
+          "| bare gRPC stream | ratio to it |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rate, peer, tcp, to_disk, bare in rows:
         print(f"| {rate} | {peer / 2**20:,.0f} MiB/s | {tcp / 2**20:,.0f} MiB/s | {peer / tcp:.3f} | "
-              f"{to_disk / 2**20:,.0f} MiB/s | {peer / to_disk:.3f} |")
+              f"{to_disk / 2**20:,.0f} MiB/s | {peer / to_disk:.3f} | {bare / 2**20:,.0f} MiB/s | {peer / bare:.3f} |")
     return 0
 
 
