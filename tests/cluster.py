@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,8 +37,11 @@ _LOAD = ("import json,sys,time,urllib.request,urllib.error,socket\n"
 class Cluster:
     """n meshnode hosts plus a client host; every request is made from the client namespace."""
 
-    def __init__(self, mesh, model: Path, tmp: Path, budgets=(), *, max_context: int = 512):
-        self.mesh, self.model, self.tmp, self.max_context = mesh, model, tmp, max_context
+    def __init__(self, mesh, model: Path, tmp: Path, budgets=(), *, max_context: int = 512, seed: Path | None = None):
+        """``seed``: a folder whose compute.json every node starts with (the same figures on every
+        host, as installed nodes of one machine type have them cached, instead of each timing them
+        while the others do: on shared cores those differ by 2x and plans follow them)."""
+        self.mesh, self.model, self.tmp, self.max_context, self.seed = mesh, model, tmp, max_context, seed
         self.hosts = list(mesh.hosts)
         self.client = mesh.add_host("client")
         self.procs = {}
@@ -49,6 +53,8 @@ class Cluster:
         ``--cache-dir`` is ``<tmp>/<host>/cache``."""
         state = self.tmp / host.name
         state.mkdir(exist_ok=True)
+        if self.seed is not None and not (state / "compute.json").exists():
+            shutil.copy(self.seed / "compute.json", state / "compute.json")
         args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(model or self.model), "--http-port",
                 str(HTTP), "--grpc-port", str(GRPC), "--node-id", host.name, "--memory-budget", str(budget),
                 "--state-dir", str(state), "--max-context", str(self.max_context), "--cache-dir", str(state / "cache")]

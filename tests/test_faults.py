@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from meshnode.data.compute import seed_figures
 from meshnode.data.profile import profile_model
 from meshnode.modelbuild import build_model
 from tests.cluster import HTTP, Cluster, mlx_reference, read_stream
@@ -29,13 +30,21 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def seed(model, tmp_path_factory):
+    """This machine's compute figures, measured once with no node running, for every node."""
+    folder = tmp_path_factory.mktemp("seed")
+    seed_figures(model, profile_model(model).num_layers, folder, rounds=1)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def reference(model):
     return mlx_reference(model, MESSAGES, MAX_TOKENS)
 
 
-def setup(mesh, model, tmp):
+def setup(mesh, model, tmp, seed):
     total = profile_model(model).total_bytes(512)
-    cluster = Cluster(mesh, model, tmp, [int(total * 0.6)] * len(mesh.hosts))
+    cluster = Cluster(mesh, model, tmp, [int(total * 0.6)] * len(mesh.hosts), seed=seed)
     views = cluster.wait(lambda: cluster.converged(cluster.hosts, len(cluster.hosts)), 40, "convergence")
     return cluster, views[0]
 
@@ -45,10 +54,10 @@ def stage_nodes(view):
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze", "link_down"])
-def test_stage_fault_mid_stream_output_identical(model, reference, tmp_path, fault):
+def test_stage_fault_mid_stream_output_identical(model, reference, seed, tmp_path, fault):
     assert len(reference) > 100, "the reference output is too short to fault in the middle"
     with netns_mesh(3) as mesh:
-        cluster, view = setup(mesh, model, tmp_path)
+        cluster, view = setup(mesh, model, tmp_path, seed)
         first, head = stage_nodes(view)  # two stages of the three hosts; the client talks to the head
         victim = cluster.host(first)
         proc = cluster.procs[first]
@@ -63,9 +72,9 @@ def test_stage_fault_mid_stream_output_identical(model, reference, tmp_path, fau
         print(f"{fault}: stream of {len(text)} chars completed in {time.monotonic() - t0:.1f} s")
 
 
-def test_coordinator_killed_new_one_within_3s(model, reference, tmp_path):
+def test_coordinator_killed_new_one_within_3s(model, reference, seed, tmp_path):
     with netns_mesh(3) as mesh:
-        cluster, view = setup(mesh, model, tmp_path)
+        cluster, view = setup(mesh, model, tmp_path, seed)
         coordinator = view["coordinator"]
         mesh.kill(cluster.procs[coordinator])
         survivors = [h for h in cluster.hosts if h.name != coordinator]
@@ -83,9 +92,9 @@ def test_coordinator_killed_new_one_within_3s(model, reference, tmp_path):
                 out["choices"][0]["message"]["content"])]
 
 
-def test_capacity_gone_503_then_back(model, reference, tmp_path):
+def test_capacity_gone_503_then_back(model, reference, seed, tmp_path):
     with netns_mesh(2) as mesh:
-        cluster, view = setup(mesh, model, tmp_path)
+        cluster, view = setup(mesh, model, tmp_path, seed)
         a, b = cluster.hosts
         body = {"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
         mesh.kill(cluster.procs[b.name])
@@ -142,7 +151,7 @@ def test_join_during_load_rebalances_without_failing_a_request(pipeline_only_mod
         print(f"{len(results)} requests during the join, slowest {max(r[2] for r in results):.2f} s")
 
 
-def test_bounded_chaos_nothing_lost_or_hung(model, tmp_path):
+def test_bounded_chaos_nothing_lost_or_hung(model, seed, tmp_path):
     """Requests stream through one gateway while random faults hit the other nodes of 4 hosts."""
     import random
 
@@ -152,7 +161,7 @@ def test_bounded_chaos_nothing_lost_or_hung(model, tmp_path):
     want = generate(m, tok, prompt=tok.apply_chat_template(MESSAGES, add_generation_prompt=True), max_tokens=24)
     rng = random.Random(7)
     with netns_mesh(4) as mesh:
-        cluster, view = setup(mesh, model, tmp_path)
+        cluster, view = setup(mesh, model, tmp_path, seed)
         total = profile_model(model).total_bytes(512)
         gateway, *others = cluster.hosts
         duration = 40
@@ -191,11 +200,11 @@ def test_bounded_chaos_nothing_lost_or_hung(model, tmp_path):
         assert identical > 0
 
 
-def test_partition_minority_cannot_serve_then_heals_into_one_plan(model, reference, tmp_path):
+def test_partition_minority_cannot_serve_then_heals_into_one_plan(model, reference, seed, tmp_path):
     """A stage cut off alone (it cannot hold the model by itself, so it publishes no plan of its own);
     the majority re-plans and serves; when the link heals, all agree on one coordinator and epoch."""
     with netns_mesh(3) as mesh:
-        cluster, view = setup(mesh, model, tmp_path)
+        cluster, view = setup(mesh, model, tmp_path, seed)
         hosts = cluster.hosts
         lonely = cluster.host(stage_nodes(view)[0])
         majority = [h for h in hosts if h is not lonely]
