@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import logging
 import signal
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -252,6 +253,7 @@ class Node:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._static_targets = list(settings.peers)
         self._tasks: list[asyncio.Task] = []
+        self._stopping = threading.Event()  # set by stop(): work in threads ends early
         self.stage_server: StageServer | None = None
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -326,6 +328,7 @@ class Node:
         return local_addresses() or ("127.0.0.1",)
 
     async def stop(self) -> None:
+        self._stopping.set()  # a compute measurement still running in a thread kills its processes
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -771,7 +774,8 @@ class Node:
         (cached; two short-lived processes), so the planner prices tensor groups by what their
         all-reduces and unhalved per-operation costs add here; announced with the next heartbeat."""
         split = await asyncio.to_thread(tensor_layer_seconds, self.model_path, self.profile.num_layers,
-                                        self.settings.resolved_state_dir(), max(self.profile.layer_bytes, default=0))
+                                        self.settings.resolved_state_dir(), max(self.profile.layer_bytes, default=0),
+                                        self._stopping)
         value = collective_overhead(self.me.layer_seconds, split)
         if value > 0:
             self._update_me(collective_seconds=value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -60,3 +61,18 @@ def test_seeded_figures_are_what_a_node_then_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(compute, "measure_tensor_layer_seconds", lambda *a: pytest.fail("measured again"))
     assert compute.layer_seconds(model, 4, tmp_path / "seed") == one
     assert compute.tensor_layer_seconds(model, 4, tmp_path / "seed") == two
+
+
+def test_a_cancelled_ring_measurement_ends_its_processes(tmp_path):
+    """A node that stops while it times a split layer must not leave the ring's processes running."""
+    import threading
+    import time
+
+    model = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, dtype="float32")
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    t0 = time.monotonic()
+    assert compute.measure_tensor_layer_seconds(model, 4, cancel=cancel) == 0.0
+    assert time.monotonic() - t0 < 5
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "meshnode.data.compute --tensor-layers" not in ps

@@ -17,6 +17,7 @@ import json
 import logging
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -128,18 +129,21 @@ def _time_steps(shard, cache) -> float:
 
 
 def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0,
-                                 timeout: float = 120.0, tries: int = 2) -> float:
+                                 timeout: float = 120.0, tries: int = 2, cancel: threading.Event | None = None) -> float:
     """Seconds of one decode step of one layer split between two processes on this machine by
     mlx-lm's ``shard()`` over an ``mx.distributed`` ring on loopback: half the layer's compute,
     its two all-reduces, and what sharding does not halve (per-operation costs, which dominate
     small layers). The best of ``tries`` rings: two processes in lockstep are easily slowed by
     anything else the machine does meanwhile, never sped up. Blocking; 0.0 when it cannot be
-    measured."""
-    times = [t for t in (_ring_probe(model_path, num_layers, layer_bytes, timeout) for _ in range(tries)) if t > 0]
+    measured, or once ``cancel`` is set (the ring's processes are then killed at once: a node that
+    stops must not leave two processes spinning on a ring for minutes)."""
+    times = [t for t in (_ring_probe(model_path, num_layers, layer_bytes, timeout, cancel) for _ in range(tries)
+                         if cancel is None or not cancel.is_set()) if t > 0]
     return min(times, default=0.0)
 
 
-def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: float) -> float:
+def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: float,
+                cancel: threading.Event | None = None) -> float:
     import os
     import subprocess
     import sys
@@ -155,7 +159,12 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                  for rank in (1, 0)]
         try:
-            out, _ = procs[1].communicate(timeout=timeout)
+            end = time.monotonic() + timeout
+            while procs[1].poll() is None:  # rank 0 prints the figure and exits
+                if (cancel is not None and cancel.is_set()) or time.monotonic() > end:
+                    return 0.0
+                time.sleep(0.1)
+            out = procs[1].stdout.read()
             procs[0].wait(timeout=10)
             return float(out.strip().splitlines()[-1])
         except (subprocess.TimeoutExpired, ValueError, IndexError):
@@ -167,10 +176,12 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
                     p.wait()
 
 
-def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0) -> float:
-    """The cached two-way tensor-parallel figure for this model on this machine (0.0: unmeasurable)."""
+def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
+                         cancel: threading.Event | None = None) -> float:
+    """The cached two-way tensor-parallel figure for this model on this machine (0.0: unmeasurable,
+    or ``cancel`` set meanwhile)."""
     value = _cached(state_dir, _cache_key(model_path) + "-tp2",
-                    lambda: measure_tensor_layer_seconds(model_path, num_layers, layer_bytes),
+                    lambda: measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, cancel=cancel),
                     f"one layer of {model_path.name} split two ways decodes in %.3f ms here, all-reduces included")
     if value <= 0:
         log.warning("compute: could not time a layer split over a ring here; the planner assumes a default")
