@@ -10,9 +10,9 @@ of the same bytes from memory, dropped on arrival (what the transport the transf
 allows by itself). Prints the throughputs and the ratios (target >= 0.8 of raw TCP). Needs root.
 
 Each is run at several link rates (tc tbf on A's side): home links (1 Gbit/s Ethernet, 2.5 Gbit/s)
-and the bare veth link. The bare link between two namespaces of one VM runs at memory speed,
-faster than this VM's disk can take the bytes, so there the figure says what the disk and the
-CPUs allow, not how well the link is used; the ratio to raw TCP written to disk says that.
+and the bare veth link. The bare link between two namespaces of one VM runs at memory speed, so
+there the figure says what the CPUs allow (the bare gRPC stream's ratio says how much of that is
+the transport itself), not how well a link is used. ``--dest /dev/shm`` takes the disk out.
 
     sudo .venv/bin/python benchmarks/transfer.py [--layers 16 --hidden 2048] [--rates 1gbit,none] [--keep DIR]
 """

@@ -7,7 +7,6 @@ model, token for token (float32: the all-reduce changes rounding only at the las
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
@@ -175,10 +174,8 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
         with netns_mesh(2) as mesh:
             work = tmp_path / f"inject{int(inject_us)}"
             work.mkdir()
-            cluster = Cluster(mesh, path, work)
+            cluster = Cluster(mesh, path, work, seed=seed)
             for h in cluster.hosts:
-                (work / h.name).mkdir()
-                shutil.copy(seed / "compute.json", work / h.name / "compute.json")
                 cluster.start(h, budget, env={**fast_replan, "MESHNODE_INJECT_LATENCY_US": str(inject_us)})
 
             why = ["no view yet"]

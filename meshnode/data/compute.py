@@ -32,6 +32,7 @@ STEPS = 12
 LAYERS = 4  # at most this many layers timed together...
 WORKING_SET = 256 * 2**20  # ...enough that their weights do not fit in a CPU cache (big layers: one)
 VERSION = "layers4"  # part of the cache key: a change of method measures again
+CACHE_FILE = "compute.json"  # in the node's state folder
 
 
 def _cache_key(model_path: Path) -> str:
@@ -39,6 +40,11 @@ def _cache_key(model_path: Path) -> str:
     ident = [hashlib.sha256(config).hexdigest(), platform.machine(), platform.system(), mx.__version__,
              str(mx.default_device()), VERSION]
     return hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+
+
+def _split_key(model_path: Path) -> str:
+    """The cache key of the two-way split figure."""
+    return _cache_key(model_path) + "-tp2"
 
 
 def measure_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0) -> float:
@@ -57,7 +63,7 @@ def layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_byte
 def _cached(state_dir: Path, key: str, measure, what: str) -> float:
     """``known[key]`` from the state dir's compute.json, else ``measure()`` (cached when > 0;
     ``what`` is logged with the figure in ms)."""
-    cache_file = state_dir / "compute.json"
+    cache_file = state_dir / CACHE_FILE
     known = _load(cache_file)
     value = known.get(key)
     if isinstance(value, (int, float)) and value > 0:
@@ -180,7 +186,7 @@ def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, lay
                          cancel: threading.Event | None = None) -> float:
     """The cached two-way tensor-parallel figure for this model on this machine (0.0: unmeasurable,
     or ``cancel`` set meanwhile)."""
-    value = _cached(state_dir, _cache_key(model_path) + "-tp2",
+    value = _cached(state_dir, _split_key(model_path),
                     lambda: measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, cancel=cancel),
                     f"one layer of {model_path.name} split two ways decodes in %.3f ms here, all-reduces included")
     if value <= 0:
@@ -202,11 +208,11 @@ def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes
         two.append(measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, tries=1))
     layer_s = min(one)
     split_s = min((t for t in two if t > 0), default=0.0)
-    known = _load(state_dir / "compute.json")
+    known = _load(state_dir / CACHE_FILE)
     known[_cache_key(model_path)] = layer_s
     if split_s > 0:
-        known[_cache_key(model_path) + "-tp2"] = split_s
-    _save(state_dir / "compute.json", known)
+        known[_split_key(model_path)] = split_s
+    _save(state_dir / CACHE_FILE, known)
     return layer_s, split_s
 
 
