@@ -80,10 +80,14 @@ class LocalSession:
             self._prepared = (placeholder, out[:, -1:, :])
         return True
 
-    def run_prepared(self, x: mx.array) -> mx.array:
-        """The step :meth:`prepare` built, on ``x`` (evaluated, one position)."""
-        (placeholder, out), self._prepared = self._prepared, None
-        placeholder.fill_from(x)
+    @property
+    def placeholder(self) -> Placeholder:
+        """The input of the step :meth:`prepare` built: the stage before writes its reply here."""
+        return self._prepared[0]
+
+    def run_prepared(self) -> mx.array:
+        """The step :meth:`prepare` built, its placeholder filled."""
+        (_, out), self._prepared = self._prepared, None
         return out
 
     def submit(self, x: mx.array) -> DoneTicket:
@@ -173,7 +177,8 @@ class PipelineModel:
                 ticket = session.submit(x, next_single=True)
                 if after is not None and not after.remote and after.prepare():
                     # The local stage after it builds its step while the remote one computes.
-                    x = after.run_prepared(session.finish(ticket))
+                    session.finish(ticket, into=after.placeholder)
+                    x = after.run_prepared()
                     i += 2
                     continue
                 x = session.finish(ticket)

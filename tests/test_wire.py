@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.data.wire import (RAW_REPLY, Placeholder, RawReply, WireError, from_tensor, is_raw, raw_reply_into,
+                                 to_array, to_tensor)
 from meshnode.proto import mesh_pb2
 from meshnode.proto.generate import is_up_to_date
 
@@ -69,3 +70,69 @@ def test_random_bytes_never_crash(raw):
 
 def test_generated_code_is_up_to_date():
     assert is_up_to_date() == [], "run: python -m meshnode.proto.generate"
+
+
+# --------------------------------------------------------------------------- raw replies (data port)
+
+
+def _raw(array: mx.array, seconds: float = 0.25, offset: int = 0, buf: bytearray | None = None) -> memoryview:
+    buf = bytearray() if buf is None else buf
+    n = raw_reply_into(buf, offset, array, seconds)
+    return memoryview(buf)[offset:offset + n]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_raw_reply_round_trip_is_exact(dtype):
+    a = (mx.random.normal((1, 5, 33)) * 100).astype(dtype)
+    frame = _raw(a, offset=4)
+    assert is_raw(frame)
+    reply = RawReply(frame)
+    assert reply.stage_seconds == 0.25 and (reply.positions, reply.width) == (5, 33)
+    name = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[dtype]
+    b = to_array(reply.host(name, 5, 33), name)
+    assert b.dtype == dtype and mx.array_equal(a, b).item()
+
+
+def test_raw_reply_reuses_its_buffer_and_fills_a_placeholder():
+    buf = bytearray()
+    _raw(mx.ones((1, 3, 8)), buf=buf)
+    size = len(buf)
+    frame = _raw(mx.full((1, 1, 8), 2.0), buf=buf)
+    assert len(buf) == size  # a smaller reply is written into the same buffer
+    ph = Placeholder("float32", (1, 1, 8))
+    out = ph.array * 3
+    ph.fill(RawReply(frame).host("float32", 1, 8))
+    assert out.tolist() == [[[6.0] * 8]]
+
+
+def test_a_protobuf_reply_is_never_taken_for_a_raw_one():
+    for msg in (mesh_pb2.ForwardReply(output=good(), stage_seconds=0.1), mesh_pb2.ForwardReply(code=5, error="x"),
+                mesh_pb2.ForwardReply(stage_seconds=1.0)):
+        assert not is_raw(memoryview(msg.SerializeToString()))
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda b: b[:RAW_REPLY.size - 1], ("float32", 2, 4)),  # shorter than its header
+    (lambda b: b[:1] + b"\x09" + b[2:], ("float32", 2, 4)),  # unknown dtype code
+    (lambda b: b[:-1], ("float32", 2, 4)),  # a byte short
+    (lambda b: b + b"x", ("float32", 2, 4)),  # a byte over
+    (lambda b: b, ("float16", 2, 4)),  # not the dtype expected
+    (lambda b: b, ("float32", 1, 4)),  # not the positions expected
+    (lambda b: b, ("float32", 2, 8)),  # not the width expected
+])
+def test_malformed_raw_reply_refused(mutate, expect):
+    frame = memoryview(bytearray(mutate(bytes(_raw(mx.ones((1, 2, 4)))))))
+    with pytest.raises(WireError):
+        RawReply(frame).host(*expect)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from(["float32", "float16", "bfloat16", "int32"]),
+       st.integers(1, 4), st.integers(1, 8))
+def test_random_raw_replies_never_crash(raw, dtype, positions, width):
+    frame = memoryview(b"\x00" + raw)
+    try:
+        host = RawReply(frame).host(dtype, positions, width)
+    except WireError:
+        return
+    assert host.shape == (1, positions, width)

@@ -3,8 +3,9 @@
 A grpcio stream round trip costs ~380 µs on loopback where TCP itself costs ~20 µs: per token
 and per hop, the RPC stack alone would cost more than the network. So activations travel here,
 on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a little-endian uint32
-length, then one protobuf message (protos/mesh.proto). Nothing is ever unpickled; every frame's
-length is bounded before it is read.
+length, then one protobuf message (protos/mesh.proto), or a stage's raw activation reply where
+the stream's opening asked for those (meshnode.data.wire.RAW_REPLY). Nothing is ever unpickled;
+every frame's length is bounded before it is read.
 
 Opening a stream: the first frame is a :class:`DataHello` signed with the cluster key exactly as
 a gRPC call's metadata is (:meth:`ClusterAuth.sign`, with :data:`HELLO_METHOD`), over the
@@ -69,6 +70,40 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> bytearray | N
     if payload is None:
         raise FrameError("stream closed inside a frame")
     return payload
+
+
+HEADER = _LEN.size  # bytes before a frame's payload
+
+
+def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
+    """Send a frame whose ``n``-byte payload the caller wrote into ``buf`` after :data:`HEADER`
+    bytes it left free (a buffer reused from frame to frame: nothing is allocated or copied)."""
+    if n > MAX_FRAME:
+        raise FrameError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME}")
+    _LEN.pack_into(buf, 0, n)
+    with memoryview(buf) as view:
+        sock.sendall(view[:HEADER + n])
+
+
+def recv_frame_into(sock: socket.socket, spare: bytearray | None,
+                    max_bytes: int = MAX_FRAME) -> tuple[memoryview, bytearray] | None:
+    """As :func:`recv_frame`, read into ``spare`` when it is large enough (nothing allocated): the
+    payload and the buffer it lies in, or None if the peer closed the stream between frames."""
+    header = recv_exact(sock, HEADER)
+    if header is None:
+        return None
+    (n,) = _LEN.unpack(header)
+    if n > max_bytes:
+        raise FrameError(f"frame of {n} bytes announced (limit {max_bytes})")
+    buf = spare if spare is not None and len(spare) >= n else bytearray(n)
+    view = memoryview(buf)[:n]
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise FrameError("stream closed inside a frame")
+        got += k
+    return view, buf
 
 
 def hello(auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen) -> bytes:

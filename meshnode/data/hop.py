@@ -3,13 +3,17 @@
 Serving side (:func:`serve_forward`): the stream's hello opened one request's use of one stage
 (``DataOpen.forward``: request, epoch, layer range, no input). Each frame after it is a
 ``ForwardRequest`` whose input the stage runs, on the connection's own thread holding the
-node's MLX baton (no hand-off to another thread), answered by a ``ForwardReply`` frame with the
-output and the stage's own seconds. A refusal is a reply with ``code`` (a gRPC status number)
-and ``error``, after which the stream closes. The same checks as the gRPC path apply
-(meshnode.data.stage.OpenStage).
+node's MLX baton (no hand-off to another thread), answered by a frame with the output and the
+stage's own seconds: a raw reply (meshnode.data.wire.RAW_REPLY, written into a buffer reused
+token after token) where the opening asked for them (``raw_replies``, as every HopSession
+does), else a ``ForwardReply``. A refusal is always a ``ForwardReply`` with ``code`` (a gRPC
+status number) and ``error``, after which the stream closes. The same checks as the gRPC path
+apply (meshnode.data.stage.OpenStage).
 
 Head side (:class:`HopSession`): the generation thread writes a frame and reads the reply
-itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. Messages may run
+itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. A raw reply is read
+into the buffer the previous one used, and a decode step's reply is checked and copied straight
+into the placeholder of the local step built ahead of it (no message, no array in between). Messages may run
 ahead of replies (pipelined prefill); replies come back in order. Large frames (prefill chunks)
 are written by a helper thread, so the head never blocks on a stage that is still busy with the
 previous chunk; frames already queued there keep their order.
@@ -31,14 +35,16 @@ import grpc
 import mlx.core as mx
 from google.protobuf.message import DecodeError
 
-from meshnode.data.dataport import FrameError, connect, recv_frame, send_frame
+from meshnode.data.dataport import (HEADER, FrameError, connect, recv_frame, recv_frame_into, send_frame,
+                                    send_prepared)
 from meshnode.data.stage import StageError, StageRefusal, stage_error
-from meshnode.data.wire import to_tensor
+from meshnode.data.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
 from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:
     from meshnode.control.auth import ClusterAuth
-    from meshnode.data.stage import RemoteStage, StageServer
+    from meshnode.data.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.data.wire import Placeholder
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
     ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton.
     """
     request_id = opening.forward.request_id or "?"
+    raw = opening.forward.raw_replies
+    out = bytearray()  # raw replies are written here, token after token
     try:
         stage = server.open(opening.forward)
     except StageRefusal as refusal:
@@ -82,7 +90,10 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 return
             try:
                 stage.admit(msg.input)
-                output, seconds = run_here(lambda: stage.run(msg))
+                if raw:
+                    n = run_here(lambda: _run_raw(stage, msg, out))
+                else:
+                    payload = run_here(lambda: _run_message(stage, msg))
             except StageRefusal as refusal:
                 if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                     log.warning("refused a malformed activation from %s for %s: %s", host, request_id, refusal)
@@ -90,12 +101,27 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 return
             if server.inject_latency:
                 time.sleep(server.inject_latency)
-            send_frame(conn, mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString())
+            if raw:
+                send_prepared(conn, out, n)
+            else:
+                send_frame(conn, payload)
             _yield()
             if msg.next_single:  # build the next step while the rest of the pipeline works
                 run_here(stage.prepare)
     finally:
         stage.cache = stage.prepared = None
+
+
+def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:
+    output, seconds = stage.run(msg)
+    return mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString()
+
+
+def _run_raw(stage: "OpenStage", msg: mesh_pb2.ForwardRequest, buf: bytearray) -> int:
+    """Run ``msg`` and write its raw reply into ``buf`` after the frame header; the reply's length."""
+    started = time.perf_counter()
+    out = stage.run_array(msg)
+    return raw_reply_into(buf, HEADER, out, time.perf_counter() - started)
 
 
 def _refuse(conn: socket.socket, refusal: StageRefusal) -> None:
@@ -120,7 +146,8 @@ class HopSession:
                  node_id: str):
         self._stage = stage
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-            request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end))
+            request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end,
+            raw_replies=True))
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
         self._unanswered: deque[HopTicket] = deque()
         self._queued = 0  # positions sent and not answered yet
@@ -129,6 +156,7 @@ class HopSession:
         self._write_error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._spare: bytearray | None = None  # a raw reply's buffer, back from the last reply used
 
     # -- writing
     def submit(self, x: mx.array, *, next_single: bool = False) -> "HopTicket":
@@ -193,20 +221,23 @@ class HopSession:
         ticket = self._unanswered[0]
         self._sock.settimeout(max(deadline - time.perf_counter(), 0.001))
         try:
-            frame = recv_frame(self._sock)
+            got = recv_frame_into(self._sock, self._spare)
         except (TimeoutError, socket.timeout):
             raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within "
                              f"{ticket.timeout:.1f} s") from None
         except (OSError, FrameError) as exc:
             raise self._lost(exc) from None
-        if frame is None:
+        if got is None:
             raise self._lost(ConnectionError("the stage closed the stream"))
+        frame, buf = got
+        if buf is self._spare:
+            self._spare = None
         try:
-            reply = mesh_pb2.ForwardReply.FromString(bytes(frame))
-        except DecodeError:
+            reply = RawReply(frame, buf) if is_raw(frame) else mesh_pb2.ForwardReply.FromString(bytes(frame))
+        except (WireError, DecodeError):
             raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
                 from None
-        if reply.error or reply.code:
+        if type(reply) is not RawReply and (reply.error or reply.code):
             raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
         self._unanswered.popleft()
         ticket.reply = reply
@@ -219,14 +250,15 @@ class HopSession:
         """One activation through the stage and back; other generations use MLX meanwhile."""
         return self.finish(self.submit(x))
 
-    def finish(self, ticket: "HopTicket") -> mx.array:
-        """The reply to ``ticket``; other generations use MLX while this one waits."""
+    def finish(self, ticket: "HopTicket", into: "Placeholder | None" = None) -> mx.array | None:
+        """The reply to ``ticket`` (``into``: see RemoteStage.accept); other generations use MLX
+        while this one waits."""
         from meshnode.generation import mlx_idle
 
         if not ticket.done():
             with mlx_idle():
                 ticket.wait()
-        return ticket.result()
+        return ticket.result(into)
 
     def close(self) -> None:
         if self._closed:
@@ -248,7 +280,7 @@ class HopTicket:
         self.session, self.positions, self.timeout = session, positions, timeout
         self.sent = time.perf_counter()
         self.deadline = self.sent + timeout
-        self.reply: mesh_pb2.ForwardReply | None = None
+        self.reply: mesh_pb2.ForwardReply | RawReply | None = None
 
     def done(self) -> bool:
         if self.reply is None and self.session._unanswered[0] is self and self.session.readable():
@@ -263,7 +295,11 @@ class HopTicket:
     def wait_handle(self) -> HopSession:
         return self.session
 
-    def result(self) -> mx.array:
+    def result(self, into: "Placeholder | None" = None) -> mx.array | None:
         self.wait()
-        self.session._queued -= self.positions
-        return self.session._stage.accept(self.reply, self.positions, self.sent, "tcp")
+        session, reply = self.session, self.reply
+        session._queued -= self.positions
+        out = session._stage.accept(reply, self.positions, self.sent, "tcp", into)
+        if type(reply) is RawReply:  # its bytes are copied out: the next reply may be read there
+            session._spare = reply.buffer
+        return out

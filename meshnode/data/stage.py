@@ -31,7 +31,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.data.tensor import TensorGroupError
-from meshnode.data.wire import Placeholder, WireError, dtype_name, from_tensor, host_array, to_array, to_tensor
+from meshnode.data.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
@@ -162,6 +162,11 @@ class OpenStage:
     def run(self, msg: mesh_pb2.ForwardRequest) -> tuple[mesh_pb2.Tensor, float]:
         """Decode, run and encode one message (on the MLX thread): the output and the seconds it took."""
         started = time.perf_counter()
+        out = self.run_array(msg)
+        return to_tensor(out), time.perf_counter() - started
+
+    def run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
+        """Decode and run one message (on the MLX thread): the output, evaluated."""
         try:
             host = self._host_input(msg.input)
             if self.prepared is not None:  # this step's graph was built ahead: fill in its input
@@ -173,7 +178,7 @@ class OpenStage:
             else:
                 out = self.shard.forward(to_array(host, self._dtype), self.cache)
             mx.eval(out)
-            return to_tensor(out), time.perf_counter() - started
+            return out
         except WireError as exc:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
@@ -247,12 +252,12 @@ class RemoteSession:
         """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
         return self.finish(self.submit(x))
 
-    def finish(self, ticket: "RemoteTicket") -> mx.array:
+    def finish(self, ticket: "RemoteTicket", into: Placeholder | None = None) -> mx.array | None:
         from meshnode.generation import mlx_idle
 
         with mlx_idle():  # other generations use the MLX thread while this one waits on the network
             concurrent.futures.wait([ticket.future], timeout=ticket.timeout)
-        return ticket.result()
+        return ticket.result(into)
 
     def close(self) -> None:
         if self._call is not None:
@@ -274,7 +279,7 @@ class RemoteTicket:
     def wait_handle(self) -> concurrent.futures.Future:
         return self.future
 
-    def result(self) -> mx.array:
+    def result(self, into: Placeholder | None = None) -> mx.array | None:
         st = self.session._stage
         try:
             left = self.timeout - (time.perf_counter() - self.sent)
@@ -285,7 +290,7 @@ class RemoteTicket:
                 f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {self.timeout:.1f} s"
             ) from None
         self.session._queued -= self.positions
-        return st.accept(reply, self.positions, self.sent, "grpc")
+        return st.accept(reply, self.positions, self.sent, "grpc", into)
 
 
 def stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
@@ -337,12 +342,21 @@ class RemoteStage:
         self.prefill_allowance = prefill_allowance  # extra seconds per position in one message
         self.request_timeout = request_timeout
 
-    def accept(self, reply: mesh_pb2.ForwardReply, positions: int, sent: float, transport: str) -> mx.array:
-        """A reply's activation, checked against the plan, its round trip observed (either transport)."""
+    def accept(self, reply: "mesh_pb2.ForwardReply | RawReply", positions: int, sent: float, transport: str,
+               into: Placeholder | None = None) -> mx.array | None:
+        """A reply's activation, checked against the plan, its round trip observed (either transport);
+        ``into``: written into that step built ahead (meshnode.data.wire.Placeholder) instead."""
         if self.observe is not None:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
         try:
-            return from_tensor(reply.output, dtypes=(self.dtype_name,), expect=(1, positions, self.hidden_size))
+            if type(reply) is RawReply:
+                array = reply.host(self.dtype_name, positions, self.hidden_size)
+            else:
+                array = host_array(reply.output, dtypes=(self.dtype_name,), expect=(1, positions, self.hidden_size))
+            if into is not None:
+                into.fill(array)
+                return None
+            return to_array(array, self.dtype_name)
         except WireError as exc:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
                 from None
