@@ -329,8 +329,11 @@ def table(r: dict) -> str:
         if te.get("sharded_over_tensor"):
             rows.append(f"| tensor pair vs mlx-lm's own sharded generate | {te['tensor_tps']:.2f} tok/s | "
                         f"{te['mlx_lm_sharded_tps']:.2f} tok/s | {te['sharded_over_tensor']:.2f} | <= 1.2 |")
+    elif te and te.get("skipped"):
+        rows.append("| tensor vs pipeline at injected latencies | skipped in this run (`--skip tensor`); "
+                    "`benchmarks/tensor.py` runs it alone | | | |")
     elif te:
-        rows.append("| tensor vs pipeline at injected latencies | see benchmarks/tensor.py (failed or skipped here) "
+        rows.append("| tensor vs pipeline at injected latencies | failed in this run: see benchmarks/tensor.py "
                     "| | | |")
     return "\n".join(rows) + "\n"
 
@@ -413,7 +416,8 @@ def main() -> int:
     else:
         r["tensor"] = {"skipped": True}
     (args.out / "suite.json").write_text(json.dumps(r, indent=2))
-    md = (f"`python -m benchmarks.suite --tokens {args.tokens}` on {r['machine']} ({r['cpus']} CPUs, MLX on CPU), "
+    command = f"python -m benchmarks.suite --tokens {args.tokens}" + (f" --skip {args.skip}" if skip else "")
+    md = (f"`{command}` on {r['machine']} ({r['cpus']} CPUs, MLX on CPU), "
           f"{r['started']}; decode: llama {r['parameters'] / 1e6:.0f}M parameters, float32, hidden {hidden}; "
           f"TTFT: llama {r['prefill_model_parameters'] / 1e6:.1f}M parameters, hidden "
           f"{PREFILL_MODEL['hidden_size']}\n\n" + table(r))
