@@ -14,6 +14,9 @@ in this process. Figures:
 - decode tokens/s of 1-, 2- and 3-stage pipelines / mlx-lm's (stream_generate): five rounds, each
   a generation of mlx-lm then one of the mesh, the ratio the median of the rounds' ratios (this
   machine's speed drifts by tens of percent over minutes);
+- at 2 stages, each round also times the bare split of benchmarks/floor.py (mlx-lm's modules for
+  the two halves in two processes, a loopback socket between, nothing else): the floor any split
+  reaches here, and the mesh's ratio to it;
 - added latency per hop, all in: (time per token - mlx-lm's) / hops (the head sends each token to
   the first stage and every activation comes back to it: 2 hops per remote stage); and the
   transport's part of it, as the head times every decode hop (round trip minus the stage's own
@@ -49,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import BENCH_MODEL, PROMPT, bench_model_dir, mlx_lm_decoder, param_count  # noqa: E402
 from benchmarks.pipeline import counters, in_ns  # noqa: E402
 from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
+from benchmarks.floor import Split, tps as tps_of  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 from meshnode.config import ECHO_OFFSET  # noqa: E402
 from meshnode.data.profile import profile_model  # noqa: E402
@@ -282,6 +286,12 @@ def table(r: dict) -> str:
             rows.append(f"| decode tok/s, {n} stage{'s' if n > 1 else ''}, best of {len(d.get('rounds', [1]))} "
                         f"(ratio: median of rounds, each right after one of mlx-lm) | {d['tps']:.2f} | "
                         f"{d.get('mlx_lm_tps', ref['decode_tps']):.2f} | {d['ratio']:.3f} | {target} |")
+    bare = r["decode"].get("2", {}).get("bare_split")
+    if bare:
+        rows.append(f"| decode tok/s, bare 2-process split, best of {len(bare['rounds'])} (mlx-lm's modules, a loopback "
+                    f"socket, nothing else: the floor for any split here) | {bare['tps']:.2f} | "
+                    f"{r['decode']['2'].get('mlx_lm_tps', 0):.2f} | {bare['ratio']:.3f} | |")
+        rows.append(f"| decode, 2-stage mesh / bare split (median of rounds) | {bare['mesh_over_bare']:.3f} | | | |")
     for n in (2, 3):
         d = r["decode"].get(str(n))
         if d:
@@ -293,6 +303,9 @@ def table(r: dict) -> str:
             if d.get("network_us_per_hop") is not None:
                 rows.append(f"| network floor per hop, {n} stages: half a bare TCP echo round trip "
                             f"| {d['network_us_per_hop']:.0f} µs | | | |")
+            if d.get("bare_split"):
+                rows.append(f"| transport per hop, bare split (loopback; timed as the transport row above) "
+                            f"| {d['bare_split']['transport_us_per_hop']:.0f} µs | | | |")
     if r.get("bytes_per_token_per_hop") is not None:
         rows.append(f"| bytes on the wire per token per hop, 2 stages (TCP/IP included) | "
                     f"{r['bytes_per_token_per_hop']:.0f} | activation {r['activation_bytes']} B | | |")
@@ -364,8 +377,20 @@ def main() -> int:
     def decode(nodes: Nodes) -> None:
         """Decode tokens/s of the mesh and of mlx-lm, measured in turns (this machine's speed drifts by
         tens of percent over minutes, so a reference taken once, earlier, skews the ratio): the ratio
-        is the median of the rounds' ratios."""
-        pairs = [(mlx_lm_decode(args.tokens, 1), nodes.decode_tps(args.tokens, 1)) for _ in range(ROUNDS)]
+        is the median of the rounds' ratios. At 2 stages each round also times the bare split
+        (benchmarks/floor.py): the floor any 2-stage split reaches on this machine."""
+        split = Split(path) if nodes.stages == 2 else None
+        pairs, bare = [], []
+        try:
+            if split is not None:
+                split.checked_tps(8)  # warm, and its tokens are mlx-lm's
+            for _ in range(ROUNDS):
+                pairs.append((mlx_lm_decode(args.tokens, 1), nodes.decode_tps(args.tokens, 1)))
+                if split is not None:
+                    bare.append(tps_of(split.generate(split.prompt, args.tokens)[1]))
+        finally:
+            if split is not None:
+                split.close()
         ratio = statistics.median(tps / ref for ref, tps in pairs)
         tps, ref = max(t for _, t in pairs), max(f for f, _ in pairs)
         hops = 2 * (nodes.stages - 1)
@@ -374,6 +399,11 @@ def main() -> int:
         if hops:
             d["transport_us_per_hop"] = nodes.transport_us_per_hop()
             d["network_us_per_hop"] = nodes.network_us_per_hop()
+        if bare:
+            d["bare_split"] = {"tps": max(bare), "rounds": bare,
+                               "ratio": statistics.median(b / ref for (ref, _), b in zip(pairs, bare)),
+                               "mesh_over_bare": statistics.median(t / b for (_, t), b in zip(pairs, bare)),
+                               "transport_us_per_hop": split.transport_us()}
         r["decode"][str(nodes.stages)] = d
         print(f"{nodes.stages} stage(s): {d}", flush=True)
 
