@@ -16,7 +16,8 @@ in this process. Figures:
   machine's speed drifts by tens of percent over minutes);
 - at 2 stages, each round also times the bare split of benchmarks/floor.py (mlx-lm's modules for
   the two halves in two processes, a loopback socket between, nothing else): the floor any split
-  reaches here, and the mesh's ratio to it;
+  reaches here, and the mesh's ratio to it; and one hop between two bare processes right after
+  45 ms of compute each (benchmarks/floor.py), the floor of a hop whose ends compute on these CPUs;
 - added latency per hop, all in: (time per token - mlx-lm's) / hops (the head sends each token to
   the first stage and every activation comes back to it: 2 hops per remote stage); and the
   transport's part of it, as the head times every decode hop (round trip minus the stage's own
@@ -52,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import BENCH_MODEL, PROMPT, bench_model_dir, mlx_lm_decoder, param_count  # noqa: E402
 from benchmarks.pipeline import counters, in_ns  # noqa: E402
 from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
-from benchmarks.floor import Split, tps as tps_of  # noqa: E402
+from benchmarks.floor import Split, hop_after_compute_us, tps as tps_of  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 from meshnode.config import ECHO_OFFSET  # noqa: E402
 from meshnode.data.profile import profile_model  # noqa: E402
@@ -303,6 +304,10 @@ def table(r: dict) -> str:
             if d.get("network_us_per_hop") is not None:
                 rows.append(f"| network floor per hop, {n} stages: half a bare TCP echo round trip "
                             f"| {d['network_us_per_hop']:.0f} µs | | | |")
+            if d.get("hop_after_compute_us") is not None:
+                rows.append(f"| one way between two bare processes, each right after 45 ms of compute through its "
+                            f"caches (loopback): a hop's floor when both ends compute on these CPUs "
+                            f"| {d['hop_after_compute_us']:.0f} µs | | | |")
             if d.get("bare_split"):
                 rows.append(f"| transport per hop, bare split (loopback; timed as the transport row above) "
                             f"| {d['bare_split']['transport_us_per_hop']:.0f} µs | | | |")
@@ -404,6 +409,7 @@ def main() -> int:
                                "ratio": statistics.median(b / ref for (ref, _), b in zip(pairs, bare)),
                                "mesh_over_bare": statistics.median(t / b for (_, t), b in zip(pairs, bare)),
                                "transport_us_per_hop": split.transport_us()}
+            d["hop_after_compute_us"] = hop_after_compute_us()
         r["decode"][str(nodes.stages)] = d
         print(f"{nodes.stages} stage(s): {d}", flush=True)
 
