@@ -13,12 +13,13 @@ projection; a child process holds the embedding and the first half. Per token th
 token id; the child runs its layers and answers with the activation and its own seconds; the head
 runs the rest and takes the greedy token. Prints decode tokens/s of both per round, the median of
 the rounds' ratios, and the transport per hop timed as meshnode times its own (half of each round
-trip minus the child's seconds). Fails if the split's tokens differ from mlx-lm's (checked before and after the rounds).
+trip minus the child's seconds). Fails if the split's tokens differ from mlx-lm's (checked before
+and after the rounds).
 
 It also times one hop of a 3,072-byte message between two processes on loopback with nothing but
 the socket calls in between, each sender having just spent 45 ms streaming 200 MB through its
 caches (as a stage's matmuls stream its weights): the floor of a hop whose two ends compute on the
-same CPUs. On this machine it is ~150-165 µs one way, against ~30 µs in a tight echo loop.
+same CPUs. On this machine it is ~160-175 µs one way, against ~30 µs in a tight echo loop.
 """
 
 from __future__ import annotations
@@ -40,21 +41,34 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import PROMPT, bench_model_dir  # noqa: E402
+from meshnode.listener import recv_exact  # noqa: E402
 
 ASK = struct.Struct("<iI")  # op, positions; then positions int32 token ids
 ANSWER = struct.Struct("<dI")  # the child's seconds, positions; then positions x hidden float32
 RESET, FORWARD, QUIT = 0, 1, 2
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("peer closed")
-        got += k
+def _recv(sock: socket.socket, n: int) -> bytearray:
+    buf = recv_exact(sock, n)
+    if buf is None:
+        raise ConnectionError("the other process closed the socket")
     return buf
+
+
+def _spawn(*args: str) -> tuple[subprocess.Popen, socket.socket]:
+    """This script in a child process (``args`` pick its part), and the socket it connected back on."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        proc = subprocess.Popen([sys.executable, __file__, "--port", str(server.getsockname()[1]), *args])
+        server.settimeout(300)
+        sock, _ = server.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return proc, sock
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def halves(model):
@@ -81,17 +95,16 @@ def child(port: int, path: Path) -> None:
 
     model, _ = load(str(path))
     embed, first, _, _, _ = halves(model)
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = _connect(port)
     cache = []
     while True:
-        op, n = ASK.unpack(recv_exact(sock, ASK.size))
+        op, n = ASK.unpack(_recv(sock, ASK.size))
         if op == QUIT:
             return
         if op == RESET:
             cache = [KVCache() for _ in first]
             continue
-        ids = np.frombuffer(recv_exact(sock, 4 * n), dtype=np.int32)
+        ids = np.frombuffer(_recv(sock, 4 * n), dtype=np.int32)
         started = time.perf_counter()
         h = run_layers(first, embed(mx.array(ids)[None]), cache)
         out = np.array(h.astype(mx.float32), copy=False)
@@ -110,12 +123,7 @@ class Split:
                                                          add_generation_prompt=True)
         _, _, self.second, self.norm, self.project = halves(self.model)
         self.hidden = self.model.args.hidden_size
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--child", str(server.getsockname()[1]),
-                                          "--model", str(path)])
-            server.settimeout(300)
-            self.sock, _ = server.accept()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.proc, self.sock = _spawn("--child", "--model", str(path))
         self.transport: list[float] = []
 
     def reference(self, max_tokens: int) -> tuple[list[int], list[float]]:
@@ -138,8 +146,8 @@ class Split:
     def _hop(self, ids: list[int]) -> mx.array:
         sent = time.perf_counter()
         self.sock.sendall(ASK.pack(FORWARD, len(ids)) + np.asarray(ids, dtype=np.int32).tobytes())
-        seconds, n = ANSWER.unpack(recv_exact(self.sock, ANSWER.size))
-        data = recv_exact(self.sock, 4 * n * self.hidden)
+        seconds, n = ANSWER.unpack(_recv(self.sock, ANSWER.size))
+        data = _recv(self.sock, 4 * n * self.hidden)
         if n == 1:  # a decode step, as meshnode's meshnode_hop_transport_seconds counts them
             self.transport.append((time.perf_counter() - sent - seconds) / 2)
         return mx.array(np.frombuffer(data, dtype=np.float32).reshape(1, n, self.hidden))
@@ -184,20 +192,15 @@ def hop_after_compute_us(hops: int = 60, seconds: float = 0.045) -> float:
     """Median one-way time (µs) of an activation-sized message between two processes on loopback,
     the sender having just streamed 200 MB through its caches for ``seconds``, as a pipeline stage
     has before every send. Both directions; nothing but the socket calls in between."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        proc = subprocess.Popen([sys.executable, __file__, "--echo", str(server.getsockname()[1]),
-                                 "--hops", str(hops)])
-        server.settimeout(60)
-        sock, _ = server.accept()
+    proc, sock = _spawn("--echo", "--hops", str(hops))
     big = np.ones(25_000_000)
     there, back = [], []
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(hops):
             _compute(seconds, big)
             sent = time.perf_counter()
             sock.sendall(b"\0" * 3072)
-            arrived, replied = struct.unpack("<dd", recv_exact(sock, 16 + 3072)[:16])
+            arrived, replied = struct.unpack("<dd", _recv(sock, 16 + 3072)[:16])
             back.append(time.perf_counter() - replied)
             there.append(arrived - sent)
         proc.wait(timeout=30)
@@ -211,10 +214,9 @@ def hop_after_compute_us(hops: int = 60, seconds: float = 0.045) -> float:
 
 def _echo(port: int, hops: int, seconds: float = 0.045) -> None:
     big = np.ones(25_000_000)
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = _connect(port)
     for _ in range(hops):
-        recv_exact(sock, 3072)
+        _recv(sock, 3072)
         arrived = time.perf_counter()
         _compute(seconds, big)
         sock.sendall(struct.pack("<dd", arrived, time.perf_counter()) + b"\0" * 3072)
@@ -250,16 +252,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
-    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    # the parts a child process runs (_spawn): the first stage, or the echo of hop_after_compute_us
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--echo", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hops", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.echo:
-        _echo(args.echo, args.hops)
+        _echo(args.port, args.hops)
         return 0
     if args.child:
-        child(args.child, args.model)
+        child(args.port, args.model)
         return 0
     try:
         result = measure(bench_model_dir(args.cache), args.tokens, args.rounds)
