@@ -234,6 +234,10 @@ class Node:
         self._dropped_epoch = 0  # epoch of a plan withdrawn for lack of capacity
         self.plan_error = ""
         self.max_epoch_seen = 0
+        # An epoch for which a different plan, published by another coordinator, was seen: two nodes
+        # that each coordinated for a moment (start-up, a healed partition) can publish the same
+        # number. An epoch must name one plan, so the coordinator publishes its plan again above it.
+        self._contested_epoch = 0
         self.ready_epoch = 0
         self._planned_for: frozenset[str] = frozenset()
         # started_at of each node of the plan this coordinator published: a node that restarts
@@ -582,8 +586,21 @@ class Node:
         peer.ready_epoch = msg.ready_epoch
         peer.plan_error = msg.plan_error
         self.max_epoch_seen = max(self.max_epoch_seen, msg.epoch)
-        if msg.HasField("plan") and msg.plan.epoch > self.epoch:
-            self._adopt_pb(msg.plan, source=info.node_id)
+        if msg.HasField("plan"):
+            if msg.plan.epoch > self.epoch:
+                self._adopt_pb(msg.plan, source=info.node_id)
+            else:
+                self._check_contested(msg.plan.epoch, msg.plan.coordinator, info.node_id)
+
+    def _check_contested(self, epoch: int, publisher: str, seen_at: str) -> None:
+        """Note that ``publisher`` published a plan under this node's own epoch, if it is not the
+        node that published this node's plan."""
+        if self.plan is None or epoch != self.plan.epoch or publisher == self.plan_coordinator:
+            return
+        if self._contested_epoch != epoch:
+            log.warning("epoch %d names two plans: %s's (held here) and %s's (held by %s)", epoch,
+                        self.plan_coordinator, publisher, seen_at)
+            self._contested_epoch = epoch
 
     async def on_heartbeat(self, request: mesh_pb2.HeartbeatRequest, context) -> mesh_pb2.HeartbeatReply:
         try:
@@ -693,9 +710,11 @@ class Node:
         if plan_ok and restarted:
             log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted), self.plan.epoch)
             plan_ok = False
+        contested = plan_ok and self._contested_epoch == self.epoch
         now = time.monotonic()
         # Re-plan on a membership change, and now and then with fresh link and compute figures.
-        if plan_ok and members == self._planned_for and now - self._planned_at < self.settings.link_probe_interval:
+        if (plan_ok and not contested and members == self._planned_for
+                and now - self._planned_at < self.settings.link_probe_interval):
             return
         nodes = _node_specs(alive)
         links = self._link_specs(members)
@@ -727,7 +746,7 @@ class Node:
             return
         self.plan_error = ""
         desired = self._with_endpoints(desired, members)
-        if plan_ok:
+        if plan_ok and not contested:
             # The current plan still works: move only for a real gain by today's figures, and not
             # sooner than rebalance_dwell after the last change (hysteresis: no flapping).
             current = plan_estimate(self.profile, nodes, self.plan.stages, max_context=self.settings.max_context,
@@ -745,6 +764,9 @@ class Node:
                 return  # look again on a later tick
             log.info("rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s", _describe(self.plan),
                      current * 1e3, _describe(desired), desired.estimate_s * 1e3, desired.reason)
+        if contested:
+            log.info("another node published a different plan as epoch %d: publishing this mesh's plan again "
+                     "under a new epoch", self.epoch)
         self._planned_for, self._planned_at, self._pending = members, now, None
         self._plan_incarnations = {n: alive[n].started_at for n in desired.node_ids()}
         epoch = next_epoch(self.max_epoch_seen, self.epoch)
@@ -823,6 +845,7 @@ class Node:
     def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
         if msg.epoch <= self.epoch:
             log.info("refused plan epoch %d from %s: current epoch is %d", msg.epoch, msg.coordinator, self.epoch)
+            self._check_contested(msg.epoch, msg.coordinator, msg.coordinator)
             return mesh_pb2.InstallReply(accepted=False, error=f"stale epoch (current {self.epoch})", epoch=self.epoch)
         try:
             self._adopt_pb(msg, source=msg.coordinator)

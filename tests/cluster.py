@@ -100,8 +100,11 @@ class Cluster:
         raise AssertionError(f"timed out waiting for {what}; last: {last!r}\n{self.logs()}")
 
     def converged(self, hosts, nodes):
+        """The views of ``hosts`` when all see ``nodes`` nodes, one coordinator, one epoch and one
+        plan under it, and are healthy; else None."""
         views = [self.mesh_view(h) for h in hosts]
         ok = (len({v["epoch"] for v in views}) == 1 and len({v["coordinator"] for v in views}) == 1
+              and len({json.dumps(v["plan"] and v["plan"]["stages"]) for v in views}) == 1
               and all(v["healthy"] for v in views) and all(len(v["nodes"]) == nodes for v in views))
         return views if ok else None
 

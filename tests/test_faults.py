@@ -219,3 +219,25 @@ def test_partition_minority_cannot_serve_then_heals_into_one_plan(model, referen
         assert healed[0]["epoch"] >= after[0]["epoch"]
         status, _, out = cluster.fetch(f"http://{lonely.ip}:{HTTP}/v1/chat/completions", body, timeout=60)
         assert status == 200 and reference.startswith(out["choices"][0]["message"]["content"])
+
+
+def test_nodes_that_planned_alone_under_one_epoch_meet_and_settle_on_one_plan(model, reference, seed, tmp_path):
+    """Two nodes that each hold the whole model and start apart each coordinate and publish a plan
+    as epoch 1, two different plans under one number. When they meet, the younger defers to the
+    older coordinator, which publishes the mesh's plan again under a new epoch: one plan, served
+    by both."""
+    budget = int(profile_model(model).total_bytes(512) * 1.5)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, seed=seed)
+        first, second = cluster.hosts
+        second.link_down()
+        cluster.start(first, budget)
+        cluster.start(second, budget)
+        logs = [tmp_path / h.name / "node.log" for h in cluster.hosts]
+        cluster.wait(lambda: all(p.exists() and "ready for epoch 1" in p.read_text() for p in logs), 40,
+                     "each node serving its own plan as epoch 1")
+        second.link_up()
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 40, "one plan for the mesh")
+        assert views[0]["epoch"] >= 2
+        for host in cluster.hosts:
+            assert reference.startswith(cluster.chat(host, MESSAGES, 20))
