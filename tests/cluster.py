@@ -63,7 +63,15 @@ class Cluster:
         if not mdns:
             args.append("--no-mdns")
         self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
-                                           log_path=state / "node.log")
+                                           log_path=self.log_path(host))
+
+    def log_path(self, host) -> Path:
+        return self.tmp / host.name / "node.log"
+
+    def log(self, host) -> str:
+        """What ``host``'s node has logged so far ("" before it starts)."""
+        path = self.log_path(host)
+        return path.read_text() if path.exists() else ""
 
     def host(self, name):
         return next(h for h in self.hosts if h.name == name)

@@ -233,8 +233,7 @@ def test_nodes_that_planned_alone_under_one_epoch_meet_and_settle_on_one_plan(mo
         second.link_down()
         cluster.start(first, budget)
         cluster.start(second, budget)
-        logs = [tmp_path / h.name / "node.log" for h in cluster.hosts]
-        cluster.wait(lambda: all(p.exists() and "ready for epoch 1" in p.read_text() for p in logs), 40,
+        cluster.wait(lambda: all("ready for epoch 1" in cluster.log(h) for h in cluster.hosts), 40,
                      "each node serving its own plan as epoch 1")
         second.link_up()
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 40, "one plan for the mesh")

@@ -123,10 +123,6 @@ def _status(cluster, host, *extra):
     return out.returncode, out.stdout, out.stderr
 
 
-def _log(cluster, host) -> str:
-    return (cluster.tmp / host.name / "node.log").read_text()
-
-
 def _unreachable_gauge(cluster, host) -> float:
     code = ("import sys,urllib.request\n"
             "print(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n")
@@ -176,11 +172,11 @@ def test_blocked_and_dead_announced_peers_are_reported(model, tmp_path):
         assert rc == 1 and {p["node_id"] for p in json.loads(out)["unreachable"]} == {"node-h1", "ghost"}
 
         # the log says it once per peer, and the hint once for both
-        log = _log(cluster, h0)
+        log = cluster.log(h0)
         assert log.count("peer node-h1 " + UNREACHABLE_LINE) == 1, log
         assert log.count("peer ghost " + UNREACHABLE_LINE) == 1, log
         assert log.count("Privacy & Security > Local Network") == 1, log
-        assert "node-h0 " + UNREACHABLE_LINE not in _log(cluster, h1)  # h1 reaches h0 fine
+        assert "node-h0 " + UNREACHABLE_LINE not in cluster.log(h1)  # h1 reaches h0 fine
 
         # fixed: traffic flows, the ghost says goodbye over mDNS; h0 is healthy again
         h0.allow_tcp_out()
@@ -189,7 +185,7 @@ def test_blocked_and_dead_announced_peers_are_reported(model, tmp_path):
                      "the unreachable peers to clear")
         cluster.wait(lambda: _status(cluster, h0)[0] == 0, 20, "status on h0 to exit 0")
         assert _unreachable_gauge(cluster, h0) == 0
-        assert f"peer node-h1 answers at {h1.ip}:{GRPC} again" in _log(cluster, h0)
+        assert f"peer node-h1 answers at {h1.ip}:{GRPC} again" in cluster.log(h0)
 
 
 @pytest.mark.netns
@@ -210,4 +206,4 @@ def test_a_normal_two_node_mesh_reports_nothing(model, tmp_path):
             rc, out, _ = _status(cluster, h, "--json")
             assert rc == 0 and json.loads(out)["unreachable"] == []
             assert _unreachable_gauge(cluster, h) == 0
-            assert UNREACHABLE_LINE not in _log(cluster, h)
+            assert UNREACHABLE_LINE not in cluster.log(h)

@@ -63,7 +63,7 @@ def test_three_hosts_one_holds_the_model(model, reference, tmp_path):
             assert me["holdings"][0]["complete"] is False
         holder_view = next(n for n in view["nodes"] if n["node_id"] == holder.name)
         assert holder_view["holdings"][0]["complete"] is True
-        log = (tmp_path / others[0].name / "node.log").read_text()
+        log = cluster.log(others[0])
         assert "fetched layers" in log
 
 
@@ -102,7 +102,7 @@ def test_source_killed_mid_transfer_completes_from_the_other(big_model, tmp_path
         mesh.kill(cluster.procs[b.name])
         views = cluster.wait(lambda: cluster.converged([a, c], 2), 120, "a and c serving")
         assert {s["nodes"][0] for s in views[0]["plan"]["stages"]} == {a.name, c.name}
-        log = (tmp_path / c.name / "node.log").read_text()
+        log = cluster.log(c)
         assert "fetched layers" in log, cluster.logs()
         start, end = stage_of(views[0], c.name)
         assert f"layers [{start}, {end})" in log
@@ -119,10 +119,10 @@ def test_restarted_node_resumes_its_transfer(big_model, tmp_path):
         mesh.kill(cluster.procs[c.name])
         partial = list((tmp_path / c.name / "cache" / "peer-models").glob("*.partial"))
         assert partial, "no partial folder left to resume from"
-        (tmp_path / c.name / "node.log").rename(tmp_path / c.name / "first.log")
+        cluster.log_path(c).rename(tmp_path / c.name / "first.log")
         cluster.start(c, int(total * 0.75), model=big_model.name)
         cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving again")
-        log = (tmp_path / c.name / "node.log").read_text()
+        log = cluster.log(c)
         here = [float(line.split(" MiB already here")[0].rsplit(", ", 1)[-1]) for line in log.splitlines()
                 if "MiB already here" in line]
         assert here and here[0] > 0, log[-3000:]  # the first fetch of the new process starts from the old one's
@@ -170,7 +170,7 @@ def test_corrupted_tensor_detected_refetched_elsewhere_logged(big_model, tmp_pat
         cluster.start(b, int(total * 0.3), model=str(copy))  # same id and digest, bad bytes
         cluster.start(c, int(total * 0.75), model=big_model.name)
         views = cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving")
-        log = (tmp_path / c.name / "node.log").read_text()
+        log = cluster.log(c)
         bad = [line for line in log.splitlines() if f"peer {b.name}" in line and "sha256 mismatch" in line]
         assert bad and "refetching elsewhere" in bad[0], cluster.logs()
         head = cluster.host(views[0]["plan"]["stages"][-1]["nodes"][0])
@@ -207,4 +207,4 @@ def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_p
         after = cluster.mesh_view(cluster.host(head))
         # c has a part in the new plan: a pipeline stage, or a member of a tensor group
         assert c.name in [n for s in after["plan"]["stages"] for n in s["nodes"]]
-        assert "fetched layers" in (tmp_path / c.name / "node.log").read_text()
+        assert "fetched layers" in cluster.log(c)
