@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelProfile", "profile_model", "read_safetensors_header", "tensor_bytes", "weight_files"]
+__all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "read_safetensors_header", "tensor_bytes",
+           "weight_files"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2,
                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
@@ -241,6 +242,23 @@ def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
     return dtype if dtype in _ITEM else "float16"
 
 
+def activation_dtype(model_dir: Path) -> str:
+    """The activation dtype of the model in ``model_dir``, from the weight files' headers (or, for a
+    folder holding only some layers, the whole model's manifest): right on every stage, also on one
+    that holds no embedding and whose packed weights say nothing about it."""
+    model_dir = Path(model_dir)
+    return _activation_dtype(_tensors(model_dir), _text_config(json.loads((model_dir / "config.json").read_text())))
+
+
+def hidden_size(config: dict[str, Any]) -> int:
+    """The width of the residual stream, from config.json (nested text configs included); never from
+    a weight's shape, which a quantized model packs."""
+    value = _first(_text_config(config), "hidden_size", "n_embd", "d_model", "dim")
+    if value is None:
+        raise ValueError(f"{config.get('model_type')}: config.json names no hidden size")
+    return int(value)
+
+
 _FUSED_QKV = re.compile(r"\.(?:qkv_proj|c_attn|query_key_value|Wqkv|qkv)\.weight$")
 
 
@@ -297,7 +315,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
             other += size
     heads = int(_first(cfg, "num_attention_heads", "n_head"))
     kv_heads = int(_first(cfg, "num_key_value_heads", "num_kv_heads", default=heads))
-    hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
+    hidden = hidden_size(raw_cfg)
     head_dim = int(_first(cfg, "head_dim", default=hidden // heads))
     dtype = _activation_dtype(tensors, cfg)
     item = _ITEM[dtype]

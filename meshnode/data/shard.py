@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from meshnode.data.profile import activation_dtype, hidden_size
 from meshnode.data.wire import Placeholder, dtype_name, placeholders_work
 
 log = logging.getLogger(__name__)
@@ -221,13 +222,11 @@ class Shard:
                 f"got {len(self._cache_template)} for {num_layers} layers"
             )
 
-        embed = inner.embed_tokens
         tied = not hasattr(model, "lm_head") or bool(config.get("tie_word_embeddings", False))
-        self.hidden_size = int(embed.weight.shape[-1]) if hasattr(embed, "weight") else None
-        dtype = embed.weight.dtype if hasattr(embed, "weight") else mx.float32
-        if hasattr(embed, "scales"):  # quantized embedding: activations are float16 / bf16
-            dtype = embed.scales.dtype
-        self.dtype = dtype
+        # From config.json and the whole model's headers: a quantized weight's packed shape is not the
+        # width, and a stage fetched without the embedding cannot read the dtype off its own tensors.
+        self.hidden_size = hidden_size(config)
+        dtype = self.dtype = getattr(mx, activation_dtype(model_path))
 
         # Weightless placeholders for every layer this shard does not hold.
         for i in range(num_layers):
