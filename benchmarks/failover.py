@@ -57,7 +57,7 @@ def trial(path: Path, which: str) -> float:
             procs[h.name] = h.popen(
                 [sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
                  "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget), "--state-dir",
-                 str(Path(tmp) / h.name), "--max-context", str(ctx)],
+                 str(Path(tmp) / h.name), "--max-context", str(ctx), "--kv-requests", "1"],
                 env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench"},
                 log_path=Path(tmp) / h.name / "node.log")
         deadline = time.monotonic() + 60

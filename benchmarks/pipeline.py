@@ -61,7 +61,7 @@ def main() -> int:
             state.mkdir()
             h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
                      "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
-                     "--state-dir", str(state), "--max-context", str(ctx)],
+                     "--state-dir", str(state), "--max-context", str(ctx), "--kv-requests", "1"],
                     env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
                          # a pipeline, though the planner may prefer a tensor pair on these fast links;
                          # links measured once, so no bandwidth probe lands in the byte counts

@@ -154,7 +154,7 @@ def main() -> int:
                 state.mkdir()
                 h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path),
                          "--http-port", str(HTTP), "--grpc-port", str(GRPC), "--node-id", h.name,
-                         "--memory-budget", str(budget), "--state-dir", str(state), "--max-context", str(ctx),
+                         "--memory-budget", str(budget), "--state-dir", str(state), "--max-context", str(ctx), "--kv-requests", "1",
                          "--no-mdns", "--peer", f"{peer.ip}:{GRPC}", *flags],
                         env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": f"bench key {i}", **env},
                         log_path=state / "node.log")

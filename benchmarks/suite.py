@@ -159,7 +159,7 @@ class Nodes:
             self.procs.append(h.popen(
                 [sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
                  "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
-                 "--state-dir", str(state), "--max-context", str(CTX)],
+                 "--state-dir", str(state), "--max-context", str(CTX), "--kv-requests", "1"],
                 # Links are measured once, at the start: a later bandwidth probe (1 MiB each way) would
                 # land in the byte counts of the traffic figure.
                 env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",

@@ -98,7 +98,7 @@ def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budge
                "MESHNODE_REBALANCE_DWELL": "1"}
         procs.append(h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port",
                               str(HTTP), "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget",
-                              str(budget), "--state-dir", str(state), "--max-context", str(CTX)],
+                              str(budget), "--state-dir", str(state), "--max-context", str(CTX), "--kv-requests", "1"],
                              env=env, log_path=state / "node.log"))
     try:
         view = wait_plan(client, f"http://{a.ip}:{HTTP}", None if strategy == "auto" else strategy)

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategy", choices=("auto", "single", "pipeline", "tensor", "hybrid"),
                      help="how the coordinator splits the model (default auto: the least estimated time per token)")
     run.add_argument("--max-context", metavar="N", help="tokens of KV cache reserved per request (default 4096)")
+    run.add_argument("--kv-requests", metavar="N", help="requests at once whose KV cache a plan reserves (default 2)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
     run.add_argument("--cache-dir", metavar="DIR", help="folder for cached models")
     run.add_argument("--log-level", metavar="L", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", help=f"a live node whose /v1/mesh lists the nodes (default {DEFAULT_STATUS_URL})")
     plan.add_argument("--strategy", choices=("single", "pipeline", "tensor", "hybrid"), help="force a strategy")
     plan.add_argument("--max-context", type=int, default=4096, metavar="N", help="tokens of KV cache (default 4096)")
+    plan.add_argument("--kv-requests", type=int, default=2, metavar="N",
+                      help="requests at once whose KV cache each stage holds (default 2, as a node)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait for --url")
     plan.set_defaults(handler=cmd_plan)
@@ -185,7 +188,7 @@ def setup_logging(settings: Settings, stream=None) -> None:
 
 _RUN_FLAGS = (
     "model", "host", "http_port", "grpc_port", "node_id", "cluster_key", "memory_budget", "peers", "mdns",
-    "encrypt", "strategy", "max_context", "state_dir", "cache_dir", "log_level",
+    "encrypt", "strategy", "max_context", "kv_requests", "state_dir", "cache_dir", "log_level",
 )
 
 
@@ -416,7 +419,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"meshnode plan: {exc}", file=sys.stderr)
         return EXIT_FAIL
     try:
-        result = make_plan(profile, nodes, max_context=args.max_context, strategy=args.strategy, links=links)
+        result = make_plan(profile, nodes, max_context=args.max_context, strategy=args.strategy, links=links,
+                           requests=args.kv_requests)
     except PlanError as exc:
         if args.json:
             print(json.dumps({"model": profile.name, "error": exc.reasons}, indent=2))

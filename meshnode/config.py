@@ -307,6 +307,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "memory_budget": _optional(_range(parse_size, lambda n: n > 0, "a positive size"), empty=("", "auto")),
     "memory_fraction": _range(_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
     "max_context": _positive_int,
+    "kv_requests": _positive_int,
     "prefill_step_size": _positive_int,
     "pipelined_prefill": parse_bool,
     "fast_hops": parse_bool,
@@ -392,6 +393,9 @@ class Settings:
     memory_fraction: float = 0.75
     #: Tokens of KV cache a plan reserves per request.
     max_context: int = 4096
+    #: Requests whose KV cache (max_context tokens each) every stage reserves memory for: a chat
+    #: client's answer and the title request it sends beside it run at once.
+    kv_requests: int = 2
     prefill_step_size: int = 512
     #: Prefill a prompt in chunks that flow through the stages like an assembly line.
     pipelined_prefill: bool = True

@@ -212,6 +212,7 @@ class Node:
         self._group_secret = hmac.new(settings.cluster_key.encode(), b"meshnode tensor group v1",
                                       hashlib.sha256).digest() if settings.cluster_key else b""
         self.memory_budget = sysinfo.memory_budget(settings)
+        sysinfo.use_recommended_wired_limit()
         self.scheduler = TokenScheduler()
         self.loop: asyncio.AbstractEventLoop | None = None
         # Model (filled by load_model)
@@ -724,12 +725,14 @@ class Node:
         try:
             try:
                 desired = make_plan(self.profile, nodes, max_context=self.settings.max_context, preferred=preferred,
+                                    requests=self.settings.kv_requests,
                                     strategy=strategy, links=links, held=held)
             except PlanError as forced:
                 if strategy is None:
                     raise
                 # A configured strategy is a preference: serving some other way beats not serving.
                 desired = make_plan(self.profile, nodes, max_context=self.settings.max_context, preferred=preferred,
+                                    requests=self.settings.kv_requests,
                                     links=links, held=held)
                 if self._forced_note != str(forced):
                     log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,

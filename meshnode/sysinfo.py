@@ -155,11 +155,37 @@ def available_memory() -> int:
     return avail
 
 
+def working_set_limit() -> int | None:
+    """Metal's recommended working set (bytes the GPU can keep resident without paging; mlx-lm sets
+    its wired limit to it), or None where the device reports none (MLX's CPU build)."""
+    try:
+        import mlx.core as mx
+
+        size = mx.device_info().get("max_recommended_working_set_size")
+    except Exception:  # no MLX device information: no limit beyond memory itself
+        return None
+    return int(size) if size else None
+
+
 def memory_budget(settings: "Settings") -> int:
-    """Bytes this node offers: ``settings.memory_budget`` if set, else fraction x available memory."""
+    """Bytes this node offers: ``settings.memory_budget`` if set, else fraction x available memory,
+    never more than the GPU's recommended working set (a Mac whose model spills out of it pages)."""
     if settings.memory_budget is not None:
         return int(settings.memory_budget)
-    return int(settings.memory_fraction * available_memory())
+    return capped_budget(int(settings.memory_fraction * available_memory()), working_set_limit())
+
+
+def capped_budget(budget: int, working_set: int | None) -> int:
+    return budget if working_set is None else min(budget, working_set)
+
+
+def use_recommended_wired_limit() -> None:
+    """Wire the model's memory up to the recommended working set, as mlx_lm.generate does for its own
+    run (a node serves for hours, so for the process's life); nothing on MLX's CPU build."""
+    if working_set_limit() is not None:
+        from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+        maybe_set_recommended_wired_limit()
 
 
 _compute_lock = threading.Lock()

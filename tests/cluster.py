@@ -57,7 +57,9 @@ class Cluster:
             shutil.copy(self.seed / "compute.json", state / "compute.json")
         args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(model or self.model), "--http-port",
                 str(HTTP), "--grpc-port", str(GRPC), "--node-id", host.name, "--memory-budget", str(budget),
-                "--state-dir", str(state), "--max-context", str(self.max_context), "--cache-dir", str(state / "cache")]
+                "--state-dir", str(state), "--max-context", str(self.max_context), "--cache-dir", str(state / "cache"),
+                # budgets here are fractions of profile.total_bytes(max_context): one request's KV
+                "--kv-requests", "1"]
         for p in peers:
             args += ["--peer", p]
         if not mdns:

@@ -87,7 +87,7 @@ def test_example_cluster_file_plans(model, capsys):
 
 def test_live_mesh(model, capsys):
     profile = profile_model(model)
-    need = profile.total_bytes(4096)
+    need = profile.total_bytes(4096, requests=2)  # what `meshnode plan` reserves by default, as a node
     mesh = {"nodes": [
         {"node_id": "a", "memory_budget": need // 2 + need // 4, "layer_seconds": 0.002,
          "links": [{"peer": "b", "address": "198.18.0.2", "rtt_us": 900.0, "jitter_us": 5.0, "bandwidth": 1e8},

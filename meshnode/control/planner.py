@@ -199,8 +199,9 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _context(ctx: int) -> str:
-    return f"for {ctx} token{'s' if ctx != 1 else ''} of context"
+def _context(ctx: int, requests: int = 1) -> str:
+    each = f" for each of {requests} requests at once" if requests > 1 else ""
+    return f"for {ctx} token{'s' if ctx != 1 else ''} of context{each}"
 
 
 class _Costs:
@@ -444,14 +445,14 @@ def _reason(profile, costs: _Costs, stages, order, ranked, ctx: int, strategy, p
     if len(stages) == 1:
         node = order[0]
         return (f"fits on {node.node_id} alone: {human_bytes(need)} of its {human_bytes(node.memory_budget)} "
-                f"{_context(ctx)} (one machine beats two)")
+                f"{_context(ctx, profile.kv_requests)} (one machine beats two)")
     k = len(stages)
     if strategy == "pipeline" and ranked[0].memory_budget >= need:
         why = "pipeline forced"
     elif k == 2:
-        why = f"no single node holds {human_bytes(need)} {_context(ctx)}"
+        why = f"no single node holds {human_bytes(need)} {_context(ctx, profile.kv_requests)}"
     else:
-        why = f"no {k - 1} nodes hold {human_bytes(need)} {_context(ctx)}"
+        why = f"no {k - 1} nodes hold {human_bytes(need)} {_context(ctx, profile.kv_requests)}"
     kept = [x.node_id for x in order if x.node_id in pref]
     keep = f"; keeps {', '.join(kept)} from the current plan" if kept else ""
     parts = ", ".join(f"{s.nodes[0]} layers {s.start_layer}-{s.end_layer - 1} ({human_bytes(s.bytes)} of "
@@ -467,7 +468,7 @@ def _why_not(profile: ModelProfile, costs: _Costs, ranked: list[NodeSpec], ctx: 
     # "the 3 nodes offer 24.0 GiB together" / "node a offers 8.0 GiB"
     offer = f"node {largest.node_id} offers" if len(ranked) == 1 else f"the {len(ranked)} nodes offer"
     together = "" if len(ranked) == 1 else " together"
-    context = _context(ctx)
+    context = _context(ctx, profile.kv_requests)
     if strategy == "single":
         return [f"strategy 'single': model needs {human_bytes(need)} {context}; the largest node ({largest.node_id}) "
                 f"offers {human_bytes(largest.memory_budget)} (short by {human_bytes(need - largest.memory_budget)})"]
@@ -902,7 +903,7 @@ def _grouped_problems(cx: _Cx, ranked: list[NodeSpec], strategy: str) -> list[st
         moe = (f" ({p.name!r} is a mixture of experts: its groups need links under {_us(cx.fast_rtt)} RTT)"
                if cx.moe else "")
         return [f"hybrid: no pipeline of tensor groups of {', '.join(map(str, sizes))} nodes fits the nodes' "
-                f"memory {_context(cx.ctx)}{moe}"]
+                f"memory {_context(cx.ctx, p.kv_requests)}{moe}"]
     if N < 2:
         return [f"tensor: needs at least two nodes; there is only {ids[0]}"]
     out = []
@@ -917,7 +918,8 @@ def _grouped_problems(cx: _Cx, ranked: list[NodeSpec], strategy: str) -> list[st
             continue
         need, weakest = cx.mem(0, n, g), ranked[g - 1]
         if need > weakest.memory_budget:
-            out.append(f"tensor over {g} nodes: each member needs {human_bytes(need)} {_context(cx.ctx)}; the "
+            out.append(f"tensor over {g} nodes: each member needs {human_bytes(need)} "
+                       f"{_context(cx.ctx, p.kv_requests)}; the "
                        f"{g} largest budgets include {weakest.node_id} with {human_bytes(weakest.memory_budget)} "
                        f"(short by {human_bytes(need - weakest.memory_budget)})")
         else:
@@ -936,6 +938,7 @@ def plan(
     link_latency_s: float | None = None,
     fast_rtt_s: float = FAST_RTT_S,
     held: Mapping[str, frozenset[int]] | None = None,
+    requests: int = 1,
 ) -> Plan:
     """The placement of ``profile`` on ``nodes`` with the least estimated time per token that fits
     ``max_context`` tokens of KV cache. ``strategy`` forces one of :data:`STRATEGIES`. Ties go to
@@ -945,7 +948,10 @@ def plan(
     every link's one-way latency (benchmarks that inject latency per message). ``held`` maps node
     ids to the layers their disks hold: after ``preferred``, nodes holding layers are preferred,
     in the order of the first layer they hold, so stages land where their bytes already are and
-    the least is fetched (:func:`bytes_to_fetch`)."""
+    the least is fetched (:func:`bytes_to_fetch`). ``requests``: how many requests each stage holds
+    KV cache for at once (:meth:`ModelProfile.for_requests`)."""
+    if requests != profile.kv_requests:
+        profile = profile.for_requests(requests)
     if strategy is not None and strategy not in STRATEGIES:
         raise PlanError([f"unknown strategy {strategy!r}; this planner knows {', '.join(STRATEGIES)}"])
     if not nodes:

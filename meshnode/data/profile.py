@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,29 +56,41 @@ class ModelProfile:
     num_experts: int  # 0 for a dense model
     vocab_size: int
     dtype: str  # activation (and KV cache) dtype, e.g. "bfloat16"
+    # Requests a node runs at once, each with a KV cache of its own: what every KV figure below counts
+    # (see for_requests). 1 in a profile read from disk or sent by a peer.
+    kv_requests: int = 1
 
     def __post_init__(self) -> None:
         n = self.num_layers
         if not (len(self.layer_bytes) == len(self.kv_bytes_per_token) == len(self.sliding_window) == n):
             raise ValueError(f"profile of {self.name!r}: per-layer tuples must have {n} entries")
 
-    def kv_bytes(self, layer: int, context: int) -> int:
-        """KV cache bytes of one layer holding ``context`` tokens (capped by its sliding window)."""
+    def for_requests(self, requests: int) -> "ModelProfile":
+        """This profile with every KV figure counting ``requests`` requests at once (what a plan must
+        hold: each request in flight has a cache of its own, up to max_context tokens each)."""
+        if requests < 1:
+            raise ValueError(f"requests must be at least 1, not {requests}")
+        return replace(self, kv_requests=int(requests))
+
+    def kv_bytes(self, layer: int, context: int, requests: int | None = None) -> int:
+        """KV cache bytes of one layer holding ``context`` tokens (capped by its sliding window) for
+        each of ``requests`` requests at once (default: the profile's ``kv_requests``)."""
         window = self.sliding_window[layer]
         tokens = min(context, window) if window else context
-        return self.kv_bytes_per_token[layer] * max(tokens, 0)
+        return self.kv_bytes_per_token[layer] * max(tokens, 0) * (self.kv_requests if requests is None else requests)
 
-    def layers_bytes(self, start: int, end: int, max_context: int) -> int:
+    def layers_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
         """Weights plus KV of layers [start, end), without embedding, norm or head."""
-        return sum(self.layer_bytes[start:end]) + sum(self.kv_bytes(i, max_context) for i in range(start, end))
+        return sum(self.layer_bytes[start:end]) + sum(self.kv_bytes(i, max_context, requests)
+                                                      for i in range(start, end))
 
-    def stage_bytes(self, start: int, end: int, max_context: int) -> int:
-        """Memory a stage holding layers [start, end) needs: weights + KV for max_context, plus the
-        embedding on the first stage and norm + head on the last (+ the embedding again when tied,
-        unless the last stage is also the first)."""
+    def stage_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
+        """Memory a stage holding layers [start, end) needs: weights + KV for max_context tokens of
+        ``requests`` requests, plus the embedding on the first stage and norm + head on the last (+ the
+        embedding again when tied, unless the last stage is also the first)."""
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"bad layer range [{start}, {end}) for {self.num_layers} layers")
-        total = self.layers_bytes(start, end, max_context)
+        total = self.layers_bytes(start, end, max_context, requests)
         if start == 0:
             total += self.embed_bytes
         if end == self.num_layers:
@@ -87,9 +99,9 @@ class ModelProfile:
                 total += self.embed_bytes
         return total
 
-    def total_bytes(self, max_context: int) -> int:
+    def total_bytes(self, max_context: int, requests: int | None = None) -> int:
         """Memory the whole model needs on one machine."""
-        return self.stage_bytes(0, self.num_layers, max_context)
+        return self.stage_bytes(0, self.num_layers, max_context, requests)
 
     def weight_bytes(self) -> int:
         """Bytes of all tensors counted (what the safetensors files hold for this model)."""
@@ -105,16 +117,17 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
-        missing = known - set(d)
+        missing = known - set(d) - {"kv_requests"}
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
-        kw: dict[str, Any] = {k: d[k] for k in known}
+        kw: dict[str, Any] = {k: d[k] for k in known if k in d}
         for key in ("layer_bytes", "kv_bytes_per_token"):
             kw[key] = tuple(int(x) for x in kw[key])
         kw["sliding_window"] = tuple(None if w is None else int(w) for w in kw["sliding_window"])
         for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
-                    "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size"):
-            kw[key] = int(kw[key])
+                    "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests"):
+            if key in kw:
+                kw[key] = int(kw[key])
         for key in ("name", "model_type", "dtype"):
             kw[key] = str(kw[key])
         kw["tied_embeddings"] = bool(kw["tied_embeddings"])
