@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from meshnode.config import default_cache_dir
+
 log = logging.getLogger(__name__)
 
-# The files mlx-lm needs to build a model and its tokenizer (mirrors mlx-lm's own download).
+# The files mlx-lm needs to build a model and its tokenizer (mirrors mlx-lm's own download); a node
+# downloads those not ending in .safetensors at start-up, and weight files per stage.
 HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
@@ -16,7 +19,13 @@ class ModelNotFound(RuntimeError):
 
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None) -> tuple[str, Path]:
-    """(model id, local directory) for a configured model; ``None`` means the demo model."""
+    """(model id, local directory) for a configured model; ``None`` means the demo model.
+
+    For a Hugging Face id the directory holds no weights: only the small files (config, tokenizer,
+    chat template, index) and a marker with the whole model's manifest read from the weight files'
+    headers (:func:`meshnode.data.sourcing.hub_metadata`); a stage downloads the weight files holding
+    its layers once the plan gives it some (:func:`meshnode.data.sourcing.hub_layers`). A model the
+    Hugging Face cache already holds whole is returned as that complete folder."""
     if spec is None:
         from meshnode.demo import DEMO_MODEL_ID, ensure_demo_model
 
@@ -29,9 +38,10 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> tuple[str,
     if spec.count("/") != 1 or spec.startswith(("/", ".", "~")):
         raise ModelNotFound(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
     try:
-        from huggingface_hub import snapshot_download
+        from meshnode.data.sourcing import hub_metadata
 
-        log.info("downloading %s from Hugging Face", spec)
-        return spec, Path(snapshot_download(spec, allow_patterns=HUB_PATTERNS))
+        log.info("reading %s from Hugging Face: config, tokenizer and weight headers (weights follow per stage)", spec)
+        root = (cache_dir if cache_dir is not None else default_cache_dir()) / "peer-models"
+        return spec, hub_metadata(spec, root)
     except Exception as exc:  # offline, unknown repo, gated, ...
-        raise ModelNotFound(f"could not download {spec!r} from Hugging Face: {exc}") from exc
+        raise ModelNotFound(f"could not read {spec!r} from Hugging Face: {exc}") from exc

@@ -415,13 +415,15 @@ class Node:
 
     async def _layers_folder(self, start: int, end: int) -> Path:
         """A folder holding layers [start, end): local, or fetched now from the live peers that
-        announce them (progress in ``self.progress``), then announced as held."""
+        announce them, or for a Hugging Face id downloaded from the Hub (only the weight files
+        holding them; progress in ``self.progress``), then announced as held."""
         if (local := self.layer_source.local(start, end)) is not None:
             return local
         alive = self.membership.alive_infos() if self.membership is not None else {}
         peers = [(nid, self.channel_to(nid)) for nid, info in sorted(alive.items())
                  if nid != self.node_id and any(m == self.model_id for m, _, _ in info.holdings)]
-        task = f"fetching layers {start}-{end - 1} of {self.model_id} from {len(peers)} peer(s)"
+        where = f"{len(peers)} peer(s)" if peers else "Hugging Face"  # (LayerSource: no peer -> the Hub)
+        task = f"fetching layers {start}-{end - 1} of {self.model_id} from {where}"
         self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])
         t0 = time.monotonic()
         try:

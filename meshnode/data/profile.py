@@ -182,10 +182,13 @@ class _Tensor:
 
 def _tensors(model_dir: Path) -> dict[str, _Tensor]:
     out: dict[str, _Tensor] = {}
-    if (model_dir / "meshnode-partial.json").is_file():  # some layers from peers: the whole model's
-        from meshnode.data.manifest import _loaded_weights, manifest_from_dict, read_marker  # (cycle)
+    from meshnode.data.manifest import _loaded_weights, manifest_from_dict, read_marker  # (cycle)
 
-        manifest = manifest_from_dict(read_marker(model_dir)["manifest"])
+    marker = read_marker(model_dir)
+    # Some layers (from peers or the Hub) or none (Hub metadata): the whole model's manifest, whose
+    # tensors came from the weight files' headers. A marker without one: this folder's own headers.
+    if marker is not None and marker.get("manifest"):
+        manifest = manifest_from_dict(marker["manifest"])
         for f in manifest.files:
             if _loaded_weights(f.path):
                 for t in f.tensors:

@@ -10,15 +10,21 @@ no peer holding them, from Hugging Face (:func:`hub_layers`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import os
 import re
+import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from meshnode.data.holdings import Holding
-from meshnode.data.manifest import INDEX_NAME, layers_held, num_layers_of, read_marker
-from meshnode.data.transfer import FetchError, ModelStore, fetch_layers, fetch_metadata
+from meshnode.data.manifest import (PARTIAL_MARKER, layers_held, manifest_to_dict, model_digest, num_layers_of,
+                                    read_marker)
+from meshnode.data.transfer import DiskSpaceError, FetchError, ModelStore, _free_bytes, fetch_layers, fetch_metadata
+from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
 
@@ -127,52 +133,332 @@ class LayerSource:
     async def folder(self, start: int, end: int, peers: Sequence[tuple[str, object]],
                      on_progress: Callable[[int, int], None] | None = None) -> Path:
         """A folder holding layers [start, end): local, else fetched from ``peers`` ((name,
-        channel) pairs of live peers that announce the model), else from the Hub."""
+        channel) pairs of live peers that announce the model), else -- for a Hugging Face id, also
+        when those peers lack the layers -- downloaded from the Hub (only the weight files holding
+        them, see :func:`hub_layers`)."""
         path = self.local(start, end)
         if path is not None:
             return path
         dest = self.cache_root / folder_name(self.model_id, start, end)
         self.cache_root.mkdir(parents=True, exist_ok=True)
         if peers:
-            result = await fetch_layers(peers, self.model_id, start, end, dest, num_layers=self.num_layers,
-                                        on_progress=on_progress)
-            log.info("fetched layers [%d, %d) of %s: %.1f MiB from peers %s, %.1f MiB resumed, %d refetched",
-                     start, end, self.model_id, result.fetched_bytes / 2**20,
-                     {k: round(v / 2**20, 1) for k, v in result.by_peer.items()}, result.reused_bytes / 2**20,
-                     result.refetched)
-        elif self.model_id.count("/") != 1:  # not a Hub id: wait for a peer (the caller tries again)
+            try:
+                result = await fetch_layers(peers, self.model_id, start, end, dest, num_layers=self.num_layers,
+                                            on_progress=on_progress)
+            except DiskSpaceError:
+                raise
+            except FetchError as exc:
+                if not is_hub_id(self.model_id):
+                    raise
+                log.info("peers cannot supply layers [%d, %d) of %s (%s); downloading them from Hugging Face",
+                         start, end, self.model_id, exc)
+                dest = await self._from_hub(start, end, on_progress)
+            else:
+                log.info("fetched layers [%d, %d) of %s: %.1f MiB from peers %s, %.1f MiB resumed, %d refetched",
+                         start, end, self.model_id, result.fetched_bytes / 2**20,
+                         {k: round(v / 2**20, 1) for k, v in result.by_peer.items()}, result.reused_bytes / 2**20,
+                         result.refetched)
+        elif not is_hub_id(self.model_id):  # wait for a peer (the caller tries again)
             raise FetchError(f"no live peer announces layers of {self.model_id} yet")
         else:
             log.info("no peer holds %s; downloading layers [%d, %d) from Hugging Face", self.model_id, start, end)
-            dest = await asyncio.to_thread(hub_layers, self.model_id, start, end)
+            dest = await self._from_hub(start, end, on_progress)
         self.store.add(self.model_id, dest)
         return dest
 
+    async def _from_hub(self, start: int, end: int, on_progress: Callable[[int, int], None] | None) -> Path:
+        loop = asyncio.get_running_loop()
+        report = None if on_progress is None else \
+            (lambda done, total: loop.call_soon_threadsafe(on_progress, done, total))
+        return await asyncio.to_thread(hub_layers, self.model_id, start, end, self.cache_root,
+                                       metadata=self.model_path, on_progress=report)
 
-def hub_layers(model_id: str, start: int, end: int) -> Path:
-    """Internet download of only the safetensors files that hold layers [start, end), as the
-    model's ``model.safetensors.index.json`` maps them, plus its config/tokenizer files.
 
-    Not exercised by the tests: these machines cannot reach the Hub. It downloads whole files
-    (the Hub serves files, not tensors), so a stage gets the shards its layers live in, not only
-    its own tensors; the folder is an ordinary mlx-lm folder that Shard loads.
-    """
-    from huggingface_hub import hf_hub_download, snapshot_download
+# ----------------------------------------------------------------------------------------------
+# Hugging Face: the small files first, weight headers over HTTP ranges, then only a stage's files.
 
+HUB_SOURCE = "hub"  # the marker's "source" of folders written by hub_metadata / hub_layers
+_HUB_TRIES = 5  # download attempts per weight file (each resumes from the bytes already on disk)
+
+
+def is_hub_id(model_id: str) -> bool:
+    """Whether ``model_id`` reads as a Hugging Face repository id (owner/name)."""
+    return model_id.count("/") == 1 and not model_id.startswith(("/", ".", "~")) and \
+        all(part and not part.startswith(".") for part in model_id.split("/"))
+
+
+def _small_patterns() -> list[str]:
     from meshnode.modelsource import HUB_PATTERNS
 
-    small = [p for p in HUB_PATTERNS if not p.endswith(".safetensors")]
-    base = Path(snapshot_download(model_id, allow_patterns=small))
-    index_file = base / INDEX_NAME
-    if not index_file.is_file():  # one weight file: it holds every layer
-        return Path(snapshot_download(model_id, allow_patterns=HUB_PATTERNS))
-    weight_map = json.loads(index_file.read_text())["weight_map"]
-    n = num_layers_of(json.loads((base / "config.json").read_text()))
-    files = set()
-    for name, fname in weight_map.items():
-        m = re.search(r"\.layers\.(\d+)\.", name)
-        if m is None or start <= int(m.group(1)) < end or not 0 <= int(m.group(1)) < n:
-            files.add(fname)  # embeddings, norm and head files are small next to the layers
-    for fname in sorted(files):
-        hf_hub_download(model_id, fname)
-    return base
+    return [p for p in HUB_PATTERNS if not p.endswith(".safetensors")]
+
+
+def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, dict]:
+    """(header length incl. its 8-byte prefix, the JSON header) of one safetensors file on the Hub,
+    read with HTTP range requests: no tensor data is downloaded."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    from meshnode.data.profile import MAX_HEADER
+
+    url = hf_hub_url(model_id, filename, revision=revision)
+    headers = build_hf_headers()
+
+    def get(first: int, last: int) -> bytes:
+        r = get_session().get(url, headers={**headers, "Range": f"bytes={first}-{last}",
+                                            "Accept-Encoding": "identity"}, follow_redirects=True, timeout=30)
+        hf_raise_for_status(r)
+        body = r.content
+        if r.status_code == 200:  # the server ignored the range: cut the whole body down
+            body = body[first:last + 1]
+        return body
+
+    head = get(0, 64 * 1024 - 1)
+    if len(head) < 8:
+        raise ValueError(f"{model_id}/{filename}: not a safetensors file")
+    n = int.from_bytes(head[:8], "little")
+    if n > MAX_HEADER:
+        raise ValueError(f"{model_id}/{filename}: header of {n} bytes is implausible")
+    raw = head[8:8 + n] if len(head) >= 8 + n else head[8:] + get(len(head), 8 + n - 1)
+    if len(raw) != n:
+        raise ValueError(f"{model_id}/{filename}: truncated safetensors header")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"{model_id}/{filename}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def _remote_entry(model_id: str, revision: str, path: str, size: int, sha256: str | None) -> mesh_pb2.FileEntry:
+    """A weight file's manifest entry from its remote header; its tensors carry no digests yet."""
+    header_length, header = _remote_header(model_id, path, revision)
+    entry = mesh_pb2.FileEntry(path=path, size=size, sha256=sha256 or "", header_length=header_length)
+    for name, info in sorted(header.items(), key=lambda kv: int(kv[1]["data_offsets"][0])):
+        s, e = (int(x) for x in info["data_offsets"])
+        if e < s or header_length + e > size:
+            raise ValueError(f"{model_id}/{path}: tensor {name} lies outside the file")
+        entry.tensors.append(mesh_pb2.TensorEntry(name=name, dtype=str(info["dtype"]),
+                                                  shape=[int(d) for d in info["shape"]],
+                                                  offset=header_length + s, length=e - s))
+    return entry
+
+
+def _link_folder(dest: Path, links: dict[str, Path], marker: dict) -> Path:
+    """Write ``dest`` (symlinks ``rel -> target`` plus the marker) and publish it by one rename."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    tmp.mkdir(parents=True)
+    try:
+        for rel, target in sorted(links.items()):
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.path.realpath(target), tmp / rel)
+        (tmp / PARTIAL_MARKER).write_text(json.dumps(marker))
+        old = None
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None) -> Path:
+    """A folder describing Hub model ``model_id`` with no weights downloaded, to profile it and load
+    its tokenizer: ``<cache_root>/<id>-hub`` holding links to its small files (config, tokenizer,
+    chat template, index: downloaded into the Hugging Face cache) and a ``meshnode-partial.json``
+    marker holding no layers (start = end = 0) but the whole model's manifest, its weight files'
+    tensors read from their safetensors headers over HTTP range requests (file digests: the Hub's
+    LFS sha256; tensor digests follow once a stage downloads the file, :func:`hub_layers`).
+
+    When the Hugging Face cache already holds every weight file of the revision (the whole model
+    was downloaded before), that complete snapshot folder is returned instead.
+    """
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.hf_api import RepoFile
+
+    from meshnode.data.manifest import _hash_file, _list_files, _loaded_weights
+
+    snap = Path(snapshot_download(model_id, allow_patterns=_small_patterns(), revision=revision))
+    commit = snap.name
+    dest = Path(cache_root) / (folder_name(model_id, 0, 0)[:-4] + "-hub")
+    try:
+        old = read_marker(dest)
+        if old and old.get("source") == HUB_SOURCE and old.get("revision") == commit and \
+                all((dest / rel).is_file() for rel in old.get("links", ())):
+            return dest
+    except (OSError, ValueError):
+        pass
+    tree = [f for f in HfApi().list_repo_tree(model_id, revision=commit, recursive=True) if isinstance(f, RepoFile)]
+    weights = sorted((f for f in tree if _loaded_weights(f.path)), key=lambda f: f.path)
+    if not weights:
+        raise ValueError(f"{model_id}: no model*.safetensors weights on the Hub")
+    if all((snap / f.path).is_file() for f in weights):
+        log.info("%s: the whole model is already in the Hugging Face cache (%s)", model_id, snap)
+        return snap
+    small = [rel for rel in _list_files(snap) if not rel.endswith(".safetensors")]
+    config = json.loads((snap / "config.json").read_text())
+    n_layers = num_layers_of(config)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, len(weights))) as pool:
+        remote = list(pool.map(lambda f: _remote_entry(model_id, commit, f.path, int(f.size),
+                                                       f.lfs.sha256 if f.lfs is not None else None), weights))
+    manifest = mesh_pb2.ModelManifest(model_id=model_id)
+    entries = [_hash_file(snap / rel, rel) for rel in small] + remote
+    for e in sorted(entries, key=lambda e: e.path):
+        manifest.files.append(e)
+    manifest.digest = model_digest([(f.path, f.sha256) for f in manifest.files])
+    log.info("%s: profiled from config and %d weight headers (%.1f MiB of weights on the Hub, none downloaded)",
+             model_id, len(remote), sum(e.size for e in remote) / 2**20)
+    marker = {"model_id": model_id, "digest": manifest.digest, "start": 0, "end": 0, "num_layers": n_layers,
+              "source": HUB_SOURCE, "revision": commit, "links": small, "manifest": manifest_to_dict(manifest)}
+    return _link_folder(dest, {rel: snap / rel for rel in small}, marker)
+
+
+def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadata: Path | None = None,
+               on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Download from the Hub only the weight files holding layers [start, end) of ``model_id`` (plus
+    the files holding the embedding, final norm and head when the stage needs them), into
+    ``<cache_root>/../hub-blobs/<sha256>``, and return ``<cache_root>/<id>-<start>-<end>``: links to
+    those files and the small ones, and a marker with the whole manifest (the downloaded files'
+    tensors now with their digests, so peers can fetch them from this node). Shard loads it as a
+    partial folder.
+
+    ``metadata``: a folder from :func:`hub_metadata` (made now when it is not one). Progress goes
+    to the log and to ``on_progress(done, total)`` (bytes). A download cut off resumes with an HTTP
+    range from the bytes on disk, in this call and after a restart (:func:`_download`; huggingface_hub
+    2.x itself drops a partial file when a download fails). Every file is checked against the
+    Hub's sha256 and its tensors against the headers before use.
+    """
+    from meshnode.data.manifest import _hash_file, manifest_from_dict, tensors_for_layers
+
+    cache_root = Path(cache_root)
+    marker = None
+    if metadata is not None:
+        try:
+            marker = read_marker(metadata)
+        except (OSError, ValueError):
+            marker = None
+    if not marker or marker.get("source") != HUB_SOURCE or marker.get("model_id") != model_id:
+        metadata = hub_metadata(model_id, cache_root)
+        marker = read_marker(metadata)
+        if marker is None:  # the whole model is in the Hugging Face cache already
+            return metadata
+    manifest = manifest_from_dict(marker["manifest"])
+    n_layers, commit = int(marker["num_layers"]), str(marker["revision"])
+    files = {f.path: f for f in manifest.files}
+    needed = sorted({path for path, _ in tensors_for_layers(manifest, start, end, n_layers)})
+    total = sum(files[p].size for p in needed)
+    log.info("downloading layers [%d, %d) of %s from Hugging Face: %d of %d weight files, %.1f MiB",
+             start, end, model_id, len(needed), sum(1 for f in manifest.files if f.tensors), total / 2**20)
+    _check_hub_space(model_id, needed, files, cache_root.parent / "hub-blobs")
+    done = 0
+    local: dict[str, Path] = {}
+    for path in needed:
+        entry = files[path]
+        base = done
+
+        def report(in_file: int, base: int = base) -> None:
+            if on_progress is not None:
+                on_progress(base + in_file, total)
+
+        local[path] = _download(model_id, path, commit, entry.size, entry.sha256, cache_root.parent / "hub-blobs",
+                                report)
+        got = _hash_file(local[path], path)  # also each tensor's digest, for peers fetching from here
+        if got.size != entry.size or (entry.sha256 and got.sha256 != entry.sha256) or \
+                [(t.name, t.offset, t.length) for t in got.tensors] != \
+                [(t.name, t.offset, t.length) for t in sorted(entry.tensors, key=lambda t: t.offset)]:
+            local[path].unlink(missing_ok=True)
+            raise FetchError(f"{model_id}/{path} from Hugging Face does not match its sha256 or headers; removed it")
+        entry.CopyFrom(got)
+        done += entry.size
+        if on_progress is not None:
+            on_progress(done, total)
+        log.info("downloaded %s/%s (%.1f MiB, %d/%d files, %.1f of %.1f MiB)", model_id, path, entry.size / 2**20,
+                 needed.index(path) + 1, len(needed), done / 2**20, total / 2**20)
+    if not manifest.digest:
+        manifest.digest = model_digest([(f.path, f.sha256) for f in manifest.files])
+    links = {rel: metadata / rel for rel in marker.get("links", ())}
+    links.update(local)
+    out = {"model_id": model_id, "digest": manifest.digest, "start": start, "end": end, "num_layers": n_layers,
+           "source": HUB_SOURCE, "revision": commit, "links": sorted(links), "manifest": manifest_to_dict(manifest)}
+    dest = _link_folder(cache_root / folder_name(model_id, start, end), links, out)
+    log.info("%s layers [%d, %d) ready in %s", model_id, start, end, dest)
+    return dest
+
+
+def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blobs: Path,
+              report: Callable[[int], None]) -> Path:
+    """``<blobs>/<sha256>``: one weight file of the Hub, downloaded into ``<sha256>.part`` and renamed
+    when whole. The part is kept when the download stops (a cut connection, a killed node), and the
+    next attempt -- in this call or after a restart -- asks only for the rest (HTTP Range)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    blobs.mkdir(parents=True, exist_ok=True)
+    name = sha256 or hashlib.sha256(f"{model_id}@{commit}/{path}".encode()).hexdigest()
+    final, part = blobs / name, blobs / f"{name}.part"
+    if final.is_file() and final.stat().st_size == size:
+        return final
+    url = hf_hub_url(model_id, path, revision=commit)
+    for attempt in range(1, _HUB_TRIES + 1):
+        have = part.stat().st_size if part.is_file() else 0
+        if have > size:
+            part.unlink()
+            have = 0
+        if have < size:
+            headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
+            if have:
+                headers["Range"] = f"bytes={have}-"
+                log.info("resuming %s/%s at %.1f of %.1f MiB", model_id, path, have / 2**20, size / 2**20)
+            try:
+                with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        hf_raise_for_status(r)
+                    if have and r.status_code != 206:  # the server ignored the range: start over
+                        have = 0
+                    report(have)
+                    with open(part, "ab" if have else "wb") as f:
+                        for chunk in r.iter_bytes(1 << 20):
+                            f.write(chunk)
+                            have += len(chunk)
+                            report(have)
+            except HfHubHTTPError as exc:
+                if exc.response is not None and exc.response.status_code in (401, 403, 404):
+                    raise
+                err: Exception = exc
+            except Exception as exc:  # a cut connection, a timeout: keep the part, ask for the rest
+                err = exc
+            else:
+                err = None
+            if err is not None or part.stat().st_size != size:
+                if attempt == _HUB_TRIES:
+                    raise FetchError(f"downloading {model_id}/{path} failed {attempt} times: {err}")
+                log.warning("downloading %s/%s stopped at %.1f of %.1f MiB (%s); resuming", model_id, path,
+                            (part.stat().st_size if part.is_file() else 0) / 2**20, size / 2**20, err or "short body")
+                time.sleep(min(2 ** (attempt - 1), 10))
+                continue
+        os.replace(part, final)
+        return final
+    raise FetchError(f"downloading {model_id}/{path} failed")
+
+
+def _check_hub_space(model_id: str, needed: list[str], files: dict, blobs: Path, reserve: int = 64 << 20) -> None:
+    """Raise DiskSpaceError before downloading when ``blobs``' disk cannot take the files still
+    missing (blobs already there, in full or in part, count as downloaded)."""
+    blobs = Path(blobs)
+    need = 0
+    for path in needed:
+        entry = files[path]
+        if entry.sha256 and (blobs / entry.sha256).is_file():
+            continue
+        part = blobs / f"{entry.sha256}.part"
+        need += entry.size - (part.stat().st_size if entry.sha256 and part.is_file() else 0)
+    free = _free_bytes(blobs)
+    if need + reserve > free:
+        raise DiskSpaceError(f"downloading {len(needed)} weight files of {model_id} needs {need / 2**20:,.1f} MiB "
+                             f"(+{reserve / 2**20:,.0f} MiB reserve) in {blobs}, only {free / 2**20:,.1f} MiB free")
