@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from meshnode.data.shard import Shard
+from meshnode.data.shard import Shard, any_thread_stream
 from meshnode.data.wire import Placeholder
 from meshnode.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 
@@ -378,7 +378,10 @@ def mlx_yield() -> None:
 
 
 def _settle_generation() -> None:
+    """Wait for the step generate_step left running: it is built on the shards' stream
+    (meshnode.data.shard.any_thread_stream), which only one generation may use at a time."""
     mx.synchronize(generation_stream)
+    mx.synchronize(any_thread_stream())
 
 
 def _wait_idle(handles: list, timeout: float) -> None:

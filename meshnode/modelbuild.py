@@ -22,6 +22,7 @@ hidden // heads) + 3 * hidden * intermediate``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -33,6 +34,21 @@ from typing import Any
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3",
                              "phi3")
+
+# Every family build_model builds (the nine above with hand-written configs, the rest from their
+# ModelArgs, see _generic_config) that splits as a pipeline token-identical to mlx-lm in float32,
+# verified by tests/test_families.py. hunyuan splits only between groups of cla_share_factor layers
+# (meshnode.data.shard.split_boundaries).
+SPLIT_FAMILIES: tuple[str, ...] = FAMILIES + (
+    # asked for by name
+    "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "minimax", "llama4", "gemma4_text", "hunyuan", "olmo2",
+    "granite", "cohere2", "glm4", "exaone4", "ernie4_5_moe", "smollm3",
+    # the rest of mlx-lm's models/ that the generic path builds
+    "Klear", "cohere", "deepseek", "deepseek_v32", "dots1", "ernie4_5", "falcon_h1", "gemma", "glm", "glm4_moe_lite",
+    "granitemoe", "helium", "hunyuan_v1_dense", "internlm3", "kimi_k25", "kimi_vl", "laguna", "mimo", "minicpm",
+    "nanbeige", "nemotron", "olmo3", "olmo_hybrid", "olmoe", "phimoe", "qwen2_moe", "seed_oss", "solar_open",
+    "stablelm", "starcoder2", "telechat3", "youtu_llm",
+)
 
 # Changes whenever the same arguments would build different files; part of model_dir_for's cache key.
 BUILD_VERSION = 2
@@ -168,6 +184,151 @@ def _family_config(family: str, *, num_layers: int, hidden_size: int, intermedia
     return cfg
 
 
+# --- Every other mlx-lm family: its ModelArgs dataclass filled with tiny sizes by field name ----------
+
+# Families mlx-lm cannot build or run without extra packages or weights of their own, or whose
+# forward pass has no list of layers to split; build_model refuses them.
+_NOT_BUILDABLE = {
+    "olmo": "mlx-lm's olmo needs the ai2-olmo package",
+}
+
+# Per-family fields that have no default, must be consistent with others, or keep a tiny model
+# within its own patterns (values over the generic table, before the caller's overrides).
+_FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(n_group=2, topk_group=1, first_k_dense_replace=1, moe_layer_freq=1, scoring_func="sigmoid",
+                        topk_method="noaux_tc"),
+    "glm4_moe": dict(n_group=2, topk_group=1, first_k_dense_replace=1),
+    "gpt_oss": dict(sliding_window=8, layer_types=None),
+    "qwen3_next": dict(full_attention_interval=2, partial_rotary_factor=0.5),
+    "minimax": dict(rotary_dim=8),
+    "hunyuan": dict(use_cla=True, cla_share_factor=2, use_mixed_mlp_moe=True, num_shared_expert=1,
+                    moe_topk=2, rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
+    "gemma4_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=0, sliding_window_pattern=2,
+                        global_head_dim=16),
+    "granite": dict(attention_multiplier=0.25, embedding_multiplier=1.0, residual_multiplier=1.0,
+                    logits_scaling=1.0),
+    "exaone4": dict(sliding_window=8, sliding_window_pattern="LLG"),
+    "ernie4_5_moe": dict(moe_layer_start_index=1, moe_layer_interval=1),
+    "smollm3": dict(no_rope_layer_interval=2),
+    "llama4": dict(attention_chunk_size=8, interleave_moe_layer_step=2, num_experts_per_tok=1),
+}
+
+
+def _tiny_sizes(*, num_layers: int, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
+                vocab_size: int, tie: bool | None, num_experts: int, experts_per_tok: int,
+                max_position_embeddings: int) -> dict[str, Any]:
+    """Values for ModelArgs fields, by name, shared by every family's generic config."""
+    head_dim = hidden_size // num_heads
+    expert = max(1, intermediate_size // 2)
+    table: dict[str, Any] = dict(
+        vocab_size=vocab_size, tie_word_embeddings=bool(tie),
+        max_position_embeddings=max_position_embeddings, n_positions=max_position_embeddings,
+        n_ctx=max_position_embeddings, model_max_length=max_position_embeddings,
+        rope_theta=10000.0, rotary_emb_base=10000, rope_scaling=None,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        head_dim=head_dim, rotary_dim=head_dim, partial_rotary_factor=1.0, rotary_pct=1.0,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        n_shared_experts=1, num_shared_experts=1, num_shared_expert=1, n_group=1, topk_group=1,
+        first_k_dense_replace=0, decoder_sparse_step=1, mlp_only_layers=[], moe_layer_freq=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0,
+        sliding_window=8, sliding_window_size=8, attention_window_size=8, attention_chunk_size=8,
+        linear_num_value_heads=num_heads, linear_num_key_heads=num_kv_heads, linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, conv_kernel=4, conv_L_cache=3,
+        use_qk_norm=True, qk_norm=True,
+    )
+    for name in ("hidden_size", "n_embd", "d_model", "model_dim", "hidden_dim"):
+        table[name] = hidden_size
+    for name in ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_transformer_layers"):
+        table[name] = num_layers
+    for name in ("intermediate_size", "ffn_hidden_size", "n_inner", "ff_intermediate_size", "intermediate_size_mlp",
+                 "dense_intermediate_size"):
+        table[name] = intermediate_size
+    for name in ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_intermediate_size",
+                 "shared_expert_intermediate_size", "moe_ffn_hidden_size"):
+        table[name] = expert
+    for name in ("num_attention_heads", "n_head", "n_heads", "num_heads"):
+        table[name] = num_heads
+    for name in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "num_global_key_value_heads"):
+        table[name] = num_kv_heads
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        table[name] = num_experts
+    for name in ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k"):
+        table[name] = experts_per_tok
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "layernorm_epsilon", "norm_eps"):
+        table[name] = 1e-5
+    return table
+
+
+def _args_classes(family: str):
+    """(ModelArgs, text-config args class or None) of an mlx-lm module."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
+    args = module.ModelArgs
+    fields = {f.name for f in dataclasses.fields(args)}
+    text = None
+    if "text_config" in fields:
+        text = getattr(module, "TextArgs", None) or getattr(module, "TextConfig", None)
+        if text is None:
+            try:
+                text = importlib.import_module(f"mlx_lm.models.{family}_text").ModelArgs
+            except ImportError:
+                text = None
+    return args, text
+
+
+def _fill(args_class, table: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A config for ``args_class``: tiny sizes for the fields the table names, a neutral value for
+    required fields it does not (False, 0, empty), the class defaults for the rest."""
+    import typing
+
+    cfg: dict[str, Any] = {}
+    for f in dataclasses.fields(args_class):
+        if f.name in overrides:
+            cfg[f.name] = overrides[f.name]
+        elif f.name in table:
+            cfg[f.name] = table[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            t = f.type if not isinstance(f.type, str) else f.type
+            origin = typing.get_origin(t) or t
+            if t in (bool, "bool"):
+                cfg[f.name] = False
+            elif t in (int, "int"):
+                cfg[f.name] = 1
+            elif t in (float, "float"):
+                cfg[f.name] = 1.0
+            elif origin in (list, "list") or str(t).startswith(("typing.List", "List")):
+                cfg[f.name] = []
+            elif origin in (dict,) or str(t).startswith(("typing.Dict", "Dict")):
+                cfg[f.name] = {}
+            else:
+                cfg[f.name] = None
+    for k, v in overrides.items():
+        cfg.setdefault(k, v)
+    return cfg
+
+
+def _generic_config(family: str, **sizes: Any) -> dict[str, Any]:
+    """config.json for any mlx-lm family: its ModelArgs (and nested text config) filled by name."""
+    args_class, text_class = _args_classes(family)
+    table = _tiny_sizes(**sizes)
+    overrides = dict(_FAMILY_OVERRIDES.get(family, {}))
+    overrides = {k: v for k, v in overrides.items()}
+    cfg = _fill(args_class, table, overrides)
+    cfg["model_type"] = family
+    if text_class is not None:
+        text_type = next((f.default for f in dataclasses.fields(text_class) if f.name == "model_type"
+                          and isinstance(f.default, str)), f"{family}_text")
+        text = _fill(text_class, table, overrides)
+        text["model_type"] = text_type if isinstance(text_type, str) else f"{family}_text"
+        cfg["text_config"] = text
+        for key in ("vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+            cfg[key] = table[key]
+    return cfg
+
+
 # Gains over the usual 1/sqrt(fan_in) init, by parameter-name suffix. With plain init a random model
 # settles into emitting one token forever (attention near uniform, the MLP nearly linear; with tied
 # embeddings, the head also echoes the residual stream). Sharper attention and a more nonlinear MLP
@@ -221,7 +382,11 @@ def _init_weights(model, seed: int) -> dict[str, Any]:
                 out[name] = p
                 continue
             if name.endswith("bias"):
-                fan_in = params[name[: -len("bias")] + "weight"].shape[-1]
+                weight = params.get(name[: -len("bias")] + "weight")
+                if weight is None:  # a standalone bias (routing correction, dt_bias): the class's init
+                    out[name] = p
+                    continue
+                fan_in = weight.shape[-1]
             else:
                 fan_in = p.shape[-1]
             if "embed_tokens" in name:
@@ -273,6 +438,8 @@ def build_model(
     experts_per_tok: int = 2,
     max_position_embeddings: int = 4096,
     max_file_size_mb: int | None = None,
+    quantize: str | None = None,
+    group_size: int | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a complete mlx-lm model directory (config, tokenizer, safetensors) and return it.
@@ -284,35 +451,95 @@ def build_model(
     directory loads with ``mlx_lm.load``; the same arguments always give the same bytes.
     """
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import MAX_FILE_SIZE_GB, _get_classes, save_config
 
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize must be one of {', '.join(map(str, QUANTIZATIONS))}, not {quantize!r}")
+    if family not in FAMILIES and not _is_mlx_family(family):
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)} or another mlx-lm model type")
+    if family in _NOT_BUILDABLE:
+        raise ValueError(f"{family}: {_NOT_BUILDABLE[family]}")
     out_dir = Path(out_dir)
     vocab = build_tokenizer(out_dir, vocab_size)
-    config = _family_config(
-        family, num_layers=num_layers, hidden_size=hidden_size,
+    sizes = dict(
+        num_layers=num_layers, hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         vocab_size=vocab, tie=tie_word_embeddings, num_experts=num_experts, experts_per_tok=experts_per_tok,
         max_position_embeddings=max_position_embeddings,
     )
+    legacy = family in FAMILIES
+    config = _family_config(family, **sizes) if legacy else _generic_config(family, **sizes)
     config.update(overrides)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)  # nothing random escapes the seed; the values themselves come from _init_weights
     model = model_class(args_class.from_dict(config))
     weights = _init_weights(model, seed)
-    if config.get("tie_word_embeddings"):
-        # gemma3_text builds an lm_head whatever the config says and ties when the file has none.
-        weights.pop("lm_head.weight", None)
+    tied = bool(config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings"))
     target = getattr(mx, dtype)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    # mlx-lm's convert keeps some parameters (routing biases, ...) in float32: its cast_predicate.
+    keep = (lambda _: True) if legacy else getattr(model, "cast_predicate", lambda _: True)
+    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and keep(k) else v
+               for k, v in weights.items()}
     config["torch_dtype"] = dtype
+    if quantize is not None:
+        model.load_weights(list(weights.items()), strict=False)
+        config = _quantize(model, config, quantize, group_size)
+        weights = dict(tree_flatten(model.parameters()))
+    if tied:
+        # gemma3_text builds an lm_head whatever the config says and ties when the file has none.
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     max_bytes = (max_file_size_mb << 20) if max_file_size_mb else (MAX_FILE_SIZE_GB << 30)
     _save_weights(out_dir, weights, max_bytes)
     save_config(config, config_path=out_dir / "config.json")
     return out_dir
+
+
+QUANTIZATIONS: tuple[str | None, ...] = (None, "4bit", "8bit", "mixed", "mxfp4")
+
+
+def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | None) -> dict[str, Any]:
+    """Quantize ``model`` in place with mlx-lm's own ``quantize_model``; returns the config with the
+    ``quantization`` block exactly as mlx-lm writes it.
+
+    "4bit" / "8bit": affine (mlx-lm's default mode); "mixed": mlx-lm's ``mixed_4_6`` recipe (4 bits,
+    6 for v_proj / down_proj of some layers and the head, like llama.cpp's Q4_K_M); "mxfp4": MLX's
+    microscaling FP4 (group size 32), as gpt-oss ships. Layers whose input width is not a multiple of
+    the group size stay unquantized (mlx-lm's rule), hence a default group size of 32 for tiny models.
+    """
+    import contextlib
+    import io
+
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import quantize_model
+
+    mode, bits, predicate = "affine", 4, None
+    if quantize == "8bit":
+        bits = 8
+    elif quantize == "mxfp4":
+        mode, group_size = "mxfp4", group_size or 32
+    elif quantize == "mixed":
+        predicate = mixed_quant_predicate_builder("mixed_4_6", model, group_size or 32)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints the bits per weight
+        _, config = quantize_model(model, config, group_size or 32, bits, mode=mode, quant_predicate=predicate)
+    return config
+
+
+def _is_mlx_family(family: str) -> bool:
+    """Whether mlx-lm has a model module (with ModelArgs) for this model type."""
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(family, family)
+    if not name.replace("_", "").replace("-", "").isalnum():
+        return False
+    try:
+        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def build_once(final: Path, family: str = "llama", **kwargs: Any) -> Path:

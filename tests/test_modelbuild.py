@@ -139,3 +139,31 @@ def test_bad_arguments_fail_before_writing(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         build_model(tmp_path / "m", "llama", dtype="int8")
     assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match="quantize"):
+        build_model(tmp_path / "m", "llama", quantize="3bit")
+
+
+def test_generic_families_are_deterministic_and_tiny(tmp_path):
+    # deepseek_v3: MLA, shared experts, grouped routing; its routing bias has no weight to take a fan-in from.
+    a = build_model(tmp_path / "a", "deepseek_v3", num_layers=3)
+    assert digest(a) == digest(build_model(tmp_path / "b", "deepseek_v3", num_layers=3))
+    config = json.loads((a / "config.json").read_text())
+    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 3 and config["kv_lora_rank"] == 16
+    assert config["n_routed_experts"] == 4 and config["n_group"] == 2 and config["first_k_dense_replace"] == 1
+    model, tok = load(str(a))
+    assert model.args.vocab_size == len(tok._tokenizer)
+    nested = json.loads((build_model(tmp_path / "l4", "llama4", num_layers=2) / "config.json").read_text())
+    assert nested["text_config"]["hidden_size"] == 64 and nested["text_config"]["num_hidden_layers"] == 2
+
+
+def test_quantized_builds_load_in_mlx_lm(tmp_path):
+    path = build_model(tmp_path / "q", "qwen3_moe", num_layers=2, quantize="4bit", dtype="bfloat16")
+    config = json.loads((path / "config.json").read_text())
+    q = config["quantization"]
+    assert {k: q[k] for k in ("group_size", "bits", "mode")} == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert q["model.layers.0.mlp.gate"]["bits"] == 8  # the family's own quant_predicate: routers in 8 bits
+    model, _ = load(str(path))
+    assert type(model.model.layers[0].mlp.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
+    assert model.model.embed_tokens.scales.dtype == mx.bfloat16
+    assert digest(path) == digest(build_model(tmp_path / "r", "qwen3_moe", num_layers=2, quantize="4bit",
+                                              dtype="bfloat16"))

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -52,21 +53,33 @@ class _StageOutput(Exception):
 
 
 class _Skip(nn.Module):
-    """Stands in for a layer held by another stage: passes the hidden state through."""
+    """Stands in for a layer held by another stage: passes the hidden state through.
+
+    Some families' layers return a tuple (hidden state, state shared with later layers, ...):
+    ``arity`` is the length of what the real layer returns; the extra entries are None (the state
+    of a layer this shard does not run, only ever read by other placeholders).
+    """
+
+    def __init__(self, arity: int = 1):
+        super().__init__()
+        self._arity = arity
+
+    def _out(self, h):
+        return h if self._arity == 1 else (h,) + (None,) * (self._arity - 1)
 
     def __call__(self, h, *args, **kwargs):
-        return h
+        return self._out(h)
 
 
-class _Inject(nn.Module):
+class _Inject(_Skip):
     """Stands in for layer start-1: replaces the hidden state with the received activation."""
 
-    def __init__(self, slot: threading.local):
-        super().__init__()
+    def __init__(self, slot: threading.local, arity: int = 1):
+        super().__init__(arity)
         self._slot = slot
 
     def __call__(self, h, *args, **kwargs):
-        return self._slot.hidden
+        return self._out(self._slot.hidden)
 
 
 class _Exit(nn.Module):
@@ -112,16 +125,62 @@ def _inner(model: nn.Module) -> nn.Module:
     raise ValueError(f"unsupported model layout: {type(model).__name__} has no embed_tokens")
 
 
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_")}
+
+
 def _stand_in(placeholder: nn.Module, original: nn.Module) -> nn.Module:
     """Give a placeholder the original layer's plain attributes (``use_sliding``, ...).
 
-    Families read such flags off each layer in their forward pass; parameters and
-    sub-modules live in the module's dict and are not copied.
+    Families read such flags off each layer in their forward pass, some off a sub-module
+    (exaone4: ``layer.self_attn.is_local``): sub-modules become weightless namespaces holding
+    their plain attributes. Parameters live in the module's dict and are not copied.
     """
-    for key, value in vars(original).items():
-        if not key.startswith("_") and key not in vars(placeholder):
+    for key, value in _plain_attributes(original).items():
+        if key not in vars(placeholder):
             object.__setattr__(placeholder, key, value)
+    for key, child in original.items():
+        if isinstance(child, nn.Module) and not hasattr(placeholder, key):
+            object.__setattr__(placeholder, key, SimpleNamespace(**_plain_attributes(child)))
     return placeholder
+
+
+def _return_arity(layer: nn.Module) -> int:
+    """How many values the layer's ``__call__`` returns: 1, or the length of the tuple it returns
+    (gemma4_text: hidden, shared kv, offset; hunyuan: hidden, shared kv states)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(type(layer).__call__))
+    except (OSError, TypeError):
+        return 1
+    func = ast.parse(source).body[0]
+    arities = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, ast.Return) and child.value is not None:
+                arities.add(len(child.value.elts) if isinstance(child.value, ast.Tuple) else 1)
+            visit(child)
+
+    visit(func)
+    if len(arities) > 1:
+        raise ValueError(f"{type(layer).__name__}: layers return values of different lengths {sorted(arities)}")
+    return arities.pop() if arities else 1
+
+
+def _private_arrays(module: nn.Module) -> list[mx.array]:
+    """Every array held by ``module`` and its sub-modules outside their parameters (``_freqs``, ...)."""
+    found: list[mx.array] = []
+    for _, sub in module.named_modules():
+        for key, value in [*sub.items(), *vars(sub).items()]:  # an nn.Module keeps arrays as dict items
+            if key.startswith("_") and isinstance(value, mx.array):
+                found.append(value)
+    return found
 
 
 def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, group) -> None:
@@ -142,6 +201,68 @@ def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, grou
         kept = inner.layers
         inner.layers = full
         full[start:end] = kept
+
+
+# --- Which models split, and where ------------------------------------------------------------
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def _layer_count(config: dict[str, Any]) -> int | None:
+    cfg = _text(config)
+    value = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if cfg.get(k)), None)
+    return int(value) if value is not None else None
+
+
+def split_support(config: dict[str, Any]) -> str | None:
+    """Why a model (its config.json) cannot be split into pipeline stages, or None if it can.
+
+    Pure: the planner calls it before planning; a model with a reason is served whole by one node.
+    A model that splits may still restrict where a stage starts: see :func:`split_boundaries`.
+    """
+    cfg = _text(config)
+    family = config.get("model_type")
+    if int(cfg.get("num_kv_shared_layers") or 0) > 0:
+        return (f"{family}: its last {cfg['num_kv_shared_layers']} layers reuse the keys and values computed by "
+                "earlier layers (num_kv_shared_layers), which a later stage would not have")
+    if int(cfg.get("hidden_size_per_layer_input") or 0) > 0:
+        return (f"{family}: every layer takes its own embedding of the input tokens (hidden_size_per_layer_input), "
+                "but a later stage receives only the hidden state")
+    if family in ("iquestloopcoder",):
+        return f"{family}: it runs its layers more than once per token (loops), so no layer range is a stage"
+    if (_layer_count(config) or 0) < 2:
+        return f"{family}: a model needs at least two layers to split"
+    return None
+
+
+def split_boundaries(config: dict[str, Any]) -> list[int]:
+    """The layers a stage may start at (besides 0), for a model :func:`split_support` accepts.
+
+    Cross-layer attention (hunyuan with ``use_cla``) hands the keys and values of the first layer of
+    each group of ``cla_share_factor`` layers to the others, so a stage starts only at a group.
+    """
+    n = _layer_count(config) or 0
+    cfg = _text(config)
+    step = 1
+    if cfg.get("use_cla") and int(cfg.get("cla_share_factor") or 1) > 1:
+        step = int(cfg["cla_share_factor"])
+    return [i for i in range(1, n) if i % step == 0]
+
+
+def _check_split(config: dict[str, Any], start: int, end: int, num_layers: int) -> None:
+    if start == 0 and end == num_layers:
+        return
+    reason = split_support(config)
+    if reason is not None:
+        raise ValueError(f"cannot load layers [{start}, {end}) alone: {reason}; load it whole on one node")
+    allowed = set(split_boundaries(config)) | {0, num_layers}
+    bad = [i for i in (start, end) if i not in allowed]
+    if bad:
+        raise ValueError(f"{config.get('model_type')}: a stage cannot start or end at layer {bad[0]}; "
+                         f"allowed boundaries: {sorted(allowed)}")
 
 
 # --- Folders holding only some layers' tensors (written by meshnode.data.transfer) -------------
@@ -169,6 +290,29 @@ def _check_partial(model: nn.Module, model_path: Path, start: int, end: int) -> 
 
 
 # --------------------------------------------------------------------------------------------
+
+
+_STREAM_LOCK = threading.Lock()
+_STREAMS: dict[str, Any] = {}
+
+
+def any_thread_stream() -> "mx.Stream":
+    """The process's one stream for shard work, usable from every thread.
+
+    MLX streams belong to the thread that made them (each thread's default stream included; mlx-lm's
+    ``generation_stream`` is one per thread), and a graph built on one cannot be evaluated from
+    another thread: "There is no Stream(cpu, n) in current thread". A node builds a stage's next
+    step ahead on its MLX thread and evaluates it on the thread of the connection its input arrives
+    on, and a recurrent layer's state is left lazy by one step and read by the next, wherever that
+    is built. Every shard therefore builds on this stream (one per device; each MLX stream is a
+    worker thread, so not one per shard). MLX asks its users to evaluate such a stream's graphs
+    one at a time: a node runs all MLX work one piece at a time (meshnode.generation's baton).
+    """
+    device = str(mx.default_device())
+    with _STREAM_LOCK:
+        if device not in _STREAMS:
+            _STREAMS[device] = mx.new_thread_unsafe_stream(mx.default_device())
+        return _STREAMS[device]
 
 
 def _cache_kind(c: Any) -> tuple:
@@ -207,6 +351,7 @@ class Shard:
         num_layers = len(layers)
         if not (0 <= start < end <= num_layers):
             raise ValueError(f"invalid layer range [{start}, {end}) for a {num_layers}-layer model")
+        _check_split(config, start, end, num_layers)
         self.path = model_path
         self.config = config
         self.spec = ShardSpec(start, end, num_layers)
@@ -216,7 +361,7 @@ class Shard:
 
         # Caches of the whole model, to learn each layer's cache kind (full, sliding, ...).
         self._cache_template = make_prompt_cache(model)
-        if len(self._cache_template) != num_layers:
+        if len(self._cache_template) != num_layers and not (start == 0 and end == num_layers):
             raise ValueError(
                 f"{config.get('model_type')}: one cache per layer expected, "
                 f"got {len(self._cache_template)} for {num_layers} layers"
@@ -229,14 +374,15 @@ class Shard:
         dtype = self.dtype = getattr(mx, activation_dtype(model_path))
 
         # Weightless placeholders for every layer this shard does not hold.
+        arity = _return_arity(layers[0])
         for i in range(num_layers):
             if i < start or i >= end:
                 if i == start - 1:
-                    stand_in = _Inject(self._slot)
+                    stand_in = _Inject(self._slot, arity)
                 elif i == end:
                     stand_in = _Exit()
                 else:
-                    stand_in = _Skip()
+                    stand_in = _Skip(arity)
                 layers[i] = _stand_in(stand_in, layers[i])
         if start > 0 and not (self.spec.is_last and tied):
             inner.embed_tokens = _NoEmbedding(self.hidden_size, dtype)
@@ -256,6 +402,9 @@ class Shard:
             if progress is not None:
                 progress(k + 1, end - start)
         mx.eval(model.parameters())
+        # Arrays a family keeps outside its parameters (hunyuan's rope frequencies, ...) are lazy
+        # graphs of the loading thread's stream: evaluated here, no other thread ever needs that stream.
+        mx.eval(_private_arrays(model))
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         log.info(
             "loaded layers [%d, %d) of %s (%d layers): %.1f MiB",
@@ -276,6 +425,8 @@ class Shard:
     def make_cache(self) -> list[Any]:
         """A fresh per-request cache: real caches for owned layers, aliases for the rest."""
         start, end = self.spec.start, self.spec.end
+        if start == 0 and end == self.spec.num_layers:  # the whole model: the family's own caches
+            return copy.deepcopy(self._cache_template)
         caches: list[Any] = [None] * self.spec.num_layers
         by_kind: dict[tuple, Any] = {}
         for i in range(start, end):
@@ -298,13 +449,18 @@ class Shard:
         if not placeholders_work():
             return None
         first = self.spec.is_first
-        placeholder = Placeholder("int32" if first else dtype_name(self.dtype),
-                                  (1, 1) if first else (1, 1, self.hidden_size))
-        return placeholder, self.forward(placeholder.array, cache)
+        with mx.stream(any_thread_stream()):  # the placeholder's bfloat16 view is a lazy op too
+            placeholder = Placeholder("int32" if first else dtype_name(self.dtype),
+                                      (1, 1) if first else (1, 1, self.hidden_size))
+            return placeholder, self.forward(placeholder.array, cache)
+
+
 
     def forward(self, x: mx.array, cache: list[Any]) -> mx.array:
         """Run this shard's layers. Returns a lazy array: hidden state or logits."""
-        with self._lock:
+        # On the stream any thread may evaluate (see any_thread_stream): a step is evaluated where
+        # its input arrives or its output is needed, not always where it was built.
+        with self._lock, mx.stream(any_thread_stream()):
             if self.spec.is_first:
                 tokens = x
             else:
