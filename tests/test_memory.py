@@ -86,3 +86,20 @@ def test_quantized_layer_bytes_are_what_mlx_lm_loads(tmp_path, bits):
         assert prof.layer_bytes[i] == loaded
     assert prof.hidden_size == 64 and prof.dtype == "bfloat16"
     assert sum(prof.layer_bytes) < sum(profile_model(src).layer_bytes) * (bits + 1) / 12
+
+
+def test_a_model_that_cannot_be_split_is_planned_whole_or_refused_with_its_reason():
+    why = "gemma4_text: its last 2 layers reuse the keys and values computed by earlier layers"
+    p = _profile().__class__(**{**_profile().__dict__, "split_problem": why})
+    need = p.total_bytes(100)
+    whole = plan(p, [NodeSpec("a", need // 2), NodeSpec("b", need + 1)], max_context=100)
+    assert whole.strategy == "single" and whole.stages[0].nodes == ("b",)
+    with pytest.raises(PlanError) as err:
+        plan(p, [NodeSpec("a", need // 2 + 200), NodeSpec("b", need // 2 + 200)], max_context=100)
+    assert why in str(err.value) and "no single node holds" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        plan(p, [NodeSpec("a", need + 1), NodeSpec("b", need + 1)], max_context=100, strategy="pipeline")
+    assert why in str(err.value)
+    # The same model that splits needs both nodes.
+    assert len(plan(_profile(), [NodeSpec("a", need // 2 + 200), NodeSpec("b", need // 2 + 200)],
+                    max_context=100).stages) == 2

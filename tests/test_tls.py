@@ -16,7 +16,7 @@ import grpc
 import pytest
 from cryptography import x509
 
-from meshnode.config import ConfigError, load_settings
+from meshnode.config import ConfigError, Settings, load_settings
 from meshnode.control import tls
 from meshnode.control.auth import ClusterAuth, SignedChannel
 from meshnode.data.profile import profile_model
@@ -135,7 +135,8 @@ def _refusal(target: str, credentials, auth) -> grpc.StatusCode:
 
 
 def test_two_encrypted_nodes_form_a_pipeline_answer_like_mlx_lm_and_refuse_outsiders(model, reference, tmp_path):
-    budget = int(profile_model(model).total_bytes(256) * 0.6)  # both nodes needed: a 2-stage pipeline
+    # both nodes needed: a 2-stage pipeline (a node reserves KV for kv_requests requests by default)
+    budget = int(profile_model(model).total_bytes(256, requests=Settings().kv_requests) * 0.6)
     with ExitStack() as stack:
         a, base_a = stack.enter_context(node_thread(model, tmp_path / "a", node_id="node-a", memory_budget=budget))
         b, base_b = stack.enter_context(node_thread(model, tmp_path / "b", node_id="node-b", memory_budget=budget,

@@ -981,14 +981,25 @@ def plan(
         if node_id not in pref:
             pref[node_id] = len(pref)
     allowed = set(STRATEGIES) if strategy is None else {strategy}
+    if profile.split_problem:  # layers cannot be cut into stages: one node, or a tensor group over all layers
+        if strategy in ("pipeline", "hybrid"):
+            raise PlanError([f"{strategy}: {profile.split_problem}"])
+        allowed -= {"pipeline", "hybrid"}
     legacy = None
     if allowed & {"single", "pipeline"}:
-        legacy = _memory_plan(profile, cx.costs, ranked, ids, max_context, strategy, pref)
+        legacy = _memory_plan(profile, cx.costs, ranked, ids, max_context,
+                              "single" if "pipeline" not in allowed else strategy, pref)
     cands = _enumerate(cx, ranked, allowed, legacy)
     if not cands:
         if strategy in ("tensor", "hybrid"):
             raise PlanError(_grouped_problems(cx, ranked, strategy))
-        reasons = _why_not(profile, cx.costs, ranked, max_context, strategy)
+        if profile.split_problem:
+            need, largest = cx.costs.stage(0, profile.num_layers), ranked[0]
+            reasons = [f"it cannot be split across nodes ({profile.split_problem}), and no single node holds its "
+                       f"{human_bytes(need)} {_context(max_context, profile.kv_requests)}: the largest, "
+                       f"{largest.node_id}, offers {human_bytes(largest.memory_budget)}"]
+        else:
+            reasons = _why_not(profile, cx.costs, ranked, max_context, strategy)
         if strategy is None and supports_tensor(profile) and any(
                 group_size_problem(profile, g) is None for g in range(2, len(ranked) + 1)):
             reasons += _grouped_problems(cx, ranked, "tensor")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from meshnode.data.shard import Shard
+from meshnode.data.shard import Shard, split_boundaries, split_support
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,10 @@ def _split_key(model_path: Path) -> str:
 def measure_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0) -> float:
     """Time decode steps through a few layers, per layer (run on the MLX thread)."""
     start, count = _layer_range(num_layers, layer_bytes)
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    allowed = set(split_boundaries(config)) | {0, num_layers}
+    if split_support(config) or start not in allowed or start + count not in allowed:
+        start, count = 0, num_layers  # a model that cannot be cut there: time it whole, per layer
     shard = Shard(model_path, start, start + count)
     return _time_steps(shard, shard.make_cache()) / count
 

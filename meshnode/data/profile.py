@@ -59,6 +59,8 @@ class ModelProfile:
     # Requests a node runs at once, each with a KV cache of its own: what every KV figure below counts
     # (see for_requests). 1 in a profile read from disk or sent by a peer.
     kv_requests: int = 1
+    # Why this model cannot be split into pipeline stages ("" when it can): it is then served whole.
+    split_problem: str = ""
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -117,13 +119,15 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
-        missing = known - set(d) - {"kv_requests"}
+        missing = known - set(d) - {"kv_requests", "split_problem"}
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
         kw: dict[str, Any] = {k: d[k] for k in known if k in d}
         for key in ("layer_bytes", "kv_bytes_per_token"):
             kw[key] = tuple(int(x) for x in kw[key])
         kw["sliding_window"] = tuple(None if w is None else int(w) for w in kw["sliding_window"])
+        if "split_problem" in kw:
+            kw["split_problem"] = str(kw["split_problem"] or "")
         for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
                     "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests"):
             if key in kw:
@@ -337,6 +341,14 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     item = _ITEM[dtype]
     kv = _kv_per_token(layer_keys, tensors, cfg, item, 2 * kv_heads * head_dim * item)
     experts = int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
+    from meshnode.data.shard import split_boundaries, split_support
+
+    problem = split_support(raw_cfg) or ""
+    if not problem and split_boundaries(raw_cfg) != list(range(1, n)):
+        # The planner places a stage boundary after any layer; a family whose layers share caches in
+        # groups (hunyuan's cross-layer attention) is served whole until it can respect the groups.
+        problem = (f"{raw_cfg.get('model_type')}: its layers share keys and values in groups, and stages "
+                   f"may start only at layers {split_boundaries(raw_cfg)}, which the planner does not place yet")
     return ModelProfile(
         name=name or model_dir.name,
         model_type=str(raw_cfg.get("model_type") or cfg.get("model_type", "")),
@@ -356,4 +368,5 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         num_experts=experts,
         vocab_size=int(_first(cfg, "vocab_size", default=0)),
         dtype=dtype,
+        split_problem=problem,
     )
