@@ -728,3 +728,22 @@ def test_holdings_alike_on_every_node_change_nothing(case):
     except PlanError:
         return
     assert plan(p, nodes, max_context=ctx, held=everything) == base
+
+
+def test_quantized_tensor_groups_keep_whole_quantization_groups():
+    from dataclasses import replace as _replace
+
+    from meshnode.control.planner import group_size_problem
+    from meshnode.data.profile import ModelProfile
+
+    base = ModelProfile(name="q", model_type="deepseek_v3", num_layers=4, layer_bytes=(1,) * 4, embed_bytes=1,
+                        head_bytes=1, norm_bytes=1, tied_embeddings=False, kv_bytes_per_token=(1,) * 4,
+                        sliding_window=(None,) * 4, hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=128,
+                        intermediate_size=11008, num_experts=64, vocab_size=1000, dtype="bfloat16",
+                        moe_intermediate_size=1408, quant_group_size=64)
+    assert group_size_problem(base, 2) is None  # 5504 and 704 inputs: whole groups of 64
+    problem = group_size_problem(base, 4)  # 1408 / 4 = 352 = 5.5 groups
+    assert problem and "quantization groups" in problem and "expert size 1408 / 4" in problem
+    assert group_size_problem(_replace(base, quant_group_size=0), 4) is None
+    assert "expert intermediate size 1408" in group_size_problem(_replace(base, moe_intermediate_size=1408), 3)
+    assert "no tensor-parallel" in group_size_problem(_replace(base, model_type="minimax"), 2)

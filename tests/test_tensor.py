@@ -151,3 +151,33 @@ def test_a_group_that_cannot_form_gives_up(model):
     with pytest.raises(TensorGroupError, match="no answer"):
         lonely.launch(3)
     assert time.monotonic() - t0 < 10 and not lonely.alive()
+
+
+# Every family the planner forms tensor groups for (control.planner.TENSOR_FAMILIES), and quantized
+# weights: a whole-model group of two gives mlx-lm's greedy tokens. 4-bit models are quantized from
+# float32 (float32 scales, so activations stay float32: tensor parallelism changes bf16 rounding).
+GROUP_CASES = [("llama", "4bit"), ("qwen3_moe", "4bit"), ("qwen3_moe", "8bit"), ("qwen2", None), ("qwen3", None),
+               ("deepseek_v3", None), ("deepseek_v3", "4bit"), ("glm4_moe", None), ("gpt_oss", None)]
+
+
+def test_every_tensor_family_is_checked_here():
+    from meshnode.control.planner import TENSOR_FAMILIES
+
+    assert set(TENSOR_FAMILIES) <= {f for f, _ in GROUP_CASES}
+
+
+@pytest.mark.parametrize("family,quantize", GROUP_CASES, ids=lambda v: str(v))
+def test_tensor_family_group_matches_mlx_lm(tmp_path, family, quantize):
+    path = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
+                       dtype="float32", quantize=quantize)
+    members = _group(path, 0, 6)
+    try:
+        lead = members[0]
+        cache = lead.make_cache()
+        got = _greedy(lambda x: lead.forward(x, cache), 12)
+        m, _ = load(str(path))
+        want = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=12)), range(12))]
+        assert got == want
+    finally:
+        for member in members:
+            member.close()

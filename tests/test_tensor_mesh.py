@@ -217,3 +217,38 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
     assert far > crossover_again and strategy == "pipeline", (strategy, crossover_again, far)
     print(f"predicted crossover {crossover * 1e6:.0f} µs one way: tensor at {near * 1e6:.0f} µs, "
           f"pipeline at {far * 1e6:.0f} µs (crossover then {crossover_again * 1e6:.0f} µs)")
+
+
+def test_tensor_pair_on_a_4bit_model(tmp_path):
+    """A 4-bit llama (quantized from float32: float32 scales, so the all-reduce's rounding stays at
+    float32's last bits) served by a tensor pair of real nodes answers like mlx-lm."""
+    path = build_model(tmp_path / "q4", "llama", num_layers=8, hidden_size=192, num_heads=6, num_kv_heads=2,
+                       intermediate_size=384, dtype="float32", seed=5, quantize="4bit")
+    reference = _reference(path, 60)
+    total = profile_model(path).total_bytes(512)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, path, tmp_path)
+        for h in cluster.hosts:
+            cluster.start(h, int(total * 0.7), env={"MESHNODE_STRATEGY": "tensor"})
+        views = cluster.wait(lambda: _settled(cluster, "tensor"), 90, "a tensor plan")
+        (start, end, nodes), = _stages(views[0])
+        assert (start, end) == (0, 8) and len(nodes) == 2, views[0]["plan"]
+        for h in cluster.hosts:
+            assert cluster.chat(h, MESSAGES, 60) == reference, cluster.logs()
+
+
+def test_hybrid_on_a_family_with_shared_experts(tmp_path):
+    """deepseek_v3 (MLA attention, routed and shared experts): a tensor pair holding some layers
+    (each layer's experts on the pair's fast link) and a pipeline stage on the third host."""
+    path = build_model(tmp_path / "dsv3", "deepseek_v3", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=4,
+                       intermediate_size=256, dtype="float32", seed=3)
+    reference = _reference(path, 60)
+    total = profile_model(path).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, path, tmp_path)
+        for h in cluster.hosts:
+            cluster.start(h, int(total * 0.45), env={"MESHNODE_STRATEGY": "hybrid"})
+        views = cluster.wait(lambda: _settled(cluster, "hybrid"), 90, "a hybrid plan")
+        assert sorted(len(nodes) for _, _, nodes in _stages(views[0])) == [1, 2], views[0]["plan"]
+        for h in cluster.hosts:
+            assert cluster.chat(h, MESSAGES, 60) == reference, cluster.logs()

@@ -553,9 +553,10 @@ DEFAULT_BYTES_PER_S = 100e9  # weight bytes a node of compute 1.0 streams per se
 FAST_RTT_S = 200e-6  # a link below this RTT may carry a MoE layer's expert traffic (Thunderbolt, not TCP)
 TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
 # Families whose mlx-lm model class has ``shard(group)`` and whose sharding needs only heads, kv heads and
-# (expert) intermediate sizes divisible by the group size. mlx-lm has shard() for more families (deepseek,
-# glm4_moe, gpt_oss, ...) with other rules; they stay pipeline-only until their rules are written here.
-TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+# (expert, shared expert) intermediate sizes divisible by the group size, checked token for token against
+# mlx-lm in tests/test_tensor.py. mlx-lm has shard() for a few more (minimax, qwen3_5, ...): they stay
+# pipeline-only until they pass there.
+TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"})
 EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; a few natural ones beyond
 EXACT_GROUP_NODES = 4  # every partition into groups (hybrid) up to here; chunked orders beyond
 _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate wins
@@ -582,13 +583,21 @@ def group_size_problem(profile: ModelProfile, g: int) -> str | None:
         return family
     dims = [(profile.num_heads, f"{profile.num_heads} heads"), (profile.num_kv_heads, f"{profile.num_kv_heads} kv heads"),
             (profile.intermediate_size, f"the intermediate size {profile.intermediate_size}")]
-    moe_inter = int(getattr(profile, "moe_intermediate_size", 0) or 0)
-    if moe_inter:
-        dims.append((moe_inter, f"the expert intermediate size {moe_inter}"))
+    if profile.moe_intermediate_size:
+        dims.append((profile.moe_intermediate_size, f"the expert intermediate size {profile.moe_intermediate_size}"))
     bad = [text for v, text in dims if v > 0 and v % g]
     if profile.num_heads <= 0 or profile.num_kv_heads <= 0:
         bad.append("an unknown number of heads")
-    return f"tensor: {g} does not divide {', '.join(bad)}" if bad else None
+    if bad:
+        return f"tensor: {g} does not divide {', '.join(bad)}"
+    q = profile.quant_group_size
+    # A quantized layer split by its inputs (o_proj, down_proj) keeps whole quantization groups per member.
+    inputs = [(profile.num_heads * profile.head_dim, "the attention output"),
+              (profile.intermediate_size, "the intermediate size"), (profile.moe_intermediate_size, "the expert size")]
+    split = [f"{what} {v} / {g}" for v, what in inputs if q and v and (v // g) % q]
+    if split:
+        return f"tensor: {', '.join(split)} is not a whole number of {q}-weight quantization groups"
+    return None
 
 
 def _us(seconds: float) -> str:

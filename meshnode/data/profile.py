@@ -61,6 +61,8 @@ class ModelProfile:
     kv_requests: int = 1
     # Why this model cannot be split into pipeline stages ("" when it can): it is then served whole.
     split_problem: str = ""
+    moe_intermediate_size: int = 0  # each expert's (and a shared expert's) MLP width; 0 for a dense model
+    quant_group_size: int = 0  # weights quantized in groups of this many inputs; 0 when not quantized
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -119,7 +121,8 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
-        missing = known - set(d) - {"kv_requests", "split_problem"}
+        optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size"}  # newer fields
+        missing = known - set(d) - optional
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
         kw: dict[str, Any] = {k: d[k] for k in known if k in d}
@@ -129,7 +132,8 @@ class ModelProfile:
         if "split_problem" in kw:
             kw["split_problem"] = str(kw["split_problem"] or "")
         for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
-                    "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests"):
+                    "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests",
+                    "moe_intermediate_size", "quant_group_size"):
             if key in kw:
                 kw[key] = int(kw[key])
         for key in ("name", "model_type", "dtype"):
@@ -369,4 +373,6 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         vocab_size=int(_first(cfg, "vocab_size", default=0)),
         dtype=dtype,
         split_problem=problem,
+        moe_intermediate_size=int(_first(cfg, "moe_intermediate_size", default=0) or 0),
+        quant_group_size=int(((raw_cfg.get("quantization") or {}).get("group_size")) or 0),
     )
