@@ -208,3 +208,29 @@ def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_p
         # c has a part in the new plan: a pipeline stage, or a member of a tensor group
         assert c.name in [n for s in after["plan"]["stages"] for n in s["nodes"]]
         assert "fetched layers" in cluster.log(c)
+
+
+@pytest.mark.parametrize("quantize,dtype", [("4bit", "bfloat16"), (None, "bfloat16")])
+def test_a_middle_stage_fetched_from_a_peer_runs_quantized_and_bf16(quantize, dtype, tmp_path):
+    """The node holding only middle layers has no embedding on disk: its activation dtype comes
+    from the whole model's manifest (bf16 here, also for 4-bit weights with bf16 scales), so the
+    activations between stages are not refused and the mesh answers like mlx-lm."""
+    model = build_model(tmp_path / f"llama-{quantize or dtype}", "llama", num_layers=6, hidden_size=128,
+                        intermediate_size=256, dtype=dtype, quantize=quantize, seed=5)
+    reference = mlx_reference(model, MESSAGES, 24)
+    total = profile_model(model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, model, tmp_path)
+        holder, *others = cluster.hosts
+        cluster.start(holder, int(total * 0.4))
+        for h in others:
+            cluster.start(h, int(total * 0.4), model=model.name)
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "convergence")[0]
+        stages = [(s["start_layer"], s["end_layer"], s["nodes"][0]) for s in view["plan"]["stages"]]
+        assert len(stages) == 3 and stages[0][2] == holder.name, stages
+        middle = stages[1][2]
+        assert middle != holder.name
+        held = [f.name for f in (tmp_path / middle / "cache").rglob("*.safetensors")]
+        assert held, "the middle stage's node fetched nothing"
+        for h in cluster.hosts:
+            assert cluster.chat(h, MESSAGES, 24) == reference, cluster.logs()
