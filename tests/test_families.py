@@ -224,3 +224,16 @@ def test_a_shard_loaded_on_one_thread_runs_on_another(models, family):
     assert not errors, errors
     whole, _ = load_model(path)
     assert mx.array_equal(loaded["out"], whole(mx.array([PROMPT]))).item()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "phi"])
+def test_other_layouts_run_whole_and_say_why_they_do_not_split(models, family):
+    """Families without embed_tokens / layers / norm: a whole-model shard is mlx-lm's model; a
+    stage of one is refused with the reason the planner also reads (it then serves them whole)."""
+    path = models(family)
+    config = json.loads((path / "config.json").read_text())
+    reason = split_support(config)
+    assert reason and family in reason and "not laid out" in reason
+    assert pipeline(path, [(0, LAYERS)]) == reference(path)
+    with pytest.raises(ValueError, match="not laid out|unsupported model layout"):
+        Shard(path, 0, 2)

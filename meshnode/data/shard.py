@@ -217,6 +217,13 @@ def _layer_count(config: dict[str, Any]) -> int | None:
     return int(value) if value is not None else None
 
 
+# mlx-lm families whose text model does not keep its embedding as ``embed_tokens`` (wte, word embeddings,
+# ...) or has no list of layers: Shard finds no place to cut them.
+_OTHER_LAYOUTS = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "internlm2", "bailing_moe", "bailing_moe_linear",
+                            "bailing_moe_v3", "bailing_hybrid", "exaone", "mamba", "mamba2", "nanochat", "phixtral",
+                            "lille-130m", "talkie", "rwkv7", "phi", "dbrx", "openelm"})
+
+
 def split_support(config: dict[str, Any]) -> str | None:
     """Why a model (its config.json) cannot be split into pipeline stages, or None if it can.
 
@@ -231,6 +238,9 @@ def split_support(config: dict[str, Any]) -> str | None:
     if int(cfg.get("hidden_size_per_layer_input") or 0) > 0:
         return (f"{family}: every layer takes its own embedding of the input tokens (hidden_size_per_layer_input), "
                 "but a later stage receives only the hidden state")
+    if family in _OTHER_LAYOUTS:
+        return (f"{family}: its embedding and layers are not laid out as embed_tokens / layers / norm, which "
+                "the stage runner splits; splitting it is not implemented")
     if family in ("iquestloopcoder",):
         return f"{family}: it runs its layers more than once per token (loops), so no layer range is a stage"
     if (_layer_count(config) or 0) < 2:
@@ -346,12 +356,20 @@ class Shard:
         model_path = Path(model_path)
         partial = _is_partial(model_path)
         model, config = load_model(model_path, lazy=True, strict=not partial)
-        inner = _inner(model)
-        layers = inner.layers  # the list itself: model.layers may be a copy (pipeline_layers)
+        try:
+            inner = _inner(model)
+            layers = inner.layers  # the list itself: model.layers may be a copy (pipeline_layers)
+        except ValueError:  # another layout (gpt2's wte and h, ...): only ever run whole
+            if not isinstance(getattr(model, "layers", None), list):
+                raise
+            inner, layers = None, model.layers
         num_layers = len(layers)
         if not (0 <= start < end <= num_layers):
             raise ValueError(f"invalid layer range [{start}, {end}) for a {num_layers}-layer model")
         _check_split(config, start, end, num_layers)
+        if inner is None and (group is not None and group.size() > 1 or not (start == 0 and end == num_layers)):
+            raise ValueError(f"{config.get('model_type')}: unsupported model layout for a stage or a tensor group "
+                             f"({type(model).__name__} has no embed_tokens); it runs whole on one node")
         self.path = model_path
         self.config = config
         self.spec = ShardSpec(start, end, num_layers)
