@@ -28,10 +28,11 @@ def parse_args(doc: str):
     return ap.parse_args()
 
 
-def bench_model_dir(root: Path) -> Path:
+def bench_model_dir(root: Path, **changes) -> Path:
+    """The bench model, built once under ``root``; ``changes`` (e.g. dtype, quantize) make a variant."""
     from meshnode.modelbuild import model_dir_for
 
-    kwargs = dict(BENCH_MODEL)
+    kwargs = {**BENCH_MODEL, **changes}
     family = kwargs.pop("family")
     return model_dir_for(root, family, **kwargs)
 

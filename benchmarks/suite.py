@@ -65,6 +65,7 @@ CTX = 2048
 TTFT_PROMPTS = (128, 1024)
 STREAMS = (1, 2, 4)
 ROUNDS = 5  # decode measurements of the mesh, each right after one of mlx-lm
+QUANTIZED = dict(dtype="bfloat16", quantize="4bit", group_size=64)  # the 4-bit rows' model: BENCH_MODEL so made
 TARGETS = {"decode_ratio_2": 0.95, "added_us_per_hop": 150, "ttft_1024_ratio": 0.6, "aggregate_2_over_1": 1.6}
 
 
@@ -170,7 +171,8 @@ class Nodes:
                  "for _ in range(900):\n"
                  "  try:\n"
                  f"    v=json.load(urllib.request.urlopen('http://{self.hosts[0].ip}:{HTTP}/v1/mesh',timeout=2))\n"
-                 f"    if v['healthy'] and len(v['plan']['stages'])=={n} and len(v['nodes'])=={n}:"
+                 f"    if v['healthy'] and len({{x for s in v['plan']['stages'] for x in s['nodes']}})=={n} and "
+                 f"len(v['nodes'])=={n}:"
                  " print(json.dumps(v)); break\n"
                  "  except OSError: pass\n"
                  "  time.sleep(0.2)\n")
@@ -278,7 +280,7 @@ def _f(x, fmt="{:.2f}"):
 
 
 def table(r: dict) -> str:
-    ref = r["mlx_lm"]
+    ref = r.get("mlx_lm", {})
     rows = ["| figure | meshnode | mlx-lm (same run) | ratio | target |", "|---|---|---|---|---|"]
     for n in (1, 2, 3):
         d = r["decode"].get(str(n))
@@ -332,6 +334,14 @@ def table(r: dict) -> str:
             target = ">= 1.6" if s == 2 else ""
             rows.append(f"| aggregate tok/s, {s} stream{'s' if s > 1 else ''}, 2 stages | {a['aggregate_tps']:.2f} "
                         f"| {ref['decode_tps']:.2f} (1 stream) | {a['aggregate_tps'] / one:.2f} × 1 stream | {target} |")
+    qd = r.get("quantized")
+    if qd:
+        for key, what in (("1", "1 node"), ("2", "2 stages"), ("tensor", "tensor pair")):
+            d = qd.get(key)
+            if d:
+                rows.append(f"| decode tok/s, {qd['quantize']} ({qd['dtype']} scales, group {qd['group_size']}), "
+                            f"{what}, best of {len(d['rounds'])} (ratio: median of rounds) | {d['tps']:.2f} | "
+                            f"{d['mlx_lm_tps']:.2f} | {d['ratio']:.3f} | |")
     fo = r.get("failover")
     if fo and "error" not in fo:
         rows.append(f"| failover stall, a stage killed | {fo['stage_death_stall_s']:.2f} s | | | <= 3 s |")
@@ -361,7 +371,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--skip", default="", help="comma-separated: failover, tensor")
+    ap.add_argument("--skip", default="", help="comma-separated: float32, failover, tensor, quantized")
     args = ap.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     path = bench_model_dir(args.cache)
@@ -374,23 +384,25 @@ def main() -> int:
                "prefill_model_parameters": param_count(small), "tokens": args.tokens, "cpus": os.cpu_count(),
                "machine": platform.platform(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "activation_bytes": hidden * 4, "decode": {}, "ttft": {}, "aggregate": {}, "targets": TARGETS}
-    mlx_lm_decode = mlx_lm_decoder(path)
-    ref_tps = mlx_lm_decode(args.tokens)
-    r["mlx_lm"] = {"decode_tps": ref_tps, "ttft_s": {str(n): mlx_lm_ttft(small, n) for n in TTFT_PROMPTS}}
-    print(f"mlx-lm: {ref_tps:.2f} tok/s; TTFT {r['mlx_lm']['ttft_s']}", flush=True)
+    float32 = "float32" not in skip
+    mlx_lm_decode = mlx_lm_decoder(path) if float32 else None
+    if float32:
+        ref_tps = mlx_lm_decode(args.tokens)
+        r["mlx_lm"] = {"decode_tps": ref_tps, "ttft_s": {str(n): mlx_lm_ttft(small, n) for n in TTFT_PROMPTS}}
+        print(f"mlx-lm: {ref_tps:.2f} tok/s; TTFT {r['mlx_lm']['ttft_s']}", flush=True)
 
-    def decode(nodes: Nodes) -> None:
+    def decode(nodes: Nodes, decoder=mlx_lm_decode, into: dict | None = None) -> None:
         """Decode tokens/s of the mesh and of mlx-lm, measured in turns (this machine's speed drifts by
         tens of percent over minutes, so a reference taken once, earlier, skews the ratio): the ratio
         is the median of the rounds' ratios. At 2 stages each round also times the bare split
         (benchmarks/floor.py): the floor any 2-stage split reaches on this machine."""
-        split = Split(path) if nodes.stages == 2 else None
+        split = Split(path) if nodes.stages == 2 and decoder is mlx_lm_decode else None
         pairs, bare = [], []
         try:
             if split is not None:
                 split.checked_tps(8)  # warm, and its tokens are mlx-lm's
             for _ in range(ROUNDS):
-                pairs.append((mlx_lm_decode(args.tokens, 1), nodes.decode_tps(args.tokens, 1)))
+                pairs.append((decoder(args.tokens, 1), nodes.decode_tps(args.tokens, 1)))
                 if split is not None:
                     bare.append(tps_of(split.generate(split.prompt, args.tokens)[1]))
         finally:
@@ -410,13 +422,12 @@ def main() -> int:
                                "mesh_over_bare": statistics.median(t / b for (_, t), b in zip(pairs, bare)),
                                "transport_us_per_hop": split.transport_us()}
             d["hop_after_compute_us"] = hop_after_compute_us()
-        r["decode"][str(nodes.stages)] = d
-        print(f"{nodes.stages} stage(s): {d}", flush=True)
+        key = str(nodes.stages) if nodes.view["plan"]["strategy"] != "tensor" else "tensor"
+        (r["decode"] if into is None else into)[key] = d
+        print(f"{key} stage(s){'' if into is None else ', ' + QUANTIZED['quantize']}: {d}", flush=True)
 
-    with netns_mesh(4) as mesh, tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        for model in (path, small):
-            print(f"compute of {model.name}: {measure_compute(mesh.hosts[0], model, tmp / 'seed')}", flush=True)
+    def float32_rows(mesh, tmp, decode) -> None:
+        """The float32 bench model's rows: decode at 1, 2 and 3 stages, bytes per hop, streams, TTFT."""
         nodes = Nodes(mesh, path, tmp, 1, 1.5)
         decode(nodes)
         nodes.stop()
@@ -442,6 +453,25 @@ def main() -> int:
         nodes = Nodes(mesh, path, tmp, 3, 0.4)
         decode(nodes)
         nodes.stop()
+
+    with netns_mesh(4) as mesh, tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for model in (path, small) if float32 else ():
+            print(f"compute of {model.name}: {measure_compute(mesh.hosts[0], model, tmp / 'seed')}", flush=True)
+        if float32:
+            float32_rows(mesh, tmp, decode)
+
+        if "quantized" not in skip:
+            # The same llama, bf16 and quantized to 4 bits as mlx_lm.convert -q does: one node, 2 stages and
+            # a tensor pair, each in turns with mlx-lm on the same 4-bit model.
+            q = bench_model_dir(args.cache, **QUANTIZED)
+            print(f"compute of {q.name}: {measure_compute(mesh.hosts[0], q, tmp / 'seed')}", flush=True)
+            r["quantized"] = {"model": q.name, **QUANTIZED}
+            q_decode = mlx_lm_decoder(q)
+            for n, fraction, env in ((1, 1.5, None), (2, 0.6, None), (2, 1.5, {"MESHNODE_STRATEGY": "tensor"})):
+                nodes = Nodes(mesh, q, tmp, n, fraction, env=env)
+                decode(nodes, q_decode, r["quantized"])
+                nodes.stop()
 
     args.out.mkdir(parents=True, exist_ok=True)
     if "failover" not in skip:
