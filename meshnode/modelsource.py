@@ -9,9 +9,6 @@ from meshnode.config import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-# The files mlx-lm needs to build a model and its tokenizer (mirrors mlx-lm's own download); a node
-# downloads those not ending in .safetensors at start-up, and weight files per stage.
-HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 class ModelNotFound(RuntimeError):

@@ -25,8 +25,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from meshnode.data.profile import (DTYPE_BYTES, _EMBED, _HEAD, _LAYER, _SKIP, _first, _text_config,
-                                   read_safetensors_header, weight_files)
+from meshnode.data.profile import (DTYPE_BYTES, _EMBED, _HEAD, _LAYER, _SKIP, _first, read_safetensors_header,
+                                   weight_files)
+from meshnode.data.splits import text_config
 from meshnode.proto import mesh_pb2
 
 __all__ = ["CACHE_NAME", "PARTIAL_MARKER", "INDEX_NAME", "build_manifest", "tensors_for_layers", "layers_held",
@@ -223,7 +224,7 @@ def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, n
 
 def num_layers_of(config: dict[str, Any]) -> int:
     """The number of transformer blocks a config.json declares."""
-    n = _first(_text_config(config), "num_hidden_layers", "n_layer", "num_layers")
+    n = _first(text_config(config), "num_hidden_layers", "n_layer", "num_layers")
     if not isinstance(n, int) or not 0 < n < 100_000:
         raise ValueError(f"config.json declares no plausible layer count ({n!r})")
     return n

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from meshnode.data.splits import split_boundaries, split_support, text_config
+
 __all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "read_safetensors_header", "tensor_bytes",
            "weight_files"]
 
@@ -214,12 +216,6 @@ def tensor_bytes(model_dir: Path) -> dict[str, int]:
     return {name: t.bytes for name, t in _tensors(Path(model_dir)).items()}
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal configs nest the language model's fields under ``text_config``."""
-    text = config.get("text_config") or config.get("language_config") or {}
-    return {**config, **text}
-
-
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         if cfg.get(key) is not None:
@@ -271,13 +267,13 @@ def activation_dtype(model_dir: Path) -> str:
     folder holding only some layers, the whole model's manifest): right on every stage, also on one
     that holds no embedding and whose packed weights say nothing about it."""
     model_dir = Path(model_dir)
-    return _activation_dtype(_tensors(model_dir), _text_config(json.loads((model_dir / "config.json").read_text())))
+    return _activation_dtype(_tensors(model_dir), text_config(json.loads((model_dir / "config.json").read_text())))
 
 
 def hidden_size(config: dict[str, Any]) -> int:
     """The width of the residual stream, from config.json (nested text configs included); never from
     a weight's shape, which a quantized model packs."""
-    value = _first(_text_config(config), "hidden_size", "n_embd", "d_model", "dim")
+    value = _first(text_config(config), "hidden_size", "n_embd", "d_model", "dim")
     if value is None:
         raise ValueError(f"{config.get('model_type')}: config.json names no hidden size")
     return int(value)
@@ -312,7 +308,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     """Profile an mlx-lm model directory (config.json + ``model*.safetensors``), reading headers only."""
     model_dir = Path(model_dir)
     raw_cfg = json.loads((model_dir / "config.json").read_text())
-    cfg = _text_config(raw_cfg)
+    cfg = text_config(raw_cfg)
     n = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
     tensors = _tensors(model_dir)
     if not tensors:
@@ -345,8 +341,6 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     item = _ITEM[dtype]
     kv = _kv_per_token(layer_keys, tensors, cfg, item, 2 * kv_heads * head_dim * item)
     experts = int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
-    from meshnode.data.shard import split_boundaries, split_support
-
     problem = split_support(raw_cfg) or ""
     if not problem and split_boundaries(raw_cfg) != list(range(1, n)):
         # The planner places a stage boundary after any layer; a family whose layers share caches in

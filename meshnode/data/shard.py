@@ -39,6 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from meshnode.data.profile import activation_dtype, hidden_size
+from meshnode.data.splits import split_boundaries, split_support
 from meshnode.data.wire import Placeholder, dtype_name, placeholders_work
 
 log = logging.getLogger(__name__)
@@ -201,65 +202,6 @@ def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, grou
         kept = inner.layers
         inner.layers = full
         full[start:end] = kept
-
-
-# --- Which models split, and where ------------------------------------------------------------
-
-
-def _text(config: dict[str, Any]) -> dict[str, Any]:
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
-
-
-def _layer_count(config: dict[str, Any]) -> int | None:
-    cfg = _text(config)
-    value = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if cfg.get(k)), None)
-    return int(value) if value is not None else None
-
-
-# mlx-lm families whose text model does not keep its embedding as ``embed_tokens`` (wte, word embeddings,
-# ...) or has no list of layers: Shard finds no place to cut them.
-_OTHER_LAYOUTS = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "internlm2", "bailing_moe", "bailing_moe_linear",
-                            "bailing_moe_v3", "bailing_hybrid", "exaone", "mamba", "mamba2", "nanochat", "phixtral",
-                            "lille-130m", "talkie", "rwkv7", "phi", "dbrx", "openelm"})
-
-
-def split_support(config: dict[str, Any]) -> str | None:
-    """Why a model (its config.json) cannot be split into pipeline stages, or None if it can.
-
-    Pure: the planner calls it before planning; a model with a reason is served whole by one node.
-    A model that splits may still restrict where a stage starts: see :func:`split_boundaries`.
-    """
-    cfg = _text(config)
-    family = config.get("model_type")
-    if int(cfg.get("num_kv_shared_layers") or 0) > 0:
-        return (f"{family}: its last {cfg['num_kv_shared_layers']} layers reuse the keys and values computed by "
-                "earlier layers (num_kv_shared_layers), which a later stage would not have")
-    if int(cfg.get("hidden_size_per_layer_input") or 0) > 0:
-        return (f"{family}: every layer takes its own embedding of the input tokens (hidden_size_per_layer_input), "
-                "but a later stage receives only the hidden state")
-    if family in _OTHER_LAYOUTS:
-        return (f"{family}: its embedding and layers are not laid out as embed_tokens / layers / norm, which "
-                "the stage runner splits; splitting it is not implemented")
-    if family in ("iquestloopcoder",):
-        return f"{family}: it runs its layers more than once per token (loops), so no layer range is a stage"
-    if (_layer_count(config) or 0) < 2:
-        return f"{family}: a model needs at least two layers to split"
-    return None
-
-
-def split_boundaries(config: dict[str, Any]) -> list[int]:
-    """The layers a stage may start at (besides 0), for a model :func:`split_support` accepts.
-
-    Cross-layer attention (hunyuan with ``use_cla``) hands the keys and values of the first layer of
-    each group of ``cla_share_factor`` layers to the others, so a stage starts only at a group.
-    """
-    n = _layer_count(config) or 0
-    cfg = _text(config)
-    step = 1
-    if cfg.get("use_cla") and int(cfg.get("cla_share_factor") or 1) > 1:
-        step = int(cfg["cla_share_factor"])
-    return [i for i in range(1, n) if i % step == 0]
 
 
 def _check_split(config: dict[str, Any], start: int, end: int, num_layers: int) -> None:

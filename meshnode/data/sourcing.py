@@ -187,9 +187,12 @@ def is_hub_id(model_id: str) -> bool:
         all(part and not part.startswith(".") for part in model_id.split("/"))
 
 
-def _small_patterns() -> list[str]:
-    from meshnode.modelsource import HUB_PATTERNS
+# The files mlx-lm needs to build a model and its tokenizer (mirrors mlx-lm's own download); a node
+# downloads those not ending in .safetensors at start-up, and weight files per stage.
+HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
+
+def _small_patterns() -> list[str]:
     return [p for p in HUB_PATTERNS if not p.endswith(".safetensors")]
 
 
