@@ -23,6 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from meshnode.data.lifeline import child_env
 from meshnode.data.shard import Shard, split_boundaries, split_support
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,8 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
         cmd = [sys.executable, "-m", "meshnode.data.compute", "--tensor-layers", str(model_path), str(start),
                str(count)]
-        procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
+        procs = [subprocess.Popen(cmd, env=child_env({**os.environ, "MLX_RANK": str(rank),
+                                                      "MLX_HOSTFILE": str(hostfile)}),
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                  for rank in (1, 0)]
         try:
@@ -241,4 +243,7 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) == 5 and sys.argv[1] == "--tensor-layers":
+        from meshnode.data.lifeline import die_with_parent
+
+        die_with_parent()  # a node killed mid-measurement leaves no ring spinning
         _tensor_layers_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

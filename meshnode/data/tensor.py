@@ -51,6 +51,7 @@ from typing import Any, BinaryIO, Sequence
 
 import mlx.core as mx
 
+from meshnode.data.lifeline import child_env, die_with_parent
 from meshnode.data.shard import ShardSpec
 from meshnode.data.wire import WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
@@ -103,22 +104,6 @@ def read_frame(stream: BinaryIO, cls):
 
 
 # --------------------------------------------------------------------------- the worker
-
-
-def _die_with_parent() -> None:
-    """Exit when the node that started this worker is gone, even from inside a hung collective.
-
-    (Linux's PR_SET_PDEATHSIG fires when the *thread* that forked exits, not the process, so a
-    parent-pid watcher is used on every platform.)
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class _Worker:
@@ -255,7 +240,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--inject-latency-us", type=float, default=0.0,
                         help="tests and benchmarks: every collective waits this long, as over a slower link")
     args = parser.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     rank = int(os.environ.get("MLX_RANK", "0"))
     secret = bytes.fromhex(os.environ.pop(SECRET_ENV, ""))
     group_id = Path(os.environ["MLX_HOSTFILE"]).read_text().strip()
@@ -390,7 +375,7 @@ class TensorShard:
             cmd += ["--inject-latency-us", str(self.inject_latency * 1e6)]
         log.info("starting tensor worker rank %d of %s for layers [%d, %d)", self.rank,
                  ",".join(self.endpoints), self.start, self.end)
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(env), bufsize=0)
         try:
             reply = self._read(ready_timeout, "forming the group and loading its layers")
         except BaseException:
