@@ -42,7 +42,7 @@ FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 SPLIT_FAMILIES: tuple[str, ...] = FAMILIES + (
     # asked for by name
     "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "minimax", "llama4", "gemma4_text", "hunyuan", "olmo2",
-    "granite", "cohere2", "glm4", "exaone4", "ernie4_5_moe", "smollm3",
+    "granite", "cohere2", "glm4", "exaone4", "ernie4_5_moe", "smollm3", "qwen3_5",
     # the rest of mlx-lm's models/ that the generic path builds
     "Klear", "cohere", "deepseek", "deepseek_v32", "dots1", "ernie4_5", "falcon_h1", "gemma", "glm", "glm4_moe_lite",
     "granitemoe", "helium", "hunyuan_v1_dense", "internlm3", "kimi_k25", "kimi_vl", "laguna", "mimo", "minicpm",
@@ -270,7 +270,8 @@ def _args_classes(family: str):
     fields = {f.name for f in dataclasses.fields(args)}
     text = None
     if "text_config" in fields:
-        text = getattr(module, "TextArgs", None) or getattr(module, "TextConfig", None)
+        text = (getattr(module, "TextArgs", None) or getattr(module, "TextConfig", None)
+                or getattr(module, "TextModelArgs", None))
         if text is None:
             try:
                 text = importlib.import_module(f"mlx_lm.models.{family}_text").ModelArgs
