@@ -334,6 +334,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "api_key": _optional(_str),
     "cors_origins": _origins,
     "log_level": _log_level,
+    "access_log": parse_bool,
 }
 
 
@@ -443,6 +444,9 @@ class Settings:
     #: Web pages of these origins may call the API from a browser (CORS); empty = none may.
     cors_origins: tuple[str, ...] = ()
     log_level: str = "INFO"
+    #: One INFO line per HTTP request in the log (logger meshnode.access): method, path, status,
+    #: seconds, model and tokens.
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         # Normalise and validate, so that Settings(...) built in code obeys the same rules as a file.

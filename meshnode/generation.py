@@ -187,11 +187,26 @@ class PipelineModel:
             i += 1
         return x
 
-    def prefill(self, tokens: Sequence[int], options: PrefillOptions) -> int:
-        """Run ``tokens`` through every stage, chunks pipelined (meshnode.prefill); the number of chunks."""
+    def prefill(self, tokens: Sequence[int], options: PrefillOptions, busy: Callable[[], bool] | None = None) -> int:
+        """Run ``tokens`` through every stage, chunks pipelined (meshnode.prefill); the number of chunks.
+
+        ``busy()``: other generations run on this node now (chunks are then cut short, so they get
+        their turns at every stage). Each stage's measured speed is kept on its handle (the
+        placement's, shared by its requests) to size the next request's first chunk.
+        """
         sessions = self.state.sessions
-        sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk)
-        chunks = pipelined_prefill(sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield)
+        seed = [getattr(stage, "prefill_rate", None) for stage in self._stages]
+        sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed,
+                           busy=busy)
+        try:
+            chunks = pipelined_prefill(sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield)
+        finally:
+            for stage, rate in zip(self._stages, sizer.per_position):
+                if rate:
+                    try:
+                        stage.prefill_rate = rate
+                    except AttributeError:  # a handle that keeps no attributes
+                        pass
         log.debug("%s: prefilled %d tokens in %d chunks through %d stages", self._request_id, len(tokens), chunks,
                   len(sessions))
         return chunks
@@ -240,6 +255,7 @@ def generate_tokens(
     *,
     prefill_step_size: int = 512,
     prefill: PrefillOptions | None = None,
+    busy: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
@@ -253,7 +269,7 @@ def generate_tokens(
         cache = None
         if prefill is not None and prefill.pipelined and len(ids) > 1:
             cache = model.make_cache()
-            model.prefill(ids[:-1], prefill)
+            model.prefill(ids[:-1], prefill, busy)
             ids = ids[-1:]
         for token, _ in generate_step(
             mx.array(ids, dtype=mx.uint32),
@@ -537,9 +553,10 @@ class PipelineSource:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         model = PipelineModel(self._stages(), new_request_id())
-        job = self._scheduler.submit(
+        scheduler = self._scheduler
+        job = scheduler.submit(
             generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                            prefill=self._prefill)
+                            prefill=self._prefill, busy=lambda: scheduler.active > 1)
         )
         async for token in job:
             yield token

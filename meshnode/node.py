@@ -65,7 +65,7 @@ from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import NodeMetrics, Progress
 from meshnode.modelsource import ModelNotFound, resolve_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
-from meshnode.resilience import FailoverSource, NotReady, PlacementLost
+from meshnode.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
 from meshnode import sysinfo
 
 log = logging.getLogger(__name__)
@@ -120,24 +120,22 @@ class RemoteHeadPlacement:
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             has_seed=params.seed is not None, seed=params.seed or 0,
         )
-        # A channel still reconnecting (a link that just came back) gets the prefill deadline to do so.
         call = stub.Generate(request, wait_for_ready=True)
-        # Every wait on the head has a deadline: the prompt's prefill first, then one token's time.
-        timeout = node.prefill_timeout(len(prompt))
+        # The head is waited for while it heartbeats, however long its prefill or a token takes
+        # (a busy head is not a lost one); it reports its own stages' faults on this stream.
+        alive = lambda: node.membership is None or node.membership.heard_within(self.head)  # noqa: E731
+        lost = lambda waited: f"head {self.head} stopped heartbeating ({waited:.1f} s into a wait)"  # noqa: E731
         try:
             while True:
-                reply = await asyncio.wait_for(call.read(), timeout=timeout)
+                reply = await await_while_alive(call.read(), alive, lost)
                 if reply is grpc.aio.EOF:
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
                         raise PlacementLost(f"head {self.head}: {code.name}: {await call.details()}")
                     return
-                timeout = node.settings.failure_timeout
                 yield reply.token
         except grpc.aio.AioRpcError as exc:
             raise PlacementLost(f"head {self.head}: {exc.code().name}: {exc.details()}") from None
-        except asyncio.TimeoutError:
-            raise PlacementLost(f"head {self.head} did not answer within {timeout:.1f} s") from None
         finally:
             call.cancel()
 
@@ -380,7 +378,8 @@ class Node:
         source = FailoverSource(
             self.placement, deadline=self.settings.failover_deadline, on_retry=self.metrics.retry,
             give_up=lambda exc: _unavailable(f"the mesh lost this generation's placement and had no new plan ready "
-                                             f"in time ({exc})", 2, "placement_lost"))
+                                             f"in time ({exc})", 2, "placement_lost"),
+            same_epoch=self.placement_again)
         self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
                              vocab_size=self.vocab_size, metrics=self.metrics)
 
@@ -459,7 +458,7 @@ class Node:
         api = ApiSettings(
             limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
             max_body_bytes=s.max_body_bytes, max_concurrent_requests=s.max_concurrent_requests, api_key=s.api_key,
-            cors_origins=s.cors_origins,
+            cors_origins=s.cors_origins, access_log=s.access_log,
         )
         self._http = web.AppRunner(make_app(Backend(self), api), access_log=None, shutdown_timeout=2.0)
         await self._http.setup()
@@ -986,8 +985,16 @@ class Node:
         self.previous = None
 
     # ------------------------------------------------------------------ serving
-    def prefill_timeout(self, tokens: int) -> float:
-        return self.settings.failure_timeout + 0.05 * tokens
+    def placement_again(self, epoch: int, since: float):
+        """The placement of ``epoch`` again after a generation lost it at ``since`` (monotonic), if
+        no newer plan is known and every node of it was heard from since (nothing failed, so no
+        one is re-planning: meshnode.resilience.FailoverSource); else None."""
+        plan = self.serving_plan()
+        if plan is None or plan.epoch != epoch or self.plan is None or self.plan.epoch != epoch:
+            return None
+        if not all(self.membership is not None and self.membership.heard_since(n, since) for n in plan.node_ids()):
+            return None
+        return self.placement_for(plan)
 
     def _ready(self, plan: Plan) -> bool:
         """Every node of the plan is alive and has loaded its shard for it."""
@@ -1072,7 +1079,7 @@ class Node:
                     hidden_size=self.profile.hidden_size, dtype=self._activation_dtype(),
                     hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
                     data_port=self.data_port_of(node_id), auth=self.auth, caller=self.node_id,
-                    concurrency=lambda: self.scheduler.active,
+                    alive=lambda nid=node_id: self.membership is not None and self.membership.heard_within(nid),
                 ))
         return handles
 

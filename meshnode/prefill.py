@@ -10,6 +10,16 @@ chunk k, stage 1 already works on k+1. No chunk's logits are used, only the cach
 small enough that no stage's step runs longer than ``max_step`` (Apple's GPU kills a command that
 runs too long), and small enough that the prompt is cut into several chunks per stage, so the
 pipe fills quickly and drains quickly (its idle bubble is about one chunk per stage).
+
+Sharing: a chunk runs at most ``TURN`` seconds at any stage (a request that arrives waits for
+the chunk in progress), and while other generations run on the node (``busy``), chunks are cut
+to about ``SHARED_STEP`` seconds at the slowest stage, so another request's step (an answer's prefill or
+decode step) waits at most about that long behind a long prompt's chunk at any stage; every stage
+takes its work in turns (the MLX baton, FIFO), a chunk or a step at a time. Each stage's measured
+speed is remembered across requests (``ChunkSizer(seed=...)``), so a long prompt's first chunk is
+already the right size.
+
+A chunk is awaited as long as its stage is alive (``Ticket.check``), however long it takes.
 """
 
 from __future__ import annotations
@@ -29,6 +39,13 @@ import mlx.core as mx
 CHUNKS_PER_STAGE = 4
 MIN_CHUNK = 16  # positions: smaller chunks cost more in per-message overhead than they save
 FIRST_CHUNK = 64  # before any stage has been timed
+SHARED_STEP = 0.025  # seconds a chunk may take at the slowest stage while other generations run
+# Seconds a chunk may take even alone (below max_step): a request that arrives meanwhile waits for
+# the chunk in progress, so this bounds what a long prompt adds to its first token.
+TURN = 0.05
+BUSY_MIN_CHUNK = 4  # positions: the smallest chunk then (per-message overhead)
+BUSY_FIRST_CHUNK = 16  # before any stage has been timed, while other generations run
+POLL = 0.25  # seconds between two looks at the liveness of the stages being waited for
 IN_FLIGHT = 2  # chunks queued at one stage: one running, one waiting behind it
 
 
@@ -36,9 +53,10 @@ class Ticket(Protocol):
     """One chunk submitted to one stage."""
 
     positions: int
-    deadline: float | None  # time.perf_counter() by which result() must have it (None: already has it)
 
     def done(self) -> bool: ...
+
+    def check(self) -> None: ...  # raises when the stage is lost (not when it is slow)
 
     def result(self) -> mx.array: ...
 
@@ -54,13 +72,14 @@ class PipelinedSession(Protocol):
 class DoneTicket:
     """A chunk a local stage has already run (on the generation's own thread)."""
 
-    deadline = None
-
     def __init__(self, out: mx.array, positions: int):
         self._out, self.positions = out, positions
 
     def done(self) -> bool:
         return True
+
+    def check(self) -> None:
+        pass
 
     def result(self) -> mx.array:
         return self._out
@@ -72,12 +91,16 @@ class DoneTicket:
 class ChunkSizer:
     """Chunk sizes from each stage's measured seconds per position."""
 
-    def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK):
+    def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK,
+                 seed: Sequence[float | None] | None = None, busy=None):
+        """``seed``: each stage's seconds per position measured before (earlier requests);
+        ``busy()``: other generations run on this node now (chunks are then cut to SHARED_STEP)."""
         self.stages = stages
         self.max_step = max_step
         self.max_chunk = max_chunk
         self.min_chunk = min(min_chunk, max_chunk)
-        self.per_position: list[float | None] = [None] * stages
+        self.per_position: list[float | None] = list(seed) if seed is not None else [None] * stages
+        self.busy = busy
 
     def observe(self, stage: int, positions: int, seconds: float) -> None:
         rate = seconds / max(positions, 1)
@@ -87,13 +110,15 @@ class ChunkSizer:
     def next(self, remaining: int, total: int) -> int:
         size = self.max_chunk
         known = [r for r in self.per_position if r]
+        busy = self.busy is not None and self.busy()
         if known:
-            size = min(size, int(self.max_step / max(known)))
+            size = min(size, int((SHARED_STEP if busy else min(self.max_step, TURN)) / max(known)))
         else:
-            size = min(size, FIRST_CHUNK)
+            size = min(size, BUSY_FIRST_CHUNK if busy else FIRST_CHUNK)
         if self.stages > 1:
             size = min(size, math.ceil(total / (CHUNKS_PER_STAGE * self.stages)))
-        return max(1, min(remaining, max(size, self.min_chunk)))
+        floor = min(BUSY_MIN_CHUNK, self.max_chunk) if busy else self.min_chunk
+        return max(1, min(remaining, max(size, floor)))
 
 
 def pipelined_prefill(
@@ -107,7 +132,9 @@ def pipelined_prefill(
     """Fill every stage's cache with ``tokens``; returns the number of chunks sent.
 
     ``wait(futures, timeout)`` blocks until one of them is done (the caller may hand the MLX
-    thread to other work meanwhile); ``between_steps()`` runs after each local step (fairness).
+    thread to other work meanwhile); ``between_steps()`` runs after each local step but the last
+    (fairness: others take their turn; after the last, the request's first token comes next).
+    A stage is waited for while it is alive (``Ticket.check``), however long its chunk takes.
     """
     n = len(sessions)
     total = len(tokens)
@@ -147,16 +174,16 @@ def pipelined_prefill(
             ticket = sessions[i].submit(x)
             sizer.observe(i, ticket.positions, time.perf_counter() - started)
             running[i].append((ticket, started))
-            if between_steps is not None:
+            last = sent >= total and not any(ready) and all(t.done() for q in running for t, _ in q)
+            if between_steps is not None and not last:
                 between_steps()
             continue
         heads = [q[0][0] for q in running if q and q[0][0].wait_handle() is not None]
         if heads:
-            deadline = min(t.deadline for t in heads)
-            wait([t.wait_handle() for t in heads], max(0.0, deadline - time.perf_counter()))
+            wait([t.wait_handle() for t in heads], POLL)
             for t in heads:
-                if not t.done() and time.perf_counter() >= t.deadline:
-                    t.result()  # raises: the stage did not answer in time
+                if not t.done():
+                    t.check()  # raises: the stage is lost (stopped heartbeating), not merely busy
             continue
         if sent >= total and not any(ready) and not any(running):
             return chunks

@@ -7,13 +7,23 @@ mesh to publish and load a new plan, then replays the prompt plus every token al
 on the new placement (prefill rebuilds the KV caches) and carries on. The client sees one
 stream: no token missing, none repeated; with greedy decoding the output is identical to a run
 without the fault. Attempts are bounded and logged; waiting for the new plan uses tenacity.
+
+A false suspicion costs nothing: a generation waits for a new plan only while one can come. If
+no newer plan is known and every node of the lost placement has been heard from (a heartbeat)
+since the loss, nothing failed, so nobody is re-planning: the generation replays at once on the
+same epoch (``same_epoch``). A node that is really gone is never heard from again, so its
+generation waits for the coordinator's new plan as before.
+
+Waiting on a peer (:func:`await_while_alive`) lasts as long as the peer is alive by the control
+plane (heartbeats), not a fixed time: a busy peer is not a lost one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -30,6 +40,26 @@ class PlacementLost(RuntimeError):
 
 class NotReady(RuntimeError):
     """No placement newer than the failed one is ready yet."""
+
+
+async def await_while_alive(awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str],
+                            poll: float = 0.25):
+    """The result of ``awaitable``, waited for as long as ``alive()`` holds (the peer heartbeats);
+    raises :class:`PlacementLost` with ``lost(seconds waited)`` once it does not. The awaitable is
+    never cancelled by a slow answer (cancelling a gRPC read would end the call)."""
+    task = asyncio.ensure_future(awaitable)
+    started = time.monotonic()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if not alive():
+                raise PlacementLost(lost(time.monotonic() - started))
+    except BaseException:
+        if not task.done():
+            task.cancel()
+        raise
 
 
 class Placement(Protocol):
@@ -56,7 +86,11 @@ class FailoverSource:
         retryable: tuple[type[BaseException], ...] = (PlacementLost,),
         on_retry: Callable[[], None] | None = None,
         give_up: Callable[[BaseException], BaseException] | None = None,
+        same_epoch: Callable[[int, float], Placement | None] | None = None,
     ):
+        # same_epoch(lost epoch, when it was lost (time.monotonic())): the placement of that epoch
+        # again if no newer plan is coming and every node of it was heard from since; else None.
+        self._same_epoch = same_epoch
         self._on_retry = on_retry  # called once per retry (metrics)
         # What the caller gets when the generation is lost for good (the API: a 503, retry later).
         self._give_up = give_up
@@ -66,7 +100,7 @@ class FailoverSource:
         self._poll = poll
         self._retryable = retryable
 
-    async def _next_placement(self, after_epoch: int, until: float) -> Placement:
+    async def _next_placement(self, after_epoch: int, until: float, lost_at: float) -> Placement:
         retrying = AsyncRetrying(
             stop=stop_after_delay(max(0.0, until - time.monotonic())),
             wait=wait_fixed(self._poll),
@@ -75,7 +109,15 @@ class FailoverSource:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return self._current(after_epoch)
+                    try:
+                        return self._current(after_epoch)
+                    except NotReady:
+                        again = self._same_epoch(after_epoch, lost_at) if self._same_epoch is not None else None
+                        if again is None:
+                            raise
+                        log.info("no new plan is coming and every node of epoch %d answered since; retrying "
+                                 "on the same epoch", after_epoch)
+                        return again
         except RetryError:
             raise PlacementLost(f"no new plan was ready within {self._deadline:.0f} s of losing epoch "
                                 f"{after_epoch}") from None
@@ -104,15 +146,16 @@ class FailoverSource:
                     yield token
                 return
             except self._retryable as exc:
-                lost = placement.epoch
+                lost, lost_at = placement.epoch, time.monotonic()
                 if attempt == self._attempts or time.monotonic() >= until:
                     log.error("generation failed for good on epoch %d after %d tokens (%d attempts): %s",
                               lost, len(produced), attempt, exc)
                     raise
-                log.warning("generation lost epoch %d after %d tokens: %s; waiting for a new plan (retry %d/%d)",
-                            lost, len(produced), exc, attempt, self._attempts - 1)
+                log.warning("generation lost epoch %d after %d tokens: %s; waiting for a new plan, or for "
+                            "every node to answer (retry %d/%d)", lost, len(produced), exc, attempt,
+                            self._attempts - 1)
                 if self._on_retry is not None:
                     self._on_retry()
-                placement = await self._next_placement(lost, until)
+                placement = await self._next_placement(lost, until, lost_at)
                 log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt, len(prompt),
                          len(produced), placement.epoch)

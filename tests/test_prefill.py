@@ -27,11 +27,11 @@ def model(request, tmp_path_factory):
 
 
 def test_chunks_fit_the_step_limit_and_fill_the_pipe():
-    sizer = ChunkSizer(2, max_step=0.1, max_chunk=512)
+    sizer = ChunkSizer(2, max_step=0.04, max_chunk=512)  # below prefill.TURN, so the step limit decides
     assert sizer.next(1000, 1000) == 64  # nothing timed yet: a modest first chunk
-    sizer.observe(0, 64, 0.064)  # 1 ms per position: 100 positions fit in 0.1 s
-    assert sizer.next(1000, 1000) == 100
-    assert sizer.next(1000, 400) == 400 // (CHUNKS_PER_STAGE * 2)  # several chunks per stage
+    sizer.observe(0, 64, 0.064)  # 1 ms per position: 40 positions fit in 0.04 s
+    assert sizer.next(1000, 1000) == 40
+    assert sizer.next(1000, 200) == 200 // (CHUNKS_PER_STAGE * 2)  # several chunks per stage
     assert sizer.next(7, 1000) == 7  # never past the prompt
     sizer.observe(1, 10, 10.0)  # a very slow stage: the smallest chunk, never zero
     assert sizer.next(1000, 1000) == MIN_CHUNK

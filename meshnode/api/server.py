@@ -3,6 +3,11 @@
 Every node serves it. Requests are parsed and checked in :mod:`meshnode.api.validation`;
 generation goes to whatever :class:`~meshnode.engine.Engine` the node's backend hands out
 (local pipeline, or the mesh's head node). Errors are OpenAI-style JSON with a 4xx/5xx.
+
+Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):
+method, path, status, seconds, and for generations the model and tokens (prompt+completion). A
+client that goes away mid-stream (a chat UI's Stop) is normal: the generation stops with one INFO
+line, no traceback.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from meshnode.metrics import NodeMetrics, outcome_for_status
 STATIC = Path(__file__).resolve().parent / "static"  # the dashboard (GET /)
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("meshnode.access")
 
 
 class _MalformedHttpFilter(logging.Filter):
@@ -75,6 +81,7 @@ class ApiSettings:
     max_concurrent_requests: int = 8
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API; empty = none
+    access_log: bool = True  # one INFO line per request (logger meshnode.access)
 
 
 BACKEND = web.AppKey("backend", object)
@@ -85,6 +92,35 @@ METRICS = web.AppKey("metrics", NodeMetrics)
 
 def _error_response(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+OUTCOME = web.ResponseKey("outcome", str)  # how a generation ended (meshnode_requests_total)
+ACCESS = web.RequestKey("access", dict)  # what a generation adds to its access line (model, tokens)
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler):
+    """One line per request: method, path, status, seconds, model and tokens (generations)."""
+    started = time.perf_counter()
+    status: int | str = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
+    finally:
+        info = request.get(ACCESS) or {}
+        extra = ""
+        if info.get("model"):
+            extra = f" model={info['model']} tokens={info.get('prompt_tokens', 0)}+{info.get('completion_tokens', 0)}"
+        if info.get("disconnected"):
+            extra += " client-disconnected"
+        access.info("%s %s %s %.3fs%s", request.method, request.path, status, time.perf_counter() - started, extra)
 
 
 @web.middleware
@@ -206,7 +242,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     outcome = "error"
     try:
         response = await _serve_generation(request, kind)
-        outcome = response.get("outcome", "ok")
+        outcome = response.get(OUTCOME, "ok")
         return response
     except ApiError as err:
         outcome = outcome_for_status(err.status)
@@ -235,6 +271,7 @@ async def _serve_generation(request: web.Request, kind: str) -> web.StreamRespon
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         deltas = engine.stream(prompt, params, req.stop)
         meta = _Meta(kind, engine.model_id, len(prompt))
+        request[ACCESS] = meta.access
         if req.stream:
             return await _stream(request, deltas, meta, req.include_usage)
         return await _collect(deltas, meta)
@@ -247,10 +284,12 @@ class _Meta:
     prompt_tokens: int
     id: str = ""
     created: int = 0
+    access: dict | None = None  # model and tokens for the access log
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.access = {"model": self.model, "prompt_tokens": self.prompt_tokens, "completion_tokens": 0}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {
@@ -269,6 +308,7 @@ async def _collect(deltas: AsyncIterator[Delta], meta: _Meta) -> web.Response:
     async for delta in deltas:
         parts.append(delta.text)
         last = delta
+        meta.access["completion_tokens"] = delta.completion_tokens
     text = "".join(parts)
     if meta.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -306,6 +346,7 @@ async def _stream(request: web.Request, deltas: AsyncIterator[Delta], meta: _Met
         last = None
         async for delta in deltas:
             last = delta
+            meta.access["completion_tokens"] = delta.completion_tokens
             if delta.text:
                 await send(meta.envelope([choice(delta.text, None)], chunk=True))
         await send(meta.envelope([choice(None if meta.kind == "chat" else "", last.finish_reason)], chunk=True))
@@ -314,17 +355,26 @@ async def _stream(request: web.Request, deltas: AsyncIterator[Delta], meta: _Met
             usage["usage"] = meta.usage(last.completion_tokens)
             await send(usage)
         await send("[DONE]")
-    except (ConnectionResetError, asyncio.CancelledError):
-        log.info("client disconnected from %s; generation stopped", meta.id)
+    except ConnectionResetError:  # a client that goes away (Stop) is normal: one line, no traceback
+        log.info("client disconnected from %s after %d tokens; generation stopped", meta.id,
+                 meta.access["completion_tokens"])
+        meta.access["disconnected"] = True
+        response[OUTCOME] = "cancelled"  # counted by _generate
+        await deltas.aclose()
+        return response
+    except asyncio.CancelledError:
+        log.info("client disconnected from %s after %d tokens; generation stopped", meta.id,
+                 meta.access["completion_tokens"])
+        meta.access["disconnected"] = True
         await deltas.aclose()
         raise
     except ApiError as err:
-        response["outcome"] = outcome_for_status(err.status)  # counted by _generate
+        response[OUTCOME] = outcome_for_status(err.status)  # counted by _generate
         await send(err.body())
         await send("[DONE]")
     except Exception:  # noqa: BLE001 - headers are sent: a 500 now would corrupt the stream
         log.exception("generation %s failed mid-stream", meta.id)
-        response["outcome"] = "error"
+        response[OUTCOME] = "error"
         await send(ApiError(500, "internal error", type="server_error").body())
         await send("[DONE]")
     finally:
@@ -367,7 +417,8 @@ async def dashboard(request: web.Request) -> web.FileResponse:
 
 def make_app(backend: Backend, settings: ApiSettings = ApiSettings()) -> web.Application:
     # aiohttp enforces the body limit itself (413) for reads beyond it.
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=settings.max_body_bytes)
+    middlewares = ([access_middleware] if settings.access_log else []) + [errors_middleware, auth_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[BACKEND] = backend
     app[SETTINGS] = settings
     app[ACTIVE] = []

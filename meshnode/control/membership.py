@@ -75,6 +75,19 @@ class Membership:
         self._alive = alive
         return joined, left
 
+    def heard_since(self, node_id: str, since: float) -> bool:
+        """We heard from ``node_id`` (or it is this node) at or after ``since`` (this clock). Safe to
+        call from any thread (reads one float)."""
+        if node_id == self.me.node_id:
+            return True
+        peer = self.peers.get(node_id)
+        return peer is not None and peer.last_seen >= since
+
+    def heard_within(self, node_id: str) -> bool:
+        """``node_id`` is alive by the failure detector's own rule right now (not at the last
+        :meth:`refresh`): heard from within ``failure_timeout``. Any thread."""
+        return self.heard_since(node_id, self.clock() - self.failure_timeout)
+
     def alive_peers(self) -> dict[str, Peer]:
         return {nid: self.peers[nid] for nid in self._alive if nid in self.peers}
 

@@ -16,7 +16,8 @@ into the buffer the previous one used, and a decode step's reply is checked and 
 into the placeholder of the local step built ahead of it (no message, no array in between). Messages may run
 ahead of replies (pipelined prefill); replies come back in order. Large frames (prefill chunks)
 are written by a helper thread, so the head never blocks on a stage that is still busy with the
-previous chunk; frames already queued there keep their order.
+previous chunk; frames already queued there keep their order. A reply is waited for while the
+stage's node heartbeats (meshnode.data.stage.RemoteStage.check), however long its step takes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 3600.0  # a request's stream with no message for this long is dropped (as gRPC's deadline)
+FRAME_STALL = 30.0  # a reply whose bytes started arriving and then stopped for this long: the stream is lost
 # After sending what the peer waits for, this thread goes on with CPU-bound Python (building the
 # next step ahead). Linux wakes a socket's reader on the waker's CPU when it can (wake-affine), so a
 # peer process on this same machine (namespace hosts, tests, benchmarks) would wait in this CPU's
@@ -61,6 +63,64 @@ WRITE_INLINE = 64 * 1024  # larger frames (prefill chunks) go out from the sessi
 
 # --------------------------------------------------------------------------- serving side
 
+TEST_DELAY_ENV = "MESHNODE_TEST_STAGE_DELAY"
+
+
+class InjectedDelay:
+    """For tests only: make this node's stage slow or stall it, deterministically, while the node
+    stays alive (it heartbeats, its data port answers). Off unless the environment variable
+    ``MESHNODE_TEST_STAGE_DELAY`` names a JSON file; the file is read again whenever it changes, so
+    a test can change the delays of a running node. Keys (all optional, seconds):
+
+    - ``prefill``: added before running each message of more than one position (a prefill chunk);
+      with ``prefill_first`` (a count), only the first that many of each request's stream;
+    - ``prefill_per_position``: added per position of such a message;
+    - ``decode``: added before running a one-position message (a decode step); with ``decode_at``
+      (a list of indexes, from 0, among each stream's one-position messages), only those.
+
+    The wait happens on the stream's own thread without the MLX baton (other requests go on).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stamp: float | None = None
+        self._spec: dict = {}
+
+    @classmethod
+    def from_env(cls) -> "InjectedDelay | None":
+        path = os.environ.get(TEST_DELAY_ENV)
+        return cls(path) if path else None
+
+    def _current(self) -> dict:
+        try:
+            stamp = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return {}
+        if stamp != self._stamp:
+            try:
+                import json
+
+                with open(self.path) as f:
+                    self._spec = json.load(f) or {}
+            except (OSError, ValueError):
+                self._spec = {}
+            self._stamp = stamp
+        return self._spec
+
+    def seconds(self, positions: int, prefills: int, decodes: int) -> float:
+        """The delay for a message of ``positions`` after ``prefills`` multi-position and
+        ``decodes`` one-position messages of its stream."""
+        spec = self._current()
+        if positions > 1:
+            first = spec.get("prefill_first")
+            if first is not None and prefills >= first:
+                return 0.0
+            return float(spec.get("prefill", 0.0)) + float(spec.get("prefill_per_position", 0.0)) * positions
+        at = spec.get("decode_at")
+        if at is not None and decodes not in at:
+            return 0.0
+        return float(spec.get("decode", 0.0))
+
 
 def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
                   host: str) -> None:
@@ -70,6 +130,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
     """
     request_id = opening.forward.request_id or "?"
     raw = opening.forward.raw_replies
+    delay, prefills, decodes = InjectedDelay.from_env(), 0, 0
     out = bytearray()  # raw replies are written here, token after token
     try:
         stage = server.open(opening.forward)
@@ -88,6 +149,13 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
+            if delay is not None:
+                positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
+                pause = delay.seconds(positions, prefills, decodes)
+                prefills, decodes = prefills + (positions > 1), decodes + (positions == 1)
+                if pause > 0:
+                    log.info("test delay: %.1f s before a %d-position step of %s", pause, positions, request_id)
+                    time.sleep(pause)
             try:
                 stage.admit(msg.input)
                 if raw:
@@ -149,6 +217,8 @@ class HopSession:
             request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end,
             raw_replies=True))
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
+        # Replies are awaited with select (liveness checked in between); a frame once started must go on.
+        self._sock.settimeout(FRAME_STALL)
         self._unanswered: deque[HopTicket] = deque()
         self._queued = 0  # positions sent and not answered yet
         self._writes: queue.Queue | None = None  # frames for the writer thread
@@ -171,7 +241,7 @@ class HopSession:
         positions = x.shape[1]
         payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single).SerializeToString()
         self._queued += positions
-        ticket = HopTicket(self, positions, st.deadline(self._queued))
+        ticket = HopTicket(self, positions)
         self._unanswered.append(ticket)
         try:
             with self._lock:  # behind frames already queued, or large: the writer thread sends it
@@ -215,17 +285,19 @@ class HopSession:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def _read_next(self, deadline: float) -> None:
-        """Read one reply and give it to the oldest unanswered ticket."""
+    def _read_next(self) -> None:
+        """Read one reply and give it to the oldest unanswered ticket; wait for it as long as the
+        stage is alive (meshnode.data.stage.RemoteStage.check)."""
         st = self._stage
         ticket = self._unanswered[0]
-        self._sock.settimeout(max(deadline - time.perf_counter(), 0.001))
         try:
+            while not select.select([self._sock], [], [], st.poll)[0]:
+                st.check(ticket.sent)
             got = recv_frame_into(self._sock, self._spare)
         except (TimeoutError, socket.timeout):
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within "
-                             f"{ticket.timeout:.1f} s") from None
-        except (OSError, FrameError) as exc:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
+                             f"a reply ({FRAME_STALL:.0f} s)") from None
+        except (OSError, FrameError, ValueError) as exc:
             raise self._lost(exc) from None
         if got is None:
             raise self._lost(ConnectionError("the stage closed the stream"))
@@ -276,10 +348,9 @@ class HopSession:
 class HopTicket:
     """One message sent over a hop; ``result`` checks and decodes its reply."""
 
-    def __init__(self, session: HopSession, positions: int, timeout: float):
-        self.session, self.positions, self.timeout = session, positions, timeout
+    def __init__(self, session: HopSession, positions: int):
+        self.session, self.positions = session, positions
         self.sent = time.perf_counter()
-        self.deadline = self.sent + timeout
         self.reply: mesh_pb2.ForwardReply | RawReply | None = None
 
     def done(self) -> bool:
@@ -288,9 +359,15 @@ class HopTicket:
         return self.reply is not None
 
     def wait(self) -> None:
-        """Block until the reply is here (no MLX work: callable without the baton)."""
+        """Block until the reply is here, for as long as the stage is alive (no MLX work: callable
+        without the baton)."""
         while self.reply is None:
-            self.session._read_next(self.deadline)
+            self.session._read_next()
+
+    def check(self) -> None:
+        """Raise StageError if the stage is lost while this reply is awaited."""
+        if self.reply is None:
+            self.session._stage.check(self.sent)
 
     def wait_handle(self) -> HopSession:
         return self.session

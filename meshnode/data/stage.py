@@ -12,7 +12,14 @@ Everything received is validated against the plan before an array is built.
 
 Client side (:class:`RemoteStage`): the head node's generation thread calls ``forward`` on a
 remote stage synchronously; the call runs on the node's asyncio loop over a long-lived
-stream, with a deadline on every hop so a hung peer can never hang the generation.
+stream.
+
+How long a step is waited for: as long as the stage's node is alive by the control plane
+(its heartbeats, :meth:`RemoteStage.check`), however long the step takes. A step's time says
+nothing about liveness: a 1k-token prefill on a slow machine, or a step queued behind another
+request's, takes what it takes. A stage is lost when its node stops heartbeating (frozen, gone,
+cut off), refuses or drops the stream, or reports a fault; so a hung peer still cannot hang a
+generation for longer than the failure detector's ``failure_timeout``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
 
 
 class StageError(RuntimeError):
@@ -243,10 +251,8 @@ class RemoteSession:
         st = self._stage
         positions = x.shape[1]
         self._queued += positions
-        # The deadline counts what is queued ahead of this message at the stage.
-        timeout = st.deadline(self._queued)
         future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x)), st.loop)
-        return RemoteTicket(self, future, positions, timeout)
+        return RemoteTicket(self, future, positions)
 
     def forward(self, x: mx.array) -> mx.array:
         """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
@@ -255,8 +261,9 @@ class RemoteSession:
     def finish(self, ticket: "RemoteTicket", into: Placeholder | None = None) -> mx.array | None:
         from meshnode.generation import mlx_idle
 
-        with mlx_idle():  # other generations use the MLX thread while this one waits on the network
-            concurrent.futures.wait([ticket.future], timeout=ticket.timeout)
+        if not ticket.done():
+            with mlx_idle():  # other generations use the MLX thread while this one waits on the network
+                ticket.wait()
         return ticket.result(into)
 
     def close(self) -> None:
@@ -268,10 +275,9 @@ class RemoteSession:
 class RemoteTicket:
     """One message sent to a remote stage; ``result`` checks and decodes its reply."""
 
-    def __init__(self, session: RemoteSession, future: concurrent.futures.Future, positions: int, timeout: float):
-        self.session, self.future, self.positions, self.timeout = session, future, positions, timeout
+    def __init__(self, session: RemoteSession, future: concurrent.futures.Future, positions: int):
+        self.session, self.future, self.positions = session, future, positions
         self.sent = time.perf_counter()
-        self.deadline = self.sent + timeout
 
     def done(self) -> bool:
         return self.future.done()
@@ -279,16 +285,26 @@ class RemoteTicket:
     def wait_handle(self) -> concurrent.futures.Future:
         return self.future
 
+    def check(self) -> None:
+        """Raise StageError if the stage is lost while this reply is awaited (see RemoteStage.check)."""
+        if not self.future.done():
+            try:
+                self.session._stage.check(self.sent)
+            except StageError:
+                self.future.cancel()
+                raise
+
+    def wait(self) -> None:
+        """Block until the reply is here, for as long as the stage is alive (no MLX work)."""
+        st = self.session._stage
+        while not self.future.done():
+            concurrent.futures.wait([self.future], timeout=st.poll)
+            self.check()
+
     def result(self, into: Placeholder | None = None) -> mx.array | None:
         st = self.session._stage
-        try:
-            left = self.timeout - (time.perf_counter() - self.sent)
-            reply = self.future.result(timeout=max(left, 0.0))
-        except concurrent.futures.TimeoutError:
-            self.future.cancel()
-            raise StageError(
-                f"stage [{st.start}, {st.end}) on {st.node_id} did not answer within {self.timeout:.1f} s"
-            ) from None
+        self.wait()
+        reply = self.future.result()
         self.session._queued -= self.positions
         return st.accept(reply, self.positions, self.sent, "grpc", into)
 
@@ -316,19 +332,19 @@ class RemoteStage:
         hidden_size: int,
         dtype: mx.Dtype,
         hop_timeout: float,
-        prefill_allowance: float = 0.05,
         request_timeout: float = 3600.0,
         observe: Callable[[float, int, float, str], None] | None = None,
         data_port: tuple[str, int] | None = None,
         auth: "ClusterAuth | None" = None,
         caller: str = "",
-        concurrency: Callable[[], int] | None = None,
+        alive: Callable[[], bool] | None = None,
     ):
         # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
         self.observe = observe
-        # How many generations this node runs at once: each can have a step queued at the stage
-        # ahead of this one, so a busy stage is given that much longer before it counts as hung.
-        self.concurrency = concurrency
+        # Whether the stage's node is alive now by the control plane (its heartbeats: the node's
+        # membership, meshnode.control.membership.Membership.heard_within). A reply is waited for
+        # while this holds; None: only request_timeout bounds the wait (tests of the transport).
+        self.alive = alive
         # Where the peer's data port is (meshnode.data.hop), when activations may go there.
         self.data_port = data_port
         self.auth, self.caller = auth, caller
@@ -338,8 +354,8 @@ class RemoteStage:
         self.start, self.end, self.epoch = start, end, epoch
         self.hidden_size = hidden_size
         self.dtype_name = dtype_name(dtype)
-        self.hop_timeout = hop_timeout
-        self.prefill_allowance = prefill_allowance  # extra seconds per position in one message
+        self.hop_timeout = hop_timeout  # connecting to the stage (a refused or silent port is lost)
+        self.poll = min(POLL, hop_timeout / 2)
         self.request_timeout = request_timeout
 
     def accept(self, reply: "mesh_pb2.ForwardReply | RawReply", positions: int, sent: float, transport: str,
@@ -361,10 +377,18 @@ class RemoteStage:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
                 from None
 
-    def deadline(self, queued_positions: int) -> float:
-        """Seconds the stage gets to answer a message with ``queued_positions`` sent ahead of the reply."""
-        steps_ahead = max(1, self.concurrency()) if self.concurrency is not None else 1
-        return self.hop_timeout * steps_ahead + self.prefill_allowance * queued_positions
+    def check(self, waiting_since: float) -> None:
+        """Raise :class:`StageError` if this stage is lost while a reply sent at ``waiting_since``
+        (time.perf_counter()) is awaited: its node stopped heartbeating. A stage that is alive is
+        busy, not lost, however long its step takes (a long prefill, a slow machine, other
+        requests' steps ahead of this one)."""
+        waited = time.perf_counter() - waiting_since
+        if self.alive is not None and not self.alive():
+            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating "
+                             f"(no heartbeat within the failure timeout; its reply awaited {waited:.1f} s)")
+        if waited > self.request_timeout:
+            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
+                             f"{self.request_timeout:.0f} s")
 
     def open(self, request_id: str) -> "RemoteSession | HopSession":
         """The request's stream to this stage: over the peer's data port where it has one, else gRPC."""

@@ -1,0 +1,244 @@
+"""Issue 10b benchmark: a short answer beside a long title request (Open WebUI's new-chat pattern).
+
+For every new chat Open WebUI sends the answer request and, at the same moment, a title request
+with a ~1k-token prompt. This measures the answer's time to first token (TTFT) alone and with a
+1k-token request started just before it, and prints the ratio (target <= 1.5x):
+  - on one node (one `meshnode run` process on loopback), and
+  - on 2 stages (two `meshnode run` processes on namespace hosts; the client talks to the first
+    stage, as a client of any node does; needs root).
+``--rounds`` pairs per mode (median reported); ``--openwebui N`` also runs N rounds of the full
+pattern through the ``openai`` client on the 2 stages (answer streamed + title, at once) and
+checks every answer against mlx-lm and that none was lost.
+
+    sudo .venv/bin/python benchmarks/busy.py [--rounds 5] [--openwebui 20] [--only one|two]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import free_port, start_node, stop, wait_healthy  # noqa: E402
+
+# A small float32 llama: on these 2-core boxes (reference BLAS, ~1 GFLOP/s) its 1k-token prefill takes
+# a few seconds, long enough to starve an answer that waits behind it, short enough for 20 rounds.
+MODEL = dict(family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2,
+             dtype="float32")
+ANSWER = [{"role": "user", "content": "Why is the sea salty?"}]
+ANSWER_TOKENS = 24
+TITLE_TOKENS = 10
+CTX = 2048
+
+# The client side: runs where the client lives (this process, or the mesh's client namespace).
+# argv: url, model, title words, rounds, mode ("ttft" | "openwebui")
+CLIENT = r'''
+import json, statistics, sys, threading, time, urllib.request
+url, model, words, rounds, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+ANSWER = %(answer)s
+TITLE = [{"role": "user", "content": "### Task: generate a concise title for the chat below.\n" +
+          " ".join("word%%d" %% (i %% 97) for i in range(words))}]
+
+def post(messages, max_tokens, stream):
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": stream}).encode()
+    return urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                  headers={"Content-Type": "application/json"}), timeout=600)
+
+def answer():
+    t0 = time.perf_counter(); first = None; text = ""
+    with post(ANSWER, %(answer_tokens)d, True) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                ev = json.loads(line[6:])
+                piece = ev["choices"][0]["delta"].get("content") if ev.get("choices") else None
+                if piece:
+                    first = first or time.perf_counter()
+                    text += piece
+    return first - t0, time.perf_counter() - t0, text
+
+def title(out):
+    t0 = time.perf_counter()
+    with post(TITLE, %(title_tokens)d, False) as r:
+        json.loads(r.read())
+    out.append(time.perf_counter() - t0)
+
+if mode == "ttft":
+    answer(); t = []; title(t)  # warm-up
+    alone, beside, titles = [], [], []
+    for _ in range(rounds):
+        alone.append(answer()[0])
+        th = threading.Thread(target=title, args=(titles,)); th.start()
+        time.sleep(0.05)  # the title's prefill is under way
+        beside.append(answer()[0])
+        th.join()
+    print(json.dumps({"alone": statistics.median(alone), "beside": statistics.median(beside),
+                      "title": statistics.median(titles), "alone_all": alone, "beside_all": beside}))
+else:
+    from openai import OpenAI
+    c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    texts, lost, ttfts = [], [], []
+    def ask(out):
+        try:
+            t0 = time.perf_counter(); first = None; text = ""
+            for ch in c.chat.completions.create(model=model, messages=ANSWER, max_tokens=%(answer_tokens)d,
+                                                temperature=0, stream=True):
+                if ch.choices and ch.choices[0].delta.content:
+                    first = first or time.perf_counter(); text += ch.choices[0].delta.content
+            out.append(text); ttfts.append(first - t0)
+        except Exception as e:
+            lost.append(repr(e))
+    def name(out):
+        try:
+            c.chat.completions.create(model=model, messages=TITLE, max_tokens=%(title_tokens)d, temperature=0)
+        except Exception as e:
+            lost.append(repr(e))
+    for _ in range(rounds):
+        a = threading.Thread(target=ask, args=(texts,)); b = threading.Thread(target=name, args=([],))
+        a.start(); b.start(); a.join(); b.join()
+    print(json.dumps({"texts": texts, "lost": lost, "ttft_median": statistics.median(ttfts) if ttfts else None}))
+''' % {"answer": repr(ANSWER), "answer_tokens": ANSWER_TOKENS, "title_tokens": TITLE_TOKENS}
+
+
+def client_code() -> str:
+    return CLIENT
+
+
+def reference(model: Path) -> str:
+    from mlx_lm import generate, load
+
+    m, tok = load(str(model))
+    return generate(m, tok, prompt=tok.apply_chat_template(ANSWER, add_generation_prompt=True),
+                    max_tokens=ANSWER_TOKENS)
+
+
+def title_words(model: Path, tokens: int = 1000) -> int:
+    """Words of filler that make the title prompt about ``tokens`` tokens long."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model)
+    words = tokens
+    for _ in range(6):
+        text = " ".join(f"word{i % 97}" for i in range(words))
+        n = len(tok.encode(text))
+        words = max(10, int(words * tokens / max(n, 1)))
+    return words
+
+
+def run_client(args: list[str], runner=None, timeout: float = 900) -> dict:
+    cmd = [sys.executable, "-c", CLIENT, *args]
+    out = runner(cmd, timeout) if runner else subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_node(model: Path, words: int, rounds: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        http, grpc = free_port(), free_port()
+        proc = start_node(["--model", str(model), "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
+                           str(grpc), "--no-mdns", "--state-dir", tmp, "--max-context", str(CTX)],
+                          log=Path(tmp) / "node.log")
+        try:
+            wait_healthy(f"http://127.0.0.1:{http}", 300)
+            return run_client([f"http://127.0.0.1:{http}", model.name, str(words), str(rounds), "ttft"])
+        finally:
+            stop(proc)
+
+
+def two_stages(model: Path, words: int, rounds: int, openwebui: int) -> tuple[dict, dict | None]:
+    from meshnode.data.profile import profile_model
+    from tests.netns import netns_mesh
+
+    budget = int(profile_model(model).total_bytes(CTX) * 0.6)
+    HTTP, GRPC = 8470, 8471
+    with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
+        a, b, client = mesh.hosts
+        for h in (a, b):
+            state = Path(tmp) / h.name
+            state.mkdir()
+            h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(model), "--http-port", str(HTTP),
+                     "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
+                     "--state-dir", str(state), "--max-context", str(CTX),
+                     # budgets are fractions of one request's total (as in the tests)
+                     "--kv-requests", "1"],
+                    env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
+                         "MESHNODE_STRATEGY": "pipeline"},
+                    log_path=state / "node.log")
+        probe = ("import json,time,urllib.request\n"
+                 "for _ in range(900):\n"
+                 "  try:\n"
+                 f"    v=json.load(urllib.request.urlopen('http://{a.ip}:{HTTP}/v1/mesh',timeout=2))\n"
+                 "    if v['healthy'] and v['plan'] and len(v['plan']['stages'])==2: print(json.dumps(v)); break\n"
+                 "  except OSError: pass\n"
+                 "  time.sleep(0.2)\n")
+        out = client.run([sys.executable, "-c", probe], timeout=200, check=False)
+        if not out.stdout.strip():
+            raise RuntimeError("no 2-stage plan: " + "".join((Path(tmp) / h.name / "node.log").read_text()[-3000:]
+                                                             for h in (a, b)))
+        view = json.loads(out.stdout.strip().splitlines()[-1])
+        first_stage = view["plan"]["stages"][0]["nodes"][0]
+        entry = a if first_stage == a.name else b  # the client talks to a node that is not the head
+        url = f"http://{entry.ip}:{HTTP}"
+
+        def runner(cmd, timeout):
+            return client.run(cmd, timeout=timeout, check=False)
+
+        ttft = run_client([url, model.name, str(words), str(rounds), "ttft"], runner)
+        owui = run_client([url, model.name, str(words), str(openwebui), "openwebui"], runner) if openwebui else None
+        for h in (a, b):
+            log = (Path(tmp) / h.name / "node.log").read_text()
+            lost = log.count("generation lost")
+            if lost:
+                print(f"{h.name}: {lost} 'generation lost' lines in the log")
+        return ttft, owui
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--openwebui", type=int, default=0, help="rounds of the openai-client pattern on 2 stages")
+    ap.add_argument("--only", choices=("one", "two"))
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
+    args = ap.parse_args()
+    from meshnode.modelbuild import model_dir_for
+
+    spec = dict(MODEL)
+    model = model_dir_for(args.cache, spec.pop("family"), **spec)
+    words = title_words(model)
+    print(f"model {model.name}; title prompt ~1000 tokens ({words} words); answer max_tokens {ANSWER_TOKENS}")
+    result = {}
+    if args.only != "two":
+        r = one_node(model, words, args.rounds)
+        result["one_node"] = r
+        print(f"one node:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
+              f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
+              f"title {r['title']:.2f} s")
+    if args.only != "one":
+        r, owui = two_stages(model, words, args.rounds, args.openwebui)
+        result["two_stages"] = r
+        print(f"2 stages:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
+              f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
+              f"title {r['title']:.2f} s")
+        if owui is not None:
+            want = reference(model)
+            wrong = sum(1 for t in owui["texts"] if t != want)
+            print(f"Open WebUI pattern, {args.openwebui} rounds on 2 stages: {len(owui['lost'])} lost, "
+                  f"{wrong} answers differing from mlx-lm, answer TTFT median {owui['ttft_median']:.2f} s")
+            result["openwebui"] = {"rounds": args.openwebui, "lost": len(owui["lost"]), "wrong": wrong,
+                                   "errors": owui["lost"][:3]}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

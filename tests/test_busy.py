@@ -1,0 +1,192 @@
+"""A busy stage is not a lost stage (issue 10b), on real namespace hosts.
+
+Two nodes hold two stages of one model; the client talks to the first stage (not the head), so
+both waits are exercised: the head waiting on the first stage's data port, and the first stage
+waiting on the head's Generate stream. Delays are injected deterministically into the first
+stage's steps (MESHNODE_TEST_STAGE_DELAY, meshnode.data.hop.InjectedDelay) while the node stays
+alive (it keeps heartbeating): before this issue, any step past 2 s (decode) or past
+2 s + 0.05 s per queued position (prefill) counted as a lost stage, and the request waited 30 s
+for a re-plan that nobody made, then failed (503 or placement_lost).
+
+One mesh serves every test of the module (forming it costs ~15 s); each test sets the delays it
+needs and clears them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from meshnode.data.compute import seed_figures
+from meshnode.data.profile import profile_model
+from meshnode.modelbuild import build_model
+from tests.cluster import HTTP, Cluster, mlx_reference, read_stream
+from tests.netns import netns_mesh
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about the sea and the rivers."}]
+CTX = 2048
+
+
+def long_messages(words: int = 230) -> list[dict]:
+    """A title-like request: about 1k tokens with this model's tokenizer."""
+    return [{"role": "user", "content": "### Task: a concise title for the chat below.\n"
+             + " ".join(f"word{i % 97}" for i in range(words))}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("busy") / "llama", "llama", num_layers=8, hidden_size=128,
+                       intermediate_size=256, dtype="float32", seed=5)
+
+
+@pytest.fixture(scope="module")
+def mesh2(model, tmp_path_factory):
+    """(cluster, view, entry host = the first stage, head host, the first stage's delay file)."""
+    tmp = tmp_path_factory.mktemp("busy-mesh")
+    seed = tmp / "seed"
+    seed.mkdir()
+    seed_figures(model, profile_model(model).num_layers, seed, rounds=1)
+    total = profile_model(model).total_bytes(CTX)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp, max_context=CTX, seed=seed)
+        delays = {}
+        for h in cluster.hosts:
+            (tmp / h.name).mkdir(exist_ok=True)
+            delays[h.name] = tmp / h.name / "delay.json"
+            delays[h.name].write_text("{}")
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_TEST_STAGE_DELAY": str(delays[h.name])})
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 60, "a 2-stage plan")[0]
+        first, head = (s["nodes"][0] for s in view["plan"]["stages"])
+        entry = cluster.host(first)
+        yield cluster, view, entry, cluster.host(head), delays[first]
+
+
+def set_delay(path, spec: dict) -> None:
+    path.write_text(json.dumps(spec))
+    time.sleep(0.05)  # a new mtime for the next read
+
+
+def assert_no_loss(cluster, view):
+    for h in cluster.hosts:
+        log = cluster.log(h)
+        assert "generation lost" not in log and "stopped heartbeating" not in log, cluster.logs()
+    assert cluster.mesh_view(cluster.hosts[0])["epoch"] == view["epoch"], "the mesh re-planned"
+
+
+def test_stage_stalled_in_prefill_and_decode_is_not_lost(model, mesh2):
+    """The first stage stalls 5 s on the prompt's first chunk and 5 s on a decode step (well past
+    the old 3.5 s / 2 s deadlines) while it heartbeats: the stream completes identical to mlx-lm
+    in the same epoch, with no re-plan and no retry."""
+    cluster, view, entry, head, delay = mesh2
+    want = mlx_reference(model, MESSAGES, 24)
+    set_delay(delay, {"prefill": 5.0, "prefill_first": 1, "decode": 5.0, "decode_at": [6]})
+    try:
+        t0 = time.monotonic()
+        text, _ = read_stream(cluster.stream(entry, MESSAGES, 24), timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        set_delay(delay, {})
+    assert text == want, cluster.logs()
+    assert took >= 10.0, f"the injected stalls did not happen ({took:.1f} s)"
+    assert cluster.log(entry).count("test delay:") >= 2
+    assert_no_loss(cluster, view)
+
+
+def test_slow_stage_serves_a_1k_token_prompt_without_503(model, mesh2):
+    """A stage slowed as a machine with another job is (every decode step 2.5 s, past the old 2 s
+    allowance; prefill 4 ms per position) serves a ~1k-token prompt with default settings:
+    slowly, no 503, the answer identical to mlx-lm."""
+    cluster, view, entry, head, delay = mesh2
+    messages = long_messages()
+    want = mlx_reference(model, messages, 3)
+    set_delay(delay, {"prefill_per_position": 0.004, "decode": 2.5})
+    try:
+        body = {"model": model.name, "messages": messages, "max_tokens": 3, "temperature": 0}
+        status, _, out = cluster.fetch(f"http://{entry.ip}:{HTTP}/v1/chat/completions", body, timeout=120)
+    finally:
+        set_delay(delay, {})
+    assert status == 200, (out, cluster.logs())
+    assert out["usage"]["prompt_tokens"] >= 900, out["usage"]
+    assert out["choices"][0]["message"]["content"] == want
+    assert_no_loss(cluster, view)
+
+
+# Open WebUI's new-chat pattern through the openai client, from the client namespace: the answer
+# (streamed) and a ~1k-token title request (non-streamed) sent at the same moment.
+OPENWEBUI = r'''
+import json, sys, threading
+from openai import OpenAI
+url, model, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+answer, title = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+texts, lost = [], []
+def ask():
+    try:
+        text = ""
+        for ch in c.chat.completions.create(model=model, messages=answer, max_tokens=20, temperature=0, stream=True):
+            if ch.choices and ch.choices[0].delta.content:
+                text += ch.choices[0].delta.content
+        texts.append(text)
+    except Exception as e:
+        lost.append("answer: " + repr(e))
+def name():
+    try:
+        c.chat.completions.create(model=model, messages=title, max_tokens=10, temperature=0)
+    except Exception as e:
+        lost.append("title: " + repr(e))
+for _ in range(rounds):
+    a, b = threading.Thread(target=ask), threading.Thread(target=name)
+    a.start(); b.start(); a.join(); b.join()
+print(json.dumps({"texts": texts, "lost": lost}))
+'''
+
+# 20 rounds (the issue's figure) take ~2 minutes on a shared 2-core CI box; 6 rounds keep this
+# test near 30 s. The 20-round version: benchmarks/busy.py --openwebui 20.
+ROUNDS = 6
+
+
+def test_openwebui_answer_and_title_at_once_nothing_lost(model, mesh2):
+    cluster, view, entry, head, delay = mesh2
+    want = mlx_reference(model, MESSAGES, 20)
+    out = cluster.client.run([sys.executable, "-c", OPENWEBUI, f"http://{entry.ip}:{HTTP}", model.name,
+                              str(ROUNDS), json.dumps(MESSAGES), json.dumps(long_messages())],
+                             timeout=150, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["lost"] == [], (result["lost"], cluster.logs())
+    assert result["texts"] == [want] * ROUNDS
+    assert_no_loss(cluster, view)
+
+
+def test_access_log_one_line_per_request_and_quiet_disconnect(model, mesh2):
+    """Every request (a 404 poll, a chat, a stream the client drops) leaves one access line in the
+    log of the node it reached; a client that goes away leaves one INFO line and no traceback."""
+    cluster, view, entry, head, delay = mesh2
+    before = cluster.log(entry).count("meshnode.access:")
+    status, _, _ = cluster.fetch(f"http://{entry.ip}:{HTTP}/api/tags")
+    assert status == 404
+    cluster.chat(entry, MESSAGES, 4)
+    set_delay(delay, {"decode": 0.2})  # a stream long enough to walk away from
+    try:
+        proc = cluster.stream(entry, MESSAGES, 200)
+        for _ in range(4):
+            proc.stdout.readline()
+        proc.kill()  # the client goes away mid-stream (a chat UI's Stop)
+        proc.wait(10)
+        cluster.wait(lambda: "client disconnected" in cluster.log(entry), 20, "the disconnect noticed")
+    finally:
+        set_delay(delay, {})
+    time.sleep(0.5)
+    log = cluster.log(entry)
+    lines = [line for line in log.splitlines() if "meshnode.access:" in line]
+    assert len(lines) - before == 3, lines[before:]
+    new = lines[before:]
+    assert "GET /api/tags 404" in new[0]
+    assert "POST /v1/chat/completions 200" in new[1] and f"model={model.name}" in new[1] and "+4" in new[1]
+    assert "client-disconnected" in new[2]
+    assert "Traceback" not in log and "Error handling request" not in log, log[-4000:]

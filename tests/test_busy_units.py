@@ -1,0 +1,189 @@
+"""A busy stage is not a lost stage (issue 10b): the rules, without namespaces.
+
+Liveness comes from the control plane: a reply is awaited while the peer heartbeats, however
+long it takes; a false suspicion replays on the same epoch at once when no new plan is coming;
+long prompts are cut into short chunks while other generations run; every HTTP request leaves
+one access line and a client that goes away leaves no traceback. The same on real namespace
+hosts: tests/test_busy.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from unittest import mock
+
+import aiohttp
+import pytest
+
+from meshnode.data.stage import RemoteSession, RemoteStage, RemoteTicket, StageError
+from meshnode.generation import SamplingParams
+from meshnode.modelbuild import build_model
+from meshnode.prefill import BUSY_MIN_CHUNK, SHARED_STEP, TURN, ChunkSizer
+from meshnode.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
+from tests.helpers import running_node
+
+TRUE = list(range(100, 120))
+
+
+class Flaky:
+    """Continues TRUE after the prompt; the first run fails after ``fail_after`` tokens."""
+
+    def __init__(self, epoch, fail_after):
+        self.epoch, self.fail_after, self.runs = epoch, fail_after, 0
+
+    async def tokens(self, prompt, params):
+        self.runs += 1
+        done = len(prompt) - 3
+        for i, t in enumerate(TRUE[done: done + params.max_tokens]):
+            if self.runs == 1 and i == self.fail_after:
+                raise PlacementLost("head n2 stopped heartbeating")
+            yield t
+
+
+def collect(src):
+    async def go():
+        return [t async for t in src.tokens([1, 2, 3], SamplingParams(max_tokens=20))]
+
+    return asyncio.run(go())
+
+
+def never_newer(after):
+    if after is not None:
+        raise NotReady("no newer plan")
+    return placement
+
+
+placement = Flaky(2, fail_after=5)
+
+
+def test_false_suspicion_retries_on_the_same_epoch_at_once():
+    """Nothing failed (every node answered since), no plan is coming: the generation replays on
+    the same epoch right away instead of waiting out the 30 s failover deadline."""
+    global placement
+    placement = Flaky(2, fail_after=5)
+    heard = []
+
+    def same_epoch(epoch, since):
+        heard.append((epoch, since))
+        return placement if len(heard) >= 2 else None  # a heartbeat arrives on the second look
+
+    t0 = time.monotonic()
+    out = collect(FailoverSource(never_newer, poll=0.01, deadline=30, same_epoch=same_epoch))
+    assert out == TRUE
+    assert time.monotonic() - t0 < 2.0
+    assert placement.runs == 2 and heard[0][0] == 2
+
+
+def test_a_lost_node_still_waits_for_the_new_plan():
+    """A node never heard from again: no same-epoch retry; without a new plan the generation fails
+    at the deadline, as before."""
+    global placement
+    placement = Flaky(2, fail_after=5)
+    src = FailoverSource(never_newer, poll=0.01, deadline=0.3, same_epoch=lambda epoch, since: None)
+    with pytest.raises(PlacementLost, match="no new plan"):
+        collect(src)
+
+
+def test_await_while_alive_waits_past_any_deadline_and_stops_when_the_peer_does():
+    async def slow(seconds, value):
+        await asyncio.sleep(seconds)
+        return value
+
+    async def go():
+        t0 = time.monotonic()
+        assert await await_while_alive(slow(1.2, "token"), lambda: True, str, poll=0.05) == "token"
+        assert time.monotonic() - t0 >= 1.2
+        alive = {"v": True}
+        asyncio.get_running_loop().call_later(0.3, alive.update, {"v": False})
+        t0 = time.monotonic()
+        with pytest.raises(PlacementLost, match="gone after"):
+            await await_while_alive(slow(60, None), lambda: alive["v"], lambda s: f"gone after {s:.1f} s",
+                                    poll=0.05)
+        assert time.monotonic() - t0 < 1.0
+
+    asyncio.run(go())
+
+
+def _remote_stage(alive):
+    return RemoteStage(node_id="n1", channel=mock.MagicMock(), loop=None, start=0, end=4, epoch=1,
+                       hidden_size=8, dtype=__import__("mlx.core").core.float32, hop_timeout=0.2, alive=alive)
+
+
+def test_a_reply_is_awaited_while_the_stage_heartbeats():
+    """A stage's reply 1.5 s late (past the old 2 x hop_timeout rule) is waited for while the stage
+    is alive; once it stops heartbeating, the wait ends within a poll."""
+    alive = {"v": True}
+    stage = _remote_stage(lambda: alive["v"])
+    session = RemoteSession(stage, "req")
+    future = concurrent.futures.Future()
+    ticket = RemoteTicket(session, future, 1)
+    timer = __import__("threading").Timer(1.5, future.set_result, ("reply",))
+    timer.start()
+    t0 = time.perf_counter()
+    ticket.wait()
+    assert time.perf_counter() - t0 >= 1.4
+    ticket = RemoteTicket(session, concurrent.futures.Future(), 1)
+    __import__("threading").Timer(0.3, alive.update, ({"v": False},)).start()
+    t0 = time.perf_counter()
+    with pytest.raises(StageError, match="stopped heartbeating"):
+        ticket.wait()
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_long_prompts_are_cut_short_while_others_run():
+    busy = {"v": False}
+    sizer = ChunkSizer(1, max_step=0.5, max_chunk=512, seed=[0.001], busy=lambda: busy["v"])
+    assert sizer.next(1000, 1000) == int(TURN / 0.001)  # alone: a turn's worth, from the earlier rate
+    busy["v"] = True
+    assert sizer.next(1000, 1000) == int(SHARED_STEP / 0.001)  # others waiting: a short slice
+    sizer.observe(0, 10, 1.0)  # a very slow stage
+    assert sizer.next(1000, 1000) == BUSY_MIN_CHUNK
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("busy-api") / "llama", "llama", num_layers=2, dtype="float32")
+
+
+def test_access_log_and_quiet_client_disconnect(model_path, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with running_node(model_path, tmp_path, max_context=512) as (node, base):
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{base}/api/tags") as r:
+                    assert r.status == 404
+                body = {"model": node.model_id, "prompt": "hello", "max_tokens": 3, "temperature": 0}
+                async with s.post(f"{base}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                body = {**body, "max_tokens": 400, "stream": True}
+                async with s.post(f"{base}/v1/completions", json=body) as r:
+                    await r.content.readline()
+            deadline = time.monotonic() + 10
+            while node.scheduler.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+
+        asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if r.name == "meshnode.access"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("GET /api/tags 404 ")
+    assert lines[1].startswith("POST /v1/completions 200 ") and f"model={node.model_id}" in lines[1]
+    assert lines[1].endswith("+3")
+    assert "client-disconnected" in lines[2]
+    assert sum("client disconnected" in r.getMessage() for r in caplog.records) == 1
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_access_log_off_by_setting(model_path, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with running_node(model_path, tmp_path, max_context=512, access_log=False) as (node, base):
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{base}/health") as r:
+                    assert r.status == 200
+
+        asyncio.run(go())
+    assert not [r for r in caplog.records if r.name == "meshnode.access"]
