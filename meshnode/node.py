@@ -965,7 +965,9 @@ class Node:
         return TensorShard(path, stage.start_layer, stage.end_layer, self.profile.num_layers,
                            rank=stage.nodes.index(self.node_id), endpoints=endpoints, control=controls[0],
                            secret=self._group_secret, hop_timeout=self.settings.failure_timeout,
-                           inject_latency=self.settings.inject_latency_us * 1e-6)
+                           inject_latency=self.settings.inject_latency_us * 1e-6,
+                           members_alive=lambda: self.membership is not None and all(
+                               self.membership.heard_within(n) for n in stage.nodes))
 
     def _retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""

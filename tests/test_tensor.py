@@ -181,3 +181,26 @@ def test_tensor_family_group_matches_mlx_lm(tmp_path, family, quantize):
     finally:
         for member in members:
             member.close()
+
+
+def test_a_slow_step_is_waited_for_while_every_member_heartbeats(model):
+    """Liveness from the control plane: a step far slower than the group's per-step deadline (every
+    collective delayed) completes while ``members_alive`` holds; once it does not, the step fails at once."""
+    heartbeats = [True]
+    members = _group(model, 0, 6, hop_timeout=0.05, inject_latency=0.05,
+                     members_alive=lambda: heartbeats[0])
+    try:
+        lead = members[0]
+        cache = lead.make_cache()
+        t0 = time.monotonic()
+        got = _greedy(lambda x: lead.forward(x, cache), 3)
+        assert time.monotonic() - t0 > 3 * 0.05 * 12  # 12 delayed collectives a step: far past 0.05 s
+        m, _ = load(str(model))
+        assert got == [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=3)),
+                                                range(3))]
+        heartbeats[0] = False
+        with pytest.raises(TensorGroupError, match="stopped heartbeating"):
+            _greedy(lambda x: lead.forward(x, cache), 1)
+    finally:
+        for member in members:
+            member.close()

@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 import mlx.core as mx
 
@@ -334,6 +334,7 @@ class TensorShard:
         hop_timeout: float = 2.0,
         prefill_allowance: float = 0.05,
         inject_latency: float = 0.0,
+        members_alive: Callable[[], bool] | None = None,
     ):
         self.path = Path(model_path)
         self.spec = ShardSpec(start, end, num_layers)
@@ -342,6 +343,9 @@ class TensorShard:
         self.group_size = len(self.endpoints)
         self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
         self.inject_latency = inject_latency  # seconds every collective waits (tests and benchmarks)
+        # Every member's node heartbeats (the control plane): a step is then waited for however long
+        # it takes, as a pipeline stage is. None: a fixed deadline per step (tests of the group alone).
+        self.members_alive = members_alive
         self.dtype: mx.Dtype = mx.float32
         self.hidden_size: int | None = None
         self.nbytes = 0
@@ -412,13 +416,23 @@ class TensorShard:
         self.close()
         return TensorGroupError(f"tensor group [{self.start}, {self.end}): {why}")
 
-    def _read(self, timeout: float, doing: str) -> mesh_pb2.WorkerReply:
+    def _read(self, timeout: float, doing: str, alive: Callable[[], bool] | None = None) -> mesh_pb2.WorkerReply:
+        """The worker's next reply: within ``timeout``, or, given ``alive``, for as long as it holds
+        (checked four times a second) and the worker runs."""
         proc = self._proc
         if proc is None:
             raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is stopped")
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            raise self._fail(f"no answer within {timeout:.1f} s while {doing}")
+        started = time.monotonic()
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], timeout if alive is None else 0.25)
+            if ready:
+                break
+            if alive is None:
+                raise self._fail(f"no answer within {timeout:.1f} s while {doing}")
+            if not alive():
+                raise self._fail(f"a member stopped heartbeating {time.monotonic() - started:.1f} s into {doing}")
+            if proc.poll() is not None:
+                break  # read_frame below reports the exit
         try:
             reply = read_frame(proc.stdout, mesh_pb2.WorkerReply)
         except (EOFError, OSError, TensorGroupError) as exc:
@@ -450,7 +464,8 @@ class TensorShard:
                 write_frame(self._proc.stdin, mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x)))
             except OSError as exc:
                 raise self._fail(f"worker pipe broke ({exc})") from None
-            reply = self._read(self.hop_timeout + self.prefill_allowance * positions, "running a step")
+            reply = self._read(self.hop_timeout + self.prefill_allowance * positions, "running a step",
+                               self.members_alive)
         expect = (1, 1 if self.spec.is_last else positions, None)
         try:
             return from_tensor(reply.output, expect=expect)
