@@ -54,6 +54,19 @@ def pipeline(path, cuts, prompt=PROMPT, max_tokens=TOKENS):
                                 prefill_step_size=8))
 
 
+def on_thread(fn, errors: list) -> None:
+    """Run ``fn`` on a thread of its own (as a node's data connection does) and wait; what it raises
+    goes into ``errors``."""
+    def guarded():
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+    t = threading.Thread(target=guarded)
+    t.start()
+    t.join()
+
+
 def two_stages(path):
     config = json.loads((path / "config.json").read_text())
     bounds = split_boundaries(config)
@@ -175,19 +188,8 @@ def test_step_built_ahead_in_one_thread_evaluates_in_another(models, family):
     step = head.forward(mx.array([[PROMPT[0]]]), hc)
     mx.eval(step)
     built, errors = {}, []
-
-    def run(fn):
-        def guarded():
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-        t = threading.Thread(target=guarded)
-        t.start()
-        t.join()
-
-    run(lambda: built.update(zip(("placeholder", "out"), tail.build_ahead(tc))))
-    run(lambda: (built["placeholder"].fill_from(step), mx.eval(built["out"])))
+    on_thread(lambda: built.update(zip(("placeholder", "out"), tail.build_ahead(tc))), errors)
+    on_thread(lambda: (built["placeholder"].fill_from(step), mx.eval(built["out"])), errors)
     assert not errors, errors
     assert mx.array_equal(built["out"], tail.forward(step, plain)).item()
 
@@ -200,19 +202,8 @@ def test_a_shard_loaded_on_one_thread_runs_on_another(models, family):
     path = models(family)
     loaded: dict = {}
     errors: list = []
-
-    def on_thread(fn):
-        def guarded():
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-        t = threading.Thread(target=guarded)
-        t.start()
-        t.join()
-
     cut = two_stages(path)[0][1]
-    on_thread(lambda: loaded.update(head=Shard(path, 0, cut), tail=Shard(path, cut, LAYERS)))
+    on_thread(lambda: loaded.update(head=Shard(path, 0, cut), tail=Shard(path, cut, LAYERS)), errors)
     assert not errors, errors
 
     def run():
@@ -220,7 +211,7 @@ def test_a_shard_loaded_on_one_thread_runs_on_another(models, family):
         loaded["out"] = loaded["tail"].forward(hidden, loaded["tail"].make_cache())
         mx.eval(loaded["out"])
 
-    on_thread(run)
+    on_thread(run, errors)
     assert not errors, errors
     whole, _ = load_model(path)
     assert mx.array_equal(loaded["out"], whole(mx.array([PROMPT]))).item()

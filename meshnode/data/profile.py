@@ -15,7 +15,7 @@ import re
 import struct
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshnode.data.splits import split_boundaries, split_support, text_config
 
@@ -144,23 +144,33 @@ class ModelProfile:
         return cls(**kw)
 
 
+def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], where: str) -> tuple[int, dict]:
+    """(bytes before the tensor data, the JSON header without ``__metadata__``) of a safetensors file
+    whose first bytes are ``head``; ``more(first, last)`` reads bytes first..last (inclusive) when
+    the header is longer than ``head``. ``where`` names the file in errors."""
+    if len(head) < 8:
+        raise ValueError(f"{where}: not a safetensors file")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER:
+        raise ValueError(f"{where}: header of {n} bytes is implausible")
+    raw = head[8:8 + n] if len(head) >= 8 + n else head[8:] + more(len(head), 8 + n - 1)
+    if len(raw) != n:
+        raise ValueError(f"{where}: truncated safetensors header")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (without ``__metadata__``); reads no tensor data."""
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER:
-            raise ValueError(f"{path}: header of {n} bytes is implausible")
-        body = f.read(n)
-    if len(body) != n:
-        raise ValueError(f"{path}: truncated safetensors header")
-    header = json.loads(body)
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header
+        def more(first: int, last: int) -> bytes:
+            f.seek(first)
+            return f.read(last - first + 1)
+
+        return decode_safetensors_header(f.read(8), more, str(path))[1]
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -202,7 +202,7 @@ def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, di
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    from meshnode.data.profile import MAX_HEADER
+    from meshnode.data.profile import decode_safetensors_header
 
     url = hf_hub_url(model_id, filename, revision=revision)
     headers = build_hf_headers()
@@ -216,20 +216,7 @@ def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, di
             body = body[first:last + 1]
         return body
 
-    head = get(0, 64 * 1024 - 1)
-    if len(head) < 8:
-        raise ValueError(f"{model_id}/{filename}: not a safetensors file")
-    n = int.from_bytes(head[:8], "little")
-    if n > MAX_HEADER:
-        raise ValueError(f"{model_id}/{filename}: header of {n} bytes is implausible")
-    raw = head[8:8 + n] if len(head) >= 8 + n else head[8:] + get(len(head), 8 + n - 1)
-    if len(raw) != n:
-        raise ValueError(f"{model_id}/{filename}: truncated safetensors header")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError(f"{model_id}/{filename}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return 8 + n, header
+    return decode_safetensors_header(get(0, 64 * 1024 - 1), get, f"{model_id}/{filename}")
 
 
 def _remote_entry(model_id: str, revision: str, path: str, size: int, sha256: str | None) -> mesh_pb2.FileEntry:
