@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.data.profile import profile_model
+from meshnode.data.profile import profile_model, read_safetensors_header
 from meshnode.modelbuild import build_model
 from tests.cluster import Cluster, mlx_reference, read_stream
 from tests.netns import netns_mesh
@@ -219,18 +219,21 @@ def test_a_middle_stage_fetched_from_a_peer_runs_quantized_and_bf16(quantize, dt
                         intermediate_size=256, dtype=dtype, quantize=quantize, seed=5)
     reference = mlx_reference(model, MESSAGES, 24)
     total = profile_model(model).total_bytes(512)
-    with netns_mesh(3) as mesh:
+    with netns_mesh(4) as mesh:
         cluster = Cluster(mesh, model, tmp_path)
         holder, *others = cluster.hosts
-        cluster.start(holder, int(total * 0.4))
+        # The holder only supplies the weights (its budget holds no stage); the three others, each
+        # with 0.4 of the model's footprint, are the plan's three stages and fetch their layers.
+        cluster.start(holder, int(total * 0.05))
         for h in others:
             cluster.start(h, int(total * 0.4), model=model.name)
-        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "convergence")[0]
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 4), 120, "convergence")[0]
         stages = [(s["start_layer"], s["end_layer"], s["nodes"][0]) for s in view["plan"]["stages"]]
-        assert len(stages) == 3 and stages[0][2] == holder.name, stages
+        assert len(stages) == 3 and holder.name not in {n for _, _, n in stages}, stages
         middle = stages[1][2]
-        assert middle != holder.name
-        held = [f.name for f in (tmp_path / middle / "cache").rglob("*.safetensors")]
+        held = list((tmp_path / middle / "cache").rglob("*.safetensors"))
         assert held, "the middle stage's node fetched nothing"
+        names = {k for f in held for k in read_safetensors_header(f)}
+        assert names and not any("embed_tokens" in k or "lm_head" in k for k in names), sorted(names)
         for h in cluster.hosts:
             assert cluster.chat(h, MESSAGES, 24) == reference, cluster.logs()
