@@ -50,13 +50,14 @@ def mlx_lm_decode_tps(path: Path, max_tokens: int, repeats: int = 3) -> float:
     return mlx_lm_decoder(path)(max_tokens, repeats)
 
 
-def mlx_lm_decoder(path: Path):
+def mlx_lm_decoder(path: Path, text: str = PROMPT):
     """The model loaded once: ``decode(max_tokens, repeats)`` gives mlx_lm.stream_generate's decode
-    tokens/s (best of ``repeats``), for measuring it again between other measurements."""
+    tokens/s (best of ``repeats``) after the chat prompt ``text``, for measuring it again between
+    other measurements."""
     from mlx_lm import load, stream_generate
 
     model, tokenizer = load(str(path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
     def decode(max_tokens: int, repeats: int = 3) -> float:
         figures = []
@@ -96,14 +97,15 @@ def sse_events(response):
             yield json.loads(line[6:])
 
 
-def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3) -> tuple[float, int]:
+def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3,
+                    text: str = PROMPT) -> tuple[float, int]:
     """Decode tokens/s seen by an HTTP streaming client (best of ``repeats``), and tokens generated.
 
     Tokens are counted from the usage chunk, not from text chunks: a token that ends inside a
     multi-byte character streams no text of its own. The clock runs from the first text chunk
     to the last chunk, so the prompt's prefill is not counted.
     """
-    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": text}], "stream": True,
                        "max_tokens": max_tokens, "temperature": 0,
                        "stream_options": {"include_usage": True}}).encode()
     figures, count = [], 0
