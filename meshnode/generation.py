@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import queue
@@ -43,6 +44,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # Tokens of this generation already produced elsewhere: a replay after failover passes how many
+    # it carries over, so a seeded draw continues where it was instead of starting again.
+    offset: int = 0
 
 
 class StageSession(Protocol):
@@ -217,26 +221,35 @@ class PipelineModel:
 
 
 def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler; with a seed, the same filtering drawn from the request's own key.
+    """mlx-lm's sampler; with a seed, the same filtering drawn from the request's own keys.
 
-    MLX's random state is global, so concurrent requests would share one stream; a seeded
-    request instead splits its own key per token and is reproducible whatever else runs.
+    MLX's random state is global, so concurrent requests would share one stream; a seeded request
+    instead draws token ``i`` of its generation with a key made from ``(seed, i)`` alone. So it is
+    reproducible whatever else runs, and a replay that starts at ``params.offset`` (failover)
+    draws exactly what the lost placement would have drawn next.
     """
     if params.seed is None or params.temperature == 0:
         return make_sampler(temp=params.temperature, top_p=params.top_p)
-    # The API accepts any int64 seed (OpenAI's range); mx.random.key takes uint64 only: a negative
-    # seed used to fail the generation (a 500, or a broken stream). Found by tests/test_fuzz.py.
-    key = mx.random.key(params.seed % 2**64)
+    # The API accepts any int64 seed (OpenAI's range): fold it to the key's uint64 (a negative seed
+    # used to fail the generation; found by tests/test_fuzz.py).
+    seed, index = params.seed % 2**64, params.offset
     top_p, inv_temp = params.top_p, 1.0 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
+        nonlocal index
+        key = draw_key(seed, index)
+        index += 1
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        return mx.random.categorical(logprobs * inv_temp, key=key)
 
     return sample
+
+
+def draw_key(seed: int, index: int) -> mx.array:
+    """The random key of token ``index`` of a generation seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little"))
 
 
 @dataclass(frozen=True)

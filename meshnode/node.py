@@ -38,7 +38,8 @@ from meshnode.control.auth import ClusterAuth, SignedChannel
 from meshnode.control import tls
 from meshnode.control.echo import EchoServer
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
-from meshnode.control.election import Candidate, choose_coordinator, next_epoch
+from meshnode.control.election import Candidate, choose_coordinator
+from meshnode.control.epochs import EpochState
 from meshnode.control.links import LinkProber, LinkStat, best_paths, probe_reply, ring_address
 from meshnode.control.membership import Membership
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_from_pb, plan_to_pb
@@ -55,7 +56,8 @@ from meshnode.data.transfer import FetchError, ModelStore
 from meshnode.control.browse import Browser
 from meshnode.data.dataport import DataServer
 from meshnode.data.hop import serve_forward
-from meshnode.data.stage import RemoteStage, StageError, StageServer
+from meshnode.data.stage import (EPOCH_PENDING, FAULT, STAGE_FAULT, RemoteStage, StageError, StageFault, StagePending,
+                                 StageServer, is_fault)
 from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.engine import Engine
 from meshnode.generation import (LocalStage, PipelineSource, PrefillOptions, SamplingParams, TokenScheduler,
@@ -65,7 +67,8 @@ from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import NodeMetrics, Progress
 from meshnode.modelsource import ModelNotFound, resolve_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
-from meshnode.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
+from meshnode.resilience import (EpochPending, FailoverSource, GenerationFault, NotReady, PlacementLost,
+                                 await_while_alive)
 from meshnode import sysinfo
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,14 @@ MODEL_WAIT_S = 300.0
 
 def _unavailable(message: str, retry_after: int = 2, code: str = "mesh_unavailable") -> ApiError:
     return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
+def _gave_up(exc: BaseException) -> ApiError:
+    """The client's error for a generation that cannot go on (an error event mid-stream)."""
+    if isinstance(exc, GenerationFault):
+        return _unavailable(f"a stage of the mesh failed on this request: {exc}", 5, "stage_fault")
+    return _unavailable(f"the mesh lost this generation's placement and had no new plan ready in time ({exc})",
+                        2, "placement_lost")
 
 
 class HeadPlacement:
@@ -101,8 +112,15 @@ class HeadPlacement:
         try:
             async for token in self._source.tokens(prompt, params):
                 yield token
+        except StagePending as exc:
+            raise EpochPending(str(exc)) from None
+        except StageFault as exc:
+            raise GenerationFault(str(exc)) from None
         except (StageError, TensorGroupError) as exc:
             raise PlacementLost(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - this node's own layers raised on the input
+            log.exception("epoch %d: the generation failed here", self.epoch)
+            raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
 
 
 class RemoteHeadPlacement:
@@ -118,7 +136,7 @@ class RemoteHeadPlacement:
         request = mesh_pb2.GenerateRequest(
             request_id=new_request_id(node.node_id), epoch=self.epoch, prompt=list(prompt),
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            has_seed=params.seed is not None, seed=params.seed or 0,
+            has_seed=params.seed is not None, seed=params.seed or 0, offset=params.offset,
         )
         call = stub.Generate(request, wait_for_ready=True)
         # The head is waited for while it heartbeats, however long its prefill or a token takes
@@ -131,13 +149,23 @@ class RemoteHeadPlacement:
                 if reply is grpc.aio.EOF:
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
-                        raise PlacementLost(f"head {self.head}: {code.name}: {await call.details()}")
+                        raise _head_failure(self.head, code, await call.details())
                     return
                 yield reply.token
         except grpc.aio.AioRpcError as exc:
-            raise PlacementLost(f"head {self.head}: {exc.code().name}: {exc.details()}") from None
+            raise _head_failure(self.head, exc.code(), exc.details()) from None
         finally:
             call.cancel()
+
+
+def _head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
+    """What a remote head's error status means for the generation (the codes of meshnode.data.stage)."""
+    message = f"head {head}: {code.name}: {details}"
+    if code == EPOCH_PENDING:
+        return EpochPending(message)
+    if is_fault(code, details):
+        return GenerationFault(message)
+    return PlacementLost(message)
 
 
 class MeshServicer(mesh_pb2_grpc.MeshServicer):
@@ -227,16 +255,13 @@ class Node:
         self.discovery: Discovery | None = None
         self.coordinator: str | None = None
         self.plan: Plan | None = None
-        self.plan_coordinator = ""
         self.previous: Plan | None = None  # the last ready plan, served until the current one is ready
         self._plan_changed_at = 0.0
-        self._dropped_epoch = 0  # epoch of a plan withdrawn for lack of capacity
         self.plan_error = ""
-        self.max_epoch_seen = 0
-        # An epoch for which a different plan, published by another coordinator, was seen: two nodes
-        # that each coordinated for a moment (start-up, a healed partition) can publish the same
-        # number. An epoch must name one plan, so the coordinator publishes its plan again above it.
-        self._contested_epoch = 0
+        # Epoch numbers and the rule that keeps one plan per epoch (meshnode.control.epochs). Nodes
+        # started together hear each other before either publishes (grace).
+        self.epochs = EpochState(grace=max(1.0, 2 * settings.heartbeat_interval))
+        self._control_since = 0.0
         self.ready_epoch = 0
         self._planned_for: frozenset[str] = frozenset()
         # started_at of each node of the plan this coordinator published: a node that restarts
@@ -377,8 +402,7 @@ class Node:
         self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
         source = FailoverSource(
             self.placement, deadline=self.settings.failover_deadline, on_retry=self.metrics.retry,
-            give_up=lambda exc: _unavailable(f"the mesh lost this generation's placement and had no new plan ready "
-                                             f"in time ({exc})", 2, "placement_lost"),
+            give_up=_gave_up,
             same_epoch=self.placement_again)
         self.engine = Engine(self.model_id, self.tokenizer, source, max_context=self.settings.max_context,
                              vocab_size=self.vocab_size, metrics=self.metrics)
@@ -587,22 +611,14 @@ class Node:
         peer = self.membership.peers[info.node_id]
         peer.ready_epoch = msg.ready_epoch
         peer.plan_error = msg.plan_error
-        self.max_epoch_seen = max(self.max_epoch_seen, msg.epoch)
-        if msg.HasField("plan"):
-            if msg.plan.epoch > self.epoch:
-                self._adopt_pb(msg.plan, source=info.node_id)
-            else:
-                self._check_contested(msg.plan.epoch, msg.plan.coordinator, info.node_id)
+        self.epochs.saw(msg.epoch)
+        if msg.HasField("plan") and self.epochs.offered(msg.plan.epoch, msg.plan.coordinator, info.node_id):
+            self._adopt_pb(msg.plan, source=info.node_id)
 
-    def _check_contested(self, epoch: int, publisher: str, seen_at: str) -> None:
-        """Note that ``publisher`` published a plan under this node's own epoch, if it is not the
-        node that published this node's plan."""
-        if self.plan is None or epoch != self.plan.epoch or publisher == self.plan_coordinator:
-            return
-        if self._contested_epoch != epoch:
-            log.warning("epoch %d names two plans: %s's (held here) and %s's (held by %s)", epoch,
-                        self.plan_coordinator, publisher, seen_at)
-            self._contested_epoch = epoch
+    @property
+    def plan_coordinator(self) -> str:
+        """Who published the plan held here."""
+        return self.epochs.held.coordinator if self.epochs.held is not None else ""
 
     async def on_heartbeat(self, request: mesh_pb2.HeartbeatRequest, context) -> mesh_pb2.HeartbeatReply:
         try:
@@ -651,6 +667,7 @@ class Node:
             log.exception("control loop tick failed")
 
     async def _control_loop(self) -> None:
+        self._control_since = time.monotonic()  # peers can find this node from now (rule 4 of epochs)
         while True:
             await self._heartbeat_all()
             await asyncio.sleep(self.settings.heartbeat_interval)
@@ -674,7 +691,7 @@ class Node:
             log.info("coordinator is now %s (was %s)", coordinator, self.coordinator)
             self._event("coordinator", node_id=coordinator)
             self.coordinator = coordinator
-        if coordinator == self.node_id:
+        if coordinator == self.node_id and self.epochs.may_publish_first(time.monotonic() - self._control_since):
             self._coordinate(alive)
         self._ensure_applied()
         self._retire_previous()
@@ -712,7 +729,7 @@ class Node:
         if plan_ok and restarted:
             log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted), self.plan.epoch)
             plan_ok = False
-        contested = plan_ok and self._contested_epoch == self.epoch
+        contested = plan_ok and self.epochs.must_republish()
         now = time.monotonic()
         # Re-plan on a membership change, and now and then with fresh link and compute figures.
         if (plan_ok and not contested and members == self._planned_for
@@ -773,7 +790,7 @@ class Node:
                      "under a new epoch", self.epoch)
         self._planned_for, self._planned_at, self._pending = members, now, None
         self._plan_incarnations = {n: alive[n].started_at for n in desired.node_ids()}
-        epoch = next_epoch(self.max_epoch_seen, self.epoch)
+        epoch = self.epochs.next_epoch()
         desired = desired.with_epoch(epoch)
         log.info("publishing plan epoch %d: %s (%s)", epoch, _describe(desired), desired.reason)
         self._adopt(desired, coordinator=self.node_id, source="self")
@@ -844,12 +861,11 @@ class Node:
             return
         if not reply.accepted:
             log.info("%s refused epoch %d: %s", target, msg.epoch, reply.error)
-            self.max_epoch_seen = max(self.max_epoch_seen, reply.epoch)
+            self.epochs.refused(msg.epoch, reply.epoch, target)
 
     def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
-        if msg.epoch <= self.epoch:
+        if not self.epochs.offered(msg.epoch, msg.coordinator, msg.coordinator):
             log.info("refused plan epoch %d from %s: current epoch is %d", msg.epoch, msg.coordinator, self.epoch)
-            self._check_contested(msg.epoch, msg.coordinator, msg.coordinator)
             return mesh_pb2.InstallReply(accepted=False, error=f"stale epoch (current {self.epoch})", epoch=self.epoch)
         try:
             self._adopt_pb(msg, source=msg.coordinator)
@@ -859,7 +875,7 @@ class Node:
 
     @property
     def epoch(self) -> int:
-        return self.plan.epoch if self.plan is not None else self._dropped_epoch
+        return self.epochs.epoch
 
     def _adopt_pb(self, msg: mesh_pb2.Plan, source: str) -> None:
         try:
@@ -878,10 +894,9 @@ class Node:
             # Make before break: keep serving the ready plan until the new one is ready everywhere.
             self.previous = self.plan
         self.plan = plan
+        self.epochs.adopted(plan.epoch, coordinator)
         self._plan_changed_at = time.monotonic()
-        self.plan_coordinator = coordinator
         self.plan_error = ""
-        self.max_epoch_seen = max(self.max_epoch_seen, plan.epoch)
         log.info("epoch %d adopted (from %s): %s", plan.epoch, source, _describe(plan))
         self._event("plan", epoch=plan.epoch, stages=_describe(plan))
         if self._apply_task is not None:
@@ -889,7 +904,7 @@ class Node:
         self._apply_task = asyncio.create_task(self._apply(plan))
 
     def _drop_plan(self) -> None:
-        self._dropped_epoch = self.epoch
+        self.epochs.withdraw()
         log.warning("epoch %d withdrawn: %s", self.epoch, self.plan_error)
         self.plan = None
         self.previous = None
@@ -1092,9 +1107,12 @@ class Node:
     async def on_generate(self, request: mesh_pb2.GenerateRequest, context):
         serving = self.serving_plan()
         if serving is None or serving.epoch != request.epoch:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            # Not switched yet (the plan is adopted but not ready here, or not adopted yet): the
+            # caller tries again shortly. Older than this node's plan: superseded, it waits for that.
+            pending = request.epoch > self.epoch or (request.epoch == self.epoch and self.plan is not None)
+            await context.abort(EPOCH_PENDING if pending else grpc.StatusCode.FAILED_PRECONDITION,
                                 f"epoch {request.epoch} is not the epoch served here "
-                                f"({serving.epoch if serving else 'none'})")
+                                f"({serving.epoch if serving else 'none'}{' yet' if pending else ''})")
         if _head(serving) != self.node_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
         prompt = list(request.prompt)
@@ -1104,12 +1122,17 @@ class Node:
                 or not (0 < request.top_p <= 1):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
         params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                top_p=request.top_p, seed=request.seed if request.has_seed else None)
+                                top_p=request.top_p, seed=request.seed if request.has_seed else None,
+                                offset=request.offset)
         try:
             async for token in self.placement_for(serving).tokens(prompt, params):
                 yield mesh_pb2.GenerateReply(token=token)
+        except EpochPending as exc:
+            await context.abort(EPOCH_PENDING, str(exc))
         except PlacementLost as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except GenerationFault as exc:
+            await context.abort(STAGE_FAULT, f"{FAULT}{exc}")
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:

@@ -42,6 +42,17 @@ class NotReady(RuntimeError):
     """No placement newer than the failed one is ready yet."""
 
 
+class EpochPending(PlacementLost):
+    """A node of the placement has not switched to the placement's epoch yet (it is adopting or
+    loading it): transient, so the same placement is tried again shortly, with backoff, until the
+    epoch is ready there or a newer plan supersedes it. Costs no attempt."""
+
+
+class GenerationFault(RuntimeError):
+    """A stage raised on the generation's input (a bug, a model it cannot run). Deterministic:
+    replaying it would fail the same way, so it ends the generation at once with the stage's error."""
+
+
 async def await_while_alive(awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str],
                             poll: float = 0.25):
     """The result of ``awaitable``, waited for as long as ``alive()`` holds (the peer heartbeats);
@@ -123,31 +134,61 @@ class FailoverSource:
                                 f"{after_epoch}") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _newer(self, epoch: int) -> Placement | None:
+        """The placement of a ready plan newer than ``epoch``, if there is one now."""
+        try:
+            return self._current(epoch)
+        except NotReady:
+            return None
+
     async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
         try:
             async for token in self._tokens(prompt, params):
                 yield token
-        except PlacementLost as exc:
+        except (PlacementLost, GenerationFault) as exc:
             if self._give_up is None:
                 raise
             raise self._give_up(exc) from exc
 
     async def _tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
         produced: list[int] = []
-        until = time.monotonic() + self._deadline
         placement = self._current(None)
-        for attempt in range(1, self._attempts + 1):
+        attempt = 1
+        pending_since: float | None = None  # the first refusal of a not-yet-switched epoch, in a row
+        pending_wait = self._poll
+        while True:
+            left = params.max_tokens - len(produced)
+            if left <= 0:
+                return
+            again = replace(params, max_tokens=left, offset=params.offset + len(produced))
             try:
-                left = params.max_tokens - len(produced)
-                if left <= 0:
-                    return
-                async for token in placement.tokens([*prompt, *produced], replace(params, max_tokens=left)):
+                async for token in placement.tokens([*prompt, *produced], again):
                     produced.append(token)
+                    pending_since, pending_wait = None, self._poll
                     yield token
                 return
+            except EpochPending as exc:
+                # Not lost: a node is still switching to this epoch. Use a newer plan if one is
+                # ready, else try the same placement again shortly (no attempt spent).
+                now = time.monotonic()
+                pending_since = now if pending_since is None else pending_since
+                newer = self._newer(placement.epoch)
+                if newer is not None:
+                    placement = newer
+                    continue
+                if now - pending_since >= self._deadline:
+                    log.error("generation failed: epoch %d was not ready on every node of it within %.0f s: %s",
+                              placement.epoch, self._deadline, exc)
+                    raise PlacementLost(f"epoch {placement.epoch} did not become ready within "
+                                        f"{self._deadline:.0f} s ({exc})") from None
+                log.info("epoch %d is not ready everywhere yet (%s); trying it again in %.2f s", placement.epoch,
+                         exc, pending_wait)
+                await asyncio.sleep(pending_wait)
+                pending_wait = min(1.0, pending_wait * 2)
             except self._retryable as exc:
                 lost, lost_at = placement.epoch, time.monotonic()
-                if attempt == self._attempts or time.monotonic() >= until:
+                pending_since, pending_wait = None, self._poll
+                if attempt == self._attempts:
                     log.error("generation failed for good on epoch %d after %d tokens (%d attempts): %s",
                               lost, len(produced), attempt, exc)
                     raise
@@ -156,6 +197,9 @@ class FailoverSource:
                             self._attempts - 1)
                 if self._on_retry is not None:
                     self._on_retry()
-                placement = await self._next_placement(lost, until, lost_at)
-                log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt, len(prompt),
-                         len(produced), placement.epoch)
+                # The wait for a new plan counts from the loss: a generation that ran for minutes
+                # before it is as entitled to a new plan as one that had just started.
+                placement = await self._next_placement(lost, lost_at + self._deadline, lost_at)
+                attempt += 1
+                log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt - 1,
+                         len(prompt), len(produced), placement.epoch)

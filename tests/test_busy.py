@@ -190,3 +190,27 @@ def test_access_log_one_line_per_request_and_quiet_disconnect(model, mesh2):
     assert "POST /v1/chat/completions 200" in new[1] and f"model={model.name}" in new[1] and "+4" in new[1]
     assert "client-disconnected" in new[2]
     assert "Traceback" not in log and "Error handling request" not in log, log[-4000:]
+
+
+def test_a_stage_that_raises_is_reported_at_once_and_the_mesh_keeps_serving(model, mesh2):
+    """A deterministic fault (the first stage's computation raises at decode step 3, as a bug in a
+    model would) ends the stream at once with an explicit error event naming the stage's error,
+    is not replayed or taken for a lost node (no retry, no re-plan), and the next request is served."""
+    cluster, view, entry, head, delay = mesh2
+    set_delay(delay, {"raise_at": [3]})
+    try:
+        proc = cluster.stream(entry, MESSAGES, 24)
+        t0 = time.monotonic()
+        events = [json.loads(line.strip()[6:]) for line in proc.stdout if line.strip().startswith("data: {")]
+        took = time.monotonic() - t0
+        proc.wait(10)
+    finally:
+        set_delay(delay, {})
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1, events
+    assert errors[0]["code"] == "stage_fault" and "injected fault at decode step 3" in errors[0]["message"], errors
+    assert took < 10, f"the fault took {took:.1f} s to reach the client"
+    assert "failed on" in cluster.log(entry) or "failed on" in cluster.log(head)
+    assert_no_loss(cluster, view)
+    want = mlx_reference(model, MESSAGES, 12)
+    assert cluster.chat(entry, MESSAGES, 12) == want

@@ -187,3 +187,39 @@ def test_access_log_off_by_setting(model_path, tmp_path, caplog):
 
         asyncio.run(go())
     assert not [r for r in caplog.records if r.name == "meshnode.access"]
+
+
+def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
+    import grpc
+
+    from meshnode.data.stage import StageRefusal, StageServer
+    from meshnode.proto import mesh_pb2
+
+    server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64)
+    server.serve(3, {})
+    server.serve(4, {})
+
+    def refusal(epoch):
+        with pytest.raises(StageRefusal) as info:
+            server.open(mesh_pb2.ForwardRequest(epoch=epoch, start_layer=0, end_layer=2))
+        return info.value.code
+
+    assert refusal(5) == grpc.StatusCode.ABORTED  # adopted or loading here, not yet served
+    assert refusal(2) == grpc.StatusCode.FAILED_PRECONDITION  # retired: the generation needs a newer plan
+    assert refusal(4) == grpc.StatusCode.UNAVAILABLE  # served, but these layers are not held here
+
+
+def test_the_head_and_the_stages_error_codes_mean_what_the_generation_does_next():
+    import grpc
+
+    from meshnode.data.stage import FAULT, StageFault, StagePending, StageRefused, stage_error
+
+    class St:
+        start, end, node_id = 0, 4, "n1"
+
+    assert isinstance(stage_error(St, None, grpc.StatusCode.ABORTED, "epoch 5 not yet"), StagePending)
+    assert isinstance(stage_error(St, None, grpc.StatusCode.INTERNAL, FAULT + "layers [0, 4) failed"), StageFault)
+    # gRPC's own INTERNAL (a stream ended while the client wrote) is not a fault: retried as lost
+    own = stage_error(St, None, grpc.StatusCode.INTERNAL, "Internal error from Core")
+    assert not isinstance(own, StageFault) and not isinstance(own, StageRefused)
+    assert type(stage_error(St, None, grpc.StatusCode.UNAVAILABLE, "connection refused")) is StageRefused

@@ -72,6 +72,22 @@ def test_stage_fault_mid_stream_output_identical(model, reference, seed, tmp_pat
         print(f"{fault}: stream of {len(text)} chars completed in {time.monotonic() - t0:.1f} s")
 
 
+def test_seeded_sampling_continues_through_failover(model, seed, tmp_path):
+    """With temperature > 0 and a seed, a replay after a stage is killed draws what the lost
+    placement would have drawn: the output equals the same request's without the fault."""
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 20261125}
+    with netns_mesh(3) as mesh:
+        cluster, view = setup(mesh, model, tmp_path, seed)
+        first, head = stage_nodes(view)
+        unfaulted, _ = read_stream(cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS, **sampling))
+        assert len(unfaulted) > 100, "too short to fault in the middle"
+        text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS, **sampling),
+                                    fault=lambda: mesh.kill(cluster.procs[first]))
+        assert faulted
+        assert text == unfaulted, cluster.logs()
+        assert first not in stage_nodes(cluster.mesh_view(cluster.host(head)))
+
+
 def test_coordinator_killed_new_one_within_3s(model, reference, seed, tmp_path):
     with netns_mesh(3) as mesh:
         cluster, view = setup(mesh, model, tmp_path, seed)

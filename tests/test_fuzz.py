@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshnode.control.auth import ClusterAuth, SignedChannel
 from meshnode.data.dataport import hello as data_hello, recv_frame, send_frame
+from meshnode.data.stage import StageRefusal
 from meshnode.modelbuild import build_model
 from meshnode.node import MAX_GRPC_MESSAGE
 from meshnode.proto import mesh_pb2
@@ -652,3 +653,31 @@ def test_z_node_still_answers_like_mlx_lm_after_the_fuzzing(node):
     assert _chat(http, n.model_id) == node_reference[0]
     _no_unhandled(handler)
     print("fuzzing outcomes:", dict(sorted(OUTCOMES.items())))
+
+
+def test_an_epoch_not_switched_to_yet_is_pending_and_an_older_one_is_gone(node, grpc_client):
+    """The refusal tells a generation which wait it is in (issue 10's log): an epoch this node has
+    not switched to yet is ABORTED (the caller retries the same placement shortly), an epoch
+    older than this node's plan FAILED_PRECONDITION (the caller waits for the newer plan); the same
+    on the data path's stage server. Neither is a lost node."""
+    n, base, handler = node
+    plan = n.serving_plan()
+    stage = plan.stages[0]
+
+    def generate(epoch):
+        req = mesh_pb2.GenerateRequest(request_id="epochs", epoch=epoch, prompt=[1, 2], max_tokens=1, top_p=1.0)
+        code, _, details = grpc_client.call("Generate", [req.SerializeToString()])
+        return code, details
+
+    def forward(epoch):
+        msg = mesh_pb2.ForwardRequest(request_id="epochs", epoch=epoch, start_layer=stage.start_layer,
+                                      end_layer=stage.end_layer)
+        with pytest.raises(StageRefusal) as info:
+            n.stage_server.open(msg)
+        return info.value.code
+
+    assert generate(plan.epoch + 1)[0] == grpc.StatusCode.ABORTED
+    assert forward(plan.epoch + 1) == grpc.StatusCode.ABORTED
+    assert generate(0)[0] == grpc.StatusCode.FAILED_PRECONDITION  # before any plan: superseded
+    assert generate(plan.epoch)[0] == grpc.StatusCode.OK
+    _no_unhandled(handler)

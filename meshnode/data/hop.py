@@ -76,7 +76,9 @@ class InjectedDelay:
       with ``prefill_first`` (a count), only the first that many of each request's stream;
     - ``prefill_per_position``: added per position of such a message;
     - ``decode``: added before running a one-position message (a decode step); with ``decode_at``
-      (a list of indexes, from 0, among each stream's one-position messages), only those.
+      (a list of indexes, from 0, among each stream's one-position messages), only those;
+    - ``raise_at``: a list of such indexes at which the stage's computation raises, as a bug in
+      a model would (a deterministic fault, reported to the head as one).
 
     The wait happens on the stream's own thread without the MLX baton (other requests go on).
     """
@@ -121,6 +123,10 @@ class InjectedDelay:
             return 0.0
         return float(spec.get("decode", 0.0))
 
+    def raises(self, positions: int, decodes: int) -> bool:
+        """Whether the one-position message after ``decodes`` others is to fail (``raise_at``)."""
+        return positions == 1 and decodes in self._current().get("raise_at", ())
+
 
 def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
                   host: str) -> None:
@@ -152,6 +158,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             if delay is not None:
                 positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
                 pause = delay.seconds(positions, prefills, decodes)
+                if delay.raises(positions, decodes):
+                    stage.injected_fault = f"injected fault at decode step {decodes} ({TEST_DELAY_ENV})"
                 prefills, decodes = prefills + (positions > 1), decodes + (positions == 1)
                 if pause > 0:
                     log.info("test delay: %.1f s before a %d-position step of %s", pause, positions, request_id)

@@ -60,6 +60,29 @@ class StageRefused(StageError):
     """The stage said no (stale epoch, not loaded): retrying on a new plan may help."""
 
 
+class StagePending(StageRefused):
+    """The stage's node has not switched to this epoch yet (adopting or loading it): the same
+    placement will work shortly, so the caller retries it rather than waiting for a new plan."""
+
+
+class StageFault(StageError):
+    """The stage raised on its input (a bug, a model it cannot run): deterministic, so neither a
+    retry nor a new plan on the same nodes would help; the generation ends with this error."""
+
+
+# "Not yet": retry the same placement shortly. gRPC never produces ABORTED itself, so a lost
+# connection (UNAVAILABLE) is never taken for it.
+EPOCH_PENDING = grpc.StatusCode.ABORTED
+# The stage's computation raised: INTERNAL with details that start with FAULT. gRPC's client makes
+# INTERNAL statuses of its own ("Internal error from Core" when a stream ends while the client
+# still writes, grpc/grpc#36066), so the code alone would take a refusal for a fault.
+STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
+
+
+def is_fault(code: grpc.StatusCode | None, details: str | None) -> bool:
+    return code == STAGE_FAULT and (details or "").startswith(FAULT)
+
+
 def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> np.ndarray:
     ids = host_array(tensor, dtypes=("int32",), expect=(1, None))
     if ids.shape[1] > max_chunk:
@@ -94,8 +117,11 @@ class StageServer:
         """One request's use of a stage served here (raises :class:`StageRefusal`)."""
         key = (msg.start_layer, msg.end_layer)
         if msg.epoch not in self.epochs:
+            serving = sorted(self.epochs) or "none"
+            if msg.epoch > max(self.epochs, default=0):  # a plan this node is still adopting or loading
+                raise StageRefusal(EPOCH_PENDING, f"epoch {msg.epoch} is not served here yet (serving {serving})")
             raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"epoch {msg.epoch} is not served here (serving {sorted(self.epochs) or 'none'})")
+                               f"epoch {msg.epoch} is not served here (serving {serving})")
         shard = self.epochs[msg.epoch].get(key)
         if shard is None:
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
@@ -147,6 +173,7 @@ class OpenStage:
         self.cache = shard.make_cache()
         self.seen = 0
         self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
+        self.injected_fault: str | None = None  # tests only: the next run raises this (hop.InjectedDelay)
 
     def admit(self, tensor: mesh_pb2.Tensor) -> None:
         self.seen += tensor.shape[1] if len(tensor.shape) > 1 else 0
@@ -176,6 +203,9 @@ class OpenStage:
     def run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
         """Decode and run one message (on the MLX thread): the output, evaluated."""
         try:
+            if self.injected_fault is not None:
+                fault, self.injected_fault = self.injected_fault, None
+                raise RuntimeError(fault)
             host = self._host_input(msg.input)
             if self.prepared is not None:  # this step's graph was built ahead: fill in its input
                 placeholder, out = self.prepared
@@ -191,6 +221,11 @@ class OpenStage:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the model raised on this input: report it, keep serving
+            spec = self.shard.spec
+            log.exception("layers [%d, %d) failed on %s's input", spec.start, spec.end, msg.request_id or "?")
+            raise StageRefusal(STAGE_FAULT, f"{FAULT}layers [{spec.start}, {spec.end}) failed on this input: "
+                                            f"{type(exc).__name__}: {exc}") from None
 
     def prepare(self) -> None:
         """Build the next one-position step on a placeholder (the head promised one: next_single),
@@ -313,7 +348,14 @@ def stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, 
     """The error for a stage's refusal: StageRefused where a new plan may help, else StageError."""
     code = exc.code() if exc is not None else code
     details = exc.details() if exc is not None else details
-    kind = StageRefused if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) else StageError
+    if code == EPOCH_PENDING:
+        kind = StagePending
+    elif is_fault(code, details):
+        kind = StageFault
+    elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+        kind = StageRefused
+    else:
+        kind = StageError
     return kind(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name if code else '?'}: {details}")
 
 
