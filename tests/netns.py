@@ -209,6 +209,20 @@ class NetHost:
         """Undo ``drop_tcp_out``."""
         _in(self.ns, "tc", "filter", "del", "dev", self.dev, "parent", "1:", "prio", "2", check=False)
 
+    def cut_off(self, ips) -> None:
+        """A partition: drop everything this host sends to ``ips``, and all its multicast (mDNS),
+        in both directions' send paths (do it on both sides). Undo with ``rejoin``."""
+        _blackhole(self.ns, self.dev)
+        for ip in ips:
+            _in(self.ns, "tc", "filter", "add", "dev", self.dev, "parent", "1:", "protocol", "ip", "prio", "3",
+                "u32", "match", "ip", "dst", f"{ip}/32", "flowid", "1:20")
+        self.block_multicast()
+
+    def rejoin(self) -> None:
+        """Undo ``cut_off``."""
+        _in(self.ns, "tc", "filter", "del", "dev", self.dev, "parent", "1:", "prio", "3", check=False)
+        self.unblock_multicast()
+
 
 def _blackhole(ns: str, dev: str) -> None:
     """An HTB root on ``dev`` whose default class passes everything and whose class 1:20 drops
