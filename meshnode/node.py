@@ -55,9 +55,10 @@ from meshnode.data.sourcing import LayerSource, cached_metadata, holdings_of, me
 from meshnode.data.transfer import FetchError, ModelStore
 from meshnode.control.browse import Browser
 from meshnode.data.dataport import DataServer
-from meshnode.data.hop import serve_forward
-from meshnode.data.stage import (EPOCH_PENDING, FAULT, STAGE_FAULT, RemoteStage, StageError, StageFault, StagePending,
-                                 StageServer, is_fault)
+from meshnode.data.hop import HopSession, serve_forward
+from meshnode.data.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
+                                    is_fault)
+from meshnode.data.stage import RemoteStage, StageServer
 from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.engine import Engine
 from meshnode.generation import (LocalStage, PipelineSource, PrefillOptions, SamplingParams, TokenScheduler,
@@ -1097,6 +1098,7 @@ class Node:
                     hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
                     data_port=self.data_port_of(node_id), auth=self.auth, caller=self.node_id,
                     alive=lambda nid=node_id: self.membership is not None and self.membership.heard_within(nid),
+                    data_session=HopSession,
                 ))
         return handles
 

@@ -92,7 +92,7 @@ class Sim:
 
     def deliver(self, i: int) -> None:
         kind, src, dst, plan, epoch = self.queue.pop(i)
-        s, d = self.nodes[src], self.nodes[dst]
+        d = self.nodes[dst]
         if not d.alive_node:
             return
         if kind == "heartbeat":

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshnode.control.auth import ClusterAuth, SignedChannel
 from meshnode.data.dataport import hello as data_hello, recv_frame, send_frame
-from meshnode.data.stage import StageRefusal
+from meshnode.data.refusals import StageRefusal
 from meshnode.modelbuild import build_model
 from meshnode.node import MAX_GRPC_MESSAGE
 from meshnode.proto import mesh_pb2

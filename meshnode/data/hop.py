@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode.data.dataport import (HEADER, FrameError, connect, recv_frame, recv_frame_into, send_frame,
                                     send_prepared)
-from meshnode.data.stage import StageError, StageRefusal, stage_error
+from meshnode.data.refusals import StageError, StageRefusal, stage_error
 from meshnode.data.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
 from meshnode.proto import mesh_pb2
 
@@ -243,7 +243,6 @@ class HopSession:
         ``next_single``: the next message, if any, carries one position (decoding), so the stage
         may build that step ahead.
         """
-        st = self._stage
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         positions = x.shape[1]

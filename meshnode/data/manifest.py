@@ -25,9 +25,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from meshnode.data.profile import (DTYPE_BYTES, _EMBED, _HEAD, _LAYER, _SKIP, _first, read_safetensors_header,
-                                   weight_files)
-from meshnode.data.splits import text_config
+from meshnode.data.splits import config_value, text_config
+from meshnode.data.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
+                                       weight_files)
 from meshnode.proto import mesh_pb2
 
 __all__ = ["CACHE_NAME", "PARTIAL_MARKER", "INDEX_NAME", "build_manifest", "tensors_for_layers", "layers_held",
@@ -75,7 +75,7 @@ def model_digest(files: list[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-def _list_files(model_dir: Path) -> list[str]:
+def list_files(model_dir: Path) -> list[str]:
     out = []
     for root, dirs, files in os.walk(model_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -88,7 +88,7 @@ def _list_files(model_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def _hash_file(path: Path, rel: str) -> mesh_pb2.FileEntry:
+def hash_file(path: Path, rel: str) -> mesh_pb2.FileEntry:
     """One pass over the file: the file's sha256 and, for safetensors, each tensor's."""
     size = path.stat().st_size
     entry = mesh_pb2.FileEntry(path=rel, size=size)
@@ -156,7 +156,7 @@ def build_manifest(model_dir: Path | str, model_id: str) -> mesh_pb2.ModelManife
     """Every file of a (complete) model folder with sizes and digests, every tensor of its
     safetensors files, and the model digest. Cached in ``<model_dir>/.meshnode-manifest.json``."""
     model_dir = Path(model_dir)
-    rels = _list_files(model_dir)
+    rels = list_files(model_dir)
     key = _cache_key(model_dir, rels)
     cache = model_dir / CACHE_NAME
     try:
@@ -169,7 +169,7 @@ def build_manifest(model_dir: Path | str, model_id: str) -> mesh_pb2.ModelManife
         pass
     m = mesh_pb2.ModelManifest(model_id=model_id)
     for rel in rels:
-        m.files.append(_hash_file(model_dir / rel, rel))
+        m.files.append(hash_file(model_dir / rel, rel))
     m.digest = model_digest([(f.path, f.sha256) for f in m.files])
     if _cache_key(model_dir, rels) == key:  # unchanged while hashing
         tmp = cache.with_name(f"{CACHE_NAME}.{os.getpid()}.tmp")
@@ -182,22 +182,22 @@ def build_manifest(model_dir: Path | str, model_id: str) -> mesh_pb2.ModelManife
     return m
 
 
-def _loaded_weights(path: str) -> bool:
+def loaded_weights(path: str) -> bool:
     """The files mlx-lm loads (profile.weight_files): top-level ``model*.safetensors``."""
     return "/" not in path and path.startswith("model") and path.endswith(".safetensors")
 
 
 def _kind(name: str, num_layers: int) -> tuple[str, int]:
     """("layer", i) | ("embed", -1) | ("head", -1) | ("other", -1) | ("skip", -1), as profile.py counts."""
-    if _SKIP.search(name):
+    if SKIP_KEY.search(name):
         return "skip", -1
-    m = _LAYER.search(name)
+    m = LAYER_KEY.search(name)
     if m:
         i = int(m.group(1))
         return ("layer", i) if i < num_layers else ("skip", -1)
-    if _EMBED.search(name):
+    if EMBED_KEY.search(name):
         return "embed", -1
-    if _HEAD.search(name):
+    if HEAD_KEY.search(name):
         return "head", -1
     return "other", -1
 
@@ -209,7 +209,7 @@ def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, n
     the last when the head is tied (``tied=None``: tied when the model has no head tensor)."""
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"bad layer range [{start}, {end}) for {num_layers} layers")
-    weights = [(f.path, t) for f in manifest.files if _loaded_weights(f.path) for t in f.tensors]
+    weights = [(f.path, t) for f in manifest.files if loaded_weights(f.path) for t in f.tensors]
     kinds = [(_kind(t.name, num_layers), p, t) for p, t in weights]
     if tied is None:
         tied = not any(k == "head" for (k, _), _, _ in kinds)
@@ -224,7 +224,7 @@ def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, n
 
 def num_layers_of(config: dict[str, Any]) -> int:
     """The number of transformer blocks a config.json declares."""
-    n = _first(text_config(config), "num_hidden_layers", "n_layer", "num_layers")
+    n = config_value(text_config(config), "num_hidden_layers", "n_layer", "num_layers")
     if not isinstance(n, int) or not 0 < n < 100_000:
         raise ValueError(f"config.json declares no plausible layer count ({n!r})")
     return n

@@ -12,30 +12,21 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from meshnode.data.splits import split_boundaries, split_support, text_config
+from meshnode.data.manifest import loaded_weights, manifest_from_dict, read_marker
+from meshnode.data.splits import config_value, split_boundaries, split_support, text_config
+from meshnode.data.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
+                                       weight_files)
 
-__all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "read_safetensors_header", "tensor_bytes",
-           "weight_files"]
+__all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "tensor_bytes"]
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2,
-               "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 _ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-MAX_HEADER = 100 * 2**20
 
-# One transformer block: "model.layers.3.self_attn.q_proj.weight", "language_model.model.layers.3...",
-# gpt2's "model.h.3.attn...", olmo's "model.transformer.blocks.3...".
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|wte|embed_in|tok_embeddings|word_embeddings|wpe)\.")
-_HEAD = re.compile(r"(?:^|\.)(?:lm_head|embed_out)\.|^output\.")
-# Towers mlx-lm's text models drop when they load a multimodal checkpoint: not part of any stage.
-_SKIP = re.compile(r"^(?:[\w]*\.)?(?:vision_tower|vision_model|visual|vision|audio_tower|audio_model|"
-                   r"multi_modal_projector|mm_projector|embed_vision|embed_audio)\.")
+
 
 
 @dataclass(frozen=True)
@@ -144,40 +135,6 @@ class ModelProfile:
         return cls(**kw)
 
 
-def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], where: str) -> tuple[int, dict]:
-    """(bytes before the tensor data, the JSON header without ``__metadata__``) of a safetensors file
-    whose first bytes are ``head``; ``more(first, last)`` reads bytes first..last (inclusive) when
-    the header is longer than ``head``. ``where`` names the file in errors."""
-    if len(head) < 8:
-        raise ValueError(f"{where}: not a safetensors file")
-    (n,) = struct.unpack("<Q", head[:8])
-    if n > MAX_HEADER:
-        raise ValueError(f"{where}: header of {n} bytes is implausible")
-    raw = head[8:8 + n] if len(head) >= 8 + n else head[8:] + more(len(head), 8 + n - 1)
-    if len(raw) != n:
-        raise ValueError(f"{where}: truncated safetensors header")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError(f"{where}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return 8 + n, header
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (without ``__metadata__``); reads no tensor data."""
-    with open(path, "rb") as f:
-        def more(first: int, last: int) -> bytes:
-            f.seek(first)
-            return f.read(last - first + 1)
-
-        return decode_safetensors_header(f.read(8), more, str(path))[1]
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The weight files mlx-lm loads: ``model*.safetensors`` (not e.g. a ``consolidated`` copy)."""
-    return sorted(Path(model_dir).glob("model*.safetensors"))
-
-
 def _entry_bytes(path: Path, name: str, info: dict[str, Any]) -> int:
     start, end = (int(x) for x in info["data_offsets"])
     size = end - start
@@ -202,15 +159,13 @@ class _Tensor:
 
 def _tensors(model_dir: Path) -> dict[str, _Tensor]:
     out: dict[str, _Tensor] = {}
-    from meshnode.data.manifest import _loaded_weights, manifest_from_dict, read_marker  # (cycle)
-
     marker = read_marker(model_dir)
     # Some layers (from peers or the Hub) or none (Hub metadata): the whole model's manifest, whose
     # tensors came from the weight files' headers. A marker without one: this folder's own headers.
     if marker is not None and marker.get("manifest"):
         manifest = manifest_from_dict(marker["manifest"])
         for f in manifest.files:
-            if _loaded_weights(f.path):
+            if loaded_weights(f.path):
                 for t in f.tensors:
                     out[t.name] = _Tensor(int(t.length), t.dtype, tuple(int(d) for d in t.shape))
         return out
@@ -224,13 +179,6 @@ def _tensors(model_dir: Path) -> dict[str, _Tensor]:
 def tensor_bytes(model_dir: Path) -> dict[str, int]:
     """Bytes of every tensor in the model's weight files, by name (headers only)."""
     return {name: t.bytes for name, t in _tensors(Path(model_dir)).items()}
-
-
-def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
 
 
 def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
@@ -263,12 +211,12 @@ def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
 def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
     """The dtype activations and the KV cache get: the embedding's output dtype (for a quantized
     embedding, the dtype of its scales), else what config.json says."""
-    embeds = sorted(k for k in tensors if _EMBED.search(k) and not _SKIP.search(k))
+    embeds = sorted(k for k in tensors if EMBED_KEY.search(k) and not SKIP_KEY.search(k))
     for suffix in (".scales", ".weight"):
         for key in embeds:
             if key.endswith(suffix) and tensors[key].dtype in _DTYPE_NAMES:
                 return _DTYPE_NAMES[tensors[key].dtype]
-    dtype = str(_first(cfg, "torch_dtype", "dtype", default="float16"))
+    dtype = str(config_value(cfg, "torch_dtype", "dtype", default="float16"))
     return dtype if dtype in _ITEM else "float16"
 
 
@@ -283,7 +231,7 @@ def activation_dtype(model_dir: Path) -> str:
 def hidden_size(config: dict[str, Any]) -> int:
     """The width of the residual stream, from config.json (nested text configs included); never from
     a weight's shape, which a quantized model packs."""
-    value = _first(text_config(config), "hidden_size", "n_embd", "d_model", "dim")
+    value = config_value(text_config(config), "hidden_size", "n_embd", "d_model", "dim")
     if value is None:
         raise ValueError(f"{config.get('model_type')}: config.json names no hidden size")
     return int(value)
@@ -319,7 +267,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     model_dir = Path(model_dir)
     raw_cfg = json.loads((model_dir / "config.json").read_text())
     cfg = text_config(raw_cfg)
-    n = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
+    n = int(config_value(cfg, "num_hidden_layers", "n_layer", "num_layers"))
     tensors = _tensors(model_dir)
     if not tensors:
         raise ValueError(f"{model_dir}: no model*.safetensors weights")
@@ -328,29 +276,29 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     embed = head = other = 0
     for key in sorted(tensors):
         size = tensors[key].bytes
-        if _SKIP.search(key):
+        if SKIP_KEY.search(key):
             continue
-        m = _LAYER.search(key)
+        m = LAYER_KEY.search(key)
         if m:
             i = int(m.group(1))
             if i < n:
                 layer_bytes[i] += size
                 layer_keys[i].append(key)
             # else: an extra block mlx-lm drops on load (e.g. deepseek's multi-token-prediction layer)
-        elif _EMBED.search(key):
+        elif EMBED_KEY.search(key):
             embed += size
-        elif _HEAD.search(key):
+        elif HEAD_KEY.search(key):
             head += size
         else:
             other += size
-    heads = int(_first(cfg, "num_attention_heads", "n_head"))
-    kv_heads = int(_first(cfg, "num_key_value_heads", "num_kv_heads", default=heads))
+    heads = int(config_value(cfg, "num_attention_heads", "n_head"))
+    kv_heads = int(config_value(cfg, "num_key_value_heads", "num_kv_heads", default=heads))
     hidden = hidden_size(raw_cfg)
-    head_dim = int(_first(cfg, "head_dim", default=hidden // heads))
+    head_dim = int(config_value(cfg, "head_dim", default=hidden // heads))
     dtype = _activation_dtype(tensors, cfg)
     item = _ITEM[dtype]
     kv = _kv_per_token(layer_keys, tensors, cfg, item, 2 * kv_heads * head_dim * item)
-    experts = int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
+    experts = int(config_value(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
     problem = split_support(raw_cfg) or ""
     if not problem and split_boundaries(raw_cfg) != list(range(1, n)):
         # The planner places a stage boundary after any layer; a family whose layers share caches in
@@ -372,11 +320,11 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", default=0) or 0),
+        intermediate_size=int(config_value(cfg, "intermediate_size", "n_inner", "ffn_dim", default=0) or 0),
         num_experts=experts,
-        vocab_size=int(_first(cfg, "vocab_size", default=0)),
+        vocab_size=int(config_value(cfg, "vocab_size", default=0)),
         dtype=dtype,
         split_problem=problem,
-        moe_intermediate_size=int(_first(cfg, "moe_intermediate_size", default=0) or 0),
+        moe_intermediate_size=int(config_value(cfg, "moe_intermediate_size", default=0) or 0),
         quant_group_size=int(((raw_cfg.get("quantization") or {}).get("group_size")) or 0),
     )

@@ -202,7 +202,7 @@ def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, di
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    from meshnode.data.profile import decode_safetensors_header
+    from meshnode.data.weightfiles import decode_safetensors_header
 
     url = hf_hub_url(model_id, filename, revision=revision)
     headers = build_hf_headers()
@@ -268,7 +268,7 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
-    from meshnode.data.manifest import _hash_file, _list_files, _loaded_weights
+    from meshnode.data.manifest import hash_file, list_files, loaded_weights
 
     snap = Path(snapshot_download(model_id, allow_patterns=_small_patterns(), revision=revision))
     commit = snap.name
@@ -281,13 +281,13 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
     except (OSError, ValueError):
         pass
     tree = [f for f in HfApi().list_repo_tree(model_id, revision=commit, recursive=True) if isinstance(f, RepoFile)]
-    weights = sorted((f for f in tree if _loaded_weights(f.path)), key=lambda f: f.path)
+    weights = sorted((f for f in tree if loaded_weights(f.path)), key=lambda f: f.path)
     if not weights:
         raise ValueError(f"{model_id}: no model*.safetensors weights on the Hub")
     if all((snap / f.path).is_file() for f in weights):
         log.info("%s: the whole model is already in the Hugging Face cache (%s)", model_id, snap)
         return snap
-    small = [rel for rel in _list_files(snap) if not rel.endswith(".safetensors")]
+    small = [rel for rel in list_files(snap) if not rel.endswith(".safetensors")]
     config = json.loads((snap / "config.json").read_text())
     n_layers = num_layers_of(config)
     from concurrent.futures import ThreadPoolExecutor
@@ -296,7 +296,7 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
         remote = list(pool.map(lambda f: _remote_entry(model_id, commit, f.path, int(f.size),
                                                        f.lfs.sha256 if f.lfs is not None else None), weights))
     manifest = mesh_pb2.ModelManifest(model_id=model_id)
-    entries = [_hash_file(snap / rel, rel) for rel in small] + remote
+    entries = [hash_file(snap / rel, rel) for rel in small] + remote
     for e in sorted(entries, key=lambda e: e.path):
         manifest.files.append(e)
     manifest.digest = model_digest([(f.path, f.sha256) for f in manifest.files])
@@ -322,7 +322,7 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
     2.x itself drops a partial file when a download fails). Every file is checked against the
     Hub's sha256 and its tensors against the headers before use.
     """
-    from meshnode.data.manifest import _hash_file, manifest_from_dict, tensors_for_layers
+    from meshnode.data.manifest import hash_file, manifest_from_dict, tensors_for_layers
 
     cache_root = Path(cache_root)
     marker = None
@@ -356,7 +356,7 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
 
         local[path] = _download(model_id, path, commit, entry.size, entry.sha256, cache_root.parent / "hub-blobs",
                                 report)
-        got = _hash_file(local[path], path)  # also each tensor's digest, for peers fetching from here
+        got = hash_file(local[path], path)  # also each tensor's digest, for peers fetching from here
         if got.size != entry.size or (entry.sha256 and got.sha256 != entry.sha256) or \
                 [(t.name, t.offset, t.length) for t in got.tensors] != \
                 [(t.name, t.offset, t.length) for t in sorted(entry.tensors, key=lambda t: t.offset)]:

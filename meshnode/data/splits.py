@@ -68,3 +68,11 @@ def split_boundaries(config: dict[str, Any]) -> list[int]:
     if cfg.get("use_cla") and int(cfg.get("cla_share_factor") or 1) > 1:
         step = int(cfg["cla_share_factor"])
     return [i for i in range(1, n) if i % step == 0]
+
+
+def config_value(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first of ``keys`` that ``cfg`` sets (not None), else ``default``."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default

@@ -37,50 +37,19 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
+from meshnode.data.refusals import EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
 from meshnode.data.tensor import TensorGroupError
 from meshnode.data.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
     from meshnode.control.auth import ClusterAuth
-    from meshnode.data.hop import HopSession
     from meshnode.data.shard import Shard
-    from meshnode.generation import TokenScheduler
+    from meshnode.generation import StageSession, TokenScheduler
 
 log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
-
-
-class StageError(RuntimeError):
-    """A remote stage failed, refused, or did not answer in time."""
-
-
-class StageRefused(StageError):
-    """The stage said no (stale epoch, not loaded): retrying on a new plan may help."""
-
-
-class StagePending(StageRefused):
-    """The stage's node has not switched to this epoch yet (adopting or loading it): the same
-    placement will work shortly, so the caller retries it rather than waiting for a new plan."""
-
-
-class StageFault(StageError):
-    """The stage raised on its input (a bug, a model it cannot run): deterministic, so neither a
-    retry nor a new plan on the same nodes would help; the generation ends with this error."""
-
-
-# "Not yet": retry the same placement shortly. gRPC never produces ABORTED itself, so a lost
-# connection (UNAVAILABLE) is never taken for it.
-EPOCH_PENDING = grpc.StatusCode.ABORTED
-# The stage's computation raised: INTERNAL with details that start with FAULT. gRPC's client makes
-# INTERNAL statuses of its own ("Internal error from Core" when a stream ends while the client
-# still writes, grpc/grpc#36066), so the code alone would take a refusal for a fault.
-STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
-
-
-def is_fault(code: grpc.StatusCode | None, details: str | None) -> bool:
-    return code == STAGE_FAULT and (details or "").startswith(FAULT)
 
 
 def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> np.ndarray:
@@ -151,14 +120,6 @@ class StageServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
         finally:
             stage = None
-
-
-class StageRefusal(Exception):
-    """Why a stage will not run a message, as the gRPC status the caller gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class OpenStage:
@@ -344,21 +305,6 @@ class RemoteTicket:
         return st.accept(reply, self.positions, self.sent, "grpc", into)
 
 
-def stage_error(st: "RemoteStage", exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
-    """The error for a stage's refusal: StageRefused where a new plan may help, else StageError."""
-    code = exc.code() if exc is not None else code
-    details = exc.details() if exc is not None else details
-    if code == EPOCH_PENDING:
-        kind = StagePending
-    elif is_fault(code, details):
-        kind = StageFault
-    elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
-        kind = StageRefused
-    else:
-        kind = StageError
-    return kind(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name if code else '?'}: {details}")
-
-
 class RemoteStage:
     """A stage held by a peer, as the generation thread sees it."""
 
@@ -380,7 +326,11 @@ class RemoteStage:
         auth: "ClusterAuth | None" = None,
         caller: str = "",
         alive: Callable[[], bool] | None = None,
+        data_session: "Callable[..., StageSession] | None" = None,
     ):
+        # Opens a request's stream over the peer's data port (meshnode.data.hop.HopSession); None:
+        # every request goes over gRPC.
+        self.data_session = data_session
         # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
         self.observe = observe
         # Whether the stage's node is alive now by the control plane (its heartbeats: the node's
@@ -432,14 +382,12 @@ class RemoteStage:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
                              f"{self.request_timeout:.0f} s")
 
-    def open(self, request_id: str) -> "RemoteSession | HopSession":
+    def open(self, request_id: str) -> "StageSession":
         """The request's stream to this stage: over the peer's data port where it has one, else gRPC."""
-        if self.data_port is not None and self.auth is not None:
-            from meshnode.data.hop import HopSession
-
+        if self.data_port is not None and self.auth is not None and self.data_session is not None:
             host, port = self.data_port
             try:
-                return HopSession(self, request_id, host, port, auth=self.auth, node_id=self.caller)
+                return self.data_session(self, request_id, host, port, auth=self.auth, node_id=self.caller)
             except OSError as exc:  # an older peer, or its data port blocked: gRPC still works
                 log.info("data port of %s at %s:%d unreachable (%s); activations go over gRPC", self.node_id,
                          host, port, exc)

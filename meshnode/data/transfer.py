@@ -40,7 +40,7 @@ import grpc
 from meshnode.data.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, is_weight_file, layers_held,
                                     manifest_from_dict, manifest_to_dict, num_layers_of, read_marker,
                                     safe_relpath, tensors_for_layers, validate_manifest)
-from meshnode.data.profile import read_safetensors_header, weight_files
+from meshnode.data.weightfiles import read_safetensors_header, weight_files
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 __all__ = ["ModelStore", "fetch_layers", "fetch_metadata", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
