@@ -865,6 +865,8 @@ class Node:
             self.epochs.refused(msg.epoch, reply.epoch, target)
 
     def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
+        if self.epochs.holds(msg.epoch, msg.coordinator):  # heartbeats brought it first
+            return mesh_pb2.InstallReply(accepted=True, epoch=self.epoch)
         if not self.epochs.offered(msg.epoch, msg.coordinator, msg.coordinator):
             log.info("refused plan epoch %d from %s: current epoch is %d", msg.epoch, msg.coordinator, self.epoch)
             return mesh_pb2.InstallReply(accepted=False, error=f"stale epoch (current {self.epoch})", epoch=self.epoch)

@@ -9,7 +9,8 @@ node and with no timing in it:
 1. A node adopts a plan only if its epoch is higher than the node's own (stale plans are fenced).
 2. A plan seen under the node's own epoch from a coordinator other than the one that published
    the node's plan marks that epoch *contested*: in a heartbeat, in an Install, or in the reply
-   of a peer that refused this node's Install because it holds that epoch already.
+   of a peer that refused this node's Install because it holds another plan under that epoch
+   (a peer that already holds the very plan, brought by heartbeats, accepts the Install).
 3. The elected coordinator (meshnode.control.election) publishes its plan again, above every
    epoch it has seen, as soon as its epoch is contested. By rule 1 every node then adopts it,
    whichever of the two plans it held.
@@ -72,8 +73,14 @@ class EpochState:
             self.contested = epoch
         return False
 
+    def holds(self, epoch: int, coordinator: str) -> bool:
+        """Whether this node holds that very plan already (an Install after the heartbeats brought
+        it is accepted, not refused: a refusal of one's own epoch means another plan)."""
+        return self.held == Published(epoch, coordinator)
+
     def refused(self, epoch: int, their_epoch: int, peer: str) -> None:
-        """``peer`` refused this node's Install of ``epoch``, holding ``their_epoch``."""
+        """``peer`` refused this node's Install of ``epoch``, holding ``their_epoch`` (a peer that
+        holds this very plan accepts it: see :meth:`holds`)."""
         self.saw(their_epoch)
         if self.held is not None and their_epoch == epoch == self.held.epoch and self.contested != epoch:
             log.warning("epoch %d names two plans: %s holds another one", epoch, peer)
