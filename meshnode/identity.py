@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from meshnode.durable import fsync_dir
+
 __all__ = ["IdentityError", "NODE_ID_FILE", "OPEN_CLUSTER", "cluster_id", "load_or_create_node_id", "new_node_id"]
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        _fsync_dir(state_dir)
+        fsync_dir(state_dir)
     except OSError as exc:
         raise IdentityError(
             f"cannot store the node id in {path}: {exc.strerror or exc} "
@@ -102,17 +104,6 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
     return node_id
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def cluster_id(cluster_key: str | None) -> str:

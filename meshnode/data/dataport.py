@@ -40,7 +40,7 @@ MAX_HELLO = 64 * 1024
 MAX_FRAME = MAX_TENSOR_BYTES + 64 * 1024  # one activation and its envelope
 HELLO_TIMEOUT = 5.0
 MAX_CONNECTIONS = 256
-_LEN = struct.Struct("<I")
+LENGTH = struct.Struct("<I")  # every frame: this little-endian uint32 length, then the payload
 _INLINE = 64 * 1024  # frames up to this size go out in one send (header and body copied together)
 
 
@@ -52,18 +52,18 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     if len(payload) > MAX_FRAME:
         raise FrameError(f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME}")
     if len(payload) <= _INLINE:
-        sock.sendall(_LEN.pack(len(payload)) + payload)
+        sock.sendall(LENGTH.pack(len(payload)) + payload)
     else:  # no copy of a large activation just to put 4 bytes in front of it
-        sock.sendall(_LEN.pack(len(payload)))
+        sock.sendall(LENGTH.pack(len(payload)))
         sock.sendall(payload)
 
 
 def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> bytearray | None:
     """The next frame's payload, or None if the peer closed the stream between frames."""
-    header = recv_exact(sock, _LEN.size)
+    header = recv_exact(sock, LENGTH.size)
     if header is None:
         return None
-    (n,) = _LEN.unpack(header)
+    (n,) = LENGTH.unpack(header)
     if n > max_bytes:
         raise FrameError(f"frame of {n} bytes announced (limit {max_bytes})")
     payload = recv_exact(sock, n)
@@ -72,7 +72,7 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> bytearray | N
     return payload
 
 
-HEADER = _LEN.size  # bytes before a frame's payload
+HEADER = LENGTH.size  # bytes before a frame's payload
 
 
 def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
@@ -80,7 +80,7 @@ def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
     bytes it left free (a buffer reused from frame to frame: nothing is allocated or copied)."""
     if n > MAX_FRAME:
         raise FrameError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME}")
-    _LEN.pack_into(buf, 0, n)
+    LENGTH.pack_into(buf, 0, n)
     with memoryview(buf) as view:
         sock.sendall(view[:HEADER + n])
 
@@ -92,7 +92,7 @@ def recv_frame_into(sock: socket.socket, spare: bytearray | None,
     header = recv_exact(sock, HEADER)
     if header is None:
         return None
-    (n,) = _LEN.unpack(header)
+    (n,) = LENGTH.unpack(header)
     if n > max_bytes:
         raise FrameError(f"frame of {n} bytes announced (limit {max_bytes})")
     buf = spare if spare is not None and len(spare) >= n else bytearray(n)

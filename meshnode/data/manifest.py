@@ -21,6 +21,7 @@ import json
 import os
 import re
 from pathlib import Path, PurePosixPath
+from collections.abc import Iterator
 from typing import Any
 
 from google.protobuf import json_format
@@ -239,6 +240,23 @@ def read_marker(model_dir: Path | str) -> dict[str, Any] | None:
     if not isinstance(d, dict) or not isinstance(d.get("start"), int) or not isinstance(d.get("end"), int):
         raise ValueError(f"{p}: malformed partial-model marker")
     return d
+
+
+def cached_folders(cache_root: Path | str) -> Iterator[tuple[Path, dict[str, Any] | None]]:
+    """Every finished folder under ``cache_root`` (not a ``.partial`` download, not hidden) with its
+    marker: a dict for layers or metadata fetched from peers or the Hub, None for a plain model
+    folder; folders whose marker cannot be read are skipped."""
+    root = Path(cache_root)
+    if not root.is_dir():
+        return
+    for d in sorted(root.iterdir()):
+        if d.name.startswith(".") or d.name.endswith(".partial") or not d.is_dir():
+            continue
+        try:
+            marker = read_marker(d)
+        except (OSError, ValueError):
+            continue
+        yield d, marker
 
 
 def _ranges(indices: set[int]) -> list[tuple[int, int]]:

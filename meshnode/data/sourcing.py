@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from meshnode.data.holdings import Holding
-from meshnode.data.manifest import (PARTIAL_MARKER, layers_held, manifest_to_dict, model_digest, num_layers_of,
-                                    read_marker)
+from meshnode.data.manifest import (PARTIAL_MARKER, cached_folders, layers_held, manifest_to_dict, model_digest,
+                                    num_layers_of, read_marker)
 from meshnode.data.transfer import DiskSpaceError, FetchError, ModelStore, _free_bytes, fetch_layers, fetch_metadata
 from meshnode.proto import mesh_pb2
 
@@ -49,16 +49,9 @@ def cached_metadata(cache_root: Path, model_id: str) -> Path | None:
     """A folder fetched earlier for ``model_id`` (its layers or its metadata only), the one with
     the most layers, or None."""
     best, best_n = None, -1
-    if cache_root.is_dir():
-        for d in sorted(cache_root.iterdir()):
-            if not d.is_dir() or d.name.endswith(".partial"):
-                continue
-            try:
-                marker = read_marker(d)
-            except (OSError, ValueError):
-                continue
-            if marker is not None and marker.get("model_id") == model_id and marker["end"] - marker["start"] > best_n:
-                best, best_n = d, marker["end"] - marker["start"]
+    for d, marker in cached_folders(cache_root):
+        if marker is not None and marker.get("model_id") == model_id and marker["end"] - marker["start"] > best_n:
+            best, best_n = d, marker["end"] - marker["start"]
     return best
 
 
@@ -120,14 +113,9 @@ class LayerSource:
     def local(self, start: int, end: int) -> Path | None:
         if covers(self.model_path, start, end):
             return self.model_path
-        if self.cache_root.is_dir():
-            for d in sorted(self.cache_root.iterdir()):
-                if d.is_dir() and not d.name.endswith(".partial") and covers(d, start, end):
-                    try:
-                        if read_marker(d).get("model_id") == self.model_id:
-                            return d
-                    except (OSError, ValueError, AttributeError):
-                        continue
+        for d, marker in cached_folders(self.cache_root):
+            if marker is not None and marker.get("model_id") == self.model_id and covers(d, start, end):
+                return d
         return None
 
     async def folder(self, start: int, end: int, peers: Sequence[tuple[str, object]],

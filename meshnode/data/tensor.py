@@ -51,6 +51,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 
 import mlx.core as mx
 
+from meshnode.data.dataport import LENGTH  # the same frames as the data port, on the group's pipes
 from meshnode.data.lifeline import child_env, die_with_parent
 from meshnode.data.shard import ShardSpec
 from meshnode.data.wire import WireError, from_tensor, to_tensor
@@ -59,7 +60,6 @@ from meshnode.proto import mesh_pb2
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 512 * 2**20
-_LEN = struct.Struct("<I")
 _OP_FORWARD, _OP_CLOSE = 1, 2
 # Rank 0 -> other ranks, per command: op, dtype code, ndim, pad, slot, three dims; then the input.
 _CONTROL = struct.Struct("<BBBBI3I")
@@ -79,7 +79,7 @@ class TensorGroupError(RuntimeError):
 
 def write_frame(stream: BinaryIO, msg) -> None:
     data = msg.SerializeToString()
-    stream.write(_LEN.pack(len(data)) + data)
+    stream.write(LENGTH.pack(len(data)) + data)
     stream.flush()
 
 
@@ -95,7 +95,7 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
 
 
 def read_frame(stream: BinaryIO, cls):
-    (n,) = _LEN.unpack(_read_exact(stream, _LEN.size))
+    (n,) = LENGTH.unpack(_read_exact(stream, LENGTH.size))
     if n > MAX_FRAME:
         raise TensorGroupError(f"frame of {n} bytes exceeds {MAX_FRAME}")
     msg = cls()

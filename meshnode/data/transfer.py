@@ -37,10 +37,11 @@ from pathlib import Path
 
 import grpc
 
-from meshnode.data.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, is_weight_file, layers_held,
-                                    manifest_from_dict, manifest_to_dict, num_layers_of, read_marker,
+from meshnode.data.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, cached_folders, is_weight_file,
+                                    layers_held, manifest_from_dict, manifest_to_dict, num_layers_of, read_marker,
                                     safe_relpath, tensors_for_layers, validate_manifest)
 from meshnode.data.weightfiles import read_safetensors_header, weight_files
+from meshnode.durable import fsync_dir
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 __all__ = ["ModelStore", "fetch_layers", "fetch_metadata", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
@@ -105,15 +106,9 @@ class ModelStore:
         self._held.pop(model_id, None)
 
     def _scan(self) -> None:
-        if self.cache_root is None or not self.cache_root.is_dir():
+        if self.cache_root is None:
             return
-        for d in sorted(self.cache_root.iterdir()):
-            if d.name.startswith(".") or d.name.endswith(".partial") or not d.is_dir():
-                continue
-            try:
-                marker = read_marker(d)
-            except (OSError, ValueError):
-                continue
+        for d, marker in cached_folders(self.cache_root):
             if marker is not None and isinstance(marker.get("model_id"), str):
                 self._paths.setdefault(marker["model_id"], d)
             elif (d / "config.json").is_file():
@@ -386,17 +381,6 @@ def _hash_range(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _absorb(h, f, data: bytes) -> None:
@@ -753,7 +737,7 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
                 f.truncate(spec["size"])
         (partial / _JOURNAL).unlink(missing_ok=True)
         (partial / _PLAN).write_text(json.dumps(plan))
-        _fsync_dir(partial)
+        fsync_dir(partial)
 
     log.info("fetching %s layers [%d, %d): %.1f MiB to fetch, %.1f MiB already here, from %d peer(s) "
              "(%d complete)", model_id, start, end, sum(it.length for it in todo) / 2**20, reused / 2**20,
@@ -784,13 +768,13 @@ def _finish(partial: Path, dest: Path, layout: dict, ref: mesh_pb2.ModelManifest
             os.fsync(f.fileno())
     (partial / _JOURNAL).unlink(missing_ok=True)
     (partial / _PLAN).unlink(missing_ok=True)
-    _fsync_dir(partial)
+    fsync_dir(partial)
     old = None
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}")
         os.replace(dest, old)
     os.replace(partial, dest)
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     log.info("%s layers [%d, %d) ready in %s", model_id, start, end, dest)
