@@ -157,7 +157,8 @@ def test_a_group_that_cannot_form_gives_up(model):
 # weights: a whole-model group of two gives mlx-lm's greedy tokens. 4-bit models are quantized from
 # float32 (float32 scales, so activations stay float32: tensor parallelism changes bf16 rounding).
 GROUP_CASES = [("llama", "4bit"), ("qwen3_moe", "4bit"), ("qwen3_moe", "8bit"), ("qwen2", None), ("qwen3", None),
-               ("deepseek_v3", None), ("deepseek_v3", "4bit"), ("glm4_moe", None), ("gpt_oss", None)]
+               ("deepseek_v3", None), ("deepseek_v3", "4bit"), ("glm4_moe", None), ("gpt_oss", None),
+               ("deepseek_v32", None), ("glm4_moe_lite", None), ("kimi_k25", None)]
 
 
 def test_every_tensor_family_is_checked_here():

@@ -16,9 +16,12 @@ FAST_RTT_S = 200e-6  # a link below this RTT may carry a MoE layer's expert traf
 TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
 # Families whose mlx-lm model class has ``shard(group)`` and whose sharding needs only heads, kv heads and
 # (expert, shared expert) intermediate sizes divisible by the group size, checked token for token against
-# mlx-lm in tests/test_tensor.py. mlx-lm has shard() for a few more (minimax, qwen3_5, ...): they stay
-# pipeline-only until they pass there.
-TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"})
+# mlx-lm in tests/test_tensor.py. mlx-lm 0.32 has shard() for more: qwen3_5 also needs its linear-attention
+# head counts divisible (not checked here yet); minimax's group fails its first step here; the rest
+# (deepseek_v2, mistral4, step3p5, ...) are not built by meshnode.modelbuild yet. They stay pipeline-only
+# until they pass there.
+TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_k25",
+                             "glm4_moe", "glm4_moe_lite", "gpt_oss"})
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
