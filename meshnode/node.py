@@ -57,7 +57,7 @@ from meshnode.control.browse import Browser
 from meshnode.data.dataport import DataServer
 from meshnode.data.hop import HopSession, serve_forward
 from meshnode.data.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
-                                    is_fault)
+                                    refusal_kind)
 from meshnode.data.stage import RemoteStage, StageServer
 from meshnode.data.tensor import TensorGroupError, TensorShard
 from meshnode.engine import Engine
@@ -161,12 +161,9 @@ class RemoteHeadPlacement:
 
 def _head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
     """What a remote head's error status means for the generation (the codes of meshnode.data.stage)."""
-    message = f"head {head}: {code.name}: {details}"
-    if code == EPOCH_PENDING:
-        return EpochPending(message)
-    if is_fault(code, details):
-        return GenerationFault(message)
-    return PlacementLost(message)
+    kind = refusal_kind(code, details)
+    as_generation = {StagePending: EpochPending, StageFault: GenerationFault}.get(kind, PlacementLost)
+    return as_generation(f"head {head}: {code.name}: {details}")
 
 
 class MeshServicer(mesh_pb2_grpc.MeshServicer):

@@ -51,16 +51,19 @@ class StageRefusal(Exception):
         self.code = code
 
 
+def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[StageError]:
+    """What a stage's (or a head's) error status means: the one reading of the codes above."""
+    if code == EPOCH_PENDING:
+        return StagePending
+    if is_fault(code, details):
+        return StageFault
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+        return StageRefused
+    return StageError
+
+
 def stage_error(st, exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
     """The error for a refusal by stage ``st`` (its ``start``, ``end`` and ``node_id`` name it)."""
     code = exc.code() if exc is not None else code
     details = exc.details() if exc is not None else details
-    if code == EPOCH_PENDING:
-        kind = StagePending
-    elif is_fault(code, details):
-        kind = StageFault
-    elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
-        kind = StageRefused
-    else:
-        kind = StageError
-    return kind(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name if code else '?'}: {details}")
+    return refusal_kind(code, details)(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name if code else '?'}: {details}")
