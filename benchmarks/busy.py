@@ -156,7 +156,7 @@ def one_node(model: Path, words: int, rounds: int) -> dict:
 
 
 def two_stages(model: Path, words: int, rounds: int, openwebui: int) -> tuple[dict, dict | None]:
-    from meshnode.data.profile import profile_model
+    from meshnode.weights.profile import profile_model
     from tests.netns import netns_mesh
 
     budget = int(profile_model(model).total_bytes(CTX) * 0.6)
@@ -210,7 +210,7 @@ def main() -> int:
     ap.add_argument("--only", choices=("one", "two"))
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
-    from meshnode.modelbuild import model_dir_for
+    from meshnode.model.build import model_dir_for
 
     spec = dict(MODEL)
     model = model_dir_for(args.cache, spec.pop("family"), **spec)

@@ -30,7 +30,7 @@ def parse_args(doc: str):
 
 def bench_model_dir(root: Path, **changes) -> Path:
     """The bench model, built once under ``root``; ``changes`` (e.g. dtype, quantize) make a variant."""
-    from meshnode.modelbuild import model_dir_for
+    from meshnode.model.build import model_dir_for
 
     kwargs = {**BENCH_MODEL, **changes}
     family = kwargs.pop("family")
@@ -38,7 +38,7 @@ def bench_model_dir(root: Path, **changes) -> Path:
 
 
 def param_count(path: Path) -> int:
-    from meshnode.data.profile import profile_model
+    from meshnode.weights.profile import profile_model
 
     p = profile_model(path)
     bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}.get(p.dtype, 4)

@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshnode.data.profile import profile_model  # noqa: E402
-from meshnode.modelbuild import model_dir_for  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
+from meshnode.model.build import model_dir_for  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import PROMPT, bench_model_dir  # noqa: E402
-from meshnode.listener import recv_exact  # noqa: E402
+from meshnode.transport.listener import recv_exact  # noqa: E402
 
 ASK = struct.Struct("<iI")  # op, positions; then positions int32 token ids
 ANSWER = struct.Struct("<dI")  # the child's seconds, positions; then positions x hidden float32

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (BENCH_MODEL, bench_model_dir, mlx_lm_decode_tps, param_count,  # noqa: E402
                                parse_args)
-from meshnode.data.profile import profile_model  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC = 8470, 8471

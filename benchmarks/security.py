@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, bench_model_dir, param_count  # noqa: E402
-from meshnode.data.profile import profile_model  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
@@ -76,8 +76,8 @@ def stream(client, head, model_id: str, tokens: int) -> dict:
 async def _echo_rtt(kind: str, n: int) -> float:
     import grpc
 
-    from meshnode.control import tls
-    from meshnode.control.auth import ClusterAuth, SignedChannel, client_interceptors
+    from meshnode.trust import tls
+    from meshnode.trust.auth import ClusterAuth, SignedChannel, client_interceptors
     from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
     class Echo(mesh_pb2_grpc.MeshServicer):

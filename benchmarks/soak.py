@@ -37,9 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshnode.data.compute import seed_figures  # noqa: E402
-from meshnode.data.profile import profile_model  # noqa: E402
-from meshnode.modelbuild import build_model  # noqa: E402
+from meshnode.model.compute import seed_figures  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
+from meshnode.model.build import build_model  # noqa: E402
 from tests.cluster import HTTP, Cluster, mlx_reference  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 

@@ -56,8 +56,8 @@ from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
 from benchmarks.floor import Split, hop_after_compute_us, tps as tps_of  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 from meshnode.config import ECHO_OFFSET  # noqa: E402
-from meshnode.data.profile import profile_model  # noqa: E402
-from meshnode.modelbuild import model_dir_for  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
+from meshnode.model.build import model_dir_for  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC = 8470, 8471

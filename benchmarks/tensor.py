@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, bench_model_dir, param_count  # noqa: E402
-from meshnode.data.profile import profile_model  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 from tests.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC, RING = 8470, 8471, 9300
@@ -77,8 +77,8 @@ def measure_compute(host, path: Path, seed: Path) -> dict:
     seed.mkdir(exist_ok=True)
     return in_ns(host, f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
                        "from pathlib import Path\n"
-                       "from meshnode.data.compute import seed_figures, collective_overhead\n"
-                       "from meshnode.data.profile import profile_model\n"
+                       "from meshnode.model.compute import seed_figures, collective_overhead\n"
+                       "from meshnode.weights.profile import profile_model\n"
                        f"p=Path({str(path)!r}); prof=profile_model(p)\n"
                        f"one, two = seed_figures(p, prof.num_layers, Path({str(seed)!r}), max(prof.layer_bytes))\n"
                        "print(json.dumps({'layer_s': one, 'split_s': two, 'collective_s': collective_overhead(one, two)}))")

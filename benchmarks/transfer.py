@@ -40,8 +40,8 @@ BURST = "4mb"  # tbf bucket: enough for 10 Gbit/s at a 1 ms timer tick
 
 SERVE = """
 import asyncio, sys, grpc
-from meshnode.control.auth import ClusterAuth
-from meshnode.data.transfer import ModelStore
+from meshnode.trust.auth import ClusterAuth
+from meshnode.weights.transfer import ModelStore
 from meshnode.proto import mesh_pb2_grpc
 class S(mesh_pb2_grpc.MeshServicer):
     def __init__(self, store): self.store = store
@@ -61,8 +61,8 @@ asyncio.run(main())
 
 FETCH = """
 import asyncio, json, sys, time, grpc
-from meshnode.control.auth import ClusterAuth, SignedChannel
-from meshnode.data.transfer import fetch_layers
+from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.weights.transfer import fetch_layers
 async def main():
     ch = SignedChannel(grpc.aio.insecure_channel(sys.argv[1], options=[("grpc.max_receive_message_length", 64 << 20)]),
                        ClusterAuth(sys.argv[2]), "bench")
@@ -204,7 +204,7 @@ def main() -> int:
                     "/dev/shm takes the disk out of the figure)")
     ap.add_argument("--keep", type=Path, help="build (or reuse) the model here instead of a temporary folder")
     args = ap.parse_args()
-    from meshnode.modelbuild import build_model
+    from meshnode.model.build import build_model
 
     tmp = Path(tempfile.mkdtemp(prefix="meshnode-transfer-"))
     out = Path(tempfile.mkdtemp(prefix="meshnode-transfer-", dir=args.dest)) if args.dest else tmp

@@ -395,7 +395,7 @@ def format_plan(result, nodes) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from meshnode.control.planner import PlanError, plan as make_plan
-    from meshnode.data.profile import profile_model
+    from meshnode.weights.profile import profile_model
 
     try:
         profile = profile_model(Path(args.model))

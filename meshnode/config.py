@@ -293,7 +293,7 @@ def _positive_duration(value: Any) -> float:
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
-DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in bare TCP frames (meshnode.data.dataport)
+DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in bare TCP frames (meshnode.transport.dataport)
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": _optional(_str),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from meshnode.modelbuild import build_once
+from meshnode.model.build import build_once
 
 DEMO_MODEL_ID = "meshnode-demo"
 DEMO_VERSION = 1

@@ -126,7 +126,7 @@ class NodeMetrics:
         self.failovers.inc()
 
     def event(self, kind: str, fields: dict[str, Any]) -> None:
-        """A node event (see ``Node._event``)."""
+        """A node event (see :class:`EventLog`)."""
         if kind in MEMBERSHIP_KINDS:
             self.membership.labels(kind=kind).inc()
         elif kind == "plan":
@@ -193,3 +193,21 @@ class Progress:
             self._stream.write("\r\x1b[K")
             self._stream.flush()
             self._drawn = False
+
+
+class EventLog:
+    """What happened to this node lately (joins, losses, plans, loads): the last ``keep`` events
+    for ``/v1/mesh`` and the dashboard, each also counted in the metrics. Call it with the kind
+    and its fields."""
+
+    def __init__(self, metrics: "NodeMetrics", keep: int = 100):
+        self.metrics, self.keep = metrics, keep
+        self.events: list[dict[str, Any]] = []
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        self.events.append({"time": time.time(), "event": kind, **fields})
+        del self.events[:-self.keep]
+        self.metrics.event(kind, fields)
+
+    def recent(self, n: int = 20) -> list[dict[str, Any]]:
+        return self.events[-n:]

@@ -13,7 +13,7 @@ from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 from openai import OpenAI
 
-from meshnode.modelbuild import build_model
+from meshnode.model.build import build_model
 from tests.helpers import running_node
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]

@@ -1,4 +1,4 @@
-"""Cluster-key authentication of node-to-node gRPC calls (meshnode.control.auth), over real
+"""Cluster-key authentication of node-to-node gRPC calls (meshnode.trust.auth), over real
 grpc.aio servers and clients on 127.0.0.1."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from meshnode.control.auth import (
+from meshnode.trust.auth import (
     HEADER_MAC, HEADER_NODE, HEADER_NONCE, HEADER_TS, ClusterAuth, client_interceptors,
 )
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
@@ -167,7 +167,7 @@ async def test_cancelled_stream_closes_servicer_generator(server):
 
 # ---------------------------------------------------------------------------- refusals
 async def test_wrong_key_refused(server, caplog):
-    caplog.set_level(logging.WARNING, logger="meshnode.control.auth")
+    caplog.set_level(logging.WARNING, logger="meshnode.trust.auth")
     async with server.channel(ClusterAuth("another key"), "intruder") as channel:
         stub = mesh_pb2_grpc.MeshStub(channel)
         assert "mac" in await assert_unauthenticated(stub.Heartbeat(heartbeat(), timeout=5))

@@ -3,7 +3,7 @@
 Two nodes hold two stages of one model; the client talks to the first stage (not the head), so
 both waits are exercised: the head waiting on the first stage's data port, and the first stage
 waiting on the head's Generate stream. Delays are injected deterministically into the first
-stage's steps (MESHNODE_TEST_STAGE_DELAY, meshnode.data.hop.InjectedDelay) while the node stays
+stage's steps (MESHNODE_TEST_STAGE_DELAY, meshnode.transport.hop.InjectedDelay) while the node stays
 alive (it keeps heartbeating): before this issue, any step past 2 s (decode) or past
 2 s + 0.05 s per queued position (prefill) counted as a lost stage, and the request waited 30 s
 for a re-plan that nobody made, then failed (503 or placement_lost).
@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from meshnode.data.compute import seed_figures
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.model.compute import seed_figures
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.cluster import HTTP, Cluster, mlx_reference, read_stream
 from tests.netns import netns_mesh
 

@@ -18,12 +18,12 @@ from unittest import mock
 import aiohttp
 import pytest
 
-from meshnode.data.refusals import StageError
-from meshnode.data.stage import RemoteSession, RemoteStage, RemoteTicket
-from meshnode.generation import SamplingParams
-from meshnode.modelbuild import build_model
-from meshnode.prefill import BUSY_MIN_CHUNK, SHARED_STEP, TURN, ChunkSizer
-from meshnode.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
+from meshnode.transport.refusals import StageError
+from meshnode.transport.stage import RemoteSession, RemoteStage, RemoteTicket
+from meshnode.serving.generation import SamplingParams
+from meshnode.model.build import build_model
+from meshnode.serving.prefill import BUSY_MIN_CHUNK, SHARED_STEP, TURN, ChunkSizer
+from meshnode.serving.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
 from tests.helpers import running_node
 
 TRUE = list(range(100, 120))
@@ -193,8 +193,8 @@ def test_access_log_off_by_setting(model_path, tmp_path, caplog):
 def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
     import grpc
 
-    from meshnode.data.refusals import StageRefusal
-    from meshnode.data.stage import StageServer
+    from meshnode.transport.refusals import StageRefusal
+    from meshnode.transport.stage import StageServer
     from meshnode.proto import mesh_pb2
 
     server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64)
@@ -214,7 +214,7 @@ def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
 def test_the_head_and_the_stages_error_codes_mean_what_the_generation_does_next():
     import grpc
 
-    from meshnode.data.refusals import FAULT, StageFault, StagePending, StageRefused, stage_error
+    from meshnode.transport.refusals import FAULT, StageFault, StagePending, StageRefused, stage_error
 
     class St:
         start, end, node_id = 0, 4, "n1"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshnode import cli
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

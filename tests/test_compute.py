@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from meshnode.data import compute
-from meshnode.modelbuild import build_model
+from meshnode.model import compute
+from meshnode.model.build import build_model
 
 
 def test_layer_seconds_is_measured_once_and_cached(tmp_path, monkeypatch):
@@ -76,4 +76,4 @@ def test_a_cancelled_ring_measurement_ends_its_processes(tmp_path):
     assert time.monotonic() - t0 < 5
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     # This measurement's processes name this test's model (other nodes on the machine may be timing theirs).
-    assert f"meshnode.data.compute --tensor-layers {model} " not in ps
+    assert f"meshnode.model.compute --tensor-layers {model} " not in ps

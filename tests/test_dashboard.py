@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.cluster import HTTP, Cluster
 from tests.netns import netns_mesh
 

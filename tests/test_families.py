@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from meshnode.data.shard import Shard, split_boundaries, split_support
-from meshnode.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
-from meshnode.modelbuild import FAMILIES, SPLIT_FAMILIES, build_model
+from meshnode.model.shard import Shard, split_boundaries, split_support
+from meshnode.serving.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
+from meshnode.model.build import FAMILIES, SPLIT_FAMILIES, build_model
 
 LAYERS = 4
 TOKENS = 10

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from meshnode.data.compute import seed_figures
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.model.compute import seed_figures
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.cluster import HTTP, Cluster, mlx_reference, read_stream
 from tests.netns import netns_mesh
 

@@ -1,6 +1,6 @@
 """The models people run, on real nodes: each family and weight format as a 2-stage pipeline of two
 `meshnode run` processes on network-namespace hosts, answering exactly as mlx_lm.generate does on
-the whole model (greedy). Random tiny models built locally (meshnode.modelbuild), quantized with
+the whole model (greedy). Random tiny models built locally (meshnode.model.build), quantized with
 mlx-lm's own quantization. Every node times its own layers at start-up (the layer timing runs on
 each format too). Also: a family that cannot be split is served whole by one node, and refused
 with its reason (no restart loop) where no single node holds it.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.cluster import Cluster, mlx_reference
 from tests.netns import netns_mesh
 

@@ -14,7 +14,7 @@ No unhandled exception may be logged by the node meanwhile. The API serves no Op
 so schemathesis has nothing to read; hypothesis generates the requests.
 
 Messages from key holders that are *valid* (a heartbeat with the right cluster id, a plan for the
-served model) are trusted by design (see meshnode/control/auth.py) and are not fuzzed here: the
+served model) are trusted by design (see meshnode/trust/auth.py) and are not fuzzed here: the
 fuzzer only makes invalid or foreign ones.
 """
 
@@ -33,11 +33,11 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from meshnode.control.auth import ClusterAuth, SignedChannel
-from meshnode.data.dataport import hello as data_hello, recv_frame, send_frame
-from meshnode.data.refusals import StageRefusal
-from meshnode.modelbuild import build_model
-from meshnode.node import MAX_GRPC_MESSAGE
+from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.transport.dataport import hello as data_hello, recv_frame, send_frame
+from meshnode.transport.refusals import StageRefusal
+from meshnode.model.build import build_model
+from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.proto import mesh_pb2
 from tests.helpers import running_node
 

@@ -4,8 +4,8 @@ downloads only the small files, profiles the model from the weight files' header
 then downloads only the weight files holding its layers, resuming a cut-off download.
 
 The node's Hub path runs in a subprocess per step (huggingface_hub reads ``HF_ENDPOINT`` and
-``HF_HOME`` when it is imported), as a node does: :func:`meshnode.modelsource.resolve_model`, then
-:meth:`meshnode.data.sourcing.LayerSource.folder` with no peer.
+``HF_HOME`` when it is imported), as a node does: :func:`meshnode.weights.modelsource.resolve_model`, then
+:meth:`meshnode.weights.sourcing.LayerSource.folder` with no peer.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from meshnode.data.manifest import build_manifest, tensors_for_layers
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.manifest import build_manifest, tensors_for_layers
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.hubstandin import HubStandIn, hub_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +35,10 @@ _STEP = r"""
 import asyncio, json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from meshnode.data.profile import profile_model
-from meshnode.data.sourcing import LayerSource
-from meshnode.data.transfer import ModelStore
-from meshnode.modelsource import resolve_model
+from meshnode.weights.profile import profile_model
+from meshnode.weights.sourcing import LayerSource
+from meshnode.weights.transfer import ModelStore
+from meshnode.weights.modelsource import resolve_model
 
 args = json.loads(sys.argv[1])
 cache = Path(args["cache"])
@@ -91,7 +91,7 @@ def model(tmp_path_factory):
 
 
 def _shard_out(folder: Path, start: int, end: int, x: mx.array) -> mx.array:
-    from meshnode.data.shard import Shard
+    from meshnode.model.shard import Shard
 
     shard = Shard(folder, start, end)
     out = shard.forward(x, shard.make_cache())

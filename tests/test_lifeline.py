@@ -12,16 +12,16 @@ import time
 
 import pytest
 
-from meshnode.data.compute import free_ports
-from meshnode.modelbuild import build_model
+from meshnode.model.compute import free_ports
+from meshnode.model.build import build_model
 
 pytestmark = pytest.mark.timeout(120)
 
-# The parent: starts the child the way a node does (meshnode.data.lifeline.child_env), prints its
+# The parent: starts the child the way a node does (meshnode.model.lifeline.child_env), prints its
 # pid, then waits to be killed.
 PARENT = """
 import subprocess, sys, time
-from meshnode.data.lifeline import child_env
+from meshnode.model.lifeline import child_env
 child = subprocess.Popen(sys.argv[2:], env=child_env(__import__('json').loads(sys.argv[1])),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE)
 print(child.pid, flush=True)
@@ -67,7 +67,7 @@ def test_a_ring_measurement_dies_with_its_node(model, tmp_path):
     """Rank 0 of the split-layer timing waits for a rank 1 that never comes (a hung ring)."""
     hostfile = tmp_path / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-    took = _orphan_dies([sys.executable, "-m", "meshnode.data.compute", "--tensor-layers", str(model), "1", "2"],
+    took = _orphan_dies([sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model), "1", "2"],
                         {"MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)}, settle=4)
     assert took < 3, f"the ring process outlived its node by {took:.1f} s"
 
@@ -77,7 +77,7 @@ def test_a_tensor_worker_dies_with_its_node(model, tmp_path):
     hostfile = tmp_path / "ring.json"
     ring = free_ports(3)
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring[:2]]))
-    argv = [sys.executable, "-m", "meshnode.data.tensor", "--model", str(model), "--start", "0", "--end", "4",
+    argv = [sys.executable, "-m", "meshnode.model.tensor", "--model", str(model), "--start", "0", "--end", "4",
             "--backend", "ring", "--control", f"127.0.0.1:{ring[2]}"]
     took = _orphan_dies(argv, {"MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}, settle=4)
     assert took < 3, f"the tensor worker outlived its node by {took:.1f} s"
@@ -86,7 +86,7 @@ def test_a_tensor_worker_dies_with_its_node(model, tmp_path):
 def test_a_child_whose_node_died_while_it_started_exits_at_once(tmp_path):
     """The node can die before the child asks for its parent's pid: the pid the node wrote into the
     environment is not the parent any more, and the child exits instead of watching init."""
-    code = ("import time; from meshnode.data.lifeline import die_with_parent; die_with_parent(); "
+    code = ("import time; from meshnode.model.lifeline import die_with_parent; die_with_parent(); "
             "time.sleep(30)")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MESHNODE_PARENT_PID": "1"},
                           timeout=20)

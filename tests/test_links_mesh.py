@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.cluster import Cluster
 from tests.netns import netns_mesh
 

@@ -8,8 +8,8 @@ import pytest
 from meshnode import sysinfo
 from meshnode.config import Settings
 from meshnode.control.planner import NodeSpec, PlanError, plan
-from meshnode.data.profile import ModelProfile, profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import ModelProfile, profile_model
+from meshnode.model.build import build_model
 
 
 def _profile(layers=8, layer_bytes=1000, kv_per_token=10) -> ModelProfile:

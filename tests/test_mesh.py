@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from tests.cluster import GRPC, Cluster
 from tests.netns import netns_mesh
 

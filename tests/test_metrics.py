@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.data.shard import Shard
+from meshnode.model.shard import Shard
 from meshnode.metrics import NodeMetrics, Progress, outcome_for_status
-from meshnode.modelbuild import build_model
+from meshnode.model.build import build_model
 from tests.helpers import running_node
 
 pytestmark = pytest.mark.timeout(180)

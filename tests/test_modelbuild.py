@@ -9,7 +9,7 @@ from mlx_lm import generate, load, stream_generate
 from mlx_lm.generate import generate_step
 
 from meshnode.demo import DEMO_ARGS, DEMO_MODEL_ID, default_models_dir, ensure_demo_model
-from meshnode.modelbuild import FAMILIES, _uniform, build_model, build_tokenizer, model_dir_for
+from meshnode.model.build import FAMILIES, _uniform, build_model, build_tokenizer, model_dir_for
 
 TEXTS = ["Hello, world!", "café naïve Straße", "東京 こんにちは Привет γειά", "emoji 🙂🚀👩‍👩‍👧 and \t tabs\n",
          "rare: ǅ ﬁ ℵ 𝔘𝔫𝔦 \u200b \x00 \x7f", "  leading and trailing spaces  ", ""]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshnode.control.planner import NodeSpec, Plan, PlanError, Stage, plan
-from meshnode.data.profile import ModelProfile
+from meshnode.weights.profile import ModelProfile
 
 GiB = 2**30
 # MESHNODE_PLANNER_EXAMPLES=5000 for a deeper search than the default run's.
@@ -734,7 +734,7 @@ def test_quantized_tensor_groups_keep_whole_quantization_groups():
     from dataclasses import replace as _replace
 
     from meshnode.control.planner import group_size_problem
-    from meshnode.data.profile import ModelProfile
+    from meshnode.weights.profile import ModelProfile
 
     base = ModelProfile(name="q", model_type="deepseek_v3", num_layers=4, layer_bytes=(1,) * 4, embed_bytes=1,
                         head_bytes=1, norm_bytes=1, tied_embeddings=False, kv_bytes_per_token=(1,) * 4,

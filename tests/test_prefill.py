@@ -11,11 +11,11 @@ import time
 import mlx.core as mx
 import pytest
 
-from meshnode.data.shard import Shard
-from meshnode.generation import (Baton, LocalStage, PipelineModel, PrefillOptions, SamplingParams, generate_tokens,
-                                 mlx_idle)
-from meshnode.modelbuild import build_model
-from meshnode.prefill import CHUNKS_PER_STAGE, MIN_CHUNK, ChunkSizer
+from meshnode.model.shard import Shard
+from meshnode.model.scheduler import Baton, mlx_idle
+from meshnode.serving.generation import LocalStage, PipelineModel, PrefillOptions, SamplingParams, generate_tokens
+from meshnode.model.build import build_model
+from meshnode.serving.prefill import CHUNKS_PER_STAGE, MIN_CHUNK, ChunkSizer
 
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(300)]
 

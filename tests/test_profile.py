@@ -18,8 +18,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from meshnode.data.profile import ModelProfile, profile_model, tensor_bytes
-from meshnode.data.weightfiles import read_safetensors_header
+from meshnode.weights.profile import ModelProfile, profile_model, tensor_bytes
+from meshnode.weights.weightfiles import read_safetensors_header
 
 BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)

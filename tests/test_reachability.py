@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshnode.control.reachability import HINT, Reachability
-from meshnode.modelbuild import build_model
+from meshnode.model.build import build_model
 from tests.cluster import GRPC, HTTP, KEY, Cluster
 from tests.netns import netns_mesh
 

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from meshnode.generation import SamplingParams
-from meshnode.resilience import EpochPending, FailoverSource, GenerationFault, NotReady, PlacementLost
+from meshnode.serving.generation import SamplingParams
+from meshnode.serving.resilience import EpochPending, FailoverSource, GenerationFault, NotReady, PlacementLost
 
 TRUE = list(range(100, 120))  # what an unfailing greedy run produces after any prompt
 
@@ -179,7 +179,7 @@ def test_seeded_sampling_resumed_at_an_offset_draws_what_it_would_have_drawn():
     offset k (failover) continues the draws of the run it replaces."""
     import mlx.core as mx
 
-    from meshnode.generation import make_request_sampler
+    from meshnode.serving.generation import make_request_sampler
 
     logits = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(3)), axis=-1))
     params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=-12345)

@@ -7,9 +7,9 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from meshnode.data.shard import Shard
-from meshnode.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
-from meshnode.modelbuild import FAMILIES, build_model
+from meshnode.model.shard import Shard
+from meshnode.serving.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
+from meshnode.model.build import FAMILIES, build_model
 
 LAYERS = 6
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 128, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,

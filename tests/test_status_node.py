@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.modelbuild import build_model
+from meshnode.model.build import build_model
 
 pytestmark = pytest.mark.timeout(120)
 

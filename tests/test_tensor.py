@@ -1,4 +1,4 @@
-"""Tensor-parallel groups (meshnode.data.tensor): real worker processes over mx.distributed's ring
+"""Tensor-parallel groups (meshnode.model.tensor): real worker processes over mx.distributed's ring
 backend on loopback. Multi-host groups inside real meshes are in test_tensor_mesh.py."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from meshnode.data.compute import free_ports
-from meshnode.data.shard import Shard
-from meshnode.data.tensor import TensorGroupError, TensorShard
-from meshnode.modelbuild import build_model
+from meshnode.model.compute import free_ports
+from meshnode.model.shard import Shard
+from meshnode.model.tensor import TensorGroupError, TensorShard
+from meshnode.model.build import build_model
 
 pytestmark = pytest.mark.timeout(180)
 

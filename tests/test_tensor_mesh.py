@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from meshnode.data.compute import seed_figures
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
-from meshnode.node import REPLAN_GAIN
+from meshnode.model.compute import seed_figures
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
+from meshnode.control.coordinator import REPLAN_GAIN
 from tests.cluster import Cluster, mlx_reference, read_stream
 from tests.netns import netns_mesh
 
@@ -132,7 +132,7 @@ def _figures(view, profile):
     best measured link between the two (None until both ends have measured it)."""
     from meshnode.control.planner import LinkSpec, NodeSpec
 
-    from meshnode.node import UNMEASURED_COLLECTIVE_S
+    from meshnode.control.coordinator import UNMEASURED_COLLECTIVE_S
 
     nodes = [NodeSpec(n["node_id"], n["memory_budget"], layer_seconds=n["layer_seconds"] or None,
                       collective_s=n["collective_seconds"] or UNMEASURED_COLLECTIVE_S) for n in view["nodes"]]

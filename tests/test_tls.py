@@ -1,5 +1,5 @@
 """encrypt = true: mutual TLS between nodes with a certificate derived from the cluster key
-(meshnode.control.tls), over real in-process nodes and real grpc.aio clients on 127.0.0.1."""
+(meshnode.trust.tls), over real in-process nodes and real grpc.aio clients on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 from cryptography import x509
 
 from meshnode.config import ConfigError, Settings, load_settings
-from meshnode.control import tls
-from meshnode.control.auth import ClusterAuth, SignedChannel
-from meshnode.data.profile import profile_model
-from meshnode.modelbuild import build_model
+from meshnode.trust import tls
+from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.weights.profile import profile_model
+from meshnode.model.build import build_model
 from meshnode.node import Node
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
@@ -37,7 +37,7 @@ def test_same_key_same_certificate_bytes_other_key_other_certificate():
     b = tls.derive_identity(KEY)
     assert a is not b and a.cert_pem == b.cert_pem and a.key_pem == b.key_pem
     # another process derives the very same bytes (no randomness anywhere, signature included)
-    code = ("import sys; from meshnode.control.tls import derive_identity as d; "
+    code = ("import sys; from meshnode.trust.tls import derive_identity as d; "
             f"sys.stdout.buffer.write(d({KEY!r}).cert_pem)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout == a.cert_pem
     other = tls.derive_identity(KEY + "!")

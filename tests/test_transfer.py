@@ -1,4 +1,4 @@
-"""Models from peers (meshnode.data.manifest, meshnode.data.transfer): real grpc.aio servers on
+"""Models from peers (meshnode.weights.manifest, meshnode.weights.transfer): real grpc.aio servers on
 127.0.0.1 with cluster-key auth, each serving a ModelStore; fetched folders load as shards that
 give outputs identical to shards of the full model."""
 
@@ -15,13 +15,13 @@ import grpc
 import mlx.core as mx
 import pytest
 
-from meshnode.control.auth import ClusterAuth, client_interceptors
-from meshnode.data import transfer
-from meshnode.data.manifest import (CACHE_NAME, PARTIAL_MARKER, build_manifest, layers_held, tensors_for_layers,
+from meshnode.trust.auth import ClusterAuth, client_interceptors
+from meshnode.weights import transfer
+from meshnode.weights.manifest import (CACHE_NAME, PARTIAL_MARKER, build_manifest, layers_held, tensors_for_layers,
                                     validate_manifest)
-from meshnode.data.shard import Shard
-from meshnode.data.transfer import DiskSpaceError, ModelStore, fetch_layers
-from meshnode.modelbuild import build_model
+from meshnode.model.shard import Shard
+from meshnode.weights.transfer import DiskSpaceError, ModelStore, fetch_layers
+from meshnode.model.build import build_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 KEY = "transfer tests key"
@@ -153,7 +153,7 @@ async def test_spreads_over_peers_and_survives_a_peer_stopping(models, tmp_path)
 async def test_corrupted_chunks_are_refetched_from_a_good_peer(models, tmp_path, caplog):
     full = models["untied"]
     bad, good = StoreServicer(store(full), corrupt=True), StoreServicer(store(full))
-    caplog.set_level(logging.WARNING, logger="meshnode.data.transfer")
+    caplog.set_level(logging.WARNING, logger="meshnode.weights.transfer")
     async with serving(bad, good) as peers:
         result = await fetch_layers(peers, MODEL, 2, 5, tmp_path / "m", max_peer_failures=100)
     assert bad.chunks > 0

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.data.profile import profile_model
-from meshnode.data.weightfiles import read_safetensors_header
-from meshnode.modelbuild import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.weights.weightfiles import read_safetensors_header
+from meshnode.model.build import build_model
 from tests.cluster import Cluster, mlx_reference, read_stream
 from tests.netns import netns_mesh
 
@@ -133,8 +133,8 @@ def test_restarted_node_resumes_its_transfer(big_model, tmp_path):
 def _corrupt_layers(model_dir: Path, layers: range) -> int:
     """Flip one byte of every tensor of ``layers`` in place, keeping size and mtime, so the cached
     manifest still vouches for the old bytes (bit rot after hashing): the peer serves bad data."""
-    from meshnode.data.manifest import build_manifest
-    from meshnode.data.weightfiles import read_safetensors_header, weight_files
+    from meshnode.weights.manifest import build_manifest
+    from meshnode.weights.weightfiles import read_safetensors_header, weight_files
 
     build_manifest(model_dir, model_dir.name)  # cached now, with the good digests
     flipped = 0

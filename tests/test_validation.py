@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from meshnode.api.validation import ApiError, Limits, parse_request
-from meshnode.engine import Engine
-from meshnode.generation import SamplingParams
+from meshnode.serving.engine import Engine
+from meshnode.serving.generation import SamplingParams
 
 L = Limits(max_tokens_limit=100, default_max_tokens=10)
 MSG = [{"role": "user", "content": "hi"}]

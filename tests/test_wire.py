@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from meshnode.data.wire import (RAW_REPLY, Placeholder, RawReply, WireError, from_tensor, is_raw, raw_reply_into,
+from meshnode.model.wire import (RAW_REPLY, Placeholder, RawReply, WireError, from_tensor, is_raw, raw_reply_into,
                                  to_array, to_tensor)
 from meshnode.proto import mesh_pb2
 from meshnode.proto.generate import is_up_to_date

@@ -1,7 +1,7 @@
 """The HTTP API: OpenAI-compatible chat and completions, models, health and mesh status.
 
 Every node serves it. Requests are parsed and checked in :mod:`meshnode.api.validation`;
-generation goes to whatever :class:`~meshnode.engine.Engine` the node's backend hands out
+generation goes to whatever :class:`~meshnode.serving.engine.Engine` the node's backend hands out
 (local pipeline, or the mesh's head node). Errors are OpenAI-style JSON with a 4xx/5xx.
 
 Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):
@@ -26,8 +26,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from meshnode.api.validation import ApiError, GenerationRequest, Limits, parse_request
-from meshnode.engine import Delta, Engine
-from meshnode.generation import SamplingParams
+from meshnode.serving.engine import Delta, Engine
+from meshnode.serving.generation import SamplingParams
 from meshnode.metrics import NodeMetrics, outcome_for_status
 
 STATIC = Path(__file__).resolve().parent / "static"  # the dashboard (GET /)

@@ -10,31 +10,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshnode.errors import ApiError
+
+__all__ = ["ApiError", "GenerationRequest", "Limits", "parse_request"]
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import socket
 import statistics
 import time
 
-from meshnode.listener import ThreadedListener, recv_exact
+from meshnode.transport.listener import ThreadedListener, recv_exact
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import math
 
 from meshnode.control.discovery import NodeInfo
 from meshnode.control.planner import Plan, Stage
-from meshnode.data.holdings import holdings_from_pb, holdings_to_pb
+from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.proto import mesh_pb2
 
 MAX_ID_LEN = 128

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from meshnode.control.planner.plans import NodeSpec, Plan, Stage, describe_context, human_bytes
-from meshnode.data.profile import ModelProfile
+from meshnode.weights.profile import ModelProfile
 
 EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here
 _PREFERRED_WORK = 2**14  # subsets tried for `preferred` before settling for the largest: this / 2**k

@@ -12,7 +12,7 @@ from meshnode.control.planner.cost import (DEFAULT_LINK, FAST_RTT_S, CostModel, 
 from meshnode.control.planner.memory import fitting_order, memory_plan, why_not
 from meshnode.control.planner.plans import (STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, describe_context,
                                             human_bytes)
-from meshnode.data.profile import ModelProfile
+from meshnode.weights.profile import ModelProfile
 
 EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; a few natural ones beyond
 EXACT_GROUP_NODES = 4  # every partition into groups (hybrid) up to here; chunked orders beyond

@@ -1,6 +1,6 @@
 """A TCP listener that serves each connection on a blocking thread of its own.
 
-The link echo (meshnode.control.echo) and the data port (meshnode.data.dataport) are both
+The link echo (meshnode.control.echo) and the data port (meshnode.transport.dataport) are both
 bare TCP next to gRPC, for what an event loop and an RPC stack make slow: each connection gets
 a plain thread that blocks in ``recv``, so a message costs the kernel's round trip and little
 else. At most ``max_connections`` are served at once; more are closed at once.

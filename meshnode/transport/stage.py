@@ -1,6 +1,6 @@
 """The pipeline's data plane over gRPC, and the stage logic every transport shares.
 
-Activations normally travel over the data port (meshnode.data.hop, ``fast_hops``); gRPC
+Activations normally travel over the data port (meshnode.transport.hop, ``fast_hops``); gRPC
 carries them in encrypted clusters, to peers without a reachable data port, and with
 ``fast_hops = false``. :class:`OpenStage` (one request's use of a stage: checks, KV cache, the
 step built ahead) serves both.
@@ -37,15 +37,17 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
-from meshnode.data.refusals import EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
-from meshnode.data.tensor import TensorGroupError
-from meshnode.data.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
+from meshnode.transport.refusals import EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
+from meshnode.model.tensor import TensorGroupError
+from meshnode.model.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
+from meshnode.model.scheduler import mlx_idle
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
-    from meshnode.control.auth import ClusterAuth
-    from meshnode.data.shard import Shard
-    from meshnode.generation import StageSession, TokenScheduler
+    from meshnode.trust.auth import ClusterAuth
+    from meshnode.model.shard import Shard
+    from meshnode.model.scheduler import TokenScheduler
+    from meshnode.serving.generation import StageSession
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ class StageServer:
 class OpenStage:
     """One request's use of one stage on the serving side: its KV cache and what it has seen.
 
-    Transport-neutral: the gRPC ``Forward`` stream and the data port (meshnode.data.hop) both
+    Transport-neutral: the gRPC ``Forward`` stream and the data port (meshnode.transport.hop) both
     admit each message, then run it on the MLX thread.
     """
 
@@ -239,7 +241,7 @@ class RemoteSession:
     def submit(self, x: mx.array, *, next_single: bool = False) -> "RemoteTicket":
         """Send ``x`` without waiting for the reply (called on the generation thread).
 
-        ``next_single`` is a hint for the data port (meshnode.data.hop); gRPC stages build each
+        ``next_single`` is a hint for the data port (meshnode.transport.hop); gRPC stages build each
         step when its input arrives.
         """
         if x.dtype == mx.uint32:
@@ -255,8 +257,6 @@ class RemoteSession:
         return self.finish(self.submit(x))
 
     def finish(self, ticket: "RemoteTicket", into: Placeholder | None = None) -> mx.array | None:
-        from meshnode.generation import mlx_idle
-
         if not ticket.done():
             with mlx_idle():  # other generations use the MLX thread while this one waits on the network
                 ticket.wait()
@@ -328,7 +328,7 @@ class RemoteStage:
         alive: Callable[[], bool] | None = None,
         data_session: "Callable[..., StageSession] | None" = None,
     ):
-        # Opens a request's stream over the peer's data port (meshnode.data.hop.HopSession); None:
+        # Opens a request's stream over the peer's data port (meshnode.transport.hop.HopSession); None:
         # every request goes over gRPC.
         self.data_session = data_session
         # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
@@ -337,7 +337,7 @@ class RemoteStage:
         # membership, meshnode.control.membership.Membership.heard_within). A reply is waited for
         # while this holds; None: only request_timeout bounds the wait (tests of the transport).
         self.alive = alive
-        # Where the peer's data port is (meshnode.data.hop), when activations may go there.
+        # Where the peer's data port is (meshnode.transport.hop), when activations may go there.
         self.data_port = data_port
         self.auth, self.caller = auth, caller
         self.node_id = node_id
@@ -353,7 +353,7 @@ class RemoteStage:
     def accept(self, reply: "mesh_pb2.ForwardReply | RawReply", positions: int, sent: float, transport: str,
                into: Placeholder | None = None) -> mx.array | None:
         """A reply's activation, checked against the plan, its round trip observed (either transport);
-        ``into``: written into that step built ahead (meshnode.data.wire.Placeholder) instead."""
+        ``into``: written into that step built ahead (meshnode.model.wire.Placeholder) instead."""
         if self.observe is not None:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
         try:

@@ -16,11 +16,11 @@ certificate, trusting only this certificate, and dials with ``grpc.ssl_channel_c
 presenting it and trusting only it (mutual TLS, TLS 1.2/1.3 with ECDHE, so sessions have
 forward secrecy). Peers are dialled by IP address, so channels set
 ``grpc.ssl_target_name_override`` to :data:`SERVER_NAME`. The HMAC interceptors of
-:mod:`meshnode.control.auth` stay on top of TLS (defence in depth).
+:mod:`meshnode.trust.auth` stay on top of TLS (defence in depth).
 
 Threat model
 ------------
-Authentication alone (always on, :mod:`meshnode.control.auth`) stops anyone without the key from
+Authentication alone (always on, :mod:`meshnode.trust.auth`) stops anyone without the key from
 calling a node or replaying calls, but everything travels in clear. With ``encrypt = true``,
 against anyone on the network without the cluster key:
 

@@ -3,7 +3,7 @@
 :class:`LayerSource` is what the node asks for "a folder holding layers [start, end) of the served
 model". The local model folder answers when it covers them; else a folder fetched earlier into
 ``<cache>/peer-models/`` (resumed if a transfer was interrupted); else the tensors are fetched
-from the live peers that announce the model (:func:`meshnode.data.transfer.fetch_layers`); with
+from the live peers that announce the model (:func:`meshnode.weights.transfer.fetch_layers`); with
 no peer holding them, from Hugging Face (:func:`hub_layers`).
 """
 
@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meshnode.data.holdings import Holding
-from meshnode.data.manifest import (PARTIAL_MARKER, cached_folders, layers_held, manifest_to_dict, model_digest,
+from meshnode.weights.holdings import Holding
+from meshnode.weights.manifest import (PARTIAL_MARKER, cached_folders, layers_held, manifest_to_dict, model_digest,
                                     num_layers_of, read_marker)
-from meshnode.data.transfer import DiskSpaceError, FetchError, ModelStore, _free_bytes, fetch_layers, fetch_metadata
+from meshnode.weights.transfer import DiskSpaceError, FetchError, ModelStore, _free_bytes, fetch_layers, fetch_metadata
 from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, di
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    from meshnode.data.weightfiles import decode_safetensors_header
+    from meshnode.weights.weightfiles import decode_safetensors_header
 
     url = hf_hub_url(model_id, filename, revision=revision)
     headers = build_hf_headers()
@@ -256,7 +256,7 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
-    from meshnode.data.manifest import hash_file, list_files, loaded_weights
+    from meshnode.weights.manifest import hash_file, list_files, loaded_weights
 
     snap = Path(snapshot_download(model_id, allow_patterns=_small_patterns(), revision=revision))
     commit = snap.name
@@ -310,7 +310,7 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
     2.x itself drops a partial file when a download fails). Every file is checked against the
     Hub's sha256 and its tensors against the headers before use.
     """
-    from meshnode.data.manifest import hash_file, manifest_from_dict, tensors_for_layers
+    from meshnode.weights.manifest import hash_file, manifest_from_dict, tensors_for_layers
 
     cache_root = Path(cache_root)
     marker = None

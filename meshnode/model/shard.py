@@ -38,9 +38,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from meshnode.data.profile import activation_dtype, hidden_size
-from meshnode.data.splits import split_boundaries, split_support
-from meshnode.data.wire import Placeholder, dtype_name, placeholders_work
+from meshnode.weights.profile import activation_dtype, hidden_size
+from meshnode.weights.splits import split_boundaries, split_support
+from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +217,11 @@ def _check_split(config: dict[str, Any], start: int, end: int, num_layers: int) 
                          f"allowed boundaries: {sorted(allowed)}")
 
 
-# --- Folders holding only some layers' tensors (written by meshnode.data.transfer) -------------
+# --- Folders holding only some layers' tensors (written by meshnode.weights.transfer) -------------
 
 
 def _is_partial(model_path: Path) -> bool:
-    from meshnode.data.manifest import PARTIAL_MARKER
+    from meshnode.weights.manifest import PARTIAL_MARKER
 
     return (model_path / PARTIAL_MARKER).is_file()
 
@@ -258,7 +258,7 @@ def any_thread_stream() -> "mx.Stream":
     on, and a recurrent layer's state is left lazy by one step and read by the next, wherever that
     is built. Every shard therefore builds on this stream (one per device; each MLX stream is a
     worker thread, so not one per shard). MLX asks its users to evaluate such a stream's graphs
-    one at a time: a node runs all MLX work one piece at a time (meshnode.generation's baton).
+    one at a time: a node runs all MLX work one piece at a time (meshnode.serving.generation's baton).
     """
     device = str(mx.default_device())
     with _STREAM_LOCK:
@@ -404,7 +404,7 @@ class Shard:
         return cache[self.spec.start : self.spec.end]
 
     def build_ahead(self, cache: list[Any]) -> "tuple[Placeholder, mx.array] | None":
-        """The next one-position step, built before its input exists (meshnode.data.wire.Placeholder):
+        """The next one-position step, built before its input exists (meshnode.model.wire.Placeholder):
         fill the placeholder, then evaluate the output. None where placeholders do not work."""
         if not placeholders_work():
             return None

@@ -18,7 +18,7 @@ off the event loop, so receiving never waits on the disk). A new call with the s
 journaled items on disk and fetches only the rest. The folder becomes ``<dest>`` by one rename
 once every item is verified, so an incomplete folder never looks complete. The result is an
 mlx-lm model folder holding only the stage's tensors plus ``meshnode-partial.json`` (the layer
-range and the original manifest), which :class:`meshnode.data.shard.Shard` loads.
+range and the original manifest), which :class:`meshnode.model.shard.Shard` loads.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import grpc
 
-from meshnode.data.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, cached_folders, is_weight_file,
+from meshnode.weights.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, cached_folders, is_weight_file,
                                     layers_held, manifest_from_dict, manifest_to_dict, num_layers_of, read_marker,
                                     safe_relpath, tensors_for_layers, validate_manifest)
-from meshnode.data.weightfiles import read_safetensors_header, weight_files
+from meshnode.weights.weightfiles import read_safetensors_header, weight_files
 from meshnode.durable import fsync_dir
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 

@@ -4,9 +4,9 @@
 it runs the request's slice through every stage in order (local shards, or remote stages over
 gRPC) and returns the last stage's logits. mlx-lm keeps doing what it already does: sampling
 (temperature, top_p) and the generation loop. The prompt (all but its last token) is prefilled
-first with its chunks pipelined through the stages (meshnode.prefill).
+first with its chunks pipelined through the stages (meshnode.serving.prefill).
 
-:class:`TokenScheduler` runs all MLX work of the node one piece at a time (:class:`Baton`). Each
+meshnode.model.scheduler runs all MLX work of the node one piece at a time (:class:`Baton`). Each
 generation has its own thread and gives the baton up while a remote stage works on its
 activation, so concurrent generations overlap across the stages; they take turns a token each
 (fairness) and each keeps its own caches.
@@ -14,26 +14,22 @@ activation, so concurrent generations overlap across the stages; they take turns
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
-import queue
 import secrets
-import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from meshnode.data.shard import Shard, any_thread_stream
-from meshnode.data.wire import Placeholder
-from meshnode.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
+from meshnode.model.shard import Shard
+from meshnode.model.wire import Placeholder
+from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield
+from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +188,7 @@ class PipelineModel:
         return x
 
     def prefill(self, tokens: Sequence[int], options: PrefillOptions, busy: Callable[[], bool] | None = None) -> int:
-        """Run ``tokens`` through every stage, chunks pipelined (meshnode.prefill); the number of chunks.
+        """Run ``tokens`` through every stage, chunks pipelined (meshnode.serving.prefill); the number of chunks.
 
         ``busy()``: other generations run on this node now (chunks are then cut short, so they get
         their turns at every stage). Each stage's measured speed is kept on its handle (the
@@ -254,7 +250,7 @@ def draw_key(seed: int, index: int) -> mx.array:
 
 @dataclass(frozen=True)
 class PrefillOptions:
-    """Pipelined prefill (meshnode.prefill): on, and the longest a stage's step may run."""
+    """Pipelined prefill (meshnode.serving.prefill): on, and the longest a stage's step may run."""
 
     pipelined: bool = True
     max_step: float = 0.5  # seconds
@@ -273,7 +269,7 @@ def generate_tokens(
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
     With pipelined prefill, every prompt token but the last first streams through the stages in
-    chunks (meshnode.prefill); generate_step then gets the filled cache and the last token, and
+    chunks (meshnode.serving.prefill); generate_step then gets the filled cache and the last token, and
     samples and decodes exactly as it does for a prompt it prefilled itself.
     """
     sampler = make_request_sampler(params)
@@ -297,248 +293,9 @@ def generate_tokens(
         model.close()
 
 
-_END = object()
-
-
-class TokenJob:
-    """One generation's link between the scheduler thread and an asyncio consumer."""
-
-    def __init__(self, tokens: Iterator[int], loop: asyncio.AbstractEventLoop):
-        self.tokens = tokens
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-
-    def _put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is gone
-            self.cancelled.set()
-
-    async def __aiter__(self):
-        try:
-            while True:
-                item = await self.queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancelled.set()
-
-
-_held = threading.local()
-
-
-class Baton:
-    """The right to run MLX work on this node: one thread at a time, handed on in FIFO order.
-
-    Each generation runs on its own thread but computes only while holding the baton; it lets go
-    while it waits for a remote stage, so another generation computes meanwhile (overlapped
-    decoding), and after every token, so generations take turns (fairness).
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._queue: deque[object] = deque()
-        self._busy = False
-
-    def acquire(self) -> None:
-        ticket = object()
-        with self._cond:
-            self._queue.append(ticket)
-            while self._busy or self._queue[0] is not ticket:
-                self._cond.wait()
-            self._queue.popleft()
-            self._busy = True
-        _held.baton = self
-
-    def release(self) -> None:
-        _held.baton = None
-        with self._cond:
-            self._busy = False
-            self._cond.notify_all()
-
-    def pass_on(self, settle: Callable[[], None] | None = None) -> None:
-        """Let every thread already waiting go first, then take the baton back.
-
-        ``settle`` runs first (only when someone waits): it finishes the work this thread left
-        running, so the next holder gets the processor to itself and work finishes in turn
-        (first come, first done) instead of sharing it and everything finishing late.
-        """
-        with self._cond:
-            waiting = bool(self._queue)
-        if waiting:
-            if settle is not None:
-                settle()
-            self.release()
-            self.acquire()
-
-    @contextlib.contextmanager
-    def holding(self):
-        self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
-
-
-@contextlib.contextmanager
-def mlx_idle():
-    """While waiting (on the network), let other generations run MLX work."""
-    baton = getattr(_held, "baton", None)
-    if baton is None:
-        yield
-        return
-    baton.release()
-    try:
-        yield
-    finally:
-        baton.acquire()
-        _held.idled = True
-
-
-def mlx_yield() -> None:
-    """Let generations that are waiting for the MLX thread take a turn."""
-    baton = getattr(_held, "baton", None)
-    if baton is not None:
-        baton.pass_on()
-
-
-def _settle_generation() -> None:
-    """Wait for the step generate_step left running: it is built on the shards' stream
-    (meshnode.data.shard.any_thread_stream), which only one generation may use at a time."""
-    mx.synchronize(generation_stream)
-    mx.synchronize(any_thread_stream())
-
-
 def _wait_idle(handles: list, timeout: float) -> None:
     with mlx_idle():
         wait_first(handles, timeout)
-
-
-class TokenScheduler:
-    """Runs all MLX work of this node, one piece at a time (:class:`Baton`).
-
-    Every generation gets a thread that advances it one token at a time, holding the baton
-    while it computes and letting go while a remote stage works on its activation; one-off calls
-    (a stage's step for another node's generation, loading a shard) run on the scheduler's own
-    thread, also under the baton.
-    """
-
-    def __init__(self, name: str = "meshnode-mlx"):
-        self._inbox: queue.Queue[TokenJob | _Call | None] = queue.Queue()
-        self._baton = Baton()
-        self._name = name
-        self._jobs: set[TokenJob] = set()
-        self._jobs_lock = threading.Lock()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def active(self) -> int:
-        return len(self._jobs)
-
-    def submit(self, tokens: Iterator[int]) -> TokenJob:
-        job = TokenJob(tokens, asyncio.get_running_loop())
-        with self._jobs_lock:
-            if self._stopped:
-                raise RuntimeError("the scheduler is stopped")
-            self._jobs.add(job)
-        threading.Thread(target=self._drive, args=(job,), name=f"{self._name}-gen", daemon=True).start()
-        return job
-
-    def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
-        """Run ``fn`` on the MLX thread (between tokens) and await its result."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        self._inbox.put(_Call(fn, loop, future))
-        return future
-
-    def run_here(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the calling thread, holding the baton (a data-port stream's own thread)."""
-        with self._baton.holding():
-            return fn()
-
-    def stop(self) -> None:
-        with self._jobs_lock:
-            self._stopped = True
-            jobs = list(self._jobs)
-        for job in jobs:
-            job.cancelled.set()
-            job._put(_END)
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while True:
-            call = self._inbox.get()
-            if call is None:
-                return
-            with self._baton.holding():
-                call.run()
-
-    def _drive(self, job: TokenJob) -> None:
-        """One generation's thread: a token at a time, each computed holding the baton."""
-        self._baton.acquire()
-        try:
-            while not job.cancelled.is_set():
-                try:
-                    token = next(job.tokens)
-                except StopIteration:
-                    job._put(_END)
-                    return
-                except Exception as exc:  # the failure belongs to this request only
-                    log.warning("generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
-                    job._put(exc)
-                    return
-                job._put(token)
-                if getattr(_held, "idled", False):
-                    # This token waited on a remote stage and queued for the baton again after
-                    # it: the others already had their turn, and this generation goes on to send
-                    # its next activation as soon as its own step is done.
-                    _held.idled = False
-                else:
-                    # All stages local: the others' turn, a token each. generate_step left this
-                    # request's next step running (async_eval); it finishes first.
-                    self._baton.pass_on(_settle_generation)
-        finally:
-            try:
-                job.tokens.close()
-            except Exception:  # closing must not mask the outcome already sent
-                log.debug("closing a generation failed", exc_info=True)
-            finally:
-                self._baton.release()
-                with self._jobs_lock:
-                    self._jobs.discard(job)
-
-
-class _Call:
-    """A one-off function for the MLX thread (loading a shard, a remote stage's forward)."""
-
-    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-        self.fn, self.loop, self.future = fn, loop, future
-
-    def run(self) -> None:
-        try:
-            result, exc = self.fn(), None
-        except BaseException as e:  # handed to the awaiting coroutine
-            result, exc = None, e
-        try:
-            self.loop.call_soon_threadsafe(_settle, self.future, result, exc)
-        except RuntimeError:  # the caller's loop is gone
-            pass
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
 
 
 _ids = itertools.count(1)

@@ -20,11 +20,11 @@ idle. Every rank then runs the same forward pass in lockstep and ends with the f
 The ring's own connections are plain TCP without authentication (MLX's backend); the README
 says so. On Macs with Thunderbolt, JACCL is the same code with RDMA.
 
-:class:`TensorShard` is the node's side: it looks like a :class:`~meshnode.data.shard.Shard`
+:class:`TensorShard` is the node's side: it looks like a :class:`~meshnode.model.shard.Shard`
 (``spec``, ``dtype``, ``hidden_size``, ``make_cache``, ``forward``) so the stage server and the
 local pipeline use it unchanged.
 
-Run as ``python -m meshnode.data.tensor`` by :class:`TensorShard` only.
+Run as ``python -m meshnode.model.tensor`` by :class:`TensorShard` only.
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ from typing import Any, BinaryIO, Callable, Sequence
 
 import mlx.core as mx
 
-from meshnode.data.dataport import LENGTH  # the same frames as the data port, on the group's pipes
-from meshnode.data.lifeline import child_env, die_with_parent
-from meshnode.data.shard import ShardSpec
-from meshnode.data.wire import WireError, from_tensor, to_tensor
+from meshnode.model.lifeline import child_env, die_with_parent
+from meshnode.model.shard import ShardSpec
+from meshnode.model.wire import LENGTH, WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
@@ -231,7 +230,7 @@ def _name(dtype: mx.Dtype) -> str:
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshnode.data.tensor")
+    parser = argparse.ArgumentParser(prog="python -m meshnode.model.tensor")
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--start", required=True, type=int)
     parser.add_argument("--end", required=True, type=int)
@@ -256,7 +255,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         host, port = args.control.rsplit(":", 1)
         server = socket.create_server((host, int(port)), reuse_port=False)
 
-    from meshnode.data.shard import Shard
+    from meshnode.model.shard import Shard
 
     if args.inject_latency_us > 0:
         _delay_collectives(args.inject_latency_us * 1e-6)
@@ -315,7 +314,7 @@ class _Slot:
 class TensorShard:
     """This node's member of a tensor-parallel group, run in a worker subprocess.
 
-    Looks like a :class:`~meshnode.data.shard.Shard` to the stage server and the pipeline.
+    Looks like a :class:`~meshnode.model.shard.Shard` to the stage server and the pipeline.
     Only rank 0 runs requests; the other members just keep their worker alive.
     """
 
@@ -372,7 +371,7 @@ class TensorShard:
             json.dump([[e] for e in self.endpoints], f)
         env = {**os.environ, "MLX_RANK": str(self.rank), "MLX_HOSTFILE": self._hostfile,
                SECRET_ENV: self._secret.hex()}
-        cmd = [sys.executable, "-m", "meshnode.data.tensor", "--model", str(self.path),
+        cmd = [sys.executable, "-m", "meshnode.model.tensor", "--model", str(self.path),
                "--start", str(self.start), "--end", str(self.end), "--backend", self.backend,
                "--control", self.control]
         if self.inject_latency > 0:

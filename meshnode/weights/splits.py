@@ -1,7 +1,7 @@
 """Which models can be cut into pipeline stages, and where: pure functions of config.json.
 
-The planner reads them (through :class:`meshnode.data.profile.ModelProfile`'s ``split_problem``)
-before it places a model, and :class:`meshnode.data.shard.Shard` refuses a range they rule out. No
+The planner reads them (through :class:`meshnode.weights.profile.ModelProfile`'s ``split_problem``)
+before it places a model, and :class:`meshnode.model.shard.Shard` refuses a range they rule out. No
 MLX here: importing this module costs nothing.
 """
 

@@ -26,6 +26,8 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype, int]] = {
 _NAMES = {mx_dtype: name for name, (mx_dtype, _, _) in _DTYPES.items()}
 
 MAX_TENSOR_BYTES = 256 * 2**20  # no single activation is anywhere near this
+# Every frame (the data port's, a tensor group's pipes): this little-endian uint32 length, then the payload.
+LENGTH = struct.Struct("<I")
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

@@ -38,7 +38,7 @@ FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 # Every family build_model builds (the nine above with hand-written configs, the rest from their
 # ModelArgs, see _generic_config) that splits as a pipeline token-identical to mlx-lm in float32,
 # verified by tests/test_families.py. hunyuan splits only between groups of cla_share_factor layers
-# (meshnode.data.shard.split_boundaries).
+# (meshnode.model.shard.split_boundaries).
 SPLIT_FAMILIES: tuple[str, ...] = FAMILIES + (
     # asked for by name
     "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "minimax", "llama4", "gemma4_text", "hunyuan", "olmo2",

@@ -1,6 +1,6 @@
 """What can go wrong with a remote stage, and what each outcome tells a generation to do.
 
-Shared by every transport (gRPC, meshnode.data.stage; the data port, meshnode.data.hop): a
+Shared by every transport (gRPC, meshnode.transport.stage; the data port, meshnode.transport.hop): a
 stage's refusal is a gRPC status code and a message, and the caller maps it to the error that
 says what to do next: try the same placement again shortly (:class:`StagePending`), wait for a
 new plan (:class:`StageRefused`, or any lost :class:`StageError`), or give up at once

@@ -1,6 +1,6 @@
 """A model's content identity: every file and every tensor with its sha256.
 
-Nodes fetch exactly the tensors of their layers from peers (see :mod:`meshnode.data.transfer`).
+Nodes fetch exactly the tensors of their layers from peers (see :mod:`meshnode.weights.transfer`).
 For that a model is named by its id plus a digest over its files' digests, and each tensor of
 each safetensors file is listed with its absolute byte range and the sha256 of its bytes, so a
 receiver can verify every tensor it gets on its own, without the rest of the file.
@@ -10,7 +10,7 @@ Hashing a multi-GB model takes a while, so the manifest is cached next to the we
 once per content. A folder written by a transfer (only some layers) carries the original
 model's manifest in its ``meshnode-partial.json`` marker instead.
 
-Layer classification reuses :mod:`meshnode.data.profile`'s regexes so that the planner's byte
+Layer classification reuses :mod:`meshnode.weights.profile`'s regexes so that the planner's byte
 counts and the transfer's tensor choice can never disagree.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from meshnode.data.splits import config_value, text_config
-from meshnode.data.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
+from meshnode.weights.splits import config_value, text_config
+from meshnode.weights.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
                                        weight_files)
 from meshnode.proto import mesh_pb2
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from meshnode.data.lifeline import child_env
-from meshnode.data.shard import Shard, split_boundaries, split_support
+from meshnode.model.lifeline import child_env
+from meshnode.model.shard import Shard, split_boundaries, split_support
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
     with tempfile.TemporaryDirectory(prefix="meshnode-tensor-probe-") as tmp:
         hostfile = Path(tmp) / "ring.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-        cmd = [sys.executable, "-m", "meshnode.data.compute", "--tensor-layers", str(model_path), str(start),
+        cmd = [sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model_path), str(start),
                str(count)]
         procs = [subprocess.Popen(cmd, env=child_env({**os.environ, "MLX_RANK": str(rank),
                                                       "MLX_HOSTFILE": str(hostfile)}),
@@ -243,7 +243,7 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) == 5 and sys.argv[1] == "--tensor-layers":
-        from meshnode.data.lifeline import die_with_parent
+        from meshnode.model.lifeline import die_with_parent
 
         die_with_parent()  # a node killed mid-measurement leaves no ring spinning
         _tensor_layers_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -20,8 +20,8 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> tuple[str,
 
     For a Hugging Face id the directory holds no weights: only the small files (config, tokenizer,
     chat template, index) and a marker with the whole model's manifest read from the weight files'
-    headers (:func:`meshnode.data.sourcing.hub_metadata`); a stage downloads the weight files holding
-    its layers once the plan gives it some (:func:`meshnode.data.sourcing.hub_layers`). A model the
+    headers (:func:`meshnode.weights.sourcing.hub_metadata`); a stage downloads the weight files holding
+    its layers once the plan gives it some (:func:`meshnode.weights.sourcing.hub_layers`). A model the
     Hugging Face cache already holds whole is returned as that complete folder."""
     if spec is None:
         from meshnode.demo import DEMO_MODEL_ID, ensure_demo_model
@@ -35,7 +35,7 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> tuple[str,
     if spec.count("/") != 1 or spec.startswith(("/", ".", "~")):
         raise ModelNotFound(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
     try:
-        from meshnode.data.sourcing import hub_metadata
+        from meshnode.weights.sourcing import hub_metadata
 
         log.info("reading %s from Hugging Face: config, tokenizer and weight headers (weights follow per stage)", spec)
         root = (cache_dir if cache_dir is not None else default_cache_dir()) / "peer-models"

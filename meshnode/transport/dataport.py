@@ -4,14 +4,14 @@ A grpcio stream round trip costs ~380 µs on loopback where TCP itself costs ~20
 and per hop, the RPC stack alone would cost more than the network. So activations travel here,
 on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a little-endian uint32
 length, then one protobuf message (protos/mesh.proto), or a stage's raw activation reply where
-the stream's opening asked for those (meshnode.data.wire.RAW_REPLY). Nothing is ever unpickled;
+the stream's opening asked for those (meshnode.model.wire.RAW_REPLY). Nothing is ever unpickled;
 every frame's length is bounded before it is read.
 
 Opening a stream: the first frame is a :class:`DataHello` signed with the cluster key exactly as
 a gRPC call's metadata is (:meth:`ClusterAuth.sign`, with :data:`HELLO_METHOD`), over the
 serialized ``DataOpen`` it carries; the server checks it as the gRPC interceptor checks a call
 (MAC, clock window, replay cache) before it looks at anything else. After the hello, the
-stream belongs to the handler of what it opens (meshnode.data.hop for a stage's activations).
+stream belongs to the handler of what it opens (meshnode.transport.hop for a stage's activations).
 
 What this protects is what the gRPC path protects in an authenticated, unencrypted cluster:
 only key holders open streams; as in a gRPC stream, the frames after the opening are not MACed
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
-from meshnode.control.auth import HEADER_MAC, HEADER_NODE, HEADER_NONCE, HEADER_TS, ClusterAuth
-from meshnode.data.wire import MAX_TENSOR_BYTES
-from meshnode.listener import ThreadedListener, recv_exact
+from meshnode.trust.auth import HEADER_MAC, HEADER_NODE, HEADER_NONCE, HEADER_TS, ClusterAuth
+from meshnode.model.wire import LENGTH, MAX_TENSOR_BYTES
+from meshnode.transport.listener import ThreadedListener, recv_exact
 from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,6 @@ MAX_HELLO = 64 * 1024
 MAX_FRAME = MAX_TENSOR_BYTES + 64 * 1024  # one activation and its envelope
 HELLO_TIMEOUT = 5.0
 MAX_CONNECTIONS = 256
-LENGTH = struct.Struct("<I")  # every frame: this little-endian uint32 length, then the payload
 _INLINE = 64 * 1024  # frames up to this size go out in one send (header and body copied together)
 
 

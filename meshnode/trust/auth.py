@@ -42,7 +42,7 @@ Protected, against anyone on the network without the cluster key:
 Not protected:
 
 * **no secrecy**: requests, replies, activations and tokens travel in clear; anyone on the path
-  can read them unless ``encrypt = true`` (mutual TLS, :mod:`meshnode.control.tls`);
+  can read them unless ``encrypt = true`` (mutual TLS, :mod:`meshnode.trust.tls`);
 * replies are not authenticated (a man in the middle can alter them; TLS closes this);
 * in request streams (Forward) only the call's opening is authenticated; the messages of the
   stream are not individually MACed, so an active man in the middle could alter or inject them

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from meshnode.data.manifest import loaded_weights, manifest_from_dict, read_marker
-from meshnode.data.splits import config_value, split_boundaries, split_support, text_config
-from meshnode.data.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
+from meshnode.weights.manifest import loaded_weights, manifest_from_dict, read_marker
+from meshnode.weights.splits import config_value, split_boundaries, split_support, text_config
+from meshnode.weights.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
                                        weight_files)
 
 __all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "tensor_bytes"]

@@ -1,14 +1,14 @@
-"""A pipeline hop over the data port (meshnode.data.dataport): activations in bare TCP frames.
+"""A pipeline hop over the data port (meshnode.transport.dataport): activations in bare TCP frames.
 
 Serving side (:func:`serve_forward`): the stream's hello opened one request's use of one stage
 (``DataOpen.forward``: request, epoch, layer range, no input). Each frame after it is a
 ``ForwardRequest`` whose input the stage runs, on the connection's own thread holding the
 node's MLX baton (no hand-off to another thread), answered by a frame with the output and the
-stage's own seconds: a raw reply (meshnode.data.wire.RAW_REPLY, written into a buffer reused
+stage's own seconds: a raw reply (meshnode.model.wire.RAW_REPLY, written into a buffer reused
 token after token) where the opening asked for them (``raw_replies``, as every HopSession
 does), else a ``ForwardReply``. A refusal is always a ``ForwardReply`` with ``code`` (a gRPC
 status number) and ``error``, after which the stream closes. The same checks as the gRPC path
-apply (meshnode.data.stage.OpenStage).
+apply (meshnode.transport.stage.OpenStage).
 
 Head side (:class:`HopSession`): the generation thread writes a frame and reads the reply
 itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. A raw reply is read
@@ -17,7 +17,7 @@ into the placeholder of the local step built ahead of it (no message, no array i
 ahead of replies (pipelined prefill); replies come back in order. Large frames (prefill chunks)
 are written by a helper thread, so the head never blocks on a stage that is still busy with the
 previous chunk; frames already queued there keep their order. A reply is waited for while the
-stage's node heartbeats (meshnode.data.stage.RemoteStage.check), however long its step takes.
+stage's node heartbeats (meshnode.transport.stage.RemoteStage.check), however long its step takes.
 """
 
 from __future__ import annotations
@@ -36,16 +36,17 @@ import grpc
 import mlx.core as mx
 from google.protobuf.message import DecodeError
 
-from meshnode.data.dataport import (HEADER, FrameError, connect, recv_frame, recv_frame_into, send_frame,
+from meshnode.transport.dataport import (HEADER, FrameError, connect, recv_frame, recv_frame_into, send_frame,
                                     send_prepared)
-from meshnode.data.refusals import StageError, StageRefusal, stage_error
-from meshnode.data.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
+from meshnode.transport.refusals import StageError, StageRefusal, stage_error
+from meshnode.model.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
+from meshnode.model.scheduler import mlx_idle
 from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:
-    from meshnode.control.auth import ClusterAuth
-    from meshnode.data.stage import OpenStage, RemoteStage, StageServer
-    from meshnode.data.wire import Placeholder
+    from meshnode.trust.auth import ClusterAuth
+    from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.model.wire import Placeholder
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class HopSession:
 
     def _read_next(self) -> None:
         """Read one reply and give it to the oldest unanswered ticket; wait for it as long as the
-        stage is alive (meshnode.data.stage.RemoteStage.check)."""
+        stage is alive (meshnode.transport.stage.RemoteStage.check)."""
         st = self._stage
         ticket = self._unanswered[0]
         try:
@@ -332,8 +333,6 @@ class HopSession:
     def finish(self, ticket: "HopTicket", into: "Placeholder | None" = None) -> mx.array | None:
         """The reply to ``ticket`` (``into``: see RemoteStage.accept); other generations use MLX
         while this one waits."""
-        from meshnode.generation import mlx_idle
-
         if not ticket.done():
             with mlx_idle():
                 ticket.wait()

@@ -1,0 +1,106 @@
+"""Plan adoption: which plan this node follows, under which epoch.
+
+A plan reaches a node three ways: its own coordinator publishes it, an Install from the
+coordinator brings it, or a heartbeat carries it. Each goes through :class:`Adoption`, which
+keeps one plan per epoch (meshnode.control.epochs decides which of two plans under one epoch
+wins), checks the plan against the model it names, and hands it to that model's serving runtime
+(meshnode.serving.served), which loads this node's part and serves it once ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from meshnode.control.epochs import EpochState
+from meshnode.control.messages import plan_from_pb
+from meshnode.control.planner import Plan
+from meshnode.proto import mesh_pb2
+
+if TYPE_CHECKING:
+    from meshnode.serving.served import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+def describe(plan: Plan) -> str:
+    return ", ".join(f"[{s.start_layer},{s.end_layer})@{'+'.join(s.nodes)}" for s in plan.stages)
+
+
+class Adoption:
+    def __init__(self, served: "ServedModel", *, grace: float, event: Callable[..., None]):
+        self.served = served
+        # Epoch numbers and the rule that keeps one plan per epoch. Nodes started together hear
+        # each other before either publishes (grace).
+        self.epochs = EpochState(grace=grace)
+        self.changed_at = 0.0  # when the plan held here last changed (the coordinator's dwell)
+        self._event = event
+
+    # ------------------------------------------------------------------ what this node holds
+    @property
+    def epoch(self) -> int:
+        return self.epochs.epoch
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.served.plan
+
+    @property
+    def ready_epoch(self) -> int:
+        return self.served.ready_epoch
+
+    @property
+    def plan_error(self) -> str:
+        return self.served.plan_error
+
+    @property
+    def plan_coordinator(self) -> str:
+        """Who published the plan held here."""
+        return self.epochs.held.coordinator if self.epochs.held is not None else ""
+
+    # ------------------------------------------------------------------ plans arriving
+    def heard_of(self, msg, sender: str) -> None:
+        """A heartbeat (or its reply) from ``sender``: its epoch, and the plan it holds."""
+        self.epochs.saw(msg.epoch)
+        if msg.HasField("plan") and self.epochs.offered(msg.plan.epoch, msg.plan.coordinator, sender):
+            self.adopt_pb(msg.plan, source=sender)
+
+    def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
+        if self.epochs.holds(msg.epoch, msg.coordinator):  # heartbeats brought it first
+            return mesh_pb2.InstallReply(accepted=True, epoch=self.epoch)
+        if not self.epochs.offered(msg.epoch, msg.coordinator, msg.coordinator):
+            log.info("refused plan epoch %d from %s: current epoch is %d", msg.epoch, msg.coordinator, self.epoch)
+            return mesh_pb2.InstallReply(accepted=False, error=f"stale epoch (current {self.epoch})", epoch=self.epoch)
+        try:
+            self.adopt_pb(msg, source=msg.coordinator)
+        except ValueError as exc:
+            return mesh_pb2.InstallReply(accepted=False, error=str(exc), epoch=self.epoch)
+        return mesh_pb2.InstallReply(accepted=True, epoch=self.epoch)
+
+    def adopt_pb(self, msg: mesh_pb2.Plan, source: str) -> None:
+        served = self.served
+        try:
+            plan = plan_from_pb(msg, served.profile.num_layers)
+        except ValueError as exc:
+            log.warning("ignoring an invalid plan from %s: %s", source, exc)
+            raise
+        if plan.model != served.model_id:
+            raise ValueError(f"plan is for model {plan.model!r}; this node serves {served.model_id!r}")
+        self.adopt(plan, coordinator=msg.coordinator, source=source)
+
+    def adopt(self, plan: Plan, *, coordinator: str, source: str) -> None:
+        if plan.epoch <= self.epoch:
+            return
+        self.served.take(plan)
+        self.epochs.adopted(plan.epoch, coordinator)
+        self.changed_at = time.monotonic()
+        log.info("epoch %d adopted (from %s): %s", plan.epoch, source, describe(plan))
+        self._event("plan", epoch=plan.epoch, stages=describe(plan))
+        self.served.apply_soon(plan)
+
+    def drop(self) -> None:
+        """No plan fits any more: stop serving the one held."""
+        self.epochs.withdraw()
+        log.warning("epoch %d withdrawn: %s", self.epoch, self.served.plan_error)
+        self.served.drop()

@@ -1,0 +1,185 @@
+"""The coordinator's job: weigh a plan for the live nodes and publish it under a new epoch.
+
+Only the elected node (meshnode.control.election) runs :meth:`Coordinator.coordinate`, once per
+control-loop tick. It plans again when the members change, when a member of the plan restarted
+(it came back empty-handed), when another node published a different plan under this epoch, and
+now and then with fresh link and compute figures. A working plan is replaced only by one
+estimated ``REPLAN_GAIN`` faster, confirmed at two weighings in a row and not sooner than
+``rebalance_dwell`` after the last change (hysteresis: no flapping). The planner itself is pure
+(meshnode.control.planner); this module feeds it what the mesh announces and measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+
+from meshnode.control.discovery import NodeInfo
+from meshnode.control.links import ring_address
+from meshnode.control.messages import plan_to_pb
+from meshnode.control.planner import NodeSpec, Plan, PlanError, estimate as plan_estimate, plan as make_plan
+from meshnode.control.adoption import describe
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.weights.holdings import layers_of
+
+if TYPE_CHECKING:
+    from meshnode.control.adoption import Adoption
+    from meshnode.control.peers import Peers
+
+log = logging.getLogger(__name__)
+
+# A working plan is replaced only by one estimated this much faster per token (hysteresis).
+REPLAN_GAIN = 0.15
+# A node whose all-reduce cost is not measured yet is assumed this slow (above what a Linux CPU
+# box measures): tensor groups must prove themselves rather than be formed on a guess.
+UNMEASURED_COLLECTIVE_S = 250e-6
+
+
+def layout(plan: Plan) -> list:
+    return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in plan.stages]
+
+
+def node_specs(alive: dict[str, NodeInfo]) -> list[NodeSpec]:
+    """What the planner needs of each live node, from what it announces."""
+    return [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute,
+                     layer_seconds=n.layer_seconds or None,
+                     collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S) for n in alive.values()]
+
+
+class Coordinator:
+    def __init__(self, settings, node_id: str, peers: "Peers", adoption: "Adoption", *,
+                 event: Callable[..., None]):
+        self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption
+        self._event = event
+        self._planned_for: frozenset[str] = frozenset()
+        # started_at of each node of the plan this coordinator published: a node that restarts
+        # comes back empty-handed, so its plan is published again under a new epoch (generations
+        # that lost the old epoch wait for a newer one).
+        self._incarnations: dict[str, float] = {}
+        self._planned_at = 0.0  # when the coordinator last weighed a plan
+        self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
+        self._forced_note = ""  # why the configured strategy could not be used, last said
+
+    def coordinate(self, alive: dict[str, NodeInfo]) -> None:
+        served, adoption, s = self.adoption.served, self.adoption, self.settings
+        current_plan = served.plan
+        members = frozenset(alive)
+        plan_ok = current_plan is not None and set(current_plan.node_ids()) <= members
+        restarted = sorted(n for n, t in self._incarnations.items() if n in alive and alive[n].started_at != t)
+        if plan_ok and restarted:
+            log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted),
+                     current_plan.epoch)
+            plan_ok = False
+        contested = plan_ok and adoption.epochs.must_republish()
+        now = time.monotonic()
+        # Re-plan on a membership change, and now and then with fresh link and compute figures.
+        if (plan_ok and not contested and members == self._planned_for
+                and now - self._planned_at < s.link_probe_interval):
+            return
+        nodes = node_specs(alive)
+        links = self.peers.link_specs(members)
+        preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
+        strategy = None if s.strategy == "auto" else s.strategy
+        held = {nid: layers_of(info.holdings, served.model_id) for nid, info in alive.items()}  # reuse disks
+        try:
+            try:
+                desired = make_plan(served.profile, nodes, max_context=s.max_context, preferred=preferred,
+                                    requests=s.kv_requests, strategy=strategy, links=links, held=held)
+            except PlanError as forced:
+                if strategy is None:
+                    raise
+                # A configured strategy is a preference: serving some other way beats not serving.
+                desired = make_plan(served.profile, nodes, max_context=s.max_context, preferred=preferred,
+                                    requests=s.kv_requests, links=links, held=held)
+                if self._forced_note != str(forced):
+                    log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,
+                                desired.strategy)
+                    self._forced_note = str(forced)
+        except PlanError as exc:
+            if served.plan_error != str(exc):
+                log.error("no plan fits (epoch %d): %s", adoption.epoch, exc)
+                self._event("no-plan", reason=str(exc))
+            served.plan_error = str(exc)
+            self._planned_for, self._planned_at = members, now
+            if current_plan is not None and not plan_ok:
+                adoption.drop()
+            return
+        served.plan_error = ""
+        desired = self._with_endpoints(desired, alive)
+        if plan_ok and not contested:
+            # The current plan still works: move only for a real gain by today's figures, and not
+            # sooner than rebalance_dwell after the last change (hysteresis: no flapping).
+            current = plan_estimate(served.profile, nodes, current_plan.stages, max_context=s.max_context,
+                                    links=links)
+            preferred_now = strategy is not None and desired.strategy == strategy != current_plan.strategy
+            if layout(desired) == layout(current_plan) or not (
+                    preferred_now or desired.estimate_s < current * (1 - REPLAN_GAIN)):
+                self._planned_for, self._planned_at, self._pending = members, now, None
+                return
+            if members == self._planned_for and not preferred_now and self._pending != layout(desired):
+                # Same nodes, new figures: the move must win at two re-weighings in a row, so one
+                # noisy measurement does not tear down a working tensor group.
+                self._pending, self._planned_at = layout(desired), now
+                return
+            if now - adoption.changed_at < s.rebalance_dwell:
+                return  # look again on a later tick
+            log.info("rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s", describe(current_plan),
+                     current * 1e3, describe(desired), desired.estimate_s * 1e3, desired.reason)
+        if contested:
+            log.info("another node published a different plan as epoch %d: publishing this mesh's plan again "
+                     "under a new epoch", adoption.epoch)
+        self._planned_for, self._planned_at, self._pending = members, now, None
+        self._incarnations = {n: alive[n].started_at for n in desired.node_ids()}
+        epoch = adoption.epochs.next_epoch()
+        desired = desired.with_epoch(epoch)
+        log.info("publishing plan epoch %d: %s (%s)", epoch, describe(desired), desired.reason)
+        adoption.adopt(desired, coordinator=self.node_id, source="self")
+        msg = plan_to_pb(desired, self.node_id)
+        for peer in self.peers.membership.alive_peers().values():
+            asyncio.create_task(self._install(peer.target, msg))
+
+    def estimate_now(self) -> float | None:
+        """Seconds per token of the current plan by today's compute and link figures (the plan's own
+        estimate is from when it was made, often before the links were measured)."""
+        served = self.adoption.served
+        if served.plan is None or self.peers.membership is None or served.profile is None:
+            return None
+        alive = self.peers.alive_infos()
+        if not set(served.plan.node_ids()) <= set(alive):
+            return None
+        try:
+            return plan_estimate(served.profile, node_specs(alive), served.plan.stages,
+                                 max_context=self.settings.max_context, links=self.peers.link_specs(frozenset(alive)))
+        except (PlanError, ValueError, KeyError):
+            return None
+
+    def _with_endpoints(self, plan: Plan, alive: dict[str, NodeInfo]) -> Plan:
+        """Name, for each tensor group member, the address its ring should use: the one the other
+        members reach fastest (a Thunderbolt bridge rather than Wi-Fi), else its first announced."""
+        if all(len(s.nodes) == 1 for s in plan.stages):
+            return plan
+        measured = self.peers.measured()
+        stages = []
+        for stage in plan.stages:
+            if len(stage.nodes) > 1:
+                hosts = tuple(ring_address(measured, n, stage.nodes) or alive[n].addresses[0] for n in stage.nodes)
+                stage = dataclasses.replace(stage, endpoints=hosts)
+            stages.append(stage)
+        return dataclasses.replace(plan, stages=tuple(stages))
+
+    async def _install(self, target: str, msg: mesh_pb2.Plan) -> None:
+        stub = mesh_pb2_grpc.MeshStub(self.peers.channel_to(target))
+        try:
+            reply = await stub.Install(msg, timeout=self.settings.failure_timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.info("installing epoch %d at %s failed (%s); heartbeats will carry it", msg.epoch, target,
+                     exc.code().name)
+            return
+        if not reply.accepted:
+            log.info("%s refused epoch %d: %s", target, msg.epoch, reply.error)
+            self.adoption.epochs.refused(msg.epoch, reply.epoch, target)

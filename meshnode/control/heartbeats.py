@@ -1,0 +1,151 @@
+"""Heartbeats: how nodes learn that the others are alive, and what they hold.
+
+Every ``heartbeat_interval`` a node sends each peer it knows (and each static ``--peer``
+address) a heartbeat: its own :class:`NodeInfo` with its link figures, who it thinks
+coordinates, its epoch, the plan it holds, the epoch it is ready for and any plan error. The
+reply says the same of the peer, plus the peers it knows (gossip). A plan seen in either
+direction is offered to plan adoption (meshnode.control.adoption), so a node that missed an
+Install still gets the plan.
+
+A peer that refuses the connection (nothing listens: the process is gone) is dropped at once; one
+that does not answer is dropped after ``failure_timeout`` by membership.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from meshnode.control.discovery import NodeInfo
+from meshnode.control.links import LinkStat
+from meshnode.control.messages import node_from_pb, node_to_pb, plan_to_pb
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+
+if TYPE_CHECKING:
+    from meshnode.control.adoption import Adoption
+    from meshnode.control.peers import Peers
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeats:
+    def __init__(self, settings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
+                 adoption: "Adoption"):
+        self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at
+        self.peers, self.adoption = peers, adoption
+        self.coordinator: str | None = None  # who this node thinks coordinates (set by the control loop)
+        self.goodbyes: set[str] = set()  # peers that said goodbye (leave), as opposed to lost
+
+    # ------------------------------------------------------------------ out
+    def _fill(self, msg) -> None:
+        """What this node says of itself in a heartbeat or a reply."""
+        a = self.adoption
+        msg.node.CopyFrom(self.peers.me_pb())
+        msg.coordinator = self.coordinator or ""
+        msg.epoch = a.epoch
+        msg.alive.extend(sorted(self.peers.alive_infos()))
+        msg.ready_epoch = a.ready_epoch
+        msg.plan_error = a.plan_error
+        if a.plan is not None:
+            msg.plan.CopyFrom(plan_to_pb(a.plan, a.plan_coordinator))
+
+    async def beat_all(self) -> None:
+        """One heartbeat to every peer known and every static address, at once."""
+        membership = self.peers.membership
+        targets = {p.target for p in membership.peers.values()} | set(self.peers.static_targets)
+        await asyncio.gather(*(self.beat(t) for t in targets), return_exceptions=True)
+
+    async def beat(self, target: str) -> None:
+        peers = self.peers
+        msg = mesh_pb2.HeartbeatRequest()
+        self._fill(msg)
+        stub = mesh_pb2_grpc.MeshStub(peers.channel_to(target))
+        try:
+            reply = await stub.Heartbeat(msg, timeout=self.settings.failure_timeout / 2)
+        except grpc.aio.AioRpcError as exc:
+            peers.reach.failed(target, f"{exc.code().name}: {(exc.details() or '')[:200]}")
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                log.warning("peer at %s refused us (another cluster key?): %s", target, exc.details())
+            elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
+                # The host answered but nothing listens: the process is gone. No need to wait out
+                # the failure timeout (a hung or unreachable peer still takes the full timeout).
+                for peer in peers.membership.alive_peers().values():
+                    if peer.target == target:
+                        log.warning("%s refuses connections: its process is gone", peer.info.node_id)
+                        peers.membership.goodbye(peer.info.node_id)
+            return
+        peers.reach.answered(target)
+        try:
+            info = node_from_pb(reply.node)
+        except ValueError as exc:
+            log.warning("ignoring a bad heartbeat reply from %s: %s", target, exc)
+            return
+        if info.cluster_id != self.cluster_id:
+            log.warning("peer at %s belongs to another cluster; ignoring it", target)
+            return
+        self._observe(info, target, reply)
+        for known in reply.known:
+            try:
+                k = node_from_pb(known)
+            except ValueError:
+                continue
+            if k.cluster_id == self.cluster_id and k.node_id != self.node_id and k.node_id not in peers.membership.peers:
+                peers.membership.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
+
+    async def say_goodbye(self, target: str) -> None:
+        stub = mesh_pb2_grpc.MeshStub(self.peers.channel_to(target))
+        await stub.Leave(mesh_pb2.Goodbye(node_id=self.node_id), timeout=1.0)
+
+    # ------------------------------------------------------------------ in
+    async def on_heartbeat(self, request: mesh_pb2.HeartbeatRequest, context) -> mesh_pb2.HeartbeatReply:
+        try:
+            info = node_from_pb(request.node)
+        except ValueError as exc:
+            log.warning("refused a malformed heartbeat from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if info.cluster_id != self.cluster_id:
+            log.warning("refused a heartbeat from %s (%s): other cluster", info.node_id, context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this cluster")
+        membership = self.peers.membership
+        if membership is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
+        target = f"{info.addresses[0]}:{info.grpc_port}" if info.addresses else _peer_host(context, info.grpc_port)
+        if info.node_id == self.node_id:
+            if info.started_at != self.started_at:
+                log.error("two nodes use node id %s (the other at %s); give one a different --node-id",
+                          info.node_id, target)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"node id {info.node_id} is already in use")
+        self._observe(info, target, request)
+        reply = mesh_pb2.HeartbeatReply()
+        self._fill(reply)
+        reply.known.extend(node_to_pb(p.info) for p in membership.alive_peers().values())
+        return reply
+
+    def on_goodbye(self, node_id: str) -> None:
+        membership = self.peers.membership
+        if membership is not None and node_id in membership.peers:
+            log.info("%s said goodbye", node_id)
+            self.goodbyes.add(node_id)
+            membership.goodbye(node_id)
+
+    def _observe(self, info: NodeInfo, target: str, msg) -> None:
+        peers = self.peers
+        try:
+            peers.peer_links[info.node_id] = tuple(LinkStat.from_pb(link) for link in msg.node.links[:256])
+        except ValueError as exc:
+            log.warning("ignoring bad link figures from %s: %s", info.node_id, exc)
+        peers.membership.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
+                                 alive_view=frozenset(msg.alive))
+        peer = peers.membership.peers[info.node_id]
+        peer.ready_epoch = msg.ready_epoch
+        peer.plan_error = msg.plan_error
+        self.adoption.heard_of(msg, info.node_id)
+
+
+def _peer_host(context, port: int) -> str:
+    peer = context.peer()  # "ipv4:1.2.3.4:5678"
+    host = peer.split(":")[1] if peer.startswith("ipv4:") else "127.0.0.1"
+    return f"{host}:{port}"

@@ -1,0 +1,171 @@
+"""The other nodes and how to reach them.
+
+:class:`Peers` keeps what this node knows of the mesh around it: who is alive (membership, fed
+by heartbeats), which announced peers never answer (reachability), what each link measures
+(this node's probes and what peers report), and one gRPC channel per address, signed with the
+cluster key and, with ``encrypt``, over TLS. Everything that talks to a peer asks it for a channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import grpc
+
+from meshnode.config import DATA_OFFSET, ECHO_OFFSET
+from meshnode.control.browse import Browser
+from meshnode.control.discovery import NodeInfo
+from meshnode.control.links import LinkProber, LinkStat, best_paths
+from meshnode.control.membership import Membership
+from meshnode.control.planner import LinkSpec
+from meshnode.control.messages import node_to_pb
+from meshnode.control.reachability import Reachability
+from meshnode.proto import mesh_pb2
+from meshnode.transport.service import MAX_GRPC_MESSAGE
+from meshnode.trust import tls
+from meshnode.trust.auth import ClusterAuth, SignedChannel
+
+log = logging.getLogger(__name__)
+
+
+class Peers:
+    def __init__(self, settings, node_id: str, auth: ClusterAuth, identity=None):
+        self.settings, self.node_id, self.auth, self.tls = settings, node_id, auth, identity
+        self.me: NodeInfo | None = None
+        self.membership: Membership | None = None  # from start(): it needs this node's own figures
+        self.static_targets = list(settings.peers)
+        # Peers mDNS announces but heartbeats never reach (macOS Local Network privacy, a firewall).
+        self.reach = Reachability(grace=max(10.0, 5 * settings.failure_timeout))
+        self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
+        self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
+        self.data_port_open = False  # this node sends activations in bare TCP frames (the data port)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def start(self, me: NodeInfo) -> None:
+        self.me = me
+        self.membership = Membership(me, failure_timeout=self.settings.failure_timeout)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+    def update_me(self, **changes) -> None:
+        """Change what this node announces (sent with the next heartbeats)."""
+        self.me = dataclasses.replace(self.me, **changes)
+        if self.membership is not None:
+            self.membership.me = self.me
+
+    def me_pb(self) -> mesh_pb2.NodeInfo:
+        msg = node_to_pb(self.me)
+        msg.links.extend(link.to_pb() for link in self.links.links())
+        return msg
+
+    # ------------------------------------------------------------------ who is there
+    def alive_infos(self) -> dict[str, NodeInfo]:
+        return self.membership.alive_infos() if self.membership is not None else {}
+
+    def heard_within(self, node_id: str) -> bool:
+        """The node heartbeats (a busy node is not a lost one; see meshnode.serving.resilience)."""
+        return self.membership is not None and self.membership.heard_within(node_id)
+
+    def heard_since(self, node_id: str, since: float) -> bool:
+        return self.membership is not None and self.membership.heard_since(node_id, since)
+
+    @contextlib.asynccontextmanager
+    async def holders_of(self, model_id: str, cluster_id: str):
+        """While open: a function listing (node id, channel) of the peers that may hold ``model_id``
+        (the static ``--peer`` addresses, and mDNS announcements naming it)."""
+        browser = Browser(self.node_id, cluster_id) if self.settings.mdns else None
+        if browser is not None:
+            await browser.start()
+
+        def candidates():
+            found = [(t, self.channel_to(t)) for t in self.static_targets]
+            for nid, info in (browser.peers() if browser is not None else {}).items():
+                if model_id in info.models and info.addresses:
+                    found.append((nid, self.channel_to(f"{info.addresses[0]}:{info.grpc_port}")))
+            return found
+
+        try:
+            yield candidates
+        finally:
+            if browser is not None:
+                await browser.stop()
+
+    def on_discovery(self, node_id: str, info: NodeInfo | None, cluster_id: str) -> None:
+        if info is None:
+            log.info("mDNS says %s left; waiting for heartbeats to confirm", node_id)
+            self.reach.withdrawn(node_id)
+            return
+        if info.cluster_id != cluster_id or node_id == self.node_id:
+            return
+        self.membership.add_target(info, f"{info.addresses[0]}:{info.grpc_port}")
+        self.reach.announced(node_id, f"{info.addresses[0]}:{info.grpc_port}")
+
+    # ------------------------------------------------------------------ how to reach them
+    def channel_to(self, node_id_or_target: str) -> grpc.aio.Channel:
+        target = node_id_or_target
+        peer = self.membership.peers.get(node_id_or_target) if self.membership else None
+        if peer is not None:
+            target = peer.target
+        channel = self._channels.get(target)
+        if channel is None:
+            options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                       ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                       # A peer that was unreachable (link down, restarting) is tried again within a
+                       # second, not after gRPC's default backoff of up to two minutes.
+                       ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                       ("grpc.max_reconnect_backoff_ms", 1000)]
+            if self.tls:
+                channel = grpc.aio.secure_channel(target, tls.channel_credentials(self.tls),
+                                                  options=options + tls.channel_options())
+            else:
+                channel = grpc.aio.insecure_channel(target, options=options)
+            if self.settings.authenticate:  # signed when each call opens; nothing per message
+                channel = SignedChannel(channel, self.auth, self.node_id)
+            self._channels[target] = channel
+        return channel
+
+    def data_channel(self, node_id: str) -> grpc.aio.Channel:
+        """The channel for per-token traffic to a peer: over its fastest measured address."""
+        peer = self.membership.peers.get(node_id) if self.membership else None
+        address = self.links.best_address(node_id)
+        if peer is None or address is None:
+            return self.channel_to(node_id)
+        return self.channel_to(f"{address}:{peer.info.grpc_port}")
+
+    def data_port_of(self, node_id: str) -> tuple[str, int] | None:
+        """Where to send a peer's activations in bare TCP frames (fast_hops): its data port on its
+        fastest measured address; None where activations go over gRPC (encrypt, or fast_hops off)."""
+        peer = self.membership.peers.get(node_id) if self.membership else None
+        if not self.data_port_open or peer is None or not peer.info.tensor_port:
+            return None
+        address = self.links.best_address(node_id) or peer.target.rsplit(":", 1)[0].strip("[]")
+        return address, peer.info.tensor_port + DATA_OFFSET
+
+    def probe_targets(self) -> dict[str, tuple[tuple[str, ...], int, int]]:
+        if self.membership is None:
+            return {}
+        return {p.info.node_id: (p.info.addresses, p.info.grpc_port,
+                                 p.info.tensor_port + ECHO_OFFSET if p.info.tensor_port else 0)
+                for p in self.membership.alive_peers().values()}
+
+    # ------------------------------------------------------------------ what the links measure
+    def measured(self) -> list[tuple[str, LinkStat]]:
+        """Every link figure this node knows: its own probes and what peers reported."""
+        out = [(self.node_id, stat) for stat in self.links.links()]
+        out += [(nid, stat) for nid, stats in self.peer_links.items() for stat in stats]
+        return out
+
+    def link_specs(self, members) -> dict[tuple[str, str], LinkSpec]:
+        """The planner's view of the links: the fastest measured path between each pair, its
+        network round trip and what the RPC stack adds to it (a pipeline hop pays both)."""
+        return {tuple(sorted(pair)): LinkSpec(rtt_s=stat.rtt_us * 1e-6, bandwidth_Bps=stat.bandwidth,
+                                              overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6)
+                for pair, (_, stat) in best_paths(self.measured(), members).items()}
+
+    def links_of(self, node_id: str) -> list[dict]:
+        stats = self.links.links() if node_id == self.node_id else self.peer_links.get(node_id, ())
+        return [link.to_dict() for link in stats]

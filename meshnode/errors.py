@@ -1,0 +1,30 @@
+"""The one error a request can end with, whichever layer finds it: an HTTP status, an OpenAI-style
+error body, and headers (Retry-After for a mesh that is re-planning). The API turns it into the
+response or, mid-stream, into an error event; serving raises it without depending on the API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,0 +1,264 @@
+"""The one thread that runs all of a node's MLX work, one piece at a time.
+
+MLX evaluation is not re-entrant across threads for one model, and a node's generations,
+remote stages' forwards and shard loading all need it. :class:`TokenScheduler` owns that
+thread: a generation is a :class:`TokenJob` (an iterator of token ids driven step by step), a
+one-off function is a call. :class:`Baton` makes them take turns, and a job that waits on the
+network gives the thread away (:func:`mlx_idle`) so others use it meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from meshnode.model.shard import any_thread_stream
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class TokenJob:
+    """One generation's link between the scheduler thread and an asyncio consumer."""
+
+    def __init__(self, tokens: Iterator[int], loop: asyncio.AbstractEventLoop):
+        self.tokens = tokens
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is gone
+            self.cancelled.set()
+
+    async def __aiter__(self):
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancelled.set()
+
+
+_held = threading.local()
+
+
+class Baton:
+    """The right to run MLX work on this node: one thread at a time, handed on in FIFO order.
+
+    Each generation runs on its own thread but computes only while holding the baton; it lets go
+    while it waits for a remote stage, so another generation computes meanwhile (overlapped
+    decoding), and after every token, so generations take turns (fairness).
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue: deque[object] = deque()
+        self._busy = False
+
+    def acquire(self) -> None:
+        ticket = object()
+        with self._cond:
+            self._queue.append(ticket)
+            while self._busy or self._queue[0] is not ticket:
+                self._cond.wait()
+            self._queue.popleft()
+            self._busy = True
+        _held.baton = self
+
+    def release(self) -> None:
+        _held.baton = None
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def pass_on(self, settle: Callable[[], None] | None = None) -> None:
+        """Let every thread already waiting go first, then take the baton back.
+
+        ``settle`` runs first (only when someone waits): it finishes the work this thread left
+        running, so the next holder gets the processor to itself and work finishes in turn
+        (first come, first done) instead of sharing it and everything finishing late.
+        """
+        with self._cond:
+            waiting = bool(self._queue)
+        if waiting:
+            if settle is not None:
+                settle()
+            self.release()
+            self.acquire()
+
+    @contextlib.contextmanager
+    def holding(self):
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+@contextlib.contextmanager
+def mlx_idle():
+    """While waiting (on the network), let other generations run MLX work."""
+    baton = getattr(_held, "baton", None)
+    if baton is None:
+        yield
+        return
+    baton.release()
+    try:
+        yield
+    finally:
+        baton.acquire()
+        _held.idled = True
+
+
+def mlx_yield() -> None:
+    """Let generations that are waiting for the MLX thread take a turn."""
+    baton = getattr(_held, "baton", None)
+    if baton is not None:
+        baton.pass_on()
+
+
+def _settle_generation() -> None:
+    """Wait for the step generate_step left running: it is built on the shards' stream
+    (meshnode.model.shard.any_thread_stream), which only one generation may use at a time."""
+    mx.synchronize(generation_stream)
+    mx.synchronize(any_thread_stream())
+
+
+class TokenScheduler:
+    """Runs all MLX work of this node, one piece at a time (:class:`Baton`).
+
+    Every generation gets a thread that advances it one token at a time, holding the baton
+    while it computes and letting go while a remote stage works on its activation; one-off calls
+    (a stage's step for another node's generation, loading a shard) run on the scheduler's own
+    thread, also under the baton.
+    """
+
+    def __init__(self, name: str = "meshnode-mlx"):
+        self._inbox: queue.Queue[TokenJob | _Call | None] = queue.Queue()
+        self._baton = Baton()
+        self._name = name
+        self._jobs: set[TokenJob] = set()
+        self._jobs_lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, tokens: Iterator[int]) -> TokenJob:
+        job = TokenJob(tokens, asyncio.get_running_loop())
+        with self._jobs_lock:
+            if self._stopped:
+                raise RuntimeError("the scheduler is stopped")
+            self._jobs.add(job)
+        threading.Thread(target=self._drive, args=(job,), name=f"{self._name}-gen", daemon=True).start()
+        return job
+
+    def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
+        """Run ``fn`` on the MLX thread (between tokens) and await its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._inbox.put(_Call(fn, loop, future))
+        return future
+
+    def run_here(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the calling thread, holding the baton (a data-port stream's own thread)."""
+        with self._baton.holding():
+            return fn()
+
+    def stop(self) -> None:
+        with self._jobs_lock:
+            self._stopped = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancelled.set()
+            job._put(_END)
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            call = self._inbox.get()
+            if call is None:
+                return
+            with self._baton.holding():
+                call.run()
+
+    def _drive(self, job: TokenJob) -> None:
+        """One generation's thread: a token at a time, each computed holding the baton."""
+        self._baton.acquire()
+        try:
+            while not job.cancelled.is_set():
+                try:
+                    token = next(job.tokens)
+                except StopIteration:
+                    job._put(_END)
+                    return
+                except Exception as exc:  # the failure belongs to this request only
+                    log.warning("generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                    job._put(exc)
+                    return
+                job._put(token)
+                if getattr(_held, "idled", False):
+                    # This token waited on a remote stage and queued for the baton again after
+                    # it: the others already had their turn, and this generation goes on to send
+                    # its next activation as soon as its own step is done.
+                    _held.idled = False
+                else:
+                    # All stages local: the others' turn, a token each. generate_step left this
+                    # request's next step running (async_eval); it finishes first.
+                    self._baton.pass_on(_settle_generation)
+        finally:
+            try:
+                job.tokens.close()
+            except Exception:  # closing must not mask the outcome already sent
+                log.debug("closing a generation failed", exc_info=True)
+            finally:
+                self._baton.release()
+                with self._jobs_lock:
+                    self._jobs.discard(job)
+
+
+class _Call:
+    """A one-off function for the MLX thread (loading a shard, a remote stage's forward)."""
+
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+        self.fn, self.loop, self.future = fn, loop, future
+
+    def run(self) -> None:
+        try:
+            result, exc = self.fn(), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, exc)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,107 @@
+"""A served model's files: where its metadata and layers come from, and what they say of it.
+
+The configured model is resolved (a folder, a Hugging Face id, the demo); a node whose disk lacks
+it asks its peers for the small files first, to profile the model (bytes per layer, KV) and load
+its tokenizer before it announces itself. A stage's layers come from the local folder, from live
+peers that announce them, or from the Hub (only the weight files holding them), with progress
+shown while they arrive; the node then announces them as held (meshnode.weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.utils import load_config, load_tokenizer
+
+from meshnode.weights.holdings import Holding
+from meshnode.weights.manifest import read_marker
+from meshnode.weights.modelsource import ModelNotFound, resolve_model
+from meshnode.weights.profile import ModelProfile, profile_model
+from meshnode.weights.sourcing import LayerSource, cached_metadata, holdings_of, metadata_from_peers
+from meshnode.weights.transfer import FetchError, ModelStore
+
+log = logging.getLogger(__name__)
+
+# How long a node configured with a model it does not hold waits for a peer that holds it.
+MODEL_WAIT_S = 300.0
+
+# Opens a search for the peers holding a model (by its id): an async context manager that yields
+# a function returning (node id, gRPC channel) of each one found so far.
+Holders = Callable[[str], AbstractAsyncContextManager[Callable[[], list[tuple[str, Any]]]]]
+
+
+class ModelFiles:
+    def __init__(self, settings, progress, event: Callable[..., None]):
+        self.settings, self.progress, self._event = settings, progress, event
+        self.model_id: str | None = None
+        self.path: Path | None = None
+        self.profile: ModelProfile | None = None
+        self.tokenizer = None
+        self.vocab_size = 0
+        self.store: ModelStore | None = None  # serves held models to peers (Manifest/Fetch)
+        self.source: LayerSource | None = None  # folders holding layer ranges, fetched when missing
+
+    async def load(self, holders: Holders) -> None:
+        """Resolve the model, profile it and load its tokenizer (from peers if this disk lacks it)."""
+        cache_dir = self.settings.resolved_cache_dir()
+        peer_models = cache_dir / "peer-models"
+        try:
+            self.model_id, self.path = await asyncio.to_thread(resolve_model, self.settings.model, cache_dir)
+        except ModelNotFound as exc:  # not on this disk: from a folder fetched earlier, or from peers
+            if not self.settings.model or Path(self.settings.model).expanduser().is_absolute():
+                raise
+            self.model_id = self.settings.model
+            self.path = cached_metadata(peer_models, self.model_id) or await self._from_peers(
+                exc, holders, peer_models)
+        # What this node serves to peers, and where its layers come from when its disk lacks them.
+        self.store = ModelStore(peer_models)
+        self.store.add(self.model_id, (self.path if self.weights_local
+                                       else cached_metadata(peer_models, self.model_id) or self.path))
+        self.profile = await asyncio.to_thread(profile_model, self.path, self.model_id)
+        self.source = LayerSource(self.model_id, self.path, peer_models, self.store, self.profile.num_layers)
+        # As mlx_lm.load does: the model's own end-of-sequence ids (generation_config.json included).
+        eos = (await asyncio.to_thread(load_config, self.path)).get("eos_token_id")
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.path, eos_token_ids=eos)
+        self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
+
+    @property
+    def weights_local(self) -> bool:
+        """The configured model folder is complete (not metadata or a few layers from peers)."""
+        return read_marker(self.path) is None
+
+    def holdings(self) -> tuple[Holding, ...]:
+        return holdings_of(self.store)
+
+    async def _from_peers(self, exc: Exception, holders: Holders, peer_models: Path) -> Path:
+        """Wait for a peer that holds the model (static peers, mDNS announcements naming it) and
+        fetch its small files."""
+        log.info("%s; asking peers for model %s", exc, self.model_id)
+        try:
+            async with holders(self.model_id) as candidates:
+                return await metadata_from_peers(self.model_id, peer_models, candidates, deadline_s=MODEL_WAIT_S)
+        except FetchError as err:
+            raise ModelNotFound(str(err)) from err
+
+    async def layers_folder(self, start: int, end: int, peers: list[tuple[str, Any]]) -> Path:
+        """A folder holding layers [start, end): local, or fetched now from ``peers`` (those that
+        announce them), or for a Hugging Face id downloaded from the Hub (only the weight files
+        holding them; progress in ``self.progress``)."""
+        if (local := self.source.local(start, end)) is not None:
+            return local
+        where = f"{len(peers)} peer(s)" if peers else "Hugging Face"  # (LayerSource: no peer -> the Hub)
+        task = f"fetching layers {start}-{end - 1} of {self.model_id} from {where}"
+        self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])
+        t0 = time.monotonic()
+        try:
+            path = await self.source.folder(start, end, peers,
+                                            on_progress=lambda d, n: self.progress.update(task, d, n))
+        finally:
+            self.progress.finish()
+        self._event("fetched", layers=[start, end], seconds=round(time.monotonic() - t0, 2))
+        return path

@@ -1,0 +1,143 @@
+"""Where a generation of one plan runs: here (this node is the head) or on the head over gRPC.
+
+A placement is bound to one epoch. Its ``tokens`` yields token ids and turns whatever goes wrong
+into the three outcomes failover knows (meshnode.serving.resilience): the epoch is not ready
+there yet (:class:`EpochPending`), a stage failed on its input (:class:`GenerationFault`), or the
+placement is gone (:class:`PlacementLost`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from meshnode.errors import ApiError
+from meshnode.model.tensor import TensorGroupError
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.serving.generation import PipelineSource, PrefillOptions, SamplingParams, new_request_id
+from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
+from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
+                                        refusal_kind)
+
+log = logging.getLogger(__name__)
+
+
+def unavailable(message: str, retry_after: int = 2, code: str = "mesh_unavailable") -> ApiError:
+    return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
+def gave_up(exc: BaseException) -> ApiError:
+    """The client's error for a generation that cannot go on (an error event mid-stream)."""
+    if isinstance(exc, GenerationFault):
+        return unavailable(f"a stage of the mesh failed on this request: {exc}", 5, "stage_fault")
+    return unavailable(f"the mesh lost this generation's placement and had no new plan ready in time ({exc})",
+                       2, "placement_lost")
+
+
+def head_of(plan) -> str:
+    """The node holding the model's last layers: it runs each generation of the plan."""
+    return plan.stages[-1].nodes[0]
+
+
+class HeadPlacement:
+    """This node is the head of the plan: generate here, calling the other stages."""
+
+    def __init__(self, epoch: int, scheduler, handles: list, settings):
+        self.epoch = epoch
+        s = settings
+        prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
+                                 max_chunk=s.prefill_step_size)
+        # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
+        self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
+                                      prefill=prefill)
+
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+        try:
+            async for token in self._source.tokens(prompt, params):
+                yield token
+        except StagePending as exc:
+            raise EpochPending(str(exc)) from None
+        except StageFault as exc:
+            raise GenerationFault(str(exc)) from None
+        except (StageError, TensorGroupError) as exc:
+            raise PlacementLost(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - this node's own layers raised on the input
+            log.exception("epoch %d: the generation failed here", self.epoch)
+            raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
+
+
+class RemoteHeadPlacement:
+    """Another node is the head: ask it for tokens over a gRPC Generate stream."""
+
+    def __init__(self, epoch: int, head: str, caller: str, channel: Callable[[str], grpc.aio.Channel],
+                 alive: Callable[[str], bool]):
+        self.epoch, self.head, self._caller = epoch, head, caller
+        self._channel, self._alive = channel, alive
+
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+        stub = mesh_pb2_grpc.MeshStub(self._channel(self.head))
+        request = mesh_pb2.GenerateRequest(
+            request_id=new_request_id(self._caller), epoch=self.epoch, prompt=list(prompt),
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            has_seed=params.seed is not None, seed=params.seed or 0, offset=params.offset,
+        )
+        call = stub.Generate(request, wait_for_ready=True)
+        # The head is waited for while it heartbeats, however long its prefill or a token takes
+        # (a busy head is not a lost one); it reports its own stages' faults on this stream.
+        alive = lambda: self._alive(self.head)  # noqa: E731
+        lost = lambda waited: f"head {self.head} stopped heartbeating ({waited:.1f} s into a wait)"  # noqa: E731
+        try:
+            while True:
+                reply = await await_while_alive(call.read(), alive, lost)
+                if reply is grpc.aio.EOF:
+                    code = await call.code()
+                    if code != grpc.StatusCode.OK:
+                        raise head_failure(self.head, code, await call.details())
+                    return
+                yield reply.token
+        except grpc.aio.AioRpcError as exc:
+            raise head_failure(self.head, exc.code(), exc.details()) from None
+        finally:
+            call.cancel()
+
+
+def head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
+    """What a remote head's error status means for the generation (the codes of meshnode.transport.stage)."""
+    kind = refusal_kind(code, details)
+    as_generation = {StagePending: EpochPending, StageFault: GenerationFault}.get(kind, PlacementLost)
+    return as_generation(f"head {head}: {code.name}: {details}")
+
+
+async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epoch_now: int):
+    """A peer's Generate: run the request on ``served`` (a ServedModel), where this node is the head of
+    ``request.epoch``."""
+    serving = served.serving_plan()
+    if serving is None or serving.epoch != request.epoch:
+        # Not switched yet (the plan is adopted but not ready here, or not adopted yet): the
+        # caller tries again shortly. Older than this node's plan: superseded, it waits for that.
+        pending = request.epoch > epoch_now or (request.epoch == epoch_now and served.plan is not None)
+        await context.abort(EPOCH_PENDING if pending else grpc.StatusCode.FAILED_PRECONDITION,
+                            f"epoch {request.epoch} is not the epoch served here "
+                            f"({serving.epoch if serving else 'none'}{' yet' if pending else ''})")
+    if head_of(serving) != served.node_id:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
+    prompt = list(request.prompt)
+    if not prompt or len(prompt) >= served.settings.max_context or max(prompt) >= served.files.vocab_size:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty, too long or out of vocabulary")
+    if not (1 <= request.max_tokens <= served.settings.max_tokens_limit) or not (0 <= request.temperature <= 2) \
+            or not (0 < request.top_p <= 1):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                            top_p=request.top_p, seed=request.seed if request.has_seed else None,
+                            offset=request.offset)
+    try:
+        async for token in served.placement_for(serving).tokens(prompt, params):
+            yield mesh_pb2.GenerateReply(token=token)
+    except EpochPending as exc:
+        await context.abort(EPOCH_PENDING, str(exc))
+    except PlacementLost as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except GenerationFault as exc:
+        await context.abort(STAGE_FAULT, f"{FAULT}{exc}")

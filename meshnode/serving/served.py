@@ -1,0 +1,366 @@
+"""One served model on this node: its plan, its shards, and where its requests run.
+
+A :class:`ServedModel` takes the plans that plan adoption hands it (meshnode.control.adoption),
+loads this node's part of each (make before break: the previous ready plan keeps serving until
+the new one is ready on every node), serves its stages to peers through the stage server, and
+finds the placement a request runs on: here when this node is the head, else the head over gRPC.
+Requests find it by model id; the engine turns its token ids into text.
+
+What it needs of the mesh it gets through ``mesh`` (meshnode.control.peers.Peers): who is alive,
+and how to reach a peer. It decides nothing about plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+from meshnode.config import TENSOR_PORTS
+from meshnode.model.shard import Shard
+from meshnode.model.tensor import TensorGroupError, TensorShard
+from meshnode.serving.engine import Engine
+from meshnode.serving.generation import LocalStage
+from meshnode.serving.modelfiles import ModelFiles
+from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
+from meshnode.serving.resilience import FailoverSource, NotReady
+from meshnode.transport.hop import HopSession
+from meshnode.transport.stage import RemoteStage, StageServer
+
+log = logging.getLogger(__name__)
+
+
+def stage_key(stage) -> tuple:
+    """What a node holds for a stage: its layers, plus the group's members for a tensor group
+    (the same layers shared with other nodes are a different thing to load)."""
+    if len(stage.nodes) == 1:
+        return (stage.start_layer, stage.end_layer)
+    return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
+
+
+def _close(shard) -> None:
+    if isinstance(shard, TensorShard):
+        shard.close()
+
+
+def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes) -> TensorShard:
+    """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
+    alive = mesh.alive_infos()
+    key = f"{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
+    offset = zlib.crc32(key.encode()) % TENSOR_PORTS
+    endpoints, controls = [], []
+    for member in stage.nodes:
+        info = mesh.me if member == node_id else alive.get(member)
+        if info is None or not info.tensor_port:
+            raise TensorGroupError(f"group member {member} is unknown or has no tensor port")
+        # The plan's choice of address (the coordinator picks the fastest measured path), else
+        # the member's first announced address.
+        chosen = getattr(stage, "endpoints", ())
+        host = chosen[stage.nodes.index(member)] if chosen else info.addresses[0]
+        endpoints.append(f"{host}:{info.tensor_port + offset}")
+        controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
+    return TensorShard(path, stage.start_layer, stage.end_layer, num_layers,
+                       rank=stage.nodes.index(node_id), endpoints=endpoints, control=controls[0],
+                       secret=secret, hop_timeout=settings.failure_timeout,
+                       inject_latency=settings.inject_latency_us * 1e-6,
+                       members_alive=lambda: all(mesh.heard_within(n) for n in stage.nodes))
+
+
+class ServedModel:
+    def __init__(self, settings, node_id: str, *, scheduler, metrics, progress, mesh, auth, group_secret: bytes,
+                 event: Callable[..., None], on_ready: Callable[[], Any]):
+        self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
+        self.progress, self.mesh, self.auth, self._group_secret = progress, mesh, auth, group_secret
+        self._event, self._on_ready = event, on_ready
+        self.files = ModelFiles(settings, progress, event)
+        self.engine: Engine | None = None
+        self.stage_server: StageServer | None = None
+        self.plan = None
+        self.previous = None  # the last ready plan, served until the current one is ready
+        self.plan_error = ""
+        self.ready_epoch = 0
+        # What this node holds, by stage key: Shards, and its member of each tensor group (a
+        # TensorShard supervising a worker process).
+        self.shards: dict[tuple, Shard | TensorShard] = {}
+        self._apply_task: asyncio.Task | None = None
+        self._group_restart_at = 0.0
+        self._placements: dict[int, Any] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def load(self, holders) -> None:
+        """The model's metadata and tokenizer (from peers if need be), its engine and stage server."""
+        self.loop = asyncio.get_running_loop()
+        await self.files.load(holders)
+        s, f = self.settings, self.files
+        source = FailoverSource(self.placement, deadline=s.failover_deadline, on_retry=self.metrics.retry,
+                                give_up=gave_up, same_epoch=self.placement_again)
+        self.engine = Engine(f.model_id, f.tokenizer, source, max_context=s.max_context, vocab_size=f.vocab_size,
+                             metrics=self.metrics)
+        self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.prefill_step_size,
+                                        max_context=s.max_context, inject_latency=s.inject_latency_us * 1e-6)
+
+    @property
+    def model_id(self) -> str | None:
+        return self.files.model_id
+
+    @property
+    def profile(self):
+        return self.files.profile
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            _close(shard)
+        self.shards = {}
+
+    # ------------------------------------------------------------------ plans
+    def take(self, plan) -> None:
+        """Plan adoption hands over a newer plan (load it with :meth:`apply_soon`)."""
+        if self.plan is not None and self.ready(self.plan):
+            # Make before break: keep serving the ready plan until the new one is ready everywhere.
+            self.previous = self.plan
+        self.plan = plan
+        self.plan_error = ""
+
+    def apply_soon(self, plan) -> None:
+        if self._apply_task is not None:
+            self._apply_task.cancel()
+        self._apply_task = asyncio.create_task(self._apply(plan))
+
+    def drop(self) -> None:
+        self.plan = None
+        self.previous = None
+        self._placements.clear()
+
+    def ensure_applied(self) -> None:
+        """Keep trying to hold this node's part of the current plan: a load that failed (a group
+        member not heard from yet, a ring that did not form in time) is tried again, and a tensor
+        group whose worker died (a member's ring broke) is formed again; every member does the
+        same. Not ready meanwhile, so the plan is not served half-loaded."""
+        plan, task = self.plan, self._apply_task
+        if task is not None and not task.done():
+            return
+        if task is not None and not task.cancelled():
+            task.exception()  # _apply logged any failure; mark it seen
+        if plan is None:
+            return
+        ready = self.ready_epoch >= plan.epoch
+        if ready and self._groups_alive(plan):
+            return
+        if time.monotonic() - self._group_restart_at < 2 * self.settings.heartbeat_interval:
+            return
+        self._group_restart_at = time.monotonic()
+        if ready:
+            log.warning("epoch %d: a tensor group this node belongs to is down; forming it again", plan.epoch)
+            self._event("group-down", epoch=plan.epoch)
+            self.ready_epoch = plan.epoch - 1
+        else:
+            log.warning("epoch %d: loading this node's part again", plan.epoch)
+        self._apply_task = asyncio.create_task(self._apply(plan))
+
+    async def _apply(self, plan) -> None:
+        """Load this node's shards for the plan (make before break), then serve them."""
+        wanted: dict[tuple, Shard | TensorShard] = {}
+        launching: list[TensorShard] = []
+        try:
+            for stage in plan.stages:
+                if self.node_id not in stage.nodes:
+                    continue
+                key = stage_key(stage)
+                shard = self.shards.get(key)
+                if isinstance(shard, TensorShard) and not shard.alive():
+                    shard = None  # its worker died: start the group again
+                if shard is None and len(stage.nodes) == 1:
+                    log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
+                    t0 = time.monotonic()
+                    task = f"loading layers {key[0]}-{key[1] - 1} of {self.model_id}"
+                    path = await self._layers_folder(key[0], key[1])
+                    try:
+                        shard = await self.scheduler.call(lambda k=key, t=task, p=path: Shard(
+                            p, k[0], k[1], progress=lambda d, n: self.progress.update(t, d, n)))
+                    finally:
+                        self.progress.finish()
+                    log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
+                elif shard is None:
+                    shard = tensor_member(stage, await self._layers_folder(key[0], key[1]), node_id=self.node_id,
+                                          mesh=self.mesh, num_layers=self.profile.num_layers,
+                                          settings=self.settings, secret=self._group_secret)
+                    launching.append(shard)
+                    t0 = time.monotonic()
+                    await asyncio.to_thread(shard.launch, self.settings.group_ready_timeout)
+                    launching.remove(shard)
+                    self._event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
+                                seconds=round(time.monotonic() - t0, 2))
+                wanted[key] = shard
+        except BaseException as exc:
+            for shard in launching:
+                shard.close()  # unblocks the launching thread
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("epoch %d: could not load this node's part: %s", plan.epoch, exc)
+                self._event("load-failed", epoch=plan.epoch, error=str(exc))
+            raise
+        if self.plan is not plan:
+            for key, shard in wanted.items():
+                if key not in self.shards:
+                    _close(shard)
+            return
+        replaced = [v for k, v in self.shards.items() if k in wanted and v is not wanted[k]]
+        self.shards = {**self.shards, **wanted}
+        for shard in replaced:
+            _close(shard)
+        served = {(s.start_layer, s.end_layer): wanted[stage_key(s)] for s in plan.stages if s.nodes[0] == self.node_id}
+        self.stage_server.serve(plan.epoch, served)
+        self.ready_epoch = plan.epoch
+        log.info("ready for epoch %d", plan.epoch)
+        asyncio.create_task(self._on_ready())  # tell the mesh now, not at the next beat
+
+    async def _layers_folder(self, start: int, end: int) -> Path:
+        """The layers' folder, fetched from the live peers that announce them if this disk lacks
+        them; then announced as held."""
+        if (local := self.files.source.local(start, end)) is not None:
+            return local
+        alive = self.mesh.alive_infos()
+        peers = [(nid, self.mesh.channel_to(nid)) for nid, info in sorted(alive.items())
+                 if nid != self.node_id and any(m == self.model_id for m, _, _ in info.holdings)]
+        path = await self.files.layers_folder(start, end, peers)
+        self.mesh.update_me(holdings=self.files.holdings())
+        return path
+
+    def retire_previous(self) -> None:
+        """Once the current plan is ready on every node, stop serving older epochs and free them."""
+        plan = self.plan
+        if plan is None or not self.ready(plan):
+            return
+        if self.previous is None and list(self.stage_server.epochs) == [plan.epoch]:
+            return
+        keep = {stage_key(s) for s in plan.stages if self.node_id in s.nodes}
+        for key, shard in self.shards.items():
+            if key not in keep:
+                _close(shard)
+        self.shards = {k: v for k, v in self.shards.items() if k in keep}
+        self.stage_server.retire_before(plan.epoch)
+        if self.previous is not None:
+            log.info("epoch %d is ready everywhere; epoch %d retired", plan.epoch, self.previous.epoch)
+        self.previous = None
+
+    # ------------------------------------------------------------------ readiness
+    def ready(self, plan) -> bool:
+        """Every node of the plan is alive and has loaded its shard for it."""
+        membership = self.mesh.membership
+        alive = membership.alive_peers() if membership is not None else {}
+        for node_id in plan.node_ids():
+            if node_id == self.node_id:
+                if self.ready_epoch < plan.epoch or plan.epoch not in self.stage_server.epochs:
+                    return False
+                if not self._groups_alive(plan):
+                    return False
+            else:
+                peer = alive.get(node_id)
+                if peer is None or peer.ready_epoch < plan.epoch:
+                    return False
+        return True
+
+    def _groups_alive(self, plan) -> bool:
+        for stage in plan.stages:
+            if self.node_id in stage.nodes and len(stage.nodes) > 1:
+                shard = self.shards.get(stage_key(stage))
+                if shard is None or not shard.alive():
+                    return False
+        return True
+
+    def serving_plan(self):
+        """The plan requests use now: the current one once ready, else the previous one still up."""
+        if self.plan is not None and self.ready(self.plan):
+            return self.plan
+        if self.plan is not None and self.previous is not None and self.ready(self.previous):
+            return self.previous
+        return None
+
+    def serving_ready(self) -> bool:
+        return self.serving_plan() is not None
+
+    # ------------------------------------------------------------------ placements
+    def engine_for_request(self) -> Engine:
+        """The engine, after checking that the current plan can serve (else a 503)."""
+        self.placement(None)
+        return self.engine
+
+    def placement(self, after_epoch: int | None):
+        """The placement of the current plan; with ``after_epoch``, only a newer, ready one."""
+        plan = self.plan
+        waiting = after_epoch is not None
+        if plan is None:
+            if self.plan_error:
+                raise unavailable(f"the model does not fit on the nodes available: {self.plan_error}", 5,
+                                  "insufficient_capacity")
+            if waiting:
+                raise NotReady("no plan yet")
+            raise unavailable("the mesh is still forming; no plan yet")
+        serving = self.serving_plan()
+        if serving is None or (waiting and serving.epoch <= after_epoch):
+            if waiting:
+                raise NotReady(f"epoch {plan.epoch} is loading")
+            raise unavailable(f"loading the model's shards for epoch {plan.epoch}")
+        return self.placement_for(serving)
+
+    def placement_again(self, epoch: int, since: float):
+        """The placement of ``epoch`` again after a generation lost it at ``since`` (monotonic), if
+        no newer plan is known and every node of it was heard from since (nothing failed, so no
+        one is re-planning: meshnode.serving.resilience.FailoverSource); else None."""
+        plan = self.serving_plan()
+        if plan is None or plan.epoch != epoch or self.plan is None or self.plan.epoch != epoch:
+            return None
+        if not all(self.mesh.heard_since(n, since) for n in plan.node_ids()):
+            return None
+        return self.placement_for(plan)
+
+    def placement_for(self, plan):
+        placement = self._placements.get(plan.epoch)
+        if placement is None:
+            if head_of(plan) == self.node_id:
+                placement = HeadPlacement(plan.epoch, self.scheduler, self.stage_handles(plan), self.settings)
+            else:
+                placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,
+                                                self.mesh.heard_within)
+            self._placements[plan.epoch] = placement
+            for epoch in [e for e in self._placements if e < plan.epoch - 1]:
+                del self._placements[epoch]
+        return placement
+
+    def stage_handles(self, plan) -> list:
+        handles = []
+        for stage in plan.stages:
+            node_id = stage.nodes[0]
+            key = stage_key(stage)
+            if node_id == self.node_id:
+                shard = self.shards.get(key)
+                if shard is None:
+                    raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
+                handles.append(LocalStage(shard))
+            else:
+                handles.append(RemoteStage(
+                    node_id=node_id, channel=self.mesh.data_channel(node_id), loop=self.loop,
+                    start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
+                    hidden_size=self.profile.hidden_size, dtype=next(iter(self.shards.values())).dtype,
+                    hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
+                    data_port=self.mesh.data_port_of(node_id), auth=self.auth, caller=self.node_id,
+                    alive=lambda nid=node_id: self.mesh.heard_within(nid),
+                    data_session=HopSession,
+                ))
+        return handles
+
+
+def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:
+    """The plan as ``/v1/mesh`` shows it."""
+    if plan is None:
+        return None
+    return {"epoch": plan.epoch, "model": plan.model, "strategy": plan.strategy,
+            "reason": plan.reason, "max_context": plan.max_context,
+            "estimate_s": plan.estimate_s or None, "tokens_per_s": plan.tokens_per_s or None,
+            "tokens_per_s_now": round(1 / estimate_now, 3) if estimate_now else None,
+            "alternatives": list(plan.alternatives),
+            "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
+                        "bytes": s.bytes, "endpoints": list(s.endpoints)}
+                       for s in plan.stages]}

@@ -1,0 +1,85 @@
+"""The node's gRPC server: the Mesh service of protos/mesh.proto, one handler per call.
+
+Each call is signed with the cluster key (meshnode.trust.auth) and, with ``encrypt``, runs over
+mutual TLS. The handlers only route: heartbeats and goodbyes to the control plane, Install to plan
+adoption, Forward to the stage server, Generate to the served model, Manifest and Fetch to the
+model store, Probe answered here (the link prober on the other side times it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.trust import tls
+
+MAX_GRPC_MESSAGE = 64 * 2**20
+
+
+@dataclass
+class Handlers:
+    """Who answers which call (each a method of the part that owns it)."""
+
+    heartbeat: Callable[..., Any]  # async (request, context) -> HeartbeatReply
+    install: Callable[..., Any]  # (Plan) -> InstallReply
+    goodbye: Callable[[str], None]
+    generate: Callable[..., Any]  # async generator (request, context) -> GenerateReply
+    stage_server: Any  # meshnode.transport.stage.StageServer
+    store: Any  # meshnode.weights.transfer.ModelStore
+    probe: Callable[[mesh_pb2.ProbeRequest], mesh_pb2.ProbeReply]  # meshnode.control.links.probe_reply
+    probe_delay_s: float = 0.0  # injected latency (tests and benchmarks)
+
+
+class MeshServicer(mesh_pb2_grpc.MeshServicer):
+    def __init__(self, handlers: Handlers):
+        self.h = handlers
+
+    async def Heartbeat(self, request, context):
+        return await self.h.heartbeat(request, context)
+
+    async def Install(self, request, context):
+        return self.h.install(request)
+
+    async def Leave(self, request, context):
+        self.h.goodbye(request.node_id)
+        return mesh_pb2.Ack()
+
+    async def Forward(self, request_iterator, context):
+        async for reply in self.h.stage_server.forward(request_iterator, context):
+            yield reply
+
+    async def Probe(self, request, context):
+        if self.h.probe_delay_s:
+            await asyncio.sleep(self.h.probe_delay_s)
+        return self.h.probe(request)
+
+    async def Generate(self, request, context):
+        async for reply in self.h.generate(request, context):
+            yield reply
+
+    async def Manifest(self, request, context):
+        return await self.h.store.Manifest(request, context)
+
+    async def Fetch(self, request, context):
+        async for chunk in self.h.store.Fetch(request, context):
+            yield chunk
+
+
+async def start_server(handlers: Handlers, host: str, port: int, *, interceptors=(), identity=None
+                       ) -> tuple[grpc.aio.Server, int]:
+    """Listen on ``host:port`` (0: any free port); returns the server and the port it got."""
+    options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+               ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    mesh_pb2_grpc.add_MeshServicer_to_server(MeshServicer(handlers), server)
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, tls.server_credentials(identity)) if identity
+             else server.add_insecure_port(address))
+    if not bound:
+        raise OSError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    return server, bound
