@@ -259,6 +259,7 @@ class Node:
                 "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
                 "collective_seconds": info.collective_seconds,
                 "holdings": holdings_to_json(info.holdings),
+                "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
                 "data_address": peers.links.best_address(nid) if nid != self.node_id else None,
                 "links": peers.links_of(nid),
                 "role": "coordinator" if nid == coordinator else "member",

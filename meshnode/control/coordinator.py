@@ -38,6 +38,20 @@ REPLAN_GAIN = 0.15
 # A node whose all-reduce cost is not measured yet is assumed this slow (above what a Linux CPU
 # box measures): tensor groups must prove themselves rather than be formed on a guess.
 UNMEASURED_COLLECTIVE_S = 250e-6
+# A node whose computation of a model raised this many times (it announces them: NodeInfo.faults)
+# holds none of that model's layers in the next plans, until it restarts. Once may be one bad
+# input; twice is a model the node cannot run (a bug, an mlx that lacks the family).
+FAULT_LIMIT = 2
+
+
+def faulted(alive: dict[str, NodeInfo], model_id: str) -> dict[str, str]:
+    """The nodes not to place ``model_id`` on, with why."""
+    out = {}
+    for nid, info in alive.items():
+        for model, count, error in info.faults:
+            if model == model_id and count >= FAULT_LIMIT:
+                out[nid] = f"{nid} failed {count} times running it ({error})"
+    return out
 
 
 def layout(plan: Plan) -> list:
@@ -64,12 +78,19 @@ class Coordinator:
         self._planned_at = 0.0  # when the coordinator last weighed a plan
         self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
         self._forced_note = ""  # why the configured strategy could not be used, last said
+        self._excluded: dict[str, str] = {}  # nodes left out for their faults at the last weighing
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
         served, adoption, s = self.adoption.served, self.adoption, self.settings
         current_plan = served.plan
         members = frozenset(alive)
-        plan_ok = current_plan is not None and set(current_plan.node_ids()) <= members
+        excluded = faulted(alive, served.model_id)
+        plan_ok = current_plan is not None and set(current_plan.node_ids()) <= members - set(excluded)
+        if current_plan is not None and excluded.keys() & set(current_plan.node_ids()) and \
+                excluded != self._excluded:
+            log.warning("epoch %d: planning again without %s: %s", current_plan.epoch, ", ".join(sorted(excluded)),
+                        "; ".join(excluded.values()))
+        self._excluded = excluded
         restarted = sorted(n for n, t in self._incarnations.items() if n in alive and alive[n].started_at != t)
         if plan_ok and restarted:
             log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted),
@@ -81,7 +102,7 @@ class Coordinator:
         if (plan_ok and not contested and members == self._planned_for
                 and now - self._planned_at < s.link_probe_interval):
             return
-        nodes = node_specs(alive)
+        nodes = node_specs({nid: info for nid, info in alive.items() if nid not in excluded})
         links = self.peers.link_specs(members)
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
         strategy = None if s.strategy == "auto" else s.strategy
@@ -101,6 +122,8 @@ class Coordinator:
                                 desired.strategy)
                     self._forced_note = str(forced)
         except PlanError as exc:
+            if excluded:
+                exc = PlanError(f"{exc}; not placed on {', '.join(sorted(excluded))}: {'; '.join(excluded.values())}")
             if served.plan_error != str(exc):
                 log.error("no plan fits (epoch %d): %s", adoption.epoch, exc)
                 self._event("no-plan", reason=str(exc))
@@ -110,6 +133,9 @@ class Coordinator:
                 adoption.drop()
             return
         served.plan_error = ""
+        if excluded:
+            desired = dataclasses.replace(desired, reason=f"{desired.reason}; not on {', '.join(sorted(excluded))}: "
+                                                          f"{'; '.join(excluded.values())}")
         desired = self._with_endpoints(desired, alive)
         if plan_ok and not contested:
             # The current plan still works: move only for a real gain by today's figures, and not

@@ -95,6 +95,8 @@ class NodeInfo:
     collective_seconds: float = 0.0  # measured time of one ring all-reduce of an activation (0 = unknown)
     # Models on disk, in full or in part: (model id, complete, layer ranges); heartbeats only, not TXT.
     holdings: tuple = ()
+    # Served models whose computation raised here: (model id, count, last error); heartbeats only.
+    faults: tuple[tuple[str, int, str], ...] = ()
 
     def to_properties(self) -> dict[str, str]:
         props = {

@@ -12,6 +12,8 @@ from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.proto import mesh_pb2
 
 MAX_ID_LEN = 128
+MAX_FAULTS = 64  # model faults read from one node's info
+MAX_FAULT_TEXT = 1000  # characters of a fault's error kept
 
 
 def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
@@ -31,6 +33,7 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         layer_seconds=info.layer_seconds,
         collective_seconds=info.collective_seconds,
         holdings=holdings_to_pb(info.holdings),
+        faults=[mesh_pb2.ModelFault(model_id=m, count=n, error=e) for m, n, e in info.faults],
     )
 
 
@@ -55,6 +58,8 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         layer_seconds=msg.layer_seconds if 0 <= msg.layer_seconds < 3600 else 0.0,
         collective_seconds=msg.collective_seconds if 0 <= msg.collective_seconds < 60 else 0.0,
         holdings=holdings_from_pb(msg.holdings),
+        faults=tuple((f.model_id, f.count, f.error[:MAX_FAULT_TEXT]) for f in msg.faults[:MAX_FAULTS]
+                     if f.model_id and len(f.model_id) <= MAX_ID_LEN),
     )
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds", "collective_seconds", "holdings")
+    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds", "collective_seconds", "holdings", "faults")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class NodeInfo(_message.Message):
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     http_port: int
@@ -41,7 +42,18 @@ class NodeInfo(_message.Message):
     layer_seconds: float
     collective_seconds: float
     holdings: _containers.RepeatedCompositeFieldContainer[ModelHolding]
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ..., collective_seconds: _Optional[float] = ..., holdings: _Optional[_Iterable[_Union[ModelHolding, _Mapping]]] = ...) -> None: ...
+    faults: _containers.RepeatedCompositeFieldContainer[ModelFault]
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ..., collective_seconds: _Optional[float] = ..., holdings: _Optional[_Iterable[_Union[ModelHolding, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[ModelFault, _Mapping]]] = ...) -> None: ...
+
+class ModelFault(_message.Message):
+    __slots__ = ("model_id", "count", "error")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    count: int
+    error: str
+    def __init__(self, model_id: _Optional[str] = ..., count: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ModelHolding(_message.Message):
     __slots__ = ("model_id", "complete", "layers")

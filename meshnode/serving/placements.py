@@ -44,8 +44,8 @@ def head_of(plan) -> str:
 class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
-    def __init__(self, epoch: int, scheduler, handles: list, settings):
-        self.epoch = epoch
+    def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None]):
+        self.epoch, self._on_fault = epoch, on_fault
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
@@ -65,6 +65,7 @@ class HeadPlacement:
             raise PlacementLost(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - this node's own layers raised on the input
             log.exception("epoch %d: the generation failed here", self.epoch)
+            self._on_fault(f"the head's layers failed on this input: {type(exc).__name__}: {exc}")
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
 
 

@@ -32,6 +32,8 @@ from meshnode.transport.stage import RemoteStage, StageServer
 
 log = logging.getLogger(__name__)
 
+MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
+
 
 def stage_key(stage) -> tuple:
     """What a node holds for a stage: its layers, plus the group's members for a tensor group
@@ -89,6 +91,7 @@ class ServedModel:
         self._group_restart_at = 0.0
         self._placements: dict[int, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.faults, self.last_fault = 0, ""  # this node's computation of the model raised (fault())
 
     async def load(self, holders) -> None:
         """The model's metadata and tokenizer (from peers if need be), its engine and stage server."""
@@ -101,6 +104,8 @@ class ServedModel:
                              metrics=self.metrics)
         self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.prefill_step_size,
                                         max_context=s.max_context, inject_latency=s.inject_latency_us * 1e-6)
+        loop = self.loop
+        self.stage_server.on_fault = lambda error: loop.call_soon_threadsafe(self.fault, error)
 
     @property
     def model_id(self) -> str | None:
@@ -114,6 +119,16 @@ class ServedModel:
         for shard in self.shards.values():
             _close(shard)
         self.shards = {}
+
+    def fault(self, error: str) -> None:
+        """This node's computation of the model raised on a request's input (a stage's layers or the
+        head's own): counted and announced with the next heartbeats, so the coordinator stops
+        placing the model here once it happened ``FAULT_LIMIT`` times (meshnode.control.coordinator).
+        A restart clears it (an upgraded mlx may run the model)."""
+        self.faults, self.last_fault = self.faults + 1, error[:MAX_FAULT_TEXT]
+        others = tuple(f for f in self.mesh.me.faults if f[0] != self.model_id)
+        self.mesh.update_me(faults=(*others, (self.model_id, self.faults, self.last_fault)))
+        self._event("fault", model=self.model_id, count=self.faults, error=self.last_fault)
 
     # ------------------------------------------------------------------ plans
     def take(self, plan) -> None:
@@ -320,7 +335,8 @@ class ServedModel:
         placement = self._placements.get(plan.epoch)
         if placement is None:
             if head_of(plan) == self.node_id:
-                placement = HeadPlacement(plan.epoch, self.scheduler, self.stage_handles(plan), self.settings)
+                placement = HeadPlacement(plan.epoch, self.scheduler, self.stage_handles(plan), self.settings,
+                                          on_fault=self.fault)
             else:
                 placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,
                                                 self.mesh.heard_within)

@@ -76,6 +76,8 @@ class StageServer:
         # epoch -> the shards served for it. Usually one epoch; two while a new plan loads
         # (make before break), so requests on the old placement keep being served.
         self.epochs: dict[int, dict[tuple[int, int], "Shard"]] = {}
+        # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
+        self.on_fault: Callable[[str], None] | None = None
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
         self.epochs[epoch] = dict(shards)
@@ -187,8 +189,10 @@ class OpenStage:
         except Exception as exc:  # noqa: BLE001 - the model raised on this input: report it, keep serving
             spec = self.shard.spec
             log.exception("layers [%d, %d) failed on %s's input", spec.start, spec.end, msg.request_id or "?")
-            raise StageRefusal(STAGE_FAULT, f"{FAULT}layers [{spec.start}, {spec.end}) failed on this input: "
-                                            f"{type(exc).__name__}: {exc}") from None
+            error = f"layers [{spec.start}, {spec.end}) failed on this input: {type(exc).__name__}: {exc}"
+            if self.server.on_fault is not None:
+                self.server.on_fault(error)
+            raise StageRefusal(STAGE_FAULT, f"{FAULT}{error}") from None
 
     def prepare(self) -> None:
         """Build the next one-position step on a placeholder (the head promised one: next_single),
