@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from meshnode.model.shard import Shard
-from meshnode.model.scheduler import Baton, mlx_idle
+from meshnode.model.scheduler import Baton, mlx_idle, set_priority
 from meshnode.serving.generation import LocalStage, PipelineModel, PrefillOptions, SamplingParams, generate_tokens
 from meshnode.model.build import build_model
 from meshnode.serving.prefill import CHUNKS_PER_STAGE, MIN_CHUNK, ChunkSizer
@@ -79,3 +79,76 @@ def test_baton_one_holder_in_turn_and_free_while_waiting():
     assert sorted(log) == ["a"] * 3 + ["b"] * 3 and not overlaps
     # Each lets go while it waits, so the two interleave instead of running one after the other.
     assert log != ["a"] * 3 + ["b"] * 3 and log != ["b"] * 3 + ["a"] * 3
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _claim_in_thread(baton: Baton, work: int, order: list, name: str) -> threading.Thread:
+    def run():
+        set_priority(work)
+        baton.acquire()
+        order.append(name)
+        baton.release()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _wait_claims(baton: Baton, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(baton._waiting) < n:
+        assert time.monotonic() < deadline, "claims never queued"
+        time.sleep(0.001)
+
+
+def test_baton_goes_to_the_least_work_first_then_to_the_aged():
+    """Shortest remaining first: a short answer's claim passes a long title prompt's chunk that
+    queued before it; a claim that waited AGE_S goes first whatever its work (no starvation)."""
+    clock = _Clock()
+    baton, order = Baton(age_s=0.25, clock=clock), []
+    baton.acquire()
+    threads = [_claim_in_thread(baton, 900, order, "title")]
+    _wait_claims(baton, 1)
+    clock.now = 0.1
+    threads.append(_claim_in_thread(baton, 20, order, "answer"))
+    _wait_claims(baton, 2)
+    baton.release()
+    for t in threads:
+        t.join(5)
+    assert order == ["answer", "title"]
+
+    order.clear()
+    baton.acquire()
+    threads = [_claim_in_thread(baton, 900, order, "title")]
+    _wait_claims(baton, 1)
+    clock.now = 0.4  # the title has waited 0.3 s > age_s
+    threads.append(_claim_in_thread(baton, 0, order, "decode"))
+    _wait_claims(baton, 2)
+    baton.release()
+    for t in threads:
+        t.join(5)
+    assert order == ["title", "decode"]
+
+
+def test_pass_on_yields_only_to_a_better_or_aged_claim():
+    clock = _Clock()
+    baton, order = Baton(age_s=0.25, clock=clock), []
+    set_priority(0)  # this thread decodes
+    baton.acquire()
+    t = _claim_in_thread(baton, 500, order, "chunk")
+    _wait_claims(baton, 1)
+    settled = []
+    baton.pass_on(lambda: settled.append(1))
+    assert order == [] and settled == []  # a decode step goes before a fresh prefill chunk
+    clock.now = 1.0
+    baton.pass_on(lambda: settled.append(1))  # the chunk has aged: it goes now
+    t.join(5)
+    assert order == ["chunk"] and settled == [1]
+    baton.release()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
-from collections import deque
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,58 +60,93 @@ class TokenJob:
 _held = threading.local()
 
 
+# Who gets the baton next: the claim with the least work before its request's next token (prompt
+# positions still to prefill; 0 for a decode step or one-off work), earliest first among equals.
+# A short answer is thus not queued behind a long title prompt's chunks (shortest remaining
+# first). A claim that has waited AGE_S goes first whatever its work (oldest first), so a long
+# prefill is slowed by short requests and decoders, never starved.
+AGE_S = 0.25
+
+
+def set_priority(work: int) -> None:
+    """Declare how much work this thread has left before its next token (see AGE_S); kept for
+    every later claim of the baton by this thread until set again."""
+    _held.priority = max(0, int(work))
+
+
+class _Claim:
+    __slots__ = ("work", "seq", "since", "granted")
+
+    def __init__(self, work: int, seq: int, since: float):
+        self.work, self.seq, self.since, self.granted = work, seq, since, False
+
+
 class Baton:
-    """The right to run MLX work on this node: one thread at a time, handed on in FIFO order.
+    """The right to run MLX work on this node: one thread at a time.
 
     Each generation runs on its own thread but computes only while holding the baton; it lets go
     while it waits for a remote stage, so another generation computes meanwhile (overlapped
-    decoding), and after every token, so generations take turns (fairness).
+    decoding), and after every token or prefill chunk, so generations take turns. The releasing
+    thread hands the baton to one waiting claim (see AGE_S for which), so every thread sees the
+    same choice.
     """
 
-    def __init__(self):
+    def __init__(self, age_s: float = AGE_S, clock: Callable[[], float] = time.monotonic):
         self._cond = threading.Condition()
-        self._queue: deque[object] = deque()
+        self._waiting: list[_Claim] = []
         self._busy = False
+        self._seq = itertools.count()
+        self.age_s, self._clock = age_s, clock
+
+    def _claim(self) -> _Claim:
+        return _Claim(getattr(_held, "priority", 0), next(self._seq), self._clock())
+
+    def _first(self, claims: list[_Claim]) -> _Claim | None:
+        if not claims:
+            return None
+        now = self._clock()
+        aged = [c for c in claims if now - c.since >= self.age_s]
+        if aged:
+            return min(aged, key=lambda c: c.seq)
+        return min(claims, key=lambda c: (c.work, c.seq))
 
     def acquire(self) -> None:
-        ticket = object()
         with self._cond:
-            self._queue.append(ticket)
-            while self._busy or self._queue[0] is not ticket:
-                self._cond.wait()
-            self._queue.popleft()
-            self._busy = True
+            if not self._busy:
+                self._busy = True
+            else:
+                claim = self._claim()
+                self._waiting.append(claim)
+                while not claim.granted:
+                    self._cond.wait()
         _held.baton = self
 
     def release(self) -> None:
         _held.baton = None
         with self._cond:
-            self._busy = False
+            nxt = self._first(self._waiting)
+            if nxt is None:
+                self._busy = False
+                return
+            self._waiting.remove(nxt)
+            nxt.granted = True  # the baton passes straight to it: nobody can slip in between
             self._cond.notify_all()
 
     def pass_on(self, settle: Callable[[], None] | None = None) -> None:
-        """Let every thread already waiting go first, then take the baton back.
+        """Let a waiting thread with a better claim go first, then take the baton back.
 
-        ``settle`` runs first (only when someone waits): it finishes the work this thread left
+        ``settle`` runs first (only when someone goes first): it finishes the work this thread left
         running, so the next holder gets the processor to itself and work finishes in turn
         (first come, first done) instead of sharing it and everything finishing late.
         """
         with self._cond:
-            waiting = bool(self._queue)
-        if waiting:
+            mine = self._claim()
+            yields = bool(self._waiting) and self._first([*self._waiting, mine]) is not mine
+        if yields:
             if settle is not None:
                 settle()
             self.release()
             self.acquire()
-
-    @contextlib.contextmanager
-    def holding(self):
-        self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
-
 
 @contextlib.contextmanager
 def mlx_idle():
@@ -164,13 +200,15 @@ class TokenScheduler:
     def active(self) -> int:
         return len(self._jobs)
 
-    def submit(self, tokens: Iterator[int]) -> TokenJob:
+    def submit(self, tokens: Iterator[int], work: int = 0) -> TokenJob:
+        """Run a generation; ``work``: prompt positions it prefills before its first token (its
+        first claim of the baton: see AGE_S)."""
         job = TokenJob(tokens, asyncio.get_running_loop())
         with self._jobs_lock:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
             self._jobs.add(job)
-        threading.Thread(target=self._drive, args=(job,), name=f"{self._name}-gen", daemon=True).start()
+        threading.Thread(target=self._drive, args=(job, work), name=f"{self._name}-gen", daemon=True).start()
         return job
 
     def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
@@ -203,8 +241,9 @@ class TokenScheduler:
             with self._baton.holding():
                 call.run()
 
-    def _drive(self, job: TokenJob) -> None:
+    def _drive(self, job: TokenJob, work: int) -> None:
         """One generation's thread: a token at a time, each computed holding the baton."""
+        set_priority(work)
         self._baton.acquire()
         try:
             while not job.cancelled.is_set():

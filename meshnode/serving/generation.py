@@ -28,7 +28,7 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
-from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield
+from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 
 log = logging.getLogger(__name__)
@@ -199,8 +199,10 @@ class PipelineModel:
         sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed,
                            busy=busy)
         try:
-            chunks = pipelined_prefill(sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield)
+            chunks = pipelined_prefill(sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield,
+                                       on_cut=set_priority)
         finally:
+            set_priority(0)  # decoding from here: a step at a time
             for stage, rate in zip(self._stages, sizer.per_position):
                 if rate:
                     try:
@@ -326,7 +328,8 @@ class PipelineSource:
         scheduler = self._scheduler
         job = scheduler.submit(
             generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                            prefill=self._prefill, busy=lambda: scheduler.active > 1)
+                            prefill=self._prefill, busy=lambda: scheduler.active > 1),
+            work=len(prompt),
         )
         async for token in job:
             yield token

@@ -29,7 +29,7 @@ import math
 import select
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import mlx.core as mx
@@ -128,12 +128,14 @@ def pipelined_prefill(
     *,
     wait: "WaitFn | None" = None,
     between_steps=None,
+    on_cut: "Callable[[int], None] | None" = None,
 ) -> int:
     """Fill every stage's cache with ``tokens``; returns the number of chunks sent.
 
     ``wait(futures, timeout)`` blocks until one of them is done (the caller may hand the MLX
     thread to other work meanwhile); ``between_steps()`` runs after each local step but the last
-    (fairness: others take their turn; after the last, the request's first token comes next).
+    (fairness: others take their turn; after the last, the request's first token comes next);
+    ``on_cut(remaining)`` after each chunk is cut, with the prompt positions not yet cut.
     A stage is waited for while it is alive (``Ticket.check``), however long its chunk takes.
     """
     n = len(sessions)
@@ -162,6 +164,8 @@ def pipelined_prefill(
             ready[0].append(mx.array(list(tokens[sent:sent + size]), dtype=mx.int32)[None])
             sent += size
             chunks += 1
+            if on_cut is not None:
+                on_cut(total - sent)
         # Remote stages first: sending does not block, so they work while this thread computes.
         for i in range(n):
             while sessions[i].remote and ready[i] and len(running[i]) < IN_FLIGHT:

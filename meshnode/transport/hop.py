@@ -40,7 +40,7 @@ from meshnode.transport.dataport import (HEADER, FrameError, connect, recv_frame
                                     send_prepared)
 from meshnode.transport.refusals import StageError, StageRefusal, stage_error
 from meshnode.model.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
-from meshnode.model.scheduler import mlx_idle
+from meshnode.model.scheduler import mlx_idle, set_priority
 from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:
@@ -156,8 +156,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
+            positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             if delay is not None:
-                positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
                 pause = delay.seconds(positions, prefills, decodes)
                 if delay.raises(positions, decodes):
                     stage.injected_fault = f"injected fault at decode step {decodes} ({TEST_DELAY_ENV})"
@@ -165,6 +165,9 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 if pause > 0:
                     log.info("test delay: %.1f s before a %d-position step of %s", pause, positions, request_id)
                     time.sleep(pause)
+            # A prefill chunk waits for the MLX thread behind decode steps and shorter chunks (the
+            # stage's view of shortest-remaining-first: meshnode.model.scheduler.AGE_S).
+            set_priority(positions if positions > 1 else 0)
             try:
                 stage.admit(msg.input)
                 if raw:
