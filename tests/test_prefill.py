@@ -152,3 +152,22 @@ def test_pass_on_yields_only_to_a_better_or_aged_claim():
     t.join(5)
     assert order == ["chunk"] and settled == [1]
     baton.release()
+
+
+def test_one_off_work_and_generations_share_the_baton():
+    """The MLX thread's one-off calls (a stage's step for a peer, loading a shard) and a
+    generation's thread take turns through the same baton (TokenScheduler.run_here and call)."""
+    import asyncio
+
+    from meshnode.model.scheduler import TokenScheduler
+
+    scheduler = TokenScheduler("test-mlx")
+    try:
+        assert scheduler.run_here(lambda: 41) + 1 == 42
+
+        async def main():
+            return await scheduler.call(lambda: "done")
+
+        assert asyncio.run(main()) == "done"
+    finally:
+        scheduler.stop()

@@ -148,6 +148,15 @@ class Baton:
             self.release()
             self.acquire()
 
+    @contextlib.contextmanager
+    def holding(self):
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
 @contextlib.contextmanager
 def mlx_idle():
     """While waiting (on the network), let other generations run MLX work."""
@@ -301,3 +310,34 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+class StepWatch:
+    """The model steps in flight on this node (a stage's chunk or token for a peer), to tell a
+    stalled node from a busy one. A busy node finishes its steps: each is one prefill chunk
+    (sized to well under a second) or one token. A stalled one (a hung GPU command, a deadlock)
+    has a step that never ends, while its event loop still heartbeats.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running: dict[int, float] = {}
+        self._ids = itertools.count()
+
+    @contextlib.contextmanager
+    def step(self):
+        key = next(self._ids)
+        with self._lock:
+            self._running[key] = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._running[key]
+
+    def longest(self) -> float:
+        """Seconds the oldest step in flight has run (0 with none in flight)."""
+        with self._lock:
+            oldest = min(self._running.values(), default=None)
+        return 0.0 if oldest is None else self._clock() - oldest
