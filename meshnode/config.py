@@ -321,6 +321,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval": _positive_duration,
     "failure_timeout": _positive_duration,
     "failover_deadline": _positive_duration,
+    "stall_timeout": _positive_duration,
     "rebalance_dwell": _positive_duration,
     "strategy": _range(lambda v: _str(v).strip().lower(), lambda v: v in STRATEGY_CHOICES,
                        "one of " + ", ".join(STRATEGY_CHOICES)),
@@ -418,6 +419,10 @@ class Settings:
     failure_timeout: float = 2.0
     #: Seconds a generation whose stage failed may wait for a new plan before it fails.
     failover_deadline: float = 30.0
+    #: Seconds one model step (a prefill chunk or a token, for a peer) may run before this node
+    #: tells the mesh it is stalled (a hung GPU command, a deadlock) rather than busy: generations
+    #: waiting on it fail over and plans leave it out until the step ends.
+    stall_timeout: float = 60.0
     #: Seconds a plan stays before the coordinator moves to a better one (a node joined).
     rebalance_dwell: float = 5.0
     #: How the coordinator splits the model: auto (lowest estimated time per token), or force

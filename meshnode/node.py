@@ -187,6 +187,8 @@ class Node:
                 log.warning("data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET,
                             exc)
         self.peers.data_port_open = self._data is not None
+        steps, limit = self.served.stage_server.steps, s.stall_timeout
+        self.peers.stalled_for = lambda: longest if (longest := steps.longest()) >= limit else 0.0
 
     def _announced_addresses(self) -> tuple[str, ...]:
         """Where peers can reach this node: the bind address if it is a specific one, else every
@@ -260,6 +262,7 @@ class Node:
                 "collective_seconds": info.collective_seconds,
                 "holdings": holdings_to_json(info.holdings),
                 "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
+                "stalled_for": round(info.stalled_for, 1) if nid != self.node_id else round(peers.stalled_for(), 1),
                 "data_address": peers.links.best_address(nid) if nid != self.node_id else None,
                 "links": peers.links_of(nid),
                 "role": "coordinator" if nid == coordinator else "member",

@@ -171,3 +171,18 @@ def test_one_off_work_and_generations_share_the_baton():
         assert asyncio.run(main()) == "done"
     finally:
         scheduler.stop()
+
+
+def test_step_watch_reports_the_oldest_step_in_flight():
+    from meshnode.model.scheduler import StepWatch
+
+    clock = _Clock()
+    watch = StepWatch(clock=clock)
+    assert watch.longest() == 0.0
+    with watch.step():
+        clock.now = 2.0
+        with watch.step():
+            clock.now = 5.0
+            assert watch.longest() == 5.0  # the outer one, started at 0
+        assert watch.longest() == 5.0
+    assert watch.longest() == 0.0

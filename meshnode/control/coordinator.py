@@ -45,9 +45,13 @@ FAULT_LIMIT = 2
 
 
 def faulted(alive: dict[str, NodeInfo], model_id: str) -> dict[str, str]:
-    """The nodes not to place ``model_id`` on, with why."""
+    """The nodes not to place ``model_id`` on, with why: a stalled node (a model step that never
+    ends), and one whose computation of the model raised FAULT_LIMIT times."""
     out = {}
     for nid, info in alive.items():
+        if info.stalled_for > 0:
+            out[nid] = f"{nid} is stalled (a model step has run for {info.stalled_for:.0f} s)"
+            continue
         for model, count, error in info.faults:
             if model == model_id and count >= FAULT_LIMIT:
                 out[nid] = f"{nid} failed {count} times running it ({error})"
@@ -84,6 +88,9 @@ class Coordinator:
         served, adoption, s = self.adoption.served, self.adoption, self.settings
         current_plan = served.plan
         members = frozenset(alive)
+        if self.node_id in alive:  # this node's own stall is not in what it announced at start
+            alive = {**alive, self.node_id: dataclasses.replace(alive[self.node_id],
+                                                                 stalled_for=self.peers.stalled_for())}
         excluded = faulted(alive, served.model_id)
         plan_ok = current_plan is not None and set(current_plan.node_ids()) <= members - set(excluded)
         if current_plan is not None and excluded.keys() & set(current_plan.node_ids()) and \

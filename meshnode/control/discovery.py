@@ -97,6 +97,8 @@ class NodeInfo:
     holdings: tuple = ()
     # Served models whose computation raised here: (model id, count, last error); heartbeats only.
     faults: tuple[tuple[str, int, str], ...] = ()
+    # Seconds a model step here has run past stall_timeout (0 = none): stalled, not busy; heartbeats only.
+    stalled_for: float = 0.0
 
     def to_properties(self) -> dict[str, str]:
         props = {

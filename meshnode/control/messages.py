@@ -34,6 +34,7 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         collective_seconds=info.collective_seconds,
         holdings=holdings_to_pb(info.holdings),
         faults=[mesh_pb2.ModelFault(model_id=m, count=n, error=e) for m, n, e in info.faults],
+        stalled_for=info.stalled_for,
     )
 
 
@@ -60,6 +61,7 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         holdings=holdings_from_pb(msg.holdings),
         faults=tuple((f.model_id, f.count, f.error[:MAX_FAULT_TEXT]) for f in msg.faults[:MAX_FAULTS]
                      if f.model_id and len(f.model_id) <= MAX_ID_LEN),
+        stalled_for=msg.stalled_for if 0 <= msg.stalled_for < 1e9 else 0.0,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -41,6 +42,8 @@ class Peers:
         self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
         self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
         self.data_port_open = False  # this node sends activations in bare TCP frames (the data port)
+        self.stalled_for: Callable[[], float] = lambda: 0.0  # this node's own stall (announced)
+        self._said_stalled = False
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def start(self, me: NodeInfo) -> None:
@@ -60,6 +63,14 @@ class Peers:
     def me_pb(self) -> mesh_pb2.NodeInfo:
         msg = node_to_pb(self.me)
         msg.links.extend(link.to_pb() for link in self.links.links())
+        msg.stalled_for = stalled = self.stalled_for()
+        if bool(stalled) != self._said_stalled:
+            self._said_stalled = bool(stalled)
+            if stalled:
+                log.warning("a model step here has run for %.0f s (stall_timeout %.0f s): telling peers this node "
+                            "is stalled", stalled, self.settings.stall_timeout)
+            else:
+                log.info("the stalled model step ended: this node serves again")
         return msg
 
     # ------------------------------------------------------------------ who is there
@@ -67,11 +78,20 @@ class Peers:
         return self.membership.alive_infos() if self.membership is not None else {}
 
     def heard_within(self, node_id: str) -> bool:
-        """The node heartbeats (a busy node is not a lost one; see meshnode.serving.resilience)."""
-        return self.membership is not None and self.membership.heard_within(node_id)
+        """The node heartbeats and is not stalled: worth waiting for, however long its step takes (a
+        busy node is not a lost one; see meshnode.serving.resilience)."""
+        return self.membership is not None and self.membership.heard_within(node_id) and not self.stalled(node_id)
 
     def heard_since(self, node_id: str, since: float) -> bool:
-        return self.membership is not None and self.membership.heard_since(node_id, since)
+        return self.membership is not None and self.membership.heard_since(node_id, since) \
+            and not self.stalled(node_id)
+
+    def stalled(self, node_id: str) -> bool:
+        """The node says one of its model steps has run past stall_timeout (its heartbeats go on)."""
+        if node_id == self.node_id:
+            return self.stalled_for() > 0
+        peer = self.membership.peers.get(node_id) if self.membership is not None else None
+        return peer is not None and peer.info.stalled_for > 0
 
     @contextlib.asynccontextmanager
     async def holders_of(self, model_id: str, cluster_id: str):

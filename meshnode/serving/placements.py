@@ -88,7 +88,7 @@ class RemoteHeadPlacement:
         # The head is waited for while it heartbeats, however long its prefill or a token takes
         # (a busy head is not a lost one); it reports its own stages' faults on this stream.
         alive = lambda: self._alive(self.head)  # noqa: E731
-        lost = lambda waited: f"head {self.head} stopped heartbeating ({waited:.1f} s into a wait)"  # noqa: E731
+        lost = lambda waited: f"head {self.head} stopped heartbeating or is stalled ({waited:.1f} s into a wait)"  # noqa: E731
         try:
             while True:
                 reply = await await_while_alive(call.read(), alive, lost)

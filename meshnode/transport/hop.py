@@ -79,7 +79,9 @@ class InjectedDelay:
     - ``decode``: added before running a one-position message (a decode step); with ``decode_at``
       (a list of indexes, from 0, among each stream's one-position messages), only those;
     - ``raise_at``: a list of such indexes at which the stage's computation raises, as a bug in
-      a model would (a deterministic fault, reported to the head as one).
+      a model would (a deterministic fault, reported to the head as one);
+    - ``stall``: seconds the computation of a one-position message hangs, holding the MLX thread as
+      a hung GPU command would; with ``stall_at`` (indexes as ``decode_at``), only those.
 
     The wait happens on the stream's own thread without the MLX baton (other requests go on).
     """
@@ -124,6 +126,14 @@ class InjectedDelay:
             return 0.0
         return float(spec.get("decode", 0.0))
 
+    def stall(self, positions: int, decodes: int) -> float:
+        """Seconds the one-position message after ``decodes`` others hangs inside its step (``stall``)."""
+        spec = self._current()
+        at = spec.get("stall_at")
+        if positions != 1 or (at is not None and decodes not in at):
+            return 0.0
+        return float(spec.get("stall", 0.0))
+
     def raises(self, positions: int, decodes: int) -> bool:
         """Whether the one-position message after ``decodes`` others is to fail (``raise_at``)."""
         return positions == 1 and decodes in self._current().get("raise_at", ())
@@ -161,6 +171,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 pause = delay.seconds(positions, prefills, decodes)
                 if delay.raises(positions, decodes):
                     stage.injected_fault = f"injected fault at decode step {decodes} ({TEST_DELAY_ENV})"
+                stage.injected_stall = delay.stall(positions, decodes)
                 prefills, decodes = prefills + (positions > 1), decodes + (positions == 1)
                 if pause > 0:
                     log.info("test delay: %.1f s before a %d-position step of %s", pause, positions, request_id)

@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 from meshnode.transport.refusals import EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
 from meshnode.model.tensor import TensorGroupError
 from meshnode.model.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
-from meshnode.model.scheduler import mlx_idle
+from meshnode.model.scheduler import StepWatch, mlx_idle
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ class StageServer:
         self.epochs: dict[int, dict[tuple[int, int], "Shard"]] = {}
         # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
         self.on_fault: Callable[[str], None] | None = None
+        self.steps = StepWatch()  # a step that never ends is a stalled node (announced in heartbeats)
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
         self.epochs[epoch] = dict(shards)
@@ -139,6 +140,7 @@ class OpenStage:
         self.seen = 0
         self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
         self.injected_fault: str | None = None  # tests only: the next run raises this (hop.InjectedDelay)
+        self.injected_stall = 0.0  # tests only: the next run hangs this many seconds (hop.InjectedDelay)
 
     def admit(self, tensor: mesh_pb2.Tensor) -> None:
         self.seen += tensor.shape[1] if len(tensor.shape) > 1 else 0
@@ -167,7 +169,15 @@ class OpenStage:
 
     def run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
         """Decode and run one message (on the MLX thread): the output, evaluated."""
+        with self.server.steps.step():
+            return self._run_array(msg)
+
+    def _run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
         try:
+            if self.injected_stall:
+                stall, self.injected_stall = self.injected_stall, 0.0
+                log.warning("test stall: %.1f s inside a step of %s", stall, msg.request_id or "?")
+                time.sleep(stall)
             if self.injected_fault is not None:
                 fault, self.injected_fault = self.injected_fault, None
                 raise RuntimeError(fault)
@@ -375,13 +385,14 @@ class RemoteStage:
 
     def check(self, waiting_since: float) -> None:
         """Raise :class:`StageError` if this stage is lost while a reply sent at ``waiting_since``
-        (time.perf_counter()) is awaited: its node stopped heartbeating. A stage that is alive is
+        (time.perf_counter()) is awaited: its node stopped heartbeating, or says a step of its has run
+        past stall_timeout (a hung step, not a busy one). A stage that is alive is
         busy, not lost, however long its step takes (a long prefill, a slow machine, other
         requests' steps ahead of this one)."""
         waited = time.perf_counter() - waiting_since
         if self.alive is not None and not self.alive():
-            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating "
-                             f"(no heartbeat within the failure timeout; its reply awaited {waited:.1f} s)")
+            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating or is "
+                             f"stalled (its reply awaited {waited:.1f} s)")
         if waited > self.request_timeout:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
                              f"{self.request_timeout:.0f} s")
