@@ -6,7 +6,7 @@ The parts, each in its own place (README, "How the code is laid out"):
   publishes plans, and plan adoption;
 - :class:`~meshnode.serving.served.ServedModel`: the model this node serves, its plan, shards and
   placements, and the engine requests use;
-- the servers: gRPC (meshnode.transport.service), HTTP (meshnode.api.server), the link echo and
+- the servers: gRPC (meshnode.transport.service), HTTP (meshnode.api.app), the link echo and
   the data port for activations in bare TCP frames.
 
 Nothing is decided here. ``run_node`` is what ``meshnode run`` calls.
@@ -26,7 +26,8 @@ from typing import Any
 from aiohttp import web
 
 from meshnode import __version__, sysinfo
-from meshnode.api.server import ApiSettings, make_app
+from meshnode.api.app import make_app
+from meshnode.api.core import ApiSettings
 from meshnode.api.validation import Limits
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
 from meshnode.control.discovery import Discovery, NodeInfo, local_addresses

@@ -212,7 +212,9 @@ async def test_body_too_large_and_unknown_route(node):
 
 async def test_too_many_concurrent_requests_get_429(node):
     n, base = node
-    body = {"model": n.model_id, "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True}
+    # Streams that run their full 400 tokens: greedy, this test model ends "hello" after a few tokens
+    # (EOS), which frees the slots before the fourth request; this seed samples no EOS in 400.
+    body = {"model": n.model_id, "prompt": "hello", "max_tokens": 400, "temperature": 2, "seed": 1, "stream": True}
     async with aiohttp.ClientSession() as s:
         streams = [await s.post(f"{base}/v1/completions", json=body) for _ in range(3)]  # the fixture's limit
         try:

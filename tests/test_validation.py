@@ -1,10 +1,12 @@
 """Request parsing (pure) and the engine's stop-string handling."""
 
 import asyncio
+import logging
 
 import pytest
 
-from meshnode.api.validation import ApiError, Limits, parse_request
+from meshnode.api import validation
+from meshnode.api.validation import HARMLESS, NOT_HONOURED_YET, ApiError, Limits, parse_request
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import SamplingParams
 
@@ -28,21 +30,107 @@ def test_completion_prompt_forms():
     assert parse_request({"model": "m", "prompt": [1, 2]}, "completion", L).prompt == [1, 2]
 
 
-@pytest.mark.parametrize("body", [
-    {"model": "m", "messages": MSG, "max_tokens": 0},
-    {"model": "m", "messages": MSG, "max_tokens": 101},
-    {"model": "m", "messages": MSG, "max_tokens": True},
-    {"model": "m", "messages": MSG, "temperature": float("nan")},
-    {"model": "m", "messages": MSG, "top_p": 1.5},
-    {"model": "m", "messages": MSG, "seed": "x"},
-    {"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]},
-    {"model": "m", "messages": MSG, "stream_options": 3},
-    {"model": 3, "messages": MSG},
+@pytest.mark.parametrize("body,param,code", [
+    ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"model": "m", "messages": MSG, "max_tokens": 101}, "max_tokens", "invalid_value"),
+    ({"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens", "invalid_type"),
+    ({"model": "m", "messages": MSG, "max_completion_tokens": 2.0}, "max_completion_tokens", "invalid_type"),
+    ({"model": "m", "messages": MSG, "temperature": float("nan")}, "temperature", "invalid_value"),
+    ({"model": "m", "messages": MSG, "temperature": 10**400}, "temperature", "invalid_type"),
+    ({"model": "m", "messages": MSG, "top_p": 1.5}, "top_p", "invalid_value"),
+    ({"model": "m", "messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
+    ({"model": "m", "messages": MSG, "seed": "x"}, "seed", "invalid_type"),
+    ({"model": "m", "messages": MSG, "seed": 2**64}, "seed", "invalid_value"),
+    ({"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"model": "m", "messages": MSG, "stop": [1]}, "stop", "invalid_type"),
+    ({"model": "m", "messages": MSG, "stream": "yes"}, "stream", "invalid_type"),
+    ({"model": "m", "messages": MSG, "stream_options": 3}, "stream_options", "invalid_type"),
+    ({"model": "m", "messages": MSG, "n": 3}, "n", "invalid_value"),
+    ({"model": 3, "messages": MSG}, "model", "invalid_type"),
+    ({"messages": MSG}, "model", "missing_required_parameter"),
+    ({"model": "m", "messages": []}, "messages", "invalid_value"),
+    ({"model": "m", "messages": [MSG[0], {"role": "wizard", "content": "x"}]}, "messages[1].role", "invalid_value"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
+     "invalid_type"),
+    ({"model": "m", "messages": MSG, "logprobs": True}, "logprobs", "invalid_value"),
 ])
-def test_rejected(body):
+def test_rejected(body, param, code):
     with pytest.raises(ApiError) as e:
         parse_request(body, "chat", L)
-    assert e.value.status == 400 and e.value.message
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+    assert e.value.message and param.split("[")[0] in e.value.message
+
+
+def test_an_unknown_field_is_refused_by_name():
+    with pytest.raises(ApiError) as e:
+        parse_request({"model": "m", "messages": MSG, "frobnicate": 1}, "chat", L)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "frobnicate", "unsupported_parameter")
+    assert "'frobnicate'" in e.value.message
+    with pytest.raises(ApiError) as e:  # a completions-only field on the chat endpoint
+        parse_request({"model": "m", "messages": MSG, "echo": False}, "chat", L)
+    assert e.value.param == "echo"
+    with pytest.raises(ApiError) as e:  # inside an object the request declares
+        parse_request({"model": "m", "messages": MSG, "stream_options": {"include_usage": True, "x": 1}}, "chat", L)
+    assert e.value.param == "stream_options.x"
+
+
+def test_a_wrong_type_names_the_field():
+    for body, param in (({"temperature": "hot"}, "temperature"), ({"tools": "all"}, "tools"),
+                        ({"tool_choice": 5}, "tool_choice"), ({"top_k": 1.5}, "top_k"),
+                        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content")):
+        with pytest.raises(ApiError) as e:
+            parse_request({"model": "m", "messages": MSG, **body}, "chat", L)
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "invalid_type")
+        assert f"'{param}'" in e.value.message
+
+
+def _open_webui_request():
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "a tool",
+                                               "parameters": {"type": "object", "properties": {}}}}
+             for i in range(36)]
+    return {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, *MSG], "stream": True,
+            "stream_options": {"include_usage": True}, "tools": tools, "tool_choice": "auto", "top_k": 40,
+            "min_p": 0.05, "repeat_penalty": 1.1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": 42,
+            "stop": ["<|im_end|>"], "temperature": 0.8, "top_p": 0.9, "max_tokens": 50}
+
+
+def test_open_webui_request_is_accepted_and_the_unhonoured_fields_warned_once(monkeypatch, caplog):
+    monkeypatch.setattr(validation, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="meshnode.api.validation")
+    for _ in range(2):
+        r = parse_request(_open_webui_request(), "chat", L)
+    assert (r.stream, r.include_usage, r.seed, r.stop, r.max_tokens, r.temperature, r.top_p) == \
+        (True, True, 42, ("<|im_end|>",), 50, 0.8, 0.9)
+    assert [m["role"] for m in r.messages] == ["system", "user"]
+    warned = sorted(rec.getMessage() for rec in caplog.records)
+    assert warned == sorted(f"request field '{name}' is accepted but not honoured yet" for name in
+                            ("tools", "tool_choice", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
+                             "presence_penalty"))
+
+
+def test_coding_agent_and_harmless_fields_are_accepted():
+    history = [*MSG, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+               {"role": "tool", "content": "42", "tool_call_id": "1"}]  # keys of a message beyond these: ignored
+    body = {"model": "m", "messages": history, "reasoning_effort": "low", "response_format": {"type": "text"},
+            "logit_bias": {"50256": -100}, "user": "u1", "metadata": {"k": "v"}, "store": False,
+            "parallel_tool_calls": True, "logprobs": False, "max_completion_tokens": 7, "n": 1}
+    r = parse_request(body, "chat", L)
+    assert r.max_tokens == 7 and r.messages[1] == {"role": "assistant", "content": ""}
+    r = parse_request({"model": "m", "prompt": "x", "echo": False, "suffix": None, "best_of": 1}, "completion", L)
+    assert r.prompt == "x"
+    for field, value in (("echo", True), ("suffix", "tail"), ("best_of", 2)):
+        with pytest.raises(ApiError) as e:
+            parse_request({"model": "m", "prompt": "x", field: value}, "completion", L)
+        assert e.value.param == field
+
+
+def test_the_field_lists_do_not_overlap():
+    honoured = set(validation.ChatRequest.model_fields) - {n for n, _ in HARMLESS + NOT_HONOURED_YET}
+    assert honoured == {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                        "stop", "stream", "stream_options", "n"}
+    names = [n for n, _ in HARMLESS + NOT_HONOURED_YET]
+    assert len(names) == len(set(names))
 
 
 class _Detok:

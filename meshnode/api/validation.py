@@ -1,18 +1,49 @@
-"""Parse and check OpenAI-style request bodies. Pure: no I/O, no model.
+"""Check OpenAI request bodies with pydantic models and turn them into a :class:`GenerationRequest`,
+the wire-independent request every API surface hands to :mod:`meshnode.api.core`. Pure: no I/O,
+no model. Every problem raises :class:`ApiError` (400, ``param`` naming the field, a code, and a
+message that says what to fix; pydantic's errors are translated in :mod:`meshnode.api.schema`).
 
-Every problem raises :class:`ApiError` with the HTTP status, an OpenAI-style error type and
-code, and a message that says what to fix.
+An unsupported field is an error by construction: the request models forbid every field they do
+not declare (400, code ``unsupported_parameter``, ``param`` = the field), so no client is led to
+believe that a parameter took effect. Every field real clients send is declared in one of three
+lists, each field with the type the OpenAI API documents (a wrong type is a 400 naming the field):
+
+* honoured: the fields of the models below (model, messages / prompt, max_tokens,
+  max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
+  n = 1). They shape the answer.
+* ``HARMLESS``: accepted and ignored because ignoring them cannot change the answer: who is asking
+  (user, safety_identifier, metadata), the provider's storage, caching and billing (store,
+  prompt_cache_key, service_tier), tool-call plumbing that only matters once tools are honoured
+  (parallel_tool_calls), and switches only at their "off" value (logprobs=false, echo=false,
+  best_of=1, suffix=null, modalities=["text"]); any other value is refused.
+* ``NOT_HONOURED_YET``: would change the answer and are not implemented yet, but chat clients send
+  them with every request (Open WebUI: tools, tool_choice, top_k, min_p, repeat_penalty,
+  frequency_penalty, presence_penalty; OpenCode and Codex: tools, tool_choice, reasoning_effort,
+  response_format, logit_bias), so a 400 would make those clients unusable. They are accepted,
+  type-checked and logged once per field per process at WARNING. Honouring one means moving it
+  from that tuple into :class:`_Sampling` (or a request model) and into :class:`GenerationRequest`.
+
+Messages keep their old handling: roles system, developer, user, assistant and tool; content a
+string or a list of text parts (joined), null only for an assistant. Other keys of a message
+(name, tool_calls, tool_call_id, reasoning_content...) are chat history that clients copy back
+from earlier answers; they are ignored, not refused.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic_core import PydanticCustomError
+
+from meshnode.api.schema import JsonObject, Number, Strict, one_of, optional, validate
 from meshnode.errors import ApiError
 
-__all__ = ["ApiError", "GenerationRequest", "Limits", "parse_request"]
+__all__ = ["ApiError", "GenerationRequest", "HARMLESS", "Limits", "NOT_HONOURED_YET", "parse_request"]
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
@@ -39,112 +70,147 @@ class GenerationRequest:
     include_usage: bool = False
 
 
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+# (name, type) pairs; every field is optional (null = absent). The lists are explained above.
+HARMLESS: tuple[tuple[str, Any], ...] = (
+    ("user", str),
+    ("safety_identifier", str),
+    ("metadata", dict[str, str]),
+    ("store", bool),
+    ("service_tier", str),
+    ("prompt_cache_key", str),
+    ("prompt_cache_retention", str),
+    ("parallel_tool_calls", bool),
+    ("logprobs", Literal[False]),  # true asks for log-probabilities, which are not returned
+    ("modalities", list[Literal["text"]]),
+)
+HARMLESS_COMPLETION: tuple[tuple[str, Any], ...] = (  # /v1/completions only
+    ("echo", Literal[False]),  # true would repeat the prompt before the answer
+    ("best_of", Literal[1]),  # more would sample several answers and return the best
+    ("suffix", None),  # a suffix asks for an insertion, not a continuation
+)
+NOT_HONOURED_YET: tuple[tuple[str, Any], ...] = (
+    ("tools", list[JsonObject]),
+    ("tool_choice", Annotated[str | JsonObject, one_of("must be a string or an object")]),
+    ("functions", list[JsonObject]),  # the older form of tools
+    ("function_call", Annotated[str | JsonObject, one_of("must be a string or an object")]),
+    ("response_format", JsonObject),
+    ("reasoning_effort", str),
+    ("verbosity", str),
+    ("logit_bias", dict[str, Number]),
+    ("frequency_penalty", Annotated[Number, Field(ge=-2, le=2)]),
+    ("presence_penalty", Annotated[Number, Field(ge=-2, le=2)]),
+    ("repeat_penalty", Annotated[Number, Field(gt=0)]),  # Ollama's and llama.cpp's name
+    ("repetition_penalty", Annotated[Number, Field(gt=0)]),  # vLLM's and mlx-lm's name
+    ("top_k", Annotated[int, Field(ge=0)]),
+    ("min_p", Annotated[Number, Field(ge=0, le=1)]),
+)
+_warned: set[str] = set()
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(f"'{name}' must be a number", name, "invalid_type")
-    if value < lo or value > hi or (lo_open and value == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise _bad(f"'{name}' must be in {bound}, got {value}", name, "invalid_value")
-    return float(value)
+_Accepted = create_model("_Accepted", __base__=Strict, **optional(HARMLESS + NOT_HONOURED_YET))
 
 
-def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"'{name}' must be an integer", name, "invalid_type")
-    if value < lo or value > hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}, got {value}", name, "invalid_value")
-    return value
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # harmless: there is no obfuscation padding to leave out
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    if len(value) > MAX_STOP:
-        raise _bad(f"'stop' takes at most {MAX_STOP} strings", "stop", "invalid_value")
-    return tuple(s for s in value if s)
+class _Sampling(_Accepted):
+    """The honoured fields both endpoints share."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name; wins over max_tokens
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: Annotated[str | list[str], one_of("must be a string or a list of strings")] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, value: str | list[str] | None) -> list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise PydanticCustomError("invalid_value", "takes at most {most} strings", {"most": MAX_STOP})
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _within_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        limit = info.context["limits"].max_tokens_limit
+        if value is not None and value > limit:
+            raise PydanticCustomError("invalid_value", "must be at most {limit} on this server", {"limit": limit})
+        return value
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise _bad("'messages' must be a non-empty list", "messages", "invalid_value")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object", where, "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role", "invalid_value")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise _bad(
-                        f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}",
-                        f"{where}.content",
-                        "invalid_value",
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None and role == "assistant":
-            content = ""
-        elif not isinstance(content, str):
-            raise _bad(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_type")
-        out.append({"role": role, "content": content})
-    return out
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)  # other keys (cache_control...) ignored
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)  # other keys ignored (see the module docstring)
+    role: Literal[ROLES]
+    content: Annotated[str | list[TextPart] | None, one_of("must be a string or a list of text parts "
+                                                            "{'type': 'text', 'text': ...}")] \
+        = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _null_for_assistant_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("invalid_type", "must be a string or a list of text parts")
+        return value
+
+    def plain(self) -> dict[str, str]:
+        """The message as the chat template takes it: role and content text."""
+        if isinstance(self.content, list):
+            return {"role": self.role, "content": "".join(part.text for part in self.content)}
+        return {"role": self.role, "content": self.content or ""}
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+_Completion = create_model("_Completion", __base__=_Sampling, **optional(HARMLESS_COMPLETION))
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Completion):
+    prompt: Annotated[Annotated[str, Field(min_length=1)] | TokenIds,
+                      one_of("must be a non-empty string or a list of token ids")]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) else value
 
 
 def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required and must be a string", "model", "invalid_type")
-    if body.get("n", 1) != 1:
-        raise _bad("only n=1 is supported", "n", "invalid_value")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream", "invalid_type")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
-    max_tokens = _integer(body, "max_completion_tokens", 1, limits.max_tokens_limit)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens_limit)
-    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
+    req = validate(ChatRequest if kind == "chat" else CompletionRequest, body, {"limits": limits})
+    _warn_not_honoured(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     common = dict(
-        model=model,
+        model=req.model,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=seed,
-        stop=_stop(body),
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        seed=req.seed,
+        stop=tuple(s for s in req.stop or () if s),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
     )
-    if kind == "chat":
-        return GenerationRequest(kind="chat", messages=_messages(body.get("messages")), **common)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return GenerationRequest(kind="completion", prompt=list(prompt), **common)
-    if not isinstance(prompt, str) or not prompt:
-        raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt", "invalid_value")
-    return GenerationRequest(kind="completion", prompt=prompt, **common)
+    if isinstance(req, ChatRequest):
+        return GenerationRequest(kind="chat", messages=[m.plain() for m in req.messages], **common)
+    return GenerationRequest(kind="completion", prompt=req.prompt, **common)
+
+
+def _warn_not_honoured(req: BaseModel) -> None:
+    for name, _ in NOT_HONOURED_YET:
+        if name not in _warned and getattr(req, name) is not None:
+            _warned.add(name)
+            log.warning("request field '%s' is accepted but not honoured yet", name)

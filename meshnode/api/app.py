@@ -1,0 +1,154 @@
+"""The HTTP app every node serves: middlewares (access log, errors, API key), CORS, and the routes
+of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.ops`) over one core
+(:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a 4xx/5xx.
+
+Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):
+method, path, status, seconds, and for generations the model and tokens (prompt+completion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from aiohttp import web
+
+from meshnode.api import openai, ops
+from meshnode.api.core import ACCESS, ACTIVE, BACKEND, METRICS, SETTINGS, ApiSettings, Backend
+from meshnode.errors import ApiError
+from meshnode.metrics import NodeMetrics
+
+__all__ = ["ApiSettings", "Backend", "make_app"]
+
+SURFACES = (openai.routes, ops.routes)  # each adds its routes to the app
+
+log = logging.getLogger(__name__)
+access = logging.getLogger("meshnode.access")
+
+
+class _MalformedHttpFilter(logging.Filter):
+    """aiohttp logs every request its parser rejects (not HTTP, bad method, oversized header: the
+    client's fault, answered 400 and closed) at ERROR with a traceback, so anyone who can reach the
+    port can fill the log. Keep one line per peer every 10 s instead (found by tests/test_fuzz.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, BadHttpMessage):
+            return True
+        peer = str(record.args[0]) if isinstance(record.args, tuple) and record.args else "?"
+        now = time.monotonic()
+        if now - self._last.get(peer, -1e9) >= 10.0:
+            if len(self._last) > 4096:
+                self._last.clear()
+            self._last[peer] = now
+            first = str(exc.message if hasattr(exc, "message") else exc).strip().splitlines()
+            log.warning("malformed HTTP request from %s: %s", peer, first[0][:200] if first else type(exc).__name__)
+        return False
+
+
+logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler):
+    """One line per request: method, path, status, seconds, model and tokens (generations)."""
+    started = time.perf_counter()
+    status: int | str = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
+    finally:
+        info = request.get(ACCESS) or {}
+        extra = ""
+        if info.get("model"):
+            extra = f" model={info['model']} tokens={info.get('prompt_tokens', 0)}+{info.get('completion_tokens', 0)}"
+        if info.get("disconnected"):
+            extra += " client-disconnected"
+        access.info("%s %s %s %.3fs%s", request.method, request.path, status, time.perf_counter() - started, extra)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        message = exc.reason
+        if exc.status == 413:
+            limit = request.app[SETTINGS].max_body_bytes
+            message = f"request body too large (limit {limit} bytes)"
+        keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return _error_response(ApiError(exc.status, message, type=kind, headers=keep))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return _error_response(ApiError(500, "internal error", type="server_error"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = request.app[SETTINGS].api_key
+    # Open without the key: /health, and the dashboard's own files (it asks for the key and sends
+    # it with every API call it makes). /metrics and every /v1 route need it.
+    # A CORS preflight carries no credentials by design; aiohttp-cors answers it and runs nothing.
+    preflight = request.method == "OPTIONS" and bool(request.app[SETTINGS].cors_origins)
+    if key and not preflight and request.path != "/health" and request.path != "/" \
+            and not request.path.startswith("/static/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", type="authentication_error",
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+def make_app(backend: Backend, settings: ApiSettings = ApiSettings()) -> web.Application:
+    # aiohttp enforces the body limit itself (413) for reads beyond it.
+    middlewares = ([access_middleware] if settings.access_log else []) + [errors_middleware, auth_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app[BACKEND] = backend
+    app[SETTINGS] = settings
+    app[ACTIVE] = []
+    # The node's own metrics (one registry per node); a backend without any gets a fresh set.
+    app[METRICS] = getattr(backend, "metrics", None) or NodeMetrics()
+    for add_routes in SURFACES:
+        add_routes(app)
+    if settings.cors_origins:
+        _allow_origins(app, settings.cors_origins)
+    return app
+
+
+def _allow_origins(app: web.Application, origins: tuple[str, ...]) -> None:
+    """CORS for the API routes (aiohttp-cors): pages of these origins may call them, sending the
+    Authorization header; no cookies are involved."""
+    import aiohttp_cors
+
+    options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",
+                                           allow_methods=["GET", "POST"], max_age=600)
+    cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
+    for route in list(app.router.routes()):
+        if not isinstance(route.resource, web.StaticResource):
+            cors.add(route)

@@ -1,0 +1,266 @@
+"""What every API surface shares (OpenAI today; Ollama and Anthropic next): the app's state, the
+JSON body, and one generation from a checked :class:`GenerationRequest` to its deltas, whatever the
+wire format.
+
+A surface parses its body into a ``GenerationRequest`` and calls :func:`generate` with a
+``respond`` function; :func:`generate` counts the outcome (meshnode_requests_total), checks the
+model, holds a concurrency slot, turns the request into prompt token ids (the chat template),
+fixes the max_tokens budget against the context and starts the engine. ``respond`` then either
+collects the answer (:func:`collect`) or streams it (:func:`stream`) with a :class:`StreamFormat`
+that frames each piece (OpenAI's SSE chunks live in :mod:`meshnode.api.openai`). A client that
+goes away mid-stream (a chat UI's Stop) is normal: the generation stops with one INFO line, no
+traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from meshnode.api.validation import GenerationRequest, Limits
+from meshnode.errors import ApiError
+from meshnode.metrics import NodeMetrics, outcome_for_status
+from meshnode.serving.engine import Delta, Engine
+from meshnode.serving.generation import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    def engine(self) -> Engine:
+        """The engine to serve with now, or raise ApiError (e.g. 503 while re-planning)."""
+
+    def mesh_status(self) -> dict[str, Any]: ...
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    limits: Limits = Limits()
+    max_body_bytes: int = 1 << 20
+    max_concurrent_requests: int = 8
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API; empty = none
+    access_log: bool = True  # one INFO line per request (logger meshnode.access)
+
+
+BACKEND = web.AppKey("backend", object)
+SETTINGS = web.AppKey("settings", ApiSettings)
+ACTIVE = web.AppKey("active", list)
+METRICS = web.AppKey("metrics", NodeMetrics)
+OUTCOME = web.ResponseKey("outcome", str)  # how a generation ended (meshnode_requests_total)
+ACCESS = web.RequestKey("access", dict)  # what a generation adds to its access line (model, tokens)
+
+
+async def json_body(request: web.Request) -> Any:
+    limit = request.app[SETTINGS].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "invalid JSON body: nested too deeply", code="invalid_json") from None
+
+
+@dataclass
+class Generation:
+    """One running generation, for the surface to frame: its engine deltas and what to report."""
+
+    id: str
+    model: str
+    prompt_tokens: int
+    deltas: AsyncIterator[Delta]
+    access: dict[str, Any] = field(default_factory=dict)  # model and tokens for the access log
+
+    def __post_init__(self):
+        self.access.update(model=self.model, prompt_tokens=self.prompt_tokens, completion_tokens=0)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.access["completion_tokens"]
+
+    def advance(self, delta: Delta) -> None:
+        self.access["completion_tokens"] = delta.completion_tokens
+
+
+Respond = Callable[[web.Request, Generation, GenerationRequest], Awaitable[web.StreamResponse]]
+
+
+async def generate(request: web.Request, parse: Callable[[Any, Limits], GenerationRequest], respond: Respond,
+                   id_prefix: str = "") -> web.StreamResponse:
+    """Serve one generation request and count it by outcome (meshnode_requests_total)."""
+    outcome = "error"
+    try:
+        response = await _serve(request, parse, respond, id_prefix)
+        outcome = response.get(OUTCOME, "ok")
+        return response
+    except ApiError as err:
+        outcome = outcome_for_status(err.status)
+        raise
+    except web.HTTPException as exc:
+        outcome = outcome_for_status(exc.status)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "cancelled"
+        raise
+    finally:
+        request.app[METRICS].request(outcome)
+
+
+async def _serve(request: web.Request, parse, respond: Respond, id_prefix: str) -> web.StreamResponse:
+    app = request.app
+    limits = app[SETTINGS].limits
+    req = parse(await json_body(request), limits)
+    engine = app[BACKEND].engine()
+    if req.model != engine.model_id:
+        raise ApiError(404, f"model '{req.model}' is not served here; this mesh serves '{engine.model_id}'",
+                       param="model", code="model_not_found")
+    with _Slot(app):
+        prompt = await _prompt_tokens(engine, req)
+        max_tokens = _budget(engine, req, len(prompt), limits)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        gen = Generation(id_prefix + uuid.uuid4().hex[:24], engine.model_id, len(prompt),
+                         engine.stream(prompt, params, req.stop))
+        request[ACCESS] = gen.access
+        return await respond(request, gen, req)
+
+
+async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> list[int]:
+    tokenizer = engine.tokenizer
+    if req.kind == "chat":
+        if getattr(tokenizer, "chat_template", None):
+            tokens = await asyncio.to_thread(
+                tokenizer.apply_chat_template, req.messages, add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(tokens, dict):  # transformers may return a BatchEncoding
+                tokens = tokens["input_ids"]
+        else:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant: "
+            tokens = await asyncio.to_thread(tokenizer.encode, text)
+        return list(tokens)
+    if isinstance(req.prompt, list):
+        vocab = engine.vocab_size
+        bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
+                           code="invalid_value")
+        return list(req.prompt)
+    return list(await asyncio.to_thread(tokenizer.encode, req.prompt))
+
+
+def _budget(engine: Engine, req: GenerationRequest, prompt_len: int, limits: Limits) -> int:
+    room = engine.max_context - prompt_len
+    if room <= 0:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model's context is {engine.max_context} tokens",
+            param="messages" if req.kind == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
+    if req.max_tokens is None:
+        return min(limits.default_max_tokens, room)
+    if req.max_tokens > room:
+        raise ApiError(
+            400,
+            f"max_tokens {req.max_tokens} plus the prompt's {prompt_len} tokens exceeds the context of "
+            f"{engine.max_context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return req.max_tokens
+
+
+class _Slot:
+    """Admission control: at most N generations at once on this node; 429 beyond."""
+
+    def __init__(self, app: web.Application):
+        self._active = app[ACTIVE]
+        self._limit = app[SETTINGS].max_concurrent_requests
+
+    def __enter__(self):
+        if len(self._active) >= self._limit:
+            raise ApiError(429, f"too many concurrent requests (limit {self._limit}); retry shortly",
+                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._active.remove(self)
+
+
+async def collect(gen: Generation) -> tuple[str, Delta]:
+    """The whole answer and its last delta (finish reason, completion tokens)."""
+    parts, last = [], None
+    async for delta in gen.deltas:
+        parts.append(delta.text)
+        last = delta
+        gen.advance(delta)
+    return "".join(parts), last
+
+
+class StreamFormat(Protocol):
+    """How a surface frames a streamed answer; each method returns the frames to send, as bytes."""
+
+    content_type: str
+
+    def opening(self) -> list[bytes]: ...
+
+    def delta(self, text: str) -> list[bytes]: ...
+
+    def closing(self, last: Delta) -> list[bytes]: ...
+
+    def failure(self, err: ApiError) -> list[bytes]:
+        """After the headers are sent an error can only be framed into the stream."""
+
+
+async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(frames: list[bytes]) -> None:
+        for frame in frames:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("client went away")
+            await response.write(frame)
+
+    def gone() -> None:
+        log.info("client disconnected from %s after %d tokens; generation stopped", gen.id, gen.completion_tokens)
+        gen.access["disconnected"] = True
+
+    try:
+        await send(fmt.opening())
+        last = None
+        async for delta in gen.deltas:
+            last = delta
+            gen.advance(delta)
+            if delta.text:
+                await send(fmt.delta(delta.text))
+        await send(fmt.closing(last))
+    except ConnectionResetError:  # a client that goes away (Stop) is normal: one line, no traceback
+        gone()
+        response[OUTCOME] = "cancelled"  # counted by generate
+    except asyncio.CancelledError:
+        gone()
+        await gen.deltas.aclose()
+        raise
+    except ApiError as err:
+        response[OUTCOME] = outcome_for_status(err.status)  # counted by generate
+        await send(fmt.failure(err))
+    except Exception:  # noqa: BLE001 - headers are sent: a 500 now would corrupt the stream
+        log.exception("generation %s failed mid-stream", gen.id)
+        response[OUTCOME] = "error"
+        await send(fmt.failure(ApiError(500, "internal error", type="server_error")))
+    finally:
+        await gen.deltas.aclose()
+    return response
