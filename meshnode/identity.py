@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 NODE_ID_FILE = "node_id"
 OPEN_CLUSTER = "open"
 _CLUSTER_ID_INFO = b"meshnode cluster id v1"
-_VALID_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+VALID_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # also fits one DNS label (mDNS)
 
 
 class IdentityError(OSError):
@@ -50,7 +50,7 @@ def _read_id(path: Path) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("cannot read node id from %s (%s); making a new one", path, exc)
         return None
-    if _VALID_ID.match(text):
+    if VALID_ID.match(text):
         return text
     log.warning("node id file %s holds an invalid id; making a new one", path)
     return None
@@ -61,7 +61,7 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
     one stored there atomically (so it stays the same across restarts, and two processes racing on
     the same state folder agree on one id)."""
     if configured:
-        if not _VALID_ID.match(configured):
+        if not VALID_ID.match(configured):
             raise ValueError(f"invalid node id {configured!r}")
         return configured
     state_dir = Path(state_dir).expanduser()

@@ -30,7 +30,7 @@ from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
 from meshnode.api.validation import Limits
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
-from meshnode.control.discovery import Discovery, NodeInfo, local_addresses
+from meshnode.control.discovery import Discovery, local_addresses
 from meshnode.control.echo import EchoServer
 from meshnode.control.links import probe_reply
 from meshnode.control.peers import Peers
@@ -39,6 +39,7 @@ from meshnode.control.planner import supports_tensor
 from meshnode.identity import cluster_id as derive_cluster_id
 from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import EventLog, NodeMetrics, Progress
+from meshnode.nodeinfo import NodeInfo
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.serving.engine import Engine

@@ -28,7 +28,7 @@ from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
 from meshnode.serving.engine import Delta, Engine
-from meshnode.serving.generation import SamplingParams
+from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncZeroconf
 
-from meshnode.control.discovery import SERVICE_TYPE, Discovery, NodeInfo
+from meshnode.control.discovery import SERVICE_TYPE, Discovery
+from meshnode.nodeinfo import NodeInfo
 
 
 class Browser(Discovery):

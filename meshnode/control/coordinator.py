@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from meshnode.control.discovery import NodeInfo
+from meshnode.nodeinfo import NodeInfo
 from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
 from meshnode.control.planner import NodeSpec, Plan, PlanError, estimate as plan_estimate, plan as make_plan

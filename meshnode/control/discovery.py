@@ -16,57 +16,21 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import math
-import re
 import secrets
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 
-from zeroconf import BadTypeInNameException, InterfaceChoice, IPVersion, NonUniqueNameException, ServiceStateChange
+from zeroconf import BadTypeInNameException, InterfaceChoice, NonUniqueNameException, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-__all__ = ["SERVICE_TYPE", "NodeInfo", "Discovery", "local_addresses"]
+from meshnode.nodeinfo import VALID_ID, NodeInfo, ordered_addresses
+
+__all__ = ["SERVICE_TYPE", "NodeInfo", "Discovery", "local_addresses"]  # NodeInfo: meshnode.nodeinfo
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_meshnode._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000
-_VALID_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # as meshnode.identity; fits one DNS label
-_MAX_TXT_ENTRY = 255  # bytes per "key=value" (RFC 6763)
-_MAX_TEXT = 128
-
-
-def _text(props: Mapping[str, str], key: str, limit: int = _MAX_TEXT) -> str:
-    value = props[key]
-    if len(value) > limit or not value.isprintable():
-        raise ValueError(f"{key!r} is not a short printable string")
-    return value
-
-
-def _int(props: Mapping[str, str], key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
-    value = int(props[key])
-    if not lo <= value <= hi:
-        raise ValueError(f"{key}={value} out of range")
-    return value
-
-
-def _float(props: Mapping[str, str], key: str, default: str | None = None) -> float:
-    value = float(props[key] if default is None else props.get(key) or default)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{key}={value} is not a finite, non-negative number")
-    return value
-
-
-def _ordered(addresses: Iterable[str]) -> tuple[str, ...]:
-    """Valid, distinct addresses, IPv4 first (order otherwise kept)."""
-    parsed = []
-    for a in addresses:
-        ip = ipaddress.ip_address(a)
-        if str(ip) not in {str(p) for p in parsed}:
-            parsed.append(ip)
-    return tuple(str(ip) for ip in sorted(parsed, key=lambda ip: ip.version))
-
-
 def local_addresses() -> tuple[str, ...]:
     """This host's IPv4 addresses other than loopback (link-local ones only if there is nothing else)."""
     import ifaddr  # zeroconf's own dependency
@@ -75,90 +39,6 @@ def local_addresses() -> tuple[str, ...]:
              if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback]
     routable = [a for a in found if not ipaddress.ip_address(a).is_link_local]
     return tuple(dict.fromkeys(routable or found))
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    addresses: tuple[str, ...]
-    http_port: int
-    grpc_port: int
-    memory_budget: int
-    total_memory: int
-    compute: float
-    version: str
-    cluster_id: str
-    models: tuple[str, ...] = ()
-    started_at: float = 0.0
-    tensor_port: int = 0  # first of the node's mx.distributed ring ports (0 = none)
-    layer_seconds: float = 0.0  # measured decode time of one layer of the served model (0 = unknown)
-    collective_seconds: float = 0.0  # measured time of one ring all-reduce of an activation (0 = unknown)
-    # Models on disk, in full or in part: (model id, complete, layer ranges); heartbeats only, not TXT.
-    holdings: tuple = ()
-    # Served models whose computation raised here: (model id, count, last error); heartbeats only.
-    faults: tuple[tuple[str, int, str], ...] = ()
-    # Seconds a model step here has run past stall_timeout (0 = none): stalled, not busy; heartbeats only.
-    stalled_for: float = 0.0
-
-    def to_properties(self) -> dict[str, str]:
-        props = {
-            "id": self.node_id, "http": str(self.http_port), "grpc": str(self.grpc_port),
-            "budget": str(self.memory_budget), "total": str(self.total_memory), "compute": f"{self.compute:.3f}",
-            "version": self.version, "cluster": self.cluster_id, "started": f"{self.started_at:.6f}",
-            "tensor": str(self.tensor_port), "layer": f"{self.layer_seconds:.9f}",
-        }
-        models: list[str] = []
-        for m in self.models:  # one TXT entry holds at most 255 bytes: announce the models that fit
-            if len(("models=" + ",".join([*models, m])).encode()) > _MAX_TXT_ENTRY:
-                log.warning("announcing %d of %d models: the mDNS record has no room for more",
-                            len(models), len(self.models))
-                break
-            models.append(m)
-        props["models"] = ",".join(models)
-        return props
-
-    @classmethod
-    def from_properties(cls, props: Mapping[bytes | str, bytes | str | None],
-                        addresses: Iterable[str]) -> "NodeInfo":
-        """Parse TXT properties; raises ValueError (or TypeError) for anything malformed."""
-        text: dict[str, str] = {}
-        for k, v in props.items():
-            k = k.decode("utf-8") if isinstance(k, bytes) else k
-            v = v.decode("utf-8") if isinstance(v, bytes) else v
-            if not isinstance(k, str) or not isinstance(v, str | None):
-                raise TypeError(f"property {k!r} is not text")
-            text[k] = v or ""
-        try:
-            node_id = text["id"]
-            if not _VALID_ID.match(node_id):
-                raise ValueError(f"invalid node id {node_id!r}")
-            models = tuple(m for m in _text(text, "models", _MAX_TXT_ENTRY).split(",") if m) \
-                if "models" in text else ()
-            addrs = _ordered(addresses)
-            if not addrs:
-                raise ValueError("no addresses")
-            return cls(
-                node_id=node_id, addresses=addrs, http_port=_int(text, "http", 1, 65535),
-                grpc_port=_int(text, "grpc", 1, 65535), memory_budget=_int(text, "budget"),
-                total_memory=_int(text, "total"), compute=_float(text, "compute"),
-                version=_text(text, "version"), cluster_id=_text(text, "cluster", 64), models=models,
-                started_at=_float(text, "started", default="0"),
-                tensor_port=_int(text, "tensor", 0, 65535) if text.get("tensor") else 0,
-                layer_seconds=_float(text, "layer", default="0"),
-            )
-        except KeyError as exc:
-            raise ValueError(f"missing property {exc.args[0]!r}") from None
-
-    @classmethod
-    def from_service_info(cls, info, *, quiet: bool = False) -> "NodeInfo | None":
-        """The node an mDNS announcement describes, or None (logged unless ``quiet``) if malformed."""
-        try:
-            addresses = [*info.parsed_addresses(IPVersion.V4Only), *info.parsed_addresses(IPVersion.V6Only)]
-            return cls.from_properties(info.properties or {}, addresses)
-        except Exception as exc:  # noqa: BLE001 -- whatever some device on the LAN sends, never crash
-            log.log(logging.DEBUG if quiet else logging.WARNING, "ignoring a malformed meshnode announcement %s: %s",
-                    getattr(info, "name", "?"), exc)
-            return None
 
 
 class Discovery:
@@ -195,7 +75,7 @@ class Discovery:
                     ip = None
                 if ip is not None and not ip.is_loopback:
                     addrs.append(str(ip))
-            addrs = _ordered(addrs)
+            addrs = ordered_addresses(addrs)
         else:
             addrs = local_addresses()
         return replace(me, addresses=addrs)
@@ -212,7 +92,7 @@ class Discovery:
         )
 
     async def start(self) -> None:
-        if not _VALID_ID.match(self.me.node_id):
+        if not VALID_ID.match(self.me.node_id):
             raise ValueError(f"node id {self.me.node_id!r} cannot be announced over mDNS")
         self._zc = AsyncZeroconf(interfaces=self._interfaces)
         self._info = self._service_info()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from meshnode.control.discovery import NodeInfo
+from meshnode.nodeinfo import NodeInfo
 from meshnode.control.links import LinkStat
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_to_pb
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshnode.control.discovery import NodeInfo
+from meshnode.nodeinfo import NodeInfo
 
 log = logging.getLogger(__name__)
 

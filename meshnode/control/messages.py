@@ -6,7 +6,7 @@ import ipaddress
 import json
 import math
 
-from meshnode.control.discovery import NodeInfo
+from meshnode.nodeinfo import NodeInfo
 from meshnode.control.planner import Plan, Stage
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.proto import mesh_pb2

@@ -17,7 +17,7 @@ import grpc
 
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET
 from meshnode.control.browse import Browser
-from meshnode.control.discovery import NodeInfo
+from meshnode.nodeinfo import NodeInfo
 from meshnode.control.links import LinkProber, LinkStat, best_paths
 from meshnode.control.membership import Membership
 from meshnode.control.planner import LinkSpec

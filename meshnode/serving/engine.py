@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from meshnode.serving.generation import SamplingParams
+from meshnode.serving.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from meshnode.metrics import NodeMetrics

@@ -28,21 +28,11 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
+from meshnode.serving.sampling import SamplingParams
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    # Tokens of this generation already produced elsewhere: a replay after failover passes how many
-    # it carries over, so a seeded draw continues where it was instead of starting again.
-    offset: int = 0
 
 
 class StageSession(Protocol):

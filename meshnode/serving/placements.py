@@ -16,7 +16,8 @@ import grpc
 from meshnode.errors import ApiError
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
-from meshnode.serving.generation import PipelineSource, PrefillOptions, SamplingParams, new_request_id
+from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
+from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
                                         refusal_kind)

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from meshnode.serving.generation import SamplingParams
+from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
