@@ -30,6 +30,7 @@ from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
 from meshnode.api.validation import Limits
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
+from meshnode.errors import ApiError
 from meshnode.control.discovery import Discovery, local_addresses
 from meshnode.control.echo import EchoServer
 from meshnode.control.links import probe_reply
@@ -62,8 +63,17 @@ class Backend:
         self.node = node
         self.metrics = node.metrics
 
-    def engine(self) -> Engine:
-        return self.node.served.engine_for_request()
+    def engine(self, model: str) -> Engine:
+        served = self.node.models.get(model)
+        if served is None:
+            raise ApiError(404, f"model '{model}' is not served here; this mesh serves "
+                                f"{', '.join(repr(m) for m in self.node.models)}", param="model",
+                           code="model_not_found")
+        return served.engine_for_request()
+
+    def models(self) -> list[dict[str, Any]]:
+        return [{"id": model_id, "state": "ready" if served.serving_ready() else "loading"}
+                for model_id, served in self.node.models.items()]
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         ok = self.node.serving_ready()
@@ -126,6 +136,11 @@ class Node:
     @property
     def epoch(self) -> int:
         return self.control.adoption.epoch
+
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        """The served models by id (requests find theirs here)."""
+        return {self.served.model_id: self.served} if self.served.model_id else {}
 
     def serving_plan(self):
         return self.served.serving_plan()

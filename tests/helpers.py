@@ -13,8 +13,9 @@ from meshnode.node import Node
 
 
 @contextmanager
-def running_node(model: Path | str | None, tmp_path: Path, **overrides):
-    """A Node on 127.0.0.1 with ephemeral ports and mDNS off; yields (node, base_url)."""
+def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True, **overrides):
+    """A Node on 127.0.0.1 with ephemeral ports and mDNS off; yields (node, base_url). With
+    ``ready`` (the default) only once it serves; else as soon as it listens."""
     flags = dict(model=str(model) if model else None, host="127.0.0.1", http_port=0, grpc_port=0, mdns=False,
                  state_dir=str(tmp_path / "state"), cache_dir=str(tmp_path / "cache"), memory_budget=8 * 2**30)
     flags.update(overrides)
@@ -43,7 +44,7 @@ def running_node(model: Path | str | None, tmp_path: Path, **overrides):
         raise errors[0]
     base = f"http://127.0.0.1:{node.http_port}"
     deadline = time.monotonic() + 60
-    while not node.serving_ready():
+    while ready and not node.serving_ready():
         assert time.monotonic() < deadline, "node never became ready"
         time.sleep(0.05)
     try:

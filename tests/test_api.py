@@ -232,3 +232,21 @@ async def test_too_many_concurrent_requests_get_429(node):
     while n.scheduler.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert n.scheduler.active == 0
+
+
+def test_models_are_listed_while_the_mesh_cannot_serve_and_an_unknown_model_is_404(model_path, tmp_path):
+    """GET /v1/models answers 200 with the model and its state even when no plan can serve it
+    (here: a budget too small for the model), so a client lists what it can ask for; a request for
+    it gets 503 with Retry-After, and one for another model 404 (not a 503 that a client retries)."""
+    import openai
+
+    with running_node(model_path, tmp_path, ready=False, memory_budget=4096) as (n, base):
+        c = client(base)
+        listed = c.models.list().data
+        assert [(m.id, m.model_extra.get("state")) for m in listed] == [(n.model_id, "loading")]
+        with pytest.raises(openai.APIStatusError) as err:
+            c.chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=2)
+        assert err.value.status_code == 503 and "Retry-After" in err.value.response.headers
+        with pytest.raises(openai.NotFoundError) as err:
+            c.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)
+        assert err.value.body["code"] == "model_not_found"

@@ -7,10 +7,9 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -21,7 +20,7 @@ from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth, SignedChannel
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from meshnode.node import Node
+from tests.helpers import running_node
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,39 +56,11 @@ def test_encrypt_needs_a_cluster_key():
 
 
 # ---------------------------------------------------------------------------- two real nodes
-@contextmanager
 def node_thread(model, tmp_path, **overrides):
     """A real Node (HTTP + gRPC) on 127.0.0.1 in its own thread and loop; does not wait for a plan."""
-    flags = dict(model=str(model), host="127.0.0.1", http_port=0, grpc_port=0, mdns=False,
-                 state_dir=str(tmp_path / "state"), cache_dir=str(tmp_path / "cache"), max_context=256,
-                 cluster_key=KEY, encrypt=True)
+    flags = dict(max_context=256, cluster_key=KEY, encrypt=True)
     flags.update(overrides)
-    node = Node(load_settings(None, env={}, flags=flags))
-    loop = asyncio.new_event_loop()
-    started, done, errors = threading.Event(), asyncio.Event(), []
-
-    async def main():
-        try:
-            await node.start()
-        except BaseException as exc:  # surfaced to the test
-            errors.append(exc)
-            return
-        finally:
-            started.set()
-        await done.wait()
-        await node.stop()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert started.wait(120), "node did not start"
-    if errors:
-        raise errors[0]
-    try:
-        yield node, f"http://127.0.0.1:{node.http_port}"
-    finally:
-        loop.call_soon_threadsafe(done.set)
-        thread.join(30)
-        loop.close()
+    return running_node(model, tmp_path, ready=False, **flags)
 
 
 def _get(url: str) -> dict:

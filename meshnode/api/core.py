@@ -34,8 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    def engine(self) -> Engine:
-        """The engine to serve with now, or raise ApiError (e.g. 503 while re-planning)."""
+    def engine(self, model: str) -> Engine:
+        """The engine serving ``model`` now, or raise ApiError: 404 for a model this mesh does not
+        serve, 503 while it cannot serve it (forming, re-planning)."""
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every model this mesh serves, ready or not: ``id`` and ``state``."""
 
     def mesh_status(self) -> dict[str, Any]: ...
 
@@ -122,10 +126,7 @@ async def _serve(request: web.Request, parse, respond: Respond, id_prefix: str) 
     app = request.app
     limits = app[SETTINGS].limits
     req = parse(await json_body(request), limits)
-    engine = app[BACKEND].engine()
-    if req.model != engine.model_id:
-        raise ApiError(404, f"model '{req.model}' is not served here; this mesh serves '{engine.model_id}'",
-                       param="model", code="model_not_found")
+    engine = app[BACKEND].engine(req.model)
     with _Slot(app):
         prompt = await _prompt_tokens(engine, req)
         max_tokens = _budget(engine, req, len(prompt), limits)

@@ -103,9 +103,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    engine = request.app[core.BACKEND].engine()
+    """Every served model, also while the mesh forms or re-plans (a client lists what it can ask
+    for; a request made before the model is ready gets a 503 with Retry-After)."""
     return web.json_response({"object": "list", "data": [
-        {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "meshnode"}
+        {"id": m["id"], "object": "model", "created": 0, "owned_by": "meshnode", "state": m["state"]}
+        for m in request.app[core.BACKEND].models()
     ]})
 
 
