@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import free_port, start_node, stop, wait_healthy  # noqa: E402
+from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
 
 # A small float32 llama: on these 2-core boxes (reference BLAS, ~1 GFLOP/s) its 1k-token prefill takes
 # a few seconds, long enough to starve an answer that waits behind it, short enough for 20 rounds.
@@ -134,20 +134,16 @@ def title_words(model: Path, tokens: int = 1000) -> int:
     return words
 
 
-def run_client(args: list[str], runner=None, timeout: float = 900) -> dict:
-    cmd = [sys.executable, "-c", CLIENT, *args]
-    out = runner(cmd, timeout) if runner else subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_client(args: list[str], host=None, timeout: float = 900) -> dict:
+    """The client side, here (``host`` None) or inside the namespace host ``host``."""
+    return in_ns(host, CLIENT, *args, timeout=timeout)
 
 
 def one_node(model: Path, words: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         http, grpc = free_port(), free_port()
-        proc = start_node(["--model", str(model), "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
-                           str(grpc), "--no-mdns", "--state-dir", tmp, "--max-context", str(CTX)],
-                          log=Path(tmp) / "node.log")
+        proc = start_node(node_argv(model, host="127.0.0.1", http_port=http, grpc_port=grpc, mdns=False, state_dir=tmp,
+                                    max_context=CTX), log=Path(tmp) / "node.log")
         try:
             wait_healthy(f"http://127.0.0.1:{http}", 300)
             return run_client([f"http://127.0.0.1:{http}", model.name, str(words), str(rounds), "ttft"])
@@ -157,7 +153,7 @@ def one_node(model: Path, words: int, rounds: int) -> dict:
 
 def two_stages(model: Path, words: int, rounds: int, openwebui: int) -> tuple[dict, dict | None]:
     from meshnode.weights.profile import profile_model
-    from tests.netns import netns_mesh
+    from harness.netns import netns_mesh
 
     budget = int(profile_model(model).total_bytes(CTX) * 0.6)
     HTTP, GRPC = 8470, 8471
@@ -166,35 +162,22 @@ def two_stages(model: Path, words: int, rounds: int, openwebui: int) -> tuple[di
         for h in (a, b):
             state = Path(tmp) / h.name
             state.mkdir()
-            h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(model), "--http-port", str(HTTP),
-                     "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
-                     "--state-dir", str(state), "--max-context", str(CTX),
-                     # budgets are fractions of one request's total (as in the tests)
-                     "--kv-requests", "1"],
+            h.popen(node_argv(model, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
+                              # budgets are fractions of one request's total (as in the tests)
+                              max_context=CTX, kv_requests=1),
                     env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
                          "MESHNODE_STRATEGY": "pipeline"},
                     log_path=state / "node.log")
-        probe = ("import json,time,urllib.request\n"
-                 "for _ in range(900):\n"
-                 "  try:\n"
-                 f"    v=json.load(urllib.request.urlopen('http://{a.ip}:{HTTP}/v1/mesh',timeout=2))\n"
-                 "    if v['healthy'] and v['plan'] and len(v['plan']['stages'])==2: print(json.dumps(v)); break\n"
-                 "  except OSError: pass\n"
-                 "  time.sleep(0.2)\n")
-        out = client.run([sys.executable, "-c", probe], timeout=200, check=False)
-        if not out.stdout.strip():
-            raise RuntimeError("no 2-stage plan: " + "".join((Path(tmp) / h.name / "node.log").read_text()[-3000:]
-                                                             for h in (a, b)))
-        view = json.loads(out.stdout.strip().splitlines()[-1])
+        view = wait_mesh(f"http://{a.ip}:{HTTP}",
+                         lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
+                         client=client, timeout=200, what="a 2-stage plan",
+                         details=lambda: "".join((Path(tmp) / h.name / "node.log").read_text()[-3000:] for h in (a, b)))
         first_stage = view["plan"]["stages"][0]["nodes"][0]
         entry = a if first_stage == a.name else b  # the client talks to a node that is not the head
         url = f"http://{entry.ip}:{HTTP}"
 
-        def runner(cmd, timeout):
-            return client.run(cmd, timeout=timeout, check=False)
-
-        ttft = run_client([url, model.name, str(words), str(rounds), "ttft"], runner)
-        owui = run_client([url, model.name, str(words), str(openwebui), "openwebui"], runner) if openwebui else None
+        ttft = run_client([url, model.name, str(words), str(rounds), "ttft"], client)
+        owui = run_client([url, model.name, str(words), str(openwebui), "openwebui"], client) if openwebui else None
         for h in (a, b):
             log = (Path(tmp) / h.name / "node.log").read_text()
             lost = log.count("generation lost")

@@ -7,7 +7,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -127,10 +126,11 @@ def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3,
     return max(figures), count
 
 
-def start_node(args: list[str], env: dict | None = None, log: Path | None = None, prefix: list[str] = ()) -> subprocess.Popen:
+def start_node(argv: list[str], env: dict | None = None, log: Path | None = None, prefix: list[str] = ()) -> subprocess.Popen:
+    """Start ``argv`` (a ``meshnode run`` command line: ``harness.cluster.node_argv``) on this machine."""
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([*prefix, sys.executable, "-m", "meshnode.cli", "run", *args], stdout=out,
-                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen([*prefix, *argv], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (bench_model_dir, parse_args, free_port, http_decode_tps, mlx_lm_decode_tps, param_count,
                                start_node, stop, wait_healthy)
+from harness.cluster import node_argv
 
 
 def main() -> int:
@@ -27,9 +28,8 @@ def main() -> int:
     print(f"mlx_lm.stream_generate (in process): {ref:.2f} tok/s")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        node = start_node(["--model", str(path), "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
-                           "--no-mdns", "--state-dir", tmp, "--memory-budget", "8GiB",
-                           "--max-context", "2048"], log=Path(tmp) / "node.log")
+        node = start_node(node_argv(path, host="127.0.0.1", http_port=port, grpc_port=0, mdns=False, state_dir=tmp,
+                                    budget="8GiB", max_context=2048), log=Path(tmp) / "node.log")
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url)

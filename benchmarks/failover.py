@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from meshnode.weights.profile import profile_model  # noqa: E402
 from meshnode.model.build import model_dir_for  # noqa: E402
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import mesh_view, node_argv, wait_until  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
@@ -34,12 +34,6 @@ STREAM = ("import sys,time,urllib.request\n"
           "headers={'Content-Type':'application/json'})\n"
           "for line in urllib.request.urlopen(req,timeout=120):\n"
           "  if b'\"content\":\"' in line: print(time.time(),flush=True)\n")
-
-
-def view(client, host) -> dict:
-    code = f"import urllib.request;print(urllib.request.urlopen('http://{host.ip}:{HTTP}/v1/mesh',timeout=2).read().decode())"
-    out = client.run([sys.executable, "-c", code], check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
 def trial(path: Path, which: str) -> float:
@@ -55,18 +49,17 @@ def trial(path: Path, which: str) -> float:
             (Path(tmp) / h.name).mkdir()
             shutil.copy(Path(tmp) / "seed" / "compute.json", Path(tmp) / h.name / "compute.json")
             procs[h.name] = h.popen(
-                [sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
-                 "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget), "--state-dir",
-                 str(Path(tmp) / h.name), "--max-context", str(ctx), "--kv-requests", "1"],
+                node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget,
+                          state_dir=Path(tmp) / h.name, max_context=ctx, kv_requests=1),
                 env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench"},
                 log_path=Path(tmp) / h.name / "node.log")
-        deadline = time.monotonic() + 60
-        while True:
-            views = [view(client, h) for h in hosts]
-            if all(v.get("healthy") and len(v["nodes"]) == 3 for v in views) and len({v["epoch"] for v in views}) == 1:
-                break
-            assert time.monotonic() < deadline, "mesh did not converge"
-            time.sleep(0.3)
+
+        def converged():
+            views = [mesh_view(f"http://{h.ip}:{HTTP}", client, timeout=2) for h in hosts]
+            ok = all(v["healthy"] and len(v["nodes"]) == 3 for v in views) and len({v["epoch"] for v in views}) == 1
+            return views if ok else None
+
+        views = wait_until(converged, 60, "the mesh to converge", interval=0.3)
         plan = views[0]["plan"]
         stages = [s["nodes"][0] for s in plan["stages"]]
         coordinator = views[0]["coordinator"]

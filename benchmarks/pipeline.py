@@ -27,16 +27,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import (BENCH_MODEL, bench_model_dir, mlx_lm_decode_tps, param_count,  # noqa: E402
                                parse_args)
 from meshnode.weights.profile import profile_model  # noqa: E402
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
-
-
-def in_ns(host, code: str, timeout: float = 600) -> dict:
-    out = host.run([sys.executable, "-c", code], timeout=timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def counters(host) -> int:
@@ -59,22 +53,15 @@ def main() -> int:
         for h in (a, b):
             state = Path(tmp) / h.name
             state.mkdir()
-            h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
-                     "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
-                     "--state-dir", str(state), "--max-context", str(ctx), "--kv-requests", "1"],
+            h.popen(node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
+                              max_context=ctx, kv_requests=1),
                     env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
                          # a pipeline, though the planner may prefer a tensor pair on these fast links;
                          # links measured once, so no bandwidth probe lands in the byte counts
                          "MESHNODE_STRATEGY": "pipeline", "MESHNODE_LINK_PROBE_INTERVAL": "3600"},
                     log_path=state / "node.log")
-        probe = ("import json,time,urllib.request\n"
-                 "for _ in range(600):\n"
-                 "  try:\n"
-                 f"    v=json.load(urllib.request.urlopen('http://{a.ip}:{HTTP}/v1/mesh',timeout=2))\n"
-                 "    if v['healthy'] and len(v['plan']['stages'])==2: print(json.dumps(v)); break\n"
-                 "  except OSError: pass\n"
-                 "  time.sleep(0.2)\n")
-        view = in_ns(client, probe, timeout=180)
+        view = wait_mesh(f"http://{a.ip}:{HTTP}", lambda v: v["healthy"] and len(v["plan"]["stages"]) == 2,
+                         client=client, timeout=180, what="a 2-stage plan")
         head_id = view["plan"]["stages"][-1]["nodes"][0]
         head = a if head_id == a.name else b
         other = b if head is a else a

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, bench_model_dir, param_count  # noqa: E402
 from meshnode.weights.profile import profile_model  # noqa: E402
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
 CONFIGS = {  # name -> (extra flags, extra environment)
@@ -46,23 +47,9 @@ CONFIGS = {  # name -> (extra flags, extra environment)
 }
 
 
-def in_ns(host, code: str, timeout: float = 600) -> dict:
-    out = host.run([sys.executable, "-c", code], timeout=timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def wait_pipeline(client, host) -> dict:
-    probe = ("import json,time,urllib.request\n"
-             "for _ in range(900):\n"
-             "  try:\n"
-             f"    v=json.load(urllib.request.urlopen('http://{host.ip}:{HTTP}/v1/mesh',timeout=2))\n"
-             "    if v['healthy'] and v['plan'] and len(v['plan']['stages'])==2: print(json.dumps(v)); break\n"
-             "  except OSError: pass\n"
-             "  time.sleep(0.2)\n"
-             "else: raise SystemExit('no 2-stage plan')\n")
-    return in_ns(client, probe, timeout=240)
+    return wait_mesh(f"http://{host.ip}:{HTTP}", lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
+                     client=client, timeout=240, what="a 2-stage plan")
 
 
 def stream(client, head, model_id: str, tokens: int) -> dict:
@@ -152,10 +139,9 @@ def main() -> int:
             for h, peer in ((a, b), (b, a)):
                 state = Path(tmp) / h.name
                 state.mkdir()
-                h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path),
-                         "--http-port", str(HTTP), "--grpc-port", str(GRPC), "--node-id", h.name,
-                         "--memory-budget", str(budget), "--state-dir", str(state), "--max-context", str(ctx), "--kv-requests", "1",
-                         "--no-mdns", "--peer", f"{peer.ip}:{GRPC}", *flags],
+                h.popen(node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget,
+                                  state_dir=state, max_context=ctx, kv_requests=1, mdns=False,
+                                  peers=[f"{peer.ip}:{GRPC}"], extra=flags),
                         env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": f"bench key {i}", **env},
                         log_path=state / "node.log")
         for i, name in enumerate(names):

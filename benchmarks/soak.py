@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 from meshnode.model.compute import seed_figures  # noqa: E402
 from meshnode.weights.profile import profile_model  # noqa: E402
 from meshnode.model.build import build_model  # noqa: E402
-from tests.cluster import HTTP, Cluster, mlx_reference  # noqa: E402
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import HTTP, Cluster, mlx_reference  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 
 HOSTS = 5
 CLIENTS = 3

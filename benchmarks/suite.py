@@ -51,14 +51,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, PROMPT, bench_model_dir, mlx_lm_decoder, param_count  # noqa: E402
-from benchmarks.pipeline import counters, in_ns  # noqa: E402
+from benchmarks.pipeline import counters  # noqa: E402
 from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
 from benchmarks.floor import Split, hop_after_compute_us, tps as tps_of  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 from meshnode.config import ECHO_OFFSET  # noqa: E402
 from meshnode.weights.profile import profile_model  # noqa: E402
 from meshnode.model.build import model_dir_for  # noqa: E402
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
 CTX = 2048
@@ -137,10 +138,7 @@ def _client(client, fn: str, *args) -> dict:
     code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
             f"from benchmarks.suite import {fn}\n"
             f"print(json.dumps({fn}(*json.loads(sys.argv[1]))))")
-    out = client.run([sys.executable, "-c", code, json.dumps(args)], timeout=1200, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return in_ns(client, code, json.dumps(args), timeout=1200)
 
 
 # --------------------------------------------------------------------- a mesh of real nodes
@@ -161,25 +159,17 @@ class Nodes:
             # itself runs its timing subprocesses for a while after it is up, inside the timed window.
             shutil.copy(tmp / "seed" / "compute.json", state / "compute.json")
             self.procs.append(h.popen(
-                [sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port", str(HTTP),
-                 "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget", str(budget),
-                 "--state-dir", str(state), "--max-context", str(CTX), "--kv-requests", "1"],
+                node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
+                          max_context=CTX, kv_requests=1),
                 # Links are measured once, at the start: a later bandwidth probe (1 MiB each way) would
                 # land in the byte counts of the traffic figure.
                 env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
                      "MESHNODE_STRATEGY": "pipeline" if n > 1 else "single",
                      "MESHNODE_LINK_PROBE_INTERVAL": "3600", **(env or {})},
                 log_path=state / "node.log"))
-        probe = ("import json,time,urllib.request\n"
-                 "for _ in range(900):\n"
-                 "  try:\n"
-                 f"    v=json.load(urllib.request.urlopen('http://{self.hosts[0].ip}:{HTTP}/v1/mesh',timeout=2))\n"
-                 f"    if v['healthy'] and len({{x for s in v['plan']['stages'] for x in s['nodes']}})=={n} and "
-                 f"len(v['nodes'])=={n}:"
-                 " print(json.dumps(v)); break\n"
-                 "  except OSError: pass\n"
-                 "  time.sleep(0.2)\n")
-        self.view = in_ns(self.client, probe, timeout=240)
+        self.view = wait_mesh(f"http://{self.hosts[0].ip}:{HTTP}",
+                              lambda v: v["healthy"] and len({x for s in v["plan"]["stages"] for x in s["nodes"]}) == n
+                              and len(v["nodes"]) == n, client=self.client, timeout=240, what=f"a plan over {n} nodes")
         head_id = self.view["plan"]["stages"][-1]["nodes"][0]
         self.head = next(h for h in self.hosts if h.name == head_id)
         self.url = f"http://{self.head.ip}:{HTTP}"

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, bench_model_dir, param_count  # noqa: E402
 from meshnode.weights.profile import profile_model  # noqa: E402
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 
 HTTP, GRPC, RING = 8470, 8471, 9300
 CTX = 1024
@@ -41,27 +42,14 @@ PROBE_INTERVAL = 3  # seconds: the coordinator re-weighs its plan this often her
 STRATEGIES = ("single", "pipeline", "tensor")
 
 
-def in_ns(host, code: str, timeout: float = 600) -> dict:
-    out = host.run([sys.executable, "-c", code], timeout=timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def wait_plan(client, url: str, strategy: str | None, timeout: float = 240) -> dict:
     """/v1/mesh once the mesh is healthy with both nodes, links measured and (if given) the strategy."""
-    want = repr(strategy)
-    code = ("import json,time,urllib.request\n"
-            f"deadline=time.time()+{timeout}\n"
-            "while time.time()<deadline:\n"
-            "  try:\n"
-            f"    v=json.load(urllib.request.urlopen('{url}/v1/mesh',timeout=2))\n"
-            "    ok=v['healthy'] and len(v['nodes'])==2 and all(n['links'] for n in v['nodes'])\n"
-            f"    if ok and ({want} is None or v['plan']['strategy']=={want}): print(json.dumps(v)); break\n"
-            "  except (OSError, KeyError, TypeError): pass\n"
-            "  time.sleep(0.3)\n"
-            "else: raise SystemExit('no such plan')\n")
-    return in_ns(client, code, timeout=timeout + 30)
+    def ok(v: dict) -> bool:
+        return (v["healthy"] and len(v["nodes"]) == 2 and all(n["links"] for n in v["nodes"])
+                and (strategy is None or v["plan"]["strategy"] == strategy))
+
+    return wait_mesh(url, ok, client=client, timeout=timeout, interval=0.3,
+                     what=f"a healthy 2-node mesh, links measured, strategy {strategy or 'any'}")
 
 
 def stream_tps(client, url: str, model_id: str, tokens: int, repeats: int = 3) -> float:
@@ -96,9 +84,8 @@ def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budge
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_STRATEGY": strategy,
                "MESHNODE_INJECT_LATENCY_US": str(inject_us), "MESHNODE_LINK_PROBE_INTERVAL": str(PROBE_INTERVAL),
                "MESHNODE_REBALANCE_DWELL": "1"}
-        procs.append(h.popen([sys.executable, "-m", "meshnode.cli", "run", "--model", str(path), "--http-port",
-                              str(HTTP), "--grpc-port", str(GRPC), "--node-id", h.name, "--memory-budget",
-                              str(budget), "--state-dir", str(state), "--max-context", str(CTX), "--kv-requests", "1"],
+        procs.append(h.popen(node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget,
+                                       state_dir=state, max_context=CTX, kv_requests=1),
                              env=env, log_path=state / "node.log"))
     try:
         view = wait_plan(client, f"http://{a.ip}:{HTTP}", None if strategy == "auto" else strategy)
@@ -151,10 +138,7 @@ def mlx_lm_sharded_tps(mesh, path: Path, tmp: Path, tokens: int, port: int = RIN
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
     follower = b.popen([sys.executable, "-c", code], env={**env, "MLX_RANK": "1"}, log_path=tmp / "rank1.log")
     try:
-        out = a.run([sys.executable, "-c", code], env={**env, "MLX_RANK": "0"}, timeout=600, check=False)
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr[-2000:])
-        return json.loads(out.stdout.strip().splitlines()[-1])["tps"]
+        return in_ns(a, code, env={**env, "MLX_RANK": "0"}, timeout=600)["tps"]
     finally:
         follower.wait(60)
 

@@ -20,7 +20,6 @@ the transport itself), not how well a link is used. ``--dest /dev/shm`` takes th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -32,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.netns import netns_mesh  # noqa: E402
+from harness.cluster import in_ns  # noqa: E402
+from harness.netns import netns_mesh  # noqa: E402
 
 KEY = "benchmark-cluster-key"
 PORT, TCP_PORT = 8471, 8490
@@ -133,13 +133,6 @@ print(json.dumps({"bytes": got, "seconds": time.perf_counter() - t0}))
 """
 
 
-def in_ns_json(host, code: str, *args: str, timeout: float = 1800) -> dict:
-    out = host.run([sys.executable, "-c", code, *map(str, args)], timeout=timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def wait_ready(proc) -> None:
     line = proc.stdout.readline()
     if "ready" not in line:
@@ -152,7 +145,7 @@ def raw_tcp(a, b, n: int, *to_file) -> dict:
                               stdout=subprocess.PIPE, text=True)
     try:
         wait_ready(sender)
-        return in_ns_json(b, TCP_RECV, a.ip, TCP_PORT, *map(str, to_file))
+        return in_ns(b, TCP_RECV, a.ip, TCP_PORT, *to_file, timeout=1800)
     finally:
         sender.wait(30)
 
@@ -164,7 +157,7 @@ def bare_grpc(mesh, a, b, n: int, chunk: int) -> dict:
                      env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     try:
         wait_ready(server)
-        return in_ns_json(b, GRPC_RECV, f"{a.ip}:{PORT}")
+        return in_ns(b, GRPC_RECV, f"{a.ip}:{PORT}", timeout=1800)
     finally:
         mesh.stop(server)
 
@@ -177,7 +170,7 @@ def peer_fetch(mesh, a, b, model: Path, end: int, layers: int, dest: Path, chunk
         deadline = time.monotonic() + 300  # the first manifest hashes every tensor
         while True:
             try:
-                fetched = in_ns_json(b, FETCH, f"{a.ip}:{PORT}", KEY, model.name, end, dest, layers, streams)
+                fetched = in_ns(b, FETCH, f"{a.ip}:{PORT}", KEY, model.name, end, dest, layers, streams, timeout=1800)
                 break
             except RuntimeError as exc:
                 if time.monotonic() > deadline:

@@ -2,20 +2,170 @@
 
 The test process lives outside the namespaces: every request is made from the mesh's client
 host, so no packet for 198.18.x.y ever leaves through this machine's own network.
+
+Shared by tests/ and benchmarks/: ``node_argv`` (the one ``meshnode run`` command line),
+``in_ns`` (Python run inside a host, its JSON answer), ``fetch`` and ``mesh_view`` (one request
+made from a host), ``wait_until`` (poll a condition) and ``wait_mesh`` (poll a node's
+``/v1/mesh`` until a predicate over it holds); ``Cluster`` builds on them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 HTTP, GRPC = 8470, 8471
 KEY = "test-cluster-key"
+
+
+def node_argv(model: Path | str | None = None, *, http_port: int | str | None = None,
+              grpc_port: int | str | None = None, node_id: str | None = None, budget: int | str | None = None,
+              state_dir: Path | str | None = None, max_context: int | None = None,
+              cache_dir: Path | str | None = None, kv_requests: int | None = None, host: str | None = None,
+              config: Path | str | None = None, peers=(), mdns: bool = True, extra=()) -> list[str]:
+    """The argv of ``python -m meshnode.cli run`` (this interpreter) with these flags; a flag whose
+    value is None is left out (the node's default or config file applies). ``budget`` is
+    ``--memory-budget`` (bytes or a size such as "1GiB"); ``peers``: one ``--peer`` each;
+    ``mdns=False``: ``--no-mdns``; ``extra``: further arguments, last (e.g. ``["--encrypt"]``)."""
+    argv = [sys.executable, "-m", "meshnode.cli", "run"]
+    for flag, value in (("--config", config), ("--model", model), ("--host", host), ("--http-port", http_port),
+                        ("--grpc-port", grpc_port), ("--node-id", node_id), ("--memory-budget", budget),
+                        ("--state-dir", state_dir), ("--max-context", max_context), ("--cache-dir", cache_dir),
+                        ("--kv-requests", kv_requests)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for peer in peers:
+        argv += ["--peer", peer]
+    if not mdns:
+        argv.append("--no-mdns")
+    return [*argv, *extra]
+
+
+def in_ns(host, code: str, *args, timeout: float = 600, env: dict | None = None) -> Any:
+    """Run the Python ``code`` (``sys.argv[1:]``: ``args``, as strings) inside ``host`` (a
+    ``NetHost``; None: here, outside the namespaces) and return the JSON of the last line it
+    printed. Raises RuntimeError with the end of its stderr if it exits non-zero."""
+    cmd = [sys.executable, "-c", code, *map(str, args)]
+    kw = dict(capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    out = subprocess.run(cmd, **kw) if host is None else host.run(cmd, **kw)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    lines = out.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"printed nothing; stderr: {out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+_FETCH = ("import json,sys,urllib.request,urllib.error\n"
+          "url,body,t=sys.argv[1],sys.argv[2],float(sys.argv[3])\n"
+          "req=urllib.request.Request(url,data=body.encode() if body else None,"
+          "headers={'Content-Type':'application/json'})\n"
+          "try:\n"
+          "  r=urllib.request.urlopen(req,timeout=t); print(json.dumps([r.status,dict(r.headers),"
+          "json.loads(r.read())]))\n"
+          "except urllib.error.HTTPError as e:\n"
+          "  print(json.dumps([e.code,dict(e.headers),json.loads(e.read())]))\n")
+
+
+def fetch(client, url: str, body=None, timeout: float = 10.0) -> list:
+    """One HTTP request made from ``client`` (a ``NetHost``; None: from here): ``[status, headers,
+    JSON body]``, an HTTP error status included; OSError if no answer came (refused, timed out)."""
+    try:
+        return in_ns(client, _FETCH, url, json.dumps(body) if body else "", timeout, timeout=timeout + 10)
+    except RuntimeError as exc:
+        raise OSError((str(exc).strip().splitlines() or ["request failed"])[-1]) from None
+
+
+def mesh_view(url: str, client=None, timeout: float = 3.0) -> dict:
+    """``GET <url>/v1/mesh`` from ``client`` (None: from here), once; ``url`` is the node's base URL."""
+    return fetch(client, f"{url}/v1/mesh", timeout=timeout)[2]
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, *, interval: float = 0.2,
+               details: Callable[[], str] | None = None) -> Any:
+    """Call ``check`` until it returns something truthy, and return that; an OSError it raises
+    counts as "not yet". After ``timeout`` seconds: AssertionError naming ``what``, the last
+    result and ``details()`` (e.g. the nodes' logs)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except OSError as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}" + (f"\n{details()}" if details else ""))
+
+
+# Polls a URL for JSON until killed: one line per try, ["ok", body] or ["error", why].
+_WATCH = ("import json,sys,time,urllib.request\n"
+          "url,every,t=sys.argv[1],float(sys.argv[2]),float(sys.argv[3])\n"
+          "while True:\n"
+          "  try:\n"
+          "    with urllib.request.urlopen(url,timeout=t) as r: line=json.dumps(['ok',json.load(r)])\n"
+          "  except Exception as e:\n"
+          "    line=json.dumps(['error',repr(e)])\n"
+          "  print(line,flush=True)\n"
+          "  time.sleep(every)\n")
+
+
+def wait_mesh(url: str, until: Callable[[dict], Any], *, timeout: float, what: str, client=None,
+              interval: float = 0.2, request_timeout: float = 2.0, details: Callable[[], str] | None = None) -> dict:
+    """Poll ``<url>/v1/mesh`` (``url``: a node's base URL) from ``client`` (a ``NetHost``; None:
+    from here) every ``interval`` seconds until ``until(view)`` is truthy; returns that view.
+    One polling process runs for the whole wait (not one per try). A try that gets no answer, or a
+    view on which ``until`` raises KeyError, TypeError or IndexError (no plan yet), counts as "not
+    yet". After ``timeout`` seconds: AssertionError naming ``what``, the last view or error, and
+    ``details()``."""
+    cmd = [sys.executable, "-c", _WATCH, f"{url}/v1/mesh", str(interval), str(request_timeout)]
+    proc = subprocess.Popen(cmd if client is None else client.exec_args(cmd), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline, last, why = time.monotonic() + timeout, None, f"timed out after {timeout} s"
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                why = f"the polling process exited ({proc.wait()}): {proc.stderr.read()[-2000:]}"
+                break
+            kind, last = json.loads(line)
+            if kind != "ok":
+                continue
+            try:
+                if until(last):
+                    return last
+            except (KeyError, TypeError, IndexError) as exc:
+                last = {"view": last, "predicate": repr(exc)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        reader.join(5)  # it reads to the end of the output of the process just killed
+        proc.stdout.close()
+        proc.stderr.close()
+    raise AssertionError(f"waiting for {what} in {url}/v1/mesh: {why}; last: {json.dumps(last)[-3000:]}"
+                         + (f"\n{details()}" if details else ""))
+
 
 _LOAD = ("import json,sys,time,urllib.request,urllib.error,socket\n"
          "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
@@ -55,15 +205,10 @@ class Cluster:
         state.mkdir(exist_ok=True)
         if self.seed is not None and not (state / "compute.json").exists():
             shutil.copy(self.seed / "compute.json", state / "compute.json")
-        args = [sys.executable, "-m", "meshnode.cli", "run", "--model", str(model or self.model), "--http-port",
-                str(HTTP), "--grpc-port", str(GRPC), "--node-id", host.name, "--memory-budget", str(budget),
-                "--state-dir", str(state), "--max-context", str(self.max_context), "--cache-dir", str(state / "cache"),
-                # budgets here are fractions of profile.total_bytes(max_context): one request's KV
-                "--kv-requests", "1"]
-        for p in peers:
-            args += ["--peer", p]
-        if not mdns:
-            args.append("--no-mdns")
+        # budgets here are fractions of profile.total_bytes(max_context): one request's KV (kv_requests=1)
+        args = node_argv(model or self.model, http_port=HTTP, grpc_port=GRPC, node_id=host.name, budget=budget,
+                         state_dir=state, max_context=self.max_context, cache_dir=state / "cache", kv_requests=1,
+                         peers=peers, mdns=mdns)
         self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
                                            log_path=self.log_path(host))
 
@@ -79,35 +224,13 @@ class Cluster:
         return next(h for h in self.hosts if h.name == name)
 
     def fetch(self, url, body=None, timeout=10.0):
-        code = ("import json,sys,urllib.request,urllib.error\n"
-                "url,body,t=sys.argv[1],sys.argv[2],float(sys.argv[3])\n"
-                "req=urllib.request.Request(url,data=body.encode() if body else None,"
-                "headers={'Content-Type':'application/json'})\n"
-                "try:\n"
-                "  r=urllib.request.urlopen(req,timeout=t); print(json.dumps([r.status,dict(r.headers),"
-                "json.loads(r.read())]))\n"
-                "except urllib.error.HTTPError as e:\n"
-                "  print(json.dumps([e.code,dict(e.headers),json.loads(e.read())]))\n")
-        out = self.client.run([sys.executable, "-c", code, url, json.dumps(body) if body else "", str(timeout)],
-                              timeout=timeout + 10, check=False)
-        if out.returncode != 0:
-            raise OSError((out.stderr.strip().splitlines() or ["request failed"])[-1])
-        return json.loads(out.stdout)
+        return fetch(self.client, url, body, timeout)
 
     def mesh_view(self, host):
-        return self.fetch(f"http://{host.ip}:{HTTP}/v1/mesh", timeout=3)[2]
+        return mesh_view(f"http://{host.ip}:{HTTP}", self.client)
 
     def wait(self, predicate, timeout, what):
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            try:
-                last = predicate()
-                if last:
-                    return last
-            except OSError as exc:
-                last = exc
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}; last: {last!r}\n{self.logs()}")
+        return wait_until(predicate, timeout, what, details=self.logs)
 
     def converged(self, hosts, nodes):
         """The views of ``hosts`` when all see ``nodes`` nodes, one coordinator, one epoch and one

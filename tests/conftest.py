@@ -1,4 +1,4 @@
-"""Fixtures for the multi-host tests (network namespaces); see tests/netns.py."""
+"""Fixtures for the multi-host tests (network namespaces); see harness/netns.py."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.*` imports under plain `pytest`
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.*`, `harness.*` under plain `pytest`
 
-from tests import netns  # noqa: E402
+from harness import netns  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,6 @@ needs and clears them.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import pytest
@@ -23,8 +22,8 @@ import pytest
 from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from tests.cluster import HTTP, Cluster, mlx_reference, read_stream
-from tests.netns import netns_mesh
+from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, read_stream
+from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 
@@ -153,11 +152,8 @@ ROUNDS = 6
 def test_openwebui_answer_and_title_at_once_nothing_lost(model, mesh2):
     cluster, view, entry, head, delay = mesh2
     want = mlx_reference(model, MESSAGES, 20)
-    out = cluster.client.run([sys.executable, "-c", OPENWEBUI, f"http://{entry.ip}:{HTTP}", model.name,
-                              str(ROUNDS), json.dumps(MESSAGES), json.dumps(long_messages())],
-                             timeout=150, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = in_ns(cluster.client, OPENWEBUI, f"http://{entry.ip}:{HTTP}", model.name, ROUNDS, json.dumps(MESSAGES),
+                   json.dumps(long_messages()), timeout=150)
     assert result["lost"] == [], (result["lost"], cluster.logs())
     assert result["texts"] == [want] * ROUNDS
     assert_no_loss(cluster, view)

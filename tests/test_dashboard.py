@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from tests.cluster import HTTP, Cluster
-from tests.netns import netns_mesh
+from harness.cluster import HTTP, Cluster
+from harness.netns import netns_mesh
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("MESHNODE_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "artifacts"))
@@ -222,7 +222,7 @@ def test_dashboard_warns_of_a_peer_announced_but_unreachable(model, tmp_path):
     the fix, and the health badge turns to a warning (the node itself still serves)."""
     if os.geteuid() != 0:
         pytest.skip("Chromium runs inside a network namespace: needs root")
-    from tests.cluster import GRPC, KEY
+    from harness.cluster import GRPC, KEY
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "dashboard-unreachable.png"

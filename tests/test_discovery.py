@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo
 
+from harness.cluster import wait_until
 from meshnode.control.discovery import SERVICE_TYPE, Discovery, NodeInfo
 
 ME = NodeInfo(node_id="node-a", addresses=("198.18.0.10",), http_port=8470, grpc_port=8471, memory_budget=3 * 2**30,
@@ -151,13 +152,10 @@ def seen(log: Path) -> set[str]:
 
 
 def wait_for(predicate, timeout: float, what: str, logs: list[Path]):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            dump = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{dump}")
-        time.sleep(0.1)
-    return result
+    def dump() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
+
+    return wait_until(predicate, timeout, what, interval=0.1, details=dump)
 
 
 @pytest.mark.netns

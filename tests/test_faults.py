@@ -14,8 +14,8 @@ import pytest
 from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from tests.cluster import HTTP, Cluster, mlx_reference, read_stream
-from tests.netns import netns_mesh
+from harness.cluster import HTTP, Cluster, mlx_reference, read_stream
+from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 

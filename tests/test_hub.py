@@ -205,8 +205,8 @@ HUB_PORT = 8900
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_two_hosts_each_download_only_their_stage(model, tmp_path):
-    from tests.cluster import Cluster, mlx_reference
-    from tests.netns import netns_mesh
+    from harness.cluster import Cluster, mlx_reference
+    from harness.netns import netns_mesh
 
     reference = mlx_reference(model, MESSAGES, MAX_TOKENS)
     total = profile_model(model).total_bytes(512)
@@ -227,7 +227,7 @@ def test_two_hosts_each_download_only_their_stage(model, tmp_path):
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 150, "convergence")
         stages = views[0]["plan"]["stages"]
         assert len(stages) == 2, views[0]["plan"]
-        from tests.cluster import HTTP
+        from harness.cluster import HTTP
 
         body = {"model": REPO, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}
         for h in cluster.hosts:  # either node serves it, through both stages

@@ -4,14 +4,13 @@ shown in /v1/mesh and carried to peers in heartbeats."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import urllib.request
 
 import pytest
 
 import socket
 
+from harness.cluster import wait_mesh
 from meshnode.control.echo import FRAME, MAX_CONNECTIONS, EchoServer, echo_rtt
 from meshnode.control.links import MAX_PROBE_BYTES, LinkStat, best, best_paths, probe_reply, ring_address
 from meshnode.proto import mesh_pb2
@@ -43,23 +42,14 @@ def test_link_stat_from_a_peer_is_checked():
         LinkStat.from_pb(mesh_pb2.Link(peer="x" * 500, address="1.2.3.4", rtt_us=1))
 
 
-def _mesh(base: str) -> dict:
-    with urllib.request.urlopen(f"{base}/v1/mesh", timeout=5) as r:
-        return json.load(r)
-
-
 def test_two_nodes_measure_their_link(tmp_path):
     with contextlib.ExitStack() as stack:
         a, base_a = stack.enter_context(running_node(None, tmp_path / "a", node_id="node-a", link_probe_interval=1))
         b, base_b = stack.enter_context(running_node(None, tmp_path / "b", node_id="node-b", link_probe_interval=1,
                                                      peers=[f"127.0.0.1:{a.grpc_port}"]))
-        deadline = time.monotonic() + 30
-        while True:
-            nodes = {n["node_id"]: n for n in _mesh(base_a)["nodes"]}
-            if len(nodes) == 2 and nodes["node-a"]["links"] and nodes["node-b"]["links"]:
-                break
-            assert time.monotonic() < deadline, f"no link figures in /v1/mesh: {nodes}"
-            time.sleep(0.2)
+        view = wait_mesh(base_a, lambda v: {n["node_id"]: bool(n["links"]) for n in v["nodes"]} ==
+                         {"node-a": True, "node-b": True}, timeout=30, request_timeout=5, what="link figures")
+        nodes = {n["node_id"]: n for n in view["nodes"]}
         mine, theirs = nodes["node-a"]["links"][0], nodes["node-b"]["links"][0]
         assert mine["peer"] == "node-b" and theirs["peer"] == "node-a"  # b's figures reached a by heartbeat
         for link in (mine, theirs):
@@ -67,7 +57,7 @@ def test_two_nodes_measure_their_link(tmp_path):
             assert 0 < link["rtt_us"] < 200_000 and link["jitter_us"] >= 0 and link["bandwidth"] > 1e6
             # The echo times the network alone; a gRPC call adds the RPC stack on top of it.
             assert link["rpc_rtt_us"] > link["rtt_us"]
-        assert a.links.best_address("node-b") == "127.0.0.1"
+        assert a.peers.links.best_address("node-b") == "127.0.0.1"
 
 
 def test_echo_times_the_network_and_survives_garbage():

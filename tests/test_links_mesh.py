@@ -8,8 +8,8 @@ import pytest
 
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from tests.cluster import Cluster
-from tests.netns import netns_mesh
+from harness.cluster import Cluster
+from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 

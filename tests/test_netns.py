@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests import netns
+from harness import netns
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 

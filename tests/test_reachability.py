@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshnode.control.reachability import HINT, Reachability
 from meshnode.model.build import build_model
-from tests.cluster import GRPC, HTTP, KEY, Cluster
-from tests.netns import netns_mesh
+from harness.cluster import GRPC, HTTP, KEY, Cluster
+from harness.netns import netns_mesh
 
 UNREACHABLE_LINE = "is announced over mDNS but has not answered"
 

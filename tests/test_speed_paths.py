@@ -16,8 +16,8 @@ import pytest
 
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from tests.cluster import HTTP, Cluster
-from tests.netns import netns_mesh
+from harness.cluster import HTTP, Cluster, in_ns
+from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -61,10 +61,8 @@ def _references(model):
 def _concurrent_chats(cluster, host) -> list[str]:
     bodies = [{"model": cluster.model.name, "messages": _messages(p), "max_tokens": MAX_TOKENS, "temperature": 0}
               for p in PROMPTS]
-    out = cluster.client.run([sys.executable, "-c", _CONCURRENT, f"http://{host.ip}:{HTTP}/v1/chat/completions",
-                              json.dumps(bodies)], timeout=180, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return in_ns(cluster.client, _CONCURRENT, f"http://{host.ip}:{HTTP}/v1/chat/completions", json.dumps(bodies),
+                 timeout=180)
 
 
 def _decode_hops(cluster, host) -> dict[str, float]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cluster import node_argv, wait_until
 from meshnode.model.build import build_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,11 +37,11 @@ def _env() -> dict[str, str]:
 
 
 @contextmanager
-def meshnode_run(tmp_path: Path, *args: str):
-    """A real `meshnode run` process on 127.0.0.1 (mDNS off); yields (node id, http port, log path)."""
+def meshnode_run(tmp_path: Path, **flags):
+    """A real `meshnode run` process on 127.0.0.1 (mDNS off) with ``flags`` (``node_argv``'s);
+    yields (node id, http port, log path)."""
     log = tmp_path / "node.log"
-    argv = [sys.executable, "-m", "meshnode.cli", "run", "--host", "127.0.0.1", "--no-mdns",
-            "--state-dir", str(tmp_path / "state"), *args]
+    argv = node_argv(host="127.0.0.1", mdns=False, state_dir=tmp_path / "state", **flags)
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=_env(), start_new_session=True)
@@ -67,19 +68,10 @@ def status(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str
     return out.returncode, out.stdout, out.stderr
 
 
-def wait_for(check, what: str, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return result
-
-
 def test_status_of_a_healthy_node(model, tmp_path):
-    with meshnode_run(tmp_path, "--model", str(model), "--http-port", "0", "--grpc-port", "0",
-                      "--memory-budget", "1GiB") as (node_id, port, _):
+    with meshnode_run(tmp_path, model=model, http_port=0, grpc_port=0, budget="1GiB") as (node_id, port, _):
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: status("--url", url)[0] == 0, "the node to become healthy")
+        wait_until(lambda: status("--url", url)[0] == 0, 30, "the node to become healthy")
         rc, out, err = status("--url", url)
         assert rc == 0, out + err
         lines = out.splitlines()
@@ -103,11 +95,10 @@ def test_status_of_a_healthy_node(model, tmp_path):
 
 def test_status_of_a_node_that_cannot_serve(model, tmp_path):
     """A budget the model does not fit in: the node runs and answers, but serves nothing."""
-    with meshnode_run(tmp_path, "--model", str(model), "--http-port", "0", "--grpc-port", "0",
-                      "--memory-budget", "64KiB") as (node_id, port, _):
+    with meshnode_run(tmp_path, model=model, http_port=0, grpc_port=0, budget="64KiB") as (node_id, port, _):
         url = f"http://127.0.0.1:{port}"
-        data = wait_for(lambda: (d := json.loads(status("--url", url, "--json")[1])).get("plan_error") and d,
-                        "the node to find that the model does not fit")
+        data = wait_until(lambda: (d := json.loads(status("--url", url, "--json")[1])).get("plan_error") and d, 30,
+                          "the node to find that the model does not fit")
         assert data["healthy"] is False and data["plan"] is None
         assert status("--url", url, "--json")[0] == 1
         rc, out, _ = status("--url", url)
@@ -126,9 +117,9 @@ def test_status_finds_the_node_by_its_config_file(model, tmp_path):
     config.write_text(f'model = "{model}"\nhttp_port = {port}\napi_key = "status-test-key"\n'
                       f'cluster_key = "a-cluster-key-for-this-test"\nmemory_budget = "1GiB"\n')
     config.chmod(0o600)
-    with meshnode_run(tmp_path, "--config", str(config), "--grpc-port", "0") as (node_id, up_port, _):
+    with meshnode_run(tmp_path, config=config, grpc_port=0) as (node_id, up_port, _):
         assert up_port == port
-        wait_for(lambda: status("--config", str(config))[0] == 0, "the node to become healthy")
+        wait_until(lambda: status("--config", str(config))[0] == 0, 30, "the node to become healthy")
         rc, out, _ = status("--config", str(config))
         assert rc == 0 and f"node         {node_id}" in out
         rc, _, err = status("--url", f"http://127.0.0.1:{port}")  # without the key

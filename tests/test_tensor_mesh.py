@@ -15,8 +15,8 @@ from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
 from meshnode.control.coordinator import REPLAN_GAIN
-from tests.cluster import Cluster, mlx_reference, read_stream
-from tests.netns import netns_mesh
+from harness.cluster import Cluster, mlx_reference, read_stream
+from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 

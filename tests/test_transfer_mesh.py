@@ -13,8 +13,8 @@ import pytest
 from meshnode.weights.profile import profile_model
 from meshnode.weights.weightfiles import read_safetensors_header
 from meshnode.model.build import build_model
-from tests.cluster import Cluster, mlx_reference, read_stream
-from tests.netns import netns_mesh
+from harness.cluster import Cluster, mlx_reference, read_stream
+from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
