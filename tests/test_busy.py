@@ -23,6 +23,7 @@ from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
 from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, read_stream
+from harness import cpulimit
 from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
@@ -210,3 +211,21 @@ def test_a_stage_that_raises_is_reported_at_once_and_the_mesh_keeps_serving(mode
     assert_no_loss(cluster, view)
     want = mlx_reference(model, MESSAGES, 12)
     assert cluster.chat(entry, MESSAGES, 12) == want
+
+
+@pytest.mark.skipif(cpulimit.available() is not None, reason=str(cpulimit.available()))
+def test_a_stage_limited_to_a_quarter_core_serves_a_1k_token_prompt(model, mesh2):
+    """A stage whose process really gets a quarter of one core (CFS bandwidth control, as a machine
+    busy with another job) serves a ~1k-token prompt with default settings: slowly, no 503, no
+    re-plan, the answer identical to mlx-lm. Its heartbeats still go out, so it is busy, not lost."""
+    cluster, view, entry, head, delay = mesh2
+    messages = long_messages()
+    want = mlx_reference(model, messages, 3)
+    body = {"model": model.name, "messages": messages, "max_tokens": 3, "temperature": 0}
+    with cpulimit.cpu_limited(cluster.procs[entry.name].pid, 0.25) as throttled:
+        status, _, out = cluster.fetch(f"http://{entry.ip}:{HTTP}/v1/chat/completions", body, timeout=150)
+        assert throttled() > 0, "the limit never bit"
+    assert status == 200, (out, cluster.logs())
+    assert out["usage"]["prompt_tokens"] >= 900, out["usage"]
+    assert out["choices"][0]["message"]["content"] == want
+    assert_no_loss(cluster, view)
