@@ -41,7 +41,7 @@ BURST = "4mb"  # tbf bucket: enough for 10 Gbit/s at a 1 ms timer tick
 SERVE = """
 import asyncio, sys, grpc
 from meshnode.trust.auth import ClusterAuth
-from meshnode.weights.transfer import ModelStore
+from meshnode.weights.store import ModelStore
 from meshnode.proto import mesh_pb2_grpc
 class S(mesh_pb2_grpc.MeshServicer):
     def __init__(self, store): self.store = store

@@ -37,7 +37,7 @@ from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from meshnode.weights.profile import profile_model
 from meshnode.weights.sourcing import LayerSource
-from meshnode.weights.transfer import ModelStore
+from meshnode.weights.store import ModelStore
 from meshnode.weights.modelsource import resolve_model
 
 args = json.loads(sys.argv[1])

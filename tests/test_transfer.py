@@ -20,7 +20,8 @@ from meshnode.weights import transfer
 from meshnode.weights.manifest import (CACHE_NAME, PARTIAL_MARKER, build_manifest, layers_held, tensors_for_layers,
                                     validate_manifest)
 from meshnode.model.shard import Shard
-from meshnode.weights.transfer import DiskSpaceError, ModelStore, fetch_layers
+from meshnode.weights.store import ModelStore
+from meshnode.weights.transfer import DiskSpaceError, fetch_layers
 from meshnode.model.build import build_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 

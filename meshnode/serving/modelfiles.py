@@ -24,7 +24,8 @@ from meshnode.weights.manifest import read_marker
 from meshnode.weights.modelsource import ModelNotFound, resolve_model
 from meshnode.weights.profile import ModelProfile, profile_model
 from meshnode.weights.sourcing import LayerSource, cached_metadata, holdings_of, metadata_from_peers
-from meshnode.weights.transfer import FetchError, ModelStore
+from meshnode.weights.store import ModelStore
+from meshnode.weights.transfer import FetchError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ class Handlers:
     goodbye: Callable[[str], None]
     generate: Callable[..., Any]  # async generator (request, context) -> GenerateReply
     stage_server: Any  # meshnode.transport.stage.StageServer
-    store: Any  # meshnode.weights.transfer.ModelStore
+    store: Any  # meshnode.weights.store.ModelStore
     probe: Callable[[mesh_pb2.ProbeRequest], mesh_pb2.ProbeReply]  # meshnode.control.links.probe_reply
     probe_delay_s: float = 0.0  # injected latency (tests and benchmarks)
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from meshnode.weights.holdings import Holding
 from meshnode.weights.manifest import (PARTIAL_MARKER, cached_folders, layers_held, manifest_to_dict, model_digest,
                                     num_layers_of, read_marker)
-from meshnode.weights.transfer import DiskSpaceError, FetchError, ModelStore, _free_bytes, fetch_layers, fetch_metadata
+from meshnode.weights.store import ModelStore
+from meshnode.weights.transfer import DiskSpaceError, FetchError, free_bytes, fetch_layers, fetch_metadata
 from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
@@ -436,7 +437,7 @@ def _check_hub_space(model_id: str, needed: list[str], files: dict, blobs: Path,
             continue
         part = blobs / f"{entry.sha256}.part"
         need += entry.size - (part.stat().st_size if entry.sha256 and part.is_file() else 0)
-    free = _free_bytes(blobs)
+    free = free_bytes(blobs)
     if need + reserve > free:
         raise DiskSpaceError(f"downloading {len(needed)} weight files of {model_id} needs {need / 2**20:,.1f} MiB "
                              f"(+{reserve / 2**20:,.0f} MiB reserve) in {blobs}, only {free / 2**20:,.1f} MiB free")

@@ -1,24 +1,19 @@
-"""Models from peers: serve a held model's bytes, and fetch exactly the tensors of some layers.
+"""Models from peers, the fetching side: exactly the tensors of some layers, from every peer that
+holds them. (The serving side is :mod:`meshnode.weights.store`.)
 
-Server side, :class:`ModelStore` answers the ``Manifest`` and ``Fetch`` rpcs for the models this
-node holds, complete or in part. Fetch streams one byte range of one file that the manifest
-lists, in chunks; gRPC's streaming flow control keeps a slow receiver from making the sender
-buffer. Nothing outside the listed files is ever opened.
-
-Client side, :func:`fetch_layers` asks every peer for its manifest, keeps those that agree on the
-model digest, and downloads the needed tensors (one work item per tensor) and the small files
-(config, tokenizer, chat template, ...) from all peers that hold them at once. Each item is
-verified against its sha256; a corrupted, truncated or failed stream marks that peer bad for the
-item and the item goes back to the queue for another peer.
+:func:`fetch_layers` asks every peer for its manifest, keeps those that agree on the model digest,
+and downloads the needed tensors (one work item per tensor) and the small files (config,
+tokenizer, chat template, ...) from all peers that hold them at once
+(:mod:`meshnode.weights.download`: verified items, peers that fail an item are skipped for it).
 
 Crash safety and resume: everything is written into ``<dest>.partial/``: the output safetensors
 files are laid out up front (their header is known from the manifest) and each tensor is written
-at its place; a journal records each verified item once its bytes are on disk (fsynced in batches
-off the event loop, so receiving never waits on the disk). A new call with the same plan re-verifies the
-journaled items on disk and fetches only the rest. The folder becomes ``<dest>`` by one rename
-once every item is verified, so an incomplete folder never looks complete. The result is an
-mlx-lm model folder holding only the stage's tensors plus ``meshnode-partial.json`` (the layer
-range and the original manifest), which :class:`meshnode.model.shard.Shard` loads.
+at its place; a journal records each verified item once its bytes are on disk. A new call with the
+same plan re-verifies the journaled items on disk and fetches only the rest. The folder becomes
+``<dest>`` by one rename once every item is verified, so an incomplete folder never looks
+complete. The result is an mlx-lm model folder holding only the stage's tensors plus
+``meshnode-partial.json`` (the layer range and the original manifest), which
+:class:`meshnode.model.shard.Shard` loads.
 """
 
 from __future__ import annotations
@@ -31,192 +26,30 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from meshnode.weights.manifest import (INDEX_NAME, PARTIAL_MARKER, build_manifest, cached_folders, is_weight_file,
-                                    layers_held, manifest_from_dict, manifest_to_dict, num_layers_of, read_marker,
-                                    safe_relpath, tensors_for_layers, validate_manifest)
-from meshnode.weights.weightfiles import read_safetensors_header, weight_files
+from meshnode.weights.manifest import (INDEX_NAME, PARTIAL_MARKER, is_weight_file, manifest_to_dict, num_layers_of,
+                                       read_marker, tensors_for_layers, validate_manifest)
 from meshnode.durable import fsync_dir
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.weights.download import JOURNAL, DiskSpaceError, Download, DownloadItem, FetchError, hash_range
 
-__all__ = ["ModelStore", "fetch_layers", "fetch_metadata", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
+__all__ = ["fetch_layers", "fetch_metadata", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
-_JOURNAL = ".meshnode-journal"
 _PLAN = ".meshnode-plan.json"
 _MAX_SMALL = 256 << 20  # a "small file" bigger than this is not a config or tokenizer
 _OUT_FILE_BYTES = 4 << 30
 
 
-# ----------------------------------------------------------------------------------------------
-# Server side
-
-
-@dataclass
-class _Held:
-    """One local model folder served to peers."""
-
-    path: Path
-    manifest: mesh_pb2.ModelManifest  # what Manifest answers
-    files: dict[str, mesh_pb2.FileEntry]  # every file of the model, by path
-    # Partial folders: per original path, sorted (offset, length, local file, local offset).
-    spans: dict[str, list[tuple[int, int, Path, int]]] | None = None
-
-    def locate(self, rel: str, offset: int, length: int) -> tuple[Path, int, int] | None:
-        """(local file, local offset, expected local file size or -1) of a byte range, or None."""
-        entry = self.files[rel]
-        if self.spans is None:
-            return self.path / rel, offset, entry.size
-        if not is_weight_file(rel):
-            local = self.path / rel
-            return (local, offset, entry.size) if local.is_file() else None
-        for start, n, local, local_off in self.spans.get(rel, ()):
-            if start <= offset and offset + length <= start + n:
-                return local, local_off + offset - start, -1
-        return None
-
-
-class ModelStore:
-    """The models this node can serve, answering ``Manifest`` and ``Fetch``.
-
-    ``local_models`` maps model ids to complete model folders; ``cache_root`` holds folders
-    written by :func:`fetch_layers` (found by their ``meshnode-partial.json``) and complete ones
-    (named by their folder). Manifests are hashed once, in a thread, on first request.
-    A grpc.aio servicer delegates its ``Manifest``/``Fetch`` methods here.
-    """
-
-    def __init__(self, cache_root: Path | str | None = None, local_models: Mapping[str, Path | str] | None = None,
-                 *, chunk_size: int = CHUNK):
-        self.cache_root = Path(cache_root) if cache_root else None
-        self.chunk_size = int(chunk_size)
-        self._paths: dict[str, Path] = {k: Path(v) for k, v in (local_models or {}).items()}
-        self._held: dict[str, _Held] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def add(self, model_id: str, path: Path | str) -> None:
-        """Serve ``path`` as ``model_id`` (e.g. after a fetch finished)."""
-        self._paths[model_id] = Path(path)
-        self._held.pop(model_id, None)
-
-    def _scan(self) -> None:
-        if self.cache_root is None:
-            return
-        for d, marker in cached_folders(self.cache_root):
-            if marker is not None and isinstance(marker.get("model_id"), str):
-                self._paths.setdefault(marker["model_id"], d)
-            elif (d / "config.json").is_file():
-                self._paths.setdefault(d.name, d)
-
-    def path_of(self, model_id: str) -> Path | None:
-        return self._paths.get(model_id)
-
-    def model_ids(self) -> list[str]:
-        """The ids of every model held, in full or in part (what a node announces)."""
-        self._scan()
-        return sorted(self._paths)
-
-    async def held(self, model_id: str) -> _Held | None:
-        if model_id not in self._paths:
-            self._scan()
-        path = self._paths.get(model_id)
-        if path is None:
-            return None
-        lock = self._locks.setdefault(model_id, asyncio.Lock())
-        async with lock:
-            if model_id not in self._held:
-                self._held[model_id] = await asyncio.to_thread(self._load, model_id, path)
-            return self._held[model_id]
-
-    @staticmethod
-    def _load(model_id: str, path: Path) -> _Held:
-        marker = read_marker(path)
-        if marker is None:
-            m = build_manifest(path, model_id)
-            m.layers_held.extend(f"{a}-{b}" for a, b in layers_held(path))
-            m.complete = True
-            return _Held(path, m, {f.path: f for f in m.files})
-        original = manifest_from_dict(marker["manifest"])
-        files = {f.path: f for f in original.files}
-        local: dict[str, tuple[Path, int]] = {}  # tensor name -> (local file, local offset)
-        for wf in weight_files(path):
-            with open(wf, "rb") as f:
-                header_len = 8 + int.from_bytes(f.read(8), "little")
-            for name, info in read_safetensors_header(wf).items():
-                local[name] = (wf, header_len + int(info["data_offsets"][0]))
-        m = mesh_pb2.ModelManifest(model_id=model_id, digest=original.digest, complete=False)
-        spans: dict[str, list[tuple[int, int, Path, int]]] = {}
-        for f in original.files:
-            entry = m.files.add()
-            entry.CopyFrom(f)
-            del entry.tensors[:]
-            for t in f.tensors:
-                if t.name in local:
-                    entry.tensors.append(t)
-                    spans.setdefault(f.path, []).append((t.offset, t.length, *local[t.name]))
-        m.layers_held.extend(f"{a}-{b}" for a, b in layers_held(path))
-        return _Held(path, m, files, spans)
-
-    async def Manifest(self, request: mesh_pb2.ManifestRequest, context) -> mesh_pb2.ModelManifest:
-        held = await self.held(request.model_id)
-        if held is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
-        return held.manifest
-
-    async def Fetch(self, request: mesh_pb2.FetchRequest, context):
-        """Stream bytes [offset, offset + length) of one listed file (length 0: to its end)."""
-        held = await self.held(request.model_id)
-        if held is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
-        rel = safe_relpath(request.path)
-        if rel is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused path {request.path[:200]!r}")
-        entry = held.files.get(rel)
-        if entry is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{rel!r} is not a file of model {request.model_id!r}")
-        offset = request.offset
-        length = request.length or max(entry.size - offset, 0)
-        if offset > entry.size or offset + length > entry.size:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                f"{rel}: bytes [{offset}, {offset + length}) outside its {entry.size} bytes")
-        where = held.locate(rel, offset, length)
-        if where is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"{rel}: bytes [{offset}, {offset + length}) not held here")
-        local, local_off, expect = where
-        try:
-            f = open(local, "rb")
-        except OSError as e:
-            await context.abort(grpc.StatusCode.DATA_LOSS, f"{rel}: cannot open: {e.strerror}")
-        with f:
-            if expect >= 0 and os.fstat(f.fileno()).st_size != expect:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rel} changed since its manifest")
-            f.seek(local_off)
-            done = 0
-            while done < length:
-                data = await asyncio.to_thread(f.read, min(self.chunk_size, length - done))
-                if not data:
-                    await context.abort(grpc.StatusCode.DATA_LOSS, f"{rel}: file ends before its manifest says")
-                yield mesh_pb2.Chunk(offset=offset + done, data=data)
-                done += len(data)
-
 
 # ----------------------------------------------------------------------------------------------
 # Client side
-
-
-class FetchError(RuntimeError):
-    """A model's layers could not be fetched (no peer holds them, all failed, ...)."""
-
-
-class DiskSpaceError(FetchError):
-    """Not enough free disk space for a transfer; raised before anything is downloaded."""
 
 
 @dataclass
@@ -227,25 +60,6 @@ class FetchResult:
     reused_bytes: int  # verified bytes an earlier, interrupted call had already written
     by_peer: dict[str, int] = field(default_factory=dict)  # verified bytes per peer
     refetched: int = 0  # items fetched again after a bad or failed stream
-
-
-@dataclass
-class _Item:
-    key: str  # tensor name, or "file:<path>"
-    path: str  # the file of the original model
-    offset: int
-    length: int
-    sha256: str
-    out: str  # file in the partial folder
-    out_offset: int
-    peers: list[str]  # who may supply it
-    bad: set[str] = field(default_factory=set)
-
-
-class _Failed(Exception):
-    def __init__(self, reason: str, peer_dead: bool = False):
-        super().__init__(reason)
-        self.peer_dead = peer_dead
 
 
 def tty_progress(label: str = "fetch") -> Callable[[int, int], None] | None:
@@ -360,209 +174,12 @@ def _layout(tensors: list[tuple[str, mesh_pb2.TensorEntry]], max_bytes: int) -> 
     return out
 
 
-def _free_bytes(path: Path) -> int:
+def free_bytes(path: Path) -> int:
     p = path
     while not p.exists():
         p = p.parent
     return shutil.disk_usage(p).free
 
-
-def _hash_range(path: Path, offset: int, length: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        left = length
-        while left:
-            data = f.read(min(CHUNK, left))
-            if not data:
-                return ""
-            h.update(data)
-            left -= len(data)
-    return h.hexdigest()
-
-
-
-
-def _absorb(h, f, data: bytes) -> None:
-    h.update(data)
-    f.write(data)
-
-
-class _Transfer:
-    """One fetch: the work queue, the per-peer workers and the journal."""
-
-    def __init__(self, peers: dict[str, grpc.aio.Channel], model_id: str, partial: Path, items: list[_Item],
-                 total: int, done_bytes: int, on_progress, streams_per_peer: int, chunk_timeout: float,
-                 max_peer_failures: int, metadata):
-        self.peers = peers
-        self.model_id = model_id
-        self.partial = partial
-        self.pending = list(items)
-        self.inflight = 0
-        self.dead: set[str] = set()
-        self.failures: dict[str, int] = {}
-        self.cond = asyncio.Condition()
-        self.total = total
-        self.done = done_bytes
-        self.fetched = 0
-        self.by_peer: dict[str, int] = {}
-        self.refetched = 0
-        self.on_progress = on_progress
-        self.streams = streams_per_peer
-        self.chunk_timeout = chunk_timeout
-        self.max_failures = max_peer_failures
-        self.metadata = metadata
-        self.journal = open(partial / _JOURNAL, "a")
-        # Verified items wait here until their bytes are on disk: a committer fsyncs them in batches
-        # off the event loop and only then journals them, so the network never waits on the disk.
-        self.verified: list[_Item] = []
-        self.verified_ready = asyncio.Event()
-        self.closing = False  # no more items will come: the committer drains and returns
-
-    def _eligible(self, peer: str, item: _Item) -> bool:
-        return peer in item.peers and peer not in item.bad
-
-    async def _worker(self, peer: str) -> None:
-        stub = mesh_pb2_grpc.MeshStub(self.peers[peer])
-        while True:
-            async with self.cond:
-                while True:
-                    if peer in self.dead:
-                        return
-                    item = next((it for it in self.pending if self._eligible(peer, it)), None)
-                    if item is not None:
-                        self.pending.remove(item)
-                        self.inflight += 1
-                        break
-                    if self.inflight == 0:
-                        return  # nothing left this peer could ever take
-                    await self.cond.wait()
-            ok = False
-            try:
-                await self._fetch(stub, peer, item)
-                ok = True
-            except _Failed as e:
-                what = "tensor" if not item.key.startswith("file:") else "file"
-                log.warning("peer %s: %s %s of %s: %s; refetching elsewhere", peer, what,
-                            item.key.removeprefix("file:"), self.model_id, e)
-                item.bad.add(peer)
-                self.failures[peer] = self.failures.get(peer, 0) + 1
-                if e.peer_dead or self.failures[peer] >= self.max_failures:
-                    log.warning("peer %s: dropped from this transfer", peer)
-                    self.dead.add(peer)
-            finally:
-                async with self.cond:
-                    self.inflight -= 1
-                    if not ok:
-                        self.refetched += 1
-                        self.pending.append(item)
-                    self.cond.notify_all()
-
-    async def _fetch(self, stub, peer: str, item: _Item) -> None:
-        req = mesh_pb2.FetchRequest(model_id=self.model_id, path=item.path, offset=item.offset, length=item.length)
-        call = stub.Fetch(req, metadata=self.metadata)
-        h = hashlib.sha256()
-        got = 0
-        out = self.partial / item.out
-        mode = "wb" if item.key.startswith("file:") else "r+b"
-        if mode == "wb":
-            out.parent.mkdir(parents=True, exist_ok=True)
-        absorbing = None  # the previous chunk being hashed and written while the next one arrives
-        try:
-            with open(out, mode) as f:
-                f.seek(item.out_offset)
-                try:
-                    while True:
-                        try:
-                            chunk = await asyncio.wait_for(call.read(), self.chunk_timeout)
-                        except asyncio.TimeoutError:
-                            raise _Failed(f"no data for {self.chunk_timeout:g} s", peer_dead=True) from None
-                        if absorbing is not None:
-                            await absorbing
-                            absorbing = None
-                        if chunk is grpc.aio.EOF:
-                            break
-                        n = len(chunk.data)
-                        self.fetched += n
-                        if chunk.offset != item.offset + got or n == 0 or got + n > item.length:
-                            raise _Failed(f"chunk at {chunk.offset} with {n} bytes, expected offset "
-                                          f"{item.offset + got} and at most {item.length - got} bytes")
-                        # hashlib and file writes release the GIL: off the loop, they overlap the network
-                        absorbing = asyncio.ensure_future(asyncio.to_thread(_absorb, h, f, chunk.data))
-                        got += n
-                        self._progress(n)
-                finally:
-                    if absorbing is not None:  # never close the file under a write still running
-                        await asyncio.gather(absorbing, return_exceptions=True)
-                if got != item.length:
-                    raise _Failed(f"stream ended after {got} of {item.length} bytes")
-                if h.hexdigest() != item.sha256:
-                    raise _Failed(f"sha256 mismatch ({h.hexdigest()[:12]}… != {item.sha256[:12]}…)")
-        except grpc.aio.AioRpcError as e:
-            self._progress(-got)
-            dead = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED)
-            raise _Failed(f"{e.code().name}: {e.details()}", peer_dead=dead) from None
-        except _Failed:
-            self._progress(-got)
-            raise
-        finally:
-            call.cancel()  # no-op once the stream ended; stops the peer's sender otherwise
-        self.by_peer[peer] = self.by_peer.get(peer, 0) + item.length
-        self.verified.append(item)
-        self.verified_ready.set()
-
-    async def _committer(self) -> None:
-        """Make verified items durable, as many at a time as have arrived meanwhile, then journal
-        them: an item is in the journal only once its bytes are (a crash refetches the rest)."""
-        while True:
-            await self.verified_ready.wait()
-            self.verified_ready.clear()
-            batch, self.verified = self.verified, []
-            if batch:
-                await asyncio.to_thread(self._make_durable, batch)
-            if self.closing and not self.verified:
-                return
-
-    def _make_durable(self, batch: list["_Item"]) -> None:
-        if self.journal.closed:  # the transfer was cancelled meanwhile: the next call re-verifies
-            return
-        for out in dict.fromkeys(self.partial / it.out for it in batch):
-            fd = os.open(out, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        for it in batch:
-            self.journal.write(json.dumps({"key": it.key, "sha256": it.sha256}) + "\n")
-        self.journal.flush()
-        os.fsync(self.journal.fileno())
-
-    def _progress(self, n: int) -> None:
-        self.done += n
-        if self.on_progress is not None and n:
-            self.on_progress(self.done, self.total)
-
-    async def run(self) -> None:
-        committer = asyncio.create_task(self._committer())
-        try:
-            workers = [asyncio.create_task(self._worker(p)) for p in self.peers for _ in range(self.streams)]
-            try:
-                await asyncio.gather(*workers)
-            finally:
-                for w in workers:
-                    w.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
-                self.closing = True  # what was verified still becomes durable and journaled, even on failure
-                self.verified_ready.set()
-                await asyncio.shield(committer)
-        finally:
-            committer.cancel()
-            self.journal.close()
-        if self.pending:
-            missing = ", ".join(it.key.removeprefix("file:") for it in self.pending[:5])
-            raise FetchError(f"no peer could supply {len(self.pending)} item(s) of {self.model_id} "
-                             f"({missing}{', …' if len(self.pending) > 5 else ''})")
 
 
 async def _small_file(ref: mesh_pb2.ModelManifest, path: str, peers, holders, metadata, timeout) -> bytes:
@@ -677,15 +294,15 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
         for f in m.files:
             for t in f.tensors:
                 tensor_holders.setdefault(_tensor_key(f.path, t), []).append(name)
-    items: list[_Item] = []
+    items: list[DownloadItem] = []
     by_name = {t.name: (p, t) for p, t in needed}
     for out, spec in layout.items():
         for tname, out_off in spec["tensors"]:
             p, t = by_name[tname]
             holders = tensor_holders.get(_tensor_key(p, t), [])
-            items.append(_Item(tname, p, t.offset, t.length, t.sha256, out, out_off, holders))
+            items.append(DownloadItem(tname, p, t.offset, t.length, t.sha256, out, out_off, holders))
     for f in small:
-        items.append(_Item(f"file:{f.path}", f.path, 0, f.size, f.sha256, f.path, 0, [n for n, _ in agree]))
+        items.append(DownloadItem(f"file:{f.path}", f.path, 0, f.size, f.sha256, f.path, 0, [n for n, _ in agree]))
     lacking = [it.key for it in items if not it.peers]
     if lacking:
         raise FetchError(f"no peer holds {len(lacking)} tensor(s) of {model_id} layers [{start}, {end}): "
@@ -703,7 +320,7 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
     done_keys: set[str] = set()
     if old_plan == plan:
         try:
-            lines = (partial / _JOURNAL).read_text().splitlines()
+            lines = (partial / JOURNAL).read_text().splitlines()
         except OSError:
             lines = []
         journaled = {}
@@ -715,14 +332,14 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
                 continue  # a torn last line from a crash
         for it in items:
             if journaled.get(it.key) == it.sha256 and \
-                    await asyncio.to_thread(_hash_range, partial / it.out, it.out_offset, it.length) == it.sha256:
+                    await asyncio.to_thread(hash_range, partial / it.out, it.out_offset, it.length) == it.sha256:
                 done_keys.add(it.key)
                 reused += it.length
     todo = [it for it in items if it.key not in done_keys]
 
     headers = 0 if old_plan == plan else sum(len(v["header"]) + 8 for v in layout.values())
     need = sum(it.length for it in todo) + headers
-    free = _free_bytes(dest.parent)
+    free = free_bytes(dest.parent)
     if need + reserve_bytes > free:
         raise DiskSpaceError(f"fetching layers [{start}, {end}) of {model_id} needs {need / 2**20:,.1f} MiB "
                              f"(+{reserve_bytes / 2**20:,.0f} MiB reserve) in {dest.parent}, only "
@@ -735,7 +352,7 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
             with open(partial / out, "wb") as f:
                 f.write(len(raw).to_bytes(8, "little") + raw)
                 f.truncate(spec["size"])
-        (partial / _JOURNAL).unlink(missing_ok=True)
+        (partial / JOURNAL).unlink(missing_ok=True)
         (partial / _PLAN).write_text(json.dumps(plan))
         fsync_dir(partial)
 
@@ -743,7 +360,7 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
              "(%d complete)", model_id, start, end, sum(it.length for it in todo) / 2**20, reused / 2**20,
              len(agree), len(full_peers))
     active = {n: channels[n] for n, _ in agree}
-    transfer = _Transfer(active, model_id, partial, todo, total, reused, on_progress, streams_per_peer,
+    transfer = Download(active, model_id, partial, todo, total, reused, on_progress, streams_per_peer,
                          chunk_timeout, max_peer_failures, metadata)
     if on_progress is not None:
         on_progress(reused, total)
@@ -766,7 +383,7 @@ def _finish(partial: Path, dest: Path, layout: dict, ref: mesh_pb2.ModelManifest
     for out in layout:
         with open(partial / out, "rb") as f:
             os.fsync(f.fileno())
-    (partial / _JOURNAL).unlink(missing_ok=True)
+    (partial / JOURNAL).unlink(missing_ok=True)
     (partial / _PLAN).unlink(missing_ok=True)
     fsync_dir(partial)
     old = None
