@@ -14,17 +14,18 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from meshnode import __version__
 from meshnode.config import ConfigError, Settings, load_settings
+from meshnode.dryrun import cluster_from_mesh, format_plan, load_cluster
+from meshnode.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetch_json
 from meshnode.status import format_status, status_exit_code
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
 log = logging.getLogger("meshnode")
 
-DEFAULT_STATUS_URL = "http://127.0.0.1:8470"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
@@ -218,64 +219,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- status
 
 
-def _fetch_json(url: str, timeout: float, api_key: str | None) -> tuple[int, Any]:
-    """(HTTP status, parsed JSON body or None). Raises URLError/OSError when nothing answered."""
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            code, raw = response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        code, raw = exc.code, exc.read()
-    try:
-        return code, json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return code, None
-
-
-def _service_config() -> Path | None:
-    """The config file of the installed service (``meshnode install``): per-user first, then the
-    system's, whichever exists and can be read; None when there is none."""
-    from meshnode import service
-
-    for system in (False, True):
-        try:
-            path = service.layout(service.host_platform(), system=system).config_file
-            if path.is_file() and os.access(path, os.R_OK):
-                return path
-        except (OSError, KeyError, ValueError):
-            continue
-    return None
-
-
-def _default_status_url(config: Path | None = None) -> tuple[str, str | None]:
-    """(URL, api key) from the settings the node runs with: ``config``, else $MESHNODE_CONFIG,
-    else the installed service's config file, and the environment; the defaults if unreadable."""
-    if config is None and not os.environ.get("MESHNODE_CONFIG"):
-        config = _service_config()
-    try:
-        settings = load_settings(config)
-    except ConfigError:
-        return DEFAULT_STATUS_URL, os.environ.get("MESHNODE_API_KEY") or None
-    host = settings.host
-    if host in ("0.0.0.0", "::", "", "*"):
-        host = "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    port = settings.http_port or 8470
-    return f"http://{host}:{port}", settings.api_key
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    default_url, default_key = _default_status_url(args.config)
+    default_url, default_key = default_status_url(args.config)
     base = (args.url or default_url).rstrip("/")
     if "://" not in base:
         base = "http://" + base
     api_key = args.api_key or default_key
     url = base + "/v1/mesh"
     try:
-        code, data = _fetch_json(url, args.timeout, api_key)
+        code, data = fetch_json(url, args.timeout, api_key)
     except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: a malformed URL
         reason = getattr(exc, "reason", exc)
         print(f"meshnode status: cannot reach a node at {base}: {reason}", file=sys.stderr)
@@ -301,98 +253,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- plan
 
 
-def _bandwidth(value: Any) -> float:
-    """Bytes per second from 1e9, "1GB/s", "800MiB/s"."""
-    from meshnode.config import parse_size
-
-    if isinstance(value, str):
-        value = value.strip()
-        value = value[:-2] if value.lower().endswith("/s") else value
-    return float(parse_size(value))
-
-
-def load_cluster(path: Path):
-    """(nodes, links) from a cluster file: ``[[node]]`` id, memory, layer_ms?, collective_us?, compute?;
-    ``[[link]]`` a, b, rtt_us, bandwidth. Raises ValueError saying what is wrong."""
-    import tomllib
-
-    from meshnode.config import parse_size
-    from meshnode.control.planner import LinkSpec, NodeSpec
-
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    nodes, links = [], {}
-    for i, raw in enumerate(data.get("node") or []):
-        try:
-            layer_ms, coll_us = raw.get("layer_ms"), raw.get("collective_us")
-            nodes.append(NodeSpec(node_id=str(raw["id"]), memory_budget=parse_size(raw["memory"]),
-                                  compute=float(raw.get("compute", 1.0)),
-                                  layer_seconds=float(layer_ms) / 1e3 if layer_ms else None,
-                                  collective_s=float(coll_us) / 1e6 if coll_us else None))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: node {i + 1} needs id and memory (and numbers for layer_ms, collective_us, "
-                             f"compute): "
-                             f"{exc}") from None
-    for i, raw in enumerate(data.get("link") or []):
-        try:
-            links[(str(raw["a"]), str(raw["b"]))] = LinkSpec(float(raw["rtt_us"]) / 1e6, _bandwidth(raw["bandwidth"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: link {i + 1} needs a, b, rtt_us and bandwidth: {exc}") from None
-    if not nodes:
-        raise ValueError(f"{path}: no [[node]] tables")
-    return nodes, links
-
-
-def cluster_from_mesh(data: dict[str, Any]):
-    """(nodes, links) from a node's GET /v1/mesh: each node's budget and measured layer time, and
-    for each pair its fastest measured path (least RTT)."""
-    from meshnode.control.planner import LinkSpec, NodeSpec
-
-    nodes, links = [], {}
-    for raw in data.get("nodes") or []:
-        layer, coll = float(raw.get("layer_seconds") or 0), float(raw.get("collective_seconds") or 0)
-        nodes.append(NodeSpec(node_id=str(raw["node_id"]), memory_budget=int(raw.get("memory_budget") or 0),
-                              compute=float(raw.get("compute") or 1.0), layer_seconds=layer if layer > 0 else None,
-                              collective_s=coll if coll > 0 else None))
-        for link in raw.get("links") or []:
-            try:
-                key = tuple(sorted((str(raw["node_id"]), str(link["peer"]))))
-                rtt, rpc = float(link["rtt_us"]) / 1e6, float(link.get("rpc_rtt_us") or 0) / 1e6
-                spec = LinkSpec(rtt, float(link["bandwidth"]), max(rpc - rtt, 0.0))
-            except (KeyError, TypeError, ValueError):
-                continue
-            if key not in links or spec.rtt_s < links[key].rtt_s:
-                links[key] = spec
-    return nodes, links
-
-
-def format_plan(result, nodes) -> str:
-    from meshnode.control.planner import human_bytes
-
-    budgets = {x.node_id: x.memory_budget for x in nodes}
-    est = f"est. {result.tokens_per_s:.3g} tok/s ({result.estimate_s * 1e3:.3g} ms/token)" if result.estimate_s else ""
-    lines = [f"plan         {result.strategy}, {est}, max context {result.max_context}"]
-    for s in result.stages:
-        each = " each" if len(s.nodes) > 1 else ""
-        lines.append(f"  layers {s.start_layer}-{s.end_layer - 1}  on {'+'.join(s.nodes)}  "
-                     f"{human_bytes(s.bytes)}{each}")
-    lines.append("memory       " + ", ".join(f"{n} {human_bytes(s.bytes)} of {human_bytes(budgets.get(n, 0))}"
-                                              for s in result.stages for n in s.nodes))
-    lines.append(f"why          {result.reason}")
-    if result.alternatives:
-        lines.append("alternatives")
-        for a in result.alternatives:
-            if a.get("feasible"):
-                memory = ", ".join(f"{n} {human_bytes(b)}" for n, b in (a.get("memory") or {}).items())
-                lines.append(f"  {a['strategy']:<9} {a['tokens_per_s']:.3g} tok/s  {a['stages']}  ({memory}): "
-                             f"{a['why']}")
-            else:
-                lines.append(f"  {a['strategy']:<9} impossible: {a['why']}")
-    return "\n".join(lines)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from meshnode.control.planner import PlanError, plan as make_plan
     from meshnode.weights.profile import profile_model
@@ -406,8 +266,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.cluster:
             nodes, links = load_cluster(Path(args.cluster))
         else:
-            url, key = (args.url, os.environ.get("MESHNODE_API_KEY") or None) if args.url else _default_status_url()
-            code, data = _fetch_json(url.rstrip("/") + "/v1/mesh", args.timeout, key)
+            url, key = (args.url, os.environ.get("MESHNODE_API_KEY") or None) if args.url else default_status_url()
+            code, data = fetch_json(url.rstrip("/") + "/v1/mesh", args.timeout, key)
             if code != 200 or not isinstance(data, dict):
                 print(f"meshnode plan: {url} answered HTTP {code} without a mesh", file=sys.stderr)
                 return EXIT_FAIL
