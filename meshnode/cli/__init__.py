@@ -18,9 +18,9 @@ from typing import Sequence
 
 from meshnode import __version__
 from meshnode.config import ConfigError, Settings, load_settings
-from meshnode.dryrun import cluster_from_mesh, format_plan, load_cluster
-from meshnode.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetch_json
-from meshnode.status import format_status, status_exit_code
+from meshnode.cli.dryrun import cluster_from_mesh, format_plan, load_cluster
+from meshnode.cli.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetch_json
+from meshnode.cli.status import format_status, status_exit_code
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
@@ -379,6 +379,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
