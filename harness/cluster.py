@@ -212,6 +212,18 @@ class Cluster:
         self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
                                            log_path=self.log_path(host))
 
+    def start_all_delayable(self, budget, env=None) -> dict[str, Path]:
+        """Start a node on every host, each reading its injected stage delays and faults from its
+        own file (MESHNODE_TEST_STAGE_DELAY, meshnode.transport.hop.InjectedDelay), empty for
+        now; returns those files by host name (write JSON into one to change its node)."""
+        delays = {}
+        for h in self.hosts:
+            (self.tmp / h.name).mkdir(exist_ok=True)
+            delays[h.name] = self.tmp / h.name / "delay.json"
+            delays[h.name].write_text("{}")
+            self.start(h, budget, env={"MESHNODE_TEST_STAGE_DELAY": str(delays[h.name]), **(env or {})})
+        return delays
+
     def log_path(self, host) -> Path:
         return self.tmp / host.name / "node.log"
 

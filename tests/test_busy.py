@@ -54,12 +54,7 @@ def mesh2(model, tmp_path_factory):
     total = profile_model(model).total_bytes(CTX)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp, max_context=CTX, seed=seed)
-        delays = {}
-        for h in cluster.hosts:
-            (tmp / h.name).mkdir(exist_ok=True)
-            delays[h.name] = tmp / h.name / "delay.json"
-            delays[h.name].write_text("{}")
-            cluster.start(h, int(total * 0.6), env={"MESHNODE_TEST_STAGE_DELAY": str(delays[h.name])})
+        delays = cluster.start_all_delayable(int(total * 0.6))
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 60, "a 2-stage plan")[0]
         first, head = (s["nodes"][0] for s in view["plan"]["stages"])
         entry = cluster.host(first)

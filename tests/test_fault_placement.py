@@ -68,13 +68,7 @@ def _mesh3(tmp_path, netns_mesh_stack):
     total = profile_model(model).total_bytes(CTX)
     mesh = netns_mesh_stack.enter_context(netns_mesh(3))
     cluster = Cluster(mesh, model, tmp_path, max_context=CTX, seed=seed)
-    delays = {}
-    for h in cluster.hosts:
-        (tmp_path / h.name).mkdir(exist_ok=True)
-        delays[h.name] = tmp_path / h.name / "delay.json"
-        delays[h.name].write_text("{}")
-        cluster.start(h, int(total * 0.6), env={"MESHNODE_TEST_STAGE_DELAY": str(delays[h.name]),
-                                                "MESHNODE_STALL_TIMEOUT": str(STALL_TIMEOUT)})
+    delays = cluster.start_all_delayable(int(total * 0.6), env={"MESHNODE_STALL_TIMEOUT": str(STALL_TIMEOUT)})
     view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 90, "a plan over 3 nodes")[0]
     stages = view["plan"]["stages"]
     assert len(stages) == 2, view["plan"]

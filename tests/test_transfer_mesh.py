@@ -195,9 +195,15 @@ def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_p
     with netns_mesh(3) as mesh:
         cluster = Cluster(mesh, model, tmp_path)
         a, b, c = cluster.hosts
-        cluster.start(a, int(total * 0.55))
-        cluster.start(b, int(total * 0.55))
-        cluster.start(c, int(total * 0.55), model=model.name)  # holds nothing: not in the first plan
+        # c holds nothing and joins a serving mesh that does not rebalance (dwell): it is not in the
+        # plan until a node of it dies. (Started together, the planner may prefer c: a node without
+        # the weights cannot time a layer, and the default speed it is assumed may beat what a and
+        # b measured on shared cores.)
+        stay = {"MESHNODE_REBALANCE_DWELL": "600"}
+        cluster.start(a, int(total * 0.55), env=stay)
+        cluster.start(b, int(total * 0.55), env=stay)
+        cluster.wait(lambda: cluster.converged([a, b], 2), 120, "a and b serving")
+        cluster.start(c, int(total * 0.55), model=model.name, env=stay)
         views = cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving")
         first, head = [s["nodes"][0] for s in views[0]["plan"]["stages"]]
         assert c.name not in (first, head)
