@@ -39,7 +39,7 @@ import mlx.core as mx
 CHUNKS_PER_STAGE = 4
 MIN_CHUNK = 16  # positions: smaller chunks cost more in per-message overhead than they save
 FIRST_CHUNK = 64  # before any stage has been timed
-SHARED_STEP = 0.025  # seconds a chunk may take at the slowest stage while other generations run
+SHARED_STEP = 0.010  # seconds a chunk may take at the slowest stage while other generations run
 # Seconds a chunk may take even alone (below max_step): a request that arrives meanwhile waits for
 # the chunk in progress, so this bounds what a long prompt adds to its first token.
 TURN = 0.05
