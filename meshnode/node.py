@@ -130,10 +130,6 @@ class Node:
         return self.served.stage_server
 
     @property
-    def engine(self) -> Engine | None:
-        return self.served.engine
-
-    @property
     def epoch(self) -> int:
         return self.control.adoption.epoch
 

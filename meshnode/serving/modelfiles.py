@@ -89,12 +89,14 @@ class ModelFiles:
         except FetchError as err:
             raise ModelNotFound(str(err)) from err
 
-    async def layers_folder(self, start: int, end: int, peers: list[tuple[str, Any]]) -> Path:
-        """A folder holding layers [start, end): local, or fetched now from ``peers`` (those that
-        announce them), or for a Hugging Face id downloaded from the Hub (only the weight files
-        holding them; progress in ``self.progress``)."""
-        if (local := self.source.local(start, end)) is not None:
-            return local
+    def local_layers(self, start: int, end: int) -> Path | None:
+        """A folder on this disk holding layers [start, end), or None."""
+        return self.source.local(start, end)
+
+    async def fetch_layers(self, start: int, end: int, peers: list[tuple[str, Any]]) -> Path:
+        """A folder holding layers [start, end) that this disk lacks (see :meth:`local_layers`),
+        fetched now from ``peers`` (those that announce them), or for a Hugging Face id downloaded
+        from the Hub (only the weight files holding them; progress in ``self.progress``)."""
         where = f"{len(peers)} peer(s)" if peers else "Hugging Face"  # (LayerSource: no peer -> the Hub)
         task = f"fetching layers {start}-{end - 1} of {self.model_id} from {where}"
         self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])

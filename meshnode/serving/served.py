@@ -234,12 +234,12 @@ class ServedModel:
     async def _layers_folder(self, start: int, end: int) -> Path:
         """The layers' folder, fetched from the live peers that announce them if this disk lacks
         them; then announced as held."""
-        if (local := self.files.source.local(start, end)) is not None:
+        if (local := self.files.local_layers(start, end)) is not None:
             return local
         alive = self.mesh.alive_infos()
         peers = [(nid, self.mesh.channel_to(nid)) for nid, info in sorted(alive.items())
                  if nid != self.node_id and any(m == self.model_id for m, _, _ in info.holdings)]
-        path = await self.files.layers_folder(start, end, peers)
+        path = await self.files.fetch_layers(start, end, peers)
         self.mesh.update_me(holdings=self.files.holdings())
         return path
 
