@@ -145,7 +145,8 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
     with netns_mesh(2, "dash") as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=256)
         for h in cluster.hosts:
-            cluster.start(h, int(total * 0.6))  # neither holds the model alone: both are stages
+            # neither holds the model alone: both are stages (pipeline pinned: "auto" may pick a tensor pair)
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 40, "convergence")
         plan = views[0]["plan"]
         assert len(plan["stages"]) == 2

@@ -58,7 +58,7 @@ def test_encrypt_needs_a_cluster_key():
 # ---------------------------------------------------------------------------- two real nodes
 def node_thread(model, tmp_path, **overrides):
     """A real Node (HTTP + gRPC) on 127.0.0.1 in its own thread and loop; does not wait for a plan."""
-    flags = dict(max_context=256, cluster_key=KEY, encrypt=True)
+    flags = dict(max_context=256, cluster_key=KEY, encrypt=True, strategy="pipeline")
     flags.update(overrides)
     return running_node(model, tmp_path, ready=False, **flags)
 

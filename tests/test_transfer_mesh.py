@@ -47,9 +47,10 @@ def test_three_hosts_one_holds_the_model(model, reference, tmp_path):
     with netns_mesh(3) as mesh:
         cluster = Cluster(mesh, model, tmp_path)
         holder, *others = cluster.hosts
-        cluster.start(holder, int(total * 0.4))
+        pipeline = {"MESHNODE_STRATEGY": "pipeline"}  # three stages is the premise; "auto" may pick hybrid
+        cluster.start(holder, int(total * 0.4), env=pipeline)
         for h in others:
-            cluster.start(h, int(total * 0.4), model=model.name)
+            cluster.start(h, int(total * 0.4), model=model.name, env=pipeline)
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "convergence")
         view = views[0]
         assert len(view["plan"]["stages"]) == 3, view["plan"]
