@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,7 +149,10 @@ def one_node(model: Path, words: int, rounds: int) -> dict:
             stop(proc)
 
 
-def two_stages(model: Path, words: int, rounds: int, openwebui: int) -> tuple[dict, dict | None]:
+def two_stages(model: Path, words: int, rounds: int, openwebui: int, pin: bool = False) -> tuple[dict, dict | None]:
+    """``pin``: each stage's process on a core of its own (``taskset``), as two machines are; unpinned,
+    the two stages share this box's cores, and the title's compute at one stage takes CPU from the
+    answer's step at the other, which separate machines never do."""
     from meshnode.weights.profile import profile_model
     from harness.netns import netns_mesh
 
@@ -159,10 +160,11 @@ def two_stages(model: Path, words: int, rounds: int, openwebui: int) -> tuple[di
     HTTP, GRPC = 8470, 8471
     with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
         a, b, client = mesh.hosts
-        for h in (a, b):
+        cores = sorted(os.sched_getaffinity(0))
+        for i, h in enumerate((a, b)):
             state = Path(tmp) / h.name
             state.mkdir()
-            h.popen(node_argv(model, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
+            h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(model, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
                               # budgets are fractions of one request's total (as in the tests)
                               max_context=CTX, kv_requests=1),
                     env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
@@ -191,6 +193,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--openwebui", type=int, default=0, help="rounds of the openai-client pattern on 2 stages")
     ap.add_argument("--only", choices=("one", "two"))
+    ap.add_argument("--pin", action="store_true",
+                    help="2 stages: each stage's process on its own core, as on two machines (default: both "
+                         "share every core, which adds contention between stages that two machines do not have)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
     from meshnode.model.build import model_dir_for
@@ -207,9 +212,9 @@ def main() -> int:
               f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
               f"title {r['title']:.2f} s")
     if args.only != "one":
-        r, owui = two_stages(model, words, args.rounds, args.openwebui)
+        r, owui = two_stages(model, words, args.rounds, args.openwebui, pin=args.pin)
         result["two_stages"] = r
-        print(f"2 stages:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
+        print(f"2 stages{' (a core each)' if args.pin else ''}:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
               f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
               f"title {r['title']:.2f} s")
         if owui is not None:

@@ -225,3 +225,86 @@ def test_the_head_and_the_stages_error_codes_mean_what_the_generation_does_next(
     own = stage_error(St, None, grpc.StatusCode.INTERNAL, "Internal error from Core")
     assert not isinstance(own, StageFault) and not isinstance(own, StageRefused)
     assert type(stage_error(St, None, grpc.StatusCode.UNAVAILABLE, "connection refused")) is StageRefused
+
+
+def test_every_stage_learns_how_much_prompt_its_request_has_left():
+    """A stage gives its MLX thread to the request with the least prompt left (a short answer's
+    chunk before a long title's), so each chunk reaches every stage with its request's remaining
+    work as the head cut it, not the chunk's own size (a title's small chunks once went before an
+    answer's whole prompt at the stages, and the answer waited for all of them)."""
+    import mlx.core as mx
+
+    from meshnode.serving.prefill import DoneTicket, pipelined_prefill
+
+    class Sent(DoneTicket):  # a remote stage's reply, already here
+        def wait_handle(self):
+            return self
+
+    class Stage:
+        remote = True
+
+        def __init__(self):
+            self.got = []
+
+        def submit(self, x, *, work=0):
+            self.got.append((x.shape[1], work))
+            return Sent(mx.zeros((1, x.shape[1], 4)), x.shape[1])
+
+    stages = [Stage(), Stage()]
+    sizer = ChunkSizer(2, max_step=1.0, max_chunk=512, seed=[0.001, 0.001], busy=lambda: True)  # 10-position chunks
+    sizer.observe = lambda *timed: None  # as timed before (these stages answer at once)
+    chunks = pipelined_prefill(stages, list(range(95)), sizer, wait=lambda handles, timeout: None)
+    first = stages[0].got
+    assert len(first) == chunks > 5 and sum(p for p, _ in first) == 95
+    left = 95
+    for positions, work in first:
+        assert work == left  # this chunk's positions and every one after it
+        left -= positions
+    assert stages[1].got == first  # the next stage is told the same
+
+
+def test_a_prompt_is_cut_finer_only_for_generations_with_less_left():
+    """The title's prompt is sliced while the answer (less left) or a decoder runs; the answer's
+    is not sliced for the title's sake (the baton serves the answer first anyway, and each slice
+    would wait behind the title's chunk in progress at every stage)."""
+    import threading
+
+    from meshnode.model.scheduler import TokenScheduler, mlx_idle, set_priority
+
+    scheduler = TokenScheduler("test-left")
+    seen: dict[str, list[bool]] = {"title": [], "answer": []}
+    waiting, answered, looked = threading.Event(), threading.Event(), threading.Event()
+
+    def title():
+        set_priority(1000)
+        seen["title"].append(scheduler.others_waiting())  # alone
+        with mlx_idle():  # waits on a remote stage, as a prefill does
+            waiting.set()
+            assert answered.wait(5)
+        seen["title"].append(scheduler.others_waiting())  # the answer beside it, decoding
+        looked.set()
+        yield 1
+
+    def answer():
+        seen["answer"].append(scheduler.others_waiting())  # 14 left beside the title's 1000
+        answered.set()
+        yield 1
+        set_priority(0)
+        seen["answer"].append(scheduler.others_waiting())  # decoding: nothing to cut
+        with mlx_idle():  # its next step on a remote stage: the title's turn meanwhile
+            assert looked.wait(5)
+        yield 2
+
+    async def main():
+        jobs = [scheduler.submit(title(), work=1000)]
+        assert await asyncio.to_thread(waiting.wait, 5)
+        jobs.append(scheduler.submit(answer(), work=14))
+        for job in jobs:
+            async for _ in job:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        scheduler.stop()
+    assert seen == {"title": [False, True], "answer": [False, False]}

@@ -72,6 +72,9 @@ def set_priority(work: int) -> None:
     """Declare how much work this thread has left before its next token (see AGE_S); kept for
     every later claim of the baton by this thread until set again."""
     _held.priority = max(0, int(work))
+    generations = getattr(_held, "generations", None)
+    if generations is not None:  # a generation's thread: its scheduler knows what it has left
+        generations[threading.get_ident()] = _held.priority
 
 
 class _Claim:
@@ -201,6 +204,7 @@ class TokenScheduler:
         self._name = name
         self._jobs: set[TokenJob] = set()
         self._jobs_lock = threading.Lock()
+        self._left: dict[int, int] = {}  # each generation thread's prompt positions still to prefill
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -208,6 +212,16 @@ class TokenScheduler:
     @property
     def active(self) -> int:
         return len(self._jobs)
+
+    def others_waiting(self) -> bool:
+        """Called on a generation's thread: another generation here has no more prompt left than
+        this one (a decoder, a shorter prompt), so it would wait behind this one's long chunks.
+        A generation with more left waits anyway (the baton serves the least left first), so it
+        is no reason to cut this one's prompt finer."""
+        me = threading.get_ident()
+        left = dict(self._left)  # a copy: other threads add and remove themselves
+        mine = left.pop(me, 0)
+        return any(theirs <= mine for theirs in left.values())
 
     def submit(self, tokens: Iterator[int], work: int = 0) -> TokenJob:
         """Run a generation; ``work``: prompt positions it prefills before its first token (its
@@ -252,6 +266,7 @@ class TokenScheduler:
 
     def _drive(self, job: TokenJob, work: int) -> None:
         """One generation's thread: a token at a time, each computed holding the baton."""
+        _held.generations = self._left
         set_priority(work)
         self._baton.acquire()
         try:
@@ -282,6 +297,7 @@ class TokenScheduler:
                 log.debug("closing a generation failed", exc_info=True)
             finally:
                 self._baton.release()
+                self._left.pop(threading.get_ident(), None)
                 with self._jobs_lock:
                     self._jobs.discard(job)
 

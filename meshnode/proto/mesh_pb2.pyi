@@ -190,7 +190,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies")
+    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class ForwardRequest(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     NEXT_SINGLE_FIELD_NUMBER: _ClassVar[int]
     RAW_REPLIES_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     start_layer: int
@@ -205,7 +206,8 @@ class ForwardRequest(_message.Message):
     input: Tensor
     next_single: bool
     raw_replies: bool
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ...) -> None: ...
+    work: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("output", "code", "error", "stage_seconds")

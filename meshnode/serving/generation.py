@@ -80,8 +80,9 @@ class LocalSession:
         (_, out), self._prepared = self._prepared, None
         return out
 
-    def submit(self, x: mx.array) -> DoneTicket:
-        """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters."""
+    def submit(self, x: mx.array, *, work: int = 0) -> DoneTicket:
+        """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters.
+        (``work``: this thread's claims already carry the request's remaining work.)"""
         out = self._shard.forward(x, self._cache)
         if self._shard.spec.is_last:
             owned = getattr(self._shard, "owned", None)
@@ -318,7 +319,7 @@ class PipelineSource:
         scheduler = self._scheduler
         job = scheduler.submit(
             generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                            prefill=self._prefill, busy=lambda: scheduler.active > 1),
+                            prefill=self._prefill, busy=scheduler.others_waiting),
             work=len(prompt),
         )
         async for token in job:

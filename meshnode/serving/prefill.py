@@ -12,10 +12,12 @@ runs too long), and small enough that the prompt is cut into several chunks per 
 pipe fills quickly and drains quickly (its idle bubble is about one chunk per stage).
 
 Sharing: a chunk runs at most ``TURN`` seconds at any stage (a request that arrives waits for
-the chunk in progress), and while other generations run on the node (``busy``), chunks are cut
+the chunk in progress), and while other generations with less prompt left (decoders, shorter
+prompts) run on the node (``busy``), chunks are cut
 to about ``SHARED_STEP`` seconds at the slowest stage, so another request's step (an answer's prefill or
-decode step) waits at most about that long behind a long prompt's chunk at any stage; every stage
-takes its work in turns (the MLX baton, FIFO), a chunk or a step at a time. Each stage's measured
+decode step) waits at most about that long behind a long prompt's chunk at any stage. Every stage
+takes its work in turns (the MLX baton: the request with the least prompt left first), a chunk or a
+step at a time. Each stage's measured
 speed is remembered across requests (``ChunkSizer(seed=...)``), so a long prompt's first chunk is
 already the right size.
 
@@ -66,7 +68,7 @@ class Ticket(Protocol):
 class PipelinedSession(Protocol):
     remote: bool
 
-    def submit(self, x: mx.array) -> Ticket: ...
+    def submit(self, x: mx.array, *, work: int = 0) -> Ticket: ...  # work: see pipelined_prefill
 
 
 class DoneTicket:
@@ -94,7 +96,8 @@ class ChunkSizer:
     def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK,
                  seed: Sequence[float | None] | None = None, busy=None):
         """``seed``: each stage's seconds per position measured before (earlier requests);
-        ``busy()``: other generations run on this node now (chunks are then cut to SHARED_STEP)."""
+        ``busy()``: other generations that have less prompt left run on this node now (chunks are
+        then cut to SHARED_STEP)."""
         self.stages = stages
         self.max_step = max_step
         self.max_chunk = max_chunk
@@ -136,12 +139,15 @@ def pipelined_prefill(
     thread to other work meanwhile); ``between_steps()`` runs after each local step but the last
     (fairness: others take their turn; after the last, the request's first token comes next);
     ``on_cut(remaining)`` after each chunk is cut, with the prompt positions not yet cut.
+    Every chunk goes to every stage with its ``work``: the prompt positions from it on when it was
+    cut, so each stage gives its MLX thread to the request with the least left (a short answer's
+    chunk before a long title's), as the head does.
     A stage is waited for while it is alive (``Ticket.check``), however long its chunk takes.
     """
     n = len(sessions)
     total = len(tokens)
-    ready: list[deque] = [deque() for _ in range(n)]  # inputs that can go into stage i
-    running: list[deque] = [deque() for _ in range(n)]  # (ticket, started) in order, per stage
+    ready: list[deque] = [deque() for _ in range(n)]  # (input, work) that can go into stage i
+    running: list[deque] = [deque() for _ in range(n)]  # (ticket, started, work) in order, per stage
     sent = chunks = 0
     wait = wait or wait_first
 
@@ -149,19 +155,19 @@ def pipelined_prefill(
         # Results leave each stage in order; a stage's next chunk starts when its last one ends.
         for i in range(n):
             while running[i] and running[i][0][0].done():
-                ticket, started = running[i].popleft()
+                ticket, started, work = running[i].popleft()
                 now = time.perf_counter()
                 out = ticket.result()
                 if sessions[i].remote:
                     sizer.observe(i, ticket.positions, now - started)
                     if running[i]:  # the next one started (at the latest) when this one ended
-                        nxt, nxt_started = running[i][0]
-                        running[i][0] = (nxt, max(nxt_started, now))
+                        nxt, nxt_started, nxt_work = running[i][0]
+                        running[i][0] = (nxt, max(nxt_started, now), nxt_work)
                 if i + 1 < n:
-                    ready[i + 1].append(out)
+                    ready[i + 1].append((out, work))
         if sent < total and len(ready[0]) + len(running[0]) < IN_FLIGHT:
             size = sizer.next(total - sent, total)
-            ready[0].append(mx.array(list(tokens[sent:sent + size]), dtype=mx.int32)[None])
+            ready[0].append((mx.array(list(tokens[sent:sent + size]), dtype=mx.int32)[None], total - sent))
             sent += size
             chunks += 1
             if on_cut is not None:
@@ -169,16 +175,17 @@ def pipelined_prefill(
         # Remote stages first: sending does not block, so they work while this thread computes.
         for i in range(n):
             while sessions[i].remote and ready[i] and len(running[i]) < IN_FLIGHT:
-                running[i].append((sessions[i].submit(ready[i].popleft()), time.perf_counter()))
+                x, work = ready[i].popleft()
+                running[i].append((sessions[i].submit(x, work=work), time.perf_counter(), work))
         local = [i for i in range(n) if not sessions[i].remote and ready[i]]
         if local:
             i = local[-1]  # the deepest first: it drains the pipe
-            x = ready[i].popleft()
+            x, work = ready[i].popleft()
             started = time.perf_counter()
-            ticket = sessions[i].submit(x)
+            ticket = sessions[i].submit(x, work=work)
             sizer.observe(i, ticket.positions, time.perf_counter() - started)
-            running[i].append((ticket, started))
-            last = sent >= total and not any(ready) and all(t.done() for q in running for t, _ in q)
+            running[i].append((ticket, started, work))
+            last = sent >= total and not any(ready) and all(t.done() for q in running for t, _, _ in q)
             if between_steps is not None and not last:
                 between_steps()
             continue

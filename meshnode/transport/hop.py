@@ -176,9 +176,10 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 if pause > 0:
                     log.info("test delay: %.1f s before a %d-position step of %s", pause, positions, request_id)
                     time.sleep(pause)
-            # A prefill chunk waits for the MLX thread behind decode steps and shorter chunks (the
-            # stage's view of shortest-remaining-first: meshnode.model.scheduler.AGE_S).
-            set_priority(positions if positions > 1 else 0)
+            # A prefill chunk waits for the MLX thread behind decode steps and requests with less
+            # prompt left (shortest remaining first: meshnode.model.scheduler.AGE_S); a sender of
+            # an older version says nothing of the rest (work 0): the chunk's own positions then.
+            set_priority(msg.work or (positions if positions > 1 else 0))
             try:
                 stage.admit(msg.input)
                 if raw:
@@ -252,16 +253,17 @@ class HopSession:
         self._spare: bytearray | None = None  # a raw reply's buffer, back from the last reply used
 
     # -- writing
-    def submit(self, x: mx.array, *, next_single: bool = False) -> "HopTicket":
+    def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "HopTicket":
         """Send ``x`` without waiting for the reply (called on the generation thread).
 
         ``next_single``: the next message, if any, carries one position (decoding), so the stage
-        may build that step ahead.
+        may build that step ahead. ``work``: ForwardRequest.work (prefill chunks).
         """
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         positions = x.shape[1]
-        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single).SerializeToString()
+        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single,
+                                          work=work).SerializeToString()
         self._queued += positions
         ticket = HopTicket(self, positions)
         self._unanswered.append(ticket)

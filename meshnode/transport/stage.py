@@ -252,11 +252,11 @@ class RemoteSession:
             raise stage_error(st, None, code, details)
         return reply
 
-    def submit(self, x: mx.array, *, next_single: bool = False) -> "RemoteTicket":
+    def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "RemoteTicket":
         """Send ``x`` without waiting for the reply (called on the generation thread).
 
-        ``next_single`` is a hint for the data port (meshnode.transport.hop); gRPC stages build each
-        step when its input arrives.
+        ``next_single`` and ``work`` are for the data port (meshnode.transport.hop); gRPC stages
+        build each step when its input arrives, and take steps in the order they arrive.
         """
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
