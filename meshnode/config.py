@@ -81,6 +81,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "kv_requests": positive_int,
     "prefill_step_size": positive_int,
     "pipelined_prefill": parse_bool,
+    "prompt_cache": parse_bool,
     "fast_hops": parse_bool,
     "max_step_ms": checked(as_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": positive_int,
@@ -172,6 +173,9 @@ class Settings:
     prefill_step_size: int = 512
     #: Prefill a prompt in chunks that flow through the stages like an assembly line.
     pipelined_prefill: bool = True
+    #: Keep recent conversations' KV on every stage (within the KV the plan reserves for
+    #: kv_requests requests), so a chat's next turn prefills only its new tokens.
+    prompt_cache: bool = True
     #: Activations between pipeline stages travel in bare TCP frames on the data port (tensor_port
     #: + 33) instead of gRPC streams: a hop then costs the network's round trip, not the RPC stack's.
     fast_hops: bool = True

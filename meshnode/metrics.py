@@ -80,6 +80,11 @@ class NodeMetrics:
         self._epoch_value = 0
         self.epoch.set_function(epoch or (lambda: self._epoch_value))
         self.replans = Counter("meshnode_plans_adopted", "Plans (new epochs) this node adopted", registry=r)
+        self.prompt_cache_hits = Counter("meshnode_prompt_cache_hits",
+                                         "Requests a stage here started from a kept conversation prefix", registry=r)
+        self.prompt_cache_tokens = Counter("meshnode_prompt_cache_reused_tokens",
+                                           "Prompt positions stages here did not compute again (kept prefixes)",
+                                           registry=r)
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
         self.unreachable = Gauge("meshnode_unreachable_peers",
@@ -121,6 +126,10 @@ class NodeMetrics:
                 prefill.observe(seconds)
 
         return observe
+
+    def prompt_cache_resumed(self, positions: int) -> None:
+        self.prompt_cache_hits.inc()
+        self.prompt_cache_tokens.inc(positions)
 
     def retry(self) -> None:
         self.failovers.inc()

@@ -277,7 +277,9 @@ class TokenScheduler:
                     job._put(_END)
                     return
                 except Exception as exc:  # the failure belongs to this request only
-                    log.warning("generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                    # (quiet: an outcome its caller handles, such as a prompt-cache miss)
+                    log.log(logging.INFO if getattr(exc, "quiet", False) else logging.WARNING, "generation failed: %s",
+                            exc, exc_info=log.isEnabledFor(logging.DEBUG))
                     job._put(exc)
                     return
                 job._put(token)

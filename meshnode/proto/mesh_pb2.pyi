@@ -190,7 +190,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work")
+    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,10 @@ class ForwardRequest(_message.Message):
     NEXT_SINGLE_FIELD_NUMBER: _ClassVar[int]
     RAW_REPLIES_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     start_layer: int
@@ -207,7 +211,11 @@ class ForwardRequest(_message.Message):
     next_single: bool
     raw_replies: bool
     work: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ...) -> None: ...
+    resume: str
+    resume_length: int
+    keep: str
+    keep_length: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("output", "code", "error", "stage_seconds")

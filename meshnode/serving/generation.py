@@ -20,17 +20,23 @@ import logging
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from meshnode.model.prefixes import prefix_key
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
 from meshnode.serving.sampling import SamplingParams
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
+from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
+from meshnode.transport.refusals import PrefixMiss
+
+if TYPE_CHECKING:
+    from meshnode.model.prefixes import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +53,36 @@ class StageHandle(Protocol):
     start: int
     end: int
 
-    def open(self, request_id: str) -> StageSession: ...
+    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession: ...
 
 
 class LocalSession:
     remote = False
 
-    def __init__(self, shard: Shard):
+    def __init__(self, shard: Shard, prefixes: "PrefixStore | None" = None, resume: tuple[str, int] | None = None):
         self._shard = shard
-        self._cache = shard.make_cache()
+        self._prefixes = prefixes
+        self._layers = (shard.start, shard.end)
+        self._seen = 0
         self._prepared: tuple[Placeholder, mx.array] | None = None
+        cache = None
+        if resume is not None:  # start from a prefix kept here (the prompt cache)
+            cache, why = prefixes.resume(self._layers, *resume) if prefixes is not None else (None, "off")
+            if cache is None:
+                raise PrefixMiss(f"layers [{shard.start}, {shard.end}) here: prefix {resume[0]}: {why}")
+            self._grow(resume[1])
+        self._cache = cache if cache is not None else shard.make_cache()
+
+    def _grow(self, positions: int) -> None:
+        self._seen += positions
+        if self._prefixes is not None:  # kept prefixes make room for this request's KV
+            self._prefixes.grow(self._layers, positions)
+
+    def keep(self, key: str, positions: int) -> bool:
+        """Keep this request's KV here (the prompt cache); whether it was."""
+        cache, self._cache, self._prepared = self._cache, None, None
+        return self._prefixes is not None and cache is not None and \
+            self._prefixes.keep(self._layers, key, cache, positions)
 
     def prepare(self) -> bool:
         """Build the next one-position step on a placeholder while a remote stage before this one
@@ -83,6 +109,7 @@ class LocalSession:
     def submit(self, x: mx.array, *, work: int = 0) -> DoneTicket:
         """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters.
         (``work``: this thread's claims already carry the request's remaining work.)"""
+        self._grow(x.shape[1])
         out = self._shard.forward(x, self._cache)
         if self._shard.spec.is_last:
             owned = getattr(self._shard, "owned", None)
@@ -95,24 +122,27 @@ class LocalSession:
     def forward(self, x: mx.array) -> mx.array:
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
         # (A remote stage evaluates when it encodes the activation for the wire.)
+        self._grow(x.shape[1])
         out = self._shard.forward(x, self._cache)
         if self._shard.spec.is_last:
             out = out[:, -1:, :]
         return out
 
     def close(self) -> None:
-        self._cache = None
+        self._cache = self._prepared = None
+        if self._seen:
+            self._grow(-self._seen)
 
 
 class LocalStage:
-    """A shard held by this process."""
+    """A shard held by this process; ``prefixes``: this node's kept prefixes (the prompt cache)."""
 
-    def __init__(self, shard: Shard):
-        self.shard = shard
+    def __init__(self, shard: Shard, prefixes: "PrefixStore | None" = None):
+        self.shard, self.prefixes = shard, prefixes
         self.start, self.end = shard.start, shard.end
 
-    def open(self, request_id: str) -> LocalSession:
-        return LocalSession(self.shard)
+    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> LocalSession:
+        return LocalSession(self.shard, self.prefixes, resume)
 
 
 class _RequestState:
@@ -136,19 +166,22 @@ class _RequestState:
 class PipelineModel:
     """An mlx-lm-callable model made of stages covering layers [0, L) in order."""
 
-    def __init__(self, stages: Sequence[StageHandle], request_id: str):
+    def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None):
+        """``resume``: (key, positions) of a prefix every stage kept (the prompt cache) to start from."""
         ends = [0] + [s.end for s in stages]
         if [s.start for s in stages] != ends[:-1]:
             raise ValueError(f"stages do not tile the layers: {[(s.start, s.end) for s in stages]}")
         self._stages = list(stages)
         self._request_id = request_id
+        self.resume = resume
         self.state: _RequestState | None = None
 
     def make_cache(self) -> list[_RequestState]:
         sessions: list[StageSession] = []
         try:
             for stage in self._stages:
-                sessions.append(stage.open(self._request_id))
+                sessions.append(stage.open(self._request_id, self.resume) if self.resume else
+                                stage.open(self._request_id))
         except BaseException:
             _RequestState(sessions).close()
             raise
@@ -204,6 +237,14 @@ class PipelineModel:
                   len(sessions))
         return chunks
 
+    def keep(self, tokens: Sequence[int]) -> bool:
+        """Ask every stage to keep this request's KV of exactly ``tokens`` (what was fed); whether
+        all of them took it (a stage that cannot, a tensor group, makes the prefix useless)."""
+        if self.state is None or not all(hasattr(s, "keep") for s in self.state.sessions):
+            return False
+        key = prefix_key(tokens)
+        return all([session.keep(key, len(tokens)) is not False for session in self.state.sessions])
+
     def close(self) -> None:
         if self.state is not None:
             self.state.close()
@@ -258,21 +299,30 @@ def generate_tokens(
     prefill_step_size: int = 512,
     prefill: PrefillOptions | None = None,
     busy: Callable[[], bool] | None = None,
+    keep: PrefixIndex | None = None,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
     With pipelined prefill, every prompt token but the last first streams through the stages in
     chunks (meshnode.serving.prefill); generate_step then gets the filled cache and the last token, and
-    samples and decodes exactly as it does for a prompt it prefilled itself.
+    samples and decodes exactly as it does for a prompt it prefilled itself. ``keep``: where the
+    prompt cache remembers what the stages were asked to keep at the end (``model.resume``: the
+    start they resume from).
     """
     sampler = make_request_sampler(params)
+    produced: list[int] = []
+    ended = False  # finished, or stopped by its consumer: the stages hold what was fed
     try:
         ids = list(prompt)
         cache = None
-        if prefill is not None and prefill.pipelined and len(ids) > 1:
+        skip = model.resume[1] if model.resume else 0  # positions every stage resumes (prompt cache)
+        pipelined = prefill is not None and prefill.pipelined
+        if skip or (pipelined and len(ids) > 1):
             cache = model.make_cache()
-            model.prefill(ids[:-1], prefill, busy)
-            ids = ids[-1:]
+            ids = ids[skip:]
+            if pipelined and len(ids) > 1:
+                model.prefill(ids[:-1], prefill, busy)
+                ids = ids[-1:]
         for token, _ in generate_step(
             mx.array(ids, dtype=mx.uint32),
             model,
@@ -281,9 +331,21 @@ def generate_tokens(
             prompt_cache=cache,
             prefill_step_size=prefill_step_size,
         ):
+            produced.append(int(token))
             yield int(token)
+        ended = True
+    except GeneratorExit:
+        ended = True
+        raise
     finally:
-        model.close()
+        try:
+            # Every token but the last produced went through every stage: keep that for the next
+            # turn of the conversation (the prompt cache).
+            fed = list(prompt) + produced[:-1]
+            if ended and keep is not None and produced and len(fed) >= MIN_REUSE and model.keep(fed):
+                keep.add(fed)
+        finally:
+            model.close()
 
 
 def _wait_idle(handles: list, timeout: float) -> None:
@@ -308,19 +370,35 @@ class PipelineSource:
         *,
         prefill_step_size: int = 512,
         prefill: PrefillOptions | None = None,
+        prefixes: PrefixIndex | None = None,
     ):
+        """``prefixes``: the model's prompt cache (what its stages keep), None: off."""
+        self._prefixes = prefixes
         self._scheduler = scheduler
         self._stages = stages
         self._prefill_step_size = prefill_step_size
         self._prefill = prefill
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
-        model = PipelineModel(self._stages(), new_request_id())
+        index = self._prefixes
+        resume = index.match(prompt) if index is not None else None
         scheduler = self._scheduler
-        job = scheduler.submit(
-            generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                            prefill=self._prefill, busy=scheduler.others_waiting),
-            work=len(prompt),
-        )
-        async for token in job:
-            yield token
+        while True:
+            model = PipelineModel(self._stages(), new_request_id(), resume)
+            job = scheduler.submit(
+                generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
+                                prefill=self._prefill, busy=scheduler.others_waiting, keep=index),
+                work=len(prompt) - (resume[1] if resume else 0),
+            )
+            produced = False
+            try:
+                async for token in job:
+                    produced = True
+                    yield token
+                return
+            except PrefixMiss as miss:  # a stage no longer holds it: the whole prompt, once
+                if produced or resume is None:
+                    raise
+                log.info("prompt cache: %s; prefilling all %d tokens", miss, len(prompt))
+                index.forget(resume[0], str(miss))
+                resume = None

@@ -45,14 +45,15 @@ def head_of(plan) -> str:
 class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
-    def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None]):
+    def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
+                 prefixes=None):
         self.epoch, self._on_fault = epoch, on_fault
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
-                                      prefill=prefill)
+                                      prefill=prefill, prefixes=prefixes)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         try:

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshnode.config import TENSOR_PORTS
+from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
+from meshnode.serving.promptcache import PrefixIndex
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import LocalStage
 from meshnode.serving.modelfiles import ModelFiles
@@ -102,8 +104,11 @@ class ServedModel:
                                 give_up=gave_up, same_epoch=self.placement_again)
         self.engine = Engine(f.model_id, f.tokenizer, source, max_context=s.max_context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
+        # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
+        self.prefixes, self.prefix_index = prompt_cache(s, self.metrics)
         self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.prefill_step_size,
-                                        max_context=s.max_context, inject_latency=s.inject_latency_us * 1e-6)
+                                        max_context=s.max_context, inject_latency=s.inject_latency_us * 1e-6,
+                                        prefixes=self.prefixes)
         loop = self.loop
         self.stage_server.on_fault = lambda error: loop.call_soon_threadsafe(self.fault, error)
 
@@ -336,6 +341,7 @@ class ServedModel:
         if placement is None:
             if head_of(plan) == self.node_id:
                 placement = HeadPlacement(plan.epoch, self.scheduler, self.stage_handles(plan), self.settings,
+                                          prefixes=self.prefix_index,
                                           on_fault=self.fault)
             else:
                 placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,
@@ -354,7 +360,7 @@ class ServedModel:
                 shard = self.shards.get(key)
                 if shard is None:
                     raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
-                handles.append(LocalStage(shard))
+                handles.append(LocalStage(shard, self.prefixes if keeps_prefixes(shard) else None))
             else:
                 handles.append(RemoteStage(
                     node_id=node_id, channel=self.mesh.data_channel(node_id), loop=self.loop,
@@ -366,6 +372,15 @@ class ServedModel:
                     data_session=HopSession,
                 ))
         return handles
+
+
+def prompt_cache(settings, metrics) -> tuple[PrefixStore | None, PrefixIndex | None]:
+    """A node's prompt cache (off: None, None): kept prefixes live in the KV the plan reserves for
+    ``kv_requests`` requests of ``max_context`` positions."""
+    if not settings.prompt_cache:
+        return None, None
+    return PrefixStore(settings.kv_requests * settings.max_context, on_resume=metrics.prompt_cache_resumed), \
+        PrefixIndex()
 
 
 def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:

@@ -166,6 +166,9 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
+            if msg.keep:  # the request's last message: keep its KV (the prompt cache), no reply
+                run_here(lambda: stage.keep(msg))
+                continue
             positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             if delay is not None:
                 pause = delay.seconds(positions, prefills, decodes)
@@ -201,7 +204,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             if msg.next_single:  # build the next step while the rest of the pipeline works
                 run_here(stage.prepare)
     finally:
-        stage.cache = stage.prepared = None
+        stage.close()
 
 
 def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:
@@ -235,11 +238,13 @@ class HopSession:
     remote = True
 
     def __init__(self, stage: "RemoteStage", request_id: str, host: str, port: int, *, auth: "ClusterAuth",
-                 node_id: str):
+                 node_id: str, resume: tuple[str, int] | None = None):
         self._stage = stage
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
             request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end,
             raw_replies=True))
+        if resume is not None:  # start from a prefix the stage kept (meshnode.model.prefixes)
+            opening.forward.resume, opening.forward.resume_length = resume
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
         # Replies are awaited with select (liveness checked in between); a frame once started must go on.
         self._sock.settimeout(FRAME_STALL)
@@ -353,6 +358,23 @@ class HopSession:
             with mlx_idle():
                 ticket.wait()
         return ticket.result(into)
+
+    def keep(self, key: str, positions: int) -> None:
+        """Ask the stage to keep this request's KV (the prompt cache); then read the replies still
+        in flight, so closing resets nothing the stage has not read yet."""
+        payload = mesh_pb2.ForwardRequest(keep=key, keep_length=positions).SerializeToString()
+        try:
+            with self._lock:
+                later = self._writing > 0
+                self._writing += later
+            if later:
+                self._write_later(payload)
+            else:
+                send_frame(self._sock, payload)
+            while self._unanswered:
+                self._read_next()
+        except (OSError, StageError) as exc:  # the answer is complete; only the cache is lost
+            log.debug("stage [%d, %d) did not take the prefix to keep: %s", self._stage.start, self._stage.end, exc)
 
     def close(self) -> None:
         if self._closed:

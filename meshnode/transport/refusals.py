@@ -25,6 +25,13 @@ class StagePending(StageRefused):
     placement will work shortly, so the caller retries it rather than waiting for a new plan."""
 
 
+class PrefixMiss(StageError):
+    """The stage does not hold the kept prefix the head asked to resume from (evicted, its node
+    restarted, its layers moved): the same request with its whole prompt works."""
+
+    quiet = True  # the head runs the request again at once (meshnode.serving.generation.PipelineSource)
+
+
 class StageFault(StageError):
     """The stage raised on its input (a bug, a model it cannot run): deterministic, so neither a
     retry nor a new plan on the same nodes would help; the generation ends with this error."""
@@ -37,6 +44,10 @@ EPOCH_PENDING = grpc.StatusCode.ABORTED
 # INTERNAL statuses of its own ("Internal error from Core" when a stream ends while the client
 # still writes, grpc/grpc#36066), so the code alone would take a refusal for a fault.
 STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
+
+
+# The prompt cache's prefix to resume from is not held there (gRPC never makes NOT_FOUND itself).
+PREFIX_MISS = grpc.StatusCode.NOT_FOUND
 
 
 def is_fault(code: grpc.StatusCode | None, details: str | None) -> bool:
@@ -55,6 +66,8 @@ def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[Stag
     """What a stage's (or a head's) error status means: the one reading of the codes above."""
     if code == EPOCH_PENDING:
         return StagePending
+    if code == PREFIX_MISS:
+        return PrefixMiss
     if is_fault(code, details):
         return StageFault
     if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):

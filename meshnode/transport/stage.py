@@ -37,7 +37,9 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
-from meshnode.transport.refusals import EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
+from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, PREFIX_MISS, STAGE_FAULT, StageError, StageRefusal,
+                                         stage_error)
+from meshnode.model.prefixes import keeps_prefixes
 from meshnode.model.tensor import TensorGroupError
 from meshnode.model.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
 from meshnode.model.scheduler import StepWatch, mlx_idle
@@ -45,6 +47,7 @@ from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
     from meshnode.trust.auth import ClusterAuth
+    from meshnode.model.prefixes import PrefixStore
     from meshnode.model.shard import Shard
     from meshnode.model.scheduler import TokenScheduler
     from meshnode.serving.generation import StageSession
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
+KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to take its prefix to keep
 
 
 def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> np.ndarray:
@@ -67,8 +71,9 @@ class StageServer:
     """Serves ``Forward`` streams for the shards this node holds in the current plan."""
 
     def __init__(self, scheduler: "TokenScheduler", *, vocab_size: int, max_chunk: int, max_context: int,
-                 inject_latency: float = 0.0):
+                 inject_latency: float = 0.0, prefixes: "PrefixStore | None" = None):
         self.scheduler = scheduler
+        self.prefixes = prefixes  # the prompt cache's kept prefixes (None: off)
         self.inject_latency = inject_latency  # seconds added to every reply (tests and benchmarks)
         self.vocab_size = vocab_size
         self.max_chunk = max_chunk
@@ -86,6 +91,11 @@ class StageServer:
     def retire_before(self, epoch: int) -> None:
         for old in [e for e in self.epochs if e < epoch]:
             del self.epochs[old]
+        if self.prefixes is not None:  # prefixes of layers no longer served here are memory to give back
+            served = {key for shards in self.epochs.values() for key in shards}
+            for layers in self.prefixes.layer_ranges():
+                if layers not in served:
+                    self.prefixes.forget(layers)
 
     def open(self, msg: mesh_pb2.ForwardRequest) -> "OpenStage":
         """One request's use of a stage served here (raises :class:`StageRefusal`)."""
@@ -99,7 +109,14 @@ class StageServer:
         shard = self.epochs[msg.epoch].get(key)
         if shard is None:
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
-        return OpenStage(self, shard)
+        cache = None
+        if msg.resume:
+            cache, why = (self.prefixes.resume(key, msg.resume, msg.resume_length)
+                          if self.prefixes is not None and keeps_prefixes(shard) else (None, "no prompt cache here"))
+            if cache is None:
+                raise StageRefusal(PREFIX_MISS, f"prefix {msg.resume} ({msg.resume_length} positions) of layers "
+                                                f"[{key[0]}, {key[1]}): {why}")
+        return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
 
     async def forward(
         self, requests: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
@@ -110,6 +127,9 @@ class StageServer:
                 try:
                     if stage is None:
                         stage = self.open(msg)
+                    if msg.keep:  # the request's last message: keep its KV, no reply
+                        await self.scheduler.call(lambda m=msg: stage.keep(m))
+                        continue
                     stage.admit(msg.input)
                     output, seconds = await self.scheduler.call(lambda m=msg: stage.run(m))
                 except StageRefusal as refusal:
@@ -124,6 +144,8 @@ class StageServer:
             # error, answered INVALID_ARGUMENT, instead of an UNKNOWN and a traceback in the log.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
         finally:
+            if stage is not None:
+                stage.close()
             stage = None
 
 
@@ -134,19 +156,40 @@ class OpenStage:
     admit each message, then run it on the MLX thread.
     """
 
-    def __init__(self, server: StageServer, shard: "Shard"):
+    def __init__(self, server: StageServer, shard: "Shard", cache: list | None = None, resumed: int = 0):
+        """``cache``: a kept prefix's KV (the prompt cache) holding ``resumed`` positions."""
         self.server, self.shard = server, shard
-        self.cache = shard.make_cache()
-        self.seen = 0
+        self.layers = (shard.spec.start, shard.spec.end)
+        self.cache = cache if cache is not None else shard.make_cache()
+        self.seen = resumed
+        if server.prefixes is not None and resumed:
+            server.prefixes.grow(self.layers, resumed)
         self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
         self.injected_fault: str | None = None  # tests only: the next run raises this (hop.InjectedDelay)
         self.injected_stall = 0.0  # tests only: the next run hangs this many seconds (hop.InjectedDelay)
 
     def admit(self, tensor: mesh_pb2.Tensor) -> None:
-        self.seen += tensor.shape[1] if len(tensor.shape) > 1 else 0
+        positions = tensor.shape[1] if len(tensor.shape) > 1 else 0
+        self.seen += positions
         if self.seen > self.server.max_context:
             raise StageRefusal(grpc.StatusCode.OUT_OF_RANGE,
                                f"request exceeds the context of {self.server.max_context} tokens")
+        if self.server.prefixes is not None:  # kept prefixes make room for this request's KV
+            self.server.prefixes.grow(self.layers, positions)
+
+    def keep(self, msg: mesh_pb2.ForwardRequest) -> None:
+        """The request's last message: keep its KV for a later request with the same start (on
+        the MLX thread). The cache is the store's from here on."""
+        cache, self.cache, self.prepared = self.cache, None, None
+        if self.server.prefixes is not None and cache is not None and keeps_prefixes(self.shard):
+            self.server.prefixes.keep(self.layers, msg.keep, cache, msg.keep_length)
+
+    def close(self) -> None:
+        """The stream ended: its positions are free for kept prefixes again."""
+        self.cache = self.prepared = None
+        if self.server.prefixes is not None and self.seen:
+            self.server.prefixes.grow(self.layers, -self.seen)
+            self.seen = 0
 
     def _host_input(self, tensor: mesh_pb2.Tensor) -> np.ndarray:
         shard = self.shard
@@ -221,9 +264,10 @@ class RemoteSession:
 
     remote = True
 
-    def __init__(self, stage: "RemoteStage", request_id: str):
+    def __init__(self, stage: "RemoteStage", request_id: str, resume: tuple[str, int] | None = None):
         self._stage = stage
         self._request_id = request_id
+        self._resume = resume  # the prompt cache's kept prefix to start from (meshnode.model.prefixes)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._write_lock: asyncio.Lock | None = None
         self._read_lock: asyncio.Lock | None = None
@@ -240,6 +284,8 @@ class RemoteSession:
                     self._call = st.stub.Forward(timeout=st.request_timeout)
                     msg.request_id, msg.epoch = self._request_id, st.epoch
                     msg.start_layer, msg.end_layer = st.start, st.end
+                    if self._resume is not None:
+                        msg.resume, msg.resume_length = self._resume
                 await self._call.write(msg)
             # Acquired in the order the writes finished: the n-th reader gets the n-th reply.
             async with self._read_lock:
@@ -275,6 +321,23 @@ class RemoteSession:
             with mlx_idle():  # other generations use the MLX thread while this one waits on the network
                 ticket.wait()
         return ticket.result(into)
+
+    def keep(self, key: str, positions: int) -> None:
+        """Ask the stage to keep this request's KV (the prompt cache) and end the stream."""
+        if self._call is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._keep(key, positions), self._stage.loop).result(KEEP_WAIT)
+        except Exception as exc:  # noqa: BLE001 - the answer is complete; only the cache is lost
+            log.debug("stage [%d, %d) did not take the prefix to keep: %s", self._stage.start, self._stage.end, exc)
+
+    async def _keep(self, key: str, positions: int) -> None:
+        async with self._write_lock:
+            await self._call.write(mesh_pb2.ForwardRequest(keep=key, keep_length=positions))
+            await self._call.done_writing()
+        async with self._read_lock:  # replies still in flight, then the stream's end
+            while await self._call.read() is not grpc.aio.EOF:
+                pass
 
     def close(self) -> None:
         if self._call is not None:
@@ -397,14 +460,16 @@ class RemoteStage:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
                              f"{self.request_timeout:.0f} s")
 
-    def open(self, request_id: str) -> "StageSession":
-        """The request's stream to this stage: over the peer's data port where it has one, else gRPC."""
+    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> "StageSession":
+        """The request's stream to this stage: over the peer's data port where it has one, else gRPC.
+        ``resume``: (key, positions) of a prefix the stage kept (the prompt cache) to start from."""
         if self.data_port is not None and self.auth is not None and self.data_session is not None:
             host, port = self.data_port
             try:
-                return self.data_session(self, request_id, host, port, auth=self.auth, node_id=self.caller)
+                return self.data_session(self, request_id, host, port, auth=self.auth, node_id=self.caller,
+                                         resume=resume)
             except OSError as exc:  # an older peer, or its data port blocked: gRPC still works
                 log.info("data port of %s at %s:%d unreachable (%s); activations go over gRPC", self.node_id,
                          host, port, exc)
                 self.data_port = None
-        return RemoteSession(self, request_id)
+        return RemoteSession(self, request_id, resume)

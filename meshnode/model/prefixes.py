@@ -1,0 +1,163 @@
+"""The prompt cache's node side: KV caches of recent conversation prefixes, kept per layer range.
+
+A chat client re-sends the whole conversation every turn. When a generation ends, the head asks
+every stage to keep that request's KV (cut to the positions both sides know were fed) under a
+key made from those tokens (:func:`prefix_key`); the next request that starts with them resumes
+from a copy of it and prefills only its new tokens, at every stage. The head decides what to
+resume from (meshnode.serving.promptcache); a stage that no longer holds it says so and the head
+prefills it all.
+
+Memory: kept prefixes live in the KV the memory plan reserves for requests
+(``kv_requests`` x ``max_context`` positions of this node's layers): the positions kept plus the
+positions of the requests open here never exceed it; the least recently used prefix goes first.
+Entries are keyed by layer range, not epoch, so a stage whose layers did not move in a re-plan
+keeps its prefixes.
+"""
+
+from __future__ import annotations
+
+import copy
+from array import array
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+log = logging.getLogger(__name__)
+
+Layers = tuple[int, int]
+# Why a kept prefix cannot be resumed part way: this model's cache (a sliding window, a recurrent
+# state) cannot be cut back, so only whole kept prefixes can be resumed.
+CANNOT_CUT = "this model's cache cannot be cut back"
+
+
+def prefix_key(tokens: Sequence[int]) -> str:
+    """The name of a kept prefix: a hash of exactly the tokens its KV holds."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=12).hexdigest()
+
+
+def keeps_prefixes(shard: Any) -> bool:
+    """Whether a shard's per-request cache can be kept here: a pipeline shard's list of layer
+    caches; a tensor group's cache is spread over its members' processes."""
+    return getattr(shard, "owned", None) is not None
+
+
+def _distinct(cache: list[Any]) -> list[Any]:
+    """Each layer cache once: a shard's list aliases the layers it does not own to its own."""
+    return list({id(c): c for c in cache}.values())
+
+
+def _cut(cache: list[Any], positions: int) -> None:
+    trim_prompt_cache(_distinct(cache), positions)
+
+
+def cache_positions(cache: list[Any]) -> int:
+    """Positions a KV cache holds (its first layer's offset; 0 for an empty list)."""
+    for layer in cache:
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return 0
+
+
+class PrefixStore:
+    """This node's kept prefixes, per layer range; thread-safe (stages run on several threads)."""
+
+    def __init__(self, capacity: int, on_resume: Callable[[int], None] | None = None):
+        """``capacity``: positions of KV one layer range may hold, kept and in use together;
+        ``on_resume(positions)``: told of each request resumed from a kept prefix (metrics)."""
+        self.capacity = max(0, int(capacity))
+        self._on_resume = on_resume
+        self._lock = threading.Lock()
+        self._kept: dict[Layers, OrderedDict[str, tuple[list[Any], int]]] = {}
+        self._in_use: dict[Layers, int] = {}
+        self.hits = self.misses = self.kept = self.evicted = 0
+        self.reused_positions = 0  # positions requests did not have to compute again
+
+    # -- the requests open here
+    def grow(self, layers: Layers, positions: int) -> None:
+        """A request open here took ``positions`` more positions of KV (negative: released)."""
+        with self._lock:
+            self._in_use[layers] = max(0, self._in_use.get(layers, 0) + positions)
+            self._fit(layers)
+
+    # -- keeping and resuming
+    def keep(self, layers: Layers, key: str, cache: list[Any], positions: int) -> bool:
+        """Keep ``cache`` (this request's, no longer used by it) cut to ``positions``."""
+        held = cache_positions(cache)
+        if positions <= 0 or held < positions:
+            return False
+        if held > positions:
+            if not can_trim_prompt_cache(_distinct(cache)):
+                log.debug("not keeping %s for layers %s: %d positions held, %d asked, cannot trim", key, layers,
+                          held, positions)
+                return False
+            _cut(cache, held - positions)
+        mx.eval([c.state for c in _distinct(cache)])  # a step built ahead (never run) is dropped, not kept lazily
+        with self._lock:
+            if positions > self.capacity:
+                return False
+            kept = self._kept.setdefault(layers, OrderedDict())
+            kept.pop(key, None)
+            kept[key] = (cache, positions)
+            self.kept += 1
+            self._fit(layers)
+            return key in kept
+
+    def resume(self, layers: Layers, key: str, positions: int) -> tuple[list[Any] | None, str]:
+        """A copy of the cache kept under ``key``, cut to ``positions``; or None and why not: not
+        held here (evicted, never kept, a node restarted), or CANNOT_CUT."""
+        with self._lock:
+            entry = self._kept.get(layers, {}).get(key)
+            if entry is not None:
+                self._kept[layers].move_to_end(key)
+        if entry is None or positions > entry[1]:
+            self.misses += 1
+            return None, "not kept here"
+        cache, held = entry
+        if positions < held and not can_trim_prompt_cache(_distinct(cache)):
+            self.misses += 1
+            return None, CANNOT_CUT
+        mine = copy.deepcopy(cache)
+        if positions < held:
+            _cut(mine, held - positions)
+        self.hits += 1
+        self.reused_positions += positions
+        if self._on_resume is not None:
+            self._on_resume(positions)
+        return mine, ""
+
+    def forget(self, layers: Layers | None = None) -> None:
+        """Drop every prefix kept (for ``layers``, or all): its layers are not served here any more."""
+        with self._lock:
+            for lr in [layers] if layers is not None else list(self._kept):
+                self._kept.pop(lr, None)
+
+    def held(self, layers: Layers) -> int:
+        """Positions kept for ``layers``."""
+        with self._lock:
+            return sum(p for _, p in self._kept.get(layers, {}).values())
+
+    def layer_ranges(self) -> list[Layers]:
+        with self._lock:
+            return list(self._kept)
+
+    def keys(self, layers: Layers) -> list[str]:
+        with self._lock:
+            return list(self._kept.get(layers, {}))
+
+    def _fit(self, layers: Layers) -> None:
+        kept = self._kept.get(layers)
+        if not kept:
+            return
+        room = self.capacity - self._in_use.get(layers, 0)
+        total = sum(p for _, p in kept.values())
+        while kept and total > room:
+            _, (_, positions) = kept.popitem(last=False)
+            total -= positions
+            self.evicted += 1

@@ -1,0 +1,82 @@
+"""The prompt cache's head side: which conversation prefixes the stages keep, and which to resume.
+
+After a generation, the head asks every stage to keep the request's KV under a key made from the
+tokens it holds (meshnode.model.prefixes). Here the head remembers those token sequences; a new
+request resumes from the one sharing the longest start with its prompt and prefills only the rest
+at every stage. The stages bound what they keep by memory and may have dropped it; they then say
+so, and the request is run again with its whole prompt (:class:`PrefixIndex.forget`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshnode.model.prefixes import CANNOT_CUT, prefix_key
+
+# A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
+MIN_REUSE = 16
+ENTRIES = 32  # prefixes remembered (the stages bound them by memory; this bounds the search)
+
+
+def common_start(a: np.ndarray, b: np.ndarray) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class PrefixIndex:
+    """The prefixes this head asked its stages to keep, most recently used last; thread-safe."""
+
+    def __init__(self, entries: int = ENTRIES):
+        self._entries = entries
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
+
+    def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
+        """(key, positions) to resume ``prompt`` from, or None. At least the prompt's last token is
+        always computed (its logits give the first new token)."""
+        want = np.asarray(prompt, dtype=np.int64)
+        best: tuple[str, int] | None = None
+        with self._lock:
+            entries = list(self._kept.items())
+        for key, tokens in entries:
+            n = min(common_start(tokens, want), len(want) - 1)
+            if n < len(tokens) and not self.partial:
+                continue
+            if n >= MIN_REUSE and (best is None or n > best[1]):
+                best = (key, n)
+        if best is not None:
+            with self._lock:
+                if best[0] in self._kept:
+                    self._kept.move_to_end(best[0])
+        return best
+
+    def add(self, tokens: Sequence[int]) -> str:
+        """Remember that the stages were asked to keep exactly ``tokens``; their key."""
+        key = prefix_key(tokens)
+        with self._lock:
+            self._kept.pop(key, None)
+            self._kept[key] = np.asarray(tokens, dtype=np.int64)
+            while len(self._kept) > self._entries:
+                self._kept.popitem(last=False)
+        return key
+
+    def forget(self, key: str, why: str = "") -> None:
+        """A stage did not hold ``key`` (``why``: its refusal). A cache that cannot be cut back
+        (meshnode.model.prefixes.CANNOT_CUT) misses that way every time: from then on only whole
+        kept prefixes are resumed."""
+        with self._lock:
+            self._kept.pop(key, None)
+        if CANNOT_CUT in why:
+            self.partial = False
+
+    def __len__(self) -> int:
+        return len(self._kept)
