@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import free_port, start_node, stop, wait_healthy  # noqa: E402
-from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
+from benchmarks.common import STREAM_CHAT, local_node, two_stage_mesh  # noqa: E402
+from harness.cluster import in_ns  # noqa: E402
 
 # A small float32 llama: on these 2-core boxes (reference BLAS, ~1 GFLOP/s) its 1k-token prefill takes
 # a few seconds, long enough to starve an answer that waits behind it, short enough for 20 rounds.
@@ -39,12 +37,17 @@ CTX = 2048
 
 # The client side: runs where the client lives (this process, or the mesh's client namespace).
 # argv: url, model, title words, rounds, mode ("ttft" | "openwebui")
-CLIENT = r'''
+CLIENT = STREAM_CHAT + r'''
 import json, statistics, sys, threading, time, urllib.request
 url, model, words, rounds, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 ANSWER = %(answer)s
-TITLE = [{"role": "user", "content": "### Task: generate a concise title for the chat below.\n" +
-          " ".join("word%%d" %% (i %% 97) for i in range(words))}]
+ROUND = [0]
+def TITLE_NOW():
+    # every new chat's title prompt is another conversation: none starts like another (which the
+    # prompt cache would resume; the chat's own turns are benchmarks/chat.py's)
+    ROUND[0] += 1
+    return [{"role": "user", "content": "Chat %%d. ### Task: generate a concise title for the chat below.\n" %% ROUND[0] +
+             " ".join("word%%d" %% ((i * 7 + ROUND[0] * 13) %% 97) for i in range(words))}]
 
 def post(messages, max_tokens, stream):
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -53,20 +56,11 @@ def post(messages, max_tokens, stream):
                                   headers={"Content-Type": "application/json"}), timeout=600)
 
 def answer():
-    t0 = time.perf_counter(); first = None; text = ""
-    with post(ANSWER, %(answer_tokens)d, True) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                ev = json.loads(line[6:])
-                piece = ev["choices"][0]["delta"].get("content") if ev.get("choices") else None
-                if piece:
-                    first = first or time.perf_counter()
-                    text += piece
-    return first - t0, time.perf_counter() - t0, text
+    return stream_chat(url, model, ANSWER, %(answer_tokens)d)
 
 def title(out):
     t0 = time.perf_counter()
-    with post(TITLE, %(title_tokens)d, False) as r:
+    with post(TITLE_NOW(), %(title_tokens)d, False) as r:
         json.loads(r.read())
     out.append(time.perf_counter() - t0)
 
@@ -97,7 +91,7 @@ else:
             lost.append(repr(e))
     def name(out):
         try:
-            c.chat.completions.create(model=model, messages=TITLE, max_tokens=%(title_tokens)d, temperature=0)
+            c.chat.completions.create(model=model, messages=TITLE_NOW(), max_tokens=%(title_tokens)d, temperature=0)
         except Exception as e:
             lost.append(repr(e))
     for _ in range(rounds):
@@ -138,53 +132,19 @@ def run_client(args: list[str], host=None, timeout: float = 900) -> dict:
 
 
 def one_node(model: Path, words: int, rounds: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        http, grpc = free_port(), free_port()
-        proc = start_node(node_argv(model, host="127.0.0.1", http_port=http, grpc_port=grpc, mdns=False, state_dir=tmp,
-                                    max_context=CTX), log=Path(tmp) / "node.log")
-        try:
-            wait_healthy(f"http://127.0.0.1:{http}", 300)
-            return run_client([f"http://127.0.0.1:{http}", model.name, str(words), str(rounds), "ttft"])
-        finally:
-            stop(proc)
+    with local_node(model, CTX) as url:
+        return run_client([url, model.name, str(words), str(rounds), "ttft"])
 
 
 def two_stages(model: Path, words: int, rounds: int, openwebui: int, pin: bool = False) -> tuple[dict, dict | None]:
-    """``pin``: each stage's process on a core of its own (``taskset``), as two machines are; unpinned,
-    the two stages share this box's cores, and the title's compute at one stage takes CPU from the
-    answer's step at the other, which separate machines never do."""
-    from meshnode.weights.profile import profile_model
-    from harness.netns import netns_mesh
-
-    budget = int(profile_model(model).total_bytes(CTX) * 0.6)
-    HTTP, GRPC = 8470, 8471
-    with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
-        a, b, client = mesh.hosts
-        cores = sorted(os.sched_getaffinity(0))
-        for i, h in enumerate((a, b)):
-            state = Path(tmp) / h.name
-            state.mkdir()
-            h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(model, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
-                              # budgets are fractions of one request's total (as in the tests)
-                              max_context=CTX, kv_requests=1),
-                    env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
-                         "MESHNODE_STRATEGY": "pipeline"},
-                    log_path=state / "node.log")
-        view = wait_mesh(f"http://{a.ip}:{HTTP}",
-                         lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
-                         client=client, timeout=200, what="a 2-stage plan",
-                         details=lambda: "".join((Path(tmp) / h.name / "node.log").read_text()[-3000:] for h in (a, b)))
-        first_stage = view["plan"]["stages"][0]["nodes"][0]
-        entry = a if first_stage == a.name else b  # the client talks to a node that is not the head
-        url = f"http://{entry.ip}:{HTTP}"
-
+    """``pin``: see benchmarks.common.two_stage_mesh."""
+    with two_stage_mesh(model, CTX, pin=pin) as (client, url, logs):
         ttft = run_client([url, model.name, str(words), str(rounds), "ttft"], client)
         owui = run_client([url, model.name, str(words), str(openwebui), "openwebui"], client) if openwebui else None
-        for h in (a, b):
-            log = (Path(tmp) / h.name / "node.log").read_text()
-            lost = log.count("generation lost")
+        for log in logs:
+            lost = log.read_text().count("generation lost")
             if lost:
-                print(f"{h.name}: {lost} 'generation lost' lines in the log")
+                print(f"{log.parent.name}: {lost} 'generation lost' lines in the log")
         return ttft, owui
 
 

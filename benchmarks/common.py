@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import socket
 import statistics
 import subprocess
@@ -145,3 +147,79 @@ def stop(proc: subprocess.Popen) -> None:
 
 def median(xs):
     return statistics.median(xs)
+
+
+MESH_HTTP, MESH_GRPC = 8470, 8471
+
+
+@contextlib.contextmanager
+def local_node(model: Path, max_context: int):
+    """One ``meshnode run`` process on loopback (mDNS off) serving ``model``; yields its base URL."""
+    from harness.cluster import node_argv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        http, grpc = free_port(), free_port()
+        proc = start_node(node_argv(model, host="127.0.0.1", http_port=http, grpc_port=grpc, mdns=False, state_dir=tmp,
+                                    max_context=max_context), log=Path(tmp) / "node.log")
+        try:
+            wait_healthy(f"http://127.0.0.1:{http}", 300)
+            yield f"http://127.0.0.1:{http}"
+        finally:
+            stop(proc)
+
+# For the client scripts the benchmarks run where the client lives (here, or in a namespace):
+# stream one greedy chat completion; (seconds to the first text, seconds in all, the text).
+STREAM_CHAT = r'''
+import json, time, urllib.request
+def stream_chat(url, model, messages, max_tokens, timeout=900):
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    t0 = time.perf_counter(); first = None; text = ""
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                ev = json.loads(line[6:])
+                piece = ev["choices"][0]["delta"].get("content") if ev.get("choices") else None
+                if piece:
+                    first = first or time.perf_counter()
+                    text += piece
+    end = time.perf_counter()
+    return (first or end) - t0, end - t0, text
+'''
+
+
+@contextlib.contextmanager
+def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction: float = 0.6, env: dict | None = None):
+    """Two ``meshnode run`` processes on namespace hosts, pipelined (neither holds the model alone),
+    and a third host for the client; yields ``(client, entry_url, node_logs)`` once a 2-stage plan
+    serves: ``entry_url`` is the node that is not the head (a client of any node is relayed to the
+    head). ``pin``: each node's process on a core of its own (``taskset``), as on two machines;
+    unpinned, the two share this box's cores and one's compute takes CPU from the other's. Needs root."""
+    from harness.cluster import node_argv, wait_mesh
+    from harness.netns import netns_mesh
+    from meshnode.weights.profile import profile_model
+
+    root = Path(__file__).resolve().parent.parent
+    budget = int(profile_model(model).total_bytes(max_context) * fraction)
+    with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
+        a, b, client = mesh.hosts
+        cores = sorted(os.sched_getaffinity(0))
+        logs = [Path(tmp) / h.name / "node.log" for h in (a, b)]
+        for i, h in enumerate((a, b)):
+            state = Path(tmp) / h.name
+            state.mkdir()
+            h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(
+                model, http_port=MESH_HTTP, grpc_port=MESH_GRPC, node_id=h.name, budget=budget, state_dir=state,
+                # budgets are fractions of one request's total (as in the tests)
+                max_context=max_context, kv_requests=1),
+                env={**os.environ, "PYTHONPATH": str(root), "MESHNODE_CLUSTER_KEY": "bench",
+                     "MESHNODE_STRATEGY": "pipeline", **(env or {})},
+                log_path=state / "node.log")
+        view = wait_mesh(f"http://{a.ip}:{MESH_HTTP}",
+                         lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
+                         client=client, timeout=200, what="a 2-stage plan",
+                         details=lambda: "".join(log.read_text()[-3000:] for log in logs))
+        first_stage = view["plan"]["stages"][0]["nodes"][0]
+        entry = a if first_stage == a.name else b
+        yield client, f"http://{entry.ip}:{MESH_HTTP}", logs

@@ -32,10 +32,12 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about the sea and the r
 CTX = 2048
 
 
-def long_messages(words: int = 230) -> list[dict]:
-    """A title-like request: about 1k tokens with this model's tokenizer."""
-    return [{"role": "user", "content": "### Task: a concise title for the chat below.\n"
-             + " ".join(f"word{i % 97}" for i in range(words))}]
+def long_messages(words: int = 230, chat: int = 0) -> list[dict]:
+    """A title-like request: about 1k tokens with this model's tokenizer; each ``chat`` another
+    (none starts like another: the prompt cache would resume it, and the answer would no longer
+    run beside a long prefill)."""
+    return [{"role": "user", "content": f"Chat {chat}. ### Task: a concise title for the chat below.\n"
+             + " ".join(f"word{(i * 7 + chat * 13) % 97}" for i in range(words))}]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def test_slow_stage_serves_a_1k_token_prompt_without_503(model, mesh2):
     allowance; prefill 4 ms per position) serves a ~1k-token prompt with default settings:
     slowly, no 503, the answer identical to mlx-lm."""
     cluster, view, entry, head, delay = mesh2
-    messages = long_messages()
+    messages = long_messages(chat=101)  # its own: a prompt the mesh kept would not be prefilled
     want = mlx_reference(model, messages, 3)
     set_delay(delay, {"prefill_per_position": 0.004, "decode": 2.5})
     try:
@@ -117,7 +119,7 @@ OPENWEBUI = r'''
 import json, sys, threading
 from openai import OpenAI
 url, model, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-answer, title = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+answer, titles = json.loads(sys.argv[4]), json.loads(sys.argv[5])  # a title request per round
 c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 texts, lost = [], []
 def ask():
@@ -129,13 +131,13 @@ def ask():
         texts.append(text)
     except Exception as e:
         lost.append("answer: " + repr(e))
-def name():
+def name(title):
     try:
         c.chat.completions.create(model=model, messages=title, max_tokens=10, temperature=0)
     except Exception as e:
         lost.append("title: " + repr(e))
-for _ in range(rounds):
-    a, b = threading.Thread(target=ask), threading.Thread(target=name)
+for i in range(rounds):
+    a, b = threading.Thread(target=ask), threading.Thread(target=name, args=(titles[i],))
     a.start(); b.start(); a.join(); b.join()
 print(json.dumps({"texts": texts, "lost": lost}))
 '''
@@ -149,7 +151,7 @@ def test_openwebui_answer_and_title_at_once_nothing_lost(model, mesh2):
     cluster, view, entry, head, delay = mesh2
     want = mlx_reference(model, MESSAGES, 20)
     result = in_ns(cluster.client, OPENWEBUI, f"http://{entry.ip}:{HTTP}", model.name, ROUNDS, json.dumps(MESSAGES),
-                   json.dumps(long_messages()), timeout=150)
+                   json.dumps([long_messages(chat=i) for i in range(ROUNDS)]), timeout=150)
     assert result["lost"] == [], (result["lost"], cluster.logs())
     assert result["texts"] == [want] * ROUNDS
     assert_no_loss(cluster, view)
@@ -214,7 +216,7 @@ def test_a_stage_limited_to_a_quarter_core_serves_a_1k_token_prompt(model, mesh2
     busy with another job) serves a ~1k-token prompt with default settings: slowly, no 503, no
     re-plan, the answer identical to mlx-lm. Its heartbeats still go out, so it is busy, not lost."""
     cluster, view, entry, head, delay = mesh2
-    messages = long_messages()
+    messages = long_messages(chat=102)  # its own: a prompt the mesh kept would not be prefilled
     want = mlx_reference(model, messages, 3)
     body = {"model": model.name, "messages": messages, "max_tokens": 3, "temperature": 0}
     with cpulimit.cpu_limited(cluster.procs[entry.name].pid, 0.25) as throttled:

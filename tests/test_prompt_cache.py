@@ -204,3 +204,36 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
         again = in_ns(cluster.client, CHAT, f"http://{head.ip}:{HTTP}", model.name, json.dumps(TURNS[:2]),
                       timeout=300)
         assert again == _references(model, again)[:2], cluster.logs()
+
+
+def test_the_next_turn_waits_for_the_last_one_to_be_kept():
+    """A client that has its last token (EOS, a stop string, a relay counting max_tokens) sends
+    the next turn at once, while the generation may still be asking its stages to keep its
+    prefix: the next turn waits for that (briefly) instead of missing it and prefilling the whole
+    conversation again. A request that only shares a start with a running one does not wait."""
+    import asyncio
+    import threading
+    import time
+
+    index = PrefixIndex()
+    turn1 = list(range(300, 340))
+    fed = turn1 + [7, 8, 9]
+    ended = threading.Event()
+    index.running(turn1, ended)
+
+    def keep_later():
+        time.sleep(0.3)
+        index.add(fed)
+        ended.set()
+
+    def waited(prompt) -> float:
+        t0 = time.monotonic()
+        asyncio.run(index.settled(prompt))
+        return time.monotonic() - t0
+
+    assert waited(turn1[:30] + [1, 2, 3]) < 0.1  # shares a start only: an agent's parallel call
+    assert waited(turn1) < 0.1  # the same prompt again, in parallel
+    threading.Thread(target=keep_later).start()
+    assert 0.2 < waited(fed + [10, 11]) < 1.5  # the next turn: it holds turn 1's prompt whole
+    assert index.match(fed + [10, 11]) == (prefix_key(fed), len(fed))
+    assert waited(fed + [10, 11]) < 0.1  # nothing running any more

@@ -91,6 +91,7 @@ class PrefixStore:
         """Keep ``cache`` (this request's, no longer used by it) cut to ``positions``."""
         held = cache_positions(cache)
         if positions <= 0 or held < positions:
+            log.debug("not keeping %s for layers %s: %d positions held, %d asked", key, layers, held, positions)
             return False
         if held > positions:
             if not can_trim_prompt_cache(_distinct(cache)):
@@ -158,6 +159,8 @@ class PrefixStore:
         room = self.capacity - self._in_use.get(layers, 0)
         total = sum(p for _, p in kept.values())
         while kept and total > room:
-            _, (_, positions) = kept.popitem(last=False)
+            key, (_, positions) = kept.popitem(last=False)
             total -= positions
             self.evicted += 1
+            log.debug("prompt cache: gave up prefix %s (%d positions) of layers %s: %d kept + %d in use > %d",
+                      key, positions, layers, total + positions, self._in_use.get(layers, 0), self.capacity)

@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -81,6 +82,7 @@ class LocalSession:
     def keep(self, key: str, positions: int) -> bool:
         """Keep this request's KV here (the prompt cache); whether it was."""
         cache, self._cache, self._prepared = self._cache, None, None
+        self.close()  # its positions are the kept prefix's now, not a request's in use
         return self._prefixes is not None and cache is not None and \
             self._prefixes.keep(self._layers, key, cache, positions)
 
@@ -300,6 +302,7 @@ def generate_tokens(
     prefill: PrefillOptions | None = None,
     busy: Callable[[], bool] | None = None,
     keep: PrefixIndex | None = None,
+    ended: threading.Event | None = None,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
@@ -307,11 +310,11 @@ def generate_tokens(
     chunks (meshnode.serving.prefill); generate_step then gets the filled cache and the last token, and
     samples and decodes exactly as it does for a prompt it prefilled itself. ``keep``: where the
     prompt cache remembers what the stages were asked to keep at the end (``model.resume``: the
-    start they resume from).
+    start they resume from); ``ended`` is set once that is done.
     """
     sampler = make_request_sampler(params)
     produced: list[int] = []
-    ended = False  # finished, or stopped by its consumer: the stages hold what was fed
+    finished = False  # to the end, or stopped by its consumer: the stages hold what was fed
     try:
         ids = list(prompt)
         cache = None
@@ -333,19 +336,21 @@ def generate_tokens(
         ):
             produced.append(int(token))
             yield int(token)
-        ended = True
+        finished = True
     except GeneratorExit:
-        ended = True
+        finished = True
         raise
     finally:
         try:
             # Every token but the last produced went through every stage: keep that for the next
             # turn of the conversation (the prompt cache).
             fed = list(prompt) + produced[:-1]
-            if ended and keep is not None and produced and len(fed) >= MIN_REUSE and model.keep(fed):
+            if finished and keep is not None and produced and len(fed) >= MIN_REUSE and model.keep(fed):
                 keep.add(fed)
         finally:
             model.close()
+            if ended is not None:
+                ended.set()
 
 
 def _wait_idle(handles: list, timeout: float) -> None:
@@ -381,13 +386,19 @@ class PipelineSource:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         index = self._prefixes
-        resume = index.match(prompt) if index is not None else None
+        resume = None
+        if index is not None:
+            await index.settled(prompt)  # the conversation's previous turn may be keeping its prefix now
+            resume = index.match(prompt)
         scheduler = self._scheduler
         while True:
             model = PipelineModel(self._stages(), new_request_id(), resume)
+            ended = threading.Event()
+            if index is not None:
+                index.running(prompt, ended)
             job = scheduler.submit(
                 generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                                prefill=self._prefill, busy=scheduler.others_waiting, keep=index),
+                                prefill=self._prefill, busy=scheduler.others_waiting, keep=index, ended=ended),
                 work=len(prompt) - (resume[1] if resume else 0),
             )
             produced = False

@@ -9,7 +9,9 @@ so, and the request is run again with its whole prompt (:class:`PrefixIndex.forg
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -20,6 +22,7 @@ from meshnode.model.prefixes import CANNOT_CUT, prefix_key
 # A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
 MIN_REUSE = 16
 ENTRIES = 32  # prefixes remembered (the stages bound them by memory; this bounds the search)
+SETTLE_WAIT = 2.0  # seconds a next turn waits for the previous one's prefix to be kept
 
 
 def common_start(a: np.ndarray, b: np.ndarray) -> int:
@@ -38,7 +41,30 @@ class PrefixIndex:
         self._entries = entries
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._running: list[tuple[np.ndarray, threading.Event]] = []  # generations still going, and their prompts
         self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
+
+    def running(self, prompt: Sequence[int], ended: threading.Event) -> None:
+        """A generation of ``prompt`` runs; ``ended`` is set once it is over and its prefix kept."""
+        with self._lock:
+            self._running = [r for r in self._running if not r[1].is_set()]
+            self._running.append((np.asarray(prompt, dtype=np.int64), ended))
+
+    async def settled(self, prompt: Sequence[int], timeout: float = SETTLE_WAIT) -> None:
+        """Wait (at most ``timeout``) for the generations this prompt continues to be kept.
+
+        A chat client sends the next turn as soon as it has the last token of the previous one
+        (EOS, a stop string, a relay that counted max_tokens), while that generation may still
+        be asking its stages to keep its prefix. A prompt that holds another running prompt whole
+        and goes on past it is such a next turn; one that merely shares a start (the same system
+        prompt, an agent's parallel calls) does not wait."""
+        want = np.asarray(prompt, dtype=np.int64)
+        with self._lock:
+            pending = [e for p, e in self._running if not e.is_set() and len(want) > len(p) >= MIN_REUSE
+                       and common_start(p, want) == len(p)]
+        if pending:
+            deadline = time.monotonic() + timeout
+            await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in pending))
 
     def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
         """(key, positions) to resume ``prompt`` from, or None. At least the prompt's last token is

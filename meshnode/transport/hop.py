@@ -42,6 +42,7 @@ from meshnode.transport.refusals import StageError, StageRefusal, stage_error
 from meshnode.model.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
 from meshnode.model.scheduler import mlx_idle, set_priority
 from meshnode.proto import mesh_pb2
+from meshnode.transport.stage import KEPT
 
 if TYPE_CHECKING:
     from meshnode.trust.auth import ClusterAuth
@@ -166,8 +167,9 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
-            if msg.keep:  # the request's last message: keep its KV (the prompt cache), no reply
+            if msg.keep:  # the request's last message: keep its KV (the prompt cache), then say so
                 run_here(lambda: stage.keep(msg))
+                send_frame(conn, KEPT_FRAME)
                 continue
             positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             if delay is not None:
@@ -227,6 +229,7 @@ def _refuse(conn: socket.socket, refusal: StageRefusal) -> None:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+KEPT_FRAME = KEPT.SerializeToString()
 
 
 # --------------------------------------------------------------------------- head side
@@ -360,8 +363,8 @@ class HopSession:
         return ticket.result(into)
 
     def keep(self, key: str, positions: int) -> None:
-        """Ask the stage to keep this request's KV (the prompt cache); then read the replies still
-        in flight, so closing resets nothing the stage has not read yet."""
+        """Ask the stage to keep this request's KV (the prompt cache) and wait until it has: the
+        replies still in flight, then its KEPT (so the next turn, on another stream, finds it)."""
         payload = mesh_pb2.ForwardRequest(keep=key, keep_length=positions).SerializeToString()
         try:
             with self._lock:
@@ -371,6 +374,7 @@ class HopSession:
                 self._write_later(payload)
             else:
                 send_frame(self._sock, payload)
+            self._unanswered.append(HopTicket(self, 0))  # the stage's KEPT, after the replies in flight
             while self._unanswered:
                 self._read_next()
         except (OSError, StageError) as exc:  # the answer is complete; only the cache is lost

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
 KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to take its prefix to keep
+# The answer to a keep (ForwardRequest.keep): the prefix is stored (an empty output; never an
+# empty frame on the data port, which would read as the end of the stream).
+KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
 
 
 def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> np.ndarray:
@@ -127,8 +130,9 @@ class StageServer:
                 try:
                     if stage is None:
                         stage = self.open(msg)
-                    if msg.keep:  # the request's last message: keep its KV, no reply
+                    if msg.keep:  # the request's last message: keep its KV, then say it is kept
                         await self.scheduler.call(lambda m=msg: stage.keep(m))
+                        yield KEPT
                         continue
                     stage.admit(msg.input)
                     output, seconds = await self.scheduler.call(lambda m=msg: stage.run(m))
@@ -181,6 +185,7 @@ class OpenStage:
         """The request's last message: keep its KV for a later request with the same start (on
         the MLX thread). The cache is the store's from here on."""
         cache, self.cache, self.prepared = self.cache, None, None
+        self.close()  # its positions are the kept prefix's now, not a request's in use
         if self.server.prefixes is not None and cache is not None and keeps_prefixes(self.shard):
             self.server.prefixes.keep(self.layers, msg.keep, cache, msg.keep_length)
 
