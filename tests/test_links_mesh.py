@@ -8,7 +8,7 @@ import pytest
 
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from harness.cluster import Cluster
+from harness.cluster import HTTP, Cluster
 from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
@@ -27,8 +27,11 @@ def test_data_takes_the_fast_link(tmp_path):
     model = build_model(tmp_path / "llama", "llama", num_layers=8, hidden_size=256, intermediate_size=512,
                         dtype="float32")
     m, tok = load(str(model))
-    reference = generate(m, tok, prompt=tok.apply_chat_template(MESSAGES, add_generation_prompt=True),
-                         max_tokens=40)
+    # two different questions: the same one again would be resumed from the prompt cache, and its
+    # prompt would not cross the link a second time
+    chats = [MESSAGES, [{"role": "user", "content": "Tell me where the rivers go."}]]
+    references = [generate(m, tok, prompt=tok.apply_chat_template(c, add_generation_prompt=True), max_tokens=40)
+                  for c in chats]
     total = profile_model(model).total_bytes(512)
     with netns_mesh(2) as mesh:
         a, b = mesh.hosts
@@ -57,11 +60,16 @@ def test_data_takes_the_fast_link(tmp_path):
 
         # Per-token traffic between the stages goes over the direct link.
         before = {dev: (_bytes(a, dev), _bytes(b, dev)) for dev in (a.dev, link.dev_a)}
-        assert cluster.chat(a, MESSAGES, 40) == reference
-        assert cluster.chat(b, MESSAGES, 40) == reference
+        positions = 0
+        for host, chat, reference in zip((a, b), chats, references):
+            body = {"model": model.name, "messages": chat, "max_tokens": 40, "temperature": 0}
+            status, _, out = cluster.fetch(f"http://{host.ip}:{HTTP}/v1/chat/completions", body, timeout=60)
+            assert status == 200 and out["choices"][0]["message"]["content"] == reference, out
+            # the prompt but its last token in prefill chunks, then a step per token generated
+            positions += out["usage"]["prompt_tokens"] - 1 + out["usage"]["completion_tokens"]
         after = {dev: (_bytes(a, dev), _bytes(b, dev)) for dev in (a.dev, link.dev_a)}
         sent = {dev: sum(x1 - x0 for x0, x1 in zip(before[dev], after[dev])) for dev in before}
-        activations = 2 * 40 * 256 * 4  # two chats, >= 40 hidden states of 256 float32 each
+        activations = positions * 256 * 4  # a hidden state of 256 float32 per position, at least
         # Nothing but the data plane crosses the direct link meanwhile (each path was probed once,
         # on joining). The bridge is not compared: its own traffic during the chats (heartbeats,
         # HTTP, relayed requests) varied between runs by more than the lean activation frames.
