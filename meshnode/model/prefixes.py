@@ -76,7 +76,7 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._kept: dict[Layers, OrderedDict[str, tuple[list[Any], int]]] = {}
         self._in_use: dict[Layers, int] = {}
-        self.hits = self.misses = self.kept = self.evicted = 0
+        self.hits = 0  # requests resumed from a kept prefix
         self.reused_positions = 0  # positions requests did not have to compute again
 
     # -- the requests open here
@@ -106,7 +106,6 @@ class PrefixStore:
             kept = self._kept.setdefault(layers, OrderedDict())
             kept.pop(key, None)
             kept[key] = (cache, positions)
-            self.kept += 1
             self._fit(layers)
             return key in kept
 
@@ -118,11 +117,9 @@ class PrefixStore:
             if entry is not None:
                 self._kept[layers].move_to_end(key)
         if entry is None or positions > entry[1]:
-            self.misses += 1
             return None, "not kept here"
         cache, held = entry
         if positions < held and not can_trim_prompt_cache(_distinct(cache)):
-            self.misses += 1
             return None, CANNOT_CUT
         mine = copy.deepcopy(cache)
         if positions < held:
@@ -161,6 +158,5 @@ class PrefixStore:
         while kept and total > room:
             key, (_, positions) = kept.popitem(last=False)
             total -= positions
-            self.evicted += 1
             log.debug("prompt cache: gave up prefix %s (%d positions) of layers %s: %d kept + %d in use > %d",
                       key, positions, layers, total + positions, self._in_use.get(layers, 0), self.capacity)

@@ -239,13 +239,13 @@ class PipelineModel:
                   len(sessions))
         return chunks
 
-    def keep(self, tokens: Sequence[int]) -> bool:
-        """Ask every stage to keep this request's KV of exactly ``tokens`` (what was fed); whether
-        all of them took it (a stage that cannot, a tensor group, makes the prefix useless)."""
+    def keep(self, key: str, positions: int) -> bool:
+        """Ask every stage to keep this request's KV of its first ``positions`` (what was fed)
+        under ``key``; whether all of them took it (a stage that cannot, a tensor group, makes
+        the prefix useless)."""
         if self.state is None or not all(hasattr(s, "keep") for s in self.state.sessions):
             return False
-        key = prefix_key(tokens)
-        return all([session.keep(key, len(tokens)) is not False for session in self.state.sessions])
+        return all([session.keep(key, positions) is not False for session in self.state.sessions])
 
     def close(self) -> None:
         if self.state is not None:
@@ -345,8 +345,10 @@ def generate_tokens(
             # Every token but the last produced went through every stage: keep that for the next
             # turn of the conversation (the prompt cache).
             fed = list(prompt) + produced[:-1]
-            if finished and keep is not None and produced and len(fed) >= MIN_REUSE and model.keep(fed):
-                keep.add(fed)
+            if finished and keep is not None and produced and len(fed) >= MIN_REUSE:
+                key = prefix_key(fed)
+                if model.keep(key, len(fed)):
+                    keep.add(fed, key)
         finally:
             model.close()
             if ended is not None:

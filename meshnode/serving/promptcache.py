@@ -85,9 +85,10 @@ class PrefixIndex:
                     self._kept.move_to_end(best[0])
         return best
 
-    def add(self, tokens: Sequence[int]) -> str:
-        """Remember that the stages were asked to keep exactly ``tokens``; their key."""
-        key = prefix_key(tokens)
+    def add(self, tokens: Sequence[int], key: str | None = None) -> str:
+        """Remember that the stages were asked to keep exactly ``tokens`` (under ``key``, their
+        :func:`prefix_key`, when the caller has it already); the key."""
+        key = key or prefix_key(tokens)
         with self._lock:
             self._kept.pop(key, None)
             self._kept[key] = np.asarray(tokens, dtype=np.int64)
