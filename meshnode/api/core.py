@@ -27,7 +27,7 @@ from aiohttp import web
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
-from meshnode.serving.engine import Delta, Engine
+from meshnode.serving.engine import Delta, Engine, TokenLogprob, ToolCall
 from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -200,14 +200,29 @@ class _Slot:
         self._active.remove(self)
 
 
-async def collect(gen: Generation) -> tuple[str, Delta]:
-    """The whole answer and its last delta (finish reason, completion tokens)."""
-    parts, last = [], None
+@dataclass
+class Answer:
+    """A whole answer: its content, reasoning, tool calls and logprobs, and the last delta
+    (finish reason, completion tokens)."""
+
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    logprobs: list[TokenLogprob]
+    last: Delta
+
+
+async def collect(gen: Generation) -> Answer:
+    """The whole answer, for a surface that does not stream."""
+    text, reasoning, calls, logprobs, last = [], [], [], [], None
     async for delta in gen.deltas:
-        parts.append(delta.text)
+        text.append(delta.text)
+        reasoning.append(delta.reasoning)
+        calls.extend(delta.tool_calls)
+        logprobs.extend(delta.logprobs)
         last = delta
         gen.advance(delta)
-    return "".join(parts), last
+    return Answer("".join(text), "".join(reasoning), calls, logprobs, last)
 
 
 class StreamFormat(Protocol):
@@ -217,7 +232,8 @@ class StreamFormat(Protocol):
 
     def opening(self) -> list[bytes]: ...
 
-    def delta(self, text: str) -> list[bytes]: ...
+    def delta(self, delta: Delta) -> list[bytes]:
+        """Frames for one piece: its text, and its reasoning, tool calls and logprobs if any."""
 
     def closing(self, last: Delta) -> list[bytes]: ...
 
@@ -245,8 +261,8 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
         async for delta in gen.deltas:
             last = delta
             gen.advance(delta)
-            if delta.text:
-                await send(fmt.delta(delta.text))
+            if delta.text or delta.reasoning or delta.tool_calls or delta.logprobs:
+                await send(fmt.delta(delta))
         await send(fmt.closing(last))
     except ConnectionResetError:  # a client that goes away (Stop) is normal: one line, no traceback
         gone()

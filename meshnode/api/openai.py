@@ -62,8 +62,8 @@ class _ServerSentEvents(_Envelope):
     def opening(self) -> list[bytes]:
         return [self.chunk("", None, first=True)] if self.kind == "chat" else []
 
-    def delta(self, text: str) -> list[bytes]:
-        return [self.chunk(text, None)]
+    def delta(self, delta: Delta) -> list[bytes]:
+        return [self.chunk(delta.text, None)]
 
     def closing(self, last: Delta) -> list[bytes]:
         frames = [self.chunk(None if self.kind == "chat" else "", last.finish_reason)]
@@ -81,12 +81,13 @@ async def _respond(kind: str, request: web.Request, gen: core.Generation, req: G
     if req.stream:
         return await core.stream(request, gen, _ServerSentEvents(gen, kind, req.include_usage))
     envelope = _Envelope(gen, kind)
-    text, last = await core.collect(gen)
+    answer = await core.collect(gen)
+    last = answer.last
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
                   "finish_reason": last.finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": last.finish_reason}
     body = envelope.wrap([choice], chunk=False)
     body["usage"] = envelope.usage(last.completion_tokens)
     return web.json_response(body)

@@ -68,6 +68,21 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    # Sampling beyond temperature/top_p (mlx-lm's sampler and logits processors); None: off.
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: this many alternatives per token
+    # Function tools in OpenAI's form ({"type": "function", "function": {name, description,
+    # parameters}}), given to the model's chat template; tool_choice "auto", "none", "required"
+    # or {"type": "function", "function": {"name": ...}}.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    think: bool | None = None  # reasoning models: think first (None: the model's default)
 
 
 # (name, type) pairs; every field is optional (null = absent). The lists are explained above.

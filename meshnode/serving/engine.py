@@ -22,12 +22,36 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made (its tool-call markup parsed by mlx-lm's tool parser)."""
+
+    id: str
+    name: str
+    arguments: str  # the arguments as JSON text, as OpenAI sends them
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and, if asked, the most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
-    """A piece of generated text; the last one has ``finish_reason`` set."""
+    """A piece of the answer; the last one has ``finish_reason`` set ("stop", "length" or
+    "tool_calls"). ``text`` is the answer's content, ``reasoning`` the model's thinking (between
+    its think markers), ``tool_calls`` the calls completed in this piece, ``logprobs`` one entry
+    per token of this piece where the request asked for them."""
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class TokenSource(Protocol):
