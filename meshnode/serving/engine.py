@@ -52,6 +52,7 @@ class Delta:
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
 
 
 class TokenSource(Protocol):
@@ -80,21 +81,21 @@ class Engine:
         text, emitted, count = "", 0, 0
         finish = "length"
 
-        def cut() -> tuple[str, bool]:
-            """Text that is safe to emit now, and whether a stop string ended the output."""
+        def cut() -> tuple[str, str | None]:
+            """Text that is safe to emit now, and the stop string that ended the output, if one did."""
             nonlocal emitted
             if stops:
                 window = max(0, emitted - hold)
-                hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
+                hits = [(i, s) for i, s in ((text.find(s, window), s) for s in stops) if i >= 0]
                 if hits:
-                    end = min(hits)
+                    end, which = min(hits)
                     out, emitted = text[emitted:end], max(emitted, end)
-                    return out, True
+                    return out, which
             safe = len(text) - hold if stops else len(text)
             if safe <= emitted:
-                return "", False
+                return "", None
             out, emitted = text[emitted:safe], safe
-            return out, False
+            return out, None
 
         metrics, started, first_at = self.metrics, time.monotonic(), None
         async for token in self.source.tokens(prompt, params):
@@ -114,7 +115,7 @@ class Engine:
             text += detokenizer.last_segment
             piece, stopped = cut()
             if stopped:
-                yield Delta(piece, count, "stop")
+                yield Delta(piece, count, "stop", stop_sequence=stopped)
                 return
             if piece:
                 yield Delta(piece, count)
@@ -124,6 +125,6 @@ class Engine:
         text += detokenizer.last_segment
         piece, stopped = cut()
         if stopped:
-            yield Delta(piece, count, "stop")
+            yield Delta(piece, count, "stop", stop_sequence=stopped)
             return
         yield Delta(piece + text[emitted:], count, finish)  # the tail held back for stop strings
