@@ -85,7 +85,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "fast_hops": parse_bool,
     "max_step_ms": checked(as_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": positive_int,
-    "default_max_tokens": positive_int,
+    "default_max_tokens": checked(as_int, lambda n: n >= 0, "0 (the room left) or a positive number"),
     "max_body_bytes": checked(parse_size, lambda n: n >= 1, "a positive size"),
     "max_concurrent_requests": positive_int,
     "peers": peer_list,
@@ -184,7 +184,9 @@ class Settings:
     max_step_ms: float = 500.0
     #: The largest max_tokens a request may ask for.
     max_tokens_limit: int = 4096
-    default_max_tokens: int = 512
+    #: max_tokens of a request that gives none; 0: the room left in the context (a reasoning
+    #: model's thinking is not cut short).
+    default_max_tokens: int = 0
     max_body_bytes: int = 1 << 20
     max_concurrent_requests: int = 8
     #: Static peers, "HOST:PORT" of their gRPC port.

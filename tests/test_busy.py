@@ -162,7 +162,7 @@ def test_access_log_one_line_per_request_and_quiet_disconnect(model, mesh2):
     log of the node it reached; a client that goes away leaves one INFO line and no traceback."""
     cluster, view, entry, head, delay = mesh2
     before = cluster.log(entry).count("meshnode.access:")
-    status, _, _ = cluster.fetch(f"http://{entry.ip}:{HTTP}/api/tags")
+    status, _, _ = cluster.fetch(f"http://{entry.ip}:{HTTP}/api/unknown")
     assert status == 404
     cluster.chat(entry, MESSAGES, 4)
     set_delay(delay, {"decode": 0.2})  # a stream long enough to walk away from
@@ -180,7 +180,7 @@ def test_access_log_one_line_per_request_and_quiet_disconnect(model, mesh2):
     lines = [line for line in log.splitlines() if "meshnode.access:" in line]
     assert len(lines) - before == 3, lines[before:]
     new = lines[before:]
-    assert "GET /api/tags 404" in new[0]
+    assert "GET /api/unknown 404" in new[0]
     assert "POST /v1/chat/completions 200" in new[1] and f"model={model.name}" in new[1] and "+4" in new[1]
     assert "client-disconnected" in new[2]
     assert "Traceback" not in log and "Error handling request" not in log, log[-4000:]

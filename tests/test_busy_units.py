@@ -154,7 +154,7 @@ def test_access_log_and_quiet_client_disconnect(model_path, tmp_path, caplog):
     with running_node(model_path, tmp_path, max_context=512) as (node, base):
         async def go():
             async with aiohttp.ClientSession() as s:
-                async with s.get(f"{base}/api/tags") as r:
+                async with s.get(f"{base}/api/unknown") as r:
                     assert r.status == 404
                 body = {"model": node.model_id, "prompt": "hello", "max_tokens": 3, "temperature": 0}
                 async with s.post(f"{base}/v1/completions", json=body) as r:
@@ -170,7 +170,7 @@ def test_access_log_and_quiet_client_disconnect(model_path, tmp_path, caplog):
         asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records if r.name == "meshnode.access"]
     assert len(lines) == 3, lines
-    assert lines[0].startswith("GET /api/tags 404 ")
+    assert lines[0].startswith("GET /api/unknown 404 ")
     assert lines[1].startswith("POST /v1/completions 200 ") and f"model={node.model_id}" in lines[1]
     assert lines[1].endswith("+3")
     assert "client-disconnected" in lines[2]

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from meshnode.api import validation
-from meshnode.api.validation import HARMLESS, NOT_HONOURED_YET, ApiError, Limits, parse_request
+from meshnode.api.validation import HARMLESS, ApiError, Limits, parse_request
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import SamplingParams
 
@@ -53,7 +53,17 @@ def test_completion_prompt_forms():
     ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
      "invalid_type"),
-    ({"model": "m", "messages": MSG, "logprobs": True}, "logprobs", "invalid_value"),
+    ({"model": "m", "messages": MSG, "top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
+    ({"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"model": "m", "messages": MSG, "logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
+    ({"model": "m", "messages": MSG, "logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
+    ({"model": "m", "messages": MSG, "presence_penalty": 3}, "presence_penalty", "invalid_value"),
+    ({"model": "m", "messages": MSG, "response_format": {"type": "json_object"}}, "response_format.type",
+     "invalid_value"),
+    ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"model": "m", "messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "invalid_value"),
+    ({"model": "m", "messages": MSG, "verbosity": "low"}, "verbosity", "invalid_value"),
 ])
 def test_rejected(body, param, code):
     with pytest.raises(ApiError) as e:
@@ -95,42 +105,48 @@ def _open_webui_request():
             "stop": ["<|im_end|>"], "temperature": 0.8, "top_p": 0.9, "max_tokens": 50}
 
 
-def test_open_webui_request_is_accepted_and_the_unhonoured_fields_warned_once(monkeypatch, caplog):
-    monkeypatch.setattr(validation, "_warned", set())
-    caplog.set_level(logging.WARNING, logger="meshnode.api.validation")
-    for _ in range(2):
-        r = parse_request(_open_webui_request(), "chat", L)
+def test_open_webui_request_is_honoured_field_by_field():
+    r = parse_request(_open_webui_request(), "chat", L)
     assert (r.stream, r.include_usage, r.seed, r.stop, r.max_tokens, r.temperature, r.top_p) == \
         (True, True, 42, ("<|im_end|>",), 50, 0.8, 0.9)
+    assert (r.top_k, r.min_p, r.repetition_penalty, r.frequency_penalty, r.presence_penalty) == (40, 0.05, 1.1, 0, 0)
     assert [m["role"] for m in r.messages] == ["system", "user"]
-    warned = sorted(rec.getMessage() for rec in caplog.records)
-    assert warned == sorted(f"request field '{name}' is accepted but not honoured yet" for name in
-                            ("tools", "tool_choice", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
-                             "presence_penalty"))
+    assert len(r.tools) == 36 and r.tools[0]["function"]["name"] == "tool_0" and r.tool_choice == "auto"
 
 
-def test_coding_agent_and_harmless_fields_are_accepted():
-    history = [*MSG, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
-               {"role": "tool", "content": "42", "tool_call_id": "1"}]  # keys of a message beyond these: ignored
+def test_coding_agent_fields_reach_the_request():
+    history = [*MSG, {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 2}'}}]},
+               {"role": "tool", "content": "42", "tool_call_id": "1", "reasoning_content": "x"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"model": "m", "messages": history, "reasoning_effort": "low", "response_format": {"type": "text"},
-            "logit_bias": {"50256": -100}, "user": "u1", "metadata": {"k": "v"}, "store": False,
-            "parallel_tool_calls": True, "logprobs": False, "max_completion_tokens": 7, "n": 1}
+            "logit_bias": {"50": -100}, "user": "u1", "metadata": {"k": "v"}, "store": False, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "parallel_tool_calls": True, "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 7, "n": 1}
     r = parse_request(body, "chat", L)
-    assert r.max_tokens == 7 and r.messages[1] == {"role": "assistant", "content": ""}
-    r = parse_request({"model": "m", "prompt": "x", "echo": False, "suffix": None, "best_of": 1}, "completion", L)
-    assert r.prompt == "x"
+    assert r.max_tokens == 7 and r.logit_bias == {50: -100.0} and (r.logprobs, r.top_logprobs) == (True, 3)
+    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 2}}}]}
+    assert r.messages[2] == {"role": "tool", "content": "42", "tool_call_id": "1"}
+    assert r.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert r.template_kwargs == {"reasoning_effort": "low"} and r.think is True
+    old = parse_request({"model": "m", "messages": MSG, "functions": [{"name": "g"}], "function_call": {"name": "g"}},
+                        "chat", L)
+    assert old.tools == [{"type": "function", "function": {"name": "g"}}]
+    assert old.tool_choice == {"type": "function", "function": {"name": "g"}}
+    r = parse_request({"model": "m", "prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logprobs": 2},
+                      "completion", L)
+    assert r.prompt == "x" and (r.logprobs, r.top_logprobs) == (True, 2)
     for field, value in (("echo", True), ("suffix", "tail"), ("best_of", 2)):
         with pytest.raises(ApiError) as e:
             parse_request({"model": "m", "prompt": "x", field: value}, "completion", L)
         assert e.value.param == field
 
 
-def test_the_field_lists_do_not_overlap():
-    honoured = set(validation.ChatRequest.model_fields) - {n for n, _ in HARMLESS + NOT_HONOURED_YET}
-    assert honoured == {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                        "stop", "stream", "stream_options", "n"}
-    names = [n for n, _ in HARMLESS + NOT_HONOURED_YET]
-    assert len(names) == len(set(names))
+def test_the_honoured_fields_and_the_harmless_ones_do_not_overlap():
+    harmless = {n for n, _ in HARMLESS}
+    assert not harmless & {"model", "messages", "tools", "logprobs", "top_k", "logit_bias"}
+    assert harmless <= set(validation.ChatRequest.model_fields)
 
 
 class _Detok:

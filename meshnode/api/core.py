@@ -27,7 +27,8 @@ from aiohttp import web
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
-from meshnode.serving.engine import Delta, Engine, TokenLogprob, ToolCall
+from meshnode.serving.answer import AnswerShape, ToolCall
+from meshnode.serving.engine import Delta, Engine, TokenLogprob
 from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -128,36 +129,88 @@ async def _serve(request: web.Request, parse, respond: Respond, id_prefix: str) 
     req = parse(await json_body(request), limits)
     engine = app[BACKEND].engine(req.model)
     with _Slot(app):
-        prompt = await _prompt_tokens(engine, req)
+        prompt, shape = await _prompt_tokens(engine, req)
         max_tokens = _budget(engine, req, len(prompt), limits)
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         gen = Generation(id_prefix + uuid.uuid4().hex[:24], engine.model_id, len(prompt),
-                         engine.stream(prompt, params, req.stop))
+                         engine.stream(prompt, sampling(engine, req, max_tokens), req.stop, shape))
         request[ACCESS] = gen.access
         return await respond(request, gen, req)
 
 
-async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> list[int]:
+def sampling(engine: Engine, req: GenerationRequest, max_tokens: int) -> SamplingParams:
+    """The request's sampling, its token ids checked against the model's vocabulary."""
+    vocab = engine.vocab_size
+    bias = req.logit_bias or {}
+    bad = next((t for t in bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias",
+                       code="invalid_value")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        top_k=min(req.top_k or 0, vocab), min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logit_bias=tuple(sorted(bias.items())), top_logprobs=req.top_logprobs if req.logprobs else -1,
+    )
+
+
+async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape | None]:
+    """The prompt's token ids, and for a chat how its answer is read (meshnode.serving.answer)."""
     tokenizer = engine.tokenizer
     if req.kind == "chat":
-        if getattr(tokenizer, "chat_template", None):
-            tokens = await asyncio.to_thread(
-                tokenizer.apply_chat_template, req.messages, add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(tokens, dict):  # transformers may return a BatchEncoding
-                tokens = tokens["input_ids"]
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant: "
-            tokens = await asyncio.to_thread(tokenizer.encode, text)
-        return list(tokens)
+        return await chat_prompt(engine, req)
     if isinstance(req.prompt, list):
         vocab = engine.vocab_size
         bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
                            code="invalid_value")
-        return list(req.prompt)
-    return list(await asyncio.to_thread(tokenizer.encode, req.prompt))
+        return list(req.prompt), None
+    return list(await asyncio.to_thread(tokenizer.encode, req.prompt)), None
+
+
+async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape]:
+    """The chat template applied to the messages, with the request's tools and thinking switch.
+
+    tool_choice: "none" leaves the tools out; "required" ends the prompt with the model's
+    tool-call start marker, so that the answer is a call; a named function is "required" with
+    only that tool offered."""
+    tokenizer = engine.tokenizer
+    tools, choice = req.tools, req.tool_choice
+    if choice == "none":
+        tools = None
+    if tools and not getattr(tokenizer, "has_tool_calling", False):
+        raise ApiError(400, f"model {engine.model_id} cannot call tools: its chat template has no tool-call format",
+                       param="tools", code="unsupported_value")
+    if isinstance(choice, dict):
+        tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    forced = bool(tools) and (choice == "required" or isinstance(choice, dict))
+    if not getattr(tokenizer, "chat_template", None):
+        if tools or req.think is not None or req.template_kwargs:
+            raise ApiError(400, f"model {engine.model_id} has no chat template to take tools or template options",
+                           param="tools" if tools else "chat_template_kwargs", code="unsupported_value")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant: "
+        return list(await asyncio.to_thread(tokenizer.encode, text)), AnswerShape()
+    kwargs = dict(req.template_kwargs)
+    if tools:
+        kwargs["tools"] = tools
+    if req.think is not None:
+        kwargs["enable_thinking"] = req.think  # mlx-lm's wrapper renames it for the model's template
+
+    def render() -> list[int]:
+        try:
+            tokens = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a template that raises (jinja's raise_exception) on this chat
+            raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages",
+                           code="invalid_value") from None
+        if isinstance(tokens, dict):  # transformers may return a BatchEncoding
+            tokens = tokens["input_ids"]
+        tokens = list(tokens)
+        if forced:
+            tokens += tokenizer.encode(tokenizer.tool_call_start, add_special_tokens=False)
+        return tokens
+
+    prompt = await asyncio.to_thread(render)
+    return prompt, AnswerShape(tools=tools or None, forced_tool=forced)
 
 
 def _budget(engine: Engine, req: GenerationRequest, prompt_len: int, limits: Limits) -> int:
@@ -169,8 +222,8 @@ def _budget(engine: Engine, req: GenerationRequest, prompt_len: int, limits: Lim
             param="messages" if req.kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    if req.max_tokens is None:
-        return min(limits.default_max_tokens, room)
+    if req.max_tokens is None:  # the room left (a reasoning model's thinking is not cut short)
+        return min(limits.default_max_tokens or room, room)
     if req.max_tokens > room:
         raise ApiError(
             400,

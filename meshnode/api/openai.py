@@ -16,6 +16,7 @@ from aiohttp import web
 from meshnode.api import core
 from meshnode.api.validation import GenerationRequest, parse_request
 from meshnode.errors import ApiError
+from meshnode.serving.answer import ToolCall
 from meshnode.serving.engine import Delta
 
 
@@ -40,33 +41,45 @@ class _ServerSentEvents(_Envelope):
 
     content_type = "text/event-stream"
 
-    def __init__(self, gen: core.Generation, kind: str, include_usage: bool):
-        super().__init__(gen, kind)
-        self.include_usage = include_usage
-
     @staticmethod
     def event(obj: Any) -> bytes:
         payload = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         return f"data: {payload}\n\n".encode()
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> bytes:
+    def __init__(self, gen: core.Generation, kind: str, include_usage: bool):
+        super().__init__(gen, kind)
+        self.include_usage = include_usage
+        self.calls = 0  # tool calls streamed so far: each one's index
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False, piece: Delta | None = None) -> bytes:
+        logprobs = _logprobs(self.kind, piece.logprobs) if piece is not None and piece.logprobs else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
+            if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            elif text is not None and (first or piece is None):
+                delta["content"] = text
+            if piece is not None and piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
+            if piece is not None and piece.tool_calls:
+                delta["tool_calls"] = [dict(_tool_call(c), index=self.calls + i) for i, c in enumerate(piece.tool_calls)]
+                self.calls += len(piece.tool_calls)
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self.event(self.wrap([choice], chunk=True))
 
     def opening(self) -> list[bytes]:
         return [self.chunk("", None, first=True)] if self.kind == "chat" else []
 
     def delta(self, delta: Delta) -> list[bytes]:
-        return [self.chunk(delta.text, None)]
+        return [self.chunk(delta.text, None, piece=delta)]
 
     def closing(self, last: Delta) -> list[bytes]:
-        frames = [self.chunk(None if self.kind == "chat" else "", last.finish_reason)]
+        frames = []
+        if last.text or last.reasoning or last.tool_calls or last.logprobs:  # the last piece
+            frames = self.delta(last)
+        frames.append(self.chunk(None if self.kind == "chat" else "", last.finish_reason))
         if self.include_usage:
             usage = self.wrap([], chunk=True)
             usage["usage"] = self.usage(last.completion_tokens)
@@ -77,17 +90,47 @@ class _ServerSentEvents(_Envelope):
         return [self.event(err.body()), self.event("[DONE]")]
 
 
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _logprobs(kind: str, entries) -> dict[str, Any]:
+    """OpenAI's logprobs object: chat's ``content`` list, or the legacy completions lists."""
+    if kind == "chat":
+        def one(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
+                            for e in entries]}
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [_first_of_each(e.top) for e in entries]}
+
+
+def _first_of_each(top) -> dict[str, float]:
+    """{text: logprob}, most likely first; tokens that decode alike (partial UTF-8) keep the best."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
+
+
 async def _respond(kind: str, request: web.Request, gen: core.Generation, req: GenerationRequest):
     if req.stream:
         return await core.stream(request, gen, _ServerSentEvents(gen, kind, req.include_usage))
     envelope = _Envelope(gen, kind)
     answer = await core.collect(gen)
     last = answer.last
+    logprobs = _logprobs(kind, answer.logprobs) if req.logprobs else None
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
-                  "finish_reason": last.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": answer.text}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if answer.tool_calls:
+            message["tool_calls"] = [_tool_call(c) for c in answer.tool_calls]
+            message["content"] = answer.text or None
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": last.finish_reason}
     else:
-        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": last.finish_reason}
+        choice = {"index": 0, "text": answer.text, "logprobs": logprobs, "finish_reason": last.finish_reason}
     body = envelope.wrap([choice], chunk=False)
     body["usage"] = envelope.usage(last.completion_tokens)
     return web.json_response(body)

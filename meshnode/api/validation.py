@@ -5,32 +5,30 @@ message that says what to fix; pydantic's errors are translated in :mod:`meshnod
 
 An unsupported field is an error by construction: the request models forbid every field they do
 not declare (400, code ``unsupported_parameter``, ``param`` = the field), so no client is led to
-believe that a parameter took effect. Every field real clients send is declared in one of three
-lists, each field with the type the OpenAI API documents (a wrong type is a 400 naming the field):
+believe that a parameter took effect. Every field real clients send is declared, with the type the
+OpenAI API documents (a wrong type is a 400 naming the field), in one of two lists:
 
-* honoured: the fields of the models below (model, messages / prompt, max_tokens,
-  max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
-  n = 1). They shape the answer.
+* honoured: the fields of the models below: model, messages / prompt, max_tokens,
+  max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop, stream,
+  stream_options.include_usage, n = 1; presence_penalty, frequency_penalty, repetition_penalty
+  (Open WebUI's repeat_penalty) and logit_bias (mlx-lm's logits processors); logprobs and
+  top_logprobs; tools / tool_choice (and the older functions / function_call), reasoning_effort
+  and chat_template_kwargs (the chat template's), response_format only as {"type": "text"}.
 * ``HARMLESS``: accepted and ignored because ignoring them cannot change the answer: who is asking
   (user, safety_identifier, metadata), the provider's storage, caching and billing (store,
-  prompt_cache_key, service_tier), tool-call plumbing that only matters once tools are honoured
-  (parallel_tool_calls), and switches only at their "off" value (logprobs=false, echo=false,
-  best_of=1, suffix=null, modalities=["text"]); any other value is refused.
-* ``NOT_HONOURED_YET``: would change the answer and are not implemented yet, but chat clients send
-  them with every request (Open WebUI: tools, tool_choice, top_k, min_p, repeat_penalty,
-  frequency_penalty, presence_penalty; OpenCode and Codex: tools, tool_choice, reasoning_effort,
-  response_format, logit_bias), so a 400 would make those clients unusable. They are accepted,
-  type-checked and logged once per field per process at WARNING. Honouring one means moving it
-  from that tuple into :class:`_Sampling` (or a request model) and into :class:`GenerationRequest`.
+  prompt_cache_key, service_tier), tool-call plumbing (parallel_tool_calls), and switches only at
+  their default value (echo=false, best_of=1, suffix=null, modalities=["text"],
+  verbosity="medium"); any other value is refused.
 
-Messages keep their old handling: roles system, developer, user, assistant and tool; content a
-string or a list of text parts (joined), null only for an assistant. Other keys of a message
-(name, tool_calls, tool_call_id, reasoning_content...) are chat history that clients copy back
-from earlier answers; they are ignored, not refused.
+Messages: roles system, developer, user, assistant and tool; content a string or a list of text
+parts (joined), null only for an assistant; an assistant's tool_calls and a tool result's
+tool_call_id and name go to the chat template. Other keys of a message (reasoning_content...) are
+chat history that clients copy back from earlier answers; they are ignored, not refused.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -41,7 +39,7 @@ from pydantic_core import PydanticCustomError
 from meshnode.api.schema import JsonObject, Number, Strict, one_of, optional, validate
 from meshnode.errors import ApiError
 
-__all__ = ["ApiError", "GenerationRequest", "HARMLESS", "Limits", "NOT_HONOURED_YET", "parse_request"]
+__all__ = ["ApiError", "GenerationRequest", "HARMLESS", "Limits", "parse_request"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ MAX_STOP = 4
 @dataclass(frozen=True)
 class Limits:
     max_tokens_limit: int = 4096
-    default_max_tokens: int = 512
+    default_max_tokens: int = 0  # 0: the room left in the context
 
 
 @dataclass(frozen=True)
@@ -83,6 +81,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     think: bool | None = None  # reasoning models: think first (None: the model's default)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more for the chat template
 
 
 # (name, type) pairs; every field is optional (null = absent). The lists are explained above.
@@ -95,34 +94,15 @@ HARMLESS: tuple[tuple[str, Any], ...] = (
     ("prompt_cache_key", str),
     ("prompt_cache_retention", str),
     ("parallel_tool_calls", bool),
-    ("logprobs", Literal[False]),  # true asks for log-probabilities, which are not returned
     ("modalities", list[Literal["text"]]),
+    ("verbosity", Literal["medium"]),  # OpenAI's default; no open model takes a length hint
 )
 HARMLESS_COMPLETION: tuple[tuple[str, Any], ...] = (  # /v1/completions only
     ("echo", Literal[False]),  # true would repeat the prompt before the answer
     ("best_of", Literal[1]),  # more would sample several answers and return the best
     ("suffix", None),  # a suffix asks for an insertion, not a continuation
 )
-NOT_HONOURED_YET: tuple[tuple[str, Any], ...] = (
-    ("tools", list[JsonObject]),
-    ("tool_choice", Annotated[str | JsonObject, one_of("must be a string or an object")]),
-    ("functions", list[JsonObject]),  # the older form of tools
-    ("function_call", Annotated[str | JsonObject, one_of("must be a string or an object")]),
-    ("response_format", JsonObject),
-    ("reasoning_effort", str),
-    ("verbosity", str),
-    ("logit_bias", dict[str, Number]),
-    ("frequency_penalty", Annotated[Number, Field(ge=-2, le=2)]),
-    ("presence_penalty", Annotated[Number, Field(ge=-2, le=2)]),
-    ("repeat_penalty", Annotated[Number, Field(gt=0)]),  # Ollama's and llama.cpp's name
-    ("repetition_penalty", Annotated[Number, Field(gt=0)]),  # vLLM's and mlx-lm's name
-    ("top_k", Annotated[int, Field(ge=0)]),
-    ("min_p", Annotated[Number, Field(ge=0, le=1)]),
-)
-_warned: set[str] = set()
-
-
-_Accepted = create_model("_Accepted", __base__=Strict, **optional(HARMLESS + NOT_HONOURED_YET))
+_Accepted = create_model("_Accepted", __base__=Strict, **optional(HARMLESS))
 
 
 class StreamOptions(Strict):
@@ -143,6 +123,22 @@ class _Sampling(_Accepted):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    # mlx-lm's sampler filters and logits processors
+    top_k: int | None = Field(None, ge=0)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0)  # vLLM's and mlx-lm's name
+    repeat_penalty: Number | None = Field(None, gt=0)  # Ollama's and llama.cpp's name, sent by Open WebUI
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None  # token id -> bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((k for k in value or () if not k.isdigit()), None)
+        if bad is not None:
+            raise PydanticCustomError("invalid_value", "takes token ids as keys, got {key!r}", {"key": bad})
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -166,9 +162,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class _CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+    name: str
+    arguments: str | JsonObject = "{}"  # JSON text (OpenAI); some clients send the object
+
+
+class _ToolCallIn(BaseModel):
+    """A tool call in an earlier assistant turn, copied back by the client."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True)  # other keys ignored (see the module docstring)
     role: Literal[ROLES]
+    tool_calls: list[_ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
     content: Annotated[str | list[TextPart] | None, one_of("must be a string or a list of text parts "
                                                             "{'type': 'text', 'text': ...}")] \
         = Field(None, validate_default=True)
@@ -180,18 +194,76 @@ class Message(BaseModel):
             raise PydanticCustomError("invalid_type", "must be a string or a list of text parts")
         return value
 
-    def plain(self) -> dict[str, str]:
-        """The message as the chat template takes it: role and content text."""
-        if isinstance(self.content, list):
-            return {"role": self.role, "content": "".join(part.text for part in self.content)}
-        return {"role": self.role, "content": self.content or ""}
+    def plain(self) -> dict[str, Any]:
+        """The message as the chat template takes it: role and content text, and the tool calls
+        (arguments as an object, as templates render them) or the call a tool result answers."""
+        text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
+        out: dict[str, Any] = {"role": self.role, "content": text or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(value: str | dict) -> dict:
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value or "{}")
+    except json.JSONDecodeError:
+        raise ApiError(400, "a tool call's arguments in the chat history are not valid JSON",
+                       param="messages", code="invalid_value") from None
+    return parsed if isinstance(parsed, dict) else {"value": parsed}
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: _Function
+
+
+class _Named(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: _Named
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]  # json_object / json_schema: constrained decoding is not built yet
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                           one_of("must be \"none\", \"auto\", \"required\" or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")] | None = None
+    functions: list[_Function] | None = None  # the older form of tools
+    function_call: Annotated[Literal["none", "auto"] | _Named,
+                             one_of("must be \"none\", \"auto\" or {\"name\": ...}")] | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: JsonObject | None = None  # vLLM's and mlx_lm.server's: {"enable_thinking": false}
 
 
-_Completion = create_model("_Completion", __base__=_Sampling, **optional(HARMLESS_COMPLETION))
+_Completion = create_model("_Completion", __base__=_Sampling, **optional(HARMLESS_COMPLETION),
+                           logprobs=(Annotated[int, Field(ge=0, le=20)] | None, None))  # the legacy top-n
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -207,8 +279,8 @@ class CompletionRequest(_Completion):
 
 def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
     req = validate(ChatRequest if kind == "chat" else CompletionRequest, body, {"limits": limits})
-    _warn_not_honoured(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    repetition = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty
     common = dict(
         model=req.model,
         max_tokens=max_tokens,
@@ -218,14 +290,46 @@ def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
         stop=tuple(s for s in req.stop or () if s),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        top_k=req.top_k or None,
+        min_p=req.min_p or None,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=repetition,
+        logit_bias={int(k): float(v) for k, v in req.logit_bias.items()} if req.logit_bias else None,
     )
-    if isinstance(req, ChatRequest):
-        return GenerationRequest(kind="chat", messages=[m.plain() for m in req.messages], **common)
-    return GenerationRequest(kind="completion", prompt=req.prompt, **common)
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs is not None
+        return GenerationRequest(kind="completion", prompt=req.prompt, logprobs=logprobs,
+                                 top_logprobs=req.logprobs or 0, **common)
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    tools, choice = _tools(req)
+    kwargs = dict(req.chat_template_kwargs or {})
+    think = None
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort  # gpt-oss's template takes it as it is
+        think = req.reasoning_effort not in ("none", "minimal")
+    return GenerationRequest(kind="chat", messages=[m.plain() for m in req.messages], logprobs=bool(req.logprobs),
+                             top_logprobs=req.top_logprobs or 0, tools=tools, tool_choice=choice, think=think,
+                             template_kwargs=kwargs, **common)
 
 
-def _warn_not_honoured(req: BaseModel) -> None:
-    for name, _ in NOT_HONOURED_YET:
-        if name not in _warned and getattr(req, name) is not None:
-            _warned.add(name)
-            log.warning("request field '%s' is accepted but not honoured yet", name)
+def _tools(req: ChatRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The request's tools in OpenAI's current form, and its tool_choice (the older
+    functions/function_call are read as tools/tool_choice)."""
+    if req.functions is not None and req.tools is not None:
+        raise ApiError(400, "send 'tools' or the older 'functions', not both", param="functions",
+                       code="invalid_value")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None else None
+    if req.functions is not None:
+        tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in req.functions]
+    choice: Any = req.tool_choice if req.tool_choice is not None else req.function_call
+    if isinstance(choice, BaseModel):
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise ApiError(400, f"tool_choice names '{name}', which is not one of the request's tools",
+                           param="tool_choice", code="invalid_value")
+        choice = {"type": "function", "function": {"name": name}}
+    if choice == "required" and not tools:
+        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice", code="invalid_value")
+    return (tools or None), choice

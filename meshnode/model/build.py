@@ -65,6 +65,29 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+# chat="agent": a template in the shape of Qwen3's and GLM's: the tools listed in a system turn,
+# calls as <tool_call>{json}</tool_call> (mlx-lm infers its json_tools parser from
+# "<tool_call>" and "tool_call.name"), and the answer opened with <think> unless thinking is off.
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+AGENT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}<|system|>You may call these functions:"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|assistant|>{{ message.content or '' }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>"
+    "{%- endfor %}<|end|>"
+    "{%- else %}{{ '<|' + message.role + '|>' + message.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think></think>{%- else %}<think>{%- endif %}"
+    "{%- endif %}"
+)
+CHATS = ("plain", "agent")
+
 _CORPUS = """\
 The sea was calm that morning, and the lighthouse keeper climbed the stairs to watch the boats.
 Rivers run to the sea; the sea gives rain to the clouds, and the clouds give it back to the hills.
@@ -117,8 +140,11 @@ Emoji and symbols: 🙂 🚀 ❤️ 👍 🎉 ✓ ✗ → ← ↑ ↓ • € £
 """
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
+def build_tokenizer(out_dir: Path, vocab_size: int = 512, chat: str = "plain") -> int:
     """Train a byte-level BPE tokenizer and save it, with a chat template, into ``out_dir``.
+
+    ``chat``: "plain" (roles between special tokens) or "agent" (:data:`AGENT_TEMPLATE`: tools,
+    tool calls and thinking, with their markers as special tokens).
 
     Byte level: every byte has a token, so any Unicode text encodes and decodes losslessly. The
     vocabulary is at least the 256 bytes plus :data:`SPECIAL_TOKENS`, at most what the corpus
@@ -127,21 +153,24 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if chat not in CHATS:
+        raise ValueError(f"chat must be one of {', '.join(CHATS)}, not {chat!r}")
+    specials = SPECIAL_TOKENS + (AGENT_TOKENS if chat == "agent" else [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=specials[3:],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = AGENT_TEMPLATE if chat == "agent" else CHAT_TEMPLATE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
@@ -257,13 +286,15 @@ def build_model(
     max_file_size_mb: int | None = None,
     quantize: str | None = None,
     group_size: int | None = None,
+    chat: str = "plain",
     **overrides: Any,
 ) -> Path:
     """Write a complete mlx-lm model directory (config, tokenizer, safetensors) and return it.
 
     ``family`` is one of :data:`FAMILIES`. ``intermediate_size`` defaults to twice the hidden size
     (MoE families: each expert gets half of it). ``tie_word_embeddings=None`` takes the family's
-    usual choice (tied for qwen2, qwen3 and gemma2). ``max_file_size_mb`` splits the weights into
+    usual choice (tied for qwen2, qwen3 and gemma2). ``chat``: the chat template (build_tokenizer).
+    ``max_file_size_mb`` splits the weights into
     ``model-0000k-of-0000n.safetensors`` files. ``overrides`` go into config.json last. The
     directory loads with ``mlx_lm.load``; the same arguments always give the same bytes.
     """
@@ -280,7 +311,7 @@ def build_model(
     if family in NOT_BUILDABLE:
         raise ValueError(f"{family}: {NOT_BUILDABLE[family]}")
     out_dir = Path(out_dir)
-    vocab = build_tokenizer(out_dir, vocab_size)
+    vocab = build_tokenizer(out_dir, vocab_size, chat)
     sizes = dict(
         num_layers=num_layers, hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,

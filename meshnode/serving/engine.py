@@ -1,7 +1,8 @@
 """Turns a stream of token ids into the text a client sees.
 
 The engine owns what is per-request on the serving node: the streaming detokenizer, EOS,
-stop strings and max_tokens. Where the token ids come from is a :class:`TokenSource`: the
+stop strings, max_tokens, and a chat answer's split into content, reasoning and tool calls
+(meshnode.serving.answer). Where the token ids come from is a :class:`TokenSource`: the
 local pipeline, or (in a mesh) the node that holds the model's head. Keeping the text here
 means a generation that moves to another placement mid-way still reads as one stream.
 """
@@ -15,19 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.answer import AnswerShape, AnswerSplitter, Pieces, ToolCall, initial_state
+from meshnode.serving.sampling import Sampled, SamplingParams
 
 if TYPE_CHECKING:
     from meshnode.metrics import NodeMetrics
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A function call the model made (its tool-call markup parsed by mlx-lm's tool parser)."""
-
-    id: str
-    name: str
-    arguments: str  # the arguments as JSON text, as OpenAI sends them
 
 
 @dataclass(frozen=True)
@@ -72,17 +65,26 @@ class Engine:
         self.max_context = max_context
 
     async def stream(
-        self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = ()
+        self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = (),
+        shape: AnswerShape | None = None,
     ) -> AsyncIterator[Delta]:
-        detokenizer = self.tokenizer.detokenizer
-        eos = self.tokenizer.eos_token_ids
+        """The answer to ``prompt`` in pieces. ``shape``: a chat answer, split into content,
+        reasoning and tool calls (meshnode.serving.answer); None: all of it is text (completions).
+        Stop strings end the content; logprobs (where asked) come with the piece of their token."""
+        tokenizer = self.tokenizer
+        detokenizer = tokenizer.detokenizer
+        eos = tokenizer.eos_token_ids
+        splitter = None
+        if shape is not None:
+            splitter = AnswerSplitter(tokenizer, shape, initial_state(tokenizer, prompt, shape.forced_tool))
         stops = [s for s in stop if s]
         hold = max((len(s) for s in stops), default=1) - 1
         text, emitted, count = "", 0, 0
         finish = "length"
+        logprobs: list[TokenLogprob] = []
 
         def cut() -> tuple[str, str | None]:
-            """Text that is safe to emit now, and the stop string that ended the output, if one did."""
+            """Content that is safe to emit now, and the stop string that ended the output, if one did."""
             nonlocal emitted
             if stops:
                 window = max(0, emitted - hold)
@@ -96,6 +98,25 @@ class Engine:
                 return "", None
             out, emitted = text[emitted:safe], safe
             return out, None
+
+        def piece(segment: str, final: bool = False) -> Delta:
+            nonlocal text
+            parts = splitter.feed(segment) if splitter is not None else Pieces(content=segment)
+            if final and splitter is not None:
+                rest = splitter.finish()
+                parts = Pieces(parts.content + rest.content, parts.reasoning + rest.reasoning,
+                               parts.tool_calls + rest.tool_calls)
+            text += parts.content
+            out, stopped = cut()
+            if final and not stopped:
+                out += text[emitted:]  # the tail held back for stop strings
+            reason = "stop" if stopped else (finish if final else None)
+            if reason == "stop" and splitter is not None and splitter.made_calls:
+                reason = "tool_calls"
+            delta = Delta(out, count, reason, reasoning=parts.reasoning, tool_calls=tuple(parts.tool_calls),
+                          logprobs=tuple(logprobs), stop_sequence=stopped)
+            logprobs.clear()
+            return delta
 
         metrics, started, first_at = self.metrics, time.monotonic(), None
         async for token in self.source.tokens(prompt, params):
@@ -111,20 +132,20 @@ class Engine:
                 finish = "stop"
                 break
             count += 1
-            detokenizer.add_token(token)
-            text += detokenizer.last_segment
-            piece, stopped = cut()
-            if stopped:
-                yield Delta(piece, count, "stop", stop_sequence=stopped)
+            if isinstance(token, Sampled):
+                logprobs.append(self._logprob(token))
+            detokenizer.add_token(int(token))
+            delta = piece(detokenizer.last_segment)
+            if delta.finish_reason is not None:  # a stop string
+                yield delta
                 return
-            if piece:
-                yield Delta(piece, count)
+            if delta.text or delta.reasoning or delta.tool_calls or delta.logprobs:
+                yield delta
             if count >= params.max_tokens:
                 break
         detokenizer.finalize()
-        text += detokenizer.last_segment
-        piece, stopped = cut()
-        if stopped:
-            yield Delta(piece, count, "stop", stop_sequence=stopped)
-            return
-        yield Delta(piece + text[emitted:], count, finish)  # the tail held back for stop strings
+        yield piece(detokenizer.last_segment, final=True)
+
+    def _logprob(self, token: Sampled) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        return TokenLogprob(decode([int(token)]), token.logprob, tuple((decode([t]), lp) for t, lp in token.top))

@@ -14,7 +14,6 @@ activation, so concurrent generations overlap across the stages; they take turns
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import secrets
@@ -25,11 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from meshnode.model.prefixes import prefix_key
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
+from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
@@ -252,38 +251,6 @@ class PipelineModel:
             self.state.close()
 
 
-def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler; with a seed, the same filtering drawn from the request's own keys.
-
-    MLX's random state is global, so concurrent requests would share one stream; a seeded request
-    instead draws token ``i`` of its generation with a key made from ``(seed, i)`` alone. So it is
-    reproducible whatever else runs, and a replay that starts at ``params.offset`` (failover)
-    draws exactly what the lost placement would have drawn next.
-    """
-    if params.seed is None or params.temperature == 0:
-        return make_sampler(temp=params.temperature, top_p=params.top_p)
-    # The API accepts any int64 seed (OpenAI's range): fold it to the key's uint64 (a negative seed
-    # used to fail the generation; found by tests/test_fuzz.py).
-    seed, index = params.seed % 2**64, params.offset
-    top_p, inv_temp = params.top_p, 1.0 / params.temperature
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal index
-        key = draw_key(seed, index)
-        index += 1
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * inv_temp, key=key)
-
-    return sample
-
-
-def draw_key(seed: int, index: int) -> mx.array:
-    """The random key of token ``index`` of a generation seeded with ``seed``."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return mx.random.key(int.from_bytes(digest, "little"))
-
-
 @dataclass(frozen=True)
 class PrefillOptions:
     """Pipelined prefill (meshnode.serving.prefill): on, and the longest a stage's step may run."""
@@ -326,16 +293,18 @@ def generate_tokens(
             if pipelined and len(ids) > 1:
                 model.prefill(ids[:-1], prefill, busy)
                 ids = ids[-1:]
-        for token, _ in generate_step(
+        top = params.top_logprobs
+        for token, logprobs in generate_step(
             mx.array(ids, dtype=mx.uint32),
             model,
             max_tokens=params.max_tokens,
             sampler=sampler,
+            logits_processors=make_request_processors(params, prompt[: len(prompt) - len(ids)]),
             prompt_cache=cache,
             prefill_step_size=prefill_step_size,
         ):
             produced.append(int(token))
-            yield int(token)
+            yield sampled(int(token), logprobs, top) if top >= 0 else int(token)
         finished = True
     except GeneratorExit:
         finished = True

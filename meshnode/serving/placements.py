@@ -17,7 +17,7 @@ from meshnode.errors import ApiError
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
-from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
                                         refusal_kind)
@@ -81,11 +81,7 @@ class RemoteHeadPlacement:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         stub = mesh_pb2_grpc.MeshStub(self._channel(self.head))
-        request = mesh_pb2.GenerateRequest(
-            request_id=new_request_id(self._caller), epoch=self.epoch, prompt=list(prompt),
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            has_seed=params.seed is not None, seed=params.seed or 0, offset=params.offset,
-        )
+        request = generate_request(new_request_id(self._caller), self.epoch, prompt, params)
         call = stub.Generate(request, wait_for_ready=True)
         # The head is waited for while it heartbeats, however long its prefill or a token takes
         # (a busy head is not a lost one); it reports its own stages' faults on this stream.
@@ -99,11 +95,39 @@ class RemoteHeadPlacement:
                     if code != grpc.StatusCode.OK:
                         raise head_failure(self.head, code, await call.details())
                     return
-                yield reply.token
+                yield Sampled(reply.token, reply.logprob, tuple(zip(reply.top_ids, reply.top_logprobs))) \
+                    if reply.has_logprob else reply.token
         except grpc.aio.AioRpcError as exc:
             raise head_failure(self.head, exc.code(), exc.details()) from None
         finally:
             call.cancel()
+
+
+def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params: SamplingParams):
+    """The GenerateRequest asking a remote head for this generation."""
+    penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                 if (value := getattr(params, name)) is not None}
+    return mesh_pb2.GenerateRequest(
+        request_id=request_id, epoch=epoch, prompt=list(prompt),
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        has_seed=params.seed is not None, seed=params.seed or 0, offset=params.offset,
+        top_k=params.top_k, min_p=params.min_p, logit_bias=dict(params.logit_bias),
+        logprobs=params.wants_logprobs, top_logprobs=max(params.top_logprobs, 0), **penalties,
+    )
+
+
+def received_params(request) -> SamplingParams:
+    """The SamplingParams of a peer's GenerateRequest (its ranges are checked by the caller)."""
+    return SamplingParams(
+        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+        seed=request.seed if request.has_seed else None, offset=request.offset,
+        top_k=request.top_k, min_p=request.min_p,
+        presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
+        frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
+        logit_bias=tuple(sorted(request.logit_bias.items())),
+        top_logprobs=request.top_logprobs if request.logprobs else -1,
+    )
 
 
 def head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
@@ -129,15 +153,20 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
     prompt = list(request.prompt)
     if not prompt or len(prompt) >= served.settings.max_context or max(prompt) >= served.files.vocab_size:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty, too long or out of vocabulary")
+    vocab = served.files.vocab_size
     if not (1 <= request.max_tokens <= served.settings.max_tokens_limit) or not (0 <= request.temperature <= 2) \
-            or not (0 < request.top_p <= 1):
+            or not (0 < request.top_p <= 1) or not (0 <= request.min_p <= 1) or request.top_logprobs > 20 \
+            or any(not 0 <= t < vocab for t in request.logit_bias):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
-    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                            top_p=request.top_p, seed=request.seed if request.has_seed else None,
-                            offset=request.offset)
+    params = received_params(request)
     try:
         async for token in served.placement_for(serving).tokens(prompt, params):
-            yield mesh_pb2.GenerateReply(token=token)
+            if isinstance(token, Sampled):
+                top_ids, top_logprobs = zip(*token.top) if token.top else ((), ())
+                yield mesh_pb2.GenerateReply(token=token, has_logprob=True, logprob=token.logprob,
+                                             top_ids=top_ids, top_logprobs=top_logprobs)
+            else:
+                yield mesh_pb2.GenerateReply(token=token)
     except EpochPending as exc:
         await context.abort(EPOCH_PENDING, str(exc))
     except PlacementLost as exc:

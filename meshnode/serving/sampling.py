@@ -1,5 +1,6 @@
 """What a request asks of the sampler: a plain dataclass every part can import (the API builds
-it, a remote head receives it in a GenerateRequest, failover carries it over), with no MLX."""
+it, a remote head receives it in a GenerateRequest, failover carries it over), with no MLX; and
+:class:`Sampled`, a token id that also carries its log-probabilities where they were asked for."""
 
 from __future__ import annotations
 
@@ -15,3 +16,36 @@ class SamplingParams:
     # Tokens of this generation already produced elsewhere: a replay after failover passes how many
     # it carries over, so a seeded draw continues where it was instead of starting again.
     offset: int = 0
+    # mlx-lm's other filters (0: off) and logits processors (None: off), as mlx-lm applies them.
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each token's log-probability, and this many most likely alternatives (-1: none asked).
+    top_logprobs: int = -1
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor runs (penalties or a bias)."""
+        return bool(self.logit_bias) or any(
+            p for p in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs >= 0
+
+
+class Sampled(int):
+    """A generated token id that also carries its log-probability and the ``top`` alternatives
+    ((id, logprob), most likely first), where the request asked for them. It is an ``int`` so that
+    every token source (local pipeline, remote head, failover replay) passes it on unchanged."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    def __new__(cls, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()):
+        self = super().__new__(cls, token)
+        self.logprob, self.top = logprob, top
+        return self

@@ -1,0 +1,93 @@
+"""The sampler and logits processors of one request, made from its :class:`SamplingParams` with
+mlx-lm's own pieces (``make_sampler``, ``make_logits_processors``), and its tokens'
+log-probabilities (:class:`~meshnode.serving.sampling.Sampled`).
+
+Two things differ from handing the params to mlx-lm directly, and both keep the answer equal to
+``mlx_lm.generate`` on the whole prompt:
+
+* The penalties look back at the last tokens of the prompt as well as the answer. mlx-lm's
+  ``generate_step`` gives its processors the tokens it was fed, and here the prompt is prefilled
+  through the stages before it (or resumed from the prompt cache), so the processors get the
+  prompt's tail put back in front.
+* A seeded request draws token ``i`` from a key made of ``(seed, i)`` alone (MLX's random state is
+  global, so concurrent requests would share one stream): reproducible whatever else runs, and a
+  failover replay that starts at ``params.offset`` draws what the lost placement would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+
+from meshnode.serving.sampling import Sampled, SamplingParams
+
+# mlx-lm's context for each penalty (make_logits_processors' default): how far back it looks.
+PENALTY_CONTEXT = 20
+
+
+def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler; with a seed, the same filters drawn from the request's own keys."""
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    # The API accepts any int64 seed (OpenAI's range): fold it to the key's uint64 (a negative seed
+    # used to fail the generation; found by tests/test_fuzz.py).
+    seed, index = params.seed % 2**64, params.offset
+    top_p, min_p, top_k, inv_temp = params.top_p, params.min_p, params.top_k, 1.0 / params.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal index
+        key = draw_key(seed, index)
+        index += 1
+        # mlx-lm's make_sampler order: top_p, min_p, top_k.
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p != 0.0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        return mx.random.categorical(logprobs * inv_temp, key=key)
+
+    return sample
+
+
+def draw_key(seed: int, index: int) -> mx.array:
+    """The random key of token ``index`` of a generation seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little"))
+
+
+def make_request_processors(params: SamplingParams, before: Sequence[int]) -> list | None:
+    """mlx-lm's logits processors for ``params``; ``before``: the prompt tokens generate_step is
+    not fed (prefilled or resumed earlier), whose tail the penalties must still see."""
+    if not params.processed:
+        return None
+    processors = make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repetition_penalty, repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty, presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty, frequency_context_size=PENALTY_CONTEXT,
+    )
+    tail = list(before)[-PENALTY_CONTEXT:]
+    if not tail:
+        return processors
+    head = mx.array(tail, dtype=mx.uint32)
+
+    def with_tail(processor):
+        return lambda tokens, logits: processor(mx.concat([head, tokens.astype(mx.uint32)]), logits)
+
+    return [with_tail(p) for p in processors]
+
+
+def sampled(token: int, logprobs: mx.array, top: int) -> Sampled:
+    """``token`` with its log-probability and the ``top`` most likely tokens (mlx-lm's logprobs:
+    after the processors, before the sampler's filters, as mlx_lm.server reports them)."""
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        values = logprobs[ids]
+        order = mx.argsort(-values)
+        best = tuple(zip(ids[order].tolist(), values[order].tolist()))
+    return Sampled(token, logprobs[token].item(), best)
