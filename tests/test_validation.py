@@ -1,7 +1,6 @@
 """Request parsing (pure) and the engine's stop-string handling."""
 
 import asyncio
-import logging
 
 import pytest
 
@@ -58,8 +57,11 @@ def test_completion_prompt_forms():
     ({"model": "m", "messages": MSG, "logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
     ({"model": "m", "messages": MSG, "logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
     ({"model": "m", "messages": MSG, "presence_penalty": 3}, "presence_penalty", "invalid_value"),
-    ({"model": "m", "messages": MSG, "response_format": {"type": "json_object"}}, "response_format.type",
-     "invalid_value"),
+    ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema.schema", "missing_required_parameter"),
+    ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "missing_required_parameter"),
     ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "invalid_value"),
     ({"model": "m", "messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tool_choice", "invalid_value"),

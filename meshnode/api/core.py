@@ -19,7 +19,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -28,6 +28,7 @@ from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
 from meshnode.serving.answer import AnswerShape, ToolCall
+from meshnode.serving.grammar import grammar_error, grammar_from_schema
 from meshnode.serving.engine import Delta, Engine, TokenLogprob
 from meshnode.serving.sampling import SamplingParams
 
@@ -129,12 +130,30 @@ async def _serve(request: web.Request, parse, respond: Respond, id_prefix: str) 
     req = parse(await json_body(request), limits)
     engine = app[BACKEND].engine(req.model)
     with _Slot(app):
+        grammar = await _grammar(engine, req)
         prompt, shape = await _prompt_tokens(engine, req)
         max_tokens = _budget(engine, req, len(prompt), limits)
+        params = replace(sampling(engine, req, max_tokens), grammar=grammar)
         gen = Generation(id_prefix + uuid.uuid4().hex[:24], engine.model_id, len(prompt),
-                         engine.stream(prompt, sampling(engine, req, max_tokens), req.stop, shape))
+                         engine.stream(prompt, params, req.stop, shape))
         request[ACCESS] = gen.access
         return await respond(request, gen, req)
+
+
+async def _grammar(engine: Engine, req: GenerationRequest) -> str:
+    """Structured output: the grammar for the request's JSON schema, checked against this model's
+    tokenizer ("" for none)."""
+    if req.json_schema is None:
+        return ""
+    try:
+        grammar = grammar_from_schema(req.json_schema)
+        why = await asyncio.to_thread(grammar_error, grammar, engine.tokenizer)
+    except ValueError as exc:
+        why = str(exc)
+    if why:
+        raise ApiError(400, f"response_format: this JSON schema cannot be followed: {why}",
+                       param="response_format", code="invalid_value")
+    return grammar
 
 
 def sampling(engine: Engine, req: GenerationRequest, max_tokens: int) -> SamplingParams:
@@ -193,8 +212,11 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
     kwargs = dict(req.template_kwargs)
     if tools:
         kwargs["tools"] = tools
-    if req.think is not None:
-        kwargs["enable_thinking"] = req.think  # mlx-lm's wrapper renames it for the model's template
+    think = req.think
+    if think is None and req.json_schema is not None:
+        think = False  # the answer is the JSON document from its first token
+    if think is not None:
+        kwargs["enable_thinking"] = think  # mlx-lm's wrapper renames it for the model's template
 
     def render() -> list[int]:
         try:

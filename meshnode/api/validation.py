@@ -81,6 +81,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     think: bool | None = None  # reasoning models: think first (None: the model's default)
+    json_schema: dict[str, Any] | None = None  # structured output: the answer is JSON valid under it
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more for the chat template
 
 
@@ -242,8 +243,25 @@ class NamedToolChoice(Strict):
     function: _Named
 
 
+class _JsonSchema(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]  # json_object / json_schema: constrained decoding is not built yet
+    """text, json_object (any JSON object) or json_schema (an answer valid under the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _only_for_json_schema(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise PydanticCustomError("invalid_value", "goes with type json_schema only")
+        return value
 
 
 class ChatRequest(_Sampling):
@@ -309,9 +327,24 @@ def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
     if req.reasoning_effort is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort  # gpt-oss's template takes it as it is
         think = req.reasoning_effort not in ("none", "minimal")
+    schema = _json_schema(req.response_format)
+    if schema is not None and tools and choice != "none":
+        raise ApiError(400, "response_format json and tools cannot both shape one answer here; send one",
+                       param="response_format", code="invalid_value")
     return GenerationRequest(kind="chat", messages=[m.plain() for m in req.messages], logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0, tools=tools, tool_choice=choice, think=think,
-                             template_kwargs=kwargs, **common)
+                             template_kwargs=kwargs, json_schema=schema, **common)
+
+
+def _json_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ApiError(400, "'response_format.json_schema.schema' is required for type json_schema",
+                       param="response_format.json_schema.schema", code="missing_required_parameter")
+    return fmt.json_schema.schema_
 
 
 def _tools(req: ChatRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:

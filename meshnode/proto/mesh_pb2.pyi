@@ -230,7 +230,7 @@ class ForwardReply(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed", "offset", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed", "offset", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class GenerateRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -272,7 +273,8 @@ class GenerateRequest(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token", "has_logprob", "logprob", "top_ids", "top_logprobs")

@@ -270,6 +270,7 @@ def generate_tokens(
     busy: Callable[[], bool] | None = None,
     keep: PrefixIndex | None = None,
     ended: threading.Event | None = None,
+    tokenizer=None,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
@@ -299,7 +300,7 @@ def generate_tokens(
             model,
             max_tokens=params.max_tokens,
             sampler=sampler,
-            logits_processors=make_request_processors(params, prompt[: len(prompt) - len(ids)]),
+            logits_processors=make_request_processors(params, prompt[: len(prompt) - len(ids)], tokenizer),
             prompt_cache=cache,
             prefill_step_size=prefill_step_size,
         ):
@@ -347,9 +348,11 @@ class PipelineSource:
         prefill_step_size: int = 512,
         prefill: PrefillOptions | None = None,
         prefixes: PrefixIndex | None = None,
+        tokenizer=None,
     ):
-        """``prefixes``: the model's prompt cache (what its stages keep), None: off."""
-        self._prefixes = prefixes
+        """``prefixes``: the model's prompt cache (what its stages keep), None: off; ``tokenizer``:
+        the model's (structured output masks tokens by their text)."""
+        self._prefixes, self._tokenizer = prefixes, tokenizer
         self._scheduler = scheduler
         self._stages = stages
         self._prefill_step_size = prefill_step_size
@@ -369,7 +372,8 @@ class PipelineSource:
                 index.running(prompt, ended)
             job = scheduler.submit(
                 generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                                prefill=self._prefill, busy=scheduler.others_waiting, keep=index, ended=ended),
+                                prefill=self._prefill, busy=scheduler.others_waiting, keep=index, ended=ended,
+                                tokenizer=self._tokenizer),
                 work=len(prompt) - (resume[1] if resume else 0),
             )
             produced = False

@@ -8,6 +8,7 @@ placement is gone (:class:`PlacementLost`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -16,6 +17,7 @@ import grpc
 from meshnode.errors import ApiError
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
@@ -46,14 +48,14 @@ class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
     def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
-                 prefixes=None):
+                 prefixes=None, tokenizer=None):
         self.epoch, self._on_fault = epoch, on_fault
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
-                                      prefill=prefill, prefixes=prefixes)
+                                      prefill=prefill, prefixes=prefixes, tokenizer=tokenizer)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         try:
@@ -65,6 +67,8 @@ class HeadPlacement:
             raise GenerationFault(str(exc)) from None
         except (StageError, TensorGroupError) as exc:
             raise PlacementLost(str(exc)) from None
+        except GrammarError as exc:  # the request's grammar, not this node's layers
+            raise GenerationFault(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - this node's own layers raised on the input
             log.exception("epoch %d: the generation failed here", self.epoch)
             self._on_fault(f"the head's layers failed on this input: {type(exc).__name__}: {exc}")
@@ -112,7 +116,8 @@ def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         has_seed=params.seed is not None, seed=params.seed or 0, offset=params.offset,
         top_k=params.top_k, min_p=params.min_p, logit_bias=dict(params.logit_bias),
-        logprobs=params.wants_logprobs, top_logprobs=max(params.top_logprobs, 0), **penalties,
+        logprobs=params.wants_logprobs, top_logprobs=max(params.top_logprobs, 0), grammar=params.grammar,
+        **penalties,
     )
 
 
@@ -126,7 +131,7 @@ def received_params(request) -> SamplingParams:
         frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
         repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
         logit_bias=tuple(sorted(request.logit_bias.items())),
-        top_logprobs=request.top_logprobs if request.logprobs else -1,
+        top_logprobs=request.top_logprobs if request.logprobs else -1, grammar=request.grammar,
     )
 
 
@@ -159,6 +164,8 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
             or any(not 0 <= t < vocab for t in request.logit_bias):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
     params = received_params(request)
+    if params.grammar and (why := await asyncio.to_thread(grammar_error, params.grammar, served.files.tokenizer)):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"grammar: {why}")
     try:
         async for token in served.placement_for(serving).tokens(prompt, params):
             if isinstance(token, Sampled):

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
+from meshnode.serving.grammar import GrammarProcessor
 from meshnode.serving.sampling import Sampled, SamplingParams
 
 # mlx-lm's context for each penalty (make_logits_processors' default): how far back it looks.
@@ -59,11 +60,17 @@ def draw_key(seed: int, index: int) -> mx.array:
     return mx.random.key(int.from_bytes(digest, "little"))
 
 
-def make_request_processors(params: SamplingParams, before: Sequence[int]) -> list | None:
-    """mlx-lm's logits processors for ``params``; ``before``: the prompt tokens generate_step is
-    not fed (prefilled or resumed earlier), whose tail the penalties must still see."""
+def make_request_processors(params: SamplingParams, before: Sequence[int], tokenizer=None) -> list | None:
+    """mlx-lm's logits processors for ``params``, and its grammar's last (meshnode.serving.grammar,
+    with the head's ``tokenizer``); ``before``: the prompt tokens generate_step is not fed
+    (prefilled or resumed earlier), whose tail the penalties must still see."""
     if not params.processed:
         return None
+    grammar = []
+    if params.grammar:
+        if tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer where it samples")
+        grammar = [GrammarProcessor(params.grammar, tokenizer)]
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty, repetition_context_size=PENALTY_CONTEXT,
@@ -72,13 +79,13 @@ def make_request_processors(params: SamplingParams, before: Sequence[int]) -> li
     )
     tail = list(before)[-PENALTY_CONTEXT:]
     if not tail:
-        return processors
+        return processors + grammar
     head = mx.array(tail, dtype=mx.uint32)
 
     def with_tail(processor):
         return lambda tokens, logits: processor(mx.concat([head, tokens.astype(mx.uint32)]), logits)
 
-    return [with_tail(p) for p in processors]
+    return [with_tail(p) for p in processors] + grammar
 
 
 def sampled(token: int, logprobs: mx.array, top: int) -> Sampled:

@@ -25,11 +25,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Report each token's log-probability, and this many most likely alternatives (-1: none asked).
     top_logprobs: int = -1
+    # Structured output: llguidance's grammar text the answer must follow ("": none).
+    grammar: str = ""
 
     @property
     def processed(self) -> bool:
         """Whether any logits processor runs (penalties or a bias)."""
-        return bool(self.logit_bias) or any(
+        return bool(self.logit_bias) or bool(self.grammar) or any(
             p for p in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
 
     @property

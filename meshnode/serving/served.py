@@ -341,7 +341,7 @@ class ServedModel:
         if placement is None:
             if head_of(plan) == self.node_id:
                 placement = HeadPlacement(plan.epoch, self.scheduler, self.stage_handles(plan), self.settings,
-                                          prefixes=self.prefix_index,
+                                          prefixes=self.prefix_index, tokenizer=self.files.tokenizer,
                                           on_fault=self.fault)
             else:
                 placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,

@@ -1,0 +1,89 @@
+"""Structured output: ``response_format`` json_object / json_schema as a grammar that masks every
+token that cannot continue a valid answer, run by llguidance (the constrained-decoding engine vLLM
+and SGLang use) as one more logits processor where the head samples.
+
+A grammar travels as llguidance's own grammar text (SamplingParams.grammar, a GenerateRequest
+field), so a remote head constrains exactly what the serving node compiled and checked. The
+token mask comes from the same tokenizer the model was trained with (the head's copy), built once
+per tokenizer (about a second for a 150k vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+# Any JSON object, as OpenAI's json_object asks for.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+_lock = threading.Lock()
+_tokenizers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def grammar_from_schema(schema: dict[str, Any]) -> str:
+    """llguidance's grammar text for answers that are JSON documents valid under ``schema``."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+
+
+def grammar_error(grammar: str, tokenizer) -> str:
+    """Why ``grammar`` cannot constrain this tokenizer's answers ("" if it can)."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, _lltokenizer(tokenizer))
+    return messages[0] if is_error else ""
+
+
+def _lltokenizer(tokenizer):
+    """llguidance's view of an mlx-lm TokenizerWrapper's tokenizer (cached per tokenizer)."""
+    from llguidance.hf import from_tokenizer
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    with _lock:
+        built = _tokenizers.get(hf)
+        if built is None:
+            built = from_tokenizer(hf, eos_token=sorted(tokenizer.eos_token_ids))
+            _tokenizers[hf] = built
+        return built
+
+
+class GrammarProcessor:
+    """An mlx-lm logits processor that lets through only tokens that keep the answer valid.
+
+    generate_step calls it with every token so far (its first call: what it was fed of the prompt)
+    and the logits of the next; it consumes the tokens sampled since its last call, then masks."""
+
+    def __init__(self, grammar: str, tokenizer):
+        from llguidance import LLMatcher
+
+        self._matcher = LLMatcher(_lltokenizer(tokenizer), grammar, log_level=0)
+        self._seen: int | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        matcher = self._matcher
+        if self._seen is None:
+            self._seen = tokens.shape[0]
+        elif tokens.shape[0] > self._seen:
+            new, self._seen = tokens[self._seen:].tolist(), tokens.shape[0]
+            for token in new:
+                if matcher.is_stopped():  # complete: only EOS may follow, and generate_step computes
+                    break  # a step past that EOS which the engine throws away
+                matcher.consume_token(token)
+        if matcher.is_error():
+            raise GrammarError(f"structured output: {matcher.get_error()}")
+        allowed = np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)
+        width = logits.shape[-1]
+        mask = np.zeros(width, dtype=bool)
+        n = min(width, allowed.shape[0])
+        mask[:n] = allowed[:n] > 0
+        return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+class GrammarError(RuntimeError):
+    """The answer left its grammar (it cannot when every token is masked by it)."""
