@@ -75,6 +75,11 @@ class Backend:
         return [{"id": model_id, "state": "ready" if served.serving_ready() else "loading"}
                 for model_id, served in self.node.models.items()]
 
+    def model_profile(self, model: str):
+        """The served model's shape and sizes (the Ollama surface's details), None before they are known."""
+        served = self.node.models.get(model)
+        return served.profile if served is not None else None
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         ok = self.node.serving_ready()
         return ok, {"status": "ok" if ok else "unavailable", "node_id": self.node.node_id, "version": __version__,

@@ -1,6 +1,7 @@
 """The HTTP app every node serves: middlewares (access log, errors, API key), CORS, and the routes
-of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.ops`) over one core
-(:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a 4xx/5xx.
+of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.anthropic`, :mod:`meshnode.api.ops`)
+over one core (:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a 4xx/5xx (Anthropic's
+shape on /v1/messages, Ollama's on /api/: meshnode.api.ollama).
 
 Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):
 method, path, status, seconds, and for generations the model and tokens (prompt+completion).
@@ -15,14 +16,14 @@ import time
 
 from aiohttp import web
 
-from meshnode.api import openai, ops
+from meshnode.api import anthropic, ollama, openai, ops
 from meshnode.api.core import ACCESS, ACTIVE, BACKEND, METRICS, SETTINGS, ApiSettings, Backend
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics
 
 __all__ = ["ApiSettings", "Backend", "make_app"]
 
-SURFACES = (openai.routes, ops.routes)  # each adds its routes to the app
+SURFACES = (openai.routes, anthropic.routes, ollama.routes, ops.routes)  # each adds its routes to the app
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("meshnode.access")
@@ -57,8 +58,10 @@ class _MalformedHttpFilter(logging.Filter):
 logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
 
 
-def _error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+def _error_response(err: ApiError, path: str = "") -> web.Response:
+    shaped = next((s for s in (anthropic, ollama) if s.owns(path)), None)  # each surface's own shape
+    body = shaped.error_body(err) if shaped else err.body()
+    return web.json_response(body, status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -91,7 +94,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
-        return _error_response(err)
+        return _error_response(err, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -101,12 +104,12 @@ async def errors_middleware(request: web.Request, handler):
             limit = request.app[SETTINGS].max_body_bytes
             message = f"request body too large (limit {limit} bytes)"
         keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-        return _error_response(ApiError(exc.status, message, type=kind, headers=keep))
+        return _error_response(ApiError(exc.status, message, type=kind, headers=keep), request.path)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return _error_response(ApiError(500, "internal error", type="server_error"))
+        return _error_response(ApiError(500, "internal error", type="server_error"), request.path)
 
 
 @web.middleware
@@ -118,9 +121,12 @@ async def auth_middleware(request: web.Request, handler):
     preflight = request.method == "OPTIONS" and bool(request.app[SETTINGS].cors_origins)
     if key and not preflight and request.path != "/health" and request.path != "/" \
             and not request.path.startswith("/static/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", type="authentication_error",
+        # Authorization: Bearer <key> (OpenAI clients), or x-api-key: <key> (Anthropic clients)
+        bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
+        x_api_key = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key.encode())
+        if not (bearer or x_api_key):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key: ...)",
+                           type="authentication_error",
                            code="invalid_api_key")
     return await handler(request)
 

@@ -1,0 +1,189 @@
+"""The Anthropic surface: ``POST /v1/messages`` (a message, or its server-sent events) and
+``POST /v1/messages/count_tokens``, so that Claude-style clients (the ``anthropic`` package,
+coding agents) work against a node. Bodies are checked in :mod:`meshnode.api.anthropic_schema`;
+the generation itself is :mod:`meshnode.api.core`'s.
+
+An answer's content is, in order: a thinking block (if the model reasoned), a text block (always,
+unless the model only called tools), then one tool_use block per call. The stream sends the same
+blocks as they come: message_start, ping, then per block content_block_start, its deltas
+(thinking_delta, text_delta, input_json_delta) and content_block_stop, then message_delta (the
+stop reason and output tokens) and message_stop; a failure after the headers is an ``error`` event.
+
+Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the HTTP
+status; :func:`error_body` maps the status to the type (app.py's errors middleware uses it for
+these routes). 503 (the mesh is forming or re-planning, with Retry-After) is ``overloaded_error``:
+like Anthropic's own 529 it means "busy now, retry shortly", and clients (the SDKs, Claude Code)
+retry it with backoff, whereas ``api_error`` reads as a server bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from meshnode.api import core
+from meshnode.api.anthropic_schema import AnthropicRequest, parse
+from meshnode.errors import ApiError
+from meshnode.serving.engine import Delta, ToolCall
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def owns(path: str) -> bool:
+    """Whether ``path`` is this surface's (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(err.status) or ("api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def stop_reason(last: Delta | None, called: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence for an answer that ended with ``last`` and made
+    tool calls if ``called`` (a call the parser dropped leaves no tool_use block to answer: end_turn)."""
+    if last is None or last.finish_reason == "length":
+        return "max_tokens", None
+    if last.stop_sequence is not None:
+        return "stop_sequence", last.stop_sequence
+    return ("tool_use" if called else "end_turn"), None
+
+
+def tool_input(call: ToolCall) -> dict[str, Any]:
+    """A call's arguments (JSON text) as the object a tool_use block holds."""
+    try:
+        value = json.loads(call.arguments) if call.arguments.strip() else {}
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        log.warning("tool call %s to %s has arguments that are not a JSON object: %.200s", call.id, call.name,
+                    call.arguments)
+        return {}
+    return value
+
+
+def tool_use(call: ToolCall, input: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": input}
+
+
+def thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def content_blocks(answer: core.Answer, hide_thinking: bool = False) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if answer.reasoning:
+        blocks.append(thinking("" if hide_thinking else answer.reasoning))
+    if answer.text or not answer.tool_calls:
+        blocks.append({"type": "text", "text": answer.text})
+    return blocks + [tool_use(call, tool_input(call)) for call in answer.tool_calls]
+
+
+def message(gen: core.Generation, answer: core.Answer, hide_thinking: bool = False) -> dict[str, Any]:
+    reason, sequence = stop_reason(answer.last, bool(answer.tool_calls))
+    out_tokens = answer.last.completion_tokens if answer.last else 0
+    return {"id": gen.id, "type": "message", "role": "assistant", "model": gen.model,
+            "content": content_blocks(answer, hide_thinking), "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": out_tokens}}
+
+
+class Events:
+    """A streamed message as Anthropic's server-sent events (see the module docstring)."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, gen: core.Generation, hide_thinking: bool = False):
+        self.gen, self.hide = gen, hide_thinking
+        self.index = -1  # the last block opened
+        self.open: str | None = None  # the type of the block open now
+        self.texts = self.calls = 0  # text blocks and tool_use blocks sent
+
+    @staticmethod
+    def event(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+    def opening(self) -> list[bytes]:
+        start = {"id": self.gen.id, "type": "message", "role": "assistant", "model": self.gen.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
+        return [self.event("message_start", {"type": "message_start", "message": start}),
+                self.event("ping", {"type": "ping"})]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [self.event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        frames = self._close()
+        self.index += 1
+        self.open = block["type"]
+        self.texts += block["type"] == "text"
+        return frames + [self.event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                            "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return self.event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        frames: list[bytes] = []
+        if delta.reasoning:
+            if self.open != "thinking":
+                frames += self._start(thinking(""))
+            if not self.hide:
+                frames.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.text:
+            if self.open != "text":
+                frames += self._start({"type": "text", "text": ""})
+            frames.append(self._delta({"type": "text_delta", "text": delta.text}))
+        for call in delta.tool_calls:
+            args = tool_input(call)
+            frames += self._start(tool_use(call, {}))
+            frames.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(args)}))
+            frames += self._close()
+            self.calls += 1
+        return frames
+
+    def closing(self, last: Delta | None) -> list[bytes]:
+        frames = self._start({"type": "text", "text": ""}) if not self.texts and not self.calls else []
+        reason, sequence = stop_reason(last, self.calls > 0)
+        usage = {"input_tokens": self.gen.prompt_tokens, "output_tokens": last.completion_tokens if last else 0}
+        return frames + self._close() + [
+            self.event("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                         "usage": usage}),
+            self.event("message_stop", {"type": "message_stop"})]
+
+    def failure(self, err: ApiError) -> list[bytes]:
+        return [self.event("error", error_body(err))]
+
+
+async def _respond(request: web.Request, gen: core.Generation, req: AnthropicRequest) -> web.StreamResponse:
+    if req.stream:
+        return await core.stream(request, gen, Events(gen, req.hide_thinking))
+    return web.json_response(message(gen, await core.collect(gen), req.hide_thinking))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await core.generate(request, parse, _respond, id_prefix="msg_")
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's tokens: the chat template applied to the same body, as /v1/messages would."""
+    req = parse(await core.json_body(request), request.app[core.SETTINGS].limits, count=True)
+    engine = request.app[core.BACKEND].engine(req.model)
+    prompt, _ = await core.chat_prompt(engine, req)
+    return web.json_response({"input_tokens": len(prompt)})
+
+
+def routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)

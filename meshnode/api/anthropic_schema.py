@@ -1,0 +1,304 @@
+"""Check Anthropic Messages API bodies (``/v1/messages``, ``/v1/messages/count_tokens``) with
+pydantic and turn them into the :class:`GenerationRequest` every surface hands to
+:mod:`meshnode.api.core`. Pure: no I/O, no model. Every problem is an :class:`ApiError` 400 whose
+``param`` and message name the field (``messages[0].content[1]``).
+
+Honoured: model, max_tokens, messages, system, stop_sequences, temperature (0-1), top_p, top_k,
+stream, tools (client tools: name, description, input_schema), tool_choice (auto, any, tool,
+none), thinking (enabled, disabled, adaptive = the model's default; ``display: "omitted"`` leaves
+the thinking text out of the answer). Harmless, accepted and ignored: metadata, service_tier,
+inference_geo, speed, cache_control (top level, on tools and on blocks), tool_choice's
+disable_parallel_tool_use, thinking's budget_tokens (the budget is not enforced; thinking counts
+toward max_tokens). output_config.format (a JSON schema) constrains the answer
+(meshnode.serving.grammar); output_config.effort goes to the chat template as reasoning_effort.
+Accepted but not honoured, because Claude Code sends it with every request and a 400 would make
+it unusable: context_management (logged once at WARNING). Everything else is refused: an unknown
+field, image and document blocks, server tools, a last assistant message (prefill).
+
+Messages become the chat template's: ``system`` the first system message; a user message's
+tool_result blocks one ``tool`` message each (then its text as a user message); an assistant's
+tool_use blocks its ``tool_calls``; thinking and redacted_thinking blocks are history and left
+out. Text blocks of one message are joined with a blank line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WrapValidator, field_validator
+from pydantic_core import PydanticCustomError
+
+from meshnode.api.schema import JsonObject, Number, Strict, validate
+from meshnode.api.validation import GenerationRequest, Limits
+from meshnode.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_SEQUENCES = 16
+JOIN = "\n\n"  # between the text blocks of one message (and of the system prompt)
+BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)  # other keys (cache_control, citations) ignored
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: JsonObject
+
+
+def _only(kinds: tuple[str, ...]) -> WrapValidator:
+    """A block of another type (image, document, a server tool's result...) is refused by name."""
+
+    def check(value: Any, handler) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(value, dict) and kind not in kinds:
+            raise PydanticCustomError(
+                "invalid_value", "is a block {kind}, which this server does not take (it serves a text model); "
+                "it takes {kinds} blocks", {"kind": f"of type '{kind}'" if isinstance(kind, str) else "without a type",
+                                            "kinds": ", ".join(kinds)})
+        return handler(value)
+
+    return WrapValidator(check)
+
+
+def _text_or(what: str) -> BeforeValidator:
+    """A string is shorthand for one text block (as in Anthropic's API); anything else but a list is
+    refused as a whole, so a bad block is named by its own path."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if not isinstance(value, list):
+            raise PydanticCustomError("invalid_type", "must be a string or a list of {what}", {"what": what})
+        return value
+
+    return BeforeValidator(check)
+
+
+TextBlocks = Annotated[list[Annotated[TextBlock, _only(("text",))]], _text_or("text blocks")]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: TextBlocks = Field(default_factory=list)
+    is_error: bool | None = None
+
+    def text(self) -> str:
+        text = JOIN.join(b.text for b in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(_Block):  # earlier thinking, copied back: history, left out of the prompt
+    type: Literal["thinking"]
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+                  Field(discriminator="type"), _only(BLOCKS)]
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: Annotated[list[Block], _text_or("content blocks")]
+
+
+class Tool(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
+    description: str | None = None
+    input_schema: JsonObject
+    type: Literal["custom"] | None = None
+    cache_control: JsonObject | None = None  # harmless
+    eager_input_streaming: bool | None = None  # harmless: how the input streams, not what it is
+    strict: Literal[False] | None = None  # true asks for a guarantee this server does not give
+    defer_loading: Literal[False] | None = None  # true needs the tool search tool
+
+
+def _client_tool(value: Any, handler) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in (None, "custom"):
+        raise PydanticCustomError("invalid_value", "is a server tool ('{kind}'); this server runs no tools, it "
+                                  "takes client tools (name, description, input_schema)", {"kind": str(kind)})
+    return handler(value)
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None  # harmless, like OpenAI's parallel_tool_calls
+
+
+class Thinking(Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)  # accepted, not enforced
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: JsonObject = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    # the chat template's reasoning_effort (gpt-oss's low/medium/high; the two above it are "high")
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None  # structured output: the answer is JSON valid under the schema
+
+
+class Metadata(Strict):
+    user_id: str | None = None
+
+
+class CountRequest(Strict):
+    """The fields of ``/v1/messages/count_tokens``: what makes the prompt."""
+
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    system: TextBlocks | None = None
+    tools: list[Annotated[Tool, WrapValidator(_client_tool)]] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    cache_control: JsonObject | None = None  # harmless: there is no prompt cache to mark
+    context_management: JsonObject | None = None  # not honoured (Claude Code sends it)
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    temperature: Number | None = Field(None, ge=0, le=1)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool | None = None
+    metadata: Metadata | None = None  # harmless
+    service_tier: Literal["auto", "standard_only"] | None = None  # harmless
+    inference_geo: str | None = None  # harmless
+    speed: Literal["standard", "fast"] | None = None  # harmless
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _within_limit(cls, value: int, info: ValidationInfo) -> int:
+        limit = info.context["limits"].max_tokens_limit
+        if value > limit:
+            raise PydanticCustomError("invalid_value", "must be at most {limit} on this server", {"limit": limit})
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AnthropicRequest(GenerationRequest):
+    hide_thinking: bool = False  # thinking.display "omitted": thinking blocks carry no text
+
+
+_TAG = re.compile(r"(content\[\d+\])\.(?:%s)\b" % "|".join(BLOCKS))
+_warned: set[str] = set()
+
+
+def parse(body: Any, limits: Limits, count: bool = False) -> AnthropicRequest:
+    """A /v1/messages body (``count``: a count_tokens body) as the request every surface hands on."""
+    try:
+        req = validate(CountRequest if count else MessagesRequest, body, {"limits": limits})
+    except ApiError as err:  # a block's type is a step of pydantic's path: content[0].text.text
+        err.param = _TAG.sub(r"\1", err.param) if err.param else None
+        err.message = _TAG.sub(r"\1", err.message)
+        err.args = (err.message,)
+        raise
+    out = req.output_config
+    schema = out.format.schema_ if out is not None and out.format is not None else None
+    effort = out.effort if out is not None else None
+    for name, given in (("context_management", req.context_management),):
+        if given is not None and name not in _warned:
+            _warned.add(name)
+            log.warning("request field '%s' is accepted but not honoured", name)
+    thinking = req.thinking
+    if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is None:
+        raise ApiError(400, "'thinking.budget_tokens' is required when thinking is enabled",
+                       param="thinking.budget_tokens", code="missing_required_parameter")
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in req.tools or ()]
+    sampling: dict[str, Any] = {}
+    if not count:
+        sampling = dict(
+            max_tokens=req.max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or None,  # 0: off
+            stop=tuple(s for s in req.stop_sequences or () if s),
+            stream=bool(req.stream),
+        )
+    return AnthropicRequest(
+        kind="chat", model=req.model, messages=template_messages(req), tools=tools or None,
+        tool_choice=_tool_choice(req.tool_choice, tools),
+        think=None if thinking is None or thinking.type == "adaptive" else thinking.type == "enabled",
+        hide_thinking=bool(thinking and thinking.display == "omitted"), json_schema=schema,
+        template_kwargs={"reasoning_effort": min(effort, "high", key=EFFORTS.index)} if effort else {}, **sampling)
+
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def _tool_choice(choice: ToolChoice | None, tools: list[dict[str, Any]]) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise ApiError(400, "'tool_choice.name' is required when tool_choice.type is 'tool'",
+                           param="tool_choice.name", code="missing_required_parameter")
+        if choice.name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"'tool_choice.name' names '{choice.name}', which is not one of 'tools'",
+                           param="tool_choice.name", code="invalid_value")
+        return {"type": "function", "function": {"name": choice.name}}
+    if choice.name is not None:
+        raise ApiError(400, f"'tool_choice.name' is only taken with type 'tool', not '{choice.type}'",
+                       param="tool_choice.name", code="invalid_value")
+    if choice.type == "any" and not tools:
+        raise ApiError(400, "tool_choice 'any' needs 'tools'", param="tool_choice", code="invalid_value")
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def template_messages(req: CountRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it (see the module docstring)."""
+    out: list[dict[str, Any]] = []
+    system = JOIN.join(b.text for b in req.system or ())
+    if system:
+        out.append({"role": "system", "content": system})
+    last = len(req.messages) - 1
+    if req.messages[last].role == "assistant":
+        raise ApiError(400, f"the last message (messages[{last}]) is an assistant's: this server does not "
+                       "continue a prefilled answer; end with a user message", param=f"messages[{last}]",
+                       code="invalid_value")
+    for i, message in enumerate(req.messages):
+        texts, calls = [], []
+        for j, block in enumerate(message.content):
+            allowed = ("tool_result",) if message.role == "user" else ("tool_use", "thinking", "redacted_thinking")
+            if block.type != "text" and block.type not in allowed:
+                raise ApiError(400, f"'messages[{i}].content[{j}]' is a {block.type} block, which a "
+                               f"{message.role} message cannot hold", param=f"messages[{i}].content[{j}]",
+                               code="invalid_value")
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolResultBlock):
+                out.append({"role": "tool", "content": block.text(), "tool_call_id": block.tool_use_id})
+            elif isinstance(block, ToolUseBlock):
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input}})
+        if texts or calls or not any(isinstance(b, ToolResultBlock) for b in message.content):
+            turn: dict[str, Any] = {"role": message.role, "content": JOIN.join(texts)}
+            if calls:
+                turn["tool_calls"] = calls
+            out.append(turn)
+    return out
