@@ -272,6 +272,19 @@ def test_structured_output_follows_the_schema(which, request, tmp_path):
         assert e.value.body["param"] == "response_format" and "frob" in e.value.body["message"]
 
 
+def test_the_last_piece_is_streamed_once(plain4, tmp_path):
+    """A stop string that never comes holds the answer's tail back until the last piece (as does a
+    token cut mid-character); the stream sends that piece once, as the whole answer has it."""
+    with running_node(plain4, tmp_path) as (node, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        args = dict(model=model, messages=HI, max_tokens=12, temperature=0, stop=["never said"])
+        whole = client.chat.completions.create(**args).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(**args, stream=True) if c.choices)
+        assert streamed == whole and len(whole) > len("never said")
+
+
 def test_a_logprob_travels_as_an_int():
     token = Sampled(5, -0.25, ((5, -0.25), (9, -2.0)))
     assert token == 5 and [1, 2] + [token] == [1, 2, 5] and (token.logprob, token.top[1]) == (-0.25, (9, -2.0))

@@ -76,10 +76,7 @@ class _ServerSentEvents(_Envelope):
         return [self.chunk(delta.text, None, piece=delta)]
 
     def closing(self, last: Delta) -> list[bytes]:
-        frames = []
-        if last.text or last.reasoning or last.tool_calls or last.logprobs:  # the last piece
-            frames = self.delta(last)
-        frames.append(self.chunk(None if self.kind == "chat" else "", last.finish_reason))
+        frames = [self.chunk(None if self.kind == "chat" else "", last.finish_reason)]
         if self.include_usage:
             usage = self.wrap([], chunk=True)
             usage["usage"] = self.usage(last.completion_tokens)
