@@ -182,7 +182,7 @@ class Settings:
     #: The longest one stage's step of a prefill may run (chunks are sized to fit; Apple's GPU
     #: watchdog kills a command that runs too long).
     max_step_ms: float = 500.0
-    #: The largest max_tokens a request may ask for.
+    #: The most tokens one answer may have (a larger max_tokens is capped, not refused).
     max_tokens_limit: int = 4096
     #: max_tokens of a request that gives none; 0: the room left in the context (a reasoning
     #: model's thinking is not cut short).

@@ -259,10 +259,11 @@ def test_output_config_format_constrains_the_answer(node):
 
 
 def test_tools_for_a_model_that_cannot_call_them(llama):
+    """Tools are always accepted; a model whose template has no place for them answers without them."""
     n, base = llama
-    with pytest.raises(anthropic.BadRequestError, match="cannot call tools") as refused:
-        create(base, n.model_id, tools=TOOLS)
-    assert refused.value.body["error"]["type"] == "invalid_request_error"
+    with_tools = create(base, n.model_id, tools=TOOLS)
+    without = create(base, n.model_id)
+    assert with_tools.content == without.content and with_tools.usage == without.usage
 
 
 def test_errors_have_anthropics_shape(llama):
@@ -276,8 +277,10 @@ def test_errors_have_anthropics_shape(llama):
     assert "messages[0].content[1]" in bad.value.body["error"]["message"] and "image" in bad.value.message
     with pytest.raises(anthropic.BadRequestError, match="top_logprobs"):
         c.messages.create(model=n.model_id, max_tokens=5, messages=MESSAGES, extra_body={"top_logprobs": 2})
-    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
-        c.messages.create(model=n.model_id, messages=MESSAGES, max_tokens=10**6)
+    # Claude Code asks for 32000: more than the room left is capped there (stop_reason max_tokens), not refused.
+    capped = c.messages.create(model=n.model_id, messages=MESSAGES, max_tokens=10**6,
+                               extra_body={"temperature": 0, "top_k": 1})
+    assert capped.stop_reason in ("max_tokens", "end_turn")
     with pytest.raises(anthropic.NotFoundError) as missing:
         c.messages.create(model="no-such-model", max_tokens=5, messages=MESSAGES)
     assert missing.value.body["error"]["type"] == "not_found_error"

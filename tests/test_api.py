@@ -158,7 +158,6 @@ BAD = [
     (json.dumps({"model": "MODEL", "messages": [{"role": "user"}]}), 400),
     (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400),
     (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": -1}), 400),
-    (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": 10**9}), 400),
     (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": "ten"}), 400),
     (json.dumps({"model": "MODEL", "messages": MESSAGES, "temperature": 3}), 400),
     (json.dumps({"model": "MODEL", "messages": MESSAGES, "temperature": -0.5}), 400),
@@ -168,7 +167,6 @@ BAD = [
     (json.dumps({"model": "MODEL", "messages": MESSAGES, "n": 3}), 400),
     (json.dumps({"model": "no-such-model", "messages": MESSAGES}), 404),
     (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "word " * 2000}]}), 400),
-    (json.dumps({"model": "MODEL", "messages": MESSAGES, "max_tokens": 500}), 400),  # prompt + 500 > 512
 ]
 
 

@@ -320,8 +320,11 @@ def test_options_map_with_ollamas_defaults():
     assert (raw.kind, raw.prompt, raw.model, raw.logprobs, raw.top_logprobs, raw.max_tokens) == \
         ("completion", "hi", "m", True, 3, None)
     with pytest.raises(ApiError) as err:
-        ollama_schema.parse({"model": "m", "prompt": "hi", "options": {"num_predict": 101}}, "generate", limits, ["m"])
+        ollama_schema.parse({"model": "m", "prompt": "hi", "options": {"num_predict": 0}}, "generate", limits, ["m"])
     assert err.value.param == "options.num_predict"
+    # More than the server's limit: capped at the room left when served, not refused.
+    assert ollama_schema.parse({"model": "m", "prompt": "hi", "options": {"num_predict": 10**6}}, "generate",
+                               limits, ["m"]).max_tokens == 10**6
 
 
 def test_details_from_the_model_profile(models):

@@ -20,6 +20,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
+from meshnode.api import core
 from meshnode.model.build import build_model
 from meshnode.serving.answer import AnswerShape
 from meshnode.serving.engine import Engine
@@ -227,17 +228,26 @@ def test_tools_reach_the_template_and_the_reasoning_is_split(agent, tmp_path):
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in parts) == thought
 
 
-def test_a_model_without_tool_calling_refuses_tools_by_name_and_max_tokens_defaults_to_the_room(plain4, tmp_path):
+def test_tools_are_always_accepted_and_max_tokens_is_the_room_left(plain4, tmp_path, caplog, monkeypatch):
+    """A model whose template has no tool-call format answers without the tools (Open WebUI sends
+    its built-in tools with every chat) and says so once; max_tokens left out, or more than the
+    context holds (agents ask for 32000), is the room left: the answer ends with "length"."""
+    never_ends = {str(t): -100 for t in load(str(plain4))[1].eos_token_ids}
+    monkeypatch.setattr(core, "_TOOLLESS", set())  # said once per model and process: this test's process
     with running_node(plain4, tmp_path, max_context=48) as (node, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=HI, tools=TOOLS)
-        assert e.value.body["param"] == "tools" and "tool" in e.value.body["message"]
-        r = client.chat.completions.create(model=model, messages=HI, temperature=0, logit_bias={
-            str(t): -100 for t in load(str(plain4))[1].eos_token_ids})  # never ends on its own
-        assert r.choices[0].finish_reason == "length"
-        assert r.usage.prompt_tokens + r.usage.completion_tokens == 48
+        plain = client.chat.completions.create(model=model, messages=HI, max_tokens=6, temperature=0)
+        for _ in range(2):
+            r = client.chat.completions.create(model=model, messages=HI, tools=TOOLS, max_tokens=6, temperature=0)
+            assert r.choices[0].message.content == plain.choices[0].message.content
+            assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+        assert caplog.text.count("answered without them") == 1
+        for asked in (None, 100000):
+            r = client.chat.completions.create(model=model, messages=HI, temperature=0, logit_bias=never_ends,
+                                               **({"max_tokens": asked} if asked else {}))
+            assert r.choices[0].finish_reason == "length"
+            assert r.usage.prompt_tokens + r.usage.completion_tokens == 48
 
 
 SCHEMA = {"type": "object", "properties": {"sunny": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},

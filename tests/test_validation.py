@@ -31,7 +31,6 @@ def test_completion_prompt_forms():
 
 @pytest.mark.parametrize("body,param,code", [
     ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
-    ({"model": "m", "messages": MSG, "max_tokens": 101}, "max_tokens", "invalid_value"),
     ({"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens", "invalid_type"),
     ({"model": "m", "messages": MSG, "max_completion_tokens": 2.0}, "max_completion_tokens", "invalid_type"),
     ({"model": "m", "messages": MSG, "temperature": float("nan")}, "temperature", "invalid_value"),

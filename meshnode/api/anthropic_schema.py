@@ -28,7 +28,7 @@ import logging
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WrapValidator, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from meshnode.api.schema import JsonObject, Number, Strict, validate
@@ -189,14 +189,6 @@ class MessagesRequest(CountRequest):
     service_tier: Literal["auto", "standard_only"] | None = None  # harmless
     inference_geo: str | None = None  # harmless
     speed: Literal["standard", "fast"] | None = None  # harmless
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _within_limit(cls, value: int, info: ValidationInfo) -> int:
-        limit = info.context["limits"].max_tokens_limit
-        if value > limit:
-            raise PydanticCustomError("invalid_value", "must be at most {limit} on this server", {"limit": limit})
-        return value
 
 
 @dataclasses.dataclass(frozen=True)

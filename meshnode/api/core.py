@@ -187,6 +187,9 @@ async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> tuple[list[i
     return list(await asyncio.to_thread(tokenizer.encode, req.prompt)), None
 
 
+_TOOLLESS: set[str] = set()  # models whose requests with tools were answered without them (logged once)
+
+
 async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape]:
     """The chat template applied to the messages, with the request's tools and thinking switch.
 
@@ -197,16 +200,21 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
     tools, choice = req.tools, req.tool_choice
     if choice == "none":
         tools = None
-    if tools and not getattr(tokenizer, "has_tool_calling", False):
-        raise ApiError(400, f"model {engine.model_id} cannot call tools: its chat template has no tool-call format",
-                       param="tools", code="unsupported_value")
-    if isinstance(choice, dict):
+    if tools and not (getattr(tokenizer, "has_tool_calling", False) and getattr(tokenizer, "chat_template", None)):
+        # Tools are always accepted (Open WebUI sends its built-in ones with every chat): a model
+        # whose template has no place for them answers without them, said once per model.
+        if engine.model_id not in _TOOLLESS:
+            _TOOLLESS.add(engine.model_id)
+            log.warning("model %s has no tool-call format in its chat template: requests with tools are "
+                        "answered without them", engine.model_id)
+        tools = None
+    if isinstance(choice, dict) and tools:
         tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     forced = bool(tools) and (choice == "required" or isinstance(choice, dict))
     if not getattr(tokenizer, "chat_template", None):
-        if tools or req.think is not None or req.template_kwargs:
-            raise ApiError(400, f"model {engine.model_id} has no chat template to take tools or template options",
-                           param="tools" if tools else "chat_template_kwargs", code="unsupported_value")
+        if req.think is not None or req.template_kwargs:
+            raise ApiError(400, f"model {engine.model_id} has no chat template to take template options",
+                           param="chat_template_kwargs", code="unsupported_value")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant: "
         return list(await asyncio.to_thread(tokenizer.encode, text)), AnswerShape()
     kwargs = dict(req.template_kwargs)
@@ -244,17 +252,12 @@ def _budget(engine: Engine, req: GenerationRequest, prompt_len: int, limits: Lim
             param="messages" if req.kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
+    # Room, not refusal: agents ask for far more than any context holds (OpenCode: 32000) and expect
+    # the answer to stop at the room left (finish reason "length"), as mlx_lm.server and Ollama do.
+    cap = min(room, limits.max_tokens_limit)
     if req.max_tokens is None:  # the room left (a reasoning model's thinking is not cut short)
-        return min(limits.default_max_tokens or room, room)
-    if req.max_tokens > room:
-        raise ApiError(
-            400,
-            f"max_tokens {req.max_tokens} plus the prompt's {prompt_len} tokens exceeds the context of "
-            f"{engine.max_context} tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return req.max_tokens
+        return min(limits.default_max_tokens or cap, cap)
+    return min(req.max_tokens, cap)
 
 
 class _Slot:

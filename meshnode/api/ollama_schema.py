@@ -85,10 +85,8 @@ class Options(_OptionsBase):
     @field_validator("num_predict")
     @classmethod
     def _budget(cls, value: int | None, info: ValidationInfo) -> int | None:
-        limit = info.context["limits"].max_tokens_limit
-        if value is not None and value != -1 and not 1 <= value <= limit:
-            raise PydanticCustomError("invalid_value", "must be -1 (no limit) or 1 to {limit} on this server",
-                                      {"limit": limit})
+        if value is not None and value != -1 and value < 1:
+            raise PydanticCustomError("invalid_value", "must be -1 (no limit) or a positive number")
         return value
 
     @field_validator("repeat_last_n")

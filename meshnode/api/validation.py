@@ -148,14 +148,6 @@ class _Sampling(_Accepted):
             raise PydanticCustomError("invalid_value", "takes at most {most} strings", {"most": MAX_STOP})
         return [value] if isinstance(value, str) else value
 
-    @field_validator("max_tokens", "max_completion_tokens")
-    @classmethod
-    def _within_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        limit = info.context["limits"].max_tokens_limit
-        if value is not None and value > limit:
-            raise PydanticCustomError("invalid_value", "must be at most {limit} on this server", {"limit": limit})
-        return value
-
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True)  # other keys (cache_control...) ignored
