@@ -27,7 +27,7 @@ from aiohttp import web
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
-from meshnode.serving.answer import AnswerShape, ToolCall
+from meshnode.serving.answer import AnswerShape, ToolCall, initial_state
 from meshnode.serving.grammar import grammar_error, grammar_from_schema
 from meshnode.serving.engine import Delta, Engine, TokenLogprob
 from meshnode.serving.sampling import SamplingParams
@@ -236,6 +236,8 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
             tokens = tokens["input_ids"]
         tokens = list(tokens)
         if forced:
+            if initial_state(tokenizer, tokens) == "reasoning":  # the template opened a think block: close it
+                tokens += tokenizer.encode(tokenizer.think_end, add_special_tokens=False)
             tokens += tokenizer.encode(tokenizer.tool_call_start, add_special_tokens=False)
         return tokens
 
