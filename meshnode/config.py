@@ -77,7 +77,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "authenticate": parse_bool,
     "memory_budget": optional(checked(parse_size, lambda n: n > 0, "a positive size"), empty=("", "auto")),
     "memory_fraction": checked(as_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
-    "max_context": positive_int,
+    "max_context": checked(as_int, lambda n: n >= 0, "0 (the model's own context) or a number of tokens"),
     "kv_requests": positive_int,
     "prefill_step_size": positive_int,
     "pipelined_prefill": parse_bool,
@@ -165,8 +165,9 @@ class Settings:
     #: Bytes offered for weights + KV cache; None = memory_fraction x available memory.
     memory_budget: int | None = None
     memory_fraction: float = 0.75
-    #: Tokens of KV cache a plan reserves per request.
-    max_context: int = 4096
+    #: Tokens of context per request; 0: the context the model was trained for (its config), lowered
+    #: only as far as the mesh's memory requires (meshnode.control.planner.context).
+    max_context: int = 0
     #: Requests whose KV cache (max_context tokens each) every stage reserves memory for: a chat
     #: client's answer and the title request it sends beside it run at once.
     kv_requests: int = 2

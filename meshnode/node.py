@@ -72,7 +72,8 @@ class Backend:
         return served.engine_for_request()
 
     def models(self) -> list[dict[str, Any]]:
-        return [{"id": model_id, "state": "ready" if served.serving_ready() else "loading"}
+        return [{"id": model_id, "state": "ready" if served.serving_ready() else "loading",
+                 "context_length": served.context if served.files.profile is not None else None}
                 for model_id, served in self.node.models.items()]
 
     def model_profile(self, model: str):

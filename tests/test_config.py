@@ -223,7 +223,7 @@ def test_missing_and_invalid_file(tmp_path):
         ("memory_fraction", "1.5"),
         ("memory_budget", "lots"),
         ("memory_budget", "0"),
-        ("max_context", "0"),
+        ("max_context", "-1"),
         ("mdns", "maybe"),
         ("heartbeat_interval", "0"),
         ("failure_timeout", "soon"),

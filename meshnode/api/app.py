@@ -16,14 +16,14 @@ import time
 
 from aiohttp import web
 
-from meshnode.api import anthropic, ollama, openai, ops
+from meshnode.api import anthropic, ollama, openai, ops, responses
 from meshnode.api.core import ACCESS, ACTIVE, BACKEND, METRICS, SETTINGS, ApiSettings, Backend
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics
 
 __all__ = ["ApiSettings", "Backend", "make_app"]
 
-SURFACES = (openai.routes, anthropic.routes, ollama.routes, ops.routes)  # each adds its routes to the app
+SURFACES = (openai.routes, responses.routes, anthropic.routes, ollama.routes, ops.routes)  # each adds its routes
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("meshnode.access")

@@ -147,7 +147,8 @@ async def models(request: web.Request) -> web.Response:
     """Every served model, also while the mesh forms or re-plans (a client lists what it can ask
     for; a request made before the model is ready gets a 503 with Retry-After)."""
     return web.json_response({"object": "list", "data": [
-        {"id": m["id"], "object": "model", "created": 0, "owned_by": "meshnode", "state": m["state"]}
+        {"id": m["id"], "object": "model", "created": 0, "owned_by": "meshnode", "state": m["state"],
+         "context_length": m.get("context_length")}
         for m in request.app[core.BACKEND].models()
     ]})
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-mdns", action="store_const", const=False, dest="mdns", help="do not use mDNS")
     run.add_argument("--strategy", choices=("auto", "single", "pipeline", "tensor", "hybrid"),
                      help="how the coordinator splits the model (default auto: the least estimated time per token)")
-    run.add_argument("--max-context", metavar="N", help="tokens of KV cache reserved per request (default 4096)")
+    run.add_argument("--max-context", metavar="N", help="tokens of context per request (default 0: the model's own, "
+                                                        "lowered only as far as memory requires)")
     run.add_argument("--kv-requests", metavar="N", help="requests at once whose KV cache a plan reserves (default 2)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
     run.add_argument("--cache-dir", metavar="DIR", help="folder for cached models")
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--cluster", metavar="FILE.toml", help="a described cluster: [[node]] and [[link]] tables")
     where.add_argument("--url", help=f"a live node whose /v1/mesh lists the nodes (default {DEFAULT_STATUS_URL})")
     plan.add_argument("--strategy", choices=("single", "pipeline", "tensor", "hybrid"), help="force a strategy")
-    plan.add_argument("--max-context", type=int, default=4096, metavar="N", help="tokens of KV cache (default 4096)")
+    plan.add_argument("--max-context", type=int, default=0, metavar="N",
+                      help="tokens of context (default 0: the model's own, lowered only as far as memory requires)")
     plan.add_argument("--kv-requests", type=int, default=2, metavar="N",
                       help="requests at once whose KV cache each stage holds (default 2, as a node)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -255,6 +257,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from meshnode.control.planner import PlanError, plan as make_plan
+    from meshnode.control.planner.context import plan_longest_context
     from meshnode.weights.profile import profile_model
 
     try:
@@ -279,8 +282,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"meshnode plan: {exc}", file=sys.stderr)
         return EXIT_FAIL
     try:
-        result = make_plan(profile, nodes, max_context=args.max_context, strategy=args.strategy, links=links,
-                           requests=args.kv_requests)
+        result = plan_longest_context(
+            lambda ctx: make_plan(profile, nodes, max_context=ctx, strategy=args.strategy, links=links,
+                                  requests=args.kv_requests), profile.trained_context, args.max_context)
     except PlanError as exc:
         if args.json:
             print(json.dumps({"model": profile.name, "error": exc.reasons}, indent=2))

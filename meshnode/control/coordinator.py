@@ -23,6 +23,7 @@ from meshnode.nodeinfo import NodeInfo
 from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
 from meshnode.control.planner import NodeSpec, Plan, PlanError, estimate as plan_estimate, plan as make_plan
+from meshnode.control.planner.context import plan_longest_context
 from meshnode.control.adoption import describe
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
@@ -116,14 +117,18 @@ class Coordinator:
         held = {nid: layers_of(info.holdings, served.model_id) for nid, info in alive.items()}  # reuse disks
         try:
             try:
-                desired = make_plan(served.profile, nodes, max_context=s.max_context, preferred=preferred,
-                                    requests=s.kv_requests, strategy=strategy, links=links, held=held)
+                desired = plan_longest_context(
+                    lambda ctx: make_plan(served.profile, nodes, max_context=ctx, preferred=preferred,
+                                          requests=s.kv_requests, strategy=strategy, links=links, held=held),
+                    served.profile.trained_context, s.max_context)
             except PlanError as forced:
                 if strategy is None:
                     raise
                 # A configured strategy is a preference: serving some other way beats not serving.
-                desired = make_plan(served.profile, nodes, max_context=s.max_context, preferred=preferred,
-                                    requests=s.kv_requests, links=links, held=held)
+                desired = plan_longest_context(
+                    lambda ctx: make_plan(served.profile, nodes, max_context=ctx, preferred=preferred,
+                                          requests=s.kv_requests, links=links, held=held),
+                    served.profile.trained_context, s.max_context)
                 if self._forced_note != str(forced):
                     log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,
                                 desired.strategy)
@@ -147,8 +152,8 @@ class Coordinator:
         if plan_ok and not contested:
             # The current plan still works: move only for a real gain by today's figures, and not
             # sooner than rebalance_dwell after the last change (hysteresis: no flapping).
-            current = plan_estimate(served.profile, nodes, current_plan.stages, max_context=s.max_context,
-                                    links=links)
+            current = plan_estimate(served.profile, nodes, current_plan.stages,
+                                    max_context=current_plan.max_context or desired.max_context, links=links)
             preferred_now = strategy is not None and desired.strategy == strategy != current_plan.strategy
             if layout(desired) == layout(current_plan) or not (
                     preferred_now or desired.estimate_s < current * (1 - REPLAN_GAIN)):
@@ -187,7 +192,8 @@ class Coordinator:
             return None
         try:
             return plan_estimate(served.profile, node_specs(alive), served.plan.stages,
-                                 max_context=self.settings.max_context, links=self.peers.link_specs(frozenset(alive)))
+                                 max_context=served.plan.max_context or served.context,
+                                 links=self.peers.link_specs(frozenset(alive)))
         except (PlanError, ValueError, KeyError):
             return None
 

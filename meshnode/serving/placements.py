@@ -156,7 +156,7 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
     if head_of(serving) != served.node_id:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
     prompt = list(request.prompt)
-    if not prompt or len(prompt) >= served.settings.max_context or max(prompt) >= served.files.vocab_size:
+    if not prompt or len(prompt) >= serving.max_context or max(prompt) >= served.files.vocab_size:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty, too long or out of vocabulary")
     vocab = served.files.vocab_size
     if not (1 <= request.max_tokens <= served.settings.max_tokens_limit) or not (0 <= request.temperature <= 2) \

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshnode.config import TENSOR_PORTS
+from meshnode.control.planner.context import UNKNOWN
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
@@ -102,12 +103,12 @@ class ServedModel:
         s, f = self.settings, self.files
         source = FailoverSource(self.placement, deadline=s.failover_deadline, on_retry=self.metrics.retry,
                                 give_up=gave_up, same_epoch=self.placement_again)
-        self.engine = Engine(f.model_id, f.tokenizer, source, max_context=s.max_context, vocab_size=f.vocab_size,
+        self.engine = Engine(f.model_id, f.tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
         # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
-        self.prefixes, self.prefix_index = prompt_cache(s, self.metrics)
+        self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context)
         self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.prefill_step_size,
-                                        max_context=s.max_context, inject_latency=s.inject_latency_us * 1e-6,
+                                        max_context=self.context, inject_latency=s.inject_latency_us * 1e-6,
                                         prefixes=self.prefixes)
         loop = self.loop
         self.stage_server.on_fault = lambda error: loop.call_soon_threadsafe(self.fault, error)
@@ -119,6 +120,12 @@ class ServedModel:
     @property
     def profile(self):
         return self.files.profile
+
+    @property
+    def context(self) -> int:
+        """Tokens of context a request gets: the plan's; before any plan, the setting's or the
+        model's own (meshnode.control.planner.context)."""
+        return request_context(self.plan, self.settings, self.files.profile)
 
     def close(self) -> None:
         for shard in self.shards.values():
@@ -232,6 +239,7 @@ class ServedModel:
             _close(shard)
         served = {(s.start_layer, s.end_layer): wanted[stage_key(s)] for s in plan.stages if s.nodes[0] == self.node_id}
         self.stage_server.serve(plan.epoch, served)
+        use_context(self, self.context)
         self.ready_epoch = plan.epoch
         log.info("ready for epoch %d", plan.epoch)
         asyncio.create_task(self._on_ready())  # tell the mesh now, not at the next beat
@@ -340,7 +348,7 @@ class ServedModel:
         placement = self._placements.get(plan.epoch)
         if placement is None:
             if head_of(plan) == self.node_id:
-                placement = HeadPlacement(plan.epoch, self.scheduler, self.stage_handles(plan), self.settings,
+                placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan), self.settings,
                                           prefixes=self.prefix_index, tokenizer=self.files.tokenizer,
                                           on_fault=self.fault)
             else:
@@ -351,36 +359,52 @@ class ServedModel:
                 del self._placements[epoch]
         return placement
 
-    def stage_handles(self, plan) -> list:
-        handles = []
-        for stage in plan.stages:
-            node_id = stage.nodes[0]
-            key = stage_key(stage)
-            if node_id == self.node_id:
-                shard = self.shards.get(key)
-                if shard is None:
-                    raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
-                handles.append(LocalStage(shard, self.prefixes if keeps_prefixes(shard) else None))
-            else:
-                handles.append(RemoteStage(
-                    node_id=node_id, channel=self.mesh.data_channel(node_id), loop=self.loop,
-                    start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
-                    hidden_size=self.profile.hidden_size, dtype=next(iter(self.shards.values())).dtype,
-                    hop_timeout=self.settings.failure_timeout, observe=self.metrics.hop_observer(node_id),
-                    data_port=self.mesh.data_port_of(node_id), auth=self.auth, caller=self.node_id,
-                    alive=lambda nid=node_id: self.mesh.heard_within(nid),
-                    data_session=HopSession,
-                ))
-        return handles
 
 
-def prompt_cache(settings, metrics) -> tuple[PrefixStore | None, PrefixIndex | None]:
+def stage_handles(served: "ServedModel", plan) -> list:
+    """Each stage of ``plan`` as this node reaches it: its own shard, or a peer over the network."""
+    handles = []
+    for stage in plan.stages:
+        node_id = stage.nodes[0]
+        key = stage_key(stage)
+        if node_id == served.node_id:
+            shard = served.shards.get(key)
+            if shard is None:
+                raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
+            handles.append(LocalStage(shard, served.prefixes if keeps_prefixes(shard) else None))
+        else:
+            handles.append(RemoteStage(
+                node_id=node_id, channel=served.mesh.data_channel(node_id), loop=served.loop,
+                start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
+                hidden_size=served.profile.hidden_size, dtype=next(iter(served.shards.values())).dtype,
+                hop_timeout=served.settings.failure_timeout, observe=served.metrics.hop_observer(node_id),
+                data_port=served.mesh.data_port_of(node_id), auth=served.auth, caller=served.node_id,
+                alive=lambda nid=node_id: served.mesh.heard_within(nid),
+                data_session=HopSession,
+            ))
+    return handles
+
+
+def request_context(plan, settings, profile) -> int:
+    if plan is not None and plan.max_context:
+        return plan.max_context
+    return settings.max_context or (profile.trained_context if profile is not None else 0) or UNKNOWN
+
+
+def use_context(served: "ServedModel", context: int) -> None:
+    """The plan's context for requests from now on: what the API allows, what a stage accepts,
+    what kept prefixes may hold."""
+    served.engine.max_context = served.stage_server.max_context = context
+    if served.prefixes is not None:
+        served.prefixes.capacity = served.settings.kv_requests * context
+
+
+def prompt_cache(settings, metrics, context: int) -> tuple[PrefixStore | None, PrefixIndex | None]:
     """A node's prompt cache (off: None, None): kept prefixes live in the KV the plan reserves for
-    ``kv_requests`` requests of ``max_context`` positions."""
+    ``kv_requests`` requests of ``context`` positions."""
     if not settings.prompt_cache:
         return None, None
-    return PrefixStore(settings.kv_requests * settings.max_context, on_resume=metrics.prompt_cache_resumed), \
-        PrefixIndex()
+    return PrefixStore(settings.kv_requests * context, on_resume=metrics.prompt_cache_resumed), PrefixIndex()
 
 
 def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:

@@ -56,6 +56,7 @@ class ModelProfile:
     split_problem: str = ""
     moe_intermediate_size: int = 0  # each expert's (and a shared expert's) MLP width; 0 for a dense model
     quant_group_size: int = 0  # weights quantized in groups of this many inputs; 0 when not quantized
+    trained_context: int = 0  # the context its config says it was trained for (rope scaling included); 0: unknown
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -114,7 +115,8 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
-        optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size"}  # newer fields
+        optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size",
+                    "trained_context"}  # newer fields
         missing = known - set(d) - optional
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
@@ -126,7 +128,7 @@ class ModelProfile:
             kw["split_problem"] = str(kw["split_problem"] or "")
         for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
                     "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests",
-                    "moe_intermediate_size", "quant_group_size"):
+                    "moe_intermediate_size", "quant_group_size", "trained_context"):
             if key in kw:
                 kw[key] = int(kw[key])
         for key in ("name", "model_type", "dtype"):
@@ -262,6 +264,23 @@ def _kv_per_token(layer_keys: list[list[str]], tensors: dict[str, _Tensor], cfg:
     return tuple(out)
 
 
+def trained_context(config: dict[str, Any]) -> int:
+    """The context a model's config says it was trained for, rope scaling included (0: unknown)."""
+    scaling = config.get("rope_scaling") or {}
+    original = scaling.get("original_max_position_embeddings") if isinstance(scaling, dict) else None
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if original and factor and scaling.get("rope_type", scaling.get("type")) in ("yarn", "dynamic", "longrope",
+                                                                               "linear", "llama3"):
+        scaled = int(float(original) * float(factor))
+    else:
+        scaled = 0
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return max(value, scaled)
+    return scaled
+
+
 def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     """Profile an mlx-lm model directory (config.json + ``model*.safetensors``), reading headers only."""
     model_dir = Path(model_dir)
@@ -327,4 +346,5 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         split_problem=problem,
         moe_intermediate_size=int(config_value(cfg, "moe_intermediate_size", default=0) or 0),
         quant_group_size=int(((raw_cfg.get("quantization") or {}).get("group_size")) or 0),
+        trained_context=trained_context(cfg),
     )

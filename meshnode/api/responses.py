@@ -1,0 +1,298 @@
+"""The OpenAI Responses API: ``POST /v1/responses`` (a Response, or its typed server-sent events)
+and ``GET /v1/responses/{id}`` (a stored one), so that Codex CLI and ``client.responses`` work
+against a node. Bodies are checked in :mod:`meshnode.api.responses_schema`; the generation itself
+is :mod:`meshnode.api.core`'s. Errors have OpenAI's shape (app.py's errors middleware).
+
+A Response's output is, in the order the model said them: a reasoning item (its thinking as
+``content`` of type reasoning_text; ``summary`` stays empty, no summary is made), a message item
+(one output_text part), one function_call item per call (custom_tool_call for a custom tool; a
+namespaced tool's call carries its ``namespace``), and again if the model goes on. Status is
+"completed", or "incomplete" with incomplete_details.reason "max_output_tokens" when the answer
+was cut. Usage counts the prompt, the answer and, as reasoning_tokens, the answer up to the end
+of its thinking; cached_tokens is 0.
+
+The stream sends, each with ``event: <type>`` and a sequence_number: response.created,
+response.in_progress; per item output_item.added, then for reasoning and messages
+content_part.added, reasoning_text.delta / output_text.delta..., their .done, content_part.done,
+for calls function_call_arguments.delta and .done (custom_tool_call_input for custom tools), and
+output_item.done; finally response.completed (or response.incomplete) with the whole Response, as
+the non-streamed answer. A failure after the headers is an ``error`` event, then response.failed.
+
+Responses made with ``store`` not false are kept in memory on this node (the last
+:data:`STORE_SIZE`, each for :data:`STORE_SECONDS`): a request with ``previous_response_id``
+continues that conversation (its input and output, not its instructions), and GET returns the
+Response. An unknown or expired id is a 400, code previous_response_not_found, as OpenAI answers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from aiohttp import web
+
+from meshnode.api import core
+from meshnode.api.responses_schema import ResponsesRequest, parse
+from meshnode.errors import ApiError
+from meshnode.serving.engine import Delta, ToolCall
+
+STORE_SIZE = 256
+STORE_SECONDS = 30 * 60.0
+
+
+class ResponseStore:
+    """The recent stored responses of this node: each one's Response and conversation."""
+
+    def __init__(self, size: int = STORE_SIZE, seconds: float = STORE_SECONDS, clock=time.monotonic):
+        self.size, self.seconds, self.clock = size, seconds, clock
+        self._kept: OrderedDict[str, tuple[float, dict[str, Any], tuple[dict[str, Any], ...]]] = OrderedDict()
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._kept and (len(self._kept) > self.size or next(iter(self._kept.values()))[0] <= now):
+            self._kept.popitem(last=False)
+
+    def put(self, response: dict[str, Any], history: tuple[dict[str, Any], ...]) -> None:
+        self._kept[response["id"]] = (self.clock() + self.seconds, response, history)
+        self._expire()
+
+    def history(self, response_id: str) -> tuple[dict[str, Any], ...] | None:
+        self._expire()
+        kept = self._kept.get(response_id)
+        return kept[2] if kept else None
+
+    def response(self, response_id: str) -> dict[str, Any] | None:
+        self._expire()
+        kept = self._kept.get(response_id)
+        return kept[1] if kept else None
+
+
+STORE = web.AppKey("responses_store", ResponseStore)
+
+# What a Response repeats of its request when the request left it out: OpenAI's defaults.
+DEFAULTS: dict[str, Any] = {
+    "instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
+    "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+    "store": True, "temperature": 1.0, "text": {"format": {"type": "text"}, "verbosity": "medium"},
+    "tool_choice": "auto", "tools": [], "top_logprobs": 0, "top_p": 1.0, "truncation": "disabled", "user": None,
+    "background": False,
+}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _logprobs(delta: Delta) -> list[dict[str, Any]]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "bytes": list(token.encode()), "logprob": logprob}
+
+    return [dict(one(e.token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top]) for e in delta.logprobs]
+
+
+class Output:
+    """A response's output items as the deltas come and, when streaming, its events (the
+    :class:`core.StreamFormat` of this surface). The non-streamed answer is built the same way, so
+    that both end in the same Response."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, gen: core.Generation, req: ResponsesRequest, store: ResponseStore | None, streaming: bool):
+        self.gen, self.req, self.store, self.streaming = gen, req, store, streaming
+        self.created_at = int(time.time())
+        self.items: list[dict[str, Any]] = []  # the finished output items
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being written
+        self.written: list[str] = []  # its text so far
+        self.written_logprobs: list[dict[str, Any]] = []
+        self.said: list[str] = []  # the answer's text and calls, for the stored conversation
+        self.calls: list[dict[str, Any]] = []
+        self.reasoning_tokens = 0
+        self.seq = 0
+        self.frames: list[bytes] = []
+        self.final: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------- events
+
+    def _event(self, kind: str, **data: Any) -> None:
+        if self.streaming:
+            data = {"type": kind, "sequence_number": self.seq, **data}
+            self.seq += 1
+            payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+            self.frames.append(f"event: {kind}\ndata: {payload}\n\n".encode())
+
+    def _take(self) -> list[bytes]:
+        frames, self.frames = self.frames, []
+        return frames
+
+    def response(self, status: str, usage: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        body = {"id": self.gen.id, "object": "response", "created_at": self.created_at, "status": status,
+                "error": None, "incomplete_details": None, "model": self.gen.model, "output": list(self.items),
+                "usage": usage, **DEFAULTS, **self.req.echo, **extra}
+        return body
+
+    # ----------------------------------------------------------------- items
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
+
+    def _start(self, kind: str) -> None:
+        self._close("completed")
+        if kind == "reasoning":
+            self.open = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            self.open = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                         "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self._event("response.output_item.added", output_index=len(self.items), item=self.open)
+        self._event("response.content_part.added", **self._where(), content_index=0, part=part)
+
+    def _write(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        if self.open is None or self.open["type"] != kind:
+            self._start(kind)
+        self.written.append(text)
+        if kind == "reasoning":
+            self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
+        else:
+            self.written_logprobs += logprobs or []
+            self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
+                        logprobs=logprobs or [])
+
+    def _close(self, status: str) -> None:
+        if self.open is None:
+            return
+        text, where = "".join(self.written), self._where()
+        if self.open["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            self._event("response.reasoning_text.done", **where, content_index=0, text=text)
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self.written_logprobs}
+            self._event("response.output_text.done", **where, content_index=0, text=text,
+                        logprobs=self.written_logprobs)
+            self.said.append(text)
+        self._event("response.content_part.done", **where, content_index=0, part=part)
+        item = {**self.open, "status": status, "content": [part]}
+        self._event("response.output_item.done", output_index=len(self.items), item=item)
+        self.items.append(item)
+        self.open, self.written, self.written_logprobs = None, [], []
+
+    def _call(self, call: ToolCall) -> None:
+        self._close("completed")
+        kind, namespace, name = self.req.names.get(call.name, ("function", None, call.name))
+        where = {"output_index": len(self.items)}
+        if kind == "custom":
+            text = _custom_input(call.arguments)
+            item = {"id": _id("ctc"), "type": "custom_tool_call", "call_id": call.id, "name": name, "input": ""}
+            arguments: dict[str, Any] = {"input": text}
+            events = ("response.custom_tool_call_input", "input")
+        else:
+            text = call.arguments
+            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
+                    "name": name, "arguments": ""}
+            arguments = _object(call.arguments)
+            events = ("response.function_call_arguments", "arguments")
+        if namespace:
+            item["namespace"] = namespace
+        self._event("response.output_item.added", **where, item=item)
+        self._event(f"{events[0]}.delta", item_id=item["id"], **where, delta=text)
+        self._event(f"{events[0]}.done", item_id=item["id"], **where, **{events[1]: text})
+        item = {**item, events[1]: text} | ({"status": "completed"} if "status" in item else {})
+        self._event("response.output_item.done", **where, item=item)
+        self.items.append(item)
+        self.calls.append({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+
+    # ----------------------------------------------------------------- StreamFormat
+
+    def opening(self) -> list[bytes]:
+        self._event("response.created", response=self.response("in_progress"))
+        self._event("response.in_progress", response=self.response("in_progress"))
+        return self._take()
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        if delta.reasoning:
+            self._write("reasoning", delta.reasoning)
+            self.reasoning_tokens = delta.completion_tokens
+        if delta.text:
+            self._write("message", delta.text, _logprobs(delta) if self.req.logprobs else None)
+        for call in delta.tool_calls:
+            self._call(call)
+        return self._take()
+
+    def closing(self, last: Delta | None) -> list[bytes]:
+        cut = last is not None and last.finish_reason == "length"
+        self._close("incomplete" if cut else "completed")
+        out_tokens = last.completion_tokens if last is not None else 0
+        usage = {"input_tokens": self.gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                 "total_tokens": self.gen.prompt_tokens + out_tokens}
+        if cut:
+            self.final = self.response("incomplete", usage, incomplete_details={"reason": "max_output_tokens"})
+        else:
+            self.final = self.response("completed", usage, completed_at=int(time.time()))
+        if self.store is not None and self.req.store:
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(self.said)}
+            if self.calls:
+                turn["tool_calls"] = self.calls
+            self.store.put(self.final, self.req.history + ((turn,) if self.said or self.calls else ()))
+        self._event("response.incomplete" if cut else "response.completed", response=self.final)
+        return self._take()
+
+    def failure(self, err: ApiError) -> list[bytes]:
+        code = "rate_limit_exceeded" if err.status == 429 else "server_error"
+        self._event("error", code=err.code or code, message=err.message, param=err.param)
+        self._event("response.failed", response=self.response("failed", error={"code": code, "message": err.message}))
+        return self._take()
+
+
+def _object(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as the object the chat template renders."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input: the ``input`` argument the model was offered, else what it wrote."""
+    value = _object(arguments).get("input")
+    return value if isinstance(value, str) else arguments
+
+
+async def _respond(request: web.Request, gen: core.Generation, req: ResponsesRequest) -> web.StreamResponse:
+    out = Output(gen, req, request.app.get(STORE), req.stream)
+    if req.stream:
+        return await core.stream(request, gen, out)
+    last = None
+    async for delta in gen.deltas:
+        gen.advance(delta)
+        out.delta(delta)
+        last = delta
+    out.closing(last)
+    return web.json_response(out.final)
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    store = request.app.get(STORE)
+    lookup = store.history if store is not None else (lambda _id: None)
+    return await core.generate(request, lambda body, limits: parse(body, limits, lookup), _respond,
+                               id_prefix="resp_")
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    store = request.app.get(STORE)
+    found = store.response(response_id) if store is not None else None
+    if found is None:
+        raise ApiError(404, f"Response with id '{response_id}' not found (this node keeps the responses it made "
+                       "with store not false, for a while)", param="id", code="not_found")
+    return web.json_response(found)
+
+
+def routes(app: web.Application) -> None:
+    app[STORE] = ResponseStore()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{id}", retrieve)

@@ -1,0 +1,453 @@
+"""Check OpenAI Responses API bodies (``POST /v1/responses``) with pydantic and turn them into the
+:class:`GenerationRequest` every surface hands to :mod:`meshnode.api.core`. Pure: no I/O, no model
+(the stored conversation a ``previous_response_id`` names is looked up by the caller's ``lookup``).
+Every problem is an :class:`ApiError` 400 whose ``param`` names the field (``input[2].call_id``).
+
+Honoured: model, input (a string, or items: messages with input_text / output_text / refusal
+parts, function_call and function_call_output, custom_tool_call and custom_tool_call_output;
+reasoning items are history and left out, as chat templates leave out earlier thinking),
+instructions (the first system message; not carried to a follow-up, as OpenAI documents),
+previous_response_id, store, max_output_tokens, temperature, top_p, stream, tools, tool_choice,
+reasoning.effort (the chat template's reasoning_effort; "none"/"minimal" turn thinking off),
+text.format (json_schema / json_object: the answer is JSON valid under the schema), top_logprobs
+with include "message.output_text.logprobs".
+
+Tools, by type. ``function``: the model's tools. ``custom`` (freeform input, Codex's apply_patch on
+some models): a function with one string parameter ``input``; its call comes back as a
+custom_tool_call. ``namespace`` (Codex groups its sub-agent tools in one): each inner tool offered
+as ``<namespace>__<name>``; the call comes back with ``namespace`` and the bare name, as Codex
+routes it. Hosted tools the provider would run (web_search, file_search, code_interpreter,
+image_generation, mcp, tool_search): left out, because this server runs no tools; Codex sends
+web_search with every request and refusing it would make Codex unusable; the model answers without
+them (logged once per type). Built-in client tools with their own call items (local_shell, shell,
+apply_patch, computer): refused, a model here cannot produce those items; send them as functions.
+
+Harmless, accepted and ignored (Codex sends the ones marked *): parallel_tool_calls*, store=false*
+(nothing is kept), include* "reasoning.encrypted_content" (there is no encrypted reasoning: the
+item has none) and the include values for tools and images that never run here,
+prompt_cache_key*, client_metadata* (who is asking), reasoning.summary* (the raw reasoning is
+returned as the reasoning item's content; no summary is made), metadata (echoed), user,
+safety_identifier, service_tier, prompt_cache_retention, stream_options.include_obfuscation, and
+switches at their default only: truncation "disabled", background false, text.verbosity
+"medium". Anything else, an unknown field included, is a 400 naming it.
+
+Messages become the chat template's: developer is system (templates know "system"; Qwen's drops
+unknown roles), the leading system messages are joined into one (templates take one system prompt
+first), content parts are joined with a blank line, function calls join the assistant turn before
+them as its ``tool_calls`` (arguments as an object), an output is a ``tool`` message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
+from pydantic_core import PydanticCustomError
+
+from meshnode.api.schema import JsonObject, Number, Strict, one_of, validate
+from meshnode.api.validation import GenerationRequest, Limits
+from meshnode.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+JOIN = "\n\n"
+SEP = "__"  # between a namespace and the name of one of its tools, as the model sees it
+HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+          "file_search", "code_interpreter", "image_generation", "mcp", "tool_search")
+CLIENT_BUILTINS = ("local_shell", "shell", "apply_patch", "computer", "computer_use_preview")
+INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
+LOGPROBS = "message.output_text.logprobs"
+PARTS = ("input_text", "output_text", "refusal")
+ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+         "reasoning")
+
+
+def _only(kinds: tuple[str, ...], what: str, why: dict[str, str] | None = None) -> WrapValidator:
+    """An object of another type is refused by name, with the reason if there is a known one."""
+
+    def check(value: Any, handler) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(value, dict) and kind not in kinds:
+            reason = (why or {}).get(kind, "") if isinstance(kind, str) else ""
+            raise PydanticCustomError(
+                "invalid_value", "is {a} {what} {kind}, which this server does not take{reason}; it takes {kinds}",
+                {"a": "an" if what[0] in "aeiou" else "a", "what": what, "reason": reason, "kinds": ", ".join(kinds),
+                 "kind": f"of type '{kind}'" if isinstance(kind, str) else "without a type"})
+        return handler(value)
+
+    return WrapValidator(check)
+
+
+def _text_or(default: str) -> BeforeValidator:
+    """A string is shorthand for one text part; anything else but a list is refused as a whole."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": default, "text": value}]
+        if not isinstance(value, list):
+            raise PydanticCustomError("invalid_type", "must be a string or a list of content parts")
+        return value
+
+    return BeforeValidator(check)
+
+
+class _Loose(BaseModel):
+    """History that clients copy back from earlier answers: keys this server does not use (id,
+    status, annotations, logprobs, phase...) are ignored, not refused."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+
+
+class TextPart(_Loose):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class RefusalPart(_Loose):
+    type: Literal["refusal"]
+    refusal: str
+
+
+_NOT_TEXT = {k: " (it serves a text model)" for k in ("input_image", "input_file", "input_audio")}
+Part = Annotated[Union[TextPart, RefusalPart], Field(discriminator="type"), _only(PARTS, "content part", _NOT_TEXT)]
+Content = Annotated[list[Part], _text_or("input_text")]
+
+
+def _text(parts: list[Part]) -> str:
+    return JOIN.join(p.text if isinstance(p, TextPart) else p.refusal for p in parts)
+
+
+class MessageItem(_Loose):
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+
+
+class FunctionCallItem(_Loose):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    namespace: str | None = None
+
+
+class CustomCallItem(_Loose):
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str
+    namespace: str | None = None
+
+
+class OutputItem(_Loose):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content
+
+
+class ReasoningItem(_Loose):  # earlier reasoning, copied back: history, left out of the prompt
+    type: Literal["reasoning"]
+
+
+def _message_by_default(value: Any) -> Any:
+    """An item without a type that has a role is a message (the "easy input message")."""
+    if isinstance(value, dict) and "type" not in value and "role" in value:
+        return {**value, "type": "message"}
+    return value
+
+
+_REFERENCE = {"item_reference": " (send the item itself, or previous_response_id)"}
+Item = Annotated[Union[MessageItem, FunctionCallItem, CustomCallItem, OutputItem, ReasoningItem],
+                 Field(discriminator="type"), _only(ITEMS, "input item", _REFERENCE),
+                 BeforeValidator(_message_by_default)]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None  # accepted: arguments are the model's, as with chat completions
+    output_schema: JsonObject | None = None  # harmless: what the client's tool returns
+    defer_loading: Literal[False] | None = None  # true needs the tool search tool
+
+
+class CustomFormat(Strict):
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomTool(Strict):
+    type: Literal["custom"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    format: CustomFormat | None = None
+    defer_loading: Literal[False] | None = None
+
+
+class HostedTool(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow")
+    type: Literal[HOSTED]
+
+
+_BUILTIN = {k: " (a model here cannot make its call items; send it as a function tool)" for k in CLIENT_BUILTINS}
+Inner = Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type"),
+                  _only(("function", "custom"), "tool", _BUILTIN)]
+
+
+class NamespaceTool(Strict):
+    type: Literal["namespace"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    tools: list[Inner]
+
+
+Tool = Annotated[Union[FunctionTool, CustomTool, NamespaceTool, HostedTool], Field(discriminator="type"),
+                 _only(("function", "custom", "namespace") + HOSTED, "tool", _BUILTIN)]
+
+
+class NamedChoice(Strict):
+    type: Literal["function", "custom"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # OpenAI's default; no open model takes a length hint
+
+
+Summary = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningConfig(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Summary | None = None  # harmless: the raw reasoning is returned, no summary is made
+    generate_summary: Summary | None = None  # the older name of summary
+
+
+class StreamOptions(Strict):
+    include_obfuscation: bool | None = None  # harmless: there is no obfuscation padding
+
+
+def _one_user_message(value: Any) -> Any:
+    """A string input is one user message."""
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+
+
+class ResponsesBody(Strict):
+    model: str = Field(min_length=1)
+    input: Annotated[list[Item], BeforeValidator(_one_user_message)]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1)
+    store: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[Literal[INCLUDABLE]] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedChoice,
+                           one_of("must be \"none\", \"auto\", \"required\" or "
+                                  "{\"type\": \"function\", \"name\": ...}")] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" would drop input items to fit
+    background: Literal[False] | None = None
+    metadata: dict[str, str] | None = None
+    client_metadata: JsonObject | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponsesRequest(GenerationRequest):
+    history: tuple[dict[str, Any], ...] = ()  # the conversation without instructions: what a follow-up continues
+    names: dict[str, tuple[str, str | None, str]] = dataclasses.field(default_factory=dict)  # seen -> type, ns, name
+    echo: dict[str, Any] = dataclasses.field(default_factory=dict)  # the request fields a Response repeats
+    store: bool = True
+
+
+_TAG = re.compile(r"(\])\.(?:%s)\b" % "|".join(re.escape(t) for t in set(
+    PARTS + ITEMS + HOSTED + ("function_call_output", "custom_tool_call_output", "function", "custom", "namespace"))))
+_warned: set[str] = set()
+Lookup = Callable[[str], "tuple[dict[str, Any], ...] | None"]
+
+
+def parse(body: Any, limits: Limits, lookup: Lookup = lambda _id: None) -> ResponsesRequest:
+    """A /v1/responses body as the request every surface hands on; ``lookup`` gives the stored
+    conversation of a previous response (None: unknown or expired)."""
+    try:
+        req = validate(ResponsesBody, body, {"limits": limits})
+    except ApiError as err:  # a union member's tag is a step of pydantic's path: input[0].message.content
+        err.param = _TAG.sub(r"\1", err.param) if err.param else None
+        err.message = _TAG.sub(r"\1", err.message)
+        err.args = (err.message,)
+        raise
+    tools, names = _tools(req.tools or [])
+    choice = _choice(req.tool_choice, names)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        before = lookup(req.previous_response_id)
+        if before is None:
+            raise ApiError(400, f"Previous response with id '{req.previous_response_id}' not found: this node keeps "
+                           "the responses it made with store not false, for a while (see the README); send the "
+                           "whole conversation in 'input' instead", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = list(before)
+    history += _messages(req.input, history)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
+    schema = _json_schema(req.text.format if req.text else None)
+    if schema is not None and tools and choice != "none":
+        raise ApiError(400, "text.format json and tools cannot both shape one answer here; send one",
+                       param="text.format", code="invalid_value")
+    effort = req.reasoning.effort if req.reasoning else None
+    logprobs = LOGPROBS in (req.include or ())
+    if req.top_logprobs and not logprobs:
+        raise ApiError(400, f"'top_logprobs' needs include [\"{LOGPROBS}\"]", param="top_logprobs",
+                       code="invalid_value")
+    echo = {k: v for k, v in body.items() if k in ECHO}
+    return ResponsesRequest(
+        kind="chat", model=req.model, messages=_leading_system(messages), max_tokens=req.max_output_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p), stream=bool(req.stream), logprobs=logprobs,
+        top_logprobs=req.top_logprobs or 0, tools=tools or None, tool_choice=choice, json_schema=schema,
+        think=None if effort is None else effort not in ("none", "minimal"),
+        template_kwargs={"reasoning_effort": "high" if effort in ("xhigh", "max") else effort} if effort else {},
+        history=tuple(history), names=names, echo=echo, store=req.store is not False)
+
+
+ECHO = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
+        "reasoning", "service_tier", "store", "temperature", "text", "tool_choice", "tools", "top_logprobs",
+        "top_p", "truncation", "user", "safety_identifier", "prompt_cache_key", "background")
+
+
+def _tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str | None, str]]]:
+    """The tools as the chat template takes them, and what each name the model sees stands for."""
+    tools: list[dict[str, Any]] = []
+    names: dict[str, tuple[str, str | None, str]] = {}
+
+    def add(tool: FunctionTool | CustomTool, namespace: str | None, context: str | None) -> None:
+        seen = f"{namespace}{SEP}{tool.name}" if namespace else tool.name
+        description = tool.description or ""
+        if context:
+            description = f"{context}: {description}" if description else context
+        if isinstance(tool, FunctionTool):
+            parameters = tool.parameters or {"type": "object", "properties": {}}
+        else:
+            fmt = tool.format
+            note = "The input is free text"
+            if fmt is not None and fmt.type == "grammar" and fmt.definition:
+                note += f" following this {fmt.syntax or 'lark'} grammar:\n{fmt.definition}"
+            parameters = {"type": "object", "properties": {"input": {"type": "string", "description": note}},
+                          "required": ["input"]}
+        names[seen] = (tool.type, namespace, tool.name)
+        tools.append({"type": "function", "function": {"name": seen, "description": description,
+                                                       "parameters": parameters}})
+
+    for tool in given:
+        if isinstance(tool, NamespaceTool):
+            for inner in tool.tools:
+                add(inner, tool.name, tool.description)
+        elif isinstance(tool, HostedTool):
+            if tool.type not in _warned:
+                _warned.add(tool.type)
+                log.warning("the request's '%s' tool is left out: this server runs no hosted tools", tool.type)
+        else:
+            add(tool, None, None)
+    return tools, names
+
+
+def _choice(choice: Any, names: dict[str, tuple[str, str | None, str]]) -> str | dict[str, Any] | None:
+    if isinstance(choice, NamedChoice):
+        seen = next((s for s, (kind, _ns, name) in names.items() if choice.name in (s, name) and kind == choice.type),
+                    None)
+        if seen is None:
+            raise ApiError(400, f"tool_choice names '{choice.name}', which is not one of the request's {choice.type} "
+                           "tools", param="tool_choice", code="invalid_value")
+        return {"type": "function", "function": {"name": seen}}
+    if choice == "required" and not names:
+        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice", code="invalid_value")
+    return choice
+
+
+def _seen(name: str, namespace: str | None) -> str:
+    return f"{namespace}{SEP}{name}" if namespace else name
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        raise ApiError(400, f"'{where}.arguments' is not valid JSON", param=f"{where}.arguments",
+                       code="invalid_value") from None
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input items as the chat template's messages (see the module docstring); ``before``: the
+    conversation they continue (for the names of the calls that outputs answer)."""
+    out: list[dict[str, Any]] = []
+    called = {c["id"]: c["function"]["name"] for m in before for c in m.get("tool_calls", ())}  # call_id -> name
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content)})
+        elif isinstance(item, (FunctionCallItem, CustomCallItem)):
+            name = _seen(item.name, item.namespace)
+            arguments = (_arguments(item.arguments, f"input[{i}]") if isinstance(item, FunctionCallItem)
+                         else {"input": item.input})
+            called[item.call_id] = name
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, OutputItem):
+            message = {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
+            if item.call_id in called:
+                message["name"] = called[item.call_id]
+            out.append(message)
+    return out
+
+
+def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages before the first other one, joined into one."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    if lead < 2:
+        return messages
+    return [{"role": "system", "content": JOIN.join(m["content"] for m in messages[:lead])}] + messages[lead:]
+
+
+def _json_schema(fmt: TextFormat | None) -> dict[str, Any] | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.schema_ is None:
+        raise ApiError(400, "'text.format.schema' is required for type json_schema", param="text.format.schema",
+                       code="missing_required_parameter")
+    return fmt.schema_
