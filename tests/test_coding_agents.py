@@ -1,0 +1,81 @@
+"""Coding agents with their defaults (issue 12b): OpenCode (npm ``opencode-ai``) set up with only
+the mesh's base URL runs a task round trip against a 2-stage mesh on namespace hosts and exits 0
+with an answer.
+
+OpenCode sends what it sends every day: a ~5k-token system prompt with its tool definitions, a
+32000-token max_tokens, streaming with usage. The model (random weights, its config allowing 32k
+tokens of context) cannot do the task, so the answer is noise; what is tested is that the agent's
+requests are served as it makes them: the context the model was trained for, the room left as
+the answer's limit, tools accepted, the stream OpenCode parses.
+
+The package is installed from the npm registry once into ~/.cache/meshnode/npm (its binary ships
+inside it); it runs inside the client namespace, which has no other network than the mesh's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.cluster import HTTP, Cluster
+from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
+
+NPM_DIR = Path.home() / ".cache" / "meshnode" / "npm"
+OPENCODE = NPM_DIR / "node_modules" / ".bin" / "opencode"
+
+
+def npm_tool(package: str, binary: Path) -> Path:
+    """``binary`` of the npm ``package``, installed into NPM_DIR if it is not there yet."""
+    if binary.exists():
+        return binary
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed (.ci/run installs it)")
+    NPM_DIR.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), package], check=True,
+                   timeout=600, capture_output=True)
+    assert binary.exists(), f"npm installed {package} but {binary} is missing"
+    return binary
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_opencode_runs_a_task_against_a_two_stage_mesh(tmp_path):
+    opencode = npm_tool("opencode-ai", OPENCODE)
+    model = build_model(tmp_path / "llama-32k", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
+                        dtype="float32", max_position_embeddings=32768)
+    total = profile_model(model).total_bytes(32768, 1)  # the Cluster's nodes hold one request's KV
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=None)
+        for h in cluster.hosts:  # neither holds it alone with its whole context: two stages
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 120, "convergence")
+        assert len(views[0]["plan"]["stages"]) == 2 and views[0]["plan"]["max_context"] == 32768, views[0]["plan"]
+        entry = cluster.hosts[0]
+        home, work = tmp_path / "home", tmp_path / "work"
+        home.mkdir()
+        work.mkdir()
+        config = {"$schema": "https://opencode.ai/config.json", "model": f"meshnode/{model.name}",
+                  "provider": {"meshnode": {"npm": "@ai-sdk/openai-compatible", "name": "meshnode",
+                                            "options": {"baseURL": f"http://{entry.ip}:{HTTP}/v1"},
+                                            "models": {model.name: {"name": model.name}}}}}
+        (work / "opencode.json").write_text(json.dumps(config))
+        env = {**os.environ, "HOME": str(home), "OPENCODE_CONFIG": str(work / "opencode.json"),
+               "OPENCODE_DISABLE_AUTOUPDATE": "1"}
+        run = cluster.client.run([str(opencode), "run", "-m", f"meshnode/{model.name}",
+                                  "Write a haiku about the sea."], cwd=work, env=env, capture_output=True, text=True,
+                                 timeout=400)
+        log = cluster.log(entry)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    assert run.stdout.strip(), run.stderr[-3000:]
+    served = [line for line in log.splitlines() if "POST /v1/chat/completions 200" in line]
+    assert served, log[-3000:]
+    prompt_tokens = max(int(line.split("tokens=")[1].split("+")[0]) for line in served)
+    assert prompt_tokens > 4096, served  # its system prompt and tools: more than the old fixed context
