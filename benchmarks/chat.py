@@ -10,7 +10,11 @@ first token of each turn is measured on:
 Targets (issue 12): turn-4 TTFT <= 1.1x mlx_lm.server on one node, <= 1.3x on 2 stages. Each
 server's answers are checked to be the same text (greedy).
 
-    sudo .venv/bin/python -m benchmarks.chat [--turn-tokens 400] [--pin] [--only one|two|server]
+``--prefix-tokens 6000``: an agent-like session (issue 12b): every turn resends the same system
+message of that many tokens (an agent's instructions and tool definitions) before the growing
+conversation; same targets.
+
+    sudo .venv/bin/python -m benchmarks.chat [--turn-tokens 400] [--prefix-tokens 0] [--pin] [--only one|two|server]
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ CTX = 4096
 TURNS = 4
 MAX_TOKENS = 16
 
-# argv: url, model, user messages (JSON list); prints {"ttft": [...], "answers": [...]}
+# argv: url, model, user messages (JSON list), system message ("": none); prints {"ttft": [...], "answers": [...]}
 CLIENT = STREAM_CHAT + r'''
 import sys
-url, model, users = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-messages, ttft, answers = [], [], []
+url, model, users, system = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+messages, ttft, answers = ([{"role": "system", "content": system}] if system else []), [], []
 for user in users:
     messages.append({"role": "user", "content": user})
     first, _, text = stream_chat(url, model, messages, %(max_tokens)d)
@@ -51,22 +55,25 @@ print(json.dumps({"ttft": ttft, "answers": answers}))
 ''' % {"max_tokens": MAX_TOKENS}
 
 
-def user_messages(model: Path, tokens: int) -> list[str]:
-    """TURNS user messages of about ``tokens`` tokens each, all different."""
+def user_messages(model: Path, tokens: int, prefix_tokens: int = 0) -> tuple[list[str], str]:
+    """TURNS user messages of about ``tokens`` tokens each, all different, and a system message of
+    about ``prefix_tokens`` ("" for 0)."""
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
-    out = []
-    for turn in range(TURNS):
-        words = tokens
+
+    def sized(head: str, n: int, salt: int) -> str:
+        words = n
         for _ in range(5):
-            text = f"Turn {turn}. " + " ".join(f"w{(i * 7 + turn) % 89}" for i in range(words))
-            words = max(10, int(words * tokens / max(len(tok.encode(text)), 1)))
-        out.append(text)
-    return out
+            text = head + " ".join(f"w{(i * 7 + salt) % 89}" for i in range(words))
+            words = max(10, int(words * n / max(len(tok.encode(text)), 1)))
+        return text
+
+    system = sized("Instructions and tools. ", prefix_tokens, 97) if prefix_tokens else ""
+    return [sized(f"Turn {turn}. ", tokens, turn) for turn in range(TURNS)], system
 
 
-def mlx_lm_server(model: Path, users: list[str]) -> dict:
+def mlx_lm_server(model: Path, users: list[str], system: str = "") -> dict:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
@@ -74,21 +81,23 @@ def mlx_lm_server(model: Path, users: list[str]) -> dict:
                                 start_new_session=True)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", 300)
-            return in_ns(None, CLIENT, f"http://127.0.0.1:{port}", str(model), json.dumps(users), timeout=1800)
+            return in_ns(None, CLIENT, f"http://127.0.0.1:{port}", str(model), json.dumps(users), system,
+                         timeout=1800)
         finally:
             stop(proc)
 
 
-def one_node(model: Path, users: list[str]) -> dict:
-    with local_node(model, CTX) as url:
-        return in_ns(None, CLIENT, url, model.name, json.dumps(users), timeout=1800)
+def one_node(model: Path, users: list[str], system: str = "", ctx: int = CTX) -> dict:
+    with local_node(model, ctx) as url:
+        return in_ns(None, CLIENT, url, model.name, json.dumps(users), system, timeout=1800)
 
 
-def two_stages(model: Path, users: list[str], pin: bool, logs_to: Path | None = None) -> dict:
-    with two_stage_mesh(model, CTX, pin=pin, env={"MESHNODE_LOG_LEVEL": "debug"} if logs_to else None) as \
+def two_stages(model: Path, users: list[str], pin: bool, logs_to: Path | None = None, system: str = "",
+               ctx: int = CTX) -> dict:
+    with two_stage_mesh(model, ctx, pin=pin, env={"MESHNODE_LOG_LEVEL": "debug"} if logs_to else None) as \
             (client, url, logs):
         try:
-            return in_ns(client, CLIENT, url, model.name, json.dumps(users), timeout=1800)
+            return in_ns(client, CLIENT, url, model.name, json.dumps(users), system, timeout=1800)
         finally:
             if logs_to is not None:
                 logs_to.mkdir(parents=True, exist_ok=True)
@@ -99,6 +108,8 @@ def two_stages(model: Path, users: list[str], pin: bool, logs_to: Path | None = 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turn-tokens", type=int, default=400)
+    ap.add_argument("--prefix-tokens", type=int, default=0, help="an agent's unchanging system message, resent "
+                                                                "every turn (issue 12b: 6000)")
     ap.add_argument("--pin", action="store_true", help="2 stages: a core each (benchmarks.common.two_stage_mesh)")
     ap.add_argument("--only", choices=("server", "one", "two"))
     ap.add_argument("--logs", type=Path, help="copy the 2-stage nodes' logs into this folder")
@@ -108,14 +119,19 @@ def main() -> int:
 
     spec = dict(MODEL)
     model = model_dir_for(args.cache, spec.pop("family"), **spec)
-    users = user_messages(model, args.turn_tokens)
-    print(f"model {model.name}; {TURNS} turns of ~{args.turn_tokens} tokens each; answers of {MAX_TOKENS} tokens")
+    users, system = user_messages(model, args.turn_tokens, args.prefix_tokens)
+    need = args.prefix_tokens + TURNS * (args.turn_tokens + MAX_TOKENS + 32) + 256
+    ctx = max(CTX, 1 << (need - 1).bit_length())
+    print(f"model {model.name}; {TURNS} turns of ~{args.turn_tokens} tokens each"
+          f"{f' after a {args.prefix_tokens}-token system message' if system else ''}; answers of {MAX_TOKENS} "
+          f"tokens; context {ctx}")
     runs = {}
-    runs["mlx_lm.server"] = mlx_lm_server(model, users)  # the baseline, always
+    runs["mlx_lm.server"] = mlx_lm_server(model, users, system)  # the baseline, always
     if args.only in (None, "one"):
-        runs["meshnode, one node"] = one_node(model, users)
+        runs["meshnode, one node"] = one_node(model, users, system, ctx)
     if args.only in (None, "two"):
-        runs[f"meshnode, 2 stages{' (a core each)' if args.pin else ''}"] = two_stages(model, users, args.pin, args.logs)
+        runs[f"meshnode, 2 stages{' (a core each)' if args.pin else ''}"] = two_stages(model, users, args.pin,
+                                                                                     args.logs, system, ctx)
     base = runs["mlx_lm.server"]
     for name, r in runs.items():
         turns = "  ".join(f"{t * 1000:6.0f}" for t in r["ttft"])
