@@ -149,3 +149,24 @@ def test_logprobs_are_reported_per_token_in_a_batch(node):
         assert [(t, top) for t, _, top in a] == [(t, top) for t, _, top in b]
         assert [lp for _, lp, _ in a] == pytest.approx([lp for _, lp, _ in b], abs=1e-4)
         assert all(top[0] == t for t, _, top in a)  # greedy: the most likely one
+
+
+def test_a_next_turn_resumes_its_kept_prefix_in_the_batch(node, model_path):
+    n, base = node
+    store = n.served.prefixes
+    model, tokenizer = mlx_load(str(model_path))
+    messages = [{"role": "user", "content": PROMPTS[3] * 3}]
+    c = _client(base)
+    first = c.chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS,
+                                      temperature=0).choices[0].message.content
+    hits = store.hits
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": PROMPTS[1]}]
+    # The next turn, beside another request decoding.
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(lambda: _chat(base, n.model_id, PROMPTS[0]))
+        second = c.chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=0).choices[0].message.content
+        assert other.result() == _chat(base, n.model_id, PROMPTS[0])
+    assert store.hits > hits  # resumed from what the first turn kept
+    assert second == mlx_generate(model, tokenizer, prompt=tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True), max_tokens=MAX_TOKENS)
