@@ -170,3 +170,47 @@ def test_a_next_turn_resumes_its_kept_prefix_in_the_batch(node, model_path):
     assert store.hits > hits  # resumed from what the first turn kept
     assert second == mlx_generate(model, tokenizer, prompt=tokenizer.apply_chat_template(
         messages, add_generation_prompt=True), max_tokens=MAX_TOKENS)
+
+
+def test_a_long_prompt_joining_does_not_stall_the_decoders(node, monkeypatch):
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from meshnode.serving.batching import DECODING_CHUNK
+
+    n, base = node
+    chunks: list[int] = []
+    prompt = PromptProcessingBatch.prompt
+
+    def recorded(self, tokens):
+        chunks.extend(len(t) for t in tokens)
+        return prompt(self, tokens)
+
+    monkeypatch.setattr(PromptProcessingBatch, "prompt", recorded)
+    long_prompt = " ".join(f"w{i % 97}" for i in range(180))  # several DECODING_CHUNKs of prompt
+    times: list[float] = []
+    started = threading.Event()
+
+    def decoder():
+        stream = _client(base).chat.completions.create(
+            model=n.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=400, temperature=0,
+            stream=True)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.monotonic())
+                started.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(decoder)
+        assert started.wait(60), running.exception()
+        time.sleep(0.2)
+        sent = time.monotonic()
+        chunks.clear()
+        joined = _client(base).chat.completions.create(
+            model=n.model_id, messages=[{"role": "user", "content": long_prompt}], max_tokens=1, temperature=0)
+        answered = time.monotonic()
+        running.result()
+    assert joined.usage.prompt_tokens > 3 * 128
+    # It was prefilled a short chunk per step, a token for the decoder in between.
+    assert len(chunks) >= 3 and max(chunks) <= DECODING_CHUNK, chunks
+    # The decoder kept getting tokens while the long prompt was prefilled a chunk per step.
+    assert sum(sent <= t <= answered for t in times) >= 3, (len(times), [round(t - sent, 3) for t in times])

@@ -32,6 +32,10 @@ from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Prompt positions a joining request prefills per step while others decode (mlx-lm's
+# BatchGenerator prefills a chunk per step beside the decode; with none decoding: prefill_step_size).
+DECODING_CHUNK = 128
+
 
 def batchable(handles: Sequence[Any]) -> bool:
     """Whether a placement's stages are one local plain shard holding every layer."""
@@ -182,7 +186,12 @@ class BatchLoop:
             self._grow(request, len(prompt))
 
     def _step(self) -> None:
-        _, responses = self._batch().next()
+        batch = self._batch()
+        # Beside decoders, a prompt is prefilled in shorter chunks: a step (a token for every
+        # decoder) then waits for a fraction of a long prefill, not all of it (DECODING_CHUNK).
+        decoding = any(r.produced for r in self._running.values())
+        batch.prefill_step_size = min(self._prefill_step_size, DECODING_CHUNK) if decoding else self._prefill_step_size
+        _, responses = batch.next()
         self.widest = max(self.widest, len(responses))
         failed = []
         for response in responses:
