@@ -82,6 +82,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prefill_step_size": positive_int,
     "pipelined_prefill": parse_bool,
     "prompt_cache": parse_bool,
+    "batching": parse_bool,
     "fast_hops": parse_bool,
     "max_step_ms": checked(as_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": positive_int,
@@ -177,6 +178,9 @@ class Settings:
     #: Keep recent conversations' KV on every stage (within the KV the plan reserves for
     #: kv_requests requests), so a chat's next turn prefills only its new tokens.
     prompt_cache: bool = True
+    #: Where one node holds the whole model, run its concurrent generations as one batch
+    #: (mlx-lm's BatchGenerator: a step decodes a token for each) instead of taking turns.
+    batching: bool = True
     #: Activations between pipeline stages travel in bare TCP frames on the data port (tensor_port
     #: + 33) instead of gRPC streams: a hop then costs the network's round trip, not the RPC stack's.
     fast_hops: bool = True

@@ -213,6 +213,11 @@ class TokenScheduler:
     def active(self) -> int:
         return len(self._jobs)
 
+    @property
+    def baton(self) -> Baton:
+        """The right to run MLX work here (meshnode.serving.batching's loop holds it a step at a time)."""
+        return self._baton
+
     def others_waiting(self) -> bool:
         """Called on a generation's thread: another generation here has no more prompt left than
         this one (a decoder, a shorter prompt), so it would wait behind this one's long chunks.
@@ -233,6 +238,18 @@ class TokenScheduler:
             self._jobs.add(job)
         threading.Thread(target=self._drive, args=(job, work), name=f"{self._name}-gen", daemon=True).start()
         return job
+
+    def track(self, job: TokenJob) -> None:
+        """Count a generation run elsewhere (meshnode.serving.batching's loop) among this node's
+        active ones until :meth:`untrack`; :meth:`stop` ends it as its own."""
+        with self._jobs_lock:
+            if self._stopped:
+                raise RuntimeError("the scheduler is stopped")
+            self._jobs.add(job)
+
+    def untrack(self, job: TokenJob) -> None:
+        with self._jobs_lock:
+            self._jobs.discard(job)
 
     def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
         """Run ``fn`` on the MLX thread (between tokens) and await its result."""

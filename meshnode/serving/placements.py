@@ -18,6 +18,7 @@ from meshnode.errors import ApiError
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.grammar import GrammarError, grammar_error
+from meshnode.serving.batching import BatchedSource, batchable
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
@@ -54,6 +55,10 @@ class HeadPlacement:
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
+        if getattr(s, "batching", False) and batchable(handles):  # the whole model here: one batch
+            self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
+                                         prefixes=prefixes, tokenizer=tokenizer)
+            return
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                       prefill=prefill, prefixes=prefixes, tokenizer=tokenizer)
 

@@ -1,0 +1,269 @@
+"""Continuous batching where one node holds the whole model (setting ``batching``).
+
+When a placement is a single local stage covering every layer with a plain :class:`Shard`, its
+generations do not each run mlx-lm's ``generate_step`` on a thread of their own (taking turns a
+token each); one loop runs them all with mlx-lm's ``BatchGenerator``: each step decodes a token
+for every running request at once, and new requests join (their prompts prefilled a chunk per
+step beside the decoders) while finished or cancelled ones leave. The loop runs its MLX work
+under the node's baton (meshnode.model.scheduler), a step at a time, so a remote stage's call or
+a shard load still gets its turn between steps.
+
+Per request it keeps what the unbatched path gives: its sampler (seeded draws included:
+meshnode.serving.sampler), its logits processors (penalties, bias, grammar), its log-probabilities,
+and the prompt cache (a request resumes from a copy of a kept prefix, and its KV is kept at the end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from meshnode.model.prefixes import cache_positions, prefix_key
+from meshnode.model.scheduler import _END, TokenJob, TokenScheduler, _settle_generation
+from meshnode.model.shard import Shard, any_thread_stream
+from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
+from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
+from meshnode.serving.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Prompt positions a joining request prefills per step while others decode (mlx-lm's
+# BatchGenerator prefills a chunk per step beside the decode; with none decoding: prefill_step_size).
+DECODING_CHUNK = 128
+
+
+def batchable(handles: Sequence[Any]) -> bool:
+    """Whether a placement's stages are one local plain shard holding every layer."""
+    if len(handles) != 1:
+        return False
+    shard = getattr(handles[0], "shard", None)
+    return isinstance(shard, Shard) and shard.group_size == 1 and shard.spec.is_first and shard.spec.is_last
+
+
+class ShardModel:
+    """The whole-model shard as mlx-lm's BatchGenerator wants a model: ``model(inputs, cache=...)``
+    returns the logits of every position (the family's own forward pass, so its attention mask is
+    made from ``cache[0]`` as mlx-lm's models do: BatchKVCache's left padding is masked)."""
+
+    def __init__(self, shard: Shard):
+        self.shard = shard
+        self.layers = shard.model.layers
+
+    def make_cache(self) -> list[Any]:
+        return self.shard.make_cache()
+
+    def __call__(self, inputs, cache=None):
+        return self.shard.forward(inputs, cache)
+
+
+class _Request:
+    __slots__ = ("prompt", "params", "resume", "ended", "job", "uid", "produced", "grown", "error")
+
+    def __init__(self, prompt: list[int], params: SamplingParams, resume, ended: threading.Event, job: TokenJob):
+        self.prompt, self.params, self.resume, self.ended, self.job = prompt, params, resume, ended, job
+        self.uid: int | None = None
+        self.produced = self.grown = 0
+        self.error: BaseException | None = None
+
+
+def _guarded(request: _Request, processor):
+    """A processor whose failure (a grammar the answer left) fails its own request only: the batch
+    step goes on with that row's logits unchanged, and the loop then takes the request out."""
+
+    def process(tokens, logits):
+        if request.error is not None:
+            return logits
+        try:
+            return processor(tokens, logits)
+        except Exception as exc:  # noqa: BLE001 - handed to the request's consumer
+            request.error = exc
+            return logits
+
+    return process
+
+
+class BatchLoop:
+    """One BatchGenerator over a whole-model shard, driven by a thread that exists while requests run."""
+
+    def __init__(self, scheduler: TokenScheduler, stage, *, prefill_step_size: int = 512,
+                 prefixes: PrefixIndex | None = None, tokenizer=None):
+        self._scheduler = scheduler
+        self._shard: Shard = stage.shard
+        self._store = getattr(stage, "prefixes", None)  # the node's kept prefixes (PrefixStore)
+        self._index = prefixes if self._store is not None else None
+        self._layers = (self._shard.start, self._shard.end)
+        self._tokenizer = tokenizer
+        self._prefill_step_size = prefill_step_size
+        self._lock = threading.Lock()
+        self._incoming: list[_Request] = []
+        self._running: dict[int, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._generator: BatchGenerator | None = None
+        self.widest = 0  # the most requests one step has decoded for (tests, diagnostics)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, resume, ended: threading.Event) -> TokenJob:
+        job = TokenJob(iter(()), asyncio.get_running_loop())
+        request = _Request(list(prompt), params, resume, ended, job)
+        self._scheduler.track(job)
+        with self._lock:
+            self._incoming.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="meshnode-batch", daemon=True)
+                self._thread.start()
+        return job
+
+    # -- the loop's thread
+    def _run(self) -> None:
+        baton = self._scheduler.baton
+        baton.acquire()
+        try:
+            while True:
+                with self._lock:
+                    incoming, self._incoming = self._incoming, []
+                    if not incoming and not self._running:
+                        self._thread = None
+                        return
+                try:
+                    self._admit(incoming)
+                    self._leave([r for r in self._running.values() if r.job.cancelled.is_set()])
+                    if self._running:
+                        self._step()
+                except Exception as exc:  # noqa: BLE001 - the batch's model step failed: every request in it
+                    log.warning("batched generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                    for request in list(self._running.values()):
+                        self._finish(request, exc)
+                    self._running.clear()
+                    self._generator = None
+                baton.pass_on(_settle_generation)
+        finally:
+            baton.release()
+
+    def _batch(self) -> BatchGenerator:
+        if self._generator is None:
+            self._generator = BatchGenerator(ShardModel(self._shard), max_tokens=1,
+                                             prefill_step_size=self._prefill_step_size, stream=any_thread_stream())
+        return self._generator
+
+    def _grow(self, request: _Request, positions: int) -> None:
+        request.grown += positions
+        if self._store is not None:
+            self._store.grow(self._layers, positions)
+
+    def _admit(self, incoming: list[_Request]) -> None:
+        for request in incoming:
+            if request.job.cancelled.is_set():
+                self._finish(request)
+                continue
+            try:
+                params, prompt, skip, cache = request.params, request.prompt, 0, None
+                if request.resume is not None and self._store is not None:
+                    key, positions = request.resume
+                    cache, why = self._store.resume(self._layers, key, positions)
+                    if cache is None:  # no longer kept here: the whole prompt
+                        log.info("prompt cache: prefix %s: %s; prefilling all %d tokens", key, why, len(prompt))
+                        self._index.forget(key, why)
+                    else:
+                        skip = positions
+                processors = make_request_processors(params, (), self._tokenizer) or []
+                sampler = make_request_sampler(params) if params.temperature > 0 else None  # None: batched argmax
+                (request.uid,) = self._batch().insert(
+                    [prompt[skip:]], max_tokens=[params.max_tokens], caches=[cache] if cache is not None else None,
+                    all_tokens=[prompt[:skip]], samplers=[sampler],
+                    logits_processors=[[_guarded(request, p) for p in processors]])
+            except Exception as exc:  # noqa: BLE001 - this request's own parameters (a bad grammar)
+                self._finish(request, exc)
+                continue
+            self._running[request.uid] = request
+            self._grow(request, len(prompt))
+
+    def _step(self) -> None:
+        batch = self._batch()
+        # Beside decoders, a prompt is prefilled in shorter chunks: a step (a token for every
+        # decoder) then waits for a fraction of a long prefill, not all of it (DECODING_CHUNK).
+        decoding = any(r.produced for r in self._running.values())
+        batch.prefill_step_size = min(self._prefill_step_size, DECODING_CHUNK) if decoding else self._prefill_step_size
+        _, responses = batch.next()
+        self.widest = max(self.widest, len(responses))
+        failed = []
+        for response in responses:
+            request = self._running.get(response.uid)
+            if request is None:
+                continue
+            if request.error is not None:
+                failed.append(request)
+                continue
+            request.produced += 1
+            self._grow(request, 1)
+            top = request.params.top_logprobs
+            token = int(response.token)
+            request.job._put(sampled(token, response.logprobs, top) if top >= 0 else token)
+            if response.finish_reason is not None:
+                del self._running[response.uid]
+                self._keep(response.prompt_cache, response.all_tokens)
+                self._finish(request)
+        for request in failed:
+            self._batch().remove([request.uid])
+            del self._running[request.uid]
+            self._finish(request, request.error)
+
+    def _leave(self, cancelled: list[_Request]) -> None:
+        """Requests whose consumer stopped (a stop string, EOS, a closed client) leave the batch;
+        what they fed is kept for the conversation's next turn, as the unbatched path does."""
+        if not cancelled:
+            return
+        caches = self._batch().remove([r.uid for r in cancelled], return_prompt_caches=True)
+        for request in cancelled:
+            del self._running[request.uid]
+            if request.produced and request.uid in caches:  # decoding: its cache holds what it was fed
+                self._keep(*caches[request.uid])
+            self._finish(request)
+
+    def _keep(self, cache, tokens) -> None:
+        if self._index is None or cache is None or not tokens or len(tokens) < MIN_REUSE \
+                or cache_positions(cache) != len(tokens):
+            return
+        tokens = list(tokens)
+        key = prefix_key(tokens)
+        try:
+            if self._store.keep(self._layers, key, cache, len(tokens)):
+                self._index.add(tokens, key)
+        except Exception:  # noqa: BLE001 - the answer is complete; only the next turn's head start is lost
+            log.debug("keeping a prefix failed", exc_info=True)
+
+    def _finish(self, request: _Request, error: BaseException | None = None) -> None:
+        if request.grown and self._store is not None:
+            self._store.grow(self._layers, -request.grown)
+        request.grown = 0
+        request.job._put(error if error is not None else _END)
+        self._scheduler.untrack(request.job)
+        request.ended.set()
+
+
+class BatchedSource:
+    """Token ids (or Sampled) of generations run by a :class:`BatchLoop`: PipelineSource's interface."""
+
+    def __init__(self, scheduler: TokenScheduler, stage, *, prefill_step_size: int = 512,
+                 prefixes: PrefixIndex | None = None, tokenizer=None):
+        self._prefixes = prefixes if getattr(stage, "prefixes", None) is not None else None
+        self.loop = BatchLoop(scheduler, stage, prefill_step_size=prefill_step_size, prefixes=self._prefixes,
+                              tokenizer=tokenizer)
+
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+        index, resume = self._prefixes, None
+        if index is not None:
+            await index.settled(prompt)  # the conversation's previous turn may be keeping its prefix now
+            resume = index.match(prompt)
+        ended = threading.Event()
+        if index is not None:
+            index.running(prompt, ended)
+        async for token in self.loop.submit(prompt, params, resume, ended):
+            yield token
