@@ -190,10 +190,13 @@ def test_a_long_prompt_joining_does_not_stall_the_decoders(node, monkeypatch):
     times: list[float] = []
     started = threading.Event()
 
+    # The decoder must still decode when the long prompt joins: it is kept from ending early (EOS).
+    never_ends = {str(t): -100 for t in n.models[n.model_id].engine.tokenizer.eos_token_ids}
+
     def decoder():
         stream = _client(base).chat.completions.create(
             model=n.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=400, temperature=0,
-            stream=True)
+            stream=True, logit_bias=never_ends)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.monotonic())
