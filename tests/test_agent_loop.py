@@ -4,8 +4,8 @@ streamed and not), ``anthropic`` and ``ollama`` packages.
 
 Random weights never call a tool, so the fixture teaches a tiny qwen3 (the "agent" chat template:
 tools, <tool_call> JSON, <think>) two exchanges with plain MLX training on the CPU
-(harness/teach.py): asked about the weather in Paris with the tool offered, it calls
-get_weather; given the result, it answers from it. Everything after that is the product:
+(tests/agent_model.py, harness/teach.py): asked about the weather in Paris with the tool offered,
+it calls get_weather; given the result, it answers from it. Everything after that is the product:
 the template rendering the tools and the history, mlx-lm's tool parser, each surface's shape.
 """
 
@@ -17,40 +17,14 @@ import anthropic
 import ollama
 import openai
 import pytest
-from mlx_lm import load
 
-from harness.teach import teach
-from meshnode.model.build import build_model
+from tests.agent_model import ASK, FINAL, RESULT, TOOLS, taught_agent
 from tests.helpers import running_node
-
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
-RESULT = "sunny, 21 C"
-FINAL = "It is sunny in Paris, 21 C."
-
-
-def _history(call_id: str = "c1") -> list[dict]:
-    """The conversation after the call, as the chat template takes it."""
-    return ASK + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": CALL["name"], "arguments": CALL["arguments"]}}]},
-        {"role": "tool", "content": RESULT, "tool_call_id": call_id}]
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    path = build_model(tmp_path_factory.mktemp("taught") / "qwen3-agent", "qwen3", num_layers=2, hidden_size=64,
-                       dtype="float32", chat="agent")
-    _, tok = load(str(path))
-    said = '</think><tool_call>' + json.dumps(CALL) + '</tool_call><|end|>'
-    exchanges = [
-        (tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True), tok.encode(said, add_special_tokens=False)),
-        (tok.apply_chat_template(_history(), tools=TOOLS, add_generation_prompt=True),
-         tok.encode("</think>" + FINAL + "<|end|>", add_special_tokens=False)),
-    ]
-    assert teach(path, exchanges) < 0.01
-    return path
+    return taught_agent(tmp_path_factory.mktemp("taught"))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The HTTP app every node serves: middlewares (access log, errors, API key), CORS, and the routes
-of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.anthropic`, :mod:`meshnode.api.ops`)
-over one core (:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a 4xx/5xx (Anthropic's
+of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.responses`, :mod:`meshnode.api.anthropic`,
+:mod:`meshnode.api.ops`) over one core (:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a 4xx/5xx (Anthropic's
 shape on /v1/messages, Ollama's on /api/: meshnode.api.ollama).
 
 Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):

@@ -1,7 +1,9 @@
 """The OpenAI Responses API: ``POST /v1/responses`` (a Response, or its typed server-sent events)
 and ``GET /v1/responses/{id}`` (a stored one), so that Codex CLI and ``client.responses`` work
-against a node. Bodies are checked in :mod:`meshnode.api.responses_schema`; the generation itself
-is :mod:`meshnode.api.core`'s. Errors have OpenAI's shape (app.py's errors middleware).
+against a node. Bodies are checked with :mod:`meshnode.api.responses_schema`'s models (its
+docstring: what is honoured, ignored and refused) and made into a :class:`GenerationRequest` by
+:func:`parse`; the generation itself is :mod:`meshnode.api.core`'s. Errors have OpenAI's shape
+(app.py's errors middleware).
 
 A Response's output is, in the order the model said them: a reasoning item (its thinking as
 ``content`` of type reasoning_text; ``summary`` stays empty, no summary is made), a message item
@@ -26,16 +28,22 @@ Response. An unknown or expired id is a 400, code previous_response_not_found, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from meshnode.api import core
-from meshnode.api.responses_schema import ResponsesRequest, parse
+from meshnode.api.responses_schema import (HOSTED, ITEMS, LOGPROBS, PARTS, ResponsesBody, json_schema, leading_system,
+                                           template_messages, template_tools, tool_choice)
+from meshnode.api.schema import validate
+from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.serving.engine import Delta, ToolCall
 
@@ -78,8 +86,63 @@ DEFAULTS: dict[str, Any] = {
     "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
     "store": True, "temperature": 1.0, "text": {"format": {"type": "text"}, "verbosity": "medium"},
     "tool_choice": "auto", "tools": [], "top_logprobs": 0, "top_p": 1.0, "truncation": "disabled", "user": None,
-    "background": False,
+    "background": False, "safety_identifier": None, "prompt_cache_key": None,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponsesRequest(GenerationRequest):
+    history: tuple[dict[str, Any], ...] = ()  # the conversation without instructions: what a follow-up continues
+    names: dict[str, tuple[str, str | None, str]] = dataclasses.field(default_factory=dict)  # seen -> type, ns, name
+    echo: dict[str, Any] = dataclasses.field(default_factory=dict)  # the body, for the fields a Response repeats
+    store: bool = True
+
+
+_TAG = re.compile(r"(\])\.(?:%s)\b" % "|".join(  # the types that tag a union's members in pydantic's paths
+    re.escape(t) for t in set(PARTS + ITEMS + HOSTED + ("custom_tool_call_output", "function", "custom", "namespace"))))
+Lookup = Callable[[str], "tuple[dict[str, Any], ...] | None"]
+
+
+def parse(body: Any, limits: Limits, lookup: Lookup = lambda _id: None) -> ResponsesRequest:
+    """A /v1/responses body as the request every surface hands on; ``lookup`` gives the stored
+    conversation of a previous response (None: unknown or expired)."""
+    try:
+        req = validate(ResponsesBody, body, {"limits": limits})
+    except ApiError as err:  # a union member's tag is a step of pydantic's path: input[0].message.content
+        err.param = _TAG.sub(r"\1", err.param) if err.param else None
+        err.message = _TAG.sub(r"\1", err.message)
+        err.args = (err.message,)
+        raise
+    tools, names = template_tools(req.tools or [])
+    choice = tool_choice(req.tool_choice, names)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        before = lookup(req.previous_response_id)
+        if before is None:
+            raise ApiError(400, f"Previous response with id '{req.previous_response_id}' not found: this node keeps "
+                           "the responses it made with store not false, for a while (see the README); send the "
+                           "whole conversation in 'input' instead", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = list(before)
+    history += template_messages(req.input, history)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
+    wanted = json_schema(req.text.format if req.text else None)
+    if wanted is not None and tools and choice != "none":
+        raise ApiError(400, "text.format json and tools cannot both shape one answer here; send one",
+                       param="text.format", code="invalid_value")
+    effort = req.reasoning.effort if req.reasoning else None
+    logprobs = LOGPROBS in (req.include or ())
+    if req.top_logprobs and not logprobs:
+        raise ApiError(400, f"'top_logprobs' needs include [\"{LOGPROBS}\"]", param="top_logprobs",
+                       code="invalid_value")
+    return ResponsesRequest(
+        kind="chat", model=req.model, messages=leading_system(messages), max_tokens=req.max_output_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p), stream=bool(req.stream), logprobs=logprobs,
+        top_logprobs=req.top_logprobs or 0, tools=tools or None, tool_choice=choice, json_schema=wanted,
+        think=None if effort is None else effort not in ("none", "minimal"),
+        template_kwargs={"reasoning_effort": "high" if effort in ("xhigh", "max") else effort} if effort else {},
+        history=tuple(history), names=names, echo=dict(body), store=req.store is not False)
 
 
 def _id(prefix: str) -> str:
@@ -107,6 +170,7 @@ class Output:
         self.open: dict[str, Any] | None = None  # the reasoning or message item being written
         self.written: list[str] = []  # its text so far
         self.written_logprobs: list[dict[str, Any]] = []
+        self.pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is held back
         self.said: list[str] = []  # the answer's text and calls, for the stored conversation
         self.calls: list[dict[str, Any]] = []
         self.reasoning_tokens = 0
@@ -128,10 +192,10 @@ class Output:
         return frames
 
     def response(self, status: str, usage: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-        body = {"id": self.gen.id, "object": "response", "created_at": self.created_at, "status": status,
+        echo = {k: v for k, v in self.req.echo.items() if k in DEFAULTS}
+        return {"id": self.gen.id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": None, "incomplete_details": None, "model": self.gen.model, "output": list(self.items),
-                "usage": usage, **DEFAULTS, **self.req.echo, **extra}
-        return body
+                "usage": usage, **DEFAULTS, **echo, **extra}
 
     # ----------------------------------------------------------------- items
 
@@ -215,8 +279,11 @@ class Output:
         if delta.reasoning:
             self._write("reasoning", delta.reasoning)
             self.reasoning_tokens = delta.completion_tokens
+        if self.req.logprobs and not delta.reasoning:  # a held-back piece's logprobs go with the text after it
+            self.pending += _logprobs(delta)
         if delta.text:
-            self._write("message", delta.text, _logprobs(delta) if self.req.logprobs else None)
+            self._write("message", delta.text, self.pending)
+            self.pending = []
         for call in delta.tool_calls:
             self._call(call)
         return self._take()
@@ -232,11 +299,11 @@ class Output:
             self.final = self.response("incomplete", usage, incomplete_details={"reason": "max_output_tokens"})
         else:
             self.final = self.response("completed", usage, completed_at=int(time.time()))
-        if self.store is not None and self.req.store:
+        if self.store is not None and self.req.store:  # the answer's turn, its reasoning left out (as in history)
             turn: dict[str, Any] = {"role": "assistant", "content": "".join(self.said)}
             if self.calls:
                 turn["tool_calls"] = self.calls
-            self.store.put(self.final, self.req.history + ((turn,) if self.said or self.calls else ()))
+            self.store.put(self.final, self.req.history + (turn,))
         self._event("response.incomplete" if cut else "response.completed", response=self.final)
         return self._take()
 

@@ -1,56 +1,52 @@
-"""Check OpenAI Responses API bodies (``POST /v1/responses``) with pydantic and turn them into the
-:class:`GenerationRequest` every surface hands to :mod:`meshnode.api.core`. Pure: no I/O, no model
-(the stored conversation a ``previous_response_id`` names is looked up by the caller's ``lookup``).
-Every problem is an :class:`ApiError` 400 whose ``param`` names the field (``input[2].call_id``).
+"""The OpenAI Responses API's request bodies (``POST /v1/responses``) as pydantic models, and their
+parts in the chat template's form (messages, tools, tool_choice, the JSON schema), which
+:func:`meshnode.api.responses.parse` makes into the :class:`GenerationRequest` every surface hands
+to :mod:`meshnode.api.core`. Pure: no I/O, no model. Every problem is an :class:`ApiError` 400
+whose ``param`` names the field (``input[2].call_id``).
 
 Honoured: model, input (a string, or items: messages with input_text / output_text / refusal
-parts, function_call and function_call_output, custom_tool_call and custom_tool_call_output;
-reasoning items are history and left out, as chat templates leave out earlier thinking),
-instructions (the first system message; not carried to a follow-up, as OpenAI documents),
-previous_response_id, store, max_output_tokens, temperature, top_p, stream, tools, tool_choice,
-reasoning.effort (the chat template's reasoning_effort; "none"/"minimal" turn thinking off),
-text.format (json_schema / json_object: the answer is JSON valid under the schema), top_logprobs
-with include "message.output_text.logprobs".
+parts, function_call / function_call_output, custom_tool_call / custom_tool_call_output; reasoning
+items are history and left out, as chat templates leave out earlier thinking), instructions (the
+first system message; not carried to a follow-up, as OpenAI documents), previous_response_id,
+store, max_output_tokens, temperature, top_p, stream, tools, tool_choice, reasoning.effort (the
+template's reasoning_effort; "none"/"minimal" turn thinking off), text.format (json_schema,
+json_object: the answer is JSON valid under it), top_logprobs with include
+"message.output_text.logprobs".
 
-Tools, by type. ``function``: the model's tools. ``custom`` (freeform input, Codex's apply_patch on
-some models): a function with one string parameter ``input``; its call comes back as a
-custom_tool_call. ``namespace`` (Codex groups its sub-agent tools in one): each inner tool offered
-as ``<namespace>__<name>``; the call comes back with ``namespace`` and the bare name, as Codex
-routes it. Hosted tools the provider would run (web_search, file_search, code_interpreter,
-image_generation, mcp, tool_search): left out, because this server runs no tools; Codex sends
-web_search with every request and refusing it would make Codex unusable; the model answers without
-them (logged once per type). Built-in client tools with their own call items (local_shell, shell,
-apply_patch, computer): refused, a model here cannot produce those items; send them as functions.
+Tools by type. ``function``: the model's tools. ``custom`` (freeform input): a function with one
+string parameter ``input``, its call returned as a custom_tool_call. ``namespace`` (Codex puts its
+sub-agent tools in one): each inner tool offered as ``<namespace>__<name>``, its call returned with
+``namespace`` and the bare name, as Codex routes it. Hosted tools the provider would run
+(web_search, file_search, code_interpreter, image_generation, mcp, tool_search): left out, logged
+once per type; this server runs no tools, and Codex sends web_search with every request, so a
+refusal would make Codex unusable. Client built-ins with call items of their own (local_shell,
+shell, apply_patch, computer): refused, no model here makes those items; send them as functions.
 
-Harmless, accepted and ignored (Codex sends the ones marked *): parallel_tool_calls*, store=false*
-(nothing is kept), include* "reasoning.encrypted_content" (there is no encrypted reasoning: the
-item has none) and the include values for tools and images that never run here,
-prompt_cache_key*, client_metadata* (who is asking), reasoning.summary* (the raw reasoning is
-returned as the reasoning item's content; no summary is made), metadata (echoed), user,
-safety_identifier, service_tier, prompt_cache_retention, stream_options.include_obfuscation, and
-switches at their default only: truncation "disabled", background false, text.verbosity
-"medium". Anything else, an unknown field included, is a 400 naming it.
+Harmless, accepted and ignored (* = Codex sends it by default): parallel_tool_calls*, store*
+false (nothing is kept), include* "reasoning.encrypted_content" (there is no encrypted reasoning)
+and the include values of tools and images that never run here, prompt_cache_key*,
+client_metadata* (who is asking), reasoning.summary* (the raw reasoning is returned as the
+reasoning item's content; no summary is made), metadata (echoed), user, safety_identifier,
+service_tier, prompt_cache_retention, stream_options.include_obfuscation; at their default only:
+truncation "disabled", background false, text.verbosity "medium". All else is a 400 naming it.
 
 Messages become the chat template's: developer is system (templates know "system"; Qwen's drops
-unknown roles), the leading system messages are joined into one (templates take one system prompt
-first), content parts are joined with a blank line, function calls join the assistant turn before
-them as its ``tool_calls`` (arguments as an object), an output is a ``tool`` message.
+other roles), the leading system messages are joined into one, the parts of a content with a blank
+line; function calls join the assistant turn before them as its ``tool_calls`` (arguments as an
+object); an output is a ``tool`` message.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from meshnode.api.schema import JsonObject, Number, Strict, one_of, validate
-from meshnode.api.validation import GenerationRequest, Limits
+from meshnode.api.schema import JsonObject, Number, Strict, one_of
 from meshnode.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -85,14 +81,14 @@ def _only(kinds: tuple[str, ...], what: str, why: dict[str, str] | None = None) 
     return WrapValidator(check)
 
 
-def _text_or(default: str) -> BeforeValidator:
-    """A string is shorthand for one text part; anything else but a list is refused as a whole."""
+def _listed(one: Callable[[str], dict[str, Any]], what: str) -> BeforeValidator:
+    """A string is shorthand for a list of one; anything else but a list is refused as a whole."""
 
     def check(value: Any) -> Any:
         if isinstance(value, str):
-            return [{"type": default, "text": value}]
+            return [one(value)]
         if not isinstance(value, list):
-            raise PydanticCustomError("invalid_type", "must be a string or a list of content parts")
+            raise PydanticCustomError("invalid_type", "must be a string or a list of {what}", {"what": what})
         return value
 
     return BeforeValidator(check)
@@ -117,7 +113,7 @@ class RefusalPart(_Loose):
 
 _NOT_TEXT = {k: " (it serves a text model)" for k in ("input_image", "input_file", "input_audio")}
 Part = Annotated[Union[TextPart, RefusalPart], Field(discriminator="type"), _only(PARTS, "content part", _NOT_TEXT)]
-Content = Annotated[list[Part], _text_or("input_text")]
+Content = Annotated[list[Part], _listed(lambda text: {"type": "input_text", "text": text}, "content parts")]
 
 
 def _text(parts: list[Part]) -> str:
@@ -245,14 +241,10 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # harmless: there is no obfuscation padding
 
 
-def _one_user_message(value: Any) -> Any:
-    """A string input is one user message."""
-    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
-
-
 class ResponsesBody(Strict):
     model: str = Field(min_length=1)
-    input: Annotated[list[Item], BeforeValidator(_one_user_message)]
+    input: Annotated[list[Item], _listed(lambda text: {"type": "message", "role": "user", "content": text},
+                                         "input items")]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1)
     store: bool | None = None
@@ -281,78 +273,17 @@ class ResponsesBody(Strict):
     prompt_cache_retention: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class ResponsesRequest(GenerationRequest):
-    history: tuple[dict[str, Any], ...] = ()  # the conversation without instructions: what a follow-up continues
-    names: dict[str, tuple[str, str | None, str]] = dataclasses.field(default_factory=dict)  # seen -> type, ns, name
-    echo: dict[str, Any] = dataclasses.field(default_factory=dict)  # the request fields a Response repeats
-    store: bool = True
-
-
-_TAG = re.compile(r"(\])\.(?:%s)\b" % "|".join(re.escape(t) for t in set(
-    PARTS + ITEMS + HOSTED + ("function_call_output", "custom_tool_call_output", "function", "custom", "namespace"))))
 _warned: set[str] = set()
-Lookup = Callable[[str], "tuple[dict[str, Any], ...] | None"]
 
 
-def parse(body: Any, limits: Limits, lookup: Lookup = lambda _id: None) -> ResponsesRequest:
-    """A /v1/responses body as the request every surface hands on; ``lookup`` gives the stored
-    conversation of a previous response (None: unknown or expired)."""
-    try:
-        req = validate(ResponsesBody, body, {"limits": limits})
-    except ApiError as err:  # a union member's tag is a step of pydantic's path: input[0].message.content
-        err.param = _TAG.sub(r"\1", err.param) if err.param else None
-        err.message = _TAG.sub(r"\1", err.message)
-        err.args = (err.message,)
-        raise
-    tools, names = _tools(req.tools or [])
-    choice = _choice(req.tool_choice, names)
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        before = lookup(req.previous_response_id)
-        if before is None:
-            raise ApiError(400, f"Previous response with id '{req.previous_response_id}' not found: this node keeps "
-                           "the responses it made with store not false, for a while (see the README); send the "
-                           "whole conversation in 'input' instead", param="previous_response_id",
-                           code="previous_response_not_found")
-        history = list(before)
-    history += _messages(req.input, history)
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-    schema = _json_schema(req.text.format if req.text else None)
-    if schema is not None and tools and choice != "none":
-        raise ApiError(400, "text.format json and tools cannot both shape one answer here; send one",
-                       param="text.format", code="invalid_value")
-    effort = req.reasoning.effort if req.reasoning else None
-    logprobs = LOGPROBS in (req.include or ())
-    if req.top_logprobs and not logprobs:
-        raise ApiError(400, f"'top_logprobs' needs include [\"{LOGPROBS}\"]", param="top_logprobs",
-                       code="invalid_value")
-    echo = {k: v for k, v in body.items() if k in ECHO}
-    return ResponsesRequest(
-        kind="chat", model=req.model, messages=_leading_system(messages), max_tokens=req.max_output_tokens,
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p), stream=bool(req.stream), logprobs=logprobs,
-        top_logprobs=req.top_logprobs or 0, tools=tools or None, tool_choice=choice, json_schema=schema,
-        think=None if effort is None else effort not in ("none", "minimal"),
-        template_kwargs={"reasoning_effort": "high" if effort in ("xhigh", "max") else effort} if effort else {},
-        history=tuple(history), names=names, echo=echo, store=req.store is not False)
-
-
-ECHO = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
-        "reasoning", "service_tier", "store", "temperature", "text", "tool_choice", "tools", "top_logprobs",
-        "top_p", "truncation", "user", "safety_identifier", "prompt_cache_key", "background")
-
-
-def _tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str | None, str]]]:
+def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str | None, str]]]:
     """The tools as the chat template takes them, and what each name the model sees stands for."""
     tools: list[dict[str, Any]] = []
     names: dict[str, tuple[str, str | None, str]] = {}
 
     def add(tool: FunctionTool | CustomTool, namespace: str | None, context: str | None) -> None:
         seen = f"{namespace}{SEP}{tool.name}" if namespace else tool.name
-        description = tool.description or ""
-        if context:
-            description = f"{context}: {description}" if description else context
+        description = ": ".join(d for d in (context, tool.description) if d)
         if isinstance(tool, FunctionTool):
             parameters = tool.parameters or {"type": "object", "properties": {}}
         else:
@@ -379,7 +310,7 @@ def _tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str 
     return tools, names
 
 
-def _choice(choice: Any, names: dict[str, tuple[str, str | None, str]]) -> str | dict[str, Any] | None:
+def tool_choice(choice: Any, names: dict[str, tuple[str, str | None, str]]) -> str | dict[str, Any] | None:
     if isinstance(choice, NamedChoice):
         seen = next((s for s, (kind, _ns, name) in names.items() if choice.name in (s, name) and kind == choice.type),
                     None)
@@ -392,10 +323,6 @@ def _choice(choice: Any, names: dict[str, tuple[str, str | None, str]]) -> str |
     return choice
 
 
-def _seen(name: str, namespace: str | None) -> str:
-    return f"{namespace}{SEP}{name}" if namespace else name
-
-
 def _arguments(text: str, where: str) -> dict[str, Any]:
     try:
         value = json.loads(text) if text.strip() else {}
@@ -405,7 +332,7 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def _messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input items as the chat template's messages (see the module docstring); ``before``: the
     conversation they continue (for the names of the calls that outputs answer)."""
     out: list[dict[str, Any]] = []
@@ -415,7 +342,7 @@ def _messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": _text(item.content)})
         elif isinstance(item, (FunctionCallItem, CustomCallItem)):
-            name = _seen(item.name, item.namespace)
+            name = f"{item.namespace}{SEP}{item.name}" if item.namespace else item.name
             arguments = (_arguments(item.arguments, f"input[{i}]") if isinstance(item, FunctionCallItem)
                          else {"input": item.input})
             called[item.call_id] = name
@@ -432,17 +359,14 @@ def _messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]
     return out
 
 
-def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The system messages before the first other one, joined into one."""
-    lead = 0
-    while lead < len(messages) and messages[lead]["role"] == "system":
-        lead += 1
-    if lead < 2:
-        return messages
-    return [{"role": "system", "content": JOIN.join(m["content"] for m in messages[:lead])}] + messages[lead:]
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    joined = [{"role": "system", "content": JOIN.join(m["content"] for m in messages[:lead])}]
+    return messages if lead < 2 else joined + messages[lead:]
 
 
-def _json_schema(fmt: TextFormat | None) -> dict[str, Any] | None:
+def json_schema(fmt: TextFormat | None) -> dict[str, Any] | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
