@@ -18,6 +18,11 @@ def test_chat_defaults_follow_openai():
     assert (r.temperature, r.top_p, r.max_tokens, r.stream, r.stop) == (1.0, 1.0, None, False, ())
 
 
+def test_a_developer_message_is_a_system_message_to_the_template():
+    r = parse_request({"model": "m", "messages": [{"role": "developer", "content": "Be brief."}, *MSG]}, "chat", L)
+    assert r.messages[0] == {"role": "system", "content": "Be brief."}
+
+
 def test_content_parts_are_joined():
     r = parse_request({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, "chat", L)

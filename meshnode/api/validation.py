@@ -20,7 +20,7 @@ OpenAI API documents (a wrong type is a 400 naming the field), in one of two lis
   their default value (echo=false, best_of=1, suffix=null, modalities=["text"],
   verbosity="medium"); any other value is refused.
 
-Messages: roles system, developer, user, assistant and tool; content a string or a list of text
+Messages: roles system, developer (given to the template as system), user, assistant and tool; content a string or a list of text
 parts (joined), null only for an assistant; an assistant's tool_calls and a tool result's
 tool_call_id and name go to the chat template. Other keys of a message (reasoning_content...) are
 chat history that clients copy back from earlier answers; they are ignored, not refused.
@@ -191,7 +191,9 @@ class Message(BaseModel):
         """The message as the chat template takes it: role and content text, and the tool calls
         (arguments as an object, as templates render them) or the call a tool result answers."""
         text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
-        out: dict[str, Any] = {"role": self.role, "content": text or ""}
+        # OpenAI's newer name for system: chat templates know "system" (Qwen's drops roles it does not know)
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": text or ""}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
