@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import STREAM_CHAT, free_port, local_node, stop, two_stage_mesh, wait_healthy  # noqa: E402
+from benchmarks.common import STREAM_CHAT, local_node, mlx_lm_server, two_stage_mesh  # noqa: E402
 from harness.cluster import in_ns  # noqa: E402
 
 # The model of benchmarks.busy: on these 2-core boxes (~1 GFLOP/s) a 1k-token prefill takes seconds.
@@ -73,18 +71,9 @@ def user_messages(model: Path, tokens: int, prefix_tokens: int = 0) -> tuple[lis
     return [sized(f"Turn {turn}. ", tokens, turn) for turn in range(TURNS)], system
 
 
-def mlx_lm_server(model: Path, users: list[str], system: str = "") -> dict:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
-                                stdout=open(Path(tmp) / "server.log", "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", 300)
-            return in_ns(None, CLIENT, f"http://127.0.0.1:{port}", str(model), json.dumps(users), system,
-                         timeout=1800)
-        finally:
-            stop(proc)
+def on_mlx_lm_server(model: Path, users: list[str], system: str = "") -> dict:
+    with mlx_lm_server(model) as url:
+        return in_ns(None, CLIENT, url, str(model), json.dumps(users), system, timeout=1800)
 
 
 def one_node(model: Path, users: list[str], system: str = "", ctx: int = CTX) -> dict:
@@ -126,7 +115,7 @@ def main() -> int:
           f"{f' after a {args.prefix_tokens}-token system message' if system else ''}; answers of {MAX_TOKENS} "
           f"tokens; context {ctx}")
     runs = {}
-    runs["mlx_lm.server"] = mlx_lm_server(model, users, system)  # the baseline, always
+    runs["mlx_lm.server"] = on_mlx_lm_server(model, users, system)  # the baseline, always
     if args.only in (None, "one"):
         runs["meshnode, one node"] = one_node(model, users, system, ctx)
     if args.only in (None, "two"):

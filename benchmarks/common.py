@@ -8,6 +8,7 @@ import os
 import tempfile
 import socket
 import statistics
+import sys
 import subprocess
 import time
 import urllib.request
@@ -150,6 +151,21 @@ def median(xs):
 
 
 MESH_HTTP, MESH_GRPC = 8470, 8471
+
+
+@contextlib.contextmanager
+def mlx_lm_server(model: Path):
+    """One ``mlx_lm.server`` process on loopback serving ``model`` (the baseline); yields its base URL."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
+                                stdout=open(Path(tmp) / "server.log", "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", 300)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop(proc)
 
 
 @contextlib.contextmanager

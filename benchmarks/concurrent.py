@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -28,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (bench_model_dir, free_port, http_decode_tps, local_node, sse_events,  # noqa: E402
-                               stop, wait_healthy)
+from benchmarks.common import (bench_model_dir, http_decode_tps, local_node, mlx_lm_server,  # noqa: E402
+                               sse_events)
 
 CTX = 4096
 TOPICS = ["a lighthouse keeper and the sea", "a clockmaker in a mountain town", "two rivals who become friends",
@@ -87,17 +85,9 @@ def measure(url: str, model: str, texts: list[str], max_tokens: int, repeats: in
     return {"aggregate_tps": max(tps for tps, _ in runs), "single_tps": single, "answers": runs[0][1]}
 
 
-def mlx_lm_server(model: Path, texts: list[str], max_tokens: int, repeats: int) -> dict:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
-                                stdout=open(Path(tmp) / "server.log", "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", 300)
-            return measure(f"http://127.0.0.1:{port}", str(model), texts, max_tokens, repeats)
-        finally:
-            stop(proc)
+def on_mlx_lm_server(model: Path, texts: list[str], max_tokens: int, repeats: int) -> dict:
+    with mlx_lm_server(model) as url:
+        return measure(url, str(model), texts, max_tokens, repeats)
 
 
 def one_node(model: Path, texts: list[str], max_tokens: int, repeats: int) -> dict:
@@ -115,7 +105,7 @@ def main() -> int:
     model = bench_model_dir(args.cache)
     texts = prompts(args.streams)
     print(f"model {model.name}; {args.streams} concurrent streaming chats of up to {args.tokens} tokens")
-    runs = {"mlx_lm.server": mlx_lm_server(model, texts, args.tokens, args.repeats),
+    runs = {"mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
             "meshnode, one node": one_node(model, texts, args.tokens, args.repeats)}
     base = runs["mlx_lm.server"]
     for name, r in runs.items():
