@@ -19,7 +19,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -133,7 +133,7 @@ async def _serve(request: web.Request, parse, respond: Respond, id_prefix: str) 
         grammar = await _grammar(engine, req)
         prompt, shape = await _prompt_tokens(engine, req)
         max_tokens = _budget(engine, req, len(prompt), limits)
-        params = replace(sampling(engine, req, max_tokens), grammar=grammar)
+        params = sampling(engine, req, max_tokens, grammar)
         gen = Generation(id_prefix + uuid.uuid4().hex[:24], engine.model_id, len(prompt),
                          engine.stream(prompt, params, req.stop, shape))
         request[ACCESS] = gen.access
@@ -156,8 +156,9 @@ async def _grammar(engine: Engine, req: GenerationRequest) -> str:
     return grammar
 
 
-def sampling(engine: Engine, req: GenerationRequest, max_tokens: int) -> SamplingParams:
-    """The request's sampling, its token ids checked against the model's vocabulary."""
+def sampling(engine: Engine, req: GenerationRequest, max_tokens: int, grammar: str = "") -> SamplingParams:
+    """The request's sampling, its token ids checked against the model's vocabulary; ``grammar``:
+    its structured output (:func:`_grammar`)."""
     vocab = engine.vocab_size
     bias = req.logit_bias or {}
     bad = next((t for t in bias if not 0 <= t < vocab), None)
@@ -169,6 +170,7 @@ def sampling(engine: Engine, req: GenerationRequest, max_tokens: int) -> Samplin
         top_k=min(req.top_k or 0, vocab), min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=tuple(sorted(bias.items())), top_logprobs=req.top_logprobs if req.logprobs else -1,
+        grammar=grammar,
     )
 
 
@@ -341,7 +343,7 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
         async for delta in gen.deltas:
             last = delta
             gen.advance(delta)
-            if delta.text or delta.reasoning or delta.tool_calls or delta.logprobs:
+            if delta.carries:
                 await send(fmt.delta(delta))
         await send(fmt.closing(last))
     except ConnectionResetError:  # a client that goes away (Stop) is normal: one line, no traceback

@@ -47,6 +47,11 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_sequence: str | None = None  # the stop string that ended the answer, if one did
 
+    @property
+    def carries(self) -> bool:
+        """Whether the piece has anything for the client: text, reasoning, tool calls or logprobs."""
+        return bool(self.text or self.reasoning or self.tool_calls or self.logprobs)
+
 
 class TokenSource(Protocol):
     def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]: ...
@@ -139,7 +144,7 @@ class Engine:
             if delta.finish_reason is not None:  # a stop string
                 yield delta
                 return
-            if delta.text or delta.reasoning or delta.tool_calls or delta.logprobs:
+            if delta.carries:
                 yield delta
             if count >= params.max_tokens:
                 break
