@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from meshnode.control.planner import NodeSpec, PlanError, plan as make_plan
-from meshnode.control.planner.context import contexts_to_try, plan_longest_context
+from meshnode.control.planner.context import ENOUGH, SLOWER, contexts_to_try, plan_longest_context
 from meshnode.model.build import build_model
 from meshnode.weights.profile import ModelProfile, profile_model, trained_context
 from tests.helpers import running_node
@@ -50,6 +50,28 @@ def test_the_longest_context_that_fits_and_the_plan_says_so():
         plan_longest_context(make([NodeSpec("a", 100_000)]), p.trained_context, 0)
     fixed = plan_longest_context(make([NodeSpec("a", 10**8)]), p.trained_context, 8192)
     assert fixed.max_context == 8192 and "trained" not in fixed.reason
+
+
+def test_one_more_node_for_more_than_enough_context_is_the_cost_models_call():
+    p = _profile(trained=131072)  # 400 B per token of context: 131072 tokens need 52 MB, 65536 need 26 MB
+    make = lambda nodes: lambda ctx: make_plan(p, nodes, max_context=ctx)  # noqa: E731
+    two = [NodeSpec("a", 40_000_000), NodeSpec("b", 40_000_000)]
+    # The whole trained context needs both nodes (a hop per token); 65536 tokens, enough for an
+    # agent, fit on one: the faster plan wins and says what the longer context would have cost.
+    chosen = plan_longest_context(make(two), p.trained_context, 0)
+    longer = make_plan(p, two, max_context=131072)
+    assert len(longer.node_ids()) == 2 and longer.estimate_s > chosen.estimate_s * SLOWER
+    assert chosen.max_context == ENOUGH and chosen.node_ids() == ["a"], chosen
+    assert "131072 would take 2 node(s) instead of 1" in chosen.reason, chosen.reason
+    # Where the longer context costs no extra node, it is taken.
+    roomy = plan_longest_context(make([NodeSpec("a", 10**8), NodeSpec("b", 40_000_000)]), p.trained_context, 0)
+    assert roomy.max_context == 131072 and roomy.node_ids() == ["a"]
+    # Below ENOUGH the longest context that fits always wins, one more node or not.
+    small = _profile(trained=32768)
+    pair = [NodeSpec("a", 8_000_000), NodeSpec("b", 8_000_000)]  # 32768 tokens (13 MB) need both
+    assert plan_longest_context(lambda ctx: make_plan(small, pair, max_context=ctx), 32768, 0).max_context == 32768
+    # The setting still decides.
+    assert plan_longest_context(make(two), p.trained_context, 131072).max_context == 131072
 
 
 @pytest.mark.timeout(300)

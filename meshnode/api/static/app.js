@@ -146,7 +146,8 @@ function renderPlan(mesh) {
     }
     return el("div", {class: "plan-row"}, el("div", {class: "who"}, id), track);
   }));
-  $("plan-summary").textContent = `· epoch ${plan.epoch} · ${plan.strategy} · ${plan.stages.length} stage(s) · ${total} layers`;
+  $("plan-summary").textContent = `· epoch ${plan.epoch} · ${plan.strategy} · ${plan.stages.length} stage(s) · ${total} layers` +
+    (plan.max_context ? ` · context ${plan.max_context.toLocaleString("en-US")} tokens` : "");
   $("plan-reason").textContent = plan.reason || "";
 }
 

@@ -5,7 +5,8 @@ memory requires. Pure: no I/O.
 A KV cache grows with the context, so the longest context is tried first and halved until a plan
 fits (never below :data:`FLOOR`, or the trained context if that is shorter). Agents need long
 contexts (OpenCode's system prompt and tools alone are ~5k tokens; Ollama's docs ask 64k for
-coding tools); the plan's reason says which context it got and why.
+coding tools); beyond that, whether one more node for a longer context is worth a slower token is
+the cost model's call. The plan's reason says which context it got and why.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from meshnode.control.planner.plans import Plan, PlanError
 
 FLOOR = 4096  # the least context "auto" settles for (the old fixed default)
 UNKNOWN = 4096  # a model whose config names no context length
+# Tokens of context that serve coding agents (Ollama's docs ask 64k for them): more than this is
+# taken only where it does not cost speed (see plan_longest_context).
+ENOUGH = 65536
+SLOWER = 1.1  # a longer context's plan may be this much slower per token than the fastest and still win
 
 
 def contexts_to_try(trained: int, setting: int) -> list[int]:
@@ -34,21 +39,44 @@ def contexts_to_try(trained: int, setting: int) -> list[int]:
 
 
 def plan_longest_context(make: Callable[[int], Plan], trained: int, setting: int) -> Plan:
-    """``make(max_context)`` for the longest context that fits: the setting's, or with "auto"
+    """``make(max_context)`` for the context this mesh should serve: the setting's, or with "auto"
     (``setting`` 0) the trained context halved until a plan fits. Raises the PlanError of the
-    last (shortest) context tried."""
+    last (shortest) context tried.
+
+    More context can cost speed: a longer KV cache may need one more node, so one more hop per
+    token. Below :data:`ENOUGH` the longest context that fits is always worth it (an agent's
+    prompt must fit at all). From :data:`ENOUGH` up, the cost model decides: the plans of every
+    context that fits down to ENOUGH are compared, and the longest whose estimated time per token
+    is within :data:`SLOWER` of the fastest of them wins."""
     tries = contexts_to_try(trained, setting)
+    fits: list[tuple[int, Plan]] = []  # longest first
     for i, context in enumerate(tries):
+        if fits and context < ENOUGH:
+            break
         try:
             plan = make(context)
         except PlanError:
-            if i == len(tries) - 1:
+            if i == len(tries) - 1 and not fits:
                 raise
             continue
         if setting > 0:
             return plan
-        why = (f"context {context} tokens, as the model was trained for" if context == (trained or UNKNOWN) else
-               f"context {context} tokens of the {trained or UNKNOWN} the model was trained for: the longest "
-               f"this mesh's memory holds")
-        return replace(plan, reason=f"{plan.reason}; {why}" if plan.reason else why)
-    raise AssertionError("unreachable")
+        fits.append((context, plan))
+    top = trained or UNKNOWN
+    fastest = min((p.estimate_s for _, p in fits if p.estimate_s > 0), default=0.0)
+    context, plan = next(((c, p) for c, p in fits if not fastest or p.estimate_s <= fastest * SLOWER), fits[0])
+    longest, longest_plan = fits[0]
+    if context == top:
+        why = f"context {context} tokens, as the model was trained for"
+    elif context == longest:
+        why = f"context {context} tokens of the {top} the model was trained for: the longest this mesh's memory holds"
+    else:
+        why = (f"context {context} tokens of the {top} the model was trained for: {longest} would take "
+               f"{_nodes(longest_plan)} node(s) instead of {_nodes(plan)} and about "
+               f"{longest_plan.estimate_s / plan.estimate_s:.2f}x the time per token, and {ENOUGH} already serve "
+               f"coding agents")
+    return replace(plan, reason=f"{plan.reason}; {why}" if plan.reason else why)
+
+
+def _nodes(plan: Plan) -> int:
+    return len(plan.node_ids())
