@@ -77,7 +77,7 @@ def test_a_tensor_worker_dies_with_its_node(model, tmp_path):
     hostfile = tmp_path / "ring.json"
     ring = free_ports(3)
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring[:2]]))
-    argv = [sys.executable, "-m", "meshnode.model.tensor", "--model", str(model), "--start", "0", "--end", "4",
+    argv = [sys.executable, "-m", "meshnode.model.tensor_worker", "--model", str(model), "--start", "0", "--end", "4",
             "--backend", "ring", "--control", f"127.0.0.1:{ring[2]}"]
     took = _orphan_dies(argv, {"MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}, settle=4)
     assert took < 3, f"the tensor worker outlived its node by {took:.1f} s"

@@ -50,6 +50,22 @@ def test_a_kept_prefix_is_resumed_as_a_copy_cut_to_what_is_asked():
     assert store.hits == 2 and store.reused_positions == 68
 
 
+def test_a_prefix_kept_by_one_kind_of_shard_is_not_resumed_by_another():
+    """A re-plan can run the same layers another way (a plain shard's layer caches, a tensor
+    group's workers): a prefix kept one way is a miss the other way, not a cache it cannot use."""
+
+    class Plain:
+        owned = (0, 2)
+
+    class Group:  # a tensor group's shard: its prefixes live in its workers
+        keeps_prefixes = True
+
+    store = PrefixStore(capacity=1000)
+    assert store.keep((0, 2), "k", _kv(20), 20)
+    assert store.resume((0, 2), "k", 10, Group())[0] is None
+    assert store.resume((0, 2), "k", 10, Plain())[1] == ""
+
+
 def test_kept_prefixes_give_way_to_requests_running():
     store = PrefixStore(capacity=100)
     layers = (0, 4)
@@ -237,3 +253,28 @@ def test_the_next_turn_waits_for_the_last_one_to_be_kept():
     assert 0.2 < waited(fed + [10, 11]) < 1.5  # the next turn: it holds turn 1's prompt whole
     assert index.match(fed + [10, 11]) == (prefix_key(fed), len(fed))
     assert waited(fed + [10, 11]) < 0.1  # nothing running any more
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(400)
+def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
+    """Two hosts sharing every layer (a tensor group, float32 where the split changes rounding): the
+    group's workers keep each turn's KV and resume the next turn from it, every answer still equal
+    to mlx_lm.generate on the whole conversation."""
+    model = build_model(tmp_path / "qwen3-f32", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
+                        dtype="float32")
+    total = profile_model(model).total_bytes(1024)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=1024)
+        for h in cluster.hosts:
+            cluster.start(h, int(total * 0.8), env={"MESHNODE_STRATEGY": "tensor"})
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 120, "convergence")
+        stages = views[0]["plan"]["stages"]
+        assert len(stages) == 1 and len(stages[0]["nodes"]) == 2, views[0]["plan"]
+        lead = cluster.host(stages[0]["nodes"][0])  # rank 0 drives the group and keeps its prefixes
+        other = next(h for h in cluster.hosts if h is not lead)
+        answers = in_ns(cluster.client, CHAT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(TURNS),
+                        timeout=300)
+        assert answers == _references(model, answers), cluster.logs()
+        hits, reused = _reused(_metrics(cluster, lead))
+        assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (hits, reused, cluster.logs())

@@ -3,6 +3,7 @@ backend on loopback. Multi-host groups inside real meshes are in test_tensor_mes
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -14,9 +15,11 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from meshnode.model.compute import free_ports
+from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
 from meshnode.model.build import build_model
+from meshnode.proto import mesh_pb2
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,6 +83,46 @@ def test_whole_model_group_matches_mlx_lm(model):
         assert _greedy(lambda x: lead.forward(x, again), 16) == want
         with pytest.raises(TensorGroupError, match="only rank 0"):
             members[1].forward(mx.array([PROMPT]), members[1].make_cache())
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_prompt_cache_prefixes_are_kept_and_resumed_in_the_workers(model):
+    """The prompt cache on a tensor group: rank 0's node keeps a request's KV as a prefix inside the
+    workers (every rank its share) and resumes a later request from a copy cut to what it shares;
+    the answer equals a fresh request's, and the kept prefix is untouched by what resumes from it."""
+    members = _group(model, 0, 6)
+    try:
+        lead, layers = members[0], (0, 6)
+        assert keeps_prefixes(lead) and not keeps_prefixes(members[1])
+        store = PrefixStore(capacity=1000)
+        turn1 = PROMPT + [11, 12, 13, 14]
+        cache = lead.make_cache()
+        lead.forward(mx.array([turn1]), cache)
+        assert store.keep(layers, "k", cache, len(turn1) - 1)  # held 12: cut to 11 in the workers
+        fresh = lambda tokens: lead.forward(mx.array([tokens]), lead.make_cache())  # noqa: E731
+
+        turn2 = turn1[:9] + [40, 41, 42]  # shares 9 positions with the prefix
+        resumed, why = store.resume(layers, "k", 9)
+        assert why == "" and resumed is not None
+        got = lead.forward(mx.array([turn2[9:]]), resumed)
+        assert mx.allclose(got, fresh(turn2), atol=1e-4).item() and int(mx.argmax(got)) == int(mx.argmax(fresh(turn2)))
+        whole, why = store.resume(layers, "k", 11)  # the kept prefix did not grow with turn2
+        got = lead.forward(mx.array([[50]]), whole)
+        assert why == "" and mx.allclose(got, fresh(turn1[:11] + [50]), atol=1e-4).item()
+        assert store.resume(layers, "k", 12) == (None, "not kept here")  # more than it holds
+        assert store.hits == 2 and store.reused_positions == 20
+        # A slot that is gone cannot be kept; the worker says so and the group goes on serving.
+        gone = lead.make_cache()
+        assert lead.keep(gone, 3)[0] is None and lead.alive()
+        # Forgetting the prefix frees it in the workers with the next command.
+        del resumed, whole
+        store.forget()
+        gc.collect()
+        assert any(op == mesh_pb2.WorkerCommand.FORGET for op, _ in lead._closed)
+        fresh(PROMPT)  # (its own slot, dropped after, is told to the worker with the command after it)
+        assert not any(op == mesh_pb2.WorkerCommand.FORGET for op, _ in lead._closed) and lead.alive()
     finally:
         for m in members:
             m.close()

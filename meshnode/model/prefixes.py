@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -42,18 +42,43 @@ def prefix_key(tokens: Sequence[int]) -> str:
 
 
 def keeps_prefixes(shard: Any) -> bool:
-    """Whether a shard's per-request cache can be kept here: a pipeline shard's list of layer
-    caches; a tensor group's cache is spread over its members' processes."""
-    return getattr(shard, "owned", None) is not None
+    """Whether a shard's per-request cache can be kept: a pipeline shard's list of layer caches
+    (here), a tensor group's (in its workers, driven from rank 0: ``shard.keeps_prefixes``)."""
+    return getattr(shard, "owned", None) is not None or bool(getattr(shard, "keeps_prefixes", False))
 
 
-def _distinct(cache: list[Any]) -> list[Any]:
+@runtime_checkable
+class KeptElsewhere(Protocol):
+    """A prefix's KV kept in another process (a tensor group's workers, each with its share of
+    every layer): the store counts its positions as for its own; dropping the handle frees it
+    there. A request's cache that can be kept so has ``keep_as_prefix(positions)``, which returns
+    (such a handle or None, why not)."""
+
+    owner: Any  # the shard whose workers hold it
+
+    def resume(self, positions: int) -> tuple[Any | None, str]:
+        """A new request's cache, a copy of this prefix cut to ``positions``; or (None, why not)."""
+
+
+def distinct(cache: list[Any]) -> list[Any]:
     """Each layer cache once: a shard's list aliases the layers it does not own to its own."""
     return list({id(c): c for c in cache}.values())
 
 
 def _cut(cache: list[Any], positions: int) -> None:
-    trim_prompt_cache(_distinct(cache), positions)
+    trim_prompt_cache(distinct(cache), positions)
+
+
+def cut_to(cache: list[Any], positions: int) -> str:
+    """Cut ``cache`` back to ``positions``: '' when it holds them now, else why not."""
+    held = cache_positions(cache)
+    if held < positions:
+        return f"{held} positions held, {positions} asked"
+    if held > positions:
+        if not can_trim_prompt_cache(distinct(cache)):
+            return CANNOT_CUT
+        _cut(cache, held - positions)
+    return ""
 
 
 def cache_positions(cache: list[Any]) -> int:
@@ -88,30 +113,32 @@ class PrefixStore:
 
     # -- keeping and resuming
     def keep(self, layers: Layers, key: str, cache: list[Any], positions: int) -> bool:
-        """Keep ``cache`` (this request's, no longer used by it) cut to ``positions``."""
-        held = cache_positions(cache)
-        if positions <= 0 or held < positions:
-            log.debug("not keeping %s for layers %s: %d positions held, %d asked", key, layers, held, positions)
+        """Keep ``cache`` (this request's, no longer used by it) cut to ``positions``. A cache
+        held in another process (a tensor group's, see :class:`KeptElsewhere`) is kept there."""
+        if positions <= 0 or positions > self.capacity:
             return False
-        if held > positions:
-            if not can_trim_prompt_cache(_distinct(cache)):
-                log.debug("not keeping %s for layers %s: %d positions held, %d asked, cannot trim", key, layers,
-                          held, positions)
-                return False
-            _cut(cache, held - positions)
-        mx.eval([c.state for c in _distinct(cache)])  # a step built ahead (never run) is dropped, not kept lazily
+        elsewhere = getattr(cache, "keep_as_prefix", None)
+        if elsewhere is not None:
+            cache, why = elsewhere(positions)
+        else:
+            why = cut_to(cache, positions)
+            if not why:  # a step built ahead (never run) is dropped, not kept lazily
+                mx.eval([c.state for c in distinct(cache)])
+        if why:
+            log.debug("not keeping %s for layers %s: %s", key, layers, why)
+            return False
         with self._lock:
-            if positions > self.capacity:
-                return False
             kept = self._kept.setdefault(layers, OrderedDict())
             kept.pop(key, None)
             kept[key] = (cache, positions)
             self._fit(layers)
             return key in kept
 
-    def resume(self, layers: Layers, key: str, positions: int) -> tuple[list[Any] | None, str]:
-        """A copy of the cache kept under ``key``, cut to ``positions``; or None and why not: not
-        held here (evicted, never kept, a node restarted), or CANNOT_CUT."""
+    def resume(self, layers: Layers, key: str, positions: int, shard: Any = None) -> tuple[list[Any] | None, str]:
+        """A copy of the cache kept under ``key``, cut to ``positions``, for ``shard`` to run; or
+        None and why not: not held here (evicted, never kept, a node restarted), kept by another
+        kind of shard for these layers (a tensor group's workers, a plain shard's lists: a re-plan
+        changed how they run), or CANNOT_CUT."""
         with self._lock:
             entry = self._kept.get(layers, {}).get(key)
             if entry is not None:
@@ -119,11 +146,19 @@ class PrefixStore:
         if entry is None or positions > entry[1]:
             return None, "not kept here"
         cache, held = entry
-        if positions < held and not can_trim_prompt_cache(_distinct(cache)):
-            return None, CANNOT_CUT
-        mine = copy.deepcopy(cache)
-        if positions < held:
-            _cut(mine, held - positions)
+        if shard is not None and (cache.owner is not shard if isinstance(cache, KeptElsewhere) else
+                                  getattr(shard, "owned", None) is None):
+            return None, "kept for these layers as another shard ran them"
+        if isinstance(cache, KeptElsewhere):
+            mine, why = cache.resume(positions)
+            if mine is None:
+                return None, why
+        else:
+            if positions < held and not can_trim_prompt_cache(distinct(cache)):
+                return None, CANNOT_CUT
+            mine = copy.deepcopy(cache)
+            if positions < held:
+                _cut(mine, held - positions)
         self.hits += 1
         self.reused_positions += positions
         if self._on_resume is not None:

@@ -291,20 +291,30 @@ class GenerateReply(_message.Message):
     def __init__(self, token: _Optional[int] = ..., has_logprob: _Optional[bool] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("op", "slot", "input")
+    __slots__ = ("op", "slot", "input", "kept", "positions")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORWARD: _ClassVar[WorkerCommand.Op]
         CLOSE: _ClassVar[WorkerCommand.Op]
+        KEEP: _ClassVar[WorkerCommand.Op]
+        RESUME: _ClassVar[WorkerCommand.Op]
+        FORGET: _ClassVar[WorkerCommand.Op]
     FORWARD: WorkerCommand.Op
     CLOSE: WorkerCommand.Op
+    KEEP: WorkerCommand.Op
+    RESUME: WorkerCommand.Op
+    FORGET: WorkerCommand.Op
     OP_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     op: WorkerCommand.Op
     slot: int
     input: Tensor
-    def __init__(self, op: _Optional[_Union[WorkerCommand.Op, str]] = ..., slot: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    kept: int
+    positions: int
+    def __init__(self, op: _Optional[_Union[WorkerCommand.Op, str]] = ..., slot: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., kept: _Optional[int] = ..., positions: _Optional[int] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("output", "error", "info")

@@ -167,7 +167,7 @@ class BatchLoop:
                 params, prompt, skip, cache = request.params, request.prompt, 0, None
                 if request.resume is not None and self._store is not None:
                     key, positions = request.resume
-                    cache, why = self._store.resume(self._layers, key, positions)
+                    cache, why = self._store.resume(self._layers, key, positions, self._shard)
                     if cache is None:  # no longer kept here: the whole prompt
                         log.info("prompt cache: prefix %s: %s; prefilling all %d tokens", key, why, len(prompt))
                         self._index.forget(key, why)

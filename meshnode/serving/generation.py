@@ -67,7 +67,7 @@ class LocalSession:
         self._prepared: tuple[Placeholder, mx.array] | None = None
         cache = None
         if resume is not None:  # start from a prefix kept here (the prompt cache)
-            cache, why = prefixes.resume(self._layers, *resume) if prefixes is not None else (None, "off")
+            cache, why = prefixes.resume(self._layers, *resume, shard=shard) if prefixes is not None else (None, "off")
             if cache is None:
                 raise PrefixMiss(f"layers [{shard.start}, {shard.end}) here: prefix {resume[0]}: {why}")
             self._grow(resume[1])

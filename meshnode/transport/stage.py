@@ -114,7 +114,7 @@ class StageServer:
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
         cache = None
         if msg.resume:
-            cache, why = (self.prefixes.resume(key, msg.resume, msg.resume_length)
+            cache, why = (self.prefixes.resume(key, msg.resume, msg.resume_length, shard)
                           if self.prefixes is not None and keeps_prefixes(shard) else (None, "no prompt cache here"))
             if cache is None:
                 raise StageRefusal(PREFIX_MISS, f"prefix {msg.resume} ({msg.resume_length} positions) of layers "
