@@ -29,6 +29,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 RESULT = "sunny, 21 C"
 FINAL = "It is sunny in Paris, 21 C."
+SAID = "Hello from the mesh."  # what the scripted model of the Codex tests says
 
 
 def history(call_id: str = "c1") -> list[dict]:

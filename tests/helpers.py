@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
+from harness.cluster import HTTP
 from meshnode.config import load_settings
 from meshnode.node import Node
+
+NPM_DIR = Path.home() / ".cache" / "meshnode" / "npm"  # npm tools the tests run (coding agents)
+CODEX = NPM_DIR / "node_modules" / ".bin" / "codex"
 
 
 @contextmanager
@@ -53,3 +64,49 @@ def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True
         loop.call_soon_threadsafe(done.set)
         thread.join(30)
         loop.close()
+
+
+def codex_cli() -> Path:
+    """Codex CLI, installed from the npm registry into NPM_DIR once."""
+    if not CODEX.exists():
+        if shutil.which("npm") is None:
+            pytest.skip("npm is not installed: Codex CLI (npm @openai/codex) cannot be installed")
+        NPM_DIR.mkdir(parents=True, exist_ok=True)
+        status, _, err = run_group(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR),
+                                    "@openai/codex"], timeout=400)
+        if status != 0:
+            pytest.skip(f"npm could not install @openai/codex: {err[-500:]}")
+    if run_group([str(CODEX), "--version"], timeout=60)[0] != 0:
+        pytest.skip("the Codex CLI binary does not run on this machine")
+    return CODEX
+
+
+def run_group(args: list[str], timeout: float, **kw) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command in its own process group, which is killed whole
+    if it runs past ``timeout`` (npm's codex script starts the native binary as a child)."""
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{args[0]} ran past {timeout} s: {out[-2000:]} {err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def prompt_cache_reuse(metrics_text: str) -> tuple[int, int]:
+    """(hits, reused positions) from a node's /metrics."""
+    values = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(("meshnode_prompt_cache_hits_total", "meshnode_prompt_cache_reused_tokens_total")):
+            name, value = line.rsplit(" ", 1)
+            values[name] = int(float(value))
+    return values.get("meshnode_prompt_cache_hits_total", 0), values.get("meshnode_prompt_cache_reused_tokens_total", 0)
+
+
+def node_metrics(cluster, host) -> str:
+    """``host``'s /metrics, fetched from ``cluster``'s client namespace (a harness.cluster.Cluster)."""
+    code = (f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
+            ".read().decode())")
+    return cluster.client.run([sys.executable, "-c", code], timeout=20).stdout

@@ -26,8 +26,8 @@ from harness.cluster import HTTP, Cluster
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
+from tests.helpers import NPM_DIR
 
-NPM_DIR = Path.home() / ".cache" / "meshnode" / "npm"
 OPENCODE = NPM_DIR / "node_modules" / ".bin" / "opencode"
 
 

@@ -23,7 +23,7 @@ from meshnode.model.build import build_model
 from meshnode.model.prefixes import CANNOT_CUT, PrefixStore, prefix_key
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.weights.profile import profile_model
-from tests.helpers import running_node
+from tests.helpers import node_metrics, prompt_cache_reuse, running_node
 
 MAX_TOKENS = 10
 TURNS = [f"Turn {i}: tell me about rivers, tides and the sea, and why the water is salty. " * 3 for i in range(4)]
@@ -153,22 +153,6 @@ print(json.dumps(answers))
 '''.replace("MAX_TOKENS", str(MAX_TOKENS))
 
 
-def _reused(metrics_text: str) -> tuple[int, int]:
-    """(hits, reused positions) from a node's /metrics."""
-    values = {}
-    for line in metrics_text.splitlines():
-        if line.startswith(("meshnode_prompt_cache_hits_total", "meshnode_prompt_cache_reused_tokens_total")):
-            name, value = line.rsplit(" ", 1)
-            values[name] = int(float(value))
-    return values.get("meshnode_prompt_cache_hits_total", 0), values.get("meshnode_prompt_cache_reused_tokens_total", 0)
-
-
-def _metrics(cluster, host) -> str:
-    code = (f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
-            ".read().decode())")
-    return cluster.client.run([sys.executable, "-c", code], timeout=20).stdout
-
-
 @pytest.mark.timeout(300)
 def test_one_node_a_chat_resumes_every_turn_and_answers_as_mlx_lm(model, tmp_path):
     import subprocess
@@ -179,7 +163,7 @@ def test_one_node_a_chat_resumes_every_turn_and_answers_as_mlx_lm(model, tmp_pat
         assert out.returncode == 0, out.stderr[-3000:]
         answers = json.loads(out.stdout)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            hits, reused = _reused(r.read().decode())
+            hits, reused = prompt_cache_reuse(r.read().decode())
     assert answers == _references(model, answers)
     assert hits == len(TURNS) - 1, (hits, reused)  # every turn after the first
     assert reused > 100 * (len(TURNS) - 1), reused
@@ -208,7 +192,7 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
                         timeout=300)
         assert answers == _references(model, answers), cluster.logs()
         for h in cluster.hosts:  # the head's own layers and the other stage: each resumed every later turn
-            hits, reused = _reused(_metrics(cluster, h))
+            hits, reused = prompt_cache_reuse(node_metrics(cluster, h))
             assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (h.name, hits, reused)
         if transport != "tcp":
             return
@@ -276,5 +260,5 @@ def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
         answers = in_ns(cluster.client, CHAT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(TURNS),
                         timeout=300)
         assert answers == _references(model, answers), cluster.logs()
-        hits, reused = _reused(_metrics(cluster, lead))
+        hits, reused = prompt_cache_reuse(node_metrics(cluster, lead))
         assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (hits, reused, cluster.logs())

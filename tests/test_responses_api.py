@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import urllib.error
 import urllib.request
 from contextlib import ExitStack
-from pathlib import Path
 
 import openai
 import pytest
@@ -37,8 +33,8 @@ from meshnode.api.validation import Limits
 from meshnode.errors import ApiError
 from meshnode.model.build import build_model
 from meshnode.serving.engine import Delta, ToolCall
-from tests.agent_model import ASK, FINAL, RESULT, TOOLS, scripted_model, taught_agent
-from tests.helpers import running_node
+from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model, taught_agent
+from tests.helpers import codex_cli, run_group, running_node
 
 KEY = "responses-test-key"
 SYSTEM = "You are terse."
@@ -427,40 +423,6 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
 
 # --------------------------------------------------------------------------- Codex CLI itself
 
-NPM_DIR = Path.home() / ".cache" / "meshnode" / "npm"
-CODEX = NPM_DIR / "node_modules" / ".bin" / "codex"
-SAID = "Hello from the mesh."
-
-
-def _codex() -> Path:
-    """Codex CLI, installed from the npm registry into NPM_DIR once."""
-    if not CODEX.exists():
-        if shutil.which("npm") is None:
-            pytest.skip("npm is not installed: Codex CLI (npm @openai/codex) cannot be installed")
-        NPM_DIR.mkdir(parents=True, exist_ok=True)
-        status, _, err = _run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR),
-                               "@openai/codex"], timeout=400)
-        if status != 0:
-            pytest.skip(f"npm could not install @openai/codex: {err[-500:]}")
-    if _run([str(CODEX), "--version"], timeout=60)[0] != 0:
-        pytest.skip("the Codex CLI binary does not run on this machine")
-    return CODEX
-
-
-def _run(args: list[str], timeout: float, **kw) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of a command in its own process group, which is killed whole
-    if it runs past ``timeout`` (npm's codex script starts the native binary as a child)."""
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, **kw)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{args[0]} ran past {timeout} s: {out[-2000:]} {err[-3000:]}")
-    return proc.returncode, out, err
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_codex_cli_exec_against_a_node(tmp_path):
@@ -470,7 +432,7 @@ def test_codex_cli_exec_against_a_node(tmp_path):
     is the scripted one of tests/agent_model.py (it ends its answer, which Codex requires); only
     Codex's long base instructions are swapped for a line (model_instructions_file) so that the
     CPU prefill stays short."""
-    codex = _codex()
+    codex = codex_cli()
     model = scripted_model(tmp_path, SAID)
     home, work = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
@@ -483,7 +445,7 @@ def test_codex_cli_exec_against_a_node(tmp_path):
             f'[model_providers.meshnode]\nname = "meshnode"\nbase_url = "{base}/v1"\n'
             'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n')
         env = {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "MESHNODE_API_KEY": "unused"}
-        status, out, err = _run([str(codex), "exec", "--skip-git-repo-check", "Say hello."], timeout=420, cwd=work,
+        status, out, err = run_group([str(codex), "exec", "--skip-git-repo-check", "Say hello."], timeout=420, cwd=work,
                                 env=env)
     assert status == 0, (out[-2000:], err[-3000:])
     assert out.strip() == SAID, (out[-2000:], err[-3000:])

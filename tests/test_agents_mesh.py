@@ -1,0 +1,123 @@
+"""Coding agents through a real 2-stage mesh (issue 12b): ``meshnode run`` processes on namespace
+hosts, every client inside the mesh's client namespace.
+
+Codex CLI (npm @openai/codex), set up with only the mesh's base URL (a custom model provider, wire
+API "responses"), runs ``codex exec`` against the scripted model of tests/agent_model.py split in
+two stages and exits 0 with its answer, as it does against one node (tests/test_responses_api.py).
+
+The agent loop of tests/test_agent_loop.py on two stages: the taught qwen3, asked through the node
+that is not the head (it relays to the head), calls get_weather and answers from the result, by
+chat completions (the call not streamed, the answer streamed) and by the Responses API (a
+function_call item, then its function_call_output); each turn re-sends a prompt that starts as the
+last one did, so every stage resumes it from its prompt cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from harness.cluster import HTTP, Cluster, in_ns
+from harness.netns import netns_mesh
+from meshnode.weights.profile import profile_model
+from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model, taught_agent
+from tests.helpers import codex_cli, node_metrics, prompt_cache_reuse, run_group
+
+
+def _two_stages(cluster: Cluster, budget: int) -> dict:
+    """Start a node on every host with ``budget`` (less than the model needs alone) and the
+    pipeline strategy; the converged plan, which has two stages."""
+    for h in cluster.hosts:
+        cluster.start(h, budget, env={"MESHNODE_STRATEGY": "pipeline"})
+    views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 120, "convergence")
+    plan = views[0]["plan"]
+    assert len(plan["stages"]) == 2, plan
+    return plan
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_codex_exec_against_a_two_stage_mesh(tmp_path):
+    codex = codex_cli()
+    model = scripted_model(tmp_path, SAID)
+    total = profile_model(model).total_bytes(32768, 1)  # the Cluster's nodes hold one request's KV
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "instructions.md").write_text("You are a helpful coding assistant.\n")  # a short CPU prefill
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=None)
+        plan = _two_stages(cluster, int(total * 0.6))  # neither holds it alone with its whole context
+        assert plan["max_context"] == 32768, plan
+        entry = cluster.hosts[0]
+        (home / "config.toml").write_text(
+            f'model = "{model.name}"\nmodel_provider = "meshnode"\n'
+            f'model_instructions_file = "{home / "instructions.md"}"\n\n'
+            f'[model_providers.meshnode]\nname = "meshnode"\nbase_url = "http://{entry.ip}:{HTTP}/v1"\n'
+            'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n')
+        env = {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "MESHNODE_API_KEY": "unused"}
+        status, out, err = run_group(cluster.client.exec_args([str(codex), "exec", "--skip-git-repo-check",
+                                                                "Say hello."]), timeout=420, cwd=work, env=env)
+        log = cluster.log(entry)
+    assert status == 0, (out[-2000:], err[-3000:])
+    assert out.strip() == SAID, (out[-2000:], err[-3000:])
+    assert "POST /v1/responses 200" in log, log[-3000:]
+
+
+# The agent's loop, by the openai package inside the client namespace; prints what came back.
+AGENT = r'''
+import json, sys
+from openai import OpenAI
+base, model, ask, tools, result = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+r = c.chat.completions.create(model=model, messages=ask, tools=tools, temperature=0)
+choice = r.choices[0]
+calls = choice.message.tool_calls or []
+messages = ask + [choice.message.model_dump(exclude_none=True)] + [
+    {"role": "tool", "tool_call_id": call.id, "content": result} for call in calls]
+chunks = [ch for ch in c.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0,
+                                                 stream=True) if ch.choices]
+function = {"type": "function", **tools[0]["function"]}
+first = c.responses.create(model=model, input=ask[0]["content"], tools=[function], temperature=0)
+items = [i for i in first.output if i.type == "function_call"]
+outputs = [{"type": "function_call_output", "call_id": i.call_id, "output": result} for i in items]
+follow = c.responses.create(model=model, tools=[function], temperature=0,
+                            input=[{"role": "user", "content": ask[0]["content"]},
+                                   *[i.model_dump(exclude_none=True) for i in items], *outputs])
+print(json.dumps({
+    "chat": [choice.finish_reason, choice.message.content or "",
+             [[t.type, t.function.name, json.loads(t.function.arguments), bool(t.id)] for t in calls]],
+    "streamed": ["".join(ch.choices[0].delta.content or "" for ch in chunks), chunks[-1].choices[0].finish_reason],
+    "responses": [first.status, [i.type for i in first.output],
+                  [[i.name, json.loads(i.arguments), bool(i.call_id)] for i in items]],
+    "follow": [follow.status, follow.output_text],
+}))
+'''
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_agent_loop_on_two_stages_resumes_from_the_prompt_cache(tmp_path):
+    model = taught_agent(tmp_path)
+    total = profile_model(model).total_bytes(1024, 1)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=1024)
+        plan = _two_stages(cluster, int(total * 0.6))  # neither holds it alone: two stages
+        head = cluster.host(plan["stages"][-1]["nodes"][0])
+        other = next(h for h in cluster.hosts if h is not head)  # it relays to the head, as any node does
+        got = in_ns(cluster.client, AGENT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(ASK),
+                    json.dumps(TOOLS), RESULT, timeout=300)
+        reuse = {h.name: prompt_cache_reuse(node_metrics(cluster, h)) for h in cluster.hosts}
+        logs = cluster.logs()
+    assert got["chat"] == ["tool_calls", "", [["function", "get_weather", {"city": "Paris"}, True]]], got
+    assert got["streamed"] == [FINAL, "stop"], got
+    assert got["responses"] == ["completed", ["function_call"], [["get_weather", {"city": "Paris"}, True]]], got
+    assert got["follow"] == ["completed", FINAL], got
+    # Each turn starts as the ones before it did (the tools, the question): every stage resumed
+    # every request after the first from its prompt cache.
+    for name, (hits, reused) in reuse.items():
+        assert hits == 3 and reused > 0, (name, reuse, logs)
