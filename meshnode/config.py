@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 from meshnode.values import (as_float, as_int, as_path, as_text, checked, log_level, node_id, optional,
                              origin_list, parse_bool, parse_duration, parse_peer, parse_size, peer_list, port,
                              positive_duration, positive_int)
+from meshnode.weights.kvquant import KV_BITS
 
 __all__ = [
     "ConfigError",
@@ -79,6 +80,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "memory_fraction": checked(as_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
     "max_context": checked(as_int, lambda n: n >= 0, "0 (the model's own context) or a number of tokens"),
     "kv_requests": positive_int,
+    "kv_bits": checked(as_int, lambda n: n == 0 or n in KV_BITS, "0 (off) or " + " or ".join(map(str, KV_BITS))),
     "prefill_step_size": positive_int,
     "pipelined_prefill": parse_bool,
     "prompt_cache": parse_bool,
@@ -172,6 +174,9 @@ class Settings:
     #: Requests whose KV cache (max_context tokens each) every stage reserves memory for: a chat
     #: client's answer and the title request it sends beside it run at once.
     kv_requests: int = 2
+    #: Quantize the KV cache to this many bits (4 or 8; 0: off), mlx-lm's QuantizedKVCache in groups of
+    #: 64: the plan counts it, so a longer context fits the same memory. Continuous batching is off then.
+    kv_bits: int = 0
     prefill_step_size: int = 512
     #: Prefill a prompt in chunks that flow through the stages like an assembly line.
     pipelined_prefill: bool = True

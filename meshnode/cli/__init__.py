@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-context", metavar="N", help="tokens of context per request (default 0: the model's own, "
                                                         "lowered only as far as memory requires)")
     run.add_argument("--kv-requests", metavar="N", help="requests at once whose KV cache a plan reserves (default 2)")
+    run.add_argument("--kv-bits", metavar="N", help="quantize the KV cache to 4 or 8 bits (default 0: off)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
     run.add_argument("--cache-dir", metavar="DIR", help="folder for cached models")
     run.add_argument("--log-level", metavar="L", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens of context (default 0: the model's own, lowered only as far as memory requires)")
     plan.add_argument("--kv-requests", type=int, default=2, metavar="N",
                       help="requests at once whose KV cache each stage holds (default 2, as a node)")
+    plan.add_argument("--kv-bits", type=int, default=0, choices=(0, 4, 8), metavar="N",
+                      help="quantize the KV cache to 4 or 8 bits (default 0: off)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait for --url")
     plan.set_defaults(handler=cmd_plan)
@@ -191,7 +194,7 @@ def setup_logging(settings: Settings, stream=None) -> None:
 
 _RUN_FLAGS = (
     "model", "host", "http_port", "grpc_port", "node_id", "cluster_key", "memory_budget", "peers", "mdns",
-    "encrypt", "strategy", "max_context", "kv_requests", "state_dir", "cache_dir", "log_level",
+    "encrypt", "strategy", "max_context", "kv_requests", "kv_bits", "state_dir", "cache_dir", "log_level",
 )
 
 
@@ -284,7 +287,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         result = plan_longest_context(
             lambda ctx: make_plan(profile, nodes, max_context=ctx, strategy=args.strategy, links=links,
-                                  requests=args.kv_requests), profile.trained_context, args.max_context)
+                                  requests=args.kv_requests, kv_bits=args.kv_bits),
+            profile.trained_context, args.max_context)
     except PlanError as exc:
         if args.json:
             print(json.dumps({"model": profile.name, "error": exc.reasons}, indent=2))

@@ -80,7 +80,8 @@ def format_plan(result, nodes) -> str:
 
     budgets = {x.node_id: x.memory_budget for x in nodes}
     est = f"est. {result.tokens_per_s:.3g} tok/s ({result.estimate_s * 1e3:.3g} ms/token)" if result.estimate_s else ""
-    lines = [f"plan         {result.strategy}, {est}, max context {result.max_context}"]
+    kv = f", {result.kv_bits}-bit KV cache" if result.kv_bits else ""
+    lines = [f"plan         {result.strategy}, {est}, max context {result.max_context}{kv}"]
     for s in result.stages:
         each = " each" if len(s.nodes) > 1 else ""
         lines.append(f"  layers {s.start_layer}-{s.end_layer - 1}  on {'+'.join(s.nodes)}  "

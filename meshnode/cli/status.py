@@ -110,6 +110,8 @@ def _plan_lines(data: dict[str, Any]) -> list[str]:
     head = f"plan         {strategy}, epoch {plan.get('epoch', '?')}"
     if plan.get("max_context"):
         head += f", max context {plan['max_context']}"
+    if plan.get("kv_bits"):
+        head += f", {plan['kv_bits']}-bit KV cache"
     if isinstance(plan.get("tokens_per_s"), (int, float)):
         head += f", est. {plan['tokens_per_s']:.3g} tok/s"
     lines = [head]

@@ -119,7 +119,8 @@ class Coordinator:
             try:
                 desired = plan_longest_context(
                     lambda ctx: make_plan(served.profile, nodes, max_context=ctx, preferred=preferred,
-                                          requests=s.kv_requests, strategy=strategy, links=links, held=held),
+                                          requests=s.kv_requests, strategy=strategy, links=links, held=held,
+                                          kv_bits=s.kv_bits),
                     served.profile.trained_context, s.max_context)
             except PlanError as forced:
                 if strategy is None:
@@ -127,7 +128,7 @@ class Coordinator:
                 # A configured strategy is a preference: serving some other way beats not serving.
                 desired = plan_longest_context(
                     lambda ctx: make_plan(served.profile, nodes, max_context=ctx, preferred=preferred,
-                                          requests=s.kv_requests, links=links, held=held),
+                                          requests=s.kv_requests, links=links, held=held, kv_bits=s.kv_bits),
                     served.profile.trained_context, s.max_context)
                 if self._forced_note != str(forced):
                     log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,

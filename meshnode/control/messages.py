@@ -9,6 +9,7 @@ import math
 from meshnode.nodeinfo import NodeInfo
 from meshnode.control.planner import Plan, Stage
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
+from meshnode.weights.kvquant import KV_BITS
 from meshnode.proto import mesh_pb2
 
 MAX_ID_LEN = 128
@@ -76,6 +77,7 @@ def plan_to_pb(plan: Plan, coordinator: str) -> mesh_pb2.Plan:
         reason=plan.reason,
         coordinator=coordinator,
         max_context=plan.max_context,
+        kv_bits=plan.kv_bits,
         estimate_s=plan.estimate_s,
         alternatives=json.dumps(list(plan.alternatives)) if plan.alternatives else "",
     )
@@ -121,7 +123,9 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
         edge = s.end_layer
     if edge != num_layers:
         raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")
+    if msg.kv_bits and msg.kv_bits not in KV_BITS:
+        raise ValueError(f"plan epoch {msg.epoch}: kv_bits {msg.kv_bits} is not 0 or one of {KV_BITS}")
     estimate = msg.estimate_s if math.isfinite(msg.estimate_s) and msg.estimate_s >= 0 else 0.0
     return Plan(model=msg.model, strategy=msg.strategy, stages=stages, epoch=msg.epoch,
-                reason=msg.reason, max_context=msg.max_context, estimate_s=estimate,
+                reason=msg.reason, max_context=msg.max_context, kv_bits=msg.kv_bits, estimate_s=estimate,
                 alternatives=_alternatives_from_json(msg.alternatives))

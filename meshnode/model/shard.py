@@ -35,9 +35,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
+from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem
 from meshnode.weights.profile import activation_dtype, hidden_size
 from meshnode.weights.splits import split_boundaries, split_support
 from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
@@ -321,6 +322,10 @@ class Shard:
 
         # Caches of the whole model, to learn each layer's cache kind (full, sliding, ...).
         self._cache_template = make_prompt_cache(model)
+        # Bits of a quantized KV cache (the plan's kv_bits, set by the node; 0: off), and why this
+        # model cannot have one ("": it can).
+        self.kv_bits = 0
+        self.kv_problem = kv_quant_problem(config)
         if len(self._cache_template) != num_layers and not (start == 0 and end == num_layers):
             raise ValueError(
                 f"{config.get('model_type')}: one cache per layer expected, "
@@ -382,17 +387,37 @@ class Shard:
     def parameter_names(self) -> list[str]:
         return [k for k, _ in tree_flatten(self.model.parameters())]
 
+    @property
+    def kv_quant_bits(self) -> int:
+        """Bits the KV caches this shard makes are quantized to (0: not quantized)."""
+        if self.kv_bits and self.kv_problem:
+            if not getattr(self, "_told_kv", False):
+                log.warning("kv_bits %d: the KV cache stays unquantized: %s", self.kv_bits, self.kv_problem)
+                self._told_kv = True
+            return 0
+        return self.kv_bits
+
+    def _template(self) -> list[Any]:
+        """The whole model's caches, each plain growing KVCache made mlx-lm's QuantizedKVCache when the
+        KV is quantized (sliding windows and recurrent states stay as they are)."""
+        bits = self.kv_quant_bits
+        if not bits:
+            return self._cache_template
+        return [QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits) if type(c) is KVCache else c
+                for c in self._cache_template]
+
     def make_cache(self) -> list[Any]:
         """A fresh per-request cache: real caches for owned layers, aliases for the rest."""
         start, end = self.spec.start, self.spec.end
+        templates = self._template()
         if start == 0 and end == self.spec.num_layers:  # the whole model: the family's own caches
-            return copy.deepcopy(self._cache_template)
+            return copy.deepcopy(templates)
         caches: list[Any] = [None] * self.spec.num_layers
         by_kind: dict[tuple, Any] = {}
         for i in range(start, end):
-            caches[i] = copy.deepcopy(self._cache_template[i])
+            caches[i] = copy.deepcopy(templates[i])
             by_kind.setdefault(_cache_kind(caches[i]), caches[i])
-        for i, template in enumerate(self._cache_template):
+        for i, template in enumerate(templates):
             if caches[i] is None:
                 # A kind this shard never runs gets a private, never-updated cache: only the
                 # layers of that kind (all elsewhere) would use the mask derived from it.

@@ -100,7 +100,7 @@ class Stage(_message.Message):
     def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "model", "strategy", "stages", "reason", "coordinator", "max_context", "estimate_s", "alternatives")
+    __slots__ = ("epoch", "model", "strategy", "stages", "reason", "coordinator", "max_context", "estimate_s", "alternatives", "kv_bits")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class Plan(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     model: str
     strategy: str
@@ -119,7 +120,8 @@ class Plan(_message.Message):
     max_context: int
     estimate_s: float
     alternatives: str
-    def __init__(self, epoch: _Optional[int] = ..., model: _Optional[str] = ..., strategy: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., reason: _Optional[str] = ..., coordinator: _Optional[str] = ..., max_context: _Optional[int] = ..., estimate_s: _Optional[float] = ..., alternatives: _Optional[str] = ...) -> None: ...
+    kv_bits: int
+    def __init__(self, epoch: _Optional[int] = ..., model: _Optional[str] = ..., strategy: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., reason: _Optional[str] = ..., coordinator: _Optional[str] = ..., max_context: _Optional[int] = ..., estimate_s: _Optional[float] = ..., alternatives: _Optional[str] = ..., kv_bits: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "ready_epoch", "plan_error")

@@ -37,12 +37,25 @@ log = logging.getLogger(__name__)
 DECODING_CHUNK = 128
 
 
+_TOLD_QUANTIZED = False  # the log said once that kv_bits turns batching off
+
+
 def batchable(handles: Sequence[Any]) -> bool:
-    """Whether a placement's stages are one local plain shard holding every layer."""
+    """Whether a placement's stages are one local plain shard holding every layer, whose caches
+    BatchGenerator can hold (not mlx-lm's QuantizedKVCache: with kv_bits, requests take turns)."""
     if len(handles) != 1:
         return False
     shard = getattr(handles[0], "shard", None)
-    return isinstance(shard, Shard) and shard.group_size == 1 and shard.spec.is_first and shard.spec.is_last
+    if not (isinstance(shard, Shard) and shard.group_size == 1 and shard.spec.is_first and shard.spec.is_last):
+        return False
+    if shard.kv_quant_bits:
+        global _TOLD_QUANTIZED
+        if not _TOLD_QUANTIZED:
+            log.info("kv_bits %d: continuous batching is off (mlx-lm's BatchGenerator cannot hold a quantized KV "
+                     "cache); concurrent requests take turns", shard.kv_quant_bits)
+            _TOLD_QUANTIZED = True
+        return False
+    return True
 
 
 class ShardModel:

@@ -220,6 +220,8 @@ class ServedModel:
                     launching.remove(shard)
                     self._event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
                                 seconds=round(time.monotonic() - t0, 2))
+                if isinstance(shard, Shard):  # its requests' caches from now on: the plan's (meshnode.weights.kvquant)
+                    shard.kv_bits = plan.kv_bits
                 wanted[key] = shard
         except BaseException as exc:
             for shard in launching:
@@ -412,7 +414,7 @@ def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:
     if plan is None:
         return None
     return {"epoch": plan.epoch, "model": plan.model, "strategy": plan.strategy,
-            "reason": plan.reason, "max_context": plan.max_context,
+            "reason": plan.reason, "max_context": plan.max_context, "kv_bits": plan.kv_bits,
             "estimate_s": plan.estimate_s or None, "tokens_per_s": plan.tokens_per_s or None,
             "tokens_per_s_now": round(1 / estimate_now, 3) if estimate_now else None,
             "alternatives": list(plan.alternatives),

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from meshnode.weights.kvquant import kv_quant_problem, quantized_kv_bytes
 from meshnode.weights.manifest import loaded_weights, manifest_from_dict, read_marker
 from meshnode.weights.splits import config_value, split_boundaries, split_support, text_config
 from meshnode.weights.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
@@ -57,6 +58,10 @@ class ModelProfile:
     moe_intermediate_size: int = 0  # each expert's (and a shared expert's) MLP width; 0 for a dense model
     quant_group_size: int = 0  # weights quantized in groups of this many inputs; 0 when not quantized
     trained_context: int = 0  # the context its config says it was trained for (rope scaling included); 0: unknown
+    # Bits of the quantized KV cache every KV figure counts (0: unquantized; see for_kv_bits), and why
+    # this model's KV cannot be quantized ("" when it can; meshnode.weights.kvquant).
+    kv_bits: int = 0
+    kv_quant_problem: str = ""
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -70,12 +75,27 @@ class ModelProfile:
             raise ValueError(f"requests must be at least 1, not {requests}")
         return replace(self, kv_requests=int(requests))
 
+    def for_kv_bits(self, bits: int) -> "ModelProfile":
+        """This profile with the KV of every layer that keeps a plain growing KVCache counted quantized
+        to ``bits`` (0: unquantized). A model whose KV cannot be quantized stays unquantized."""
+        if bits and self.kv_quant_problem:
+            bits = 0
+        return replace(self, kv_bits=int(bits))
+
+    def kv_token_bytes(self, layer: int) -> int:
+        """KV bytes per token of one layer, as its cache stores them: quantized (with kv_bits) unless
+        the layer slides (RotatingKVCache) or keeps no KV (a recurrent layer's state: 0)."""
+        plain = self.kv_bytes_per_token[layer]
+        if self.kv_bits and self.sliding_window[layer] is None:
+            return quantized_kv_bytes(plain, _ITEM.get(self.dtype, 2), self.kv_bits)
+        return plain
+
     def kv_bytes(self, layer: int, context: int, requests: int | None = None) -> int:
         """KV cache bytes of one layer holding ``context`` tokens (capped by its sliding window) for
         each of ``requests`` requests at once (default: the profile's ``kv_requests``)."""
         window = self.sliding_window[layer]
         tokens = min(context, window) if window else context
-        return self.kv_bytes_per_token[layer] * max(tokens, 0) * (self.kv_requests if requests is None else requests)
+        return self.kv_token_bytes(layer) * max(tokens, 0) * (self.kv_requests if requests is None else requests)
 
     def layers_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
         """Weights plus KV of layers [start, end), without embedding, norm or head."""
@@ -116,7 +136,7 @@ class ModelProfile:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
         optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size",
-                    "trained_context"}  # newer fields
+                    "trained_context", "kv_bits", "kv_quant_problem"}  # newer fields
         missing = known - set(d) - optional
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
@@ -124,11 +144,12 @@ class ModelProfile:
         for key in ("layer_bytes", "kv_bytes_per_token"):
             kw[key] = tuple(int(x) for x in kw[key])
         kw["sliding_window"] = tuple(None if w is None else int(w) for w in kw["sliding_window"])
-        if "split_problem" in kw:
-            kw["split_problem"] = str(kw["split_problem"] or "")
+        for key in ("split_problem", "kv_quant_problem"):
+            if key in kw:
+                kw[key] = str(kw[key] or "")
         for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
                     "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests",
-                    "moe_intermediate_size", "quant_group_size", "trained_context"):
+                    "moe_intermediate_size", "quant_group_size", "trained_context", "kv_bits"):
             if key in kw:
                 kw[key] = int(kw[key])
         for key in ("name", "model_type", "dtype"):
@@ -347,4 +368,5 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         moe_intermediate_size=int(config_value(cfg, "moe_intermediate_size", default=0) or 0),
         quant_group_size=int(((raw_cfg.get("quantization") or {}).get("group_size")) or 0),
         trained_context=trained_context(cfg),
+        kv_quant_problem=kv_quant_problem(raw_cfg),
     )

@@ -251,17 +251,18 @@ def memory_plan(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec]
 
 def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strategy, pref) -> str:
     need = costs.stage(0, costs.n)
+    context = describe_context(ctx, profile.kv_requests, profile.kv_bits)
     if len(stages) == 1:
         node = order[0]
         return (f"fits on {node.node_id} alone: {human_bytes(need)} of its {human_bytes(node.memory_budget)} "
-                f"{describe_context(ctx, profile.kv_requests)} (one machine beats two)")
+                f"{context} (one machine beats two)")
     k = len(stages)
     if strategy == "pipeline" and ranked[0].memory_budget >= need:
         why = "pipeline forced"
     elif k == 2:
-        why = f"no single node holds {human_bytes(need)} {describe_context(ctx, profile.kv_requests)}"
+        why = f"no single node holds {human_bytes(need)} {context}"
     else:
-        why = f"no {k - 1} nodes hold {human_bytes(need)} {describe_context(ctx, profile.kv_requests)}"
+        why = f"no {k - 1} nodes hold {human_bytes(need)} {context}"
     kept = [x.node_id for x in order if x.node_id in pref]
     keep = f"; keeps {', '.join(kept)} from the current plan" if kept else ""
     parts = ", ".join(f"{s.nodes[0]} layers {s.start_layer}-{s.end_layer - 1} ({human_bytes(s.bytes)} of "
@@ -277,7 +278,7 @@ def why_not(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ct
     # "the 3 nodes offer 24.0 GiB together" / "node a offers 8.0 GiB"
     offer = f"node {largest.node_id} offers" if len(ranked) == 1 else f"the {len(ranked)} nodes offer"
     together = "" if len(ranked) == 1 else " together"
-    context = describe_context(ctx, profile.kv_requests)
+    context = describe_context(ctx, profile.kv_requests, profile.kv_bits)
     if strategy == "single":
         return [f"strategy 'single': model needs {human_bytes(need)} {context}; the largest node ({largest.node_id}) "
                 f"offers {human_bytes(largest.memory_budget)} (short by {human_bytes(need - largest.memory_budget)})"]

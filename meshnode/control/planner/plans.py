@@ -51,6 +51,7 @@ class Plan:
     max_context: int = 0
     estimate_s: float = 0.0  # estimated seconds per decoded token (0: not estimated)
     alternatives: tuple[dict, ...] = ()  # the best plan of each other strategy, or why it has none
+    kv_bits: int = 0  # KV caches quantized to these bits (meshnode.weights.kvquant); 0: unquantized
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,7 +82,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "strategy": self.strategy, "epoch": self.epoch, "reason": self.reason,
-                "max_context": self.max_context, "estimate_s": self.estimate_s,
+                "max_context": self.max_context, "kv_bits": self.kv_bits, "estimate_s": self.estimate_s,
                 "alternatives": [dict(a) for a in self.alternatives],
                 "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
                             "bytes": s.bytes, **({"endpoints": list(s.endpoints)} if s.endpoints else {})}
@@ -94,6 +95,7 @@ class Plan:
                        for s in d["stages"])
         return cls(model=str(d["model"]), strategy=str(d["strategy"]), stages=stages, epoch=int(d.get("epoch", 0)),
                    reason=str(d.get("reason", "")), max_context=int(d.get("max_context", 0)),
+                   kv_bits=int(d.get("kv_bits", 0) or 0),
                    estimate_s=float(d.get("estimate_s", 0.0) or 0.0),
                    alternatives=tuple(dict(a) for a in d.get("alternatives") or () if isinstance(a, dict)))
 
@@ -114,6 +116,7 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def describe_context(ctx: int, requests: int = 1) -> str:
+def describe_context(ctx: int, requests: int = 1, kv_bits: int = 0) -> str:
     each = f" for each of {requests} requests at once" if requests > 1 else ""
-    return f"for {ctx} token{'s' if ctx != 1 else ''} of context{each}"
+    quant = f" in a {kv_bits}-bit KV cache" if kv_bits else ""
+    return f"for {ctx} token{'s' if ctx != 1 else ''} of context{quant}{each}"

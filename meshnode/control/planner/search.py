@@ -12,8 +12,11 @@ from meshnode.control.planner.cost import (DEFAULT_LINK, FAST_RTT_S, CostModel, 
 from meshnode.control.planner.memory import fitting_order, memory_plan, why_not
 from meshnode.control.planner.plans import (STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, describe_context,
                                             human_bytes)
+from meshnode.weights.kvquant import KV_GROUP_SIZE
 from meshnode.weights.profile import ModelProfile
 
+# Tensor groups and a quantized KV cache: the group's worker process is not told kv_bits yet.
+KV_NOT_GROUPED = "tensor groups do not build a quantized KV cache (kv_bits); set kv_bits = 0 to use them"
 EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; a few natural ones beyond
 EXACT_GROUP_NODES = 4  # every partition into groups (hybrid) up to here; chunked orders beyond
 _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate wins
@@ -147,7 +150,7 @@ def _grouped_problems(cx: CostModel, ranked: list[NodeSpec], strategy: str) -> l
         moe = (f" ({p.name!r} is a mixture of experts: its groups need links under {us_text(cx.fast_rtt)} RTT)"
                if cx.moe else "")
         return [f"hybrid: no pipeline of tensor groups of {', '.join(map(str, sizes))} nodes fits the nodes' "
-                f"memory {describe_context(cx.ctx, p.kv_requests)}{moe}"]
+                f"memory {describe_context(cx.ctx, p.kv_requests, p.kv_bits)}{moe}"]
     if N < 2:
         return [f"tensor: needs at least two nodes; there is only {ids[0]}"]
     out = []
@@ -163,7 +166,7 @@ def _grouped_problems(cx: CostModel, ranked: list[NodeSpec], strategy: str) -> l
         need, weakest = cx.mem(0, n, g), ranked[g - 1]
         if need > weakest.memory_budget:
             out.append(f"tensor over {g} nodes: each member needs {human_bytes(need)} "
-                       f"{describe_context(cx.ctx, p.kv_requests)}; the "
+                       f"{describe_context(cx.ctx, p.kv_requests, p.kv_bits)}; the "
                        f"{g} largest budgets include {weakest.node_id} with {human_bytes(weakest.memory_budget)} "
                        f"(short by {human_bytes(need - weakest.memory_budget)})")
         else:
@@ -183,6 +186,7 @@ def plan(
     fast_rtt_s: float = FAST_RTT_S,
     held: Mapping[str, frozenset[int]] | None = None,
     requests: int = 1,
+    kv_bits: int = 0,
 ) -> Plan:
     """The placement of ``profile`` on ``nodes`` with the least estimated time per token that fits
     ``max_context`` tokens of KV cache. ``strategy`` forces one of :data:`STRATEGIES`. Ties go to
@@ -193,9 +197,12 @@ def plan(
     ids to the layers their disks hold: after ``preferred``, nodes holding layers are preferred,
     in the order of the first layer they hold, so stages land where their bytes already are and
     the least is fetched (:func:`bytes_to_fetch`). ``requests``: how many requests each stage holds
-    KV cache for at once (:meth:`ModelProfile.for_requests`)."""
+    KV cache for at once (:meth:`ModelProfile.for_requests`). ``kv_bits``: KV caches quantized to
+    these bits (0: not; :meth:`ModelProfile.for_kv_bits`); the plan carries what it counted."""
     if requests != profile.kv_requests:
         profile = profile.for_requests(requests)
+    if kv_bits != profile.kv_bits:
+        profile = profile.for_kv_bits(kv_bits)
     if strategy is not None and strategy not in STRATEGIES:
         raise PlanError([f"unknown strategy {strategy!r}; this planner knows {', '.join(STRATEGIES)}"])
     if not nodes:
@@ -225,6 +232,10 @@ def plan(
         if node_id not in pref:
             pref[node_id] = len(pref)
     allowed = set(STRATEGIES) if strategy is None else {strategy}
+    if profile.kv_bits:  # a tensor group's worker builds unquantized caches
+        if strategy in ("tensor", "hybrid"):
+            raise PlanError([f"{strategy}: {KV_NOT_GROUPED}"])
+        allowed -= {"tensor", "hybrid"}
     if profile.split_problem:  # layers cannot be cut into stages: one node, or a tensor group over all layers
         if strategy in ("pipeline", "hybrid"):
             raise PlanError([f"{strategy}: {profile.split_problem}"])
@@ -240,11 +251,12 @@ def plan(
         if profile.split_problem:
             need, largest = cx.costs.stage(0, profile.num_layers), ranked[0]
             reasons = [f"it cannot be split across nodes ({profile.split_problem}), and no single node holds its "
-                       f"{human_bytes(need)} {describe_context(max_context, profile.kv_requests)}: the largest, "
+                       f"{human_bytes(need)} {describe_context(max_context, profile.kv_requests, profile.kv_bits)}: "
+                       f"the largest, "
                        f"{largest.node_id}, offers {human_bytes(largest.memory_budget)}"]
         else:
             reasons = why_not(profile, cx.costs, ranked, max_context, strategy)
-        if strategy is None and supports_tensor(profile) and any(
+        if strategy is None and not profile.kv_bits and supports_tensor(profile) and any(
                 group_size_problem(profile, g) is None for g in range(2, len(ranked) + 1)):
             reasons += _grouped_problems(cx, ranked, "tensor")
         raise PlanError(reasons)
@@ -253,12 +265,26 @@ def plan(
     pick = next(i for i, t in enumerate(estimates) if t <= low * (1 + _TIE))
     chosen, est = cands[pick], estimates[pick]
     alternatives = _alternatives(cx, ranked, cands, estimates, pick, allowed)
-    reason = _why_chosen(cx, chosen, est, alternatives)
+    reason = _why_chosen(cx, chosen, est, alternatives) + kv_note(profile, kv_bits)
     if chosen.legacy is not None:
-        return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives)
+        return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives,
+                       kv_bits=profile.kv_bits)
     stages = tuple(Stage(s, e, ids_, cx.mem(s, e, len(ids_))) for ids_, s, e in chosen.units)
     return Plan(model=profile.name, strategy=chosen.strategy, stages=stages, reason=reason,
-                max_context=max_context, estimate_s=est, alternatives=alternatives)
+                max_context=max_context, estimate_s=est, alternatives=alternatives, kv_bits=profile.kv_bits)
+
+
+def kv_note(profile: ModelProfile, asked: int) -> str:
+    """What the plan's reason says of a quantized KV cache ("" when none was asked for)."""
+    if profile.kv_bits:
+        n = profile.num_layers
+        plain = sum(profile.kv_bytes_per_token[i] for i in range(n)) * profile.kv_requests
+        quant = sum(profile.kv_token_bytes(i) for i in range(n)) * profile.kv_requests
+        return (f"; KV cache quantized to {profile.kv_bits} bits in groups of {KV_GROUP_SIZE} (mlx-lm's "
+                f"QuantizedKVCache): {human_bytes(quant)} per token instead of {human_bytes(plain)}")
+    if asked:
+        return f"; KV cache not quantized: {profile.kv_quant_problem}"
+    return ""
 
 
 def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int,
@@ -279,7 +305,8 @@ def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[flo
                         "why": why})
         elif strategy != chosen.strategy:
             if strategy not in allowed:
-                why = "not considered: another strategy was forced"
+                why = (f"not considered: {KV_NOT_GROUPED}" if cx.p.kv_bits and strategy in ("tensor", "hybrid")
+                       else "not considered: another strategy was forced")
             elif strategy == "single":
                 why = why_not(cx.p, cx.costs, ranked, cx.ctx, "single")[0]
             elif strategy == "pipeline":
