@@ -110,3 +110,34 @@ def node_metrics(cluster, host) -> str:
     code = (f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
             ".read().decode())")
     return cluster.client.run([sys.executable, "-c", code], timeout=20).stdout
+
+
+def tensor_group(model, start, end, size=2, secrets=None, ready_timeout_s=60, num_layers=6, **kwargs) -> list:
+    """A tensor group of ``size`` real worker processes on loopback sharing layers [start, end) of
+    ``model`` (meshnode.model.tensor); the caller closes every member."""
+    from meshnode.model.compute import free_ports
+    from meshnode.model.tensor import TensorShard
+
+    *ring, control = free_ports(size + 1)
+    endpoints = [f"127.0.0.1:{p}" for p in ring]
+    secrets = secrets or [b"k" * 32] * size
+    members = [TensorShard(model, start, end, num_layers, rank=r, endpoints=endpoints, control=f"127.0.0.1:{control}",
+                           secret=secrets[r], **kwargs) for r in range(size)]
+    errors: list[BaseException] = []
+
+    def launch(m):
+        try:
+            m.launch(ready_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=launch, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for m in members:
+            m.close()
+        raise errors[0]
+    return members

@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from meshnode.config import ConfigError, load_settings
 from meshnode.control.messages import plan_from_pb, plan_to_pb
-from meshnode.control.planner import NodeSpec, Plan, PlanError, plan as make_plan
+from meshnode.control.planner import NodeSpec, Plan, plan as make_plan
 from meshnode.control.planner.context import plan_longest_context
 from meshnode.model.build import build_model
 from meshnode.model.shard import Shard
@@ -27,7 +27,7 @@ from meshnode.serving.batching import batchable
 from meshnode.serving.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
 from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem, quantized_kv_bytes
 from meshnode.weights.profile import ModelProfile, profile_model
-from tests.helpers import prompt_cache_reuse, running_node
+from tests.helpers import prompt_cache_reuse, running_node, tensor_group
 
 MAX_TOKENS = 16
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 128, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 77, 78, 79]
@@ -101,15 +101,11 @@ def test_a_model_that_cannot_quantize_its_kv_is_planned_unquantized_and_says_why
     assert result.kv_bits == 0 and f"KV cache not quantized: {problem}" in result.reason
 
 
-def test_tensor_groups_are_not_planned_with_a_quantized_kv():
+def test_tensor_groups_are_planned_with_a_quantized_kv():
     profile = _profile()
     nodes = [NodeSpec("a", 2**30), NodeSpec("b", 2**30)]
-    with pytest.raises(PlanError, match="tensor groups do not build a quantized KV cache"):
-        make_plan(profile, nodes, max_context=4096, strategy="tensor", kv_bits=4)
-    assert make_plan(profile, nodes, max_context=4096, strategy="tensor").strategy == "tensor"
-    result = make_plan(profile, nodes, max_context=4096, kv_bits=4)
-    assert result.strategy in ("single", "pipeline")
-    assert any("tensor groups do not build" in a.get("why", "") for a in result.alternatives)
+    result = make_plan(profile, nodes, max_context=4096, strategy="tensor", kv_bits=4)
+    assert result.strategy == "tensor" and result.kv_bits == 4 and "4 bits" in result.reason
 
 
 def test_the_plan_carries_kv_bits_to_every_node():
@@ -210,6 +206,40 @@ def test_two_stages_match_mlx_lm_with_the_same_quantized_cache(model, bits):
         cache = shard.make_cache()
         assert all(isinstance(c, QuantizedKVCache) and c.bits == bits for c in cache)
     assert profile_model(model).kv_quant_problem == ""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tensor_group_matches_mlx_lm_with_the_same_quantized_cache(tmp_path, bits):
+    """Two worker processes share every layer (float32: the split changes rounding); each rank
+    quantizes its share of the heads in groups along head_dim, as mlx-lm's cache does the whole.
+    Its prompt cache cuts such caches back and resumes from them too."""
+    path = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=2,
+                       intermediate_size=256, dtype="float32")
+    members = tensor_group(path, 0, 4, num_layers=4, kv_bits=bits)
+
+    def greedy(lead, cache, x):
+        out = []
+        for _ in range(MAX_TOKENS):
+            token = int(mx.argmax(lead.forward(mx.array([x]), cache)[:, -1, :], axis=-1).item())
+            out.append(token)
+            x = [token]
+        return out
+
+    try:
+        lead = members[0]
+        cache = lead.make_cache()
+        out = greedy(lead, cache, PROMPT)
+        kept, why = cache.keep_as_prefix(len(PROMPT) + MAX_TOKENS - 1)
+        assert why == ""
+        resumed, why = kept.resume(len(PROMPT) - 1)  # cut back into the prompt: its last token again
+        assert why == "" and greedy(lead, resumed, PROMPT[-1:]) == out
+    finally:
+        for m in members:
+            m.close()
+    assert out == reference(path, PROMPT, bits)
+    if bits == 4:  # the test can tell: a plain cache gives other tokens on this model
+        assert out != reference(path, PROMPT, 0)
 
 
 def test_one_node_over_http_matches_mlx_lm_and_is_not_batched(model, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import threading
 import time
 
 import mlx.core as mx
@@ -14,11 +13,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from meshnode.model.compute import free_ports
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
 from meshnode.model.build import build_model
+from meshnode.model.compute import free_ports
+from tests.helpers import tensor_group
 from meshnode.proto import mesh_pb2
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,32 +32,6 @@ def model(tmp_path_factory):
                        dtype="float32")
 
 
-def _group(model, start, end, size=2, secrets=None, ready_timeout_s=60, **kwargs) -> list[TensorShard]:
-    *ring, control = free_ports(size + 1)
-    endpoints = [f"127.0.0.1:{p}" for p in ring]
-    secrets = secrets or [b"k" * 32] * size
-    members = [TensorShard(model, start, end, 6, rank=r, endpoints=endpoints, control=f"127.0.0.1:{control}",
-                           secret=secrets[r], **kwargs) for r in range(size)]
-    errors: list[BaseException] = []
-
-    def launch(m):
-        try:
-            m.launch(ready_timeout_s)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=launch, args=(m,)) for m in members]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for m in members:
-            m.close()
-        raise errors[0]
-    return members
-
-
 def _greedy(step, n: int) -> list[int]:
     x, out = mx.array([PROMPT]), []
     for _ in range(n):
@@ -68,7 +42,7 @@ def _greedy(step, n: int) -> list[int]:
 
 
 def test_whole_model_group_matches_mlx_lm(model):
-    members = _group(model, 0, 6)
+    members = tensor_group(model, 0, 6)
     try:
         lead = members[0]
         assert lead.hidden_size == 128 and lead.dtype == mx.float32 and lead.alive()
@@ -92,7 +66,7 @@ def test_prompt_cache_prefixes_are_kept_and_resumed_in_the_workers(model):
     """The prompt cache on a tensor group: rank 0's node keeps a request's KV as a prefix inside the
     workers (every rank its share) and resumes a later request from a copy cut to what it shares;
     the answer equals a fresh request's, and the kept prefix is untouched by what resumes from it."""
-    members = _group(model, 0, 6)
+    members = tensor_group(model, 0, 6)
     try:
         lead, layers = members[0], (0, 6)
         assert keeps_prefixes(lead) and not keeps_prefixes(members[1])
@@ -130,11 +104,11 @@ def test_prompt_cache_prefixes_are_kept_and_resumed_in_the_workers(model):
 
 def test_a_member_without_the_key_is_refused(model):
     with pytest.raises(TensorGroupError):
-        _group(model, 0, 6, secrets=[b"k" * 32, b"x" * 32], ready_timeout_s=8)
+        tensor_group(model, 0, 6, secrets=[b"k" * 32, b"x" * 32], ready_timeout_s=8)
 
 
 def test_an_idle_follower_does_not_spin(model):
-    members = _group(model, 0, 6)
+    members = tensor_group(model, 0, 6)
     try:
         follower = members[1]._proc.pid
         ticks = lambda: sum(int(x) for x in open(f"/proc/{follower}/stat").read().rsplit(")", 1)[1].split()[11:13])  # noqa: E731
@@ -149,7 +123,7 @@ def test_an_idle_follower_does_not_spin(model):
 def test_middle_stage_group_matches_a_plain_shard(model):
     first = Shard(model, 0, 2)
     plain = Shard(model, 2, 5)
-    members = _group(model, 2, 5)
+    members = tensor_group(model, 2, 5)
     try:
         hidden = first.forward(mx.array([PROMPT]), first.make_cache())
         mx.eval(hidden)
@@ -164,7 +138,7 @@ def test_middle_stage_group_matches_a_plain_shard(model):
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
-    members = _group(model, 0, 6, hop_timeout=2.0)
+    members = tensor_group(model, 0, 6, hop_timeout=2.0)
     lead, other = members
     pid = other._proc.pid
     try:
@@ -214,7 +188,7 @@ def test_every_tensor_family_is_checked_here():
 def test_tensor_family_group_matches_mlx_lm(tmp_path, family, quantize):
     path = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
                        dtype="float32", quantize=quantize)
-    members = _group(path, 0, 6)
+    members = tensor_group(path, 0, 6)
     try:
         lead = members[0]
         cache = lead.make_cache()
@@ -231,7 +205,7 @@ def test_a_slow_step_is_waited_for_while_every_member_heartbeats(model):
     """Liveness from the control plane: a step far slower than the group's per-step deadline (every
     collective delayed) completes while ``members_alive`` holds; once it does not, the step fails at once."""
     heartbeats = [True]
-    members = _group(model, 0, 6, hop_timeout=0.05, inject_latency=0.05,
+    members = tensor_group(model, 0, 6, hop_timeout=0.05, inject_latency=0.05,
                      members_alive=lambda: heartbeats[0])
     try:
         lead = members[0]

@@ -107,6 +107,7 @@ class TensorShard:
         hop_timeout: float = 2.0,
         prefill_allowance: float = 0.05,
         inject_latency: float = 0.0,
+        kv_bits: int = 0,
         members_alive: Callable[[], bool] | None = None,
     ):
         self.path = Path(model_path)
@@ -116,6 +117,7 @@ class TensorShard:
         self.group_size = len(self.endpoints)
         self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
         self.inject_latency = inject_latency  # seconds every collective waits (tests and benchmarks)
+        self.kv_bits = kv_bits  # the plan's quantized KV cache, built in the worker (0: not quantized)
         # Every member's node heartbeats (the control plane): a step is then waited for however long
         # it takes, as a pipeline stage is. None: a fixed deadline per step (tests of the group alone).
         self.members_alive = members_alive
@@ -149,6 +151,8 @@ class TensorShard:
         cmd = [sys.executable, "-m", "meshnode.model.tensor_worker", "--model", str(self.path),
                "--start", str(self.start), "--end", str(self.end), "--backend", self.backend,
                "--control", self.control]
+        if self.kv_bits:
+            cmd += ["--kv-bits", str(self.kv_bits)]
         if self.inject_latency > 0:
             cmd += ["--inject-latency-us", str(self.inject_latency * 1e6)]
         log.info("starting tensor worker rank %d of %s for layers [%d, %d)", self.rank,

@@ -259,6 +259,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--end", required=True, type=int)
     parser.add_argument("--backend", default="ring")
     parser.add_argument("--control", required=True, help="HOST:PORT where rank 0 takes the other ranks' commands")
+    parser.add_argument("--kv-bits", type=int, default=0, help="the plan's quantized KV cache (0: not quantized)")
     parser.add_argument("--inject-latency-us", type=float, default=0.0,
                         help="tests and benchmarks: every collective waits this long, as over a slower link")
     args = parser.parse_args(argv)
@@ -284,6 +285,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         _delay_collectives(args.inject_latency_us * 1e-6)
     group = mx.distributed.init(backend=args.backend, strict=True)
     shard = Shard(args.model, args.start, args.end, group=group)
+    shard.kv_bits = args.kv_bits  # each rank quantizes its share of the heads, in groups along head_dim
     try:
         if rank == 0:
             peers = _accept_followers(server, group.size(), secret, group_id)

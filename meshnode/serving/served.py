@@ -51,7 +51,8 @@ def _close(shard) -> None:
         shard.close()
 
 
-def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes) -> TensorShard:
+def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes,
+                  kv_bits: int = 0) -> TensorShard:
     """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
     alive = mesh.alive_infos()
     key = f"{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
@@ -70,7 +71,7 @@ def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, set
     return TensorShard(path, stage.start_layer, stage.end_layer, num_layers,
                        rank=stage.nodes.index(node_id), endpoints=endpoints, control=controls[0],
                        secret=secret, hop_timeout=settings.failure_timeout,
-                       inject_latency=settings.inject_latency_us * 1e-6,
+                       inject_latency=settings.inject_latency_us * 1e-6, kv_bits=kv_bits,
                        members_alive=lambda: all(mesh.heard_within(n) for n in stage.nodes))
 
 
@@ -199,6 +200,13 @@ class ServedModel:
                 shard = self.shards.get(key)
                 if isinstance(shard, TensorShard) and not shard.alive():
                     shard = None  # its worker died: start the group again
+                elif isinstance(shard, TensorShard) and shard.kv_bits != plan.kv_bits:
+                    # Its worker builds caches of the other kind: start the group again (first
+                    # closing this one, whose ring holds the ports the new one takes).
+                    log.info("epoch %d: kv_bits %d (was %d): starting the tensor group for layers [%d, %d) again",
+                             plan.epoch, plan.kv_bits, shard.kv_bits, key[0], key[1])
+                    shard.close()
+                    shard = None
                 if shard is None and len(stage.nodes) == 1:
                     log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
                     t0 = time.monotonic()
@@ -213,7 +221,7 @@ class ServedModel:
                 elif shard is None:
                     shard = tensor_member(stage, await self._layers_folder(key[0], key[1]), node_id=self.node_id,
                                           mesh=self.mesh, num_layers=self.profile.num_layers,
-                                          settings=self.settings, secret=self._group_secret)
+                                          settings=self.settings, secret=self._group_secret, kv_bits=plan.kv_bits)
                     launching.append(shard)
                     t0 = time.monotonic()
                     await asyncio.to_thread(shard.launch, self.settings.group_ready_timeout)

@@ -15,8 +15,6 @@ from meshnode.control.planner.plans import (STRATEGIES, LinkSpec, NodeSpec, Plan
 from meshnode.weights.kvquant import KV_GROUP_SIZE
 from meshnode.weights.profile import ModelProfile
 
-# Tensor groups and a quantized KV cache: the group's worker process is not told kv_bits yet.
-KV_NOT_GROUPED = "tensor groups do not build a quantized KV cache (kv_bits); set kv_bits = 0 to use them"
 EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; a few natural ones beyond
 EXACT_GROUP_NODES = 4  # every partition into groups (hybrid) up to here; chunked orders beyond
 _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate wins
@@ -232,10 +230,6 @@ def plan(
         if node_id not in pref:
             pref[node_id] = len(pref)
     allowed = set(STRATEGIES) if strategy is None else {strategy}
-    if profile.kv_bits:  # a tensor group's worker builds unquantized caches
-        if strategy in ("tensor", "hybrid"):
-            raise PlanError([f"{strategy}: {KV_NOT_GROUPED}"])
-        allowed -= {"tensor", "hybrid"}
     if profile.split_problem:  # layers cannot be cut into stages: one node, or a tensor group over all layers
         if strategy in ("pipeline", "hybrid"):
             raise PlanError([f"{strategy}: {profile.split_problem}"])
@@ -305,8 +299,7 @@ def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[flo
                         "why": why})
         elif strategy != chosen.strategy:
             if strategy not in allowed:
-                why = (f"not considered: {KV_NOT_GROUPED}" if cx.p.kv_bits and strategy in ("tensor", "hybrid")
-                       else "not considered: another strategy was forced")
+                why = "not considered: another strategy was forced"
             elif strategy == "single":
                 why = why_not(cx.p, cx.costs, ranked, cx.ctx, "single")[0]
             elif strategy == "pipeline":
