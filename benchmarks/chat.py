@@ -12,9 +12,12 @@ server's answers are checked to be the same text (greedy).
 
 ``--prefix-tokens 6000``: an agent-like session (issue 12b): every turn resends the same system
 message of that many tokens (an agent's instructions and tool definitions) before the growing
-conversation; same targets.
+conversation; same targets. ``--sessions 3``: three such chats one after another (an agent's next
+task starts with the same system message, so its first turn resumes that from the prompt cache);
+turn 4's TTFT is their median (one turn of one chat is a noisy figure on a 2-core machine).
 
-    sudo .venv/bin/python -m benchmarks.chat [--turn-tokens 400] [--prefix-tokens 0] [--pin] [--only one|two|server]
+    sudo .venv/bin/python -m benchmarks.chat [--turn-tokens 400] [--prefix-tokens 0] [--sessions 1] [--pin]
+                                            [--only one|two|server]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,24 +42,30 @@ CTX = 4096
 TURNS = 4
 MAX_TOKENS = 16
 
-# argv: url, model, user messages (JSON list), system message ("": none); prints {"ttft": [...], "answers": [...]}
+# argv: url, model, sessions (JSON list of lists of user messages), system message ("": none); one
+# session after another, each a new chat with the same system message; prints {"ttft": [[...], ...],
+# "answers": [[...], ...]}
 CLIENT = STREAM_CHAT + r'''
 import sys
-url, model, users, system = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-messages, ttft, answers = ([{"role": "system", "content": system}] if system else []), [], []
-for user in users:
-    messages.append({"role": "user", "content": user})
-    first, _, text = stream_chat(url, model, messages, %(max_tokens)d)
-    ttft.append(first)
-    answers.append(text)
-    messages.append({"role": "assistant", "content": text})
+url, model, sessions, system = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+ttft, answers = [], []
+for users in sessions:
+    messages = [{"role": "system", "content": system}] if system else []
+    ttft.append([])
+    answers.append([])
+    for user in users:
+        messages.append({"role": "user", "content": user})
+        first, _, text = stream_chat(url, model, messages, %(max_tokens)d)
+        ttft[-1].append(first)
+        answers[-1].append(text)
+        messages.append({"role": "assistant", "content": text})
 print(json.dumps({"ttft": ttft, "answers": answers}))
 ''' % {"max_tokens": MAX_TOKENS}
 
 
-def user_messages(model: Path, tokens: int, prefix_tokens: int = 0) -> tuple[list[str], str]:
-    """TURNS user messages of about ``tokens`` tokens each, all different, and a system message of
-    about ``prefix_tokens`` ("" for 0)."""
+def user_messages(model: Path, tokens: int, prefix_tokens: int = 0, sessions: int = 1) -> tuple[list[list[str]], str]:
+    """For each of ``sessions`` chats, TURNS user messages of about ``tokens`` tokens each, all
+    different; and a system message of about ``prefix_tokens`` ("" for 0) that they share."""
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
@@ -68,20 +78,21 @@ def user_messages(model: Path, tokens: int, prefix_tokens: int = 0) -> tuple[lis
         return text
 
     system = sized("Instructions and tools. ", prefix_tokens, 97) if prefix_tokens else ""
-    return [sized(f"Turn {turn}. ", tokens, turn) for turn in range(TURNS)], system
+    return [[sized(f"Session {k} turn {turn}. ", tokens, turn + 7 * k) for turn in range(TURNS)]
+            for k in range(sessions)], system
 
 
-def on_mlx_lm_server(model: Path, users: list[str], system: str = "") -> dict:
+def on_mlx_lm_server(model: Path, users: list[list[str]], system: str = "") -> dict:
     with mlx_lm_server(model) as url:
         return in_ns(None, CLIENT, url, str(model), json.dumps(users), system, timeout=1800)
 
 
-def one_node(model: Path, users: list[str], system: str = "", ctx: int = CTX) -> dict:
+def one_node(model: Path, users: list[list[str]], system: str = "", ctx: int = CTX) -> dict:
     with local_node(model, ctx) as url:
         return in_ns(None, CLIENT, url, model.name, json.dumps(users), system, timeout=1800)
 
 
-def two_stages(model: Path, users: list[str], pin: bool, logs_to: Path | None = None, system: str = "",
+def two_stages(model: Path, users: list[list[str]], pin: bool, logs_to: Path | None = None, system: str = "",
                ctx: int = CTX) -> dict:
     with two_stage_mesh(model, ctx, pin=pin, env={"MESHNODE_LOG_LEVEL": "debug"} if logs_to else None) as \
             (client, url, logs):
@@ -102,18 +113,20 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true", help="2 stages: a core each (benchmarks.common.two_stage_mesh)")
     ap.add_argument("--only", choices=("server", "one", "two"))
     ap.add_argument("--logs", type=Path, help="copy the 2-stage nodes' logs into this folder")
+    ap.add_argument("--sessions", type=int, default=1, help="chats one after another, each with the same system "
+                    "message (an agent's next task); turn 4's TTFT is their median")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
     from meshnode.model.build import model_dir_for
 
     spec = dict(MODEL)
     model = model_dir_for(args.cache, spec.pop("family"), **spec)
-    users, system = user_messages(model, args.turn_tokens, args.prefix_tokens)
+    users, system = user_messages(model, args.turn_tokens, args.prefix_tokens, args.sessions)
     need = args.prefix_tokens + TURNS * (args.turn_tokens + MAX_TOKENS + 32) + 256
     ctx = max(CTX, 1 << (need - 1).bit_length())
     print(f"model {model.name}; {TURNS} turns of ~{args.turn_tokens} tokens each"
           f"{f' after a {args.prefix_tokens}-token system message' if system else ''}; answers of {MAX_TOKENS} "
-          f"tokens; context {ctx}")
+          f"tokens; context {ctx}; {args.sessions} session(s)")
     runs = {}
     runs["mlx_lm.server"] = on_mlx_lm_server(model, users, system)  # the baseline, always
     if args.only in (None, "one"):
@@ -122,11 +135,12 @@ def main() -> int:
         runs[f"meshnode, 2 stages{' (a core each)' if args.pin else ''}"] = two_stages(model, users, args.pin,
                                                                                      args.logs, system, ctx)
     base = runs["mlx_lm.server"]
+    last = lambda r: statistics.median(session[-1] for session in r["ttft"])  # noqa: E731
     for name, r in runs.items():
-        turns = "  ".join(f"{t * 1000:6.0f}" for t in r["ttft"])
-        ratio = r["ttft"][-1] / base["ttft"][-1]
+        turns = " | ".join("  ".join(f"{t * 1000:6.0f}" for t in session) for session in r["ttft"])
         same = "same answers" if r["answers"] == base["answers"] else "ANSWERS DIFFER from mlx_lm.server"
-        print(f"{name:32s} TTFT per turn (ms): {turns}   turn {TURNS}: {ratio:.2f}x mlx_lm.server; {same}")
+        print(f"{name:32s} TTFT per turn (ms): {turns}   turn {TURNS} (median of {len(r['ttft'])}): "
+              f"{last(r) * 1000:.0f} ms, {last(r) / last(base):.2f}x mlx_lm.server; {same}")
     print(json.dumps(runs))
     return 0
 

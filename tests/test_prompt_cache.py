@@ -206,6 +206,33 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
         assert again == _references(model, again)[:2], cluster.logs()
 
 
+def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept():
+    """An agent's next task: the same long system prompt, a new first message. Every kept prefix
+    shares that start; the head must offer one the stages still hold (found with benchmarks.chat
+    --sessions: the oldest was offered, the stage had given it up for room, and the whole 6000-token
+    prompt was prefilled again)."""
+    from types import SimpleNamespace
+
+    from meshnode.serving.served import prompt_cache
+
+    store, index = prompt_cache(SimpleNamespace(prompt_cache=True, kv_requests=1),
+                                SimpleNamespace(prompt_cache_resumed=lambda n: None), 100)
+    layers, system = (0, 4), list(range(1000, 1030))
+    turns = [system + list(range(k * 100, k * 100 + 10 * (k + 1))) for k in range(3)]  # 40, 50, 60 positions
+    for tokens in turns:
+        assert store.keep(layers, index.add(tokens), _kv(len(tokens)), len(tokens))
+    assert store.keys(layers) == [prefix_key(turns[2])] and len(index) == 1  # the index forgot what was given up
+    new_chat = system + [7] * 20
+    key, positions = index.match(new_chat)
+    assert (key, positions) == (prefix_key(turns[2]), len(system))
+    assert store.resume(layers, key, positions)[1] == ""
+    # Between prefixes the index still holds, a tie goes to the most recently kept.
+    fresh = PrefixIndex()
+    for tokens in turns:
+        fresh.add(tokens)
+    assert fresh.match(new_chat) == (prefix_key(turns[2]), len(system))
+
+
 def test_the_next_turn_waits_for_the_last_one_to_be_kept():
     """A client that has its last token (EOS, a stop string, a relay counting max_tokens) sends
     the next turn at once, while the generation may still be asking its stages to keep its

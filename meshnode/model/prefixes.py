@@ -93,11 +93,14 @@ def cache_positions(cache: list[Any]) -> int:
 class PrefixStore:
     """This node's kept prefixes, per layer range; thread-safe (stages run on several threads)."""
 
-    def __init__(self, capacity: int, on_resume: Callable[[int], None] | None = None):
+    def __init__(self, capacity: int, on_resume: Callable[[int], None] | None = None,
+                 on_drop: Callable[[str], None] | None = None):
         """``capacity``: positions of KV one layer range may hold, kept and in use together;
-        ``on_resume(positions)``: told of each request resumed from a kept prefix (metrics)."""
+        ``on_resume(positions)``: told of each request resumed from a kept prefix (metrics);
+        ``on_drop(key)``: told of each prefix given up for room (a head's index then stops
+        offering it: resuming from it would miss here)."""
         self.capacity = max(0, int(capacity))
-        self._on_resume = on_resume
+        self._on_resume, self._on_drop = on_resume, on_drop
         self._lock = threading.Lock()
         self._kept: dict[Layers, OrderedDict[str, tuple[list[Any], int]]] = {}
         self._in_use: dict[Layers, int] = {}
@@ -109,7 +112,8 @@ class PrefixStore:
         """A request open here took ``positions`` more positions of KV (negative: released)."""
         with self._lock:
             self._in_use[layers] = max(0, self._in_use.get(layers, 0) + positions)
-            self._fit(layers)
+            dropped = self._fit(layers)
+        self._dropped(dropped)
 
     # -- keeping and resuming
     def keep(self, layers: Layers, key: str, cache: list[Any], positions: int) -> bool:
@@ -131,8 +135,10 @@ class PrefixStore:
             kept = self._kept.setdefault(layers, OrderedDict())
             kept.pop(key, None)
             kept[key] = (cache, positions)
-            self._fit(layers)
-            return key in kept
+            dropped = self._fit(layers)
+            held = key in kept
+        self._dropped(dropped)
+        return held
 
     def resume(self, layers: Layers, key: str, positions: int, shard: Any = None) -> tuple[list[Any] | None, str]:
         """A copy of the cache kept under ``key``, cut to ``positions``, for ``shard`` to run; or
@@ -168,8 +174,9 @@ class PrefixStore:
     def forget(self, layers: Layers | None = None) -> None:
         """Drop every prefix kept (for ``layers``, or all): its layers are not served here any more."""
         with self._lock:
-            for lr in [layers] if layers is not None else list(self._kept):
-                self._kept.pop(lr, None)
+            dropped = [key for lr in ([layers] if layers is not None else list(self._kept))
+                       for key in self._kept.pop(lr, {})]
+        self._dropped(dropped)
 
     def held(self, layers: Layers) -> int:
         """Positions kept for ``layers``."""
@@ -184,14 +191,24 @@ class PrefixStore:
         with self._lock:
             return list(self._kept.get(layers, {}))
 
-    def _fit(self, layers: Layers) -> None:
+    def _dropped(self, keys: list[str]) -> None:
+        if self._on_drop is not None:
+            for key in keys:
+                self._on_drop(key)
+
+    def _fit(self, layers: Layers) -> list[str]:
+        """Give up the least recently used prefixes of ``layers`` until kept and in use fit (under
+        the lock); the keys given up."""
         kept = self._kept.get(layers)
+        dropped: list[str] = []
         if not kept:
-            return
+            return dropped
         room = self.capacity - self._in_use.get(layers, 0)
         total = sum(p for _, p in kept.values())
         while kept and total > room:
             key, (_, positions) = kept.popitem(last=False)
+            dropped.append(key)
             total -= positions
             log.debug("prompt cache: gave up prefix %s (%d positions) of layers %s: %d kept + %d in use > %d",
                       key, positions, layers, total + positions, self._in_use.get(layers, 0), self.capacity)
+        return dropped

@@ -10,6 +10,7 @@ so, and the request is run again with its whole prompt (:class:`PrefixIndex.forg
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshnode.model.prefixes import CANNOT_CUT, prefix_key
+
+log = logging.getLogger(__name__)
 
 # A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
 MIN_REUSE = 16
@@ -63,8 +66,11 @@ class PrefixIndex:
             pending = [e for p, e in self._running if not e.is_set() and len(want) > len(p) >= MIN_REUSE
                        and common_start(p, want) == len(p)]
         if pending:
-            deadline = time.monotonic() + timeout
-            await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in pending))
+            t0 = time.monotonic()
+            deadline = t0 + timeout
+            kept = await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in pending))
+            log.debug("prompt cache: waited %.3f s for %d running generation(s) this prompt continues%s",
+                      time.monotonic() - t0, len(pending), "" if kept else " (gave up)")
 
     def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
         """(key, positions) to resume ``prompt`` from, or None. At least the prompt's last token is
@@ -73,12 +79,15 @@ class PrefixIndex:
         best: tuple[str, int] | None = None
         with self._lock:
             entries = list(self._kept.items())
-        for key, tokens in entries:
+        whole = False
+        # On a tie, a prefix resumed whole (nothing to cut back, the least to copy), then the most
+        # recently kept or used (the stages give up the least recent first).
+        for key, tokens in reversed(entries):
             n = min(common_start(tokens, want), len(want) - 1)
             if n < len(tokens) and not self.partial:
                 continue
-            if n >= MIN_REUSE and (best is None or n > best[1]):
-                best = (key, n)
+            if n >= MIN_REUSE and (best is None or n > best[1] or (n == best[1] and n == len(tokens) and not whole)):
+                best, whole = (key, n), n == len(tokens)
         if best is not None:
             with self._lock:
                 if best[0] in self._kept:

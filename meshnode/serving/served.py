@@ -414,7 +414,12 @@ def prompt_cache(settings, metrics, context: int) -> tuple[PrefixStore | None, P
     ``kv_requests`` requests of ``context`` positions."""
     if not settings.prompt_cache:
         return None, None
-    return PrefixStore(settings.kv_requests * context, on_resume=metrics.prompt_cache_resumed), PrefixIndex()
+    index = PrefixIndex()
+    # A prefix given up here is gone from at least this stage: the head stops offering it (every
+    # stage gives up the least recently used first, so the others follow suit).
+    store = PrefixStore(settings.kv_requests * context, on_resume=metrics.prompt_cache_resumed,
+                        on_drop=lambda key: index.forget(key, "given up for room"))
+    return store, index
 
 
 def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:
