@@ -69,6 +69,13 @@ def _loops(node):
                                                                                  BatchedSource)]
 
 
+def _wait(check, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def _together(fn, args_list):
     with ThreadPoolExecutor(len(args_list)) as pool:
         return list(pool.map(lambda a: fn(*a), args_list))
@@ -170,6 +177,58 @@ def test_a_next_turn_resumes_its_kept_prefix_in_the_batch(node, model_path):
     assert store.hits > hits  # resumed from what the first turn kept
     assert second == mlx_generate(model, tokenizer, prompt=tokenizer.apply_chat_template(
         messages, add_generation_prompt=True), max_tokens=MAX_TOKENS)
+
+
+def test_a_kept_prefix_counts_its_positions_once(node):
+    """When a generation ends its positions become a kept prefix: counted as in use and as kept at
+    once, they gave up the previous turn's prefix for room that was there (found with
+    benchmarks.chat --sessions: an agent's next task then prefilled its whole system prompt)."""
+    n, base = node
+    store, layers = n.served.prefixes, (0, 2)
+    capacity = store.capacity
+    store.forget()
+    try:
+        # (The answer's last token can reach the client just before its prefix is kept: wait for it.)
+        _chat(base, n.model_id, "Alpha: " + PROMPTS[0] * 4)
+        _wait(lambda: store.keys(layers), "the first chat's prefix kept")
+        first, kept = store.held(layers), store.keys(layers)
+        store.capacity = 2 * first + 40  # room for two such prefixes, not for a third copy
+        _chat(base, n.model_id, "Bravo: " + PROMPTS[0] * 4)
+        _wait(lambda: store.keys(layers) != kept, "the second chat's prefix kept")
+        second = store.held(layers) - (first if len(store.keys(layers)) == 2 else 0)
+        assert abs(second - first) <= 40, (first, second)  # (the test's premise: prefixes of about one size)
+        assert len(store.keys(layers)) == 2, (first, second, store.keys(layers))
+    finally:
+        store.capacity = capacity
+
+
+def test_a_prefix_given_up_after_the_head_chose_it_resumes_from_another(node, model_path):
+    """The head chose a kept prefix the store no longer holds (given up between the choice and the
+    admission): the request resumes from the best one still kept instead of prefilling it all."""
+    _resumes_from_another(node, model_path)
+
+
+def test_unbatched_a_prefix_given_up_after_the_head_chose_it_resumes_from_another(model_path, tmp_path):
+    """The same on the unbatched path (a stage refuses the resume; the head asks again)."""
+    with running_node(model_path, tmp_path, max_context=1024, batching=False) as node:
+        _resumes_from_another(node, model_path)
+
+
+def _resumes_from_another(node, model_path):
+    n, base = node
+    store, index = n.served.prefixes, n.served.prefix_index
+    model, tokenizer = mlx_load(str(model_path))
+    messages = [{"role": "user", "content": "Charlie: " + PROMPTS[2] * 4}]
+    first = _chat(base, n.model_id, messages[0]["content"])
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": PROMPTS[1]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    hits = store.hits
+    gone = index.add(prompt[:-3])  # the index is ahead of the store: a longer match, held nowhere
+    assert index.match(prompt)[0] == gone
+    second = _client(base).chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS,
+                                                   temperature=0).choices[0].message.content
+    assert store.hits == hits + 1 and gone not in [k for k, _ in [index.match(prompt) or ("", 0)]]
+    assert second == mlx_generate(model, tokenizer, prompt=prompt, max_tokens=MAX_TOKENS)
 
 
 def test_a_long_prompt_joining_does_not_stall_the_decoders(node, monkeypatch):

@@ -179,13 +179,7 @@ class BatchLoop:
             try:
                 params, prompt, skip, cache = request.params, request.prompt, 0, None
                 if request.resume is not None and self._store is not None:
-                    key, positions = request.resume
-                    cache, why = self._store.resume(self._layers, key, positions, self._shard)
-                    if cache is None:  # no longer kept here: the whole prompt
-                        log.info("prompt cache: prefix %s: %s; prefilling all %d tokens", key, why, len(prompt))
-                        self._index.forget(key, why)
-                    else:
-                        skip = positions
+                    cache, skip = self._resume(prompt, *request.resume)
                 processors = make_request_processors(params, (), self._tokenizer) or []
                 sampler = make_request_sampler(params) if params.temperature > 0 else None  # None: batched argmax
                 (request.uid,) = self._batch().insert(
@@ -221,12 +215,30 @@ class BatchLoop:
             request.job._put(sampled(token, response.logprobs, top) if top >= 0 else token)
             if response.finish_reason is not None:
                 del self._running[response.uid]
+                self._release(request)  # its positions are the kept prefix's now, not a request's in use
                 self._keep(response.prompt_cache, response.all_tokens)
                 self._finish(request)
         for request in failed:
             self._batch().remove([request.uid])
             del self._running[request.uid]
             self._finish(request, request.error)
+
+    def _resume(self, prompt: list[int], key: str, positions: int) -> tuple[Any, int]:
+        """A copy of the kept prefix the head chose (the cache, the positions it holds), or, where
+        this store gave it up meanwhile (a generation that ended after the head chose made room for
+        its own), of the best one still kept; (None, 0): prefill the whole prompt."""
+        for _ in range(2):
+            cache, why = self._store.resume(self._layers, key, positions, self._shard)
+            if cache is not None:
+                return cache, positions
+            self._index.forget(key, why)
+            again = self._index.match(prompt)
+            if again is None:
+                break
+            log.debug("prompt cache: prefix %s: %s; resuming from %s instead", key, why, again[0])
+            key, positions = again
+        log.info("prompt cache: prefix %s: %s; prefilling all %d tokens", key, why, len(prompt))
+        return None, 0
 
     def _leave(self, cancelled: list[_Request]) -> None:
         """Requests whose consumer stopped (a stop string, EOS, a closed client) leave the batch;
@@ -236,6 +248,7 @@ class BatchLoop:
         caches = self._batch().remove([r.uid for r in cancelled], return_prompt_caches=True)
         for request in cancelled:
             del self._running[request.uid]
+            self._release(request)
             if request.produced and request.uid in caches:  # decoding: its cache holds what it was fed
                 self._keep(*caches[request.uid])
             self._finish(request)
@@ -252,10 +265,15 @@ class BatchLoop:
         except Exception:  # noqa: BLE001 - the answer is complete; only the next turn's head start is lost
             log.debug("keeping a prefix failed", exc_info=True)
 
-    def _finish(self, request: _Request, error: BaseException | None = None) -> None:
+    def _release(self, request: _Request) -> None:
+        """The request's positions are no longer in use (counted once: a kept prefix counts them
+        next, and counting both would give up other prefixes for room that is there)."""
         if request.grown and self._store is not None:
             self._store.grow(self._layers, -request.grown)
         request.grown = 0
+
+    def _finish(self, request: _Request, error: BaseException | None = None) -> None:
+        self._release(request)
         request.job._put(error if error is not None else _END)
         self._scheduler.untrack(request.job)
         request.ended.set()

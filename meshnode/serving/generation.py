@@ -365,6 +365,7 @@ class PipelineSource:
             await index.settled(prompt)  # the conversation's previous turn may be keeping its prefix now
             resume = index.match(prompt)
         scheduler = self._scheduler
+        missed = False
         while True:
             model = PipelineModel(self._stages(), new_request_id(), resume)
             ended = threading.Event()
@@ -382,9 +383,11 @@ class PipelineSource:
                     produced = True
                     yield token
                 return
-            except PrefixMiss as miss:  # a stage no longer holds it: the whole prompt, once
+            except PrefixMiss as miss:  # a stage no longer holds it: another kept prefix, once, then the whole prompt
                 if produced or resume is None:
                     raise
-                log.info("prompt cache: %s; prefilling all %d tokens", miss, len(prompt))
                 index.forget(resume[0], str(miss))
-                resume = None
+                resume = index.match(prompt) if not missed else None
+                missed = True
+                log.info("prompt cache: %s; %s", miss, f"resuming from {resume[0]} instead" if resume else
+                         f"prefilling all {len(prompt)} tokens")
