@@ -8,8 +8,9 @@ two stages and exits 0 with its answer, as it does against one node (tests/test_
 The agent loop of tests/test_agent_loop.py on two stages: the taught qwen3, asked through the node
 that is not the head (it relays to the head), calls get_weather and answers from the result, by
 chat completions (the call not streamed, the answer streamed) and by the Responses API (a
-function_call item, then its function_call_output); each turn re-sends a prompt that starts as the
-last one did, so every stage resumes it from its prompt cache.
+function_call item, then its function_call_output) and by the Anthropic Messages API (a tool_use
+block streamed, then its tool_result); each turn re-sends a prompt that starts as the last one did,
+so every stage resumes it from its prompt cache.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _two_stages(cluster: Cluster, budget: int) -> dict:
 @pytest.mark.timeout(600)
 def test_codex_exec_against_a_two_stage_mesh(tmp_path):
     codex = codex_cli()
-    model = scripted_model(tmp_path, SAID)
-    total = profile_model(model).total_bytes(32768, 1)  # the Cluster's nodes hold one request's KV
+    model = scripted_model(tmp_path, SAID, max_position_embeddings=40960)
+    total = profile_model(model).total_bytes(40960, 1)  # the Cluster's nodes hold one request's KV
     home, work = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
@@ -51,7 +52,7 @@ def test_codex_exec_against_a_two_stage_mesh(tmp_path):
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=None)
         plan = _two_stages(cluster, int(total * 0.6))  # neither holds it alone with its whole context
-        assert plan["max_context"] == 32768, plan
+        assert plan["max_context"] == 40960, plan  # the config's context, with default settings
         entry = cluster.hosts[0]
         (home / "config.toml").write_text(
             f'model = "{model.name}"\nmodel_provider = "meshnode"\n'
@@ -64,7 +65,11 @@ def test_codex_exec_against_a_two_stage_mesh(tmp_path):
         log = cluster.log(entry)
     assert status == 0, (out[-2000:], err[-3000:])
     assert out.strip() == SAID, (out[-2000:], err[-3000:])
-    assert "POST /v1/responses 200" in log, log[-3000:]
+    served = [line for line in log.splitlines() if "POST /v1/responses 200" in line]
+    assert served, log[-3000:]
+    # Codex's tools alone (its instructions cut to a line): a prompt longer than 12k tokens, served
+    # as it comes on two stages whose memory holds the model's whole context.
+    assert max(int(line.split("tokens=")[1].split("+")[0]) for line in served) > 12000, served
 
 
 # The agent's loop, by the openai package inside the client namespace; prints what came back.
@@ -87,7 +92,19 @@ outputs = [{"type": "function_call_output", "call_id": i.call_id, "output": resu
 follow = c.responses.create(model=model, tools=[function], temperature=0,
                             input=[{"role": "user", "content": ask[0]["content"]},
                                    *[i.model_dump(exclude_none=True) for i in items], *outputs])
+from anthropic import Anthropic
+a = Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+a_tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"]} for t in tools]
+with a.messages.stream(model=model, max_tokens=100, messages=ask, tools=a_tools, extra_body={"temperature": 0}) as s:
+    use_msg = s.get_final_message()
+uses = [b for b in use_msg.content if b.type == "tool_use"]
+answer = a.messages.create(model=model, max_tokens=100, tools=a_tools, extra_body={"temperature": 0}, messages=[
+    *ask, {"role": "assistant", "content": use_msg.content},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": result} for u in uses]}])
 print(json.dumps({
+    "anthropic": [use_msg.stop_reason, [[u.name, u.input] for u in uses], answer.stop_reason,
+                  [b.text for b in answer.content if b.type == "text"]],
     "chat": [choice.finish_reason, choice.message.content or "",
              [[t.type, t.function.name, json.loads(t.function.arguments), bool(t.id)] for t in calls]],
     "streamed": ["".join(ch.choices[0].delta.content or "" for ch in chunks), chunks[-1].choices[0].finish_reason],
@@ -117,7 +134,8 @@ def test_the_agent_loop_on_two_stages_resumes_from_the_prompt_cache(tmp_path):
     assert got["streamed"] == [FINAL, "stop"], got
     assert got["responses"] == ["completed", ["function_call"], [["get_weather", {"city": "Paris"}, True]]], got
     assert got["follow"] == ["completed", FINAL], got
+    assert got["anthropic"] == ["tool_use", [["get_weather", {"city": "Paris"}]], "end_turn", [FINAL]], got
     # Each turn starts as the ones before it did (the tools, the question): every stage resumed
     # every request after the first from its prompt cache.
     for name, (hits, reused) in reuse.items():
-        assert hits == 3 and reused > 0, (name, reuse, logs)
+        assert hits == 5 and reused > 0, (name, reuse, logs)
