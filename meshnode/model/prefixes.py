@@ -81,6 +81,19 @@ def cut_to(cache: list[Any], positions: int) -> str:
     return ""
 
 
+def copy_cut(cache: list[Any], positions: int) -> tuple[list[Any] | None, str]:
+    """A copy of ``cache`` cut back to ``positions``, the original untouched; or (None, why not)."""
+    held = cache_positions(cache)
+    if positions > held:
+        return None, f"{held} positions held, {positions} asked"
+    if positions < held and not can_trim_prompt_cache(distinct(cache)):
+        return None, CANNOT_CUT
+    mine = copy.deepcopy(cache)
+    if positions < held:
+        _cut(mine, held - positions)
+    return mine, ""
+
+
 def cache_positions(cache: list[Any]) -> int:
     """Positions a KV cache holds (its first layer's offset; 0 for an empty list)."""
     for layer in cache:
@@ -151,20 +164,13 @@ class PrefixStore:
                 self._kept[layers].move_to_end(key)
         if entry is None or positions > entry[1]:
             return None, "not kept here"
-        cache, held = entry
+        cache = entry[0]
         if shard is not None and (cache.owner is not shard if isinstance(cache, KeptElsewhere) else
                                   getattr(shard, "owned", None) is None):
             return None, "kept for these layers as another shard ran them"
-        if isinstance(cache, KeptElsewhere):
-            mine, why = cache.resume(positions)
-            if mine is None:
-                return None, why
-        else:
-            if positions < held and not can_trim_prompt_cache(distinct(cache)):
-                return None, CANNOT_CUT
-            mine = copy.deepcopy(cache)
-            if positions < held:
-                _cut(mine, held - positions)
+        mine, why = cache.resume(positions) if isinstance(cache, KeptElsewhere) else copy_cut(cache, positions)
+        if mine is None:
+            return None, why
         self.hits += 1
         self.reused_positions += positions
         if self._on_resume is not None:

@@ -14,7 +14,6 @@ Run as ``python -m meshnode.model.tensor_worker`` by :class:`~meshnode.model.ten
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import hmac
 import json
@@ -31,10 +30,8 @@ from typing import Any, BinaryIO, Sequence
 
 import mlx.core as mx
 
-from mlx_lm.models.cache import can_trim_prompt_cache
-
 from meshnode.model.lifeline import die_with_parent
-from meshnode.model.prefixes import CANNOT_CUT, cache_positions, cut_to, distinct
+from meshnode.model.prefixes import copy_cut, cut_to, distinct
 from meshnode.model.wire import LENGTH, WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
 
@@ -120,13 +117,10 @@ class _Worker:
         source = self.kept.get(kept)
         if source is None:
             return "not kept here"
-        if positions > cache_positions(source):
-            return f"prefix {kept} holds {cache_positions(source)} positions, not {positions}"
-        if positions < cache_positions(source) and not can_trim_prompt_cache(distinct(source)):
-            return CANNOT_CUT
-        mine = copy.deepcopy(source)
-        self.caches[slot] = mine
-        return cut_to(mine, positions)
+        mine, why = copy_cut(source, positions)
+        if mine is not None:
+            self.caches[slot] = mine
+        return why
 
     def step(self, op: int, slot: int, x: mx.array | None) -> mx.array | None:
         """One command, run identically on every rank."""
