@@ -81,6 +81,22 @@ def codex_cli() -> Path:
     return CODEX
 
 
+def codex_setup(tmp_path: Path, model: str, base_url: str) -> tuple[Path, dict]:
+    """(working folder, environment) for ``codex exec`` set up with only ``base_url`` (a custom
+    model provider, wire API "responses"). Codex's long base instructions are swapped for a line
+    (model_instructions_file) so that the CPU prefill stays short."""
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "instructions.md").write_text("You are a helpful coding assistant.\n")
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "meshnode"\n'
+        f'model_instructions_file = "{home / "instructions.md"}"\n\n'
+        f'[model_providers.meshnode]\nname = "meshnode"\nbase_url = "{base_url}"\n'
+        'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n')
+    return work, {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "MESHNODE_API_KEY": "unused"}
+
+
 def run_group(args: list[str], timeout: float, **kw) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of a command in its own process group, which is killed whole
     if it runs past ``timeout`` (npm's codex script starts the native binary as a child)."""

@@ -16,7 +16,6 @@ so every stage resumes it from its prompt cache.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -24,7 +23,7 @@ from harness.cluster import HTTP, Cluster, in_ns
 from harness.netns import netns_mesh
 from meshnode.weights.profile import profile_model
 from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model, taught_agent
-from tests.helpers import codex_cli, node_metrics, prompt_cache_reuse, run_group
+from tests.helpers import codex_cli, codex_setup, node_metrics, prompt_cache_reuse, run_group
 
 
 def _two_stages(cluster: Cluster, budget: int) -> dict:
@@ -45,21 +44,12 @@ def test_codex_exec_against_a_two_stage_mesh(tmp_path):
     codex = codex_cli()
     model = scripted_model(tmp_path, SAID, max_position_embeddings=40960)
     total = profile_model(model).total_bytes(40960, 1)  # the Cluster's nodes hold one request's KV
-    home, work = tmp_path / "codex-home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
-    (home / "instructions.md").write_text("You are a helpful coding assistant.\n")  # a short CPU prefill
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=None)
         plan = _two_stages(cluster, int(total * 0.6))  # neither holds it alone with its whole context
         assert plan["max_context"] == 40960, plan  # the config's context, with default settings
         entry = cluster.hosts[0]
-        (home / "config.toml").write_text(
-            f'model = "{model.name}"\nmodel_provider = "meshnode"\n'
-            f'model_instructions_file = "{home / "instructions.md"}"\n\n'
-            f'[model_providers.meshnode]\nname = "meshnode"\nbase_url = "http://{entry.ip}:{HTTP}/v1"\n'
-            'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n')
-        env = {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "MESHNODE_API_KEY": "unused"}
+        work, env = codex_setup(tmp_path, model.name, f"http://{entry.ip}:{HTTP}/v1")
         status, out, err = run_group(cluster.client.exec_args([str(codex), "exec", "--skip-git-repo-check",
                                                                 "Say hello."]), timeout=420, cwd=work, env=env)
         log = cluster.log(entry)

@@ -16,7 +16,6 @@ against a node and exits 0 with the answer.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from contextlib import ExitStack
@@ -34,7 +33,7 @@ from meshnode.errors import ApiError
 from meshnode.model.build import build_model
 from meshnode.serving.engine import Delta, ToolCall
 from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model, taught_agent
-from tests.helpers import codex_cli, run_group, running_node
+from tests.helpers import codex_cli, codex_setup, run_group, running_node
 
 KEY = "responses-test-key"
 SYSTEM = "You are terse."
@@ -434,17 +433,8 @@ def test_codex_cli_exec_against_a_node(tmp_path):
     CPU prefill stays short."""
     codex = codex_cli()
     model = scripted_model(tmp_path, SAID)
-    home, work = tmp_path / "codex-home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
-    (home / "instructions.md").write_text("You are a helpful coding assistant.\n")
     with running_node(model, tmp_path / "node", max_context=32768) as (n, base):
-        (home / "config.toml").write_text(
-            f'model = "{n.model_id}"\nmodel_provider = "meshnode"\n'
-            f'model_instructions_file = "{home / "instructions.md"}"\n\n'
-            f'[model_providers.meshnode]\nname = "meshnode"\nbase_url = "{base}/v1"\n'
-            'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n')
-        env = {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "MESHNODE_API_KEY": "unused"}
+        work, env = codex_setup(tmp_path, n.model_id, f"{base}/v1")
         status, out, err = run_group([str(codex), "exec", "--skip-git-repo-check", "Say hello."], timeout=420, cwd=work,
                                 env=env)
     assert status == 0, (out[-2000:], err[-3000:])
