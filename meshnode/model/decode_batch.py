@@ -1,0 +1,152 @@
+"""Decoding requests at one stage run as one batched forward (continuous batching across stages).
+
+A pipeline stage holds one KV cache per request (its session). When several requests decode at
+once, the head sends their next positions together: one step of B rows, one per request, in an
+order it names. :class:`DecodeBatch` keeps those requests' caches merged into mlx-lm's batch caches
+between steps (``BatchKVCache`` and kin, left-padded as ``BatchGenerator`` holds them: the family's
+own forward masks the padding), so a step costs one forward of B rows instead of B forwards, and
+the KV is not copied again while the members stay the same.
+
+Membership follows each step's list, so there are no join or leave messages to lose: a request
+named for the first time is merged in (its cache extended into the batch); one no longer named is
+taken out (its cache extracted back to its session). Before a member runs on its own (a prefill
+chunk, a failover replay) or its KV is kept or dropped, :meth:`release` gives its cache back whole.
+
+A cache mlx-lm cannot batch (``QuantizedKVCache`` under ``kv_bits``, ``ChunkedKVCache``) makes a
+shard unbatchable: :func:`batchable_cache` says so and its requests keep stepping one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+
+class Member(Protocol):
+    """A request's use of a stage: ``cache`` is its per-layer caches (None while they are in a batch)."""
+
+    cache: list[Any] | None
+
+
+def _aliases(cache: list[Any]) -> list[int]:
+    """For each layer, the first layer holding the same cache object (a partial shard's cache list
+    aliases the layers it does not run to one of its own, for the family's mask)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(c), i) for i, c in enumerate(cache)]
+
+
+def batchable_cache(cache: list[Any]) -> bool:
+    """Whether mlx-lm can merge (and so extend, filter and extract) every cache of this list:
+    not ``QuantizedKVCache`` (``kv_bits``) nor ``ChunkedKVCache``, which have no batch form."""
+    return all(_mergeable(c) for c in cache)
+
+
+def _mergeable(cache: Any) -> bool:
+    if not callable(getattr(type(cache), "merge", None)):
+        return False
+    parts = getattr(cache, "caches", None)  # a CacheList merges its parts
+    return parts is None or all(_mergeable(p) for p in parts)
+
+
+class DecodeBatch:
+    """One stage's decoding members as one batch of caches (used on the MLX thread only)."""
+
+    def __init__(self, make_cache):
+        """``make_cache()``: a fresh per-request cache list of the stage (for never-written caches)."""
+        self._make_cache = make_cache
+        self._members: list[Member] = []
+        self._cache: list[Any] | None = None
+        self._alias: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, member: Member) -> bool:
+        return any(m is member for m in self._members)
+
+    @property
+    def cache(self) -> list[Any] | None:
+        """The batch's per-layer caches (rows in :meth:`follow`'s order), for the stage's forward."""
+        return self._cache
+
+    def follow(self, members: Sequence[Member]) -> list[Any]:
+        """Make the batch exactly ``members``, rows in that order; the caches to run the step on."""
+        want = list(members)
+        if len({id(m) for m in want}) != len(want):
+            raise ValueError("a request named twice in one step")
+        named = {id(m) for m in want}
+        for member in [m for m in self._members if id(m) not in named]:
+            self.release(member)
+        joining = [m for m in want if m not in self]
+        if joining:
+            self._join(joining)
+        order = [self._index(m) for m in want]
+        if order != list(range(len(order))):
+            self._each(lambda c: c.filter(mx.array(order)))
+            self._members = want
+        return self._cache
+
+    def release(self, member: Member) -> None:
+        """Take ``member`` out of the batch, its cache extracted back to it (no-op if not in it)."""
+        if member not in self:
+            return
+        idx = self._index(member)
+        member.cache = self._extract(idx)
+        rest = [i for i in range(len(self._members)) if i != idx]
+        del self._members[idx]
+        if rest:
+            self._each(lambda c: c.filter(mx.array(rest)))
+        else:
+            self._cache = self._alias = None
+
+    def release_all(self) -> None:
+        for member in list(self._members):
+            self.release(member)
+
+    # -- inside
+    def _index(self, member: Member) -> int:
+        return next(i for i, m in enumerate(self._members) if m is member)
+
+    def _distinct(self) -> list[int]:
+        return sorted(set(self._alias))
+
+    def _each(self, fn) -> None:
+        for i in self._distinct():
+            fn(self._cache[i])
+
+    def _join(self, joining: list[Member]) -> None:
+        caches = [m.cache for m in joining]
+        if any(c is None for c in caches):
+            raise ValueError("a request joined a batch without its cache (it is in another batch)")
+        alias = _aliases(caches[0])
+        if self._alias is not None and alias != self._alias:
+            raise ValueError("requests of different stages in one batch")
+        merged: list[Any] = [None] * len(alias)
+        for i in sorted(set(alias)):
+            merged[i] = type(caches[0][i]).merge([c[i] for c in caches])
+        for i, j in enumerate(alias):
+            merged[i] = merged[j]
+        if self._cache is None:
+            self._cache, self._alias = merged, alias
+        else:
+            for i in self._distinct():
+                self._cache[i].extend(merged[i])
+        for member in joining:
+            member.cache = None  # the batch holds its KV now (no second copy)
+        self._members.extend(joining)
+
+    def _extract(self, idx: int) -> list[Any]:
+        fresh: list[Any] | None = None
+        out: list[Any] = [None] * len(self._alias)
+        for i in self._distinct():
+            batch = self._cache[i]
+            if batch.empty():  # a cache this stage never writes (a kind only other stages run)
+                fresh = fresh if fresh is not None else self._make_cache()
+                out[i] = fresh[i]
+            else:
+                out[i] = batch.extract(idx)
+        for i, j in enumerate(self._alias):
+            out[i] = out[j]
+        return out
