@@ -47,6 +47,7 @@ from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel, plan_status
 from meshnode.transport.dataport import DataServer
+from meshnode.transport.batch_hop import serve_batch
 from meshnode.transport.hop import serve_forward
 from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
@@ -200,8 +201,8 @@ class Node:
             try:
                 self._data = DataServer(
                     s.host or "0.0.0.0", tensor_port + DATA_OFFSET, auth=self.auth, verify=s.authenticate,
-                    forward=lambda conn, opening, host: serve_forward(stage_server, self.scheduler.run_here,
-                                                                      conn, opening, host))
+                    forward=lambda conn, opening, host: (serve_batch if opening.forward.batch else serve_forward)(
+                        stage_server, self.scheduler.run_here, conn, opening, host))
             except OSError as exc:  # peers then send this node's activations over gRPC
                 log.warning("data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET,
                             exc)

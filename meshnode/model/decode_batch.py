@@ -18,10 +18,13 @@ shard unbatchable: :func:`batchable_cache` says so and its requests keep steppin
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
+
+from meshnode.model.shard import any_thread_stream
 
 
 class Member(Protocol):
@@ -51,10 +54,14 @@ def _mergeable(cache: Any) -> bool:
 
 
 class DecodeBatch:
-    """One stage's decoding members as one batch of caches (used on the MLX thread only)."""
+    """One stage's decoding members as one batch of caches.
+
+    ``lock`` is held by whoever steps the batch (from :meth:`follow` until the step is evaluated);
+    :meth:`release` takes it too, so a member's stream may end on any thread."""
 
     def __init__(self, make_cache):
         """``make_cache()``: a fresh per-request cache list of the stage (for never-written caches)."""
+        self.lock = threading.RLock()
         self._make_cache = make_cache
         self._members: list[Member] = []
         self._cache: list[Any] | None = None
@@ -73,12 +80,15 @@ class DecodeBatch:
 
     def follow(self, members: Sequence[Member]) -> list[Any]:
         """Make the batch exactly ``members``, rows in that order; the caches to run the step on."""
-        want = list(members)
+        with self.lock, mx.stream(any_thread_stream()):
+            return self._follow(list(members))
+
+    def _follow(self, want: list[Member]) -> list[Any]:
         if len({id(m) for m in want}) != len(want):
             raise ValueError("a request named twice in one step")
         named = {id(m) for m in want}
         for member in [m for m in self._members if id(m) not in named]:
-            self.release(member)
+            self._release(member)
         joining = [m for m in want if m not in self]
         if joining:
             self._join(joining)
@@ -90,6 +100,10 @@ class DecodeBatch:
 
     def release(self, member: Member) -> None:
         """Take ``member`` out of the batch, its cache extracted back to it (no-op if not in it)."""
+        with self.lock, mx.stream(any_thread_stream()):
+            self._release(member)
+
+    def _release(self, member: Member) -> None:
         if member not in self:
             return
         idx = self._index(member)

@@ -156,6 +156,10 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
         _refuse(conn, refusal)
         return
     conn.settimeout(IDLE_TIMEOUT)
+    # Batched decode steps of this request (meshnode.transport.batch_hop) find its cache by this name.
+    key = (opening.forward.request_id, opening.forward.start_layer, opening.forward.end_layer)
+    if key[0]:
+        server.streams[key] = stage
     try:
         while True:
             try:
@@ -186,7 +190,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             # an older version says nothing of the rest (work 0): the chunk's own positions then.
             set_priority(msg.work or (positions if positions > 1 else 0))
             try:
-                stage.admit(msg.input)
+                stage.admit(positions)
                 if raw:
                     n = run_here(lambda: _run_raw(stage, msg, out))
                 else:
@@ -206,6 +210,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             if msg.next_single:  # build the next step while the rest of the pipeline works
                 run_here(stage.prepare)
     finally:
+        if server.streams.get(key) is stage:
+            del server.streams[key]
         stage.close()
 
 

@@ -10,9 +10,8 @@ Its first message names the request, the epoch and the layer range; the stage op
 cache for it, and every message after that is one activation in, one activation out.
 Everything received is validated against the plan before an array is built.
 
-Client side (:class:`RemoteStage`): the head node's generation thread calls ``forward`` on a
-remote stage synchronously; the call runs on the node's asyncio loop over a long-lived
-stream.
+Client side (:class:`RemoteStage`): the head's generation thread calls ``forward`` synchronously;
+the call runs on the node's asyncio loop over a long-lived stream.
 
 How long a step is waited for: as long as the stage's node is alive by the control plane
 (its heartbeats, :meth:`RemoteStage.check`), however long the step takes. A step's time says
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
     from meshnode.trust.auth import ClusterAuth
     from meshnode.model.prefixes import PrefixStore
     from meshnode.model.shard import Shard
+    from meshnode.model.decode_batch import DecodeBatch
     from meshnode.model.scheduler import TokenScheduler
     from meshnode.serving.generation import StageSession
 
@@ -87,6 +87,9 @@ class StageServer:
         # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
         self.on_fault: Callable[[str], None] | None = None
         self.steps = StepWatch()  # a step that never ends is a stalled node (announced in heartbeats)
+        # Batched decode steps (meshnode.transport.batch_hop): requests' open data-port streams, each shard's batch.
+        self.streams: dict[tuple[str, int, int], OpenStage] = {}
+        self.batches: dict[Shard, DecodeBatch] = {}
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
         self.epochs[epoch] = dict(shards)
@@ -94,6 +97,8 @@ class StageServer:
     def retire_before(self, epoch: int) -> None:
         for old in [e for e in self.epochs if e < epoch]:
             del self.epochs[old]
+        served = [s for shards in self.epochs.values() for s in shards.values()]
+        self.batches = {s: b for s, b in self.batches.items() if any(s is x for x in served)}
         if self.prefixes is not None:  # prefixes of layers no longer served here are memory to give back
             served = {key for shards in self.epochs.values() for key in shards}
             for layers in self.prefixes.layer_ranges():
@@ -102,6 +107,19 @@ class StageServer:
 
     def open(self, msg: mesh_pb2.ForwardRequest) -> "OpenStage":
         """One request's use of a stage served here (raises :class:`StageRefusal`)."""
+        key = (msg.start_layer, msg.end_layer)
+        shard = self.shard_for(msg)
+        cache = None
+        if msg.resume:
+            cache, why = (self.prefixes.resume(key, msg.resume, msg.resume_length, shard)
+                          if self.prefixes is not None and keeps_prefixes(shard) else (None, "no prompt cache here"))
+            if cache is None:
+                raise StageRefusal(PREFIX_MISS, f"prefix {msg.resume} ({msg.resume_length} positions) of layers "
+                                                f"[{key[0]}, {key[1]}): {why}")
+        return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
+
+    def shard_for(self, msg: mesh_pb2.ForwardRequest) -> "Shard":
+        """The shard a stream's opening names (its epoch and layers), or :class:`StageRefusal`."""
         key = (msg.start_layer, msg.end_layer)
         if msg.epoch not in self.epochs:
             serving = sorted(self.epochs) or "none"
@@ -112,14 +130,7 @@ class StageServer:
         shard = self.epochs[msg.epoch].get(key)
         if shard is None:
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
-        cache = None
-        if msg.resume:
-            cache, why = (self.prefixes.resume(key, msg.resume, msg.resume_length, shard)
-                          if self.prefixes is not None and keeps_prefixes(shard) else (None, "no prompt cache here"))
-            if cache is None:
-                raise StageRefusal(PREFIX_MISS, f"prefix {msg.resume} ({msg.resume_length} positions) of layers "
-                                                f"[{key[0]}, {key[1]}): {why}")
-        return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
+        return shard
 
     async def forward(
         self, requests: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
@@ -134,7 +145,7 @@ class StageServer:
                         await self.scheduler.call(lambda m=msg: stage.keep(m))
                         yield KEPT
                         continue
-                    stage.admit(msg.input)
+                    stage.admit(msg.input.shape[1] if len(msg.input.shape) > 1 else 0)
                     output, seconds = await self.scheduler.call(lambda m=msg: stage.run(m))
                 except StageRefusal as refusal:
                     if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -171,9 +182,14 @@ class OpenStage:
         self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
         self.injected_fault: str | None = None  # tests only: the next run raises this (hop.InjectedDelay)
         self.injected_stall = 0.0  # tests only: the next run hangs this many seconds (hop.InjectedDelay)
+        self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
-    def admit(self, tensor: mesh_pb2.Tensor) -> None:
-        positions = tensor.shape[1] if len(tensor.shape) > 1 else 0
+    def own(self) -> None:  # this request's cache back from a batch, before it runs alone or ends
+        if self.batch is not None:
+            self.batch.release(self)
+            self.batch = None
+
+    def admit(self, positions: int) -> None:
         self.seen += positions
         if self.seen > self.server.max_context:
             raise StageRefusal(grpc.StatusCode.OUT_OF_RANGE,
@@ -184,6 +200,7 @@ class OpenStage:
     def keep(self, msg: mesh_pb2.ForwardRequest) -> None:
         """The request's last message: keep its KV for a later request with the same start (on
         the MLX thread). The cache is the store's from here on."""
+        self.own()
         cache, self.cache, self.prepared = self.cache, None, None
         self.close()  # its positions are the kept prefix's now, not a request's in use
         if self.server.prefixes is not None and cache is not None and keeps_prefixes(self.shard):
@@ -191,6 +208,7 @@ class OpenStage:
 
     def close(self) -> None:
         """The stream ended: its positions are free for kept prefixes again."""
+        self.own()
         self.cache = self.prepared = None
         if self.server.prefixes is not None and self.seen:
             self.server.prefixes.grow(self.layers, -self.seen)
@@ -221,6 +239,7 @@ class OpenStage:
             return self._run_array(msg)
 
     def _run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
+        self.own()
         try:
             if self.injected_stall:
                 stall, self.injected_stall = self.injected_stall, 0.0
@@ -256,6 +275,7 @@ class OpenStage:
         """Build the next one-position step on a placeholder (the head promised one: next_single),
         so it costs nothing once its input arrives. On the MLX thread, after the reply went out."""
         build_ahead = getattr(self.shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
+        self.own()
         if self.prepared is None and build_ahead is not None:
             self.prepared = build_ahead(self.cache)
 

@@ -1,0 +1,226 @@
+"""Batched decode steps over the data port: one frame carries a token's step for several requests.
+
+Serving side (:func:`serve_batch`): a stream opened with ``ForwardRequest.batch`` names a stage
+(epoch, layers) and no request. Each frame after it is a ``ForwardRequest`` whose ``members`` name
+the requests of the step, one row of ``input`` each (``[rows, 1]`` token ids for the first stage,
+``[rows, 1, hidden]`` after it). Every member must have its own data-port stream to this stage open
+(it prefilled there and its cache lives there); the stage runs all rows as one forward over the
+requests' caches merged (meshnode.model.decode_batch.DecodeBatch, on the connection's thread holding
+the node's MLX baton) and answers with one raw reply of ``rows`` positions (the rows in order). A
+member's own stream may still run a message of its own (its cache then leaves the batch first) and
+ends as before. A refusal (a member with no stream here, a malformed frame, the model raising) is a
+``ForwardReply`` with ``code`` and ``error``, after which the stream closes.
+
+Head side (:class:`BatchHop`): the stepping thread writes the frame and reads the reply itself,
+waiting for as long as the stage's node is alive (meshnode.transport.stage.RemoteStage.check).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+import mlx.core as mx
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from meshnode.model.decode_batch import DecodeBatch, batchable_cache
+from meshnode.model.scheduler import mlx_idle
+from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, is_raw, raw_reply_into, to_array, to_tensor
+from meshnode.proto import mesh_pb2
+from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
+from meshnode.transport.hop import _CODES, FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield
+from meshnode.transport.refusals import FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
+
+if TYPE_CHECKING:
+    from meshnode.model.shard import Shard
+    from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.trust.auth import ClusterAuth
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 256  # requests in one step (a node's max_concurrent_requests is far below)
+
+
+def stream_key(request_id: str, start: int, end: int) -> tuple[str, int, int]:
+    """How :attr:`StageServer.streams` names a request's own stream to a stage."""
+    return request_id, start, end
+
+
+# --------------------------------------------------------------------------- serving side
+
+
+def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
+                host: str) -> None:
+    """Serve one head's batched decode steps to one stage until the head closes the stream."""
+    try:
+        shard = server.shard_for(opening.forward)
+        batch = _batch_of(server, shard)
+    except StageRefusal as refusal:
+        _refuse(conn, refusal)
+        return
+    conn.settimeout(IDLE_TIMEOUT)
+    out = bytearray()  # raw replies are written here, step after step
+    while True:
+        try:
+            frame = recv_frame(conn)
+            if frame is None:
+                return  # the head is done batching here (its members' own streams end on their own)
+            msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
+        except (FrameError, DecodeError) as exc:
+            log.warning("refused a malformed batch frame from %s: %s", host, exc)
+            _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
+            return
+        try:
+            members = _members(server, shard, msg)
+            rows = _rows(server, shard, msg.input, len(members))
+            n = run_here(lambda: _step(server, shard, batch, members, rows, out))
+        except StageRefusal as refusal:
+            if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
+                log.warning("refused a batched step from %s: %s", host, refusal)
+            _refuse(conn, refusal)
+            return
+        if server.inject_latency:
+            time.sleep(server.inject_latency)
+        send_prepared(conn, out, n)
+        _yield()
+
+
+def _batch_of(server: "StageServer", shard: "Shard") -> DecodeBatch:
+    batch = server.batches.get(shard)
+    if batch is None:
+        if not batchable_cache(shard.make_cache()):
+            spec = shard.spec
+            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
+        batch = server.batches.setdefault(shard, DecodeBatch(shard.make_cache))
+    return batch
+
+
+def _members(server: "StageServer", shard: "Shard", msg: mesh_pb2.ForwardRequest) -> list["OpenStage"]:
+    ids = list(msg.members)
+    if not ids or len(ids) > MAX_ROWS or len(set(ids)) != len(ids):
+        raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"a batched step names 1 to {MAX_ROWS} distinct requests, not {len(ids)}")
+    spec, members = shard.spec, []
+    for rid in ids:
+        stage = server.streams.get(stream_key(rid, spec.start, spec.end))
+        if stage is None or stage.shard is not shard:
+            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"request {rid[:64]} has no open stream to layers [{spec.start}, {spec.end}) here")
+        members.append(stage)
+    return members
+
+
+def _rows(server: "StageServer", shard: "Shard", tensor: mesh_pb2.Tensor, n: int) -> np.ndarray:
+    try:
+        if shard.spec.is_first:
+            ids = host_array(tensor, dtypes=("int32",), expect=(n, 1))
+            if ids.min() < 0 or ids.max() >= server.vocab_size:
+                raise WireError(f"token id outside the vocabulary [0, {server.vocab_size})")
+            return ids
+        return host_array(tensor, dtypes=(dtype_name(shard.dtype),), expect=(n, 1, shard.hidden_size))
+    except WireError as exc:
+        raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: list["OpenStage"], rows: np.ndarray,
+          buf: bytearray) -> int:
+    """Run one batched step (on the MLX thread); its raw reply's length, written into ``buf``."""
+    started = time.perf_counter()
+    spec = shard.spec
+    with server.steps.step(), batch.lock:
+        if any(stage.prepared is not None for stage in members):
+            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               "a request that promised its next step on its own stream joined a batch")
+        for stage in members:
+            stage.admit(1)
+        try:
+            cache = batch.follow(members)
+            for stage in members:
+                stage.batch = batch
+            out = shard.forward(to_array(rows, "int32" if spec.is_first else dtype_name(shard.dtype)), cache)
+            mx.eval(out)
+        except Exception as exc:  # noqa: BLE001 - the model raised on these rows: report it, keep serving
+            log.exception("layers [%d, %d) failed on a batched step of %d requests", spec.start, spec.end,
+                          len(members))
+            error = f"layers [{spec.start}, {spec.end}) failed on a batched step: {type(exc).__name__}: {exc}"
+            if server.on_fault is not None:
+                server.on_fault(error)
+            raise StageRefusal(STAGE_FAULT, f"{FAULT}{error}") from None
+    return raw_reply_into(buf, HEADER, out.reshape(1, len(members), -1), time.perf_counter() - started)
+
+
+# --------------------------------------------------------------------------- head side
+
+
+class BatchHop:
+    """The head's stream of batched decode steps to one remote stage, over its data port."""
+
+    def __init__(self, stage: "RemoteStage", host: str, port: int, *, auth: "ClusterAuth", node_id: str):
+        self._stage = stage
+        opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
+            epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end, raw_replies=True, batch=True))
+        self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
+        self._sock.settimeout(FRAME_STALL)  # a frame once started must go on
+        self._closed = False
+
+    def step(self, request_ids: list[str], x: mx.array) -> mx.array:
+        """One decode step of ``request_ids`` (``x``: one row each) through the stage: its output
+        rows, ``[rows, 1, width]``. Other generations use MLX while the reply is awaited."""
+        if x.dtype == mx.uint32:
+            x = x.astype(mx.int32)
+        rows = len(request_ids)
+        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), members=request_ids).SerializeToString()
+        sent = time.perf_counter()
+        try:
+            send_frame(self._sock, payload)
+        except OSError as exc:
+            raise self._lost(exc) from None
+        _yield()
+        with mlx_idle():
+            reply = self._read(sent)
+        out = self._stage.accept(reply, rows, sent, "tcp")
+        return out.reshape(rows, 1, out.shape[-1])
+
+    def _read(self, sent: float) -> RawReply:
+        st = self._stage
+        try:
+            while not select.select([self._sock], [], [], st.poll)[0]:
+                st.check(sent)
+            frame = recv_frame(self._sock)
+        except (TimeoutError, socket.timeout):
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
+                             f"a reply ({FRAME_STALL:.0f} s)") from None
+        except (OSError, FrameError, ValueError) as exc:
+            raise self._lost(exc) from None
+        if frame is None:
+            raise self._lost(ConnectionError("the stage closed the stream"))
+        view = memoryview(frame)
+        try:
+            reply = RawReply(view) if is_raw(view) else mesh_pb2.ForwardReply.FromString(bytes(frame))
+        except (WireError, DecodeError):
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
+                from None
+        if type(reply) is not RawReply:
+            raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN),
+                              reply.error or "a batched step answered without an activation")
+        return reply
+
+    def _lost(self, exc: BaseException) -> StageError:
+        st = self._stage
+        return StageError(f"stage [{st.start}, {st.end}) on {st.node_id}: batch stream lost ({exc})")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
