@@ -18,7 +18,6 @@ waiting for as long as the stage's node is alive (meshnode.transport.stage.Remot
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import time
 from typing import TYPE_CHECKING
@@ -30,11 +29,11 @@ from google.protobuf.message import DecodeError
 
 from meshnode.model.decode_batch import DecodeBatch, batchable_cache
 from meshnode.model.scheduler import mlx_idle
-from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, is_raw, raw_reply_into, to_array, to_tensor
+from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, raw_reply_into, to_array, to_tensor
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
-from meshnode.transport.hop import _CODES, FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield
-from meshnode.transport.refusals import FAULT, STAGE_FAULT, StageError, StageRefusal, stage_error
+from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield, lost, read_reply
+from meshnode.transport.refusals import FAULT, STAGE_FAULT, StageError, StageRefusal
 
 if TYPE_CHECKING:
     from meshnode.model.shard import Shard
@@ -188,32 +187,14 @@ class BatchHop:
         return out.reshape(rows, 1, out.shape[-1])
 
     def _read(self, sent: float) -> RawReply:
-        st = self._stage
-        try:
-            while not select.select([self._sock], [], [], st.poll)[0]:
-                st.check(sent)
-            frame = recv_frame(self._sock)
-        except (TimeoutError, socket.timeout):
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
-                             f"a reply ({FRAME_STALL:.0f} s)") from None
-        except (OSError, FrameError, ValueError) as exc:
-            raise self._lost(exc) from None
-        if frame is None:
-            raise self._lost(ConnectionError("the stage closed the stream"))
-        view = memoryview(frame)
-        try:
-            reply = RawReply(view) if is_raw(view) else mesh_pb2.ForwardReply.FromString(bytes(frame))
-        except (WireError, DecodeError):
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
-                from None
-        if type(reply) is not RawReply:
-            raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN),
-                              reply.error or "a batched step answered without an activation")
+        reply = read_reply(self._sock, self._stage, sent, stream="batch stream")
+        if type(reply) is not RawReply:  # a step is always answered raw, or refused
+            raise StageError(f"stage [{self._stage.start}, {self._stage.end}) on {self._stage.node_id} answered a "
+                             "batched step without an activation")
         return reply
 
     def _lost(self, exc: BaseException) -> StageError:
-        st = self._stage
-        return StageError(f"stage [{st.start}, {st.end}) on {st.node_id}: batch stream lost ({exc})")
+        return lost(self._stage, exc, "batch stream")
 
     def close(self) -> None:
         if self._closed:

@@ -326,35 +326,14 @@ class HopSession:
     def _read_next(self) -> None:
         """Read one reply and give it to the oldest unanswered ticket; wait for it as long as the
         stage is alive (meshnode.transport.stage.RemoteStage.check)."""
-        st = self._stage
         ticket = self._unanswered[0]
-        try:
-            while not select.select([self._sock], [], [], st.poll)[0]:
-                st.check(ticket.sent)
-            got = recv_frame_into(self._sock, self._spare)
-        except (TimeoutError, socket.timeout):
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
-                             f"a reply ({FRAME_STALL:.0f} s)") from None
-        except (OSError, FrameError, ValueError) as exc:
-            raise self._lost(exc) from None
-        if got is None:
-            raise self._lost(ConnectionError("the stage closed the stream"))
-        frame, buf = got
-        if buf is self._spare:
-            self._spare = None
-        try:
-            reply = RawReply(frame, buf) if is_raw(frame) else mesh_pb2.ForwardReply.FromString(bytes(frame))
-        except (WireError, DecodeError):
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
-                from None
-        if type(reply) is not RawReply and (reply.error or reply.code):
-            raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
+        spare, self._spare = self._spare, None  # the reply is read into it, or it is not needed
+        reply = read_reply(self._sock, self._stage, ticket.sent, spare)
         self._unanswered.popleft()
         ticket.reply = reply
 
     def _lost(self, exc: BaseException) -> StageError:
-        st = self._stage
-        return StageError(f"stage [{st.start}, {st.end}) on {st.node_id}: data stream lost ({exc})")
+        return lost(self._stage, exc)
 
     def forward(self, x: mx.array) -> mx.array:
         """One activation through the stage and back; other generations use MLX meanwhile."""
@@ -397,6 +376,37 @@ class HopSession:
         except OSError:
             pass
         self._sock.close()
+
+
+def read_reply(sock: socket.socket, st: "RemoteStage", sent: float, spare: bytearray | None = None,
+               stream: str = "data stream") -> "mesh_pb2.ForwardReply | RawReply":
+    """The next reply on a stream to stage ``st`` (read into ``spare`` where it fits), waited for as
+    long as the stage is alive (meshnode.transport.stage.RemoteStage.check) since ``sent``; a
+    refusal, a lost stream or a reply that does not parse raises :class:`StageError`."""
+    try:
+        while not select.select([sock], [], [], st.poll)[0]:
+            st.check(sent)
+        got = recv_frame_into(sock, spare)
+    except (TimeoutError, socket.timeout):
+        raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
+                         f"a reply ({FRAME_STALL:.0f} s)") from None
+    except (OSError, FrameError, ValueError) as exc:
+        raise lost(st, exc, stream) from None
+    if got is None:
+        raise lost(st, ConnectionError("the stage closed the stream"), stream)
+    frame, buf = got
+    try:
+        reply = RawReply(frame, buf) if is_raw(frame) else mesh_pb2.ForwardReply.FromString(bytes(frame))
+    except (WireError, DecodeError):
+        raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
+            from None
+    if type(reply) is not RawReply and (reply.error or reply.code):
+        raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
+    return reply
+
+
+def lost(st: "RemoteStage", exc: BaseException, stream: str = "data stream") -> StageError:
+    return StageError(f"stage [{st.start}, {st.end}) on {st.node_id}: {stream} lost ({exc})")
 
 
 class HopTicket:
