@@ -85,6 +85,10 @@ class NodeMetrics:
         self.prompt_cache_tokens = Counter("meshnode_prompt_cache_reused_tokens",
                                            "Prompt positions stages here did not compute again (kept prefixes)",
                                            registry=r)
+        self.batched_steps = Counter("meshnode_batched_decode_steps",
+                                     "Decode steps of several requests run through the stages as one batch", registry=r)
+        self.batched_rows = Counter("meshnode_batched_decode_rows",
+                                    "Requests' steps in those batches (rows / steps: the mean batch)", registry=r)
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
         self.unreachable = Gauge("meshnode_unreachable_peers",
@@ -130,6 +134,10 @@ class NodeMetrics:
     def prompt_cache_resumed(self, positions: int) -> None:
         self.prompt_cache_hits.inc()
         self.prompt_cache_tokens.inc(positions)
+
+    def batched_step(self, rows: int) -> None:
+        self.batched_steps.inc()
+        self.batched_rows.inc(rows)
 
     def retry(self) -> None:
         self.failovers.inc()

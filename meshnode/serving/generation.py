@@ -56,6 +56,20 @@ class StageHandle(Protocol):
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession: ...
 
 
+class StepBatcher(Protocol):
+    """A placement's batched decode steps (meshnode.serving.step_batch.StepBatcher)."""
+
+    def decoding(self, model: "PipelineModel") -> None: ...
+
+    def others_decoding(self, model: "PipelineModel") -> bool: ...
+
+    def alone(self, model: "PipelineModel") -> None: ...
+
+    def leave(self, model: "PipelineModel") -> None: ...
+
+    def step(self, model: "PipelineModel", x: mx.array) -> mx.array: ...
+
+
 class LocalSession:
     remote = False
 
@@ -65,21 +79,37 @@ class LocalSession:
         self._layers = (shard.start, shard.end)
         self._seen = 0
         self._prepared: tuple[Placeholder, mx.array] | None = None
+        self.batch = None  # the head's DecodeBatch holding this request's cache (meshnode.serving.step_batch)
         cache = None
         if resume is not None:  # start from a prefix kept here (the prompt cache)
             cache, why = prefixes.resume(self._layers, *resume, shard=shard) if prefixes is not None else (None, "off")
             if cache is None:
                 raise PrefixMiss(f"layers [{shard.start}, {shard.end}) here: prefix {resume[0]}: {why}")
-            self._grow(resume[1])
+            self.grow(resume[1])
         self._cache = cache if cache is not None else shard.make_cache()
 
-    def _grow(self, positions: int) -> None:
+    @property
+    def cache(self) -> list | None:  # a DecodeBatch takes it (None) and gives it back
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: list | None) -> None:
+        self._cache = value
+
+    def own(self) -> None:
+        """This request's cache back from the batch of decode steps, before it runs alone or ends."""
+        if self.batch is not None:
+            self.batch.release(self)
+            self.batch = None
+
+    def grow(self, positions: int) -> None:
         self._seen += positions
         if self._prefixes is not None:  # kept prefixes make room for this request's KV
             self._prefixes.grow(self._layers, positions)
 
     def keep(self, key: str, positions: int) -> bool:
         """Keep this request's KV here (the prompt cache); whether it was."""
+        self.own()
         cache, self._cache, self._prepared = self._cache, None, None
         self.close()  # its positions are the kept prefix's now, not a request's in use
         return self._prefixes is not None and cache is not None and \
@@ -89,6 +119,7 @@ class LocalSession:
         """Build the next one-position step on a placeholder while a remote stage before this one
         works (MLX builds graphs in Python, ~0.2-0.3 ms a layer); False where that cannot be done."""
         build_ahead = getattr(self._shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
+        self.own()
         self._prepared = build_ahead(self._cache) if build_ahead is not None else None
         if self._prepared is None:
             return False
@@ -110,7 +141,8 @@ class LocalSession:
     def submit(self, x: mx.array, *, work: int = 0) -> DoneTicket:
         """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters.
         (``work``: this thread's claims already carry the request's remaining work.)"""
-        self._grow(x.shape[1])
+        self.own()
+        self.grow(x.shape[1])
         out = self._shard.forward(x, self._cache)
         if self._shard.spec.is_last:
             owned = getattr(self._shard, "owned", None)
@@ -123,16 +155,18 @@ class LocalSession:
     def forward(self, x: mx.array) -> mx.array:
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
         # (A remote stage evaluates when it encodes the activation for the wire.)
-        self._grow(x.shape[1])
+        self.own()
+        self.grow(x.shape[1])
         out = self._shard.forward(x, self._cache)
         if self._shard.spec.is_last:
             out = out[:, -1:, :]
         return out
 
     def close(self) -> None:
+        self.own()
         self._cache = self._prepared = None
         if self._seen:
-            self._grow(-self._seen)
+            self.grow(-self._seen)
 
 
 class LocalStage:
@@ -167,22 +201,27 @@ class _RequestState:
 class PipelineModel:
     """An mlx-lm-callable model made of stages covering layers [0, L) in order."""
 
-    def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None):
-        """``resume``: (key, positions) of a prefix every stage kept (the prompt cache) to start from."""
+    def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None,
+                 batcher: "StepBatcher | None" = None):
+        """``resume``: (key, positions) of a prefix every stage kept (the prompt cache) to start from;
+        ``batcher``: the placement's, to step in batches while other requests decode too."""
         ends = [0] + [s.end for s in stages]
         if [s.start for s in stages] != ends[:-1]:
             raise ValueError(f"stages do not tile the layers: {[(s.start, s.end) for s in stages]}")
         self._stages = list(stages)
-        self._request_id = request_id
+        self.request_id = request_id
         self.resume = resume
         self.state: _RequestState | None = None
+        self._batcher = batcher
+        self._decoding = False
+        self._promised = False  # its last step on its own promised the stages that the next comes so too
 
     def make_cache(self) -> list[_RequestState]:
         sessions: list[StageSession] = []
         try:
             for stage in self._stages:
-                sessions.append(stage.open(self._request_id, self.resume) if self.resume else
-                                stage.open(self._request_id))
+                sessions.append(stage.open(self.request_id, self.resume) if self.resume else
+                                stage.open(self.request_id))
         except BaseException:
             _RequestState(sessions).close()
             raise
@@ -194,12 +233,25 @@ class PipelineModel:
         sessions = cache[0].sessions
         # One position: decoding (or the last prompt token), and one position at a time after it.
         single = inputs.shape[1] == 1
+        promise = single
+        batcher = self._batcher
+        if single and batcher is not None:
+            if not self._decoding:
+                self._decoding = True
+                batcher.decoding(self)
+            if batcher.others_decoding(self):
+                if not self._promised:  # another request decodes too: step with it
+                    return batcher.step(self, inputs)
+                promise = False  # one step on its own, promising nothing, then batched
+            else:
+                batcher.alone(self)
+        self._promised = promise
         i = 0
         while i < len(sessions):
             session = sessions[i]
             after = sessions[i + 1] if i + 1 < len(sessions) else None
             if single and session.remote:
-                ticket = session.submit(x, next_single=True)
+                ticket = session.submit(x, next_single=promise)
                 if after is not None and not after.remote and after.prepare():
                     # The local stage after it builds its step while the remote one computes.
                     session.finish(ticket, into=after.placeholder)
@@ -234,7 +286,7 @@ class PipelineModel:
                         stage.prefill_rate = rate
                     except AttributeError:  # a handle that keeps no attributes
                         pass
-        log.debug("%s: prefilled %d tokens in %d chunks through %d stages", self._request_id, len(tokens), chunks,
+        log.debug("%s: prefilled %d tokens in %d chunks through %d stages", self.request_id, len(tokens), chunks,
                   len(sessions))
         return chunks
 
@@ -247,6 +299,8 @@ class PipelineModel:
         return all([session.keep(key, positions) is not False for session in self.state.sessions])
 
     def close(self) -> None:
+        if self._batcher is not None and self._decoding:
+            self._batcher.leave(self)
         if self.state is not None:
             self.state.close()
 
@@ -349,10 +403,12 @@ class PipelineSource:
         prefill: PrefillOptions | None = None,
         prefixes: PrefixIndex | None = None,
         tokenizer=None,
+        batcher: "StepBatcher | None" = None,
     ):
         """``prefixes``: the model's prompt cache (what its stages keep), None: off; ``tokenizer``:
-        the model's (structured output masks tokens by their text)."""
-        self._prefixes, self._tokenizer = prefixes, tokenizer
+        the model's (structured output masks tokens by their text); ``batcher``: the placement's
+        batched decode steps (meshnode.serving.step_batch), None: every request steps on its own."""
+        self._prefixes, self._tokenizer, self._batcher = prefixes, tokenizer, batcher
         self._scheduler = scheduler
         self._stages = stages
         self._prefill_step_size = prefill_step_size
@@ -367,7 +423,7 @@ class PipelineSource:
         scheduler = self._scheduler
         missed = False
         while True:
-            model = PipelineModel(self._stages(), new_request_id(), resume)
+            model = PipelineModel(self._stages(), new_request_id(), resume, self._batcher)
             ended = threading.Event()
             if index is not None:
                 index.running(prompt, ended)

@@ -21,6 +21,7 @@ from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.batching import BatchedSource, batchable
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.sampling import Sampled, SamplingParams
+from meshnode.serving.step_batch import StepBatcher, can_batch
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
                                         refusal_kind)
@@ -49,7 +50,10 @@ class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
     def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
-                 prefixes=None, tokenizer=None):
+                 prefixes=None, tokenizer=None, on_batched_step: Callable[[int], None] | None = None,
+                 batch_steps: bool = True):
+        """``batch_steps``: concurrent decode steps may go through the stages together (every stage a
+        plain shard on one node, caches mlx-lm batches: no kv_bits, no tensor group)."""
         self.epoch, self._on_fault = epoch, on_fault
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
@@ -59,8 +63,11 @@ class HeadPlacement:
             self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
                                          prefixes=prefixes, tokenizer=tokenizer)
             return
+        # Across stages, concurrent requests' decode steps go through the stages together.
+        batcher = StepBatcher(handles, on_batched_step) \
+            if batch_steps and getattr(s, "batching", False) and can_batch(handles) else None
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
-                                      prefill=prefill, prefixes=prefixes, tokenizer=tokenizer)
+                                      prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         try:

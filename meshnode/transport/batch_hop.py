@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode.model.decode_batch import DecodeBatch, batchable_cache
 from meshnode.model.scheduler import mlx_idle
+from meshnode.model.shard import Shard
 from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, raw_reply_into, to_array, to_tensor
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
@@ -36,7 +37,6 @@ from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield, l
 from meshnode.transport.refusals import FAULT, STAGE_FAULT, StageError, StageRefusal
 
 if TYPE_CHECKING:
-    from meshnode.model.shard import Shard
     from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
     from meshnode.trust.auth import ClusterAuth
 
@@ -92,7 +92,7 @@ def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: m
 def _batch_of(server: "StageServer", shard: "Shard") -> DecodeBatch:
     batch = server.batches.get(shard)
     if batch is None:
-        if not batchable_cache(shard.make_cache()):
+        if not (isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())):
             spec = shard.spec
             raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                                f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
@@ -183,8 +183,15 @@ class BatchHop:
         _yield()
         with mlx_idle():
             reply = self._read(sent)
-        out = self._stage.accept(reply, rows, sent, "tcp")
-        return out.reshape(rows, 1, out.shape[-1])
+        st = self._stage
+        if st.observe is not None:  # a decode step's hop, whatever the rows
+            st.observe(time.perf_counter() - sent, 1, reply.stage_seconds, "tcp")
+        try:
+            host = reply.host(st.dtype_name, rows, st.hidden_size)
+        except WireError as exc:
+            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad batched activation: {exc}") \
+                from None
+        return to_array(host.reshape(rows, 1, st.hidden_size), st.dtype_name)
 
     def _read(self, sent: float) -> RawReply:
         reply = read_reply(self._sock, self._stage, sent, stream="batch stream")

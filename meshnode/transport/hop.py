@@ -212,7 +212,10 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
     finally:
         if server.streams.get(key) is stage:
             del server.streams[key]
-        stage.close()
+        if stage.batch is not None:  # its cache comes back out of the batch: MLX work, under the baton
+            run_here(stage.close)
+        else:
+            stage.close()
 
 
 def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:

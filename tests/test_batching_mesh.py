@@ -1,0 +1,78 @@
+"""Continuous batching across stages on real nodes (namespace hosts): concurrent chats on a 2-stage
+mesh decode together through both stages (the head's /metrics counts the batched steps and their
+rows) and each answers exactly as mlx_lm.generate alone; dense and MoE, float32 and 4-bit, asked
+through the openai package, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harness.cluster import HTTP, Cluster, in_ns, mlx_reference
+from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
+from tests.helpers import node_metrics
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(400)]
+
+MAX_TOKENS = 96  # long enough that the first answer still decodes when the others join
+PROMPTS = ["Tell me about the sea.", "Why is the sky blue?", "Write a poem about autumn leaves.",
+           "How do rivers reach the ocean?"]
+
+# N chats at once from one client (threads), every other one streamed; prints the answers.
+CONCURRENT = r'''
+import json, sys, threading
+from openai import OpenAI
+base, model, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+out = [None] * len(prompts)
+def one(i):
+    messages = [{"role": "user", "content": prompts[i]}]
+    if i % 2:
+        out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=model, messages=messages, max_tokens=n, temperature=0, stream=True) if ch.choices)
+    else:
+        out[i] = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                           temperature=0).choices[0].message.content
+threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(out))
+'''
+
+
+def _counter(metrics: str, name: str) -> float:
+    found = re.search(rf"^{name}_total (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("family,quantize", [("llama", None), ("qwen3_moe", None), ("llama", "4bit")],
+                         ids=["llama", "qwen3_moe", "llama-4bit"])
+def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(family, quantize, tmp_path):
+    model = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
+                        dtype="float32", quantize=quantize, seed=4)
+    references = [mlx_reference(model, [{"role": "user", "content": p}], MAX_TOKENS) for p in PROMPTS]
+    total = profile_model(model).total_bytes(1024)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=1024)
+        for h in cluster.hosts:  # neither holds it alone: two stages
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
+        assert len(view["plan"]["stages"]) == 2, view["plan"]
+        head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
+        answers = in_ns(cluster.client, CONCURRENT, f"http://{head.ip}:{HTTP}", model.name, json.dumps(PROMPTS),
+                        MAX_TOKENS, timeout=300)
+        assert answers == references, cluster.logs()
+        metrics = node_metrics(cluster, head)
+        steps = _counter(metrics, "meshnode_batched_decode_steps")
+        rows = _counter(metrics, "meshnode_batched_decode_rows")
+        print(f"batched decode steps {steps:.0f}, rows {rows:.0f}")
+        assert steps > 0 and rows >= 1.5 * steps, (steps, rows)  # most steps carried several requests
+        # Alone again: one chat steps on its own (no batch), and still answers the same.
+        assert cluster.chat(head, [{"role": "user", "content": PROMPTS[0]}], MAX_TOKENS) == references[0]
+        assert _counter(node_metrics(cluster, head), "meshnode_batched_decode_steps") == steps

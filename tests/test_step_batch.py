@@ -1,0 +1,112 @@
+"""Continuous batching across stages, the head's side (meshnode.serving.step_batch): concurrent
+generations over a chain of stages step together and each answers exactly as mlx-lm alone; one
+that ends or is cancelled leaves the others correct; a lone one steps on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+from meshnode.model.build import build_model
+from meshnode.model.scheduler import TokenScheduler
+from meshnode.model.shard import Shard
+from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
+from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.step_batch import StepBatcher, can_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYERS = 4
+PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 64], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [21, 22, 23],
+           [40, 41, 42, 43, 44, 45]]
+# They end at different steps: the batch shrinks while others go on. Long enough that the first
+# decoder is still going when the others have prefilled (a decoder's turn comes before a prompt's
+# until the prompt has waited meshnode.model.scheduler.AGE_S).
+LENGTHS = [96, 60, 120, 80]
+
+
+def reference(path, prompt, n):
+    model, _ = load_model(path)
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.fixture(params=[("llama", None), ("qwen3_moe", None), ("llama", "4bit")], ids=["llama", "qwen3_moe", "4bit"])
+def pipeline(request, tmp_path):
+    family, quantize = request.param
+    path = build_model(tmp_path / family, family, num_layers=LAYERS, hidden_size=128, dtype="float32",
+                       quantize=quantize, seed=9)
+    handles = [LocalStage(Shard(path, 0, 2)), LocalStage(Shard(path, 2, LAYERS))]
+    scheduler = TokenScheduler("test-step-batch")
+    yield path, handles, scheduler
+    scheduler.stop()
+
+
+async def _tokens(source, prompt, n, stop_after=None):
+    out = []
+    async for token in source.tokens(prompt, SamplingParams(max_tokens=n)):
+        out.append(int(token))
+        if stop_after is not None and len(out) == stop_after:
+            break  # the client went away
+    return out
+
+
+async def _together(scheduler, *coros):
+    """Run generations that all arrive before any starts: the MLX baton is held until each has
+    been submitted (on a tiny model one would otherwise be over before the next begins)."""
+    go = threading.Event()
+    held = threading.Event()
+
+    def hold():
+        with scheduler.baton.holding():
+            held.set()
+            go.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    await asyncio.sleep(0.3)
+    go.set()
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        holder.join(10)
+
+
+def test_concurrent_generations_step_together_and_answer_as_alone(pipeline):
+    path, handles, scheduler = pipeline
+    assert can_batch(handles)
+    batcher = StepBatcher(handles)
+    source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
+
+    got = asyncio.run(_together(scheduler, *(_tokens(source, p, n) for p, n in zip(PROMPTS, LENGTHS))))
+    for prompt, n, tokens in zip(PROMPTS, LENGTHS, got):
+        assert tokens == reference(path, prompt, n)
+    assert batcher.widest >= 3, batcher.widest
+    assert all(len(b) == 0 for b in batcher._batches.values())  # every cache went back to its request
+
+
+def test_a_cancelled_generation_leaves_the_batch_and_the_others_stay_correct(pipeline):
+    path, handles, scheduler = pipeline
+    batcher = StepBatcher(handles)
+    source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
+
+    first, cut, third = asyncio.run(_together(scheduler, _tokens(source, PROMPTS[0], 96),
+                                              _tokens(source, PROMPTS[1], 96, stop_after=40),
+                                              _tokens(source, PROMPTS[2], 80)))
+    assert first == reference(path, PROMPTS[0], 96) and third == reference(path, PROMPTS[2], 80)
+    assert cut == reference(path, PROMPTS[1], 40)
+    assert batcher.widest >= 2
+
+
+def test_a_lone_generation_steps_on_its_own(pipeline):
+    path, handles, scheduler = pipeline
+    batcher = StepBatcher(handles)
+    source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
+    assert asyncio.run(_tokens(source, PROMPTS[0], 16)) == reference(path, PROMPTS[0], 16)
+    assert batcher.widest == 0
