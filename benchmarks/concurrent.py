@@ -10,7 +10,14 @@ the same model, one after the other (never at once), in this run:
 Targets: aggregate >= 1.0x mlx_lm.server; single stream >= 0.95x. Each server's answers are
 checked to be the same text (greedy).
 
+``--two-stages`` (root): also a 2-stage mesh (two ``meshnode run`` processes on namespace hosts, the
+client on a third; ``--pin``: a core each), where concurrent decode steps go through both stages as
+one batch (meshnode.serving.step_batch); target: 4 streams' aggregate >= 2.5x one stream.
+``--small``: a model a third as wide, whose per-token costs (hops, Python) weigh as a bigger model's
+do on a fast GPU.
+
     .venv/bin/python -m benchmarks.concurrent [--streams 4] [--tokens 128] [--repeats 2]
+    sudo .venv/bin/python -m benchmarks.concurrent --two-stages [--pin] [--only-two] [--small]
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (bench_model_dir, http_decode_tps, local_node, mlx_lm_server,  # noqa: E402
-                               sse_events)
+                               sse_events, two_stage_mesh)
 
 CTX = 4096
+SMALL = dict(hidden_size=256, intermediate_size=688, num_heads=4, num_kv_heads=2)  # --small
 TOPICS = ["a lighthouse keeper and the sea", "a clockmaker in a mountain town", "two rivals who become friends",
           "a robot that learns to paint", "the last train of the night", "a garden that grows in winter",
           "a map with a missing island", "a cat who runs a bookshop"]
@@ -95,19 +103,45 @@ def one_node(model: Path, texts: list[str], max_tokens: int, repeats: int) -> di
         return measure(url, model.name, texts, max_tokens, repeats)
 
 
+# measure() in the client's namespace: argv = repository root, url, model, texts (JSON), max_tokens, repeats.
+MEASURE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks.concurrent import measure
+print(json.dumps(measure(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))))
+"""
+
+
+def two_stages(model: Path, texts: list[str], max_tokens: int, repeats: int, pin: bool) -> dict:
+    """The same on a 2-stage mesh (benchmarks.common.two_stage_mesh), the client on a third host."""
+    from harness.cluster import in_ns
+
+    with two_stage_mesh(model, CTX, pin=pin) as (client, url, _):
+        return in_ns(client, MEASURE, ROOT, url, model.name, json.dumps(texts), max_tokens, repeats, timeout=3600)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="concurrent rounds per server (best counts)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
+    ap.add_argument("--two-stages", action="store_true", help="also on 2 stages (namespace hosts; needs root)")
+    ap.add_argument("--pin", action="store_true", help="2 stages: a core each (benchmarks.common.two_stage_mesh)")
+    ap.add_argument("--only-two", action="store_true", help="only the 2-stage mesh")
+    ap.add_argument("--small", action="store_true", help="a model a third of the benchmark model's width")
     args = ap.parse_args()
-    model = bench_model_dir(args.cache)
+    model = bench_model_dir(args.cache, **(SMALL if args.small else {}))
     texts = prompts(args.streams)
     print(f"model {model.name}; {args.streams} concurrent streaming chats of up to {args.tokens} tokens")
-    runs = {"mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
-            "meshnode, one node": one_node(model, texts, args.tokens, args.repeats)}
-    base = runs["mlx_lm.server"]
+    runs = {} if args.only_two else {
+        "mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
+        "meshnode, one node": one_node(model, texts, args.tokens, args.repeats)}
+    if args.two_stages or args.only_two:
+        two = runs["meshnode, 2 stages"] = two_stages(model, texts, args.tokens, args.repeats, args.pin)
+        print(f"meshnode, 2 stages: {args.streams} streams {two['aggregate_tps']:.1f} tok/s, one stream "
+              f"{two['single_tps']:.1f} tok/s: {two['aggregate_tps'] / two['single_tps']:.2f}x one stream")
+    base = runs.get("mlx_lm.server", next(iter(runs.values())))
     for name, r in runs.items():
         # (a stream's end may hold an incomplete character: meshnode sends it as U+FFFD, mlx_lm.server drops it)
         same = "same answers" if [a.rstrip("\ufffd") for a in r["answers"]] == \
