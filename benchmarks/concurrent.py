@@ -11,8 +11,9 @@ Targets: aggregate >= 1.0x mlx_lm.server; single stream >= 0.95x. Each server's 
 checked to be the same text (greedy).
 
 ``--two-stages`` (root): also a 2-stage mesh (two ``meshnode run`` processes on namespace hosts, the
-client on a third; ``--pin``: a core each), where concurrent decode steps go through both stages as
-one batch (meshnode.serving.step_batch); target: 4 streams' aggregate >= 2.5x one stream.
+client on a third; ``--pin``: a core each), with concurrent decode steps taking turns (the default)
+and with ``batch_stages`` (micro-batches through both stages, meshnode.serving.step_batch); target:
+4 streams' aggregate >= 2.5x one stream, here taken while all four decode (prefill left out).
 ``--small``: a model a third as wide, whose per-token costs (hops, Python) weigh as a bigger model's
 do on a fast GPU.
 
@@ -47,13 +48,13 @@ def prompts(n: int) -> list[str]:
     return [f"Write a long story about {TOPICS[i % len(TOPICS)]}. " * 3 for i in range(n)]
 
 
-def stream_one(url: str, model: str, text: str, max_tokens: int) -> tuple[int, str]:
-    """(completion tokens, text) of one streamed greedy chat."""
+def stream_one(url: str, model: str, text: str, max_tokens: int) -> tuple[int, str, list[float]]:
+    """(completion tokens, text, the arrival time of each text chunk) of one streamed greedy chat."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
                        "max_tokens": max_tokens, "temperature": 0,
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    count, out, chunks = None, "", 0
+    count, out, times = None, "", []
     with urllib.request.urlopen(req, timeout=900) as r:
         for event in sse_events(r):
             if event.get("usage"):
@@ -62,12 +63,22 @@ def stream_one(url: str, model: str, text: str, max_tokens: int) -> tuple[int, s
                 piece = choice["delta"].get("content")
                 if piece:
                     out += piece
-                    chunks += 1
-    return (count if count is not None else chunks), out
+                    times.append(time.perf_counter())
+    return (count if count is not None else len(times)), out, times
 
 
-def concurrent_tps(url: str, model: str, texts: list[str], max_tokens: int) -> tuple[float, list[str]]:
-    """Aggregate completion tokens/s of ``texts`` streamed at once, and their answers."""
+def decode_window_tps(times: list[list[float]]) -> float:
+    """Chunks/s of all streams together while every one of them decodes (from the last first chunk
+    to the first last chunk): batched decode, without the prompts' prefill; 0 if there is no such window."""
+    start, end = max(t[0] for t in times if t), min(t[-1] for t in times if t)
+    if end <= start or not all(times):
+        return 0.0
+    return sum(start < x <= end for t in times for x in t) / (end - start)
+
+
+def concurrent_tps(url: str, model: str, texts: list[str], max_tokens: int) -> tuple[float, float, list[str]]:
+    """Aggregate completion tokens/s of ``texts`` streamed at once (prefill included), their decode
+    rate together (:func:`decode_window_tps`), and their answers."""
     results: list = [None] * len(texts)
     go = threading.Barrier(len(texts) + 1)
 
@@ -83,14 +94,16 @@ def concurrent_tps(url: str, model: str, texts: list[str], max_tokens: int) -> t
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return sum(c for c, _ in results) / wall, [text for _, text in results]
+    return (sum(c for c, _, _ in results) / wall, decode_window_tps([t for _, _, t in results]),
+            [text for _, text, _ in results])
 
 
 def measure(url: str, model: str, texts: list[str], max_tokens: int, repeats: int) -> dict:
     stream_one(url, model, texts[0], 8)  # warm up
     runs = [concurrent_tps(url, model, texts, max_tokens) for _ in range(repeats)]
     single, _ = http_decode_tps(url, model, max_tokens, repeats=3, text=texts[0])
-    return {"aggregate_tps": max(tps for tps, _ in runs), "single_tps": single, "answers": runs[0][1]}
+    return {"aggregate_tps": max(r[0] for r in runs), "decode_tps": max(r[1] for r in runs), "single_tps": single,
+            "answers": runs[0][2]}
 
 
 def on_mlx_lm_server(model: Path, texts: list[str], max_tokens: int, repeats: int) -> dict:
@@ -112,11 +125,13 @@ print(json.dumps(measure(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(
 """
 
 
-def two_stages(model: Path, texts: list[str], max_tokens: int, repeats: int, pin: bool) -> dict:
-    """The same on a 2-stage mesh (benchmarks.common.two_stage_mesh), the client on a third host."""
+def two_stages(model: Path, texts: list[str], max_tokens: int, repeats: int, pin: bool, batching: bool = True) -> dict:
+    """The same on a 2-stage mesh (benchmarks.common.two_stage_mesh), the client on a third host;
+    ``batching``: the nodes' ``batch_stages`` on (else requests take turns a step each, the default)."""
     from harness.cluster import in_ns
 
-    with two_stage_mesh(model, CTX, pin=pin) as (client, url, _):
+    env = {"MESHNODE_BATCH_STAGES": "true"} if batching else None
+    with two_stage_mesh(model, CTX, pin=pin, env=env) as (client, url, _):
         return in_ns(client, MEASURE, ROOT, url, model.name, json.dumps(texts), max_tokens, repeats, timeout=3600)
 
 
@@ -138,9 +153,11 @@ def main() -> int:
         "mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
         "meshnode, one node": one_node(model, texts, args.tokens, args.repeats)}
     if args.two_stages or args.only_two:
-        two = runs["meshnode, 2 stages"] = two_stages(model, texts, args.tokens, args.repeats, args.pin)
-        print(f"meshnode, 2 stages: {args.streams} streams {two['aggregate_tps']:.1f} tok/s, one stream "
-              f"{two['single_tps']:.1f} tok/s: {two['aggregate_tps'] / two['single_tps']:.2f}x one stream")
+        for name, batching in (("2 stages, batch_stages", True), ("meshnode, 2 stages", False)):
+            two = runs[name] = two_stages(model, texts, args.tokens, args.repeats, args.pin, batching)
+            print(f"{name}: {args.streams} streams {two['aggregate_tps']:.1f} tok/s with their prefill, "
+                  f"{two['decode_tps']:.1f} tok/s while all decode; one stream {two['single_tps']:.1f} tok/s: "
+                  f"{two['decode_tps'] / two['single_tps']:.2f}x one stream")
     base = runs.get("mlx_lm.server", next(iter(runs.values())))
     for name, r in runs.items():
         # (a stream's end may hold an incomplete character: meshnode sends it as U+FFFD, mlx_lm.server drops it)

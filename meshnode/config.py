@@ -85,6 +85,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "pipelined_prefill": parse_bool,
     "prompt_cache": parse_bool,
     "batching": parse_bool,
+    "batch_stages": parse_bool,
     "fast_hops": parse_bool,
     "max_step_ms": checked(as_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": positive_int,
@@ -186,6 +187,10 @@ class Settings:
     #: Where one node holds the whole model, run its concurrent generations as one batch
     #: (mlx-lm's BatchGenerator: a step decodes a token for each) instead of taking turns.
     batching: bool = True
+    #: Across pipeline stages, concurrent requests' decode steps go through the stages together
+    #: (micro-batches, meshnode.serving.step_batch) instead of a step each in turn. Off by default:
+    #: on the CPU machines measured, turns overlap the stages better (README, Concurrent streams).
+    batch_stages: bool = False
     #: Activations between pipeline stages travel in bare TCP frames on the data port (tensor_port
     #: + 33) instead of gRPC streams: a hop then costs the network's round trip, not the RPC stack's.
     fast_hops: bool = True

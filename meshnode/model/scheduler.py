@@ -168,11 +168,28 @@ def mlx_idle():
         yield
         return
     baton.release()
+    _held.idle = baton
     try:
         yield
     finally:
+        _held.idle = None
         baton.acquire()
         _held.idled = True
+
+
+@contextlib.contextmanager
+def mlx_turn():
+    """Inside :func:`mlx_idle`: hold the baton again for one piece of MLX work (a batched step's
+    local stage), letting go after it; elsewhere nothing."""
+    baton = getattr(_held, "idle", None)
+    if baton is None:
+        yield
+        return
+    baton.acquire()
+    try:
+        yield
+    finally:
+        baton.release()
 
 
 def mlx_yield() -> None:

@@ -65,7 +65,7 @@ class HeadPlacement:
             return
         # Across stages, concurrent requests' decode steps go through the stages together.
         batcher = StepBatcher(handles, on_batched_step) \
-            if batch_steps and getattr(s, "batching", False) and can_batch(handles) else None
+            if batch_steps and getattr(s, "batch_stages", False) and can_batch(handles) else None
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                       prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher)
 

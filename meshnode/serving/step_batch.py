@@ -30,9 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from meshnode.model.decode_batch import DecodeBatch, batchable_cache
-from meshnode.model.scheduler import mlx_idle
+from meshnode.model.scheduler import mlx_idle, mlx_turn
 from meshnode.model.shard import Shard, any_thread_stream
 from meshnode.transport.batch_hop import BatchHop
 from meshnode.transport.refusals import StageError
@@ -58,8 +59,26 @@ def can_batch(handles) -> bool:
     return True
 
 
+class _Group:
+    """One micro-batch: requests that step together, with their own caches merged at each stage."""
+
+    def __init__(self, handles):
+        self.members: set[Any] = set()  # requests stepping in this group
+        self.pending: dict[Any, mx.array] = {}  # their steps waiting for the next round
+        self.results: dict[Any, Any] = {}  # a round's rows (or its error), by request
+        self.running = False
+        self.hops: dict[int, BatchHop] = {}  # remote stages' batch streams, by stage index
+        self.batches = {i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(handles)
+                        if getattr(h, "shard", None) is not None}
+
+
 class StepBatcher:
-    """The decode steps of one placement's concurrent requests, run as batches."""
+    """The decode steps of one placement's concurrent requests, run as batches.
+
+    The batched requests are dealt into as many micro-batches (groups) as the pipeline has
+    stages, each stepping on its own: while one group's step is at a stage, another's can be at
+    the next, so no stage waits for the others (pipeline parallelism) and each still computes
+    several requests at once. A request stays in its group (its caches stay merged there)."""
 
     def __init__(self, handles, on_round: Callable[[int], None] | None = None):
         """``on_round(rows)``: told of every round run (meshnode.metrics.NodeMetrics.batched_step)."""
@@ -67,13 +86,8 @@ class StepBatcher:
         self._on_round = on_round
         self._cond = threading.Condition()
         self._decoding: set[Any] = set()  # requests (PipelineModel) between their first step and their end
-        self._batched: set[Any] = set()  # those stepping in batches
-        self._pending: dict[Any, mx.array] = {}  # steps waiting for the next round, by request
-        self._results: dict[Any, Any] = {}  # a round's rows (or its error), by request
-        self._running = False
-        self._hops: dict[int, BatchHop] = {}  # remote stages' batch streams, by stage index
-        self._batches = {i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(self._handles)
-                         if getattr(h, "shard", None) is not None}
+        self._groups = [_Group(self._handles) for _ in range(max(1, len(self._handles)))]
+        self._group_of: dict[Any, _Group] = {}
         self.off: str | None = None  # why batching is off for this placement (a stage refused it)
         self.widest = 0  # the most requests one round has stepped (tests, diagnostics)
 
@@ -92,91 +106,115 @@ class StepBatcher:
     def alone(self, model) -> None:
         """``model`` steps on its own from here (no other request decodes)."""
         with self._cond:
-            self._batched.discard(model)
-            self._cond.notify_all()
+            self._ungroup(model)
 
     def leave(self, model) -> None:
         """``model``'s generation ended (its stages take its caches back as they close)."""
         with self._cond:
             self._decoding.discard(model)
-            self._batched.discard(model)
-            self._pending.pop(model, None)
-            idle = not self._decoding and not self._running
-            self._cond.notify_all()
+            self._ungroup(model)
+            idle = not self._decoding and not any(g.running for g in self._groups)
         if idle:
             self._close_hops()
 
+    def _ungroup(self, model) -> None:
+        group = self._group_of.pop(model, None)
+        if group is not None:
+            group.members.discard(model)
+            group.pending.pop(model, None)
+            self._cond.notify_all()
+
+    def _group(self, model) -> _Group:
+        group = self._group_of.get(model)
+        if group is None:
+            group = self._group_of[model] = min(self._groups, key=lambda g: len(g.members))
+            group.members.add(model)
+        return group
+
     def step(self, model, x: mx.array) -> mx.array:
         """``model``'s next one-position step (``x``: [1, 1] token ids), run in a batch with the
-        other requests' steps that arrive with it; its logits ([1, 1, vocab])."""
+        other requests of its group whose steps arrive with it; its logits ([1, 1, vocab])."""
         mx.eval(x)  # built on this thread's stream (its sampler's): another thread may run the round
-        with mlx_idle(), self._cond:  # the baton is free while this request waits for its round
-            self._batched.add(model)
-            self._pending[model] = x
+        # The baton is free while this request waits for its round, and while its round is at a
+        # remote stage: the leader takes it back only for the local stage (mlx_turn), so another
+        # group's members sample and another group's step runs here meanwhile.
+        with mlx_idle():
+            return self._step(model, x)
+
+    def _step(self, model, x: mx.array) -> mx.array:
+        with self._cond:
+            group = self._group(model)
+            group.pending[model] = x
             self._cond.notify_all()  # a leader waiting for the others may be waiting for this one
             first = time.monotonic()
-            while model not in self._results:
-                if not self._running:
-                    waiting = self._batched - set(self._pending)
+            while model not in group.results:
+                if not group.running:
+                    waiting = group.members - set(group.pending)
                     left = GATHER_S - (time.monotonic() - first)
                     if not waiting or left <= 0:
-                        round_, self._pending = self._pending, {}
-                        self._running = True
+                        round_, group.pending = group.pending, {}
+                        group.running = True
                         break
                     self._cond.wait(left)
                 else:
                     self._cond.wait()
             else:
-                return self._take(model)
+                return self._take(group, model)
         try:
-            with mx.stream(any_thread_stream()):
-                out = self._run(round_)
+            out = self._run(group, round_)
+            with mlx_turn(), mx.stream(any_thread_stream()):
                 rows: list[Any] = [out[i : i + 1] for i in range(len(round_))]
                 mx.eval(rows)  # each request samples from its row on its own thread
         except BaseException as exc:  # noqa: BLE001 - every request of the round gets it
             rows = [exc] * len(round_)
         with self._cond:
-            self._results.update(zip(round_, rows))
-            self._running = False
+            group.results.update(zip(round_, rows))
+            group.running = False
             self._cond.notify_all()
-            return self._take(model)
+            return self._take(group, model)
 
-    def _take(self, model) -> mx.array:
-        out = self._results.pop(model)
+    @staticmethod
+    def _take(group: _Group, model) -> mx.array:
+        out = group.results.pop(model)
         if isinstance(out, BaseException):
             raise out
         return out
 
     # -- a round
-    def _run(self, round_: dict[Any, mx.array]) -> mx.array:
+    def _run(self, group: _Group, round_: dict[Any, mx.array]) -> mx.array:
         models = list(round_)
         self.widest = max(self.widest, len(models))
         if self._on_round is not None:
             self._on_round(len(models))
-        h = mx.concatenate([round_[m] for m in models], axis=0)
+        # The rows' token ids, joined on the host (no MLX work: the baton may be elsewhere).
+        h = mx.array(np.concatenate([np.asarray(round_[m]) for m in models], axis=0).astype(np.int32))
         for i, stage in enumerate(self._handles):
-            if i in self._batches:
-                h = self._local(i, stage, models, h)
+            if i in group.batches:
+                h = self._local(group.batches[i], i, stage, models, h)
             else:
-                h = self._remote(i, stage, models, h)
+                h = self._remote(group, i, stage, models, h)
         return h
 
-    def _local(self, i: int, stage, models: list, h: mx.array) -> mx.array:
-        batch = self._batches[i]
+    @staticmethod
+    def _local(batch: DecodeBatch, i: int, stage, models: list, h: mx.array) -> mx.array:
         sessions = [m.state.sessions[i] for m in models]
-        with batch.lock:  # the step is evaluated before a member's close may take its cache back
+        # The baton for this stage's MLX work; the batch's lock: the step is evaluated before a
+        # member's close may take its cache back.
+        with mlx_turn(), mx.stream(any_thread_stream()), batch.lock:
             for session in sessions:
-                session.batch = batch
+                if session.batch is not batch:
+                    session.own()  # out of another group's batch (its cache goes where it steps now)
+                    session.batch = batch
             out = stage.shard.forward(h, batch.follow(sessions))
             mx.eval(out)
         return out
 
-    def _remote(self, i: int, stage, models: list, h: mx.array) -> mx.array:
-        hop = self._hops.get(i)
+    def _remote(self, group: _Group, i: int, stage, models: list, h: mx.array) -> mx.array:
+        hop = group.hops.get(i)
         if hop is None:
             host, port = stage.data_port
             try:
-                hop = self._hops[i] = BatchHop(stage, host, port, auth=stage.auth, node_id=stage.caller)
+                hop = group.hops[i] = BatchHop(stage, host, port, auth=stage.auth, node_id=stage.caller)
             except OSError as exc:
                 raise StageError(f"stage [{stage.start}, {stage.end}) on {stage.node_id}: batch stream not "
                                  f"opened ({exc})") from None
@@ -185,13 +223,14 @@ class StepBatcher:
         except StageError as exc:
             # Lost with its stage (failover makes a new placement), or refused: an older peer, a
             # stage that cannot batch. Either way this placement's requests step on their own now.
-            self._hops.pop(i, None)
+            group.hops.pop(i, None)
             hop.close()
             self.off = str(exc)
             log.warning("batched decode steps off for this placement: %s", exc)
             raise
 
     def _close_hops(self) -> None:
-        hops, self._hops = self._hops, {}
-        for hop in hops.values():
-            hop.close()
+        for group in self._groups:
+            hops, group.hops = group.hops, {}
+            for hop in hops.values():
+                hop.close()

@@ -5,8 +5,8 @@ Serving side (:func:`serve_batch`): a stream opened with ``ForwardRequest.batch`
 the requests of the step, one row of ``input`` each (``[rows, 1]`` token ids for the first stage,
 ``[rows, 1, hidden]`` after it). Every member must have its own data-port stream to this stage open
 (it prefilled there and its cache lives there); the stage runs all rows as one forward over the
-requests' caches merged (meshnode.model.decode_batch.DecodeBatch, on the connection's thread holding
-the node's MLX baton) and answers with one raw reply of ``rows`` positions (the rows in order). A
+requests' caches merged (meshnode.model.decode_batch.DecodeBatch, one per batch stream: a head's
+micro-batch; on the connection's thread holding the node's MLX baton) and answers with one raw reply of ``rows`` positions (the rows in order). A
 member's own stream may still run a message of its own (its cache then leaves the batch first) and
 ends as before. A refusal (a member with no stream here, a malformed frame, the model raising) is a
 ``ForwardReply`` with ``code`` and ``error``, after which the stream closes.
@@ -58,11 +58,22 @@ def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: m
     """Serve one head's batched decode steps to one stage until the head closes the stream."""
     try:
         shard = server.shard_for(opening.forward)
-        batch = _batch_of(server, shard)
+        _check_batchable(shard)
     except StageRefusal as refusal:
         _refuse(conn, refusal)
         return
+    batch = server.batches[id(conn)] = DecodeBatch(shard.make_cache)  # this stream's micro-batch
     conn.settimeout(IDLE_TIMEOUT)
+    try:
+        _serve_steps(server, run_here, conn, shard, batch, host)
+    finally:
+        del server.batches[id(conn)]
+        if len(batch):  # its members' caches back to them (they may go on alone, or in another batch)
+            run_here(batch.release_all)
+
+
+def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: Shard, batch: DecodeBatch,
+                 host: str) -> None:
     out = bytearray()  # raw replies are written here, step after step
     while True:
         try:
@@ -89,15 +100,11 @@ def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: m
         _yield()
 
 
-def _batch_of(server: "StageServer", shard: "Shard") -> DecodeBatch:
-    batch = server.batches.get(shard)
-    if batch is None:
-        if not (isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())):
-            spec = shard.spec
-            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
-        batch = server.batches.setdefault(shard, DecodeBatch(shard.make_cache))
-    return batch
+def _check_batchable(shard) -> None:
+    if not (isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())):
+        spec = shard.spec
+        raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
 
 
 def _members(server: "StageServer", shard: "Shard", msg: mesh_pb2.ForwardRequest) -> list["OpenStage"]:
@@ -139,9 +146,11 @@ def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: li
         for stage in members:
             stage.admit(1)
         try:
-            cache = batch.follow(members)
             for stage in members:
-                stage.batch = batch
+                if stage.batch is not batch:
+                    stage.own()  # out of another stream's batch: its cache goes where it steps now
+                    stage.batch = batch
+            cache = batch.follow(members)
             out = shard.forward(to_array(rows, "int32" if spec.is_first else dtype_name(shard.dtype)), cache)
             mx.eval(out)
         except Exception as exc:  # noqa: BLE001 - the model raised on these rows: report it, keep serving

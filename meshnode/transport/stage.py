@@ -89,7 +89,7 @@ class StageServer:
         self.steps = StepWatch()  # a step that never ends is a stalled node (announced in heartbeats)
         # Batched decode steps (meshnode.transport.batch_hop): requests' open data-port streams, each shard's batch.
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
-        self.batches: dict[Shard, DecodeBatch] = {}
+        self.batches: dict[int, DecodeBatch] = {}  # by batch stream
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
         self.epochs[epoch] = dict(shards)
@@ -97,8 +97,6 @@ class StageServer:
     def retire_before(self, epoch: int) -> None:
         for old in [e for e in self.epochs if e < epoch]:
             del self.epochs[old]
-        served = [s for shards in self.epochs.values() for s in shards.values()]
-        self.batches = {s: b for s, b in self.batches.items() if any(s is x for x in served)}
         if self.prefixes is not None:  # prefixes of layers no longer served here are memory to give back
             served = {key for shards in self.epochs.values() for key in shards}
             for layers in self.prefixes.layer_ranges():
