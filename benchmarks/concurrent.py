@@ -135,6 +135,24 @@ def two_stages(model: Path, texts: list[str], max_tokens: int, repeats: int, pin
         return in_ns(client, MEASURE, ROOT, url, model.name, json.dumps(texts), max_tokens, repeats, timeout=3600)
 
 
+def mlx_lm_batch_ceiling(model: Path, rows: int, steps: int = 60) -> float:
+    """Decode tokens/s of mlx-lm's own BatchGenerator in this process with ``rows`` requests (no
+    server, no network): what batching can give on this machine at most."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    m, _ = load(str(model))
+    gen = BatchGenerator(m, max_tokens=10**6)
+    gen.insert([[1, 2, 3, 4, 5, 6, 7, 8]] * rows, max_tokens=[steps + 10] * rows)
+    for _ in range(5):  # the prompts' prefill and a warm-up
+        gen.next()
+    t0, n = time.perf_counter(), 0
+    for _ in range(steps):
+        _, responses = gen.next()
+        n += len(responses)
+    return n / (time.perf_counter() - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=4)
@@ -158,6 +176,10 @@ def main() -> int:
             print(f"{name}: {args.streams} streams {two['aggregate_tps']:.1f} tok/s with their prefill, "
                   f"{two['decode_tps']:.1f} tok/s while all decode; one stream {two['single_tps']:.1f} tok/s: "
                   f"{two['decode_tps'] / two['single_tps']:.2f}x one stream")
+    if args.two_stages or args.only_two:
+        one, many = mlx_lm_batch_ceiling(model, 1), mlx_lm_batch_ceiling(model, args.streams)
+        print(f"mlx-lm's BatchGenerator in one process: {args.streams} requests {many:.1f} tok/s, one {one:.1f} "
+              f"tok/s: {many / one:.2f}x (what batching can give here)")
     base = runs.get("mlx_lm.server", next(iter(runs.values())))
     for name, r in runs.items():
         # (a stream's end may hold an incomplete character: meshnode sends it as U+FFFD, mlx_lm.server drops it)
