@@ -129,7 +129,11 @@ def test_a_bad_batched_step_is_refused_and_the_stage_keeps_serving(served):
         # A request that promised its next step on its own stream (built ahead there) cannot join.
         own[0].finish(own[0].submit(mx.array([[PROMPTS["r1"][-1]]]), next_single=True))
         hop = BatchHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
-        time.sleep(0.2)  # the stage builds that step after its reply went out
+        opened = server.streams[("r1", 0, SPLIT)]
+        deadline = time.monotonic() + 20
+        while opened.prepared is None:  # the stage builds that step after its reply went out
+            assert time.monotonic() < deadline, "the stage never built the promised step"
+            time.sleep(0.01)
         with pytest.raises(StageError, match="promised"):
             hop.step(["r1"], mx.array([[5]]))
         hop.close()
