@@ -28,7 +28,7 @@ CASES = [("llama", "float32", None, 1e-4), ("qwen3_moe", "float32", None, 1e-4),
 
 class Member:
     def __init__(self, cache):
-        self.cache = cache
+        self.cache, self.batch = cache, None
 
 
 @pytest.mark.parametrize("family,dtype,quantize,tol", CASES, ids=[f"{c[0]}-{c[2] or c[1]}" for c in CASES])
@@ -85,7 +85,7 @@ def test_batched_steps_equal_each_requests_own_steps(family, dtype, quantize, to
         assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item(), r
 
 
-def test_a_request_named_twice_or_without_its_cache_is_refused(tmp_path):
+def test_a_request_named_twice_or_without_its_cache_is_refused_and_one_named_elsewhere_moves(tmp_path):
     path = build_model(tmp_path / "llama", "llama", num_layers=2, dtype="float32")
     shard = Shard(path, 0, 2)
     batch, other = DecodeBatch(shard.make_cache), DecodeBatch(shard.make_cache)
@@ -94,8 +94,12 @@ def test_a_request_named_twice_or_without_its_cache_is_refused(tmp_path):
     with pytest.raises(ValueError, match="twice"):
         batch.follow([m, m])
     batch.follow([m])
+    # Named by another batch, it moves there: out of the first (its cache extracted), into the other.
+    other.follow([m])
+    assert len(batch) == 0 and len(other) == 1 and m.batch is other and m.cache is None
+    lost = Member(None)  # a cache no batch holds and no request has
     with pytest.raises(ValueError, match="without its cache"):
-        other.follow([m])
+        other.follow([m, lost])
 
 
 def test_quantized_and_chunked_caches_are_not_batchable():

@@ -8,9 +8,10 @@ own forward masks the padding), so a step costs one forward of B rows instead of
 the KV is not copied again while the members stay the same.
 
 Membership follows each step's list, so there are no join or leave messages to lose: a request
-named for the first time is merged in (its cache extended into the batch); one no longer named is
-taken out (its cache extracted back to its session). Before a member runs on its own (a prefill
-chunk, a failover replay) or its KV is kept or dropped, :meth:`release` gives its cache back whole.
+named for the first time is merged in (its cache extended into the batch, out of another batch
+first if one held it); one no longer named is taken out (its cache extracted back to its session).
+Each member's ``batch`` says which batch holds its cache. Before a member runs on its own (a prefill
+chunk, a failover replay) or its KV is kept or dropped, :func:`take_back` gives its cache back whole.
 
 A cache mlx-lm cannot batch (``QuantizedKVCache`` under ``kv_bits``, ``ChunkedKVCache``) makes a
 shard unbatchable: :func:`batchable_cache` says so and its requests keep stepping one at a time.
@@ -24,13 +25,21 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from meshnode.model.shard import any_thread_stream
+from meshnode.model.shard import Shard, any_thread_stream
 
 
 class Member(Protocol):
-    """A request's use of a stage: ``cache`` is its per-layer caches (None while they are in a batch)."""
+    """A request's use of a stage: ``cache`` is its per-layer caches (None while they are in a
+    batch); ``batch`` is the batch holding them (None: its own)."""
 
     cache: list[Any] | None
+    batch: "DecodeBatch | None"
+
+
+def take_back(member: Member) -> None:
+    """``member``'s cache out of the batch holding it, if any (before it runs alone or ends)."""
+    if member.batch is not None:
+        member.batch.release(member)
 
 
 def _aliases(cache: list[Any]) -> list[int]:
@@ -44,6 +53,12 @@ def batchable_cache(cache: list[Any]) -> bool:
     """Whether mlx-lm can merge (and so extend, filter and extract) every cache of this list:
     not ``QuantizedKVCache`` (``kv_bits``) nor ``ChunkedKVCache``, which have no batch form."""
     return all(_mergeable(c) for c in cache)
+
+
+def batchable_shard(shard: Any) -> bool:
+    """Whether a stage's requests can step in a batch here: a plain shard (not a tensor group's)
+    whose caches mlx-lm batches."""
+    return isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())
 
 
 def _mergeable(cache: Any) -> bool:
@@ -84,9 +99,9 @@ class DecodeBatch:
             return self._follow(list(members))
 
     def _follow(self, want: list[Member]) -> list[Any]:
-        if len({id(m) for m in want}) != len(want):
-            raise ValueError("a request named twice in one step")
         named = {id(m) for m in want}
+        if len(named) != len(want):
+            raise ValueError("a request named twice in one step")
         for member in [m for m in self._members if id(m) not in named]:
             self._release(member)
         joining = [m for m in want if m not in self]
@@ -107,7 +122,7 @@ class DecodeBatch:
         if member not in self:
             return
         idx = self._index(member)
-        member.cache = self._extract(idx)
+        member.cache, member.batch = self._extract(idx), None
         rest = [i for i in range(len(self._members)) if i != idx]
         del self._members[idx]
         if rest:
@@ -131,6 +146,9 @@ class DecodeBatch:
             fn(self._cache[i])
 
     def _join(self, joining: list[Member]) -> None:
+        for member in joining:
+            if member.batch is not None:  # another batch holds its cache: it steps here from now on
+                member.batch.release(member)
         caches = [m.cache for m in joining]
         if any(c is None for c in caches):
             raise ValueError("a request joined a batch without its cache (it is in another batch)")
@@ -148,7 +166,7 @@ class DecodeBatch:
             for i in self._distinct():
                 self._cache[i].extend(merged[i])
         for member in joining:
-            member.cache = None  # the batch holds its KV now (no second copy)
+            member.cache, member.batch = None, self  # the batch holds its KV now (no second copy)
         self._members.extend(joining)
 
     def _extract(self, idx: int) -> list[Any]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import prefix_key
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
@@ -86,21 +87,8 @@ class LocalSession:
             if cache is None:
                 raise PrefixMiss(f"layers [{shard.start}, {shard.end}) here: prefix {resume[0]}: {why}")
             self.grow(resume[1])
-        self._cache = cache if cache is not None else shard.make_cache()
-
-    @property
-    def cache(self) -> list | None:  # a DecodeBatch takes it (None) and gives it back
-        return self._cache
-
-    @cache.setter
-    def cache(self, value: list | None) -> None:
-        self._cache = value
-
-    def own(self) -> None:
-        """This request's cache back from the batch of decode steps, before it runs alone or ends."""
-        if self.batch is not None:
-            self.batch.release(self)
-            self.batch = None
+        # (None while a DecodeBatch holds it: meshnode.serving.step_batch)
+        self.cache = cache if cache is not None else shard.make_cache()
 
     def grow(self, positions: int) -> None:
         self._seen += positions
@@ -109,8 +97,8 @@ class LocalSession:
 
     def keep(self, key: str, positions: int) -> bool:
         """Keep this request's KV here (the prompt cache); whether it was."""
-        self.own()
-        cache, self._cache, self._prepared = self._cache, None, None
+        take_back(self)
+        cache, self.cache, self._prepared = self.cache, None, None
         self.close()  # its positions are the kept prefix's now, not a request's in use
         return self._prefixes is not None and cache is not None and \
             self._prefixes.keep(self._layers, key, cache, positions)
@@ -119,8 +107,8 @@ class LocalSession:
         """Build the next one-position step on a placeholder while a remote stage before this one
         works (MLX builds graphs in Python, ~0.2-0.3 ms a layer); False where that cannot be done."""
         build_ahead = getattr(self._shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
-        self.own()
-        self._prepared = build_ahead(self._cache) if build_ahead is not None else None
+        take_back(self)
+        self._prepared = build_ahead(self.cache) if build_ahead is not None else None
         if self._prepared is None:
             return False
         if self._shard.spec.is_last:
@@ -141,13 +129,13 @@ class LocalSession:
     def submit(self, x: mx.array, *, work: int = 0) -> DoneTicket:
         """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters.
         (``work``: this thread's claims already carry the request's remaining work.)"""
-        self.own()
+        take_back(self)
         self.grow(x.shape[1])
-        out = self._shard.forward(x, self._cache)
+        out = self._shard.forward(x, self.cache)
         if self._shard.spec.is_last:
             owned = getattr(self._shard, "owned", None)
             # As mlx-lm's own prefill: evaluate the cache, never the chunk's logits.
-            mx.eval([c.state for c in owned(self._cache)] if owned is not None else out)
+            mx.eval([c.state for c in owned(self.cache)] if owned is not None else out)
         else:
             mx.eval(out)
         return DoneTicket(out, x.shape[1])
@@ -155,16 +143,16 @@ class LocalSession:
     def forward(self, x: mx.array) -> mx.array:
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
         # (A remote stage evaluates when it encodes the activation for the wire.)
-        self.own()
+        take_back(self)
         self.grow(x.shape[1])
-        out = self._shard.forward(x, self._cache)
+        out = self._shard.forward(x, self.cache)
         if self._shard.spec.is_last:
             out = out[:, -1:, :]
         return out
 
     def close(self) -> None:
-        self.own()
-        self._cache = self._prepared = None
+        take_back(self)
+        self.cache = self._prepared = None
         if self._seen:
             self.grow(-self._seen)
 

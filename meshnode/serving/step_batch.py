@@ -32,9 +32,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from meshnode.model.decode_batch import DecodeBatch, batchable_cache
+from meshnode.model.decode_batch import DecodeBatch, batchable_shard
 from meshnode.model.scheduler import mlx_idle, mlx_turn
-from meshnode.model.shard import Shard, any_thread_stream
+from meshnode.model.shard import any_thread_stream
 from meshnode.transport.batch_hop import BatchHop
 from meshnode.transport.refusals import StageError
 
@@ -52,7 +52,7 @@ def can_batch(handles) -> bool:
     for stage in handles:
         shard = getattr(stage, "shard", None)
         if shard is not None:
-            if not (isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())):
+            if not batchable_shard(shard):
                 return False
         elif getattr(stage, "data_port", None) is None or getattr(stage, "auth", None) is None:
             return False
@@ -201,10 +201,6 @@ class StepBatcher:
         # The baton for this stage's MLX work; the batch's lock: the step is evaluated before a
         # member's close may take its cache back.
         with mlx_turn(), mx.stream(any_thread_stream()), batch.lock:
-            for session in sessions:
-                if session.batch is not batch:
-                    session.own()  # out of another group's batch (its cache goes where it steps now)
-                    session.batch = batch
             out = stage.shard.forward(h, batch.follow(sessions))
             mx.eval(out)
         return out

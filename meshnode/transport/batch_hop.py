@@ -27,27 +27,23 @@ import mlx.core as mx
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from meshnode.model.decode_batch import DecodeBatch, batchable_cache
+from meshnode.model.decode_batch import DecodeBatch, batchable_shard
 from meshnode.model.scheduler import mlx_idle
-from meshnode.model.shard import Shard
 from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, raw_reply_into, to_array, to_tensor
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
-from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield, lost, read_reply
-from meshnode.transport.refusals import FAULT, STAGE_FAULT, StageError, StageRefusal
+from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield, lost, read_reply, stream_key
+from meshnode.transport.refusals import StageError, StageRefusal
+from meshnode.transport.stage import check_tokens
 
 if TYPE_CHECKING:
+    from meshnode.model.shard import Shard
     from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
     from meshnode.trust.auth import ClusterAuth
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # requests in one step (a node's max_concurrent_requests is far below)
-
-
-def stream_key(request_id: str, start: int, end: int) -> tuple[str, int, int]:
-    """How :attr:`StageServer.streams` names a request's own stream to a stage."""
-    return request_id, start, end
 
 
 # --------------------------------------------------------------------------- serving side
@@ -72,7 +68,7 @@ def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: m
             run_here(batch.release_all)
 
 
-def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: Shard, batch: DecodeBatch,
+def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: "Shard", batch: DecodeBatch,
                  host: str) -> None:
     out = bytearray()  # raw replies are written here, step after step
     while True:
@@ -101,7 +97,7 @@ def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: Sh
 
 
 def _check_batchable(shard) -> None:
-    if not (isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())):
+    if not batchable_shard(shard):
         spec = shard.spec
         raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                            f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
@@ -125,10 +121,7 @@ def _members(server: "StageServer", shard: "Shard", msg: mesh_pb2.ForwardRequest
 def _rows(server: "StageServer", shard: "Shard", tensor: mesh_pb2.Tensor, n: int) -> np.ndarray:
     try:
         if shard.spec.is_first:
-            ids = host_array(tensor, dtypes=("int32",), expect=(n, 1))
-            if ids.min() < 0 or ids.max() >= server.vocab_size:
-                raise WireError(f"token id outside the vocabulary [0, {server.vocab_size})")
-            return ids
+            return check_tokens(tensor, server.vocab_size, server.max_chunk, expect=(n, 1))
         return host_array(tensor, dtypes=(dtype_name(shard.dtype),), expect=(n, 1, shard.hidden_size))
     except WireError as exc:
         raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -146,20 +139,11 @@ def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: li
         for stage in members:
             stage.admit(1)
         try:
-            for stage in members:
-                if stage.batch is not batch:
-                    stage.own()  # out of another stream's batch: its cache goes where it steps now
-                    stage.batch = batch
             cache = batch.follow(members)
             out = shard.forward(to_array(rows, "int32" if spec.is_first else dtype_name(shard.dtype)), cache)
             mx.eval(out)
         except Exception as exc:  # noqa: BLE001 - the model raised on these rows: report it, keep serving
-            log.exception("layers [%d, %d) failed on a batched step of %d requests", spec.start, spec.end,
-                          len(members))
-            error = f"layers [{spec.start}, {spec.end}) failed on a batched step: {type(exc).__name__}: {exc}"
-            if server.on_fault is not None:
-                server.on_fault(error)
-            raise StageRefusal(STAGE_FAULT, f"{FAULT}{error}") from None
+            raise server.fault(shard, "a batched step", f"a batched step of {len(members)} requests", exc) from None
     return raw_reply_into(buf, HEADER, out.reshape(1, len(members), -1), time.perf_counter() - started)
 
 

@@ -157,8 +157,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
         return
     conn.settimeout(IDLE_TIMEOUT)
     # Batched decode steps of this request (meshnode.transport.batch_hop) find its cache by this name.
-    key = (opening.forward.request_id, opening.forward.start_layer, opening.forward.end_layer)
-    if key[0]:
+    key = stream_key(opening.forward.request_id, opening.forward.start_layer, opening.forward.end_layer)
+    if opening.forward.request_id:
         server.streams[key] = stage
     try:
         while True:
@@ -216,6 +216,11 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             run_here(stage.close)
         else:
             stage.close()
+
+
+def stream_key(request_id: str, start: int, end: int) -> tuple[str, int, int]:
+    """How :attr:`StageServer.streams` names a request's own stream to a stage."""
+    return request_id, start, end
 
 
 def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:

@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, PREFIX_MISS, STAGE_FAULT, StageError, StageRefusal,
                                          stage_error)
+from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import keeps_prefixes
 from meshnode.model.tensor import TensorGroupError
 from meshnode.model.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
@@ -61,8 +62,8 @@ KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to take its p
 KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
 
 
-def _check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int) -> np.ndarray:
-    ids = host_array(tensor, dtypes=("int32",), expect=(1, None))
+def check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int, expect=(1, None)) -> np.ndarray:
+    ids = host_array(tensor, dtypes=("int32",), expect=expect)
     if ids.shape[1] > max_chunk:
         raise WireError(f"{ids.shape[1]} tokens in one message (limit {max_chunk})")
     if ids.min() < 0 or ids.max() >= vocab_size:
@@ -87,9 +88,19 @@ class StageServer:
         # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
         self.on_fault: Callable[[str], None] | None = None
         self.steps = StepWatch()  # a step that never ends is a stalled node (announced in heartbeats)
-        # Batched decode steps (meshnode.transport.batch_hop): requests' open data-port streams, each shard's batch.
+        # Batched decode steps (meshnode.transport.batch_hop): requests' open data-port streams, by stream_key.
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
         self.batches: dict[int, DecodeBatch] = {}  # by batch stream
+
+    def fault(self, shard: "Shard", what: str, whose: str, exc: BaseException) -> StageRefusal:
+        """The refusal for ``shard``'s model raising on ``what`` (inside the ``except``): logged with
+        its traceback (``whose``) and told to on_fault, so the node keeps serving others."""
+        spec = shard.spec
+        log.exception("layers [%d, %d) failed on %s", spec.start, spec.end, whose)
+        error = f"layers [{spec.start}, {spec.end}) failed on {what}: {type(exc).__name__}: {exc}"
+        if self.on_fault is not None:
+            self.on_fault(error)
+        return StageRefusal(STAGE_FAULT, f"{FAULT}{error}")
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
         self.epochs[epoch] = dict(shards)
@@ -182,11 +193,6 @@ class OpenStage:
         self.injected_stall = 0.0  # tests only: the next run hangs this many seconds (hop.InjectedDelay)
         self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
-    def own(self) -> None:  # this request's cache back from a batch, before it runs alone or ends
-        if self.batch is not None:
-            self.batch.release(self)
-            self.batch = None
-
     def admit(self, positions: int) -> None:
         self.seen += positions
         if self.seen > self.server.max_context:
@@ -198,7 +204,7 @@ class OpenStage:
     def keep(self, msg: mesh_pb2.ForwardRequest) -> None:
         """The request's last message: keep its KV for a later request with the same start (on
         the MLX thread). The cache is the store's from here on."""
-        self.own()
+        take_back(self)
         cache, self.cache, self.prepared = self.cache, None, None
         self.close()  # its positions are the kept prefix's now, not a request's in use
         if self.server.prefixes is not None and cache is not None and keeps_prefixes(self.shard):
@@ -206,7 +212,7 @@ class OpenStage:
 
     def close(self) -> None:
         """The stream ended: its positions are free for kept prefixes again."""
-        self.own()
+        take_back(self)
         self.cache = self.prepared = None
         if self.server.prefixes is not None and self.seen:
             self.server.prefixes.grow(self.layers, -self.seen)
@@ -215,7 +221,7 @@ class OpenStage:
     def _host_input(self, tensor: mesh_pb2.Tensor) -> np.ndarray:
         shard = self.shard
         if shard.spec.is_first:
-            return _check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
+            return check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
         host = host_array(tensor, dtypes=(self._dtype,), expect=(1, None, shard.hidden_size))
         if host.shape[1] > self.server.max_chunk:
             raise WireError(f"{host.shape[1]} positions in one message (limit {self.server.max_chunk})")
@@ -237,7 +243,7 @@ class OpenStage:
             return self._run_array(msg)
 
     def _run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
-        self.own()
+        take_back(self)
         try:
             if self.injected_stall:
                 stall, self.injected_stall = self.injected_stall, 0.0
@@ -262,18 +268,13 @@ class OpenStage:
         except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the model raised on this input: report it, keep serving
-            spec = self.shard.spec
-            log.exception("layers [%d, %d) failed on %s's input", spec.start, spec.end, msg.request_id or "?")
-            error = f"layers [{spec.start}, {spec.end}) failed on this input: {type(exc).__name__}: {exc}"
-            if self.server.on_fault is not None:
-                self.server.on_fault(error)
-            raise StageRefusal(STAGE_FAULT, f"{FAULT}{error}") from None
+            raise self.server.fault(self.shard, "this input", f"{msg.request_id or '?'}'s input", exc) from None
 
     def prepare(self) -> None:
         """Build the next one-position step on a placeholder (the head promised one: next_single),
         so it costs nothing once its input arrives. On the MLX thread, after the reply went out."""
         build_ahead = getattr(self.shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
-        self.own()
+        take_back(self)
         if self.prepared is None and build_ahead is not None:
             self.prepared = build_ahead(self.cache)
 
