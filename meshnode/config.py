@@ -35,7 +35,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from meshnode.values import (as_float, as_int, as_path, as_text, checked, log_level, node_id, optional,
-                             origin_list, parse_bool, parse_duration, parse_peer, parse_size, peer_list, port,
+                             keep_alive_map, model_list, origin_list, parse_bool, parse_duration, parse_peer, parse_size, peer_list, port,
                              positive_duration, positive_int)
 from meshnode.weights.kvquant import KV_BITS
 
@@ -69,6 +69,9 @@ DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": optional(as_text),
+    "models": model_list,
+    "keep_alive": keep_alive_map,
+    "load_timeout": positive_duration,
     "host": checked(lambda v: as_text(v).strip(), bool, "a non-empty address"),
     "http_port": port,
     "grpc_port": port,
@@ -154,6 +157,9 @@ class Settings:
 
     #: None = the built-in demo model; else a local mlx-lm directory or a Hugging Face id.
     model: str | None = None
+    #: More models this node offers beside ``model`` (several models on one mesh: the mesh serves
+    #: every model any of its nodes offers, each planned on its own; meshnode.control.lanes).
+    models: tuple[str, ...] = ()
     #: Bind address for HTTP and gRPC.
     host: str = "0.0.0.0"
     http_port: int = 8470
@@ -211,6 +217,11 @@ class Settings:
     failure_timeout: float = 2.0
     #: Seconds a generation whose stage failed may wait for a new plan before it fails.
     failover_deadline: float = 30.0
+    #: Several models on one mesh: seconds an idle model stays loaded, for every model ({"*": s}) or
+    #: per model; 0 (default): until another model needs its room (meshnode.control.demand).
+    keep_alive: dict = field(default_factory=lambda: {"*": 0.0})
+    #: Seconds a request for a model loaded on demand may wait for the load before it fails (503).
+    load_timeout: float = 600.0
     #: Seconds one model step (a prefill chunk or a token, for a peer) may run before this node
     #: tells the mesh it is stalled (a hung GPU command, a deadlock) rather than busy: generations
     #: waiting on it fail over and plans leave it out until the step ends.
@@ -258,6 +269,10 @@ class Settings:
         _check_consistency(self, sources=None)
 
     # ------------------------------------------------------------------ derived values
+    def offered_models(self) -> tuple[str | None, ...]:
+        """Every model this node offers, ``model`` first (None: the built-in demo model)."""
+        return (self.model, *(m for m in self.models if m != self.model))
+
     def resolved_state_dir(self) -> Path:
         """Where the node keeps its state (node id ...): ``state_dir`` or the platform default."""
         return self.state_dir if self.state_dir is not None else default_state_dir()

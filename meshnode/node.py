@@ -15,6 +15,7 @@ Nothing is decided here. ``run_node`` is what ``meshnode run`` calls.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -46,9 +47,12 @@ from meshnode.model.scheduler import TokenScheduler
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel, plan_status
+from meshnode.control.adoption import Adoption
+from meshnode.control.coordinator import Coordinator
+from meshnode.control.lanes import Lane, Lanes
 from meshnode.transport.dataport import DataServer
-from meshnode.transport.batch_hop import serve_batch
-from meshnode.transport.hop import serve_forward
+from meshnode.transport.routing import StageRouter, not_served
+from meshnode.weights.store import ModelStore
 from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth
@@ -73,9 +77,13 @@ class Backend:
         return served.engine_for_request()
 
     def models(self) -> list[dict[str, Any]]:
-        return [{"id": model_id, "state": "ready" if served.serving_ready() else "loading",
+        """Every model the mesh serves (some live node offers it): ready, loading, on demand (not loaded
+        now; a request loads it) or does not fit."""
+        offered = {m for info in self.node.peers.alive_infos().values() for m in info.models} \
+            if self.node.peers.membership is not None else set(self.node.models)
+        return [{"id": model_id, "state": model_state(served),
                  "context_length": served.context if served.files.profile is not None else None}
-                for model_id, served in self.node.models.items()]
+                for model_id, served in self.node.models.items() if model_id in offered]
 
     def model_profile(self, model: str):
         """The served model's shape and sizes (the Ollama surface's details), None before they are known."""
@@ -89,6 +97,16 @@ class Backend:
 
     def mesh_status(self) -> dict[str, Any]:
         return self.node.status()
+
+
+def model_state(served: ServedModel) -> str:
+    if served.loaded():
+        return "ready"
+    if served.on_demand():
+        return "on demand"
+    if served.plan is None and (served.plan_error or served.mesh.plan_error_of(served.model_id)):
+        return "does not fit"
+    return "loading"
 
 
 class Node:
@@ -113,11 +131,24 @@ class Node:
         self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
         self.events = EventLog(self.metrics)
         self.peers = Peers(settings, self.node_id, self.auth, self.tls)
-        self.served = ServedModel(settings, self.node_id, scheduler=self.scheduler, metrics=self.metrics,
-                                  progress=self.progress, mesh=self.peers, auth=self.auth, group_secret=group_secret,
-                                  event=self.events, on_ready=lambda: self.control.beat_now())
+        # Every model this node serves is a lane (meshnode.control.lanes), sharing one store of held models.
+        store = ModelStore(settings.resolved_cache_dir() / "peer-models")
+
+        def lane(model: str | None, offered: bool) -> Lane:
+            served = ServedModel(settings, self.node_id, scheduler=self.scheduler, metrics=self.metrics,
+                                 progress=self.progress, mesh=self.peers, auth=self.auth, group_secret=group_secret,
+                                 event=self.events, on_ready=lambda: self.control.beat_now(), model=model, store=store,
+                                 learned=not offered)
+            adoption = Adoption(served, grace=max(1.0, 2 * settings.heartbeat_interval), event=self.events)
+            coordinator = Coordinator(settings, self.node_id, self.peers, adoption, event=self.events,
+                                      used_by_others=lambda: self.lanes.used_by_others(served.model_id))
+            return Lane(served, adoption, coordinator, offered)
+
+        self.lanes = Lanes(lane, settings.offered_models())
+        self.served = self.lanes.primary.served  # the first model's (a single-model mesh's only one)
         self.control = ControlPlane(settings, self.node_id, self.cluster_id, self.started_at, self.peers,
-                                    self.served, event=self.events)
+                                    self.lanes, event=self.events, holders=self._holders)
+        self.router = StageRouter(self._stage_server_of, self.scheduler.run_here)
         self.discovery: Discovery | None = None
         self.http_port, self.grpc_port = settings.http_port, settings.grpc_port
         self._grpc = None
@@ -142,8 +173,15 @@ class Node:
 
     @property
     def models(self) -> dict[str, ServedModel]:
-        """The served models by id (requests find theirs here)."""
-        return {self.served.model_id: self.served} if self.served.model_id else {}
+        """The served models by id (requests find theirs here), the first model first."""
+        return {lane.model_id: lane.served for lane in self.lanes if lane.model_id is not None}
+
+    def _holders(self, model_id: str):
+        return self.peers.holders_of(model_id, self.cluster_id)
+
+    def _stage_server_of(self, model: str):
+        lane = self.lanes.get(model)
+        return lane.served.stage_server if lane is not None else None
 
     def serving_plan(self):
         return self.served.serving_plan()
@@ -154,10 +192,10 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         s, served = self.settings, self.served
-        await served.load(lambda model_id: self.peers.holders_of(model_id, self.cluster_id))
-        handlers = Handlers(heartbeat=self.control.heartbeats.on_heartbeat, install=self.control.adoption.on_install,
+        await self.lanes.start(self._holders)
+        handlers = Handlers(heartbeat=self.control.heartbeats.on_heartbeat, install=self.control.on_install,
                             goodbye=self.control.heartbeats.on_goodbye, generate=self._on_generate,
-                            stage_server=served.stage_server, store=served.files.store, probe=probe_reply,
+                            stage_server=self.router, store=served.files.store, probe=probe_reply,
                             probe_delay_s=s.inject_latency_us * 1e-6)
         self._grpc, self.grpc_port = await start_server(
             handlers, s.host, s.grpc_port, interceptors=[self.auth.server_interceptor()] if s.authenticate else (),
@@ -170,7 +208,7 @@ class Node:
             node_id=self.node_id, addresses=self._announced_addresses(), http_port=self.http_port,
             grpc_port=self.grpc_port, memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
             compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
-            cluster_id=self.cluster_id, models=(files.model_id,), started_at=self.started_at,
+            cluster_id=self.cluster_id, models=self.lanes.offered_ids(), started_at=self.started_at,
             tensor_port=tensor_port,
             layer_seconds=await self.scheduler.call(
                 lambda: layer_seconds(files.path, files.profile.num_layers, s.resolved_state_dir(),
@@ -197,18 +235,18 @@ class Node:
         except OSError as exc:  # peers then time the link with gRPC calls, the RPC stack included
             log.warning("link echo not started on port %d: %s", tensor_port + ECHO_OFFSET, exc)
         if s.fast_hops and self.tls is None:  # encrypted clusters keep activations on TLS
-            stage_server = self.served.stage_server
             try:
                 self._data = DataServer(
                     s.host or "0.0.0.0", tensor_port + DATA_OFFSET, auth=self.auth, verify=s.authenticate,
-                    forward=lambda conn, opening, host: (serve_batch if opening.forward.batch else serve_forward)(
-                        stage_server, self.scheduler.run_here, conn, opening, host))
+                    forward=self.router.data)
             except OSError as exc:  # peers then send this node's activations over gRPC
                 log.warning("data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET,
                             exc)
         self.peers.data_port_open = self._data is not None
-        steps, limit = self.served.stage_server.steps, s.stall_timeout
-        self.peers.stalled_for = lambda: longest if (longest := steps.longest()) >= limit else 0.0
+        limit, lanes = s.stall_timeout, self.lanes
+        self.peers.stalled_for = lambda: longest if (longest := max(
+            (lane.served.stage_server.steps.longest() for lane in lanes if lane.served.stage_server is not None),
+            default=0.0)) >= limit else 0.0
 
     def _announced_addresses(self) -> tuple[str, ...]:
         """Where peers can reach this node: the bind address if it is a specific one, else every
@@ -242,7 +280,7 @@ class Node:
             await self.discovery.stop()
         if self._http is not None:
             await self._http.cleanup()
-        self.served.close()
+        await self.lanes.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         await self.peers.close()
@@ -252,8 +290,13 @@ class Node:
             self._data.close()
         self.scheduler.stop()
 
-    def _on_generate(self, request, context):
-        return serve_generate(self.served, request, context, self.epoch)
+    async def _on_generate(self, request, context):
+        lane = self.lanes.get(request.model)
+        if lane is None:
+            refusal = not_served(request.model)
+            await context.abort(refusal.code, str(refusal))
+        async for reply in serve_generate(lane.served, request, context, lane.adoption.epoch):
+            yield reply
 
     async def _measure_collectives(self) -> None:
         """Time a few layers of the model split two ways over a loopback ring on this machine
@@ -294,6 +337,12 @@ class Node:
             "healthy": served.serving_ready(), "plan_error": served.plan_error or None,
             "unreachable": peers.reach.report(),
             "nodes": nodes, "plan": plan_status(served.plan, self.control.coordinator.estimate_now()),
+            "models": [{"model": lane.model_id, "state": model_state(lane.served), "offered_here": lane.offered,
+                        "epoch": lane.adoption.epoch, "use": dataclasses.asdict(self.control.use_of(lane)),
+                        "ready_epoch": lane.served.ready_epoch, "healthy": lane.served.serving_ready(),
+                        "plan_error": lane.served.plan_error or None,
+                        "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now())}
+                       for lane in self.lanes if lane.model_id is not None],
             "events": self.events.recent(), "progress": self.progress.current, "metrics": self.metrics.summary(),
         }
 

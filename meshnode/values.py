@@ -57,7 +57,7 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_duration(text: str | int | float) -> float:
-    """Seconds from ``2``, ``0.5``, ``"0.5"``, ``"2s"`` or ``"500ms"``."""
+    """Seconds from ``2``, ``0.5``, ``"0.5"``, ``"2s"``, ``"500ms"``, ``"5m"`` or ``"1h"``."""
     if isinstance(text, bool):
         raise ValueError(f"expected seconds, got {text!r}")
     if isinstance(text, (int, float)):
@@ -69,6 +69,10 @@ def parse_duration(text: str | int | float) -> float:
             s, scale = s[:-2], 1e-3
         elif s.endswith("s"):
             s = s[:-1]
+        elif s.endswith("m"):
+            s, scale = s[:-1], 60.0
+        elif s.endswith("h"):
+            s, scale = s[:-1], 3600.0
         try:
             value = float(s.strip()) * scale
         except ValueError:
@@ -186,6 +190,39 @@ def peer_list(value: Any) -> tuple[str, ...]:
         if peer not in out:
             out.append(peer)
     return tuple(out)
+
+
+def model_list(value: Any) -> tuple[str, ...]:
+    """Models a node offers beside ``model``: a TOML array, or names separated by commas or spaces."""
+    if isinstance(value, str):
+        items = [p for p in re.split(r"[,\s]+", value) if p]
+    elif isinstance(value, (list, tuple)):
+        items = [as_text(v).strip() for v in value]
+    else:
+        raise ValueError(f"expected a list of models, got {value!r}")
+    if not all(items):
+        raise ValueError("a model in the list is empty")
+    return tuple(dict.fromkeys(items))
+
+
+def keep_alive_map(value: Any) -> dict[str, float]:
+    """Seconds an idle model stays loaded: one duration for every model (``"5m"``; 0: until its room
+    is needed), or per model: a TOML table ``{"model" = "1h", "*" = "5m"}`` or ``"model=1h,*=5m"``."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, str) and "=" in value:
+        items = [tuple(p.split("=", 1)) for p in re.split(r"[,\s]+", value) if p]
+        if any(len(i) != 2 for i in items):
+            raise ValueError(f"expected MODEL=DURATION entries, got {value!r}")
+    else:
+        items = [("*", value)]
+    out = {}
+    for model, duration in items:
+        seconds = parse_duration(duration)
+        if seconds < 0 or not as_text(model).strip():
+            raise ValueError(f"expected a model and a duration of 0 or more, got {model!r} = {duration!r}")
+        out[as_text(model).strip()] = seconds
+    return out
 
 
 def origin_list(value: Any) -> tuple[str, ...]:

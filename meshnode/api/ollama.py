@@ -255,6 +255,8 @@ async def ps(request: web.Request) -> web.Response:
     """The models ready to answer now."""
     backend, running = request.app[core.BACKEND], []
     for m in backend.models():
+        if m["state"] != "ready":
+            continue  # loading, or loaded on demand (several models on one mesh)
         try:
             engine = backend.engine(m["id"])
         except ApiError:

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("--config", metavar="FILE", type=Path, help="TOML config file (default: $MESHNODE_CONFIG)")
-    run.add_argument("--model", metavar="M", help="local mlx-lm model directory or Hugging Face id (default: demo)")
+    run.add_argument("--model", metavar="M", action="append",
+                     help="local mlx-lm model directory or Hugging Face id (default: demo); repeatable: the "
+                          "first is `model`, the others `models` (several models on one mesh)")
     run.add_argument("--host", metavar="ADDR", help="bind address for HTTP and gRPC (default 0.0.0.0)")
     run.add_argument("--http-port", metavar="N", help="HTTP API port (default 8470)")
     run.add_argument("--grpc-port", metavar="N", help="gRPC port for peers (default 8471)")
@@ -200,6 +202,9 @@ _RUN_FLAGS = (
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
     flags = {name: getattr(args, name, None) for name in _RUN_FLAGS}
+    if isinstance(flags["model"], list):  # --model repeated: the first, then the others offered
+        flags["model"], more = flags["model"][0], flags["model"][1:]
+        flags["models"] = more or None
     return load_settings(args.config, env=env, flags=flags)
 
 

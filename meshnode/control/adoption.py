@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def describe(plan: Plan) -> str:
+    if plan.unloaded:
+        return f"{plan.model} unloaded ({plan.reason})"
     return ", ".join(f"[{s.start_layer},{s.end_layer})@{'+'.join(s.nodes)}" for s in plan.stages)
 
 

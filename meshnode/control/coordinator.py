@@ -24,6 +24,7 @@ from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
 from meshnode.control.planner import NodeSpec, Plan, PlanError, estimate as plan_estimate, plan as make_plan
 from meshnode.control.planner.context import plan_longest_context
+from meshnode.control.planner.plans import UNLOADED
 from meshnode.control.adoption import describe
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
@@ -63,18 +64,26 @@ def layout(plan: Plan) -> list:
     return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in plan.stages]
 
 
-def node_specs(alive: dict[str, NodeInfo]) -> list[NodeSpec]:
-    """What the planner needs of each live node, from what it announces."""
-    return [NodeSpec(node_id=n.node_id, memory_budget=n.memory_budget, compute=n.compute,
-                     layer_seconds=n.layer_seconds or None,
+def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
+               used: dict[str, int] | None = None) -> list[NodeSpec]:
+    """What the planner needs of each live node, from what it announces: for ``model_id``, with the
+    memory ``used`` by other models' plans taken off its budget (several models on one mesh). A
+    node measures its layer time on the first model it offers; for another model the planner goes
+    by its compute figure."""
+    used = used or {}
+    return [NodeSpec(node_id=n.node_id, memory_budget=max(0, n.memory_budget - used.get(n.node_id, 0)),
+                     compute=n.compute,
+                     layer_seconds=(n.layer_seconds or None) if model_id is None or n.models[:1] == (model_id,)
+                     else None,
                      collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S) for n in alive.values()]
 
 
 class Coordinator:
     def __init__(self, settings, node_id: str, peers: "Peers", adoption: "Adoption", *,
-                 event: Callable[..., None]):
+                 event: Callable[..., None], used_by_others: Callable[[], dict[str, int]] = dict):
+        """``used_by_others``: bytes each node holds for the other models' plans (meshnode.control.lanes)."""
         self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption
-        self._event = event
+        self._event, self._used_by_others = event, used_by_others
         self._planned_for: frozenset[str] = frozenset()
         # started_at of each node of the plan this coordinator published: a node that restarts
         # comes back empty-handed, so its plan is published again under a new epoch (generations
@@ -84,10 +93,15 @@ class Coordinator:
         self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
         self._forced_note = ""  # why the configured strategy could not be used, last said
         self._excluded: dict[str, str] = {}  # nodes left out for their faults at the last weighing
+        # The last weighing found that the model fits only if other models' plans make room.
+        self.needs_room = False
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
         served, adoption, s = self.adoption.served, self.adoption, self.settings
+        self.needs_room = False
         current_plan = served.plan
+        if current_plan is not None and current_plan.unloaded:  # placing it again (a request wants it)
+            current_plan = None
         members = frozenset(alive)
         if self.node_id in alive:  # this node's own stall is not in what it announced at start
             alive = {**alive, self.node_id: dataclasses.replace(alive[self.node_id],
@@ -110,7 +124,8 @@ class Coordinator:
         if (plan_ok and not contested and members == self._planned_for
                 and now - self._planned_at < s.link_probe_interval):
             return
-        nodes = node_specs({nid: info for nid, info in alive.items() if nid not in excluded})
+        nodes = node_specs({nid: info for nid, info in alive.items() if nid not in excluded}, served.model_id,
+                           self._used_by_others())
         links = self.peers.link_specs(members)
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
         strategy = None if s.strategy == "auto" else s.strategy
@@ -135,10 +150,17 @@ class Coordinator:
                                 desired.strategy)
                     self._forced_note = str(forced)
         except PlanError as exc:
+            if self._fits_alone(alive, excluded, links, held):
+                # It fits, but not beside the other models' plans: unloaded until a request asks for
+                # it, and then placed where the least recently used idle model made room.
+                self.needs_room = True
+                self._planned_for, self._planned_at = members, now
+                served.plan_error = ""
+                return
             if excluded:
                 exc = PlanError(f"{exc}; not placed on {', '.join(sorted(excluded))}: {'; '.join(excluded.values())}")
             if served.plan_error != str(exc):
-                log.error("no plan fits (epoch %d): %s", adoption.epoch, exc)
+                log.error("no plan of %s fits (epoch %d): %s", served.model_id, adoption.epoch, exc)
                 self._event("no-plan", reason=str(exc))
             served.plan_error = str(exc)
             self._planned_for, self._planned_at = members, now
@@ -174,13 +196,40 @@ class Coordinator:
                      "under a new epoch", adoption.epoch)
         self._planned_for, self._planned_at, self._pending = members, now, None
         self._incarnations = {n: alive[n].started_at for n in desired.node_ids()}
+        self._publish(desired)
+
+    def unload(self, reason: str) -> None:
+        """Hold the model nowhere (several models on one mesh): every node frees its layers; a request
+        for it then waits while the mesh loads it again (meshnode.control.demand)."""
+        served = self.adoption.served
+        log.info("unloading model %s: %s", served.model_id, reason)
+        self._event("unload", model=served.model_id, reason=reason)
+        self._incarnations, self._pending = {}, None
+        self._publish(Plan(model=served.model_id, strategy=UNLOADED, stages=(), reason=reason))
+
+    def _publish(self, desired: Plan) -> None:
+        adoption = self.adoption
         epoch = adoption.epochs.next_epoch()
         desired = desired.with_epoch(epoch)
-        log.info("publishing plan epoch %d: %s (%s)", epoch, describe(desired), desired.reason)
+        log.info("publishing plan epoch %d of %s: %s (%s)", epoch, desired.model, describe(desired), desired.reason)
         adoption.adopt(desired, coordinator=self.node_id, source="self")
         msg = plan_to_pb(desired, self.node_id)
         for peer in self.peers.membership.alive_peers().values():
             asyncio.create_task(self._install(peer.target, msg))
+
+    def _fits_alone(self, alive, excluded, links, held) -> bool:
+        """The model would fit if the other models' plans did not hold memory."""
+        if not any(self._used_by_others().values()):
+            return False
+        served, s = self.adoption.served, self.settings
+        nodes = node_specs({nid: info for nid, info in alive.items() if nid not in excluded}, served.model_id)
+        try:
+            plan_longest_context(lambda ctx: make_plan(served.profile, nodes, max_context=ctx, requests=s.kv_requests,
+                                                       links=links, held=held, kv_bits=s.kv_bits),
+                                 served.profile.trained_context, s.max_context)
+        except PlanError:
+            return False
+        return True
 
     def estimate_now(self) -> float | None:
         """Seconds per token of the current plan by today's compute and link figures (the plan's own
@@ -192,7 +241,7 @@ class Coordinator:
         if not set(served.plan.node_ids()) <= set(alive):
             return None
         try:
-            return plan_estimate(served.profile, node_specs(alive), served.plan.stages,
+            return plan_estimate(served.profile, node_specs(alive, served.model_id), served.plan.stages,
                                  max_context=served.plan.max_context or served.context,
                                  links=self.peers.link_specs(frozenset(alive)))
         except (PlanError, ValueError, KeyError):

@@ -2,10 +2,10 @@
 
 Every ``heartbeat_interval`` a node sends each peer it knows (and each static ``--peer``
 address) a heartbeat: its own :class:`NodeInfo` with its link figures, who it thinks
-coordinates, its epoch, the plan it holds, the epoch it is ready for and any plan error. The
-reply says the same of the peer, plus the peers it knows (gossip). A plan seen in either
-direction is offered to plan adoption (meshnode.control.adoption), so a node that missed an
-Install still gets the plan.
+coordinates, and for each model it serves (meshnode.control.lanes) its epoch, the plan it holds,
+the epoch it is ready for and any plan error. The reply says the same of the peer, plus the peers
+it knows (gossip). A plan seen in either direction is offered to that model's plan adoption
+(meshnode.control.adoption), so a node that missed an Install still gets the plan.
 
 A peer that refuses the connection (nothing listens: the process is gone) is dropped at once; one
 that does not answer is dropped after ``failure_timeout`` by membership.
@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import grpc
 
 from meshnode.nodeinfo import NodeInfo
+from meshnode.control.demand import Use
 from meshnode.control.links import LinkStat
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_to_pb
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
-    from meshnode.control.adoption import Adoption
+    from meshnode.control.lanes import Lanes
     from meshnode.control.peers import Peers
 
 log = logging.getLogger(__name__)
@@ -33,24 +35,32 @@ log = logging.getLogger(__name__)
 
 class Heartbeats:
     def __init__(self, settings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
-                 adoption: "Adoption"):
+                 lanes: "Lanes"):
         self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at
-        self.peers, self.adoption = peers, adoption
+        self.peers, self.lanes = peers, lanes
         self.coordinator: str | None = None  # who this node thinks coordinates (set by the control loop)
         self.goodbyes: set[str] = set()  # peers that said goodbye (leave), as opposed to lost
 
     # ------------------------------------------------------------------ out
     def _fill(self, msg) -> None:
         """What this node says of itself in a heartbeat or a reply."""
-        a = self.adoption
         msg.node.CopyFrom(self.peers.me_pb())
         msg.coordinator = self.coordinator or ""
-        msg.epoch = a.epoch
         msg.alive.extend(sorted(self.peers.alive_infos()))
-        msg.ready_epoch = a.ready_epoch
-        msg.plan_error = a.plan_error
-        if a.plan is not None:
-            msg.plan.CopyFrom(plan_to_pb(a.plan, a.plan_coordinator))
+        for lane in self.lanes:
+            if lane.model_id is None:
+                continue  # still loading
+            a = lane.adoption
+            use = lane.served.use.now()
+            state = msg.models.add(model=lane.model_id, epoch=a.epoch, ready_epoch=a.ready_epoch,
+                                   plan_error=a.plan_error, last_used=use.last_used, active=use.active,
+                                   waiting=use.waiting)
+            if a.plan is not None:
+                state.plan.CopyFrom(plan_to_pb(a.plan, a.plan_coordinator))
+            if lane is self.lanes.primary:  # the fields of a single-model heartbeat: the first model's
+                msg.epoch, msg.ready_epoch, msg.plan_error = state.epoch, state.ready_epoch, state.plan_error
+                if state.HasField("plan"):
+                    msg.plan.CopyFrom(state.plan)
 
     async def beat_all(self) -> None:
         """One heartbeat to every peer known and every static address, at once."""
@@ -140,9 +150,23 @@ class Heartbeats:
         peers.membership.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
                                  alive_view=frozenset(msg.alive))
         peer = peers.membership.peers[info.node_id]
-        peer.ready_epoch = msg.ready_epoch
-        peer.plan_error = msg.plan_error
-        self.adoption.heard_of(msg, info.node_id)
+        states = model_states(msg)
+        peer.ready_epochs = {model: state.ready_epoch for model, state in states}
+        peer.plan_errors = {model: state.plan_error[:1000] for model, state in states if state.plan_error}
+        peer.uses = {model: Use(state.last_used if math.isfinite(state.last_used) else 0.0, state.active,
+                                state.waiting) for model, state in states if state is not msg}
+        for model, state in states:
+            lane = self.lanes.get(model)
+            if lane is not None:  # else not known here yet: the control loop loads it (Lanes.learn)
+                lane.adoption.heard_of(state, info.node_id)
+
+
+def model_states(msg) -> list[tuple[str, object]]:
+    """(model, its state) of each model a heartbeat tells of; a heartbeat without ``models`` (one
+    model per node) tells of the model its plan names, else of the receiver's first model ("")."""
+    if msg.models:
+        return [(state.model, state) for state in msg.models[:64]]
+    return [(msg.plan.model if msg.HasField("plan") else "", msg)]
 
 
 def _peer_host(context, port: int) -> str:

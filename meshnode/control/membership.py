@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from meshnode.control.demand import Use
 from meshnode.nodeinfo import NodeInfo
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,10 @@ class Peer:
     coordinator: str = ""
     epoch: int = 0
     alive_view: frozenset[str] = field(default_factory=frozenset)
-    ready_epoch: int = 0  # the plan epoch whose shard the peer has loaded
-    plan_error: str = ""
+    # By model: the plan epoch whose shards the peer has loaded (meshnode.control.lanes).
+    ready_epochs: dict[str, int] = field(default_factory=dict)
+    plan_errors: dict[str, str] = field(default_factory=dict)  # by model: why no plan fits ("" = none)
+    uses: dict[str, Use] = field(default_factory=dict)  # by model: its requests there (meshnode.control.demand)
 
 
 class Membership:

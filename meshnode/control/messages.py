@@ -7,7 +7,7 @@ import json
 import math
 
 from meshnode.nodeinfo import NodeInfo
-from meshnode.control.planner import Plan, Stage
+from meshnode.control.planner.plans import UNLOADED, Plan, Stage
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.weights.kvquant import KV_BITS
 from meshnode.proto import mesh_pb2
@@ -121,7 +121,7 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
         if s.endpoints and (len(s.endpoints) != len(s.nodes) or any(not _is_address(a) for a in s.endpoints)):
             raise ValueError(f"plan epoch {msg.epoch}: a stage's endpoints do not match its nodes")
         edge = s.end_layer
-    if edge != num_layers:
+    if edge != num_layers and not (msg.strategy == UNLOADED and not stages):
         raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")
     if msg.kv_bits and msg.kv_bits not in KV_BITS:
         raise ValueError(f"plan epoch {msg.epoch}: kv_bits {msg.kv_bits} is not 0 or one of {KV_BITS}")

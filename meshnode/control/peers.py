@@ -96,13 +96,17 @@ class Peers:
     @contextlib.asynccontextmanager
     async def holders_of(self, model_id: str, cluster_id: str):
         """While open: a function listing (node id, channel) of the peers that may hold ``model_id``
-        (the static ``--peer`` addresses, and mDNS announcements naming it)."""
-        browser = Browser(self.node_id, cluster_id) if self.settings.mdns else None
+        (the live peers that offer or hold it, the static ``--peer`` addresses, and mDNS
+        announcements naming it)."""
+        browser = Browser(self.node_id, cluster_id) if self.settings.mdns and self.membership is None else None
         if browser is not None:
             await browser.start()
 
         def candidates():
             found = [(t, self.channel_to(t)) for t in self.static_targets]
+            if self.membership is not None:  # a running node: its live peers (a model one of them offers)
+                found[:0] = [(nid, self.channel_to(p.target)) for nid, p in sorted(self.membership.alive_peers().items())
+                             if model_id in p.info.models or any(h[0] == model_id for h in p.info.holdings)]
             for nid, info in (browser.peers() if browser is not None else {}).items():
                 if model_id in info.models and info.addresses:
                     found.append((nid, self.channel_to(f"{info.addresses[0]}:{info.grpc_port}")))
@@ -113,6 +117,12 @@ class Peers:
         finally:
             if browser is not None:
                 await browser.stop()
+
+    def plan_error_of(self, model_id: str) -> str:
+        """Why no plan of ``model_id`` fits, as a live peer (its coordinator) announces it; "" if none does."""
+        if self.membership is None:
+            return ""
+        return next((e for p in self.membership.alive_peers().values() if (e := p.plan_errors.get(model_id))), "")
 
     def on_discovery(self, node_id: str, info: NodeInfo | None, cluster_id: str) -> None:
         if info is None:

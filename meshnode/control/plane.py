@@ -2,8 +2,9 @@
 
 Each tick: membership says who joined and who is gone; reachability says which announced peers
 never answer; the oldest live node is elected coordinator (meshnode.control.election) and, if
-that is this node, it weighs and publishes a plan (meshnode.control.coordinator); then this
-node's serving runtime keeps its part of the plan loaded and retires older epochs once the
+that is this node, it weighs and publishes a plan for each model the mesh serves
+(meshnode.control.coordinator, one lane per model: meshnode.control.lanes); then this node's
+serving runtime of each model keeps its part of the plan loaded and retires older epochs once the
 current one is ready everywhere.
 """
 
@@ -14,31 +15,50 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-from meshnode.control.adoption import Adoption
-from meshnode.control.coordinator import Coordinator
+from meshnode.control.demand import Use, expired, keep_alive_of, total, victim
 from meshnode.control.election import Candidate, choose_coordinator
 from meshnode.control.heartbeats import Heartbeats
+from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:
+    from meshnode.control.lanes import Lanes
     from meshnode.control.peers import Peers
-    from meshnode.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
 
 
 class ControlPlane:
     def __init__(self, settings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
-                 served: "ServedModel", *, event: Callable[..., None]):
-        self.settings, self.node_id, self.peers, self.served = settings, node_id, peers, served
-        self._event = event
-        self.adoption = Adoption(served, grace=max(1.0, 2 * settings.heartbeat_interval), event=event)
-        self.heartbeats = Heartbeats(settings, node_id, cluster_id, started_at, peers, self.adoption)
-        self.coordinator = Coordinator(settings, node_id, peers, self.adoption, event=event)
+                 lanes: "Lanes", *, event: Callable[..., None], holders=None):
+        """``holders``: opens a search for the peers holding a model (ModelFiles' ``Holders``), for
+        the models this node learns of from peers."""
+        self.settings, self.node_id, self.peers, self.lanes = settings, node_id, peers, lanes
+        self._event, self._holders = event, holders
+        self.heartbeats = Heartbeats(settings, node_id, cluster_id, started_at, peers, lanes)
         self._since = 0.0
+        self._lane_since: dict[str, float] = {}  # when each lane was first seen loaded (rule 4 of epochs)
+        self._loaded_at: dict[str, float] = {}  # unix time each model's plan was first seen loaded here
+        self._no_room: dict[str, frozenset] = {}  # models unloaded for want of room, and the members then
 
     @property
     def coordinator_id(self) -> str | None:
         return self.heartbeats.coordinator
+
+    @property
+    def adoption(self):
+        """The first model's plan adoption (a single-model mesh's only one)."""
+        return self.lanes.primary.adoption
+
+    @property
+    def coordinator(self):
+        return self.lanes.primary.coordinator
+
+    def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
+        """A coordinator's Install, for the lane of the model it names."""
+        lane = self.lanes.get(msg.model)
+        if lane is None:
+            return mesh_pb2.InstallReply(accepted=False, error=f"model {msg.model!r} is not known here yet")
+        return lane.adoption.on_install(msg)
 
     async def run(self) -> None:
         self._since = time.monotonic()  # peers can find this node from now (rule 4 of epochs)
@@ -75,7 +95,69 @@ class ControlPlane:
             log.info("coordinator is now %s (was %s)", coordinator, self.heartbeats.coordinator)
             self._event("coordinator", node_id=coordinator)
             self.heartbeats.coordinator = coordinator
-        if coordinator == self.node_id and self.adoption.epochs.may_publish_first(time.monotonic() - self._since):
-            self.coordinator.coordinate(alive)
-        self.served.ensure_applied()
-        self.served.retire_previous()
+        offered = {m for info in alive.values() for m in info.models}
+        if self._holders is not None:
+            self.lanes.learn(sorted(offered), self._holders)
+        if coordinator == self.node_id:
+            self._coordinate(alive, offered)
+        for lane in self.lanes:
+            if lane.model_id is not None:
+                lane.served.ensure_applied()
+                lane.served.retire_previous()
+
+    def _coordinate(self, alive: dict, offered: set[str]) -> None:
+        """Plan each model the mesh serves, in the lanes' order, each into the memory the others
+        leave; unload and load models on demand (meshnode.control.demand)."""
+        now, wall = time.monotonic(), time.time()
+        lanes = [lane for lane in self.lanes if lane.model_id is not None]
+        uses = {lane.model_id: self.use_of(lane) for lane in lanes}
+        for lane in lanes:
+            model, plan = lane.model_id, lane.served.plan
+            if plan is not None and not plan.unloaded:
+                self._loaded_at.setdefault(model, wall)
+            else:
+                self._loaded_at.pop(model, None)
+            # A lane loaded later hears the mesh's epochs of its model before it may publish.
+            since = self._since if lane is self.lanes.primary else self._lane_since.setdefault(model, now)
+            if not lane.adoption.epochs.may_publish_first(now - since):
+                continue
+            if model not in offered:
+                if plan is not None and not plan.unloaded:
+                    lane.coordinator.unload("no live node offers it any more")
+                continue
+            use = uses[model]
+            if plan is not None and plan.unloaded:
+                # Placed again when a request waits for it (making room if need be), or, if it was
+                # unloaded for want of room, when the members change (a node joined: room may be free).
+                retry = model in self._no_room and self._no_room[model] != frozenset(alive)
+                if use.waiting or retry:
+                    lane.coordinator.coordinate(alive)
+                    if lane.coordinator.needs_room and use.waiting:
+                        self._make_room(lane, lanes, uses)
+                    if model in self._no_room:
+                        self._no_room[model] = frozenset(alive)
+                continue
+            self._no_room.pop(model, None)
+            if plan is not None and expired(use, keep_alive_of(self.settings.keep_alive, model),
+                                            self._loaded_at.get(model, wall), wall):
+                lane.coordinator.unload("idle for longer than its keep_alive")
+                continue
+            lane.coordinator.coordinate(alive)
+            if lane.coordinator.needs_room:
+                others = ", ".join(m for m in uses if m != model) or "the other models"
+                lane.coordinator.unload(f"does not fit beside {others}; loaded when a request asks for it")
+                self._no_room[model] = frozenset(alive)
+
+    def _make_room(self, wanted, lanes, uses) -> None:
+        loaded = {lane.model_id: uses[lane.model_id] for lane in lanes
+                  if lane is not wanted and lane.served.plan is not None and not lane.served.plan.unloaded}
+        model = victim(loaded, self._loaded_at)
+        if model is None:
+            return  # every loaded model is in use: the request waits (load_timeout) for one to be idle
+        self.lanes.get(model).coordinator.unload(
+            f"the least recently used idle model, unloaded to make room for {wanted.model_id}")
+
+    def use_of(self, lane) -> Use:
+        """The requests for the lane's model over the mesh: this node's and what its peers announce."""
+        peers = self.peers.membership.alive_peers().values() if self.peers.membership is not None else ()
+        return total([lane.served.use.now(), *(p.uses[lane.model_id] for p in peers if lane.model_id in p.uses)])

@@ -124,7 +124,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., model: _Optional[str] = ..., strategy: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., reason: _Optional[str] = ..., coordinator: _Optional[str] = ..., max_context: _Optional[int] = ..., estimate_s: _Optional[float] = ..., alternatives: _Optional[str] = ..., kv_bits: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "ready_epoch", "plan_error")
+    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "ready_epoch", "plan_error", "models")
     NODE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class HeartbeatRequest(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     READY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PLAN_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     coordinator: str
     epoch: int
@@ -139,10 +140,11 @@ class HeartbeatRequest(_message.Message):
     plan: Plan
     ready_epoch: int
     plan_error: str
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelState]
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "known", "ready_epoch", "plan_error")
+    __slots__ = ("node", "coordinator", "epoch", "alive", "plan", "known", "ready_epoch", "plan_error", "models")
     NODE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +153,7 @@ class HeartbeatReply(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     READY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PLAN_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     coordinator: str
     epoch: int
@@ -159,7 +162,28 @@ class HeartbeatReply(_message.Message):
     known: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     ready_epoch: int
     plan_error: str
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., known: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelState]
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., known: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ...) -> None: ...
+
+class ModelState(_message.Message):
+    __slots__ = ("model", "epoch", "plan", "ready_epoch", "plan_error", "last_used", "active", "waiting")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    READY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    epoch: int
+    plan: Plan
+    ready_epoch: int
+    plan_error: str
+    last_used: float
+    active: int
+    waiting: int
+    def __init__(self, model: _Optional[str] = ..., epoch: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., ready_epoch: _Optional[int] = ..., plan_error: _Optional[str] = ..., last_used: _Optional[float] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class InstallReply(_message.Message):
     __slots__ = ("accepted", "error", "epoch")
@@ -192,7 +216,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length", "batch", "members")
+    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length", "batch", "members", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +231,7 @@ class ForwardRequest(_message.Message):
     KEEP_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     start_layer: int
@@ -221,7 +246,8 @@ class ForwardRequest(_message.Message):
     keep_length: int
     batch: bool
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ..., batch: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ..., batch: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("output", "code", "error", "stage_seconds")
@@ -236,7 +262,7 @@ class ForwardReply(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed", "offset", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "grammar")
+    __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed", "offset", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "grammar", "model")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +288,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -280,7 +307,8 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     grammar: str
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token", "has_logprob", "logprob", "top_ids", "top_logprobs")

@@ -38,8 +38,13 @@ Holders = Callable[[str], AbstractAsyncContextManager[Callable[[], list[tuple[st
 
 
 class ModelFiles:
-    def __init__(self, settings, progress, event: Callable[..., None]):
+    def __init__(self, settings, progress, event: Callable[..., None], *, model: str | None = None,
+                 store: ModelStore | None = None, learned: bool = False):
+        """``model``: what to serve (a folder or an id; None: the demo model); ``store``: the node's
+        store of held models, shared by every model it serves (None: one of its own); ``learned``:
+        the model id is a peer's (meshnode.control.lanes), so its files come from the peers."""
         self.settings, self.progress, self._event = settings, progress, event
+        self.spec, self._store, self._learned = model, store, learned
         self.model_id: str | None = None
         self.path: Path | None = None
         self.profile: ModelProfile | None = None
@@ -53,15 +58,17 @@ class ModelFiles:
         cache_dir = self.settings.resolved_cache_dir()
         peer_models = cache_dir / "peer-models"
         try:
-            self.model_id, self.path = await asyncio.to_thread(resolve_model, self.settings.model, cache_dir)
+            if self._learned:  # not a folder here, nor a Hub download: the peers that offer it have it
+                raise ModelNotFound(f"model {self.spec} is offered by a peer")
+            self.model_id, self.path = await asyncio.to_thread(resolve_model, self.spec, cache_dir)
         except ModelNotFound as exc:  # not on this disk: from a folder fetched earlier, or from peers
-            if not self.settings.model or Path(self.settings.model).expanduser().is_absolute():
+            if not self._learned and (not self.spec or Path(self.spec).expanduser().is_absolute()):
                 raise
-            self.model_id = self.settings.model
+            self.model_id = self.spec
             self.path = cached_metadata(peer_models, self.model_id) or await self._from_peers(
                 exc, holders, peer_models)
         # What this node serves to peers, and where its layers come from when its disk lacks them.
-        self.store = ModelStore(peer_models)
+        self.store = self._store or ModelStore(peer_models)
         self.store.add(self.model_id, (self.path if self.weights_local
                                        else cached_metadata(peer_models, self.model_id) or self.path))
         self.profile = await asyncio.to_thread(profile_model, self.path, self.model_id)

@@ -91,13 +91,14 @@ class RemoteHeadPlacement:
     """Another node is the head: ask it for tokens over a gRPC Generate stream."""
 
     def __init__(self, epoch: int, head: str, caller: str, channel: Callable[[str], grpc.aio.Channel],
-                 alive: Callable[[str], bool]):
-        self.epoch, self.head, self._caller = epoch, head, caller
+                 alive: Callable[[str], bool], model: str = ""):
+        self.epoch, self.head, self._caller, self.model = epoch, head, caller, model
         self._channel, self._alive = channel, alive
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         stub = mesh_pb2_grpc.MeshStub(self._channel(self.head))
         request = generate_request(new_request_id(self._caller), self.epoch, prompt, params)
+        request.model = self.model
         call = stub.Generate(request, wait_for_ready=True)
         # The head is waited for while it heartbeats, however long its prefill or a token takes
         # (a busy head is not a lost one); it reports its own stages' faults on this stream.

@@ -30,6 +30,7 @@ from meshnode.serving.generation import LocalStage
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
 from meshnode.serving.resilience import FailoverSource, NotReady
+from meshnode.serving.usage import CountedSource, UseCounter
 from meshnode.transport.hop import HopSession
 from meshnode.transport.stage import RemoteStage, StageServer
 
@@ -52,10 +53,11 @@ def _close(shard) -> None:
 
 
 def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes,
-                  kv_bits: int = 0) -> TensorShard:
+                  kv_bits: int = 0, model: str = "") -> TensorShard:
     """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
     alive = mesh.alive_infos()
-    key = f"{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
+    # The model too: two models' groups on the same nodes and layers need rings of their own.
+    key = f"{model}/{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
     offset = zlib.crc32(key.encode()) % TENSOR_PORTS
     endpoints, controls = [], []
     for member in stage.nodes:
@@ -77,11 +79,14 @@ def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, set
 
 class ServedModel:
     def __init__(self, settings, node_id: str, *, scheduler, metrics, progress, mesh, auth, group_secret: bytes,
-                 event: Callable[..., None], on_ready: Callable[[], Any]):
+                 event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None, store=None,
+                 learned: bool = False):
+        """``model``: a folder or an id (None: the demo model); ``store``: the node's held models;
+        ``learned``: a model a peer offers, not this node (its files come from peers)."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
         self.progress, self.mesh, self.auth, self._group_secret = progress, mesh, auth, group_secret
         self._event, self._on_ready = event, on_ready
-        self.files = ModelFiles(settings, progress, event)
+        self.files = ModelFiles(settings, progress, event, model=model, store=store, learned=learned)
         self.engine: Engine | None = None
         self.stage_server: StageServer | None = None
         self.plan = None
@@ -96,6 +101,7 @@ class ServedModel:
         self._placements: dict[int, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.faults, self.last_fault = 0, ""  # this node's computation of the model raised (fault())
+        self.use = UseCounter()  # requests for the model that came to this node (meshnode.control.demand)
 
     async def load(self, holders) -> None:
         """The model's metadata and tokenizer (from peers if need be), its engine and stage server."""
@@ -104,6 +110,9 @@ class ServedModel:
         s, f = self.settings, self.files
         source = FailoverSource(self.placement, deadline=s.failover_deadline, on_retry=self.metrics.retry,
                                 give_up=gave_up, same_epoch=self.placement_again)
+        source = CountedSource(source, self.use, on_demand=self.on_demand, loaded=self.loaded, model=f.model_id,
+                               deadline=lambda: s.load_timeout,
+                               give_up=lambda exc: unavailable(str(exc), 5, "model_not_loaded"))
         self.engine = Engine(f.model_id, f.tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
         # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
@@ -221,7 +230,8 @@ class ServedModel:
                 elif shard is None:
                     shard = tensor_member(stage, await self._layers_folder(key[0], key[1]), node_id=self.node_id,
                                           mesh=self.mesh, num_layers=self.profile.num_layers,
-                                          settings=self.settings, secret=self._group_secret, kv_bits=plan.kv_bits)
+                                          settings=self.settings, secret=self._group_secret, kv_bits=plan.kv_bits,
+                                          model=self.model_id)
                     launching.append(shard)
                     t0 = time.monotonic()
                     await asyncio.to_thread(shard.launch, self.settings.group_ready_timeout)
@@ -296,7 +306,7 @@ class ServedModel:
                     return False
             else:
                 peer = alive.get(node_id)
-                if peer is None or peer.ready_epoch < plan.epoch:
+                if peer is None or peer.ready_epochs.get(self.model_id, 0) < plan.epoch:
                     return False
         return True
 
@@ -321,22 +331,41 @@ class ServedModel:
 
     # ------------------------------------------------------------------ placements
     def engine_for_request(self) -> Engine:
-        """The engine, after checking that the current plan can serve (else a 503)."""
-        self.placement(None)
+        """The engine, after checking that the current plan can serve (else a 503); for a model
+        loaded on demand the request waits in the engine's source (meshnode.serving.usage)."""
+        if not self.on_demand():
+            self.placement(None)
         return self.engine
+
+    def on_demand(self) -> bool:
+        """Requests for the model wait for the mesh to load it: its plan unloads it (it did not fit
+        beside the other models, or it was idle and made room), or the plan loading it again is
+        not ready yet."""
+        if self.plan is None:
+            return False
+        serving = self.serving_plan()
+        return self.plan.unloaded or (serving is not None and serving.unloaded)
+
+    def loaded(self) -> bool:
+        serving = self.serving_plan()
+        return serving is not None and not serving.unloaded
 
     def placement(self, after_epoch: int | None):
         """The placement of the current plan; with ``after_epoch``, only a newer, ready one."""
         plan = self.plan
         waiting = after_epoch is not None
         if plan is None:
-            if self.plan_error:
-                raise unavailable(f"the model does not fit on the nodes available: {self.plan_error}", 5,
+            if error := self.plan_error or self.mesh.plan_error_of(self.model_id):
+                raise unavailable(f"the model does not fit on the nodes available: {error}", 5,
                                   "insufficient_capacity")
             if waiting:
                 raise NotReady("no plan yet")
             raise unavailable("the mesh is still forming; no plan yet")
         serving = self.serving_plan()
+        if serving is not None and serving.unloaded:
+            if waiting:
+                raise NotReady(f"model {self.model_id} is not loaded")
+            raise unavailable(f"model {self.model_id} is not loaded now ({serving.reason})")
         if serving is None or (waiting and serving.epoch <= after_epoch):
             if waiting:
                 raise NotReady(f"epoch {plan.epoch} is loading")
@@ -364,7 +393,7 @@ class ServedModel:
                                           batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
             else:
                 placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,
-                                                self.mesh.heard_within)
+                                                self.mesh.heard_within, model=self.model_id)
             self._placements[plan.epoch] = placement
             for epoch in [e for e in self._placements if e < plan.epoch - 1]:
                 del self._placements[epoch]
@@ -391,7 +420,7 @@ def stage_handles(served: "ServedModel", plan) -> list:
                 hop_timeout=served.settings.failure_timeout, observe=served.metrics.hop_observer(node_id),
                 data_port=served.mesh.data_port_of(node_id), auth=served.auth, caller=served.node_id,
                 alive=lambda nid=node_id: served.mesh.heard_within(nid),
-                data_session=HopSession,
+                data_session=HopSession, model=served.model_id,
             ))
     return handles
 

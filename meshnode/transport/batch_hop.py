@@ -32,7 +32,7 @@ from meshnode.model.scheduler import mlx_idle
 from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, raw_reply_into, to_array, to_tensor
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
-from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _refuse, _yield, lost, read_reply, stream_key
+from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read_reply, refuse, stream_key
 from meshnode.transport.refusals import StageError, StageRefusal
 from meshnode.transport.stage import check_tokens
 
@@ -56,7 +56,7 @@ def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: m
         shard = server.shard_for(opening.forward)
         _check_batchable(shard)
     except StageRefusal as refusal:
-        _refuse(conn, refusal)
+        refuse(conn, refusal)
         return
     batch = server.batches[id(conn)] = DecodeBatch(shard.make_cache)  # this stream's micro-batch
     conn.settimeout(IDLE_TIMEOUT)
@@ -79,7 +79,7 @@ def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: "S
             msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
         except (FrameError, DecodeError) as exc:
             log.warning("refused a malformed batch frame from %s: %s", host, exc)
-            _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
+            refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
             return
         try:
             members = _members(server, shard, msg)
@@ -88,7 +88,7 @@ def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: "S
         except StageRefusal as refusal:
             if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                 log.warning("refused a batched step from %s: %s", host, refusal)
-            _refuse(conn, refusal)
+            refuse(conn, refusal)
             return
         if server.inject_latency:
             time.sleep(server.inject_latency)
@@ -156,7 +156,8 @@ class BatchHop:
     def __init__(self, stage: "RemoteStage", host: str, port: int, *, auth: "ClusterAuth", node_id: str):
         self._stage = stage
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-            epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end, raw_replies=True, batch=True))
+            epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end, raw_replies=True, batch=True,
+            model=stage.model))
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
         self._sock.settimeout(FRAME_STALL)  # a frame once started must go on
         self._closed = False

@@ -153,7 +153,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
     try:
         stage = server.open(opening.forward)
     except StageRefusal as refusal:
-        _refuse(conn, refusal)
+        refuse(conn, refusal)
         return
     conn.settimeout(IDLE_TIMEOUT)
     # Batched decode steps of this request (meshnode.transport.batch_hop) find its cache by this name.
@@ -169,7 +169,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
             except (FrameError, DecodeError) as exc:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
-                _refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
+                refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
             if msg.keep:  # the request's last message: keep its KV (the prompt cache), then say so
                 run_here(lambda: stage.keep(msg))
@@ -198,7 +198,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             except StageRefusal as refusal:
                 if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                     log.warning("refused a malformed activation from %s for %s: %s", host, request_id, refusal)
-                _refuse(conn, refusal)
+                refuse(conn, refusal)
                 return
             if server.inject_latency:
                 time.sleep(server.inject_latency)
@@ -235,7 +235,7 @@ def _run_raw(stage: "OpenStage", msg: mesh_pb2.ForwardRequest, buf: bytearray) -
     return raw_reply_into(buf, HEADER, out, time.perf_counter() - started)
 
 
-def _refuse(conn: socket.socket, refusal: StageRefusal) -> None:
+def refuse(conn: socket.socket, refusal: StageRefusal) -> None:
     try:
         send_frame(conn, mesh_pb2.ForwardReply(code=refusal.code.value[0], error=str(refusal)).SerializeToString())
     except OSError:
@@ -259,7 +259,7 @@ class HopSession:
         self._stage = stage
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
             request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end,
-            raw_replies=True))
+            raw_replies=True, model=stage.model))
         if resume is not None:  # start from a prefix the stage kept (meshnode.model.prefixes)
             opening.forward.resume, opening.forward.resume_length = resume
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)

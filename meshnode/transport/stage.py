@@ -306,7 +306,7 @@ class RemoteSession:
             async with self._write_lock:
                 if self._call is None:
                     self._call = st.stub.Forward(timeout=st.request_timeout)
-                    msg.request_id, msg.epoch = self._request_id, st.epoch
+                    msg.request_id, msg.epoch, msg.model = self._request_id, st.epoch, st.model
                     msg.start_layer, msg.end_layer = st.start, st.end
                     if self._resume is not None:
                         msg.resume, msg.resume_length = self._resume
@@ -427,7 +427,7 @@ class RemoteStage:
         auth: "ClusterAuth | None" = None,
         caller: str = "",
         alive: Callable[[], bool] | None = None,
-        data_session: "Callable[..., StageSession] | None" = None,
+        data_session: "Callable[..., StageSession] | None" = None, model: str = "",
     ):
         # Opens a request's stream over the peer's data port (meshnode.transport.hop.HopSession); None:
         # every request goes over gRPC.
@@ -444,7 +444,7 @@ class RemoteStage:
         self.node_id = node_id
         self.stub = mesh_pb2_grpc.MeshStub(channel)
         self.loop = loop
-        self.start, self.end, self.epoch = start, end, epoch
+        self.start, self.end, self.epoch, self.model = start, end, epoch, model  # model: "" = the peer's first
         self.hidden_size = hidden_size
         self.dtype_name = dtype_name(dtype)
         self.hop_timeout = hop_timeout  # connecting to the stage (a refused or silent port is lost)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
+# A model the mesh serves but holds nowhere now (several models on one mesh: it did not fit beside
+# the others, or it was idle and made room for another): no stages; loaded when a request asks for it.
+UNLOADED = "unloaded"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class Plan:
     estimate_s: float = 0.0  # estimated seconds per decoded token (0: not estimated)
     alternatives: tuple[dict, ...] = ()  # the best plan of each other strategy, or why it has none
     kv_bits: int = 0  # KV caches quantized to these bits (meshnode.weights.kvquant); 0: unquantized
+
+    @property
+    def unloaded(self) -> bool:
+        return self.strategy == UNLOADED
 
     @property
     def tokens_per_s(self) -> float:

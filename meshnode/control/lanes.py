@@ -1,0 +1,131 @@
+"""Several models on one mesh: a lane per model.
+
+A mesh serves every model that any of its live nodes offers (``model`` and ``models`` in their
+settings). Each model is a *lane* on every node: its own :class:`ServedModel` (files, shards, stage
+server, placements), its own plan adoption with its own epochs, and its own coordinator state. So a
+re-plan of one model never moves another, and one model's epoch numbers say nothing of another's.
+
+A node takes part in every lane of the mesh, also for models it does not offer: the coordinator
+may place their layers on it (fetched from peers, issue 7's machinery), so the node learns of a
+model from a peer's announcement or heartbeat and loads its metadata and tokenizer from the peers
+that hold it. The coordinator plans the lanes one after the other, each into the memory the others'
+plans leave on every node (:meth:`Lanes.used_by_others`), so their placements together never
+exceed a node's budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    from meshnode.control.adoption import Adoption
+    from meshnode.control.coordinator import Coordinator
+    from meshnode.serving.served import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lane:
+    """One model as this node takes part in serving it."""
+
+    served: "ServedModel"
+    adoption: "Adoption"
+    coordinator: "Coordinator"
+    offered: bool  # this node's settings name the model (it announces it; the mesh serves it for that)
+
+    @property
+    def model_id(self) -> str | None:
+        return self.served.model_id
+
+
+class Lanes:
+    """This node's lanes: the ones it offers, loaded at start, and the ones it learns of from peers."""
+
+    def __init__(self, make: Callable[[str | None, bool], Lane], offered: tuple[str | None, ...]):
+        self._make = make
+        self._offered = offered
+        self.primary: Lane = make(offered[0], True)  # the first model offered; "" names it on the wire
+        self._lanes: dict[str, Lane] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+        self._failed: dict[str, str] = {}  # models whose metadata could not be loaded here, and why
+
+    async def start(self, holders) -> None:
+        """Load every model this node offers: the first must load (the node serves nothing else
+        without it); another that cannot is logged and left out."""
+        await self.primary.served.load(holders)
+        self._lanes[self.primary.model_id] = self.primary
+        for spec in self._offered[1:]:
+            lane = self._make(spec, True)
+            try:
+                await lane.served.load(holders)
+            except Exception as exc:  # noqa: BLE001 - a bad extra model must not stop the node
+                log.error("model %s is not served: %s", spec, exc)
+                continue
+            if lane.model_id in self._lanes:
+                continue
+            self._lanes[lane.model_id] = lane
+
+    def __iter__(self) -> Iterator[Lane]:
+        """The loaded lanes, the primary first, then by model id (the order the coordinator plans in)."""
+        yield self.primary
+        for model_id in sorted(m for m in self._lanes if m != self.primary.model_id):
+            yield self._lanes[model_id]
+
+    def get(self, model: str) -> Lane | None:
+        """The loaded lane of ``model`` ("": the primary)."""
+        if not model:
+            return self.primary if self.primary.model_id is not None else None
+        return self._lanes.get(model)
+
+    def offered_ids(self) -> tuple[str, ...]:
+        return tuple(lane.model_id for lane in self if lane.offered)
+
+    def failed(self) -> dict[str, str]:
+        return dict(self._failed)
+
+    def learn(self, model_ids, holders) -> None:
+        """Models the mesh serves (peers announce them): start loading each this node has no lane
+        for yet (its metadata from the peers that hold it)."""
+        for model_id in model_ids:
+            if not model_id or model_id in self._lanes or model_id in self._loading or model_id in self._failed:
+                continue
+            self._loading[model_id] = asyncio.create_task(self._load(model_id, holders),
+                                                          name=f"meshnode-lane-{model_id}")
+
+    async def _load(self, model_id: str, holders) -> None:
+        lane = self._make(model_id, False)
+        try:
+            await lane.served.load(holders)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - logged; peers serve it without this node
+            log.error("model %s (offered by a peer) cannot be served here: %s", model_id, exc)
+            self._failed[model_id] = str(exc)
+            return
+        finally:
+            self._loading.pop(model_id, None)
+        log.info("model %s (offered by a peer) is known here now; it may be placed on this node", model_id)
+        self._lanes[model_id] = lane
+
+    def used_by_others(self, model_id: str | None) -> dict[str, int]:
+        """Bytes each node holds for the plans of the models other than ``model_id``."""
+        used: dict[str, int] = {}
+        for lane in self:
+            plan = lane.served.plan
+            if lane.model_id == model_id or plan is None:
+                continue
+            for stage in plan.stages:
+                for node_id in stage.nodes:
+                    used[node_id] = used.get(node_id, 0) + stage.bytes
+        return used
+
+    async def close(self) -> None:
+        for task in list(self._loading.values()):
+            task.cancel()
+        await asyncio.gather(*self._loading.values(), return_exceptions=True)
+        for lane in self:
+            lane.served.close()

@@ -1,0 +1,71 @@
+"""Requests for one model at this node: counted (announced in heartbeats, meshnode.control.demand)
+and, for a model loaded on demand, held until the mesh has loaded it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from meshnode.control.demand import Use
+from meshnode.serving.resilience import PlacementLost
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+class UseCounter:
+    """What :class:`meshnode.control.demand.Use` says of this node's requests for one model."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.active = self.waiting = 0
+        self.last_used = 0.0
+        self._clock = clock
+
+    def now(self) -> Use:
+        return Use(self.last_used, self.active, self.waiting)
+
+    def touch(self) -> None:
+        self.last_used = self._clock()
+
+
+class CountedSource:
+    """A model's token source (meshnode.serving.resilience.FailoverSource) with each generation
+    counted, and held first while the model is unloaded or loading for the requests waiting on it."""
+
+    def __init__(self, source, counter: UseCounter, *, on_demand: Callable[[], bool], loaded: Callable[[], bool],
+                 deadline: Callable[[], float], give_up: Callable[[BaseException], BaseException], model: str):
+        self._source, self.counter = source, counter
+        self._on_demand, self._loaded, self._deadline, self._give_up = on_demand, loaded, deadline, give_up
+        self._model = model
+
+    async def tokens(self, prompt: Sequence[int], params) -> AsyncIterator:
+        c = self.counter
+        c.touch()
+        if self._on_demand():
+            await self._wait_loaded()
+        c.active += 1
+        try:
+            async for token in self._source.tokens(prompt, params):
+                yield token
+        finally:
+            c.active -= 1
+            c.touch()
+
+    async def _wait_loaded(self) -> None:
+        c, deadline = self.counter, self._deadline()
+        c.waiting += 1
+        started = time.monotonic()
+        log.info("a request waits for model %s to be loaded", self._model)
+        try:
+            while not self._loaded():
+                if time.monotonic() - started > deadline:
+                    raise self._give_up(PlacementLost(
+                        f"model {self._model} was not loaded within {deadline:.0f} s (the models loaded "
+                        "now are all in use, or the load failed)"))
+                await asyncio.sleep(POLL_S)
+        finally:
+            c.waiting -= 1
+        log.info("model %s is loaded: %.2f s waited", self._model, time.monotonic() - started)

@@ -1,0 +1,69 @@
+"""Which model's stage server a stream is for: a node may serve several models (meshnode.control.lanes).
+
+Each model has its own stage server, with its own epochs and layers (two models' epoch numbers
+and layer ranges may well coincide), so a stream's opening names its model (``ForwardRequest.model``,
+"" = the node's first model) and is handed to that model's server. A model not (yet) served here
+is refused as pending: the plan that sent the stream here is still being taken up.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from meshnode.proto import mesh_pb2
+from meshnode.transport.batch_hop import serve_batch
+from meshnode.transport.hop import refuse, serve_forward
+from meshnode.transport.refusals import EPOCH_PENDING, StageRefusal
+
+if TYPE_CHECKING:
+    from meshnode.transport.stage import StageServer
+
+log = logging.getLogger(__name__)
+
+
+def not_served(model: str) -> StageRefusal:
+    return StageRefusal(EPOCH_PENDING, f"model {model!r} is not served here (yet)")
+
+
+class StageRouter:
+    """The node's stage servers by model, for gRPC Forward streams and data-port streams."""
+
+    def __init__(self, server_of: Callable[[str], "StageServer | None"], run_here):
+        self._server_of, self._run_here = server_of, run_here
+
+    async def forward(self, requests: AsyncIterator[mesh_pb2.ForwardRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[mesh_pb2.ForwardReply]:
+        """A gRPC Forward stream: its first message names the model; the rest follow it there."""
+        stream = requests.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
+        server = self._server_of(first.model)
+        if server is None:
+            refusal = not_served(first.model)
+            await context.abort(refusal.code, str(refusal))
+
+        async def again():
+            yield first
+            async for msg in stream:
+                yield msg
+
+        async for reply in server.forward(again(), context):
+            yield reply
+
+    def data(self, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str) -> None:
+        """A data-port stream (one request's, or a batch of requests' decode steps)."""
+        server = self._server_of(opening.forward.model)
+        if server is None:
+            refuse(conn, not_served(opening.forward.model))
+            return
+        serve = serve_batch if opening.forward.batch else serve_forward
+        serve(server, self._run_here, conn, opening, host)

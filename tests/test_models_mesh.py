@@ -1,0 +1,160 @@
+"""Several models on one mesh (real nodes on namespace hosts): nodes started with different model
+lists under one key form one mesh that serves the union; each model gets its own plan, the plans
+together fit every node's budget, and concurrent requests to both models (the openai package)
+answer exactly as mlx_lm.generate on each whole model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, wait_until
+from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
+
+MAX_TOKENS = 24
+
+# Requests to several models at once from one client (threads), every other one streamed; prints
+# the answers and the model list.
+BOTH = r'''
+import json, sys, threading
+from openai import OpenAI
+base, asks, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+out = [None] * len(asks)
+def one(i):
+    model, prompt = asks[i]
+    messages = [{"role": "user", "content": prompt}]
+    if i % 2:
+        out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=model, messages=messages, max_tokens=n, temperature=0, stream=True) if ch.choices)
+    else:
+        out[i] = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                           temperature=0).choices[0].message.content
+threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asks))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"answers": out, "models": sorted(m.id for m in c.models.list())}))
+'''
+
+
+def _serving(view: dict, models: set[str]) -> bool:
+    states = {m["model"]: m for m in view.get("models", [])}
+    return models <= states.keys() and all(states[m]["healthy"] for m in models)
+
+
+def test_nodes_with_different_model_lists_serve_the_union_each_as_mlx_lm(tmp_path):
+    a = build_model(tmp_path / "chat-llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
+                    dtype="float32", seed=3)
+    b = build_model(tmp_path / "coder-qwen3", "qwen3", num_layers=6, hidden_size=64, intermediate_size=128,
+                    dtype="bfloat16", quantize="4bit", seed=5)
+    prompts = {a.name: ["Tell me about the sea.", "Why is the sky blue?"],
+               b.name: ["Write a poem about autumn.", "How do rivers reach the ocean?"]}
+    references = {(m, p): mlx_reference(path, [{"role": "user", "content": p}], MAX_TOKENS)
+                  for m, path in ((a.name, a), (b.name, b)) for p in prompts[m]}
+    biggest = max(profile_model(m).total_bytes(512) for m in (a, b))
+    budget = int(biggest * 0.8)  # neither model fits one node; both fit the three
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, a, tmp_path, max_context=512)
+        env = {"MESHNODE_STRATEGY": "pipeline"}
+        h1, h2, h3 = cluster.hosts
+        cluster.start(h1, budget, env=env, model=a)  # a: offers the llama only
+        cluster.start(h2, budget, env=env, model=b)  # b: the qwen3 only
+        cluster.start(h3, budget, env={**env, "MESHNODE_MODELS": f"{a},{b}"}, model=a)  # c: both
+        models = {a.name, b.name}
+        views = wait_until(lambda: (vs := [cluster.mesh_view(h) for h in cluster.hosts]) and
+                           all(_serving(v, models) for v in vs) and vs, 150, "both models served",
+                           details=cluster.logs)
+        # Each model has its own plan; every node holds no more than its budget for both together.
+        plans = {m["model"]: m["plan"] for m in views[0]["models"]}
+        held: dict[str, int] = {}
+        for plan in plans.values():
+            assert len(plan["stages"]) >= 2, plans  # neither fits one node
+            for stage in plan["stages"]:
+                for node in stage["nodes"]:
+                    held[node] = held.get(node, 0) + stage["bytes"]
+        print(json.dumps({m: [(s["start_layer"], s["end_layer"], s["nodes"]) for s in p["stages"]] for m, p in plans.items()}), held, budget)
+        assert all(held[n] <= budget for n in held), (held, budget)
+        for view in views[1:]:  # every node follows the same plans
+            assert {m["model"]: m["plan"]["stages"] for m in view["models"]} == \
+                {m: p["stages"] for m, p in plans.items()}
+        asks = [(m, p) for m in sorted(prompts) for p in prompts[m]]
+        out = in_ns(cluster.client, BOTH, f"http://{h2.ip}:{HTTP}", json.dumps(asks), MAX_TOKENS, timeout=300)
+        assert out["models"] == sorted(models)
+        assert out["answers"] == [references[ask] for ask in asks], cluster.logs()
+
+
+def _states(cluster, host) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in cluster.fetch(f"http://{host.ip}:{HTTP}/v1/models")[2]["data"]}
+
+
+def _ask(cluster, host, model: str, prompt: str) -> tuple[int, dict]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    status, _, out = cluster.fetch(f"http://{host.ip}:{HTTP}/v1/chat/completions", body, timeout=200)
+    return status, out
+
+
+def test_a_model_requested_on_demand_evicts_the_least_recently_used_idle_one(tmp_path):
+    """Three models of which two fit at once, and one that fits nowhere: the third is loaded when
+    asked (the idle one used longest ago makes room), the evicted one comes back when asked, and
+    the one too big for the mesh is refused with a 503 that says so."""
+    specs = {"a-llama": ("llama", 3), "b-qwen3": ("qwen3", 5), "c-llama": ("llama", 7)}
+    paths = {name: build_model(tmp_path / name, family, num_layers=6, hidden_size=64, intermediate_size=128,
+                               dtype="bfloat16", seed=seed) for name, (family, seed) in specs.items()}
+    big = build_model(tmp_path / "d-big", "llama", num_layers=8, hidden_size=256, intermediate_size=512,
+                      dtype="float32", seed=9)
+    prompt = "Tell me about the sea."
+    references = {name: mlx_reference(path, [{"role": "user", "content": prompt}], MAX_TOKENS)
+                  for name, path in paths.items()}
+    sizes = {name: profile_model(path).total_bytes(512) for name, path in paths.items()}
+    budget = int(sum(sizes.values()) / 3 * 0.9)  # any two fit the three nodes, never all three
+    assert profile_model(big).total_bytes(512) > 3 * budget
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, paths["a-llama"], tmp_path, max_context=512)
+        h1, h2, h3 = cluster.hosts
+        env = {"MESHNODE_STRATEGY": "pipeline"}
+        cluster.start(h1, budget, env={**env, "MESHNODE_MODELS": str(paths["b-qwen3"])}, model=paths["a-llama"])
+        cluster.wait(lambda: cluster.mesh_view(h1)["coordinator"], 90, "the first node up")  # h1 coordinates
+        cluster.start(h2, budget, env=env, model=paths["c-llama"])
+        cluster.start(h3, budget, env={**env, "MESHNODE_MODELS": str(big)}, model=paths["a-llama"])
+
+        def settled():  # a-llama (the coordinator's first) placed; one of the others on demand
+            states = [_states(cluster, h) for h in cluster.hosts]
+            first = states[0]
+            ok = (all(s == first for s in states) and first.get("a-llama") == "ready"
+                  and first.get("d-big") == "does not fit"
+                  and sorted([first.get("b-qwen3"), first.get("c-llama")]) == ["on demand", "ready"])
+            return ok and first
+
+        first = cluster.wait(settled, 150, "a-llama ready, one of b-qwen3 and c-llama on demand")
+        # Which one waits depends on when the nodes joined (two nodes had room for one beside a-llama).
+        x, y = ("b-qwen3", "c-llama") if first["b-qwen3"] == "on demand" else ("c-llama", "b-qwen3")
+        ready = {"a-llama": "ready", "d-big": "does not fit"}
+
+        status, out = _ask(cluster, h2, "a-llama", prompt)  # a-llama used: y is now the least recent
+        assert status == 200 and out["choices"][0]["message"]["content"] == references["a-llama"], out
+        status, out = _ask(cluster, h3, x, prompt)  # loaded on demand, in y's room
+        assert status == 200 and out["choices"][0]["message"]["content"] == references[x], out
+        assert _states(cluster, h1) == {**ready, x: "ready", y: "on demand"}
+        status, out = _ask(cluster, h1, y, prompt)  # back, in a-llama's room (used before x)
+        assert status == 200 and out["choices"][0]["message"]["content"] == references[y], out
+        assert _states(cluster, h2) == {**ready, "a-llama": "on demand", x: "ready", y: "ready"}
+        status, out = _ask(cluster, h2, "a-llama", prompt)
+        assert status == 200 and out["choices"][0]["message"]["content"] == references["a-llama"], out
+
+        status, out = _ask(cluster, h2, "d-big", prompt)
+        assert status == 503 and "does not fit" in out["error"]["message"], out
+        view = cluster.mesh_view(h1)
+        held: dict[str, int] = {}
+        for m in view["models"]:
+            for stage in (m["plan"] or {}).get("stages", []):
+                for node in stage["nodes"]:
+                    held[node] = held.get(node, 0) + stage["bytes"]
+        assert all(v <= budget for v in held.values()), (held, budget)
