@@ -50,6 +50,7 @@ from meshnode.serving.served import ServedModel, plan_status
 from meshnode.control.adoption import Adoption
 from meshnode.control.coordinator import Coordinator
 from meshnode.control.lanes import Lane, Lanes
+from meshnode.control.offers import read_offers, write_offers
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.routing import StageRouter, not_served
 from meshnode.weights.store import ModelStore
@@ -84,6 +85,12 @@ class Backend:
         return [{"id": model_id, "state": model_state(served),
                  "context_length": served.context if served.files.profile is not None else None}
                 for model_id, served in self.node.models.items() if model_id in offered]
+
+    async def add_model(self, spec: str) -> dict[str, Any]:
+        return await self.node.add_model(spec)
+
+    async def remove_model(self, model_id: str) -> dict[str, Any]:
+        return await self.node.remove_model(model_id)
 
     def model_profile(self, model: str):
         """The served model's shape and sizes (the Ollama surface's details), None before they are known."""
@@ -144,7 +151,8 @@ class Node:
                                       used_by_others=lambda: self.lanes.used_by_others(served.model_id))
             return Lane(served, adoption, coordinator, offered)
 
-        self.lanes = Lanes(lane, settings.offered_models())
+        self._offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
+        self.lanes = Lanes(lane, self._offers.offered(settings.offered_models()), frozenset(self._offers.withdrawn))
         self.served = self.lanes.primary.served  # the first model's (a single-model mesh's only one)
         self.control = ControlPlane(settings, self.node_id, self.cluster_id, self.started_at, self.peers,
                                     self.lanes, event=self.events, holders=self._holders)
@@ -175,6 +183,38 @@ class Node:
     def models(self) -> dict[str, ServedModel]:
         """The served models by id (requests find theirs here), the first model first."""
         return {lane.model_id: lane.served for lane in self.lanes if lane.model_id is not None}
+
+    async def add_model(self, spec: str) -> dict[str, Any]:
+        """Offer one more model from now on (and after a restart): the mesh then serves it too."""
+        try:
+            lane = await self.lanes.offer(spec, self._holders)
+        except Exception as exc:  # noqa: BLE001 - the caller's model: ModelNotFound, a bad folder, ...
+            raise ApiError(400, f"cannot offer model {spec!r}: {exc}", param="add", code="model_not_loadable") \
+                from None
+        self._offers = self._offers.add(spec, lane.model_id)
+        await self._announce_models(f"offering model {lane.model_id}")
+        return {"model": lane.model_id, "offered": True, "offered_here": list(self.lanes.offered_ids())}
+
+    async def remove_model(self, model_id: str) -> dict[str, Any]:
+        """Stop offering a model (the mesh stops serving it once no live node offers it)."""
+        lane = self.lanes.get(model_id)
+        if lane is None or not lane.offered:
+            raise ApiError(404, f"model {model_id!r} is not offered by this node; it offers "
+                                f"{', '.join(self.lanes.offered_ids()) or 'none'}", param="remove",
+                           code="model_not_found")
+        lane.offered = False
+        self._offers = self._offers.remove(model_id, lane.served.files.spec)
+        await self._announce_models(f"no longer offering model {model_id}")
+        return {"model": model_id, "offered": False, "offered_here": list(self.lanes.offered_ids())}
+
+    async def _announce_models(self, what: str) -> None:
+        write_offers(self.settings.resolved_state_dir(), self._offers)
+        self.peers.update_me(models=self.lanes.offered_ids(), holdings=self.served.files.holdings())
+        if self.discovery is not None:
+            await self.discovery.update(self.peers.me)
+        log.info("%s (offered here: %s)", what, ", ".join(self.lanes.offered_ids()) or "none")
+        self.events("models", offered=list(self.lanes.offered_ids()))
+        await self.control.beat_now()
 
     def _holders(self, model_id: str):
         return self.peers.holders_of(model_id, self.cluster_id)

@@ -158,3 +158,71 @@ def test_a_model_requested_on_demand_evicts_the_least_recently_used_idle_one(tmp
                 for node in stage["nodes"]:
                     held[node] = held.get(node, 0) + stage["bytes"]
         assert all(v <= budget for v in held.values()), (held, budget)
+
+
+def _models_cli(host, *args) -> str:
+    """``meshnode models ...`` inside ``host``, against its own node over loopback (admin calls need
+    an API key or this machine)."""
+    import sys
+
+    out = host.run([sys.executable, "-m", "meshnode.cli", "models", *map(str, args), "--url",
+                    f"http://127.0.0.1:{HTTP}"], timeout=120)
+    return out.stdout
+
+
+def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_when_a_node_dies(tmp_path):
+    """`meshnode models add` on one node makes the mesh serve a second model beside the first; a node
+    of only the second model's plan dies: the first keeps its plan (same epoch, never interrupted),
+    the second re-plans on the survivors, and both still answer as mlx_lm.generate; `meshnode models
+    remove` stops serving it."""
+    small = build_model(tmp_path / "small-llama", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
+                        dtype="bfloat16", quantize="4bit", seed=11)
+    big = build_model(tmp_path / "big-qwen3", "qwen3_moe", num_layers=6, hidden_size=64, intermediate_size=128,
+                      dtype="float32", seed=12)  # (MLX's CPU GatherMM, for MoE experts, is float32 only)
+    prompt = "Why is the sky blue?"
+    references = {p.name: mlx_reference(p, [{"role": "user", "content": prompt}], MAX_TOKENS) for p in (small, big)}
+    t_small, t_big = profile_model(small).total_bytes(512), profile_model(big).total_bytes(512)
+    budget = int(t_big * 0.75)  # the big one needs two nodes; after one dies, the two left hold both
+    assert t_small < 0.4 * t_big, (t_small, t_big)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, small, tmp_path, max_context=512)
+        h1, h2, h3 = cluster.hosts
+        env = {"MESHNODE_STRATEGY": "pipeline"}
+        cluster.start(h1, budget, env=env)
+        cluster.wait(lambda: cluster.mesh_view(h1)["coordinator"], 90, "the first node up")  # h1 coordinates
+        cluster.start(h2, budget, env=env)
+        cluster.start(h3, budget, env=env)
+        cluster.wait(lambda: all(_states(cluster, h) == {small.name: "ready"} for h in cluster.hosts), 120,
+                     "the first model served")
+        assert "offered by this node" in _models_cli(h1, "add", big)
+        both = {small.name: "ready", big.name: "ready"}
+        cluster.wait(lambda: all(_states(cluster, h) == both for h in cluster.hosts), 120, "both models served")
+        listing = _models_cli(h3, "list")
+        assert small.name in listing and big.name in listing and "ready" in listing, listing
+
+        plans = {m["model"]: m for m in cluster.mesh_view(h1)["models"]}
+        small_nodes = {n for s in plans[small.name]["plan"]["stages"] for n in s["nodes"]}
+        big_nodes = [n for s in plans[big.name]["plan"]["stages"] for n in s["nodes"]]
+        assert len(big_nodes) >= 2, plans
+        victim = next(n for n in big_nodes if n not in small_nodes and n != "node-h0")
+        mesh.kill(cluster.procs[victim])
+        alive = [h for h in cluster.hosts if h.name != victim]
+
+        def replanned():
+            views = [{m["model"]: m for m in cluster.mesh_view(h)["models"]} for h in alive]
+            return all(v[big.name]["epoch"] > plans[big.name]["epoch"] and v[big.name]["state"] == "ready"
+                       and v[small.name]["state"] == "ready" for v in views) and views
+
+        views = cluster.wait(replanned, 90, f"{big.name} re-planned without {victim}")
+        for v in views:  # the small model never moved
+            assert v[small.name]["epoch"] == plans[small.name]["epoch"], v
+            assert victim not in {n for s in v[big.name]["plan"]["stages"] for n in s["nodes"]}
+        out = in_ns(cluster.client, BOTH, f"http://{alive[-1].ip}:{HTTP}",
+                    json.dumps([[small.name, prompt], [big.name, prompt]]), MAX_TOKENS, timeout=300)
+        assert out["answers"] == [references[small.name], references[big.name]], cluster.logs()
+
+        assert "no longer offered" in _models_cli(h1, "remove", big.name)
+        cluster.wait(lambda: all(_states(cluster, h) == {small.name: "ready"} for h in alive), 60,
+                     f"{big.name} no longer served")
+        big_now = {m["model"]: m for m in cluster.mesh_view(h1)["models"]}[big.name]
+        assert big_now["plan"]["stages"] == [], big_now  # unloaded everywhere: its memory is free

@@ -1,5 +1,6 @@
 """The mesh's own endpoints, beside the model APIs: /health (open, for load balancers and service
-managers), /v1/mesh (the dashboard's data), /metrics (Prometheus) and the dashboard's files."""
+managers), /v1/mesh (the dashboard's data), /metrics (Prometheus), the dashboard's files, and
+POST /v1/admin/models (this node offers one more model, or stops offering one)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from meshnode.api.core import BACKEND, METRICS
+from meshnode.api.core import BACKEND, METRICS, SETTINGS, json_body
+from meshnode.errors import ApiError
+
+LOOPBACK = ("127.0.0.1", "::1")
 
 STATIC = Path(__file__).resolve().parent / "static"  # the dashboard (GET /)
 
@@ -30,7 +34,25 @@ async def dashboard(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+async def admin_models(request: web.Request) -> web.Response:
+    """``{"add": "<folder or id>"}`` or ``{"remove": "<model id>"}``: what this node offers (kept
+    across restarts). With an API key set, the key is checked like any /v1 call; without one, only
+    this machine may ask (a model folder is a path on this disk)."""
+    if not request.app[SETTINGS].api_key and request.remote not in LOOPBACK:
+        raise ApiError(403, "admin calls need an API key (the api_key setting) or must come from this machine",
+                       type="permission_error", code="admin_forbidden")
+    body = await json_body(request)
+    if not isinstance(body, dict) or len(body) != 1 or not isinstance(next(iter(body.values())), str) \
+            or next(iter(body)) not in ("add", "remove") or not next(iter(body.values())).strip():
+        raise ApiError(400, 'expected {"add": "<model folder or id>"} or {"remove": "<model id>"}')
+    backend = request.app[BACKEND]
+    if "add" in body:
+        return web.json_response(await backend.add_model(body["add"].strip()))
+    return web.json_response(await backend.remove_model(body["remove"].strip()))
+
+
 def routes(app: web.Application) -> None:
+    app.router.add_post("/v1/admin/models", admin_models)
     app.router.add_get("/v1/mesh", mesh)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

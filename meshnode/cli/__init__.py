@@ -21,6 +21,7 @@ from meshnode.config import ConfigError, Settings, load_settings
 from meshnode.cli.dryrun import cluster_from_mesh, format_plan, load_cluster
 from meshnode.cli.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetch_json
 from meshnode.cli.status import format_status, status_exit_code
+from meshnode.cli import models as models_cli
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--executable", metavar="PATH", type=Path,
                          help="the meshnode program the service runs (default: this one)")
     uninstall.add_argument("--purge", action="store_true", help="also remove the config (cluster key) and the logs")
+    models_cli.add_parser(sub)
     return parser
 
 

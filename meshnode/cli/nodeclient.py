@@ -17,9 +17,12 @@ from meshnode.config import ConfigError, load_settings
 DEFAULT_STATUS_URL = "http://127.0.0.1:8470"
 
 
-def fetch_json(url: str, timeout: float, api_key: str | None) -> tuple[int, Any]:
-    """(HTTP status, parsed JSON body or None). Raises URLError/OSError when nothing answered."""
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+def fetch_json(url: str, timeout: float, api_key: str | None, body: Any = None) -> tuple[int, Any]:
+    """(HTTP status, parsed JSON body or None): a GET, or a POST of ``body`` as JSON. Raises
+    URLError/OSError when nothing answered."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Accept": "application/json",
+                                                              "Content-Type": "application/json"})
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:

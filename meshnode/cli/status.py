@@ -95,6 +95,16 @@ def format_status(data: dict[str, Any]) -> str:
     lines += _plan_lines(data)
     if data.get("plan_error"):
         lines.append(f"plan error   {data['plan_error']}")
+    models = data.get("models") or []
+    if len(models) > 1:  # several models on one mesh: each with its own plan (`meshnode models list`)
+        for i, m in enumerate(models):
+            if not isinstance(m, dict):
+                continue
+            plan = m.get("plan") if isinstance(m.get("plan"), dict) else {}
+            where = " | ".join(f"{s.get('start_layer')}-{s.get('end_layer', 1) - 1}@{'+'.join(s.get('nodes', []))}"
+                               for s in plan.get("stages") or [] if isinstance(s, dict))
+            lines.append(f"{'models' if i == 0 else '':<13}{m.get('model')}: {m.get('state', '?')}"
+                         + (f", epoch {m.get('epoch')}: {where}" if where else ""))
     lines += _node_lines(data, me, coordinator)
     lines += _link_lines(data, me)
     if data.get("unreachable"):

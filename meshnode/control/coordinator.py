@@ -211,7 +211,8 @@ class Coordinator:
         adoption = self.adoption
         epoch = adoption.epochs.next_epoch()
         desired = desired.with_epoch(epoch)
-        log.info("publishing plan epoch %d of %s: %s (%s)", epoch, desired.model, describe(desired), desired.reason)
+        log.info("publishing plan epoch %d of %s: %s", epoch, desired.model,
+                 describe(desired) if desired.unloaded else f"{describe(desired)} ({desired.reason})")
         adoption.adopt(desired, coordinator=self.node_id, source="self")
         msg = plan_to_pb(desired, self.node_id)
         for peer in self.peers.membership.alive_peers().values():

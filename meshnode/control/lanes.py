@@ -35,7 +35,7 @@ class Lane:
     served: "ServedModel"
     adoption: "Adoption"
     coordinator: "Coordinator"
-    offered: bool  # this node's settings name the model (it announces it; the mesh serves it for that)
+    offered: bool  # this node offers the model (announces it; the mesh serves it for that)
 
     @property
     def model_id(self) -> str | None:
@@ -45,9 +45,12 @@ class Lane:
 class Lanes:
     """This node's lanes: the ones it offers, loaded at start, and the ones it learns of from peers."""
 
-    def __init__(self, make: Callable[[str | None, bool], Lane], offered: tuple[str | None, ...]):
+    def __init__(self, make: Callable[[str | None, bool], Lane], offered: tuple[str | None, ...],
+                 withdrawn: frozenset[str] = frozenset()):
+        """``offered``: the models this node offers, the first one the primary; ``withdrawn``: model
+        ids it was told to stop offering (``meshnode models remove``), kept as lanes it takes part in."""
         self._make = make
-        self._offered = offered
+        self._offered, self._withdrawn = offered, withdrawn
         self.primary: Lane = make(offered[0], True)  # the first model offered; "" names it on the wire
         self._lanes: dict[str, Lane] = {}
         self._loading: dict[str, asyncio.Task] = {}
@@ -59,15 +62,23 @@ class Lanes:
         await self.primary.served.load(holders)
         self._lanes[self.primary.model_id] = self.primary
         for spec in self._offered[1:]:
-            lane = self._make(spec, True)
             try:
-                await lane.served.load(holders)
+                await self.offer(spec, holders)
             except Exception as exc:  # noqa: BLE001 - a bad extra model must not stop the node
                 log.error("model %s is not served: %s", spec, exc)
-                continue
-            if lane.model_id in self._lanes:
-                continue
-            self._lanes[lane.model_id] = lane
+        for lane in self:
+            lane.offered = lane.model_id not in self._withdrawn
+
+    async def offer(self, spec: str, holders) -> Lane:
+        """Offer one more model (a folder or an id): its lane, loaded (raises if it cannot be)."""
+        lane = self._lanes.get(spec)
+        if lane is None:
+            lane = self._make(spec, True)
+            await lane.served.load(holders)
+            lane = self._lanes.setdefault(lane.model_id, lane)
+            self._failed.pop(lane.model_id, None)
+        lane.offered = True
+        return lane
 
     def __iter__(self) -> Iterator[Lane]:
         """The loaded lanes, the primary first, then by model id (the order the coordinator plans in)."""
