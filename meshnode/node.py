@@ -70,18 +70,18 @@ class Backend:
         self.metrics = node.metrics
 
     def engine(self, model: str) -> Engine:
-        served = self.node.models.get(model)
+        offered = self.node.offered_models()
+        served = self.node.models.get(model) if model in offered else None
         if served is None:
             raise ApiError(404, f"model '{model}' is not served here; this mesh serves "
-                                f"{', '.join(repr(m) for m in self.node.models)}", param="model",
+                                f"{', '.join(repr(m) for m in self.node.models if m in offered)}", param="model",
                            code="model_not_found")
         return served.engine_for_request()
 
     def models(self) -> list[dict[str, Any]]:
         """Every model the mesh serves (some live node offers it): ready, loading, on demand (not loaded
         now; a request loads it) or does not fit."""
-        offered = {m for info in self.node.peers.alive_infos().values() for m in info.models} \
-            if self.node.peers.membership is not None else set(self.node.models)
+        offered = self.node.offered_models()
         return [{"id": model_id, "state": model_state(served),
                  "context_length": served.context if served.files.profile is not None else None}
                 for model_id, served in self.node.models.items() if model_id in offered]
@@ -215,6 +215,12 @@ class Node:
         log.info("%s (offered here: %s)", what, ", ".join(self.lanes.offered_ids()) or "none")
         self.events("models", offered=list(self.lanes.offered_ids()))
         await self.control.beat_now()
+
+    def offered_models(self) -> set[str]:
+        """The models the mesh serves: those its live nodes offer (this node's before it has peers)."""
+        if self.peers.membership is None:
+            return set(self.models)
+        return {m for info in self.peers.alive_infos().values() for m in info.models}
 
     def _holders(self, model_id: str):
         return self.peers.holders_of(model_id, self.cluster_id)

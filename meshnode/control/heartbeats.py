@@ -51,7 +51,7 @@ class Heartbeats:
             if lane.model_id is None:
                 continue  # still loading
             a = lane.adoption
-            use = lane.served.use.now()
+            use = lane.served.use_now()
             state = msg.models.add(model=lane.model_id, epoch=a.epoch, ready_epoch=a.ready_epoch,
                                    plan_error=a.plan_error, last_used=use.last_used, active=use.active,
                                    waiting=use.waiting)

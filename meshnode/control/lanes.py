@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from meshnode.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 30.0  # a peer's model whose files could not be had here is tried again after this long
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Lanes:
         self.primary: Lane = make(offered[0], True)  # the first model offered; "" names it on the wire
         self._lanes: dict[str, Lane] = {}
         self._loading: dict[str, asyncio.Task] = {}
-        self._failed: dict[str, str] = {}  # models whose metadata could not be loaded here, and why
+        self._failed: dict[str, float] = {}  # models whose metadata could not be loaded here, and when
 
     async def start(self, holders) -> None:
         """Load every model this node offers: the first must load (the node serves nothing else
@@ -95,14 +98,13 @@ class Lanes:
     def offered_ids(self) -> tuple[str, ...]:
         return tuple(lane.model_id for lane in self if lane.offered)
 
-    def failed(self) -> dict[str, str]:
-        return dict(self._failed)
-
     def learn(self, model_ids, holders) -> None:
         """Models the mesh serves (peers announce them): start loading each this node has no lane
         for yet (its metadata from the peers that hold it)."""
         for model_id in model_ids:
-            if not model_id or model_id in self._lanes or model_id in self._loading or model_id in self._failed:
+            failed_at = self._failed.get(model_id)
+            if not model_id or model_id in self._lanes or model_id in self._loading or \
+                    (failed_at is not None and time.monotonic() - failed_at < RETRY_S):
                 continue
             self._loading[model_id] = asyncio.create_task(self._load(model_id, holders),
                                                           name=f"meshnode-lane-{model_id}")
@@ -114,8 +116,9 @@ class Lanes:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - logged; peers serve it without this node
-            log.error("model %s (offered by a peer) cannot be served here: %s", model_id, exc)
-            self._failed[model_id] = str(exc)
+            log.error("model %s (offered by a peer) cannot be served here (trying again in %.0f s): %s", model_id,
+                      RETRY_S, exc)
+            self._failed[model_id] = time.monotonic()
             return
         finally:
             self._loading.pop(model_id, None)

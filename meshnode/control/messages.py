@@ -121,6 +121,8 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
         if s.endpoints and (len(s.endpoints) != len(s.nodes) or any(not _is_address(a) for a in s.endpoints)):
             raise ValueError(f"plan epoch {msg.epoch}: a stage's endpoints do not match its nodes")
         edge = s.end_layer
+    if msg.strategy == UNLOADED and stages:
+        raise ValueError(f"plan epoch {msg.epoch}: an unloaded model's plan names stages")
     if edge != num_layers and not (msg.strategy == UNLOADED and not stages):
         raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")
     if msg.kv_bits and msg.kv_bits not in KV_BITS:

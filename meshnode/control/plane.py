@@ -160,4 +160,4 @@ class ControlPlane:
     def use_of(self, lane) -> Use:
         """The requests for the lane's model over the mesh: this node's and what its peers announce."""
         peers = self.peers.membership.alive_peers().values() if self.peers.membership is not None else ()
-        return total([lane.served.use.now(), *(p.uses[lane.model_id] for p in peers if lane.model_id in p.uses)])
+        return total([lane.served.use_now(), *(p.uses[lane.model_id] for p in peers if lane.model_id in p.uses)])

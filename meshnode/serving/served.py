@@ -13,6 +13,7 @@ and how to reach a peer. It decides nothing about plans.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import zlib
@@ -345,6 +346,15 @@ class ServedModel:
             return False
         serving = self.serving_plan()
         return self.plan.unloaded or (serving is not None and serving.unloaded)
+
+    def use_now(self):
+        """This node's requests for the model (meshnode.control.demand.Use); a generation whose model
+        was unloaded under it (its idleness was announced before it started) counts as waiting, so
+        the coordinator loads the model again and the generation goes on by failover."""
+        use = self.use.now()
+        if use.active and self.on_demand():
+            use = dataclasses.replace(use, waiting=use.waiting + use.active)
+        return use
 
     def loaded(self) -> bool:
         serving = self.serving_plan()

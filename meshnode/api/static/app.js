@@ -151,6 +151,28 @@ function renderPlan(mesh) {
   $("plan-reason").textContent = plan.reason || "";
 }
 
+// Several models on one mesh: each model's state and plan, and which one the chat talks to.
+function renderModels(mesh) {
+  const models = mesh.models || [];
+  $("models-card").hidden = models.length < 2;
+  $("chat-model-label").hidden = models.length < 2;
+  $("models").replaceChildren(...models.map((m) => {
+    const stages = ((m.plan && m.plan.stages) || [])
+      .map((s) => `${s.start_layer}–${s.end_layer - 1}@${s.nodes.join("+")}`).join(" | ");
+    const detail = stages || (m.plan && m.plan.reason) || m.plan_error || "";
+    return el("li", {"data-model": m.model, "data-state": m.state},
+              el("strong", {}, m.model), ` · ${m.state}` + (m.offered_here ? " · offered here" : "") +
+              (detail ? ` · ${detail}` : ""));
+  }));
+  const select = $("chat-model");
+  const ids = models.map((m) => m.model);
+  if ([...select.options].map((o) => o.value).join() !== ids.join()) {
+    const chosen = select.value;
+    select.replaceChildren(...ids.map((id) => el("option", {value: id}, id)));
+    if (ids.includes(chosen)) select.value = chosen;
+  }
+}
+
 function renderProgress(mesh) {
   const p = mesh.progress;
   $("progress-card").hidden = !p;
@@ -209,6 +231,7 @@ async function poll() {
     renderUnreachable(mesh);
     renderNodes(mesh);
     renderPlan(mesh);
+    renderModels(mesh);
     renderProgress(mesh);
     renderLive(mesh);
     renderLinks(mesh);
@@ -246,7 +269,7 @@ async function chat(prompt) {
   let text = "", chunks = 0, finish = null, failure = null;
   const started = performance.now();
   try {
-    const body = {model, messages: chatHistory, stream: true,
+    const body = {model: $("chat-model").value || model, messages: chatHistory, stream: true,
                   max_tokens: parseInt($("chat-max-tokens").value, 10) || 64,
                   temperature: parseFloat($("chat-temperature").value)};
     const r = await fetch("/v1/chat/completions", {
