@@ -16,18 +16,16 @@ import asyncio
 import dataclasses
 import logging
 import time
-import zlib
-from pathlib import Path
 from typing import Any, Callable
 
-from meshnode.config import TENSOR_PORTS
 from meshnode.control.planner.context import UNKNOWN
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
-from meshnode.model.tensor import TensorGroupError, TensorShard
+from meshnode.model.tensor import TensorShard
 from meshnode.serving.promptcache import PrefixIndex
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import LocalStage
+from meshnode.serving.loading import close_shard, load_part, stage_key
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
 from meshnode.serving.resilience import FailoverSource, NotReady
@@ -40,44 +38,6 @@ log = logging.getLogger(__name__)
 MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
 
 
-def stage_key(stage) -> tuple:
-    """What a node holds for a stage: its layers, plus the group's members for a tensor group
-    (the same layers shared with other nodes are a different thing to load)."""
-    if len(stage.nodes) == 1:
-        return (stage.start_layer, stage.end_layer)
-    return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
-
-
-def _close(shard) -> None:
-    if isinstance(shard, TensorShard):
-        shard.close()
-
-
-def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes,
-                  kv_bits: int = 0, model: str = "") -> TensorShard:
-    """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
-    alive = mesh.alive_infos()
-    # The model too: two models' groups on the same nodes and layers need rings of their own.
-    key = f"{model}/{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
-    offset = zlib.crc32(key.encode()) % TENSOR_PORTS
-    endpoints, controls = [], []
-    for member in stage.nodes:
-        info = mesh.me if member == node_id else alive.get(member)
-        if info is None or not info.tensor_port:
-            raise TensorGroupError(f"group member {member} is unknown or has no tensor port")
-        # The plan's choice of address (the coordinator picks the fastest measured path), else
-        # the member's first announced address.
-        chosen = getattr(stage, "endpoints", ())
-        host = chosen[stage.nodes.index(member)] if chosen else info.addresses[0]
-        endpoints.append(f"{host}:{info.tensor_port + offset}")
-        controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
-    return TensorShard(path, stage.start_layer, stage.end_layer, num_layers,
-                       rank=stage.nodes.index(node_id), endpoints=endpoints, control=controls[0],
-                       secret=secret, hop_timeout=settings.failure_timeout,
-                       inject_latency=settings.inject_latency_us * 1e-6, kv_bits=kv_bits,
-                       members_alive=lambda: all(mesh.heard_within(n) for n in stage.nodes))
-
-
 class ServedModel:
     def __init__(self, settings, node_id: str, *, scheduler, metrics, progress, mesh, auth, group_secret: bytes,
                  event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None, store=None,
@@ -85,8 +45,8 @@ class ServedModel:
         """``model``: a folder or an id (None: the demo model); ``store``: the node's held models;
         ``learned``: a model a peer offers, not this node (its files come from peers)."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
-        self.progress, self.mesh, self.auth, self._group_secret = progress, mesh, auth, group_secret
-        self._event, self._on_ready = event, on_ready
+        self.progress, self.mesh, self.auth, self.group_secret = progress, mesh, auth, group_secret
+        self.event, self.on_ready = event, on_ready
         self.files = ModelFiles(settings, progress, event, model=model, store=store, learned=learned)
         self.engine: Engine | None = None
         self.stage_server: StageServer | None = None
@@ -140,7 +100,7 @@ class ServedModel:
 
     def close(self) -> None:
         for shard in self.shards.values():
-            _close(shard)
+            close_shard(shard)
         self.shards = {}
 
     def fault(self, error: str) -> None:
@@ -151,7 +111,7 @@ class ServedModel:
         self.faults, self.last_fault = self.faults + 1, error[:MAX_FAULT_TEXT]
         others = tuple(f for f in self.mesh.me.faults if f[0] != self.model_id)
         self.mesh.update_me(faults=(*others, (self.model_id, self.faults, self.last_fault)))
-        self._event("fault", model=self.model_id, count=self.faults, error=self.last_fault)
+        self.event("fault", model=self.model_id, count=self.faults, error=self.last_fault)
 
     # ------------------------------------------------------------------ plans
     def take(self, plan) -> None:
@@ -165,7 +125,7 @@ class ServedModel:
     def apply_soon(self, plan) -> None:
         if self._apply_task is not None:
             self._apply_task.cancel()
-        self._apply_task = asyncio.create_task(self._apply(plan))
+        self._apply_task = asyncio.create_task(load_part(self, plan))
 
     def drop(self) -> None:
         self.plan = None
@@ -192,90 +152,11 @@ class ServedModel:
         self._group_restart_at = time.monotonic()
         if ready:
             log.warning("epoch %d: a tensor group this node belongs to is down; forming it again", plan.epoch)
-            self._event("group-down", epoch=plan.epoch)
+            self.event("group-down", epoch=plan.epoch)
             self.ready_epoch = plan.epoch - 1
         else:
             log.warning("epoch %d: loading this node's part again", plan.epoch)
-        self._apply_task = asyncio.create_task(self._apply(plan))
-
-    async def _apply(self, plan) -> None:
-        """Load this node's shards for the plan (make before break), then serve them."""
-        wanted: dict[tuple, Shard | TensorShard] = {}
-        launching: list[TensorShard] = []
-        try:
-            for stage in plan.stages:
-                if self.node_id not in stage.nodes:
-                    continue
-                key = stage_key(stage)
-                shard = self.shards.get(key)
-                if isinstance(shard, TensorShard) and not shard.alive():
-                    shard = None  # its worker died: start the group again
-                elif isinstance(shard, TensorShard) and shard.kv_bits != plan.kv_bits:
-                    # Its worker builds caches of the other kind: start the group again (first
-                    # closing this one, whose ring holds the ports the new one takes).
-                    log.info("epoch %d: kv_bits %d (was %d): starting the tensor group for layers [%d, %d) again",
-                             plan.epoch, plan.kv_bits, shard.kv_bits, key[0], key[1])
-                    shard.close()
-                    shard = None
-                if shard is None and len(stage.nodes) == 1:
-                    log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
-                    t0 = time.monotonic()
-                    task = f"loading layers {key[0]}-{key[1] - 1} of {self.model_id}"
-                    path = await self._layers_folder(key[0], key[1])
-                    try:
-                        shard = await self.scheduler.call(lambda k=key, t=task, p=path: Shard(
-                            p, k[0], k[1], progress=lambda d, n: self.progress.update(t, d, n)))
-                    finally:
-                        self.progress.finish()
-                    log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
-                elif shard is None:
-                    shard = tensor_member(stage, await self._layers_folder(key[0], key[1]), node_id=self.node_id,
-                                          mesh=self.mesh, num_layers=self.profile.num_layers,
-                                          settings=self.settings, secret=self._group_secret, kv_bits=plan.kv_bits,
-                                          model=self.model_id)
-                    launching.append(shard)
-                    t0 = time.monotonic()
-                    await asyncio.to_thread(shard.launch, self.settings.group_ready_timeout)
-                    launching.remove(shard)
-                    self._event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
-                                seconds=round(time.monotonic() - t0, 2))
-                if isinstance(shard, Shard):  # its requests' caches from now on: the plan's (meshnode.weights.kvquant)
-                    shard.kv_bits = plan.kv_bits
-                wanted[key] = shard
-        except BaseException as exc:
-            for shard in launching:
-                shard.close()  # unblocks the launching thread
-            if not isinstance(exc, asyncio.CancelledError):
-                log.error("epoch %d: could not load this node's part: %s", plan.epoch, exc)
-                self._event("load-failed", epoch=plan.epoch, error=str(exc))
-            raise
-        if self.plan is not plan:
-            for key, shard in wanted.items():
-                if key not in self.shards:
-                    _close(shard)
-            return
-        replaced = [v for k, v in self.shards.items() if k in wanted and v is not wanted[k]]
-        self.shards = {**self.shards, **wanted}
-        for shard in replaced:
-            _close(shard)
-        served = {(s.start_layer, s.end_layer): wanted[stage_key(s)] for s in plan.stages if s.nodes[0] == self.node_id}
-        self.stage_server.serve(plan.epoch, served)
-        use_context(self, self.context)
-        self.ready_epoch = plan.epoch
-        log.info("ready for epoch %d", plan.epoch)
-        asyncio.create_task(self._on_ready())  # tell the mesh now, not at the next beat
-
-    async def _layers_folder(self, start: int, end: int) -> Path:
-        """The layers' folder, fetched from the live peers that announce them if this disk lacks
-        them; then announced as held."""
-        if (local := self.files.local_layers(start, end)) is not None:
-            return local
-        alive = self.mesh.alive_infos()
-        peers = [(nid, self.mesh.channel_to(nid)) for nid, info in sorted(alive.items())
-                 if nid != self.node_id and any(m == self.model_id for m, _, _ in info.holdings)]
-        path = await self.files.fetch_layers(start, end, peers)
-        self.mesh.update_me(holdings=self.files.holdings())
-        return path
+        self._apply_task = asyncio.create_task(load_part(self, plan))
 
     def retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""
@@ -287,7 +168,7 @@ class ServedModel:
         keep = {stage_key(s) for s in plan.stages if self.node_id in s.nodes}
         for key, shard in self.shards.items():
             if key not in keep:
-                _close(shard)
+                close_shard(shard)
         self.shards = {k: v for k, v in self.shards.items() if k in keep}
         self.stage_server.retire_before(plan.epoch)
         if self.previous is not None:
@@ -439,14 +320,6 @@ def request_context(plan, settings, profile) -> int:
     if plan is not None and plan.max_context:
         return plan.max_context
     return settings.max_context or (profile.trained_context if profile is not None else 0) or UNKNOWN
-
-
-def use_context(served: "ServedModel", context: int) -> None:
-    """The plan's context for requests from now on: what the API allows, what a stage accepts,
-    what kept prefixes may hold."""
-    served.engine.max_context = served.stage_server.max_context = context
-    if served.prefixes is not None:
-        served.prefixes.capacity = served.settings.kv_requests * context
 
 
 def prompt_cache(settings, metrics, context: int) -> tuple[PrefixStore | None, PrefixIndex | None]:

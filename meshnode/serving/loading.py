@@ -1,0 +1,144 @@
+"""Loading this node's part of a plan: its shards (a plain shard, or its member of a tensor group),
+with layers this disk lacks fetched from the peers that hold them first (make before break: the
+:class:`~meshnode.serving.served.ServedModel` swaps them in only once all are loaded)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from pathlib import Path
+
+from meshnode.config import TENSOR_PORTS
+from meshnode.model.shard import Shard
+from meshnode.model.tensor import TensorGroupError, TensorShard
+
+log = logging.getLogger(__name__)
+
+
+def stage_key(stage) -> tuple:
+    """What a node holds for a stage: its layers, plus the group's members for a tensor group
+    (the same layers shared with other nodes are a different thing to load)."""
+    if len(stage.nodes) == 1:
+        return (stage.start_layer, stage.end_layer)
+    return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
+
+
+def close_shard(shard) -> None:
+    if isinstance(shard, TensorShard):
+        shard.close()
+
+
+def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes,
+                  kv_bits: int = 0, model: str = "") -> TensorShard:
+    """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
+    alive = mesh.alive_infos()
+    # The model too: two models' groups on the same nodes and layers need rings of their own.
+    key = f"{model}/{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
+    offset = zlib.crc32(key.encode()) % TENSOR_PORTS
+    endpoints, controls = [], []
+    for member in stage.nodes:
+        info = mesh.me if member == node_id else alive.get(member)
+        if info is None or not info.tensor_port:
+            raise TensorGroupError(f"group member {member} is unknown or has no tensor port")
+        # The plan's choice of address (the coordinator picks the fastest measured path), else
+        # the member's first announced address.
+        chosen = getattr(stage, "endpoints", ())
+        host = chosen[stage.nodes.index(member)] if chosen else info.addresses[0]
+        endpoints.append(f"{host}:{info.tensor_port + offset}")
+        controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
+    return TensorShard(path, stage.start_layer, stage.end_layer, num_layers,
+                       rank=stage.nodes.index(node_id), endpoints=endpoints, control=controls[0],
+                       secret=secret, hop_timeout=settings.failure_timeout,
+                       inject_latency=settings.inject_latency_us * 1e-6, kv_bits=kv_bits,
+                       members_alive=lambda: all(mesh.heard_within(n) for n in stage.nodes))
+
+
+async def load_part(served, plan) -> None:
+    """Load this node's shards for the plan (make before break), then serve them."""
+    wanted: dict[tuple, Shard | TensorShard] = {}
+    launching: list[TensorShard] = []
+    try:
+        for stage in plan.stages:
+            if served.node_id not in stage.nodes:
+                continue
+            key = stage_key(stage)
+            shard = served.shards.get(key)
+            if isinstance(shard, TensorShard) and not shard.alive():
+                shard = None  # its worker died: start the group again
+            elif isinstance(shard, TensorShard) and shard.kv_bits != plan.kv_bits:
+                # Its worker builds caches of the other kind: start the group again (first
+                # closing this one, whose ring holds the ports the new one takes).
+                log.info("epoch %d: kv_bits %d (was %d): starting the tensor group for layers [%d, %d) again",
+                         plan.epoch, plan.kv_bits, shard.kv_bits, key[0], key[1])
+                shard.close()
+                shard = None
+            if shard is None and len(stage.nodes) == 1:
+                log.info("loading layers [%d, %d) for epoch %d", key[0], key[1], plan.epoch)
+                t0 = time.monotonic()
+                task = f"loading layers {key[0]}-{key[1] - 1} of {served.model_id}"
+                path = await layers_folder(served, key[0], key[1])
+                try:
+                    shard = await served.scheduler.call(lambda k=key, t=task, p=path: Shard(
+                        p, k[0], k[1], progress=lambda d, n: served.progress.update(t, d, n)))
+                finally:
+                    served.progress.finish()
+                log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
+            elif shard is None:
+                shard = tensor_member(stage, await layers_folder(served, key[0], key[1]), node_id=served.node_id,
+                                      mesh=served.mesh, num_layers=served.profile.num_layers,
+                                      settings=served.settings, secret=served.group_secret, kv_bits=plan.kv_bits,
+                                      model=served.model_id)
+                launching.append(shard)
+                t0 = time.monotonic()
+                await asyncio.to_thread(shard.launch, served.settings.group_ready_timeout)
+                launching.remove(shard)
+                served.event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
+                             seconds=round(time.monotonic() - t0, 2))
+            if isinstance(shard, Shard):  # its requests' caches from now on: the plan's (meshnode.weights.kvquant)
+                shard.kv_bits = plan.kv_bits
+            wanted[key] = shard
+    except BaseException as exc:
+        for shard in launching:
+            shard.close()  # unblocks the launching thread
+        if not isinstance(exc, asyncio.CancelledError):
+            log.error("epoch %d: could not load this node's part: %s", plan.epoch, exc)
+            served.event("load-failed", epoch=plan.epoch, error=str(exc))
+        raise
+    if served.plan is not plan:
+        for key, shard in wanted.items():
+            if key not in served.shards:
+                close_shard(shard)
+        return
+    replaced = [v for k, v in served.shards.items() if k in wanted and v is not wanted[k]]
+    served.shards = {**served.shards, **wanted}
+    for shard in replaced:
+        close_shard(shard)
+    mine = {(s.start_layer, s.end_layer): wanted[stage_key(s)] for s in plan.stages if s.nodes[0] == served.node_id}
+    served.stage_server.serve(plan.epoch, mine)
+    use_context(served, served.context)
+    served.ready_epoch = plan.epoch
+    log.info("ready for epoch %d", plan.epoch)
+    asyncio.create_task(served.on_ready())  # tell the mesh now, not at the next beat
+
+
+async def layers_folder(served, start: int, end: int) -> Path:
+    """The layers' folder, fetched from the live peers that announce them if this disk lacks
+    them; then announced as held."""
+    if (local := served.files.local_layers(start, end)) is not None:
+        return local
+    alive = served.mesh.alive_infos()
+    peers = [(nid, served.mesh.channel_to(nid)) for nid, info in sorted(alive.items())
+             if nid != served.node_id and any(m == served.model_id for m, _, _ in info.holdings)]
+    path = await served.files.fetch_layers(start, end, peers)
+    served.mesh.update_me(holdings=served.files.holdings())
+    return path
+
+
+def use_context(served, context: int) -> None:
+    """The plan's context for requests from now on: what the API allows, what a stage accepts,
+    what kept prefixes may hold."""
+    served.engine.max_context = served.stage_server.max_context = context
+    if served.prefixes is not None:
+        served.prefixes.capacity = served.settings.kv_requests * context
