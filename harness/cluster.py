@@ -259,10 +259,11 @@ class Cluster:
         assert status == 200, out
         return out["choices"][0]["message"]["content"]
 
-    def stream(self, host, messages, max_tokens: int, **sampling) -> subprocess.Popen:
+    def stream(self, host, messages, max_tokens: int, *, model: str | None = None, **sampling) -> subprocess.Popen:
         """A streamed chat completion from the client; prints one JSON line per SSE event.
-        Greedy unless ``sampling`` says otherwise (``temperature=0.8, seed=7``)."""
-        body = json.dumps({"model": self.model.name, "messages": messages, "max_tokens": max_tokens,
+        Greedy unless ``sampling`` says otherwise (``temperature=0.8, seed=7``); ``model``: its id
+        (default: the cluster's model)."""
+        body = json.dumps({"model": model or self.model.name, "messages": messages, "max_tokens": max_tokens,
                            "temperature": 0, **sampling, "stream": True})
         code = ("import sys,urllib.request\n"
                 "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"

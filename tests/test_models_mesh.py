@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, wait_until
+from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, read_stream, wait_until
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
@@ -17,6 +17,7 @@ from meshnode.weights.profile import profile_model
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
 
 MAX_TOKENS = 24
+LONG = 64  # a streamed answer long enough to be cut by a fault
 
 # Requests to several models at once from one client (threads), every other one streamed; prints
 # the answers and the model list.
@@ -172,15 +173,16 @@ def _models_cli(host, *args) -> str:
 
 def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_when_a_node_dies(tmp_path):
     """`meshnode models add` on one node makes the mesh serve a second model beside the first; a node
-    of only the second model's plan dies: the first keeps its plan (same epoch, never interrupted),
-    the second re-plans on the survivors, and both still answer as mlx_lm.generate; `meshnode models
-    remove` stops serving it."""
+    of only the second model's plan dies while it streams: the stream goes on to the same text, the
+    first model keeps its plan (same epoch, never interrupted), the second re-plans on the
+    survivors, and both still answer as mlx_lm.generate; `meshnode models remove` stops serving it."""
     small = build_model(tmp_path / "small-llama", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
                         dtype="bfloat16", quantize="4bit", seed=11)
     big = build_model(tmp_path / "big-qwen3", "qwen3_moe", num_layers=6, hidden_size=64, intermediate_size=128,
                       dtype="float32", seed=12)  # (MLX's CPU GatherMM, for MoE experts, is float32 only)
     prompt = "Why is the sky blue?"
     references = {p.name: mlx_reference(p, [{"role": "user", "content": prompt}], MAX_TOKENS) for p in (small, big)}
+    long_reference = mlx_reference(big, [{"role": "user", "content": prompt}], LONG)
     t_small, t_big = profile_model(small).total_bytes(512), profile_model(big).total_bytes(512)
     budget = int(t_big * 0.75)  # the big one needs two nodes; after one dies, the two left hold both
     assert t_small < 0.4 * t_big, (t_small, t_big)
@@ -205,7 +207,10 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
         big_nodes = [n for s in plans[big.name]["plan"]["stages"] for n in s["nodes"]]
         assert len(big_nodes) >= 2, plans
         victim = next(n for n in big_nodes if n not in small_nodes and n != "node-h0")
-        mesh.kill(cluster.procs[victim])
+        # A generation of the big model in flight when the victim dies goes on (replayed on the new plan).
+        stream = cluster.stream(h1, [{"role": "user", "content": prompt}], LONG, model=big.name)
+        text, faulted = read_stream(stream, fault=lambda: mesh.kill(cluster.procs[victim]), after_chunks=8)
+        assert faulted and text == long_reference, (text, long_reference)
         alive = [h for h in cluster.hosts if h.name != victim]
 
         def replanned():
