@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,23 +116,31 @@ def on_core(core: int | None):
 
 
 @contextlib.contextmanager
-def two_nodes(offers: list[list[Path]], budget: int, ctx: int, env: dict, cores=(None, None)):
+def two_nodes(offers: list[list[Path]], budget: int, ctx: int, env: dict, logs: tuple, cores=(None, None)):
     """A Cluster of 2 nodes and a client host: node i offers ``offers[i]`` (its first as ``--model``),
-    runs on ``cores[i]``; node 1 is up (and coordinates) before node 2 starts."""
+    runs on ``cores[i]``; node 1 is up (and coordinates) before node 2 starts. ``logs``: (a folder
+    or None, a name): where the nodes' logs are copied at the end."""
     with netns_mesh(2) as mesh, tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(mesh, offers[0][0], Path(tmp), max_context=ctx)
-        for h, offered, core in zip(cluster.hosts, offers, cores):
-            more = {"MESHNODE_MODELS": ",".join(map(str, offered[1:]))} if offered[1:] else {}
-            with on_core(core):
-                cluster.start(h, budget, env={**env, **more}, model=offered[0])
-            if h is cluster.hosts[0]:
-                cluster.wait(lambda: cluster.mesh_view(h)["coordinator"], 120, "the first node up")
-        yield cluster
+        try:
+            for h, offered, core in zip(cluster.hosts, offers, cores):
+                more = {"MESHNODE_MODELS": ",".join(map(str, offered[1:]))} if offered[1:] else {}
+                with on_core(core):
+                    cluster.start(h, budget, env={**env, **more}, model=offered[0])
+                if h is cluster.hosts[0]:
+                    cluster.wait(lambda: cluster.mesh_view(h)["coordinator"], 120, "the first node up")
+            yield cluster
+        finally:
+            if logs[0] is not None:
+                logs[0].mkdir(parents=True, exist_ok=True)
+                for h in (h for h in cluster.hosts if cluster.log_path(h).exists()):
+                    shutil.copy(cluster.log_path(h), logs[0] / f"{logs[1]}-{h.name}.log")
 
 
-def on_demand(x: Path, y: Path, rounds: int, ctx: int) -> dict:
+def on_demand(x: Path, y: Path, rounds: int, ctx: int, logs=None) -> dict:
     budget = int(max(total_bytes(x, ctx), total_bytes(y, ctx)) * 0.75)
-    with two_nodes([[x, y], [x, y]], budget, ctx, {"MESHNODE_STRATEGY": "pipeline"}) as cluster:
+    with two_nodes([[x, y], [x, y]], budget, ctx, {"MESHNODE_STRATEGY": "pipeline"},
+                   (logs, "demand")) as cluster:
         h1 = cluster.hosts[0]
         url, ids = f"http://{h1.ip}:{HTTP}", {x.name: "X", y.name: "Y"}
         first = cluster.wait(lambda: (s := states(cluster, h1)) and sorted(s.values()) == ["on demand", "ready"]
@@ -168,11 +177,12 @@ def beside_b(cluster, a: tuple, b: tuple, tokens: int, tag: int) -> tuple[dict, 
             proc.wait()
 
 
-def isolation(a: Path, b: Path, rounds: int, tokens: int, ctx: int) -> dict:
+def isolation(a: Path, b: Path, rounds: int, tokens: int, ctx: int, logs=None) -> dict:
     budget = int(max(total_bytes(a, ctx), total_bytes(b, ctx)) * 1.5)
     cpus = sorted(os.sched_getaffinity(0))
     cores = (cpus[0], cpus[1 % len(cpus)])
-    with two_nodes([[a], [b]], budget, ctx, {"MESHNODE_STRATEGY": "single"}, cores) as cluster:
+    with two_nodes([[a], [b]], budget, ctx, {"MESHNODE_STRATEGY": "single"}, (logs, "isolation"),
+                   cores) as cluster:
         h1 = cluster.hosts[0]
         cluster.wait(lambda: states(cluster, h1) == {a.name: "ready", b.name: "ready"}, 300, "both models ready")
         where = {m["model"]: [n for s in m["plan"]["stages"] for n in s["nodes"]]
@@ -215,17 +225,18 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="the nodes' --max-context (budgets count its KV)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "models.json")
+    ap.add_argument("--logs", type=Path, help="copy the nodes' logs into this folder")
     args = ap.parse_args()
     x, y = bench_model_dir(args.cache), bench_model_dir(args.cache, seed=1)
     print(f"{DEVICE}, {os.cpu_count()} cores; models X {x.name} and Y {y.name} ({param_count(x) / 1e6:.0f}M "
           f"parameters each, float32 llama, seeds 0 and 1); context {args.ctx}", flush=True)
     t0 = time.monotonic()
     print("1. on-demand load: 2 nodes, either model fits the mesh, never both", flush=True)
-    demand = on_demand(x, y, args.rounds, args.ctx)
+    demand = on_demand(x, y, args.rounds, args.ctx, args.logs)
     loaded, cold = median(demand["ttft_s"]["loaded"]), median(demand["ttft_s"]["on demand"])
     print("2. isolation: A (X) on one node, B (Y) on the other; each node and its client pinned to a core of "
           "its own (pinning is what keeps two 'machines' apart on this 2-core box)", flush=True)
-    iso = isolation(x, y, args.rounds, args.tokens, args.ctx)
+    iso = isolation(x, y, args.rounds, args.tokens, args.ctx, args.logs)
     alone, beside = median(iso["a_idle_tps"]), median(iso["a_busy_tps"])
     lines = [
         f"TTFT loaded    (median of {len(demand['ttft_s']['loaded'])}): {loaded * 1000:.0f} ms",
