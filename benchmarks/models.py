@@ -11,8 +11,9 @@ CPU on this machine (no GPU).
    MESHNODE_STRATEGY=pipeline), both never do. Requests go X X Y Y X X Y Y ...: the first of each
    pair finds its model on demand (the coordinator unloads the other, idle one, and loads it), the
    second finds it loaded. Time to first token of a streamed chat completion, measured at the
-   client; each request is counted by its model's state in /v1/models just before it, and each has
-   a prompt of its own (no prompt-cache hit). Prints the medians and their ratio.
+   client; each request is counted by its model's state in /v1/models just before it. Every request
+   has a short prompt of its own (~24 tokens: no prompt-cache hit, and little prefill beside the load
+   on these slow cores). Prints the medians and their ratio.
 2. Isolation: 2 nodes of 1.5 models' bytes each, node 1 offering A (= X), node 2 B (= Y),
    MESHNODE_STRATEGY=single: each model fits one node, both never fit one, so A goes whole on one
    node and B on the other. Each node and the client of its model run on a core of their own (CPU
@@ -44,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import PROMPT, bench_model_dir, param_count, sse_events  # noqa: E402
+from benchmarks.common import bench_model_dir, param_count, sse_events  # noqa: E402
 from harness.cluster import HTTP, Cluster, in_ns  # noqa: E402
 from harness.netns import netns_mesh  # noqa: E402
 
@@ -55,11 +56,11 @@ TTFT_TOKENS = 8  # part 1: the first token is the figure
 def client_stream(url: str, model: str, max_tokens: int, tag: int, core: int = -1, announce: bool = False) -> dict:
     """One streamed greedy chat completion from where this runs (``core`` >= 0: on that core only):
     seconds to the first text, decode tokens/s after it (completion tokens from the usage chunk),
-    the tokens and the wall-clock end. ``tag`` makes the prompt's start its own; ``announce``:
+    the tokens and the wall-clock end. ``tag`` makes the (short) prompt its own; ``announce``:
     print "first" once the first text arrived."""
     if core >= 0:
         os.sched_setaffinity(0, {core})
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Request {tag}. {PROMPT}"}],
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Request {tag}: write a story about the sea."}],
                        "stream": True, "max_tokens": max_tokens, "temperature": 0,
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
