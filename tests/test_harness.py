@@ -22,8 +22,8 @@ def test_node_argv_names_only_flags_meshnode_run_has():
                      peers=["10.0.0.1:8471", "10.0.0.2:8471"], mdns=False, extra=["--encrypt"])
     assert argv[:4] == [sys.executable, "-m", "meshnode.cli", "run"]
     args = build_parser().parse_args(argv[3:])
-    assert (args.model, args.http_port, args.grpc_port, args.node_id, args.memory_budget) == ("/m", "1", "2", "n",
-                                                                                               "1GiB")
+    assert (args.model, args.http_port, args.grpc_port, args.node_id, args.memory_budget) == (["/m"], "1", "2", "n",
+                                                                                                 "1GiB")
     assert (args.state_dir, args.max_context, args.cache_dir, args.kv_requests, args.host) == ("/s", "64", "/c", "1",
                                                                                                "127.0.0.1")
     assert args.config == Path("/f.toml") and args.peers == ["10.0.0.1:8471", "10.0.0.2:8471"]

@@ -1,7 +1,8 @@
 """Several models on one mesh (real nodes on namespace hosts): nodes started with different model
 lists under one key form one mesh that serves the union; each model gets its own plan, the plans
 together fit every node's budget, and concurrent requests to both models (the openai package)
-answer exactly as mlx_lm.generate on each whole model."""
+answer exactly as mlx_lm.generate on each whole model; models load on demand, are added and
+removed at run time, and re-plan on their own when a node dies."""
 
 from __future__ import annotations
 
@@ -51,16 +52,18 @@ def _serving(view: dict, models: set[str]) -> bool:
 
 
 def test_nodes_with_different_model_lists_serve_the_union_each_as_mlx_lm(tmp_path):
+    # About the same size (so the budget below makes each need two nodes): bf16, and 4-bit over float32.
     a = build_model(tmp_path / "chat-llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
-                    dtype="float32", seed=3)
+                    dtype="bfloat16", seed=3)
     b = build_model(tmp_path / "coder-qwen3", "qwen3", num_layers=6, hidden_size=64, intermediate_size=128,
-                    dtype="bfloat16", quantize="4bit", seed=5)
+                    dtype="float32", quantize="4bit", seed=5)
     prompts = {a.name: ["Tell me about the sea.", "Why is the sky blue?"],
                b.name: ["Write a poem about autumn.", "How do rivers reach the ocean?"]}
     references = {(m, p): mlx_reference(path, [{"role": "user", "content": p}], MAX_TOKENS)
                   for m, path in ((a.name, a), (b.name, b)) for p in prompts[m]}
-    biggest = max(profile_model(m).total_bytes(512) for m in (a, b))
-    budget = int(biggest * 0.8)  # neither model fits one node; both fit the three
+    sizes = [profile_model(m).total_bytes(512) for m in (a, b)]
+    budget = int(max(sizes) * 0.8)  # neither model fits one node; both fit the three
+    assert budget < min(sizes) and sum(sizes) < 3 * budget * 0.9, (sizes, budget)
     with netns_mesh(3) as mesh:
         cluster = Cluster(mesh, a, tmp_path, max_context=512)
         env = {"MESHNODE_STRATEGY": "pipeline"}

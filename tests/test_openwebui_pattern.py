@@ -6,7 +6,7 @@ the ``openai`` package as Open WebUI's OpenAI connection uses it:
   starts); both answers equal mlx-lm's, and the usage chunk counts the streamed tokens;
 * the model list (``GET /v1/models``, polled by the UI) answers 200 with the model all the while
   a node leaves and the mesh has no plan, then joins again and the mesh re-plans: the state goes
-  from ready to loading and back, never a 503 or an empty list.
+  from ready to "does not fit" (or loading) and back, never a 503 or an empty list.
 """
 
 from __future__ import annotations
@@ -104,5 +104,8 @@ def test_open_webui_answer_title_and_model_list_through_a_re_plan(tmp_path):
         assert seen and all(status == 200 and [m for m, _ in listed] == [model.name] for status, listed in seen), \
             [s for s in seen if s[0] != 200][:5]
         states = [listed[0][1] for _, listed in seen]
-        assert states[0] == "ready" and "loading" in states, states
+        # Ready, then not (no plan fits the one node left: "does not fit" on the coordinator, or
+        # "loading" on a node that has not heard why yet), then ready again (the chat below).
+        assert states[0] == "ready" and set(states) - {"ready"}, states
+        assert set(states) <= {"ready", "loading", "does not fit"}, states
         assert cluster.chat(entry, MESSAGES, 8) == mlx_reference(model, MESSAGES, 8)  # served again

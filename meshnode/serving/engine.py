@@ -9,6 +9,7 @@ means a generation that moves to another placement mid-way still reads as one st
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -123,31 +124,37 @@ class Engine:
             logprobs.clear()
             return delta
 
-        metrics, started, first_at = self.metrics, time.monotonic(), None
-        async for token in self.source.tokens(prompt, params):
-            if metrics is not None:
-                if first_at is None:
-                    first_at = time.monotonic()
-                    metrics.first_token(first_at - started)
-                if token not in eos:
-                    metrics.token()
-                    if count:  # the decode rate of this generation so far (tokens after the first)
-                        metrics.generation_done(count, time.monotonic() - first_at)
-            if token in eos:
-                finish = "stop"
-                break
-            count += 1
-            if isinstance(token, Sampled):
-                logprobs.append(self._logprob(token))
-            detokenizer.add_token(int(token))
-            delta = piece(detokenizer.last_segment)
-            if delta.finish_reason is not None:  # a stop string
-                yield delta
-                return
-            if delta.carries:
-                yield delta
-            if count >= params.max_tokens:
-                break
+        metrics, started, first_at, stopped_at = self.metrics, time.monotonic(), None, None
+        # Closed as soon as the answer is complete, before its last piece goes out: the stages then
+        # keep the prompt cache's prefix before the client can send its next turn.
+        async with contextlib.aclosing(self.source.tokens(prompt, params)) as tokens:
+            async for token in tokens:
+                if metrics is not None:
+                    if first_at is None:
+                        first_at = time.monotonic()
+                        metrics.first_token(first_at - started)
+                    if token not in eos:
+                        metrics.token()
+                        if count:  # the decode rate of this generation so far (tokens after the first)
+                            metrics.generation_done(count, time.monotonic() - first_at)
+                if token in eos:
+                    finish = "stop"
+                    break
+                count += 1
+                if isinstance(token, Sampled):
+                    logprobs.append(self._logprob(token))
+                detokenizer.add_token(int(token))
+                delta = piece(detokenizer.last_segment)
+                if delta.finish_reason is not None:  # a stop string: the last piece, once the source is closed
+                    stopped_at = delta
+                    break
+                if delta.carries:
+                    yield delta
+                if count >= params.max_tokens:
+                    break
+        if stopped_at is not None:
+            yield stopped_at
+            return
         detokenizer.finalize()
         yield piece(detokenizer.last_segment, final=True)
 

@@ -9,6 +9,7 @@ placement is gone (:class:`PlacementLost`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -71,8 +72,9 @@ class HeadPlacement:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         try:
-            async for token in self._source.tokens(prompt, params):
-                yield token
+            async with contextlib.aclosing(self._source.tokens(prompt, params)) as tokens:
+                async for token in tokens:
+                    yield token
         except StagePending as exc:
             raise EpochPending(str(exc)) from None
         except StageFault as exc:

@@ -21,6 +21,7 @@ plane (heartbeats), not a fixed time: a busy peer is not a lost one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -162,10 +163,11 @@ class FailoverSource:
                 return
             again = replace(params, max_tokens=left, offset=params.offset + len(produced))
             try:
-                async for token in placement.tokens([*prompt, *produced], again):
-                    produced.append(token)
-                    pending_since, pending_wait = None, self._poll
-                    yield token
+                async with contextlib.aclosing(placement.tokens([*prompt, *produced], again)) as tokens:
+                    async for token in tokens:
+                        produced.append(token)
+                        pending_since, pending_wait = None, self._poll
+                        yield token
                 return
             except EpochPending as exc:
                 # Not lost: a node is still switching to this epoch. Use a newer plan if one is

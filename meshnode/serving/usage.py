@@ -4,6 +4,7 @@ and, for a model loaded on demand, held until the mesh has loaded it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -48,8 +49,9 @@ class CountedSource:
             await self._wait_loaded()
         c.active += 1
         try:
-            async for token in self._source.tokens(prompt, params):
-                yield token
+            async with contextlib.aclosing(self._source.tokens(prompt, params)) as tokens:
+                async for token in tokens:
+                    yield token
         finally:
             c.active -= 1
             c.touch()
