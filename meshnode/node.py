@@ -111,7 +111,7 @@ def model_state(served: ServedModel) -> str:
         return "ready"
     if served.on_demand():
         return "on demand"
-    if served.plan is None and (served.plan_error or served.mesh.plan_error_of(served.model_id)):
+    if served.plan is None and served.unplaced_because():
         return "does not fit"
     return "loading"
 
@@ -218,9 +218,7 @@ class Node:
 
     def offered_models(self) -> set[str]:
         """The models the mesh serves: those its live nodes offer (this node's before it has peers)."""
-        if self.peers.membership is None:
-            return set(self.models)
-        return {m for info in self.peers.alive_infos().values() for m in info.models}
+        return self.peers.offered_models() if self.peers.membership is not None else set(self.models)
 
     def _holders(self, model_id: str):
         return self.peers.holders_of(model_id, self.cluster_id)

@@ -19,6 +19,31 @@ from harness.cluster import HTTP
 from meshnode.config import load_settings
 from meshnode.node import Node
 
+# Chats sent at once from one client with the openai package (threads), every other one streamed:
+# argv base URL, JSON [[model, prompt], ...], max_tokens; prints {"answers": [...], "models": [ids listed]}.
+CONCURRENT_CHATS = r'''
+import json, sys, threading
+from openai import OpenAI
+base, asks, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+out = [None] * len(asks)
+def one(i):
+    model, prompt = asks[i]
+    messages = [{"role": "user", "content": prompt}]
+    if i % 2:
+        out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=model, messages=messages, max_tokens=n, temperature=0, stream=True) if ch.choices)
+    else:
+        out[i] = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                           temperature=0).choices[0].message.content
+threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asks))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"answers": out, "models": sorted(m.id for m in c.models.list())}))
+'''
+
 NPM_DIR = Path.home() / ".cache" / "meshnode" / "npm"  # npm tools the tests run (coding agents)
 CODEX = NPM_DIR / "node_modules" / ".bin" / "codex"
 

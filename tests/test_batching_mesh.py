@@ -14,36 +14,13 @@ from harness.cluster import HTTP, Cluster, in_ns, mlx_reference
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
-from tests.helpers import node_metrics
+from tests.helpers import CONCURRENT_CHATS, node_metrics
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(400)]
 
 MAX_TOKENS = 96  # long enough that the first answer still decodes when the others join
 PROMPTS = ["Tell me about the sea.", "Why is the sky blue?", "Write a poem about autumn leaves.",
            "How do rivers reach the ocean?"]
-
-# N chats at once from one client (threads), every other one streamed; prints the answers.
-CONCURRENT = r'''
-import json, sys, threading
-from openai import OpenAI
-base, model, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
-out = [None] * len(prompts)
-def one(i):
-    messages = [{"role": "user", "content": prompts[i]}]
-    if i % 2:
-        out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-            model=model, messages=messages, max_tokens=n, temperature=0, stream=True) if ch.choices)
-    else:
-        out[i] = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
-                                           temperature=0).choices[0].message.content
-threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
-print(json.dumps(out))
-'''
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -65,8 +42,8 @@ def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(fam
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
-        answers = in_ns(cluster.client, CONCURRENT, f"http://{head.ip}:{HTTP}", model.name, json.dumps(PROMPTS),
-                        MAX_TOKENS, timeout=300)
+        answers = in_ns(cluster.client, CONCURRENT_CHATS, f"http://{head.ip}:{HTTP}",
+                        json.dumps([[model.name, p] for p in PROMPTS]), MAX_TOKENS, timeout=300)["answers"]
         assert answers == references, cluster.logs()
         metrics = node_metrics(cluster, head)
         steps = _counter(metrics, "meshnode_batched_decode_steps")

@@ -14,36 +14,12 @@ from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, read_stream, wa
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
+from tests.helpers import CONCURRENT_CHATS
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
 
 MAX_TOKENS = 24
 LONG = 64  # a streamed answer long enough to be cut by a fault
-
-# Requests to several models at once from one client (threads), every other one streamed; prints
-# the answers and the model list.
-BOTH = r'''
-import json, sys, threading
-from openai import OpenAI
-base, asks, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
-out = [None] * len(asks)
-def one(i):
-    model, prompt = asks[i]
-    messages = [{"role": "user", "content": prompt}]
-    if i % 2:
-        out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-            model=model, messages=messages, max_tokens=n, temperature=0, stream=True) if ch.choices)
-    else:
-        out[i] = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
-                                           temperature=0).choices[0].message.content
-threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asks))]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
-print(json.dumps({"answers": out, "models": sorted(m.id for m in c.models.list())}))
-'''
 
 
 def _serving(view: dict, models: set[str]) -> bool:
@@ -89,7 +65,7 @@ def test_nodes_with_different_model_lists_serve_the_union_each_as_mlx_lm(tmp_pat
             assert {m["model"]: m["plan"]["stages"] for m in view["models"]} == \
                 {m: p["stages"] for m, p in plans.items()}
         asks = [(m, p) for m in sorted(prompts) for p in prompts[m]]
-        out = in_ns(cluster.client, BOTH, f"http://{h2.ip}:{HTTP}", json.dumps(asks), MAX_TOKENS, timeout=300)
+        out = in_ns(cluster.client, CONCURRENT_CHATS, f"http://{h2.ip}:{HTTP}", json.dumps(asks), MAX_TOKENS, timeout=300)
         assert out["models"] == sorted(models)
         assert out["answers"] == [references[ask] for ask in asks], cluster.logs()
 
@@ -225,7 +201,7 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
         for v in views:  # the small model never moved
             assert v[small.name]["epoch"] == plans[small.name]["epoch"], v
             assert victim not in {n for s in v[big.name]["plan"]["stages"] for n in s["nodes"]}
-        out = in_ns(cluster.client, BOTH, f"http://{alive[-1].ip}:{HTTP}",
+        out = in_ns(cluster.client, CONCURRENT_CHATS, f"http://{alive[-1].ip}:{HTTP}",
                     json.dumps([[small.name, prompt], [big.name, prompt]]), MAX_TOKENS, timeout=300)
         assert out["answers"] == [references[small.name], references[big.name]], cluster.logs()
 

@@ -124,33 +124,26 @@ class Coordinator:
         if (plan_ok and not contested and members == self._planned_for
                 and now - self._planned_at < s.link_probe_interval):
             return
-        nodes = node_specs({nid: info for nid, info in alive.items() if nid not in excluded}, served.model_id,
-                           self._used_by_others())
+        candidates = {nid: info for nid, info in alive.items() if nid not in excluded}
+        nodes = node_specs(candidates, served.model_id, self._used_by_others())
         links = self.peers.link_specs(members)
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
         strategy = None if s.strategy == "auto" else s.strategy
         held = {nid: layers_of(info.holdings, served.model_id) for nid, info in alive.items()}  # reuse disks
         try:
             try:
-                desired = plan_longest_context(
-                    lambda ctx: make_plan(served.profile, nodes, max_context=ctx, preferred=preferred,
-                                          requests=s.kv_requests, strategy=strategy, links=links, held=held,
-                                          kv_bits=s.kv_bits),
-                    served.profile.trained_context, s.max_context)
+                desired = self._longest(nodes, preferred=preferred, strategy=strategy, links=links, held=held)
             except PlanError as forced:
                 if strategy is None:
                     raise
                 # A configured strategy is a preference: serving some other way beats not serving.
-                desired = plan_longest_context(
-                    lambda ctx: make_plan(served.profile, nodes, max_context=ctx, preferred=preferred,
-                                          requests=s.kv_requests, links=links, held=held, kv_bits=s.kv_bits),
-                    served.profile.trained_context, s.max_context)
+                desired = self._longest(nodes, preferred=preferred, links=links, held=held)
                 if self._forced_note != str(forced):
                     log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,
                                 desired.strategy)
                     self._forced_note = str(forced)
         except PlanError as exc:
-            if self._fits_alone(alive, excluded, links, held):
+            if self._fits_alone(candidates, links, held):
                 # It fits, but not beside the other models' plans: unloaded until a request asks for
                 # it, and then placed where the least recently used idle model made room.
                 self.needs_room = True
@@ -218,16 +211,21 @@ class Coordinator:
         for peer in self.peers.membership.alive_peers().values():
             asyncio.create_task(self._install(peer.target, msg))
 
-    def _fits_alone(self, alive, excluded, links, held) -> bool:
-        """The model would fit if the other models' plans did not hold memory."""
+    def _longest(self, nodes: list[NodeSpec], **kw) -> Plan:
+        """The planner's plan of the model on ``nodes`` for the longest context worth serving
+        (meshnode.control.planner.context); ``kw``: the planner's other arguments."""
+        served, s = self.adoption.served, self.settings
+        return plan_longest_context(
+            lambda ctx: make_plan(served.profile, nodes, max_context=ctx, requests=s.kv_requests, kv_bits=s.kv_bits,
+                                  **kw),
+            served.profile.trained_context, s.max_context)
+
+    def _fits_alone(self, candidates: dict[str, NodeInfo], links, held) -> bool:
+        """The model would fit ``candidates`` if the other models' plans did not hold memory."""
         if not any(self._used_by_others().values()):
             return False
-        served, s = self.adoption.served, self.settings
-        nodes = node_specs({nid: info for nid, info in alive.items() if nid not in excluded}, served.model_id)
         try:
-            plan_longest_context(lambda ctx: make_plan(served.profile, nodes, max_context=ctx, requests=s.kv_requests,
-                                                       links=links, held=held, kv_bits=s.kv_bits),
-                                 served.profile.trained_context, s.max_context)
+            self._longest(node_specs(candidates, self.adoption.served.model_id), links=links, held=held)
         except PlanError:
             return False
         return True

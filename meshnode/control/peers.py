@@ -118,6 +118,10 @@ class Peers:
             if browser is not None:
                 await browser.stop()
 
+    def offered_models(self) -> set[str]:
+        """The models the live nodes (this one included) offer: what the mesh serves."""
+        return {m for info in self.alive_infos().values() for m in info.models}
+
     def plan_error_of(self, model_id: str) -> str:
         """Why no plan of ``model_id`` fits, as a live peer (its coordinator) announces it; "" if none does."""
         if self.membership is None:

@@ -95,7 +95,7 @@ class ControlPlane:
             log.info("coordinator is now %s (was %s)", coordinator, self.heartbeats.coordinator)
             self._event("coordinator", node_id=coordinator)
             self.heartbeats.coordinator = coordinator
-        offered = {m for info in alive.values() for m in info.models}
+        offered = self.peers.offered_models()
         if self._holders is not None:
             self.lanes.learn(sorted(offered), self._holders)
         if coordinator == self.node_id:

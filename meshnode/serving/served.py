@@ -228,6 +228,11 @@ class ServedModel:
         serving = self.serving_plan()
         return self.plan.unloaded or (serving is not None and serving.unloaded)
 
+    def unplaced_because(self) -> str:
+        """Why no plan of the model fits the mesh: the coordinator's reason (this node's, or a peer's
+        as its heartbeats announce it); "" if none is known."""
+        return self.plan_error or self.mesh.plan_error_of(self.model_id)
+
     def use_now(self):
         """This node's requests for the model (meshnode.control.demand.Use); a generation whose model
         was unloaded under it (its idleness was announced before it started) counts as waiting, so
@@ -246,7 +251,7 @@ class ServedModel:
         plan = self.plan
         waiting = after_epoch is not None
         if plan is None:
-            if error := self.plan_error or self.mesh.plan_error_of(self.model_id):
+            if error := self.unplaced_because():
                 raise unavailable(f"the model does not fit on the nodes available: {error}", 5,
                                   "insufficient_capacity")
             if waiting:
