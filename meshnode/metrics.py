@@ -89,6 +89,13 @@ class NodeMetrics:
                                      "Decode steps of several requests run through the stages as one batch", registry=r)
         self.batched_rows = Counter("meshnode_batched_decode_rows",
                                     "Requests' steps in those batches (rows / steps: the mean batch)", registry=r)
+        self.spec_passes = Counter("meshnode_speculative_passes", "Speculative decoding: passes that checked the "
+                                   "drafter's guesses with the next token, through every stage at once", registry=r)
+        self.spec_drafted = Counter("meshnode_speculative_drafted_tokens", "Tokens the drafter guessed", registry=r)
+        self.spec_accepted = Counter("meshnode_speculative_accepted_tokens",
+                                     "Guesses the model confirmed (/ drafted: the acceptance rate)", registry=r)
+        self.spec_tokens = Counter("meshnode_speculative_pass_tokens",
+                                   "Tokens those passes yielded (/ passes: tokens per pass)", registry=r)
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
         self.unreachable = Gauge("meshnode_unreachable_peers",
@@ -139,6 +146,19 @@ class NodeMetrics:
         self.batched_steps.inc()
         self.batched_rows.inc(rows)
 
+    def speculated(self, drafted: int, accepted: int, tokens: int) -> None:
+        """A speculative pass (meshnode.serving.speculative)."""
+        self.spec_passes.inc()
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(accepted)
+        self.spec_tokens.inc(tokens)
+
+    def speculation(self) -> dict[str, Any]:
+        passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()
+        return {"passes": int(passes), "drafted": int(drafted), "accepted": int(self.spec_accepted._value.get()),
+                "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
+                "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None}
+
     def retry(self) -> None:
         self.failovers.inc()
 
@@ -174,6 +194,7 @@ class NodeMetrics:
             "mean_time_to_first_token": round(ttft_sum / ttft_count, 4) if ttft_count else None,
             "requests": requests,
             "retries": int(self.failovers._value.get()),
+            "speculation": self.speculation(),
         }
 
     def render(self) -> bytes:

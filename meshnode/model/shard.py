@@ -41,6 +41,7 @@ from mlx_lm.utils import load_model
 from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem
 from meshnode.weights.profile import activation_dtype, hidden_size
 from meshnode.weights.splits import split_boundaries, split_support
+from meshnode.model.rewind import rewind_limit
 from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
 
 log = logging.getLogger(__name__)
@@ -397,7 +398,7 @@ class Shard:
             return 0
         return self.kv_bits
 
-    def _template(self) -> list[Any]:
+    def cache_template(self) -> list[Any]:
         """The whole model's caches, each plain growing KVCache made mlx-lm's QuantizedKVCache when the
         KV is quantized (sliding windows and recurrent states stay as they are)."""
         bits = self.kv_quant_bits
@@ -406,10 +407,15 @@ class Shard:
         return [QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits) if type(c) is KVCache else c
                 for c in self._cache_template]
 
+    @property
+    def rewind_limit(self) -> tuple[int | None, str]:
+        """How far a request's cache can be cut back (meshnode.model.rewind.rewind_limit)."""
+        return rewind_limit(self.cache_template())
+
     def make_cache(self) -> list[Any]:
         """A fresh per-request cache: real caches for owned layers, aliases for the rest."""
         start, end = self.spec.start, self.spec.end
-        templates = self._template()
+        templates = self.cache_template()
         if start == 0 and end == self.spec.num_layers:  # the whole model: the family's own caches
             return copy.deepcopy(templates)
         caches: list[Any] = [None] * self.spec.num_layers
@@ -441,8 +447,9 @@ class Shard:
 
 
 
-    def forward(self, x: mx.array, cache: list[Any]) -> mx.array:
-        """Run this shard's layers. Returns a lazy array: hidden state or logits."""
+    def forward(self, x: mx.array, cache: list[Any], all_positions: bool = True) -> mx.array:
+        """Run this shard's layers. Returns a lazy array: hidden state or logits (of every position:
+        ``all_positions`` is for a tensor group's shard, whose worker answers the last one by default)."""
         # On the stream any thread may evaluate (see any_thread_stream): a step is evaluated where
         # its input arrives or its output is needed, not always where it was built.
         with self._lock, mx.stream(any_thread_stream()):

@@ -65,6 +65,7 @@ class _Slot:
     def __init__(self, owner: "TensorShard", slot: int):
         self.slot = slot
         self._owner = owner
+        self.rewind = 0  # positions the worker drops before this slot's next step (speculative decoding)
         weakref.finalize(self, owner._closed.append, (mesh_pb2.WorkerCommand.CLOSE, slot))
 
     def keep_as_prefix(self, positions: int) -> tuple["_Kept | None", str]:
@@ -124,6 +125,7 @@ class TensorShard:
         self.dtype: mx.Dtype = mx.float32
         self.hidden_size: int | None = None
         self.nbytes = 0
+        self.rewind_limit: tuple[int | None, str] = (0, "the group's worker has not started")
         self._proc: subprocess.Popen | None = None
         self._hostfile: str | None = None
         self._lock = threading.Lock()
@@ -167,6 +169,8 @@ class TensorShard:
         self.dtype = getattr(mx, info["dtype"])
         self.hidden_size = int(info["hidden_size"])
         self.nbytes = int(info["nbytes"])
+        limit = info.get("rewind_limit")
+        self.rewind_limit = (None if limit is None else int(limit), str(info.get("rewind_problem", "")))
         log.info("tensor worker rank %d ready: layers [%d, %d), %.1f MiB", self.rank, self.start, self.end,
                  self.nbytes / 2**20)
 
@@ -270,7 +274,12 @@ class TensorShard:
             self._next_slot += 1
             return _Slot(self, self._next_slot)
 
-    def forward(self, x: mx.array, cache: _Slot) -> mx.array:
+    def rewind(self, cache: _Slot, positions: int) -> None:
+        """Drop the last ``positions`` of the slot's KV on every rank, with its next step."""
+        cache.rewind += positions
+
+    def forward(self, x: mx.array, cache: _Slot, all_positions: bool = False) -> mx.array:
+        """``all_positions``: the last stage answers with the logits of every position (a speculative pass)."""
         if self.rank != 0:
             raise TensorGroupError("only rank 0 of a tensor group runs requests")
         if x.dtype == mx.uint32:
@@ -282,12 +291,14 @@ class TensorShard:
                 raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is down: {self._failed or 'stopped'}")
             try:
                 self._send_closed()
-                write_frame(self._proc.stdin, mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x)))
+                write_frame(self._proc.stdin, mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x),
+                                                                     rewind=cache.rewind, all_positions=all_positions))
+                cache.rewind = 0
             except OSError as exc:
                 raise self._fail(f"worker pipe broke ({exc})") from None
             reply = self._read(self.hop_timeout + self.prefill_allowance * positions, "running a step",
                                self.members_alive)
-        expect = (1, 1 if self.spec.is_last else positions, None)
+        expect = (1, 1 if self.spec.is_last and not all_positions else positions, None)
         try:
             return from_tensor(reply.output, expect=expect)
         except WireError as exc:

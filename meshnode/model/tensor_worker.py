@@ -32,17 +32,19 @@ import mlx.core as mx
 
 from meshnode.model.lifeline import die_with_parent
 from meshnode.model.prefixes import copy_cut, cut_to, distinct
+from meshnode.model.rewind import CannotRewind, rewind_limit, rewind_owned
 from meshnode.model.wire import LENGTH, WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 512 * 2**20
-_OP_FORWARD, _OP_CLOSE, _OP_KEEP, _OP_RESUME, _OP_FORGET = 1, 2, 3, 4, 5
+_OP_FORWARD, _OP_CLOSE, _OP_KEEP, _OP_RESUME, _OP_FORGET, _OP_REWIND = 1, 2, 3, 4, 5, 6
+_ALL_POSITIONS = 1  # a FORWARD's flags (the control frame's pad byte): the last stage answers every position
 # The prompt cache's commands: (proto op, control op); dims[0] carries the prefix, dims[1] positions.
 _PREFIX_OPS = {mesh_pb2.WorkerCommand.KEEP: _OP_KEEP, mesh_pb2.WorkerCommand.RESUME: _OP_RESUME,
                mesh_pb2.WorkerCommand.FORGET: _OP_FORGET}
-# Rank 0 -> other ranks, per command: op, dtype code, ndim, pad, slot, three dims; then the input.
+# Rank 0 -> other ranks, per command: op, dtype code, ndim, flags, slot, three dims; then the input.
 _CONTROL = struct.Struct("<BBBBI3I")
 _WIRE_CODES = {"int32": 1, "float32": 2, "float16": 3, "bfloat16": 4}
 _CODE_WIRE = {code: name for name, code in _WIRE_CODES.items()}
@@ -122,7 +124,18 @@ class _Worker:
             self.caches[slot] = mine
         return why
 
-    def step(self, op: int, slot: int, x: mx.array | None) -> mx.array | None:
+    def rewind(self, slot: int, positions: int) -> str:
+        """Drop the last ``positions`` of slot's KV (speculative decoding's rejected drafts), the same
+        on every rank; '' when done, else why not."""
+        cache = self.caches.get(slot)
+        try:
+            if cache is not None:
+                rewind_owned(self.shard.owned(cache), positions)
+        except CannotRewind as exc:
+            return str(exc)
+        return ""
+
+    def step(self, op: int, slot: int, x: mx.array | None, flags: int = 0) -> mx.array | None:
         """One command, run identically on every rank."""
         if op == _OP_CLOSE:
             self.caches.pop(slot, None)
@@ -131,17 +144,18 @@ class _Worker:
         if cache is None:
             cache = self.caches[slot] = self.shard.make_cache()
         out = self.shard.forward(x, cache)
-        if self.shard.spec.is_last:
+        if self.shard.spec.is_last and not flags & _ALL_POSITIONS:
             out = out[:, -1:, :]
         mx.eval(out)
         return out
 
-    def _tell(self, op: int, slot: int, tensor: mesh_pb2.Tensor | None = None, dims: Sequence[int] = ()) -> None:
+    def _tell(self, op: int, slot: int, tensor: mesh_pb2.Tensor | None = None, dims: Sequence[int] = (),
+              flags: int = 0) -> None:
         if tensor is None:
             frame = _CONTROL.pack(op, 0, 0, 0, slot, *(list(dims) + [0] * (3 - len(dims))))
         else:
             dims = list(tensor.shape) + [0] * (3 - len(tensor.shape))
-            frame = _CONTROL.pack(op, _WIRE_CODES[tensor.dtype], len(tensor.shape), 0, slot, *dims) + tensor.data
+            frame = _CONTROL.pack(op, _WIRE_CODES[tensor.dtype], len(tensor.shape), flags, slot, *dims) + tensor.data
         for peer in self.peers:
             peer.sendall(frame)
 
@@ -170,15 +184,22 @@ class _Worker:
             except WireError as exc:
                 write_frame(out, mesh_pb2.WorkerReply(error=f"bad input: {exc}"))
                 continue
-            self._tell(_OP_FORWARD, cmd.slot, cmd.input)
-            result = self.step(_OP_FORWARD, cmd.slot, x)
+            if cmd.rewind:
+                why = self.rewind(cmd.slot, cmd.rewind)  # the same answer on every rank: told only when done
+                if why:
+                    write_frame(out, mesh_pb2.WorkerReply(error=why))
+                    continue
+                self._tell(_OP_REWIND, cmd.slot, dims=(cmd.rewind,))
+            flags = _ALL_POSITIONS if cmd.all_positions else 0
+            self._tell(_OP_FORWARD, cmd.slot, cmd.input, flags=flags)
+            result = self.step(_OP_FORWARD, cmd.slot, x, flags)
             write_frame(out, mesh_pb2.WorkerReply(output=to_tensor(result)))
 
     def follow(self, leader: socket.socket) -> None:
         stream = leader.makefile("rb")
         while True:
             try:
-                op, code, ndim, _, slot, *dims = _CONTROL.unpack(_read_exact(stream, _CONTROL.size))
+                op, code, ndim, flags, slot, *dims = _CONTROL.unpack(_read_exact(stream, _CONTROL.size))
             except EOFError:
                 return  # rank 0 stopped
             if op == _OP_CLOSE:
@@ -186,6 +207,9 @@ class _Worker:
                 continue
             if op in (_OP_KEEP, _OP_RESUME, _OP_FORGET):
                 self.prefix_op(op, slot, dims[0], dims[1])
+                continue
+            if op == _OP_REWIND:
+                self.rewind(slot, dims[0])
                 continue
             if op != _OP_FORWARD or code not in _CODE_WIRE or ndim not in (2, 3) or any(d <= 0 for d in dims[:ndim]):
                 raise TensorGroupError(f"unexpected command {(op, code, ndim, slot, *dims)}")
@@ -195,7 +219,7 @@ class _Worker:
             if nbytes > MAX_FRAME:
                 raise TensorGroupError(f"command of {nbytes} bytes exceeds {MAX_FRAME}")
             tensor.data = _read_exact(stream, nbytes)
-            self.step(op, slot, from_tensor(tensor))
+            self.step(op, slot, from_tensor(tensor), flags)
 
 
 def _hello_mac(secret: bytes, group_id: str, rank: int) -> bytes:
@@ -289,8 +313,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         log.error("tensor group could not connect its control channel: %s", exc)
         return 1
+    limit, why = rewind_limit(shard.cache_template())
     info = {"rank": group.rank(), "size": group.size(), "dtype": _name(shard.dtype),
-            "hidden_size": shard.hidden_size, "nbytes": shard.nbytes}
+            "hidden_size": shard.hidden_size, "nbytes": shard.nbytes, "rewind_limit": limit, "rewind_problem": why}
     write_frame(out, mesh_pb2.WorkerReply(info=json.dumps(info)))
     try:
         if rank == 0:

@@ -194,3 +194,13 @@ def placeholders_work() -> bool:
 
 
 _PLACEHOLDERS_WORK: bool | None = None
+
+
+def check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int, expect=(1, None)) -> np.ndarray:
+    """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
+    ids = host_array(tensor, dtypes=("int32",), expect=expect)
+    if ids.shape[1] > max_chunk:
+        raise WireError(f"{ids.shape[1]} tokens in one message (limit {max_chunk})")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -216,7 +216,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length", "batch", "members", "model")
+    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length", "batch", "members", "model", "rewind")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class ForwardRequest(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     start_layer: int
@@ -247,7 +248,8 @@ class ForwardRequest(_message.Message):
     batch: bool
     members: _containers.RepeatedScalarFieldContainer[str]
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ..., batch: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
+    rewind: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ..., batch: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., rewind: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("output", "code", "error", "stage_seconds")
@@ -325,7 +327,7 @@ class GenerateReply(_message.Message):
     def __init__(self, token: _Optional[int] = ..., has_logprob: _Optional[bool] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("op", "slot", "input", "kept", "positions")
+    __slots__ = ("op", "slot", "input", "kept", "positions", "rewind", "all_positions")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORWARD: _ClassVar[WorkerCommand.Op]
@@ -343,12 +345,16 @@ class WorkerCommand(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
+    ALL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     op: WorkerCommand.Op
     slot: int
     input: Tensor
     kept: int
     positions: int
-    def __init__(self, op: _Optional[_Union[WorkerCommand.Op, str]] = ..., slot: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., kept: _Optional[int] = ..., positions: _Optional[int] = ...) -> None: ...
+    rewind: int
+    all_positions: bool
+    def __init__(self, op: _Optional[_Union[WorkerCommand.Op, str]] = ..., slot: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., kept: _Optional[int] = ..., positions: _Optional[int] = ..., rewind: _Optional[int] = ..., all_positions: _Optional[bool] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("output", "error", "info")

@@ -27,12 +27,14 @@ from mlx_lm.generate import generate_step
 
 from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import prefix_key
+from meshnode.model.rewind import rewind
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
 from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
+from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.transport.refusals import PrefixMiss
 
@@ -140,15 +142,22 @@ class LocalSession:
             mx.eval(out)
         return DoneTicket(out, x.shape[1])
 
-    def forward(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array, all_positions: bool = False) -> mx.array:
+        """``all_positions``: the last stage's logits of every position of ``x`` (a speculative pass)."""
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
         # (A remote stage evaluates when it encodes the activation for the wire.)
         take_back(self)
         self.grow(x.shape[1])
-        out = self._shard.forward(x, self.cache)
-        if self._shard.spec.is_last:
-            out = out[:, -1:, :]
-        return out
+        if not self._shard.spec.is_last:
+            return self._shard.forward(x, self.cache)
+        out = self._shard.forward(x, self.cache, all_positions=all_positions)
+        return out if all_positions else out[:, -1:, :]
+
+    def rewind(self, positions: int) -> None:
+        """Drop the last ``positions`` of this request's KV here (a speculative pass's rejected drafts)."""
+        take_back(self)
+        rewind(self._shard, self.cache, positions)
+        self.grow(-positions)
 
     def close(self) -> None:
         take_back(self)
@@ -203,6 +212,9 @@ class PipelineModel:
         self._batcher = batcher
         self._decoding = False
         self._promised = False  # its last step on its own promised the stages that the next comes so too
+        # Whether a one-position step may promise the stages that the next is one too (they then build
+        # it ahead); a speculating request promises only while it does not draft.
+        self.may_promise = True
 
     def make_cache(self) -> list[_RequestState]:
         sessions: list[StageSession] = []
@@ -221,7 +233,7 @@ class PipelineModel:
         sessions = cache[0].sessions
         # One position: decoding (or the last prompt token), and one position at a time after it.
         single = inputs.shape[1] == 1
-        promise = single
+        promise = single and self.may_promise
         batcher = self._batcher
         if single and batcher is not None:
             if not self._decoding:
@@ -251,6 +263,33 @@ class PipelineModel:
                 x = session.forward(x)
             i += 1
         return x
+
+    def verify(self, inputs: mx.array, rewind: int = 0) -> mx.array:
+        """A speculative pass (meshnode.serving.speculative): first drop the last ``rewind`` positions
+        of every stage's KV (the last pass's rejected drafts), then run all positions of ``inputs``
+        (1, n) through the stages alone (never in a batch) and return the logits of each, (1, n, vocab).
+        Only a cut is waited for here: each remote stage makes it before its next message."""
+        self._promised = False
+        if self._batcher is not None and self._decoding:  # it steps alone: no round waits for it
+            self._batcher.alone(self)
+        sessions = self.state.sessions
+        for session in sessions:
+            session.rewind(rewind)
+        x = inputs
+        for session in sessions[:-1]:
+            x = session.forward(x)
+        return sessions[-1].forward(x, all_positions=True)
+
+    def others_decoding(self) -> bool:
+        """Whether other requests of this placement decode now (their steps batch: meshnode.serving.step_batch)."""
+        return self._batcher is not None and self._batcher.others_decoding(self)
+
+    def rewind_limit(self) -> tuple[int | None, str]:
+        """How far a request's caches can be cut back (meshnode.model.rewind.rewind_limit), judged by
+        the head's own stage (the model's cache kinds are the same on every stage)."""
+        last = self._stages[-1]
+        limit = getattr(getattr(last, "shard", None), "rewind_limit", None)
+        return limit if limit is not None else (0, "the last stage cannot say how far its cache can be cut back")
 
     def prefill(self, tokens: Sequence[int], options: PrefillOptions, busy: Callable[[], bool] | None = None) -> int:
         """Run ``tokens`` through every stage, chunks pipelined (meshnode.serving.prefill); the number of chunks.
@@ -313,6 +352,7 @@ def generate_tokens(
     keep: PrefixIndex | None = None,
     ended: threading.Event | None = None,
     tokenizer=None,
+    speculation: "Speculation | None" = None,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
@@ -320,7 +360,8 @@ def generate_tokens(
     chunks (meshnode.serving.prefill); generate_step then gets the filled cache and the last token, and
     samples and decodes exactly as it does for a prompt it prefilled itself. ``keep``: where the
     prompt cache remembers what the stages were asked to keep at the end (``model.resume``: the
-    start they resume from); ``ended`` is set once that is done.
+    start they resume from); ``ended`` is set once that is done. ``speculation``: the placement's
+    speculative decoding (meshnode.serving.speculative), for a request that can use it.
     """
     sampler = make_request_sampler(params)
     produced: list[int] = []
@@ -330,12 +371,22 @@ def generate_tokens(
         cache = None
         skip = model.resume[1] if model.resume else 0  # positions every stage resumes (prompt cache)
         pipelined = prefill is not None and prefill.pipelined
-        if skip or (pipelined and len(ids) > 1):
+        speculate = speculation is not None and not why_not(params, model.rewind_limit())
+        if skip or (pipelined and len(ids) > 1) or speculate:
             cache = model.make_cache()
             ids = ids[skip:]
             if pipelined and len(ids) > 1:
                 model.prefill(ids[:-1], prefill, busy)
                 ids = ids[-1:]
+        if speculate:
+            for i in range(0, len(ids) - 1, prefill_step_size):  # not pipelined: chunk by chunk, as mlx-lm
+                mx.eval(model(mx.array([ids[i:min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache))
+            for token in speculative_tokens(model, cache, list(prompt), params, speculation,
+                                            max_tokens=params.max_tokens, others=model.others_decoding):
+                produced.append(int(token))
+                yield token
+            finished = True
+            return
         top = params.top_logprobs
         for token, logprobs in generate_step(
             mx.array(ids, dtype=mx.uint32),
@@ -392,11 +443,13 @@ class PipelineSource:
         prefixes: PrefixIndex | None = None,
         tokenizer=None,
         batcher: "StepBatcher | None" = None,
+        speculation: Speculation | None = None,
     ):
         """``prefixes``: the model's prompt cache (what its stages keep), None: off; ``tokenizer``:
         the model's (structured output masks tokens by their text); ``batcher``: the placement's
         batched decode steps (meshnode.serving.step_batch), None: every request steps on its own."""
         self._prefixes, self._tokenizer, self._batcher = prefixes, tokenizer, batcher
+        self.speculation = speculation  # speculative decoding (meshnode.serving.speculative), None: off
         self._scheduler = scheduler
         self._stages = stages
         self._prefill_step_size = prefill_step_size
@@ -418,7 +471,7 @@ class PipelineSource:
             job = scheduler.submit(
                 generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
                                 prefill=self._prefill, busy=scheduler.others_waiting, keep=index, ended=ended,
-                                tokenizer=self._tokenizer),
+                                tokenizer=self._tokenizer, speculation=self.speculation),
                 work=len(prompt) - (resume[1] if resume else 0),
             )
             produced = False

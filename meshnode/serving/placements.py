@@ -21,7 +21,9 @@ from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.batching import BatchedSource, batchable
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
+from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.sampling import Sampled, SamplingParams
+from meshnode.serving.speculative import Speculation
 from meshnode.serving.step_batch import StepBatcher, can_batch
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
@@ -52,27 +54,38 @@ class HeadPlacement:
 
     def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
                  prefixes=None, tokenizer=None, on_batched_step: Callable[[int], None] | None = None,
-                 batch_steps: bool = True):
+                 batch_steps: bool = True, on_speculated: Callable[[int, int, int], None] | None = None):
         """``batch_steps``: concurrent decode steps may go through the stages together (every stage a
-        plain shard on one node, caches mlx-lm batches: no kv_bits, no tensor group)."""
-        self.epoch, self._on_fault = epoch, on_fault
+        plain shard on one node, caches mlx-lm batches: no kv_bits, no tensor group);
+        ``on_speculated``: told of each speculative pass (meshnode.metrics.NodeMetrics.speculated)."""
+        self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
+        speculation = speculation_for(s, on_speculated)
+        self._alone: PipelineSource | None = None  # a lone request's source where concurrent ones batch
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         if getattr(s, "batching", False) and batchable(handles):  # the whole model here: one batch
             self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
                                          prefixes=prefixes, tokenizer=tokenizer)
+            if speculation is not None:  # a request alone speculates; with others it joins their batch
+                self._alone = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
+                                             prefill=prefill, prefixes=prefixes, tokenizer=tokenizer,
+                                             speculation=speculation)
             return
         # Across stages, concurrent requests' decode steps go through the stages together.
         batcher = StepBatcher(handles, on_batched_step) \
             if batch_steps and getattr(s, "batch_stages", False) and can_batch(handles) else None
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
-                                      prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher)
+                                      prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher,
+                                      speculation=speculation)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+        source = self._source
+        if self._alone is not None and self._scheduler.active == 0:
+            source = self._alone
         try:
-            async with contextlib.aclosing(self._source.tokens(prompt, params)) as tokens:
+            async with contextlib.aclosing(source.tokens(prompt, params)) as tokens:
                 async for token in tokens:
                     yield token
         except StagePending as exc:
@@ -87,6 +100,13 @@ class HeadPlacement:
             log.exception("epoch %d: the generation failed here", self.epoch)
             self._on_fault(f"the head's layers failed on this input: {type(exc).__name__}: {exc}")
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
+
+
+def speculation_for(settings, on_pass: Callable[[int, int, int], None] | None) -> Speculation | None:
+    """A placement's speculative decoding as the settings ask (None: off)."""
+    if getattr(settings, "speculative", "off") != "prompt_lookup":
+        return None
+    return Speculation(drafter=PromptLookup, on_pass=on_pass, k_max=settings.draft_max)
 
 
 class RemoteHeadPlacement:

@@ -31,17 +31,31 @@ PENALTY_CONTEXT = 20
 
 def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """mlx-lm's sampler; with a seed, the same filters drawn from the request's own keys."""
+    sample, index = make_indexed_sampler(params), params.offset
+
+    def step(logprobs: mx.array) -> mx.array:
+        nonlocal index
+        index += 1
+        return sample(logprobs, index - 1)
+
+    return step
+
+
+def make_indexed_sampler(params: SamplingParams) -> Callable[[mx.array, int], mx.array]:
+    """``sample(logprobs, index)``: draw token ``index`` of the generation (``params.offset`` is the
+    first this placement draws). A seeded draw depends on (seed, index) alone, so a speculative pass
+    that checks several positions at once draws each as one-at-a-time decoding would; unseeded draws
+    use MLX's global random state, as mlx-lm's do."""
     if params.seed is None or params.temperature == 0:
-        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+        plain = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+        return lambda logprobs, index: plain(logprobs)
     # The API accepts any int64 seed (OpenAI's range): fold it to the key's uint64 (a negative seed
     # used to fail the generation; found by tests/test_fuzz.py).
-    seed, index = params.seed % 2**64, params.offset
+    seed = params.seed % 2**64
     top_p, min_p, top_k, inv_temp = params.top_p, params.min_p, params.top_k, 1.0 / params.temperature
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal index
+    def sample(logprobs: mx.array, index: int) -> mx.array:
         key = draw_key(seed, index)
-        index += 1
         # mlx-lm's make_sampler order: top_p, min_p, top_k.
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)

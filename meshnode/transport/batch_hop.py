@@ -34,7 +34,7 @@ from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
 from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read_reply, refuse, stream_key
 from meshnode.transport.refusals import StageError, StageRefusal
-from meshnode.transport.stage import check_tokens
+from meshnode.model.wire import check_tokens
 
 if TYPE_CHECKING:
     from meshnode.model.shard import Shard

@@ -190,7 +190,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             # an older version says nothing of the rest (work 0): the chunk's own positions then.
             set_priority(msg.work or (positions if positions > 1 else 0))
             try:
-                stage.admit(positions)
+                stage.admit(positions, msg.rewind)
                 if raw:
                     n = run_here(lambda: _run_raw(stage, msg, out))
                 else:
@@ -273,6 +273,11 @@ class HopSession:
         self._lock = threading.Lock()
         self._closed = False
         self._spare: bytearray | None = None  # a raw reply's buffer, back from the last reply used
+        self._rewind = 0  # positions the stage drops before the next message's (speculative decoding)
+
+    def rewind(self, positions: int) -> None:
+        """Drop the last ``positions`` of the stage's KV for this request, with the next message."""
+        self._rewind += positions
 
     # -- writing
     def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "HopTicket":
@@ -284,8 +289,9 @@ class HopSession:
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         positions = x.shape[1]
-        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single,
-                                          work=work).SerializeToString()
+        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single, work=work,
+                                          rewind=self._rewind).SerializeToString()
+        self._rewind = 0
         self._queued += positions
         ticket = HopTicket(self, positions)
         self._unanswered.append(ticket)

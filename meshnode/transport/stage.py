@@ -13,12 +13,12 @@ Everything received is validated against the plan before an array is built.
 Client side (:class:`RemoteStage`): the head's generation thread calls ``forward`` synchronously;
 the call runs on the node's asyncio loop over a long-lived stream.
 
-How long a step is waited for: as long as the stage's node is alive by the control plane
-(its heartbeats, :meth:`RemoteStage.check`), however long the step takes. A step's time says
-nothing about liveness: a 1k-token prefill on a slow machine, or a step queued behind another
-request's, takes what it takes. A stage is lost when its node stops heartbeating (frozen, gone,
-cut off), refuses or drops the stream, or reports a fault; so a hung peer still cannot hang a
-generation for longer than the failure detector's ``failure_timeout``.
+How long a step is waited for: as long as the stage's node is alive by the control plane (its
+heartbeats, :meth:`RemoteStage.check`), however long the step takes. A step's time says nothing
+about liveness: a 1k-token prefill on a slow machine, or a step queued behind another request's,
+takes what it takes. A stage is lost when its node stops heartbeating (frozen, gone, cut off),
+refuses or drops the stream, or reports a fault; so a hung peer still cannot hang a generation for
+longer than the failure detector's ``failure_timeout``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, PREFIX_MISS, STAG
                                          stage_error)
 from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import keeps_prefixes
+from meshnode.model.rewind import CannotRewind, rewind
 from meshnode.model.tensor import TensorGroupError
-from meshnode.model.wire import Placeholder, RawReply, WireError, dtype_name, host_array, to_array, to_tensor
+from meshnode.model.wire import (Placeholder, RawReply, WireError, check_tokens, dtype_name, host_array, to_array,
+                                 to_tensor)
 from meshnode.model.scheduler import StepWatch, mlx_idle
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
@@ -57,18 +59,9 @@ log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
 KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to take its prefix to keep
-# The answer to a keep (ForwardRequest.keep): the prefix is stored (an empty output; never an
-# empty frame on the data port, which would read as the end of the stream).
+# The answer to a keep (ForwardRequest.keep): the prefix is stored (an empty output; never an empty frame
+# on the data port, which would read as the end of the stream).
 KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
-
-
-def check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int, expect=(1, None)) -> np.ndarray:
-    ids = host_array(tensor, dtypes=("int32",), expect=expect)
-    if ids.shape[1] > max_chunk:
-        raise WireError(f"{ids.shape[1]} tokens in one message (limit {max_chunk})")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
-    return ids
 
 
 class StageServer:
@@ -154,7 +147,7 @@ class StageServer:
                         await self.scheduler.call(lambda m=msg: stage.keep(m))
                         yield KEPT
                         continue
-                    stage.admit(msg.input.shape[1] if len(msg.input.shape) > 1 else 0)
+                    stage.admit(msg.input.shape[1] if len(msg.input.shape) > 1 else 0, msg.rewind)
                     output, seconds = await self.scheduler.call(lambda m=msg: stage.run(m))
                 except StageRefusal as refusal:
                     if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -193,13 +186,16 @@ class OpenStage:
         self.injected_stall = 0.0  # tests only: the next run hangs this many seconds (hop.InjectedDelay)
         self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
-    def admit(self, positions: int) -> None:
-        self.seen += positions
+    def admit(self, positions: int, rewind: int = 0) -> None:
+        """Count ``positions`` more of this request's KV here, ``rewind`` fewer (a speculative pass's rejected drafts)."""
+        if rewind > self.seen:
+            raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"rewind of {rewind} positions, {self.seen} held")
+        self.seen += positions - rewind
         if self.seen > self.server.max_context:
             raise StageRefusal(grpc.StatusCode.OUT_OF_RANGE,
                                f"request exceeds the context of {self.server.max_context} tokens")
         if self.server.prefixes is not None:  # kept prefixes make room for this request's KV
-            self.server.prefixes.grow(self.layers, positions)
+            self.server.prefixes.grow(self.layers, positions - rewind)
 
     def keep(self, msg: mesh_pb2.ForwardRequest) -> None:
         """The request's last message: keep its KV for a later request with the same start (on
@@ -256,14 +252,15 @@ class OpenStage:
             if self.prepared is not None:  # this step's graph was built ahead: fill in its input
                 placeholder, out = self.prepared
                 self.prepared = None
-                if host.shape[1] != 1:
-                    raise WireError(f"{host.shape[1]} positions after a promise of one")
+                if host.shape[1] != 1 or msg.rewind:
+                    raise WireError(f"{host.shape[1]} positions (rewind {msg.rewind}) after a promise of one")
                 placeholder.fill(host)
             else:
+                rewind(self.shard, self.cache, msg.rewind)
                 out = self.shard.forward(to_array(host, self._dtype), self.cache)
             mx.eval(out)
             return out
-        except WireError as exc:
+        except (WireError, CannotRewind) as exc:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
@@ -296,12 +293,16 @@ class RemoteSession:
         self._write_lock: asyncio.Lock | None = None
         self._read_lock: asyncio.Lock | None = None
         self._queued = 0  # positions sent and not answered yet
+        self._rewind = 0  # positions the stage drops before the next message's (speculative decoding)
 
-    async def _forward(self, tensor: mesh_pb2.Tensor) -> mesh_pb2.ForwardReply:
+    def rewind(self, positions: int) -> None:  # sent with the next message
+        self._rewind += positions
+
+    async def _forward(self, tensor: mesh_pb2.Tensor, rewind: int = 0) -> mesh_pb2.ForwardReply:
         st = self._stage
         if self._write_lock is None:
             self._write_lock, self._read_lock = asyncio.Lock(), asyncio.Lock()
-        msg = mesh_pb2.ForwardRequest(input=tensor)
+        msg = mesh_pb2.ForwardRequest(input=tensor, rewind=rewind)
         try:
             async with self._write_lock:
                 if self._call is None:
@@ -333,7 +334,8 @@ class RemoteSession:
         st = self._stage
         positions = x.shape[1]
         self._queued += positions
-        future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x)), st.loop)
+        future = asyncio.run_coroutine_threadsafe(self._forward(to_tensor(x), self._rewind), st.loop)
+        self._rewind = 0
         return RemoteTicket(self, future, positions)
 
     def forward(self, x: mx.array) -> mx.array:
@@ -429,8 +431,7 @@ class RemoteStage:
         alive: Callable[[], bool] | None = None,
         data_session: "Callable[..., StageSession] | None" = None, model: str = "",
     ):
-        # Opens a request's stream over the peer's data port (meshnode.transport.hop.HopSession); None:
-        # every request goes over gRPC.
+        # Opens a request's stream over the peer's data port (hop.HopSession); None: all go over gRPC.
         self.data_session = data_session
         # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
         self.observe = observe

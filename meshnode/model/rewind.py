@@ -1,0 +1,59 @@
+"""Cutting a request's KV cache back: what a speculative pass's rejected drafts need on every stage.
+
+A speculative pass (meshnode.serving.speculative) runs the last token and k drafted ones through
+every stage at once; the drafts the model did not confirm leave positions at the end of each
+stage's cache that must go before the next pass. mlx-lm's own caches know how: a growing
+``KVCache`` (and its quantized and chunked kin) can always be cut, a ``RotatingKVCache`` (a
+sliding window) only while it has not wrapped around, a recurrent state (``ArraysCache``:
+linear attention, Mamba) never. :func:`rewind_limit` says so for a model before anything is
+speculated, so a request never needs a cut its stages cannot make.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
+
+from meshnode.model.prefixes import distinct
+
+
+class CannotRewind(RuntimeError):
+    """The cache cannot be cut back (a wrapped sliding window, a recurrent state)."""
+
+
+def rewind_limit(template: list[Any]) -> tuple[int | None, str]:
+    """How far a request with caches like ``template`` (one per layer, the whole model's) can be
+    cut back: (None, "") always; (n, "") while it holds fewer than n positions (a sliding window
+    of n); (0, why) never."""
+    limit = None
+    for cache in distinct(template):
+        for c in getattr(cache, "caches", None) or (cache,):  # a CacheList holds several
+            if isinstance(c, RotatingKVCache):
+                limit = c.max_size if limit is None else min(limit, c.max_size)
+            elif not c.is_trimmable():
+                return 0, f"its {type(c).__name__} (a recurrent state) cannot be cut back"
+    return limit, ""
+
+
+def rewind(shard: Any, cache: Any, positions: int) -> None:
+    """Drop the last ``positions`` of a request's ``cache`` on ``shard`` (raises :class:`CannotRewind`)."""
+    if positions <= 0:
+        return
+    own = getattr(shard, "rewind", None)
+    if own is not None:  # a tensor group: its worker cuts every rank's share
+        own(cache, positions)
+        return
+    try:
+        rewind_owned(shard.owned(cache), positions)
+    except CannotRewind as exc:
+        raise CannotRewind(f"layers [{shard.spec.start}, {shard.spec.end}): {exc}") from None
+
+
+def rewind_owned(caches: list[Any], positions: int) -> None:
+    """Drop the last ``positions`` of each of ``caches`` (a shard's own layers' caches)."""
+    owned = distinct(caches)
+    if not can_trim_prompt_cache(owned):
+        kinds = sorted({type(c).__name__ for c in owned if not c.is_trimmable()})
+        raise CannotRewind(f"the cache cannot be cut back ({', '.join(kinds)})")
+    trim_prompt_cache(owned, positions)

@@ -1,0 +1,231 @@
+"""Speculative decoding on local stages: same tokens as without it, every stage's cache cut back right.
+
+The drafters here are real (prompt lookup) or a test drafter that proposes the reference
+continuation right with a chosen probability (the benchmark's, benchmarks/speculative.py), so
+passes with rejections at every position happen, on dense and MoE families, float32, bf16 and
+4-bit. Multi-host runs (2 stages over the data port, a tensor pair) are in test_speculative_mesh.py.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from meshnode.model.build import model_dir_for
+from meshnode.model.rewind import CannotRewind, rewind_limit
+from meshnode.model.shard import Shard
+from meshnode.serving.drafting import PromptLookup
+from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
+from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.speculative import PROBE_AFTER, DraftLength, PassCosts, Speculation, expected_tokens, why_not
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {
+    "llama-f32": ("llama", {"dtype": "float32"}),
+    "llama-bf16": ("llama", {"dtype": "bfloat16"}),
+    "qwen3-4bit": ("qwen3", {"dtype": "bfloat16", "quantize": "4bit"}),
+    "qwen3_moe-f32": ("qwen3_moe", {"dtype": "float32"}),
+}
+# Repeats itself, as code edits and agent turns do: prompt lookup finds runs to propose.
+TEXT = "def add(a, b): return a + b. for i in range(10): print(i). def add(a, b): return a + b. for i in"
+
+
+class Oracle:
+    """Proposes the reference continuation, each token right with probability ``p`` (else another id)."""
+
+    def __init__(self, reference: list[int], start: int, p: float, vocab: int, seed: int = 0):
+        self.reference, self.at, self.p, self.vocab = reference, start, p, vocab
+        self.rng = random.Random(seed)
+
+    def extend(self, tokens):
+        self.at += len(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        out = []
+        for i in range(self.at, min(self.at + k, len(self.reference))):
+            right = self.reference[i]
+            out.append(right if self.rng.random() < self.p else (right + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+        return out
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def model_case(request, tmp_path_factory):
+    family, kw = CASES[request.param]
+    path = model_dir_for(ROOT / ".cache" / "test-models", family, num_layers=4, hidden_size=64, **kw)
+    model, tokenizer = load(str(path))
+    return request.param, path, model, tokenizer
+
+
+def plain(model, prompt: list[int], n: int, params: SamplingParams | None = None) -> list[int]:
+    """mlx-lm's own tokens (the whole model, one process, no speculation)."""
+    from meshnode.serving.sampler import make_request_sampler
+
+    sampler = make_request_sampler(params) if params is not None else None
+    return [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                                                sampler=sampler)), range(n))]
+
+
+def stages_of(path, cuts):
+    return [LocalStage(Shard(path, a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def speculate(stages, prompt, params, drafter, passes=None):
+    def on_pass(drafted, accepted, tokens):
+        if passes is not None:
+            passes.append((drafted, accepted, tokens))
+
+    spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4)
+    return [int(t) for t in generate_tokens(PipelineModel(stages, "t"), prompt, params, speculation=spec)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
+def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p):
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 24)
+    reference = prompt + want
+    for cuts in ([0, 4], [0, 2, 4]):
+        passes: list = []
+        got = speculate(stages_of(path, cuts), prompt, SamplingParams(max_tokens=24),
+                        lambda h: Oracle(reference, len(h), p, model.args.vocab_size, seed=len(cuts)), passes)
+        assert got == want, (name, cuts, p)
+        drafted = sum(d for d, _, _ in passes)
+        accepted = sum(a for _, a, _ in passes)
+        assert drafted > 0, "no pass carried guesses"
+        if p == 1.0:
+            assert accepted == drafted
+        if p == 0.0:
+            assert accepted <= drafted // 10  # a wrong guess may still hit by chance, rarely
+
+
+def test_prompt_lookup_gives_the_same_tokens(model_case):
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 20)
+    got = speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=20), PromptLookup)
+    assert got == want, name
+
+
+def test_seeded_sampling_is_the_same_draws(model_case):
+    """A seeded request's draw i comes from its own key (seed, i): checking guesses in a pass draws
+    each position as decoding one at a time would, so the tokens are the same, and a replay that
+    starts at an offset (failover) continues them."""
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=1234)
+    want = plain(model, prompt, 20, params)
+    reference = prompt + want
+    got = speculate(stages_of(path, [0, 2, 4]), prompt, params,
+                    lambda h: Oracle(reference, len(h), 0.7, model.args.vocab_size))
+    assert got == want, name
+    # A replay after failover: the prompt plus the 7 tokens already sent, the draws from offset 7 on.
+    again = SamplingParams(max_tokens=13, temperature=0.8, seed=1234, offset=7)
+    got = speculate(stages_of(path, [0, 2, 4]), prompt + want[:7], again,
+                    lambda h: Oracle(reference, len(h), 0.7, model.args.vocab_size))
+    assert got == want[7:], name
+
+
+def test_caches_after_rejections_give_the_same_next_logits(model_case):
+    """After passes with rejected guesses, every stage's cache holds exactly the confirmed
+    positions: the next step's logits equal those of a run without speculation."""
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 12)
+    reference = prompt + want
+    stages = stages_of(path, [0, 2, 4])
+    pipeline = PipelineModel(stages, "t")
+    spec = Speculation(drafter=lambda h: Oracle(reference, len(h), 0.5, model.args.vocab_size, seed=3), k_max=4)
+    tokens = generate_tokens(pipeline, prompt, SamplingParams(max_tokens=12), speculation=spec)
+    got = [int(next(tokens)) for _ in range(12)]  # the generation stays open: its caches are live
+    assert got == want
+    sessions = pipeline.state.sessions
+    held = [s.cache[s._shard.spec.start].offset for s in sessions]
+    # The stages hold the prompt and every token but the last (and possibly a pass's rejects, cut next).
+    fed = len(prompt) + len(got) - 1
+    x = mx.array([[got[-1]]], dtype=mx.uint32)
+    for session, n in zip(sessions, held):
+        session.rewind(n - fed)
+    spec_logits = pipeline(x, [pipeline.state])
+    ref_cache = None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref_cache = make_prompt_cache(model)
+    model(mx.array([prompt + got[:-1]]), cache=ref_cache)
+    ref_logits = model(x, cache=ref_cache)[:, -1:, :]
+    tol = 1e-4 if "f32" in name else 5e-2
+    assert mx.allclose(spec_logits.astype(mx.float32), ref_logits.astype(mx.float32), atol=tol, rtol=tol).item(), name
+    tokens.close()
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    d = PromptLookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3], longest=3, shortest=2)
+    assert d.propose(3) == [5, 6, 7]  # [1, 2, 3] last occurred before 5, 6, 7
+    d.extend([5])
+    assert d.propose(2) == [6, 7]  # [2, 3, 5] occurred before 6, 7
+    d.extend([8])
+    assert d.propose(4) == []  # [5, 8] / [3, 5, 8] never occurred before
+    assert PromptLookup([1, 2], longest=3).propose(2) == []
+    assert PromptLookup([7, 7, 7, 7]).propose(3) == [7]  # overlapping: what follows the latest earlier [7, 7, 7]
+    with pytest.raises(ValueError):
+        PromptLookup([], longest=1, shortest=2)
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    costs = PassCosts(one=0.1, extra=0.01)
+    length = DraftLength(costs, k_max=8)
+    for _ in range(30):
+        length.observe(4, 4)
+    assert length.choose() >= 4  # everything confirmed, extra positions cheap: guess many
+    for _ in range(30):
+        length.observe(4, 0)
+    assert length.choose() == 0  # nothing confirmed: plain steps
+    assert length.paused()
+    for _ in range(PROBE_AFTER):
+        assert length.choose() == 0
+        length.observe(0, 0)
+    assert length.choose() > 0  # probed again after PROBE_AFTER plain steps
+    length.observe(2, 0)
+    assert length.choose() == 0  # and the probe confirmed nothing
+    # Extra positions as dear as a whole step (a compute-bound stage): guessing pays only when
+    # nearly every guess is confirmed.
+    dear = DraftLength(PassCosts(one=0.1, extra=0.1), k_max=8)
+    for _ in range(30):
+        dear.observe(4, 2)
+    assert dear.choose() == 0
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+
+
+def test_pass_costs_measure_extra_positions():
+    costs = PassCosts()
+    assert costs.ratio() == 0.25  # the prior until measured
+    costs.observe(3, 0.3)  # ignored: no one-position step measured yet
+    costs.observe(1, 0.1)
+    costs.observe(5, 0.14)
+    assert abs(costs.extra - 0.01) < 1e-9 and abs(costs.ratio() - 0.1) < 1e-9
+
+
+def test_who_cannot_speculate(tmp_path):
+    assert why_not(SamplingParams(repetition_penalty=1.1), (None, ""))
+    assert why_not(SamplingParams(), (0, "a recurrent state"))
+    assert not why_not(SamplingParams(temperature=0.7, seed=3), (4096, ""))
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    assert rewind_limit([KVCache(), KVCache()]) == (None, "")
+    assert rewind_limit([KVCache(), RotatingKVCache(max_size=128)]) == (128, "")
+    limit, why = rewind_limit([KVCache(), ArraysCache(size=2)])
+    assert limit == 0 and "recurrent" in why
+
+
+def test_a_stage_refuses_a_cut_it_cannot_make():
+    from mlx_lm.models.cache import ArraysCache
+
+    from meshnode.model.rewind import rewind_owned
+
+    with pytest.raises(CannotRewind):
+        rewind_owned([ArraysCache(size=2)], 1)
