@@ -1,14 +1,13 @@
 """Speculative decoding on local stages: same tokens as without it, every stage's cache cut back right.
 
-The drafters here are real (prompt lookup) or a test drafter that proposes the reference
-continuation right with a chosen probability (the benchmark's, benchmarks/speculative.py), so
+The drafters here are real (prompt lookup) or the test drafter that proposes the reference
+continuation right with a chosen probability (ReferenceDrafter, the benchmark's), so
 passes with rejections at every position happen, on dense and MoE families, float32, bf16 and
 4-bit. Multi-host runs (2 stages over the data port, a tensor pair) are in test_speculative_mesh.py.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +18,7 @@ from mlx_lm.generate import generate_step
 from meshnode.model.build import model_dir_for
 from meshnode.model.rewind import CannotRewind, rewind_limit
 from meshnode.model.shard import Shard
-from meshnode.serving.drafting import PromptLookup
+from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
 from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.speculative import PROBE_AFTER, DraftLength, PassCosts, Speculation, expected_tokens, why_not
@@ -33,24 +32,6 @@ CASES = {
 }
 # Repeats itself, as code edits and agent turns do: prompt lookup finds runs to propose.
 TEXT = "def add(a, b): return a + b. for i in range(10): print(i). def add(a, b): return a + b. for i in"
-
-
-class Oracle:
-    """Proposes the reference continuation, each token right with probability ``p`` (else another id)."""
-
-    def __init__(self, reference: list[int], start: int, p: float, vocab: int, seed: int = 0):
-        self.reference, self.at, self.p, self.vocab = reference, start, p, vocab
-        self.rng = random.Random(seed)
-
-    def extend(self, tokens):
-        self.at += len(tokens)
-
-    def propose(self, k: int) -> list[int]:
-        out = []
-        for i in range(self.at, min(self.at + k, len(self.reference))):
-            right = self.reference[i]
-            out.append(right if self.rng.random() < self.p else (right + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
-        return out
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -92,7 +73,7 @@ def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p):
     for cuts in ([0, 4], [0, 2, 4]):
         passes: list = []
         got = speculate(stages_of(path, cuts), prompt, SamplingParams(max_tokens=24),
-                        lambda h: Oracle(reference, len(h), p, model.args.vocab_size, seed=len(cuts)), passes)
+                        lambda h: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size), passes)
         assert got == want, (name, cuts, p)
         drafted = sum(d for d, _, _ in passes)
         accepted = sum(a for _, a, _ in passes)
@@ -121,12 +102,12 @@ def test_seeded_sampling_is_the_same_draws(model_case):
     want = plain(model, prompt, 20, params)
     reference = prompt + want
     got = speculate(stages_of(path, [0, 2, 4]), prompt, params,
-                    lambda h: Oracle(reference, len(h), 0.7, model.args.vocab_size))
+                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size))
     assert got == want, name
     # A replay after failover: the prompt plus the 7 tokens already sent, the draws from offset 7 on.
     again = SamplingParams(max_tokens=13, temperature=0.8, seed=1234, offset=7)
     got = speculate(stages_of(path, [0, 2, 4]), prompt + want[:7], again,
-                    lambda h: Oracle(reference, len(h), 0.7, model.args.vocab_size))
+                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size))
     assert got == want[7:], name
 
 
@@ -139,7 +120,7 @@ def test_caches_after_rejections_give_the_same_next_logits(model_case):
     reference = prompt + want
     stages = stages_of(path, [0, 2, 4])
     pipeline = PipelineModel(stages, "t")
-    spec = Speculation(drafter=lambda h: Oracle(reference, len(h), 0.5, model.args.vocab_size, seed=3), k_max=4)
+    spec = Speculation(drafter=lambda h: ReferenceDrafter(h, [reference], 0.5, 3, model.args.vocab_size), k_max=4)
     tokens = generate_tokens(pipeline, prompt, SamplingParams(max_tokens=12), speculation=spec)
     got = [int(next(tokens)) for _ in range(12)]  # the generation stays open: its caches are live
     assert got == want
@@ -229,3 +210,22 @@ def test_a_stage_refuses_a_cut_it_cannot_make():
 
     with pytest.raises(CannotRewind):
         rewind_owned([ArraysCache(size=2)], 1)
+
+
+def test_reference_drafter_guesses_known_answers_at_a_chosen_rate(tmp_path):
+    import json
+
+    answer = list(range(100, 160))
+    path = tmp_path / "drafts.json"
+    path.write_text(json.dumps({"p": 0.5, "seed": 9, "vocab": 512, "answers": [answer]}))
+    make = ReferenceDrafter.from_file(str(path))
+    d = make(answer[:10])
+    guesses = d.propose(40)
+    assert len(guesses) == 40 and all(0 <= g < 512 for g in guesses)
+    right = sum(g == a for g, a in zip(guesses, answer[10:50]))
+    assert 10 <= right <= 30  # about half
+    assert make(answer[:10]).propose(40) == guesses  # the same guesses in every run
+    assert make([1, 2, 3]).propose(4) == []  # not a known answer
+    d.extend([999])  # the request left the answer: no more guesses
+    assert d.propose(4) == []
+    assert ReferenceDrafter(answer[:5], [answer], 1.0, 0, 512).propose(3) == answer[5:8]

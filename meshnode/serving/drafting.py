@@ -63,3 +63,52 @@ class PromptLookup:
             if end is not None:
                 return t[end:end + k]
         return []
+
+
+TEST_DRAFTS_ENV = "MESHNODE_TEST_DRAFTS"
+
+
+class ReferenceDrafter:
+    """For tests and benchmarks only: guesses from known answers, each guess right with probability
+    ``p``, so acceptance is controlled (random weights make any real drafter's unpredictable).
+
+    Off unless the environment variable ``MESHNODE_TEST_DRAFTS`` names a JSON file
+    ``{"p": 0.8, "seed": 1, "vocab": 512, "answers": [[token ids of a prompt and its reference answer], ...]}``
+    (meshnode.serving.placements.speculation_for). A request whose tokens so far begin one of the
+    answers gets that answer's next tokens, a wrong id in place of each with probability 1 - p
+    (drawn from ``seed`` and the position: the same guesses in every run); any other request gets
+    no guesses.
+    """
+
+    def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int):
+        import random
+
+        self._tokens = list(tokens)
+        self.p, self.seed, self.vocab = p, seed, vocab
+        self._random = random.Random
+        self._answer = next((list(a) for a in answers if list(a[:len(tokens)]) == self._tokens and len(a) > len(tokens)),
+                            None)
+
+    @classmethod
+    def from_file(cls, path: str):
+        """A drafter factory (tokens -> drafter) from a ``MESHNODE_TEST_DRAFTS`` file."""
+        import json
+
+        with open(path) as f:
+            spec = json.load(f)
+        answers, p, seed, vocab = spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"])
+        return lambda tokens: cls(tokens, answers, p, seed, vocab)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._tokens.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        answer, at = self._answer, len(self._tokens)
+        if answer is None or answer[:at] != self._tokens:
+            return []
+        out = []
+        for i in range(at, min(at + k, len(answer))):
+            draw = self._random(self.seed * 1_000_003 + i)
+            right = answer[i]
+            out.append(right if draw.random() < self.p else (right + 1 + draw.randrange(self.vocab - 1)) % self.vocab)
+        return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -21,7 +22,7 @@ from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.batching import BatchedSource, batchable
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
-from meshnode.serving.drafting import PromptLookup
+from meshnode.serving.drafting import TEST_DRAFTS_ENV, PromptLookup, ReferenceDrafter
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.speculative import Speculation
 from meshnode.serving.step_batch import StepBatcher, can_batch
@@ -106,7 +107,11 @@ def speculation_for(settings, on_pass: Callable[[int, int, int], None] | None) -
     """A placement's speculative decoding as the settings ask (None: off)."""
     if getattr(settings, "speculative", "off") != "prompt_lookup":
         return None
-    return Speculation(drafter=PromptLookup, on_pass=on_pass, k_max=settings.draft_max)
+    drafter = PromptLookup
+    test_drafts = os.environ.get(TEST_DRAFTS_ENV)
+    if test_drafts:  # tests and benchmarks: guesses of a controlled acceptance
+        drafter = ReferenceDrafter.from_file(test_drafts)
+    return Speculation(drafter=drafter, on_pass=on_pass, k_max=settings.draft_max)
 
 
 class RemoteHeadPlacement:

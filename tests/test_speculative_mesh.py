@@ -1,0 +1,157 @@
+"""Speculative decoding on real nodes (namespace hosts), asked through the openai package.
+
+The head's drafter is the test one (ReferenceDrafter, MESHNODE_TEST_DRAFTS) with guesses right
+60% of the time at chosen positions, so passes with rejections happen on every run; the answers
+must be exactly mlx-lm's (greedy) and exactly the same seeded draws as decoding one token at a
+time, over 2 pipeline stages (data port and gRPC), a tensor pair, and through a stage killed in
+the middle of a speculative stream (failover replays it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harness.cluster import HTTP, Cluster, in_ns, read_stream
+from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
+from tests.helpers import node_metrics
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(400)]
+
+MESSAGES = [{"role": "user", "content": "Tell me a very long story about the sea and the rivers."}]
+MAX_TOKENS = 64
+SEEDED = {"temperature": 0.8, "seed": 20261126}
+
+# Greedy (not streamed), greedy (streamed) and seeded (streamed), one after another.
+ASK = r'''
+import json, sys
+from openai import OpenAI
+base, model, n, seeded = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+messages = [{"role": "user", "content": "Tell me a very long story about the sea and the rivers."}]
+plain = c.chat.completions.create(model=model, messages=messages, max_tokens=n, temperature=0).choices[0].message.content
+def streamed(**kw):
+    return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=model, messages=messages, max_tokens=n, stream=True, **kw) if ch.choices)
+print(json.dumps({"greedy": plain, "greedy_stream": streamed(temperature=0), "seeded": streamed(**seeded)}))
+'''
+
+
+def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
+    """mlx-lm's greedy answer and the seeded answer drawn one token at a time (meshnode's sampler
+    over mlx-lm's generate_step on the whole model), and each as prompt + answer token ids."""
+    from mlx_lm import load, stream_generate
+
+    from meshnode.serving.sampler import make_request_sampler
+    from meshnode.serving.sampling import SamplingParams
+
+    m, tok = load(str(model))
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    texts, answers = {}, []
+    for name, sampler in [("greedy", None),
+                          ("seeded", make_request_sampler(SamplingParams(max_tokens=max_tokens, **SEEDED)))]:
+        text, ids = "", []
+        for r in stream_generate(m, tok, prompt, max_tokens=max_tokens, sampler=sampler):
+            text += r.text
+            ids.append(r.token)
+        texts[name], answers = text, answers + [list(prompt) + ids]
+    return texts, answers
+
+
+def drafts_file(tmp_path, model, answers, p: float = 0.6):
+    from mlx_lm.utils import load_config
+
+    path = tmp_path / "drafts.json"
+    vocab = load_config(model)["vocab_size"]
+    path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers}))
+    return {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(path)}
+
+
+def counter(metrics: str, name: str) -> float:
+    found = re.search(rf"^{name}_total (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def check_speculated(cluster, head) -> None:
+    metrics = node_metrics(cluster, head)
+    drafted = counter(metrics, "meshnode_speculative_drafted_tokens")
+    accepted = counter(metrics, "meshnode_speculative_accepted_tokens")
+    passes = counter(metrics, "meshnode_speculative_passes")
+    print(f"speculative passes {passes:.0f}, guesses {drafted:.0f}, confirmed {accepted:.0f}")
+    assert passes > 0 and 0 < accepted < drafted, (passes, drafted, accepted)  # confirmed and rejected guesses
+    view = cluster.mesh_view(head)
+    assert view["metrics"]["speculation"]["passes"] == passes, view["metrics"]["speculation"]
+
+
+@pytest.mark.parametrize("family,quantize,fast_hops", [("llama", None, True), ("qwen3_moe", None, False),
+                                                       ("llama", "4bit", True)],
+                         ids=["llama-dataport", "qwen3_moe-grpc", "llama-4bit"])
+def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(family, quantize, fast_hops,
+                                                                                   tmp_path):
+    model = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
+                        dtype="float32", quantize=quantize, seed=4)
+    texts, answers = references(model, MAX_TOKENS)
+    env = drafts_file(tmp_path, model, answers)
+    env.update({"MESHNODE_STRATEGY": "pipeline", "MESHNODE_FAST_HOPS": str(fast_hops).lower()})
+    total = profile_model(model).total_bytes(1024)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=1024)
+        for h in cluster.hosts:  # neither holds it alone: two stages
+            cluster.start(h, int(total * 0.6), env=env)
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
+        assert len(view["plan"]["stages"]) == 2, view["plan"]
+        head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
+        got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
+                    timeout=300)
+        assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
+            cluster.logs()
+        check_speculated(cluster, head)
+
+
+def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
+    model = build_model(tmp_path / "llama", "llama", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2,
+                        intermediate_size=256, dtype="float32", seed=5)
+    texts, answers = references(model, MAX_TOKENS)
+    env = drafts_file(tmp_path, model, answers)
+    env["MESHNODE_STRATEGY"] = "tensor"
+    total = profile_model(model).total_bytes(512)
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path)
+        for h in cluster.hosts:
+            cluster.start(h, int(total * 2), env=env)
+        view = cluster.wait(lambda: (v := cluster.converged(cluster.hosts, 2)) and v[0]["plan"]["strategy"] == "tensor"
+                            and v, 90, "a tensor plan")[0]
+        head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
+        got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
+                    timeout=300)
+        assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
+            cluster.logs()
+        check_speculated(cluster, head)
+
+
+def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
+    model = build_model(tmp_path / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256,
+                        dtype="float32", seed=3)
+    max_tokens = 200
+    texts, answers = references(model, max_tokens)
+    assert len(texts["greedy"]) > 100, "too short to fault in the middle"
+    env = drafts_file(tmp_path, model, answers, p=0.8)
+    env["MESHNODE_STRATEGY"] = "pipeline"
+    total = profile_model(model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster = Cluster(mesh, model, tmp_path)
+        for h in cluster.hosts:
+            cluster.start(h, int(total * 0.6), env=env)
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, "convergence")[0]
+        first, head = [s["nodes"][0] for s in view["plan"]["stages"]]
+        text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens),
+                                    fault=lambda: mesh.kill(cluster.procs[first]))
+        assert faulted
+        assert text == texts["greedy"], cluster.logs()
+        seeded, _ = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens, **SEEDED))
+        assert seeded == texts["seeded"], cluster.logs()
+        check_speculated(cluster, cluster.host(head))
