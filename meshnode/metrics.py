@@ -156,6 +156,7 @@ class NodeMetrics:
     def speculation(self) -> dict[str, Any]:
         passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()
         return {"passes": int(passes), "drafted": int(drafted), "accepted": int(self.spec_accepted._value.get()),
+                "tokens": int(self.spec_tokens._value.get()),
                 "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
                 "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None}
 

@@ -8,7 +8,6 @@ passes with rejections at every position happen, on dense and MoE families, floa
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -23,7 +22,6 @@ from meshnode.serving.generation import LocalStage, PipelineModel, generate_toke
 from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.speculative import PROBE_AFTER, DraftLength, PassCosts, Speculation, expected_tokens, why_not
 
-ROOT = Path(__file__).resolve().parent.parent
 CASES = {
     "llama-f32": ("llama", {"dtype": "float32"}),
     "llama-bf16": ("llama", {"dtype": "bfloat16"}),
@@ -37,7 +35,7 @@ TEXT = "def add(a, b): return a + b. for i in range(10): print(i). def add(a, b)
 @pytest.fixture(scope="module", params=sorted(CASES))
 def model_case(request, tmp_path_factory):
     family, kw = CASES[request.param]
-    path = model_dir_for(ROOT / ".cache" / "test-models", family, num_layers=4, hidden_size=64, **kw)
+    path = model_dir_for(tmp_path_factory.getbasetemp() / "models", family, num_layers=4, hidden_size=64, **kw)
     model, tokenizer = load(str(path))
     return request.param, path, model, tokenizer
 
@@ -169,9 +167,14 @@ def test_draft_length_follows_acceptance_and_cost():
     for _ in range(PROBE_AFTER):
         assert length.choose() == 0
         length.observe(0, 0)
-    assert length.choose() > 0  # probed again after PROBE_AFTER plain steps
-    length.observe(2, 0)
-    assert length.choose() == 0  # and the probe confirmed nothing
+    assert length.choose() == 1  # probed again, with one guess, after PROBE_AFTER plain steps
+    length.observe(1, 0)
+    assert length.choose() == 0  # the probe confirmed nothing: the next pause is twice as long
+    for _ in range(2 * PROBE_AFTER - 1):
+        length.observe(0, 0)
+        assert length.choose() == 0
+    length.observe(0, 0)
+    assert length.choose() == 1
     # Extra positions as dear as a whole step (a compute-bound stage): guessing pays only when
     # nearly every guess is confirmed.
     dear = DraftLength(PassCosts(one=0.1, extra=0.1), k_max=8)
@@ -182,13 +185,19 @@ def test_draft_length_follows_acceptance_and_cost():
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
 
 
-def test_pass_costs_measure_extra_positions():
+def test_pass_costs_fit_the_cost_of_extra_positions():
     costs = PassCosts()
-    assert costs.ratio() == 0.25  # the prior until measured
-    costs.observe(3, 0.3)  # ignored: no one-position step measured yet
-    costs.observe(1, 0.1)
-    costs.observe(5, 0.14)
-    assert abs(costs.extra - 0.01) < 1e-9 and abs(costs.ratio() - 0.1) < 1e-9
+    assert costs.ratio() == 0.25 and costs.fit() == (None, None)  # the prior until measured
+    costs.observe(3, 0.3)
+    assert costs.ratio() == 0.25  # one size of pass cannot tell a step's cost from a position's
+    costs.observe(5, 0.5)  # passes of two sizes can: 0.1 s + 0.1 s per further position
+    one, extra = costs.fit()
+    assert abs(one - 0.1) < 1e-9 and abs(extra - 0.1) < 1e-9 and abs(costs.ratio() - 1.0) < 1e-9
+    gpu = PassCosts()
+    for n, t in [(1, 0.1), (5, 0.104), (1, 0.1), (3, 0.102)]:
+        gpu.observe(n, t)
+    assert abs(gpu.ratio() - 0.01) < 1e-6
+    assert PassCosts(one=0.2).fit() == (0.2, None)
 
 
 def test_who_cannot_speculate(tmp_path):
@@ -229,3 +238,7 @@ def test_reference_drafter_guesses_known_answers_at_a_chosen_rate(tmp_path):
     d.extend([999])  # the request left the answer: no more guesses
     assert d.propose(4) == []
     assert ReferenceDrafter(answer[:5], [answer], 1.0, 0, 512).propose(3) == answer[5:8]
+    path.write_text(json.dumps({"off": True}))  # read again for every request: now without speculation
+    assert make(answer[:10]) is None
+    path.write_text(json.dumps({"prompt_lookup": True}))
+    assert isinstance(make(answer[:10]), PromptLookup)

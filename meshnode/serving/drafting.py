@@ -91,13 +91,22 @@ class ReferenceDrafter:
 
     @classmethod
     def from_file(cls, path: str):
-        """A drafter factory (tokens -> drafter) from a ``MESHNODE_TEST_DRAFTS`` file."""
+        """A drafter factory (tokens -> drafter, or None: this request does not speculate) reading
+        a ``MESHNODE_TEST_DRAFTS`` file for each request, so a benchmark changes ``p`` between
+        requests; ``{"off": true}`` in it: requests decode without speculation; ``{"prompt_lookup":
+        true}``: they speculate with :class:`PromptLookup`."""
         import json
 
-        with open(path) as f:
-            spec = json.load(f)
-        answers, p, seed, vocab = spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"])
-        return lambda tokens: cls(tokens, answers, p, seed, vocab)
+        def make(tokens: Sequence[int]):
+            with open(path) as f:
+                spec = json.load(f)
+            if spec.get("off"):
+                return None
+            if spec.get("prompt_lookup"):
+                return PromptLookup(tokens)
+            return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]))
+
+        return make
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(tokens)

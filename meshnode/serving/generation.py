@@ -371,7 +371,9 @@ def generate_tokens(
         cache = None
         skip = model.resume[1] if model.resume else 0  # positions every stage resumes (prompt cache)
         pipelined = prefill is not None and prefill.pipelined
-        speculate = speculation is not None and not why_not(params, model.rewind_limit())
+        drafter = speculation.drafter(prompt) if speculation is not None and \
+            not why_not(params, model.rewind_limit()) else None
+        speculate = drafter is not None
         if skip or (pipelined and len(ids) > 1) or speculate:
             cache = model.make_cache()
             ids = ids[skip:]
@@ -381,7 +383,7 @@ def generate_tokens(
         if speculate:
             for i in range(0, len(ids) - 1, prefill_step_size):  # not pipelined: chunk by chunk, as mlx-lm
                 mx.eval(model(mx.array([ids[i:min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache))
-            for token in speculative_tokens(model, cache, list(prompt), params, speculation,
+            for token in speculative_tokens(model, cache, list(prompt), params, speculation, drafter,
                                             max_tokens=params.max_tokens, others=model.others_decoding):
                 produced.append(int(token))
                 yield token

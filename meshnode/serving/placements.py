@@ -64,6 +64,10 @@ class HeadPlacement:
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
         speculation = speculation_for(s, on_speculated)
+        limit = getattr(getattr(handles[-1], "shard", None), "rewind_limit", (None, ""))
+        if speculation is not None and limit[0] == 0:
+            log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
+            speculation = None
         self._alone: PipelineSource | None = None  # a lone request's source where concurrent ones batch
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         if getattr(s, "batching", False) and batchable(handles):  # the whole model here: one batch

@@ -18,7 +18,8 @@ speculative acceptance rule (accept x with probability p(x); otherwise a draw fr
 How many to guess (:class:`DraftLength`): the acceptance rate is measured per request, the cost
 of a pass by its positions per placement (:class:`PassCosts`); k maximizes the expected tokens per
 second, and is 0 (plain decoding, the stages building each step ahead again) where guessing does
-not pay. It is probed again after :data:`PROBE_AFTER` plain steps.
+not pay. It is probed again with one guess after :data:`PROBE_AFTER` plain steps, then after twice
+as many each time it still does not pay.
 """
 
 from __future__ import annotations
@@ -35,31 +36,50 @@ from meshnode.serving.sampler import make_indexed_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
 
 K_MAX = 8  # the most tokens guessed per pass
-PROBE_AFTER = 16  # plain steps before guessing is tried again where it did not pay
+PROBE_AFTER = 16  # plain steps before guessing is tried again where it did not pay (doubling to PROBE_MAX)
+PROBE_MAX = 256
 EMA = 0.2  # weight of the newest observation in the running estimates
 
 
 class PassCosts:
-    """What a pass through a placement's stages costs, by its positions: a one-position step takes
-    ``one`` seconds, each further position ``extra`` more (measured, shared by its requests)."""
+    """What a pass through a placement's stages costs by its positions n: ``one + extra * (n - 1)``
+    seconds, fitted to the passes seen (least squares, recent passes weighing most), shared by the
+    placement's requests. Where extra positions come almost free (a GPU streaming the weights once
+    for all of them) guessing pays at modest acceptance; where each costs nearly a step of its own
+    (a CPU computing every position: ~0.9 here) it pays only when nearly every guess is right."""
+
+    DECAY = 0.95  # weight left to the older passes at each new one
 
     def __init__(self, one: float | None = None, extra: float | None = None):
-        self.one, self.extra = one, extra
         self._lock = threading.Lock()
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y (x: positions - 1, y: seconds)
+        if one is not None:  # a starting fit (tests)
+            self.observe(1, one)
+            if extra is not None:
+                self.observe(2, one + extra)
 
     def observe(self, positions: int, seconds: float) -> None:
+        x, y = positions - 1, seconds
         with self._lock:
-            if positions == 1:
-                self.one = seconds if self.one is None else (1 - EMA) * self.one + EMA * seconds
-            elif self.one is not None:
-                per = max(0.0, (seconds - self.one) / (positions - 1))
-                self.extra = per if self.extra is None else (1 - EMA) * self.extra + EMA * per
+            self._sums = [self.DECAY * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+
+    def fit(self) -> tuple[float | None, float | None]:
+        """(one, extra): None where the passes seen cannot tell yet."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w == 0:
+            return None, None
+        spread = sxx * w - sx * sx
+        if spread <= 1e-9 * w * w:  # every pass had the same positions
+            return (sy / w, None) if sx == 0 else (None, None)
+        extra = (sxy * w - sx * sy) / spread
+        return (sy - extra * sx) / w, extra
 
     def ratio(self) -> float:
-        """A further position's cost against a one-position step's (0.25 until both are measured:
-        weight streaming dominates a decode step, so extra positions come cheap)."""
-        one, extra = self.one, self.extra
-        return 0.25 if not one or extra is None else extra / one
+        """A further position's cost against a one-position step's (0.25 until measured)."""
+        one, extra = self.fit()
+        if one is None or extra is None or one <= 0:
+            return 0.25
+        return max(0.0, extra / one)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -79,6 +99,7 @@ class DraftLength:
         self._hits, self._trials = prior * 2, 2.0  # a prior of two guesses at ``prior``
         self._plain_left = 0  # plain steps before trying again
         self._probe = False  # the next pass guesses whatever the estimate says (it measures again)
+        self._pause = PROBE_AFTER  # plain steps of the next pause
 
     @property
     def alpha(self) -> float:
@@ -87,17 +108,20 @@ class DraftLength:
     def choose(self) -> int:
         if self._plain_left > 0:
             return 0
-        if self._probe:
+        if self._probe:  # one guess: the cheapest measure of whether they come right now
             self._probe = False
-            return min(2, self.k_max)
+            return 1
         ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
         best_k, best = 0, 1.0
         for k in range(1, self.k_max + 1):
             rate = expected_tokens(alpha, k) / (1.0 + ratio * k)
             if rate > best * 1.02:  # a guess must pay for itself with a margin
                 best_k, best = k, rate
-        if best_k == 0:
-            self._plain_left = PROBE_AFTER
+        if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long
+            self._plain_left = self._pause
+            self._pause = min(self._pause * 2, PROBE_MAX)
+        else:
+            self._pause = PROBE_AFTER
         return best_k
 
     def paused(self) -> bool:
@@ -119,7 +143,8 @@ class DraftLength:
 class Speculation:
     """What a placement gives its requests to speculate with."""
 
-    drafter: Callable[[Sequence[int]], Drafter]  # a drafter for a request's tokens so far
+    # A drafter for a request's tokens so far (None: that request decodes without speculation).
+    drafter: Callable[[Sequence[int]], Drafter | None]
     costs: PassCosts = field(default_factory=PassCosts)
     # Told of every pass that carried guesses: (guessed, confirmed, tokens yielded) (meshnode.metrics).
     on_pass: Callable[[int, int, int], None] | None = None
@@ -135,15 +160,15 @@ def why_not(params: SamplingParams, limit: tuple[int | None, str]) -> str:
     return ""
 
 
-def speculative_tokens(model, cache, history: list[int], params: SamplingParams, spec: Speculation, *,
-                       max_tokens: int, others: Callable[[], bool] = lambda: False) -> Iterator:
+def speculative_tokens(model, cache, history: list[int], params: SamplingParams, spec: Speculation,
+                       drafter: Drafter, *, max_tokens: int, others: Callable[[], bool] = lambda: False) -> Iterator:
     """Token ids (or Sampled) of a request whose stages hold every position of ``history`` but the
-    last (prefilled); ``model`` is the request's PipelineModel, ``cache`` its cache list.
-    ``others()``: other requests decode on the placement now (steps are then plain: they batch)."""
+    last (prefilled); ``model`` is the request's PipelineModel, ``cache`` its cache list, ``drafter``
+    its guesser (``spec.drafter(history)``). ``others()``: other requests decode on the placement
+    now (steps are then plain: they batch)."""
     sample = make_indexed_sampler(params)
     greedy, top = params.temperature == 0, params.top_logprobs
     length = DraftLength(spec.costs, spec.k_max)
-    drafter = spec.drafter(history)
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # positions in the stages' caches
     y, n, rewind = history[-1], 0, 0

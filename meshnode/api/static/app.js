@@ -192,6 +192,9 @@ function renderLive(mesh) {
   const r = m.requests || {};
   const failed = (r.client_error || 0) + (r.unavailable || 0) + (r.error || 0) + (r.cancelled || 0);
   $("requests").textContent = `${r.ok || 0} / ${failed}`;
+  const s = m.speculation || {};
+  $("spec-accept").textContent = s.acceptance_rate == null ? "–" : (100 * s.acceptance_rate).toFixed(0) + " %";
+  $("spec-per-pass").textContent = s.tokens_per_pass == null ? "–" : s.tokens_per_pass.toFixed(2);
 }
 
 function renderLinks(mesh) {

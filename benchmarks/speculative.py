@@ -1,0 +1,215 @@
+"""Speculative decoding across a 2-stage mesh against one process, in the same run.
+
+    sudo .venv/bin/python -m benchmarks.speculative [--tokens 48] [--rounds 3] [--json out.json]
+
+Random weights make any real drafter's acceptance unpredictable, so acceptance is controlled: the
+head's drafter is the test one (meshnode.serving.drafting.ReferenceDrafter, MESHNODE_TEST_DRAFTS)
+proposing the reference continuation (mlx-lm's greedy answer, computed first), each guess right
+with probability p = 0, 0.5, 0.8, 1.0 (the same guesses at the same positions in every run). The
+same guesses drive mlx-lm's own speculative decoding in this process (a stand-in draft model that
+returns them: no draft compute on either side). Prompt lookup, the real drafter, runs on the same
+request too (random weights rarely repeat themselves, so it shows what speculation costs when its
+guesses find nothing).
+
+Two meshnode processes on namespace hosts, each pinned to a core of its own (two "machines"),
+serve the bench model in 2 pipeline stages; mlx-lm runs in this process. Each round measures, in
+turns: plain mlx-lm, mlx-lm's speculation at each p, the mesh without speculation, the mesh with
+the test drafter at each p, the mesh with prompt lookup. Decode speed is timed from the first
+streamed token to the last; every mesh answer is checked equal to mlx-lm's (greedy). Prints one
+line per p: ``p=0.8 mesh/plain 1.62 mesh/mlx-spec 0.97 spec/nospec 1.71`` (medians of the rounds'
+ratios: 2-stage speculative decode over plain mlx-lm, over mlx-lm's own speculation, over the
+same mesh without speculation), and the head's acceptance and tokens per pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import PROMPT, STREAM_CHAT, bench_model_dir, two_stage_mesh  # noqa: E402
+
+PS = (0.0, 0.5, 0.8, 1.0)
+SEED = 11
+MLX_K = 4  # mlx-lm's draft tokens per pass (its default is 2; 4 suits guesses right 80% of the time)
+
+CLIENT = STREAM_CHAT + r'''
+import sys
+url, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+first, total, text = stream_chat(url, model, [{"role": "user", "content": sys.argv[4]}], n)
+print(json.dumps({"first": first, "total": total, "text": text}))
+'''
+
+
+def guess(answer: list[int], i: int, p: float, vocab: int) -> int:
+    """ReferenceDrafter's guess at position i (the same draw)."""
+    draw = random.Random(SEED * 1_000_003 + i)
+    right = answer[i]
+    return right if draw.random() < p else (right + 1 + draw.randrange(vocab - 1)) % vocab
+
+
+class GuessModel:
+    """A stand-in draft model for mlx-lm's speculative decoding that returns ReferenceDrafter's
+    guesses: fed the token at position i, its logits pick the guess for position i + 1."""
+
+    def __init__(self, answer: list[int], p: float, vocab: int):
+        self.answer, self.p, self.vocab = answer, p, vocab
+        self.layers = [None]
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache()]
+
+    def __call__(self, inputs, cache):
+        import mlx.core as mx
+
+        n = inputs.shape[1]
+        start = cache[0].offset
+        cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+        ids = [guess(self.answer, i + 1, self.p, self.vocab) if i + 1 < len(self.answer) else 0
+               for i in range(start, start + n)]
+        return mx.where(mx.arange(self.vocab)[None, None, :] == mx.array(ids)[None, :, None], 30.0, 0.0)
+
+
+def position_cost(model, prompt, positions: int = 5, repeats: int = 3) -> float:
+    """What each further position of a step costs against a one-position step, in mlx-lm on the
+    whole model here: what speculation's guesses cost (~0 where a step streams the weights once
+    for all positions, as on a GPU; ~1 where every position is computed anew)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt]), cache=cache))
+    best = {}
+    for n in (1, positions):
+        for _ in range(repeats):
+            started = time.perf_counter()
+            mx.eval(model(mx.array([prompt[-n:]]), cache=cache))
+            best[n] = min(best.get(n, 1e9), time.perf_counter() - started)
+            trim_prompt_cache(cache, n)
+    return (best[positions] / best[1] - 1) / (positions - 1)
+
+
+def mlx_decode(model, tokenizer, prompt, n: int, draft=None) -> float:
+    from mlx_lm import stream_generate
+
+    kw = {"draft_model": draft, "num_draft_tokens": MLX_K} if draft is not None else {}
+    times = [time.perf_counter() for _ in stream_generate(model, tokenizer, prompt, max_tokens=n, **kw)]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    from mlx_lm import load, stream_generate
+
+    import os
+    import platform
+
+    from harness.cluster import in_ns
+
+    model_dir = bench_model_dir(args.cache)
+    model, tokenizer = load(str(model_dir))
+    vocab = model.args.vocab_size
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens + 16)]
+    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens))
+    if len(reference) < args.tokens or tokenizer.eos_token_id in reference[:args.tokens]:
+        print("the reference answer ends early; pick another --tokens", file=sys.stderr)
+        return 1
+    answer = list(prompt) + reference
+    cost = position_cost(model, prompt)
+    print(f"# {platform.platform()} ({os.cpu_count()} CPUs), MLX on CPU, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model_dir.name}; {args.tokens} tokens; "
+          f"{args.rounds} rounds", flush=True)
+
+    rows: dict[str, list[float]] = {}
+    stats: dict[str, dict] = {}
+
+    def note(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        drafts = Path(tmp) / "drafts.json"
+        drafts.write_text(json.dumps({"off": True}))
+        env = {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(drafts)}
+        with two_stage_mesh(model_dir, 1024, pin=True, env=env) as (client, url, logs):
+            def mesh(label: str, spec: dict) -> float:
+                drafts.write_text(json.dumps(spec))
+                before = _speculation(client, url)
+                out = in_ns(client, CLIENT, url, model_dir.name, args.tokens, PROMPT, timeout=900)
+                if out["text"] != text:
+                    raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{text!r}")
+                after = _speculation(client, url)
+                stats[label] = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "tokens")}
+                return (args.tokens - 1) / (out["total"] - out["first"])
+
+            for r in range(args.rounds):
+                plain = mlx_decode(model, tokenizer, prompt, args.tokens)
+                note("mlx plain", plain)
+                nospec = mesh("nospec", {"off": True})
+                note("mesh nospec", nospec)
+                for p in PS:
+                    spec_tps = mesh(f"p={p}", {"p": p, "seed": SEED, "vocab": vocab, "answers": [answer]})
+                    mlx_spec = mlx_decode(model, tokenizer, prompt, args.tokens, GuessModel(answer, p, vocab))
+                    note(f"mesh p={p}", spec_tps)
+                    note(f"mlx-spec p={p}", mlx_spec)
+                    note(f"p={p} mesh/plain", spec_tps / plain)
+                    note(f"p={p} mesh/mlx-spec", spec_tps / mlx_spec)
+                    note(f"p={p} spec/nospec", spec_tps / nospec)
+                lookup = mesh("prompt lookup", {"prompt_lookup": True})
+                note("mesh prompt lookup", lookup)
+                note("lookup/nospec", lookup / nospec)
+                print(f"round {r + 1}: mlx-lm {plain:.2f} tok/s, mesh without speculation {nospec:.2f}, "
+                      + ", ".join(f"p={p} {rows[f'mesh p={p}'][-1]:.2f}" for p in PS)
+                      + f", prompt lookup {lookup:.2f}", flush=True)
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print("\n| p | mesh tok/s | mlx-lm spec tok/s | mesh/plain | mesh/mlx-spec | spec/nospec | acceptance | tokens/pass |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in PS:
+        s = stats[f"p={p}"]
+        acc = s["accepted"] / s["drafted"] if s["drafted"] else float("nan")
+        per = s["tokens"] / s["passes"] if s["passes"] else float("nan")
+        print(f"| {p} | {med[f'mesh p={p}']:.2f} | {med[f'mlx-spec p={p}']:.2f} | {med[f'p={p} mesh/plain']:.2f} | "
+              f"{med[f'p={p} mesh/mlx-spec']:.2f} | {med[f'p={p} spec/nospec']:.2f} | {acc:.2f} | {per:.2f} |")
+    print(f"\neach further position of a step costs {cost:.2f} of a one-position step here (mlx-lm, whole model)")
+    print(f"mlx-lm plain {med['mlx plain']:.2f} tok/s; mesh without speculation {med['mesh nospec']:.2f}; "
+          f"prompt lookup {med['mesh prompt lookup']:.2f} ({med['lookup/nospec']:.2f}x without)")
+    for p in PS:
+        print(f"p={p} mesh/plain {med[f'p={p} mesh/plain']:.2f} mesh/mlx-spec {med[f'p={p} mesh/mlx-spec']:.2f} "
+              f"spec/nospec {med[f'p={p} spec/nospec']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"medians": med, "rounds": rows, "last_round_passes": stats,
+                                         "position_cost": cost}, indent=1))
+    return 0
+
+
+def _speculation(client, url) -> dict:
+    """The head's speculation counters (its /metrics), through the node the client talks to."""
+    from harness.cluster import mesh_view
+
+    view = mesh_view(url, client=client, timeout=10)
+    head = view["plan"]["stages"][-1]["nodes"][0]
+    node = next(n for n in view["nodes"] if n["node_id"] == head)
+    s = mesh_view(f"http://{node['address']}:{node['http_port']}", client=client, timeout=10)["metrics"]["speculation"]
+    return {k: s[k] for k in ("passes", "drafted", "accepted", "tokens")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
