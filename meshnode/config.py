@@ -63,7 +63,7 @@ class ConfigError(ValueError):
 
 
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
-SPECULATIVE_CHOICES = ("off", "prompt_lookup")
+SPECULATIVE_CHOICES = ("off", "prompt_lookup", "draft_model")
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
 DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in bare TCP frames (meshnode.transport.dataport)
@@ -93,6 +93,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "speculative": checked(lambda v: as_text(v).strip().lower().replace("-", "_"), lambda v: v in SPECULATIVE_CHOICES,
                            "one of " + ", ".join(SPECULATIVE_CHOICES)),
     "draft_max": checked(as_int, lambda n: 1 <= n <= 32, "a number of tokens from 1 to 32"),
+    "draft_model": optional(as_text),
     "fast_hops": parse_bool,
     "max_step_ms": checked(as_float, lambda f: f > 0, "a positive number of milliseconds"),
     "max_tokens_limit": positive_int,
@@ -202,11 +203,15 @@ class Settings:
     #: on the CPU machines measured, turns overlap the stages better (README, Concurrent streams).
     batch_stages: bool = False
     #: Speculative decoding (meshnode.serving.speculative): "prompt_lookup" guesses the next tokens
-    #: from the prompt and answer so far, and every stage checks them in one pass; the answer is
-    #: the same tokens as without it. "off": a token per pass.
+    #: from the prompt and answer so far, "draft_model" with draft_model, and every stage checks
+    #: them in one pass; the answer is the same tokens as without it. "off": a token per pass.
     speculative: str = "off"
     #: The most tokens guessed per pass (the number follows the measured acceptance and pass cost).
     draft_max: int = 8
+    #: With speculative = "draft_model": a small model with the served model's tokenizer (a folder
+    #: or a Hub id), loaded whole on every node for the requests it heads; its weights are taken
+    #: off memory_budget.
+    draft_model: str | None = None
     #: Activations between pipeline stages travel in bare TCP frames on the data port (tensor_port
     #: + 33) instead of gRPC streams: a hop then costs the network's round trip, not the RPC stack's.
     fast_hops: bool = True

@@ -45,6 +45,7 @@ from meshnode.nodeinfo import NodeInfo
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.serving.engine import Engine
+from meshnode.serving.drafting import DraftModel
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel, plan_status
 from meshnode.control.adoption import Adoption
@@ -233,10 +234,34 @@ class Node:
     def serving_ready(self) -> bool:
         return self.served.serving_ready()
 
+    async def _load_draft(self) -> None:
+        """The draft model of speculative decoding, for the first model's requests; its weights come
+        off the memory this node offers. One that cannot serve (no setting, unloadable, another
+        vocabulary) is logged, and requests decode without it."""
+        name, served = self.settings.draft_model, self.served
+        if not name:
+            log.error('speculative = "draft_model" needs draft_model (a folder or a Hub id); speculation is off')
+            return
+        try:
+            draft = await self.scheduler.call(lambda: DraftModel.load(name))
+        except Exception as exc:  # noqa: BLE001 - a bad draft model must not stop the node
+            log.error("draft model %s could not be loaded (%s: %s); speculation is off", name, type(exc).__name__, exc)
+            return
+        if served.files.vocab_size and draft.vocab_size != served.files.vocab_size:
+            log.error("draft model %s has a vocabulary of %d, %s has %d; speculation is off", name, draft.vocab_size,
+                      served.model_id, served.files.vocab_size)
+            return
+        served.draft = draft
+        self.memory_budget = max(0, self.memory_budget - draft.nbytes)
+        log.info("draft model %s loaded for %s: %.1f MiB, taken off the memory offered", name, served.model_id,
+                 draft.nbytes / 2**20)
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         s, served = self.settings, self.served
         await self.lanes.start(self._holders)
+        if s.speculative == "draft_model":
+            await self._load_draft()
         handlers = Handlers(heartbeat=self.control.heartbeats.on_heartbeat, install=self.control.on_install,
                             goodbye=self.control.heartbeats.on_goodbye, generate=self._on_generate,
                             stage_server=self.router, store=served.files.store, probe=probe_reply,

@@ -242,3 +242,25 @@ def test_reference_drafter_guesses_known_answers_at_a_chosen_rate(tmp_path):
     assert make(answer[:10]) is None
     path.write_text(json.dumps({"prompt_lookup": True}))
     assert isinstance(make(answer[:10]), PromptLookup)
+
+
+def test_a_draft_model_guesses_and_the_answer_is_the_same(model_case, tmp_path_factory):
+    """The served model as its own draft: every guess confirmed. Another model (same vocabulary):
+    guesses mostly rejected. The tokens are mlx-lm's either way, and the draft's cache follows."""
+    from meshnode.serving.drafting import DraftModel
+
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 24)
+    same = DraftModel.load(str(path))
+    passes: list = []
+    assert speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=24), same.drafter, passes) == want
+    drafted, accepted = sum(p[0] for p in passes), sum(p[1] for p in passes)
+    assert drafted > 0 and accepted == drafted, (name, passes)
+    other_path = model_dir_for(tmp_path_factory.getbasetemp() / "models", "llama", num_layers=2, hidden_size=32,
+                               dtype="float32", seed=9)
+    other = DraftModel.load(str(other_path))
+    assert other.vocab_size == model.args.vocab_size and other.nbytes > 0
+    passes = []
+    assert speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=24), other.drafter, passes) == want
+    assert sum(p[0] for p in passes) > 0

@@ -155,3 +155,37 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
         seeded, _ = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens, **SEEDED))
         assert seeded == texts["seeded"], cluster.logs()
         check_speculated(cluster, cluster.host(head))
+
+
+def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
+    """speculative = "draft_model": each node loads the draft whole (here the served model itself, so
+    every guess is confirmed), offers that much less memory, and the answers are mlx-lm's."""
+    model = build_model(tmp_path / "llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
+                        dtype="float32", seed=4)
+    texts, _ = references(model, MAX_TOKENS)
+    total = profile_model(model).total_bytes(1024)
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    budget = weights + int(total * 0.6)  # after the draft's weights, neither holds the model alone
+    env = {"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(model)}
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, model, tmp_path, max_context=1024)
+        for h in cluster.hosts:
+            cluster.start(h, budget, env=env)
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
+        assert len(view["plan"]["stages"]) == 2, view["plan"]
+        for node in view["nodes"]:  # the draft's weights (the file less its header) are off what each node offers
+            assert abs(node["memory_budget"] - (budget - weights)) < 64 << 10, \
+                (node["memory_budget"], budget, weights)
+        head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
+        got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
+                    timeout=300)
+        assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
+            cluster.logs()
+        # A greedy answer: the draft (the same model) guesses every token right. (A seeded draw is
+        # not the draft's greedy guess, so the seeded answer above had rejections.)
+        before = node_metrics(cluster, head)
+        assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
+        after = node_metrics(cluster, head)
+        drafted, accepted = (counter(after, f"meshnode_speculative_{k}_tokens") -
+                             counter(before, f"meshnode_speculative_{k}_tokens") for k in ("drafted", "accepted"))
+        assert drafted > 0 and accepted == drafted, (drafted, accepted)

@@ -121,3 +121,81 @@ class ReferenceDrafter:
             right = answer[i]
             out.append(right if draw.random() < self.p else (right + 1 + draw.randrange(self.vocab - 1)) % self.vocab)
         return out
+
+
+class DraftModel:
+    """A small model with the served model's tokenizer, loaded whole on the node (``speculative =
+    "draft_model"``, setting ``draft_model``: a folder or a Hub id, as mlx-lm loads it). Its weights
+    are taken off the memory the node offers to the plan. Shared by the node's requests; each has
+    its own KV cache (:class:`ModelDrafter`), and its steps run under the node's MLX baton."""
+
+    def __init__(self, model, name: str):
+        from mlx.utils import tree_flatten
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        if not can_trim_prompt_cache(make_prompt_cache(model)):
+            raise ValueError(f"draft model {name}: its caches cannot be cut back (recurrent layers)")
+        self.model, self.name = model, name
+        self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
+
+    @classmethod
+    def load(cls, name: str) -> "DraftModel":
+        from mlx_lm import load
+
+        model, _ = load(name)
+        return cls(model, name)
+
+    def drafter(self, tokens: Sequence[int]) -> "ModelDrafter":
+        return ModelDrafter(self.model, tokens)
+
+
+class ModelDrafter:
+    """Greedy guesses of a draft model, its cache kept in step with the request: positions of
+    guesses the served model did not confirm are cut back before the next guesses."""
+
+    PREFILL = 512  # positions per step when it catches up with a prompt
+
+    def __init__(self, model, tokens: Sequence[int]):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self._model = model
+        self._cache = make_prompt_cache(model)
+        self._seq: list[int] = list(tokens)  # the request's tokens
+        self._fed: list[int] = []  # the tokens whose positions are in the cache
+        self._valid = 0  # how many of _fed are known to equal the request's
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._seq.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        from meshnode.model.shard import any_thread_stream
+
+        if k <= 0:
+            return []
+        fed, seq = self._fed, self._seq
+        common = self._valid
+        while common < min(len(fed), len(seq)) and fed[common] == seq[common]:
+            common += 1
+        common = min(common, len(seq) - 1)  # the last token is fed again: its logits give the first guess
+        if len(fed) > common:
+            trim_prompt_cache(self._cache, len(fed) - common)
+            del fed[common:]
+        feed = seq[common:]
+        guesses: list[int] = []
+        with mx.stream(any_thread_stream()):
+            for i in range(0, len(feed) - 1, self.PREFILL):
+                self._model(mx.array([feed[i:min(i + self.PREFILL, len(feed) - 1)]]), cache=self._cache)
+                mx.eval([c.state for c in self._cache])
+            step = feed[-1:]
+            for _ in range(k):
+                logits = self._model(mx.array([step]), cache=self._cache)
+                guesses.append(int(mx.argmax(logits[0, -1]).item()))
+                step = guesses[-1:]
+        fed.extend(feed)
+        fed.extend(guesses[:-1])
+        self._valid = len(seq)
+        return guesses

@@ -63,6 +63,7 @@ class ServedModel:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.faults, self.last_fault = 0, ""  # this node's computation of the model raised (fault())
         self.use = UseCounter()  # requests for the model that came to this node (meshnode.control.demand)
+        self.draft = None  # speculative decoding's draft model (meshnode.serving.drafting.DraftModel), if any
 
     async def load(self, holders) -> None:
         """The model's metadata and tokenizer (from peers if need be), its engine and stage server."""
@@ -286,7 +287,7 @@ class ServedModel:
                 placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan), self.settings,
                                           prefixes=self.prefix_index, tokenizer=self.files.tokenizer,
                                           on_fault=self.fault, on_batched_step=self.metrics.batched_step,
-                                          on_speculated=self.metrics.speculated,
+                                          on_speculated=self.metrics.speculated, draft=self.draft,
                                           batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
             else:
                 placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,
