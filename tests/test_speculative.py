@@ -264,3 +264,17 @@ def test_a_draft_model_guesses_and_the_answer_is_the_same(model_case, tmp_path_f
     passes = []
     assert speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=24), other.drafter, passes) == want
     assert sum(p[0] for p in passes) > 0
+
+
+def test_log_probabilities_are_those_of_decoding_one_at_a_time(model_case):
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    params = SamplingParams(max_tokens=12, top_logprobs=2)
+    alone = list(generate_tokens(PipelineModel(stages_of(path, [0, 2, 4]), "t"), prompt, params))
+    reference = prompt + [int(t) for t in alone]
+    spec = Speculation(drafter=lambda h: ReferenceDrafter(h, [reference], 0.6, 1, model.args.vocab_size), k_max=4)
+    got = list(generate_tokens(PipelineModel(stages_of(path, [0, 2, 4]), "t"), prompt, params, speculation=spec))
+    assert [int(t) for t in got] == [int(t) for t in alone]
+    tol = 1e-4 if "f32" in name else 5e-2
+    for a, b in zip(got, alone):
+        assert abs(a.logprob - b.logprob) < tol and [i for i, _ in a.top] == [i for i, _ in b.top], name
