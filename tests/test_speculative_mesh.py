@@ -67,7 +67,8 @@ def drafts_file(tmp_path, model, answers, p: float = 0.6):
 
     path = tmp_path / "drafts.json"
     vocab = load_config(model)["vocab_size"]
-    path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers}))
+    # k: four guesses every pass, whatever they cost (here each costs ~a step: the head would stop)
+    path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers, "k": 4}))
     return {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(path)}
 
 

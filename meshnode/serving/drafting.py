@@ -74,15 +74,19 @@ class ReferenceDrafter:
 
     Off unless the environment variable ``MESHNODE_TEST_DRAFTS`` names a JSON file
     ``{"p": 0.8, "seed": 1, "vocab": 512, "answers": [[token ids of a prompt and its reference answer], ...]}``
+    and optionally ``"k": 4``: guess that many every pass, whatever they cost (tests: passes with
+    guesses and rejections on a machine where guessing does not pay).
     (meshnode.serving.placements.speculation_for). A request whose tokens so far begin one of the
     answers gets that answer's next tokens, a wrong id in place of each with probability 1 - p
     (drawn from ``seed`` and the position: the same guesses in every run); any other request gets
     no guesses.
     """
 
-    def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int):
+    def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int,
+                 fixed_k: int | None = None):
         import random
 
+        self.fixed_k = fixed_k  # guesses per pass whatever they cost (meshnode.serving.speculative)
         self._tokens = list(tokens)
         self.p, self.seed, self.vocab = p, seed, vocab
         self._random = random.Random
@@ -104,7 +108,8 @@ class ReferenceDrafter:
                 return None
             if spec.get("prompt_lookup"):
                 return PromptLookup(tokens)
-            return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]))
+            return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]),
+                       spec.get("k"))
 
         return make
 

@@ -111,6 +111,9 @@ class DraftLength:
         if self._probe:  # one guess: the cheapest measure of whether they come right now
             self._probe = False
             return 1
+        one, extra = self.costs.fit()
+        if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply
+            return 0 if one is None else 1  # a plain step, then a pass with one guess
         ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
         best_k, best = 0, 1.0
         for k in range(1, self.k_max + 1):
@@ -169,11 +172,12 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     sample = make_indexed_sampler(params)
     greedy, top = params.temperature == 0, params.top_logprobs
     length = DraftLength(spec.costs, spec.k_max)
+    fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # positions in the stages' caches
     y, n, rewind = history[-1], 0, 0
     while n < max_tokens:
-        k = 0 if others() else min(length.choose(), max_tokens - n - 1)
+        k = 0 if others() else min(length.choose() if fixed is None else fixed, max_tokens - n - 1)
         if window is not None:
             k = max(0, min(k, window - held - 2))
         drafts = drafter.propose(k) if k > 0 else []
