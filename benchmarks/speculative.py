@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import PROMPT, STREAM_CHAT, bench_model_dir, two_stage_mesh  # noqa: E402
+from meshnode.serving.drafting import reference_guess  # noqa: E402
 
 PS = (0.0, 0.5, 0.8, 1.0)
 SEED = 11
@@ -47,13 +47,6 @@ url, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 first, total, text = stream_chat(url, model, [{"role": "user", "content": sys.argv[4]}], n)
 print(json.dumps({"first": first, "total": total, "text": text}))
 '''
-
-
-def guess(answer: list[int], i: int, p: float, vocab: int) -> int:
-    """ReferenceDrafter's guess at position i (the same draw)."""
-    draw = random.Random(SEED * 1_000_003 + i)
-    right = answer[i]
-    return right if draw.random() < p else (right + 1 + draw.randrange(vocab - 1)) % vocab
 
 
 class GuessModel:
@@ -75,7 +68,7 @@ class GuessModel:
         n = inputs.shape[1]
         start = cache[0].offset
         cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
-        ids = [guess(self.answer, i + 1, self.p, self.vocab) if i + 1 < len(self.answer) else 0
+        ids = [reference_guess(self.answer, i + 1, self.p, SEED, self.vocab) if i + 1 < len(self.answer) else 0
                for i in range(start, start + n)]
         return mx.where(mx.arange(self.vocab)[None, None, :] == mx.array(ids)[None, :, None], 30.0, 0.0)
 

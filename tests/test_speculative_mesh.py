@@ -77,6 +77,14 @@ def counter(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def ask_and_compare(cluster, head, model, texts: dict) -> None:
+    """The three answers of ASK from the head: greedy ones mlx-lm's, the seeded one the one-at-a-time draws."""
+    got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
+                timeout=300)
+    assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
+        cluster.logs()
+
+
 def check_speculated(cluster, head) -> None:
     metrics = node_metrics(cluster, head)
     drafted = counter(metrics, "meshnode_speculative_drafted_tokens")
@@ -106,10 +114,7 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
-        got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
-                    timeout=300)
-        assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
-            cluster.logs()
+        ask_and_compare(cluster, head, model, texts)
         check_speculated(cluster, head)
 
 
@@ -127,10 +132,7 @@ def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
         view = cluster.wait(lambda: (v := cluster.converged(cluster.hosts, 2)) and v[0]["plan"]["strategy"] == "tensor"
                             and v, 90, "a tensor plan")[0]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
-        got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
-                    timeout=300)
-        assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
-            cluster.logs()
+        ask_and_compare(cluster, head, model, texts)
         check_speculated(cluster, head)
 
 
@@ -178,10 +180,7 @@ def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
             assert abs(node["memory_budget"] - (budget - weights)) < 64 << 10, \
                 (node["memory_budget"], budget, weights)
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
-        got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
-                    timeout=300)
-        assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
-            cluster.logs()
+        ask_and_compare(cluster, head, model, texts)
         # A greedy answer: the draft (the same model) guesses every token right. (A seeded draw is
         # not the draft's greedy guess, so the seeded answer above had rejections.)
         before = node_metrics(cluster, head)

@@ -12,6 +12,7 @@ where it pays.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -84,12 +85,9 @@ class ReferenceDrafter:
 
     def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int,
                  fixed_k: int | None = None):
-        import random
-
         self.fixed_k = fixed_k  # guesses per pass whatever they cost (meshnode.serving.speculative)
         self._tokens = list(tokens)
         self.p, self.seed, self.vocab = p, seed, vocab
-        self._random = random.Random
         self._answer = next((list(a) for a in answers if list(a[:len(tokens)]) == self._tokens and len(a) > len(tokens)),
                             None)
 
@@ -120,12 +118,15 @@ class ReferenceDrafter:
         answer, at = self._answer, len(self._tokens)
         if answer is None or answer[:at] != self._tokens:
             return []
-        out = []
-        for i in range(at, min(at + k, len(answer))):
-            draw = self._random(self.seed * 1_000_003 + i)
-            right = answer[i]
-            out.append(right if draw.random() < self.p else (right + 1 + draw.randrange(self.vocab - 1)) % self.vocab)
-        return out
+        return [reference_guess(answer, i, self.p, self.seed, self.vocab) for i in range(at, min(at + k, len(answer)))]
+
+
+def reference_guess(answer: Sequence[int], i: int, p: float, seed: int, vocab: int) -> int:
+    """:class:`ReferenceDrafter`'s guess at position ``i`` of ``answer``: right with probability ``p``,
+    else another id of the vocabulary, drawn from (seed, i) alone (the same in every run and process)."""
+    draw = random.Random(seed * 1_000_003 + i)
+    right = answer[i]
+    return right if draw.random() < p else (right + 1 + draw.randrange(vocab - 1)) % vocab
 
 
 class DraftModel:
