@@ -31,6 +31,7 @@ from meshnode.serving.answer import AnswerShape, ToolCall, initial_state
 from meshnode.serving.grammar import grammar_error, grammar_from_schema
 from meshnode.serving.engine import Delta, Engine, TokenLogprob
 from meshnode.serving.sampling import SamplingParams
+from meshnode.tracing import mark
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +333,7 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("client went away")
             await response.write(frame)
+        mark("api.written")
 
     def gone() -> None:
         log.info("client disconnected from %s after %d tokens; generation stopped", gen.id, gen.completion_tokens)

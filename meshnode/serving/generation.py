@@ -35,6 +35,7 @@ from meshnode.serving.sampling import SamplingParams
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
+from meshnode.tracing import mark
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.transport.refusals import PrefixMiss
 
@@ -255,7 +256,9 @@ class PipelineModel:
                 if after is not None and not after.remote and after.prepare():
                     # The local stage after it builds its step while the remote one computes.
                     session.finish(ticket, into=after.placeholder)
+                    mark("head.copied")
                     x = after.run_prepared()
+                    mark("head.built")
                     i += 2
                     continue
                 x = session.finish(ticket)
@@ -400,6 +403,7 @@ def generate_tokens(
             prefill_step_size=prefill_step_size,
         ):
             produced.append(int(token))
+            mark("head.token")
             yield sampled(int(token), logprobs, top) if top >= 0 else int(token)
         finished = True
     except GeneratorExit:

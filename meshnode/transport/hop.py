@@ -42,6 +42,7 @@ from meshnode.transport.refusals import StageError, StageRefusal, stage_error
 from meshnode.model.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
 from meshnode.model.scheduler import mlx_idle, set_priority
 from meshnode.proto import mesh_pb2
+from meshnode.tracing import mark
 from meshnode.transport.stage import KEPT
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 frame = recv_frame(conn)
                 if frame is None:
                     return  # the head is done with this request
+                mark("stage.arrived")
                 msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
             except (FrameError, DecodeError) as exc:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
@@ -202,13 +204,16 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 return
             if server.inject_latency:
                 time.sleep(server.inject_latency)
+            mark("stage.computed")
             if raw:
                 send_prepared(conn, out, n)
             else:
                 send_frame(conn, payload)
+            mark("stage.sent")
             _yield()
             if msg.next_single:  # build the next step while the rest of the pipeline works
                 run_here(stage.prepare)
+                mark("stage.prepared")
     finally:
         if server.streams.get(key) is stage:
             del server.streams[key]
@@ -230,6 +235,7 @@ def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:
 
 def _run_raw(stage: "OpenStage", msg: mesh_pb2.ForwardRequest, buf: bytearray) -> int:
     """Run ``msg`` and write its raw reply into ``buf`` after the frame header; the reply's length."""
+    mark("stage.running")
     started = time.perf_counter()
     out = stage.run_array(msg)
     return raw_reply_into(buf, HEADER, out, time.perf_counter() - started)
@@ -286,11 +292,15 @@ class HopSession:
         ``next_single``: the next message, if any, carries one position (decoding), so the stage
         may build that step ahead. ``work``: ForwardRequest.work (prefill chunks).
         """
+        mark("head.submit")
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
+        mx.eval(x)  # (to_tensor would): the head's own step ends here
+        mark("head.evaluated")
         positions = x.shape[1]
         payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single, work=work,
                                           rewind=self._rewind).SerializeToString()
+        mark("head.serialized")
         self._rewind = 0
         self._queued += positions
         ticket = HopTicket(self, positions)
@@ -303,6 +313,7 @@ class HopSession:
                 self._write_later(payload)
             else:
                 send_frame(self._sock, payload)
+                mark("head.sent")
                 _yield()
         except OSError as exc:
             raise self._lost(exc) from None
@@ -400,6 +411,7 @@ def read_reply(sock: socket.socket, st: "RemoteStage", sent: float, spare: bytea
     try:
         while not select.select([sock], [], [], st.poll)[0]:
             st.check(sent)
+        mark("head.readable")
         got = recv_frame_into(sock, spare)
     except (TimeoutError, socket.timeout):
         raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
