@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -63,7 +64,7 @@ CTX = 1024
 # meshnode.serving.generation; the stage's in meshnode.transport.hop.serve_forward.
 CYCLE = [
     ("head.evaluated", None),
-    ("head.serialized", "head: token to protobuf"),
+    ("head.serialized", "head: token into its frame"),
     ("head.sent", "head: send"),
     ("stage.arrived", "wake-up and read, head -> stage"),
     ("stage.running", "stage: parse, take the MLX baton"),
@@ -76,6 +77,10 @@ CYCLE = [
     ("head.submit", "head: hand the token on, next step"),
     ("head.evaluated", "head: wait for its own step (its layers, output projection, sampling)"),
 ]
+# The segments of a token that are neither compute nor overlapped with it: what the split itself
+# costs on the token's path (the head's Python after its step started runs beside that step).
+SPLIT_ONLY = [what for _, what in CYCLE[1:10]
+              if what != "stage: copy in, compute its layers, copy out"]
 
 
 def segments(traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, list[float]]:
@@ -215,7 +220,7 @@ class LlamaCpp:
     def __init__(self, bin_dir: Path, gguf: Path, mesh, cores: list[int], layers: int):
         self.bench, self.gguf, self.cores, self.layers = bin_dir / "llama-bench", gguf, cores, layers
         self.netns, self.host, self.remote = mesh, mesh.hosts[0], mesh.hosts[1]
-        self.env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+        self.env = dict(os.environ)  # GLIBC_TUNABLES as main set it
         server = next((bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()),
                       bin_dir / "rpc-server")
         self.server = self.remote.popen(["taskset", "-c", str(cores[1]), str(server),
@@ -245,8 +250,16 @@ def main() -> int:
     ap.add_argument("--llamacpp", type=Path, help="folder with llama-bench and rpc-server")
     ap.add_argument("--gguf", type=Path, help="the same model as a GGUF file (for --llamacpp)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--keep-trace", type=Path, help="copy the nodes' trace files (meshnode.tracing) here")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
+    if "glibc.malloc.hugetlb=1" not in os.environ.get("GLIBC_TUNABLES", ""):
+        # Every process the same kind of memory (transparent huge pages for malloc), llama.cpp's as
+        # MLX's, this process's as the nodes': otherwise which process got which moves decode by
+        # 10-20 % here (../shared/peers/llamacpp-rpc.md), far more than a split adds.
+        env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"),
+                                                                      "glibc.malloc.hugetlb=1"]))}
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.split_cost", *sys.argv[1:]], env)
     from harness.netns import netns_mesh
 
     spec = dict(SIZES[args.size])
@@ -292,6 +305,8 @@ def main() -> int:
             if cpp is not None:
                 cpp.close()
             traces = mesh.stop()
+            if args.keep_trace:
+                shutil.copytree(mesh.trace, args.keep_trace, dirs_exist_ok=True)
     parts = segments(traces)
     result = report(rounds, parts)
     result.update(model=path.name, parameters=param_count(path), tokens=args.tokens, size=args.size)
@@ -319,6 +334,11 @@ def report(rounds: list[dict], parts: dict[str, list[float]]) -> dict:
         out["segments_ms"] = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
         for k, v in out["segments_ms"].items():
             print(f"  {v:8.3f} ms  {k}")
+        out["split_only_ms"] = sum(out["segments_ms"][k] for k in SPLIT_ONLY)
+        print(f"  {out['split_only_ms']:8.3f} ms  on the token's path and not compute (the sum of "
+              f"{len(SPLIT_ONLY)} segments: the head's frame, send, both wake-ups, the stage's parse and "
+              "send, the head's read and copy)")
+    out["rounds"] = rounds
     return out
 
 

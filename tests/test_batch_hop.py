@@ -145,3 +145,61 @@ def test_a_bad_batched_step_is_refused_and_the_stage_keeps_serving(served):
         hop.close()
     finally:
         _close(own)
+
+
+def test_decode_steps_go_as_raw_requests_once_the_stage_says_it_takes_them(served):
+    """After the first (protobuf) message's raw reply says TAKES_RAW, each decode step travels as a
+    raw request: token ids to the first stage, an activation to the second, with the promise and a
+    cut of the KV (rewind) carried in its header; the logits are the whole model's. A raw step with
+    a token outside the vocabulary is refused, and the stage serves the next stream."""
+    path, server, data, auth, stages = served
+    tol = 0.1 if "4bit" in str(path) else 1e-4
+    prompt = PROMPTS["r2"]
+    sessions = [HopSession(s, "raw", "127.0.0.1", data.port, auth=auth, node_id="head") for s in stages]
+    reference = _reference(path, prompt)
+    sent: list = []
+    try:
+        h = mx.array([prompt[:-1]])
+        for s in sessions:
+            assert not s._takes_raw
+            h = s.forward(h)
+        assert all(s._takes_raw for s in sessions)
+        token = prompt[-1]
+        with mock.patch("meshnode.transport.hop.raw_request_into", wraps=hop_raw_request_into(sent)):
+            for step in range(3):
+                last = token
+                x = mx.array([[token]], dtype=mx.uint32)
+                for s in sessions:
+                    x = s.finish(s.submit(x, next_single=step < 2))
+                want = reference([token])
+                assert mx.allclose(x[0, -1].astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+                token = int(mx.argmax(want).item())
+            # A cut of the KV goes in the raw header too: drop the last step and run it again.
+            for s in sessions:
+                s.rewind(1)
+            x = mx.array([[last]], dtype=mx.uint32)
+            for s in sessions:
+                x = s.forward(x)
+        assert len(sent) == 2 * 4 and sent[-1][1] == 1  # every decode step raw; the last carried the cut
+        assert mx.allclose(x[0, -1].astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+    finally:
+        _close(sessions)
+    bad = HopSession(stages[0], "bad", "127.0.0.1", data.port, auth=auth, node_id="head")
+    try:
+        bad.forward(mx.array([prompt[:3]]))
+        with pytest.raises(StageError, match="vocabulary"):
+            bad.forward(mx.array([[100000]], dtype=mx.uint32))
+    finally:
+        bad.close()
+    again = _open(stages, data, auth, "after", PROMPTS["r3"])
+    _close(again)
+
+
+def hop_raw_request_into(sent: list):
+    from meshnode.model.wire import raw_request_into
+
+    def record(buf, offset, x, next_single, rewind):
+        sent.append((x.shape, rewind))
+        return raw_request_into(buf, offset, x, next_single, rewind)
+
+    return record

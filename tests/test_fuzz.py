@@ -37,6 +37,7 @@ from meshnode.trust.auth import ClusterAuth, SignedChannel
 from meshnode.transport.dataport import hello as data_hello, recv_frame, send_frame
 from meshnode.transport.refusals import StageRefusal
 from meshnode.model.build import build_model
+from meshnode.model.wire import RAW_REQUEST, is_raw
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.proto import mesh_pb2
 from tests.helpers import running_node
@@ -567,11 +568,13 @@ def test_raw_garbage_on_the_ports(node, port_kind):
 
 
 # ---------------------------------------------------------------------------- (c') the data port
-def _data_stream(n, auth: ClusterAuth, hello: bytes | None = None) -> socket.socket:
+def _data_stream(n, auth: ClusterAuth, hello: bytes | None = None, raw: bool = False) -> socket.socket:
+    """``raw``: the opening asks for raw replies (as every head does), so raw decode steps are read."""
     plan = n.serving_plan()
     stage = plan.stages[0]
     opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-        request_id="fuzz", epoch=plan.epoch, start_layer=stage.start_layer, end_layer=stage.end_layer))
+        request_id="fuzz", epoch=plan.epoch, start_layer=stage.start_layer, end_layer=stage.end_layer,
+        raw_replies=raw))
     s = socket.create_connection(("127.0.0.1", n._data.port), timeout=TIMEOUT)
     send_frame(s, hello if hello is not None else data_hello(auth, "fuzzer", opening))
     return s
@@ -639,6 +642,41 @@ def test_data_port_random_frames_after_a_valid_hello(node):
                 if reply.error:
                     assert _closed_without_reply(s)
                     return
+
+    run()
+    _no_unhandled(handler)
+
+
+def test_data_port_random_raw_decode_steps_after_a_valid_hello(node):
+    """On a stream that takes raw decode steps (RAW_REQUEST): random bytes after the raw marker,
+    and well-formed headers with random fields and payloads, are refused with a reply that names
+    the error, or answered with a raw reply; the node lives on."""
+    n, base, handler = node
+    auth = ClusterAuth(KEY)
+    header = st.builds(lambda code, flags, rewind, positions, width, body: RAW_REQUEST.pack(
+        0, code, flags, rewind, positions, width) + body,
+        st.integers(0, 255), st.integers(0, 255), st.integers(0, 3) | st.integers(0, 2**32 - 1),
+        st.integers(0, 3) | st.integers(0, 2**32 - 1), st.integers(0, 2) | st.integers(0, 2**32 - 1),
+        st.binary(max_size=16))
+    frame = st.one_of(st.binary(max_size=64).map(lambda b: b"\x00" + b), header)
+
+    @fuzz(120)
+    @given(frames=st.lists(frame, min_size=1, max_size=3))
+    def run(frames):
+        with _data_stream(n, auth, raw=True) as s:
+            for payload in frames:
+                send_frame(s, payload)
+                got = recv_frame(s)
+                if got is None:
+                    return
+                if is_raw(got):
+                    OUTCOMES["data raw: ok"] += 1
+                    continue
+                reply = mesh_pb2.ForwardReply.FromString(bytes(got))
+                assert reply.error, "a ForwardReply on a raw stream is a refusal"
+                OUTCOMES[f"data raw: {reply.code}"] += 1
+                assert _closed_without_reply(s)
+                return
 
     run()
     _no_unhandled(handler)

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from meshnode.model.wire import (RAW_REPLY, Placeholder, RawReply, WireError, from_tensor, is_raw, raw_reply_into,
-                                 to_array, to_tensor)
+from meshnode.model.wire import (RAW_REPLY, RAW_REQUEST, Placeholder, RawReply, RawRequest, WireError, check_tokens,
+                                 from_tensor, is_raw, raw_reply_into, raw_request_into, to_array, to_tensor)
 from meshnode.proto import mesh_pb2
 from meshnode.proto.generate import is_up_to_date
 
@@ -136,3 +136,67 @@ def test_random_raw_replies_never_crash(raw, dtype, positions, width):
     except WireError:
         return
     assert host.shape == (1, positions, width)
+
+
+# --------------------------------------------------------------------------- raw decode steps (data port)
+
+
+def _request(x: mx.array, next_single: bool = True, rewind: int = 0, offset: int = 4) -> memoryview:
+    buf = bytearray()
+    n = raw_request_into(buf, offset, x, next_single, rewind)
+    return memoryview(buf)[offset:offset + n]
+
+
+@pytest.mark.parametrize("x,dtype,width", [
+    (mx.array([[7]], dtype=mx.uint32), "int32", 0),  # the sampled token, as generate_step gives it
+    (mx.array([[3, 4, 5]], dtype=mx.int32), "int32", 0),
+    (mx.random.normal((1, 1, 16)), "float32", 16),
+    ((mx.random.normal((1, 2, 8)) * 50).astype(mx.bfloat16), "bfloat16", 8),
+])
+def test_raw_request_round_trip_is_exact(x, dtype, width):
+    frame = _request(x, next_single=True, rewind=3)
+    assert is_raw(frame)
+    req = RawRequest(frame)
+    assert (req.next_single, req.rewind, req.positions, req.width, req.work, req.keep) == (True, 3, x.shape[1],
+                                                                                          width, 0, "")
+    host = req.input.host(dtype, width)
+    want = x.astype(mx.int32) if width == 0 else x
+    assert mx.array_equal(to_array(host, dtype), want).item()
+    assert not RawRequest(_request(x, next_single=False)).next_single
+
+
+def test_raw_decode_steps_are_checked_as_messages_are():
+    ok = RawRequest(_request(mx.array([[511]], dtype=mx.uint32)))
+    assert check_tokens(ok, 512, 8).tolist() == [[511]]
+    for bad in ([[512]], [[-1]]):
+        with pytest.raises(WireError, match="vocabulary"):
+            check_tokens(RawRequest(_request(mx.array(bad, dtype=mx.int32))), 512, 8)
+    with pytest.raises(WireError, match="limit"):
+        check_tokens(RawRequest(_request(mx.zeros((1, 9), dtype=mx.int32))), 512, 8)
+    with pytest.raises(WireError, match="expected"):  # an activation where token ids belong
+        check_tokens(RawRequest(_request(mx.zeros((1, 1, 4)))), 512, 8)
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda b: b[:RAW_REQUEST.size - 1], ("float32", 4)),  # shorter than its header
+    (lambda b: b[:1] + b"\x09" + b[2:], ("float32", 4)),  # unknown dtype code
+    (lambda b: b[:-1], ("float32", 4)),  # a byte short
+    (lambda b: b + b"x", ("float32", 4)),  # a byte over
+    (lambda b: b, ("float16", 4)),  # not the dtype expected
+    (lambda b: b, ("float32", 8)),  # not the width expected
+    (lambda b: b[:12] + b"\x00\x00\x00\x00" + b[16:], ("float32", 4)),  # no positions
+])
+def test_malformed_raw_request_refused(mutate, expect):
+    frame = memoryview(bytearray(mutate(bytes(_request(mx.ones((1, 2, 4)))))))
+    with pytest.raises(WireError):
+        RawRequest(frame).host(*expect)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from(["float32", "float16", "bfloat16", "int32"]), st.integers(0, 8))
+def test_random_raw_requests_never_crash(raw, dtype, width):
+    try:
+        host = RawRequest(memoryview(b"\x00" + raw)).host(dtype, width)
+    except WireError:
+        return
+    assert host.shape[0] == 1 and (host.ndim == 2 if width == 0 else host.shape[2] == width)

@@ -84,12 +84,14 @@ def host_array(
 # message: after a stage's compute its caches are cold, and each Python object built there costs
 # tens of microseconds (a Tensor and its ForwardReply ~150 µs, parsing them and building an array
 # ~250 µs, measured on the 2-core test machine).
-RAW_REPLY = struct.Struct("<BBxxdII")
+# The third byte (spare before stages took raw requests, so 0 from those) holds flags:
+RAW_REPLY = struct.Struct("<BBBxdII")
+TAKES_RAW = 1  # the stage reads raw decode steps (RAW_REQUEST) on this stream
 _RAW_CODES = {name: i for i, name in enumerate(_DTYPES, start=1)}
 _RAW_NAMES = {i: name for name, i in _RAW_CODES.items()}
 
 
-def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float) -> int:
+def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float, flags: int = 0) -> int:
     """Write a raw reply for an evaluated (1, positions, width) array into ``buf`` at ``offset``
     (grown if short); the reply's length. The buffer is the caller's, reused from token to token:
     after MLX evaluated a step, glibc's first allocation of a kilobyte or more merges every small
@@ -101,21 +103,91 @@ def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float)
     n = RAW_REPLY.size + host.nbytes
     if len(buf) < offset + n:
         buf.extend(bytes(offset + n - len(buf)))
-    RAW_REPLY.pack_into(buf, offset, 0, _RAW_CODES[name], seconds, host.shape[1], host.shape[2])
+    RAW_REPLY.pack_into(buf, offset, 0, _RAW_CODES[name], flags, seconds, host.shape[1], host.shape[2])
     np.copyto(np.frombuffer(buf, dtype=host.dtype, count=host.size, offset=offset + RAW_REPLY.size), host.reshape(-1))
     return n
+
+
+# A raw decode step on the data port, sent by a head to a stage whose raw replies say it takes
+# them (TAKES_RAW): this header, then the input's bytes. 0 (as a raw reply), the dtype's code,
+# flags (RAW_NEXT_SINGLE), a spare byte, positions to drop first (ForwardRequest.rewind),
+# positions, width (0: token ids, shape (1, positions)). What a ForwardRequest carries for a
+# decode step, without building or parsing one at both ends of the hop (~150 µs each there).
+RAW_REQUEST = struct.Struct("<BBBxIII")
+RAW_NEXT_SINGLE = 1
+
+
+def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool, rewind: int) -> int:
+    """Write a raw decode step for an evaluated input ``x`` (token ids (1, n), or an activation
+    (1, n, width)) into ``buf`` at ``offset`` (grown if short); its length."""
+    name = dtype_name(x.dtype) if x.dtype != mx.uint32 else "int32"
+    if name not in _RAW_CODES or x.ndim not in (2, 3) or x.shape[0] != 1:
+        raise WireError(f"a raw request carries (1, positions[, width]), not {x.dtype} {tuple(x.shape)}")
+    width = x.shape[2] if x.ndim == 3 else 0
+    head = offset + RAW_REQUEST.size
+    if x.ndim == 2 and x.size == 1:  # a token id: one scalar, not an array, after a step
+        n = RAW_REQUEST.size + 4
+        if len(buf) < offset + n:
+            buf.extend(bytes(offset + n - len(buf)))
+        struct.pack_into("<i", buf, head, x.item())
+    else:
+        host = np.asarray(x.view(mx.uint16) if name == "bfloat16" else x.astype(mx.int32) if width == 0 else x)
+        n = RAW_REQUEST.size + host.nbytes
+        if len(buf) < offset + n:
+            buf.extend(bytes(offset + n - len(buf)))
+        np.copyto(np.frombuffer(buf, dtype=host.dtype, count=host.size, offset=head), host.reshape(-1))
+    RAW_REQUEST.pack_into(buf, offset, 0, _RAW_CODES[name], RAW_NEXT_SINGLE if next_single else 0, rewind,
+                          x.shape[1], width)
+    return n
+
+
+class RawRequest:
+    """A raw decode step as read off the wire, its header checked against the frame; what the
+    stage reads of a ForwardRequest (``work`` 0: a decode step)."""
+
+    __slots__ = ("dtype", "next_single", "rewind", "positions", "width", "data")
+    work = 0
+    keep = ""
+    request_id = ""
+
+    def __init__(self, frame: memoryview):
+        if len(frame) < RAW_REQUEST.size:
+            raise WireError(f"raw request of {len(frame)} bytes is shorter than its header")
+        _, code, flags, self.rewind, self.positions, self.width = RAW_REQUEST.unpack_from(frame)
+        self.next_single = bool(flags & RAW_NEXT_SINGLE)
+        self.dtype = _RAW_NAMES.get(code)
+        if self.dtype is None:
+            raise WireError(f"raw request with unknown dtype code {code}")
+        if self.positions <= 0:
+            raise WireError(f"raw request of {self.positions} positions")
+        self.data = frame[RAW_REQUEST.size:]
+
+    @property
+    def input(self) -> "RawRequest":  # where a ForwardRequest has its Tensor
+        return self
+
+    def host(self, dtype_name: str, width: int) -> np.ndarray:
+        """A numpy view of the input, if it is what the stage expects: ``dtype_name`` (1, positions,
+        ``width``), or with ``width`` 0 token ids (1, positions)."""
+        if self.dtype != dtype_name or self.width != width:
+            raise WireError(f"{self.dtype} of width {self.width} where {dtype_name} of width {width} was expected")
+        _, np_dtype, itemsize = _DTYPES[dtype_name]
+        shape = (1, self.positions, width) if width else (1, self.positions)
+        if len(self.data) != itemsize * self.positions * max(width, 1):
+            raise WireError(f"{len(self.data)} bytes for {shape} {dtype_name}")
+        return np.frombuffer(self.data, dtype=np_dtype).reshape(shape)
 
 
 class RawReply:
     """A raw reply as read off the wire: its header checked against the frame, its bytes not yet."""
 
-    __slots__ = ("dtype", "stage_seconds", "positions", "width", "data", "buffer")
+    __slots__ = ("dtype", "flags", "stage_seconds", "positions", "width", "data", "buffer")
 
     def __init__(self, frame: memoryview, buffer: bytearray | None = None):
         self.buffer = buffer  # what ``frame`` lies in: the receiver may reuse it once the bytes are used
         if len(frame) < RAW_REPLY.size:
             raise WireError(f"raw reply of {len(frame)} bytes is shorter than its header")
-        _, code, self.stage_seconds, self.positions, self.width = RAW_REPLY.unpack_from(frame)
+        _, code, self.flags, self.stage_seconds, self.positions, self.width = RAW_REPLY.unpack_from(frame)
         self.dtype = _RAW_NAMES.get(code)
         if self.dtype is None:
             raise WireError(f"raw reply with unknown dtype code {code}")
@@ -196,11 +268,31 @@ def placeholders_work() -> bool:
 _PLACEHOLDERS_WORK: bool | None = None
 
 
-def check_tokens(tensor: mesh_pb2.Tensor, vocab_size: int, max_chunk: int, expect=(1, None)) -> np.ndarray:
+def check_tokens(tensor: "mesh_pb2.Tensor | RawRequest", vocab_size: int, max_chunk: int,
+                 expect=(1, None)) -> np.ndarray:
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
-    ids = host_array(tensor, dtypes=("int32",), expect=expect)
+    if type(tensor) is RawRequest:
+        ids = tensor.host("int32", 0)
+        if ids.size == 1:  # a decode step: one Python comparison, not numpy's reductions (~50 µs after a step)
+            token = int(ids[0, 0])
+            if not 0 <= token < vocab_size:
+                raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
+            return ids
+    else:
+        ids = host_array(tensor, dtypes=("int32",), expect=expect)
     if ids.shape[1] > max_chunk:
         raise WireError(f"{ids.shape[1]} tokens in one message (limit {max_chunk})")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def check_activation(tensor: "mesh_pb2.Tensor | RawRequest", dtype_name: str, width: int, max_chunk: int) -> np.ndarray:
+    """A message's activation, checked: ``dtype_name``, (1, positions, ``width``), at most ``max_chunk`` positions."""
+    if type(tensor) is RawRequest:
+        host = tensor.host(dtype_name, width)
+    else:
+        host = host_array(tensor, dtypes=(dtype_name,), expect=(1, None, width))
+    if host.shape[1] > max_chunk:
+        raise WireError(f"{host.shape[1]} positions in one message (limit {max_chunk})")
+    return host

@@ -11,7 +11,10 @@ status number) and ``error``, after which the stream closes. The same checks as 
 apply (meshnode.transport.stage.OpenStage).
 
 Head side (:class:`HopSession`): the generation thread writes a frame and reads the reply
-itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. A raw reply is read
+itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. Once a stage's raw
+replies say it takes them (``TAKES_RAW``), each decode step goes as a raw request
+(meshnode.model.wire.RAW_REQUEST: a fixed header and the token id or activation, no protobuf
+at either end); prefill chunks and speculative passes stay ``ForwardRequest`` messages. A raw reply is read
 into the buffer the previous one used, and a decode step's reply is checked and copied straight
 into the placeholder of the local step built ahead of it (no message, no array in between). Messages may run
 ahead of replies (pipelined prefill); replies come back in order. Large frames (prefill chunks)
@@ -39,7 +42,8 @@ from google.protobuf.message import DecodeError
 from meshnode.transport.dataport import (HEADER, FrameError, connect, recv_frame, recv_frame_into, send_frame,
                                     send_prepared)
 from meshnode.transport.refusals import StageError, StageRefusal, stage_error
-from meshnode.model.wire import RawReply, WireError, is_raw, raw_reply_into, to_tensor
+from meshnode.model.wire import (TAKES_RAW, RawReply, RawRequest, WireError, is_raw, raw_reply_into,
+                                 raw_request_into, to_tensor)
 from meshnode.model.scheduler import mlx_idle, set_priority
 from meshnode.proto import mesh_pb2
 from meshnode.tracing import mark
@@ -168,8 +172,9 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 if frame is None:
                     return  # the head is done with this request
                 mark("stage.arrived")
-                msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
-            except (FrameError, DecodeError) as exc:
+                msg = RawRequest(frame) if raw and is_raw(frame) else \
+                    mesh_pb2.ForwardRequest.FromString(bytes(frame))
+            except (FrameError, DecodeError, WireError) as exc:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
@@ -177,7 +182,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 run_here(lambda: stage.keep(msg))
                 send_frame(conn, KEPT_FRAME)
                 continue
-            positions = msg.input.shape[1] if len(msg.input.shape) > 1 else 0
+            positions = msg.positions if type(msg) is RawRequest else \
+                msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             if delay is not None:
                 pause = delay.seconds(positions, prefills, decodes)
                 if delay.raises(positions, decodes):
@@ -233,12 +239,13 @@ def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:
     return mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString()
 
 
-def _run_raw(stage: "OpenStage", msg: mesh_pb2.ForwardRequest, buf: bytearray) -> int:
-    """Run ``msg`` and write its raw reply into ``buf`` after the frame header; the reply's length."""
+def _run_raw(stage: "OpenStage", msg: "mesh_pb2.ForwardRequest | RawRequest", buf: bytearray) -> int:
+    """Run ``msg`` and write its raw reply into ``buf`` after the frame header (saying that raw
+    decode steps are welcome on this stream); the reply's length."""
     mark("stage.running")
     started = time.perf_counter()
     out = stage.run_array(msg)
-    return raw_reply_into(buf, HEADER, out, time.perf_counter() - started)
+    return raw_reply_into(buf, HEADER, out, time.perf_counter() - started, TAKES_RAW)
 
 
 def refuse(conn: socket.socket, refusal: StageRefusal) -> None:
@@ -280,6 +287,8 @@ class HopSession:
         self._closed = False
         self._spare: bytearray | None = None  # a raw reply's buffer, back from the last reply used
         self._rewind = 0  # positions the stage drops before the next message's (speculative decoding)
+        self._takes_raw = False  # the stage's raw replies say it reads raw decode steps (RAW_REQUEST)
+        self._out = bytearray(64)  # a raw decode step is written here, token after token
 
     def rewind(self, positions: int) -> None:
         """Drop the last ``positions`` of the stage's KV for this request, with the next message."""
@@ -293,13 +302,17 @@ class HopSession:
         may build that step ahead. ``work``: ForwardRequest.work (prefill chunks).
         """
         mark("head.submit")
-        if x.dtype == mx.uint32:
-            x = x.astype(mx.int32)
-        mx.eval(x)  # (to_tensor would): the head's own step ends here
+        mx.eval(x)  # the head's own step ends here (its bytes go on the wire)
         mark("head.evaluated")
         positions = x.shape[1]
-        payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single, work=work,
-                                          rewind=self._rewind).SerializeToString()
+        if self._takes_raw and positions == 1 and not work:  # a decode step: no message to build
+            n = raw_request_into(self._out, HEADER, x, next_single, self._rewind)
+            payload = None
+        else:
+            if x.dtype == mx.uint32:
+                x = x.astype(mx.int32)
+            payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single, work=work,
+                                              rewind=self._rewind).SerializeToString()
         mark("head.serialized")
         self._rewind = 0
         self._queued += positions
@@ -307,12 +320,15 @@ class HopSession:
         self._unanswered.append(ticket)
         try:
             with self._lock:  # behind frames already queued, or large: the writer thread sends it
-                later = self._writing > 0 or len(payload) > WRITE_INLINE
+                later = self._writing > 0 or (payload is not None and len(payload) > WRITE_INLINE)
                 self._writing += later
             if later:
-                self._write_later(payload)
+                self._write_later(payload if payload is not None else bytes(self._out[HEADER:HEADER + n]))
             else:
-                send_frame(self._sock, payload)
+                if payload is None:
+                    send_prepared(self._sock, self._out, n)
+                else:
+                    send_frame(self._sock, payload)
                 mark("head.sent")
                 _yield()
         except OSError as exc:
@@ -354,6 +370,8 @@ class HopSession:
         ticket = self._unanswered[0]
         spare, self._spare = self._spare, None  # the reply is read into it, or it is not needed
         reply = read_reply(self._sock, self._stage, ticket.sent, spare)
+        if type(reply) is RawReply and reply.flags & TAKES_RAW:
+            self._takes_raw = True
         self._unanswered.popleft()
         ticket.reply = reply
 

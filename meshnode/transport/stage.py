@@ -42,8 +42,8 @@ from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import keeps_prefixes
 from meshnode.model.rewind import CannotRewind, rewind
 from meshnode.model.tensor import TensorGroupError
-from meshnode.model.wire import (Placeholder, RawReply, WireError, check_tokens, dtype_name, host_array, to_array,
-                                 to_tensor)
+from meshnode.model.wire import (Placeholder, RawReply, RawRequest, WireError, check_activation, check_tokens,
+                                 dtype_name, host_array, to_array, to_tensor)
 from meshnode.model.scheduler import StepWatch, mlx_idle
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
@@ -214,14 +214,10 @@ class OpenStage:
             self.server.prefixes.grow(self.layers, -self.seen)
             self.seen = 0
 
-    def _host_input(self, tensor: mesh_pb2.Tensor) -> np.ndarray:
-        shard = self.shard
-        if shard.spec.is_first:
+    def _host_input(self, tensor: "mesh_pb2.Tensor | RawRequest") -> np.ndarray:
+        if self.shard.spec.is_first:
             return check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
-        host = host_array(tensor, dtypes=(self._dtype,), expect=(1, None, shard.hidden_size))
-        if host.shape[1] > self.server.max_chunk:
-            raise WireError(f"{host.shape[1]} positions in one message (limit {self.server.max_chunk})")
-        return host
+        return check_activation(tensor, self._dtype, self.shard.hidden_size, self.server.max_chunk)
 
     @property
     def _dtype(self) -> str:
@@ -233,12 +229,12 @@ class OpenStage:
         out = self.run_array(msg)
         return to_tensor(out), time.perf_counter() - started
 
-    def run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
+    def run_array(self, msg: "mesh_pb2.ForwardRequest | RawRequest") -> mx.array:
         """Decode and run one message (on the MLX thread): the output, evaluated."""
         with self.server.steps.step():
             return self._run_array(msg)
 
-    def _run_array(self, msg: mesh_pb2.ForwardRequest) -> mx.array:
+    def _run_array(self, msg: "mesh_pb2.ForwardRequest | RawRequest") -> mx.array:
         take_back(self)
         try:
             if self.injected_stall:
