@@ -111,6 +111,44 @@ def segments(traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, list[fl
     return out
 
 
+def _cpu_seconds(stat: str) -> float:
+    fields = stat[stat.rindex(")") + 2:].split()  # from the state on: utime, stime are 11, 12
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each living thread of process ``pid`` has used so far, by native
+    id; under 0 the whole process's, ended threads included (a generation's thread ends with it)."""
+    out = {0: _cpu_seconds(Path(f"/proc/{pid}/stat").read_text())}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = _cpu_seconds((task / "stat").read_text())
+        except OSError:  # the thread ended
+            continue
+    return out
+
+
+def cpu_by_thread(cpu: dict[tuple[int, int], float], tokens: int,
+                  traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, dict[str, float]]:
+    """CPU ms per token of each node's threads, named by the thread names in its trace (threads
+    that marked nothing, MLX's own among them, summed as "other")."""
+    names = {pid: {int(t.rsplit("/", 1)[1]): t.rsplit("/", 1)[0] for _, _, t in rows} for pid, rows in traces.items()}
+    out: dict[str, dict[str, float]] = {}
+    for pid in {pid for pid, _ in cpu}:
+        rows = traces.get(pid, [])
+        role = "head" if any(e == "head.token" for _, e, _ in rows) else "stage" if rows else f"pid {pid}"
+        threads = out.setdefault(role, {})
+        living = 0.0
+        for (p, tid), seconds in cpu.items():
+            if p != pid or tid == 0:
+                continue
+            living += seconds
+            name = names.get(pid, {}).get(tid, "other threads (MLX's, gRPC's, ...)")
+            threads[name] = threads.get(name, 0.0) + seconds * 1e3 / max(tokens, 1)
+        threads["threads that ended (each generation's own)"] = (cpu.get((pid, 0), 0.0) - living) * 1e3 / max(tokens, 1)
+    return out
+
+
 def per_token(times: list[float]) -> float:
     """Median interval between consecutive token times (seconds)."""
     return statistics.median(b - a for a, b in zip(times, times[1:]))
@@ -157,6 +195,8 @@ class Mesh:
         from meshnode.weights.profile import profile_model
 
         self.mesh, self.path, self.trace = mesh, path, tmp / "trace"
+        self.cpu: dict[tuple[int, int], float] = {}  # (pid, thread) -> CPU seconds in the timed generations
+        self.tokens = 0
         budget = int(profile_model(path).total_bytes(CTX) * 0.6)
         self.hosts, self.client = mesh.hosts[:2], mesh.hosts[2]
         self.procs, self.cores = [], {}
@@ -184,9 +224,15 @@ class Mesh:
         code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
                 "from benchmarks.split_cost import client_times\n"
                 "print(json.dumps(client_times(*json.loads(sys.argv[1]))))")
+        before = {p.pid: thread_cpu(p.pid) for p in self.procs}
         out = self.client.run(["taskset", "-c", str(self.cores[self.head.name]), sys.executable, "-c", code,
                                json.dumps([self.url, self.path.name, tokens])], timeout=900)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        for pid, was in before.items():
+            for tid, seconds in thread_cpu(pid).items():
+                self.cpu[pid, tid] = self.cpu.get((pid, tid), 0.0) + seconds - was.get(tid, 0.0)
+        times = json.loads(out.stdout.strip().splitlines()[-1])
+        self.tokens += len(times)
+        return times
 
     def stop(self) -> dict[int, list[tuple[int, str, str]]]:
         """Stop both nodes as a service manager would (SIGTERM: each writes out its trace); the traces."""
@@ -220,7 +266,10 @@ class LlamaCpp:
     def __init__(self, bin_dir: Path, gguf: Path, mesh, cores: list[int], layers: int):
         self.bench, self.gguf, self.cores, self.layers = bin_dir / "llama-bench", gguf, cores, layers
         self.netns, self.host, self.remote = mesh, mesh.hosts[0], mesh.hosts[1]
-        self.env = dict(os.environ)  # GLIBC_TUNABLES as main set it
+        # Both of its processes the same kind of memory, as ../shared/peers/llamacpp-rpc.md measures
+        # it (with llama-bench -lm none); MLX's processes keep glibc's default: with huge pages,
+        # mlx-lm's one process ran 34-53 ms a token from one generation to the next, without 50-55.
+        self.env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
         server = next((bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()),
                       bin_dir / "rpc-server")
         self.server = self.remote.popen(["taskset", "-c", str(cores[1]), str(server),
@@ -253,13 +302,6 @@ def main() -> int:
     ap.add_argument("--keep-trace", type=Path, help="copy the nodes' trace files (meshnode.tracing) here")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
-    if "glibc.malloc.hugetlb=1" not in os.environ.get("GLIBC_TUNABLES", ""):
-        # Every process the same kind of memory (transparent huge pages for malloc), llama.cpp's as
-        # MLX's, this process's as the nodes': otherwise which process got which moves decode by
-        # 10-20 % here (../shared/peers/llamacpp-rpc.md), far more than a split adds.
-        env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"),
-                                                                      "glibc.malloc.hugetlb=1"]))}
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.split_cost", *sys.argv[1:]], env)
     from harness.netns import netns_mesh
 
     spec = dict(SIZES[args.size])
@@ -289,6 +331,7 @@ def main() -> int:
             if got[:n] != want[:n]:
                 raise SystemExit("the bare split's tokens differ from mlx-lm's")
             mesh.times(8)  # kernels compiled on both nodes
+            mesh.cpu, mesh.tokens = {}, 0
             for i in range(args.rounds):
                 r = {"mlx_lm": per_token(ref.times(args.tokens)[1]),
                      "bare": per_token(split.generate(split.prompt, args.tokens)[1]),
@@ -309,6 +352,11 @@ def main() -> int:
                 shutil.copytree(mesh.trace, args.keep_trace, dirs_exist_ok=True)
     parts = segments(traces)
     result = report(rounds, parts)
+    result["cpu_ms_per_token"] = cpu_by_thread(mesh.cpu, mesh.tokens, traces)
+    print("\nCPU per token by thread, each node on its own core (ms; the client, on the head's core, not counted):")
+    for role, threads in sorted(result["cpu_ms_per_token"].items()):
+        busiest = sorted(threads.items(), key=lambda kv: -kv[1])
+        print(f"  {role}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in busiest))
     result.update(model=path.name, parameters=param_count(path), tokens=args.tokens, size=args.size)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -2,7 +2,8 @@
 
 With ``MESHNODE_TRACE`` naming a folder, each process appends one line per event to
 ``<folder>/<pid>.trace``: monotonic nanoseconds (CLOCK_MONOTONIC, the same clock in every process of
-one machine, so a head's and a stage's events line up), the event's name and the thread's name.
+one machine, so a head's and a stage's events line up), the event's name, and the thread's name and
+native id (``name/id``: what /proc/<pid>/task/<id> shows of its CPU time).
 ``benchmarks/split_cost.py`` reads them back into a per-token breakdown. With the variable unset,
 :func:`mark` is one global lookup and a return.
 """
@@ -37,7 +38,7 @@ def mark(event: str) -> None:
     events = _events
     if events is None:
         return
-    events.append((time.monotonic_ns(), event, threading.current_thread().name))
+    events.append((time.monotonic_ns(), event, f"{threading.current_thread().name}/{threading.get_native_id()}"))
     if len(events) >= _FLUSH_EVERY:
         flush()
 

@@ -24,7 +24,8 @@ def test_marks_are_written_per_process_and_read_back_in_time_order(tmp_path):
     for rows in traces.values():
         assert [name for _, name, _ in rows] == ["b.first", "b.second"]
         assert rows[0][0] <= rows[1][0]
-        assert rows[0][2] == "MainThread"
+        name, tid = rows[0][2].rsplit("/", 1)
+        assert name == "MainThread" and int(tid) > 0
 
 
 def test_off_by_default_writes_nothing(tmp_path):
