@@ -295,3 +295,14 @@ def test_log_probabilities_are_those_of_decoding_one_at_a_time(model_case):
     tol = 1e-4 if "f32" in name else 5e-2
     for a, b in zip(got, alone):
         assert abs(a.logprob - b.logprob) < tol and [i for i, _ in a.top] == [i for i, _ in b.top], name
+
+
+def test_test_drafts_with_only_k_fix_the_configured_drafters_guesses(tmp_path):
+    """MESHNODE_TEST_DRAFTS {"k": n} keeps the drafter the settings chose (a draft model, prompt
+    lookup) and makes it guess n every pass: a mesh test then gets guesses whatever they cost."""
+    f = tmp_path / "drafts.json"
+    f.write_text('{"k": 3}')
+    drafter = ReferenceDrafter.from_file(str(f), configured=PromptLookup)([1, 2, 3])
+    assert isinstance(drafter, PromptLookup) and drafter.fixed_k == 3
+    f.write_text('{"p": 1.0, "vocab": 512, "answers": [[1, 2, 3, 4]]}')  # answers: the reference drafter
+    assert isinstance(ReferenceDrafter.from_file(str(f), configured=PromptLookup)([1, 2, 3]), ReferenceDrafter)

@@ -169,7 +169,12 @@ def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
     total = profile_model(model).total_bytes(1024)
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     budget = weights + int(total * 0.6)  # after the draft's weights, neither holds the model alone
-    env = {"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(model)}
+    # Four guesses every pass, whatever guessing costs on this machine (the head would otherwise
+    # measure that a guess costs about a step here and may stop guessing, which is its job).
+    fixed = tmp_path / "fixed-k.json"
+    fixed.write_text(json.dumps({"k": 4}))
+    env = {"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(model),
+           "MESHNODE_TEST_DRAFTS": str(fixed)}
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:

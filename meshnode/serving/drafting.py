@@ -13,8 +13,8 @@ where it pays.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 
 class Drafter(Protocol):
@@ -92,11 +92,12 @@ class ReferenceDrafter:
                             None)
 
     @classmethod
-    def from_file(cls, path: str):
+    def from_file(cls, path: str, configured: Callable[[Sequence[int]], Any] | None = None):
         """A drafter factory (tokens -> drafter, or None: this request does not speculate) reading
         a ``MESHNODE_TEST_DRAFTS`` file for each request, so a benchmark changes ``p`` between
         requests; ``{"off": true}`` in it: requests decode without speculation; ``{"prompt_lookup":
-        true}``: they speculate with :class:`PromptLookup`."""
+        true}``: they speculate with :class:`PromptLookup`; only ``{"k": 4}``: with the drafter the
+        settings chose (``configured``: a draft model), that many guesses every pass."""
         import json
 
         def make(tokens: Sequence[int]):
@@ -106,6 +107,10 @@ class ReferenceDrafter:
                 return None
             if spec.get("prompt_lookup"):
                 return PromptLookup(tokens)
+            if "answers" not in spec and configured is not None:
+                drafter = configured(tokens)
+                drafter.fixed_k = spec.get("k")
+                return drafter
             return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]),
                        spec.get("k"))
 
@@ -161,6 +166,7 @@ class ModelDrafter:
     guesses the served model did not confirm are cut back before the next guesses."""
 
     PREFILL = 512  # positions per step when it catches up with a prompt
+    fixed_k: int | None = None  # tests only (MESHNODE_TEST_DRAFTS {"k": n}): that many guesses every pass
 
     def __init__(self, model, tokens: Sequence[int]):
         from mlx_lm.models.cache import make_prompt_cache

@@ -121,7 +121,7 @@ def speculation_for(settings, on_pass: Callable[[int, int, int], None] | None, d
         return None
     test_drafts = os.environ.get(TEST_DRAFTS_ENV)
     if test_drafts:  # tests and benchmarks: guesses of a controlled acceptance
-        drafter = ReferenceDrafter.from_file(test_drafts)
+        drafter = ReferenceDrafter.from_file(test_drafts, configured=drafter)
     return Speculation(drafter=drafter, on_pass=on_pass, k_max=settings.draft_max)
 
 
