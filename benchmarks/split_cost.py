@@ -7,7 +7,8 @@ The same model on the same machine, one core per process (as ../shared/peers/lla
 measures llama.cpp's RPC split), in rounds that take turns so this machine's drift falls on all
 alike:
 
-- mlx-lm's ``stream_generate`` on the whole model, in this process, pinned to one core;
+- mlx-lm's ``stream_generate`` on the whole model, in this process, pinned to one core (the bare
+  split's own copy of it: benchmarks.floor.Split.reference);
 - the bare split of benchmarks/floor.py: mlx-lm's modules for the two halves in two processes, a
   core each, one loopback socket between them, nothing else;
 - a 2-stage mesh: two ``meshnode run`` processes on namespace hosts, a core each, the client
@@ -157,24 +158,6 @@ def per_token(times: list[float]) -> float:
 # --------------------------------------------------------------------------- the three setups
 
 
-class Reference:
-    """mlx-lm's whole model in this process."""
-
-    def __init__(self, path: Path):
-        from mlx_lm import load
-
-        self.model, self.tokenizer = load(str(path))
-        self.prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                         add_generation_prompt=True)
-
-    def times(self, tokens: int) -> tuple[list[int], list[float]]:
-        from mlx_lm import stream_generate
-
-        out = [(r.token, time.perf_counter())
-               for r in stream_generate(self.model, self.tokenizer, self.prompt, max_tokens=tokens)]
-        return [t for t, _ in out], [s for _, s in out]
-
-
 def bare_split(path: Path, child_core: int, own_core: int):
     """benchmarks/floor.py's Split, its child on ``child_core`` (set before it starts: MLX's threads
     inherit it) and this process back on ``own_core``."""
@@ -317,23 +300,21 @@ def main() -> int:
           f"{spec['num_layers']} layers; {args.tokens} tokens per generation, {args.rounds} rounds; cores {cores}",
           flush=True)
     os.sched_setaffinity(0, {cores[0]})
-    ref = Reference(path)
-    split = bare_split(path, cores[1], cores[0])
+    split = bare_split(path, cores[1], cores[0])  # it holds mlx-lm's whole model too (Split.reference)
     rounds = []
     with netns_mesh(3) as netns, tempfile.TemporaryDirectory() as tmp:
         mesh = Mesh(netns, path, Path(tmp), cores)
         cpp = LlamaCpp(args.llamacpp, args.gguf, netns, cores, spec["num_layers"]) \
             if args.llamacpp and args.gguf else None
         try:
-            want, _ = ref.times(args.tokens)
-            got, _ = split.generate(split.prompt, args.tokens)
-            n = min(len(want), len(got))
-            if got[:n] != want[:n]:
-                raise SystemExit("the bare split's tokens differ from mlx-lm's")
+            try:
+                split.checked_tps(args.tokens)
+            except ValueError as exc:  # the bare split's tokens differ from mlx-lm's
+                raise SystemExit(str(exc)) from None
             mesh.times(8)  # kernels compiled on both nodes
             mesh.cpu, mesh.tokens = {}, 0
             for i in range(args.rounds):
-                r = {"mlx_lm": per_token(ref.times(args.tokens)[1]),
+                r = {"mlx_lm": per_token(split.reference(args.tokens)[1]),
                      "bare": per_token(split.generate(split.prompt, args.tokens)[1]),
                      "mesh": per_token(mesh.times(args.tokens))}
                 if cpp is not None:

@@ -44,15 +44,17 @@ def mark(event: str) -> None:
 
 
 def flush() -> None:
-    """Append the events noted so far to this process's file."""
-    global _events
-    if _events is None or _path is None:
+    """Append the events noted so far to this process's file (events other threads note meanwhile
+    stay in the list for the next flush: it is cut, never swapped for a new one)."""
+    events = _events
+    if events is None or _path is None:
         return
     with _lock:
-        events, _events = _events, []
-        if events:
+        n = len(events)
+        if n:
             with open(_path, "a") as f:
-                f.writelines(f"{ns} {event} {thread}\n" for ns, event, thread in events)
+                f.writelines(f"{ns} {event} {thread}\n" for ns, event, thread in events[:n])
+            del events[:n]
 
 
 def read(folder: str | os.PathLike) -> dict[int, list[tuple[int, str, str]]]:

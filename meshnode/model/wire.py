@@ -101,11 +101,16 @@ def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float,
         raise WireError(f"a raw reply carries (1, positions, width), not {tuple(array.shape)}")
     host = np.asarray(array.view(mx.uint16) if name == "bfloat16" else array)
     n = RAW_REPLY.size + host.nbytes
-    if len(buf) < offset + n:
-        buf.extend(bytes(offset + n - len(buf)))
+    _fit(buf, offset + n)
     RAW_REPLY.pack_into(buf, offset, 0, _RAW_CODES[name], flags, seconds, host.shape[1], host.shape[2])
     np.copyto(np.frombuffer(buf, dtype=host.dtype, count=host.size, offset=offset + RAW_REPLY.size), host.reshape(-1))
     return n
+
+
+def _fit(buf: bytearray, size: int) -> None:
+    """Grow ``buf`` to ``size`` bytes if it is shorter (a buffer reused from frame to frame)."""
+    if len(buf) < size:
+        buf.extend(bytes(size - len(buf)))
 
 
 # A raw decode step on the data port, sent by a head to a stage whose raw replies say it takes
@@ -125,16 +130,14 @@ def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool
         raise WireError(f"a raw request carries (1, positions[, width]), not {x.dtype} {tuple(x.shape)}")
     width = x.shape[2] if x.ndim == 3 else 0
     head = offset + RAW_REQUEST.size
-    if x.ndim == 2 and x.size == 1:  # a token id: one scalar, not an array, after a step
-        n = RAW_REQUEST.size + 4
-        if len(buf) < offset + n:
-            buf.extend(bytes(offset + n - len(buf)))
+    scalar = x.ndim == 2 and x.size == 1  # a token id: one scalar, not an array, after a step
+    host = None if scalar else \
+        np.asarray(x.view(mx.uint16) if name == "bfloat16" else x.astype(mx.int32) if width == 0 else x)
+    n = RAW_REQUEST.size + (4 if host is None else host.nbytes)
+    _fit(buf, offset + n)
+    if host is None:
         struct.pack_into("<i", buf, head, x.item())
     else:
-        host = np.asarray(x.view(mx.uint16) if name == "bfloat16" else x.astype(mx.int32) if width == 0 else x)
-        n = RAW_REQUEST.size + host.nbytes
-        if len(buf) < offset + n:
-            buf.extend(bytes(offset + n - len(buf)))
         np.copyto(np.frombuffer(buf, dtype=host.dtype, count=host.size, offset=head), host.reshape(-1))
     RAW_REQUEST.pack_into(buf, offset, 0, _RAW_CODES[name], RAW_NEXT_SINGLE if next_single else 0, rewind,
                           x.shape[1], width)
