@@ -206,12 +206,14 @@ def stream_chat(url, model, messages, max_tokens, timeout=900):
 
 
 @contextlib.contextmanager
-def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction: float = 0.6, env: dict | None = None):
+def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction: float = 0.6, env: dict | None = None,
+                   cores: list[int] | None = None):
     """Two ``meshnode run`` processes on namespace hosts, pipelined (neither holds the model alone),
     and a third host for the client; yields ``(client, entry_url, node_logs)`` once a 2-stage plan
     serves: ``entry_url`` is the node that is not the head (a client of any node is relayed to the
     head). ``pin``: each node's process on a core of its own (``taskset``), as on two machines;
-    unpinned, the two share this box's cores and one's compute takes CPU from the other's. Needs root."""
+    unpinned, the two share this box's cores and one's compute takes CPU from the other's (``cores``:
+    the ones to pin to, this thread's by default). Needs root."""
     from harness.cluster import node_argv, wait_mesh
     from harness.netns import netns_mesh
     from meshnode.weights.profile import profile_model
@@ -220,7 +222,7 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
     budget = int(profile_model(model).total_bytes(max_context) * fraction)
     with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
         a, b, client = mesh.hosts
-        cores = sorted(os.sched_getaffinity(0))
+        cores = cores or sorted(os.sched_getaffinity(0))
         logs = [Path(tmp) / h.name / "node.log" for h in (a, b)]
         for i, h in enumerate((a, b)):
             state = Path(tmp) / h.name

@@ -12,7 +12,10 @@ request too (random weights rarely repeat themselves, so it shows what speculati
 guesses find nothing).
 
 Two meshnode processes on namespace hosts, each pinned to a core of its own (two "machines"),
-serve the bench model in 2 pipeline stages; mlx-lm runs in this process. Each round measures, in
+serve the bench model in 2 pipeline stages; mlx-lm runs in this process, pinned to one core (one
+machine: ``--mlx-cores all`` gives it every core, as if one machine had both). The head keeps a
+pass of guesses in flight behind the one being checked (meshnode.serving.passes), so both stages
+compute at once while the guesses come right. Each round measures, in
 turns: plain mlx-lm, mlx-lm's speculation at each p, the mesh without speculation, the mesh with
 the test drafter at each p, the mesh with prompt lookup. Decode speed is timed from the first
 streamed token to the last; every mesh answer is checked equal to mlx-lm's (greedy). Prints one
@@ -106,11 +109,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--mlx-cores", choices=("one", "all"), default="one",
+                    help="mlx-lm on one core (one machine, as each mesh node) or on every core")
     args = ap.parse_args()
+
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if args.mlx_cores == "one":  # before MLX starts its threads: they inherit it
+        os.sched_setaffinity(0, {cores[0]})
 
     from mlx_lm import load, stream_generate
 
-    import os
     import platform
 
     from harness.cluster import in_ns
@@ -127,7 +137,8 @@ def main() -> int:
         return 1
     answer = list(prompt) + reference
     cost = position_cost(model, prompt)
-    print(f"# {platform.platform()} ({os.cpu_count()} CPUs), MLX on CPU, "
+    print(f"# {platform.platform()} ({os.cpu_count()} CPUs), MLX on CPU, mlx-lm on "
+          f"{'one core' if args.mlx_cores == 'one' else 'every core'}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model_dir.name}; {args.tokens} tokens; "
           f"{args.rounds} rounds", flush=True)
 
@@ -141,7 +152,7 @@ def main() -> int:
         drafts = Path(tmp) / "drafts.json"
         drafts.write_text(json.dumps({"off": True}))
         env = {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(drafts)}
-        with two_stage_mesh(model_dir, 1024, pin=True, env=env) as (client, url, logs):
+        with two_stage_mesh(model_dir, 1024, pin=True, env=env, cores=cores) as (client, url, logs):
             def mesh(label: str, spec: dict) -> float:
                 drafts.write_text(json.dumps(spec))
                 before = _speculation(client, url)
@@ -152,6 +163,7 @@ def main() -> int:
                 stats[label] = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "tokens")}
                 return (args.tokens - 1) / (out["total"] - out["first"])
 
+            mesh("warm-up", {"off": True})  # the nodes' first request (kernels compiled) takes core time
             for r in range(args.rounds):
                 plain = mlx_decode(model, tokenizer, prompt, args.tokens)
                 note("mlx plain", plain)

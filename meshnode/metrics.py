@@ -96,6 +96,9 @@ class NodeMetrics:
                                      "Guesses the model confirmed (/ drafted: the acceptance rate)", registry=r)
         self.spec_tokens = Counter("meshnode_speculative_pass_tokens",
                                    "Tokens those passes yielded (/ passes: tokens per pass)", registry=r)
+        self.spec_cancelled = Counter("meshnode_speculative_cancelled_passes",
+                                      "Passes of guesses sent behind one in flight and cancelled by its rejection",
+                                      registry=r)
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
         self.unreachable = Gauge("meshnode_unreachable_peers",
@@ -146,9 +149,10 @@ class NodeMetrics:
         self.batched_steps.inc()
         self.batched_rows.inc(rows)
 
-    def speculated(self, drafted: int, accepted: int, tokens: int) -> None:
-        """A speculative pass (meshnode.serving.speculative)."""
+    def speculated(self, drafted: int, accepted: int, tokens: int, cancelled: int = 0) -> None:
+        """A speculative pass (meshnode.serving.speculative) and the passes behind it its rejection cancelled."""
         self.spec_passes.inc()
+        self.spec_cancelled.inc(cancelled)
         self.spec_drafted.inc(drafted)
         self.spec_accepted.inc(accepted)
         self.spec_tokens.inc(tokens)
@@ -156,7 +160,7 @@ class NodeMetrics:
     def speculation(self) -> dict[str, Any]:
         passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()
         return {"passes": int(passes), "drafted": int(drafted), "accepted": int(self.spec_accepted._value.get()),
-                "tokens": int(self.spec_tokens._value.get()),
+                "tokens": int(self.spec_tokens._value.get()), "cancelled": int(self.spec_cancelled._value.get()),
                 "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
                 "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None}
 

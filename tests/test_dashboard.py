@@ -111,6 +111,7 @@ try:
     out["requests"] = driver.find_element(By.ID, "requests").text
     out["last_tps"] = driver.find_element(By.ID, "last-tps").text
     out["spec_accept"] = driver.find_element(By.ID, "spec-accept").text
+    out["spec_cancelled"] = driver.find_element(By.ID, "spec-cancelled").text
     driver.execute_script("window.scrollTo(0, 0)")
     driver.save_screenshot(shot)
     out["screenshot"] = shot
@@ -182,6 +183,7 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
         assert partial and all(expected.startswith(t) for t in partial), page_view["seen"]
         assert int(page_view["tokens"]) >= MAX_TOKENS  # this node's counter, as /v1/mesh reports it
         assert page_view["spec_accept"] == "\u2013"  # speculative decoding is off: no guesses to show
+        assert page_view["spec_cancelled"] == "\u2013"
         assert shot.exists() and shot.stat().st_size > 10_000
 
         # the head timed every hop to the other stage; both nodes counted the other's join

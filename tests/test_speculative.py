@@ -53,17 +53,20 @@ def stages_of(path, cuts):
     return [LocalStage(Shard(path, a, b)) for a, b in zip(cuts, cuts[1:])]
 
 
-def speculate(stages, prompt, params, drafter, passes=None):
-    def on_pass(drafted, accepted, tokens):
+def speculate(stages, prompt, params, drafter, passes=None, depth=None):
+    """``depth``: passes in flight at once (local stages take one by default: they share a thread;
+    more here runs the remote case's logic, passes of guesses behind the one in flight)."""
+    def on_pass(drafted, accepted, tokens, cancelled):
         if passes is not None:
-            passes.append((drafted, accepted, tokens))
+            passes.append((drafted, accepted, tokens, cancelled))
 
-    spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4)
+    spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4, depth=depth)
     return [int(t) for t in generate_tokens(PipelineModel(stages, "t"), prompt, params, speculation=spec)]
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
-def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p):
+@pytest.mark.parametrize("depth", [1, 3])
+def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p, depth):
     name, path, model, tokenizer = model_case
     prompt = tokenizer.encode(TEXT)
     want = plain(model, prompt, 24)
@@ -71,17 +74,25 @@ def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p):
     for cuts in ([0, 4], [0, 2, 4]):
         passes: list = []
         got = speculate(stages_of(path, cuts), prompt, SamplingParams(max_tokens=24),
-                        lambda h: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size, 4), passes)
-        assert got == want, (name, cuts, p)
-        drafted = sum(d for d, _, _ in passes)
-        accepted = sum(a for _, a, _ in passes)
-        assert all(d == 4 for d, _, _ in passes[:-3]), passes  # 4 a pass (fewer only near max_tokens)
+                        lambda h: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size, 4), passes,
+                        depth)
+        assert got == want, (name, cuts, p, depth)
+        drafted = sum(d for d, _, _, _ in passes)
+        accepted = sum(a for _, a, _, _ in passes)
+        # A pass checks its 4 guesses, and with passes behind it (depth > 1) the first of the next
+        # (fewer only near max_tokens, where no pass is sent that could yield more than it).
+        assert all(d == 4 + (depth > 1) for d, _, _, _ in passes[:len(passes) // 2]), str(passes)
         if p == 1.0:
             assert accepted == drafted
         if p == 0.0:
             assert accepted == 0  # a wrong guess is never the right id
         if p == 0.5:
             assert 0 < accepted < drafted
+        cancelled = sum(c for *_, c in passes)
+        if depth > 1 and p < 1.0:  # passes sent behind a rejected guess were cancelled
+            assert cancelled > 0
+        else:
+            assert cancelled == 0
 
 
 def test_prompt_lookup_gives_the_same_tokens(model_case):
@@ -92,7 +103,8 @@ def test_prompt_lookup_gives_the_same_tokens(model_case):
     assert got == want, name
 
 
-def test_seeded_sampling_is_the_same_draws(model_case):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_seeded_sampling_is_the_same_draws(model_case, depth):
     """A seeded request's draw i comes from its own key (seed, i): checking guesses in a pass draws
     each position as decoding one at a time would, so the tokens are the same, and a replay that
     starts at an offset (failover) continues them."""
@@ -102,25 +114,28 @@ def test_seeded_sampling_is_the_same_draws(model_case):
     want = plain(model, prompt, 20, params)
     reference = prompt + want
     got = speculate(stages_of(path, [0, 2, 4]), prompt, params,
-                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4))
+                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4), depth=depth)
     assert got == want, name
     # A replay after failover: the prompt plus the 7 tokens already sent, the draws from offset 7 on.
     again = SamplingParams(max_tokens=13, temperature=0.8, seed=1234, offset=7)
     got = speculate(stages_of(path, [0, 2, 4]), prompt + want[:7], again,
-                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4))
+                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4), depth=depth)
     assert got == want[7:], name
 
 
-def test_caches_after_rejections_give_the_same_next_logits(model_case):
-    """After passes with rejected guesses, every stage's cache holds exactly the confirmed
-    positions: the next step's logits equal those of a run without speculation."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_caches_after_rejections_give_the_same_next_logits(model_case, depth):
+    """After passes with rejected guesses (and passes behind them cancelled), every stage's cache
+    holds exactly the confirmed positions: the next step's logits equal those of a run without
+    speculation."""
     name, path, model, tokenizer = model_case
     prompt = tokenizer.encode(TEXT)
     want = plain(model, prompt, 12)
     reference = prompt + want
     stages = stages_of(path, [0, 2, 4])
     pipeline = PipelineModel(stages, "t")
-    spec = Speculation(drafter=lambda h: ReferenceDrafter(h, [reference], 0.5, 3, model.args.vocab_size, 4), k_max=4)
+    spec = Speculation(drafter=lambda h: ReferenceDrafter(h, [reference], 0.5, 3, model.args.vocab_size, 4), k_max=4,
+                       depth=depth)
     tokens = generate_tokens(pipeline, prompt, SamplingParams(max_tokens=12), speculation=spec)
     got = [int(next(tokens)) for _ in range(12)]  # the generation stays open: its caches are live
     assert got == want
@@ -306,3 +321,33 @@ def test_test_drafts_with_only_k_fix_the_configured_drafters_guesses(tmp_path):
     assert isinstance(drafter, PromptLookup) and drafter.fixed_k == 3
     f.write_text('{"p": 1.0, "vocab": 512, "answers": [[1, 2, 3, 4]]}')  # answers: the reference drafter
     assert isinstance(ReferenceDrafter.from_file(str(f), configured=PromptLookup)([1, 2, 3]), ReferenceDrafter)
+
+
+def test_passes_in_flight_drain_when_others_start_decoding(model_case):
+    """Another request starts decoding in the middle (its steps and this one's then batch): the
+    passes in flight are taken in, none is sent behind them, a pending cut goes out with a pass
+    of its own, and plain steps follow; when it is alone again, passes are filled again. The
+    tokens are the same throughout."""
+    name, path, model, tokenizer = model_case
+    from meshnode.serving.speculative import speculative_tokens
+
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 40)
+    reference = prompt + want
+    pipeline = PipelineModel(stages_of(path, [0, 2, 4]), "t")
+    cache = pipeline.make_cache()
+    mx.eval(pipeline(mx.array([prompt[:-1]], dtype=mx.uint32), cache))
+    got: list[int] = []
+    checked: list[int] = []  # tokens so far at each pass that checked guesses
+    spec = Speculation(drafter=None, k_max=4, depth=3, on_pass=lambda *a: checked.append(len(got)))
+    drafter = ReferenceDrafter(prompt, [reference], 0.6, 7, model.args.vocab_size, 2)
+    busy = lambda: 8 <= len(got) < 24  # noqa: E731 - others decode while tokens 8 to 23 come
+    for token in speculative_tokens(pipeline, cache, prompt, SamplingParams(max_tokens=40), spec, drafter,
+                                    max_tokens=40, others=busy):
+        got.append(int(token))
+    assert got == want, name
+    # At most 3 passes of 3 tokens were in flight at token 8: from token 17 on, plain steps only,
+    # until it is alone again at 24.
+    assert not [n for n in checked if 17 <= n < 24], checked
+    assert [n for n in checked if n >= 24], checked  # guessing resumed
+    pipeline.close()

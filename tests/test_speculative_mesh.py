@@ -85,15 +85,20 @@ def ask_and_compare(cluster, head, model, texts: dict) -> None:
         cluster.logs()
 
 
-def check_speculated(cluster, head) -> None:
+def check_speculated(cluster, head, filled: bool) -> None:
+    """``filled``: the head sent passes of guesses behind the one in flight (remote stages), and a
+    rejection cancelled some."""
     metrics = node_metrics(cluster, head)
     drafted = counter(metrics, "meshnode_speculative_drafted_tokens")
     accepted = counter(metrics, "meshnode_speculative_accepted_tokens")
     passes = counter(metrics, "meshnode_speculative_passes")
-    print(f"speculative passes {passes:.0f}, guesses {drafted:.0f}, confirmed {accepted:.0f}")
+    cancelled = counter(metrics, "meshnode_speculative_cancelled_passes")
+    print(f"speculative passes {passes:.0f}, guesses {drafted:.0f}, confirmed {accepted:.0f}, cancelled {cancelled:.0f}")
     assert passes > 0 and 0 < accepted < drafted, (passes, drafted, accepted)  # confirmed and rejected guesses
+    assert (cancelled > 0) == filled, cancelled
     view = cluster.mesh_view(head)
     assert view["metrics"]["speculation"]["passes"] == passes, view["metrics"]["speculation"]
+    assert view["metrics"]["speculation"]["cancelled"] == cancelled, view["metrics"]["speculation"]
 
 
 @pytest.mark.parametrize("family,quantize,fast_hops", [("llama", None, True), ("qwen3_moe", None, False),
@@ -115,7 +120,7 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
-        check_speculated(cluster, head)
+        check_speculated(cluster, head, filled=True)
 
 
 def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
@@ -133,7 +138,7 @@ def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
                             and v, 90, "a tensor plan")[0]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
-        check_speculated(cluster, head)
+        check_speculated(cluster, head, filled=False)  # one stage (both nodes in it): nothing to fill
 
 
 def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
@@ -157,7 +162,7 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
         assert text == texts["greedy"], cluster.logs()
         seeded, _ = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens, **SEEDED))
         assert seeded == texts["seeded"], cluster.logs()
-        check_speculated(cluster, cluster.host(head))
+        check_speculated(cluster, cluster.host(head), filled=True)
 
 
 def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):

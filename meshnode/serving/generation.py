@@ -33,6 +33,7 @@ from meshnode.model.wire import Placeholder
 from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
+from meshnode.serving.passes import PassPipe
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
 from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
 from meshnode.tracing import mark
@@ -267,21 +268,16 @@ class PipelineModel:
             i += 1
         return x
 
-    def verify(self, inputs: mx.array, rewind: int = 0) -> mx.array:
-        """A speculative pass (meshnode.serving.speculative): first drop the last ``rewind`` positions
-        of every stage's KV (the last pass's rejected drafts), then run all positions of ``inputs``
-        (1, n) through the stages alone (never in a batch) and return the logits of each, (1, n, vocab).
-        Only a cut is waited for here: each remote stage makes it before its next message."""
+    def passes(self, held: int) -> PassPipe:
+        """Speculative passes through this request's stages (meshnode.serving.passes), which hold
+        ``held`` positions now; such passes step alone (call :meth:`alone` before each)."""
+        return PassPipe(self.state.sessions, held, wait=_wait_idle)
+
+    def alone(self) -> None:
+        """The next step goes through the stages on its own (never in a batch) and promises nothing."""
         self._promised = False
-        if self._batcher is not None and self._decoding:  # it steps alone: no round waits for it
+        if self._batcher is not None and self._decoding:  # no batched round waits for it
             self._batcher.alone(self)
-        sessions = self.state.sessions
-        for session in sessions:
-            session.rewind(rewind)
-        x = inputs
-        for session in sessions[:-1]:
-            x = session.forward(x)
-        return sessions[-1].forward(x, all_positions=True)
 
     def others_decoding(self) -> bool:
         """Whether other requests of this placement decode now (their steps batch: meshnode.serving.step_batch)."""

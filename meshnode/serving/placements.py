@@ -55,7 +55,7 @@ class HeadPlacement:
 
     def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
                  prefixes=None, tokenizer=None, on_batched_step: Callable[[int], None] | None = None,
-                 batch_steps: bool = True, on_speculated: Callable[[int, int, int], None] | None = None,
+                 batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
                  draft=None):
         """``batch_steps``: concurrent decode steps may go through the stages together (every stage a
         plain shard on one node, caches mlx-lm batches: no kv_bits, no tensor group);
@@ -109,7 +109,7 @@ class HeadPlacement:
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
 
 
-def speculation_for(settings, on_pass: Callable[[int, int, int], None] | None, draft=None) -> Speculation | None:
+def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | None, draft=None) -> Speculation | None:
     """A placement's speculative decoding as the settings ask (None: off); ``draft``: the node's
     draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off)."""
     mode = getattr(settings, "speculative", "off")

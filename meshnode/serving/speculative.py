@@ -38,6 +38,10 @@ from meshnode.serving.sampling import SamplingParams
 K_MAX = 8  # the most tokens guessed per pass
 PROBE_AFTER = 16  # plain steps before guessing is tried again where it did not pay (doubling to PROBE_MAX)
 PROBE_MAX = 256
+FILL_MIN = 0.4  # the least chance that a pass sent behind the one in flight is kept, to send it
+# ... for the pass beyond one per stage (pipe_depth): it only saves the first stage's wait for the
+# hop, and a cancelled one delays the pass that replaces it by a whole step at the first stage
+FILL_DEEP = 0.85
 EMA = 0.2  # weight of the newest observation in the running estimates
 
 
@@ -94,8 +98,9 @@ class DraftLength:
     """k for a request's next pass: the acceptance rate measured on its passes (a running count
     of confirmed guesses against guesses up to the first rejection), the cost from ``costs``."""
 
-    def __init__(self, costs: PassCosts, k_max: int = K_MAX, prior: float = 0.6):
-        self.costs, self.k_max = costs, k_max
+    def __init__(self, costs: PassCosts, k_max: int = K_MAX, prior: float = 0.6, fills: bool = False):
+        """``fills``: passes of guesses may follow the one in flight (a pipeline of remote stages)."""
+        self.costs, self.k_max, self.fills = costs, k_max, fills
         self._hits, self._trials = prior * 2, 2.0  # a prior of two guesses at ``prior``
         self._plain_left = 0  # plain steps before trying again
         self._probe = False  # the next pass guesses whatever the estimate says (it measures again)
@@ -120,12 +125,23 @@ class DraftLength:
             rate = expected_tokens(alpha, k) / (1.0 + ratio * k)
             if rate > best * 1.02:  # a guess must pay for itself with a margin
                 best_k, best = k, rate
+        if best_k == 0 and self.fills and alpha >= FILL_MIN:
+            return 0  # guesses pay as passes behind the one in flight (fill_ok), not inside it
         if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long
             self._plain_left = self._pause
             self._pause = min(self._pause * 2, PROBE_MAX)
         else:
             self._pause = PROBE_AFTER
         return best_k
+
+    def fill_ok(self, ahead: int, deep: bool = False) -> bool:
+        """Whether a pass of guesses behind ``ahead`` guesses in flight is worth sending: it is
+        kept only if they and its own first guess are all confirmed. A cancelled one costs little
+        (the first stage computes it while it would wait anyway; the others never see it, or see
+        it while the head computes the pass that replaces it). ``deep``: the pass beyond one per
+        stage, worth it only when nearly sure (FILL_DEEP)."""
+        chance = min(self.alpha, 0.99) ** (ahead + 1)
+        return self.fills and self._plain_left == 0 and chance >= (FILL_DEEP if deep else FILL_MIN)
 
     def paused(self) -> bool:
         """Whether the next step is surely plain (the stages may build it ahead)."""
@@ -149,9 +165,11 @@ class Speculation:
     # A drafter for a request's tokens so far (None: that request decodes without speculation).
     drafter: Callable[[Sequence[int]], Drafter | None]
     costs: PassCosts = field(default_factory=PassCosts)
-    # Told of every pass that carried guesses: (guessed, confirmed, tokens yielded) (meshnode.metrics).
-    on_pass: Callable[[int, int, int], None] | None = None
+    # Told of every pass that checked guesses: (guessed, confirmed, tokens yielded, passes behind it
+    # cancelled by its rejection) (meshnode.metrics).
+    on_pass: Callable[[int, int, int, int], None] | None = None
     k_max: int = K_MAX
+    depth: int | None = None  # passes in flight at once (None: meshnode.serving.speculative.pipe_depth)
 
 
 def why_not(params: SamplingParams, limit: tuple[int | None, str]) -> str:
@@ -168,49 +186,119 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     """Token ids (or Sampled) of a request whose stages hold every position of ``history`` but the
     last (prefilled); ``model`` is the request's PipelineModel, ``cache`` its cache list, ``drafter``
     its guesser (``spec.drafter(history)``). ``others()``: other requests decode on the placement
-    now (steps are then plain: they batch)."""
+    now (steps are then plain: they batch).
+
+    Passes go through a :class:`~meshnode.serving.passes.PassPipe`: up to ``depth`` of them in
+    flight, each after the first made of guesses that assume the ones ahead are confirmed. A pass's
+    logits check its own guesses and the first token of the pass behind it; at the first rejection
+    the passes behind are cancelled and every stage cut back to the confirmed positions."""
     sample = make_indexed_sampler(params)
     greedy, top = params.temperature == 0, params.top_logprobs
-    length = DraftLength(spec.costs, spec.k_max)
+    stages = len(model.state.sessions)
+    depth = spec.depth if spec.depth is not None else pipe_depth(model.state.sessions)
+    length = DraftLength(spec.costs, spec.k_max, fills=depth > 1)
     fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
-    held = len(history) - 1  # positions in the stages' caches
-    y, n, rewind = history[-1], 0, 0
-    while n < max_tokens:
-        k = 0 if others() else min(length.choose() if fixed is None else fixed, max_tokens - n - 1)
-        if window is not None:
-            k = max(0, min(k, window - held - 2))
-        drafts = drafter.propose(k) if k > 0 else []
-        model.may_promise = length.paused() and not drafts
-        started = time.perf_counter()
-        if drafts or rewind:
-            logits = model.verify(mx.array([[y, *drafts]], dtype=mx.uint32), rewind)[0]
-        else:
-            logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        out: list[int] = []
-        if greedy:
-            picks = mx.argmax(logprobs, axis=-1).tolist()
-            for j, pick in enumerate(picks):
-                out.append(pick)
-                if j >= len(drafts) or pick != drafts[j]:
+    held = len(history) - 1  # confirmed positions in the stages' caches
+    pipe = model.passes(held)
+    y, n = history[-1], 0
+    try:
+        while n < max_tokens:
+            room = max_tokens - n  # positions that may still yield a token
+            if window is not None:
+                room = min(room, window - held - 1)
+            k = 0 if others() else min(length.choose() if fixed is None else fixed, room - 1)
+            if not pipe:
+                drafts = drafter.propose(k) if k > 0 else []
+                fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
+                if not drafts and not fill and not pipe.cut_pending:  # a plain step (it may batch)
+                    model.may_promise = length.paused()
+                    started = time.perf_counter()
+                    logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
+                    out = _draws(logits, [], greedy, sample, params.offset + n)
+                    spec.costs.observe(1, time.perf_counter() - started)
+                    length.observe(0, 0)
+                    held += 1
+                    y = out[-1]
+                    yield from _emit(out, logits, top)
+                    n += 1
+                    drafter.extend(out)
+                    continue
+                model.alone()
+                pipe.send([y, *drafts])
+            # Fill: passes of guesses behind the ones in flight, while each may well be confirmed.
+            while len(pipe) < depth and not others():
+                ahead = pipe.in_flight()[1:]  # guesses in flight (the first token is confirmed)
+                size = 1 + max(k, 0)
+                deep = len(pipe) >= stages  # the pass beyond one per stage (pipe_depth)
+                if len(ahead) + 1 + size > room or not (fixed is not None or length.fill_ok(len(ahead), deep)):
                     break
-        else:
-            for j in range(len(drafts) + 1):
-                # (1, vocab), as generate_step samples: MLX draws differently from a (vocab,) row
-                out.append(sample(logprobs[j:j + 1], params.offset + n + j).item())
-                if j >= len(drafts) or out[-1] != drafts[j]:
-                    break
-        accepted = len(out) - 1
-        spec.costs.observe(len(drafts) + 1, time.perf_counter() - started)
-        length.observe(len(drafts), accepted)
-        if drafts and spec.on_pass is not None:
-            spec.on_pass(len(drafts), accepted, len(out))
-        rewind, held = len(drafts) - accepted, held + 1 + accepted
-        for j, token in enumerate(out):
-            yield sampled(token, logprobs[j], top) if top >= 0 else token
-            n += 1
-            if n >= max_tokens:
-                return
-        drafter.extend(out)
-        y = out[-1]
+                guesses = drafter.propose(len(ahead) + size)
+                if guesses[:len(ahead)] != ahead or len(guesses) <= len(ahead):
+                    break  # the drafter has nothing more (or changed its mind)
+                model.alone()
+                pipe.send(guesses[len(ahead):])
+            p, logits = pipe.result()
+            behind = pipe.in_flight()[:1]
+            checks = p.tokens[1:] + behind  # the guesses this pass's logits check
+            out = _draws(logits, checks, greedy, sample, params.offset + n)
+            accepted = len(out) - 1 if len(out) <= len(checks) and out[-1] != checks[len(out) - 1] else len(out)
+            accepted = min(accepted, len(checks))
+            if p.alone:
+                spec.costs.observe(len(p.tokens), time.perf_counter() - p.sent)
+            length.observe(len(checks), accepted)
+            held = p.start + len(out)
+            cancelled = 0
+            if accepted < len(checks):  # a rejection: what is behind it is cancelled
+                cancelled = len(pipe)
+                pipe.cancel(held)
+            if checks and spec.on_pass is not None:
+                spec.on_pass(len(checks), accepted, len(out), cancelled)
+            y = out[-1]
+            for j in range(len(out)):
+                yield from _emit(out[j:j + 1], logits[j:j + 1], top)
+                n += 1
+                if n >= max_tokens:
+                    return
+            drafter.extend(out)
+    finally:
+        if len(pipe):  # the consumer stopped early: nothing waits for the passes in flight
+            pipe.cancel(held)
+
+
+def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> list[int]:
+    """The model's tokens at a pass's positions, drawn as one-at-a-time decoding would draw them
+    (draw ``offset + j`` at position j), up to the first that differs from ``checks[j]`` (the
+    guessed input of the position after), or all of them."""
+    out: list[int] = []
+    if greedy:
+        picks = mx.argmax(logits, axis=-1).tolist()
+        for j, pick in enumerate(picks):
+            out.append(pick)
+            if j >= len(checks) or pick != checks[j]:
+                break
+        return out
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for j in range(logits.shape[0]):
+        # (1, vocab), as generate_step samples: MLX draws differently from a (vocab,) row
+        out.append(sample(logprobs[j:j + 1], offset + j).item())
+        if j >= len(checks) or out[-1] != checks[j]:
+            break
+    return out
+
+
+def _emit(out: list[int], logits: mx.array, top: int) -> Iterator:
+    if top < 0:
+        yield from out
+        return
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for j, token in enumerate(out):
+        yield sampled(token, logprobs[j], top)
+
+
+def pipe_depth(sessions) -> int:
+    """Passes in flight at once where a stage is remote: one per stage (each computes one while the
+    others compute theirs) and one more, waiting at the first stage, so that it starts its next
+    pass as soon as it ends one, not a hop after the head hears of the last stage's result. One
+    where every stage is local (they share this thread)."""
+    return len(sessions) + 1 if any(s.remote for s in sessions) else 1

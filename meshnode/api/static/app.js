@@ -195,6 +195,7 @@ function renderLive(mesh) {
   const s = m.speculation || {};
   $("spec-accept").textContent = s.acceptance_rate == null ? "–" : (100 * s.acceptance_rate).toFixed(0) + " %";
   $("spec-per-pass").textContent = s.tokens_per_pass == null ? "–" : s.tokens_per_pass.toFixed(2);
+  $("spec-cancelled").textContent = s.passes ? String(s.cancelled) : "–";
 }
 
 function renderLinks(mesh) {

@@ -1,0 +1,135 @@
+"""Speculative passes in flight through a request's stages: the pipeline's bubbles filled.
+
+With one pass at a time a pipeline's stages take turns: while the last stage checks a pass, the
+first waits. :class:`PassPipe` lets the head send the next pass into the first stage before the
+one ahead of it has left the last (its tokens are guesses that assume the one ahead is confirmed:
+meshnode.serving.speculative), so every stage works at once. Passes leave the last stage in the
+order they were sent. When a pass's logits reject a guess, every pass behind it is cancelled: it
+goes into no further stage (the head carries each pass from stage to stage, so the stages it has
+not reached never see it), and every stage cuts its KV cache back to the confirmed positions
+(meshnode.model.rewind): a local stage at once, a remote one with its next message, after the
+messages it already has (their replies are read and dropped).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from meshnode.serving.prefill import POLL, WaitFn, wait_first
+
+
+@dataclass(eq=False)
+class Pass:
+    """Tokens that go through every stage as one step, at positions ``start`` on."""
+
+    tokens: list[int]
+    start: int
+    sent: float = field(default_factory=time.perf_counter)
+    alone: bool = True  # no other pass was in flight while it was (its time is a pass's cost)
+    cancelled: bool = False
+
+
+class PassPipe:
+    """One request's passes in flight through its stage sessions (meshnode.serving.generation),
+    oldest first. ``held``: the positions every stage holds now."""
+
+    def __init__(self, sessions: Sequence, held: int, wait: WaitFn | None = None):
+        self._sessions = list(sessions)
+        n = len(self._sessions)
+        self._held = [held] * n  # positions given to each stage, passes in flight included
+        self._ready: list[deque] = [deque() for _ in range(n)]  # (pass, input) for stage i
+        self._running: list[deque] = [deque() for _ in range(n)]  # (pass, ticket) at remote stage i, in order
+        self._done: deque = deque()  # (pass, logits) through every stage
+        self._passes: deque[Pass] = deque()  # in flight, oldest first
+        self._wait = wait or wait_first
+        self.end = held  # the position after the last token sent
+        self.cut_pending = False  # a cut not yet carried to every remote stage by a later message
+
+    def __len__(self) -> int:
+        return len(self._passes)
+
+    def in_flight(self) -> list[int]:
+        """The tokens of the passes in flight, in order."""
+        return [t for p in self._passes for t in p.tokens]
+
+    def send(self, tokens: Sequence[int]) -> None:
+        """Send a pass into the first stage (a remote one gets it now)."""
+        p = Pass(list(tokens), self.end, alone=not self._passes)
+        for q in self._passes:
+            q.alone = False
+        self.end += len(p.tokens)
+        self._passes.append(p)
+        self._ready[0].append((p, mx.array([p.tokens], dtype=mx.uint32)))
+        self.cut_pending = False
+        self._start_remote()
+
+    def result(self) -> tuple[Pass, mx.array]:
+        """The oldest pass in flight and its logits, (positions, vocab): the stages driven until
+        it has left the last one."""
+        oldest = self._passes[0]
+        while not self._done or self._done[0][0] is not oldest:
+            self._pump()
+        self._passes.popleft()
+        return self._done.popleft()
+
+    def cancel(self, keep: int) -> None:
+        """Drop every pass in flight; each stage keeps positions [0, keep) of its cache."""
+        for p in self._passes:
+            p.cancelled = True
+        self._passes.clear()
+        self._done.clear()
+        for q in self._ready:
+            q.clear()
+        self.end = keep
+        for i, session in enumerate(self._sessions):
+            if self._held[i] > keep:
+                session.rewind(self._held[i] - keep)
+                self._held[i] = keep
+                self.cut_pending = self.cut_pending or session.remote
+
+    def _start_remote(self) -> None:
+        for i, session in enumerate(self._sessions):
+            while session.remote and self._ready[i]:
+                p, x = self._ready[i].popleft()
+                self._held[i] += len(p.tokens)
+                self._running[i].append((p, session.submit(x)))
+
+    def _advance(self, i: int, p: Pass, out: mx.array) -> None:
+        if i + 1 < len(self._sessions):
+            self._ready[i + 1].append((p, out))
+        else:
+            self._done.append((p, out[0]))
+
+    def _pump(self) -> None:
+        """One move: replies taken in, passes started at remote stages, one local stage's step
+        (the deepest first: it drains the pipe), or a wait for a remote stage."""
+        for i, q in enumerate(self._running):
+            while q and q[0][1].done():
+                p, ticket = q.popleft()
+                out = ticket.result()  # read even when cancelled: replies come in order
+                if not p.cancelled:
+                    self._advance(i, p, out)
+        self._start_remote()
+        local = [i for i, s in enumerate(self._sessions) if not s.remote and self._ready[i]]
+        if local:
+            i = local[-1]
+            p, x = self._ready[i].popleft()
+            self._held[i] += len(p.tokens)
+            session = self._sessions[i]
+            last = i + 1 == len(self._sessions)
+            self._advance(i, p, session.forward(x, all_positions=True) if last else session.forward(x))
+            return
+        if self._done and self._done[0][0] is self._passes[0]:
+            return
+        heads = [q[0][1] for q in self._running if q]
+        if not heads:
+            raise RuntimeError("no pass in flight")  # pragma: no cover - result() waits for a pass sent
+        self._wait([t.wait_handle() for t in heads if t.wait_handle() is not None], POLL)
+        for t in heads:
+            if not t.done():
+                t.check()  # raises: the stage is lost (stopped heartbeating), not merely busy
