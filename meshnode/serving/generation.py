@@ -274,10 +274,15 @@ class PipelineModel:
         return PassPipe(self.state.sessions, held, wait=_wait_idle)
 
     def alone(self) -> None:
-        """The next step goes through the stages on its own (never in a batch) and promises nothing."""
+        """The next step goes through the stages on its own (never in a batch) and promises nothing.
+        The request decodes all the same: others that start decoding see it and batch (a
+        speculating request then stops sending passes: meshnode.serving.speculative)."""
         self._promised = False
-        if self._batcher is not None and self._decoding:  # no batched round waits for it
-            self._batcher.alone(self)
+        if self._batcher is not None:
+            if not self._decoding:
+                self._decoding = True
+                self._batcher.decoding(self)
+            self._batcher.alone(self)  # no batched round waits for it
 
     def others_decoding(self) -> bool:
         """Whether other requests of this placement decode now (their steps batch: meshnode.serving.step_batch)."""

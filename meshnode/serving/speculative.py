@@ -269,16 +269,18 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
 def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> list[int]:
     """The model's tokens at a pass's positions, drawn as one-at-a-time decoding would draw them
     (draw ``offset + j`` at position j), up to the first that differs from ``checks[j]`` (the
-    guessed input of the position after), or all of them."""
+    guessed input of the position after), or all of them. Greedy is the argmax of the log
+    probabilities, as mlx-lm's: in bfloat16, subtracting the log-sum-exp rounds, and the argmax of
+    the raw logits can be another token."""
     out: list[int] = []
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if greedy:
-        picks = mx.argmax(logits, axis=-1).tolist()
+        picks = mx.argmax(logprobs, axis=-1).tolist()
         for j, pick in enumerate(picks):
             out.append(pick)
             if j >= len(checks) or pick != checks[j]:
                 break
         return out
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     for j in range(logits.shape[0]):
         # (1, vocab), as generate_step samples: MLX draws differently from a (vocab,) row
         out.append(sample(logprobs[j:j + 1], offset + j).item())
