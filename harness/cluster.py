@@ -286,7 +286,13 @@ class Cluster:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def logs(self):
-        return "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(self.tmp.glob("*/node.log")))
+        """The end of each node's log for a failure message, without the access lines of the
+        harness's own polling (GET /v1/mesh every fraction of a second would fill it)."""
+        def tail(p):
+            lines = [line for line in p.read_text(errors="replace").splitlines(keepends=True)
+                     if not ("meshnode.access: GET /v1/mesh " in line or "meshnode.access: GET /health " in line)]
+            return "".join(lines)[-4000:]
+        return "\n".join(f"--- {p}\n{tail(p)}" for p in sorted(self.tmp.glob("*/node.log")))
 
 
 def read_stream(proc, fault=None, after_chunks=10, timeout=90):
