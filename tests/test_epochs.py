@@ -288,3 +288,21 @@ def test_an_invalid_plans_epoch_is_not_taken_before_the_plan_is_adopted():
     assert state.offered(9, "b", "b") and state.next_epoch() == 4  # not adopted yet: not counted
     state.saw(2**64 - 1)
     assert state.next_epoch() == 4
+
+
+def test_a_node_that_withdrew_the_plan_alone_takes_it_back_from_its_coordinator():
+    """Found by the 5-minute soak in CI: a node cut off alone became coordinator, found that no plan
+    fits on it and withdrew epoch 23; when its link came back the mesh still held epoch 23 (no
+    one had to re-plan: the node was not in it), so by rule 1 alone the node never adopted it
+    again and answered 503 until the next epoch."""
+    state = EpochState()
+    state.adopted(23, "h2")
+    state.withdraw()
+    assert state.held is None and state.epoch == 23
+    assert not state.offered(23, "h2", "h0")  # a peer cut off with it: not from the coordinator
+    assert not state.offered(23, "h9", "h9")  # another plan under that number: never
+    assert not state.offered(22, "h2", "h2")  # an older one: never
+    assert state.offered(23, "h2", "h2")  # the plan it dropped, from its coordinator
+    state.adopted(23, "h2")
+    assert state.held == Published(23, "h2") and state.next_epoch() == 24
+    assert not state.offered(23, "h2", "h2")  # held again: nothing to take back

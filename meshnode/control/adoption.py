@@ -92,7 +92,7 @@ class Adoption:
         self.adopt(plan, coordinator=msg.coordinator, source=source)
 
     def adopt(self, plan: Plan, *, coordinator: str, source: str) -> None:
-        if plan.epoch <= self.epoch:
+        if plan.epoch <= self.epoch and not self.epochs.takes_back(plan.epoch, coordinator):
             return
         self.served.take(plan)
         self.epochs.adopted(plan.epoch, coordinator)

@@ -6,7 +6,12 @@ before it heard the other (nodes started together, a healed partition), or a new
 published before the last plan of the one it replaces reached it. The rule, the same on every
 node and with no timing in it:
 
-1. A node adopts a plan only if its epoch is higher than the node's own (stale plans are fenced).
+1. A node adopts a plan only if its epoch is higher than the node's own (stale plans are fenced),
+   or if it is the very plan (epoch and coordinator) this node withdrew and holds none since, and
+   its coordinator itself offers it: a node cut off alone finds that no plan fits on it and drops
+   the plan it held; once it hears the mesh again, the mesh still holds that plan, and no new
+   epoch comes to bring it back. (From the coordinator only: a peer cut off with this node may
+   still hold the plan, and taking it back from that peer would only be dropped again.)
 2. A plan seen under the node's own epoch from a coordinator other than the one that published
    the node's plan marks that epoch *contested*: in a heartbeat, in an Install, or in the reply
    of a peer that refused this node's Install because it holds another plan under that epoch
@@ -48,6 +53,7 @@ class EpochState:
         self.grace = grace  # seconds up before publishing a first plan (rule 4)
         self.held: Published | None = None  # the plan this node holds
         self.withdrawn = 0  # the epoch of a plan withdrawn (no plan fits): numbers never go back
+        self.withdrawn_by = ""  # who published that plan
         self.max_seen = 0  # the highest epoch seen anywhere
         self.contested = 0  # an epoch for which another coordinator's plan was seen
 
@@ -66,6 +72,8 @@ class EpochState:
         it (rule 1); marks the epoch contested if it is this node's own under another name (rule 2)."""
         if epoch > self.epoch:  # seen only once adopted: the plan may yet be invalid
             return epoch <= MAX_EPOCH
+        if seen_at == coordinator and self.takes_back(epoch, coordinator):
+            return True  # from its coordinator itself: heard again, not one of a minority's peers
         if self.held is not None and epoch == self.held.epoch and coordinator != self.held.coordinator:
             if self.contested != epoch:
                 log.warning("epoch %d names two plans: %s's (held here) and %s's (held by %s)", epoch,
@@ -92,7 +100,13 @@ class EpochState:
 
     def withdraw(self) -> None:
         """The held plan no longer fits: no plan, and the next one is numbered above it."""
+        if self.held is not None:
+            self.withdrawn_by = self.held.coordinator
         self.withdrawn, self.held = self.epoch, None
+
+    def takes_back(self, epoch: int, coordinator: str) -> bool:
+        """Whether a plan a peer holds is the very one this node withdrew, holding none since (rule 1)."""
+        return self.held is None and epoch == self.withdrawn > 0 and coordinator == self.withdrawn_by
 
     def must_republish(self) -> bool:
         """The held plan's epoch names two plans: the coordinator publishes again (rule 3)."""
