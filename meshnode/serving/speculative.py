@@ -215,12 +215,12 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     model.may_promise = length.paused()
                     started = time.perf_counter()
                     logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
-                    out = _draws(logits, [], greedy, sample, params.offset + n)
+                    out, logprobs = _draws(logits, [], greedy, sample, params.offset + n)
                     spec.costs.observe(1, time.perf_counter() - started)
                     length.observe(0, 0)
                     held += 1
                     y = out[-1]
-                    yield from _emit(out, logits, top)
+                    yield sampled(y, logprobs[0], top) if top >= 0 else y
                     n += 1
                     drafter.extend(out)
                     continue
@@ -241,9 +241,9 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             p, logits = pipe.result()
             behind = pipe.in_flight()[:1]
             checks = p.tokens[1:] + behind  # the guesses this pass's logits check
-            out = _draws(logits, checks, greedy, sample, params.offset + n)
-            accepted = len(out) - 1 if len(out) <= len(checks) and out[-1] != checks[len(out) - 1] else len(out)
-            accepted = min(accepted, len(checks))
+            out, logprobs = _draws(logits, checks, greedy, sample, params.offset + n)
+            # out stops at the first draw that differs from its check: the ones before it are confirmed
+            accepted = next((j for j, (a, b) in enumerate(zip(out, checks)) if a != b), min(len(out), len(checks)))
             if p.alone:
                 spec.costs.observe(len(p.tokens), time.perf_counter() - p.sent)
             length.observe(len(checks), accepted)
@@ -255,8 +255,8 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             if checks and spec.on_pass is not None:
                 spec.on_pass(len(checks), accepted, len(out), cancelled)
             y = out[-1]
-            for j in range(len(out)):
-                yield from _emit(out[j:j + 1], logits[j:j + 1], top)
+            for j, token in enumerate(out):
+                yield sampled(token, logprobs[j], top) if top >= 0 else token
                 n += 1
                 if n >= max_tokens:
                     return
@@ -266,9 +266,9 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             pipe.cancel(held)
 
 
-def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> list[int]:
-    """The model's tokens at a pass's positions, drawn as one-at-a-time decoding would draw them
-    (draw ``offset + j`` at position j), up to the first that differs from ``checks[j]`` (the
+def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> tuple[list[int], mx.array]:
+    """The model's tokens at a pass's positions (and the log probabilities of every position),
+    drawn as one-at-a-time decoding would draw them (draw ``offset + j`` at position j), up to the first that differs from ``checks[j]`` (the
     guessed input of the position after), or all of them. Greedy is the argmax of the log
     probabilities, as mlx-lm's: in bfloat16, subtracting the log-sum-exp rounds, and the argmax of
     the raw logits can be another token."""
@@ -280,22 +280,13 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
             out.append(pick)
             if j >= len(checks) or pick != checks[j]:
                 break
-        return out
+        return out, logprobs
     for j in range(logits.shape[0]):
         # (1, vocab), as generate_step samples: MLX draws differently from a (vocab,) row
         out.append(sample(logprobs[j:j + 1], offset + j).item())
         if j >= len(checks) or out[-1] != checks[j]:
             break
-    return out
-
-
-def _emit(out: list[int], logits: mx.array, top: int) -> Iterator:
-    if top < 0:
-        yield from out
-        return
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    for j, token in enumerate(out):
-        yield sampled(token, logprobs[j], top)
+    return out, logprobs
 
 
 def pipe_depth(sessions) -> int:
