@@ -155,7 +155,9 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
         for h in cluster.hosts:
             cluster.start(h, int(total * 0.6), env=env)
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, "convergence")[0]
-        first, head = [s["nodes"][0] for s in view["plan"]["stages"]]
+        # Two stages, or three where the nodes' measured speeds (a busy machine) make that faster.
+        stages = [s["nodes"][0] for s in view["plan"]["stages"]]
+        first, head = stages[0], stages[-1]
         text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens),
                                     fault=lambda: mesh.kill(cluster.procs[first]))
         assert faulted
