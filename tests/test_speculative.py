@@ -202,6 +202,29 @@ def test_draft_length_follows_acceptance_and_cost():
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
 
 
+def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one():
+    # Extra positions cost nearly a step (this CPU): a probe of two positions would cost a step's
+    # compute; one guess sent behind the plain pass costs the first stage only time it would wait.
+    length = DraftLength(PassCosts(one=0.1, extra=0.09), k_max=8, fills=True)
+    assert length.choose() == 0 and length.fill_ok(0)  # the prior: fill from the start
+    for _ in range(10):
+        length.observe(1, 0)
+    assert length.choose() == 0 and not length.fill_ok(0) and length.paused()
+    for _ in range(PROBE_AFTER):
+        length.observe(0, 0)
+    assert length.choose() == 0  # the probe: no guess inside the pass ...
+    assert length.fill_ok(0) and not length.fill_ok(0, deep=True) and not length.fill_ok(1)  # ... one behind it
+    assert length.fill_ok(0)  # still, until a pass that checked a guess is observed
+    length.observe(1, 0)
+    assert not length.fill_ok(0) and length.choose() == 0 and length.paused()  # refused: a longer pause
+    for _ in range(2 * PROBE_AFTER):
+        length.observe(0, 0)
+    assert length.choose() == 0 and length.fill_ok(0)
+    before = length.alpha
+    length.observe(1, 1)  # the guess came right: the estimate rises, and decides the next fill
+    assert length.alpha > before and length.fill_ok(0) == (length.alpha >= 0.4)
+
+
 def test_a_new_placement_measures_what_a_guess_costs_before_guessing_more():
     costs = PassCosts()
     length = DraftLength(costs, k_max=8)
@@ -350,6 +373,34 @@ def test_passes_in_flight_drain_when_others_start_decoding(model_case):
     # until it is alone again at 24.
     assert not [n for n in checked if 17 <= n < 24], checked
     assert [n for n in checked if n >= 24], checked  # guessing resumed
+    pipeline.close()
+
+
+def test_the_next_pass_is_in_flight_while_a_pass_s_tokens_are_handed_on(model_case):
+    """The stages compute the next pass while the consumer detokenizes and streams the tokens of the
+    last one (on the head's core): each pass after the first is sent before those tokens are yielded."""
+    name, path, model, tokenizer = model_case
+    from meshnode.serving.speculative import speculative_tokens
+
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 30)
+    pipeline = PipelineModel(stages_of(path, [0, 2, 4]), "t")
+    pipes = []
+    opened = pipeline.passes
+    pipeline.passes = lambda held: pipes.append(opened(held)) or pipes[-1]
+    cache = pipeline.make_cache()
+    mx.eval(pipeline(mx.array([prompt[:-1]], dtype=mx.uint32), cache))
+    drafter = ReferenceDrafter(prompt, [prompt + want], 1.0, 7, model.args.vocab_size, 2)
+    got, in_flight = [], []
+    for token in speculative_tokens(pipeline, cache, prompt, SamplingParams(max_tokens=30),
+                                    Speculation(drafter=None, k_max=4, depth=3), drafter, max_tokens=30):
+        got.append(int(token))
+        in_flight.append(len(pipes[0]))
+    assert got == want, name
+    # Every guess is right: passes of 3 tokens, each yielded with the pipe already full again (3
+    # passes in flight, not the 2 left behind it), until no pass is sent that could yield more than
+    # max_tokens.
+    assert in_flight[:21] == [3] * 21, in_flight
     pipeline.close()
 
 

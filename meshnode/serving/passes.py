@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from meshnode.serving.prefill import POLL, WaitFn, wait_first
+from meshnode.tracing import mark
 
 
 @dataclass(eq=False)
@@ -66,6 +67,7 @@ class PassPipe:
         self._passes.append(p)
         self._ready[0].append((p, mx.array([p.tokens], dtype=mx.uint32)))
         self.cut_pending = False
+        mark("pass.sent")
         self._start_remote()
 
     def result(self) -> tuple[Pass, mx.array]:
@@ -119,6 +121,7 @@ class PassPipe:
         if local:
             i = local[-1]
             p, x = self._ready[i].popleft()
+            mark("pass.local")
             self._held[i] += len(p.tokens)
             session = self._sessions[i]
             last = i + 1 == len(self._sessions)

@@ -18,8 +18,9 @@ speculative acceptance rule (accept x with probability p(x); otherwise a draw fr
 How many to guess (:class:`DraftLength`): the acceptance rate is measured per request, the cost
 of a pass by its positions per placement (:class:`PassCosts`); k maximizes the expected tokens per
 second, and is 0 (plain decoding, the stages building each step ahead again) where guessing does
-not pay. It is probed again with one guess after :data:`PROBE_AFTER` plain steps, then after twice
-as many each time it still does not pay.
+not pay. It is probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own
+behind the plain one where passes may fill the pipeline, else a pass of two positions), then after
+twice as many each time it still does not pay.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import mlx.core as mx
 from meshnode.serving.drafting import Drafter
 from meshnode.serving.sampler import make_indexed_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
+from meshnode.tracing import mark
 
 K_MAX = 8  # the most tokens guessed per pass
 PROBE_AFTER = 16  # plain steps before guessing is tried again where it did not pay (doubling to PROBE_MAX)
@@ -104,6 +106,7 @@ class DraftLength:
         self._hits, self._trials = prior * 2, 2.0  # a prior of two guesses at ``prior``
         self._plain_left = 0  # plain steps before trying again
         self._probe = False  # the next pass guesses whatever the estimate says (it measures again)
+        self._probe_fill = False  # the probe is a pass behind the one in flight (fill_ok), until observed
         self._pause = PROBE_AFTER  # plain steps of the next pause
 
     @property
@@ -115,6 +118,9 @@ class DraftLength:
             return 0
         if self._probe:  # one guess: the cheapest measure of whether they come right now
             self._probe = False
+            if self.fills:  # a pass behind the plain one, which costs a stage's wait at most
+                self._probe_fill = True
+                return 0
             return 1
         one, extra = self.costs.fit()
         if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply
@@ -140,8 +146,11 @@ class DraftLength:
         (the first stage computes it while it would wait anyway; the others never see it, or see
         it while the head computes the pass that replaces it). ``deep``: the pass beyond one per
         stage, worth it only when nearly sure (FILL_DEEP)."""
-        chance = min(self.alpha, 0.99) ** (ahead + 1)
-        return self.fills and self._plain_left == 0 and chance >= (FILL_DEEP if deep else FILL_MIN)
+        if not self.fills or self._plain_left > 0:
+            return False
+        if self._probe_fill and ahead == 0 and not deep:
+            return True
+        return min(self.alpha, 0.99) ** (ahead + 1) >= (FILL_DEEP if deep else FILL_MIN)
 
     def paused(self) -> bool:
         """Whether the next step is surely plain (the stages may build it ahead)."""
@@ -153,6 +162,7 @@ class DraftLength:
                 self._plain_left -= 1
                 self._probe = self._plain_left == 0
             return
+        self._probe_fill = False
         trials = accepted + (accepted < drafted)
         self._hits = (1 - EMA) * self._hits + accepted
         self._trials = (1 - EMA) * self._trials + trials
@@ -202,6 +212,9 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     held = len(history) - 1  # confirmed positions in the stages' caches
     pipe = model.passes(held)
     y, n = history[-1], 0
+    # Tokens drawn and not yet yielded: the next passes are sent first, so that the stages compute
+    # while the consumer detokenizes and streams these (on the head's core, between two passes).
+    drawn: list = []
     try:
         while n < max_tokens:
             room = max_tokens - n  # positions that may still yield a token
@@ -212,6 +225,8 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                 drafts = drafter.propose(k) if k > 0 else []
                 fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
                 if not drafts and not fill and not pipe.cut_pending:  # a plain step (it may batch)
+                    yield from drawn
+                    drawn = []
                     model.may_promise = length.paused()
                     started = time.perf_counter()
                     logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
@@ -238,10 +253,14 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     break  # the drafter has nothing more (or changed its mind)
                 model.alone()
                 pipe.send(guesses[len(ahead):])
+            yield from drawn
+            drawn = []
+            mark("spec.wait")
             p, logits = pipe.result()
             behind = pipe.in_flight()[:1]
             checks = p.tokens[1:] + behind  # the guesses this pass's logits check
             out, logprobs = _draws(logits, checks, greedy, sample, params.offset + n)
+            mark("spec.drawn")
             # out stops at the first draw that differs from its check: the ones before it are confirmed
             accepted = next((j for j, (a, b) in enumerate(zip(out, checks)) if a != b), min(len(out), len(checks)))
             if p.alone:
@@ -255,12 +274,11 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             if checks and spec.on_pass is not None:
                 spec.on_pass(len(checks), accepted, len(out), cancelled)
             y = out[-1]
-            for j, token in enumerate(out):
-                yield sampled(token, logprobs[j], top) if top >= 0 else token
-                n += 1
-                if n >= max_tokens:
-                    return
+            out = out[:max_tokens - n]
+            drawn = [sampled(token, logprobs[j], top) if top >= 0 else token for j, token in enumerate(out)]
+            n += len(out)
             drafter.extend(out)
+        yield from drawn
     finally:
         if len(pipe):  # the consumer stopped early: nothing waits for the passes in flight
             pipe.cancel(held)
