@@ -109,9 +109,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--p", type=float, nargs="+", default=list(PS), help="the acceptances to measure")
     ap.add_argument("--mlx-cores", choices=("one", "all"), default="one",
                     help="mlx-lm on one core (one machine, as each mesh node) or on every core")
     args = ap.parse_args()
+    ps = tuple(args.p)
 
     import os
 
@@ -169,7 +171,7 @@ def main() -> int:
                 note("mlx plain", plain)
                 nospec = mesh("nospec", {"off": True})
                 note("mesh nospec", nospec)
-                for p in PS:
+                for p in ps:
                     spec_tps = mesh(f"p={p}", {"p": p, "seed": SEED, "vocab": vocab, "answers": [answer]})
                     mlx_spec = mlx_decode(model, tokenizer, prompt, args.tokens, GuessModel(answer, p, vocab))
                     note(f"mesh p={p}", spec_tps)
@@ -181,13 +183,13 @@ def main() -> int:
                 note("mesh prompt lookup", lookup)
                 note("lookup/nospec", lookup / nospec)
                 print(f"round {r + 1}: mlx-lm {plain:.2f} tok/s, mesh without speculation {nospec:.2f}, "
-                      + ", ".join(f"p={p} {rows[f'mesh p={p}'][-1]:.2f}" for p in PS)
+                      + ", ".join(f"p={p} {rows[f'mesh p={p}'][-1]:.2f}" for p in ps)
                       + f", prompt lookup {lookup:.2f}", flush=True)
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     print("\n| p | mesh tok/s | mlx-lm spec tok/s | mesh/plain | mesh/mlx-spec | spec/nospec | acceptance | tokens/pass |")
     print("|---|---|---|---|---|---|---|---|")
-    for p in PS:
+    for p in ps:
         s = stats[f"p={p}"]
         acc = s["accepted"] / s["drafted"] if s["drafted"] else float("nan")
         per = s["tokens"] / s["passes"] if s["passes"] else float("nan")
@@ -196,7 +198,7 @@ def main() -> int:
     print(f"\neach further position of a step costs {cost:.2f} of a one-position step here (mlx-lm, whole model)")
     print(f"mlx-lm plain {med['mlx plain']:.2f} tok/s; mesh without speculation {med['mesh nospec']:.2f}; "
           f"prompt lookup {med['mesh prompt lookup']:.2f} ({med['lookup/nospec']:.2f}x without)")
-    for p in PS:
+    for p in ps:
         print(f"p={p} mesh/plain {med[f'p={p} mesh/plain']:.2f} mesh/mlx-spec {med[f'p={p} mesh/mlx-spec']:.2f} "
               f"spec/nospec {med[f'p={p} spec/nospec']:.2f}")
     if args.json:
