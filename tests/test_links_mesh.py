@@ -42,7 +42,9 @@ def test_data_takes_the_fast_link(tmp_path):
         for h in (a, b):  # neither holds the model alone: a two-stage pipeline
             # Each path is probed once, on joining, and not again during the test: a periodic
             # bulk probe of the bridge falling inside the counted window would count as data there.
-            cluster.start(h, int(total * 0.6), env={"MESHNODE_LINK_PROBE_INTERVAL": "600"})
+            # Pinned: "auto" may estimate a tensor pair faster from links measured on a busy machine.
+            cluster.start(h, int(total * 0.6),
+                          env={"MESHNODE_LINK_PROBE_INTERVAL": "600", "MESHNODE_STRATEGY": "pipeline"})
         cluster.wait(lambda: cluster.converged([a, b], 2), 60, "a two-node plan")
 
         def measured():
