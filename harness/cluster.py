@@ -295,6 +295,11 @@ class Cluster:
         return "\n".join(f"--- {p}\n{tail(p)}" for p in sorted(self.tmp.glob("*/node.log")))
 
 
+def stage_nodes(view: dict) -> list[str]:
+    """The first node of each stage of a /v1/mesh view's plan, in stage order (the last: the head)."""
+    return [s["nodes"][0] for s in view["plan"]["stages"]]
+
+
 def read_stream(proc, fault=None, after_chunks=10, timeout=90):
     """Collect the streamed text; call ``fault()`` once ``after_chunks`` content chunks arrived."""
     text, chunks, done, error = "", 0, False, None

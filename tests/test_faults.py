@@ -14,7 +14,7 @@ import pytest
 from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
-from harness.cluster import HTTP, Cluster, mlx_reference, read_stream
+from harness.cluster import HTTP, Cluster, mlx_reference, read_stream, stage_nodes
 from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
@@ -51,10 +51,6 @@ def setup(mesh, model, tmp, seed):
         cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
     views = cluster.wait(lambda: cluster.converged(cluster.hosts, len(cluster.hosts)), 40, "convergence")
     return cluster, views[0]
-
-
-def stage_nodes(view):
-    return [s["nodes"][0] for s in view["plan"]["stages"]]
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze", "link_down"])

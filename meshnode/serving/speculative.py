@@ -286,10 +286,10 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
 
 def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> tuple[list[int], mx.array]:
     """The model's tokens at a pass's positions (and the log probabilities of every position),
-    drawn as one-at-a-time decoding would draw them (draw ``offset + j`` at position j), up to the first that differs from ``checks[j]`` (the
-    guessed input of the position after), or all of them. Greedy is the argmax of the log
-    probabilities, as mlx-lm's: in bfloat16, subtracting the log-sum-exp rounds, and the argmax of
-    the raw logits can be another token."""
+    drawn as one-at-a-time decoding would draw them (draw ``offset + j`` at position j), up to the
+    first that differs from ``checks[j]`` (the guessed input of the position after), or all of them.
+    Greedy is the argmax of the log probabilities, as mlx-lm's: in bfloat16, subtracting the
+    log-sum-exp rounds, and the argmax of the raw logits can be another token."""
     out: list[int] = []
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if greedy:
