@@ -608,6 +608,36 @@ def test_faster_nodes_hold_more_layers_in_a_pipeline():
     assert result.strategy == "pipeline" and counts["fast"] > counts["slow"]
 
 
+def test_nodes_measured_a_few_percent_apart_split_the_layers_evenly():
+    # Two identical machines measure a few percent apart; the least-time split took that at face
+    # value and put every layer it could on the one that measured faster (7 and 9 of 16: the head's
+    # stage then took 1.27x the other's, and a filled pipeline waited on it).
+    p = shaped(n=16, embed=0, kv=0)
+    budget = int(p.total_bytes(1) * 0.6)
+    for a_s, b_s in ((5.0e-4, 5.2e-4), (5.2e-4, 5.0e-4), (5.0e-4, 5.45e-4)):
+        nodes = [NodeSpec("a", budget, layer_seconds=a_s), NodeSpec("b", budget, layer_seconds=b_s)]
+        result = plan(p, nodes, max_context=1, links=link_all("ab", 300e-6), strategy="pipeline")
+        assert [s.num_layers for s in result.stages] == [8, 8], (a_s, b_s, result.stages)
+    # Beyond the noise the faster node still takes more (as many as its memory holds)
+    nodes = [NodeSpec("a", budget, layer_seconds=5.0e-4), NodeSpec("b", budget, layer_seconds=6.0e-4)]
+    result = plan(p, nodes, max_context=1, links=link_all("ab", 300e-6), strategy="pipeline")
+    assert {s.nodes[0]: s.num_layers for s in result.stages} == {"a": 9, "b": 7}
+
+
+def test_three_nodes_within_the_noise_split_evenly_and_a_slower_one_takes_fewer():
+    p = shaped(n=24, embed=0, kv=0)
+    budget = int(p.total_bytes(1) * 0.45)  # three are needed
+    links = link_all(["a", "b", "c"], 300e-6)
+    nodes = [NodeSpec("a", budget, layer_seconds=5.0e-4), NodeSpec("b", budget, layer_seconds=5.2e-4),
+             NodeSpec("c", budget, layer_seconds=5.4e-4)]
+    result = plan(p, nodes, max_context=1, links=links, strategy="pipeline")
+    assert sorted(s.num_layers for s in result.stages) == [8, 8, 8], result.stages
+    nodes[2] = NodeSpec("c", budget, layer_seconds=1.0e-3)
+    result = plan(p, nodes, max_context=1, links=links, strategy="pipeline")
+    counts = {s.nodes[0]: s.num_layers for s in result.stages}
+    assert counts["a"] == counts["b"] > counts["c"], counts
+
+
 def test_estimate_of_a_placement_matches_the_plan_and_rpc_overhead_costs_only_hops():
     from meshnode.control.planner import estimate
 

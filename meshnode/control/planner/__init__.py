@@ -75,7 +75,9 @@ Search: exact for home labs, heuristic beyond. Single: every node. Pipelines: ev
 to ``EXACT_SUBSET_NODES`` nodes (all stage orders up to 3 stages; else the memory order, fastest
 first and its reverse), the top-k by budget and by speed beyond; split by the least time within
 budgets (the memory split above when the stage nodes are equally fast: time then does not depend
-on it). Tensor: every g-subset (top-g by budget and by speed beyond). Hybrid: every partition of
+on it; speeds measured within ``SAME_SPEED``, 10 %, of each other count as equal for the split,
+so two like machines share the layers evenly instead of the one that measured faster taking all
+its memory holds). Tensor: every g-subset (top-g by budget and by speed beyond). Hybrid: every partition of
 every subset into legal groups in every order up to ``EXACT_GROUP_NODES`` nodes; beyond, the
 nodes by budget and by speed cut into consecutive groups of g, in both directions.
 """

@@ -14,6 +14,13 @@ DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: 
 DEFAULT_BYTES_PER_S = 100e9  # weight bytes a node of compute 1.0 streams per second (decode is memory-bound)
 FAST_RTT_S = 200e-6  # a link below this RTT may carry a MoE layer's expert traffic (Thunderbolt, not TCP)
 TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
+# Nodes whose measured speeds differ by less than this (relative) split layers as equals: the
+# figure is a median of a dozen steps, and two identical machines measure a few percent apart.
+# Taken at face value, the least-time split would then move every layer it can onto the one
+# that happened to measure faster (7 and 9 of 16 layers, measured), gaining nothing one request
+# can see and leaving a pipeline whose stages overlap (speculative passes, several requests)
+# waiting on its longest stage.
+SAME_SPEED = 0.10
 # Families whose mlx-lm model class has ``shard(group)`` and whose sharding needs only heads, kv heads and
 # (expert, shared expert) intermediate sizes divisible by the group size, checked token for token against
 # mlx-lm in tests/test_tensor.py. mlx-lm 0.32 has shard() for more: qwen3_5 also needs its linear-attention
@@ -199,11 +206,12 @@ class CostModel:
     def split(self, groups: Sequence[Sequence[str]]) -> list[int] | None:
         """Layer boundaries for these units in this order: the least estimated time within every
         member's budget, then the least largest fraction of a budget. Equal-speed single nodes get
-        the memory-proportional split of :func:`split_layers` (time does not depend on it)."""
+        the memory-proportional split of :func:`split_layers` (time does not depend on it); speeds
+        within SAME_SPEED of each other count as equal here (:func:`_same_speeds`)."""
         n, k = self.n, len(groups)
         if k > n or k == 0:
             return None
-        specs = [self.unit_spec(ids) for ids in groups]
+        specs = _same_speeds([self.unit_spec(ids) for ids in groups])
         if all(sp[0] == 1 for sp in specs) and len({sp[2] for sp in specs}) == 1:
             return split_layers(self.costs, [sp[1] for sp in specs])
         const = len({(sp[0], sp[2], sp[3], sp[4]) for sp in specs}) == 1
@@ -244,3 +252,20 @@ class CostModel:
         for i in range(k - 1, 0, -1):
             edges.append(back[i][edges[-1]])
         return [0, *reversed(edges)]
+
+
+def _same_speeds(specs: list[tuple]) -> list[tuple]:
+    """``unit_spec`` tuples with the slowest members' speeds that lie within SAME_SPEED of each
+    other (a chain from the fastest of each run) replaced by their mean, so that the split treats
+    them as the equals they are within the measurement's noise."""
+    order = sorted({sp[4] for sp in specs})
+    snapped: dict[float, float] = {}
+    run: list[float] = []
+    for value in [*order, None]:
+        if value is None or (run and value > run[0] * (1.0 + SAME_SPEED)):
+            mean = sum(run) / len(run)
+            snapped.update((r, mean) for r in run)
+            run = []
+        if value is not None:
+            run.append(value)
+    return [(g, budget, snapped[slowest] / g, coll, snapped[slowest]) for g, budget, _, coll, slowest in specs]
