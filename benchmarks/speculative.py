@@ -166,6 +166,11 @@ def main() -> int:
                 return (args.tokens - 1) / (out["total"] - out["first"])
 
             mesh("warm-up", {"off": True})  # the nodes' first request (kernels compiled) takes core time
+            from harness.cluster import mesh_view
+
+            split = ", ".join(f"layers {s['start_layer']}-{s['end_layer'] - 1} on {s['nodes'][0]}"
+                              for s in mesh_view(url, client=client, timeout=10)["plan"]["stages"])
+            print(f"the plan: {split} (the head last)", flush=True)
             for r in range(args.rounds):
                 plain = mlx_decode(model, tokenizer, prompt, args.tokens)
                 note("mlx plain", plain)

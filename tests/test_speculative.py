@@ -20,7 +20,8 @@ from meshnode.model.shard import Shard
 from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
 from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.speculative import PROBE_AFTER, DraftLength, PassCosts, Speculation, expected_tokens, why_not
+from meshnode.serving.speculative import (PROBE_AFTER, DraftLength, PassCosts, Speculation, expected_tokens,
+                                          filled_rate, why_not)
 
 CASES = {
     "llama-f32": ("llama", {"dtype": "float32"}),
@@ -223,6 +224,28 @@ def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one
     before = length.alpha
     length.observe(1, 1)  # the guess came right: the estimate rises, and decides the next fill
     assert length.alpha > before and length.fill_ok(0) == (length.alpha >= 0.4)
+
+
+def test_where_passes_fill_the_pipeline_k_is_chosen_against_a_full_pipeline_not_a_plain_step():
+    # Measured on this CPU: a further position costs 0.67 of a step. At 0.8 acceptance a pass of
+    # two positions beats a plain step (1.8 tokens for 1.67 steps), which is what choose() asked
+    # before; a pipeline kept full of one-position passes does better still, and the benchmark's
+    # p = 0.8 ran 12.0 tok/s in the round that chose k = 1 against 15.0-15.6 in those that filled.
+    costs = PassCosts(one=0.1, extra=0.067)
+    alone, filled = DraftLength(costs, k_max=8), DraftLength(costs, k_max=8, fills=True, stages=2)
+    for length in (alone, filled):
+        for _ in range(30):
+            length.observe(1, 0 if _ % 5 == 2 else 1)  # 4 in 5 confirmed
+    assert 0.75 < filled.alpha < 0.85
+    assert alone.choose() == 1
+    assert filled.choose() == 0 and filled.fill_ok(0)
+    # Nearly every guess confirmed: longer passes pay even in a full pipeline
+    for _ in range(30):
+        filled.observe(4, 4)
+    assert filled.choose() >= 2
+    assert abs(filled_rate(0.0, 0, 0.5, 2) - 0.5) < 1e-9  # nothing confirmed: a pass per traversal
+    assert abs(filled_rate(1.0, 0, 0.5, 2) - 1.0) < 1e-9  # everything: a token per step
+    assert abs(filled_rate(0.8, 1, 0.67, 1) - 1.8 / 1.67) < 1e-9  # one stage: passes against plain steps
 
 
 def test_a_new_placement_measures_what_a_guess_costs_before_guessing_more():

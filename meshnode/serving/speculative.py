@@ -17,7 +17,7 @@ speculative acceptance rule (accept x with probability p(x); otherwise a draw fr
 
 How many to guess (:class:`DraftLength`): the acceptance rate is measured per request, the cost
 of a pass by its positions per placement (:class:`PassCosts`); k maximizes the expected tokens per
-second, and is 0 (plain decoding, the stages building each step ahead again) where guessing does
+second (where passes fill the pipeline, of the pipeline kept full: :func:`filled_rate`), and is 0 (plain decoding, the stages building each step ahead again) where guessing does
 not pay. It is probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own
 behind the plain one where passes may fill the pipeline, else a pass of two positions), then after
 twice as many each time it still does not pay.
@@ -100,9 +100,11 @@ class DraftLength:
     """k for a request's next pass: the acceptance rate measured on its passes (a running count
     of confirmed guesses against guesses up to the first rejection), the cost from ``costs``."""
 
-    def __init__(self, costs: PassCosts, k_max: int = K_MAX, prior: float = 0.6, fills: bool = False):
-        """``fills``: passes of guesses may follow the one in flight (a pipeline of remote stages)."""
-        self.costs, self.k_max, self.fills = costs, k_max, fills
+    def __init__(self, costs: PassCosts, k_max: int = K_MAX, prior: float = 0.6, fills: bool = False,
+                 stages: int = 1):
+        """``fills``: passes of guesses may follow the one in flight (a pipeline of ``stages`` with
+        remote ones): k is then chosen for a pipeline kept full (:func:`filled_rate`)."""
+        self.costs, self.k_max, self.fills, self.stages = costs, k_max, fills, stages
         self._hits, self._trials = prior * 2, 2.0  # a prior of two guesses at ``prior``
         self._plain_left = 0  # plain steps before trying again
         self._probe = False  # the next pass guesses whatever the estimate says (it measures again)
@@ -126,11 +128,14 @@ class DraftLength:
         if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply
             return 0 if one is None else 1  # a plain step, then a pass with one guess
         ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
-        best_k, best = 0, 1.0
+        if self.fills:  # against passes of one position each keeping the pipeline full
+            rate = lambda k: filled_rate(alpha, k, ratio, self.stages)  # noqa: E731
+        else:  # against plain steps
+            rate = lambda k: expected_tokens(alpha, k) / (1.0 + ratio * k)  # noqa: E731
+        best_k, best = 0, rate(0)
         for k in range(1, self.k_max + 1):
-            rate = expected_tokens(alpha, k) / (1.0 + ratio * k)
-            if rate > best * 1.02:  # a guess must pay for itself with a margin
-                best_k, best = k, rate
+            if rate(k) > best * 1.02:  # a guess must pay for itself with a margin
+                best_k, best = k, rate(k)
         if best_k == 0 and self.fills and alpha >= FILL_MIN:
             return 0  # guesses pay as passes behind the one in flight (fill_ok), not inside it
         if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long
@@ -206,7 +211,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     greedy, top = params.temperature == 0, params.top_logprobs
     stages = len(model.state.sessions)
     depth = spec.depth if spec.depth is not None else pipe_depth(model.state.sessions)
-    length = DraftLength(spec.costs, spec.k_max, fills=depth > 1)
+    length = DraftLength(spec.costs, spec.k_max, fills=depth > 1, stages=stages)
     fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # confirmed positions in the stages' caches
@@ -305,6 +310,17 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
         if j >= len(checks) or out[-1] != checks[j]:
             break
     return out, logprobs
+
+
+def filled_rate(alpha: float, k: int, ratio: float, stages: int) -> float:
+    """Tokens per one-position step's time of a pipeline of ``stages`` kept full of passes of k + 1
+    positions: each stage spends ``1 + ratio * k`` steps on a pass, which yields
+    :func:`expected_tokens`; when a pass's k guesses and the first of the pass behind are not all
+    confirmed (1 - alpha^(k+1)), the passes behind are cancelled and the next token comes after a
+    whole traversal, ``stages - 1`` passes' time more. With one stage (or no fill): the rate of
+    passes against plain steps."""
+    refill = 1.0 + (stages - 1) * (1.0 - alpha ** (k + 1))
+    return expected_tokens(alpha, k) / ((1.0 + ratio * k) * refill)
 
 
 def pipe_depth(sessions) -> int:
