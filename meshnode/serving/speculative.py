@@ -17,10 +17,11 @@ speculative acceptance rule (accept x with probability p(x); otherwise a draw fr
 
 How many to guess (:class:`DraftLength`): the acceptance rate is measured per request, the cost
 of a pass by its positions per placement (:class:`PassCosts`); k maximizes the expected tokens per
-second (where passes fill the pipeline, of the pipeline kept full: :func:`filled_rate`), and is 0 (plain decoding, the stages building each step ahead again) where guessing does
-not pay. It is probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own
-behind the plain one where passes may fill the pipeline, else a pass of two positions), then after
-twice as many each time it still does not pay.
+second (where passes fill the pipeline, of the pipeline kept full: :func:`filled_rate`), and is 0
+(plain decoding, the stages building each step ahead again) where guessing does not pay. It is
+probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own behind the
+plain one where passes may fill the pipeline, else a pass of two positions), then after twice as
+many each time it still does not pay.
 """
 
 from __future__ import annotations
@@ -128,10 +129,11 @@ class DraftLength:
         if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply
             return 0 if one is None else 1  # a plain step, then a pass with one guess
         ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
-        if self.fills:  # against passes of one position each keeping the pipeline full
-            rate = lambda k: filled_rate(alpha, k, ratio, self.stages)  # noqa: E731
-        else:  # against plain steps
-            rate = lambda k: expected_tokens(alpha, k) / (1.0 + ratio * k)  # noqa: E731
+        def rate(k: int) -> float:
+            if self.fills:  # against passes of one position each keeping the pipeline full
+                return filled_rate(alpha, k, ratio, self.stages)
+            return expected_tokens(alpha, k) / (1.0 + ratio * k)  # against plain steps
+
         best_k, best = 0, rate(0)
         for k in range(1, self.k_max + 1):
             if rate(k) > best * 1.02:  # a guess must pay for itself with a margin
