@@ -411,20 +411,23 @@ def test_the_next_pass_is_in_flight_while_a_pass_s_tokens_are_handed_on(model_ca
     pipes = []
     opened = pipeline.passes
     pipeline.passes = lambda held: pipes.append(opened(held)) or pipes[-1]
-    cache = pipeline.make_cache()
-    mx.eval(pipeline(mx.array([prompt[:-1]], dtype=mx.uint32), cache))
-    drafter = ReferenceDrafter(prompt, [prompt + want], 1.0, 7, model.args.vocab_size, 2)
-    got, in_flight = [], []
-    for token in speculative_tokens(pipeline, cache, prompt, SamplingParams(max_tokens=30),
-                                    Speculation(drafter=None, k_max=4, depth=3), drafter, max_tokens=30):
-        got.append(int(token))
-        in_flight.append(len(pipes[0]))
-    assert got == want, name
-    # Every guess is right: passes of 3 tokens, each yielded with the pipe already full again (3
-    # passes in flight, not the 2 left behind it), until no pass is sent that could yield more than
-    # max_tokens.
-    assert in_flight[:21] == [3] * 21, in_flight
-    pipeline.close()
+    for depth, fixed_depth in ((3, None), (3, 2)):  # the placement's depth; the test drafter's
+        pipes.clear()
+        cache = pipeline.make_cache()
+        mx.eval(pipeline(mx.array([prompt[:-1]], dtype=mx.uint32), cache))
+        drafter = ReferenceDrafter(prompt, [prompt + want], 1.0, 7, model.args.vocab_size, 2, fixed_depth)
+        got, in_flight = [], []
+        for token in speculative_tokens(pipeline, cache, prompt, SamplingParams(max_tokens=30),
+                                        Speculation(drafter=None, k_max=4, depth=depth), drafter, max_tokens=30):
+            got.append(int(token))
+            in_flight.append(len(pipes[0]))
+        assert got == want, name
+        # Every guess is right: passes of 3 tokens, each yielded with the pipe already full again
+        # (3 passes in flight, not the 2 left behind it), until no pass is sent that could yield
+        # more than max_tokens.
+        full = fixed_depth or depth
+        assert in_flight[:21] == [full] * 21, (fixed_depth, in_flight)
+        pipeline.close()
 
 
 def test_a_request_sending_passes_counts_as_decoding_so_another_batches_with_it(model_case):

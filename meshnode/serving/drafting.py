@@ -76,7 +76,8 @@ class ReferenceDrafter:
     Off unless the environment variable ``MESHNODE_TEST_DRAFTS`` names a JSON file
     ``{"p": 0.8, "seed": 1, "vocab": 512, "answers": [[token ids of a prompt and its reference answer], ...]}``
     and optionally ``"k": 4``: guess that many every pass, whatever they cost (tests: passes with
-    guesses and rejections on a machine where guessing does not pay).
+    guesses and rejections on a machine where guessing does not pay), and ``"depth": 2``: at most
+    that many passes in flight (benchmarks: what a cancelled pass costs at each depth).
     (meshnode.serving.placements.speculation_for). A request whose tokens so far begin one of the
     answers gets that answer's next tokens, a wrong id in place of each with probability 1 - p
     (drawn from ``seed`` and the position: the same guesses in every run); any other request gets
@@ -84,8 +85,9 @@ class ReferenceDrafter:
     """
 
     def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int,
-                 fixed_k: int | None = None):
+                 fixed_k: int | None = None, fixed_depth: int | None = None):
         self.fixed_k = fixed_k  # guesses per pass whatever they cost (meshnode.serving.speculative)
+        self.fixed_depth = fixed_depth  # passes in flight at most, instead of the placement's
         self._tokens = list(tokens)
         self.p, self.seed, self.vocab = p, seed, vocab
         self._answer = next((list(a) for a in answers if list(a[:len(tokens)]) == self._tokens and len(a) > len(tokens)),
@@ -112,7 +114,7 @@ class ReferenceDrafter:
                 drafter.fixed_k = spec.get("k")
                 return drafter
             return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]),
-                       spec.get("k"))
+                       spec.get("k"), spec.get("depth"))
 
         return make
 

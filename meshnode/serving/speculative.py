@@ -213,6 +213,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     greedy, top = params.temperature == 0, params.top_logprobs
     stages = len(model.state.sessions)
     depth = spec.depth if spec.depth is not None else pipe_depth(model.state.sessions)
+    depth = max(1, getattr(drafter, "fixed_depth", None) or depth)  # the test drafter's, where it sets one
     length = DraftLength(spec.costs, spec.k_max, fills=depth > 1, stages=stages)
     fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
