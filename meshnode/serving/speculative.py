@@ -129,15 +129,14 @@ class DraftLength:
         if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply
             return 0 if one is None else 1  # a plain step, then a pass with one guess
         ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
-        def rate(k: int) -> float:
-            if self.fills:  # against passes of one position each keeping the pipeline full
-                return filled_rate(alpha, k, ratio, self.stages)
-            return expected_tokens(alpha, k) / (1.0 + ratio * k)  # against plain steps
-
-        best_k, best = 0, rate(0)
+        # Where passes fill the pipeline, against one-position passes keeping it full; else (one
+        # stage's formula) against plain steps.
+        stages = self.stages if self.fills else 1
+        best_k, best = 0, filled_rate(alpha, 0, ratio, stages)
         for k in range(1, self.k_max + 1):
-            if rate(k) > best * 1.02:  # a guess must pay for itself with a margin
-                best_k, best = k, rate(k)
+            rate = filled_rate(alpha, k, ratio, stages)
+            if rate > best * 1.02:  # a guess must pay for itself with a margin
+                best_k, best = k, rate
         if best_k == 0 and self.fills and alpha >= FILL_MIN:
             return 0  # guesses pay as passes behind the one in flight (fill_ok), not inside it
         if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long

@@ -77,9 +77,9 @@ first and its reverse), the top-k by budget and by speed beyond; split by the le
 budgets (the memory split above when the stage nodes are equally fast: time then does not depend
 on it; speeds measured within ``SAME_SPEED``, 10 %, of each other count as equal for the split,
 so two like machines share the layers evenly instead of the one that measured faster taking all
-its memory holds). Tensor: every g-subset (top-g by budget and by speed beyond). Hybrid: every partition of
-every subset into legal groups in every order up to ``EXACT_GROUP_NODES`` nodes; beyond, the
-nodes by budget and by speed cut into consecutive groups of g, in both directions.
+its memory holds). Tensor: every g-subset (top-g by budget and by speed beyond). Hybrid: every
+partition of every subset into legal groups in every order up to ``EXACT_GROUP_NODES`` nodes;
+beyond, the nodes by budget and by speed cut into consecutive groups of g, in both directions.
 """
 
 from meshnode.control.planner.cost import (DEFAULT_LINK, FAST_RTT_S, TENSOR_FAMILIES, group_size_problem,
