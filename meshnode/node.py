@@ -15,6 +15,7 @@ Nothing is decided here. ``run_node`` is what ``meshnode run`` calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -364,8 +365,9 @@ class Node:
         if lane is None:
             refusal = not_served(request.model)
             await context.abort(refusal.code, str(refusal))
-        async for reply in serve_generate(lane.served, request, context, lane.adoption.epoch):
-            yield reply
+        async with contextlib.aclosing(serve_generate(lane.served, request, context, lane.adoption.epoch)) as replies:
+            async for reply in replies:  # closed in turn when this stream is (serve_generate's end)
+                yield reply
 
     async def _measure_collectives(self) -> None:
         """Time a few layers of the model split two ways over a loopback ring on this machine

@@ -8,20 +8,30 @@ the whole conversation, while every stage reports the positions it did not compu
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
+import threading
+import time
 import urllib.request
 
 import mlx.core as mx
 import pytest
 from mlx_lm import generate, load
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from harness.cluster import HTTP, Cluster, in_ns
+from harness.cluster import HTTP, Cluster, in_ns, wait_mesh
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.model.prefixes import CANNOT_CUT, PrefixStore, prefix_key
+from meshnode.model.scheduler import TokenScheduler
+from meshnode.model.shard import Shard
+from meshnode.serving.batching import BatchedSource
+from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
+from meshnode.serving.sampling import SamplingParams
 from meshnode.weights.profile import profile_model
 from tests.helpers import node_metrics, prompt_cache_reuse, running_node
 
@@ -233,37 +243,82 @@ def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept
     assert fresh.match(new_chat) == (prefix_key(turns[2]), len(system))
 
 
-def test_the_next_turn_waits_for_the_last_one_to_be_kept():
-    """A client that has its last token (EOS, a stop string, a relay counting max_tokens) sends
-    the next turn at once, while the generation may still be asking its stages to keep its
-    prefix: the next turn waits for that (briefly) instead of missing it and prefilling the whole
-    conversation again. A request that only shares a start with a running one does not wait."""
-    import asyncio
-    import threading
-    import time
+class _SlowKeep(PrefixStore):
+    """A node's store whose keeping takes ``delay`` seconds (a busy node; a remote stage's round
+    trip): far longer than a client takes to send its next turn."""
 
+    def __init__(self, capacity: int, delay: float):
+        super().__init__(capacity)
+        self.delay = delay
+
+    def keep(self, *args, **kwargs) -> bool:
+        time.sleep(self.delay)
+        return super().keep(*args, **kwargs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source", ["pipeline", "batched"])
+@pytest.mark.parametrize("weights", [("llama", "4bit", "float16"), ("qwen3", None, "bfloat16")],
+                         ids=lambda w: "-".join(str(x) for x in w))
+def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_path, source, weights):
+    """The API closes a generation's tokens as soon as the answer is complete (EOS, a stop
+    string, max_tokens) and the client sends its next turn as soon as it has the answer, while
+    the generation still runs the step built ahead and then keeps its prefix. Closing waits for
+    that keep: with keeping held back far longer than a next turn takes, the prefix is there the
+    moment the tokens are closed (before, the next turn missed it and prefilled everything)."""
+    family, quantize, dtype = weights
+    path = build_model(tmp_path / family, family, num_layers=4, hidden_size=64, intermediate_size=128,
+                       dtype=dtype, quantize=quantize)
+    store, index = _SlowKeep(capacity=1024, delay=0.5), PrefixIndex()
+    scheduler = TokenScheduler("test-prompt-cache")
+    try:
+        if source == "pipeline":
+            stages = [LocalStage(Shard(path, 0, 2), store), LocalStage(Shard(path, 2, 4), store)]
+            tokens_of = PipelineSource(scheduler, lambda: stages, prefill=PrefillOptions(), prefixes=index)
+        else:
+            tokens_of = BatchedSource(scheduler, LocalStage(Shard(path, 0, 4), store), prefixes=index)
+        prompt = list(range(40, 40 + 2 * MIN_REUSE))
+
+        async def answer(n: int) -> tuple[list[int], float]:
+            out = []
+            async with contextlib.aclosing(tokens_of.tokens(prompt, SamplingParams(max_tokens=64))) as tokens:
+                async for token in tokens:
+                    out.append(int(token))
+                    if len(out) == n:
+                        break  # the answer is complete: the API closes the tokens
+                t0 = time.monotonic()
+            return out, time.monotonic() - t0
+
+        out, closing = asyncio.run(answer(5))
+        resume = index.match(prompt + out + [7, 8, 9])  # the next turn, sent at once
+        assert resume is not None, (out, closing)
+        assert resume[1] >= len(prompt) + len(out) - 1, (resume, out)  # what every stage was fed
+        assert closing >= 0.4, closing  # it waited for the keep
+    finally:
+        scheduler.stop()
+
+
+def test_a_head_waits_for_the_generations_a_relay_gave_up():
+    """A relay gives a generation up (cancels the head's stream) when its answer is complete, and
+    names it in its next request to that head (GenerateRequest.after): the head waits for those
+    still running to be over (their prefixes kept). Others running, an agent's parallel calls,
+    are not waited for, and nothing waits longer than it is allowed to."""
     index = PrefixIndex()
-    turn1 = list(range(300, 340))
-    fed = turn1 + [7, 8, 9]
-    ended = threading.Event()
-    index.running(turn1, ended)
+    given_up, parallel = index.relayed("relay-a-1"), index.relayed("relay-a-2")
 
-    def keep_later():
-        time.sleep(0.3)
-        index.add(fed)
-        ended.set()
-
-    def waited(prompt) -> float:
+    def waited(ids, timeout=5.0) -> float:
         t0 = time.monotonic()
-        asyncio.run(index.settled(prompt))
+        asyncio.run(index.after(ids, timeout))
         return time.monotonic() - t0
 
-    assert waited(turn1[:30] + [1, 2, 3]) < 0.1  # shares a start only: an agent's parallel call
-    assert waited(turn1) < 0.1  # the same prompt again, in parallel
-    threading.Thread(target=keep_later).start()
-    assert 0.2 < waited(fed + [10, 11]) < 1.5  # the next turn: it holds turn 1's prompt whole
-    assert index.match(fed + [10, 11]) == (prefix_key(fed), len(fed))
-    assert waited(fed + [10, 11]) < 0.1  # nothing running any more
+    assert waited(["unknown", "relay-b-9"]) < 0.1  # never ran here, or long over
+    threading.Timer(0.3, given_up.set).start()
+    assert 0.25 < waited(["relay-a-1"]) < 2  # over in 0.3 s: waited for exactly that
+    assert waited(["relay-a-1"]) < 0.1  # over
+    assert 0.15 < waited(["relay-a-2"], timeout=0.2) < 1  # never over: bounded
+    parallel.set()
+    index.relayed("relay-a-3")
+    assert index._relayed.keys() == {"relay-a-3"}  # ended ones are not remembered
 
 
 @pytest.mark.netns
@@ -289,3 +344,54 @@ def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
         assert answers == _references(model, answers), cluster.logs()
         hits, reused = prompt_cache_reuse(node_metrics(cluster, lead))
         assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (hits, reused, cluster.logs())
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, monkeypatch):
+    """Two nodes (in this process), two stages; the client asks the node that is not the head,
+    which relays. The relay sees a stop string the head does not know of and gives the head's
+    stream up, while the head's stages still run and then keep the prefix (held back here far
+    longer than a next turn takes). The next turn does not hold the last prompt whole (a template
+    that renders the last turn's generation prompt otherwise in the history), so nothing but the
+    relay naming the generation it gave up makes the head wait for it. Every stage resumes the
+    next turn, and the answer is mlx-lm's cut at the stop string."""
+    slow = PrefixStore.keep
+
+    def keep_slowly(self, *args, **kwargs):
+        time.sleep(0.5)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixStore, "keep", keep_slowly)
+    model = build_model(tmp_path / "qwen3-4bit", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
+                        quantize="4bit")
+    prompt = list(range(40, 40 + 3 * MIN_REUSE))
+    whole, tokenizer = load(str(model))
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), whole, max_tokens=3)]
+    stop = tokenizer.decode(reference[:2])  # the head would go on to max_tokens: the relay stops it
+    assert stop.isprintable() and stop and stop not in tokenizer.decode(reference[:1]), reference
+    budget = int(profile_model(model).total_bytes(1024, 1) * 0.6)  # neither holds it alone
+    flags = dict(max_context=1024, memory_budget=budget, strategy="pipeline", kv_requests=1)
+    with contextlib.ExitStack() as stack:
+        a, base_a = stack.enter_context(running_node(model, tmp_path / "a", ready=False, node_id="node-a", **flags))
+        b, base_b = stack.enter_context(running_node(model, tmp_path / "b", ready=False, node_id="node-b",
+                                                     peers=[f"127.0.0.1:{a.grpc_port}"], **flags))
+        view = wait_mesh(base_a, lambda v: v["plan"] and len(v["plan"]["stages"]) == 2 and a.serving_ready()
+                         and b.serving_ready(), timeout=120, what="two stages serving")
+        head = view["plan"]["stages"][-1]["nodes"][0]
+        head_base, relay_base = (base_a, base_b) if head == "node-a" else (base_b, base_a)  # the relay is a stage
+
+        def complete(tokens: list[int]) -> dict:
+            body = json.dumps({"model": model.name, "prompt": tokens, "max_tokens": 32, "temperature": 0,
+                               "stop": [stop]}).encode()
+            req = urllib.request.Request(f"{relay_base}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.load(r)
+
+        first = complete(prompt)
+        assert first["choices"][0]["finish_reason"] == "stop" and first["choices"][0]["text"] == "", first
+        complete(prompt[:-1] + [7, 8, 9])  # sent at once; shares all of the last prompt but its last token
+        reuse = {}
+        for base in (head_base, relay_base):
+            with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+                reuse[base] = prompt_cache_reuse(r.read().decode())
+    assert set(reuse.values()) == {(1, len(prompt) - 1)}, reuse  # each stage resumed the second turn

@@ -264,7 +264,7 @@ class ForwardReply(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed", "offset", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "grammar", "model")
+    __slots__ = ("request_id", "epoch", "prompt", "max_tokens", "temperature", "top_p", "has_seed", "seed", "offset", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "grammar", "model", "after")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -310,7 +311,8 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     grammar: str
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    after: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., model: _Optional[str] = ..., after: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token", "has_logprob", "logprob", "top_ids", "top_logprobs")

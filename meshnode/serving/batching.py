@@ -289,12 +289,14 @@ class BatchedSource:
                               tokenizer=tokenizer)
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
-        index, resume = self._prefixes, None
-        if index is not None:
-            await index.settled(prompt)  # the conversation's previous turn may be keeping its prefix now
-            resume = index.match(prompt)
+        index = self._prefixes
+        resume = index.match(prompt) if index is not None else None
         ended = threading.Event()
-        if index is not None:
-            index.running(prompt, ended)
-        async for token in self.loop.submit(prompt, params, resume, ended):
-            yield token
+        job = self.loop.submit(prompt, params, resume, ended)
+        try:
+            async for token in job:
+                yield token
+        finally:  # the prefix kept before the answer is sent (as PipelineSource.tokens)
+            job.cancelled.set()
+            if index is not None:
+                await index.until_kept(ended)

@@ -464,17 +464,12 @@ class PipelineSource:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         index = self._prefixes
-        resume = None
-        if index is not None:
-            await index.settled(prompt)  # the conversation's previous turn may be keeping its prefix now
-            resume = index.match(prompt)
+        resume = index.match(prompt) if index is not None else None
         scheduler = self._scheduler
         missed = False
         while True:
             model = PipelineModel(self._stages(), new_request_id(), resume, self._batcher)
             ended = threading.Event()
-            if index is not None:
-                index.running(prompt, ended)
             job = scheduler.submit(
                 generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
                                 prefill=self._prefill, busy=scheduler.others_waiting, keep=index, ended=ended,
@@ -495,3 +490,10 @@ class PipelineSource:
                 missed = True
                 log.info("prompt cache: %s; %s", miss, f"resuming from {resume[0]} instead" if resume else
                          f"prefilling all {len(prompt)} tokens")
+            finally:
+                # Closed by the API (the answer complete), the generation is still running its
+                # last step and keeping its prefix: that is over before the answer is sent, so
+                # the client's next turn finds it (meshnode.serving.promptcache).
+                job.cancelled.set()
+                if index is not None:
+                    await index.until_kept(ended)

@@ -125,6 +125,9 @@ def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | No
     return Speculation(drafter=drafter, on_pass=on_pass, k_max=settings.draft_max)
 
 
+AFTER_MAX = 16  # generations given up that one request asks its head to wait for (GenerateRequest.after)
+
+
 class RemoteHeadPlacement:
     """Another node is the head: ask it for tokens over a gRPC Generate stream."""
 
@@ -132,12 +135,18 @@ class RemoteHeadPlacement:
                  alive: Callable[[str], bool], model: str = ""):
         self.epoch, self.head, self._caller, self.model = epoch, head, caller, model
         self._channel, self._alive = channel, alive
+        # Generations given up (closed before the head's stream ended) since the last request:
+        # the next one asks the head to wait for them (GenerateRequest.after).
+        self._given_up: list[str] = []
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         stub = mesh_pb2_grpc.MeshStub(self._channel(self.head))
         request = generate_request(new_request_id(self._caller), self.epoch, prompt, params)
         request.model = self.model
+        request.after.extend(self._given_up[-AFTER_MAX:])
+        self._given_up.clear()
         call = stub.Generate(request, wait_for_ready=True)
+        over = False  # the head ended the stream (it has kept the generation's prefix)
         # The head is waited for while it heartbeats, however long its prefill or a token takes
         # (a busy head is not a lost one); it reports its own stages' faults on this stream.
         alive = lambda: self._alive(self.head)  # noqa: E731
@@ -146,6 +155,7 @@ class RemoteHeadPlacement:
             while True:
                 reply = await await_while_alive(call.read(), alive, lost)
                 if reply is grpc.aio.EOF:
+                    over = True
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
                         raise head_failure(self.head, code, await call.details())
@@ -153,9 +163,12 @@ class RemoteHeadPlacement:
                 yield Sampled(reply.token, reply.logprob, tuple(zip(reply.top_ids, reply.top_logprobs))) \
                     if reply.has_logprob else reply.token
         except grpc.aio.AioRpcError as exc:
+            over = True
             raise head_failure(self.head, exc.code(), exc.details()) from None
         finally:
             call.cancel()
+            if not over:  # the answer was complete here first: the head is still finishing it
+                self._given_up.append(request.request_id)
 
 
 def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params: SamplingParams):
@@ -217,17 +230,27 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
     params = received_params(request)
     if params.grammar and (why := await asyncio.to_thread(grammar_error, params.grammar, served.files.tokenizer)):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"grammar: {why}")
+    index = served.prefix_index
+    if index is not None:  # the caller's previous turn may still be keeping its prefix here
+        await index.after(request.after[:AFTER_MAX])
+    over = index.relayed(request.request_id) if index is not None else None
     try:
-        async for token in served.placement_for(serving).tokens(prompt, params):
-            if isinstance(token, Sampled):
-                top_ids, top_logprobs = zip(*token.top) if token.top else ((), ())
-                yield mesh_pb2.GenerateReply(token=token, has_logprob=True, logprob=token.logprob,
-                                             top_ids=top_ids, top_logprobs=top_logprobs)
-            else:
-                yield mesh_pb2.GenerateReply(token=token)
+        # Closed here, not left to the garbage collector: the generation is over (its prefix
+        # kept) once its tokens are closed, and only then is ``over`` set.
+        async with contextlib.aclosing(served.placement_for(serving).tokens(prompt, params)) as tokens:
+            async for token in tokens:
+                if isinstance(token, Sampled):
+                    top_ids, top_logprobs = zip(*token.top) if token.top else ((), ())
+                    yield mesh_pb2.GenerateReply(token=token, has_logprob=True, logprob=token.logprob,
+                                                 top_ids=top_ids, top_logprobs=top_logprobs)
+                else:
+                    yield mesh_pb2.GenerateReply(token=token)
     except EpochPending as exc:
         await context.abort(EPOCH_PENDING, str(exc))
     except PlacementLost as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     except GenerationFault as exc:
         await context.abort(STAGE_FAULT, f"{FAULT}{exc}")
+    finally:
+        if over is not None:
+            over.set()

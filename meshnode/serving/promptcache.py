@@ -5,6 +5,19 @@ tokens it holds (meshnode.model.prefixes). Here the head remembers those token s
 request resumes from the one sharing the longest start with its prompt and prefills only the rest
 at every stage. The stages bound what they keep by memory and may have dropped it; they then say
 so, and the request is run again with its whole prompt (:class:`PrefixIndex.forget`).
+
+A chat client sends the next turn as soon as the previous answer is complete, and an answer is
+complete before its generation is over (EOS, a stop string or max_tokens seen by the API; the
+stages still run the step built ahead, then keep the prefix). So that the next turn finds the
+prefix, nothing tells the client the answer is complete before the prefix is kept:
+- on the head, closing a generation's tokens waits for its keep (:meth:`PrefixIndex.until_kept`),
+  and the API closes them before it sends the answer's last piece (meshnode.serving.engine);
+- a relay (another node the client asked) cannot wait so: it gives the generation up by
+  cancelling its stream. It names the generations it gave up in its next request to that head
+  (``GenerateRequest.after``), and the head waits for those to be over first
+  (:meth:`PrefixIndex.after`).
+Waiting on exactly those generations, not on prompts that look alike, leaves an agent's parallel
+calls (which share a start) running side by side; every wait is bounded by ``SETTLE_WAIT``.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ log = logging.getLogger(__name__)
 # A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
 MIN_REUSE = 16
 ENTRIES = 32  # prefixes remembered (the stages bound them by memory; this bounds the search)
-SETTLE_WAIT = 2.0  # seconds a next turn waits for the previous one's prefix to be kept
+SETTLE_WAIT = 2.0  # seconds an answer or a next turn waits for a generation's prefix to be kept
 
 
 def common_start(a: np.ndarray, b: np.ndarray) -> int:
@@ -37,6 +50,12 @@ def common_start(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+async def _wait_all(events: Sequence[threading.Event], timeout: float) -> bool:
+    """Wait, off the event loop, until every event is set or ``timeout`` has passed; whether all were."""
+    deadline = time.monotonic() + timeout
+    return await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in events))
+
+
 class PrefixIndex:
     """The prefixes this head asked its stages to keep, most recently used last; thread-safe."""
 
@@ -44,33 +63,34 @@ class PrefixIndex:
         self._entries = entries
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._running: list[tuple[np.ndarray, threading.Event]] = []  # generations still going, and their prompts
+        self._relayed: dict[str, threading.Event] = {}  # relays' generations running here: set once over
         self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
 
-    def running(self, prompt: Sequence[int], ended: threading.Event) -> None:
-        """A generation of ``prompt`` runs; ``ended`` is set once it is over and its prefix kept."""
-        with self._lock:
-            self._running = [r for r in self._running if not r[1].is_set()]
-            self._running.append((np.asarray(prompt, dtype=np.int64), ended))
+    async def until_kept(self, ended: threading.Event, timeout: float = SETTLE_WAIT) -> bool:
+        """Wait (at most ``timeout``) for a generation whose tokens are closed to be over: its
+        stages have kept its prefix, or it kept none (``ended``, set by the generation's end)."""
+        return ended.is_set() or await _wait_all([ended], timeout)
 
-    async def settled(self, prompt: Sequence[int], timeout: float = SETTLE_WAIT) -> None:
-        """Wait (at most ``timeout``) for the generations this prompt continues to be kept.
-
-        A chat client sends the next turn as soon as it has the last token of the previous one
-        (EOS, a stop string, a relay that counted max_tokens), while that generation may still
-        be asking its stages to keep its prefix. A prompt that holds another running prompt whole
-        and goes on past it is such a next turn; one that merely shares a start (the same system
-        prompt, an agent's parallel calls) does not wait."""
-        want = np.asarray(prompt, dtype=np.int64)
+    def relayed(self, request_id: str) -> threading.Event:
+        """A relay's generation ``request_id`` runs here: set the event returned once it is over
+        (its tokens closed, so its prefix kept: :meth:`until_kept`)."""
+        ended = threading.Event()
         with self._lock:
-            pending = [e for p, e in self._running if not e.is_set() and len(want) > len(p) >= MIN_REUSE
-                       and common_start(p, want) == len(p)]
+            self._relayed = {r: e for r, e in self._relayed.items() if not e.is_set()}
+            self._relayed[request_id] = ended
+        return ended
+
+    async def after(self, request_ids: Sequence[str], timeout: float = SETTLE_WAIT) -> None:
+        """Wait (at most ``timeout``) for the relayed generations ``request_ids`` still running
+        here to be over: the relay gave them up (their answers were complete) before it sent the
+        request that waits, which may be their conversation's next turn."""
+        with self._lock:
+            pending = [e for r in request_ids if (e := self._relayed.get(r)) is not None and not e.is_set()]
         if pending:
             t0 = time.monotonic()
-            deadline = t0 + timeout
-            kept = await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in pending))
-            log.debug("prompt cache: waited %.3f s for %d running generation(s) this prompt continues%s",
-                      time.monotonic() - t0, len(pending), "" if kept else " (gave up)")
+            over = await _wait_all(pending, timeout)
+            log.debug("prompt cache: waited %.3f s for %d generation(s) given up by their relay%s",
+                      time.monotonic() - t0, len(pending), "" if over else " (gave up)")
 
     def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
         """(key, positions) to resume ``prompt`` from, or None. At least the prompt's last token is
