@@ -41,7 +41,11 @@ from meshnode.tracing import mark
 K_MAX = 8  # the most tokens guessed per pass
 PROBE_AFTER = 16  # plain steps before guessing is tried again where it did not pay (doubling to PROBE_MAX)
 PROBE_MAX = 256
-FILL_MIN = 0.4  # the least chance that a pass sent behind the one in flight is kept, to send it
+# The least chance that a pass sent behind the one in flight is kept, to send it. Low: one guess
+# two deep cost 2 % of the speed where none was kept (p = 0, the benchmark's test drafter) and
+# gave 1.31x where half were (p = 0.5), so it pays from about 0.04; 0.1 leaves room for the
+# estimate's noise. (At 0.4 three misses in a row paused a request at p = 0.5, or 0.8.)
+FILL_MIN = 0.1
 # ... for the pass beyond one per stage (pipe_depth): it only saves the first stage's wait for the
 # hop, and a cancelled one delays the pass that replaces it by a whole step at the first stage
 FILL_DEEP = 0.85
