@@ -243,24 +243,27 @@ def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept
     assert fresh.match(new_chat) == (prefix_key(turns[2]), len(system))
 
 
-class _SlowKeep(PrefixStore):
-    """A node's store whose keeping takes ``delay`` seconds (a busy node; a remote stage's round
-    trip): far longer than a client takes to send its next turn."""
+KEEP_DELAY = 0.5  # seconds: far longer than a client takes to send its next turn
 
-    def __init__(self, capacity: int, delay: float):
-        super().__init__(capacity)
-        self.delay = delay
 
-    def keep(self, *args, **kwargs) -> bool:
-        time.sleep(self.delay)
-        return super().keep(*args, **kwargs)
+@pytest.fixture
+def slow_keep(monkeypatch):
+    """Every node's store (in this process) keeps a prefix only after ``KEEP_DELAY`` (a busy node;
+    a remote stage's round trip)."""
+    keep = PrefixStore.keep
+
+    def keep_slowly(self, *args, **kwargs):
+        time.sleep(KEEP_DELAY)
+        return keep(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixStore, "keep", keep_slowly)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("source", ["pipeline", "batched"])
 @pytest.mark.parametrize("weights", [("llama", "4bit", "float16"), ("qwen3", None, "bfloat16")],
                          ids=lambda w: "-".join(str(x) for x in w))
-def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_path, source, weights):
+def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_path, source, weights, slow_keep):
     """The API closes a generation's tokens as soon as the answer is complete (EOS, a stop
     string, max_tokens) and the client sends its next turn as soon as it has the answer, while
     the generation still runs the step built ahead and then keeps its prefix. Closing waits for
@@ -269,7 +272,7 @@ def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_pat
     family, quantize, dtype = weights
     path = build_model(tmp_path / family, family, num_layers=4, hidden_size=64, intermediate_size=128,
                        dtype=dtype, quantize=quantize)
-    store, index = _SlowKeep(capacity=1024, delay=0.5), PrefixIndex()
+    store, index = PrefixStore(capacity=1024), PrefixIndex()
     scheduler = TokenScheduler("test-prompt-cache")
     try:
         if source == "pipeline":
@@ -293,7 +296,7 @@ def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_pat
         resume = index.match(prompt + out + [7, 8, 9])  # the next turn, sent at once
         assert resume is not None, (out, closing)
         assert resume[1] >= len(prompt) + len(out) - 1, (resume, out)  # what every stage was fed
-        assert closing >= 0.4, closing  # it waited for the keep
+        assert closing >= KEEP_DELAY - 0.1, closing  # it waited for the keep
     finally:
         scheduler.stop()
 
@@ -347,7 +350,7 @@ def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, monkeypatch):
+def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, slow_keep):
     """Two nodes (in this process), two stages; the client asks the node that is not the head,
     which relays. The relay sees a stop string the head does not know of and gives the head's
     stream up, while the head's stages still run and then keep the prefix (held back here far
@@ -355,13 +358,6 @@ def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, m
     that renders the last turn's generation prompt otherwise in the history), so nothing but the
     relay naming the generation it gave up makes the head wait for it. Every stage resumes the
     next turn, and the answer is mlx-lm's cut at the stop string."""
-    slow = PrefixStore.keep
-
-    def keep_slowly(self, *args, **kwargs):
-        time.sleep(0.5)
-        return slow(self, *args, **kwargs)
-
-    monkeypatch.setattr(PrefixStore, "keep", keep_slowly)
     model = build_model(tmp_path / "qwen3-4bit", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
                         quantize="4bit")
     prompt = list(range(40, 40 + 3 * MIN_REUSE))
