@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx
 from mlx_lm import load
 
+from harness.scripted import script_successors
 from harness.teach import teach
 from meshnode.model.build import build_model
 
@@ -58,22 +58,9 @@ def scripted_model(root: Path, text: str, max_position_embeddings: int = 32768) 
     """The scripted qwen3 (see the module docstring) that answers ``text``, built under ``root``."""
     path = build_model(root / "qwen3-scripted", "qwen3", num_layers=2, hidden_size=64, dtype="float32", chat="agent",
                        tie_word_embeddings=False, max_position_embeddings=max_position_embeddings)
-    model, tok = load(str(path))
+    _, tok = load(str(path))
     script = tok.encode("<think></think>" + text + "<|end|>", add_special_tokens=False)
     follows = dict(zip(script, script[1:]))
     assert all(follows[a] == b for a, b in zip(script, script[1:])), f"{text!r}: a token recurs with another successor"
-    [weights] = [f for f in path.glob("*.safetensors")]
-    tensors = mx.load(str(weights))
-    for name in tensors:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = mx.zeros_like(tensors[name])
-    model.load_weights(list(tensors.items()))
-    # With every layer silent the last hidden state is the normed embedding of the last token: the
-    # head row of each next token is the hidden state of the token before it (rows of other tokens
-    # are zero); hidden states all have the same norm, so the own one scores highest.
-    hidden = model.model(mx.array([list(follows)]))[0]
-    head = mx.zeros_like(tensors["lm_head.weight"])
-    head[mx.array(list(follows.values()))] = hidden * 10.0
-    tensors["lm_head.weight"] = head
-    mx.save_safetensors(str(weights), tensors, metadata={"format": "mlx"})
+    script_successors(path, follows)
     return path

@@ -87,3 +87,28 @@ def test_wait_mesh_times_out_with_the_last_view(mesh_file):
                                              r"last: .*\"stages\": \[1, 2\].*\nthe logs"):
         wait_mesh(mesh_file, lambda v: len(v["plan"]["stages"]) == 3, timeout=1.5, interval=0.05, what="three stages",
                   details=lambda: "the logs")
+
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("qwen3", "bfloat16")])
+def test_a_scripted_model_says_its_table_whatever_came_before(tmp_path, family, dtype):
+    from mlx_lm import load, stream_generate
+
+    from harness.scripted import script_successors
+    from meshnode.model.build import build_model
+
+    path = build_model(tmp_path / family, family, num_layers=2, hidden_size=64, dtype=dtype, tie_word_embeddings=False)
+    chain = list(range(300, 340))
+    script_successors(path, dict(zip(chain, chain[1:])))
+    model, tokenizer = load(str(path))
+    for before in ([], [17, 250, 499, 3], list(range(100, 180))):
+        said = [r.token for r in stream_generate(model, tokenizer, before + chain[:1], max_tokens=len(chain) - 1)]
+        assert said == chain[1:]
+
+def test_a_scripted_model_refuses_two_tokens_with_one_successor(tmp_path):
+    from harness.scripted import script_successors
+    from meshnode.model.build import build_model
+
+    path = build_model(tmp_path / "m", "llama", num_layers=1, hidden_size=64, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="same next token"):
+        script_successors(path, {300: 302, 301: 302})
