@@ -1,6 +1,6 @@
 """Speculative decoding across a 2-stage mesh against one process, in the same run.
 
-    sudo .venv/bin/python -m benchmarks.speculative [--tokens 48] [--rounds 3] [--json out.json]
+    sudo .venv/bin/python -m benchmarks.speculative [--tokens 48] [--rounds 3] [--entry relay|head|both] [--json out.json]
 
 Random weights make any real drafter's acceptance unpredictable, so acceptance is controlled: the
 head's drafter is the test one (meshnode.serving.drafting.ReferenceDrafter, MESHNODE_TEST_DRAFTS)
@@ -112,6 +112,9 @@ def main() -> int:
     ap.add_argument("--p", type=float, nargs="+", default=list(PS), help="the acceptances to measure")
     ap.add_argument("--mlx-cores", choices=("one", "all"), default="one",
                     help="mlx-lm on one core (one machine, as each mesh node) or on every core")
+    ap.add_argument("--entry", choices=("relay", "head", "both"), default="relay",
+                    help="the node the client asks: the first stage's, which relays to the head (as a "
+                         "client that asks any node), the head's, or both in turns (rows 'via head')")
     args = ap.parse_args()
     ps = tuple(args.p)
 
@@ -155,17 +158,25 @@ def main() -> int:
         drafts.write_text(json.dumps({"off": True}))
         env = {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(drafts)}
         with two_stage_mesh(model_dir, 1024, pin=True, env=env, cores=cores) as (client, url, logs):
-            def mesh(label: str, spec: dict) -> float:
+            relay_url, head_url = url, head_url_of(client, url)
+            entries = {"relay": [("", relay_url)], "head": [("", head_url)],
+                       "both": [("", relay_url), (" via head", head_url)]}[args.entry]
+
+            def mesh(label: str, spec: dict, url: str = entries[0][1]) -> float:
                 drafts.write_text(json.dumps(spec))
-                before = _speculation(client, url)
+                before = speculation_counters(client, head_url)
                 out = in_ns(client, CLIENT, url, model_dir.name, args.tokens, PROMPT, timeout=900)
                 if out["text"] != text:
                     raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{text!r}")
-                after = _speculation(client, url)
+                after = speculation_counters(client, head_url)
                 stats[label] = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "tokens")}
                 return (args.tokens - 1) / (out["total"] - out["first"])
 
-            mesh("warm-up", {"off": True})  # the nodes' first request (kernels compiled) takes core time
+            for _, entry in entries:  # the nodes' first request (kernels compiled) takes core time
+                mesh("warm-up", {"off": True}, entry)
+            print(f"the client asks {' and '.join(name for name in ('relay', 'head') if args.entry in (name, 'both'))}"
+                  f" ({relay_url if args.entry != 'head' else head_url}"
+                  f"{' and ' + head_url if args.entry == 'both' else ''})", flush=True)
             from harness.cluster import mesh_view
 
             split = ", ".join(f"layers {s['start_layer']}-{s['end_layer'] - 1} on {s['nodes'][0]}"
@@ -174,52 +185,72 @@ def main() -> int:
             for r in range(args.rounds):
                 plain = mlx_decode(model, tokenizer, prompt, args.tokens)
                 note("mlx plain", plain)
-                nospec = mesh("nospec", {"off": True})
-                note("mesh nospec", nospec)
+                for via, entry in entries:
+                    nospec = mesh("nospec" + via, {"off": True}, entry)
+                    note("mesh nospec" + via, nospec)
+                    note("nospec/plain" + via, nospec / plain)
                 for p in ps:
-                    spec_tps = mesh(f"p={p}", {"p": p, "seed": SEED, "vocab": vocab, "answers": [answer]})
                     mlx_spec = mlx_decode(model, tokenizer, prompt, args.tokens, GuessModel(answer, p, vocab))
-                    note(f"mesh p={p}", spec_tps)
                     note(f"mlx-spec p={p}", mlx_spec)
-                    note(f"p={p} mesh/plain", spec_tps / plain)
-                    note(f"p={p} mesh/mlx-spec", spec_tps / mlx_spec)
-                    note(f"p={p} spec/nospec", spec_tps / nospec)
+                    for via, entry in entries:
+                        spec_tps = mesh(f"p={p}{via}", {"p": p, "seed": SEED, "vocab": vocab, "answers": [answer]},
+                                        entry)
+                        note(f"mesh p={p}{via}", spec_tps)
+                        note(f"p={p}{via} mesh/plain", spec_tps / plain)
+                        note(f"p={p}{via} mesh/mlx-spec", spec_tps / mlx_spec)
+                        note(f"p={p}{via} spec/nospec", spec_tps / rows["mesh nospec" + via][-1])
                 lookup = mesh("prompt lookup", {"prompt_lookup": True})
                 note("mesh prompt lookup", lookup)
                 note("lookup/nospec", lookup / nospec)
-                print(f"round {r + 1}: mlx-lm {plain:.2f} tok/s, mesh without speculation {nospec:.2f}, "
-                      + ", ".join(f"p={p} {rows[f'mesh p={p}'][-1]:.2f}" for p in ps)
+                print(f"round {r + 1}: mlx-lm {plain:.2f} tok/s, "
+                      + ", ".join(f"mesh without speculation{via} {rows['mesh nospec' + via][-1]:.2f}, "
+                                  + ", ".join(f"p={p}{via} {rows[f'mesh p={p}{via}'][-1]:.2f}" for p in ps)
+                                  for via, _ in entries)
                       + f", prompt lookup {lookup:.2f}", flush=True)
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     print("\n| p | mesh tok/s | mlx-lm spec tok/s | mesh/plain | mesh/mlx-spec | spec/nospec | acceptance | tokens/pass |")
     print("|---|---|---|---|---|---|---|---|")
+    vias = [via for via, _ in entries]
     for p in ps:
-        s = stats[f"p={p}"]
-        acc = s["accepted"] / s["drafted"] if s["drafted"] else float("nan")
-        per = s["tokens"] / s["passes"] if s["passes"] else float("nan")
-        print(f"| {p} | {med[f'mesh p={p}']:.2f} | {med[f'mlx-spec p={p}']:.2f} | {med[f'p={p} mesh/plain']:.2f} | "
-              f"{med[f'p={p} mesh/mlx-spec']:.2f} | {med[f'p={p} spec/nospec']:.2f} | {acc:.2f} | {per:.2f} |")
+        for via in vias:
+            s = stats[f"p={p}{via}"]
+            acc = s["accepted"] / s["drafted"] if s["drafted"] else float("nan")
+            per = s["tokens"] / s["passes"] if s["passes"] else float("nan")
+            print(f"| {p}{via} | {med[f'mesh p={p}{via}']:.2f} | {med[f'mlx-spec p={p}']:.2f} | "
+                  f"{med[f'p={p}{via} mesh/plain']:.2f} | {med[f'p={p}{via} mesh/mlx-spec']:.2f} | "
+                  f"{med[f'p={p}{via} spec/nospec']:.2f} | {acc:.2f} | {per:.2f} |")
     print(f"\neach further position of a step costs {cost:.2f} of a one-position step here (mlx-lm, whole model)")
-    print(f"mlx-lm plain {med['mlx plain']:.2f} tok/s; mesh without speculation {med['mesh nospec']:.2f}; "
-          f"prompt lookup {med['mesh prompt lookup']:.2f} ({med['lookup/nospec']:.2f}x without)")
+    print(f"mlx-lm plain {med['mlx plain']:.2f} tok/s; "
+          + "; ".join(f"mesh without speculation{via} {med['mesh nospec' + via]:.2f} "
+                      f"({med['nospec/plain' + via]:.2f}x plain)" for via in vias)
+          + f"; prompt lookup {med['mesh prompt lookup']:.2f} ({med['lookup/nospec']:.2f}x without)")
     for p in ps:
-        print(f"p={p} mesh/plain {med[f'p={p} mesh/plain']:.2f} mesh/mlx-spec {med[f'p={p} mesh/mlx-spec']:.2f} "
-              f"spec/nospec {med[f'p={p} spec/nospec']:.2f}")
+        for via in vias:
+            print(f"p={p}{via} mesh/plain {med[f'p={p}{via} mesh/plain']:.2f} "
+                  f"mesh/mlx-spec {med[f'p={p}{via} mesh/mlx-spec']:.2f} "
+                  f"spec/nospec {med[f'p={p}{via} spec/nospec']:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"medians": med, "rounds": rows, "last_round_passes": stats,
                                          "position_cost": cost}, indent=1))
     return 0
 
 
-def _speculation(client, url) -> dict:
-    """The head's speculation counters (its /metrics), through the node the client talks to."""
+def head_url_of(client, url) -> str:
+    """The HTTP address of the plan's head (its last stage), as the node at ``url`` sees the mesh."""
     from harness.cluster import mesh_view
 
     view = mesh_view(url, client=client, timeout=10)
     head = view["plan"]["stages"][-1]["nodes"][0]
     node = next(n for n in view["nodes"] if n["node_id"] == head)
-    s = mesh_view(f"http://{node['address']}:{node['http_port']}", client=client, timeout=10)["metrics"]["speculation"]
+    return f"http://{node['address']}:{node['http_port']}"
+
+
+def speculation_counters(client, head_url) -> dict:
+    """The head's speculation counters (its /metrics)."""
+    from harness.cluster import mesh_view
+
+    s = mesh_view(head_url, client=client, timeout=10)["metrics"]["speculation"]
     return {k: s[k] for k in ("passes", "drafted", "accepted", "tokens")}
 
 
