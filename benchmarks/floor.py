@@ -58,7 +58,6 @@ def _recv(sock: socket.socket, n: int) -> bytearray:
 def _spawn(*args: str) -> tuple[subprocess.Popen, socket.socket]:
     """This script in a child process (``args`` pick its part), and the socket it connected back on."""
     with socket.create_server(("127.0.0.1", 0)) as server:
-        # As a module from the root: run as a file, benchmarks/concurrent.py would shadow the stdlib's.
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.floor", "--port", str(server.getsockname()[1]),
                                  *args], cwd=ROOT)
         server.settimeout(300)

@@ -147,8 +147,9 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
     with netns_mesh(2, "dash") as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=256)
         for h in cluster.hosts:
-            # neither holds the model alone: both are stages (pipeline pinned: "auto" may pick a tensor pair)
-            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
+            # neither holds the model alone: both are stages (pipeline pinned: "auto" may pick a tensor pair);
+            # speculation off, so the figures of guesses show their empty state whatever the answer repeats
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "off"})
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 40, "convergence")
         plan = views[0]["plan"]
         assert len(plan["stages"]) == 2
@@ -182,7 +183,7 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
         partial = [t for t in page_view["seen"] if 0 < len(t) < len(expected)]
         assert partial and all(expected.startswith(t) for t in partial), page_view["seen"]
         assert int(page_view["tokens"]) >= MAX_TOKENS  # this node's counter, as /v1/mesh reports it
-        assert page_view["spec_accept"] == "\u2013"  # speculative decoding is off: no guesses to show
+        assert page_view["spec_accept"] == "\u2013"  # speculative decoding off: no guesses to show
         assert page_view["spec_cancelled"] == "\u2013"
         assert shot.exists() and shot.stat().st_size > 10_000
 

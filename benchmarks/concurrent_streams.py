@@ -17,8 +17,8 @@ and with ``batch_stages`` (micro-batches through both stages, meshnode.serving.s
 ``--small``: a model a third as wide, whose per-token costs (hops, Python) weigh as a bigger model's
 do on a fast GPU.
 
-    .venv/bin/python -m benchmarks.concurrent [--streams 4] [--tokens 128] [--repeats 2]
-    sudo .venv/bin/python -m benchmarks.concurrent --two-stages [--pin] [--only-two] [--small]
+    .venv/bin/python -m benchmarks.concurrent_streams [--streams 4] [--tokens 128] [--repeats 2]
+    sudo .venv/bin/python -m benchmarks.concurrent_streams --two-stages [--pin] [--only-two] [--small]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def one_node(model: Path, texts: list[str], max_tokens: int, repeats: int) -> di
 MEASURE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from benchmarks.concurrent import measure
+from benchmarks.concurrent_streams import measure
 print(json.dumps(measure(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))))
 """
 
