@@ -20,8 +20,8 @@ from meshnode.model.shard import Shard
 from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
 from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.speculative import (FILL_MIN, PROBE_AFTER, DraftLength, PassCosts, Speculation, expected_tokens,
-                                          filled_rate, why_not)
+from meshnode.serving.speculative import (DRY_RUN, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts, Speculation,
+                                          expected_tokens, filled_rate, why_not)
 
 CASES = {
     "llama-f32": ("llama", {"dtype": "float32"}),
@@ -486,3 +486,84 @@ def test_greedy_tokens_are_mlx_lms_in_bfloat16_where_rounding_decides(tmp_path, 
     for drafter in (PromptLookup, lambda h: ReferenceDrafter(h, [reference], 0.5, 2, model.args.vocab_size, 3)):
         got = speculate(stages_of(path, [0, 3, 6]), prompt, SamplingParams(max_tokens=24), drafter, depth=depth)
         assert got == want
+
+
+class Patchy:
+    """A drafter that guesses the reference's next tokens only while the request's length is inside
+    one of ``windows`` ([start, end) pairs), and finds nothing elsewhere (as prompt lookup past
+    what the prompt holds)."""
+
+    def __init__(self, tokens, reference, windows):
+        self._tokens, self.reference, self.windows = list(tokens), reference, windows
+
+    def extend(self, tokens):
+        self._tokens.extend(tokens)
+
+    def propose(self, k):
+        at = len(self._tokens)
+        if not any(a <= at < b for a, b in self.windows) or self.reference[:at] != self._tokens:
+            return []
+        return self.reference[at:at + k]
+
+
+def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long():
+    length = DraftLength(PassCosts(one=0.1, extra=0.005), k_max=4)  # guesses pay (a GPU's costs)
+    for _ in range(DRY_RUN - 1):
+        assert length.choose() > 0
+        length.dry()
+        assert not length.paused()
+    length.dry()  # DRY_RUN times in a row: a pause
+    assert length.plain_left == PROBE_AFTER and length.paused()
+    for _ in range(PROBE_AFTER):
+        assert length.choose() == 0
+        length.observe(0, 0)
+    assert length.choose() == 1  # the pause over: one guess, to see
+    length.dry()  # still nothing: paused again at once, twice as long
+    assert length.plain_left == 2 * PROBE_AFTER
+    for _ in range(2 * PROBE_AFTER):
+        length.observe(0, 0)
+    assert length.choose() == 1
+    length.observe(1, 1)  # it guessed (right): the count of nothing and the pauses start over
+    for _ in range(DRY_RUN - 1):
+        length.dry()
+        assert not length.paused()
+    length.dry()
+    assert length.plain_left == PROBE_AFTER
+
+
+@pytest.mark.parametrize("cuts", [[0, 4], [0, 2, 4]])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_same_tokens(model_case, cuts, depth,
+                                                                                            monkeypatch):
+    """Local stages in a pause run their plain steps built ahead (speculative._plain_run, as
+    mlx-lm's generate_step): the same greedy tokens and the same seeded draws as without
+    speculation, through drafts that stop and start again (the steps built ahead end where a
+    pause ends), also where a failover replay starts at an offset."""
+    from meshnode.serving import speculative
+
+    runs: list[int] = []
+    real = speculative._plain_run
+
+    def counted(model, cache, y, steps, *args):
+        runs.append(steps)
+        return real(model, cache, y, steps, *args)
+
+    monkeypatch.setattr(speculative, "_plain_run", counted)
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    n = 60
+    for params in (SamplingParams(max_tokens=n), SamplingParams(max_tokens=n, temperature=0.8, seed=77)):
+        want = plain(model, prompt, n, params if params.temperature else None)
+        reference = prompt + want
+        at = len(prompt)
+        # Nothing ever; guesses for 12 tokens from the 20th (the first pause ends there).
+        for windows in ([], [(at + 20, at + 32)]):
+            runs.clear()
+            got = speculate(stages_of(path, cuts), prompt, params, lambda h: Patchy(h, reference, windows),
+                            depth=depth)
+            assert got == want, (name, windows, params)
+            assert runs and sum(runs) >= n // 2, runs  # most steps were built ahead
+        again = SamplingParams(max_tokens=n - 9, temperature=params.temperature, seed=params.seed, offset=9)
+        got = speculate(stages_of(path, cuts), prompt + want[:9], again, lambda h: Patchy(h, reference, []),
+                        depth=depth)
+        assert got == want[9:], (name, params)

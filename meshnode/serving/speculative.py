@@ -21,7 +21,10 @@ second (where passes fill the pipeline, of the pipeline kept full: :func:`filled
 (plain decoding, the stages building each step ahead again) where guessing does not pay. It is
 probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own behind the
 plain one where passes may fill the pipeline, else a pass of two positions), then after twice as
-many each time it still does not pay.
+many each time it still does not pay. A drafter that finds nothing to guess (:data:`DRY_RUN` times
+in a row, or at once when a pause has just ended) pauses the request the same way. In a pause the
+steps are plain: the stages build each one ahead (a remote stage) or, where every stage is local,
+each step's graph is built while the one before computes, as mlx-lm's ``generate_step`` does.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from meshnode.model.shard import any_thread_stream
 from meshnode.serving.drafting import Drafter
 from meshnode.serving.sampler import make_indexed_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
@@ -50,6 +54,10 @@ FILL_MIN = 0.1
 # hop, and a cancelled one delays the pass that replaces it by a whole step at the first stage
 FILL_DEEP = 0.85
 EMA = 0.2  # weight of the newest observation in the running estimates
+# Times in a row a drafter finds nothing before the request pauses drafting (plain steps are cheaper
+# in a pause: built ahead). A few: prompt lookup finds nothing for a position or two after each
+# change to what it copies.
+DRY_RUN = 4
 
 
 class PassCosts:
@@ -115,6 +123,9 @@ class DraftLength:
         self._probe = False  # the next pass guesses whatever the estimate says (it measures again)
         self._probe_fill = False  # the probe is a pass behind the one in flight (fill_ok), until observed
         self._pause = PROBE_AFTER  # plain steps of the next pause
+        self._dry = 0  # times in a row the drafter found nothing to guess
+        self._dry_pause = PROBE_AFTER  # plain steps of the next pause for finding nothing
+        self._after_pause = False  # a pause ended and nothing was guessed since
 
     @property
     def alpha(self) -> float:
@@ -166,13 +177,28 @@ class DraftLength:
         """Whether the next step is surely plain (the stages may build it ahead)."""
         return self._plain_left > 1
 
+    @property
+    def plain_left(self) -> int:
+        """Plain steps left in the pause (0: none)."""
+        return self._plain_left
+
+    def dry(self) -> None:
+        """The drafter was asked and found nothing to guess: :data:`DRY_RUN` times in a row, or the
+        first time after a pause, the request pauses (twice as long each time)."""
+        self._dry += 1
+        if self._dry >= DRY_RUN or self._after_pause:
+            self._dry, self._after_pause = 0, False
+            self._plain_left = self._dry_pause
+            self._dry_pause = min(self._dry_pause * 2, PROBE_MAX)
+
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             if self._plain_left > 0:
                 self._plain_left -= 1
-                self._probe = self._plain_left == 0
+                self._probe = self._after_pause = self._plain_left == 0
             return
         self._probe_fill = False
+        self._dry, self._after_pause, self._dry_pause = 0, False, PROBE_AFTER
         trials = accepted + (accepted < drafted)
         self._hits = (1 - EMA) * self._hits + accepted
         self._trials = (1 - EMA) * self._trials + trials
@@ -221,6 +247,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # confirmed positions in the stages' caches
+    local = not any(s.remote for s in model.state.sessions)
     pipe = model.passes(held)
     y, n = history[-1], 0
     # Tokens drawn and not yet yielded: the next passes are sent first, so that the stages compute
@@ -232,12 +259,26 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             if window is not None:
                 room = min(room, window - held - 1)
             k = 0 if others() else min(length.choose() if fixed is None else fixed, room - 1)
+            dry = False  # the drafter found nothing for this position (told to ``length`` once)
             if not pipe:
                 drafts = drafter.propose(k) if k > 0 else []
+                if k > 0 and not drafts:
+                    dry = True
+                    length.dry()
                 fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
                 if not drafts and not fill and not pipe.cut_pending:  # a plain step (it may batch)
                     yield from drawn
                     drawn = []
+                    if local and length.paused() and not others():
+                        # A pause: its steps built ahead, as generate_step does.
+                        for y, logprobs in _plain_run(model, cache, y, min(length.plain_left, max_tokens - n),
+                                                      greedy, sample, params.offset + n, others):
+                            length.observe(0, 0)
+                            held += 1
+                            n += 1
+                            drafter.extend([y])
+                            yield sampled(y, logprobs[0], top) if top >= 0 else y
+                        continue
                     model.may_promise = length.paused()
                     started = time.perf_counter()
                     logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
@@ -261,6 +302,8 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     break
                 guesses = drafter.propose(len(ahead) + size)
                 if guesses[:len(ahead)] != ahead or len(guesses) <= len(ahead):
+                    if not ahead and not guesses and not dry:
+                        length.dry()
                     break  # the drafter has nothing more (or changed its mind)
                 model.alone()
                 pipe.send(guesses[len(ahead):])
@@ -316,6 +359,34 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
         if j >= len(checks) or out[-1] != checks[j]:
             break
     return out, logprobs
+
+
+def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: int,
+               others: Callable[[], bool]) -> Iterator[tuple[int, mx.array]]:
+    """Up to ``steps`` plain one-position steps from token ``y`` on stages that are all local, each
+    step's graph built and its evaluation started while the one before computes (as mlx-lm's
+    ``generate_step``); yields (token, its log probabilities). Draw ``offset + i`` at step i, as
+    :func:`_draws`. Stops building ahead once ``others()`` (another request decodes)."""
+
+    def step(token: mx.array, index: int) -> tuple[mx.array, mx.array]:
+        logits = model(token.reshape(1, 1), cache)[0]
+        with mx.stream(any_thread_stream()):  # the shards' stream: the draw is built where they are
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return (mx.argmax(logprobs, axis=-1) if greedy else sample(logprobs, index)), logprobs
+
+    if steps <= 0:
+        return
+    current = step(mx.array([y], dtype=mx.uint32), offset)
+    mx.async_eval(*current)
+    for i in range(steps):
+        after = None
+        if i + 1 < steps and not others():
+            after = step(current[0], offset + i + 1)
+            mx.async_eval(*after)
+        yield current[0].item(), current[1]
+        if after is None:
+            return
+        current = after
 
 
 def filled_rate(alpha: float, k: int, ratio: float, stages: int) -> float:
