@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,14 +164,10 @@ def main() -> int:
                        "both": [("", relay_url), (" via head", head_url)]}[args.entry]
 
             def mesh(label: str, spec: dict, url: str = entries[0][1]) -> float:
-                drafts.write_text(json.dumps(spec))
-                before = speculation_counters(client, head_url)
-                out = in_ns(client, CLIENT, url, model_dir.name, args.tokens, PROMPT, timeout=900)
-                if out["text"] != text:
-                    raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{text!r}")
-                after = speculation_counters(client, head_url)
-                stats[label] = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "tokens")}
-                return (args.tokens - 1) / (out["total"] - out["first"])
+                tps, stats[label] = mesh_request(
+                    client, head_url, drafts, spec, text, label, args.tokens,
+                    lambda: in_ns(client, CLIENT, url, model_dir.name, args.tokens, PROMPT, timeout=900))
+                return tps
 
             for _, entry in entries:  # the nodes' first request (kernels compiled) takes core time
                 mesh("warm-up", {"off": True}, entry)
@@ -214,9 +211,7 @@ def main() -> int:
     vias = [via for via, _ in entries]
     for p in ps:
         for via in vias:
-            s = stats[f"p={p}{via}"]
-            acc = s["accepted"] / s["drafted"] if s["drafted"] else float("nan")
-            per = s["tokens"] / s["passes"] if s["passes"] else float("nan")
+            acc, per = pass_figures(stats[f"p={p}{via}"])
             print(f"| {p}{via} | {med[f'mesh p={p}{via}']:.2f} | {med[f'mlx-spec p={p}']:.2f} | "
                   f"{med[f'p={p}{via} mesh/plain']:.2f} | {med[f'p={p}{via} mesh/mlx-spec']:.2f} | "
                   f"{med[f'p={p}{via} spec/nospec']:.2f} | {acc:.2f} | {per:.2f} |")
@@ -234,6 +229,27 @@ def main() -> int:
         args.json.write_text(json.dumps({"medians": med, "rounds": rows, "last_round_passes": stats,
                                          "position_cost": cost}, indent=1))
     return 0
+
+
+def mesh_request(client, head_url: str, drafts: Path, spec: dict, want: str, label: str, tokens: int,
+                 ask: Callable[[], dict]) -> tuple[float, dict]:
+    """One request to a benchmark's mesh with the test drafter file (MESHNODE_TEST_DRAFTS) set to
+    ``spec``: its decode tokens/s (first streamed token to the last) and what it moved of the
+    head's speculation counters. ``ask()``: the client's JSON (first, total, text), whose text must
+    be ``want`` (mlx-lm's answer)."""
+    drafts.write_text(json.dumps(spec))
+    before = speculation_counters(client, head_url)
+    out = ask()
+    if out["text"] != want:
+        raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{want!r}")
+    after = speculation_counters(client, head_url)
+    return (tokens - 1) / (out["total"] - out["first"]), {k: after[k] - before[k] for k in after}
+
+
+def pass_figures(moved: dict) -> tuple[float, float]:
+    """(acceptance, tokens per pass) of what requests moved of the speculation counters (nan: none)."""
+    acc = moved["accepted"] / moved["drafted"] if moved["drafted"] else float("nan")
+    return acc, moved["tokens"] / moved["passes"] if moved["passes"] else float("nan")
 
 
 def head_url_of(client, url) -> str:

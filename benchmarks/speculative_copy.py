@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import BENCH_MODEL, two_stage_mesh  # noqa: E402
-from benchmarks.speculative import head_url_of, mlx_decode, speculation_counters  # noqa: E402
+from benchmarks.speculative import head_url_of, mesh_request, mlx_decode, pass_figures  # noqa: E402
 
 SEED = 5
 DRAFT = dict(family="llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, dtype="float32")
@@ -137,15 +137,11 @@ def main() -> int:
         with two_stage_mesh(model_dir, 1024, pin=True, env=env, cores=cores) as (client, url, logs):
             head_url = head_url_of(client, url)
 
-            def mesh(label: str, spec: dict) -> float:
-                drafts.write_text(json.dumps(spec))  # {}: the draft model the settings load
-                before = speculation_counters(client, head_url)
-                out = in_ns(client, CLIENT, url, model_dir.name, args.tokens, json.dumps(prompt), timeout=900)
-                if out["text"] != text:
-                    raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{text!r}")
-                after = speculation_counters(client, head_url)
-                stats[label] = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "tokens")}
-                return (args.tokens - 1) / (out["total"] - out["first"])
+            def mesh(label: str, spec: dict) -> float:  # spec {}: the draft model the settings load
+                tps, stats[label] = mesh_request(
+                    client, head_url, drafts, spec, text, label, args.tokens,
+                    lambda: in_ns(client, CLIENT, url, model_dir.name, args.tokens, json.dumps(prompt), timeout=900))
+                return tps
 
             mesh("warm-up", {"off": True})  # the nodes' first request (kernels compiled) takes core time
             for r in range(args.rounds):
@@ -168,9 +164,8 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in rows.items()}
 
     def passes(label: str) -> str:
-        s = stats[label]
-        acc = s["accepted"] / s["drafted"] if s["drafted"] else float("nan")
-        return f"acceptance {acc:.2f}, {s['tokens'] / max(s['passes'], 1):.2f} tokens per pass"
+        acc, per = pass_figures(stats[label])
+        return f"acceptance {acc:.2f}, {per:.2f} tokens per pass"
 
     print(f"\nmlx-lm plain {med['mlx plain']:.2f} tok/s; mlx-lm's speculation with the draft model "
           f"{med['mlx-spec']:.2f} ({med['mlx-spec/plain']:.2f}x plain); mesh without speculation "
