@@ -20,8 +20,8 @@ from meshnode.model.shard import Shard
 from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
 from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.speculative import (DRY_RUN, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts, Speculation,
-                                          expected_tokens, filled_rate, why_not)
+from meshnode.serving.speculative import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
+                                          Speculation, expected_tokens, filled_rate, why_not)
 
 CASES = {
     "llama-f32": ("llama", {"dtype": "float32"}),
@@ -54,14 +54,24 @@ def stages_of(path, cuts):
     return [LocalStage(Shard(path, a, b)) for a, b in zip(cuts, cuts[1:])]
 
 
-def speculate(stages, prompt, params, drafter, passes=None, depth=None):
+class FixedCosts(PassCosts):
+    """Pass costs that stay as given (what the timings of a loaded machine may measure), so that
+    k and the pauses chosen from them do not depend on the machine."""
+
+    def __init__(self, one: float, extra: float):
+        super().__init__(one, extra)
+        self.observe = lambda positions, seconds: None
+
+
+def speculate(stages, prompt, params, drafter, passes=None, depth=None, costs=None):
     """``depth``: passes in flight at once (local stages take one by default: they share a thread;
-    more here runs the remote case's logic, passes of guesses behind the one in flight)."""
+    more here runs the remote case's logic, passes of guesses behind the one in flight).
+    ``costs``: the pass costs (measured on the passes, where None)."""
     def on_pass(drafted, accepted, tokens, cancelled):
         if passes is not None:
             passes.append((drafted, accepted, tokens, cancelled))
 
-    spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4, depth=depth)
+    spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4, depth=depth, costs=costs or PassCosts())
     return [int(t) for t in generate_tokens(PipelineModel(stages, "t"), prompt, params, speculation=spec)]
 
 
@@ -206,7 +216,7 @@ def test_draft_length_follows_acceptance_and_cost():
 def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one():
     # Extra positions cost nearly a step (this CPU): a probe of two positions would cost a step's
     # compute; one guess sent behind the plain pass costs the first stage only time it would wait.
-    length = DraftLength(PassCosts(one=0.1, extra=0.09), k_max=8, fills=True)
+    length = DraftLength(PassCosts(one=0.1, extra=0.09), k_max=8, fills=True, stages=2)
     assert length.choose() == 0 and length.fill_ok(0)  # the prior: fill from the start
     for _ in range(10):
         length.observe(1, 0)
@@ -224,6 +234,29 @@ def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one
     before = length.alpha
     length.observe(1, 1)  # the guess came right: the estimate rises, and decides the next fill
     assert length.alpha > before and length.fill_ok(0) == (length.alpha >= FILL_MIN)
+
+
+def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_request():
+    """One stage with passes in flight behind it (a single remote stage; the tests' depth 3 on one
+    local stage): every pass behind is beyond one per stage (FILL_DEEP). Where guesses do not pay
+    inside a pass and a pass behind would not be sent either, choose() pauses; it once answered 0
+    with no pause, so the drafter was never asked again (no guess, no dry run, no pause) and every
+    step went through the pass pipe, not built ahead (seen in CI: a loaded CPU measured a further
+    position at a whole step's cost)."""
+    dear = PassCosts(one=0.1, extra=0.1)  # a further position costs a step: guesses inside a pass never pay
+    length = DraftLength(dear, k_max=4, fills=True, stages=1)
+    for _ in range(30):
+        length.observe(4, 3)
+    assert FILL_MIN < length.alpha < FILL_DEEP
+    assert length.choose() == 0 and length.paused() and not length.fill_ok(0, deep=True)
+    for _ in range(PROBE_AFTER):
+        length.observe(0, 0)
+    assert length.choose() == 1  # the probe: one guess inside the pass (no pass behind would go)
+    # Nearly every guess confirmed: a pass behind the one in flight is worth sending, so 0 is a fill.
+    sure = DraftLength(dear, k_max=4, fills=True, stages=1)
+    for _ in range(30):
+        sure.observe(4, 4)
+    assert sure.choose() == 0 and not sure.paused() and sure.fill_ok(0, deep=True)
 
 
 def test_at_half_the_guesses_confirmed_a_run_of_misses_does_not_stop_the_filling():
@@ -532,13 +565,15 @@ def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long
 
 
 @pytest.mark.parametrize("cuts", [[0, 4], [0, 2, 4]])
-@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("depth,costs", [(1, None), (3, None), (3, "dear")])
 def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_same_tokens(model_case, cuts, depth,
-                                                                                            monkeypatch):
+                                                                                            costs, monkeypatch):
     """Local stages in a pause run their plain steps built ahead (speculative._plain_run, as
     mlx-lm's generate_step): the same greedy tokens and the same seeded draws as without
     speculation, through drafts that stop and start again (the steps built ahead end where a
-    pause ends), also where a failover replay starts at an offset."""
+    pause ends), also where a failover replay starts at an offset. ``dear``: a further position
+    costs a whole step (a loaded CPU measured that in CI; one stage with passes behind it then
+    stopped asking the drafter after the guesses, and built nothing ahead)."""
     from meshnode.serving import speculative
 
     runs: list[int] = []
@@ -560,7 +595,7 @@ def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_
         for windows in ([], [(at + 20, at + 32)]):
             runs.clear()
             got = speculate(stages_of(path, cuts), prompt, params, lambda h: Patchy(h, reference, windows),
-                            depth=depth)
+                            depth=depth, costs=FixedCosts(0.1, 0.1) if costs == "dear" else None)
             assert got == want, (name, windows, params)
             assert runs and sum(runs) >= n // 2, runs  # most steps were built ahead
         again = SamplingParams(max_tokens=n - 9, temperature=params.temperature, seed=params.seed, offset=9)

@@ -136,7 +136,7 @@ class DraftLength:
             return 0
         if self._probe:  # one guess: the cheapest measure of whether they come right now
             self._probe = False
-            if self.fills:  # a pass behind the plain one, which costs a stage's wait at most
+            if self.fills and self.stages > 1:  # a pass behind the plain one, which costs a stage's wait at most
                 self._probe_fill = True
                 return 0
             return 1
@@ -152,8 +152,11 @@ class DraftLength:
             rate = filled_rate(alpha, k, ratio, stages)
             if rate > best * 1.02:  # a guess must pay for itself with a margin
                 best_k, best = k, rate
-        if best_k == 0 and self.fills and alpha >= FILL_MIN:
-            return 0  # guesses pay as passes behind the one in flight (fill_ok), not inside it
+        if best_k == 0 and self.fills and self.fill_ok(0, deep=self.stages <= 1):
+            # Guesses pay as passes behind the one in flight, not inside it. (With one stage every
+            # pass behind is one beyond a pass per stage: where none would be sent, a 0 here
+            # without a pause would leave the drafter never asked, and steps never built ahead.)
+            return 0
         if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long
             self._plain_left = self._pause
             self._pause = min(self._pause * 2, PROBE_MAX)
@@ -265,7 +268,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                 if k > 0 and not drafts:
                     dry = True
                     length.dry()
-                fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
+                fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0, deep=stages <= 1))
                 if not drafts and not fill and not pipe.cut_pending:  # a plain step (it may batch)
                     yield from drawn
                     drawn = []
