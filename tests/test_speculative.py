@@ -224,7 +224,7 @@ def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one
     for _ in range(PROBE_AFTER):
         length.observe(0, 0)
     assert length.choose() == 0  # the probe: no guess inside the pass ...
-    assert length.fill_ok(0) and not length.fill_ok(0, deep=True) and not length.fill_ok(1)  # ... one behind it
+    assert length.fill_ok(0) and not length.fill_ok(0, in_flight=2) and not length.fill_ok(1)  # ... one behind it
     assert length.fill_ok(0)  # still, until a pass that checked a guess is observed
     length.observe(1, 0)
     assert not length.fill_ok(0) and length.choose() == 0 and length.paused()  # refused: a longer pause
@@ -248,7 +248,7 @@ def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_requ
     for _ in range(30):
         length.observe(4, 3)
     assert FILL_MIN < length.alpha < FILL_DEEP
-    assert length.choose() == 0 and length.paused() and not length.fill_ok(0, deep=True)
+    assert length.choose() == 0 and length.paused() and not length.fill_ok(0, in_flight=1)
     for _ in range(PROBE_AFTER):
         length.observe(0, 0)
     assert length.choose() == 1  # the probe: one guess inside the pass (no pass behind would go)
@@ -256,7 +256,7 @@ def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_requ
     sure = DraftLength(dear, k_max=4, fills=True, stages=1)
     for _ in range(30):
         sure.observe(4, 4)
-    assert sure.choose() == 0 and not sure.paused() and sure.fill_ok(0, deep=True)
+    assert sure.choose() == 0 and not sure.paused() and sure.fill_ok(0, in_flight=1)
 
 
 def test_at_half_the_guesses_confirmed_a_run_of_misses_does_not_stop_the_filling():

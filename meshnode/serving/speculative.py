@@ -152,7 +152,7 @@ class DraftLength:
             rate = filled_rate(alpha, k, ratio, stages)
             if rate > best * 1.02:  # a guess must pay for itself with a margin
                 best_k, best = k, rate
-        if best_k == 0 and self.fills and self.fill_ok(0, deep=self.stages <= 1):
+        if best_k == 0 and self.fill_ok(0):
             # Guesses pay as passes behind the one in flight, not inside it. (With one stage every
             # pass behind is one beyond a pass per stage: where none would be sent, a 0 here
             # without a pause would leave the drafter never asked, and steps never built ahead.)
@@ -164,14 +164,15 @@ class DraftLength:
             self._pause = PROBE_AFTER
         return best_k
 
-    def fill_ok(self, ahead: int, deep: bool = False) -> bool:
-        """Whether a pass of guesses behind ``ahead`` guesses in flight is worth sending: it is
-        kept only if they and its own first guess are all confirmed. A cancelled one costs little
-        (the first stage computes it while it would wait anyway; the others never see it, or see
-        it while the head computes the pass that replaces it). ``deep``: the pass beyond one per
-        stage, worth it only when nearly sure (FILL_DEEP)."""
+    def fill_ok(self, ahead: int, in_flight: int = 1) -> bool:
+        """Whether a pass of guesses behind ``in_flight`` passes holding ``ahead`` guesses is worth
+        sending: it is kept only if they and its own first guess are all confirmed. A cancelled one
+        costs little (the first stage computes it while it would wait anyway; the others never see
+        it, or see it while the head computes the pass that replaces it). A pass beyond one per
+        stage (``in_flight >= stages``) is worth it only when nearly sure (FILL_DEEP)."""
         if not self.fills or self._plain_left > 0:
             return False
+        deep = in_flight >= self.stages
         if self._probe_fill and ahead == 0 and not deep:
             return True
         return min(self.alpha, 0.99) ** (ahead + 1) >= (FILL_DEEP if deep else FILL_MIN)
@@ -268,7 +269,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                 if k > 0 and not drafts:
                     dry = True
                     length.dry()
-                fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0, deep=stages <= 1))
+                fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
                 if not drafts and not fill and not pipe.cut_pending:  # a plain step (it may batch)
                     yield from drawn
                     drawn = []
@@ -300,8 +301,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             while len(pipe) < depth and not others():
                 ahead = pipe.in_flight()[1:]  # guesses in flight (the first token is confirmed)
                 size = 1 + max(k, 0)
-                deep = len(pipe) >= stages  # the pass beyond one per stage (pipe_depth)
-                if len(ahead) + 1 + size > room or not (fixed is not None or length.fill_ok(len(ahead), deep)):
+                if len(ahead) + 1 + size > room or not (fixed is not None or length.fill_ok(len(ahead), len(pipe))):
                     break
                 guesses = drafter.propose(len(ahead) + size)
                 if guesses[:len(ahead)] != ahead or len(guesses) <= len(ahead):
