@@ -314,6 +314,48 @@ def test_a_new_placement_measures_what_a_guess_costs_before_guessing_more():
     assert length.choose() == 0  # even confirmed guesses do not pay for themselves here
 
 
+def test_where_passes_fill_the_pipeline_the_passes_that_measure_the_costs_go_alone():
+    """Only a pass alone in the stages times what its positions cost. Where passes fill the
+    pipeline, the pass of one guess that measures a further position once had a pass sent behind
+    it, so it was never measured, and every pass after it guessed one token for good (the
+    benchmark's p = 0.8 ran passes of 1.74 tokens where k = 0 was the choice)."""
+    costs = PassCosts()
+    length = DraftLength(costs, k_max=8, fills=True, stages=2)
+    assert length.choose() == 0 and not length.fill_ok(0)  # nothing measured: a plain step, alone
+    costs.observe(1, 0.1)
+    assert length.choose() == 1  # then one guess ...
+    assert not length.fill_ok(0) and not length.fill_ok(1)  # ... with nothing behind it
+    costs.observe(2, 0.19)  # a further position costs 0.9 of a step (this CPU)
+    assert length.choose() == 0 and length.fill_ok(0)  # measured: one-position passes fill the pipeline
+
+
+class RecordedCosts(PassCosts):
+    """Pass costs that note each pass timed: (its positions, passes checked before it)."""
+
+    def __init__(self, passes: list):
+        super().__init__()
+        self.passes, self.timed = passes, []
+
+    def observe(self, positions: int, seconds: float) -> None:
+        self.timed.append((positions, len(self.passes)))
+        super().observe(positions, seconds)
+
+
+def test_in_a_filled_pipeline_a_new_placement_times_a_guess_first(model_case):
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    want = plain(model, prompt, 32)
+    passes: list = []
+    costs = RecordedCosts(passes)
+    got = speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=32),
+                    lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 1, model.args.vocab_size), passes,
+                    depth=3, costs=costs)
+    assert got == want, name
+    # A plain step, then the first pass with a guess, are timed (each alone); not, as before, only
+    # the passes near max_tokens, where none is sent behind for lack of room.
+    assert [n for n, _ in costs.timed[:2]] == [1, 2] and costs.timed[1][1] == 0, (name, costs.timed)
+
+
 def test_pass_costs_fit_the_cost_of_extra_positions():
     costs = PassCosts()
     assert costs.ratio() == 0.25 and costs.fit() == (None, None)  # the prior until measured

@@ -126,12 +126,16 @@ class DraftLength:
         self._dry = 0  # times in a row the drafter found nothing to guess
         self._dry_pause = PROBE_AFTER  # plain steps of the next pause for finding nothing
         self._after_pause = False  # a pause ended and nothing was guessed since
+        # The next pass measures the placement's costs: it goes alone, nothing sent behind it (only a
+        # pass alone in the stages times what its positions cost; PassCosts).
+        self._measuring = False
 
     @property
     def alpha(self) -> float:
         return self._hits / self._trials if self._trials else 0.0
 
     def choose(self) -> int:
+        self._measuring = False
         if self._plain_left > 0:
             return 0
         if self._probe:  # one guess: the cheapest measure of whether they come right now
@@ -141,8 +145,11 @@ class DraftLength:
                 return 0
             return 1
         one, extra = self.costs.fit()
-        if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply
-            return 0 if one is None else 1  # a plain step, then a pass with one guess
+        if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply,
+            # a plain step, then a pass with one guess, each alone (where passes fill the pipeline,
+            # one with a pass behind it would never be measured, and k stay 1 for good)
+            self._measuring = True
+            return 0 if one is None else 1
         ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
         # Where passes fill the pipeline, against one-position passes keeping it full; else (one
         # stage's formula) against plain steps.
@@ -170,7 +177,7 @@ class DraftLength:
         costs little (the first stage computes it while it would wait anyway; the others never see
         it, or see it while the head computes the pass that replaces it). A pass beyond one per
         stage (``in_flight >= stages``) is worth it only when nearly sure (FILL_DEEP)."""
-        if not self.fills or self._plain_left > 0:
+        if not self.fills or self._plain_left > 0 or self._measuring:
             return False
         deep = in_flight >= self.stages
         if self._probe_fill and ahead == 0 and not deep:
