@@ -1,6 +1,7 @@
 """Speculative decoding across a 2-stage mesh against one process, in the same run.
 
-    sudo .venv/bin/python -m benchmarks.speculative [--tokens 48] [--rounds 3] [--entry relay|head|both] [--json out.json]
+    sudo .venv/bin/python -m benchmarks.speculative [--tokens 48] [--rounds 3] [--entry relay|head|both]
+        [--fixed K,DEPTH ...] [--json out.json]
 
 Random weights make any real drafter's acceptance unpredictable, so acceptance is controlled: the
 head's drafter is the test one (meshnode.serving.drafting.ReferenceDrafter, MESHNODE_TEST_DRAFTS)
@@ -21,12 +22,15 @@ the test drafter at each p, the mesh with prompt lookup. Decode speed is timed f
 streamed token to the last; every mesh answer is checked equal to mlx-lm's (greedy). Prints one
 line per p: ``p=0.8 mesh/plain 1.62 mesh/mlx-spec 0.97 spec/nospec 1.71`` (medians of the rounds'
 ratios: 2-stage speculative decode over plain mlx-lm, over mlx-lm's own speculation, over the
-same mesh without speculation), and the head's acceptance and tokens per pass.
+same mesh without speculation), and the head's acceptance and tokens per pass. ``--fixed 0,2 1,2``
+also measures, in the same rounds, the mesh with k guesses in every pass and at most DEPTH passes in
+flight (the test drafter's ``k`` and ``depth``: what the head's own choice of both is up against).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -116,8 +120,13 @@ def main() -> int:
     ap.add_argument("--entry", choices=("relay", "head", "both"), default="relay",
                     help="the node the client asks: the first stage's, which relays to the head (as a "
                          "client that asks any node), the head's, or both in turns (rows 'via head')")
+    ap.add_argument("--fixed", nargs="*", default=[], metavar="K,DEPTH",
+                    help="also measure k guesses in every pass and at most DEPTH passes in flight (rows 'k=K depth=D')")
     args = ap.parse_args()
     ps = tuple(args.p)
+    fixed = [tuple(int(v) for v in f.split(",")) for f in args.fixed]
+    # (row suffix, the test drafter's settings beyond p): the head's own choice, then each --fixed
+    ways = [("", {})] + [(f" k={k} depth={d}", {"k": k, "depth": d}) for k, d in fixed]
 
     import os
 
@@ -189,19 +198,20 @@ def main() -> int:
                 for p in ps:
                     mlx_spec = mlx_decode(model, tokenizer, prompt, args.tokens, GuessModel(answer, p, vocab))
                     note(f"mlx-spec p={p}", mlx_spec)
-                    for via, entry in entries:
-                        spec_tps = mesh(f"p={p}{via}", {"p": p, "seed": SEED, "vocab": vocab, "answers": [answer]},
-                                        entry)
-                        note(f"mesh p={p}{via}", spec_tps)
-                        note(f"p={p}{via} mesh/plain", spec_tps / plain)
-                        note(f"p={p}{via} mesh/mlx-spec", spec_tps / mlx_spec)
-                        note(f"p={p}{via} spec/nospec", spec_tps / rows["mesh nospec" + via][-1])
+                    for (via, entry), (way, settings) in itertools.product(entries, ways):
+                        spec_tps = mesh(f"p={p}{way}{via}",
+                                        {"p": p, "seed": SEED, "vocab": vocab, "answers": [answer], **settings}, entry)
+                        note(f"mesh p={p}{way}{via}", spec_tps)
+                        note(f"p={p}{way}{via} mesh/plain", spec_tps / plain)
+                        note(f"p={p}{way}{via} mesh/mlx-spec", spec_tps / mlx_spec)
+                        note(f"p={p}{way}{via} spec/nospec", spec_tps / rows["mesh nospec" + via][-1])
                 lookup = mesh("prompt lookup", {"prompt_lookup": True})
                 note("mesh prompt lookup", lookup)
                 note("lookup/nospec", lookup / nospec)
                 print(f"round {r + 1}: mlx-lm {plain:.2f} tok/s, "
                       + ", ".join(f"mesh without speculation{via} {rows['mesh nospec' + via][-1]:.2f}, "
-                                  + ", ".join(f"p={p}{via} {rows[f'mesh p={p}{via}'][-1]:.2f}" for p in ps)
+                                  + ", ".join(f"p={p}{way}{via} {rows[f'mesh p={p}{way}{via}'][-1]:.2f}"
+                                              for p in ps for way, _ in ways)
                                   for via, _ in entries)
                       + f", prompt lookup {lookup:.2f}", flush=True)
 
@@ -209,8 +219,9 @@ def main() -> int:
     print("\n| p | mesh tok/s | mlx-lm spec tok/s | mesh/plain | mesh/mlx-spec | spec/nospec | acceptance | tokens/pass |")
     print("|---|---|---|---|---|---|---|---|")
     vias = [via for via, _ in entries]
+    rowed = [way + via for via in vias for way, _ in ways]
     for p in ps:
-        for via in vias:
+        for via in rowed:
             acc, per = pass_figures(stats[f"p={p}{via}"])
             print(f"| {p}{via} | {med[f'mesh p={p}{via}']:.2f} | {med[f'mlx-spec p={p}']:.2f} | "
                   f"{med[f'p={p}{via} mesh/plain']:.2f} | {med[f'p={p}{via} mesh/mlx-spec']:.2f} | "
@@ -221,7 +232,7 @@ def main() -> int:
                       f"({med['nospec/plain' + via]:.2f}x plain)" for via in vias)
           + f"; prompt lookup {med['mesh prompt lookup']:.2f} ({med['lookup/nospec']:.2f}x without)")
     for p in ps:
-        for via in vias:
+        for via in rowed:
             print(f"p={p}{via} mesh/plain {med[f'p={p}{via} mesh/plain']:.2f} "
                   f"mesh/mlx-spec {med[f'p={p}{via} mesh/mlx-spec']:.2f} "
                   f"spec/nospec {med[f'p={p}{via} spec/nospec']:.2f}")
