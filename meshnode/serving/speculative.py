@@ -50,9 +50,14 @@ PROBE_MAX = 256
 # gave 1.31x where half were (p = 0.5), so it pays from about 0.04; 0.1 leaves room for the
 # estimate's noise. (At 0.4 three misses in a row paused a request at p = 0.5, or 0.8.)
 FILL_MIN = 0.1
-# ... for the pass beyond one per stage (pipe_depth): it only saves the first stage's wait for the
-# hop, and a cancelled one delays the pass that replaces it by a whole step at the first stage
-FILL_DEEP = 0.85
+# ... for the pass beyond one per stage (pipe_depth): it only saves the first stage its wait for the
+# hops and the head's turn, and a cancelled one delays the pass that replaces it by a whole step at
+# the first stage; kept with chance q it pays where q * gain > (1 - q) * step. Measured
+# (benchmarks.speculative --fixed 0,2 0,3): it gained 3 % where every guess was right (p = 1.0) and
+# cost 12 % at p = 0.8, sent from 0.85 (the running estimate passes that after a few right guesses
+# in a row), so a gain of 0.03 step: 0.97. The estimate (capped at 0.99) reaches it only where
+# nearly every guess comes right, one guess ahead (0.99 ** 2).
+FILL_DEEP = 0.97
 EMA = 0.2  # weight of the newest observation in the running estimates
 # Times in a row a drafter finds nothing before the request pauses drafting (plain steps are cheaper
 # in a pause: built ahead). A few: prompt lookup finds nothing for a position or two after each
