@@ -370,8 +370,8 @@ def test_in_a_filled_pipeline_a_new_placement_times_a_guess_first(model_case):
                     lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 1, model.args.vocab_size), passes,
                     depth=3, costs=costs)
     assert got == want, name
-    # A plain step, then the first pass with a guess, are timed (each alone); not, as before, only
-    # the passes near max_tokens, where none is sent behind for lack of room.
+    # A plain step, then the first pass with a guess, are timed (each alone). Before, each had a
+    # pass sent behind it, and nothing in the whole request was timed.
     assert [n for n, _ in costs.timed[:2]] == [1, 2] and costs.timed[1][1] == 0, (name, costs.timed)
 
 
