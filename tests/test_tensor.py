@@ -18,6 +18,7 @@ from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
 from meshnode.model.build import build_model
 from meshnode.model.compute import free_ports
+from harness.cluster import wait_until
 from tests.helpers import tensor_group
 from meshnode.proto import mesh_pb2
 
@@ -158,6 +159,25 @@ def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
         for m in members:
             m.close()
     assert lead._proc is None and other._proc is None
+
+
+def test_a_member_that_leaves_an_idle_group_stops_the_leader_so_the_group_forms_again(model):
+    """A member's node replaces its worker (a newer plan came while it loaded) while the leader's
+    node keeps its own, with no request running: the leader must notice by itself, or the new
+    worker finds nobody listening and the group never forms again (stop 40's CI)."""
+    members = tensor_group(model, 0, 6)
+    lead, other = members
+    try:
+        want = _greedy(lambda x, c=lead.make_cache(): lead.forward(x, c), 4)
+        other.close()
+        wait_until(lambda: not lead.alive(), 10, "the leader's worker to stop")
+        lead.close()
+        again = tensor_group(model, 0, 6)
+        members += again
+        assert _greedy(lambda x, c=again[0].make_cache(): again[0].forward(x, c), 4) == want
+    finally:
+        for m in members:
+            m.close()
 
 
 def test_a_group_that_cannot_form_gives_up(model):

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import select
 import socket
 import struct
 import sys
@@ -159,7 +160,23 @@ class _Worker:
         for peer in self.peers:
             peer.sendall(frame)
 
+    def watch_members(self) -> None:
+        """Rank 0, for the life of the group: the other ranks never write after their hello, so a
+        control connection turning readable means that rank's worker went (its node closed it for
+        a newer plan, or died). The ring is then broken, so this worker exits at once: its node sees
+        the group down and forms it again with the member's new worker. An idle group sends no
+        commands, so the loop in :meth:`lead` alone would never notice, and the new worker would
+        find nobody listening."""
+        if not self.peers:
+            return
+        readable, _, _ = select.select(self.peers, [], [])
+        rank = 1 + self.peers.index(readable[0])
+        # A warning, not an error: when a plan retires the group, a member's node may just close first.
+        log.warning("rank %d's worker left the group; stopping", rank)
+        os._exit(1)
+
     def lead(self, inp: BinaryIO, out: BinaryIO) -> None:
+        threading.Thread(target=self.watch_members, name="members-watch", daemon=True).start()
         while True:
             try:
                 cmd = read_frame(inp, mesh_pb2.WorkerCommand)

@@ -25,6 +25,11 @@ def stage_key(stage) -> tuple:
     return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
 
 
+def part_of(plan, node_id: str) -> tuple:
+    """What a plan has this node load: its stages' keys, and the KV cache kind its groups' workers build."""
+    return plan.kv_bits, frozenset(stage_key(s) for s in plan.stages if node_id in s.nodes)
+
+
 def close_shard(shard) -> None:
     if isinstance(shard, TensorShard):
         shard.close()
@@ -107,9 +112,7 @@ async def load_part(served, plan) -> None:
             served.event("load-failed", epoch=plan.epoch, error=str(exc))
         raise
     if served.plan is not plan:
-        for key, shard in wanted.items():
-            if key not in served.shards:
-                close_shard(shard)
+        keep_for_newer(served, wanted)
         return
     replaced = [v for k, v in served.shards.items() if k in wanted and v is not wanted[k]]
     served.shards = {**served.shards, **wanted}
@@ -121,6 +124,24 @@ async def load_part(served, plan) -> None:
     served.ready_epoch = plan.epoch
     log.info("ready for epoch %d", plan.epoch)
     asyncio.create_task(served.on_ready())  # tell the mesh now, not at the next beat
+
+
+def keep_for_newer(served, loaded: dict) -> None:
+    """A newer plan came while this load ran: hold what it wants too (its own load then finds it),
+    close the rest (a shard already held under the same key is the one kept)."""
+    newer = part_of(served.plan, served.node_id)[1] if served.plan is not None else frozenset()
+    held = dict(served.shards)
+    for key, shard in loaded.items():
+        old = held.get(key)
+        if old is shard:
+            continue
+        if key in newer and (old is None or isinstance(old, TensorShard) and not old.alive()):
+            if old is not None:
+                close_shard(old)
+            held[key] = shard
+        else:
+            close_shard(shard)
+    served.shards = held
 
 
 async def layers_folder(served, start: int, end: int) -> Path:

@@ -25,7 +25,7 @@ from meshnode.model.tensor import TensorShard
 from meshnode.serving.promptcache import PrefixIndex
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import LocalStage
-from meshnode.serving.loading import close_shard, load_part, stage_key
+from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
 from meshnode.serving.resilience import FailoverSource, NotReady
@@ -58,6 +58,7 @@ class ServedModel:
         # TensorShard supervising a worker process).
         self.shards: dict[tuple, Shard | TensorShard] = {}
         self._apply_task: asyncio.Task | None = None
+        self._applying = None  # the plan _apply_task loads this node's part of
         self._group_restart_at = 0.0
         self._placements: dict[int, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -124,9 +125,22 @@ class ServedModel:
         self.plan_error = ""
 
     def apply_soon(self, plan) -> None:
-        if self._apply_task is not None:
-            self._apply_task.cancel()
-        self._apply_task = asyncio.create_task(load_part(self, plan))
+        task, loading = self._apply_task, self._applying
+        if task is not None and not task.done() and loading is not None and \
+                part_of(loading, self.node_id) == part_of(plan, self.node_id):
+            # The newer plan wants what is loading (another node came or went): let the load finish
+            # and serve it for this plan. Cancelling would throw away a tensor group's worker that
+            # the other members may already have formed their ring with.
+            self._apply_task, self._applying = asyncio.create_task(self._load_after(task, plan)), plan
+            return
+        if task is not None:
+            task.cancel()
+        self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
+
+    async def _load_after(self, task: asyncio.Task, plan) -> None:
+        # gather: cancelling this cancels the load it waits for too (a plan that wants other things).
+        await asyncio.gather(task, return_exceptions=True)  # a failure was logged; this plan tries anew
+        await load_part(self, plan)
 
     def drop(self) -> None:
         self.plan = None
@@ -157,7 +171,7 @@ class ServedModel:
             self.ready_epoch = plan.epoch - 1
         else:
             log.warning("epoch %d: loading this node's part again", plan.epoch)
-        self._apply_task = asyncio.create_task(load_part(self, plan))
+        self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
 
     def retire_previous(self) -> None:
         """Once the current plan is ready on every node, stop serving older epochs and free them."""
