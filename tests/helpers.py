@@ -153,6 +153,16 @@ def node_metrics(cluster, host) -> str:
     return cluster.client.run([sys.executable, "-c", code], timeout=20).stdout
 
 
+class LoneMesh:
+    """What a ServedModel asks of the mesh, for a node with no peers (tests of one node's
+    ServedModel): ready() then asks only this node."""
+
+    membership = None
+
+    def plan_error_of(self, model_id):
+        return ""
+
+
 def tensor_group(model, start, end, size=2, secrets=None, ready_timeout_s=60, num_layers=6, **kwargs) -> list:
     """A tensor group of ``size`` real worker processes on loopback sharing layers [start, end) of
     ``model`` (meshnode.model.tensor); the caller closes every member."""

@@ -14,15 +14,9 @@ from meshnode.metrics import NodeMetrics, Progress
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.serving.served import ServedModel
+from tests.helpers import LoneMesh
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class _Mesh:
-    membership = None  # no peers: ready() asks only this node
-
-    def plan_error_of(self, model_id):
-        return ""
 
 
 async def _served(tmp_path, model) -> ServedModel:
@@ -32,7 +26,7 @@ async def _served(tmp_path, model) -> ServedModel:
         return None
 
     served = ServedModel(settings, "me", scheduler=TokenScheduler(), metrics=NodeMetrics(), progress=Progress(),
-                         mesh=_Mesh(), auth=None, group_secret=b"", event=lambda *a, **k: None, on_ready=on_ready,
+                         mesh=LoneMesh(), auth=None, group_secret=b"", event=lambda *a, **k: None, on_ready=on_ready,
                          model=str(model))
     await served.load({})
     return served
