@@ -39,6 +39,14 @@ def bench_model_dir(root: Path, **changes) -> Path:
     return model_dir_for(root, family, **kwargs)
 
 
+def mlx_device() -> str:
+    """Where MLX computes in this process, in words for a benchmark's header (e.g. "gpu (NVIDIA H200)")."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    return f"{device.type.name} ({mx.device_info().get('device_name', '?')})"
+
+
 def param_count(path: Path) -> int:
     from meshnode.weights.profile import profile_model
 
@@ -207,37 +215,71 @@ def stream_chat(url, model, messages, max_tokens, timeout=900):
 
 @contextlib.contextmanager
 def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction: float = 0.6, env: dict | None = None,
-                   cores: list[int] | None = None):
+                   cores: list[int] | None = None, loopback: bool = False):
     """Two ``meshnode run`` processes on namespace hosts, pipelined (neither holds the model alone),
     and a third host for the client; yields ``(client, entry_url, node_logs)`` once a 2-stage plan
     serves: ``entry_url`` is the node that is not the head (a client of any node is relayed to the
     head). ``pin``: each node's process on a core of its own (``taskset``), as on two machines;
     unpinned, the two share this box's cores and one's compute takes CPU from the other's (``cores``:
-    the ones to pin to, this thread's by default). Needs root."""
+    the ones to pin to, this thread's by default). Needs root, except with ``loopback``: both nodes
+    on 127.0.0.1 (ports of their own, each the other's static peer, mDNS off) and the client here
+    (``client`` is None), for a machine without network namespaces, such as a lent GPU."""
     from harness.cluster import node_argv, wait_mesh
-    from harness.netns import netns_mesh
     from meshnode.weights.profile import profile_model
 
     root = Path(__file__).resolve().parent.parent
     budget = int(profile_model(model).total_bytes(max_context) * fraction)
-    with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp:
-        a, b, client = mesh.hosts
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if loopback:
+            # ports far enough apart for each node's tensor and echo ports (grpc_port + 0..47)
+            hosts = [_LoopbackHost(f"node-{i}", MESH_HTTP + 100 * i, MESH_GRPC + 100 * i) for i in range(2)]
+            stack.callback(lambda: [stop(proc) for h in hosts for proc in h.procs])
+            client = None
+        else:
+            from harness.netns import netns_mesh
+
+            *hosts, client = stack.enter_context(netns_mesh(3)).hosts
         cores = cores or sorted(os.sched_getaffinity(0))
-        logs = [Path(tmp) / h.name / "node.log" for h in (a, b)]
-        for i, h in enumerate((a, b)):
-            state = Path(tmp) / h.name
+        logs = [tmp / h.name / "node.log" for h in hosts]
+        for i, h in enumerate(hosts):
+            state = tmp / h.name
             state.mkdir()
+            ports = dict(http_port=MESH_HTTP, grpc_port=MESH_GRPC)
+            extra = {}
+            if loopback:
+                other = hosts[1 - i]
+                ports = dict(http_port=h.http_port, grpc_port=h.grpc_port)
+                extra = dict(host=h.ip, mdns=False, peers=[f"{other.ip}:{other.grpc_port}"])
             h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(
-                model, http_port=MESH_HTTP, grpc_port=MESH_GRPC, node_id=h.name, budget=budget, state_dir=state,
+                model, **ports, node_id=h.name, budget=budget, state_dir=state,
                 # budgets are fractions of one request's total (as in the tests)
-                max_context=max_context, kv_requests=1),
-                env={**os.environ, "PYTHONPATH": str(root), "MESHNODE_CLUSTER_KEY": "bench",
+                max_context=max_context, kv_requests=1, **extra),
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))),
+                     "MESHNODE_CLUSTER_KEY": "bench",
                      "MESHNODE_STRATEGY": "pipeline", **(env or {})},
                 log_path=state / "node.log")
-        view = wait_mesh(f"http://{a.ip}:{MESH_HTTP}",
+
+        def url(h) -> str:
+            return f"http://{h.ip}:{h.http_port if loopback else MESH_HTTP}"
+
+        view = wait_mesh(url(hosts[0]),
                          lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
                          client=client, timeout=200, what="a 2-stage plan",
                          details=lambda: "".join(log.read_text()[-3000:] for log in logs))
         first_stage = view["plan"]["stages"][0]["nodes"][0]
-        entry = a if first_stage == a.name else b
-        yield client, f"http://{entry.ip}:{MESH_HTTP}", logs
+        entry = next(h for h in hosts if h.name == first_stage)
+        yield client, url(entry), logs
+
+
+class _LoopbackHost:
+    """A node's place in ``two_stage_mesh(loopback=True)``: this machine, under ports of its own."""
+
+    ip = "127.0.0.1"
+
+    def __init__(self, name: str, http_port: int, grpc_port: int):
+        self.name, self.http_port, self.grpc_port, self.procs = name, http_port, grpc_port, []
+
+    def popen(self, cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+        self.procs.append(start_node(cmd, env=env, log=log_path))
+        return self.procs[-1]

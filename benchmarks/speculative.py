@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks.speculative [--tokens 48] [--rounds 3] [--entry relay|head|both]
         [--fixed K,DEPTH ...] [--json out.json]
+    .venv/bin/python -m benchmarks.speculative --loopback --mlx-cores all [--size bench|1b] ...   (a lent GPU)
 
 Random weights make any real drafter's acceptance unpredictable, so acceptance is controlled: the
 head's drafter is the test one (meshnode.serving.drafting.ReferenceDrafter, MESHNODE_TEST_DRAFTS)
@@ -14,7 +15,11 @@ guesses find nothing).
 
 Two meshnode processes on namespace hosts, each pinned to a core of its own (two "machines"),
 serve the bench model in 2 pipeline stages; mlx-lm runs in this process, pinned to one core (one
-machine: ``--mlx-cores all`` gives it every core, as if one machine had both). The head keeps a
+machine: ``--mlx-cores all`` gives it every core, as if one machine had both). ``--loopback`` (with
+``--mlx-cores all``) puts both nodes on 127.0.0.1 unpinned and needs no root or namespaces: for a
+lent GPU (MLX's CUDA build), where the two processes share the one device and the figures are its
+absolute tokens/s and what the split adds per token (``--size 1b``: a model big enough that its
+step is the GPU's compute, not its kernel launches). The head keeps a
 pass of guesses in flight behind the one being checked (meshnode.serving.passes), so both stages
 compute at once while the guesses come right. Each round measures, in
 turns: plain mlx-lm, mlx-lm's speculation at each p, the mesh without speculation, the mesh with
@@ -42,10 +47,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import PROMPT, STREAM_CHAT, bench_model_dir, two_stage_mesh  # noqa: E402
+from benchmarks.common import PROMPT, STREAM_CHAT, bench_model_dir, mlx_device, two_stage_mesh  # noqa: E402
 from meshnode.serving.drafting import reference_guess  # noqa: E402
 
 PS = (0.0, 0.5, 0.8, 1.0)
+# changes to the bench model: "1b" is a model whose step a GPU's compute, not its launches, dominates
+# (float32 as the bench model: the greedy check against mlx-lm holds though a pass of k + 1 positions
+# rounds apart from a step of one)
+SIZES = {"bench": {}, "1b": dict(num_layers=24, hidden_size=2048, intermediate_size=5632, num_heads=16,
+                                 num_kv_heads=8)}
 SEED = 11
 MLX_K = 4  # mlx-lm's draft tokens per pass (its default is 2; 4 suits guesses right 80% of the time)
 
@@ -122,7 +132,14 @@ def main() -> int:
                          "client that asks any node), the head's, or both in turns (rows 'via head')")
     ap.add_argument("--fixed", nargs="*", default=[], metavar="K,DEPTH",
                     help="also measure k guesses in every pass and at most DEPTH passes in flight (rows 'k=K depth=D')")
+    ap.add_argument("--loopback", action="store_true",
+                    help="both nodes on 127.0.0.1 and unpinned, the client here: no namespaces, no root (a lent GPU, "
+                         "where the two processes share one device)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="bench",
+                    help="the bench model (~100M, float32), or a ~1.1B one for a GPU")
     args = ap.parse_args()
+    if args.loopback and args.mlx_cores == "one":  # the nodes, started from here, would inherit that core
+        ap.error("--loopback runs everything on one machine: give it every core (--mlx-cores all)")
     ps = tuple(args.p)
     fixed = [tuple(int(v) for v in f.split(",")) for f in args.fixed]
     # (row suffix, the test drafter's settings beyond p): the head's own choice, then each --fixed
@@ -140,19 +157,22 @@ def main() -> int:
 
     from harness.cluster import in_ns
 
-    model_dir = bench_model_dir(args.cache)
-    model, tokenizer = load(str(model_dir))
-    vocab = model.args.vocab_size
     messages = [{"role": "user", "content": PROMPT}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens + 16)]
-    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens))
-    if len(reference) < args.tokens or tokenizer.eos_token_id in reference[:args.tokens]:
-        print("the reference answer ends early; pick another --tokens", file=sys.stderr)
+    for seed in range(4):  # random weights: the first seed whose greedy answer runs past --tokens
+        model_dir = bench_model_dir(args.cache, **SIZES[args.size], **({"seed": seed} if seed else {}))
+        model, tokenizer = load(str(model_dir))
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens + 16)]
+        if len(reference) >= args.tokens and tokenizer.eos_token_id not in reference[:args.tokens]:
+            break
+    else:
+        print("the reference answer ends early with every seed tried; pick another --tokens", file=sys.stderr)
         return 1
+    vocab = model.args.vocab_size
+    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens))
     answer = list(prompt) + reference
     cost = position_cost(model, prompt)
-    print(f"# {platform.platform()} ({os.cpu_count()} CPUs), MLX on CPU, mlx-lm on "
+    print(f"# {platform.platform()} ({os.cpu_count()} CPUs), MLX on {mlx_device()}, mlx-lm on "
           f"{'one core' if args.mlx_cores == 'one' else 'every core'}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model_dir.name}; {args.tokens} tokens; "
           f"{args.rounds} rounds", flush=True)
@@ -167,7 +187,8 @@ def main() -> int:
         drafts = Path(tmp) / "drafts.json"
         drafts.write_text(json.dumps({"off": True}))
         env = {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(drafts)}
-        with two_stage_mesh(model_dir, 1024, pin=True, env=env, cores=cores) as (client, url, logs):
+        with two_stage_mesh(model_dir, 1024, pin=not args.loopback, env=env, cores=cores,
+                            loopback=args.loopback) as (client, url, logs):
             relay_url, head_url = url, head_url_of(client, url)
             entries = {"relay": [("", relay_url)], "head": [("", head_url)],
                        "both": [("", relay_url), (" via head", head_url)]}[args.entry]
@@ -231,6 +252,9 @@ def main() -> int:
           + "; ".join(f"mesh without speculation{via} {med['mesh nospec' + via]:.2f} "
                       f"({med['nospec/plain' + via]:.2f}x plain)" for via in vias)
           + f"; prompt lookup {med['mesh prompt lookup']:.2f} ({med['lookup/nospec']:.2f}x without)")
+    for via in vias:  # what the split adds to each token: its hops, serialization, HTTP and relay
+        print(f"the 2-stage split{via} adds {1000 / med['mesh nospec' + via] - 1000 / med['mlx plain']:.2f} ms per token "
+              f"to mlx-lm's {1000 / med['mlx plain']:.2f} ms (MLX on {mlx_device()})")
     for p in ps:
         for via in rowed:
             print(f"p={p}{via} mesh/plain {med[f'p={p}{via} mesh/plain']:.2f} "
