@@ -232,53 +232,45 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if loopback:
-            # ports far enough apart for each node's tensor and echo ports (grpc_port + 0..47)
-            hosts = [_LoopbackHost(f"node-{i}", MESH_HTTP + 100 * i, MESH_GRPC + 100 * i) for i in range(2)]
+            # ports 100 apart: each node also listens on grpc_port + 1 to + 34 (tensor, echo, data)
+            hosts = [_LoopbackHost(f"node-{i}") for i in range(2)]
             stack.callback(lambda: [stop(proc) for h in hosts for proc in h.procs])
             client = None
+            flags = [dict(http_port=MESH_HTTP + 100 * i, grpc_port=MESH_GRPC + 100 * i, host=h.ip, mdns=False,
+                          peers=[f"{h.ip}:{MESH_GRPC + 100 * (1 - i)}"]) for i, h in enumerate(hosts)]
         else:
             from harness.netns import netns_mesh
 
             *hosts, client = stack.enter_context(netns_mesh(3)).hosts
+            flags = [dict(http_port=MESH_HTTP, grpc_port=MESH_GRPC)] * len(hosts)
+        urls = {h.name: f"http://{h.ip}:{f['http_port']}" for h, f in zip(hosts, flags)}
         cores = cores or sorted(os.sched_getaffinity(0))
         logs = [tmp / h.name / "node.log" for h in hosts]
-        for i, h in enumerate(hosts):
+        for i, (h, node_flags) in enumerate(zip(hosts, flags)):
             state = tmp / h.name
             state.mkdir()
-            ports = dict(http_port=MESH_HTTP, grpc_port=MESH_GRPC)
-            extra = {}
-            if loopback:
-                other = hosts[1 - i]
-                ports = dict(http_port=h.http_port, grpc_port=h.grpc_port)
-                extra = dict(host=h.ip, mdns=False, peers=[f"{other.ip}:{other.grpc_port}"])
             h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(
-                model, **ports, node_id=h.name, budget=budget, state_dir=state,
+                model, **node_flags, node_id=h.name, budget=budget, state_dir=state,
                 # budgets are fractions of one request's total (as in the tests)
-                max_context=max_context, kv_requests=1, **extra),
+                max_context=max_context, kv_requests=1),
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))),
                      "MESHNODE_CLUSTER_KEY": "bench",
                      "MESHNODE_STRATEGY": "pipeline", **(env or {})},
                 log_path=state / "node.log")
-
-        def url(h) -> str:
-            return f"http://{h.ip}:{h.http_port if loopback else MESH_HTTP}"
-
-        view = wait_mesh(url(hosts[0]),
+        view = wait_mesh(urls[hosts[0].name],
                          lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
                          client=client, timeout=200, what="a 2-stage plan",
                          details=lambda: "".join(log.read_text()[-3000:] for log in logs))
-        first_stage = view["plan"]["stages"][0]["nodes"][0]
-        entry = next(h for h in hosts if h.name == first_stage)
-        yield client, url(entry), logs
+        yield client, urls[view["plan"]["stages"][0]["nodes"][0]], logs
 
 
 class _LoopbackHost:
-    """A node's place in ``two_stage_mesh(loopback=True)``: this machine, under ports of its own."""
+    """A node's place in ``two_stage_mesh(loopback=True)``: this machine (its ports: the node's flags)."""
 
     ip = "127.0.0.1"
 
-    def __init__(self, name: str, http_port: int, grpc_port: int):
-        self.name, self.http_port, self.grpc_port, self.procs = name, http_port, grpc_port, []
+    def __init__(self, name: str):
+        self.name, self.procs = name, []
 
     def popen(self, cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
         self.procs.append(start_node(cmd, env=env, log=log_path))
