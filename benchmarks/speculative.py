@@ -234,6 +234,7 @@ def main() -> int:
                                               for p in ps for way, _ in ways)
                                   for via, _ in entries)
                       + f", prompt lookup {lookup:.2f}", flush=True)
+            measured = mesh_view(head_url, client=client, timeout=10)["metrics"]["speculation"]
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     print("\n| p | mesh tok/s | mlx-lm spec tok/s | mesh/plain | mesh/mlx-spec | spec/nospec | acceptance | tokens/pass |")
@@ -247,6 +248,10 @@ def main() -> int:
                   f"{med[f'p={p}{via} mesh/plain']:.2f} | {med[f'p={p}{via} mesh/mlx-spec']:.2f} | "
                   f"{med[f'p={p}{via} spec/nospec']:.2f} | {acc:.2f} | {per:.2f} |")
     print(f"\neach further position of a step costs {cost:.2f} of a one-position step here (mlx-lm, whole model)")
+    share = measured.get("filled_share")
+    print(f"the head measured: a further position of a pass {measured.get('position_cost')} of a one-position pass; "
+          + (f"a full pipeline yields a pass every {share} of a lone pass's traversal "
+             f"(1 / stages where the stages compute at once)" if share is not None else "no full pipeline timed"))
     print(f"mlx-lm plain {med['mlx plain']:.2f} tok/s; "
           + "; ".join(f"mesh without speculation{via} {med['mesh nospec' + via]:.2f} "
                       f"({med['nospec/plain' + via]:.2f}x plain)" for via in vias)
@@ -261,7 +266,7 @@ def main() -> int:
                   f"spec/nospec {med[f'p={p}{via} spec/nospec']:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"medians": med, "rounds": rows, "last_round_passes": stats,
-                                         "position_cost": cost}, indent=1))
+                                         "position_cost": cost, "head_measured": measured}, indent=1))
     return 0
 
 

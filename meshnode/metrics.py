@@ -99,6 +99,14 @@ class NodeMetrics:
         self.spec_cancelled = Counter("meshnode_speculative_cancelled_passes",
                                       "Passes of guesses sent behind one in flight and cancelled by its rejection",
                                       registry=r)
+        self.spec_position_cost = Gauge("meshnode_speculative_position_cost",
+                                        "A pass's further position against a one-position pass, as the head's last "
+                                        "speculating request measured it", registry=r)
+        self.spec_filled_share = Gauge("meshnode_speculative_filled_share",
+                                       "Time between passes of a full pipeline against one pass's traversal, as "
+                                       "measured (about 1 / stages where stages compute at once; 0: not measured)",
+                                       registry=r)
+        self._spec_costs: tuple[float, float | None] | None = None
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
         self.unreachable = Gauge("meshnode_unreachable_peers",
@@ -157,12 +165,21 @@ class NodeMetrics:
         self.spec_accepted.inc(accepted)
         self.spec_tokens.inc(tokens)
 
+    def pass_costs(self, position_cost: float, filled_share: float | None) -> None:
+        """What a speculating request measured of its passes (meshnode.serving.draft_length.PassCosts)."""
+        self._spec_costs = (position_cost, filled_share)
+        self.spec_position_cost.set(position_cost)
+        self.spec_filled_share.set(filled_share or 0.0)
+
     def speculation(self) -> dict[str, Any]:
         passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()
+        costs = self._spec_costs
         return {"passes": int(passes), "drafted": int(drafted), "accepted": int(self.spec_accepted._value.get()),
                 "tokens": int(self.spec_tokens._value.get()), "cancelled": int(self.spec_cancelled._value.get()),
                 "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
-                "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None}
+                "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None,
+                "position_cost": round(costs[0], 3) if costs else None,
+                "filled_share": round(costs[1], 3) if costs and costs[1] is not None else None}
 
     def retry(self) -> None:
         self.failovers.inc()

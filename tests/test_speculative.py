@@ -20,8 +20,9 @@ from meshnode.model.shard import Shard
 from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
 from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.speculative import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
-                                          Speculation, expected_tokens, filled_rate, why_not)
+from meshnode.serving.draft_length import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
+                                           expected_tokens, filled_rate)
+from meshnode.serving.speculative import Speculation, why_not
 
 CASES = {
     "llama-f32": ("llama", {"dtype": "float32"}),
@@ -316,9 +317,9 @@ def test_where_passes_fill_the_pipeline_k_is_chosen_against_a_full_pipeline_not_
     for _ in range(30):
         filled.observe(4, 4)
     assert filled.choose() >= 2
-    assert abs(filled_rate(0.0, 0, 0.5, 2) - 0.5) < 1e-9  # nothing confirmed: a pass per traversal
-    assert abs(filled_rate(1.0, 0, 0.5, 2) - 1.0) < 1e-9  # everything: a token per step
-    assert abs(filled_rate(0.8, 1, 0.67, 1) - 1.8 / 1.67) < 1e-9  # one stage: passes against plain steps
+    assert abs(filled_rate(0.0, 0, 0.5, 0.5) - 1.0) < 1e-9  # nothing confirmed: a pass per traversal
+    assert abs(filled_rate(1.0, 0, 0.5, 0.5) - 2.0) < 1e-9  # everything: a token per stage's step
+    assert abs(filled_rate(0.8, 1, 0.67, 1.0) - 1.8 / 1.67) < 1e-9  # no fill: passes against plain steps
 
 
 def test_a_new_placement_measures_what_a_guess_costs_before_guessing_more():

@@ -18,6 +18,7 @@ from harness.cluster import HTTP, Cluster, in_ns, read_stream, stage_nodes
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
+from meshnode.serving.draft_length import SHARE_MAX
 from meshnode.weights.profile import profile_model
 from tests.helpers import node_metrics
 
@@ -100,6 +101,26 @@ def check_speculated(cluster, heads, filled: bool) -> None:
     views = [cluster.mesh_view(h)["metrics"]["speculation"] for h in heads]
     assert sum(v["passes"] for v in views) == passes, views
     assert sum(v["cancelled"] for v in views) == cancelled, views
+    # What the head measured of its passes (meshnode.serving.draft_length.PassCosts). (A fixed k
+    # sends a pass behind each lone one at once: no traversal is timed, no share measured.)
+    assert any(v["position_cost"] is not None for v in views), views
+    assert any(re.search(r"^meshnode_speculative_filled_share [0-9.e-]+$", m, re.M) for m in metrics)
+
+
+def check_filled_share(cluster, head, model, answers, texts, env) -> None:
+    """A greedy request with the head's own k (every guess right): it times a lone pass, then passes
+    filling the pipeline, and shows their time apart against a traversal (PassCosts.filled_share).
+    ``env``: the nodes' (drafts_file's): its drafts file is read for each request."""
+    from mlx_lm.utils import load_config
+
+    drafts = {"p": 1.0, "seed": 5, "vocab": load_config(model)["vocab_size"], "answers": answers}
+    with open(env["MESHNODE_TEST_DRAFTS"], "w") as f:
+        json.dump(drafts, f)
+    assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
+    view = cluster.mesh_view(head)["metrics"]["speculation"]
+    assert view["filled_share"] is not None and 0 < view["filled_share"] <= SHARE_MAX, view
+    print(f"the head measured: a further position {view['position_cost']} of a step, "
+          f"a full pipeline's share of a traversal {view['filled_share']}")
 
 
 @pytest.mark.parametrize("family,quantize,fast_hops", [("llama", None, True), ("qwen3_moe", None, False),
@@ -122,6 +143,7 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
         check_speculated(cluster, head, filled=True)
+        check_filled_share(cluster, head, model, answers, texts, env)
 
 
 def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):

@@ -56,16 +56,17 @@ class HeadPlacement:
     def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
                  prefixes=None, tokenizer=None, on_batched_step: Callable[[int], None] | None = None,
                  batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
-                 draft=None):
+                 on_spec_costs: Callable[[float, float | None], None] | None = None, draft=None):
         """``batch_steps``: concurrent decode steps may go through the stages together (every stage a
         plain shard on one node, caches mlx-lm batches: no kv_bits, no tensor group);
-        ``on_speculated``: told of each speculative pass (meshnode.metrics.NodeMetrics.speculated);
+        ``on_speculated``: told of each speculative pass (meshnode.metrics.NodeMetrics.speculated),
+        ``on_spec_costs`` of what a speculating request measured of its passes (NodeMetrics.pass_costs);
         ``draft``: the node's draft model (meshnode.serving.drafting.DraftModel), if any."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
-        speculation = speculation_for(s, on_speculated, draft)
+        speculation = speculation_for(s, on_speculated, draft, on_spec_costs)
         limit = getattr(getattr(handles[-1], "shard", None), "rewind_limit", (None, ""))
         if speculation is not None and limit[0] == 0:
             log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
@@ -109,7 +110,8 @@ class HeadPlacement:
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
 
 
-def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | None, draft=None) -> Speculation | None:
+def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
+                    on_costs: Callable[[float, float | None], None] | None = None) -> Speculation | None:
     """A placement's speculative decoding as the settings ask (None: off); ``draft``: the node's
     draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off)."""
     mode = getattr(settings, "speculative", "off")
@@ -122,7 +124,7 @@ def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | No
     test_drafts = os.environ.get(TEST_DRAFTS_ENV)
     if test_drafts:  # tests and benchmarks: guesses of a controlled acceptance
         drafter = ReferenceDrafter.from_file(test_drafts, configured=drafter)
-    return Speculation(drafter=drafter, on_pass=on_pass, k_max=settings.draft_max)
+    return Speculation(drafter=drafter, on_pass=on_pass, on_costs=on_costs, k_max=settings.draft_max)
 
 
 AFTER_MAX = 16  # generations given up that one request asks its head to wait for (GenerateRequest.after)

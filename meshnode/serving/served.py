@@ -301,7 +301,8 @@ class ServedModel:
                 placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan), self.settings,
                                           prefixes=self.prefix_index, tokenizer=self.files.tokenizer,
                                           on_fault=self.fault, on_batched_step=self.metrics.batched_step,
-                                          on_speculated=self.metrics.speculated, draft=self.draft,
+                                          on_speculated=self.metrics.speculated,
+                                          on_spec_costs=self.metrics.pass_costs, draft=self.draft,
                                           batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
             else:
                 placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,

@@ -1,0 +1,282 @@
+"""How many tokens to guess per speculative pass, and whether to send passes behind the one in flight.
+
+How many to guess (:class:`DraftLength`): the acceptance rate is measured per request, the cost
+of a pass by its positions per placement (:class:`PassCosts`); k maximizes the expected tokens per
+second (where passes fill the pipeline, of the pipeline kept full: :func:`filled_rate`), and is 0
+(plain decoding, the stages building each step ahead again) where guessing does not pay. It is
+probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own behind the
+plain one where passes may fill the pipeline, else a pass of two positions), then after twice as
+many each time it still does not pay. A drafter that finds nothing to guess (:data:`DRY_RUN` times
+in a row, or at once when a pause has just ended) pauses the request the same way. In a pause the
+steps are plain: the stages build each one ahead (a remote stage) or, where every stage is local,
+each step's graph is built while the one before computes, as mlx-lm's ``generate_step`` does.
+
+Whether passes go behind the one in flight is measured as well: only where a full pipeline yields
+a pass in at most :data:`FILL_SHARE` of a lone pass's traversal (:meth:`PassCosts.filled_share`).
+Stages on machines of their own compute at once (about 1 / stages); two nodes on one GPU cannot,
+and there a pass's guesses go inside it.
+
+Pure logic: what the passes measured goes in (PassCosts, DraftLength.observe), k comes out; the
+passes themselves run in meshnode.serving.speculative.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from meshnode.tracing import mark
+
+K_MAX = 8  # the most tokens guessed per pass
+PROBE_AFTER = 16  # plain steps before guessing is tried again where it did not pay (doubling to PROBE_MAX)
+PROBE_MAX = 256
+# The least chance that a pass sent behind the one in flight is kept, to send it. Low: one guess
+# two deep cost 2 % of the speed where none was kept (p = 0, the benchmark's test drafter) and
+# gave 1.31x where half were (p = 0.5), so it pays from about 0.04; 0.1 leaves room for the
+# estimate's noise. (At 0.4 three misses in a row paused a request at p = 0.5, or 0.8.)
+FILL_MIN = 0.1
+# ... for the pass beyond one per stage (pipe_depth): it only saves the first stage its wait for the
+# hops and the head's turn, and a cancelled one delays the pass that replaces it by a whole step at
+# the first stage; kept with chance q it pays where q * gain > (1 - q) * step. Measured
+# (benchmarks.speculative --fixed 0,2 0,3): it gained 3 % where every guess was right (p = 1.0) and
+# cost 12 % at p = 0.8, sent from 0.85 (the running estimate passes that after a few right guesses
+# in a row), so a gain of 0.03 step: 0.97. The estimate (capped at 0.99) reaches it only where
+# nearly every guess comes right, one guess ahead (0.99 ** 2).
+FILL_DEEP = 0.97
+EMA = 0.2  # weight of the newest observation in the running estimates
+# Where a full pipeline's time between passes is above this share of one pass's traversal, passes
+# are not sent behind the one in flight (their guesses go inside it, where they pay): it gains
+# little, and a cancelled pass behind takes its stage's time from the others where they share a
+# device.
+FILL_SHARE = 0.9
+SHARE_MAX = 2.0  # a measured share is capped (a stall of the machine must not rule filling out for long)
+# Where the share rules filling out, nothing measures it again; each pass moves it this much toward
+# the prior (1 / stages), so that a share measured under a passing load (a busy Mac) is measured
+# again after some hundred passes: where stages truly cannot work at once, a pass behind goes
+# about once in a hundred (it computes while the one ahead would, and costs little kept or not).
+SHARE_RELAX = 0.002
+# Times in a row a drafter finds nothing before the request pauses drafting (plain steps are cheaper
+# in a pause: built ahead). A few: prompt lookup finds nothing for a position or two after each
+# change to what it copies.
+DRY_RUN = 4
+
+
+class PassCosts:
+    """What a pass through a placement's stages costs by its positions n: ``one + extra * (n - 1)``
+    seconds, fitted to the passes seen (least squares, recent passes weighing most), shared by the
+    placement's requests. Where extra positions come almost free (a GPU streaming the weights once
+    for all of them) guessing pays at modest acceptance; where each costs nearly a step of its own
+    (a CPU computing every position: ~0.9 here) it pays only when nearly every guess is right.
+    Also the time between two passes where they fill the pipeline, against a lone pass's
+    (:meth:`filled_share`)."""
+
+    DECAY = 0.95  # weight left to the older passes at each new one
+
+    def __init__(self, one: float | None = None, extra: float | None = None, share: float | None = None):
+        """``one``, ``extra``, ``share``: a starting fit (tests)."""
+        self._lock = threading.Lock()
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y (x: positions - 1, y: seconds)
+        self._share = share  # see filled_share
+        if one is not None:
+            self.observe(1, one)
+            if extra is not None:
+                self.observe(2, one + extra)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        x, y = positions - 1, seconds
+        with self._lock:
+            self._sums = [self.DECAY * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+
+    def fit(self) -> tuple[float | None, float | None]:
+        """(one, extra): None where the passes seen cannot tell yet."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w == 0:
+            return None, None
+        spread = sxx * w - sx * sx
+        if spread <= 1e-9 * w * w:  # every pass had the same positions
+            return (sy / w, None) if sx == 0 else (None, None)
+        extra = (sxy * w - sx * sy) / spread
+        return (sy - extra * sx) / w, extra
+
+    def observe_filled(self, positions: int, seconds: float) -> None:
+        """A pass of ``positions`` came out ``seconds`` after the one ahead of it, having been in flight
+        behind it (the pipeline kept full): what a pass costs where passes fill the pipeline."""
+        traversal = self._traversal(positions)
+        if traversal is None or traversal <= 0:
+            return
+        share = min(seconds / traversal, SHARE_MAX)
+        with self._lock:
+            self._share = share if self._share is None else (1 - EMA) * self._share + EMA * share
+        mark("spec.share")
+
+    def _traversal(self, positions: int) -> float | None:
+        """A lone pass's time for ``positions``: the fit, or where every pass timed had that many
+        positions (a fixed k), their mean."""
+        one, extra = self.fit()
+        if one is not None:
+            return one + max(0.0, extra or 0.0) * (positions - 1)
+        w, sx, sy = self._sums[:3]
+        if w > 0 and abs(sx / w - (positions - 1)) < 1e-9:
+            return sy / w
+        return None
+
+    def relax_share(self, stages: int) -> None:
+        """Move the measured share a little toward the prior (SHARE_RELAX)."""
+        with self._lock:
+            if self._share is not None:
+                self._share -= SHARE_RELAX * (self._share - 1.0 / max(stages, 1))
+
+    @property
+    def measured_share(self) -> float | None:
+        return self._share
+
+    def filled_share(self, stages: int) -> float:
+        """A full pipeline's time between two passes against one pass's time through every stage:
+        about 1 / stages where each stage computes on its own machine while the others compute
+        (the prior, until measured), near 1 where they cannot work at once (two nodes on one GPU,
+        a link slower than the stages' work): filling the pipeline then gains nothing."""
+        return self._share if self._share is not None else 1.0 / max(stages, 1)
+
+    def ratio(self) -> float:
+        """A further position's cost against a one-position step's (0.25 until measured)."""
+        one, extra = self.fit()
+        if one is None or extra is None or one <= 0:
+            return 0.25
+        return max(0.0, extra / one)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one pass yields with k guesses each confirmed with probability ``alpha`` (until the first
+    that is not): the confirmed prefix plus the model's own token."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class DraftLength:
+    """k for a request's next pass: the acceptance rate measured on its passes (a running count
+    of confirmed guesses against guesses up to the first rejection), the cost from ``costs``."""
+
+    def __init__(self, costs: PassCosts, k_max: int = K_MAX, prior: float = 0.6, fills: bool = False,
+                 stages: int = 1):
+        """``fills``: passes of guesses may follow the one in flight (a pipeline of ``stages`` with
+        remote ones): k is then chosen for a pipeline kept full (:func:`filled_rate`)."""
+        self.costs, self.k_max, self.fills, self.stages = costs, k_max, fills, stages
+        self._hits, self._trials = prior * 2, 2.0  # a prior of two guesses at ``prior``
+        self._plain_left = 0  # plain steps before trying again
+        self._probe = False  # the next pass guesses whatever the estimate says (it measures again)
+        self._probe_fill = False  # the probe is a pass behind the one in flight (fill_ok), until observed
+        self._pause = PROBE_AFTER  # plain steps of the next pause
+        self._dry = 0  # times in a row the drafter found nothing to guess
+        self._dry_pause = PROBE_AFTER  # plain steps of the next pause for finding nothing
+        self._after_pause = False  # a pause ended and nothing was guessed since
+        # The next pass measures the placement's costs: it goes alone, nothing sent behind it (only a
+        # pass alone in the stages times what its positions cost; PassCosts).
+        self._measuring = False
+
+    @property
+    def alpha(self) -> float:
+        return self._hits / self._trials if self._trials else 0.0
+
+    def choose(self) -> int:
+        self._measuring = False
+        self._relax()
+        if self._plain_left > 0:
+            return 0
+        if self._probe:  # one guess: the cheapest measure of whether they come right now
+            self._probe = False
+            if self.stages > 1 and self._filling():  # a pass behind the plain one, which costs a stage's wait at most
+                self._probe_fill = True
+                return 0
+            return 1
+        one, extra = self.costs.fit()
+        if extra is None:  # the placement's cost of a guess is not measured yet: measure it cheaply,
+            # a plain step, then a pass with one guess, each alone (where passes fill the pipeline,
+            # one with a pass behind it would never be measured, and k stay 1 for good)
+            self._measuring = True
+            return 0 if one is None else 1
+        ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
+        # Where passes fill the pipeline, against one-position passes keeping it full; else
+        # against plain steps (a share of 1: nothing gained between passes).
+        share = self.costs.filled_share(self.stages) if self._filling() else 1.0
+        best_k, best = 0, filled_rate(alpha, 0, ratio, share)
+        for k in range(1, self.k_max + 1):
+            rate = filled_rate(alpha, k, ratio, share)
+            if rate > best * 1.02:  # a guess must pay for itself with a margin
+                best_k, best = k, rate
+        if best_k == 0 and self.fill_ok(0):
+            # Guesses pay as passes behind the one in flight, not inside it. (With one stage every
+            # pass behind is one beyond a pass per stage: where none would be sent, a 0 here
+            # without a pause would leave the drafter never asked, and steps never built ahead.)
+            return 0
+        if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long
+            self._plain_left = self._pause
+            self._pause = min(self._pause * 2, PROBE_MAX)
+        else:
+            self._pause = PROBE_AFTER
+        return best_k
+
+    def fill_ok(self, ahead: int, in_flight: int = 1) -> bool:
+        """Whether a pass of guesses behind ``in_flight`` passes holding ``ahead`` guesses is worth
+        sending: it is kept only if they and its own first guess are all confirmed. A cancelled one
+        costs little (the first stage computes it while it would wait anyway; the others never see
+        it, or see it while the head computes the pass that replaces it). A pass beyond one per
+        stage (``in_flight >= stages``) is worth it only when nearly sure (FILL_DEEP)."""
+        if not self._filling() or self._plain_left > 0 or self._measuring:
+            return False
+        deep = in_flight >= self.stages
+        if self._probe_fill and ahead == 0 and not deep:
+            return True
+        return min(self.alpha, 0.99) ** (ahead + 1) >= (FILL_DEEP if deep else FILL_MIN)
+
+    def _filling(self) -> bool:
+        """Whether passes may go behind the one in flight: the pipeline has room for them, and where
+        it has stages to fill, a full one was not measured to gain little (FILL_SHARE). A single
+        stage's pass behind (``fill_ok``'s ``deep`` one) only saves it the hop."""
+        if not self.fills:
+            return False
+        return self.stages < 2 or self.costs.filled_share(self.stages) <= FILL_SHARE
+
+    def _relax(self) -> None:
+        if self.fills and self.stages > 1 and not self._filling():
+            self.costs.relax_share(self.stages)
+
+    def paused(self) -> bool:
+        """Whether the next step is surely plain (the stages may build it ahead)."""
+        return self._plain_left > 1
+
+    @property
+    def plain_left(self) -> int:
+        """Plain steps left in the pause (0: none)."""
+        return self._plain_left
+
+    def dry(self) -> None:
+        """The drafter was asked and found nothing to guess: :data:`DRY_RUN` times in a row, or the
+        first time after a pause, the request pauses (twice as long each time)."""
+        self._dry += 1
+        if self._dry >= DRY_RUN or self._after_pause:
+            self._dry, self._after_pause = 0, False
+            self._plain_left = self._dry_pause
+            self._dry_pause = min(self._dry_pause * 2, PROBE_MAX)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            if self._plain_left > 0:
+                self._plain_left -= 1
+                self._probe = self._after_pause = self._plain_left == 0
+            return
+        self._probe_fill = False
+        self._dry, self._after_pause, self._dry_pause = 0, False, PROBE_AFTER
+        trials = accepted + (accepted < drafted)
+        self._hits = (1 - EMA) * self._hits + accepted
+        self._trials = (1 - EMA) * self._trials + trials
+
+
+def filled_rate(alpha: float, k: int, ratio: float, share: float) -> float:
+    """Tokens per plain step's time (one position through every stage) of passes of k + 1
+    positions, each costing ``1 + ratio * k`` steps, kept coming every ``share`` of that (a full
+    pipeline: PassCosts.filled_share; 1 where nothing goes behind the pass in flight). A pass
+    yields :func:`expected_tokens`; when its k guesses and the first of the pass behind are not all
+    confirmed (1 - alpha^(k+1)), the passes behind are cancelled and the next pass takes a whole
+    traversal."""
+    kept = alpha ** (k + 1)
+    return expected_tokens(alpha, k) / ((1.0 + ratio * k) * (kept * share + 1.0 - kept))
