@@ -20,13 +20,16 @@ BENCH_MODEL = dict(family="llama", num_layers=16, hidden_size=768, intermediate_
 PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 
 
-def parse_args(doc: str):
-    """The options every benchmark takes: tokens to decode, and where the model is cached."""
+def parse_args(doc: str, more=None):
+    """The options every benchmark takes: tokens to decode, and where the model is cached;
+    ``more(parser)`` adds a benchmark's own."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
+    if more is not None:
+        more(ap)
     return ap.parse_args()
 
 
