@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import socket
 import statistics
@@ -226,14 +227,22 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
     unpinned, the two share this box's cores and one's compute takes CPU from the other's (``cores``:
     the ones to pin to, this thread's by default). Needs root, except with ``loopback``: both nodes
     on 127.0.0.1 (ports of their own, each the other's static peer, mDNS off) and the client here
-    (``client`` is None), for a machine without network namespaces, such as a lent GPU."""
+    (``client`` is None), for a machine without network namespaces, such as a lent GPU.
+
+    Both nodes are given one speed figure, measured here once (the best of 3, as the tests'
+    ``seed_figures``): they stand for two identical machines, and on a VM whose timings drift
+    (one core's step measured 148 to 179 ms in five medians of ten) each node's own measure at
+    start came out more than SAME_SPEED apart, and the planner split 7 and 9 layers."""
     from harness.cluster import node_argv, wait_mesh
+    from meshnode.model.compute import CACHE_FILE, seed_figures
     from meshnode.weights.profile import profile_model
 
     root = Path(__file__).resolve().parent.parent
-    budget = int(profile_model(model).total_bytes(max_context) * fraction)
+    profile = profile_model(model)
+    budget = int(profile.total_bytes(max_context) * fraction)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        seed_figures(model, profile.num_layers, tmp / "seed", max(profile.layer_bytes), tensor=False)
         if loopback:
             # ports 100 apart: each node also listens on grpc_port + 1 to + 34 (tensor, echo, data)
             hosts = [_LoopbackHost(f"node-{i}") for i in range(2)]
@@ -252,6 +261,7 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
         for i, (h, node_flags) in enumerate(zip(hosts, flags)):
             state = tmp / h.name
             state.mkdir()
+            shutil.copy(tmp / "seed" / CACHE_FILE, state / CACHE_FILE)
             h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(
                 model, **node_flags, node_id=h.name, budget=budget, state_dir=state,
                 # budgets are fractions of one request's total (as in the tests)

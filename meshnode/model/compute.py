@@ -201,17 +201,19 @@ def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, lay
 
 
 def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
-                 rounds: int = 3) -> tuple[float, float]:
+                 rounds: int = 3, tensor: bool = True) -> tuple[float, float]:
     """Measure both figures afresh, alternating, and cache the best of ``rounds`` of each in
     ``state_dir`` (what a node started there then uses instead of measuring). For benchmarks and
     tests that start several nodes on one machine: measured one after the other, a burst of other
     work during one figure but not the other skews their ratio, and the ratio is what decides
     between a tensor pair and a pipeline. Noise only ever slows a run, so the minimum is the
-    machine's figure. Returns (layer seconds, two-way split layer seconds; 0.0 if unmeasurable)."""
+    machine's figure. Returns (layer seconds, two-way split layer seconds; 0.0 if unmeasurable or
+    not ``tensor``: pipelines only)."""
     one, two = [], []
     for _ in range(rounds):
         one.append(measure_layer_seconds(model_path, num_layers, layer_bytes))
-        two.append(measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, tries=1))
+        if tensor:
+            two.append(measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, tries=1))
     layer_s = min(one)
     split_s = min((t for t in two if t > 0), default=0.0)
     known = _load(state_dir / CACHE_FILE)
