@@ -106,7 +106,9 @@ class NodeMetrics:
                                        "Time between passes of a full pipeline against one pass's traversal, as "
                                        "measured (about 1 / stages where stages compute at once; 0: not measured)",
                                        registry=r)
-        self._spec_costs: tuple[float, float | None] | None = None
+        self._spec_costs: tuple[float, float | None] | None = None  # see pass_costs
+        self.spec_position_cost.set_function(lambda: self._spec_costs[0] if self._spec_costs else 0.0)
+        self.spec_filled_share.set_function(lambda: (self._spec_costs[1] or 0.0) if self._spec_costs else 0.0)
         self.failovers = Counter("meshnode_generation_retries",
                                  "Generations carried over to a new placement after theirs failed", registry=r)
         self.unreachable = Gauge("meshnode_unreachable_peers",
@@ -168,8 +170,6 @@ class NodeMetrics:
     def pass_costs(self, position_cost: float, filled_share: float | None) -> None:
         """What a speculating request measured of its passes (meshnode.serving.draft_length.PassCosts)."""
         self._spec_costs = (position_cost, filled_share)
-        self.spec_position_cost.set(position_cost)
-        self.spec_filled_share.set(filled_share or 0.0)
 
     def speculation(self) -> dict[str, Any]:
         passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()

@@ -6,25 +6,18 @@ Stages on machines of their own compute at once, and a full pipeline yields a pa
 loopback) cannot: passes sent behind the one in flight gained nothing there, and the head, which
 assumed they did, chose one-position passes where passes of four guesses gave 1.29x plain mlx-lm
 against its 1.01x (benchmarks.speculative --loopback --size 1b --fixed 4,2). Pure logic first, then
-the real loop on local stages (which share one thread: a device shared, in effect).
+the real loop on local stages (which share one thread: a device shared, in effect), dense and MoE,
+float32, bf16 and 4-bit.
 """
 
 from __future__ import annotations
 
-from mlx_lm import load
-from mlx_lm.generate import generate_step
-
-import mlx.core as mx
-
-from meshnode.model.build import model_dir_for
-from meshnode.model.shard import Shard
-from meshnode.serving.drafting import ReferenceDrafter
-from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
-from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.draft_length import FILL_SHARE, DraftLength, PassCosts, filled_rate
-from meshnode.serving.speculative import Speculation
+from meshnode.serving.drafting import ReferenceDrafter
+from meshnode.serving.sampling import SamplingParams
+from tests.speculation import TEXT, model_cases, plain, speculate, stages_of
 
-TEXT = "def add(a, b): return a + b. for i in range(10): print(i). def add(a, b): return a + b. for i in"
+model_case = model_cases()
 
 
 def confirmed(length: DraftLength, passes: int = 30) -> DraftLength:
@@ -123,31 +116,29 @@ class Costs(PassCosts):
         self.filled.append(positions)
 
 
-def run(tmp_path, costs: Costs) -> tuple[list[int], list[int], list[tuple]]:
-    path = model_dir_for(tmp_path / "models", "llama", num_layers=4, hidden_size=64, dtype="float32")
-    model, tokenizer = load(str(path))
+def run(model_case, costs: Costs) -> tuple[list[int], list[int], list[tuple]]:
+    """A greedy request of 32 tokens over two local stages, every guess right, up to 3 passes in flight."""
+    name, path, model, tokenizer = model_case
     prompt = tokenizer.encode(TEXT)
-    want = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=32)), range(32))]
+    want = plain(model, prompt, 32)
     passes: list = []
-    spec = Speculation(drafter=lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 0, model.args.vocab_size),
-                       on_pass=lambda *a: passes.append(a), k_max=4, depth=3, costs=costs)
-    stages = [LocalStage(Shard(path, a, b)) for a, b in ((0, 2), (2, 4))]
-    got = [int(t) for t in generate_tokens(PipelineModel(stages, "t"), prompt, SamplingParams(max_tokens=32),
-                                           speculation=spec)]
+    got = speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=32),
+                    lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 0, model.args.vocab_size), passes,
+                    depth=3, costs=costs)
     return got, want, passes
 
 
-def test_a_request_measures_the_share_on_passes_that_filled_the_pipeline(tmp_path):
+def test_a_request_measures_the_share_on_passes_that_filled_the_pipeline(model_case):
     costs = Costs(share=0.5)
-    got, want, passes = run(tmp_path, costs)
+    got, want, passes = run(model_case, costs)
     assert got == want
     # Passes went behind the one in flight, and each that came out behind another was timed so.
     assert len(costs.filled) >= 4 and min(costs.filled) >= 2, (costs.filled, costs.alone)
 
 
-def test_on_a_shared_device_no_pass_is_sent_behind_another(tmp_path):
+def test_on_a_shared_device_no_pass_is_sent_behind_another(model_case):
     costs = Costs(share=1.0)
-    got, want, passes = run(tmp_path, costs)
+    got, want, passes = run(model_case, costs)
     assert got == want
     assert not costs.filled  # nothing went behind a pass in flight ...
     assert max(costs.alone) >= 3, costs.alone  # ... its guesses went inside it

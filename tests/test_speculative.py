@@ -12,47 +12,18 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 from meshnode.model.build import model_dir_for
 from meshnode.model.rewind import CannotRewind, rewind_limit
-from meshnode.model.shard import Shard
 from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
-from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
+from meshnode.serving.generation import PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.draft_length import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
                                            expected_tokens, filled_rate)
 from meshnode.serving.speculative import Speculation, why_not
+from tests.speculation import TEXT, model_cases, plain, speculate, stages_of
 
-CASES = {
-    "llama-f32": ("llama", {"dtype": "float32"}),
-    "llama-bf16": ("llama", {"dtype": "bfloat16"}),
-    "qwen3-4bit": ("qwen3", {"dtype": "bfloat16", "quantize": "4bit"}),
-    "qwen3_moe-f32": ("qwen3_moe", {"dtype": "float32"}),
-}
-# Repeats itself, as code edits and agent turns do: prompt lookup finds runs to propose.
-TEXT = "def add(a, b): return a + b. for i in range(10): print(i). def add(a, b): return a + b. for i in"
-
-
-@pytest.fixture(scope="module", params=sorted(CASES))
-def model_case(request, tmp_path_factory):
-    family, kw = CASES[request.param]
-    path = model_dir_for(tmp_path_factory.getbasetemp() / "models", family, num_layers=4, hidden_size=64, **kw)
-    model, tokenizer = load(str(path))
-    return request.param, path, model, tokenizer
-
-
-def plain(model, prompt: list[int], n: int, params: SamplingParams | None = None) -> list[int]:
-    """mlx-lm's own tokens (the whole model, one process, no speculation)."""
-    from meshnode.serving.sampler import make_request_sampler
-
-    sampler = make_request_sampler(params) if params is not None else None
-    return [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
-                                                                sampler=sampler)), range(n))]
-
-
-def stages_of(path, cuts):
-    return [LocalStage(Shard(path, a, b)) for a, b in zip(cuts, cuts[1:])]
+model_case = model_cases()
 
 
 class FixedCosts(PassCosts):
@@ -62,18 +33,6 @@ class FixedCosts(PassCosts):
     def __init__(self, one: float, extra: float):
         super().__init__(one, extra)
         self.observe = lambda positions, seconds: None
-
-
-def speculate(stages, prompt, params, drafter, passes=None, depth=None, costs=None):
-    """``depth``: passes in flight at once (local stages take one by default: they share a thread;
-    more here runs the remote case's logic, passes of guesses behind the one in flight).
-    ``costs``: the pass costs (measured on the passes, where None)."""
-    def on_pass(drafted, accepted, tokens, cancelled):
-        if passes is not None:
-            passes.append((drafted, accepted, tokens, cancelled))
-
-    spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4, depth=depth, costs=costs or PassCosts())
-    return [int(t) for t in generate_tokens(PipelineModel(stages, "t"), prompt, params, speculation=spec)]
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0])

@@ -64,13 +64,16 @@ def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
     return texts, answers
 
 
-def drafts_file(tmp_path, model, answers, p: float = 0.6):
+def drafts_file(tmp_path, model, answers, p: float = 0.6, k: int | None = 4):
+    """The test drafter's file (read for each request, so a test may write it again between two),
+    and the nodes' environment that points at it. ``k``: that many guesses every pass, whatever they
+    cost (here each costs ~a step: the head would stop); None: the head's own choice."""
     from mlx_lm.utils import load_config
 
     path = tmp_path / "drafts.json"
     vocab = load_config(model)["vocab_size"]
-    # k: four guesses every pass, whatever they cost (here each costs ~a step: the head would stop)
-    path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers, "k": 4}))
+    path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers,
+                                **({"k": k} if k is not None else {})}))
     return {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(path)}
 
 
@@ -107,15 +110,11 @@ def check_speculated(cluster, heads, filled: bool) -> None:
     assert any(re.search(r"^meshnode_speculative_filled_share [0-9.e-]+$", m, re.M) for m in metrics)
 
 
-def check_filled_share(cluster, head, model, answers, texts, env) -> None:
+def check_filled_share(cluster, head, model, answers, texts, tmp_path) -> None:
     """A greedy request with the head's own k (every guess right): it times a lone pass, then passes
     filling the pipeline, and shows their time apart against a traversal (PassCosts.filled_share).
-    ``env``: the nodes' (drafts_file's): its drafts file is read for each request."""
-    from mlx_lm.utils import load_config
-
-    drafts = {"p": 1.0, "seed": 5, "vocab": load_config(model)["vocab_size"], "answers": answers}
-    with open(env["MESHNODE_TEST_DRAFTS"], "w") as f:
-        json.dump(drafts, f)
+    The nodes' drafts file (drafts_file's, in ``tmp_path``) is written again for it."""
+    drafts_file(tmp_path, model, answers, p=1.0, k=None)
     assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
     view = cluster.mesh_view(head)["metrics"]["speculation"]
     assert view["filled_share"] is not None and 0 < view["filled_share"] <= SHARE_MAX, view
@@ -143,7 +142,7 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
         check_speculated(cluster, head, filled=True)
-        check_filled_share(cluster, head, model, answers, texts, env)
+        check_filled_share(cluster, head, model, answers, texts, tmp_path)
 
 
 def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
