@@ -658,6 +658,27 @@ def test_estimate_of_a_placement_matches_the_plan_and_rpc_overhead_costs_only_ho
     assert estimate(p, nodes[:1], piped[0].stages, max_context=1024) == float("inf")  # b is gone
 
 
+def test_a_lan_hop_outweighs_half_the_layers_only_by_the_newcomers_own_figure():
+    """What tests/test_faults.py's join-during-load test rests on: on a 5 ms link a node holding
+    the whole model beats a two-stage pipeline by more than REPLAN_GAIN when all three nodes'
+    figures are the machine's; with the newcomer's figure 1.7x slower (CI measured 2.898 against
+    1.716 ms, timing its layers while the other two served the load on the same two cores) the
+    move is no longer worth it, and the mesh rightly stays put."""
+    from meshnode.control.coordinator import REPLAN_GAIN
+    from meshnode.control.planner import estimate
+
+    p = shaped(n=8)
+    lan = LinkSpec(rtt_s=5e-3, bandwidth_Bps=100e6, overhead_s=500e-6)
+    links = {(x, y): lan for x in "abc" for y in "abc" if x != y}
+    piped, alone = [Stage(0, 4, ("b",)), Stage(4, 8, ("a",))], [Stage(0, 8, ("c",))]
+    for newcomer_s, moves in ((1.716e-3, True), (2.898e-3, False)):
+        nodes = [NodeSpec("a", 2 * GiB, layer_seconds=1.716e-3), NodeSpec("b", 2 * GiB, layer_seconds=1.716e-3),
+                 NodeSpec("c", 4 * GiB, layer_seconds=newcomer_s)]
+        now = estimate(p, nodes, piped, max_context=512, links=links)
+        after = estimate(p, nodes, alone, max_context=512, links=links)
+        assert (after < now * (1 - REPLAN_GAIN)) is moves, (newcomer_s, now, after)
+
+
 def test_plan_endpoints_travel_and_bad_ones_are_refused():
     p = shaped(n=8)
     nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]
