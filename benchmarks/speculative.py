@@ -54,7 +54,9 @@ PS = (0.0, 0.5, 0.8, 1.0)
 # changes to the bench model: "1b" is a model whose step a GPU's compute, not its launches, dominates
 # (float32 as the bench model, where rounding seldom flips a greedy token; on a GPU it still can: README)
 SIZES = {"bench": {}, "1b": dict(num_layers=24, hidden_size=2048, intermediate_size=5632, num_heads=16,
-                                 num_kv_heads=8)}
+                                 num_kv_heads=8),
+         # a step of about a millisecond on a CPU, as a GPU's: what the machinery adds per step shows
+         "tiny": dict(num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)}
 SEED = 11
 MLX_K = 4  # mlx-lm's draft tokens per pass (its default is 2; 4 suits guesses right 80% of the time)
 
@@ -200,6 +202,10 @@ def main() -> int:
 
             for _, entry in entries:  # the nodes' first request (kernels compiled) takes core time
                 mesh("warm-up", {"off": True}, entry)
+                # ...and their first passes of several positions, and cuts of the caches, compile theirs
+                # (on a GPU this cost 0.74x where a later round's same request ran at 0.98x). The costs
+                # of a pass are then measured, as on a node that has served a while.
+                mesh("warm-up speculating", {"p": 0.5, "seed": SEED, "vocab": vocab, "answers": [answer]}, entry)
             print(f"the client asks {' and '.join(name for name in ('relay', 'head') if args.entry in (name, 'both'))}"
                   f" ({relay_url if args.entry != 'head' else head_url}"
                   f"{' and ' + head_url if args.entry == 'both' else ''})", flush=True)
@@ -280,7 +286,13 @@ def mesh_request(client, head_url: str, drafts: Path, spec: dict, want: str, lab
     before = speculation_counters(client, head_url)
     out = ask()
     if out["text"] != want:
-        raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{want!r}")
+        if mlx_device().startswith("cpu"):
+            raise SystemExit(f"{label}: the mesh's answer differs from mlx-lm's:\n{out['text']!r}\n{want!r}")
+        # On a GPU mlx-lm's own greedy answer depends on how the work is cut (prompt chunks, positions
+        # per step: benchmarks/greedy_invariance.py), so it is reported, not fatal; the test drafter's
+        # guesses (mlx-lm's answer) are wrong after that point, which only slows the request.
+        at = next((i for i, (a, b) in enumerate(zip(out["text"], want)) if a != b), min(len(out["text"]), len(want)))
+        print(f"{label}: the mesh's answer left mlx-lm's at character {at} of {len(want)}", flush=True)
     after = speculation_counters(client, head_url)
     return (tokens - 1) / (out["total"] - out["first"]), {k: after[k] - before[k] for k in after}
 
