@@ -6,7 +6,7 @@ Stages on machines of their own compute at once, and a full pipeline yields a pa
 stages over loopback) the head, which assumed 1 / stages, chose one-position passes where passes
 of four guesses gave 1.29x plain mlx-lm against its 1.01x (benchmarks.speculative --loopback
 --size 1b --fixed 4,2). Measured there since, the share came out 0.45-0.69 (a 1.1B model's step
-leaves most of an H200 idle) and the head's own choice reached 0.83-0.97 of the fixed one's
+leaves most of an H200 idle) and the head's own choice reached 0.84-0.97 of the fixed one's
 speed; a device that one stage's work fills measures near 1. Pure logic first, then
 the real loop on local stages (which share one thread: a device shared, in effect), dense and MoE,
 float32, bf16 and 4-bit.
