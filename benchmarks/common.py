@@ -12,6 +12,7 @@ import statistics
 import sys
 import subprocess
 import time
+from collections.abc import Sequence
 import urllib.request
 from pathlib import Path
 
@@ -41,6 +42,14 @@ def bench_model_dir(root: Path, **changes) -> Path:
     kwargs = {**BENCH_MODEL, **changes}
     family = kwargs.pop("family")
     return model_dir_for(root, family, **kwargs)
+
+
+def first_difference(a: Sequence, b: Sequence) -> int | None:
+    """The first index where two token lists (or texts) differ (a shorter one differs where it ends)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def mlx_device() -> str:

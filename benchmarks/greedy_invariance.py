@@ -10,8 +10,9 @@ answer with it. This runs mlx-lm alone, in one process, three ways against its d
 in one 2048-position chunk, one position per step): the prompt in chunks of 64 and of 16, and
 mlx-lm's own speculative decoding with the model drafting for itself (every step computes 5
 positions, all accepted). It prints, for each, where its answer first leaves the default's and the
-gap between the default's top two logits there: a gap near float32's rounding says the device's
-rounding, not the split, chose the token. On this machine's CPU every way gives the same answer.
+gap between the default's top two logits there. No way changes what is computed, only how it
+is rounded, so an answer that leaves the default's was flipped at such a close call by rounding.
+On this machine's CPU every way gives the same answer.
 """
 
 from __future__ import annotations
@@ -19,16 +20,8 @@ from __future__ import annotations
 import sys
 import time
 
-from benchmarks.common import PROMPT, bench_model_dir, mlx_device, parse_args
+from benchmarks.common import PROMPT, bench_model_dir, first_difference, mlx_device, parse_args
 from benchmarks.speculative import SIZES
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where the two token lists differ (a shorter one differs where it ends)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def top_gap(model, prompt: list[int], answer: list[int], at: int) -> float:

@@ -47,7 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import PROMPT, STREAM_CHAT, bench_model_dir, mlx_device, two_stage_mesh  # noqa: E402
+from benchmarks.common import (PROMPT, STREAM_CHAT, bench_model_dir, first_difference, mlx_device,  # noqa: E402
+                               two_stage_mesh)
 from meshnode.serving.drafting import reference_guess  # noqa: E402
 
 PS = (0.0, 0.5, 0.8, 1.0)
@@ -291,8 +292,8 @@ def mesh_request(client, head_url: str, drafts: Path, spec: dict, want: str, lab
         # On a GPU mlx-lm's own greedy answer depends on how the work is cut (prompt chunks, positions
         # per step: benchmarks/greedy_invariance.py), so it is reported, not fatal; the test drafter's
         # guesses (mlx-lm's answer) are wrong after that point, which only slows the request.
-        at = next((i for i, (a, b) in enumerate(zip(out["text"], want)) if a != b), min(len(out["text"]), len(want)))
-        print(f"{label}: the mesh's answer left mlx-lm's at character {at} of {len(want)}", flush=True)
+        print(f"{label}: the mesh's answer left mlx-lm's at character {first_difference(out['text'], want)} "
+              f"of {len(want)}", flush=True)
     after = speculation_counters(client, head_url)
     return (tokens - 1) / (out["total"] - out["first"]), {k: after[k] - before[k] for k in after}
 

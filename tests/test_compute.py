@@ -87,4 +87,3 @@ def test_a_step_counts_the_cpu_it_used_not_the_wait_for_a_core():
     assert compute.step_seconds(0.0010, 0.0013, on_cpu=True) == 0.0010  # alone, helper threads too: wall
     assert compute.step_seconds(0.0035, 0.0002, on_cpu=False) == 0.0035  # a GPU's step waits off the CPU
     assert compute.step_seconds(0.0035, 0.0, on_cpu=True) == 0.0035  # no CPU clock to read
-
