@@ -2,6 +2,7 @@
 workload: a 2-stage mesh against one process, in the same run.
 
     sudo .venv/bin/python -m benchmarks.speculative_copy [--tokens 96] [--rounds 3] [--edit-every 12]
+        [--quoted-from 40]
 
 A model asked to repeat a document with changes (a code edit, an agent quoting a file back) says
 mostly what its prompt holds, which is where prompt lookup guesses right. Random weights never
@@ -9,7 +10,9 @@ copy, so the model is scripted (harness/scripted.py): the bench llama's size and
 hidden 768, float32, every layer computing), with the head saying after each token of a chain of
 distinct tokens the next one. The prompt (token ids, /v1/completions) is the chain as a document
 with one token in every ``--edit-every`` changed, followed by the chain's first token; the answer
-is the chain, which the document holds except at the changes. The draft model is a scripted
+is the chain, which the document holds except at the changes. ``--quoted-from N``: the document
+holds the chain from its N-th token on, so the answer says N tokens of its own before it quotes
+(an agent that explains, then repeats a file: prompt lookup finds nothing, then runs). The draft model is a scripted
 llama of 2 layers and hidden 256 with the same tokenizer that knows the chain except one
 successor in every ``--draft-miss-every``.
 
@@ -61,8 +64,9 @@ print(json.dumps({"first": (first or end) - t0, "total": end - t0, "text": text}
 '''
 
 
-def copy_workload(root: Path, tokens: int, edit_every: int, draft_miss_every: int):
-    """The scripted model, its draft model and the prompt: ``(model_dir, draft_dir, prompt, chain)``."""
+def copy_workload(root: Path, tokens: int, edit_every: int, draft_miss_every: int, quoted_from: int = 0):
+    """The scripted model, its draft model and the prompt: ``(model_dir, draft_dir, prompt, chain)``;
+    the prompt's document holds the chain from token ``quoted_from`` on."""
     from mlx_lm import load
 
     from harness.scripted import script_successors
@@ -90,7 +94,7 @@ def copy_workload(root: Path, tokens: int, edit_every: int, draft_miss_every: in
     # The document: the chain with one token in every edit_every changed (never the first).
     edits = iter(reversed(spare))
     document = [next(edits) if i % edit_every == edit_every // 2 else t for i, t in enumerate(chain)]
-    return model_dir, draft_dir, document + chain[:1], chain
+    return model_dir, draft_dir, document[quoted_from:] + chain[:1], chain
 
 
 def main() -> int:
@@ -100,6 +104,8 @@ def main() -> int:
     ap.add_argument("--edit-every", type=int, default=12, help="one token in this many of the document changed")
     ap.add_argument("--draft-miss-every", type=int, default=8,
                     help="the draft model wrong about one successor in this many")
+    ap.add_argument("--quoted-from", type=int, default=0,
+                    help="the document holds the chain from this token on (the answer quotes it after that many)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -118,7 +124,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, draft_dir, prompt, chain = copy_workload(Path(tmp), args.tokens, args.edit_every,
-                                                            args.draft_miss_every)
+                                                            args.draft_miss_every, args.quoted_from)
         model, tokenizer = load(str(model_dir))
         draft, _ = load(str(draft_dir))
         reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens)]
@@ -127,7 +133,8 @@ def main() -> int:
         text = tokenizer.decode(reference)
         print(f"# {platform.platform()} ({os.cpu_count()} CPUs), MLX on CPU, mlx-lm on one core, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; scripted bench llama (16 layers, hidden "
-              f"768, float32); prompt {len(prompt)} tokens, one in {args.edit_every} of its document changed; "
+              f"768, float32); prompt {len(prompt)} tokens, one in {args.edit_every} of its document changed"
+              f"{f', quoted from the answer token {args.quoted_from} on' if args.quoted_from else ''}; "
               f"draft model 2 layers, hidden 256, wrong once in {args.draft_miss_every}; {args.tokens} tokens; "
               f"{args.rounds} rounds", flush=True)
         drafts = Path(tmp) / "drafts.json"

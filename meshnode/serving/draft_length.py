@@ -7,9 +7,11 @@ second (where passes fill the pipeline, of the pipeline kept full: :func:`filled
 probed again with one guess after :data:`PROBE_AFTER` plain steps (a pass of its own behind the
 plain one where passes may fill the pipeline, else a pass of two positions), then after twice as
 many each time it still does not pay. A drafter that finds nothing to guess (:data:`DRY_RUN` times
-in a row, or at once when a pause has just ended) pauses the request the same way. In a pause the
-steps are plain: the stages build each one ahead (a remote stage) or, where every stage is local,
-each step's graph is built while the one before computes, as mlx-lm's ``generate_step`` does.
+in a row, or at once when a pause has just ended) pauses the request the same way; a drafter that
+costs nothing to ask (prompt lookup: ``free``) is asked again at every token of such a pause, and
+the pause ends as soon as it has a guess (:meth:`DraftLength.found`). In a pause the steps are
+plain: the stages build each one ahead (a remote stage) or, where every stage is local, each
+step's graph is built while the one before computes, as mlx-lm's ``generate_step`` does.
 
 Whether passes go behind the one in flight is measured as well: only where a full pipeline yields
 a pass in at most :data:`FILL_SHARE` of a lone pass's traversal (:meth:`PassCosts.filled_share`).
@@ -169,6 +171,7 @@ class DraftLength:
         self._dry = 0  # times in a row the drafter found nothing to guess
         self._dry_pause = PROBE_AFTER  # plain steps of the next pause for finding nothing
         self._after_pause = False  # a pause ended and nothing was guessed since
+        self._dry_paused = False  # the pause under way is for a drafter that found nothing (found() ends it)
         # The next pass measures the placement's costs: it goes alone, nothing sent behind it (only a
         # pass alone in the stages times what its positions cost; PassCosts).
         self._measuring = False
@@ -209,7 +212,7 @@ class DraftLength:
             # without a pause would leave the drafter never asked, and steps never built ahead.)
             return 0
         if best_k == 0:  # plain steps, then a probe; each probe that does not pay waits twice as long
-            self._plain_left = self._pause
+            self._plain_left, self._dry_paused = self._pause, False
             self._pause = min(self._pause * 2, PROBE_MAX)
         else:
             self._pause = PROBE_AFTER
@@ -255,8 +258,21 @@ class DraftLength:
         self._dry += 1
         if self._dry >= DRY_RUN or self._after_pause:
             self._dry, self._after_pause = 0, False
-            self._plain_left = self._dry_pause
+            self._plain_left, self._dry_paused = self._dry_pause, True
             self._dry_pause = min(self._dry_pause * 2, PROBE_MAX)
+
+    @property
+    def dry_paused(self) -> bool:
+        """Whether a pause for a drafter that found nothing is under way (``found`` may end it)."""
+        return self._dry_paused and self._plain_left > 1
+
+    def found(self) -> None:
+        """The drafter, asked again during a pause for finding nothing, has a guess now (a model
+        starting to quote its context, past the first pause's length): the pause ends after the
+        step already in flight or promised (one more plain step, then a probe). A pause because
+        guesses did not pay goes on: its end is the measure of whether they pay again."""
+        if self.dry_paused:
+            self._plain_left = 1
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:

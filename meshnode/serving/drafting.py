@@ -18,6 +18,11 @@ from typing import Any, Protocol
 
 
 class Drafter(Protocol):
+    # Whether asking costs nothing next to a step (no model: a few lookups). Such a drafter is asked
+    # at every token of a pause for finding nothing, which ends once it has a guess
+    # (meshnode.serving.draft_length.DraftLength.found); one with a model waits for the pause's end.
+    free: bool
+
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens now part of the request (confirmed by the model)."""
 
@@ -32,6 +37,8 @@ class PromptLookup:
     Every n-gram's latest end is indexed as tokens arrive, so a proposal costs a few dictionary
     lookups however long the context is.
     """
+
+    free = True
 
     def __init__(self, tokens: Sequence[int], longest: int = 3, shortest: int = 2):
         if not 1 <= shortest <= longest:
@@ -83,6 +90,8 @@ class ReferenceDrafter:
     (drawn from ``seed`` and the position: the same guesses in every run); any other request gets
     no guesses.
     """
+
+    free = True
 
     def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int,
                  fixed_k: int | None = None, fixed_depth: int | None = None):
@@ -168,6 +177,7 @@ class ModelDrafter:
     guesses the served model did not confirm are cut back before the next guesses."""
 
     PREFILL = 512  # positions per step when it catches up with a prompt
+    free = False  # each guess is a step of the draft model
     fixed_k: int | None = None  # tests only (MESHNODE_TEST_DRAFTS {"k": n}): that many guesses every pass
 
     def __init__(self, model, tokens: Sequence[int]):

@@ -76,6 +76,12 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     depth = spec.depth if spec.depth is not None else pipe_depth(model.state.sessions)
     depth = max(1, getattr(drafter, "fixed_depth", None) or depth)  # the test drafter's, where it sets one
     length = DraftLength(spec.costs, spec.k_max, fills=depth > 1, stages=stages)
+    free = getattr(drafter, "free", False)  # asked at every token of a pause for finding nothing
+
+    def ask_again() -> None:
+        """In a pause for finding nothing, a free drafter is asked at each token: a guess ends it."""
+        if free and length.dry_paused and drafter.propose(1):
+            length.found()
     fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # confirmed positions in the stages' caches
@@ -104,12 +110,16 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     drawn = []
                     if local and length.paused() and not others():
                         # A pause: its steps built ahead, as generate_step does.
+                        # It stops building ahead once the step in flight is the pause's last
+                        # (found() may end it early) or others decode.
                         for y, logprobs in _plain_run(model, cache, y, min(length.plain_left, max_tokens - n),
-                                                      greedy, sample, params.offset + n, others):
+                                                      greedy, sample, params.offset + n,
+                                                      lambda: others() or length.plain_left <= 1):
                             length.observe(0, 0)
                             held += 1
                             n += 1
                             drafter.extend([y])
+                            ask_again()
                             yield sampled(y, logprobs[0], top) if top >= 0 else y
                         continue
                     model.may_promise = length.paused()
@@ -123,6 +133,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     yield sampled(y, logprobs[0], top) if top >= 0 else y
                     n += 1
                     drafter.extend(out)
+                    ask_again()  # a step promised now stays plain: found() leaves one
                     continue
                 model.alone()
                 pipe.send([y, *drafts])
@@ -200,11 +211,12 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
 
 
 def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: int,
-               others: Callable[[], bool]) -> Iterator[tuple[int, mx.array]]:
+               stop: Callable[[], bool]) -> Iterator[tuple[int, mx.array]]:
     """Up to ``steps`` plain one-position steps from token ``y`` on stages that are all local, each
     step's graph built and its evaluation started while the one before computes (as mlx-lm's
     ``generate_step``); yields (token, its log probabilities). Draw ``offset + i`` at step i, as
-    :func:`_draws`. Stops building ahead once ``others()`` (another request decodes)."""
+    :func:`_draws`. Stops building ahead once ``stop()`` (another request decodes, or the pause
+    ends early), asked before each step is built, after the consumer has taken the tokens before."""
 
     def step(token: mx.array, index: int) -> tuple[mx.array, mx.array]:
         logits = model(token.reshape(1, 1), cache)[0]
@@ -218,7 +230,7 @@ def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: i
     mx.async_eval(*current)
     for i in range(steps):
         after = None
-        if i + 1 < steps and not others():
+        if i + 1 < steps and not stop():
             after = step(current[0], offset + i + 1)
             mx.async_eval(*after)
         yield current[0].item(), current[1]
