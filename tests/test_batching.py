@@ -231,7 +231,29 @@ def _resumes_from_another(node, model_path):
     assert second == mlx_generate(model, tokenizer, prompt=prompt, max_tokens=MAX_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def speculating_node(model_path, tmp_path_factory):
+    """A node that speculates with prompt lookup where its whole model batches (not the default)."""
+    with running_node(model_path, tmp_path_factory.mktemp("node"), max_context=1024,
+                      speculative="prompt_lookup") as (node, base):
+        yield node, base
+
+
 def test_a_long_prompt_joining_does_not_stall_the_decoders(node, monkeypatch):
+    _joins_a_decoder_chunk_by_chunk(node, monkeypatch)
+
+
+def test_with_prompt_lookup_a_lone_request_that_cannot_speculate_still_batches_with_one_that_joins(
+        speculating_node, monkeypatch):
+    """A lone request that can speculate decodes beside the batch; one that cannot (here a logit
+    bias) must go into it, or the request that joins it takes turns with it and is prefilled at
+    once, not a chunk per step between the decoder's tokens."""
+    n, _ = speculating_node
+    assert n.models[n.model_id].placement(None)._alone is not None  # lone requests speculate here
+    _joins_a_decoder_chunk_by_chunk(speculating_node, monkeypatch)
+
+
+def _joins_a_decoder_chunk_by_chunk(node, monkeypatch):
     from mlx_lm.generate import PromptProcessingBatch
 
     from meshnode.serving.batching import DECODING_CHUNK

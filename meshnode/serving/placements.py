@@ -24,7 +24,7 @@ from meshnode.serving.batching import BatchedSource, batchable
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.drafting import TEST_DRAFTS_ENV, PromptLookup, ReferenceDrafter
 from meshnode.serving.sampling import Sampled, SamplingParams
-from meshnode.serving.speculative import Speculation
+from meshnode.serving.speculative import Speculation, why_not
 from meshnode.serving.step_batch import StepBatcher, can_batch
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
@@ -72,6 +72,7 @@ class HeadPlacement:
             log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
             speculation = None
         self._alone: PipelineSource | None = None  # a lone request's source where concurrent ones batch
+        self._limit = limit  # how far the caches can be cut back (speculative.why_not)
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         if getattr(s, "batching", False) and batchable(handles):  # the whole model here: one batch
             self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
@@ -90,7 +91,10 @@ class HeadPlacement:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         source = self._source
-        if self._alone is not None and self._scheduler.active == 0:
+        # Alone, a request that can speculate does so; one that cannot (penalties, a bias, a grammar)
+        # goes into the batch as without speculation, so that the requests that come while it
+        # decodes batch with it instead of taking turns with it.
+        if self._alone is not None and self._scheduler.active == 0 and not why_not(params, self._limit):
             source = self._alone
         try:
             async with contextlib.aclosing(source.tokens(prompt, params)) as tokens:
