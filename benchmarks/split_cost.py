@@ -191,8 +191,11 @@ class Mesh:
                 ["taskset", "-c", str(self.cores[h.name])] + node_argv(
                     path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
                     max_context=CTX, kv_requests=1),
+                # Speculation off: the split's cost is that of one-token steps, whose marks the
+                # segments below cut (the default speculates where the model is split).
                 env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
                      "MESHNODE_STRATEGY": "pipeline", "MESHNODE_LINK_PROBE_INTERVAL": "3600",
+                     "MESHNODE_SPECULATIVE": "off",
                      tracing.ENV: str(self.trace)},
                 log_path=state / "node.log"))
         view = wait_mesh(f"http://{self.hosts[0].ip}:{HTTP}",

@@ -63,7 +63,7 @@ class ConfigError(ValueError):
 
 
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
-SPECULATIVE_CHOICES = ("off", "prompt_lookup", "draft_model")
+SPECULATIVE_CHOICES = ("auto", "off", "prompt_lookup", "draft_model")
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
 DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in bare TCP frames (meshnode.transport.dataport)
@@ -205,7 +205,10 @@ class Settings:
     #: Speculative decoding (meshnode.serving.speculative): "prompt_lookup" guesses the next tokens
     #: from the prompt and answer so far, "draft_model" with draft_model, and every stage checks
     #: them in one pass; the answer is the same tokens as without it. "off": a token per pass.
-    speculative: str = "off"
+    #: "auto": prompt lookup where the model is split across nodes, off where the whole model is
+    #: on the serving node and its requests batch (a lone request speculating there would decode
+    #: beside the batch, and one arriving would take turns with it instead of batching).
+    speculative: str = "auto"
     #: The most tokens guessed per pass (the number follows the measured acceptance and pass cost).
     draft_max: int = 8
     #: With speculative = "draft_model": a small model with the served model's tokenizer (a folder

@@ -253,6 +253,14 @@ def test_with_prompt_lookup_a_lone_request_that_cannot_speculate_still_batches_w
     _joins_a_decoder_chunk_by_chunk(speculating_node, monkeypatch)
 
 
+def test_by_default_requests_that_batch_do_not_speculate(node):
+    """speculative = "auto": where the whole model is here and its requests batch, a lone request
+    does not speculate (it would decode beside the batch; one that joins would take turns with it)."""
+    n, _ = node
+    assert n.settings.speculative == "auto"
+    assert n.models[n.model_id].placement(None)._alone is None
+
+
 def _joins_a_decoder_chunk_by_chunk(node, monkeypatch):
     from mlx_lm.generate import PromptProcessingBatch
 

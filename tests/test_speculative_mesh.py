@@ -64,17 +64,18 @@ def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
     return texts, answers
 
 
-def drafts_file(tmp_path, model, answers, p: float = 0.6, k: int | None = 4):
+def drafts_file(tmp_path, model, answers, p: float = 0.6, k: int | None = 4, mode: str | None = "prompt_lookup"):
     """The test drafter's file (read for each request, so a test may write it again between two),
     and the nodes' environment that points at it. ``k``: that many guesses every pass, whatever they
-    cost (here each costs ~a step: the head would stop); None: the head's own choice."""
+    cost (here each costs ~a step: the head would stop); None: the head's own choice. ``mode``:
+    the nodes' ``speculative`` setting (None: the default, "auto")."""
     from mlx_lm.utils import load_config
 
     path = tmp_path / "drafts.json"
     vocab = load_config(model)["vocab_size"]
     path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers,
                                 **({"k": k} if k is not None else {})}))
-    return {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(path)}
+    return {**({"MESHNODE_SPECULATIVE": mode} if mode else {}), "MESHNODE_TEST_DRAFTS": str(path)}
 
 
 def counter(metrics: str, name: str) -> float:
@@ -130,7 +131,8 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
     model = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
                         dtype="float32", quantize=quantize, seed=4)
     texts, answers = references(model, MAX_TOKENS)
-    env = drafts_file(tmp_path, model, answers)
+    # The 4-bit case runs with the default setting ("auto": on, where the model is split).
+    env = drafts_file(tmp_path, model, answers, mode=None if quantize else "prompt_lookup")
     env.update({"MESHNODE_STRATEGY": "pipeline", "MESHNODE_FAST_HOPS": str(fast_hops).lower()})
     total = profile_model(model).total_bytes(1024)
     with netns_mesh(2) as mesh:

@@ -77,6 +77,11 @@ class HeadPlacement:
         if getattr(s, "batching", False) and batchable(handles):  # the whole model here: one batch
             self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
                                          prefixes=prefixes, tokenizer=tokenizer)
+            if getattr(s, "speculative", "off") == "auto":
+                # A lone request speculating here decodes beside the batch, not in it: one that
+                # comes while it decodes takes turns with it instead of batching. Where requests
+                # batch, only a chosen speculative mode speculates.
+                speculation = None
             if speculation is not None:  # a request alone speculates; with others it joins their batch
                 self._alone = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                              prefill=prefill, prefixes=prefixes, tokenizer=tokenizer,
@@ -117,11 +122,12 @@ class HeadPlacement:
 def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
                     on_costs: Callable[[float, float | None], None] | None = None) -> Speculation | None:
     """A placement's speculative decoding as the settings ask (None: off); ``draft``: the node's
-    draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off)."""
+    draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off);
+    ``"auto"``: prompt lookup (HeadPlacement leaves it off where the whole model batches here)."""
     mode = getattr(settings, "speculative", "off")
     if mode == "draft_model" and draft is not None:
         drafter = draft.drafter
-    elif mode == "prompt_lookup":
+    elif mode in ("prompt_lookup", "auto"):
         drafter = PromptLookup
     else:
         return None
