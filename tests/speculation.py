@@ -63,3 +63,22 @@ def speculate(stages, prompt, params, drafter, passes=None, depth=None, costs=No
 
     spec = Speculation(drafter=drafter, on_pass=on_pass, k_max=4, depth=depth, costs=costs or PassCosts())
     return [int(t) for t in generate_tokens(PipelineModel(stages, "t"), prompt, params, speculation=spec)]
+
+
+class Patchy:
+    """A drafter that guesses the reference's next tokens only while the request's length is inside
+    one of ``windows`` ([start, end) pairs), and finds nothing elsewhere (as prompt lookup past
+    what the prompt holds). ``free``: asked at every token of a pause for finding nothing, as
+    prompt lookup is (meshnode.serving.drafting.Drafter.free)."""
+
+    def __init__(self, tokens, reference, windows, free: bool = False):
+        self._tokens, self.reference, self.windows, self.free = list(tokens), reference, windows, free
+
+    def extend(self, tokens):
+        self._tokens.extend(tokens)
+
+    def propose(self, k):
+        at = len(self._tokens)
+        if not any(a <= at < b for a, b in self.windows) or self.reference[:at] != self._tokens:
+            return []
+        return self.reference[at:at + k]

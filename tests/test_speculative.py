@@ -21,7 +21,7 @@ from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.draft_length import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
                                            expected_tokens, filled_rate)
 from meshnode.serving.speculative import Speculation, why_not
-from tests.speculation import TEXT, model_cases, plain, speculate, stages_of
+from tests.speculation import TEXT, Patchy, model_cases, plain, speculate, stages_of
 
 model_case = model_cases()
 
@@ -540,24 +540,6 @@ def test_greedy_tokens_are_mlx_lms_in_bfloat16_where_rounding_decides(tmp_path, 
     for drafter in (PromptLookup, lambda h: ReferenceDrafter(h, [reference], 0.5, 2, model.args.vocab_size, 3)):
         got = speculate(stages_of(path, [0, 3, 6]), prompt, SamplingParams(max_tokens=24), drafter, depth=depth)
         assert got == want
-
-
-class Patchy:
-    """A drafter that guesses the reference's next tokens only while the request's length is inside
-    one of ``windows`` ([start, end) pairs), and finds nothing elsewhere (as prompt lookup past
-    what the prompt holds)."""
-
-    def __init__(self, tokens, reference, windows):
-        self._tokens, self.reference, self.windows = list(tokens), reference, windows
-
-    def extend(self, tokens):
-        self._tokens.extend(tokens)
-
-    def propose(self, k):
-        at = len(self._tokens)
-        if not any(a <= at < b for a, b in self.windows) or self.reference[:at] != self._tokens:
-            return []
-        return self.reference[at:at + k]
 
 
 def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long():

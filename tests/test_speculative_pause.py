@@ -24,7 +24,7 @@ from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import HopSession, serve_forward
 from meshnode.transport.stage import RemoteStage, StageServer
 from meshnode.trust.auth import ClusterAuth
-from tests.speculation import TEXT, model_cases, plain, speculate, stages_of
+from tests.speculation import TEXT, Patchy, model_cases, plain, speculate, stages_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,24 +45,6 @@ class FixedCosts(PassCosts):
         super().__init__(0.1, 0.005)
         self.observe = lambda positions, seconds: None
         self.observe_filled = lambda positions, seconds: None
-
-
-class Quoting:
-    """Guesses the reference's next tokens only while the request's answer has between ``quote[0]``
-    and ``quote[1]`` tokens (prompt lookup's case: nothing until the model quotes its context)."""
-
-    def __init__(self, tokens, reference, start, quote, free):
-        self._tokens, self.reference, self.free = list(tokens), reference, free
-        self.window = (start + quote[0], start + quote[1])
-
-    def extend(self, tokens):
-        self._tokens.extend(tokens)
-
-    def propose(self, k):
-        at = len(self._tokens)
-        if not self.window[0] <= at < self.window[1] or self.reference[:at] != self._tokens:
-            return []
-        return self.reference[at:at + k]
 
 
 def head_and_peer(path, cuts, closers):
@@ -118,11 +100,11 @@ def test_a_quote_past_the_first_pause_is_speculated_from_where_it_begins(model_c
             want = plain(model, prompt, N, params if params.temperature else None)
             reference = prompt + want
             confirmed = {}
+            quote = [(len(prompt) + QUOTE[0], len(prompt) + QUOTE[1])]  # QUOTE, counted from the prompt's end
             for free in (True, False):
                 stages = stages_of(path, [0, 2, 4]) if where == "local" else head_and_peer(path, [0, 2, 4], closers)
                 passes: list = []
-                got = speculate(stages, prompt, params,
-                                lambda h: Quoting(h, reference, len(prompt), QUOTE, free), passes,
+                got = speculate(stages, prompt, params, lambda h: Patchy(h, reference, quote, free), passes,
                                 depth=None if where == "remote" else 1, costs=FixedCosts())
                 assert got == want, (name, where, free, params)
                 confirmed[free] = sum(a for _, a, _, _ in passes)

@@ -66,7 +66,8 @@ class HeadPlacement:
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
-        speculation = speculation_for(s, on_speculated, draft, on_spec_costs)
+        batched = getattr(s, "batching", False) and batchable(handles)  # the whole model here: one batch
+        speculation = speculation_for(s, on_speculated, draft, on_spec_costs, batched=batched)
         limit = getattr(getattr(handles[-1], "shard", None), "rewind_limit", (None, ""))
         if speculation is not None and limit[0] == 0:
             log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
@@ -74,14 +75,9 @@ class HeadPlacement:
         self._alone: PipelineSource | None = None  # a lone request's source where concurrent ones batch
         self._limit = limit  # how far the caches can be cut back (speculative.why_not)
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
-        if getattr(s, "batching", False) and batchable(handles):  # the whole model here: one batch
+        if batched:
             self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
                                          prefixes=prefixes, tokenizer=tokenizer)
-            if getattr(s, "speculative", "off") == "auto":
-                # A lone request speculating here decodes beside the batch, not in it: one that
-                # comes while it decodes takes turns with it instead of batching. Where requests
-                # batch, only a chosen speculative mode speculates.
-                speculation = None
             if speculation is not None:  # a request alone speculates; with others it joins their batch
                 self._alone = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                              prefill=prefill, prefixes=prefixes, tokenizer=tokenizer,
@@ -120,14 +116,17 @@ class HeadPlacement:
 
 
 def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
-                    on_costs: Callable[[float, float | None], None] | None = None) -> Speculation | None:
+                    on_costs: Callable[[float, float | None], None] | None = None, *,
+                    batched: bool = False) -> Speculation | None:
     """A placement's speculative decoding as the settings ask (None: off); ``draft``: the node's
-    draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off);
-    ``"auto"``: prompt lookup (HeadPlacement leaves it off where the whole model batches here)."""
+    draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off).
+    ``"auto"``: prompt lookup, unless the placement's requests batch (``batched``: the whole model
+    on this node): a lone request speculating there decodes beside the batch, not in it, and one
+    that comes while it decodes would take turns with it instead of batching."""
     mode = getattr(settings, "speculative", "off")
     if mode == "draft_model" and draft is not None:
         drafter = draft.drafter
-    elif mode in ("prompt_lookup", "auto"):
+    elif mode == "prompt_lookup" or (mode == "auto" and not batched):
         drafter = PromptLookup
     else:
         return None
