@@ -56,8 +56,22 @@ def mlx_device() -> str:
     """Where MLX computes in this process, in words for a benchmark's header (e.g. "gpu (NVIDIA H200)")."""
     import mlx.core as mx
 
+    from meshnode import blas
+
     device = mx.default_device()
-    return f"{device.type.name} ({mx.device_info().get('device_name', '?')})"
+    matmuls = f"; matmuls: {blas.in_use()}" if device.type == mx.DeviceType.cpu else ""
+    return f"{device.type.name} ({mx.device_info().get('device_name', '?')}{matmuls})"
+
+
+def exact_backend() -> bool:
+    """Whether MLX here computes a row's result whatever the shape it is part of (MLX's CPU build on
+    its own reference BLAS): then any split, batch or speculative pass gives mlx-lm's greedy tokens
+    bit for bit. Not on a GPU, nor on OpenBLAS (meshnode.blas), whose kernels round by shape."""
+    import mlx.core as mx
+
+    from meshnode import blas
+
+    return mx.default_device().type == mx.DeviceType.cpu and blas.in_use() == "MLX's own BLAS"
 
 
 def param_count(path: Path) -> int:

@@ -40,6 +40,7 @@ from meshnode.control.peers import Peers
 from meshnode.control.plane import ControlPlane
 from meshnode.control.planner import supports_tensor
 from meshnode.identity import cluster_id as derive_cluster_id
+from meshnode import blas
 from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import EventLog, NodeMetrics, Progress
 from meshnode.nodeinfo import NodeInfo
@@ -294,8 +295,10 @@ class Node:
             await self.discovery.start()
         self._tasks.append(asyncio.create_task(self.control.run(), name="meshnode-control"))
         self._tasks.append(asyncio.create_task(self.peers.links.run(self.peers.probe_targets), name="meshnode-links"))
-        log.info("node %s up: HTTP :%d, gRPC :%d, budget %.2f GiB, cluster %s", self.node_id, self.http_port,
-                 self.grpc_port, self.memory_budget / 2**30, self.cluster_id)
+        log.info("node %s up: HTTP :%d, gRPC :%d, budget %.2f GiB, cluster %s, CPU matmuls: %s", self.node_id,
+                 self.http_port, self.grpc_port, self.memory_budget / 2**30, self.cluster_id, blas.in_use())
+        if blas.problem:
+            log.error("%s; MLX's own BLAS computes instead", blas.problem)
 
     def _start_side_ports(self, tensor_port: int) -> None:
         """The link echo and the data port, next to gRPC (each optional: peers fall back to gRPC)."""
@@ -403,7 +406,7 @@ class Node:
             })
         served = self.served
         return {
-            "node_id": self.node_id, "version": __version__, "model": served.model_id,
+            "node_id": self.node_id, "version": __version__, "blas": blas.in_use(), "model": served.model_id,
             "coordinator": coordinator, "epoch": self.epoch, "ready_epoch": served.ready_epoch,
             "healthy": served.serving_ready(), "plan_error": served.plan_error or None,
             "unreachable": peers.reach.report(),

@@ -7,7 +7,7 @@ steps are timed; the median, per layer, is kept. Several layers, because one lay
 stay in the CPU's caches from step to step and decode then looks ~1.7x faster than a whole
 model's, whose weights stream from memory (measured here: 5.5 ms for one 768-wide float32 layer
 alone, 9.2 ms per layer over four or eight). The result is cached per model, machine and
-MLX version in the node's state folder, so a restart costs nothing.
+MLX version (and BLAS: meshnode.blas) in the node's state folder, so a restart costs nothing.
 
 A busy machine must not make a node look slow for good: where MLX computes on the CPU, each step
 counts the smaller of its wall time and the process's CPU time, so time spent descheduled while
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import threading
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from meshnode import blas
 from meshnode.model.lifeline import child_env
 from meshnode.model.shard import Shard, split_boundaries, split_support
 
@@ -46,7 +48,7 @@ CACHE_FILE = "compute.json"  # in the node's state folder
 def _cache_key(model_path: Path) -> str:
     config = (model_path / "config.json").read_bytes()
     ident = [hashlib.sha256(config).hexdigest(), platform.machine(), platform.system(), mx.__version__,
-             str(mx.default_device()), VERSION]
+             str(mx.default_device()), blas.in_use(), VERSION]
     return hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
 
 
@@ -171,7 +173,6 @@ def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes:
 
 def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: float,
                 cancel: threading.Event | None = None) -> float:
-    import os
     import subprocess
     import sys
     import tempfile
@@ -183,7 +184,7 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
         cmd = [sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model_path), str(start),
                str(count)]
         procs = [subprocess.Popen(cmd, env=child_env({**os.environ, "MLX_RANK": str(rank),
-                                                      "MLX_HOSTFILE": str(hostfile)}),
+                                                      "MLX_HOSTFILE": str(hostfile), **_half_the_threads()}),
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                  for rank in (1, 0)]
         try:
@@ -202,6 +203,14 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+
+
+def _half_the_threads() -> dict[str, str]:
+    """The two ring processes share this machine: each gets half the BLAS threads the node has
+    (meshnode.blas; OpenBLAS's threads spin while they wait, and four on two cores timed a split
+    layer at 15 ms against the whole layer's 1.6)."""
+    threads = os.environ.get(blas.THREADS_ENV)
+    return {blas.THREADS_ENV: str(max(1, int(threads) // 2))} if threads and threads.isdigit() else {}
 
 
 def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
