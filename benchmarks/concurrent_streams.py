@@ -13,7 +13,8 @@ checked to be the same text (greedy).
 ``--two-stages`` (root): also a 2-stage mesh (two ``meshnode run`` processes on namespace hosts, the
 client on a third; ``--pin``: a core each), with concurrent decode steps taking turns (the default)
 and with ``batch_stages`` (micro-batches through both stages, meshnode.serving.step_batch); target:
-4 streams' aggregate >= 2.5x one stream, here taken while all four decode (prefill left out).
+4 streams' aggregate >= 2.5x one stream, here taken while all four decode (prefill left out), on
+chats whose greedy answers run to ``--tokens`` (:func:`long_prompts`).
 ``--small``: a model a third as wide, whose per-token costs (hops, Python) weigh as a bigger model's
 do on a fast GPU.
 
@@ -48,6 +49,26 @@ def prompts(n: int) -> list[str]:
     return [f"Write a long story about {TOPICS[i % len(TOPICS)]}. " * 3 for i in range(n)]
 
 
+FORMS = ("Write a long story about {0}. " * 3, "Tell me everything about {0}.", "Once upon a time there was {0}.")
+
+
+def long_prompts(model: Path, n: int, tokens: int) -> list[str]:
+    """``n`` chats whose greedy answer (mlx-lm's, this process) runs to ``tokens`` without ending:
+    random weights end some answers early, which would shorten the 2-stage figure's window while all
+    four decode (or leave none)."""
+    from mlx_lm import load, stream_generate
+
+    m, tokenizer = load(str(model))
+    found = []
+    for text in (form.format(topic) for form in FORMS for topic in TOPICS):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        if sum(1 for _ in stream_generate(m, tokenizer, prompt, max_tokens=tokens)) >= tokens:
+            found.append(text)
+            if len(found) == n:
+                return found
+    raise SystemExit(f"fewer than {n} of the candidate chats run to {tokens} tokens on {model.name}; try fewer --tokens")
+
+
 def stream_one(url: str, model: str, text: str, max_tokens: int) -> tuple[int, str, list[float]]:
     """(completion tokens, text, the arrival time of each text chunk) of one streamed greedy chat."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
@@ -67,13 +88,17 @@ def stream_one(url: str, model: str, text: str, max_tokens: int) -> tuple[int, s
     return (count if count is not None else len(times)), out, times
 
 
-def decode_window_tps(times: list[list[float]]) -> float:
-    """Chunks/s of all streams together while every one of them decodes (from the last first chunk
-    to the first last chunk): batched decode, without the prompts' prefill; 0 if there is no such window."""
+def decode_window_tps(times: list[list[float]], counts: list[int] | None = None) -> float:
+    """Tokens/s of all streams together while every one of them decodes (from the last first chunk
+    to the first last chunk): batched decode, without the prompts' prefill; 0 if there is no such
+    window. ``times``: each stream's text chunks; a token that ends inside a character streams none
+    (random weights make many), so with ``counts`` (each stream's completion tokens) a stream's
+    chunks in the window count as ``count / chunks`` tokens each; without, as one."""
     start, end = max(t[0] for t in times if t), min(t[-1] for t in times if t)
     if end <= start or not all(times):
         return 0.0
-    return sum(start < x <= end for t in times for x in t) / (end - start)
+    per_chunk = [c / len(t) for c, t in zip(counts, times)] if counts else [1.0] * len(times)
+    return sum(w * sum(start < x <= end for x in t) for w, t in zip(per_chunk, times)) / (end - start)
 
 
 def concurrent_tps(url: str, model: str, texts: list[str], max_tokens: int) -> tuple[float, float, list[str]]:
@@ -94,7 +119,7 @@ def concurrent_tps(url: str, model: str, texts: list[str], max_tokens: int) -> t
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return (sum(c for c, _, _ in results) / wall, decode_window_tps([t for _, _, t in results]),
+    return (sum(c for c, _, _ in results) / wall, decode_window_tps([t for _, _, t in results], [c for c, _, _ in results]),
             [text for _, text, _ in results])
 
 
@@ -103,7 +128,7 @@ def measure(url: str, model: str, texts: list[str], max_tokens: int, repeats: in
     runs = [concurrent_tps(url, model, texts, max_tokens) for _ in range(repeats)]
     single, _ = http_decode_tps(url, model, max_tokens, repeats=3, text=texts[0])
     return {"aggregate_tps": max(r[0] for r in runs), "decode_tps": max(r[1] for r in runs), "single_tps": single,
-            "answers": runs[0][2]}
+            "answers": runs[0][2], "texts": texts}
 
 
 def on_mlx_lm_server(model: Path, texts: list[str], max_tokens: int, repeats: int) -> dict:
@@ -171,8 +196,9 @@ def main() -> int:
         "mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
         "meshnode, one node": one_node(model, texts, args.tokens, args.repeats)}
     if args.two_stages or args.only_two:
+        long = long_prompts(model, args.streams, args.tokens)
         for name, batching in (("2 stages, batch_stages", True), ("meshnode, 2 stages", False)):
-            two = runs[name] = two_stages(model, texts, args.tokens, args.repeats, args.pin, batching)
+            two = runs[name] = two_stages(model, long, args.tokens, args.repeats, args.pin, batching)
             print(f"{name}: {args.streams} streams {two['aggregate_tps']:.1f} tok/s with their prefill, "
                   f"{two['decode_tps']:.1f} tok/s while all decode; one stream {two['single_tps']:.1f} tok/s: "
                   f"{two['decode_tps'] / two['single_tps']:.2f}x one stream")
@@ -180,14 +206,17 @@ def main() -> int:
         one, many = mlx_lm_batch_ceiling(model, 1), mlx_lm_batch_ceiling(model, args.streams)
         print(f"mlx-lm's BatchGenerator in one process: {args.streams} requests {many:.1f} tok/s, one {one:.1f} "
               f"tok/s: {many / one:.2f}x (what batching can give here)")
-    base = runs.get("mlx_lm.server", next(iter(runs.values())))
     for name, r in runs.items():
+        # against the first run of the same chats (mlx_lm.server's; the 2-stage runs ask long_prompts)
+        base_name = next(k for k, v in runs.items() if v["texts"] == r["texts"])
+        base = runs[base_name]
         # (a stream's end may hold an incomplete character: meshnode sends it as U+FFFD, mlx_lm.server drops it)
         same = "same answers" if [a.rstrip("\ufffd") for a in r["answers"]] == \
-            [a.rstrip("\ufffd") for a in base["answers"]] else "ANSWERS DIFFER from mlx_lm.server"
+            [a.rstrip("\ufffd") for a in base["answers"]] else f"ANSWERS DIFFER from {base_name}"
         print(f"{name:22s} aggregate {r['aggregate_tps']:7.1f} tok/s ({r['aggregate_tps'] / base['aggregate_tps']:.2f}x)"
               f"   single stream {r['single_tps']:6.1f} tok/s ({r['single_tps'] / base['single_tps']:.2f}x); {same}")
-    print(json.dumps({k: {**v, "answers": [a[:40] for a in v["answers"]]} for k, v in runs.items()}))
+    print(json.dumps({k: {**v, "answers": [a[:40] for a in v["answers"]], "texts": [t[:40] for t in v["texts"]]}
+                      for k, v in runs.items()}))
     return 0
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from meshnode.values import (as_float, as_int, as_path, as_text, checked, log_level, node_id, optional,
+from meshnode.values import (as_float, as_int, as_path, as_text, bool_or_auto, checked, log_level, node_id, optional,
                              keep_alive_map, model_list, origin_list, parse_bool, parse_duration, parse_peer, parse_size, peer_list, port,
                              positive_duration, positive_int)
 from meshnode.weights.kvquant import KV_BITS
@@ -89,7 +89,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "pipelined_prefill": parse_bool,
     "prompt_cache": parse_bool,
     "batching": parse_bool,
-    "batch_stages": parse_bool,
+    "batch_stages": bool_or_auto,
     "speculative": checked(lambda v: as_text(v).strip().lower().replace("-", "_"), lambda v: v in SPECULATIVE_CHOICES,
                            "one of " + ", ".join(SPECULATIVE_CHOICES)),
     "draft_max": checked(as_int, lambda n: 1 <= n <= 32, "a number of tokens from 1 to 32"),
@@ -199,9 +199,11 @@ class Settings:
     #: (mlx-lm's BatchGenerator: a step decodes a token for each) instead of taking turns.
     batching: bool = True
     #: Across pipeline stages, concurrent requests' decode steps go through the stages together
-    #: (micro-batches, meshnode.serving.step_batch) instead of a step each in turn. Off by default:
-    #: on the CPU machines measured, turns overlap the stages better (README, Concurrent streams).
-    batch_stages: bool = False
+    #: (micro-batches, meshnode.serving.step_batch) instead of a step each in turn. "auto": where
+    #: MLX's matmuls are OpenBLAS's (meshnode.blas), whose batched rows cost a fraction of a row
+    #: each; not on MLX's own reference BLAS, where turns overlap the stages better, nor on a GPU,
+    #: where it is not measured yet (README, Concurrent streams).
+    batch_stages: bool | str = "auto"
     #: Speculative decoding (meshnode.serving.speculative): "prompt_lookup" guesses the next tokens
     #: from the prompt and answer so far, "draft_model" with draft_model, and every stage checks
     #: them in one pass; the answer is the same tokens as without it. "off": a token per pass.

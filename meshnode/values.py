@@ -88,6 +88,16 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def bool_or_auto(text: str | bool | int) -> bool | str:
+    """``"auto"``, or a boolean as :func:`parse_bool` reads it."""
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise ValueError(f"expected auto, true or false, got {text!r}") from None
+
+
 def parse_bool(text: str | bool | int) -> bool:
     if isinstance(text, bool):
         return text

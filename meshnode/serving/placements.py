@@ -25,7 +25,7 @@ from meshnode.serving.generation import PipelineSource, PrefillOptions, new_requ
 from meshnode.serving.drafting import TEST_DRAFTS_ENV, PromptLookup, ReferenceDrafter
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.speculative import Speculation, why_not
-from meshnode.serving.step_batch import StepBatcher, can_batch
+from meshnode.serving.step_batch import StepBatcher, can_batch, stages_batch
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
                                         refusal_kind)
@@ -85,7 +85,7 @@ class HeadPlacement:
             return
         # Across stages, concurrent requests' decode steps go through the stages together.
         batcher = StepBatcher(handles, on_batched_step) \
-            if batch_steps and getattr(s, "batch_stages", False) and can_batch(handles) else None
+            if batch_steps and stages_batch(getattr(s, "batch_stages", False)) and can_batch(handles) else None
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                       prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher,
                                       speculation=speculation)
