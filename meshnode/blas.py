@@ -11,7 +11,8 @@ global lookup, so MLX's library binds to them instead of its own copy's.
 
 ``MESHNODE_BLAS``: ``auto`` (the default: OpenBLAS where the system has it, e.g. Debian's
 ``libopenblas0``), ``reference`` (MLX's own), or the path of a BLAS library exporting the CBLAS
-interface. Read once, when :mod:`meshnode` is first imported, which must come before ``mlx``'s
+interface. OpenBLAS computes on one thread per process unless ``OPENBLAS_NUM_THREADS`` says more.
+Read once, when :mod:`meshnode` is first imported, which must come before ``mlx``'s
 import in the process (a node, its workers and probes all start from :mod:`meshnode`). Children
 inherit the variable, so a node's workers compute with the same library. macOS has Apple's
 Accelerate under MLX already, and there this does nothing.
@@ -74,12 +75,16 @@ def use_fast_blas(env: Mapping[str, str] = os.environ) -> str | None:
     global _loaded
     if _loaded is not None or "mlx.core" in sys.modules:
         return _loaded
+    if sys.platform != "linux" or (env.get(ENV) or "").strip().lower() == "reference":
+        return None
+    # Read by OpenBLAS when it first loads, which finding it does: set before. One thread, unless
+    # set: MLX computes on one thread too, a process that pins itself to a core later (a benchmark's
+    # mlx-lm) would leave OpenBLAS's other threads unpinned, and nodes sharing a machine (tests, a
+    # ring probe) must not fight for its cores with spinning BLAS threads. Children inherit it.
+    os.environ.setdefault(THREADS_ENV, "1")
     lib = choose(env.get(ENV, "auto"), sys.platform, find_openblas)
     if lib is None:
         return None
-    if THREADS_ENV not in os.environ and hasattr(os, "sched_getaffinity"):
-        # read by OpenBLAS when it loads: the cores this process may use (one for a pinned node)
-        os.environ[THREADS_ENV] = str(len(os.sched_getaffinity(0)))
     try:
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:

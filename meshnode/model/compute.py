@@ -207,8 +207,8 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
 
 def _half_the_threads() -> dict[str, str]:
     """The two ring processes share this machine: each gets half the BLAS threads the node has
-    (meshnode.blas; OpenBLAS's threads spin while they wait, and four on two cores timed a split
-    layer at 15 ms against the whole layer's 1.6)."""
+    where OPENBLAS_NUM_THREADS gives it several (meshnode.blas; OpenBLAS's threads spin while they
+    wait, and four on two cores timed a split layer at 15 ms against the whole layer's 1.6)."""
     threads = os.environ.get(blas.THREADS_ENV)
     return {blas.THREADS_ENV: str(max(1, int(threads) // 2))} if threads and threads.isdigit() else {}
 
