@@ -58,11 +58,21 @@ def choose(setting: str, platform: str, find: Callable[[], str | None]) -> str |
     return setting
 
 
+def _open(name: str, mode: int) -> ctypes.CDLL:
+    """``name`` loaded (or found loaded). OpenBLAS reads its thread count once, when it first loads,
+    so it is set here, before: one thread, unless set. MLX computes on one thread too, a process
+    that pins itself to a core later (a benchmark's mlx-lm) would leave OpenBLAS's other threads
+    unpinned, and nodes sharing a machine (tests, a ring probe) must not fight for its cores with
+    spinning BLAS threads. Children inherit it."""
+    os.environ.setdefault(THREADS_ENV, "1")
+    return ctypes.CDLL(name, mode=mode)
+
+
 def find_openblas() -> str | None:
     """OpenBLAS as the dynamic loader would find it, or None."""
     for name in NAMES:
         try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
+            _open(name, ctypes.RTLD_LOCAL)
             return name
         except OSError:
             continue
@@ -75,28 +85,29 @@ def use_fast_blas(env: Mapping[str, str] = os.environ) -> str | None:
     global _loaded
     if _loaded is not None or "mlx.core" in sys.modules:
         return _loaded
-    if sys.platform != "linux" or (env.get(ENV) or "").strip().lower() == "reference":
-        return None
-    # Read by OpenBLAS when it first loads, which finding it does: set before. One thread, unless
-    # set: MLX computes on one thread too, a process that pins itself to a core later (a benchmark's
-    # mlx-lm) would leave OpenBLAS's other threads unpinned, and nodes sharing a machine (tests, a
-    # ring probe) must not fight for its cores with spinning BLAS threads. Children inherit it.
-    os.environ.setdefault(THREADS_ENV, "1")
-    lib = choose(env.get(ENV, "auto"), sys.platform, find_openblas)
+    setting = env.get(ENV, "auto")
+    lib = choose(setting, sys.platform, find_openblas)
     if lib is None:
         return None
     try:
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        _open(lib, ctypes.RTLD_GLOBAL)
     except OSError as exc:
-        if env.get(ENV, "auto").strip().lower() == "auto":
+        if setting.strip().lower() in ("", "auto"):
             return None
         raise BlasError(f"{ENV}={lib!r} could not be loaded: {exc}") from exc
     _loaded = lib
     return lib
 
 
+def loaded() -> str | None:
+    """The library :func:`use_fast_blas` loaded for MLX's CPU matmuls, or None (MLX's own)."""
+    return _loaded
+
+
 def in_use() -> str:
     """What computes MLX's CPU matmuls in this process, in words (status pages, benchmark headers)."""
     if sys.platform == "darwin":
         return "Accelerate (MLX's own)"
-    return f"OpenBLAS ({_loaded})" if _loaded else "MLX's own BLAS"
+    if _loaded is None:
+        return "MLX's own BLAS"
+    return f"OpenBLAS ({_loaded})" if "openblas" in _loaded.lower() else _loaded

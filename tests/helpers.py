@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster import HTTP
+from harness.cluster import HTTP, node_argv
 from meshnode.config import load_settings
 from meshnode.node import Node
 
@@ -192,3 +193,37 @@ def tensor_group(model, start, end, size=2, secrets=None, ready_timeout_s=60, nu
             m.close()
         raise errors[0]
     return members
+
+
+NODE_UP = re.compile(r"node (\S+) up: HTTP :(\d+), gRPC :(\d+)")
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without MESHNODE_* variables (a node then takes its defaults)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MESHNODE_")}
+
+
+@contextmanager
+def meshnode_run(tmp_path: Path, env: dict[str, str] | None = None, **flags):
+    """A real `meshnode run` process on 127.0.0.1 (mDNS off) with ``flags`` (``node_argv``'s) and
+    ``env`` (default :func:`clean_env`); yields (node id, http port, log path) once it is up."""
+    log = tmp_path / "node.log"
+    argv = node_argv(host="127.0.0.1", mdns=False, state_dir=tmp_path / "state", **flags)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=clean_env() if env is None else env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := NODE_UP.search(log.read_text())):
+            assert proc.poll() is None, f"meshnode run exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"meshnode run did not come up:\n{log.read_text()}"
+            time.sleep(0.1)
+        yield m.group(1), int(m.group(2)), log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster import node_argv, wait_until
+from harness.cluster import wait_until
 from meshnode import blas
 from meshnode.model.build import model_dir_for
+from tests.helpers import meshnode_run
 
 ROOT = Path(__file__).resolve().parent.parent
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MLX's Linux CPU wheel is what links a reference BLAS")
@@ -105,21 +106,12 @@ def test_batch_stages_setting():
 @linux_only
 def test_a_setting_that_names_no_library_is_an_error_the_node_logs_and_it_serves_on(tmp_path):
     model = model_dir_for(tmp_path / "models", "llama", num_layers=2, hidden_size=64, dtype="float32")
-    log = tmp_path / "node.log"
-    argv = node_argv(model, host="127.0.0.1", http_port=0, grpc_port=0, mdns=False, state_dir=tmp_path / "state",
-                     budget="1GiB")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env("/nowhere/libnothing.so"),
-                                start_new_session=True)
-    try:
-        wait_until(lambda: "up: HTTP" in log.read_text() or proc.poll() is not None, 60, "the node to start")
+    with meshnode_run(tmp_path, env=_env("/nowhere/libnothing.so"), model=model, http_port=0, grpc_port=0,
+                      budget="1GiB") as (_, port, log):
         text = log.read_text()
         assert "CPU matmuls: MLX's own BLAS" in text, text
         assert "MESHNODE_BLAS='/nowhere/libnothing.so' could not be loaded" in text
-        assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{port}", "MLX's own BLAS"), 60, "the node to serve")
 
 
 # mlx-lm's greedy answers in a process of its own on the given BLAS (meshnode imported first).
@@ -151,7 +143,6 @@ for i, p in enumerate(json.loads(sys.argv[3])):
 print(json.dumps(out))
 '''
 
-UP = re.compile(r"up: HTTP :(\d+)")
 PROMPTS = ["Tell me about the sea.", "Write a poem about lighthouses and the keepers who tend them at night.",
            "word " * 120]
 CASES = {"llama-f32": ("llama", {"dtype": "float32", "hidden_size": 256}),
@@ -174,26 +165,18 @@ def test_a_node_on_openblas_answers_as_mlx_lm_does_on_it(case, tmp_path_factory,
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = json.loads(ref.stdout.strip().splitlines()[-1])
     assert want["in_use"].startswith("OpenBLAS")
-    log = tmp_path / "node.log"
-    argv = node_argv(model, host="127.0.0.1", http_port=0, grpc_port=0, mdns=False, state_dir=tmp_path / "state",
-                     budget="1GiB")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(None), start_new_session=True)
-    try:
-        wait_until(lambda: UP.search(log.read_text()) or proc.poll() is not None, 60, "the node to start")
+    with meshnode_run(tmp_path, env=_env(None), model=model, http_port=0, grpc_port=0, budget="1GiB") as (_, port, log):
         assert "CPU matmuls: OpenBLAS" in log.read_text(), log.read_text()
-        url = f"http://127.0.0.1:{UP.search(log.read_text()).group(1)}"
-        wait_until(lambda: _healthy(url), 60, "the node to serve")
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(url, "OpenBLAS"), 60, "the node to serve")
         got = subprocess.run([sys.executable, "-c", CLIENT, url, model.name, json.dumps(PROMPTS), str(tokens)],
                              capture_output=True, text=True, timeout=120)
         assert got.returncode == 0, got.stderr[-3000:]
         assert json.loads(got.stdout) == want["answers"]
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, blas_in_use: str) -> bool:
+    """Whether the node at ``url`` serves, computing on a BLAS whose name starts ``blas_in_use``."""
     import urllib.request
 
     try:
@@ -201,4 +184,4 @@ def _healthy(url: str) -> bool:
             view = json.load(r)
     except OSError:
         return False
-    return bool(view.get("healthy")) and view.get("blas", "").startswith("OpenBLAS")
+    return bool(view.get("healthy")) and view.get("blas", "").startswith(blas_in_use)

@@ -6,60 +6,22 @@ and the exit status, for a healthy node, one that cannot serve, and one found by
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import socket
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-from harness.cluster import node_argv, wait_until
+from harness.cluster import wait_until
 from meshnode.model.build import build_model
+from tests.helpers import clean_env as _env, meshnode_run
 
 pytestmark = pytest.mark.timeout(120)
-
-UP = re.compile(r"node (\S+) up: HTTP :(\d+), gRPC :(\d+)")
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("status") / "llama", "llama", num_layers=4, hidden_size=64,
                        intermediate_size=128, dtype="float32")
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MESHNODE_")}
-
-
-@contextmanager
-def meshnode_run(tmp_path: Path, **flags):
-    """A real `meshnode run` process on 127.0.0.1 (mDNS off) with ``flags`` (``node_argv``'s);
-    yields (node id, http port, log path)."""
-    log = tmp_path / "node.log"
-    argv = node_argv(host="127.0.0.1", mdns=False, state_dir=tmp_path / "state", **flags)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (m := UP.search(log.read_text())):
-            assert proc.poll() is None, f"meshnode run exited {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"meshnode run did not come up:\n{log.read_text()}"
-            time.sleep(0.1)
-        yield m.group(1), int(m.group(2)), log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
 
 
 def status(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
