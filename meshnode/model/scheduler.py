@@ -218,9 +218,12 @@ class TokenScheduler:
     thread, also under the baton.
     """
 
-    def __init__(self, name: str = "meshnode-mlx"):
+    def __init__(self, name: str = "meshnode-mlx", age_s: float = AGE_S):
+        """``age_s``: how long a claim of the baton waits before it goes first whatever its work
+        (:class:`Baton`); 0 serves claims in the order they came (tests that need generations to
+        take turns whatever the machine's speed)."""
         self._inbox: queue.Queue[TokenJob | _Call | None] = queue.Queue()
-        self._baton = Baton()
+        self._baton = Baton(age_s)
         self._name = name
         self._jobs: set[TokenJob] = set()
         self._jobs_lock = threading.Lock()
