@@ -24,7 +24,9 @@ passes themselves run in meshnode.serving.speculative.
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 
 from meshnode.tracing import mark
 
@@ -44,6 +46,13 @@ FILL_MIN = 0.1
 # in a row), so a gain of 0.03 step: 0.97. The estimate (capped at 0.99) reaches it only where
 # nearly every guess comes right, one guess ahead (0.99 ** 2).
 FILL_DEEP = 0.97
+# Where passes fill the pipeline, one in this many goes alone to be timed (PassCosts): only a lone
+# pass times what its positions cost, and what a placement timed first may have been timed under a
+# load since gone (a peer's start-up measurements).
+RETIME_EVERY = 16
+# A pass timed below this share of the steps' median tells that the steps' time is out of date (a
+# pass costs at least the step it also is; noise puts some at 0.95).
+STALE = 0.9
 EMA = 0.2  # weight of the newest observation in the running estimates
 # Where a full pipeline's time between passes is above this share of one pass's traversal, passes
 # are not sent behind the one in flight (their guesses go inside it, where they pay): it gains
@@ -63,41 +72,111 @@ DRY_RUN = 4
 
 
 class PassCosts:
-    """What a pass through a placement's stages costs by its positions n: ``one + extra * (n - 1)``
-    seconds, fitted to the passes seen (least squares, recent passes weighing most), shared by the
-    placement's requests. Where extra positions come almost free (a GPU streaming the weights once
-    for all of them) guessing pays at modest acceptance; where each costs nearly a step of its own
-    (a CPU computing every position: ~0.9 here) it pays only when nearly every guess is right.
-    Also the time between two passes where they fill the pipeline, against a lone pass's
-    (:meth:`filled_share`)."""
+    """What a pass through a placement's stages costs by its positions n, from the passes timed
+    alone (and plain steps, n = 1), shared by the placement's requests.
 
-    DECAY = 0.95  # weight left to the older passes at each new one
+    A step's time is kept (its last :data:`WINDOW`), and each larger pass is kept as its time
+    against the step's median when it came: a load that comes and goes (a peer's start-up
+    measurements, a busy Mac) slows both alike, so a pass timed under it is not compared with
+    steps timed without it (on this CPU every time was 2-2.5x for the first seconds of a mesh's
+    life). Each size is priced by the median of its last :data:`WINDOW`: a pass that met a
+    garbage collection is one sample of eight. A size timed fewer than :data:`OWN_MIN` times is
+    priced by a line, ``1 + ratio * (n - 1)`` steps, fitted to the sizes' medians (each weighing by
+    its count). On a CPU with a tuned BLAS a further position is not a line (here 40/45/55/42/53
+    ms for 1-5 positions), so the sizes in use are priced by what they measured. Where extra
+    positions come almost free (a GPU streaming the weights once for all of them) guessing pays at
+    modest acceptance; where each costs nearly a step of its own (a CPU computing every position on
+    the reference BLAS: ~0.9) it pays only when nearly every guess is right. Also the time between
+    two passes where they fill the pipeline, against a lone pass's (:meth:`filled_share`)."""
+
+    WINDOW = 8  # a size's most recent lone passes kept
+    OWN_MIN = 3  # times of a size before its own median prices it (else the line does)
 
     def __init__(self, one: float | None = None, extra: float | None = None, share: float | None = None):
         """``one``, ``extra``, ``share``: a starting fit (tests)."""
         self._lock = threading.Lock()
-        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y (x: positions - 1, y: seconds)
+        self._steps: deque[float] = deque(maxlen=self.WINDOW)  # one-position passes' seconds
+        self._relative: dict[int, deque[float]] = {}  # positions -> recent passes' times in steps
+        self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (no step timed: a fixed k)
+        self._seen: set[int] = set()  # sizes whose first pass came (and was not kept)
         self._share = share  # see filled_share
         if one is not None:
-            self.observe(1, one)
+            self._keep(1, one)
             if extra is not None:
-                self.observe(2, one + extra)
+                self._keep(2, one + extra)
 
     def observe(self, positions: int, seconds: float) -> None:
-        x, y = positions - 1, seconds
+        """A pass of ``positions`` took ``seconds`` alone in the stages. A size's first pass on a
+        placement is not kept: it built MLX's kernels for its shapes. A larger pass that comes
+        before any step is timed has nothing to be measured against, and is not kept either."""
         with self._lock:
-            self._sums = [self.DECAY * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+            if positions not in self._seen:
+                self._seen.add(positions)
+                return
+        self._keep(positions, seconds)
+
+    def _keep(self, positions: int, seconds: float) -> None:
+        with self._lock:
+            self._seen.add(positions)
+            self._times.setdefault(positions, deque(maxlen=self.WINDOW)).append(seconds)
+            if positions <= 1:
+                self._steps.append(seconds)
+            elif self._steps:
+                relative = seconds / statistics.median(self._steps)
+                if relative < STALE:
+                    # Faster than the steps timed: they were timed under a load since gone (the
+                    # first seconds of a mesh's life, here at twice the time), and so were the
+                    # sizes priced against them. Priced again from the next step on.
+                    self._steps.clear()
+                    self._relative.clear()
+                    return
+                self._relative.setdefault(positions, deque(maxlen=self.WINDOW)).append(relative)
+
+    def _medians(self) -> tuple[float | None, dict[int, tuple[float, int]]]:
+        with self._lock:
+            step = statistics.median(self._steps) if self._steps else None
+            return step, {n: (statistics.median(r), len(r)) for n, r in self._relative.items() if r}
+
+    @staticmethod
+    def _slope(sizes: dict[int, tuple[float, int]]) -> float | None:
+        """A further position's cost in steps: the line ``1 + ratio * (n - 1)`` nearest the sizes'
+        medians (least squares, each size weighing by its count); None with none timed."""
+        num = den = 0.0
+        for n, (rel, count) in sizes.items():
+            num += count * (n - 1) * (rel - 1.0)
+            den += count * (n - 1) ** 2
+        return num / den if den > 0 else None
 
     def fit(self) -> tuple[float | None, float | None]:
-        """(one, extra): None where the passes seen cannot tell yet."""
-        w, sx, sy, sxx, sxy = self._sums
-        if w == 0:
+        """(one, extra): a step's seconds and a further position's; None where not measured yet."""
+        step, sizes = self._medians()
+        slope = self._slope(sizes)
+        if step is None:
             return None, None
-        spread = sxx * w - sx * sx
-        if spread <= 1e-9 * w * w:  # every pass had the same positions
-            return (sy / w, None) if sx == 0 else (None, None)
-        extra = (sxy * w - sx * sy) / spread
-        return (sy - extra * sx) / w, extra
+        return step, (slope * step if slope is not None else None)
+
+    def relative(self, positions: int) -> float:
+        """A pass of ``positions`` against a one-position step: its own median where timed
+        :data:`OWN_MIN` times, else the line's (:meth:`ratio` until any is timed); never less than
+        1: a pass costs at least the step it also is (a size priced cheaper is one whose times are
+        off, and guessing would seem to pay even where no guess comes right)."""
+        if positions <= 1:
+            return 1.0
+        _, sizes = self._medians()
+        own = sizes.get(positions)
+        if own is not None and own[1] >= self.OWN_MIN:
+            return max(1.0, own[0])
+        return max(1.0, 1.0 + self.ratio() * (positions - 1))
+
+    def cost(self, positions: int) -> float | None:
+        """Seconds a lone pass of ``positions`` takes now; where no step is timed (a fixed k sends
+        passes of one size only), the median of that size's own; else None."""
+        step = self._medians()[0]
+        if step is not None:
+            return step * self.relative(positions)
+        with self._lock:
+            times = self._times.get(positions)
+            return statistics.median(times) if times else None
 
     def observe_filled(self, positions: int, seconds: float) -> None:
         """A pass of ``positions`` came out ``seconds`` after the one ahead of it, having been in flight
@@ -111,15 +190,8 @@ class PassCosts:
         mark("spec.share")
 
     def _traversal(self, positions: int) -> float | None:
-        """A lone pass's time for ``positions``: the fit, or where every pass timed had that many
-        positions (a fixed k), their mean."""
-        one, extra = self.fit()
-        if one is not None:
-            return one + max(0.0, extra or 0.0) * (positions - 1)
-        w, sx, sy = self._sums[:3]
-        if w > 0 and abs(sx / w - (positions - 1)) < 1e-9:
-            return sy / w
-        return None
+        """A lone pass's time for ``positions`` (:meth:`cost`)."""
+        return self.cost(positions)
 
     def relax_share(self, stages: int) -> None:
         """Move the measured share a little toward the prior (SHARE_RELAX)."""
@@ -139,11 +211,9 @@ class PassCosts:
         return self._share if self._share is not None else 1.0 / max(stages, 1)
 
     def ratio(self) -> float:
-        """A further position's cost against a one-position step's (0.25 until measured)."""
-        one, extra = self.fit()
-        if one is None or extra is None or one <= 0:
-            return 0.25
-        return max(0.0, extra / one)
+        """A further position's cost against a one-position step (0.25 until measured)."""
+        slope = self._slope(self._medians()[1])
+        return 0.25 if slope is None else max(0.0, slope)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -175,6 +245,8 @@ class DraftLength:
         # The next pass measures the placement's costs: it goes alone, nothing sent behind it (only a
         # pass alone in the stages times what its positions cost; PassCosts).
         self._measuring = False
+        self._since_timed = 0  # passes chosen where they fill the pipeline since one was timed
+        self._retimed = 0  # passes timed so (which of RETIME's turns is next)
 
     @property
     def alpha(self) -> float:
@@ -197,15 +269,25 @@ class DraftLength:
             # one with a pass behind it would never be measured, and k stay 1 for good)
             self._measuring = True
             return 0 if one is None else 1
-        ratio, alpha = self.costs.ratio(), min(self.alpha, 0.99)
+        alpha = min(self.alpha, 0.99)
         # Where passes fill the pipeline, against one-position passes keeping it full; else
         # against plain steps (a share of 1: nothing gained between passes).
         share = self.costs.filled_share(self.stages) if self._filling() else 1.0
-        best_k, best = 0, filled_rate(alpha, 0, ratio, share)
+        best_k, best = 0, filled_rate(alpha, 0, 1.0, share)
         for k in range(1, self.k_max + 1):
-            rate = filled_rate(alpha, k, ratio, share)
+            rate = filled_rate(alpha, k, self.costs.relative(k + 1), share)
             if rate > best * 1.02:  # a guess must pay for itself with a margin
                 best_k, best = k, rate
+        if self._filling() and (best_k > 0 or self.fill_ok(0)):
+            # Passes fill the pipeline, and those are never timed (another is in flight with each):
+            # every RETIME_EVERY-th goes alone, in turn the size in use, a plain step (what the
+            # others are priced against) and one guess longer, so they are priced by what they
+            # cost now.
+            self._since_timed += 1
+            if self._since_timed >= RETIME_EVERY:
+                turn, self._since_timed, self._retimed = self._retimed % 3, 0, self._retimed + 1
+                self._measuring = True
+                return min((best_k, 0, best_k + 1)[turn], self.k_max)
         if best_k == 0 and self.fill_ok(0):
             # Guesses pay as passes behind the one in flight, not inside it. (With one stage every
             # pass behind is one beyond a pass per stage: where none would be sent, a 0 here
@@ -287,12 +369,12 @@ class DraftLength:
         self._trials = (1 - EMA) * self._trials + trials
 
 
-def filled_rate(alpha: float, k: int, ratio: float, share: float) -> float:
+def filled_rate(alpha: float, k: int, cost: float, share: float) -> float:
     """Tokens per plain step's time (one position through every stage) of passes of k + 1
-    positions, each costing ``1 + ratio * k`` steps, kept coming every ``share`` of that (a full
-    pipeline: PassCosts.filled_share; 1 where nothing goes behind the pass in flight). A pass
+    positions, each costing ``cost`` steps (PassCosts.relative), kept coming every ``share`` of that
+    (a full pipeline: PassCosts.filled_share; 1 where nothing goes behind the pass in flight). A pass
     yields :func:`expected_tokens`; when its k guesses and the first of the pass behind are not all
     confirmed (1 - alpha^(k+1)), the passes behind are cancelled and the next pass takes a whole
     traversal."""
     kept = alpha ** (k + 1)
-    return expected_tokens(alpha, k) / ((1.0 + ratio * k) * (kept * share + 1.0 - kept))
+    return expected_tokens(alpha, k) / (cost * (kept * share + 1.0 - kept))

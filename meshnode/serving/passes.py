@@ -60,7 +60,10 @@ class PassPipe:
 
     def send(self, tokens: Sequence[int]) -> None:
         """Send a pass into the first stage (a remote one gets it now)."""
-        p = Pass(list(tokens), self.end, alone=not self._passes)
+        # Alone: nothing else of this request's in the stages, a cancelled pass still computing at a
+        # remote stage included (this one would wait behind it there).
+        busy = any(not ticket.done() for q in self._running for _, ticket in q)
+        p = Pass(list(tokens), self.end, alone=not self._passes and not busy)
         for q in self._passes:
             q.alone = False
         self.end += len(p.tokens)

@@ -1,0 +1,101 @@
+"""What the head prices a pass at (meshnode.serving.draft_length.PassCosts), and when it times one.
+
+Measured on this CPU with OpenBLAS (benchmarks.speculative, a 2-stage mesh): the first passes of
+a placement took 2-2.5x their later time (MLX building kernels for new shapes, a peer's start),
+and a further position's cost is not a line (lone passes of 1/2/3/4/5 positions: 40/45/55/42/53
+ms). A least-squares line over every pass seen, older ones fading, priced a further position at
+0.22-1.15 of a step where it costs 0.06-0.09, so the head guessed too little at p = 0.8; and
+where a pass was priced below a plain step, it guessed at every step where nothing was right.
+Pure logic: the timings go in by hand.
+"""
+
+from __future__ import annotations
+
+from meshnode.serving.draft_length import RETIME_EVERY, DraftLength, PassCosts
+
+# (positions, ms) of lone passes in the order a head on OpenBLAS timed them (benchmarks.speculative
+# --p 0 0.8, traced): its first seconds under a load (a peer's start-up measurements), then what
+# each size costs.
+LOADED = [(1, 100), (1, 84), (2, 95), (2, 87), (1, 85), (2, 93), (3, 114), (3, 121), (1, 86), (3, 118),
+          (2, 98), (2, 90)]
+STEADY = {1: [40, 40, 39, 41, 40], 2: [45, 45, 46, 45], 3: [55, 54, 55, 56], 4: [41, 43, 42, 42], 5: [53, 52, 54]}
+
+
+def timed(costs: PassCosts, passes) -> PassCosts:
+    for n, ms in passes:
+        costs.observe(n, ms / 1000)
+    return costs
+
+
+def steady():
+    return [(n, ms) for n, times in STEADY.items() for ms in times]
+
+
+def test_a_pass_is_priced_against_the_steps_of_its_time_so_a_load_since_gone_does_not_count():
+    # Then only steps (k = 0 chosen: the pipeline full of one-position passes, or a pause).
+    costs = timed(PassCosts(), LOADED + [(1, 40), (1, 41), (1, 40), (1, 42), (1, 40), (1, 39), (1, 41), (1, 40)])
+    assert abs(costs.cost(1) - 0.040) < 0.001  # the steps of now
+    # Passes timed under the load, against the steps timed with them: 1.1 and 1.4 steps. Their
+    # seconds against today's steps said 2.3 and 3.0, and the head stopped guessing.
+    assert 1.05 < costs.relative(2) < 1.15 and 1.3 < costs.relative(3) < 1.5
+
+
+def test_each_size_is_priced_by_its_own_recent_times():
+    costs = timed(PassCosts(), steady())
+    assert abs(costs.cost(1) - 0.040) < 1e-9
+    assert abs(costs.relative(2) - 45 / 40) < 0.01
+    assert abs(costs.relative(3) - 55 / 40) < 0.01
+    assert abs(costs.relative(4) - 1.05) < 0.01  # cheaper than 3: measured, not a line's
+    # A size not timed often enough is priced by the line through the sizes' medians.
+    assert abs(costs.relative(8) - (1 + 7 * costs.ratio())) < 1e-9 and 0 < costs.ratio() < 0.15
+
+
+def test_a_sizes_first_pass_is_not_kept_and_only_recent_ones_count():
+    costs = PassCosts()
+    costs.observe(1, 0.3)  # it built MLX's kernels for this shape
+    assert costs.cost(1) is None
+    costs.observe(1, 0.1)
+    assert costs.cost(1) == 0.1
+    for _ in range(PassCosts.WINDOW):
+        costs.observe(1, 0.05)  # the machine got faster (a load went away): the old times leave
+    assert costs.cost(1) == 0.05
+
+
+def test_a_pass_is_never_priced_below_a_step_so_wrong_guesses_never_seem_to_pay():
+    # Passes of five timed at 0.95 of a step (their noise, or steps timed under a little load):
+    # priced below a step, k = 4 paid at every acceptance, and at p = 0 the head sent a pass of
+    # four wrong guesses for every token (18.7 tok/s against 22.7 without speculation).
+    costs = timed(PassCosts(), [(1, 56), (1, 56)] + [(5, 53)] * 9)
+    assert costs.relative(5) == 1.0
+    length = DraftLength(costs, k_max=4)
+    for _ in range(20):
+        length.observe(4, 0)  # nothing confirmed
+    assert length.choose() == 0
+
+
+def test_where_passes_fill_the_pipeline_some_go_alone_to_be_timed_one_guess_longer_every_other_time():
+    costs = PassCosts(one=0.04, extra=0.004, share=0.5)
+    length = DraftLength(costs, k_max=8, fills=True, stages=2)
+    for i in range(30):
+        length.observe(1, 0 if i % 5 == 2 else 1)  # 4 guesses in 5 confirmed
+    chosen = []
+    for _ in range(3 * RETIME_EVERY):
+        k = length.choose()
+        chosen.append((k, length.fill_ok(0)))
+    timed_ones = [i for i, (_, fills) in enumerate(chosen) if not fills]
+    assert timed_ones == [RETIME_EVERY - 1, 2 * RETIME_EVERY - 1, 3 * RETIME_EVERY - 1], chosen
+    best = chosen[0][0]
+    assert best >= 1 and all(k == best for k, fills in chosen if fills)
+    assert [chosen[i][0] for i in timed_ones] == [best, 0, best + 1]  # the size in use, a step, one longer
+
+
+def test_a_pass_faster_than_the_steps_timed_has_them_timed_again():
+    # A loaded start: steps at 89 ms; then the load goes while passes fill the pipeline (no step
+    # timed). Against the old steps its passes came out at 0.5-0.7 of a step, priced at 1 (never
+    # below) every size looked free, and at p = 0 the head guessed six tokens a pass.
+    costs = timed(PassCosts(), [(1, 102), (1, 89), (2, 97), (2, 96), (3, 57), (3, 57)])
+    assert costs.fit()[0] is None  # the step is to be timed again ...
+    length = DraftLength(costs, k_max=8, fills=True, stages=2)
+    assert length.choose() == 0 and not length.fill_ok(0)  # ... by a plain step alone
+    timed(costs, [(1, 41), (3, 55), (4, 42), (4, 43)])
+    assert abs(costs.cost(1) - 0.041) < 1e-9 and 1.0 < costs.relative(3) < 1.4
