@@ -95,6 +95,8 @@ def test_a_pass_faster_than_the_steps_timed_has_them_timed_again():
     # below) every size looked free, and at p = 0 the head guessed six tokens a pass.
     costs = timed(PassCosts(), [(1, 102), (1, 89), (2, 97), (2, 96), (3, 57), (3, 57)])
     assert costs.fit()[0] is None  # the step is to be timed again ...
+    costs.observe_filled(3, 0.06)  # (meanwhile the old steps still time a traversal for the share)
+    assert costs.measured_share is not None
     length = DraftLength(costs, k_max=8, fills=True, stages=2)
     assert length.choose() == 0 and not length.fill_ok(0)  # ... by a plain step alone
     timed(costs, [(1, 41), (3, 55), (4, 42), (4, 43)])

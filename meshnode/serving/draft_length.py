@@ -99,6 +99,7 @@ class PassCosts:
         self._relative: dict[int, deque[float]] = {}  # positions -> recent passes' times in steps
         self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (no step timed: a fixed k)
         self._seen: set[int] = set()  # sizes whose first pass came (and was not kept)
+        self._stale = False  # the steps are out of date (STALE): fit() says nothing until one is timed
         self._share = share  # see filled_share
         if one is not None:
             self._keep(1, one)
@@ -120,15 +121,19 @@ class PassCosts:
             self._seen.add(positions)
             self._times.setdefault(positions, deque(maxlen=self.WINDOW)).append(seconds)
             if positions <= 1:
+                if self._stale:
+                    self._steps.clear()
+                    self._stale = False
                 self._steps.append(seconds)
             elif self._steps:
                 relative = seconds / statistics.median(self._steps)
                 if relative < STALE:
                     # Faster than the steps timed: they were timed under a load since gone (the
                     # first seconds of a mesh's life, here at twice the time), and so were the
-                    # sizes priced against them. Priced again from the next step on.
-                    self._steps.clear()
+                    # sizes priced against them. Priced again from the next step on (the old steps
+                    # still time a traversal for filled_share meanwhile).
                     self._relative.clear()
+                    self._stale = True
                     return
                 self._relative.setdefault(positions, deque(maxlen=self.WINDOW)).append(relative)
 
@@ -151,7 +156,7 @@ class PassCosts:
         """(one, extra): a step's seconds and a further position's; None where not measured yet."""
         step, sizes = self._medians()
         slope = self._slope(sizes)
-        if step is None:
+        if step is None or self._stale:
             return None, None
         return step, (slope * step if slope is not None else None)
 
