@@ -74,6 +74,10 @@ def _states(cluster, host) -> dict[str, str]:
     return {m["id"]: m["state"] for m in cluster.fetch(f"http://{host.ip}:{HTTP}/v1/models")[2]["data"]}
 
 
+def _plan_of(cluster, host, model: str) -> dict:
+    return next((m.get("plan") or {} for m in cluster.mesh_view(host)["models"] if m["model"] == model), {})
+
+
 def _ask(cluster, host, model: str, prompt: str) -> tuple[int, dict]:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
             "temperature": 0}
@@ -175,6 +179,12 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
         cluster.start(h3, budget, env=env)
         cluster.wait(lambda: all(_states(cluster, h) == {small.name: "ready"} for h in cluster.hosts), 120,
                      "the first model served")
+        # Planned while h1 was alone, the small model is served whole there; once the others are in,
+        # the coordinator moves it to the configured pipeline, rebalance_dwell after that first plan.
+        # Waited for here: else that move could come while the victim dies, and look like a re-plan
+        # the death caused (1 run in 3).
+        cluster.wait(lambda: all(_plan_of(cluster, h, small.name).get("strategy") == "pipeline"
+                                 for h in cluster.hosts), 60, "the small model on the configured pipeline")
         assert "offered by this node" in _models_cli(h1, "add", big)
         both = {small.name: "ready", big.name: "ready"}
         cluster.wait(lambda: all(_states(cluster, h) == both for h in cluster.hosts), 120, "both models served")
