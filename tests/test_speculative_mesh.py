@@ -112,10 +112,13 @@ def check_speculated(cluster, heads, filled: bool) -> None:
 
 
 def check_filled_share(cluster, head, model, answers, texts, tmp_path) -> None:
-    """A greedy request with the head's own k (every guess right): it times a lone pass, then passes
-    filling the pipeline, and shows their time apart against a traversal (PassCosts.filled_share).
-    The nodes' drafts file (drafts_file's, in ``tmp_path``) is written again for it."""
-    drafts_file(tmp_path, model, answers, p=1.0, k=None)
+    """A greedy request with every guess right, two a pass: passes go behind the one in flight, and
+    the head shows their time apart against a traversal of their size (PassCosts.filled_share,
+    priced from the steps and passes it timed before). Two a pass, not the head's own k: where it
+    measures guesses nearly free it guesses eight, and this model's short answer then leaves no
+    room for a pass behind (1 run in 4). The nodes' drafts file (drafts_file's, in ``tmp_path``) is
+    written again for it."""
+    drafts_file(tmp_path, model, answers, p=1.0, k=2)
     assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
     view = cluster.mesh_view(head)["metrics"]["speculation"]
     assert view["filled_share"] is not None and 0 < view["filled_share"] <= SHARE_MAX, view
