@@ -109,7 +109,8 @@ class PassCosts:
     def observe(self, positions: int, seconds: float) -> None:
         """A pass of ``positions`` took ``seconds`` alone in the stages. A size's first pass on a
         placement is not kept: it built MLX's kernels for its shapes. A larger pass that comes
-        before any step is timed has nothing to be measured against, and is not kept either."""
+        before any step is timed has nothing to be priced against: only its seconds are kept (a
+        fixed k's traversal, :meth:`cost`)."""
         with self._lock:
             if positions not in self._seen:
                 self._seen.add(positions)
@@ -143,6 +144,12 @@ class PassCosts:
             return step, {n: (statistics.median(r), len(r)) for n, r in self._relative.items() if r}
 
     @staticmethod
+    def _ratio(sizes: dict[int, tuple[float, int]]) -> float:
+        """:meth:`ratio` from the sizes' medians."""
+        slope = PassCosts._slope(sizes)
+        return 0.25 if slope is None else max(0.0, slope)
+
+    @staticmethod
     def _slope(sizes: dict[int, tuple[float, int]]) -> float | None:
         """A further position's cost in steps: the line ``1 + ratio * (n - 1)`` nearest the sizes'
         medians (least squares, each size weighing by its count); None with none timed."""
@@ -155,9 +162,9 @@ class PassCosts:
     def fit(self) -> tuple[float | None, float | None]:
         """(one, extra): a step's seconds and a further position's; None where not measured yet."""
         step, sizes = self._medians()
-        slope = self._slope(sizes)
         if step is None or self._stale:
             return None, None
+        slope = self._slope(sizes)
         return step, (slope * step if slope is not None else None)
 
     def relative(self, positions: int) -> float:
@@ -165,20 +172,22 @@ class PassCosts:
         :data:`OWN_MIN` times, else the line's (:meth:`ratio` until any is timed); never less than
         1: a pass costs at least the step it also is (a size priced cheaper is one whose times are
         off, and guessing would seem to pay even where no guess comes right)."""
+        return self._relative_of(positions, self._medians()[1])
+
+    def _relative_of(self, positions: int, sizes: dict[int, tuple[float, int]]) -> float:
         if positions <= 1:
             return 1.0
-        _, sizes = self._medians()
         own = sizes.get(positions)
         if own is not None and own[1] >= self.OWN_MIN:
             return max(1.0, own[0])
-        return max(1.0, 1.0 + self.ratio() * (positions - 1))
+        return max(1.0, 1.0 + self._ratio(sizes) * (positions - 1))
 
     def cost(self, positions: int) -> float | None:
         """Seconds a lone pass of ``positions`` takes now; where no step is timed (a fixed k sends
         passes of one size only), the median of that size's own; else None."""
-        step = self._medians()[0]
+        step, sizes = self._medians()
         if step is not None:
-            return step * self.relative(positions)
+            return step * self._relative_of(positions, sizes)
         with self._lock:
             times = self._times.get(positions)
             return statistics.median(times) if times else None
@@ -186,17 +195,13 @@ class PassCosts:
     def observe_filled(self, positions: int, seconds: float) -> None:
         """A pass of ``positions`` came out ``seconds`` after the one ahead of it, having been in flight
         behind it (the pipeline kept full): what a pass costs where passes fill the pipeline."""
-        traversal = self._traversal(positions)
+        traversal = self.cost(positions)
         if traversal is None or traversal <= 0:
             return
         share = min(seconds / traversal, SHARE_MAX)
         with self._lock:
             self._share = share if self._share is None else (1 - EMA) * self._share + EMA * share
         mark("spec.share")
-
-    def _traversal(self, positions: int) -> float | None:
-        """A lone pass's time for ``positions`` (:meth:`cost`)."""
-        return self.cost(positions)
 
     def relax_share(self, stages: int) -> None:
         """Move the measured share a little toward the prior (SHARE_RELAX)."""
@@ -217,8 +222,7 @@ class PassCosts:
 
     def ratio(self) -> float:
         """A further position's cost against a one-position step (0.25 until measured)."""
-        slope = self._slope(self._medians()[1])
-        return 0.25 if slope is None else max(0.0, slope)
+        return self._ratio(self._medians()[1])
 
 
 def expected_tokens(alpha: float, k: int) -> float:
