@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -92,3 +93,43 @@ def test_held_tokens_come_before_a_failure(monkeypatch):
         _run(steps, monkeypatch)
     handed = handed_out[0]
     assert handed[:3] == [1, 2, 3] and isinstance(handed[3], RuntimeError)
+
+
+class _SlowToClose:
+    """Tokens whose close() waits for ``release``: the generation's thread has handed on its end but
+    is not yet done with it, the moment stop() can come (found in CI: the end was handed twice)."""
+
+    def __init__(self, tokens, release):
+        self._tokens = iter(tokens)
+        self._release = release
+        self.closed = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._tokens)
+
+    def close(self):
+        self._release.wait(10)
+        self.closed.set()
+
+
+def test_a_generation_that_ended_as_the_scheduler_stops_is_ended_once(monkeypatch):
+    handed: list = []
+    original = TokenJob._put
+    monkeypatch.setattr(TokenJob, "_put", lambda self, item: (handed.append(item), original(self, item)))
+    release = threading.Event()
+    tokens = _SlowToClose([1, 2], release)
+
+    async def main():
+        scheduler = TokenScheduler("test-scheduler")
+        try:
+            return [t async for t in scheduler.submit(tokens)]
+        finally:
+            scheduler.stop()  # the job is still tracked: its thread waits in close()
+            release.set()
+
+    assert asyncio.run(main()) == [1, 2]
+    assert tokens.closed.wait(10)
+    assert handed[:2] == [1, 2] and len(handed) == 3, handed  # one end marker, not one per ender

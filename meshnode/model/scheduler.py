@@ -37,6 +37,17 @@ class TokenJob:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self._ended = False
+        self._end_lock = threading.Lock()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Hand the consumer the generation's end (or its failure), once: the generation's own
+        thread and :meth:`TokenScheduler.stop` may both end it, and the second is dropped."""
+        with self._end_lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._put(error if error is not None else _END)
 
     def _put(self, item: Any) -> None:
         try:
@@ -292,7 +303,7 @@ class TokenScheduler:
             jobs = list(self._jobs)
         for job in jobs:
             job.cancelled.set()
-            job._put(_END)
+            job.end()
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
@@ -328,14 +339,14 @@ class TokenScheduler:
                     token = next(job.tokens)
                 except StopIteration:
                     flush()
-                    job._put(_END)
+                    job.end()
                     return
                 except Exception as exc:  # the failure belongs to this request only
                     # (quiet: an outcome its caller handles, such as a prompt-cache miss)
                     log.log(logging.INFO if getattr(exc, "quiet", False) else logging.WARNING, "generation failed: %s",
                             exc, exc_info=log.isEnabledFor(logging.DEBUG))
                     flush()
-                    job._put(exc)
+                    job.end(exc)
                     return
                 if getattr(_held, "idled", False):
                     # This token waited on a remote stage and queued for the baton again after

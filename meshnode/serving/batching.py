@@ -24,7 +24,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from meshnode.model.prefixes import cache_positions, prefix_key
-from meshnode.model.scheduler import _END, TokenJob, TokenScheduler, _settle_generation
+from meshnode.model.scheduler import TokenJob, TokenScheduler, _settle_generation
 from meshnode.model.shard import Shard, any_thread_stream
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
@@ -274,7 +274,7 @@ class BatchLoop:
 
     def _finish(self, request: _Request, error: BaseException | None = None) -> None:
         self._release(request)
-        request.job._put(error if error is not None else _END)
+        request.job.end(error)
         self._scheduler.untrack(request.job)
         request.ended.set()
 
