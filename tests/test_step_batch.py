@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -14,9 +15,10 @@ from mlx_lm.utils import load_model
 
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
-from meshnode.model.shard import Shard
+from meshnode.model.shard import Shard, any_thread_stream
 from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
 from meshnode.serving.sampling import SamplingParams
+from meshnode.serving import step_batch
 from meshnode.serving.step_batch import StepBatcher, can_batch
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,3 +115,49 @@ def test_a_lone_generation_steps_on_its_own(pipeline):
     source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
     assert asyncio.run(_tokens(source, PROMPTS[0], 16)) == reference(path, PROMPTS[0], 16)
     assert batcher.widest == 0
+
+
+class _SlowRounds(StepBatcher):
+    """A batcher whose rounds take ``round_s`` (a loaded machine, a slow stage) and return zeros:
+    when the group's members step is the question here, not what a round computes."""
+
+    def __init__(self, round_s: float):
+        super().__init__([object()])  # one stage: one group, so both requests share it
+        self.round_s, self.rows = round_s, []
+
+    def _run(self, group, round_):
+        self.rows.append(len(round_))
+        time.sleep(self.round_s)
+        return mx.zeros((len(round_), 1, 4))
+
+
+def test_members_out_of_step_batch_again_when_rounds_outlast_the_gather_wait(monkeypatch):
+    """Found in CI (test_batching_mesh, 1 run in 12 under load: every round one row). With rounds
+    longer than GATHER_S (a loaded machine, a slow stage), a step that came during a round went alone
+    right after it, its own wait spent; the other member came back during that round, and so on:
+    two members taking turns for good. Here both start together: the first one's first round goes
+    before the other is a member, so they start out of step; from the next round on they step
+    together (before the fix: [1, 1, 1, 1, ...])."""
+    monkeypatch.setattr(step_batch, "GATHER_S", 0.2)
+    batcher = _SlowRounds(round_s=0.3)
+    a, b = object(), object()
+    for m in (a, b):
+        batcher.decoding(m)
+    errors: list[BaseException] = []
+
+    def steps(model):
+        try:
+            with mx.stream(any_thread_stream()):  # as a generation's thread
+                for _ in range(5):
+                    time.sleep(0.01)  # sampling the last token
+                    batcher.step(model, mx.zeros((1, 1), dtype=mx.int32))
+        except BaseException as exc:  # noqa: BLE001 - the test fails with it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=steps, args=(m,)) for m in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert batcher.rows[1:5] == [2, 2, 2, 2], batcher.rows

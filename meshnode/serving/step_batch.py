@@ -80,6 +80,7 @@ class _Group:
         self.pending: dict[Any, mx.array] = {}  # their steps waiting for the next round
         self.results: dict[Any, Any] = {}  # a round's rows (or its error), by request
         self.running = False
+        self.free_since = 0.0  # when its last round ended (time.monotonic)
         self.hops: dict[int, BatchHop] = {}  # remote stages' batch streams, by stage index
         self.batches = {i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(handles)
                         if getattr(h, "shard", None) is not None}
@@ -163,7 +164,12 @@ class StepBatcher:
             while model not in group.results:
                 if not group.running:
                     waiting = group.members - set(group.pending)
-                    left = GATHER_S - (time.monotonic() - first)
+                    # The wait counts from this step's arrival or the end of the group's last round,
+                    # whichever is later: a step that came during a round gives that round's
+                    # members their time to sample and come back. Counted from its arrival alone,
+                    # it went at once after every round longer than GATHER_S (a loaded machine),
+                    # and two members locked into taking turns, one row a round, for good.
+                    left = GATHER_S - (time.monotonic() - max(first, group.free_since))
                     if not waiting or left <= 0:
                         round_, group.pending = group.pending, {}
                         group.running = True
@@ -182,7 +188,7 @@ class StepBatcher:
             rows = [exc] * len(round_)
         with self._cond:
             group.results.update(zip(round_, rows))
-            group.running = False
+            group.running, group.free_since = False, time.monotonic()
             self._cond.notify_all()
             return self._take(group, model)
 
