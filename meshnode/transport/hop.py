@@ -394,6 +394,14 @@ class HopSession:
         """Ask the stage to keep this request's KV (the prompt cache) and wait until it has: the
         replies still in flight, then its KEPT (so the next turn, on another stream, finds it)."""
         payload = mesh_pb2.ForwardRequest(keep=key, keep_length=positions).SerializeToString()
+        # Network only, so the baton goes to others meanwhile (mlx_idle). Held, two nodes each
+        # keeping a request whose stage the other served deadlocked: each stage waited for its
+        # node's baton, held by that node's keep waiting for the other (found in CI,
+        # test_models_mesh: two models whose heads are on different nodes).
+        with mlx_idle():
+            self._keep(payload)
+
+    def _keep(self, payload: bytes) -> None:
         try:
             with self._lock:
                 later = self._writing > 0

@@ -349,7 +349,8 @@ class RemoteSession:
         if self._call is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._keep(key, positions), self._stage.loop).result(KEEP_WAIT)
+            with mlx_idle():  # network only: as HopSession.keep
+                asyncio.run_coroutine_threadsafe(self._keep(key, positions), self._stage.loop).result(KEEP_WAIT)
         except Exception as exc:  # noqa: BLE001 - the answer is complete; only the cache is lost
             log.debug("stage [%d, %d) did not take the prefix to keep: %s", self._stage.start, self._stage.end, exc)
 
