@@ -116,20 +116,12 @@ class _SlowToClose:
 
 
 def test_a_generation_that_ended_as_the_scheduler_stops_is_ended_once(monkeypatch):
-    handed: list = []
-    original = TokenJob._put
-    monkeypatch.setattr(TokenJob, "_put", lambda self, item: (handed.append(item), original(self, item)))
     release = threading.Event()
     tokens = _SlowToClose([1, 2], release)
-
-    async def main():
-        scheduler = TokenScheduler("test-scheduler")
-        try:
-            return [t async for t in scheduler.submit(tokens)]
-        finally:
-            scheduler.stop()  # the job is still tracked: its thread waits in close()
-            release.set()
-
-    assert asyncio.run(main()) == [1, 2]
+    # _run stops the scheduler as soon as the consumer has the end: the job is still tracked then,
+    # its thread waiting in close()
+    got, handed = _run(lambda handed: tokens, monkeypatch)
+    release.set()
+    assert got == [1, 2]
     assert tokens.closed.wait(10)
     assert handed[:2] == [1, 2] and len(handed) == 3, handed  # one end marker, not one per ender
