@@ -89,8 +89,11 @@ def test_a_share_that_rules_filling_out_is_measured_again_after_some_hundred_pas
         assert waited < 1000, costs.filled_share(2)
     assert 50 < waited < 400, waited
     assert costs.filled_share(2) <= FILL_SHARE
-    costs.observe_filled(1, 0.1)  # measured again: a traversal apart (one device), off again
-    assert not length.fill_ok(0)
+    for _ in range(2):  # measured again: a traversal apart (one device) ...
+        costs.observe_filled(1, 0.1)
+        assert length.fill_ok(0)  # (one or two measures among the relaxed ones are not the median)
+    costs.observe_filled(1, 0.1)
+    assert not length.fill_ok(0)  # ... three times: off again
     # Where filling pays, the share stays as measured.
     apart = PassCosts(one=0.1, extra=0.09, share=0.55)
     filling = DraftLength(apart, k_max=8, fills=True, stages=2)
@@ -172,3 +175,25 @@ def test_the_node_metrics_show_what_the_head_measured():
     assert "meshnode_speculative_filled_share 0.52" in text and "meshnode_speculative_position_cost 0.31" in text
     metrics.pass_costs(0.9, None)
     assert metrics.speculation()["filled_share"] is None
+
+
+def test_a_stall_or_two_does_not_rule_filling_out_but_a_shared_device_does():
+    # Traced on OpenBLAS (benchmarks.speculative --p 0.8): shares of 0.55, then two passes at 2.0
+    # and 1.81 (a passing load: the traversal they are measured against was timed without it). A
+    # running average went to 1.03 and ruled filling out for some hundred passes.
+    costs = PassCosts(one=0.1, extra=0.005)
+    for seconds in (0.055, 0.055, 0.2, 0.181, 0.055):
+        costs.observe_filled(1, seconds)
+        assert costs.filled_share(2) <= FILL_SHARE, seconds
+    # The same at a mesh's start (the first measures): filling stays on.
+    start = PassCosts(one=0.1, extra=0.005)
+    for seconds in (0.2, 0.197):
+        start.observe_filled(1, seconds)
+    assert start.filled_share(2) == 0.5 and start.measured_share == 1.97
+    # Two nodes on one device: a traversal apart every time, ruled out from the third measure.
+    shared = PassCosts(one=0.1, extra=0.005)
+    for _ in range(2):
+        shared.observe_filled(1, 0.1)
+        assert shared.filled_share(2) <= FILL_SHARE  # the prior stands for the measures not made yet
+    shared.observe_filled(1, 0.1)
+    assert shared.filled_share(2) > FILL_SHARE and shared.measured_share == 1.0

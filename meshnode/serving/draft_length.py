@@ -60,6 +60,7 @@ EMA = 0.2  # weight of the newest observation in the running estimates
 # device.
 FILL_SHARE = 0.9
 SHARE_MAX = 2.0  # a measured share is capped (a stall of the machine must not rule filling out for long)
+SHARE_WINDOW = 5  # recent measures of the share kept (PassCosts.filled_share: their lower median)
 # Where the share rules filling out, nothing measures it again; each pass moves it this much toward
 # the prior (1 / stages), so that a share measured under a passing load (a busy Mac) is measured
 # again after some hundred passes: where stages truly cannot work at once, a pass behind goes
@@ -79,11 +80,17 @@ class PassCosts:
     against the step's median when it came: a load that comes and goes (a peer's start-up
     measurements, a busy Mac) slows both alike, so a pass timed under it is not compared with
     steps timed without it (on this CPU every time was 2-2.5x for the first seconds of a mesh's
-    life). Each size is priced by the median of its last :data:`WINDOW`: a pass that met a
-    garbage collection is one sample of eight. A size timed fewer than :data:`OWN_MIN` times is
-    priced by a line, ``1 + ratio * (n - 1)`` steps, fitted to the sizes' medians (each weighing by
-    its count). On a CPU with a tuned BLAS a further position is not a line (here 40/45/55/42/53
-    ms for 1-5 positions), so the sizes in use are priced by what they measured. Where extra
+    life). Each size is priced by the lower median of its last :data:`WINDOW`: a pass that met a
+    garbage collection is one sample of eight (of two passes in the middle, the faster: a pass's
+    time is only ever slowed; a size of two positions timed at 1.06, 1.18, 1.41 and 2.18 steps was
+    priced at 1.3, and no guess paid at p = 0.8). A size timed fewer than :data:`OWN_MIN` times is
+    priced by a line, ``1 + ratio * (n - 1)`` steps, whose slope is the lower median of every kept
+    pass's own ((relative - 1) / (n - 1)): a time is only ever slowed (a load, a collection), so one
+    slow pass must not price every guess (a least-squares line through a size timed twice, at 1.05
+    and 2.03 steps, priced a further position at 0.54 of a step where it costs 0.05, and the head
+    stopped guessing for the rest of a benchmark's run: 34 against 62 tok/s at p = 0.8). On a CPU
+    with a tuned BLAS a further position is not a line (here 40/45/55/42/53 ms for 1-5 positions),
+    so the sizes in use are priced by what they measured. Where extra
     positions come almost free (a GPU streaming the weights once for all of them) guessing pays at
     modest acceptance; where each costs nearly a step of its own (a CPU computing every position on
     the reference BLAS: ~0.9) it pays only when nearly every guess is right. Also the time between
@@ -100,7 +107,10 @@ class PassCosts:
         self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (no step timed: a fixed k)
         self._seen: set[int] = set()  # sizes whose first pass came (and was not kept)
         self._stale = False  # the steps are out of date (STALE): fit() says nothing until one is timed
-        self._share = share  # see filled_share
+        self._since_timed = 0  # passes chosen where they fill the pipeline since one was timed
+        self._retimed = 0  # passes timed so (which of RETIME_EVERY's turns is next)
+        # filled_share's recent measures (a starting one fills the window)
+        self._shares: deque[float] = deque([share] * SHARE_WINDOW if share is not None else (), maxlen=SHARE_WINDOW)
         if one is not None:
             self._keep(1, one)
             if extra is not None:
@@ -138,33 +148,30 @@ class PassCosts:
                     return
                 self._relative.setdefault(positions, deque(maxlen=self.WINDOW)).append(relative)
 
-    def _medians(self) -> tuple[float | None, dict[int, tuple[float, int]]]:
+    def _medians(self) -> tuple[float | None, dict[int, tuple[float, int]], float | None]:
+        """The steps' median, each size's (median, count), and the line's slope (:meth:`_slope`)."""
         with self._lock:
             step = statistics.median(self._steps) if self._steps else None
-            return step, {n: (statistics.median(r), len(r)) for n, r in self._relative.items() if r}
+            sizes = {n: (statistics.median_low(r), len(r)) for n, r in self._relative.items() if r}
+            slopes = [(rel - 1.0) / (n - 1) for n, r in self._relative.items() if n > 1 for rel in r]
+        return step, sizes, self._slope(slopes)
 
     @staticmethod
-    def _ratio(sizes: dict[int, tuple[float, int]]) -> float:
-        """:meth:`ratio` from the sizes' medians."""
-        slope = PassCosts._slope(sizes)
+    def _slope(slopes: list[float]) -> float | None:
+        """A further position's cost in steps, from every kept pass's own: their lower median (of
+        two, the faster: noise only ever slows a pass); None with none timed."""
+        return statistics.median_low(slopes) if slopes else None
+
+    @staticmethod
+    def _ratio(slope: float | None) -> float:
+        """:meth:`ratio` from the line's slope."""
         return 0.25 if slope is None else max(0.0, slope)
-
-    @staticmethod
-    def _slope(sizes: dict[int, tuple[float, int]]) -> float | None:
-        """A further position's cost in steps: the line ``1 + ratio * (n - 1)`` nearest the sizes'
-        medians (least squares, each size weighing by its count); None with none timed."""
-        num = den = 0.0
-        for n, (rel, count) in sizes.items():
-            num += count * (n - 1) * (rel - 1.0)
-            den += count * (n - 1) ** 2
-        return num / den if den > 0 else None
 
     def fit(self) -> tuple[float | None, float | None]:
         """(one, extra): a step's seconds and a further position's; None where not measured yet."""
-        step, sizes = self._medians()
+        step, _, slope = self._medians()
         if step is None or self._stale:
             return None, None
-        slope = self._slope(sizes)
         return step, (slope * step if slope is not None else None)
 
     def relative(self, positions: int) -> float:
@@ -172,25 +179,40 @@ class PassCosts:
         :data:`OWN_MIN` times, else the line's (:meth:`ratio` until any is timed); never less than
         1: a pass costs at least the step it also is (a size priced cheaper is one whose times are
         off, and guessing would seem to pay even where no guess comes right)."""
-        return self._relative_of(positions, self._medians()[1])
+        _, sizes, slope = self._medians()
+        return self._relative_of(positions, sizes, slope)
 
-    def _relative_of(self, positions: int, sizes: dict[int, tuple[float, int]]) -> float:
+    def _relative_of(self, positions: int, sizes: dict[int, tuple[float, int]], slope: float | None) -> float:
         if positions <= 1:
             return 1.0
         own = sizes.get(positions)
         if own is not None and own[1] >= self.OWN_MIN:
             return max(1.0, own[0])
-        return max(1.0, 1.0 + self._ratio(sizes) * (positions - 1))
+        return max(1.0, 1.0 + self._ratio(slope) * (positions - 1))
 
     def cost(self, positions: int) -> float | None:
         """Seconds a lone pass of ``positions`` takes now; where no step is timed (a fixed k sends
         passes of one size only), the median of that size's own; else None."""
-        step, sizes = self._medians()
+        step, sizes, slope = self._medians()
         if step is not None:
-            return step * self._relative_of(positions, sizes)
+            return step * self._relative_of(positions, sizes, slope)
         with self._lock:
             times = self._times.get(positions)
             return statistics.median(times) if times else None
+
+    def retime_turn(self) -> int | None:
+        """A pass is chosen where passes fill the pipeline: None, or every :data:`RETIME_EVERY`-th
+        time, how many were timed so before (which size this one times alone is its turn:
+        :meth:`DraftLength.choose`). Counted per placement, not per request: a request of 48 tokens
+        at p = 0.8 makes about 14 such passes, and counted per request none was ever timed (one
+        pass of two positions timed at 1.28 steps priced every guess at 0.28 of a step, where they
+        cost 0.05, for the rest of a run)."""
+        with self._lock:
+            self._since_timed += 1
+            if self._since_timed < RETIME_EVERY:
+                return None
+            self._since_timed, self._retimed = 0, self._retimed + 1
+            return self._retimed - 1
 
     def observe_filled(self, positions: int, seconds: float) -> None:
         """A pass of ``positions`` came out ``seconds`` after the one ahead of it, having been in flight
@@ -200,29 +222,42 @@ class PassCosts:
             return
         share = min(seconds / traversal, SHARE_MAX)
         with self._lock:
-            self._share = share if self._share is None else (1 - EMA) * self._share + EMA * share
+            self._shares.append(share)
         mark("spec.share")
 
     def relax_share(self, stages: int) -> None:
-        """Move the measured share a little toward the prior (SHARE_RELAX)."""
+        """Move the measured shares a little toward the prior (SHARE_RELAX)."""
+        prior = 1.0 / max(stages, 1)
         with self._lock:
-            if self._share is not None:
-                self._share -= SHARE_RELAX * (self._share - 1.0 / max(stages, 1))
+            for i, share in enumerate(self._shares):
+                self._shares[i] = share - SHARE_RELAX * (share - prior)
 
     @property
     def measured_share(self) -> float | None:
-        return self._share
+        """The lower median of the recent measures (None: none yet)."""
+        with self._lock:
+            return statistics.median_low(self._shares) if self._shares else None
 
     def filled_share(self, stages: int) -> float:
         """A full pipeline's time between two passes against one pass's time through every stage:
         about 1 / stages where each stage computes on its own machine while the others compute
         (the prior, until measured), near 1 where they cannot work at once (two nodes on one GPU,
-        a link slower than the stages' work): filling the pipeline then gains nothing."""
-        return self._share if self._share is not None else 1.0 / max(stages, 1)
+        a link slower than the stages' work): filling the pipeline then gains nothing.
+
+        The lower median of the last :data:`SHARE_WINDOW` measures, the prior standing for those
+        not made yet: a stall or a passing load (a mesh's first seconds) measures a share of 1.5 to
+        2 for a pass or two (the steps the traversal is priced by were timed without it), and a
+        running average ruled filling out for some hundred passes after two such (34 against 62
+        tok/s at p = 0.8); where stages truly cannot work at once, every measure says so, and the
+        third rules it out."""
+        prior = 1.0 / max(stages, 1)
+        with self._lock:
+            shares = list(self._shares)
+        return statistics.median_low(shares + [prior] * (SHARE_WINDOW - len(shares)))
 
     def ratio(self) -> float:
         """A further position's cost against a one-position step (0.25 until measured)."""
-        return self._ratio(self._medians()[1])
+        return self._ratio(self._medians()[2])
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -254,8 +289,6 @@ class DraftLength:
         # The next pass measures the placement's costs: it goes alone, nothing sent behind it (only a
         # pass alone in the stages times what its positions cost; PassCosts).
         self._measuring = False
-        self._since_timed = 0  # passes chosen where they fill the pipeline since one was timed
-        self._retimed = 0  # passes timed so (which of RETIME's turns is next)
 
     @property
     def alpha(self) -> float:
@@ -291,12 +324,13 @@ class DraftLength:
             # Passes fill the pipeline, and those are never timed (another is in flight with each):
             # every RETIME_EVERY-th goes alone, in turn the size in use, a plain step (what the
             # others are priced against) and one guess longer, so they are priced by what they
-            # cost now.
-            self._since_timed += 1
-            if self._since_timed >= RETIME_EVERY:
-                turn, self._since_timed, self._retimed = self._retimed % 3, 0, self._retimed + 1
+            # cost now. (Where the size in use is the plain step, the two alternate: one pass of
+            # two positions timed at 1.21 steps, before, went 48 passes before the next.)
+            turn = self.costs.retime_turn()
+            if turn is not None:
                 self._measuring = True
-                return min((best_k, 0, best_k + 1)[turn], self.k_max)
+                sizes = list(dict.fromkeys((best_k, 0, best_k + 1)))
+                return min(sizes[turn % len(sizes)], self.k_max)
         if best_k == 0 and self.fill_ok(0):
             # Guesses pay as passes behind the one in flight, not inside it. (With one stage every
             # pass behind is one beyond a pass per stage: where none would be sent, a 0 here
