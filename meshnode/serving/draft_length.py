@@ -182,6 +182,11 @@ class PassCosts:
         _, sizes, slope = self._medians()
         return self._relative_of(positions, sizes, slope)
 
+    def relatives(self, most: int) -> list[float]:
+        """:meth:`relative` of 0 to ``most`` positions (the medians taken once)."""
+        _, sizes, slope = self._medians()
+        return [self._relative_of(n, sizes, slope) for n in range(most + 1)]
+
     def _relative_of(self, positions: int, sizes: dict[int, tuple[float, int]], slope: float | None) -> float:
         if positions <= 1:
             return 1.0
@@ -315,9 +320,10 @@ class DraftLength:
         # Where passes fill the pipeline, against one-position passes keeping it full; else
         # against plain steps (a share of 1: nothing gained between passes).
         share = self.costs.filled_share(self.stages) if self._filling() else 1.0
+        prices = self.costs.relatives(self.k_max + 1)
         best_k, best = 0, filled_rate(alpha, 0, 1.0, share)
         for k in range(1, self.k_max + 1):
-            rate = filled_rate(alpha, k, self.costs.relative(k + 1), share)
+            rate = filled_rate(alpha, k, prices[k + 1], share)
             if rate > best * 1.02:  # a guess must pay for itself with a margin
                 best_k, best = k, rate
         if self._filling() and (best_k > 0 or self.fill_ok(0)):
