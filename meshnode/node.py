@@ -119,6 +119,24 @@ def model_state(served: ServedModel) -> str:
     return "loading"
 
 
+def peer_view(peers, nid: str, info, me: bool, coordinator: bool) -> dict[str, Any]:
+    """One node of /v1/mesh's ``nodes``, as ``peers`` (this node's Peers) know it."""
+    return {
+        "node_id": nid, "address": info.addresses[0] if info.addresses else "",
+        "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
+        "memory_budget": info.memory_budget, "total_memory": info.total_memory,
+        "compute": info.compute, "version": info.version,
+        "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
+        "collective_seconds": info.collective_seconds,
+        "holdings": holdings_to_json(info.holdings),
+        "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
+        "stalled_for": round(peers.stalled_for() if me else info.stalled_for, 1),
+        "data_address": None if me else peers.links.best_address(nid),
+        "links": peers.links_of(nid),
+        "role": "coordinator" if coordinator else "member",
+    }
+
+
 class Node:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -139,6 +157,7 @@ class Node:
         self.metrics = NodeMetrics(epoch=lambda: self.epoch,  # GET /metrics, and figures in /v1/mesh
                                    unreachable=lambda: len(self.peers.reach.unreachable()))
         self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
+        self.measuring: str | None = None  # what of its machine it times meanwhile (requests run slower)
         self.events = EventLog(self.metrics)
         self.peers = Peers(settings, self.node_id, self.auth, self.tls)
         # Every model this node serves is a lane (meshnode.control.lanes), sharing one store of held models.
@@ -377,9 +396,13 @@ class Node:
         (cached; two short-lived processes), so the planner prices tensor groups by what their
         all-reduces and unhalved per-operation costs add here; announced with the next heartbeat."""
         files = self.served.files
-        split = await asyncio.to_thread(tensor_layer_seconds, files.path, files.profile.num_layers,
-                                        self.settings.resolved_state_dir(), max(files.profile.layer_bytes, default=0),
-                                        self._stopping)
+        self.measuring = "a layer split two ways (what tensor parallelism costs here)"
+        try:
+            split = await asyncio.to_thread(tensor_layer_seconds, files.path, files.profile.num_layers,
+                                            self.settings.resolved_state_dir(),
+                                            max(files.profile.layer_bytes, default=0), self._stopping)
+        finally:
+            self.measuring = None
         value = collective_overhead(self.peers.me.layer_seconds, split)
         if value > 0:
             self.peers.update_me(collective_seconds=value)
@@ -388,22 +411,8 @@ class Node:
     def status(self) -> dict[str, Any]:
         """``GET /v1/mesh``: this node's view of the mesh, the plan, and what happened lately."""
         peers, coordinator = self.peers, self.control.coordinator_id
-        nodes = []
-        for nid, info in sorted(peers.alive_infos().items()):
-            nodes.append({
-                "node_id": nid, "address": info.addresses[0] if info.addresses else "",
-                "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
-                "memory_budget": info.memory_budget, "total_memory": info.total_memory,
-                "compute": info.compute, "version": info.version,
-                "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
-                "collective_seconds": info.collective_seconds,
-                "holdings": holdings_to_json(info.holdings),
-                "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
-                "stalled_for": round(info.stalled_for, 1) if nid != self.node_id else round(peers.stalled_for(), 1),
-                "data_address": peers.links.best_address(nid) if nid != self.node_id else None,
-                "links": peers.links_of(nid),
-                "role": "coordinator" if nid == coordinator else "member",
-            })
+        nodes = [peer_view(peers, nid, info, nid == self.node_id, nid == coordinator)
+                 for nid, info in sorted(peers.alive_infos().items())]
         served = self.served
         return {
             "node_id": self.node_id, "version": __version__, "blas": blas.in_use(), "model": served.model_id,
@@ -417,7 +426,8 @@ class Node:
                         "plan_error": lane.served.plan_error or None,
                         "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now())}
                        for lane in self.lanes if lane.model_id is not None],
-            "events": self.events.recent(), "progress": self.progress.current, "metrics": self.metrics.summary(),
+            "events": self.events.recent(), "progress": self.progress.current, "measuring": self.measuring,
+            "metrics": self.metrics.summary(),
         }
 
 

@@ -183,6 +183,9 @@ function renderProgress(mesh) {
 }
 
 function renderLive(mesh) {
+  $("measuring").hidden = !mesh.measuring;
+  $("measuring").textContent = mesh.measuring
+    ? `Measuring ${mesh.measuring}: requests run slower until it ends (once per model and machine).` : "";
   const m = mesh.metrics;
   if (!m) return;
   $("tps").textContent = m.tokens_per_second.toFixed(1);
