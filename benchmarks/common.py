@@ -255,7 +255,10 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
     Both nodes are given one speed figure, measured here once (the best of 3, as the tests'
     ``seed_figures``): they stand for two identical machines, and on a VM whose timings drift
     (one core's step measured 148 to 179 ms in five medians of ten) each node's own measure at
-    start came out more than SAME_SPEED apart, and the planner split 7 and 9 layers."""
+    start came out more than SAME_SPEED apart, and the planner split 7 and 9 layers. It is yielded
+    once both have also timed a layer split two ways (`measuring` in /v1/mesh, about 7 s after a
+    start here): two processes on each node's core, its first requests ran at 15-18 tok/s against
+    24, and the head's pricing of speculative passes measured a slowed machine."""
     from harness.cluster import node_argv, wait_mesh
     from meshnode.model.compute import CACHE_FILE, seed_figures
     from meshnode.weights.profile import profile_model
@@ -297,6 +300,9 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
                          lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
                          client=client, timeout=200, what="a 2-stage plan",
                          details=lambda: "".join(log.read_text()[-3000:] for log in logs))
+        for h in hosts:  # a node's first start times a layer split two ways meanwhile (`measuring`)
+            wait_mesh(urls[h.name], lambda v: v["measuring"] is None, client=client, timeout=200,
+                      what=f"{h.name} to finish measuring its machine")
         yield client, urls[view["plan"]["stages"][0]["nodes"][0]], logs
 
 
