@@ -61,10 +61,11 @@ EMA = 0.2  # weight of the newest observation in the running estimates
 FILL_SHARE = 0.9
 SHARE_MAX = 2.0  # a measured share is capped (a stall of the machine must not rule filling out for long)
 SHARE_WINDOW = 5  # recent measures of the share kept (PassCosts.filled_share: their lower median)
-# Where the share rules filling out, nothing measures it again; each pass moves it this much toward
-# the prior (1 / stages), so that a share measured under a passing load (a busy Mac) is measured
-# again after some hundred passes: where stages truly cannot work at once, a pass behind goes
-# about once in a hundred (it computes while the one ahead would, and costs little kept or not).
+# Where the share rules filling out, nothing measures it again; each pass moves its recent measures
+# this much toward the prior (1 / stages), so that a share measured under a passing load (a busy
+# Mac) is measured again after some hundred passes: where stages truly cannot work at once, passes
+# go behind about three in a few hundred (three new measures are the window's lower median again;
+# each computes while the one ahead would, and costs little kept or not).
 SHARE_RELAX = 0.002
 # Times in a row a drafter finds nothing before the request pauses drafting (plain steps are cheaper
 # in a pause: built ahead). A few: prompt lookup finds nothing for a position or two after each
