@@ -54,6 +54,8 @@ from meshnode.control.adoption import Adoption
 from meshnode.control.coordinator import Coordinator
 from meshnode.control.lanes import Lane, Lanes
 from meshnode.control.offers import read_offers, write_offers
+from meshnode.control.settings import ControlSettings, PeerSettings, PlanSettings
+from meshnode.serving.settings import ServingSettings
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.routing import StageRouter, not_served
 from meshnode.weights.store import ModelStore
@@ -159,24 +161,25 @@ class Node:
         self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
         self.measuring: str | None = None  # what of its machine it times meanwhile (requests run slower)
         self.events = EventLog(self.metrics)
-        self.peers = Peers(settings, self.node_id, self.auth, self.tls)
+        self.peers = Peers(PeerSettings.of(settings), self.node_id, self.auth, self.tls)
         # Every model this node serves is a lane (meshnode.control.lanes), sharing one store of held models.
         store = ModelStore(settings.resolved_cache_dir() / "peer-models")
+        serving, planning = ServingSettings.of(settings), PlanSettings.of(settings)
 
         def lane(model: str | None, offered: bool) -> Lane:
-            served = ServedModel(settings, self.node_id, scheduler=self.scheduler, metrics=self.metrics,
+            served = ServedModel(serving, self.node_id, scheduler=self.scheduler, metrics=self.metrics,
                                  progress=self.progress, mesh=self.peers, auth=self.auth, group_secret=group_secret,
                                  event=self.events, on_ready=lambda: self.control.beat_now(), model=model, store=store,
                                  learned=not offered)
             adoption = Adoption(served, grace=max(1.0, 2 * settings.heartbeat_interval), event=self.events)
-            coordinator = Coordinator(settings, self.node_id, self.peers, adoption, event=self.events,
+            coordinator = Coordinator(planning, self.node_id, self.peers, adoption, event=self.events,
                                       used_by_others=lambda: self.lanes.used_by_others(served.model_id))
             return Lane(served, adoption, coordinator, offered)
 
         self._offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
         self.lanes = Lanes(lane, self._offers.offered(settings.offered_models()), frozenset(self._offers.withdrawn))
         self.served = self.lanes.primary.served  # the first model's (a single-model mesh's only one)
-        self.control = ControlPlane(settings, self.node_id, self.cluster_id, self.started_at, self.peers,
+        self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at, self.peers,
                                     self.lanes, event=self.events, holders=self._holders)
         self.router = StageRouter(self._stage_server_of, self.scheduler.run_here)
         self.discovery: Discovery | None = None

@@ -11,6 +11,7 @@ from meshnode.config import Settings
 from meshnode.control import plane as plane_module
 from meshnode.control.demand import Use
 from meshnode.control.plane import ControlPlane
+from meshnode.control.settings import ControlSettings
 from meshnode.control.planner.plans import UNLOADED, Plan, Stage
 from meshnode.nodeinfo import NodeInfo
 
@@ -99,7 +100,7 @@ def _mesh(monkeypatch, loaded: dict[str, bool], keep_alive=None, nodes=("a", "b"
     log: list = []
     lanes = Lanes([Lane(m, is_loaded, log) for m, is_loaded in loaded.items()])
     settings = Settings(keep_alive=keep_alive or {"*": 0.0})
-    cp = ControlPlane(settings, "a", "cluster", 0.0, Peers(), lanes, event=lambda *a, **k: None)
+    cp = ControlPlane(ControlSettings.of(settings), "a", "cluster", 0.0, Peers(), lanes, event=lambda *a, **k: None)
     alive = {n: _node(n, tuple(loaded)) for n in nodes}
     return cp, lanes, log, clock, alive
 

@@ -9,12 +9,13 @@ from meshnode.config import Settings
 from meshnode.control.planner.plans import UNLOADED, Plan, Stage
 from meshnode.errors import ApiError
 from meshnode.serving.served import ServedModel
+from meshnode.serving.settings import ServingSettings
 from tests.helpers import LoneMesh
 
 
 def _served(tmp_path) -> ServedModel:
     settings = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache")
-    return ServedModel(settings, "me", scheduler=None, metrics=None, progress=None, mesh=LoneMesh(), auth=None,
+    return ServedModel(ServingSettings.of(settings), "me", scheduler=None, metrics=None, progress=None, mesh=LoneMesh(), auth=None,
                        group_secret=b"", event=lambda *a, **k: None, on_ready=lambda: None)
 
 

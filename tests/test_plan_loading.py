@@ -14,6 +14,7 @@ from meshnode.metrics import NodeMetrics, Progress
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.serving.served import ServedModel
+from meshnode.serving.settings import ServingSettings
 from tests.helpers import LoneMesh
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,7 +26,7 @@ async def _served(tmp_path, model) -> ServedModel:
     async def on_ready():
         return None
 
-    served = ServedModel(settings, "me", scheduler=TokenScheduler(), metrics=NodeMetrics(), progress=Progress(),
+    served = ServedModel(ServingSettings.of(settings), "me", scheduler=TokenScheduler(), metrics=NodeMetrics(), progress=Progress(),
                          mesh=LoneMesh(), auth=None, group_secret=b"", event=lambda *a, **k: None, on_ready=on_ready,
                          model=str(model))
     await served.load({})

@@ -223,9 +223,11 @@ def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept
     prompt was prefilled again)."""
     from types import SimpleNamespace
 
+    from meshnode.config import Settings
     from meshnode.serving.served import prompt_cache
+    from meshnode.serving.settings import ServingSettings
 
-    store, index = prompt_cache(SimpleNamespace(prompt_cache=True, kv_requests=1),
+    store, index = prompt_cache(ServingSettings.of(Settings(kv_requests=1)),
                                 SimpleNamespace(prompt_cache_resumed=lambda n: None), 100)
     layers, system = (0, 4), list(range(1000, 1030))
     turns = [system + list(range(k * 100, k * 100 + 10 * (k + 1))) for k in range(3)]  # 40, 50, 60 positions

@@ -26,6 +26,7 @@ from meshnode.control.planner import NodeSpec, Plan, PlanError, estimate as plan
 from meshnode.control.planner.context import plan_longest_context
 from meshnode.control.planner.plans import UNLOADED
 from meshnode.control.adoption import describe
+from meshnode.control.settings import PlanSettings
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
 
@@ -79,7 +80,7 @@ def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
 
 
 class Coordinator:
-    def __init__(self, settings, node_id: str, peers: "Peers", adoption: "Adoption", *,
+    def __init__(self, settings: PlanSettings, node_id: str, peers: "Peers", adoption: "Adoption", *,
                  event: Callable[..., None], used_by_others: Callable[[], dict[str, int]] = dict):
         """``used_by_others``: bytes each node holds for the other models' plans (meshnode.control.lanes)."""
         self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption

@@ -24,6 +24,7 @@ from meshnode.nodeinfo import NodeInfo
 from meshnode.control.demand import Use
 from meshnode.control.links import LinkStat
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_to_pb
+from meshnode.control.settings import ControlSettings
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeats:
-    def __init__(self, settings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
+    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
                  lanes: "Lanes"):
         self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at
         self.peers, self.lanes = peers, lanes

@@ -23,6 +23,7 @@ from meshnode.control.membership import Membership
 from meshnode.control.planner import LinkSpec
 from meshnode.control.messages import node_to_pb
 from meshnode.control.reachability import Reachability
+from meshnode.control.settings import PeerSettings
 from meshnode.proto import mesh_pb2
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.trust import tls
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class Peers:
-    def __init__(self, settings, node_id: str, auth: ClusterAuth, identity=None):
+    def __init__(self, settings: PeerSettings, node_id: str, auth: ClusterAuth, identity=None):
         self.settings, self.node_id, self.auth, self.tls = settings, node_id, auth, identity
         self.me: NodeInfo | None = None
         self.membership: Membership | None = None  # from start(): it needs this node's own figures

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from meshnode.control.demand import Use, expired, keep_alive_of, total, victim
 from meshnode.control.election import Candidate, choose_coordinator
 from meshnode.control.heartbeats import Heartbeats
+from meshnode.control.settings import ControlSettings
 from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    def __init__(self, settings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
+    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
                  lanes: "Lanes", *, event: Callable[..., None], holders=None):
         """``holders``: opens a search for the peers holding a model (ModelFiles' ``Holders``), for
         the models this node learns of from peers."""

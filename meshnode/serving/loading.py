@@ -13,6 +13,7 @@ from pathlib import Path
 from meshnode.config import TENSOR_PORTS
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
+from meshnode.serving.settings import ServingSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def close_shard(shard) -> None:
         shard.close()
 
 
-def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings, secret: bytes,
+def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings: ServingSettings, secret: bytes,
                   kv_bits: int = 0, model: str = "") -> TensorShard:
     """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
     alive = mesh.alive_infos()

@@ -27,6 +27,7 @@ from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.speculative import Speculation, why_not
 from meshnode.serving.step_batch import StepBatcher, can_batch, stages_batch
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
+from meshnode.serving.settings import PlacementSettings
 from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
                                         refusal_kind)
 
@@ -53,7 +54,7 @@ def head_of(plan) -> str:
 class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
-    def __init__(self, epoch: int, scheduler, handles: list, settings, on_fault: Callable[[str], None], *,
+    def __init__(self, epoch: int, scheduler, handles: list, settings: PlacementSettings, on_fault: Callable[[str], None], *,
                  prefixes=None, tokenizer=None, on_batched_step: Callable[[int], None] | None = None,
                  batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
                  on_spec_costs: Callable[[float, float | None], None] | None = None, draft=None):
@@ -66,7 +67,7 @@ class HeadPlacement:
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
                                  max_chunk=s.prefill_step_size)
-        batched = getattr(s, "batching", False) and batchable(handles)  # the whole model here: one batch
+        batched = s.batching and batchable(handles)  # the whole model here: one batch
         speculation = speculation_for(s, on_speculated, draft, on_spec_costs, batched=batched)
         limit = getattr(getattr(handles[-1], "shard", None), "rewind_limit", (None, ""))
         if speculation is not None and limit[0] == 0:
@@ -85,7 +86,7 @@ class HeadPlacement:
             return
         # Across stages, concurrent requests' decode steps go through the stages together.
         batcher = StepBatcher(handles, on_batched_step) \
-            if batch_steps and stages_batch(getattr(s, "batch_stages", False)) and can_batch(handles) else None
+            if batch_steps and stages_batch(s.batch_stages) and can_batch(handles) else None
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                       prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher,
                                       speculation=speculation)
@@ -115,7 +116,7 @@ class HeadPlacement:
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
 
 
-def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
+def speculation_for(settings: PlacementSettings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
                     on_costs: Callable[[float, float | None], None] | None = None, *,
                     batched: bool = False) -> Speculation | None:
     """A placement's speculative decoding as the settings ask (None: off); ``draft``: the node's
@@ -123,7 +124,7 @@ def speculation_for(settings, on_pass: Callable[[int, int, int, int], None] | No
     ``"auto"``: prompt lookup, unless the placement's requests batch (``batched``: the whole model
     on this node): a lone request speculating there decodes beside the batch, not in it, and one
     that comes while it decodes would take turns with it instead of batching."""
-    mode = getattr(settings, "speculative", "off")
+    mode = settings.speculative
     if mode == "draft_model" and draft is not None:
         drafter = draft.drafter
     elif mode == "prompt_lookup" or (mode == "auto" and not batched):

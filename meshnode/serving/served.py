@@ -29,6 +29,7 @@ from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
 from meshnode.serving.resilience import FailoverSource, NotReady
+from meshnode.serving.settings import ServingSettings
 from meshnode.serving.usage import CountedSource, UseCounter
 from meshnode.transport.hop import HopSession
 from meshnode.transport.stage import RemoteStage, StageServer
@@ -39,7 +40,7 @@ MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
 
 
 class ServedModel:
-    def __init__(self, settings, node_id: str, *, scheduler, metrics, progress, mesh, auth, group_secret: bytes,
+    def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth, group_secret: bytes,
                  event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None, store=None,
                  learned: bool = False):
         """``model``: a folder or an id (None: the demo model); ``store``: the node's held models;
@@ -80,7 +81,7 @@ class ServedModel:
                              metrics=self.metrics)
         # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context)
-        self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.prefill_step_size,
+        self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.placement.prefill_step_size,
                                         max_context=self.context, inject_latency=s.inject_latency_us * 1e-6,
                                         prefixes=self.prefixes)
         loop = self.loop
@@ -298,7 +299,7 @@ class ServedModel:
         placement = self._placements.get(plan.epoch)
         if placement is None:
             if head_of(plan) == self.node_id:
-                placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan), self.settings,
+                placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan), self.settings.placement,
                                           prefixes=self.prefix_index, tokenizer=self.files.tokenizer,
                                           on_fault=self.fault, on_batched_step=self.metrics.batched_step,
                                           on_speculated=self.metrics.speculated,
@@ -338,13 +339,13 @@ def stage_handles(served: "ServedModel", plan) -> list:
     return handles
 
 
-def request_context(plan, settings, profile) -> int:
+def request_context(plan, settings: ServingSettings, profile) -> int:
     if plan is not None and plan.max_context:
         return plan.max_context
     return settings.max_context or (profile.trained_context if profile is not None else 0) or UNKNOWN
 
 
-def prompt_cache(settings, metrics, context: int) -> tuple[PrefixStore | None, PrefixIndex | None]:
+def prompt_cache(settings: ServingSettings, metrics, context: int) -> tuple[PrefixStore | None, PrefixIndex | None]:
     """A node's prompt cache (off: None, None): kept prefixes live in the KV the plan reserves for
     ``kv_requests`` requests of ``context`` positions."""
     if not settings.prompt_cache:

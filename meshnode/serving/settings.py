@@ -1,0 +1,64 @@
+"""The options a served model reads of the node's settings, as typed objects.
+
+The composition root (meshnode.node) builds them from :class:`meshnode.config.Settings`, where
+the options, their defaults and their meaning live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshnode.config import Settings
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """What a generation run on this node reads (meshnode.serving.placements.HeadPlacement)."""
+
+    prefill_step_size: int
+    pipelined_prefill: bool
+    max_step_ms: float
+    batching: bool
+    batch_stages: bool | str
+    speculative: str
+    draft_max: int
+
+    @classmethod
+    def of(cls, s: Settings) -> PlacementSettings:
+        return cls(prefill_step_size=s.prefill_step_size, pipelined_prefill=s.pipelined_prefill,
+                   max_step_ms=s.max_step_ms, batching=s.batching, batch_stages=s.batch_stages,
+                   speculative=s.speculative, draft_max=s.draft_max)
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """What a served model reads (meshnode.serving.served.ServedModel, its loading and placements)."""
+
+    cache_dir: Path
+    max_context: int
+    kv_requests: int
+    prompt_cache: bool
+    max_tokens_limit: int
+    inject_latency_us: float
+    heartbeat_interval: float
+    failure_timeout: float
+    failover_deadline: float
+    load_timeout: float
+    group_ready_timeout: float
+    placement: PlacementSettings
+
+    @classmethod
+    def of(cls, s: Settings) -> ServingSettings:
+        return cls(cache_dir=s.resolved_cache_dir(), max_context=s.max_context, kv_requests=s.kv_requests,
+                   prompt_cache=s.prompt_cache, max_tokens_limit=s.max_tokens_limit,
+                   inject_latency_us=s.inject_latency_us, heartbeat_interval=s.heartbeat_interval,
+                   failure_timeout=s.failure_timeout, failover_deadline=s.failover_deadline,
+                   load_timeout=s.load_timeout, group_ready_timeout=s.group_ready_timeout,
+                   placement=PlacementSettings.of(s))
+
+    def resolved_cache_dir(self) -> Path:
+        """Where models are cached (meshnode.serving.modelfiles.ModelFiles asks so)."""
+        return self.cache_dir
