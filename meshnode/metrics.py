@@ -260,7 +260,7 @@ class EventLog:
     for ``/v1/mesh`` and the dashboard, each also counted in the metrics. Call it with the kind
     and its fields."""
 
-    def __init__(self, metrics: "NodeMetrics", keep: int = 100):
+    def __init__(self, metrics: NodeMetrics, keep: int = 100):
         self.metrics, self.keep = metrics, keep
         self.events: list[dict[str, Any]] = []
 

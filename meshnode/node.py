@@ -27,42 +27,41 @@ from typing import Any
 
 from aiohttp import web
 
-from meshnode import __version__, sysinfo
+from meshnode import __version__, blas, sysinfo
 from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
 from meshnode.api.validation import Limits
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
-from meshnode.errors import ApiError
+from meshnode.control.adoption import Adoption
+from meshnode.control.coordinator import Coordinator
 from meshnode.control.discovery import Discovery, local_addresses
 from meshnode.control.echo import EchoServer
+from meshnode.control.lanes import Lane, Lanes
 from meshnode.control.links import probe_reply
+from meshnode.control.offers import read_offers, write_offers
 from meshnode.control.peers import Peers
 from meshnode.control.plane import ControlPlane
 from meshnode.control.planner import supports_tensor
+from meshnode.control.settings import ControlSettings, PeerSettings, PlanSettings
+from meshnode.errors import ApiError
 from meshnode.identity import cluster_id as derive_cluster_id
-from meshnode import blas
 from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import EventLog, NodeMetrics, Progress
-from meshnode.nodeinfo import NodeInfo
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.model.scheduler import TokenScheduler
-from meshnode.serving.engine import Engine
+from meshnode.nodeinfo import NodeInfo
 from meshnode.serving.drafting import DraftModel
+from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel, plan_status
-from meshnode.control.adoption import Adoption
-from meshnode.control.coordinator import Coordinator
-from meshnode.control.lanes import Lane, Lanes
-from meshnode.control.offers import read_offers, write_offers
-from meshnode.control.settings import ControlSettings, PeerSettings, PlanSettings
 from meshnode.serving.settings import ServingSettings
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.routing import StageRouter, not_served
-from meshnode.weights.store import ModelStore
 from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth
 from meshnode.weights.holdings import holdings_to_json
+from meshnode.weights.store import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ log = logging.getLogger(__name__)
 class Backend:
     """What the HTTP API asks of the node."""
 
-    def __init__(self, node: "Node"):
+    def __init__(self, node: Node):
         self.node = node
         self.metrics = node.metrics
 
@@ -179,8 +178,8 @@ class Node:
         self._offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
         self.lanes = Lanes(lane, self._offers.offered(settings.offered_models()), frozenset(self._offers.withdrawn))
         self.served = self.lanes.primary.served  # the first model's (a single-model mesh's only one)
-        self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at, self.peers,
-                                    self.lanes, event=self.events, holders=self._holders)
+        self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at,
+                                    self.peers, self.lanes, event=self.events, holders=self._holders)
         self.router = StageRouter(self._stage_server_of, self.scheduler.run_here)
         self.discovery: Discovery | None = None
         self.http_port, self.grpc_port = settings.http_port, settings.grpc_port

@@ -95,7 +95,7 @@ class NodeInfo:
 
     @classmethod
     def from_properties(cls, props: Mapping[bytes | str, bytes | str | None],
-                        addresses: Iterable[str]) -> "NodeInfo":
+                        addresses: Iterable[str]) -> NodeInfo:
         """Parse TXT properties; raises ValueError (or TypeError) for anything malformed."""
         text: dict[str, str] = {}
         for k, v in props.items():
@@ -126,7 +126,7 @@ class NodeInfo:
             raise ValueError(f"missing property {exc.args[0]!r}") from None
 
     @classmethod
-    def from_service_info(cls, info, *, quiet: bool = False) -> "NodeInfo | None":
+    def from_service_info(cls, info, *, quiet: bool = False) -> NodeInfo | None:
         """The node an mDNS announcement describes, or None (logged unless ``quiet``) if malformed."""
         try:
             return cls.from_properties(info.properties or {}, info.parsed_addresses())  # IPv4 first: _ordered

@@ -23,10 +23,11 @@ import secrets
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
-from typing import Callable, Sequence, TextIO
+from typing import TextIO
 from xml.sax.saxutils import escape
 
 __all__ = [

@@ -167,7 +167,7 @@ def working_set_limit() -> int | None:
     return int(size) if size else None
 
 
-def memory_budget(settings: "Settings") -> int:
+def memory_budget(settings: Settings) -> int:
     """Bytes this node offers: ``settings.memory_budget`` if set, else fraction x available memory,
     never more than the GPU's recommended working set (a Mac whose model spills out of it pages)."""
     if settings.memory_budget is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
@@ -109,7 +109,7 @@ class RedactedThinkingBlock(_Block):
     type: Literal["redacted_thinking"]
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
                   Field(discriminator="type"), _only(BLOCKS)]
 
 
@@ -196,7 +196,7 @@ class AnthropicRequest(GenerationRequest):
     hide_thinking: bool = False  # thinking.display "omitted": thinking blocks carry no text
 
 
-_TAG = re.compile(r"(content\[\d+\])\.(?:%s)\b" % "|".join(BLOCKS))
+_TAG = re.compile(r"(content\[\d+\])\.(?:" + "|".join(BLOCKS) + r")\b")
 _warned: set[str] = set()
 
 

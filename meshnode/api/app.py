@@ -1,7 +1,7 @@
 """The HTTP app every node serves: middlewares (access log, errors, API key), CORS, and the routes
 of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.responses`, :mod:`meshnode.api.anthropic`,
-:mod:`meshnode.api.ops`) over one core (:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a 4xx/5xx (Anthropic's
-shape on /v1/messages, Ollama's on /api/: meshnode.api.ollama).
+:mod:`meshnode.api.ops`) over one core (:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a
+4xx/5xx (Anthropic's shape on /v1/messages, Ollama's on /api/: meshnode.api.ollama).
 
 Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):
 method, path, status, seconds, and for generations the model and tokens (prompt+completion).
@@ -131,7 +131,8 @@ async def auth_middleware(request: web.Request, handler):
     return await handler(request)
 
 
-def make_app(backend: Backend, settings: ApiSettings = ApiSettings()) -> web.Application:
+def make_app(backend: Backend, settings: ApiSettings | None = None) -> web.Application:
+    settings = ApiSettings() if settings is None else settings
     # aiohttp enforces the body limit itself (413) for reads beyond it.
     middlewares = ([access_middleware] if settings.access_log else []) + [errors_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)

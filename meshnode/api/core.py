@@ -28,8 +28,8 @@ from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
 from meshnode.serving.answer import AnswerShape, ToolCall, initial_state
-from meshnode.serving.grammar import grammar_error, grammar_from_schema
 from meshnode.serving.engine import Delta, Engine, TokenLogprob
+from meshnode.serving.grammar import grammar_error, grammar_from_schema
 from meshnode.serving.sampling import SamplingParams
 from meshnode.tracing import mark
 

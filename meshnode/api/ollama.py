@@ -12,7 +12,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -32,7 +32,7 @@ NEVER = "2999-12-31T23:59:59Z"  # /api/ps expires_at: a mesh keeps its model loa
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 STARTED = _now()  # modified_at of every model: when this node started serving

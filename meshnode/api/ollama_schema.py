@@ -23,9 +23,9 @@ implemented. Of ``options``:
 
 Top level: keep_alive is ignored (a mesh keeps its model loaded); ``format`` ("json" or a JSON
 schema) constrains the answer (meshnode.serving.grammar); ``images``, generate's ``suffix`` and
-``context`` and a ``template`` are refused until implemented; ``think`` takes true or false (levels such as "high" are refused). ``system`` on
-/api/chat is ignored as Ollama ignores it there (Open WebUI copies its system prompt into it
-besides the messages).
+``context`` and a ``template`` are refused until implemented; ``think`` takes true or false
+(levels such as "high" are refused). ``system`` on /api/chat is ignored as Ollama ignores it there
+(Open WebUI copies its system prompt into it besides the messages).
 """
 
 from __future__ import annotations

@@ -32,7 +32,10 @@ class _Envelope:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def wrap(self, choices: list, chunk: bool) -> dict[str, Any]:
-        obj = "text_completion" if self.kind == "completion" else ("chat.completion.chunk" if chunk else "chat.completion")
+        if self.kind == "completion":
+            obj = "text_completion"
+        else:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
         return {"id": self.gen.id, "object": obj, "created": self.created, "model": self.gen.model, "choices": choices}
 
 
@@ -62,7 +65,8 @@ class _ServerSentEvents(_Envelope):
             if piece is not None and piece.reasoning:
                 delta["reasoning_content"] = piece.reasoning
             if piece is not None and piece.tool_calls:
-                delta["tool_calls"] = [dict(_tool_call(c), index=self.calls + i) for i, c in enumerate(piece.tool_calls)]
+                delta["tool_calls"] = [dict(_tool_call(c), index=self.calls + i)
+                                       for i, c in enumerate(piece.tool_calls)]
                 self.calls += len(piece.tool_calls)
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:

@@ -40,8 +40,18 @@ from typing import Any
 from aiohttp import web
 
 from meshnode.api import core
-from meshnode.api.responses_schema import (HOSTED, ITEMS, LOGPROBS, PARTS, ResponsesBody, json_schema, leading_system,
-                                           template_messages, template_tools, tool_choice)
+from meshnode.api.responses_schema import (
+    HOSTED,
+    ITEMS,
+    LOGPROBS,
+    PARTS,
+    ResponsesBody,
+    json_schema,
+    leading_system,
+    template_messages,
+    template_tools,
+    tool_choice,
+)
 from meshnode.api.schema import validate
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
@@ -98,8 +108,9 @@ class ResponsesRequest(GenerationRequest):
     store: bool = True
 
 
-_TAG = re.compile(r"(\])\.(?:%s)\b" % "|".join(  # the types that tag a union's members in pydantic's paths
-    re.escape(t) for t in set(PARTS + ITEMS + HOSTED + ("custom_tool_call_output", "function", "custom", "namespace"))))
+# the types that tag a union's members in pydantic's paths
+_TAGS = set(PARTS + ITEMS + HOSTED + ("custom_tool_call_output", "function", "custom", "namespace"))
+_TAG = re.compile(r"(\])\.(?:" + "|".join(re.escape(t) for t in _TAGS) + r")\b")
 Lookup = Callable[[str], "tuple[dict[str, Any], ...] | None"]
 
 

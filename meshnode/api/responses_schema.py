@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
@@ -112,7 +112,7 @@ class RefusalPart(_Loose):
 
 
 _NOT_TEXT = {k: " (it serves a text model)" for k in ("input_image", "input_file", "input_audio")}
-Part = Annotated[Union[TextPart, RefusalPart], Field(discriminator="type"), _only(PARTS, "content part", _NOT_TEXT)]
+Part = Annotated[TextPart | RefusalPart, Field(discriminator="type"), _only(PARTS, "content part", _NOT_TEXT)]
 Content = Annotated[list[Part], _listed(lambda text: {"type": "input_text", "text": text}, "content parts")]
 
 
@@ -160,7 +160,7 @@ def _message_by_default(value: Any) -> Any:
 
 
 _REFERENCE = {"item_reference": " (send the item itself, or previous_response_id)"}
-Item = Annotated[Union[MessageItem, FunctionCallItem, CustomCallItem, OutputItem, ReasoningItem],
+Item = Annotated[MessageItem | FunctionCallItem | CustomCallItem | OutputItem | ReasoningItem,
                  Field(discriminator="type"), _only(ITEMS, "input item", _REFERENCE),
                  BeforeValidator(_message_by_default)]
 
@@ -195,7 +195,7 @@ class HostedTool(BaseModel):
 
 
 _BUILTIN = {k: " (a model here cannot make its call items; send it as a function tool)" for k in CLIENT_BUILTINS}
-Inner = Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type"),
+Inner = Annotated[FunctionTool | CustomTool, Field(discriminator="type"),
                   _only(("function", "custom"), "tool", _BUILTIN)]
 
 
@@ -206,7 +206,7 @@ class NamespaceTool(Strict):
     tools: list[Inner]
 
 
-Tool = Annotated[Union[FunctionTool, CustomTool, NamespaceTool, HostedTool], Field(discriminator="type"),
+Tool = Annotated[FunctionTool | CustomTool | NamespaceTool | HostedTool, Field(discriminator="type"),
                  _only(("function", "custom", "namespace") + HOSTED, "tool", _BUILTIN)]
 
 

@@ -20,10 +20,11 @@ OpenAI API documents (a wrong type is a 400 naming the field), in one of two lis
   their default value (echo=false, best_of=1, suffix=null, modalities=["text"],
   verbosity="medium"); any other value is refused.
 
-Messages: roles system, developer (given to the template as system), user, assistant and tool; content a string or a list of text
-parts (joined), null only for an assistant; an assistant's tool_calls and a tool result's
-tool_call_id and name go to the chat template. Other keys of a message (reasoning_content...) are
-chat history that clients copy back from earlier answers; they are ignored, not refused.
+Messages: roles system, developer (given to the template as system), user, assistant and tool;
+content a string or a list of text parts (joined), null only for an assistant; an assistant's
+tool_calls and a tool result's tool_call_id and name go to the chat template. Other keys of a
+message (reasoning_content...) are chat history that clients copy back from earlier answers; they
+are ignored, not refused.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from meshnode.control.epochs import EpochState
 from meshnode.control.messages import plan_from_pb
@@ -31,7 +32,7 @@ def describe(plan: Plan) -> str:
 
 
 class Adoption:
-    def __init__(self, served: "ServedModel", *, grace: float, event: Callable[..., None]):
+    def __init__(self, served: ServedModel, *, grace: float, event: Callable[..., None]):
         self.served = served
         # Epoch numbers and the rule that keeps one plan per epoch. Nodes started together hear
         # each other before either publishes (grace).

@@ -15,18 +15,21 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
-from meshnode.nodeinfo import NodeInfo
+from meshnode.control.adoption import describe
 from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
-from meshnode.control.planner import NodeSpec, Plan, PlanError, estimate as plan_estimate, plan as make_plan
+from meshnode.control.planner import NodeSpec, Plan, PlanError
+from meshnode.control.planner import estimate as plan_estimate
+from meshnode.control.planner import plan as make_plan
 from meshnode.control.planner.context import plan_longest_context
 from meshnode.control.planner.plans import UNLOADED
-from meshnode.control.adoption import describe
 from meshnode.control.settings import PlanSettings
+from meshnode.nodeinfo import NodeInfo
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
 
@@ -80,7 +83,7 @@ def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
 
 
 class Coordinator:
-    def __init__(self, settings: PlanSettings, node_id: str, peers: "Peers", adoption: "Adoption", *,
+    def __init__(self, settings: PlanSettings, node_id: str, peers: Peers, adoption: Adoption, *,
                  event: Callable[..., None], used_by_others: Callable[[], dict[str, int]] = dict):
         """``used_by_others``: bytes each node holds for the other models' plans (meshnode.control.lanes)."""
         self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption

@@ -130,7 +130,7 @@ class Discovery:
             try:
                 if self._info is not None:
                     await asyncio.wait_for(await self._zc.async_unregister_service(self._info), 5)
-            except (asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, OSError) as exc:
                 log.debug("mDNS goodbye not sent: %s", exc)
             finally:
                 await self._zc.async_close()
@@ -270,7 +270,7 @@ def _main(argv: list[str] | None = None) -> int:
                     return
                 if len(words) == 2 and words[0] == "budget" and words[1].isdigit():
                     new = replace(disc.me, memory_budget=int(words[1]))
-                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(disc.update(new)))
+                    loop.call_soon_threadsafe(lambda new=new: asyncio.ensure_future(disc.update(new)))
 
         disc: Discovery
 
@@ -286,7 +286,7 @@ def _main(argv: list[str] | None = None) -> int:
              duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
         try:
             await asyncio.wait_for(done.wait(), args.seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         await disc.stop()
         emit("down", peers=sorted(disc.peers()), duplicates={k: sorted(v) for k, v in disc.duplicates.items()})

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshnode.control.adoption import Adoption
@@ -35,9 +36,9 @@ RETRY_S = 30.0  # a peer's model whose files could not be had here is tried agai
 class Lane:
     """One model as this node takes part in serving it."""
 
-    served: "ServedModel"
-    adoption: "Adoption"
-    coordinator: "Coordinator"
+    served: ServedModel
+    adoption: Adoption
+    coordinator: Coordinator
     offered: bool  # this node offers the model (announces it; the mesh serves it for that)
 
     @property

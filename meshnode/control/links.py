@@ -47,7 +47,7 @@ class LinkStat:
                              bandwidth=self.bandwidth, measured_at=self.measured_at, rpc_rtt_us=self.rpc_rtt_us)
 
     @classmethod
-    def from_pb(cls, msg: mesh_pb2.Link) -> "LinkStat":
+    def from_pb(cls, msg: mesh_pb2.Link) -> LinkStat:
         values = (msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.rpc_rtt_us)
         if not all(0 <= v < 1e13 for v in values) or len(msg.peer) > 128 or len(msg.address) > 64:
             raise ValueError("link figures out of range")
@@ -137,7 +137,7 @@ class LinkProber:
                     continue
                 try:
                     self._stats[(peer, address)] = await self.measure(peer, address, port, echo_port)
-                except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, grpc.aio.AioRpcError) as exc:
                     code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "TIMEOUT"
                     log.debug("probing %s at %s failed: %s", peer, address, code)
                     self._stats.pop((peer, address), None)
@@ -161,7 +161,8 @@ class LinkProber:
         return stat.address if stat else None
 
 
-def best_paths(measured: Iterable[tuple[str, LinkStat]], members: Iterable[str]) -> dict[frozenset, tuple[str, LinkStat]]:
+def best_paths(measured: Iterable[tuple[str, LinkStat]],
+               members: Iterable[str]) -> dict[frozenset, tuple[str, LinkStat]]:
     """The fastest measured path between every pair of ``members``, from what each node measured
     ((measuring node, stat) pairs; either end's measurement counts): {frozenset({a, b}): (who
     measured, stat)}. A stat's address belongs to ``stat.peer``."""

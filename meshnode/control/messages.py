@@ -6,11 +6,11 @@ import ipaddress
 import json
 import math
 
-from meshnode.nodeinfo import NodeInfo
 from meshnode.control.planner.plans import UNLOADED, Plan, Stage
+from meshnode.nodeinfo import NodeInfo
+from meshnode.proto import mesh_pb2
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.weights.kvquant import KV_BITS
-from meshnode.proto import mesh_pb2
 
 MAX_ID_LEN = 128
 MAX_FAULTS = 64  # model faults read from one node's info

@@ -24,11 +24,11 @@ class Offers:
         """The models to offer: the configured ones, then the added ones (the first stays first)."""
         return tuple(dict.fromkeys((*configured, *self.added)))
 
-    def add(self, spec: str, model_id: str) -> "Offers":
+    def add(self, spec: str, model_id: str) -> Offers:
         added = self.added if spec in self.added else (*self.added, spec)
         return Offers(added, tuple(m for m in self.withdrawn if m != model_id))
 
-    def remove(self, model_id: str, spec: str | None = None) -> "Offers":
+    def remove(self, model_id: str, spec: str | None = None) -> Offers:
         added = tuple(a for a in self.added if a not in (model_id, spec))
         return Offers(added, self.withdrawn if model_id in self.withdrawn else (*self.withdrawn, model_id))
 

@@ -17,13 +17,13 @@ import grpc
 
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET
 from meshnode.control.browse import Browser
-from meshnode.nodeinfo import NodeInfo
 from meshnode.control.links import LinkProber, LinkStat, best_paths
 from meshnode.control.membership import Membership
-from meshnode.control.planner import LinkSpec
 from meshnode.control.messages import node_to_pb
+from meshnode.control.planner import LinkSpec
 from meshnode.control.reachability import Reachability
 from meshnode.control.settings import PeerSettings
+from meshnode.nodeinfo import NodeInfo
 from meshnode.proto import mesh_pb2
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.trust import tls
@@ -106,7 +106,8 @@ class Peers:
         def candidates():
             found = [(t, self.channel_to(t)) for t in self.static_targets]
             if self.membership is not None:  # a running node: its live peers (a model one of them offers)
-                found[:0] = [(nid, self.channel_to(p.target)) for nid, p in sorted(self.membership.alive_peers().items())
+                found[:0] = [(nid, self.channel_to(p.target))
+                             for nid, p in sorted(self.membership.alive_peers().items())
                              if model_id in p.info.models or any(h[0] == model_id for h in p.info.holdings)]
             for nid, info in (browser.peers() if browser is not None else {}).items():
                 if model_id in info.models and info.addresses:

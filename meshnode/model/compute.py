@@ -70,7 +70,8 @@ def measure_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 
 
 def layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0) -> float:
     """The cached figure for this model on this machine, measuring it the first time."""
-    return _cached(state_dir, _cache_key(model_path), lambda: measure_layer_seconds(model_path, num_layers, layer_bytes),
+    return _cached(state_dir, _cache_key(model_path),
+                   lambda: measure_layer_seconds(model_path, num_layers, layer_bytes),
                    f"one layer of {model_path.name} decodes in %.3f ms here")
 
 
@@ -157,8 +158,8 @@ def step_seconds(wall: float, cpu: float, on_cpu: bool) -> float:
     return min(wall, cpu) if on_cpu and cpu > 0 else wall
 
 
-def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0,
-                                 timeout: float = 120.0, tries: int = 2, cancel: threading.Event | None = None) -> float:
+def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0, timeout: float = 120.0,
+                                 tries: int = 2, cancel: threading.Event | None = None) -> float:
     """Seconds of one decode step of one layer split between two processes on this machine by
     mlx-lm's ``shard()`` over an ``mx.distributed`` ring on loopback: half the layer's compute,
     its two all-reduces, and what sharding does not halve (per-operation costs, which dominate

@@ -33,7 +33,7 @@ class Member(Protocol):
     batch); ``batch`` is the batch holding them (None: its own)."""
 
     cache: list[Any] | None
-    batch: "DecodeBatch | None"
+    batch: DecodeBatch | None
 
 
 def take_back(member: Member) -> None:

@@ -17,10 +17,10 @@ keeps its prefixes.
 from __future__ import annotations
 
 import copy
-from array import array
 import hashlib
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable

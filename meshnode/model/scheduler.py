@@ -285,7 +285,7 @@ class TokenScheduler:
         with self._jobs_lock:
             self._jobs.discard(job)
 
-    def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         """Run ``fn`` on the MLX thread (between tokens) and await its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()

@@ -40,8 +40,8 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -62,13 +62,13 @@ log = logging.getLogger(__name__)
 class _Slot:
     """A request's KV cache in the worker; freeing it tells the worker (at its next command)."""
 
-    def __init__(self, owner: "TensorShard", slot: int):
+    def __init__(self, owner: TensorShard, slot: int):
         self.slot = slot
         self._owner = owner
         self.rewind = 0  # positions the worker drops before this slot's next step (speculative decoding)
         weakref.finalize(self, owner._closed.append, (mesh_pb2.WorkerCommand.CLOSE, slot))
 
-    def keep_as_prefix(self, positions: int) -> tuple["_Kept | None", str]:
+    def keep_as_prefix(self, positions: int) -> tuple[_Kept | None, str]:
         """The prompt cache: the worker keeps this request's KV cut to ``positions`` (every rank its
         share); the handle stands for it (meshnode.model.prefixes.KeptElsewhere)."""
         return self._owner.keep(self, positions)
@@ -77,7 +77,7 @@ class _Slot:
 class _Kept:
     """A prefix kept in the worker; dropping the handle (the store evicting it) tells the worker."""
 
-    def __init__(self, owner: "TensorShard", number: int):
+    def __init__(self, owner: TensorShard, number: int):
         self.number = number
         self.owner = owner
         weakref.finalize(self, owner._closed.append, (mesh_pb2.WorkerCommand.FORGET, number))

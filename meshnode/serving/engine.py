@@ -61,7 +61,7 @@ class TokenSource(Protocol):
 class Engine:
     def __init__(
         self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int,
-        metrics: "NodeMetrics | None" = None,
+        metrics: NodeMetrics | None = None,
     ):
         self.metrics = metrics  # counts tokens, times the first one (meshnode.metrics)
         self.model_id = model_id

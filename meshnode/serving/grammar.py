@@ -22,7 +22,7 @@ import numpy as np
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 _lock = threading.Lock()
-_tokenizers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def grammar_from_schema(schema: dict[str, Any]) -> str:

@@ -19,17 +19,24 @@ import grpc
 from meshnode.errors import ApiError
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
-from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.batching import BatchedSource, batchable
-from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.drafting import TEST_DRAFTS_ENV, PromptLookup, ReferenceDrafter
+from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
+from meshnode.serving.grammar import GrammarError, grammar_error
+from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.serving.sampling import Sampled, SamplingParams
+from meshnode.serving.settings import PlacementSettings
 from meshnode.serving.speculative import Speculation, why_not
 from meshnode.serving.step_batch import StepBatcher, can_batch, stages_batch
-from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
-from meshnode.serving.settings import PlacementSettings
-from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, STAGE_FAULT, StageError, StageFault, StagePending,
-                                        refusal_kind)
+from meshnode.transport.refusals import (
+    EPOCH_PENDING,
+    FAULT,
+    STAGE_FAULT,
+    StageError,
+    StageFault,
+    StagePending,
+    refusal_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +61,9 @@ def head_of(plan) -> str:
 class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
-    def __init__(self, epoch: int, scheduler, handles: list, settings: PlacementSettings, on_fault: Callable[[str], None], *,
-                 prefixes=None, tokenizer=None, on_batched_step: Callable[[int], None] | None = None,
+    def __init__(self, epoch: int, scheduler, handles: list, settings: PlacementSettings,
+                 on_fault: Callable[[str], None], *, prefixes=None, tokenizer=None,
+                 on_batched_step: Callable[[int], None] | None = None,
                  batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
                  on_spec_costs: Callable[[float, float | None], None] | None = None, draft=None):
         """``batch_steps``: concurrent decode steps may go through the stages together (every stage a

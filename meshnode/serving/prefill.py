@@ -129,9 +129,9 @@ def pipelined_prefill(
     tokens: Sequence[int],
     sizer: ChunkSizer,
     *,
-    wait: "WaitFn | None" = None,
+    wait: WaitFn | None = None,
     between_steps=None,
-    on_cut: "Callable[[int], None] | None" = None,
+    on_cut: Callable[[int], None] | None = None,
 ) -> int:
     """Fill every stage's cache with ``tokens``; returns the number of chunks sent.
 

@@ -16,18 +16,19 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from meshnode.control.planner.context import UNKNOWN
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
-from meshnode.serving.promptcache import PrefixIndex
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import LocalStage
 from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
+from meshnode.serving.promptcache import PrefixIndex
 from meshnode.serving.resilience import FailoverSource, NotReady
 from meshnode.serving.settings import ServingSettings
 from meshnode.serving.usage import CountedSource, UseCounter
@@ -40,9 +41,9 @@ MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
 
 
 class ServedModel:
-    def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth, group_secret: bytes,
-                 event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None, store=None,
-                 learned: bool = False):
+    def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth,
+                 group_secret: bytes, event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None,
+                 store=None, learned: bool = False):
         """``model``: a folder or an id (None: the demo model); ``store``: the node's held models;
         ``learned``: a model a peer offers, not this node (its files come from peers)."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
@@ -81,9 +82,9 @@ class ServedModel:
                              metrics=self.metrics)
         # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context)
-        self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size, max_chunk=s.placement.prefill_step_size,
-                                        max_context=self.context, inject_latency=s.inject_latency_us * 1e-6,
-                                        prefixes=self.prefixes)
+        self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size,
+                                        max_chunk=s.placement.prefill_step_size, max_context=self.context,
+                                        inject_latency=s.inject_latency_us * 1e-6, prefixes=self.prefixes)
         loop = self.loop
         self.stage_server.on_fault = lambda error: loop.call_soon_threadsafe(self.fault, error)
 
@@ -299,9 +300,10 @@ class ServedModel:
         placement = self._placements.get(plan.epoch)
         if placement is None:
             if head_of(plan) == self.node_id:
-                placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan), self.settings.placement,
-                                          prefixes=self.prefix_index, tokenizer=self.files.tokenizer,
-                                          on_fault=self.fault, on_batched_step=self.metrics.batched_step,
+                placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan),
+                                          self.settings.placement, prefixes=self.prefix_index,
+                                          tokenizer=self.files.tokenizer, on_fault=self.fault,
+                                          on_batched_step=self.metrics.batched_step,
                                           on_speculated=self.metrics.speculated,
                                           on_spec_costs=self.metrics.pass_costs, draft=self.draft,
                                           batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
@@ -315,7 +317,7 @@ class ServedModel:
 
 
 
-def stage_handles(served: "ServedModel", plan) -> list:
+def stage_handles(served: ServedModel, plan) -> list:
     """Each stage of ``plan`` as this node reaches it: its own shard, or a peer over the network."""
     handles = []
     for stage in plan.stages:

@@ -33,6 +33,7 @@ from meshnode.serving.sampler import make_indexed_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
 from meshnode.tracing import mark
 
+
 @dataclass
 class Speculation:
     """What a placement gives its requests to speculate with."""
@@ -112,7 +113,8 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                         # A pause: its steps built ahead, as generate_step does.
                         # It stops building ahead once the step in flight is the pause's last
                         # (found() may end it early) or others decode.
-                        for y, logprobs in _plain_run(model, cache, y, min(length.plain_left, max_tokens - n),
+                        last = y
+                        for y, logprobs in _plain_run(model, cache, last, min(length.plain_left, max_tokens - n),
                                                       greedy, sample, params.offset + n,
                                                       lambda: others() or length.plain_left <= 1):
                             length.observe(0, 0)

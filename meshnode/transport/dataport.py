@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
-from meshnode.trust.auth import HEADER_MAC, HEADER_NODE, HEADER_NONCE, HEADER_TS, ClusterAuth
 from meshnode.model.wire import LENGTH, MAX_TENSOR_BYTES
-from meshnode.transport.listener import ThreadedListener, recv_exact
 from meshnode.proto import mesh_pb2
+from meshnode.transport.listener import ThreadedListener, recv_exact
+from meshnode.trust.auth import HEADER_MAC, HEADER_NODE, HEADER_NONCE, HEADER_TS, ClusterAuth
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -33,7 +34,7 @@ def not_served(model: str) -> StageRefusal:
 class StageRouter:
     """The node's stage servers by model, for gRPC Forward streams and data-port streams."""
 
-    def __init__(self, server_of: Callable[[str], "StageServer | None"], run_here):
+    def __init__(self, server_of: Callable[[str], StageServer | None], run_here):
         self._server_of, self._run_here = server_of, run_here
 
     async def forward(self, requests: AsyncIterator[mesh_pb2.ForwardRequest],

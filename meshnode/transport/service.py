@@ -9,8 +9,9 @@ model store, Probe answered here (the link prober on the other side times it).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 

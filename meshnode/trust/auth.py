@@ -247,7 +247,7 @@ class ClusterAuth:
         log.warning("refused %s from %s: %s", what, host, reason)
 
     # ------------------------------------------------------------------ interceptors
-    def server_interceptor(self) -> "AuthServerInterceptor":
+    def server_interceptor(self) -> AuthServerInterceptor:
         return AuthServerInterceptor(self)
 
     def client_interceptors(self, node_id: str) -> list:
@@ -360,7 +360,7 @@ class SignedChannel:
     async def close(self, grace: float | None = None) -> None:
         await self._channel.close(grace)
 
-    async def __aenter__(self) -> "SignedChannel":
+    async def __aenter__(self) -> SignedChannel:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -64,8 +64,8 @@ __all__ = ["TlsIdentity", "derive_identity", "server_credentials", "channel_cred
 
 LABEL = b"meshnode grpc tls v1"
 SERVER_NAME = "mesh.meshnode.invalid"  # the certificate's only name; never resolved
-_NOT_BEFORE = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
-_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc)
+_NOT_BEFORE = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC)
 # Order of the P-256 group.
 _P256_N = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 

@@ -163,7 +163,7 @@ class Download:
                     while True:
                         try:
                             chunk = await asyncio.wait_for(call.read(), self.chunk_timeout)
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             raise ItemFailed(f"no data for {self.chunk_timeout:g} s", peer_dead=True) from None
                         if absorbing is not None:
                             await absorbing
@@ -212,7 +212,7 @@ class Download:
             if self.closing and not self.verified:
                 return
 
-    def _make_durable(self, batch: list["DownloadItem"]) -> None:
+    def _make_durable(self, batch: list[DownloadItem]) -> None:
         if self.journal.closed:  # the transfer was cancelled meanwhile: the next call re-verifies
             return
         for out in dict.fromkeys(self.partial / it.out for it in batch):

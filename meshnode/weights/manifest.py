@@ -20,16 +20,23 @@ import hashlib
 import json
 import os
 import re
-from pathlib import Path, PurePosixPath
 from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from google.protobuf import json_format
 
-from meshnode.weights.splits import config_value, text_config
-from meshnode.weights.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
-                                       weight_files)
 from meshnode.proto import mesh_pb2
+from meshnode.weights.splits import config_value, text_config
+from meshnode.weights.weightfiles import (
+    DTYPE_BYTES,
+    EMBED_KEY,
+    HEAD_KEY,
+    LAYER_KEY,
+    SKIP_KEY,
+    read_safetensors_header,
+    weight_files,
+)
 
 __all__ = ["CACHE_NAME", "PARTIAL_MARKER", "INDEX_NAME", "build_manifest", "tensors_for_layers", "layers_held",
            "validate_manifest", "model_digest", "safe_relpath", "is_weight_file", "num_layers_of",

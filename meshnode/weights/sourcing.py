@@ -20,12 +20,19 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meshnode.weights.holdings import Holding
-from meshnode.weights.manifest import (PARTIAL_MARKER, cached_folders, layers_held, manifest_to_dict, model_digest,
-                                    num_layers_of, read_marker)
-from meshnode.weights.store import ModelStore
-from meshnode.weights.transfer import DiskSpaceError, FetchError, free_bytes, fetch_layers, fetch_metadata
 from meshnode.proto import mesh_pb2
+from meshnode.weights.holdings import Holding
+from meshnode.weights.manifest import (
+    PARTIAL_MARKER,
+    cached_folders,
+    layers_held,
+    manifest_to_dict,
+    model_digest,
+    num_layers_of,
+    read_marker,
+)
+from meshnode.weights.store import ModelStore
+from meshnode.weights.transfer import DiskSpaceError, FetchError, fetch_layers, fetch_metadata, free_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,17 @@ from pathlib import Path
 
 import grpc
 
-from meshnode.weights.manifest import (build_manifest, cached_folders, is_weight_file, layers_held,
-                                       manifest_from_dict, read_marker, safe_relpath)
-from meshnode.weights.weightfiles import read_safetensors_header, weight_files
 from meshnode.proto import mesh_pb2
+from meshnode.weights.manifest import (
+    build_manifest,
+    cached_folders,
+    is_weight_file,
+    layers_held,
+    manifest_from_dict,
+    read_marker,
+    safe_relpath,
+)
+from meshnode.weights.weightfiles import read_safetensors_header, weight_files
 
 __all__ = ["CHUNK", "ModelStore"]
 

@@ -32,11 +32,19 @@ from pathlib import Path
 
 import grpc
 
-from meshnode.weights.manifest import (INDEX_NAME, PARTIAL_MARKER, is_weight_file, manifest_to_dict, num_layers_of,
-                                       read_marker, tensors_for_layers, validate_manifest)
 from meshnode.durable import fsync_dir
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.download import JOURNAL, DiskSpaceError, Download, DownloadItem, FetchError, hash_range
+from meshnode.weights.manifest import (
+    INDEX_NAME,
+    PARTIAL_MARKER,
+    is_weight_file,
+    manifest_to_dict,
+    num_layers_of,
+    read_marker,
+    tensors_for_layers,
+    validate_manifest,
+)
 
 __all__ = ["fetch_layers", "fetch_metadata", "FetchResult", "FetchError", "DiskSpaceError", "tty_progress"]
 

@@ -58,8 +58,8 @@ Cost model (seconds per token; decode is memory-bound, so compute scales with we
 * Links: ``links[(a, b)]`` (either order); an unmeasured pair is assumed ``DEFAULT_LINK`` (1 ms RTT,
   100 MB/s) and the reason says so; a link's ``overhead_s`` (the RPC stack's round trip, which a
   ring collective does not pay) adds half of itself to each pipeline hop; ``link_latency_s``
-  replaces every one-way latency (benchmarks that inject latency per message). Every estimate is linear in that latency, which is how
-  :func:`crossover_latency` finds where tensor stops paying.
+  replaces every one-way latency (benchmarks that inject latency per message). Every estimate is
+  linear in that latency, which is how :func:`crossover_latency` finds where tensor stops paying.
 
 Memory of a group member holding layers [s, e): 1/g of the layers' weights and KV cache, all of
 their norms (and MoE routers: replicated by ``shard``), and the embedding / norm / head whole
@@ -82,8 +82,14 @@ partition of every subset into legal groups in every order up to ``EXACT_GROUP_N
 beyond, the nodes by budget and by speed cut into consecutive groups of g, in both directions.
 """
 
-from meshnode.control.planner.cost import (DEFAULT_LINK, FAST_RTT_S, TENSOR_FAMILIES, group_size_problem,
-                                           supports_tensor, tensor_parallel_problem)
+from meshnode.control.planner.cost import (
+                                           DEFAULT_LINK,
+                                           FAST_RTT_S,
+                                           TENSOR_FAMILIES,
+                                           group_size_problem,
+                                           supports_tensor,
+                                           tensor_parallel_problem,
+)
 from meshnode.control.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, human_bytes
 from meshnode.control.planner.search import bytes_to_fetch, crossover_latency, estimate, plan
 

@@ -50,7 +50,8 @@ def group_size_problem(profile: ModelProfile, g: int) -> str | None:
     family = tensor_parallel_problem(profile)
     if family:
         return family
-    dims = [(profile.num_heads, f"{profile.num_heads} heads"), (profile.num_kv_heads, f"{profile.num_kv_heads} kv heads"),
+    dims = [(profile.num_heads, f"{profile.num_heads} heads"),
+            (profile.num_kv_heads, f"{profile.num_kv_heads} kv heads"),
             (profile.intermediate_size, f"the intermediate size {profile.intermediate_size}")]
     if profile.moe_intermediate_size:
         dims.append((profile.moe_intermediate_size, f"the expert intermediate size {profile.moe_intermediate_size}"))

@@ -71,7 +71,7 @@ class Plan:
     def stage_of(self, node_id: str) -> Stage | None:
         return next((s for s in self.stages if node_id in s.nodes), None)
 
-    def with_epoch(self, epoch: int) -> "Plan":
+    def with_epoch(self, epoch: int) -> Plan:
         return replace(self, epoch=epoch)
 
     def check(self, num_layers: int) -> None:
@@ -96,7 +96,7 @@ class Plan:
                            for s in self.stages]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         stages = tuple(Stage(int(s["start_layer"]), int(s["end_layer"]), tuple(str(n) for n in s["nodes"]),
                              int(s.get("bytes", 0)), tuple(str(a) for a in s.get("endpoints") or ()))
                        for s in d["stages"])

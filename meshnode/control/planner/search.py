@@ -7,11 +7,29 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from meshnode.control.planner.cost import (DEFAULT_LINK, FAST_RTT_S, CostModel, group_size_problem, kind_of,
-                                           supports_tensor, tensor_parallel_problem, tps_text, units_summary, us_text)
+from meshnode.control.planner.cost import (
+    DEFAULT_LINK,
+    FAST_RTT_S,
+    CostModel,
+    group_size_problem,
+    kind_of,
+    supports_tensor,
+    tensor_parallel_problem,
+    tps_text,
+    units_summary,
+    us_text,
+)
 from meshnode.control.planner.memory import fitting_order, memory_plan, why_not
-from meshnode.control.planner.plans import (STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, describe_context,
-                                            human_bytes)
+from meshnode.control.planner.plans import (
+    STRATEGIES,
+    LinkSpec,
+    NodeSpec,
+    Plan,
+    PlanError,
+    Stage,
+    describe_context,
+    human_bytes,
+)
 from meshnode.weights.kvquant import KV_GROUP_SIZE
 from meshnode.weights.profile import ModelProfile
 
