@@ -9,11 +9,11 @@ import pytest
 
 from meshnode.config import Settings
 from meshnode.control import plane as plane_module
-from meshnode.control.demand import Use
 from meshnode.control.plane import ControlPlane
-from meshnode.control.settings import ControlSettings
 from meshnode.control.planner.plans import UNLOADED, Plan, Stage
+from meshnode.control.settings import ControlSettings
 from meshnode.nodeinfo import NodeInfo
+from meshnode.serving.usage import Use
 
 
 class Clock:

@@ -9,26 +9,14 @@ that no request is using, and places the wanted one in the room freed. Like Olla
 needs the room (0: kept until room is needed).
 
 Every node counts the requests that came to it for each model and announces the counts in its
-heartbeats (:class:`Use`); the coordinator adds them up. Pure: no clock, no I/O.
+heartbeats (:class:`meshnode.serving.usage.Use`); the coordinator adds them up. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Use:
-    """Requests for one model: at one node, or added up over the mesh."""
-
-    last_used: float = 0.0  # unix time the last request started or ended (0: never)
-    active: int = 0  # generating now
-    waiting: int = 0  # waiting for the model to be loaded
-
-    @property
-    def idle(self) -> bool:
-        return self.active == 0 and self.waiting == 0
+from meshnode.serving.usage import Use
 
 
 def total(uses: Iterable[Use]) -> Use:

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from meshnode.nodeinfo import NodeInfo
-from meshnode.control.demand import Use
 from meshnode.control.links import LinkStat
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_to_pb
 from meshnode.control.settings import ControlSettings
+from meshnode.nodeinfo import NodeInfo
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.serving.usage import Use
 
 if TYPE_CHECKING:
     from meshnode.control.lanes import Lanes
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeats:
-    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
-                 lanes: "Lanes"):
+    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
+                 lanes: Lanes):
         self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at
         self.peers, self.lanes = peers, lanes
         self.coordinator: str | None = None  # who this node thinks coordinates (set by the control loop)
@@ -103,7 +103,8 @@ class Heartbeats:
                 k = node_from_pb(known)
             except ValueError:
                 continue
-            if k.cluster_id == self.cluster_id and k.node_id != self.node_id and k.node_id not in peers.membership.peers:
+            if (k.cluster_id == self.cluster_id and k.node_id != self.node_id
+                    and k.node_id not in peers.membership.peers):
                 peers.membership.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
 
     async def say_goodbye(self, target: str) -> None:

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshnode.control.demand import Use
 from meshnode.nodeinfo import NodeInfo
+from meshnode.serving.usage import Use
 
 log = logging.getLogger(__name__)
 

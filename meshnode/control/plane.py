@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from meshnode.control.demand import Use, expired, keep_alive_of, total, victim
+from meshnode.control.demand import expired, keep_alive_of, total, victim
 from meshnode.control.election import Candidate, choose_coordinator
 from meshnode.control.heartbeats import Heartbeats
 from meshnode.control.settings import ControlSettings
 from meshnode.proto import mesh_pb2
+from meshnode.serving.usage import Use
 
 if TYPE_CHECKING:
     from meshnode.control.lanes import Lanes
@@ -29,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: "Peers",
-                 lanes: "Lanes", *, event: Callable[..., None], holders=None):
+    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
+                 lanes: Lanes, *, event: Callable[..., None], holders=None):
         """``holders``: opens a search for the peers holding a model (ModelFiles' ``Holders``), for
         the models this node learns of from peers."""
         self.settings, self.node_id, self.peers, self.lanes = settings, node_id, peers, lanes

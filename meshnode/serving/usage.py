@@ -8,8 +8,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
-from meshnode.control.demand import Use
 from meshnode.serving.resilience import PlacementLost
 
 log = logging.getLogger(__name__)
@@ -17,8 +17,21 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
+@dataclass(frozen=True)
+class Use:
+    """Requests for one model: at one node, or added up over the mesh."""
+
+    last_used: float = 0.0  # unix time the last request started or ended (0: never)
+    active: int = 0  # generating now
+    waiting: int = 0  # waiting for the model to be loaded
+
+    @property
+    def idle(self) -> bool:
+        return self.active == 0 and self.waiting == 0
+
+
 class UseCounter:
-    """What :class:`meshnode.control.demand.Use` says of this node's requests for one model."""
+    """What :class:`Use` says of this node's requests for one model."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self.active = self.waiting = 0
