@@ -1,4 +1,4 @@
-"""Benchmarks: figures and ratios against mlx-lm measured in the same run (README, "Benchmarks")."""
+"""Benchmarks: figures and ratios against mlx-lm measured in the same run (docs/benchmarks.md)."""
 
 # meshnode first, so that mlx-lm in a benchmark's own process computes on the BLAS its nodes use
 # (meshnode.blas: OpenBLAS where the system has it, unless MESHNODE_BLAS says otherwise).

@@ -13,7 +13,7 @@ Every request ends as one of:
 - explicit 503: a 503 with Retry-After, or a stream that ends with an error event, while the
   capacity was gone (what a client retries);
 - node down: the connection to the node the client talked to was refused or dropped while that
-  node was killed or restarting (the README says so: a client's own node is its single point);
+  node was killed or restarting (docs/failover.md says so: a client's own node is its single point);
 - lost (a connection dropped by a node that was not faulted, a stream cut short without an error
   event, or a wrong text), hung (no answer within 120 s), HTTP 500.
 Lost, hung and 500 must be 0; the script exits 1 otherwise.

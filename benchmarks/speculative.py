@@ -53,7 +53,7 @@ from meshnode.serving.drafting import reference_guess  # noqa: E402
 
 PS = (0.0, 0.5, 0.8, 1.0)
 # changes to the bench model: "1b" is a model whose step a GPU's compute, not its launches, dominates
-# (float32 as the bench model, where rounding seldom flips a greedy token; on a GPU it still can: README)
+# (float32 as the bench model, where rounding seldom flips a greedy token; on a GPU it still can: docs/speculative.md)
 SIZES = {"bench": {}, "1b": dict(num_layers=24, hidden_size=2048, intermediate_size=5632, num_heads=16,
                                  num_kv_heads=8),
          # a step of about a millisecond on a CPU, as a GPU's: what the machinery adds per step shows

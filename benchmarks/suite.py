@@ -30,7 +30,7 @@ in this process. Figures:
 - failover stall (benchmarks/failover.py) and tensor vs pipeline at injected latencies
   (benchmarks/tensor.py), run as they are and their JSON taken in.
 
-Writes ``suite.json`` and ``suite.md`` (the table the README shows) into ``--out``. Needs root.
+Writes ``suite.json`` and ``suite.md`` (the table docs/benchmarks.md shows) into ``--out``. Needs root.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Issue 10: nothing lost under churn. benchmarks/soak.py for 5 minutes on 5 namespace hosts:
 3 clients (greedy and seeded sampling, streamed or not) while kill -9 + restart, SIGSTOP/SIGCONT,
 link down/up, partition/heal and service restarts hit random nodes, the coordinator included.
-The hour-long run's figures are in the README."""
+The hour-long run's figures are in docs/benchmarks.md."""
 
 from __future__ import annotations
 
