@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--config", metavar="FILE", type=Path, help="TOML config file (default: $MESHNODE_CONFIG)")
     run.add_argument("--model", metavar="M", action="append",
-                     help="local mlx-lm model directory or Hugging Face id (default: demo); repeatable: the "
-                          "first is `model`, the others `models` (several models on one mesh)")
+                     help="local mlx-lm model directory, GGUF file, ollama:NAME[:TAG] or Hugging Face id "
+                          "(default: demo); repeatable: the first is `model`, the others `models` (several "
+                          "models on one mesh)")
     run.add_argument("--host", metavar="ADDR", help="bind address for HTTP and gRPC (default 0.0.0.0)")
     run.add_argument("--http-port", metavar="N", help="HTTP API port (default 8470)")
     run.add_argument("--grpc-port", metavar="N", help="gRPC port for peers (default 8471)")

@@ -20,6 +20,7 @@ from typing import Any
 from mlx_lm.utils import load_config, load_tokenizer
 
 from meshnode.weights.holdings import Holding
+from meshnode.weights.gguf_source import is_gguf_spec
 from meshnode.weights.manifest import read_marker
 from meshnode.weights.modelsource import ModelNotFound, resolve_model
 from meshnode.weights.profile import ModelProfile, profile_model
@@ -60,9 +61,14 @@ class ModelFiles:
         try:
             if self._learned:  # not a folder here, nor a Hub download: the peers that offer it have it
                 raise ModelNotFound(f"model {self.spec} is offered by a peer")
-            self.model_id, self.path = await asyncio.to_thread(resolve_model, self.spec, cache_dir)
+            try:
+                self.model_id, self.path = await asyncio.to_thread(resolve_model, self.spec, cache_dir,
+                                                                   self.progress.update)
+            finally:
+                self.progress.finish()
         except ModelNotFound as exc:  # not on this disk: from a folder fetched earlier, or from peers
-            if not self._learned and (not self.spec or Path(self.spec).expanduser().is_absolute()):
+            if not self._learned and (not self.spec or is_gguf_spec(self.spec)
+                                      or Path(self.spec).expanduser().is_absolute()):
                 raise
             self.model_id = self.spec
             self.path = cached_metadata(peer_models, self.model_id) or await self._from_peers(

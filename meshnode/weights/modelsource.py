@@ -1,22 +1,28 @@
-"""Where a node's model files come from: the built-in demo, a local directory, or the Hub."""
+"""Where a node's model files come from: the built-in demo, a local directory, a GGUF file, or the Hub."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from meshnode.config import default_cache_dir
+from meshnode.weights.gguf_source import is_gguf_spec, resolve_gguf
 
 log = logging.getLogger(__name__)
-
 
 
 class ModelNotFound(RuntimeError):
     pass
 
 
-def resolve_model(spec: str | None, cache_dir: Path | None = None) -> tuple[str, Path]:
+def resolve_model(spec: str | None, cache_dir: Path | None = None,
+                  progress: Callable[[str, int, int], None] | None = None) -> tuple[str, Path]:
     """(model id, local directory) for a configured model; ``None`` means the demo model.
+
+    A GGUF file (a path, or ``ollama:<name>[:<tag>]`` for a model Ollama pulled) is converted once
+    into an mlx-lm folder in the cache (:mod:`meshnode.weights.gguf_source`; ``progress(task, done,
+    total)`` while it hashes and converts), and its model id is derived from the file's content.
 
     For a Hugging Face id the directory holds no weights: only the small files (config, tokenizer,
     chat template, index) and a marker with the whole model's manifest read from the weight files'
@@ -27,6 +33,13 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> tuple[str,
         from meshnode.demo import DEMO_MODEL_ID, ensure_demo_model
 
         return DEMO_MODEL_ID, ensure_demo_model(cache_dir / "models" if cache_dir else None)
+    if is_gguf_spec(spec):
+        from meshnode.weights.gguf_tensors import UnsupportedGGUF
+
+        try:
+            return resolve_gguf(spec, cache_dir if cache_dir is not None else default_cache_dir(), progress)
+        except (FileNotFoundError, UnsupportedGGUF) as exc:
+            raise ModelNotFound(f"model {spec!r}: {exc}") from exc
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

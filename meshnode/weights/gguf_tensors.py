@@ -1,0 +1,222 @@
+"""A GGUF file's tensors as mlx-lm weights, one tensor at a time.
+
+Q4_0, Q4_1 and Q8_0 blocks are MLX's affine quantization with groups of 32 already (a float16 scale
+and offset per block), so their bits are repacked unchanged. Every other quantized type (the
+K-quants, IQ types, Q5_x) is dequantized with the ``gguf`` package and quantized again with MLX's
+own affine quantization at the nearest bit width. Float tensors keep their dtype.
+
+Names come from the ``gguf`` package's map of Hugging Face names to GGUF names, applied to the
+parameter names of the mlx-lm model the config describes (built lazily: nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor, get_tensor_name_map, quants
+from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
+
+GROUP_SIZE = 32
+Q = GGMLQuantizationType
+# Kept bit for bit: (bits, bytes per 32-value block).
+KEPT = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
+# Dequantized and quantized again with MLX at this many bits.
+REQUANTIZED = {
+    Q.Q2_K: 3, Q.Q3_K: 3, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_K: 8, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_1: 8,
+    Q.IQ1_S: 2, Q.IQ1_M: 2, Q.IQ2_XXS: 2, Q.IQ2_XS: 2, Q.IQ2_S: 2, Q.IQ3_XXS: 3, Q.IQ3_S: 3,
+    Q.IQ4_NL: 4, Q.IQ4_XS: 4, Q.TQ1_0: 2, Q.TQ2_0: 2,
+}
+FLOATS = {Q.F32: mx.float32, Q.F16: mx.float16, Q.BF16: mx.bfloat16}
+# Tensors llama.cpp writes that mlx-lm computes itself.
+DERIVED = re.compile(r"^rope_freqs\.weight$|\.attn_rot_embd$")
+_SAFE_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
+
+
+class UnsupportedGGUF(ValueError):
+    """A GGUF this node cannot serve: the message names the architecture, tensor or type."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One output tensor: its mlx-lm name, dtype, shape, and how to compute it."""
+
+    name: str
+    dtype: mx.Dtype
+    shape: tuple[int, ...]
+    make: Callable[[], mx.array]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.size
+
+
+def arch_of(name: str) -> MODEL_ARCH:
+    for arch, arch_name in MODEL_ARCH_NAMES.items():
+        if arch_name == name:
+            return arch
+    raise UnsupportedGGUF(f"GGUF architecture {name!r} is unknown to the gguf package")
+
+
+def gguf_names(param_names: list[str], arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> mlx-lm parameter name, for every parameter the map knows."""
+    table = get_tensor_name_map(arch_of(arch), num_layers)
+    out: dict[str, str] = {}
+    for name in param_names:
+        module, _, suffix = name.rpartition(".")
+        for candidate in _spellings(module):
+            found = table.get_name(candidate)
+            if found is not None:
+                out[f"{found}.{suffix}"] = name
+                break
+    return out
+
+
+def _spellings(module: str) -> Iterator[str]:
+    """The Hugging Face spellings of an mlx-lm module: mlx-lm stacks experts as ``switch_mlp``."""
+    yield module
+    if ".switch_mlp." in module:
+        stacked = module.replace(".switch_mlp.", ".experts.")
+        yield stacked
+        for mine, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+            if stacked.endswith(mine):
+                yield stacked[: -len(mine)] + theirs
+
+
+def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of a llama q/k projection's rows (written for its interleaved
+    rope), so mlx-lm's default rope applies; works on packed rows, scales and offsets alike."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned ``bits``-bit values (rows, cols) packed as MLX does: 32 // bits to a uint32, lowest first."""
+    per = 32 // bits
+    v = values.astype(np.uint32).reshape(values.shape[0], -1, per)
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
+    return np.bitwise_or.reduce(v << shifts, axis=2)
+
+
+def repack(t: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed uint32, scales float16, offsets float16) of a Q4_0, Q4_1 or Q8_0 tensor, exactly."""
+    raw = np.asarray(t.data)
+    rows = int(np.prod(raw.shape[:-1]))
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    blocks = raw.reshape(rows, -1, size)
+    scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    if t.tensor_type == Q.Q8_0:  # w = d * q, q int8
+        q = blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128
+        offset = (scale.astype(np.float32) * -128).astype(np.float16)
+        packed = _pack(q.reshape(rows, -1), 8)
+    else:  # w = d * q + m (Q4_1), or d * (q - 8) (Q4_0); q in 16 bytes, low nibbles first
+        start = 4 if t.tensor_type == Q.Q4_1 else 2
+        offset = (blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if t.tensor_type == Q.Q4_1
+                  else (scale.astype(np.float32) * -8).astype(np.float16))
+        qs = blocks[:, :, start:start + 16]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+        packed = _pack(q.reshape(rows, -1), 4)
+    lead = raw.shape[:-1]
+    return (packed.reshape(*lead, -1), scale.reshape(*lead, -1), offset.reshape(*lead, -1))
+
+
+def plan_tensor(t: ReaderTensor, name: str, unpermute: int = 0) -> list[Planned]:
+    """The mlx-lm tensors for GGUF tensor ``t`` named ``name`` (``.weight``, or a bias); quantized
+    weights give ``.weight``, ``.scales`` and ``.biases``. ``unpermute``: heads to un-permute rows by."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    fix = (lambda a: unpermute_rows(a, unpermute)) if unpermute else (lambda a: a)
+    qtype = t.tensor_type
+    base = name[: -len(".weight")] if name.endswith(".weight") else None
+    if qtype in FLOATS:
+        dtype = FLOATS[qtype]
+
+        def make_float() -> mx.array:
+            data = np.asarray(t.data)
+            if qtype == Q.BF16:
+                return mx.array(fix(data.view(np.uint16).reshape(shape))).view(mx.bfloat16)
+            return mx.array(fix(data.reshape(shape)))
+        return [Planned(name, dtype, shape, make_float)]
+    if base is None or shape[-1] % GROUP_SIZE:
+        if qtype not in REQUANTIZED and qtype not in KEPT:
+            raise UnsupportedGGUF(f"tensor {t.name}: GGUF type {qtype.name} is not supported")
+        return [Planned(name, mx.float16, shape,
+                        lambda: mx.array(fix(quants.dequantize(np.asarray(t.data), qtype)).astype(np.float16)))]
+    if qtype in KEPT:
+        bits = KEPT[qtype]
+        parts: dict[str, Any] = {}
+
+        def part(i: int) -> Callable[[], mx.array]:
+            def make() -> mx.array:
+                if "v" not in parts:
+                    parts["v"] = tuple(fix(a) for a in repack(t))
+                return mx.array(parts["v"][i]) if i < 2 else mx.array(parts.pop("v")[i])
+            return make
+    elif qtype in REQUANTIZED:
+        bits = REQUANTIZED[qtype]
+        parts = {}
+
+        def part(i: int) -> Callable[[], mx.array]:
+            def make() -> mx.array:
+                if "v" not in parts:
+                    w = mx.array(fix(quants.dequantize(np.asarray(t.data), qtype).astype(np.float32)))
+                    parts["v"] = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
+                    mx.eval(parts["v"])
+                    parts["v"] = tuple(a.astype(mx.float16) if a.dtype != mx.uint32 else a for a in parts["v"])
+                return parts["v"][i] if i < 2 else parts.pop("v")[i]
+            return make
+    else:
+        raise UnsupportedGGUF(f"tensor {t.name}: GGUF type {qtype.name} is not supported")
+    lead, cols = shape[:-1], shape[-1]
+    packed = (*lead, cols * bits // 32)
+    grouped = (*lead, cols // GROUP_SIZE)
+    return [Planned(f"{base}.weight", mx.uint32, packed, part(0)),
+            Planned(f"{base}.scales", mx.float16, grouped, part(1)),
+            Planned(f"{base}.biases", mx.float16, grouped, part(2))]
+
+
+def quantized_bits(t: ReaderTensor) -> int | None:
+    """The bits a quantized weight gets in MLX (None: stored as floats)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if t.tensor_type in FLOATS or shape[-1] % GROUP_SIZE or len(shape) < 2:
+        return None
+    return KEPT.get(t.tensor_type) or REQUANTIZED.get(t.tensor_type)
+
+
+def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, str],
+                      done: Callable[[int], None] | None = None) -> None:
+    """Write ``tensors`` to a safetensors file one at a time: the header first (every shape is known
+    ahead), then each tensor's bytes as it is computed, so memory holds one tensor, not the file."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for p in tensors:
+        header[p.name] = {"dtype": _SAFE_DTYPES[p.dtype], "shape": list(p.shape),
+                          "data_offsets": [offset, offset + p.nbytes]}
+        offset += p.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for p in tensors:
+            array = p.make()
+            if array.dtype != p.dtype or tuple(array.shape) != p.shape:
+                raise UnsupportedGGUF(f"{p.name}: computed {array.dtype} {tuple(array.shape)}, "
+                                      f"planned {p.dtype} {p.shape}")
+            view = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+            f.write(np.ascontiguousarray(np.asarray(view)).tobytes())
+            if done is not None:
+                done(p.nbytes)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, struct.error) as exc:
+        raise UnsupportedGGUF(f"{path} is not a readable GGUF file: {exc}") from exc
