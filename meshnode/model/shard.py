@@ -338,6 +338,7 @@ class Shard:
         # width, and a stage fetched without the embedding cannot read the dtype off its own tensors.
         self.hidden_size = hidden_size(config)
         dtype = self.dtype = getattr(mx, activation_dtype(model_path))
+        self.input_dtype = dtype  # what the stage before sends: its layers' output dtype, learned as it comes
 
         # Weightless placeholders for every layer this shard does not hold.
         arity = _return_arity(layers[0])
@@ -441,7 +442,7 @@ class Shard:
             return None
         first = self.spec.is_first
         with mx.stream(any_thread_stream()):  # the placeholder's bfloat16 view is a lazy op too
-            placeholder = Placeholder("int32" if first else dtype_name(self.dtype),
+            placeholder = Placeholder("int32" if first else dtype_name(self.input_dtype),
                                       (1, 1) if first else (1, 1, self.hidden_size))
             return placeholder, self.forward(placeholder.array, cache)
 
@@ -457,6 +458,7 @@ class Shard:
                 tokens = x
             else:
                 self._slot.hidden = x
+                self.input_dtype = x.dtype
                 tokens = mx.zeros(x.shape[:2], dtype=mx.int32)
             try:
                 out = self.model(tokens, cache=cache)

@@ -34,7 +34,7 @@ import mlx.core as mx
 from meshnode.model.lifeline import die_with_parent
 from meshnode.model.prefixes import copy_cut, cut_to, distinct
 from meshnode.model.rewind import CannotRewind, rewind_limit, rewind_owned
-from meshnode.model.wire import LENGTH, WireError, from_tensor, to_tensor
+from meshnode.model.wire import ACTIVATIONS, LENGTH, WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,7 @@ class _Worker:
                     write_frame(out, mesh_pb2.WorkerReply(error=why))
                 continue
             try:
-                x = from_tensor(cmd.input, dtypes=("int32",) if self.shard.spec.is_first else
-                                (_name(self.shard.dtype),))
+                x = from_tensor(cmd.input, dtypes=("int32",) if self.shard.spec.is_first else ACTIVATIONS)
                 if x.ndim != (2 if self.shard.spec.is_first else 3):
                     raise WireError(f"bad input shape {x.shape}")
             except WireError as exc:

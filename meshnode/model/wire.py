@@ -24,6 +24,9 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype, int]] = {
     "int32": (mx.int32, np.dtype("<i4"), 4),
 }
 _NAMES = {mx_dtype: name for name, (mx_dtype, _, _) in _DTYPES.items()}
+# What a stage's activations may be: whatever its layers produce (a GGUF model's float16
+# embedding becomes float32 at its first float32 norm), so a receiver takes any of these.
+ACTIVATIONS = ("float32", "float16", "bfloat16")
 
 MAX_TENSOR_BYTES = 256 * 2**20  # no single activation is anywhere near this
 # Every frame (the data port's, a tensor group's pipes): this little-endian uint32 length, then the payload.
@@ -169,11 +172,12 @@ class RawRequest:
     def input(self) -> "RawRequest":  # where a ForwardRequest has its Tensor
         return self
 
-    def host(self, dtype_name: str, width: int) -> np.ndarray:
-        """A numpy view of the input, if it is what the stage expects: ``dtype_name`` (1, positions,
+    def host(self, dtypes: Sequence[str], width: int) -> np.ndarray:
+        """A numpy view of the input, if it is what the stage expects: one of ``dtypes`` (1, positions,
         ``width``), or with ``width`` 0 token ids (1, positions)."""
-        if self.dtype != dtype_name or self.width != width:
-            raise WireError(f"{self.dtype} of width {self.width} where {dtype_name} of width {width} was expected")
+        if self.dtype not in dtypes or self.width != width:
+            raise WireError(f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} was expected")
+        dtype_name = self.dtype
         _, np_dtype, itemsize = _DTYPES[dtype_name]
         shape = (1, self.positions, width) if width else (1, self.positions)
         if len(self.data) != itemsize * self.positions * max(width, 1):
@@ -196,11 +200,13 @@ class RawReply:
             raise WireError(f"raw reply with unknown dtype code {code}")
         self.data = frame[RAW_REPLY.size:]
 
-    def host(self, dtype_name: str, positions: int, width: int) -> np.ndarray:
-        """A numpy view of the bytes, if they are what the receiver expects."""
-        if self.dtype != dtype_name or self.positions != positions or self.width != width:
-            raise WireError(f"{self.dtype} (1, {self.positions}, {self.width}) where {dtype_name} "
+    def host(self, positions: int, width: int) -> np.ndarray:
+        """A numpy view of the bytes, if they are what the receiver expects: an activation of any
+        dtype in ACTIVATIONS, (1, ``positions``, ``width``)."""
+        if self.dtype not in ACTIVATIONS or self.positions != positions or self.width != width:
+            raise WireError(f"{self.dtype} (1, {self.positions}, {self.width}) where an activation "
                             f"(1, {positions}, {width}) was expected")
+        dtype_name = self.dtype
         _, np_dtype, itemsize = _DTYPES[dtype_name]
         if len(self.data) != itemsize * positions * width:
             raise WireError(f"{len(self.data)} bytes for (1, {positions}, {width}) {dtype_name}")
@@ -244,14 +250,16 @@ class Placeholder:
         self._host = np.asarray(self._base)  # a writable view of that buffer
         self.array = self._base.view(mx.bfloat16) if dtype_name == "bfloat16" else self._base
 
-    def fill(self, host: np.ndarray) -> None:
+    def fill(self, host: np.ndarray, dtype_name: str | None = None) -> None:
+        if dtype_name is not None and dtype_name != self.dtype_name:
+            raise WireError(f"{dtype_name} where the step built ahead takes {self.dtype_name}")
         if host.shape != self.shape:
             raise WireError(f"shape {host.shape} does not match the step built ahead {self.shape}")
         self._host[...] = host
 
     def fill_from(self, array: mx.array) -> None:
         """Fill from an evaluated array of the same dtype (what a remote stage sent back)."""
-        self.fill(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array))
+        self.fill(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array), dtype_name(array.dtype))
 
 
 def placeholders_work() -> bool:
@@ -275,7 +283,7 @@ def check_tokens(tensor: "mesh_pb2.Tensor | RawRequest", vocab_size: int, max_ch
                  expect=(1, None)) -> np.ndarray:
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
     if type(tensor) is RawRequest:
-        ids = tensor.host("int32", 0)
+        ids = tensor.host(("int32",), 0)
         if ids.size == 1:  # a decode step: one Python comparison, not numpy's reductions (~50 µs after a step)
             token = int(ids[0, 0])
             if not 0 <= token < vocab_size:
@@ -290,12 +298,13 @@ def check_tokens(tensor: "mesh_pb2.Tensor | RawRequest", vocab_size: int, max_ch
     return ids
 
 
-def check_activation(tensor: "mesh_pb2.Tensor | RawRequest", dtype_name: str, width: int, max_chunk: int) -> np.ndarray:
-    """A message's activation, checked: ``dtype_name``, (1, positions, ``width``), at most ``max_chunk`` positions."""
+def check_activation(tensor: "mesh_pb2.Tensor | RawRequest", width: int, max_chunk: int) -> np.ndarray:
+    """A message's activation, checked: a dtype in ACTIVATIONS, (1, positions, ``width``), at most
+    ``max_chunk`` positions (its dtype: ``tensor.dtype``)."""
     if type(tensor) is RawRequest:
-        host = tensor.host(dtype_name, width)
+        host = tensor.host(ACTIVATIONS, width)
     else:
-        host = host_array(tensor, dtypes=(dtype_name,), expect=(1, None, width))
+        host = host_array(tensor, dtypes=ACTIVATIONS, expect=(1, None, width))
     if host.shape[1] > max_chunk:
         raise WireError(f"{host.shape[1]} positions in one message (limit {max_chunk})")
     return host

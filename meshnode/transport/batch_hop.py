@@ -29,11 +29,11 @@ from google.protobuf.message import DecodeError
 
 from meshnode.model.decode_batch import DecodeBatch, batchable_shard
 from meshnode.model.scheduler import mlx_idle
-from meshnode.model.wire import RawReply, WireError, dtype_name, host_array, raw_reply_into, to_array, to_tensor
+from meshnode.model.wire import ACTIVATIONS, RawReply, WireError, host_array, raw_reply_into, to_array, to_tensor
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
 from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read_reply, refuse, stream_key
-from meshnode.transport.refusals import StageError, StageRefusal
+from meshnode.transport.refusals import StageError, StageFault, StageRefusal
 from meshnode.model.wire import check_tokens
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: "S
         try:
             members = _members(server, shard, msg)
             rows = _rows(server, shard, msg.input, len(members))
-            n = run_here(lambda: _step(server, shard, batch, members, rows, out))
+            n = run_here(lambda: _step(server, shard, batch, members, rows, msg.input.dtype, out))
         except StageRefusal as refusal:
             if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                 log.warning("refused a batched step from %s: %s", host, refusal)
@@ -122,13 +122,13 @@ def _rows(server: "StageServer", shard: "Shard", tensor: mesh_pb2.Tensor, n: int
     try:
         if shard.spec.is_first:
             return check_tokens(tensor, server.vocab_size, server.max_chunk, expect=(n, 1))
-        return host_array(tensor, dtypes=(dtype_name(shard.dtype),), expect=(n, 1, shard.hidden_size))
+        return host_array(tensor, dtypes=ACTIVATIONS, expect=(n, 1, shard.hidden_size))
     except WireError as exc:
         raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: list["OpenStage"], rows: np.ndarray,
-          buf: bytearray) -> int:
+          dtype: str, buf: bytearray) -> int:
     """Run one batched step (on the MLX thread); its raw reply's length, written into ``buf``."""
     started = time.perf_counter()
     spec = shard.spec
@@ -140,7 +140,7 @@ def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: li
             stage.admit(1)
         try:
             cache = batch.follow(members)
-            out = shard.forward(to_array(rows, "int32" if spec.is_first else dtype_name(shard.dtype)), cache)
+            out = shard.forward(to_array(rows, dtype), cache)
             mx.eval(out)
         except Exception as exc:  # noqa: BLE001 - the model raised on these rows: report it, keep serving
             raise server.fault(shard, "a batched step", f"a batched step of {len(members)} requests", exc) from None
@@ -181,11 +181,11 @@ class BatchHop:
         if st.observe is not None:  # a decode step's hop, whatever the rows
             st.observe(time.perf_counter() - sent, 1, reply.stage_seconds, "tcp")
         try:
-            host = reply.host(st.dtype_name, rows, st.hidden_size)
+            host = reply.host(rows, st.hidden_size)
         except WireError as exc:
-            raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad batched activation: {exc}") \
+            raise StageFault(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad batched activation: {exc}") \
                 from None
-        return to_array(host.reshape(rows, 1, st.hidden_size), st.dtype_name)
+        return to_array(host.reshape(rows, 1, st.hidden_size), reply.dtype)
 
     def _read(self, sent: float) -> RawReply:
         reply = read_reply(self._sock, self._stage, sent, stream="batch stream")

@@ -46,6 +46,10 @@ EPOCH_PENDING = grpc.StatusCode.ABORTED
 STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
 
 
+# The stage refused its input (a dtype, shape or token it cannot take): sent again it is refused
+# again, so the generation ends at once (gRPC never makes INVALID_ARGUMENT itself).
+INVALID_INPUT = grpc.StatusCode.INVALID_ARGUMENT
+
 # The prompt cache's prefix to resume from is not held there (gRPC never makes NOT_FOUND itself).
 PREFIX_MISS = grpc.StatusCode.NOT_FOUND
 
@@ -68,7 +72,7 @@ def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[Stag
         return StagePending
     if code == PREFIX_MISS:
         return PrefixMiss
-    if is_fault(code, details):
+    if is_fault(code, details) or code == INVALID_INPUT:
         return StageFault
     if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
         return StageRefused

@@ -36,13 +36,13 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
-from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, PREFIX_MISS, STAGE_FAULT, StageError, StageRefusal,
-                                         stage_error)
+from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, PREFIX_MISS, STAGE_FAULT, StageError, StageFault,
+                                         StageRefusal, stage_error)
 from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import keeps_prefixes
 from meshnode.model.rewind import CannotRewind, rewind
 from meshnode.model.tensor import TensorGroupError
-from meshnode.model.wire import (Placeholder, RawReply, RawRequest, WireError, check_activation, check_tokens,
+from meshnode.model.wire import (ACTIVATIONS, Placeholder, RawReply, RawRequest, WireError, check_activation, check_tokens,
                                  dtype_name, host_array, to_array, to_tensor)
 from meshnode.model.scheduler import StepWatch, mlx_idle
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
@@ -217,11 +217,7 @@ class OpenStage:
     def _host_input(self, tensor: "mesh_pb2.Tensor | RawRequest") -> np.ndarray:
         if self.shard.spec.is_first:
             return check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
-        return check_activation(tensor, self._dtype, self.shard.hidden_size, self.server.max_chunk)
-
-    @property
-    def _dtype(self) -> str:
-        return "int32" if self.shard.spec.is_first else dtype_name(self.shard.dtype)
+        return check_activation(tensor, self.shard.hidden_size, self.server.max_chunk)
 
     def run(self, msg: mesh_pb2.ForwardRequest) -> tuple[mesh_pb2.Tensor, float]:
         """Decode, run and encode one message (on the MLX thread): the output and the seconds it took."""
@@ -250,10 +246,10 @@ class OpenStage:
                 self.prepared = None
                 if host.shape[1] != 1 or msg.rewind:
                     raise WireError(f"{host.shape[1]} positions (rewind {msg.rewind}) after a promise of one")
-                placeholder.fill(host)
+                placeholder.fill(host, msg.input.dtype)
             else:
                 rewind(self.shard, self.cache, msg.rewind)
-                out = self.shard.forward(to_array(host, self._dtype), self.cache)
+                out = self.shard.forward(to_array(host, msg.input.dtype), self.cache)
             mx.eval(out)
             return out
         except (WireError, CannotRewind) as exc:
@@ -457,15 +453,16 @@ class RemoteStage:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
         try:
             if type(reply) is RawReply:
-                array = reply.host(self.dtype_name, positions, self.hidden_size)
+                array, dtype = reply.host(positions, self.hidden_size), reply.dtype
             else:
-                array = host_array(reply.output, dtypes=(self.dtype_name,), expect=(1, positions, self.hidden_size))
+                array = host_array(reply.output, dtypes=ACTIVATIONS, expect=(1, positions, self.hidden_size))
+                dtype = reply.output.dtype
             if into is not None:
-                into.fill(array)
+                into.fill(array, dtype)
                 return None
-            return to_array(array, self.dtype_name)
+            return to_array(array, dtype)
         except WireError as exc:
-            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
+            raise StageFault(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
                 from None
 
     def check(self, waiting_since: float) -> None:

@@ -62,6 +62,8 @@ class ModelProfile:
     # this model's KV cannot be quantized ("" when it can; meshnode.weights.kvquant).
     kv_bits: int = 0
     kv_quant_problem: str = ""
+    # What was done to the weights on their way in (a GGUF file's conversion), "" when nothing.
+    weights_note: str = ""
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -136,7 +138,7 @@ class ModelProfile:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
         optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size",
-                    "trained_context", "kv_bits", "kv_quant_problem"}  # newer fields
+                    "trained_context", "kv_bits", "kv_quant_problem", "weights_note"}  # newer fields
         missing = known - set(d) - optional
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
@@ -144,7 +146,7 @@ class ModelProfile:
         for key in ("layer_bytes", "kv_bytes_per_token"):
             kw[key] = tuple(int(x) for x in kw[key])
         kw["sliding_window"] = tuple(None if w is None else int(w) for w in kw["sliding_window"])
-        for key in ("split_problem", "kv_quant_problem"):
+        for key in ("split_problem", "kv_quant_problem", "weights_note"):
             if key in kw:
                 kw[key] = str(kw[key] or "")
         for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
@@ -233,14 +235,31 @@ def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
 
 def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
     """The dtype activations and the KV cache get: the embedding's output dtype (for a quantized
-    embedding, the dtype of its scales), else what config.json says."""
+    embedding, the dtype of its scales; else what config.json says), promoted as MLX promotes it by
+    the first block's norms (a GGUF model's float32 norms make its float16 embedding float32)."""
     embeds = sorted(k for k in tensors if EMBED_KEY.search(k) and not SKIP_KEY.search(k))
-    for suffix in (".scales", ".weight"):
-        for key in embeds:
-            if key.endswith(suffix) and tensors[key].dtype in _DTYPE_NAMES:
-                return _DTYPE_NAMES[tensors[key].dtype]
-    dtype = str(config_value(cfg, "torch_dtype", "dtype", default="float16"))
-    return dtype if dtype in _ITEM else "float16"
+    dtype = next((_DTYPE_NAMES[tensors[k].dtype] for suffix in (".scales", ".weight") for k in embeds
+                  if k.endswith(suffix) and tensors[k].dtype in _DTYPE_NAMES), None)
+    if dtype is None:
+        dtype = str(config_value(cfg, "torch_dtype", "dtype", default="float16"))
+        dtype = dtype if dtype in _ITEM else "float16"
+    for key, t in tensors.items():
+        m = LAYER_KEY.search(key)
+        if m and m.group(1) == "0" and _NORM_KEY.search(key) and t.dtype in _DTYPE_NAMES:
+            dtype = _promote(dtype, _DTYPE_NAMES[t.dtype])
+    return dtype
+
+
+_NORM_KEY = re.compile(r"(?:^|\.)\w*(?:layernorm|_norm|norm)\.weight$")
+
+
+def _promote(a: str, b: str) -> str:
+    """MLX's promotion of two float dtypes (float16 with bfloat16 gives float32)."""
+    if a == b:
+        return a
+    if "float64" in (a, b):
+        return "float64"
+    return "float32"
 
 
 def activation_dtype(model_dir: Path) -> str:
@@ -369,4 +388,5 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         quant_group_size=int(((raw_cfg.get("quantization") or {}).get("group_size")) or 0),
         trained_context=trained_context(cfg),
         kv_quant_problem=kv_quant_problem(raw_cfg),
+        weights_note=str((raw_cfg.get("gguf") or {}).get("weights") or ""),
     )

@@ -277,7 +277,8 @@ def plan(
     pick = next(i for i, t in enumerate(estimates) if t <= low * (1 + _TIE))
     chosen, est = cands[pick], estimates[pick]
     alternatives = _alternatives(cx, ranked, cands, estimates, pick, allowed)
-    reason = _why_chosen(cx, chosen, est, alternatives) + kv_note(profile, kv_bits)
+    reason = _why_chosen(cx, chosen, est, alternatives) + kv_note(profile, kv_bits) + \
+        (f"; {profile.weights_note}" if profile.weights_note else "")
     if chosen.legacy is not None:
         return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives,
                        kv_bits=profile.kv_bits)
