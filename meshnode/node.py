@@ -30,6 +30,7 @@ from aiohttp import web
 from meshnode import __version__, blas, sysinfo
 from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
+from meshnode.api.unservable import refuse_until
 from meshnode.api.validation import Limits
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
 from meshnode.control.adoption import Adoption
@@ -61,6 +62,7 @@ from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth
 from meshnode.weights.holdings import holdings_to_json
+from meshnode.weights.modelsource import ModelNotFound
 from meshnode.weights.store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -441,6 +443,12 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await node.start()
+    except ModelNotFound as exc:  # nothing started yet: the model comes first
+        log.error("%s. Until the model is fixed and the node restarted, it answers every request with "
+                  "this reason (HTTP 503)", exc)
+        await refuse_until(stop, settings.host, settings.http_port, str(exc))
+        return
+    try:
         await stop.wait()
     finally:
         log.info("stopping: saying goodbye to peers")

@@ -71,7 +71,7 @@ def gguf_names(param_names: list[str], arch: str, num_layers: int) -> dict[str, 
     out: dict[str, str] = {}
     for name in param_names:
         module, _, suffix = name.rpartition(".")
-        for candidate in _spellings(module):
+        for candidate in hf_spellings(module):
             found = table.get_name(candidate)
             if found is not None:
                 out[f"{found}.{suffix}"] = name
@@ -79,7 +79,7 @@ def gguf_names(param_names: list[str], arch: str, num_layers: int) -> dict[str, 
     return out
 
 
-def _spellings(module: str) -> Iterator[str]:
+def hf_spellings(module: str) -> Iterator[str]:
     """The Hugging Face spellings of an mlx-lm module: mlx-lm stacks experts as ``switch_mlp``."""
     yield module
     if ".switch_mlp." in module:
