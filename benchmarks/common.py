@@ -204,14 +204,15 @@ def mlx_lm_server(model: Path):
 
 
 @contextlib.contextmanager
-def local_node(model: Path, max_context: int):
-    """One ``meshnode run`` process on loopback (mDNS off) serving ``model``; yields its base URL."""
+def local_node(model: Path, max_context: int, env: dict | None = None):
+    """One ``meshnode run`` process on loopback (mDNS off) serving ``model`` (``env``: more of its
+    environment); yields its base URL."""
     from harness.cluster import node_argv
 
     with tempfile.TemporaryDirectory() as tmp:
         http, grpc = free_port(), free_port()
         proc = start_node(node_argv(model, host="127.0.0.1", http_port=http, grpc_port=grpc, mdns=False, state_dir=tmp,
-                                    max_context=max_context), log=Path(tmp) / "node.log")
+                                    max_context=max_context), env=env, log=Path(tmp) / "node.log")
         try:
             wait_healthy(f"http://127.0.0.1:{http}", 300)
             yield f"http://127.0.0.1:{http}"
