@@ -4,7 +4,7 @@ response or, mid-stream, into an error event; serving raises it without dependin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 
 class ApiError(Exception):
@@ -28,3 +28,9 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+async def abort(context: Any, code: Any, details: str) -> NoReturn:
+    """End a gRPC call with ``code`` and ``details``: grpc.aio's ``context.abort`` raises."""
+    await context.abort(code, details)
+    raise AssertionError("context.abort returned")

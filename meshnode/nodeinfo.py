@@ -44,7 +44,7 @@ def _float(props: Mapping[str, str], key: str, default: str | None = None) -> fl
 
 def ordered_addresses(addresses: Iterable[str]) -> tuple[str, ...]:
     """Valid, distinct addresses, IPv4 first (order otherwise kept)."""
-    parsed = []
+    parsed: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
     for a in addresses:
         ip = ipaddress.ip_address(a)
         if str(ip) not in {str(p) for p in parsed}:

@@ -244,6 +244,7 @@ def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, clu
             act.notes.append("MESHNODE_CLUSTER_KEY is not used: the existing config keeps its own key "
                              "(change cluster_key there, then restart the service)")
     if lay.platform == "macos":
+        assert lay.log_file is not None, "macOS's layout has a log file"
         act.make_dirs.append(lay.log_file.parent)
         act.write.append((lay.service_file, render_plist(lay, executable), 0o644))
         if lay.rotation_file is not None:

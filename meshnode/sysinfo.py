@@ -223,7 +223,7 @@ def _measure_matmul(budget_s: float = 0.2) -> float:
         b = mx.random.normal((n, n), dtype=mx.float32, key=key)
         mx.eval(a, b)
         mx.eval(a @ b)  # warm-up
-        took = None
+        took: float | None = None
         for _ in range(3):
             t0 = time.perf_counter()
             mx.eval(a @ b)
@@ -231,6 +231,7 @@ def _measure_matmul(budget_s: float = 0.2) -> float:
             took = dt if took is None else min(took, dt)
             if time.perf_counter() > deadline:
                 break
+        assert took is not None  # the loop above runs at least once
         best = max(best, 2.0 * n**3 / max(took, 1e-9) / 1e9)
         # Small matmuls on a fast GPU measure launch overhead: grow until one takes a few ms.
         if took >= 0.003 or n >= 2048 or time.perf_counter() + 40 * took > deadline:

@@ -110,9 +110,10 @@ class Events:
         return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
     def opening(self) -> list[bytes]:
-        start = {"id": self.gen.id, "type": "message", "role": "assistant", "model": self.gen.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
+        start: dict[str, Any] = {
+            "id": self.gen.id, "type": "message", "role": "assistant", "model": self.gen.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
         return [self.event("message_start", {"type": "message_start", "message": start}),
                 self.event("ping", {"type": "ping"})]
 

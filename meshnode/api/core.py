@@ -18,9 +18,9 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -32,6 +32,9 @@ from meshnode.serving.engine import Delta, Engine, TokenLogprob
 from meshnode.serving.grammar import grammar_error, grammar_from_schema
 from meshnode.serving.sampling import SamplingParams
 from meshnode.tracing import mark
+
+if TYPE_CHECKING:
+    from meshnode.weights.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,15 @@ class Backend(Protocol):
 
     def health(self) -> tuple[bool, dict[str, Any]]: ...
 
+    async def add_model(self, spec: str) -> dict[str, Any]:
+        """This node offers one more model (``POST /v1/admin/models``)."""
+
+    async def remove_model(self, model_id: str) -> dict[str, Any]:
+        """This node stops offering a model (``POST /v1/admin/models``)."""
+
+    def model_profile(self, model: str) -> ModelProfile | None:
+        """The served model's shape and sizes, None before they are known."""
+
 
 @dataclass(frozen=True)
 class ApiSettings:
@@ -59,7 +71,7 @@ class ApiSettings:
     access_log: bool = True  # one INFO line per request (logger meshnode.access)
 
 
-BACKEND = web.AppKey("backend", object)
+BACKEND: web.AppKey[Backend] = web.AppKey("backend")
 SETTINGS = web.AppKey("settings", ApiSettings)
 ACTIVE = web.AppKey("active", list)
 METRICS = web.AppKey("metrics", NodeMetrics)
@@ -87,7 +99,7 @@ class Generation:
     id: str
     model: str
     prompt_tokens: int
-    deltas: AsyncIterator[Delta]
+    deltas: AsyncGenerator[Delta, None]
     access: dict[str, Any] = field(default_factory=dict)  # model and tokens for the access log
 
     def __post_init__(self):
@@ -101,10 +113,11 @@ class Generation:
         self.access["completion_tokens"] = delta.completion_tokens
 
 
-Respond = Callable[[web.Request, Generation, GenerationRequest], Awaitable[web.StreamResponse]]
+Req = TypeVar("Req", bound=GenerationRequest)  # a surface's own request, parsed and answered by it
+Respond = Callable[[web.Request, Generation, Req], Awaitable[web.StreamResponse]]
 
 
-async def generate(request: web.Request, parse: Callable[[Any, Limits], GenerationRequest], respond: Respond,
+async def generate(request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req],
                    id_prefix: str = "") -> web.StreamResponse:
     """Serve one generation request and count it by outcome (meshnode_requests_total)."""
     outcome = "error"
@@ -125,7 +138,8 @@ async def generate(request: web.Request, parse: Callable[[Any, Limits], Generati
         request.app[METRICS].request(outcome)
 
 
-async def _serve(request: web.Request, parse, respond: Respond, id_prefix: str) -> web.StreamResponse:
+async def _serve(request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req],
+                 id_prefix: str) -> web.StreamResponse:
     app = request.app
     limits = app[SETTINGS].limits
     req = parse(await json_body(request), limits)
@@ -297,7 +311,11 @@ class Answer:
 
 async def collect(gen: Generation) -> Answer:
     """The whole answer, for a surface that does not stream."""
-    text, reasoning, calls, logprobs, last = [], [], [], [], None
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    logprobs: list[TokenLogprob] = []
+    last: Delta | None = None
     async for delta in gen.deltas:
         text.append(delta.text)
         reasoning.append(delta.reasoning)
@@ -305,6 +323,7 @@ async def collect(gen: Generation) -> Answer:
         logprobs.extend(delta.logprobs)
         last = delta
         gen.advance(delta)
+    assert last is not None, "a generation ends with its final delta"
     return Answer("".join(text), "".join(reasoning), calls, logprobs, last)
 
 
@@ -341,12 +360,13 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
 
     try:
         await send(fmt.opening())
-        last = None
+        last: Delta | None = None
         async for delta in gen.deltas:
             last = delta
             gen.advance(delta)
             if delta.carries:
                 await send(fmt.delta(delta))
+        assert last is not None, "a generation ends with its final delta"
         await send(fmt.closing(last))
     except ConnectionResetError:  # a client that goes away (Stop) is normal: one line, no traceback
         gone()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -109,7 +109,7 @@ class Clock:
                 "eval_count": last.completion_tokens, "eval_duration": (self.last or end) - first}
 
 
-async def _timed(deltas: AsyncIterator[Delta], clock: Clock) -> AsyncIterator[Delta]:
+async def _timed(deltas: AsyncGenerator[Delta, None], clock: Clock) -> AsyncGenerator[Delta, None]:
     try:
         async for delta in deltas:
             clock.tick()
@@ -202,13 +202,6 @@ def _served(request: web.Request) -> list[str]:
     return [m["id"] for m in request.app[core.BACKEND].models()]
 
 
-def _profile(backend: Any, model_id: str) -> Any:
-    """The model's ModelProfile (meshnode.weights.profile) where the backend offers one
-    (``model_profile(id)``): family, size and quantization. Without it those stay empty."""
-    get = getattr(backend, "model_profile", None)
-    return get(model_id) if callable(get) else None
-
-
 def parameter_count(p: Any) -> int:
     """The model's parameters, from its shape (attention, MLP or experts, embedding and head)."""
     attention = p.hidden_size * p.head_dim * 2 * (p.num_heads + p.num_kv_heads)
@@ -235,7 +228,7 @@ def details(p: Any) -> dict[str, Any]:
 
 
 def _entry(backend: Any, model_id: str) -> dict[str, Any]:
-    p = _profile(backend, model_id)
+    p = backend.model_profile(model_id)  # family, size and quantization; None: they stay empty
     return {"name": model_id, "model": model_id, "modified_at": STARTED, "size": p.weight_bytes() if p else 0,
             "digest": hashlib.sha256(model_id.encode()).hexdigest(),  # of the name: there is no manifest
             "details": details(p)}
@@ -270,7 +263,7 @@ async def ps(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     backend = request.app[core.BACKEND]
     engine = backend.engine(schema.show_model(await core.json_body(request), _served(request)))
-    tokenizer, p = engine.tokenizer, _profile(backend, engine.model_id)
+    tokenizer, p = engine.tokenizer, backend.model_profile(engine.model_id)
     capabilities = ["completion"] + (["tools"] if getattr(tokenizer, "has_tool_calling", False) else []) \
         + (["thinking"] if getattr(tokenizer, "has_thinking", False) else [])
     template = getattr(tokenizer, "chat_template", None)

@@ -30,7 +30,7 @@ schema) constrains the answer (meshnode.serving.grammar); ``images``, generate's
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 from pydantic_core import PydanticCustomError
@@ -66,7 +66,10 @@ OFF_ONLY: tuple[tuple[str, Any], ...] = (
     ("penalize_newline", Annotated[bool, _off(False)]),
 )
 
-_OptionsBase = create_model("_OptionsBase", __base__=Strict, **optional(IGNORED + OFF_ONLY))
+if TYPE_CHECKING:  # a model made by create_model is a class the type checker cannot see into
+    _OptionsBase = Strict
+else:
+    _OptionsBase = create_model("_OptionsBase", __base__=Strict, **optional(IGNORED + OFF_ONLY))
 
 
 class Options(_OptionsBase):
@@ -262,13 +265,14 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Ollama's messages as the chat template takes them (OpenAI's shape): an assistant's tool calls
     get ids where they have none, and a tool result the id of the call it answers (the first open
     call of its tool_name, else the first open one) where it does not name one."""
-    out, open_calls = [], []
+    out: list[dict[str, Any]] = []
+    open_calls: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.thinking:
             d["reasoning_content"] = m.thinking  # the key chat templates that keep thinking read
         if m.tool_calls:
-            calls = [{"id": c.id or f"call_{i}_{j}", "type": "function",
+            calls: list[dict[str, Any]] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
                       "function": {"name": c.function.name, "arguments": dict(c.function.arguments)}}
                      for j, c in enumerate(m.tool_calls)]
             d["tool_calls"], open_calls = calls, list(calls)
@@ -281,7 +285,9 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             if answered is not None:
                 open_calls.remove(answered)
                 d.setdefault("name", answered["function"]["name"])
-            if m.tool_call_id or answered is not None:
-                d["tool_call_id"] = m.tool_call_id or answered["id"]
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            elif answered is not None:
+                d["tool_call_id"] = answered["id"]
         out.append(d)
     return out

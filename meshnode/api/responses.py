@@ -211,10 +211,12 @@ class Output:
     # ----------------------------------------------------------------- items
 
     def _where(self) -> dict[str, Any]:
+        assert self.open is not None, "an item is open while its parts are written"
         return {"item_id": self.open["id"], "output_index": len(self.items)}
 
     def _start(self, kind: str) -> None:
         self._close("completed")
+        part: dict[str, Any]
         if kind == "reasoning":
             self.open = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
@@ -240,6 +242,7 @@ class Output:
         if self.open is None:
             return
         text, where = "".join(self.written), self._where()
+        part: dict[str, Any]
         if self.open["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             self._event("response.reasoning_text.done", **where, content_index=0, text=text)

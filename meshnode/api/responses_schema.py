@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
@@ -53,12 +53,13 @@ log = logging.getLogger(__name__)
 
 JOIN = "\n\n"
 SEP = "__"  # between a namespace and the name of one of its tools, as the model sees it
-HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
-          "file_search", "code_interpreter", "image_generation", "mcp", "tool_search")
+Hosted = Literal["web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+                 "file_search", "code_interpreter", "image_generation", "mcp", "tool_search"]
+HOSTED: tuple[str, ...] = get_args(Hosted)
 CLIENT_BUILTINS = ("local_shell", "shell", "apply_patch", "computer", "computer_use_preview")
-INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
-              "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
-              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
+Includable = Literal["reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
 LOGPROBS = "message.output_text.logprobs"
 PARTS = ("input_text", "output_text", "refusal")
 ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
@@ -191,7 +192,7 @@ class CustomTool(Strict):
 
 class HostedTool(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
-    type: Literal[HOSTED]
+    type: Hosted
 
 
 _BUILTIN = {k: " (a model here cannot make its call items; send it as a function tool)" for k in CLIENT_BUILTINS}
@@ -252,7 +253,7 @@ class ResponsesBody(Strict):
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    include: list[Literal[INCLUDABLE]] | None = None
+    include: list[Includable] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 from pydantic_core import PydanticCustomError
@@ -44,7 +44,8 @@ __all__ = ["ApiError", "GenerationRequest", "HARMLESS", "Limits", "parse_request
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP = 4
 
 
@@ -104,7 +105,10 @@ HARMLESS_COMPLETION: tuple[tuple[str, Any], ...] = (  # /v1/completions only
     ("best_of", Literal[1]),  # more would sample several answers and return the best
     ("suffix", None),  # a suffix asks for an insertion, not a continuation
 )
-_Accepted = create_model("_Accepted", __base__=Strict, **optional(HARMLESS))
+if TYPE_CHECKING:  # a model made by create_model is a class the type checker cannot see into
+    _Accepted = Strict
+else:
+    _Accepted = create_model("_Accepted", __base__=Strict, **optional(HARMLESS))
 
 
 class StreamOptions(Strict):
@@ -173,7 +177,7 @@ class _ToolCallIn(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True)  # other keys ignored (see the module docstring)
-    role: Literal[ROLES]
+    role: Role
     tool_calls: list[_ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None
@@ -275,8 +279,12 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: JsonObject | None = None  # vLLM's and mlx_lm.server's: {"enable_thinking": false}
 
 
-_Completion = create_model("_Completion", __base__=_Sampling, **optional(HARMLESS_COMPLETION),
-                           logprobs=(Annotated[int, Field(ge=0, le=20)] | None, None))  # the legacy top-n
+if TYPE_CHECKING:
+    class _Completion(_Sampling):
+        logprobs: int | None
+else:
+    _Completion = create_model("_Completion", __base__=_Sampling, **optional(HARMLESS_COMPLETION),
+                               logprobs=(Annotated[int, Field(ge=0, le=20)] | None, None))  # the legacy top-n
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -351,13 +359,16 @@ def _tools(req: ChatRequest) -> tuple[list[dict[str, Any]] | None, str | dict[st
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None else None
     if req.functions is not None:
         tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in req.functions]
-    choice: Any = req.tool_choice if req.tool_choice is not None else req.function_call
-    if isinstance(choice, BaseModel):
-        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+    asked = req.tool_choice if req.tool_choice is not None else req.function_call
+    choice: str | dict[str, Any] | None
+    if isinstance(asked, NamedToolChoice | _Named):
+        name = asked.function.name if isinstance(asked, NamedToolChoice) else asked.name
         if not any(t["function"]["name"] == name for t in tools or ()):
             raise ApiError(400, f"tool_choice names '{name}', which is not one of the request's tools",
                            param="tool_choice", code="invalid_value")
         choice = {"type": "function", "function": {"name": name}}
+    else:
+        choice = asked
     if choice == "required" and not tools:
         raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice", code="invalid_value")
     return (tools or None), choice

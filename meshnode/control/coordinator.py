@@ -102,6 +102,8 @@ class Coordinator:
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
         served, adoption, s = self.adoption.served, self.adoption, self.settings
+        model_id = served.model_id
+        assert model_id is not None, "a model is coordinated once its metadata is loaded"
         self.needs_room = False
         current_plan = served.plan
         if current_plan is not None and current_plan.unloaded:  # placing it again (a request wants it)
@@ -110,7 +112,7 @@ class Coordinator:
         if self.node_id in alive:  # this node's own stall is not in what it announced at start
             alive = {**alive, self.node_id: dataclasses.replace(alive[self.node_id],
                                                                  stalled_for=self.peers.stalled_for())}
-        excluded = faulted(alive, served.model_id)
+        excluded = faulted(alive, model_id)
         plan_ok = current_plan is not None and set(current_plan.node_ids()) <= members - set(excluded)
         if current_plan is not None and excluded.keys() & set(current_plan.node_ids()) and \
                 excluded != self._excluded:
@@ -118,7 +120,7 @@ class Coordinator:
                         "; ".join(excluded.values()))
         self._excluded = excluded
         restarted = sorted(n for n, t in self._incarnations.items() if n in alive and alive[n].started_at != t)
-        if plan_ok and restarted:
+        if current_plan is not None and plan_ok and restarted:
             log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted),
                      current_plan.epoch)
             plan_ok = False
@@ -133,7 +135,7 @@ class Coordinator:
         links = self.peers.link_specs(members)
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
         strategy = None if s.strategy == "auto" else s.strategy
-        held = {nid: layers_of(info.holdings, served.model_id) for nid, info in alive.items()}  # reuse disks
+        held = {nid: layers_of(info.holdings, model_id) for nid, info in alive.items()}  # reuse disks
         try:
             try:
                 desired = self._longest(nodes, preferred=preferred, strategy=strategy, links=links, held=held)
@@ -169,7 +171,7 @@ class Coordinator:
             desired = dataclasses.replace(desired, reason=f"{desired.reason}; not on {', '.join(sorted(excluded))}: "
                                                           f"{'; '.join(excluded.values())}")
         desired = self._with_endpoints(desired, alive)
-        if plan_ok and not contested:
+        if current_plan is not None and plan_ok and not contested:
             # The current plan still works: move only for a real gain by today's figures, and not
             # sooner than rebalance_dwell after the last change (hysteresis: no flapping).
             current = plan_estimate(served.profile, nodes, current_plan.stages,
@@ -198,11 +200,12 @@ class Coordinator:
     def unload(self, reason: str) -> None:
         """Hold the model nowhere (several models on one mesh): every node frees its layers; a request
         for it then waits while the mesh loads it again (meshnode.control.demand)."""
-        served = self.adoption.served
-        log.info("unloading model %s: %s", served.model_id, reason)
-        self._event("unload", model=served.model_id, reason=reason)
+        model_id = self.adoption.served.model_id
+        assert model_id is not None, "a model is unloaded once its metadata is loaded"
+        log.info("unloading model %s: %s", model_id, reason)
+        self._event("unload", model=model_id, reason=reason)
         self._incarnations, self._pending = {}, None
-        self._publish(Plan(model=served.model_id, strategy=UNLOADED, stages=(), reason=reason))
+        self._publish(Plan(model=model_id, strategy=UNLOADED, stages=(), reason=reason))
 
     def _publish(self, desired: Plan) -> None:
         adoption = self.adoption
@@ -212,7 +215,7 @@ class Coordinator:
                  describe(desired) if desired.unloaded else f"{describe(desired)} ({desired.reason})")
         adoption.adopt(desired, coordinator=self.node_id, source="self")
         msg = plan_to_pb(desired, self.node_id)
-        for peer in self.peers.membership.alive_peers().values():
+        for peer in self.peers.members.alive_peers().values():
             asyncio.create_task(self._install(peer.target, msg))
 
     def _longest(self, nodes: list[NodeSpec], **kw) -> Plan:

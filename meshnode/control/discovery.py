@@ -67,15 +67,15 @@ class Discovery:
         if me.addresses:
             return me
         if isinstance(self._interfaces, list | tuple):  # explicit interface addresses: announce those
-            addrs = []
+            found: list[str] = []
             for a in self._interfaces:
                 try:
                     ip = ipaddress.ip_address(a) if isinstance(a, str) else None
                 except ValueError:
                     ip = None
                 if ip is not None and not ip.is_loopback:
-                    addrs.append(str(ip))
-            addrs = ordered_addresses(addrs)
+                    found.append(str(ip))
+            addrs = ordered_addresses(found)
         else:
             addrs = local_addresses()
         return replace(me, addresses=addrs)
@@ -155,6 +155,7 @@ class Discovery:
     async def _resolve(self, service_type: str, name: str) -> None:
         try:
             info = AsyncServiceInfo(service_type, name)
+            assert self._zc is not None, "names are resolved once discovery has started"
             if not await info.async_request(self._zc.zeroconf, RESOLVE_TIMEOUT_MS):
                 log.debug("could not resolve %s", name)
                 return
@@ -270,7 +271,7 @@ def _main(argv: list[str] | None = None) -> int:
                     return
                 if len(words) == 2 and words[0] == "budget" and words[1].isdigit():
                     new = replace(disc.me, memory_budget=int(words[1]))
-                    loop.call_soon_threadsafe(lambda new=new: asyncio.ensure_future(disc.update(new)))
+                    loop.call_soon_threadsafe(asyncio.ensure_future, disc.update(new))
 
         disc: Discovery
 

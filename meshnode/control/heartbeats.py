@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from meshnode.control.links import LinkStat
 from meshnode.control.messages import node_from_pb, node_to_pb, plan_to_pb
 from meshnode.control.settings import ControlSettings
+from meshnode.errors import abort
 from meshnode.nodeinfo import NodeInfo
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.usage import Use
@@ -65,7 +66,7 @@ class Heartbeats:
 
     async def beat_all(self) -> None:
         """One heartbeat to every peer known and every static address, at once."""
-        membership = self.peers.membership
+        membership = self.peers.members
         targets = {p.target for p in membership.peers.values()} | set(self.peers.static_targets)
         await asyncio.gather(*(self.beat(t) for t in targets), return_exceptions=True)
 
@@ -83,10 +84,10 @@ class Heartbeats:
             elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
                 # The host answered but nothing listens: the process is gone. No need to wait out
                 # the failure timeout (a hung or unreachable peer still takes the full timeout).
-                for peer in peers.membership.alive_peers().values():
+                for peer in peers.members.alive_peers().values():
                     if peer.target == target:
                         log.warning("%s refuses connections: its process is gone", peer.info.node_id)
-                        peers.membership.goodbye(peer.info.node_id)
+                        peers.members.goodbye(peer.info.node_id)
             return
         peers.reach.answered(target)
         try:
@@ -104,8 +105,8 @@ class Heartbeats:
             except ValueError:
                 continue
             if (k.cluster_id == self.cluster_id and k.node_id != self.node_id
-                    and k.node_id not in peers.membership.peers):
-                peers.membership.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
+                    and k.node_id not in peers.members.peers):
+                peers.members.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
 
     async def say_goodbye(self, target: str) -> None:
         stub = mesh_pb2_grpc.MeshStub(self.peers.channel_to(target))
@@ -123,7 +124,7 @@ class Heartbeats:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this cluster")
         membership = self.peers.membership
         if membership is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "starting")
         target = f"{info.addresses[0]}:{info.grpc_port}" if info.addresses else _peer_host(context, info.grpc_port)
         if info.node_id == self.node_id:
             if info.started_at != self.started_at:
@@ -149,9 +150,9 @@ class Heartbeats:
             peers.peer_links[info.node_id] = tuple(LinkStat.from_pb(link) for link in msg.node.links[:256])
         except ValueError as exc:
             log.warning("ignoring bad link figures from %s: %s", info.node_id, exc)
-        peers.membership.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
-                                 alive_view=frozenset(msg.alive))
-        peer = peers.membership.peers[info.node_id]
+        peers.members.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
+                              alive_view=frozenset(msg.alive))
+        peer = peers.members.peers[info.node_id]
         states = model_states(msg)
         peer.ready_epochs = {model: state.ready_epoch for model, state in states}
         peer.plan_errors = {model: state.plan_error[:1000] for model, state in states if state.plan_error}
@@ -163,7 +164,7 @@ class Heartbeats:
                 lane.adoption.heard_of(state, info.node_id)
 
 
-def model_states(msg) -> list[tuple[str, object]]:
+def model_states(msg) -> list[tuple[str, Any]]:
     """(model, its state) of each model a heartbeat tells of; a heartbeat without ``models`` (one
     model per node) tells of the model its plan names, else of the receiver's first model ("")."""
     if msg.models:

@@ -42,8 +42,11 @@ class Lane:
     offered: bool  # this node offers the model (announces it; the mesh serves it for that)
 
     @property
-    def model_id(self) -> str | None:
-        return self.served.model_id
+    def model_id(self) -> str:
+        """The model's id, known once its metadata is loaded (a lane is used only then)."""
+        model_id = self.served.model_id
+        assert model_id is not None, "the lane's model is loaded"
+        return model_id
 
 
 class Lanes:
@@ -67,6 +70,7 @@ class Lanes:
         self._lanes[self.primary.model_id] = self.primary
         for spec in self._offered[1:]:
             try:
+                assert spec is not None, "only the first model offered may be the demo"
                 await self.offer(spec, holders)
             except Exception as exc:  # noqa: BLE001 - a bad extra model must not stop the node
                 log.error("model %s is not served: %s", spec, exc)
@@ -93,7 +97,7 @@ class Lanes:
     def get(self, model: str) -> Lane | None:
         """The loaded lane of ``model`` ("": the primary)."""
         if not model:
-            return self.primary if self.primary.model_id is not None else None
+            return self.primary if self.primary.served.model_id is not None else None
         return self._lanes.get(model)
 
     def offered_ids(self) -> tuple[str, ...]:

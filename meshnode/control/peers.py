@@ -47,6 +47,13 @@ class Peers:
         self._said_stalled = False
         self._channels: dict[str, grpc.aio.Channel] = {}
 
+    @property
+    def members(self) -> Membership:
+        """The membership, made by :meth:`start` (before the control loop and the heartbeats run)."""
+        if self.membership is None:
+            raise RuntimeError("the peers are not started yet")
+        return self.membership
+
     def start(self, me: NodeInfo) -> None:
         self.me = me
         self.membership = Membership(me, failure_timeout=self.settings.failure_timeout)
@@ -57,11 +64,13 @@ class Peers:
 
     def update_me(self, **changes) -> None:
         """Change what this node announces (sent with the next heartbeats)."""
+        assert self.me is not None, "the peers are started"
         self.me = dataclasses.replace(self.me, **changes)
         if self.membership is not None:
             self.membership.me = self.me
 
     def me_pb(self) -> mesh_pb2.NodeInfo:
+        assert self.me is not None, "the peers are started"
         msg = node_to_pb(self.me)
         msg.links.extend(link.to_pb() for link in self.links.links())
         msg.stalled_for = stalled = self.stalled_for()
@@ -137,7 +146,7 @@ class Peers:
             return
         if info.cluster_id != cluster_id or node_id == self.node_id:
             return
-        self.membership.add_target(info, f"{info.addresses[0]}:{info.grpc_port}")
+        self.members.add_target(info, f"{info.addresses[0]}:{info.grpc_port}")
         self.reach.announced(node_id, f"{info.addresses[0]}:{info.grpc_port}")
 
     # ------------------------------------------------------------------ how to reach them

@@ -78,7 +78,7 @@ class ControlPlane:
             log.exception("control loop tick failed")
 
     def tick(self) -> None:
-        membership, reach = self.peers.membership, self.peers.reach
+        membership, reach = self.peers.members, self.peers.reach
         epoch = self.adoption.epoch
         joined, left = membership.refresh()
         for nid in sorted(joined):
@@ -157,7 +157,9 @@ class ControlPlane:
         model = victim(loaded, self._loaded_at)
         if model is None:
             return  # every loaded model is in use: the request waits (load_timeout) for one to be idle
-        self.lanes.get(model).coordinator.unload(
+        lane = self.lanes.get(model)
+        assert lane is not None, "victim() names a loaded model"
+        lane.coordinator.unload(
             f"the least recently used idle model, unloaded to make room for {wanted.model_id}")
 
     def use_of(self, lane) -> Use:

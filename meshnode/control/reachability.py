@@ -37,6 +37,10 @@ class _Announced:
     error: str = ""  # the last failure
     reported: bool = False  # said in the log as unreachable (until it answers or is withdrawn)
 
+    def failing_for(self, now: float) -> float:
+        """Seconds since the first failed heartbeat (0 while it answers)."""
+        return now - self.failing_since if self.failing_since is not None else 0.0
+
 
 class Reachability:
     def __init__(self, grace: float, *, clock: Callable[[], float] = time.monotonic, hint_every: float = 900.0):
@@ -87,7 +91,7 @@ class Reachability:
                 continue
             peer.reported = True
             message = (f"peer {nid} is announced over mDNS but has not answered at {peer.target} for "
-                       f"{now - peer.failing_since:.0f} s ({peer.error})")
+                       f"{peer.failing_for(now):.0f} s ({peer.error})")
             if now - self._hinted_at >= self.hint_every:
                 self._hinted_at = now
                 message += ". " + HINT
@@ -101,5 +105,5 @@ class Reachability:
     def report(self) -> list[dict]:
         """For /v1/mesh: each unreachable peer, its address, for how long, the last error."""
         now = self.clock()
-        return [{"node_id": nid, "address": p.target, "seconds": round(now - p.failing_since, 1), "error": p.error}
+        return [{"node_id": nid, "address": p.target, "seconds": round(p.failing_for(now), 1), "error": p.error}
                 for nid, p in sorted(self.unreachable().items())]

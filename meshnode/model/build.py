@@ -312,7 +312,7 @@ def build_model(
         raise ValueError(f"{family}: {NOT_BUILDABLE[family]}")
     out_dir = Path(out_dir)
     vocab = build_tokenizer(out_dir, vocab_size, chat)
-    sizes = dict(
+    sizes: dict[str, Any] = dict(
         num_layers=num_layers, hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         vocab_size=vocab, tie=tie_word_embeddings, num_experts=num_experts, experts_per_tok=experts_per_tok,
@@ -371,7 +371,8 @@ def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | No
     elif quantize == "mixed":
         predicate = mixed_quant_predicate_builder("mixed_4_6", model, group_size or 32)
     with contextlib.redirect_stdout(io.StringIO()):  # it prints the bits per weight
-        _, config = quantize_model(model, config, group_size or 32, bits, mode=mode, quant_predicate=predicate)
+        _, config = quantize_model(model, config, group_size or 32, bits, mode=mode,
+                                   quant_predicate=predicate)  # type: ignore[arg-type]  # mlx-lm's own annotations disagree
     return config
 
 

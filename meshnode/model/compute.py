@@ -47,7 +47,7 @@ CACHE_FILE = "compute.json"  # in the node's state folder
 
 def _cache_key(model_path: Path) -> str:
     config = (model_path / "config.json").read_bytes()
-    ident = [hashlib.sha256(config).hexdigest(), platform.machine(), platform.system(), mx.__version__,
+    ident = [hashlib.sha256(config).hexdigest(), platform.machine(), platform.system(), mx.__version__,  # type: ignore[attr-defined]  # mlx's stubs omit it
              str(mx.default_device()), blas.in_use(), VERSION]
     return hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
 
@@ -194,6 +194,7 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
                 if (cancel is not None and cancel.is_set()) or time.monotonic() > end:
                     return 0.0
                 time.sleep(0.1)
+            assert procs[1].stdout is not None, "rank 1 runs with stdout=PIPE"
             out = procs[1].stdout.read()
             procs[0].wait(timeout=10)
             return float(out.strip().splitlines()[-1])

@@ -111,7 +111,7 @@ class DecodeBatch:
         if order != list(range(len(order))):
             self._each(lambda c: c.filter(mx.array(order)))
             self._members = want
-        return self._cache
+        return self._held()[0]
 
     def release(self, member: Member) -> None:
         """Take ``member`` out of the batch, its cache extracted back to it (no-op if not in it)."""
@@ -138,19 +138,25 @@ class DecodeBatch:
     def _index(self, member: Member) -> int:
         return next(i for i, m in enumerate(self._members) if m is member)
 
+    def _held(self) -> tuple[list[Any], list[int]]:
+        """The merged caches and which layer's cache each layer uses (set once a member joined)."""
+        assert self._cache is not None and self._alias is not None, "the batch holds a member"
+        return self._cache, self._alias
+
     def _distinct(self) -> list[int]:
-        return sorted(set(self._alias))
+        return sorted(set(self._held()[1]))
 
     def _each(self, fn) -> None:
+        cache = self._held()[0]
         for i in self._distinct():
-            fn(self._cache[i])
+            fn(cache[i])
 
     def _join(self, joining: list[Member]) -> None:
         for member in joining:
             if member.batch is not None:  # another batch holds its cache: it steps here from now on
                 member.batch.release(member)
-        caches = [m.cache for m in joining]
-        if any(c is None for c in caches):
+        caches = [m.cache for m in joining if m.cache is not None]
+        if len(caches) != len(joining):
             raise ValueError("a request joined a batch without its cache (it is in another batch)")
         alias = _aliases(caches[0])
         if self._alias is not None and alias != self._alias:
@@ -163,22 +169,24 @@ class DecodeBatch:
         if self._cache is None:
             self._cache, self._alias = merged, alias
         else:
+            held = self._held()[0]
             for i in self._distinct():
-                self._cache[i].extend(merged[i])
+                held[i].extend(merged[i])
         for member in joining:
             member.cache, member.batch = None, self  # the batch holds its KV now (no second copy)
         self._members.extend(joining)
 
     def _extract(self, idx: int) -> list[Any]:
         fresh: list[Any] | None = None
-        out: list[Any] = [None] * len(self._alias)
+        cache, alias = self._held()
+        out: list[Any] = [None] * len(alias)
         for i in self._distinct():
-            batch = self._cache[i]
+            batch = cache[i]
             if batch.empty():  # a cache this stage never writes (a kind only other stages run)
                 fresh = fresh if fresh is not None else self._make_cache()
                 out[i] = fresh[i]
             else:
                 out[i] = batch.extract(idx)
-        for i, j in enumerate(self._alias):
+        for i, j in enumerate(alias):
             out[i] = out[j]
         return out

@@ -159,7 +159,8 @@ class PrefixStore:
         kind of shard for these layers (a tensor group's workers, a plain shard's lists: a re-plan
         changed how they run), or CANNOT_CUT."""
         with self._lock:
-            entry = self._kept.get(layers, {}).get(key)
+            kept = self._kept.get(layers)
+            entry = kept.get(key) if kept is not None else None
             if entry is not None:
                 self._kept[layers].move_to_end(key)
         if entry is None or positions > entry[1]:

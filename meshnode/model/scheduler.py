@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import mlx.core as mx
@@ -32,7 +32,7 @@ _END = object()
 class TokenJob:
     """One generation's link between the scheduler thread and an asyncio consumer."""
 
-    def __init__(self, tokens: Iterator[int], loop: asyncio.AbstractEventLoop):
+    def __init__(self, tokens: Generator[int, None, None], loop: asyncio.AbstractEventLoop):
         self.tokens = tokens
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -233,7 +233,7 @@ class TokenScheduler:
         """``age_s``: how long a claim of the baton waits before it goes first whatever its work
         (:class:`Baton`); 0 serves claims in the order they came (tests that need generations to
         take turns whatever the machine's speed)."""
-        self._inbox: queue.Queue[TokenJob | _Call | None] = queue.Queue()
+        self._inbox: queue.Queue[_Call | None] = queue.Queue()
         self._baton = Baton(age_s)
         self._name = name
         self._jobs: set[TokenJob] = set()
@@ -262,7 +262,7 @@ class TokenScheduler:
         mine = left.pop(me, 0)
         return any(theirs <= mine for theirs in left.values())
 
-    def submit(self, tokens: Iterator[int], work: int = 0) -> TokenJob:
+    def submit(self, tokens: Generator[int, None, None], work: int = 0) -> TokenJob:
         """Run a generation; ``work``: prompt positions it prefills before its first token (its
         first claim of the baton: see AGE_S)."""
         job = TokenJob(tokens, asyncio.get_running_loop())

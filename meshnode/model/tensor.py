@@ -42,6 +42,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import mlx.core as mx
 
@@ -126,11 +127,11 @@ class TensorShard:
         self.hidden_size: int | None = None
         self.nbytes = 0
         self.rewind_limit: tuple[int | None, str] = (0, "the group's worker has not started")
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._hostfile: str | None = None
         self._lock = threading.Lock()
         # Slots and prefixes dropped, told to the worker with its next command: (CLOSE or FORGET, number).
-        self._closed: collections.deque[tuple[int, int]] = collections.deque()
+        self._closed: collections.deque[tuple[mesh_pb2.WorkerCommand.Op, int]] = collections.deque()
         self._next_slot = self._next_kept = 0
         self._failed: str | None = None
 
@@ -185,7 +186,8 @@ class TensorShard:
         if proc is not None:
             for stream in (proc.stdin, proc.stdout):
                 try:
-                    stream.close()
+                    if stream is not None:
+                        stream.close()
                 except OSError:
                     pass
         if self._hostfile:
@@ -204,9 +206,10 @@ class TensorShard:
         proc = self._proc
         if proc is None:
             raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is stopped")
+        out = cast(BinaryIO, proc.stdout)  # a pipe: the worker starts with stdout=PIPE
         started = time.monotonic()
         while True:
-            ready, _, _ = select.select([proc.stdout], [], [], timeout if alive is None else 0.25)
+            ready, _, _ = select.select([out], [], [], timeout if alive is None else 0.25)
             if ready:
                 break
             if alive is None:
@@ -216,7 +219,7 @@ class TensorShard:
             if proc.poll() is not None:
                 break  # read_frame below reports the exit
         try:
-            reply = read_frame(proc.stdout, mesh_pb2.WorkerReply)
+            reply = read_frame(out, mesh_pb2.WorkerReply)
         except (EOFError, OSError, TensorGroupError) as exc:
             raise self._fail(f"worker exited while {doing} ({exc}, exit code {proc.poll()})") from None
         if reply.error:
@@ -249,7 +252,7 @@ class TensorShard:
             return f"tensor group [{self.start}, {self.end}) is down"
         try:
             self._send_closed()
-            write_frame(self._proc.stdin, cmd)
+            write_frame(self._stdin(), cmd)
         except OSError as exc:
             raise self._fail(f"worker pipe broke ({exc})") from None
         try:
@@ -260,13 +263,20 @@ class TensorShard:
             return str(exc)  # the worker's refusal (a reply with an error), the group is fine
         return ""
 
+    def _stdin(self) -> BinaryIO:
+        """The running worker's command pipe."""
+        assert self._proc is not None and self._proc.stdin is not None, "the worker runs"
+        return cast(BinaryIO, self._proc.stdin)
+
     def _send_closed(self) -> None:
         """Tell the worker of the slots and prefixes dropped since the last command (under the lock)."""
         while self._closed:
             op, number = self._closed.popleft()
-            cmd = mesh_pb2.WorkerCommand(op=op, **({"slot": number} if op == mesh_pb2.WorkerCommand.CLOSE else
-                                                   {"kept": number}))
-            write_frame(self._proc.stdin, cmd)
+            if op == mesh_pb2.WorkerCommand.CLOSE:
+                cmd = mesh_pb2.WorkerCommand(op=op, slot=number)
+            else:
+                cmd = mesh_pb2.WorkerCommand(op=op, kept=number)
+            write_frame(self._stdin(), cmd)
 
     # ---------------------------------------------------------------- Shard interface
     def make_cache(self) -> _Slot:
@@ -291,7 +301,7 @@ class TensorShard:
                 raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is down: {self._failed or 'stopped'}")
             try:
                 self._send_closed()
-                write_frame(self._proc.stdin, mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x),
+                write_frame(self._stdin(), mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x),
                                                                      rewind=cache.rewind, all_positions=all_positions))
                 cache.rewind = 0
             except OSError as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,7 +55,7 @@ class Delta:
 
 
 class TokenSource(Protocol):
-    def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]: ...
+    def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]: ...
 
 
 class Engine:
@@ -73,7 +73,7 @@ class Engine:
     async def stream(
         self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = (),
         shape: AnswerShape | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """The answer to ``prompt`` in pieces. ``shape``: a chat answer, split into content,
         reasoning and tool calls (meshnode.serving.answer); None: all of it is text (completions).
         Stop strings end the content; logprobs (where asked) come with the piece of their token."""

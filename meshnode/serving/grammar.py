@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -70,7 +70,7 @@ class GrammarProcessor:
         if self._seen is None:
             self._seen = tokens.shape[0]
         elif tokens.shape[0] > self._seen:
-            new, self._seen = tokens[self._seen:].tolist(), tokens.shape[0]
+            new, self._seen = cast(list[int], tokens[self._seen:].tolist()), tokens.shape[0]
             for token in new:
                 if matcher.is_stopped():  # complete: only EOS may follow, and generate_step computes
                     break  # a step past that EOS which the engine throws away

@@ -85,8 +85,8 @@ class HeadPlacement:
         self._limit = limit  # how far the caches can be cut back (speculative.why_not)
         # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
         if batched:
-            self._source = BatchedSource(scheduler, handles[0], prefill_step_size=s.prefill_step_size,
-                                         prefixes=prefixes, tokenizer=tokenizer)
+            self._source: BatchedSource | PipelineSource = BatchedSource(
+                scheduler, handles[0], prefill_step_size=s.prefill_step_size, prefixes=prefixes, tokenizer=tokenizer)
             if speculation is not None:  # a request alone speculates; with others it joins their batch
                 self._alone = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                              prefill=prefill, prefixes=prefixes, tokenizer=tokenizer,

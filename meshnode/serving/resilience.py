@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -77,7 +77,7 @@ async def await_while_alive(awaitable: Awaitable, alive: Callable[[], bool], los
 class Placement(Protocol):
     epoch: int
 
-    def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]: ...
+    def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]: ...
 
 
 class FailoverSource:
@@ -142,7 +142,7 @@ class FailoverSource:
         except NotReady:
             return None
 
-    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         try:
             async for token in self._tokens(prompt, params):
                 yield token
@@ -151,7 +151,7 @@ class FailoverSource:
                 raise
             raise self._give_up(exc) from exc
 
-    async def _tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+    async def _tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         produced: list[int] = []
         placement = self._current(None)
         attempt = 1

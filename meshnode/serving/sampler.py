@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
@@ -110,5 +111,5 @@ def sampled(token: int, logprobs: mx.array, top: int) -> Sampled:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
         values = logprobs[ids]
         order = mx.argsort(-values)
-        best = tuple(zip(ids[order].tolist(), values[order].tolist()))
-    return Sampled(token, logprobs[token].item(), best)
+        best = tuple(zip(cast(list[int], ids[order].tolist()), cast(list[float], values[order].tolist())))
+    return Sampled(token, cast(float, logprobs[token].item()), best)

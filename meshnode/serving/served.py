@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from meshnode.control.planner.context import UNKNOWN
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
@@ -34,6 +35,10 @@ from meshnode.serving.settings import ServingSettings
 from meshnode.serving.usage import CountedSource, UseCounter
 from meshnode.transport.hop import HopSession
 from meshnode.transport.stage import RemoteStage, StageServer
+
+if TYPE_CHECKING:
+    from meshnode.control.planner.plans import Plan
+    from meshnode.serving.drafting import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -52,33 +57,37 @@ class ServedModel:
         self.files = ModelFiles(settings, progress, event, model=model, store=store, learned=learned)
         self.engine: Engine | None = None
         self.stage_server: StageServer | None = None
-        self.plan = None
-        self.previous = None  # the last ready plan, served until the current one is ready
+        self.prefixes: PrefixStore | None = None  # the prompt cache (load(): prompt_cache())
+        self.prefix_index: PrefixIndex | None = None
+        self.plan: Plan | None = None
+        self.previous: Plan | None = None  # the last ready plan, served until the current one is ready
         self.plan_error = ""
         self.ready_epoch = 0
         # What this node holds, by stage key: Shards, and its member of each tensor group (a
         # TensorShard supervising a worker process).
         self.shards: dict[tuple, Shard | TensorShard] = {}
         self._apply_task: asyncio.Task | None = None
-        self._applying = None  # the plan _apply_task loads this node's part of
+        self._applying: Plan | None = None  # the plan _apply_task loads this node's part of
         self._group_restart_at = 0.0
         self._placements: dict[int, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.faults, self.last_fault = 0, ""  # this node's computation of the model raised (fault())
         self.use = UseCounter()  # requests for the model that came to this node (meshnode.control.demand)
-        self.draft = None  # speculative decoding's draft model (meshnode.serving.drafting.DraftModel), if any
+        self.draft: DraftModel | None = None  # speculative decoding's draft model, if any
 
     async def load(self, holders) -> None:
         """The model's metadata and tokenizer (from peers if need be), its engine and stage server."""
         self.loop = asyncio.get_running_loop()
         await self.files.load(holders)
         s, f = self.settings, self.files
-        source = FailoverSource(self.placement, deadline=s.failover_deadline, on_retry=self.metrics.retry,
-                                give_up=gave_up, same_epoch=self.placement_again)
-        source = CountedSource(source, self.use, on_demand=self.on_demand, loaded=self.loaded, model=f.model_id,
+        model_id, tokenizer = f.model_id, f.tokenizer
+        assert model_id is not None and tokenizer is not None, "the files' load() reads them"
+        failover = FailoverSource(self.placement, deadline=s.failover_deadline, on_retry=self.metrics.retry,
+                                  give_up=gave_up, same_epoch=self.placement_again)
+        source = CountedSource(failover, self.use, on_demand=self.on_demand, loaded=self.loaded, model=model_id,
                                deadline=lambda: s.load_timeout,
                                give_up=lambda exc: unavailable(str(exc), 5, "model_not_loaded"))
-        self.engine = Engine(f.model_id, f.tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
+        self.engine = Engine(model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
         # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context)
@@ -86,7 +95,11 @@ class ServedModel:
                                         max_chunk=s.placement.prefill_step_size, max_context=self.context,
                                         inject_latency=s.inject_latency_us * 1e-6, prefixes=self.prefixes)
         loop = self.loop
-        self.stage_server.on_fault = lambda error: loop.call_soon_threadsafe(self.fault, error)
+
+        def on_fault(error: str) -> None:  # called on the MLX thread
+            loop.call_soon_threadsafe(self.fault, error)
+
+        self.stage_server.on_fault = on_fault
 
     @property
     def model_id(self) -> str | None:
@@ -180,17 +193,21 @@ class ServedModel:
         plan = self.plan
         if plan is None or not self.ready(plan):
             return
-        if self.previous is None and list(self.stage_server.epochs) == [plan.epoch]:
+        if self.previous is None and list(self._stage_server().epochs) == [plan.epoch]:
             return
         keep = {stage_key(s) for s in plan.stages if self.node_id in s.nodes}
         for key, shard in self.shards.items():
             if key not in keep:
                 close_shard(shard)
         self.shards = {k: v for k, v in self.shards.items() if k in keep}
-        self.stage_server.retire_before(plan.epoch)
+        self._stage_server().retire_before(plan.epoch)
         if self.previous is not None:
             log.info("epoch %d is ready everywhere; epoch %d retired", plan.epoch, self.previous.epoch)
         self.previous = None
+
+    def _stage_server(self) -> StageServer:
+        assert self.stage_server is not None, "load() made the stage server"
+        return self.stage_server
 
     # ------------------------------------------------------------------ readiness
     def ready(self, plan) -> bool:
@@ -199,7 +216,7 @@ class ServedModel:
         alive = membership.alive_peers() if membership is not None else {}
         for node_id in plan.node_ids():
             if node_id == self.node_id:
-                if self.ready_epoch < plan.epoch or plan.epoch not in self.stage_server.epochs:
+                if self.ready_epoch < plan.epoch or plan.epoch not in self._stage_server().epochs:
                     return False
                 if not self._groups_alive(plan):
                     return False
@@ -213,7 +230,7 @@ class ServedModel:
         for stage in plan.stages:
             if self.node_id in stage.nodes and len(stage.nodes) > 1:
                 shard = self.shards.get(stage_key(stage))
-                if shard is None or not shard.alive():
+                if not isinstance(shard, TensorShard) or not shard.alive():
                     return False
         return True
 
@@ -234,6 +251,7 @@ class ServedModel:
         loaded on demand the request waits in the engine's source (meshnode.serving.usage)."""
         if not self.on_demand():
             self.placement(None)
+        assert self.engine is not None, "load() made the engine"
         return self.engine
 
     def on_demand(self) -> bool:
@@ -319,7 +337,9 @@ class ServedModel:
 
 def stage_handles(served: ServedModel, plan) -> list:
     """Each stage of ``plan`` as this node reaches it: its own shard, or a peer over the network."""
-    handles = []
+    handles: list[LocalStage | RemoteStage] = []
+    loop, model_id = served.loop, served.model_id
+    assert loop is not None and model_id is not None, "the model is loaded"
     for stage in plan.stages:
         node_id = stage.nodes[0]
         key = stage_key(stage)
@@ -327,16 +347,17 @@ def stage_handles(served: ServedModel, plan) -> list:
             shard = served.shards.get(key)
             if shard is None:
                 raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
-            handles.append(LocalStage(shard, served.prefixes if keeps_prefixes(shard) else None))
+            # A tensor group's member runs its layers as a Shard does.
+            handles.append(LocalStage(cast(Shard, shard), served.prefixes if keeps_prefixes(shard) else None))
         else:
             handles.append(RemoteStage(
-                node_id=node_id, channel=served.mesh.data_channel(node_id), loop=served.loop,
+                node_id=node_id, channel=served.mesh.data_channel(node_id), loop=loop,
                 start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
                 hidden_size=served.profile.hidden_size, dtype=next(iter(served.shards.values())).dtype,
                 hop_timeout=served.settings.failure_timeout, observe=served.metrics.hop_observer(node_id),
                 data_port=served.mesh.data_port_of(node_id), auth=served.auth, caller=served.node_id,
-                alive=lambda nid=node_id: served.mesh.heard_within(nid),
-                data_session=HopSession, model=served.model_id,
+                alive=functools.partial(served.mesh.heard_within, node_id),
+                data_session=HopSession, model=model_id,
             ))
     return handles
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 
@@ -198,7 +199,7 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
     out: list[int] = []
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if greedy:
-        picks = mx.argmax(logprobs, axis=-1).tolist()
+        picks = cast(list[int], mx.argmax(logprobs, axis=-1).tolist())
         for j, pick in enumerate(picks):
             out.append(pick)
             if j >= len(checks) or pick != checks[j]:
@@ -235,7 +236,7 @@ def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: i
         if i + 1 < steps and not stop():
             after = step(current[0], offset + i + 1)
             mx.async_eval(*after)
-        yield current[0].item(), current[1]
+        yield cast(int, current[0].item()), current[1]
         if after is None:
             return
         current = after

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
+from meshnode.errors import abort
 from meshnode.proto import mesh_pb2
 from meshnode.transport.batch_hop import serve_batch
 from meshnode.transport.hop import refuse, serve_forward
@@ -50,7 +51,7 @@ class StageRouter:
         server = self._server_of(first.model)
         if server is None:
             refusal = not_served(first.model)
-            await context.abort(refusal.code, str(refusal))
+            await abort(context, refusal.code, str(refusal))
 
         async def again():
             yield first

@@ -98,6 +98,7 @@ def holdings_of(store: ModelStore) -> tuple[Holding, ...]:
     out = []
     for model_id in store.model_ids()[:16]:
         path = store.path_of(model_id)
+        assert path is not None, "model_ids() lists the models held"
         try:
             ranges = tuple(layers_held(path))
             complete = read_marker(path) is None
@@ -106,6 +107,15 @@ def holdings_of(store: ModelStore) -> tuple[Holding, ...]:
             continue
         out.append((model_id, complete, tuple(r for r in ranges if r[0] < r[1])[:64]))
     return tuple(out)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """``fn``, called from any thread, runs on ``loop``."""
+
+    def call(done: int, total: int) -> None:
+        loop.call_soon_threadsafe(fn, done, total)
+
+    return call
 
 
 class LayerSource:
@@ -164,8 +174,7 @@ class LayerSource:
 
     async def _from_hub(self, start: int, end: int, on_progress: Callable[[int, int], None] | None) -> Path:
         loop = asyncio.get_running_loop()
-        report = None if on_progress is None else \
-            (lambda done, total: loop.call_soon_threadsafe(on_progress, done, total))
+        report = None if on_progress is None else _on_loop(loop, on_progress)
         return await asyncio.to_thread(hub_layers, self.model_id, start, end, self.cache_root,
                                        metadata=self.model_path, on_progress=report)
 
@@ -416,7 +425,7 @@ def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blo
             except HfHubHTTPError as exc:
                 if exc.response is not None and exc.response.status_code in (401, 403, 404):
                     raise
-                err: Exception = exc
+                err: Exception | None = exc
             except Exception as exc:  # a cut connection, a timeout: keep the part, ask for the rest
                 err = exc
             else:

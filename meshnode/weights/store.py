@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from meshnode.errors import abort
 from meshnode.proto import mesh_pb2
 from meshnode.weights.manifest import (
     build_manifest,
@@ -144,28 +145,28 @@ class ModelStore:
     async def Manifest(self, request: mesh_pb2.ManifestRequest, context) -> mesh_pb2.ModelManifest:
         held = await self.held(request.model_id)
         if held is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
         return held.manifest
 
     async def Fetch(self, request: mesh_pb2.FetchRequest, context):
         """Stream bytes [offset, offset + length) of one listed file (length 0: to its end)."""
         held = await self.held(request.model_id)
         if held is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
         rel = safe_relpath(request.path)
         if rel is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused path {request.path[:200]!r}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"refused path {request.path[:200]!r}")
         entry = held.files.get(rel)
         if entry is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{rel!r} is not a file of model {request.model_id!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"{rel!r} is not a file of model {request.model_id!r}")
         offset = request.offset
         length = request.length or max(entry.size - offset, 0)
         if offset > entry.size or offset + length > entry.size:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+            await abort(context, grpc.StatusCode.OUT_OF_RANGE,
                                 f"{rel}: bytes [{offset}, {offset + length}) outside its {entry.size} bytes")
         where = held.locate(rel, offset, length)
         if where is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await abort(context, grpc.StatusCode.NOT_FOUND,
                                 f"{rel}: bytes [{offset}, {offset + length}) not held here")
         local, local_off, expect = where
         try:

@@ -195,7 +195,7 @@ class CostModel:
 
     def unknown_links(self, units) -> list[str]:
         """Links the estimate of this plan assumed (unmeasured)."""
-        pairs = set()
+        pairs: set[tuple[str, str]] = set()
         for ids, _, _ in units:
             pairs.update(itertools.combinations(ids, 2))
         heads = [ids[0] for ids, _, _ in units]
