@@ -24,8 +24,7 @@ class ControlSettings:
 
     @classmethod
     def of(cls, s: Settings) -> ControlSettings:
-        return cls(heartbeat_interval=s.heartbeat_interval, failure_timeout=s.failure_timeout,
-                   keep_alive=s.keep_alive)
+        return cls(heartbeat_interval=s.heartbeat_interval, failure_timeout=s.failure_timeout, keep_alive=s.keep_alive)
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,14 @@ class PeerSettings:
 
     @classmethod
     def of(cls, s: Settings) -> PeerSettings:
-        return cls(peers=s.peers, mdns=s.mdns, authenticate=s.authenticate, failure_timeout=s.failure_timeout,
-                   stall_timeout=s.stall_timeout, link_probe_interval=s.link_probe_interval)
+        return cls(
+            peers=s.peers,
+            mdns=s.mdns,
+            authenticate=s.authenticate,
+            failure_timeout=s.failure_timeout,
+            stall_timeout=s.stall_timeout,
+            link_probe_interval=s.link_probe_interval,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,12 @@ class PlanSettings:
 
     @classmethod
     def of(cls, s: Settings) -> PlanSettings:
-        return cls(strategy=s.strategy, rebalance_dwell=s.rebalance_dwell, link_probe_interval=s.link_probe_interval,
-                   failure_timeout=s.failure_timeout, max_context=s.max_context, kv_requests=s.kv_requests,
-                   kv_bits=s.kv_bits)
+        return cls(
+            strategy=s.strategy,
+            rebalance_dwell=s.rebalance_dwell,
+            link_probe_interval=s.link_probe_interval,
+            failure_timeout=s.failure_timeout,
+            max_context=s.max_context,
+            kv_requests=s.kv_requests,
+            kv_bits=s.kv_bits,
+        )
