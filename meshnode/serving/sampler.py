@@ -1,17 +1,9 @@
-"""The sampler and logits processors of one request, made from its :class:`SamplingParams` with
-mlx-lm's own pieces (``make_sampler``, ``make_logits_processors``), and its tokens'
-log-probabilities (:class:`~meshnode.serving.sampling.Sampled`).
+"""One request's sampler, logits processors and token log-probabilities, built from mlx-lm's pieces.
 
-Two things differ from handing the params to mlx-lm directly, and both keep the answer equal to
-``mlx_lm.generate`` on the whole prompt:
-
-* The penalties look back at the last tokens of the prompt as well as the answer. mlx-lm's
-  ``generate_step`` gives its processors the tokens it was fed, and here the prompt is prefilled
-  through the stages before it (or resumed from the prompt cache), so the processors get the
-  prompt's tail put back in front.
-* A seeded request draws token ``i`` from a key made of ``(seed, i)`` alone (MLX's random state is
-  global, so concurrent requests would share one stream): reproducible whatever else runs, and a
-  failover replay that starts at ``params.offset`` draws what the lost placement would have.
+Two differences from mlx-lm keep the answer equal to ``mlx_lm.generate`` on the whole prompt:
+the penalties also see the prompt's tail (prefilled before ``generate_step`` runs), and a seeded
+request draws token ``i`` from a key of ``(seed, i)`` alone, so it is reproducible beside other
+requests and across a failover replay.
 """
 
 from __future__ import annotations
@@ -43,15 +35,12 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
 
 
 def make_indexed_sampler(params: SamplingParams) -> Callable[[mx.array, int], mx.array]:
-    """``sample(logprobs, index)``: draw token ``index`` of the generation (``params.offset`` is the
-    first this placement draws). A seeded draw depends on (seed, index) alone, so a speculative pass
-    that checks several positions at once draws each as one-at-a-time decoding would; unseeded draws
-    use MLX's global random state, as mlx-lm's do."""
+    """``sample(logprobs, index)`` draws token ``index``; seeded draws depend on (seed, index) alone,
+    so a speculative pass draws each position as one-at-a-time decoding would."""
     if params.seed is None or params.temperature == 0:
         plain = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
         return lambda logprobs, index: plain(logprobs)
-    # The API accepts any int64 seed (OpenAI's range): fold it to the key's uint64 (a negative seed
-    # used to fail the generation; found by tests/test_fuzz.py).
+    # The API accepts any int64 seed (OpenAI's range): fold it into the key's uint64.
     seed = params.seed % 2**64
     top_p, min_p, top_k, inv_temp = params.top_p, params.min_p, params.top_k, 1.0 / params.temperature
 
@@ -76,9 +65,8 @@ def draw_key(seed: int, index: int) -> mx.array:
 
 
 def make_request_processors(params: SamplingParams, before: Sequence[int], tokenizer=None) -> list | None:
-    """mlx-lm's logits processors for ``params``, and its grammar's last (meshnode.serving.grammar,
-    with the head's ``tokenizer``); ``before``: the prompt tokens generate_step is not fed
-    (prefilled or resumed earlier), whose tail the penalties must still see."""
+    """mlx-lm's logits processors for ``params``, the grammar's last; ``before``: prompt tokens
+    generate_step is not fed, whose tail the penalties must still see."""
     if not params.processed:
         return None
     grammar = []
@@ -104,8 +92,8 @@ def make_request_processors(params: SamplingParams, before: Sequence[int], token
 
 
 def sampled(token: int, logprobs: mx.array, top: int) -> Sampled:
-    """``token`` with its log-probability and the ``top`` most likely tokens (mlx-lm's logprobs:
-    after the processors, before the sampler's filters, as mlx_lm.server reports them)."""
+    """``token`` with its log-probability and the ``top`` most likely tokens (after the processors,
+    before the sampler's filters, as mlx_lm.server reports them)."""
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
