@@ -1,10 +1,8 @@
 """The one thread that runs all of a node's MLX work, one piece at a time.
 
-MLX evaluation is not re-entrant across threads for one model, and a node's generations,
-remote stages' forwards and shard loading all need it. :class:`TokenScheduler` owns that
-thread: a generation is a :class:`TokenJob` (an iterator of token ids driven step by step), a
-one-off function is a call. :class:`Baton` makes them take turns, and a job that waits on the
-network gives the thread away (:func:`mlx_idle`) so others use it meanwhile.
+MLX evaluation is not re-entrant across threads for one model. :class:`TokenScheduler` runs
+generations (:class:`TokenJob`) and one-off calls under a :class:`Baton` that makes them take
+turns; a job waiting on the network lets go of it (:func:`mlx_idle`).
 """
 
 from __future__ import annotations
@@ -71,17 +69,14 @@ class TokenJob:
 _held = threading.local()
 
 
-# Who gets the baton next: the claim with the least work before its request's next token (prompt
-# positions still to prefill; 0 for a decode step or one-off work), earliest first among equals.
-# A short answer is thus not queued behind a long title prompt's chunks (shortest remaining
-# first). A claim that has waited AGE_S goes first whatever its work (oldest first), so a long
-# prefill is slowed by short requests and decoders, never starved.
+# Who gets the baton next: the claim with the least work before its next token (prompt positions
+# left to prefill; 0 for a decode step), earliest among equals. A claim that has waited AGE_S goes
+# first whatever its work, so a long prefill is slowed, never starved.
 AGE_S = 0.25
 
 
 def set_priority(work: int) -> None:
-    """Declare how much work this thread has left before its next token (see AGE_S); kept for
-    every later claim of the baton by this thread until set again."""
+    """Declare this thread's work left before its next token (see AGE_S), until set again."""
     _held.priority = max(0, int(work))
     generations = getattr(_held, "generations", None)
     if generations is not None:  # a generation's thread: its scheduler knows what it has left
@@ -98,11 +93,9 @@ class _Claim:
 class Baton:
     """The right to run MLX work on this node: one thread at a time.
 
-    Each generation runs on its own thread but computes only while holding the baton; it lets go
-    while it waits for a remote stage, so another generation computes meanwhile (overlapped
-    decoding), and after every token or prefill chunk, so generations take turns. The releasing
-    thread hands the baton to one waiting claim (see AGE_S for which), so every thread sees the
-    same choice.
+    A generation computes only while holding it, and lets go while it waits for a remote stage
+    and after every token or prefill chunk. The releasing thread hands it to one waiting claim
+    (see AGE_S), so every thread sees the same choice.
     """
 
     def __init__(self, age_s: float = AGE_S, clock: Callable[[], float] = time.monotonic):
@@ -149,9 +142,8 @@ class Baton:
     def pass_on(self, settle: Callable[[], None] | None = None) -> None:
         """Let a waiting thread with a better claim go first, then take the baton back.
 
-        ``settle`` runs first (only when someone goes first): it finishes the work this thread left
-        running, so the next holder gets the processor to itself and work finishes in turn
-        (first come, first done) instead of sharing it and everything finishing late.
+        ``settle`` runs first (only when someone goes first) to finish the work this thread left
+        running, so the next holder gets the processor to itself.
         """
         with self._cond:
             mine = self._claim()
@@ -230,9 +222,7 @@ class TokenScheduler:
     """
 
     def __init__(self, name: str = "meshnode-mlx", age_s: float = AGE_S):
-        """``age_s``: how long a claim of the baton waits before it goes first whatever its work
-        (:class:`Baton`); 0 serves claims in the order they came (tests that need generations to
-        take turns whatever the machine's speed)."""
+        """``age_s``: see AGE_S; 0 serves claims in the order they came."""
         self._inbox: queue.Queue[_Call | None] = queue.Queue()
         self._baton = Baton(age_s)
         self._name = name
@@ -253,10 +243,8 @@ class TokenScheduler:
         return self._baton
 
     def others_waiting(self) -> bool:
-        """Called on a generation's thread: another generation here has no more prompt left than
-        this one (a decoder, a shorter prompt), so it would wait behind this one's long chunks.
-        A generation with more left waits anyway (the baton serves the least left first), so it
-        is no reason to cut this one's prompt finer."""
+        """On a generation's thread: whether another generation here has no more prompt left than
+        this one, and so would wait behind its long chunks."""
         me = threading.get_ident()
         left = dict(self._left)  # a copy: other threads add and remove themselves
         mine = left.pop(me, 0)
@@ -319,11 +307,8 @@ class TokenScheduler:
         """One generation's thread: a token at a time, each computed holding the baton."""
         _held.generations = self._left
         # A token whose step waited on a remote stage is handed to the event loop only once the
-        # next step has gone out and this thread waits again (mlx_idle): the loop's work for it
-        # (text, the stream's frame, the write) then runs while the stage computes, instead of
-        # taking the GIL and the core from this node's own step and delaying its send (measured:
-        # 1.7-2.2 ms of the loop's CPU per token, and 3-6 ms before the send for one token in ten,
-        # benchmarks/split_cost.py). A client sees each token one step of the head later.
+        # next step has gone out (mlx_idle): the loop's work for it then runs while the stage
+        # computes instead of delaying this node's send. A client sees it one step later.
         held: list[int] = []
 
         def flush() -> None:
@@ -349,9 +334,7 @@ class TokenScheduler:
                     job.end(exc)
                     return
                 if getattr(_held, "idled", False):
-                    # This token waited on a remote stage and queued for the baton again after
-                    # it: the others already had their turn, and this generation goes on to send
-                    # its next activation as soon as its own step is done.
+                    # Waited on a remote stage: the others already had their turn.
                     _held.idled = False
                     held.append(token)
                 else:
@@ -401,10 +384,9 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 
 
 class StepWatch:
-    """The model steps in flight on this node (a stage's chunk or token for a peer), to tell a
-    stalled node from a busy one. A busy node finishes its steps: each is one prefill chunk
-    (sized to well under a second) or one token. A stalled one (a hung GPU command, a deadlock)
-    has a step that never ends, while its event loop still heartbeats.
+    """The model steps in flight on this node, to tell a stalled node from a busy one: a busy node
+    finishes each step (a chunk or a token), a stalled one has a step that never ends while its
+    event loop still heartbeats.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
