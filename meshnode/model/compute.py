@@ -1,20 +1,12 @@
 """How fast this machine runs the served model: seconds for one decode step of one layer.
 
-The planner weighs compute against links, so it needs this figure for the model actually
-served, not a generic FLOP count. A few consecutive layers of the model are loaded on their own
-(the shard machinery reads only their tensors), a short context is prefilled, then single-token
-steps are timed; the median, per layer, is kept. Several layers, because one layer's weights
-stay in the CPU's caches from step to step and decode then looks ~1.7x faster than a whole
-model's, whose weights stream from memory (measured here: 5.5 ms for one 768-wide float32 layer
-alone, 9.2 ms per layer over four or eight). The result is cached per model, machine and
-MLX version (and BLAS: meshnode.blas) in the node's state folder, so a restart costs nothing.
+The planner weighs compute against links, so it times the served model itself: a few
+consecutive layers are loaded, a short context prefilled, and the median single-token step per
+layer kept. Several layers, so their weights stream from memory as a whole model's do instead of
+staying in the CPU's caches. The figure is cached per model, machine, MLX version and BLAS.
 
-A busy machine must not make a node look slow for good: where MLX computes on the CPU, each step
-counts the smaller of its wall time and the process's CPU time, so time spent descheduled while
-other programs (or, in tests, the other nodes on the same cores) run is not counted. Measured here
-with three busy loops on two cores: wall 1.9-3.5 ms a layer, the smaller 1.05-1.58, against 0.95
-alone (alone the CPU time is the larger: MLX's helper threads). A GPU's steps wait without using
-the CPU, so there the wall time alone counts.
+On MLX's CPU backend a step counts the smaller of wall and CPU time, so time descheduled while
+other programs run does not make the node look slow for good; on a GPU the wall time counts.
 """
 
 from __future__ import annotations
@@ -160,13 +152,9 @@ def step_seconds(wall: float, cpu: float, on_cpu: bool) -> float:
 
 def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0, timeout: float = 120.0,
                                  tries: int = 2, cancel: threading.Event | None = None) -> float:
-    """Seconds of one decode step of one layer split between two processes on this machine by
-    mlx-lm's ``shard()`` over an ``mx.distributed`` ring on loopback: half the layer's compute,
-    its two all-reduces, and what sharding does not halve (per-operation costs, which dominate
-    small layers). The best of ``tries`` rings: two processes in lockstep are easily slowed by
-    anything else the machine does meanwhile, never sped up. Blocking; 0.0 when it cannot be
-    measured, or once ``cancel`` is set (the ring's processes are then killed at once: a node that
-    stops must not leave two processes spinning on a ring for minutes)."""
+    """Seconds of one decode step of one layer split two ways by mlx-lm's ``shard()`` over an
+    ``mx.distributed`` ring on loopback, all-reduces included. The best of ``tries`` rings (noise
+    only slows). Blocking; 0.0 when unmeasurable or once ``cancel`` is set, which kills the ring."""
     times = [t for t in (_ring_probe(model_path, num_layers, layer_bytes, timeout, cancel) for _ in range(tries)
                          if cancel is None or not cancel.is_set()) if t > 0]
     return min(times, default=0.0)
@@ -208,9 +196,8 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
 
 
 def _half_the_threads() -> dict[str, str]:
-    """The two ring processes share this machine: each gets half the BLAS threads the node has
-    where OPENBLAS_NUM_THREADS gives it several (meshnode.blas; OpenBLAS's threads spin while they
-    wait, and four on two cores timed a split layer at 15 ms against the whole layer's 1.6)."""
+    """Half the node's OPENBLAS_NUM_THREADS for each of the two ring processes: OpenBLAS's threads
+    spin while they wait, so oversubscribed cores slow the ring badly."""
     threads = os.environ.get(blas.THREADS_ENV)
     return {blas.THREADS_ENV: str(max(1, int(threads) // 2))} if threads and threads.isdigit() else {}
 
@@ -229,13 +216,9 @@ def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, lay
 
 def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
                  rounds: int = 3, tensor: bool = True) -> tuple[float, float]:
-    """Measure both figures afresh, alternating, and cache the best of ``rounds`` of each in
-    ``state_dir`` (what a node started there then uses instead of measuring). For benchmarks and
-    tests that start several nodes on one machine: measured one after the other, a burst of other
-    work during one figure but not the other skews their ratio, and the ratio is what decides
-    between a tensor pair and a pipeline. Noise only ever slows a run, so the minimum is the
-    machine's figure. Returns (layer seconds, two-way split layer seconds; 0.0 if unmeasurable or
-    not ``tensor``: pipelines only)."""
+    """Measure both figures afresh, alternating so a burst of load skews neither's ratio, and cache
+    the best of ``rounds`` of each in ``state_dir`` (for benchmarks and tests). Returns (layer
+    seconds, two-way split layer seconds or 0.0)."""
     one, two = [], []
     for _ in range(rounds):
         one.append(measure_layer_seconds(model_path, num_layers, layer_bytes))
@@ -252,9 +235,8 @@ def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes
 
 
 def collective_overhead(layer_s: float, tensor_layer_s: float) -> float:
-    """What each all-reduce adds beyond the halved layer, from the two measurements: a two-way
-    split layer takes layer / 2 + 2 C, so C = (tensor_layer - layer / 2) / 2 (it also carries the
-    per-operation costs that sharding does not halve). 0.0 when either is unknown."""
+    """What each all-reduce adds beyond the halved layer: a split layer takes layer / 2 + 2 C, so
+    C = (tensor_layer - layer / 2) / 2. 0.0 when either is unknown."""
     if layer_s <= 0 or tensor_layer_s <= 0:
         return 0.0
     return max((tensor_layer_s - layer_s / 2) / 2, 1e-6)
