@@ -1,27 +1,20 @@
 """OpenBLAS under MLX's CPU matrix multiplies on Linux (``MESHNODE_BLAS``).
 
-MLX's Linux CPU wheel (``mlx[cpu]`` 0.32) links the netlib *reference* BLAS: plain loops, about
-4.5 GFLOP/s for a float32 matmul on one core here, whatever its shape, so a prompt's positions
-cost nearly what as many decode steps do and a batch of requests runs no faster than one after
-the other. The same ``cblas_sgemm`` from OpenBLAS runs 7x faster for 4 rows and 25x for 64
-(measured here: a 113-token prompt of the bench llama prefilled in 0.37 s instead of 5.15 s,
-decode 23.1 tok/s instead of 18.2, four requests batched 3.9x the tokens/s of one instead of
-1.1x). Loaded into the process before MLX with ``RTLD_GLOBAL``, its symbols come first in the
-global lookup, so MLX's library binds to them instead of its own copy's.
+MLX's Linux CPU wheel links the netlib *reference* BLAS, whose matmul costs the same per row
+whatever the shape, so prefill and batching gain nothing; OpenBLAS's ``cblas_sgemm`` is many times
+faster for several rows. Loaded before MLX with ``RTLD_GLOBAL``, its symbols come first in the
+global lookup, so MLX's library binds to them (docs/operations.md, docs/benchmarks.md).
 
 ``MESHNODE_BLAS``: ``auto`` (the default: OpenBLAS where the system has it, e.g. Debian's
 ``libopenblas0``), ``reference`` (MLX's own), or the path of a BLAS library exporting the CBLAS
 interface. OpenBLAS computes on one thread per process unless ``OPENBLAS_NUM_THREADS`` says more.
-Read once, when :mod:`meshnode` is first imported, which must come before ``mlx``'s
-import in the process (a node, its workers and probes all start from :mod:`meshnode`). Children
-inherit the variable, so a node's workers compute with the same library. macOS has Apple's
-Accelerate under MLX already, and there this does nothing.
+Read once, when :mod:`meshnode` is first imported, before ``mlx``; children inherit the variable.
+On macOS MLX uses Accelerate and this does nothing.
 
-Exactness: the reference BLAS computes each output as one loop, so a row's result does not
-depend on how many rows are multiplied with it, and a split, batched or speculating mesh gives
-mlx-lm's greedy tokens bit for bit. OpenBLAS's kernels block by shape, so rounding differs with
-the number of positions in a step, as on a GPU (README, "Greedy identity on the GPU"): the tests
-that compare with mlx-lm run on the reference BLAS (``tests/conftest.py``).
+Exactness: with the reference BLAS a row's result does not depend on how many rows go with it,
+so a split, batched or speculating mesh gives mlx-lm's greedy tokens bit for bit. OpenBLAS blocks
+by shape, so rounding varies with positions per step, as on a GPU (docs/speculative.md, "The same
+answer, and greedy identity on a GPU"): tests comparing with mlx-lm use the reference BLAS.
 """
 
 from __future__ import annotations
@@ -59,11 +52,9 @@ def choose(setting: str, platform: str, find: Callable[[], str | None]) -> str |
 
 
 def _open(name: str, mode: int) -> ctypes.CDLL:
-    """``name`` loaded (or found loaded). OpenBLAS reads its thread count once, when it first loads,
-    so it is set here, before: one thread, unless set. MLX computes on one thread too, a process
-    that pins itself to a core later (a benchmark's mlx-lm) would leave OpenBLAS's other threads
-    unpinned, and nodes sharing a machine (tests, a ring probe) must not fight for its cores with
-    spinning BLAS threads. Children inherit it."""
+    """``name`` loaded (or found loaded). OpenBLAS reads its thread count once, at load, so it is
+    set before: one thread unless set, so nodes sharing a machine do not fight with spinning BLAS
+    threads."""
     os.environ.setdefault(THREADS_ENV, "1")
     return ctypes.CDLL(name, mode=mode)
 
