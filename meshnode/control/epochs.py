@@ -1,29 +1,20 @@
 """One plan per epoch: what a node knows of plan epochs, and the rule that keeps the numbers honest.
 
-A plan is named by its epoch everywhere (the data path, readiness, failover), so an epoch must
-name one plan. Two nodes can still publish under one number: each coordinated for a moment
-before it heard the other (nodes started together, a healed partition), or a new coordinator
-published before the last plan of the one it replaces reached it. The rule, the same on every
-node and with no timing in it:
+A plan is named by its epoch everywhere, so an epoch must name one plan; yet two coordinators
+can publish under one number (nodes started together, a healed partition). The rule, with no
+timing in it:
 
-1. A node adopts a plan only if its epoch is higher than the node's own (stale plans are fenced),
-   or if it is the very plan (epoch and coordinator) this node withdrew and holds none since, and
-   its coordinator itself offers it: a node cut off alone finds that no plan fits on it and drops
-   the plan it held; once it hears the mesh again, the mesh still holds that plan, and no new
-   epoch comes to bring it back. (From the coordinator only: a peer cut off with this node may
-   still hold the plan, and taking it back from that peer would only be dropped again.)
-2. A plan seen under the node's own epoch from a coordinator other than the one that published
-   the node's plan marks that epoch *contested*: in a heartbeat, in an Install, or in the reply
-   of a peer that refused this node's Install because it holds another plan under that epoch
-   (a peer that already holds the very plan, brought by heartbeats, accepts the Install).
-3. The elected coordinator (meshnode.control.election) publishes its plan again, above every
-   epoch it has seen, as soon as its epoch is contested. By rule 1 every node then adopts it,
-   whichever of the two plans it held.
-4. Nobody publishes a first plan before ``grace`` seconds of being up unless it has heard of a
-   plan already: nodes started together hear each other first, so only one of them publishes.
+1. A node adopts a plan only if its epoch is above its own, or it is the very plan this node
+   withdrew (holding none since) offered by its own coordinator: a node cut off alone drops its
+   plan, and no new epoch would bring it back.
+2. A plan under the node's own epoch from another coordinator (in a heartbeat, an Install, or a
+   peer's refusal) marks that epoch *contested*.
+3. The elected coordinator republishes above every epoch seen once its epoch is contested; by
+   rule 1 every node adopts it.
+4. Nobody publishes a first plan before ``grace`` seconds up unless it has heard of one, so of
+   nodes started together only one publishes.
 
-tests/test_epochs.py drives several nodes' states through every ordering of their messages
-and checks that they always end on one plan.
+tests/test_epochs.py checks every ordering of the messages ends on one plan.
 """
 
 from __future__ import annotations
@@ -62,8 +53,7 @@ class EpochState:
         return self.held.epoch if self.held is not None else self.withdrawn
 
     def saw(self, epoch: int) -> None:
-        """An epoch a peer holds (its heartbeat, its refusal). Numbers past MAX_EPOCH are a peer's
-        garbage: taking them would make the next epoch overflow the wire's uint64."""
+        """An epoch a peer holds. Numbers past MAX_EPOCH are ignored: the next would overflow uint64."""
         if 0 <= epoch <= MAX_EPOCH:
             self.max_seen = max(self.max_seen, epoch)
 
@@ -82,13 +72,11 @@ class EpochState:
         return False
 
     def holds(self, epoch: int, coordinator: str) -> bool:
-        """Whether this node holds that very plan already (an Install after the heartbeats brought
-        it is accepted, not refused: a refusal of one's own epoch means another plan)."""
+        """Whether this node holds that very plan already (its Install is accepted, not refused)."""
         return self.held == Published(epoch, coordinator)
 
     def refused(self, epoch: int, their_epoch: int, peer: str) -> None:
-        """``peer`` refused this node's Install of ``epoch``, holding ``their_epoch`` (a peer that
-        holds this very plan accepts it: see :meth:`holds`)."""
+        """``peer`` refused this node's Install of ``epoch``, holding ``their_epoch``."""
         self.saw(their_epoch)
         if self.held is not None and their_epoch == epoch == self.held.epoch and self.contested != epoch:
             log.warning("epoch %d names two plans: %s holds another one", epoch, peer)
