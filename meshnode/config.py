@@ -7,20 +7,10 @@ Precedence, lowest first::
 The defaults live only in :class:`Settings`; ``configs/default.toml`` documents every key (a test keeps
 the two in step).
 
-Value syntax, the same in every source (a TOML file may also use native TOML types):
-
-* optional values (``model``, ``node_id``, ``cluster_key``, ``memory_budget``, ``state_dir``,
-  ``cache_dir``, ``api_key``): an empty string (or, for ``memory_budget``, ``"auto"``) means "not
-  set" (TOML has no null).
-* sizes (``memory_budget``, ``max_body_bytes``): plain bytes or a number with a unit, see
-  :func:`parse_size`: ``K M G T`` and ``KiB MiB GiB TiB`` are binary (1024^n), ``KB MB GB TB`` are
-  SI (1000^n); ``B`` is bytes.  Units are case-insensitive.  ``"1.5GiB"``, ``"512M"``, ``1048576``.
-* durations (``heartbeat_interval``, ``failure_timeout``): seconds, float; ``"500ms"`` and ``"2s"``
-  are accepted too.
-* booleans: TOML booleans, or ``1/0 true/false yes/no on/off``.
-* ``peers``: a TOML array of ``"HOST:PORT"`` strings (gRPC port; IPv6 as ``"[::1]:8471"``); in the
-  environment a comma-separated list.
-* paths: ``~`` is expanded; a relative path in a config file is relative to that file's folder.
+Value syntax, the same in every source (a TOML file may also use native types): an empty string
+means "not set" for optional values (TOML has no null); sizes take units (:func:`parse_size`);
+durations are seconds or ``"500ms"``; booleans also ``1/0 yes/no on/off``; ``peers`` is an array of
+``"HOST:PORT"`` (comma-separated in the environment); a relative path in a file is relative to it.
 """
 
 from __future__ import annotations
@@ -162,8 +152,7 @@ class Settings:
 
     #: None = the built-in demo model; else a local mlx-lm directory or a Hugging Face id.
     model: str | None = None
-    #: More models this node offers beside ``model`` (several models on one mesh: the mesh serves
-    #: every model any of its nodes offers, each planned on its own; meshnode.control.lanes).
+    #: More models this node offers beside ``model``, each planned on its own (meshnode.control.lanes).
     models: tuple[str, ...] = ()
     #: Bind address for HTTP and gRPC.
     host: str = "0.0.0.0"
@@ -180,45 +169,33 @@ class Settings:
     #: Bytes offered for weights + KV cache; None = memory_fraction x available memory.
     memory_budget: int | None = None
     memory_fraction: float = 0.75
-    #: Tokens of context per request; 0: the context the model was trained for (its config), lowered
-    #: only as far as the mesh's memory requires (meshnode.control.planner.context).
+    #: Tokens of context per request; 0: the model's own, lowered as far as the mesh's memory requires.
     max_context: int = 0
-    #: Requests whose KV cache (max_context tokens each) every stage reserves memory for: a chat
-    #: client's answer and the title request it sends beside it run at once.
+    #: Requests whose KV cache every stage reserves memory for (a chat's answer and its title request).
     kv_requests: int = 2
-    #: Quantize the KV cache to this many bits (4 or 8; 0: off), mlx-lm's QuantizedKVCache in groups of
-    #: 64: the plan counts it, so a longer context fits the same memory. Continuous batching is off then.
+    #: Quantize the KV cache to 4 or 8 bits (0: off), so a longer context fits; turns batching off.
     kv_bits: int = 0
     prefill_step_size: int = 512
     #: Prefill a prompt in chunks that flow through the stages like an assembly line.
     pipelined_prefill: bool = True
-    #: Keep recent conversations' KV on every stage (within the KV the plan reserves for
-    #: kv_requests requests), so a chat's next turn prefills only its new tokens.
+    #: Keep recent conversations' KV on every stage, so a chat's next turn prefills only new tokens.
     prompt_cache: bool = True
-    #: Where one node holds the whole model, run its concurrent generations as one batch
-    #: (mlx-lm's BatchGenerator: a step decodes a token for each) instead of taking turns.
+    #: Where one node holds the whole model, batch its concurrent generations (mlx-lm's BatchGenerator).
     batching: bool = True
-    #: Across pipeline stages, concurrent requests' decode steps go through the stages together
-    #: (micro-batches, meshnode.serving.step_batch) instead of a step each in turn. "auto": where
-    #: MLX's matmuls are OpenBLAS's (meshnode.blas), whose batched rows cost a fraction of a row
-    #: each; not on MLX's own reference BLAS, where turns overlap the stages better, nor on a GPU,
-    #: where it is not measured yet (README, Concurrent streams).
+    #: Across pipeline stages, concurrent decode steps travel together (meshnode.serving.step_batch).
+    #: "auto": only where MLX's matmuls are OpenBLAS's, whose batched rows are cheap; not on the
+    #: reference BLAS or a GPU (docs/benchmarks.md, "Concurrent streams").
     batch_stages: bool | str = "auto"
-    #: Speculative decoding (meshnode.serving.speculative): "prompt_lookup" guesses the next tokens
-    #: from the prompt and answer so far, "draft_model" with draft_model, and every stage checks
-    #: them in one pass; the answer is the same tokens as without it. "off": a token per pass.
-    #: "auto": prompt lookup where the model is split across nodes, off where the whole model is
-    #: on the serving node and its requests batch (a lone request speculating there would decode
-    #: beside the batch, and one arriving would take turns with it instead of batching).
+    #: Speculative decoding: "prompt_lookup", "draft_model" (with draft_model) or "off"; the answer
+    #: is the same tokens. "auto": prompt lookup where the model is split, off where one node
+    #: holds it and batches (a speculating request would not batch).
     speculative: str = "auto"
-    #: The most tokens guessed per pass (the number follows the measured acceptance and pass cost).
+    #: The most tokens guessed per pass.
     draft_max: int = 8
-    #: With speculative = "draft_model": a small model with the served model's tokenizer (a folder
-    #: or a Hub id), loaded whole on every node for the requests it heads; its weights are taken
-    #: off memory_budget.
+    #: A small model with the served model's tokenizer, loaded whole on every node (its weights
+    #: count against memory_budget).
     draft_model: str | None = None
-    #: Activations between pipeline stages travel in bare TCP frames on the data port (tensor_port
-    #: + 33) instead of gRPC streams: a hop then costs the network's round trip, not the RPC stack's.
+    #: Activations between stages travel in bare TCP frames on the data port instead of gRPC.
     fast_hops: bool = True
     #: The longest one stage's step of a prefill may run (chunks are sized to fit; Apple's GPU
     #: watchdog kills a command that runs too long).
@@ -237,20 +214,17 @@ class Settings:
     failure_timeout: float = 2.0
     #: Seconds a generation whose stage failed may wait for a new plan before it fails.
     failover_deadline: float = 30.0
-    #: Several models on one mesh: seconds an idle model stays loaded, for every model ({"*": s}) or
-    #: per model; 0 (default): until another model needs its room (meshnode.control.demand).
+    #: Seconds an idle model stays loaded ({"*": s} or per model); 0: until its room is needed.
     keep_alive: dict = field(default_factory=lambda: {"*": 0.0})
     #: Seconds a request for a model loaded on demand may wait for the load before it fails (503).
     load_timeout: float = 600.0
-    #: Seconds one model step (a prefill chunk or a token, for a peer) may run before this node
-    #: tells the mesh it is stalled (a hung GPU command, a deadlock) rather than busy: generations
-    #: waiting on it fail over and plans leave it out until the step ends.
+    #: Seconds one model step may run before this node reports itself stalled, not busy, and
+    #: generations waiting on it fail over.
     stall_timeout: float = 60.0
     #: Seconds a plan stays before the coordinator moves to a better one (a node joined).
     rebalance_dwell: float = 5.0
-    #: How the coordinator splits the model: auto (lowest estimated time per token), or force
-    #: single, pipeline, tensor or hybrid (a preference: where it is impossible, e.g. tensor with one
-    #: node left, the mesh serves the auto plan rather than nothing, and says so in the log).
+    #: auto (lowest estimated time per token), or prefer single, pipeline, tensor or hybrid (where
+    #: impossible, the auto plan is served and the log says so).
     strategy: str = "auto"
     #: First of 34 TCP ports: tensor-parallel groups (mx.distributed ring and control), the link
     #: echo (+32) and the data port (+33); 0 = grpc_port + 1.
@@ -259,9 +233,8 @@ class Settings:
     group_ready_timeout: float = 300.0
     #: Seconds between measurements of the link to each peer (RTT, jitter, bandwidth).
     link_probe_interval: float = 30.0
-    #: Tests and benchmarks only: microseconds added to every reply this node sends on the data
-    #: path (Forward), to link probes and echoes, and to each collective of its tensor groups, as a
-    #: link with that much more round-trip time would. 0 in real use.
+    #: Tests and benchmarks only: microseconds of round trip added to this node's data path, link
+    #: probes and tensor collectives.
     inject_latency_us: float = 0.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
@@ -272,8 +245,7 @@ class Settings:
     #: Web pages of these origins may call the API from a browser (CORS); empty = none may.
     cors_origins: tuple[str, ...] = ()
     log_level: str = "INFO"
-    #: One INFO line per HTTP request in the log (logger meshnode.access): method, path, status,
-    #: seconds, model and tokens.
+    #: One INFO line per HTTP request (logger meshnode.access).
     access_log: bool = True
 
     def __post_init__(self) -> None:
@@ -393,13 +365,8 @@ def load_settings(
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Build Settings from defaults < config file < environment < flags.
-
-    ``config_file``: a TOML file; when None, the file named by ``$MESHNODE_CONFIG`` (if set).
-    ``env``: the environment to read ``MESHNODE_<FIELD>`` from (default ``os.environ``); other
-    ``MESHNODE_*`` variables are ignored. ``flags``: field name -> value; ``None`` means "not given".
-    Raises :class:`ConfigError` naming the key and its source.
-    """
+    """Build Settings from defaults < config file (else ``$MESHNODE_CONFIG``) < ``env`` < ``flags``
+    (None: not given). Raises :class:`ConfigError` naming the key and its source."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
