@@ -1,24 +1,17 @@
 """The pipeline's data plane over gRPC, and the stage logic every transport shares.
 
-Activations normally travel over the data port (meshnode.transport.hop, ``fast_hops``); gRPC
-carries them in encrypted clusters, to peers without a reachable data port, and with
-``fast_hops = false``. :class:`OpenStage` (one request's use of a stage: checks, KV cache, the
-step built ahead) serves both.
+Activations normally travel over the data port (meshnode.transport.hop); gRPC carries them in
+encrypted clusters, to peers without a reachable data port, and with ``fast_hops = false``.
+:class:`OpenStage` (one request's use of a stage) serves both.
 
-Server side (:class:`StageServer`): a ``Forward`` stream is one request's use of one stage.
-Its first message names the request, the epoch and the layer range; the stage opens a KV
-cache for it, and every message after that is one activation in, one activation out.
-Everything received is validated against the plan before an array is built.
+Server side (:class:`StageServer`): a ``Forward`` stream's first message names the request, epoch
+and layers; every later one is an activation in and out, validated against the plan first.
+Client side (:class:`RemoteStage`): the generation thread calls ``forward``; the I/O runs on the
+node's loop.
 
-Client side (:class:`RemoteStage`): the head's generation thread calls ``forward`` synchronously;
-the call runs on the node's asyncio loop over a long-lived stream.
-
-How long a step is waited for: as long as the stage's node is alive by the control plane (its
-heartbeats, :meth:`RemoteStage.check`), however long the step takes. A step's time says nothing
-about liveness: a 1k-token prefill on a slow machine, or a step queued behind another request's,
-takes what it takes. A stage is lost when its node stops heartbeating (frozen, gone, cut off),
-refuses or drops the stream, or reports a fault; so a hung peer still cannot hang a generation for
-longer than the failure detector's ``failure_timeout``.
+A step is waited for as long as the stage's node heartbeats, however long it takes: a step's time
+says nothing about liveness. A stage is lost when its node stops heartbeating, refuses or drops
+the stream, or reports a fault.
 """
 
 from __future__ import annotations
@@ -59,8 +52,7 @@ log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
 KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to take its prefix to keep
-# The answer to a keep (ForwardRequest.keep): the prefix is stored (an empty output; never an empty frame
-# on the data port, which would read as the end of the stream).
+# The answer to a keep: the prefix is stored (not an empty frame, which reads as end of stream).
 KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
 
 
@@ -75,8 +67,7 @@ class StageServer:
         self.vocab_size = vocab_size
         self.max_chunk = max_chunk
         self.max_context = max_context
-        # epoch -> the shards served for it. Usually one epoch; two while a new plan loads
-        # (make before break), so requests on the old placement keep being served.
+        # epoch -> its shards; two epochs while a new plan loads (make before break).
         self.epochs: dict[int, dict[tuple[int, int], "Shard"]] = {}
         # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
         self.on_fault: Callable[[str], None] | None = None
@@ -86,8 +77,7 @@ class StageServer:
         self.batches: dict[int, DecodeBatch] = {}  # by batch stream
 
     def fault(self, shard: "Shard", what: str, whose: str, exc: BaseException) -> StageRefusal:
-        """The refusal for ``shard``'s model raising on ``what`` (inside the ``except``): logged with
-        its traceback (``whose``) and told to on_fault, so the node keeps serving others."""
+        """The refusal for ``shard``'s model raising on ``what``, logged and told to on_fault."""
         spec = shard.spec
         log.exception("layers [%d, %d) failed on %s", spec.start, spec.end, whose)
         error = f"layers [{spec.start}, {spec.end}) failed on {what}: {type(exc).__name__}: {exc}"
@@ -157,8 +147,7 @@ class StageServer:
                     await asyncio.sleep(self.inject_latency)
                 yield mesh_pb2.ForwardReply(output=output, stage_seconds=seconds)
         except DecodeError:
-            # A corrupt message in the stream (grpc parses them as they are read): the caller's
-            # error, answered INVALID_ARGUMENT, instead of an UNKNOWN and a traceback in the log.
+            # A corrupt message is the caller's error: INVALID_ARGUMENT, not UNKNOWN and a traceback.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
         finally:
             if stage is not None:
@@ -168,10 +157,7 @@ class StageServer:
 
 class OpenStage:
     """One request's use of one stage on the serving side: its KV cache and what it has seen.
-
-    Transport-neutral: the gRPC ``Forward`` stream and the data port (meshnode.transport.hop) both
-    admit each message, then run it on the MLX thread.
-    """
+    Both transports admit each message, then run it on the MLX thread."""
 
     def __init__(self, server: StageServer, shard: "Shard", cache: list | None = None, resumed: int = 0):
         """``cache``: a kept prefix's KV (the prompt cache) holding ``resumed`` positions."""
@@ -198,8 +184,7 @@ class OpenStage:
             self.server.prefixes.grow(self.layers, positions - rewind)
 
     def keep(self, msg: mesh_pb2.ForwardRequest) -> None:
-        """The request's last message: keep its KV for a later request with the same start (on
-        the MLX thread). The cache is the store's from here on."""
+        """The request's last message: keep its KV for a later request with the same start."""
         take_back(self)
         cache, self.cache, self.prepared = self.cache, None, None
         self.close()  # its positions are the kept prefix's now, not a request's in use
@@ -260,8 +245,8 @@ class OpenStage:
             raise self.server.fault(self.shard, "this input", f"{msg.request_id or '?'}'s input", exc) from None
 
     def prepare(self) -> None:
-        """Build the next one-position step on a placeholder (the head promised one: next_single),
-        so it costs nothing once its input arrives. On the MLX thread, after the reply went out."""
+        """Build the next one-position step on a placeholder (the head promised one), so it costs
+        nothing once its input arrives."""
         build_ahead = getattr(self.shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
         take_back(self)
         if self.prepared is None and build_ahead is not None:
@@ -269,11 +254,8 @@ class OpenStage:
 
 
 class RemoteSession:
-    """One request's stream to one remote stage, driven from the generation thread.
-
-    Messages may be sent ahead of replies (pipelined prefill): writes go out in order, and
-    replies, which the stage sends in the same order, are read in that order.
-    """
+    """One request's stream to one remote stage, driven from the generation thread. Messages may
+    go ahead of replies (pipelined prefill); replies come back in order."""
 
     remote = True
 
@@ -316,11 +298,8 @@ class RemoteSession:
         return reply
 
     def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "RemoteTicket":
-        """Send ``x`` without waiting for the reply (called on the generation thread).
-
-        ``next_single`` and ``work`` are for the data port (meshnode.transport.hop); gRPC stages
-        build each step when its input arrives, and take steps in the order they arrive.
-        """
+        """Send ``x`` without waiting for the reply. ``next_single`` and ``work`` matter only on
+        the data port."""
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         st = self._stage
@@ -428,9 +407,8 @@ class RemoteStage:
         self.data_session = data_session
         # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
         self.observe = observe
-        # Whether the stage's node is alive now by the control plane (its heartbeats: the node's
-        # membership, meshnode.control.membership.Membership.heard_within). A reply is waited for
-        # while this holds; None: only request_timeout bounds the wait (tests of the transport).
+        # Whether the stage's node heartbeats now; a reply is waited for while it does (None:
+        # request_timeout alone bounds the wait).
         self.alive = alive
         # Where the peer's data port is (meshnode.transport.hop), when activations may go there.
         self.data_port = data_port
@@ -447,8 +425,8 @@ class RemoteStage:
 
     def accept(self, reply: "mesh_pb2.ForwardReply | RawReply", positions: int, sent: float, transport: str,
                into: Placeholder | None = None) -> mx.array | None:
-        """A reply's activation, checked against the plan, its round trip observed (either transport);
-        ``into``: written into that step built ahead (meshnode.model.wire.Placeholder) instead."""
+        """A reply's activation, checked against the plan, its round trip observed; ``into``: written
+        into that step built ahead instead."""
         if self.observe is not None:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
         try:
@@ -466,11 +444,9 @@ class RemoteStage:
                 from None
 
     def check(self, waiting_since: float) -> None:
-        """Raise :class:`StageError` if this stage is lost while a reply sent at ``waiting_since``
-        (time.perf_counter()) is awaited: its node stopped heartbeating, or says a step of its has run
-        past stall_timeout (a hung step, not a busy one). A stage that is alive is
-        busy, not lost, however long its step takes (a long prefill, a slow machine, other
-        requests' steps ahead of this one)."""
+        """Raise :class:`StageError` if this stage is lost while a reply sent at ``waiting_since`` is
+        awaited: its node stopped heartbeating, or reports a step past stall_timeout. An alive
+        stage is busy, not lost, however long its step takes."""
         waited = time.perf_counter() - waiting_since
         if self.alive is not None and not self.alive():
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating or is "
@@ -480,8 +456,8 @@ class RemoteStage:
                              f"{self.request_timeout:.0f} s")
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> "StageSession":
-        """The request's stream to this stage: over the peer's data port where it has one, else gRPC.
-        ``resume``: (key, positions) of a prefix the stage kept (the prompt cache) to start from."""
+        """The request's stream to this stage: the data port where it has one, else gRPC.
+        ``resume``: (key, positions) of a kept prefix to start from."""
         if self.data_port is not None and self.auth is not None and self.data_session is not None:
             host, port = self.data_port
             try:
