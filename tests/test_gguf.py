@@ -217,6 +217,7 @@ def test_an_interrupted_conversion_is_redone_never_used(tmp_path):
     mtime = os.stat(folder / "config.json").st_mtime_ns
     assert resolve_gguf(str(path), tmp_path / "cache") == (model_id, folder)
     assert os.stat(folder / "config.json").st_mtime_ns == mtime  # converted once
+    assert resolve_model(str(folder), tmp_path / "cache") == (model_id, folder)  # the folder keeps the file's id
 
 
 def test_the_cli_takes_gguf_and_ollama_models():

@@ -138,8 +138,17 @@ def resolve_gguf(spec: str, cache_dir: Path, progress: Progress | None = None) -
             except BaseException:
                 shutil.rmtree(partial, ignore_errors=True)
                 raise
-    info = json.loads((out / "config.json").read_text()).get("gguf", {})
-    return str(info.get("model_id") or out.name), out
+    return converted_id(out) or out.name, out
+
+
+def converted_id(folder: Path) -> str | None:
+    """The model id of a folder converted from a GGUF file (None for any other folder), so that
+    the folder served as itself keeps the id its file gives."""
+    try:
+        info = json.loads((folder / "config.json").read_text()).get("gguf") or {}
+    except (OSError, ValueError):
+        return None
+    return str(info["model_id"]) if info.get("model_id") else None
 
 
 @contextlib.contextmanager

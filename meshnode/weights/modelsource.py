@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshnode.config import default_cache_dir
-from meshnode.weights.gguf_source import is_gguf_spec, resolve_gguf
+from meshnode.weights.gguf_source import converted_id, is_gguf_spec, resolve_gguf
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None,
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} is not an mlx-lm model directory (no config.json)")
-        return path.resolve().name, path.resolve()
+        return converted_id(path) or path.resolve().name, path.resolve()
     if spec.count("/") != 1 or spec.startswith(("/", ".", "~")):
         raise ModelNotFound(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
     try:
