@@ -82,12 +82,10 @@ def host_array(
 
 
 # A raw activation reply on the data port (ForwardRequest.raw_replies): this header, then the
-# array's bytes. 0 (a marker no protobuf message starts with), the dtype's code, two spare bytes,
-# the stage's own seconds, positions, width. The per-token hop then neither builds nor parses a
-# message: after a stage's compute its caches are cold, and each Python object built there costs
-# tens of microseconds (a Tensor and its ForwardReply ~150 µs, parsing them and building an array
-# ~250 µs, measured on the 2-core test machine).
-# The third byte (spare before stages took raw requests, so 0 from those) holds flags:
+# array's bytes. 0 (a marker no protobuf message starts with), the dtype's code, flags, a spare
+# byte, the stage's own seconds, positions, width. The per-token hop then builds and parses no
+# protobuf message, whose Python objects are costly right after a step.
+# The third byte holds flags (0 from stages that do not take raw requests):
 RAW_REPLY = struct.Struct("<BBBxdII")
 TAKES_RAW = 1  # the stage reads raw decode steps (RAW_REQUEST) on this stream
 _RAW_CODES = {name: i for i, name in enumerate(_DTYPES, start=1)}
@@ -96,9 +94,8 @@ _RAW_NAMES = {i: name for name, i in _RAW_CODES.items()}
 
 def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float, flags: int = 0) -> int:
     """Write a raw reply for an evaluated (1, positions, width) array into ``buf`` at ``offset``
-    (grown if short); the reply's length. The buffer is the caller's, reused from token to token:
-    after MLX evaluated a step, glibc's first allocation of a kilobyte or more merges every small
-    block the step freed (~280 µs on the 2-core test machine), and a reused buffer allocates nothing."""
+    (grown if short); the reply's length. The caller reuses the buffer from token to token: after a
+    step, glibc's first large allocation is slow (it merges the blocks the step freed)."""
     name = dtype_name(array.dtype)
     if array.ndim != 3 or array.shape[0] != 1:
         raise WireError(f"a raw reply carries (1, positions, width), not {tuple(array.shape)}")
@@ -120,7 +117,7 @@ def _fit(buf: bytearray, size: int) -> None:
 # them (TAKES_RAW): this header, then the input's bytes. 0 (as a raw reply), the dtype's code,
 # flags (RAW_NEXT_SINGLE), a spare byte, positions to drop first (ForwardRequest.rewind),
 # positions, width (0: token ids, shape (1, positions)). What a ForwardRequest carries for a
-# decode step, without building or parsing one at both ends of the hop (~150 µs each there).
+# decode step, without building or parsing one at either end.
 RAW_REQUEST = struct.Struct("<BBBxIII")
 RAW_NEXT_SINGLE = 1
 
@@ -236,11 +233,10 @@ def from_tensor(
 class Placeholder:
     """An input whose values arrive after the graph that uses it was built.
 
-    MLX builds a graph in Python (hundreds of microseconds per layer) and evaluates it later. A
-    stage that knows the shape of its next input builds that step ahead, on this array, while
-    the rest of the pipeline works; when the input arrives its bytes are written into this
-    array's memory (shared with numpy on the CPU and on Apple's unified memory) and the graph is
-    evaluated. The array is held here, so MLX never donates its buffer to another op.
+    Building an MLX graph in Python is slow, so a stage that knows its next input's shape builds
+    that step ahead on this array while the pipeline works; the input's bytes are then written into
+    its memory (shared with numpy on CPU and unified memory) and the graph evaluated. The array is
+    held here, so MLX never donates its buffer to another op.
     """
 
     def __init__(self, dtype_name: str, shape: tuple[int, ...]):
@@ -284,7 +280,7 @@ def check_tokens(tensor: "mesh_pb2.Tensor | RawRequest", vocab_size: int, max_ch
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
     if type(tensor) is RawRequest:
         ids = tensor.host(("int32",), 0)
-        if ids.size == 1:  # a decode step: one Python comparison, not numpy's reductions (~50 µs after a step)
+        if ids.size == 1:  # a decode step: one Python comparison, cheaper than numpy's reductions
             token = int(ids[0, 0])
             if not 0 <= token < vocab_size:
                 raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
