@@ -32,7 +32,7 @@ access = logging.getLogger("meshnode.access")
 class _MalformedHttpFilter(logging.Filter):
     """aiohttp logs every request its parser rejects (not HTTP, bad method, oversized header: the
     client's fault, answered 400 and closed) at ERROR with a traceback, so anyone who can reach the
-    port can fill the log. Keep one line per peer every 10 s instead (found by tests/test_fuzz.py)."""
+    port can fill the log. Keep one line per peer every 10 s instead."""
 
     def __init__(self):
         super().__init__()

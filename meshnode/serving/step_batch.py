@@ -50,10 +50,8 @@ GATHER_S = 0.05
 def stages_batch(setting: bool | str) -> bool:
     """Whether concurrent requests' decode steps go through the stages together, for the
     ``batch_stages`` setting. "auto": where MLX multiplies on the CPU with OpenBLAS (or another BLAS
-    that meshnode.blas loaded), whose batched rows cost a fraction of a row each (4 streams on 2
-    stages: 2.44x one stream, 2.08x in turn); not on MLX's own reference BLAS, where a batch costs
-    what its rows do and steps in turn overlap the stages better, nor on a GPU, where it is not
-    measured yet."""
+    that meshnode.blas loaded), whose batched rows cost a fraction of a row each; not on MLX's
+    reference BLAS, where steps in turn overlap the stages better, nor on a GPU (not measured)."""
     if setting == "auto":
         return mx.default_device().type == mx.DeviceType.cpu and blas.loaded() is not None
     return bool(setting)

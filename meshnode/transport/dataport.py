@@ -1,8 +1,7 @@
 """The data port: a bare TCP stream beside gRPC, for the per-token hot path.
 
-A grpcio stream round trip costs ~380 µs on loopback where TCP itself costs ~20 µs: per token
-and per hop, the RPC stack alone would cost more than the network. So activations travel here,
-on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a little-endian uint32
+A grpcio stream round trip costs many times what TCP does, per token and per hop, so
+activations travel here, on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a little-endian uint32
 length, then one protobuf message (protos/mesh.proto), or a stage's raw activation reply where
 the stream's opening asked for those (meshnode.model.wire.RAW_REPLY), or a head's raw decode step
 where the stage's raw replies said it takes them (meshnode.model.wire.RAW_REQUEST). Nothing is ever unpickled;
