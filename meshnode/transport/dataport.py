@@ -1,11 +1,9 @@
 """The data port: a bare TCP stream beside gRPC, for the per-token hot path.
 
-A grpcio stream round trip costs many times what TCP does, per token and per hop, so
-activations travel here, on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a little-endian uint32
-length, then one protobuf message (protos/mesh.proto), or a stage's raw activation reply where
-the stream's opening asked for those (meshnode.model.wire.RAW_REPLY), or a head's raw decode step
-where the stage's raw replies said it takes them (meshnode.model.wire.RAW_REQUEST). Nothing is ever unpickled;
-every frame's length is bounded before it is read.
+A grpcio stream round trip costs many times what TCP does, per token and per hop, so activations
+travel here, on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a uint32
+length, then a protobuf message, or a raw reply or raw decode step (meshnode.model.wire) where the
+stream agreed on those. Nothing is unpickled; every frame's length is bounded before it is read.
 
 Opening a stream: the first frame is a :class:`DataHello` signed with the cluster key exactly as
 a gRPC call's metadata is (:meth:`ClusterAuth.sign`, with :data:`HELLO_METHOD`), over the

@@ -15,8 +15,8 @@ interceptors (:func:`client_interceptors`) add four metadata entries to every ca
 
 Nodes sign with :class:`SignedChannel`, which adds the same metadata when a call opens without
 installing a client interceptor: grpc.aio routes every message of an intercepted call through
-extra Python machinery, while the signature is needed once per call. The server interceptor checks once per call as well; a Forward stream's messages
-reach the servicer untouched.
+extra Python machinery, while the signature is needed once per call. The server interceptor
+checks once per call as well; a Forward stream's messages reach the servicer untouched.
 
 The server interceptor (:meth:`ClusterAuth.server_interceptor`) refuses, with
 ``UNAUTHENTICATED`` and a short message, any call whose metadata is missing or malformed, whose
