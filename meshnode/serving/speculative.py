@@ -1,19 +1,14 @@
 """Speculative decoding across the pipeline: a drafter's guesses checked by every stage in one pass.
 
-With one request in flight a pipeline's stages take turns: each waits for the hop while another
-computes. A drafter on the head (meshnode.serving.drafting) guesses the next k tokens; the last
-token and the k guesses go through every stage as one step of k+1 positions (one hop per stage for
-up to k+1 tokens), and the head keeps the guesses the model confirms, plus the model's own next
-token. Each stage then drops the positions of the rejected guesses from its KV cache
-(meshnode.model.rewind), with the next pass's message.
+A drafter on the head (meshnode.serving.drafting) guesses the next k tokens; the last token and
+the guesses go through every stage as one step of k+1 positions, one hop per stage, and the head
+keeps the confirmed guesses plus the model's own next token. Stages drop the rejected positions
+from their KV cache (meshnode.model.rewind) with the next pass's message.
 
-Exactness: the model's token at every position is drawn as one-at-a-time decoding would draw it
-(greedy: the argmax; sampling: mlx-lm's sampler, a seeded request's draw ``i`` from its own key
-(seed, i), meshnode.serving.sampler), and a guess is kept only when it equals that token. The
-answer is therefore the same tokens as without speculation, for greedy and for seeded sampling
-(failover replays included), and unseeded sampling keeps its distribution: for a drafter that
-proposes one token per position, accepting when the model's draw equals it is the standard
-speculative acceptance rule (accept x with probability p(x); otherwise a draw from p without x).
+Exactness: each position's token is drawn as one-at-a-time decoding would draw it, and a guess is
+kept only when it equals that token, so greedy and seeded answers are the same tokens as without
+speculation, and unseeded sampling keeps its distribution (the standard acceptance rule for a
+drafter proposing one token per position).
 
 How many to guess, and whether to fill the pipeline: meshnode.serving.draft_length.
 """
@@ -42,11 +37,9 @@ class Speculation:
     # A drafter for a request's tokens so far (None: that request decodes without speculation).
     drafter: Callable[[Sequence[int]], Drafter | None]
     costs: PassCosts = field(default_factory=PassCosts)
-    # Told of every pass that checked guesses: (guessed, confirmed, tokens yielded, passes behind it
-    # cancelled by its rejection) (meshnode.metrics).
+    # Told of every pass that checked guesses: (guessed, confirmed, yielded, passes cancelled).
     on_pass: Callable[[int, int, int, int], None] | None = None
-    # Told what the request measured when it ends: (a further position's cost against a step's,
-    # a full pipeline's share of a traversal or None) (meshnode.metrics).
+    # Told what the request measured when it ends: (PassCosts.ratio, filled share or None).
     on_costs: Callable[[float, float | None], None] | None = None
     k_max: int = K_MAX
     depth: int | None = None  # passes in flight at once (None: meshnode.serving.speculative.pipe_depth)
@@ -64,14 +57,11 @@ def why_not(params: SamplingParams, limit: tuple[int | None, str]) -> str:
 def speculative_tokens(model, cache, history: list[int], params: SamplingParams, spec: Speculation,
                        drafter: Drafter, *, max_tokens: int, others: Callable[[], bool] = lambda: False) -> Iterator:
     """Token ids (or Sampled) of a request whose stages hold every position of ``history`` but the
-    last (prefilled); ``model`` is the request's PipelineModel, ``cache`` its cache list, ``drafter``
-    its guesser (``spec.drafter(history)``). ``others()``: other requests decode on the placement
-    now (steps are then plain: they batch).
+    last. ``others()``: other requests decode on the placement now (steps stay plain to batch).
 
-    Passes go through a :class:`~meshnode.serving.passes.PassPipe`: up to ``depth`` of them in
-    flight, each after the first made of guesses that assume the ones ahead are confirmed. A pass's
-    logits check its own guesses and the first token of the pass behind it; at the first rejection
-    the passes behind are cancelled and every stage cut back to the confirmed positions."""
+    Up to ``depth`` passes are in flight (:class:`~meshnode.serving.passes.PassPipe`), each behind
+    the first assuming the ones ahead are confirmed; at the first rejection the passes behind are
+    cancelled and every stage cut back to the confirmed positions."""
     sample = make_indexed_sampler(params)
     greedy, top = params.temperature == 0, params.top_logprobs
     stages = len(model.state.sessions)
@@ -90,8 +80,8 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     local = not any(s.remote for s in model.state.sessions)
     pipe = model.passes(held)
     y, n = history[-1], 0
-    # Tokens drawn and not yet yielded: the next passes are sent first, so that the stages compute
-    # while the consumer detokenizes and streams these (on the head's core, between two passes).
+    # Tokens drawn and not yet yielded: the next passes go out first, so the stages compute while
+    # the consumer streams these.
     drawn: list = []
     last_out = None  # when the last pass came out of the pipe
     try:
@@ -111,9 +101,8 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     yield from drawn
                     drawn = []
                     if local and length.paused() and not others():
-                        # A pause: its steps built ahead, as generate_step does.
-                        # It stops building ahead once the step in flight is the pause's last
-                        # (found() may end it early) or others decode.
+                        # A pause: steps built ahead, as generate_step does, until its last step
+                        # or until others decode.
                         last = y
                         for y, logprobs in _plain_run(model, cache, last, min(length.plain_left, max_tokens - n),
                                                       greedy, sample, params.offset + n,
@@ -191,11 +180,10 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
 
 
 def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> tuple[list[int], mx.array]:
-    """The model's tokens at a pass's positions (and the log probabilities of every position),
-    drawn as one-at-a-time decoding would draw them (draw ``offset + j`` at position j), up to the
-    first that differs from ``checks[j]`` (the guessed input of the position after), or all of them.
-    Greedy is the argmax of the log probabilities, as mlx-lm's: in bfloat16, subtracting the
-    log-sum-exp rounds, and the argmax of the raw logits can be another token."""
+    """The model's tokens at a pass's positions (and every position's log probabilities), drawn as
+    one-at-a-time decoding would (draw ``offset + j`` at position j), up to the first that differs
+    from ``checks[j]``. Greedy takes the argmax of the log probabilities, as mlx-lm does: in
+    bfloat16 the raw logits' argmax can differ."""
     out: list[int] = []
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if greedy:
@@ -215,11 +203,9 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
 
 def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: int,
                stop: Callable[[], bool]) -> Iterator[tuple[int, mx.array]]:
-    """Up to ``steps`` plain one-position steps from token ``y`` on stages that are all local, each
-    step's graph built and its evaluation started while the one before computes (as mlx-lm's
-    ``generate_step``); yields (token, its log probabilities). Draw ``offset + i`` at step i, as
-    :func:`_draws`. Stops building ahead once ``stop()`` (another request decodes, or the pause
-    ends early), asked before each step is built, after the consumer has taken the tokens before."""
+    """Up to ``steps`` plain steps from token ``y`` on all-local stages, each built while the one
+    before computes (as mlx-lm's ``generate_step``); yields (token, log probabilities). Stops
+    building ahead once ``stop()``, asked before each step is built."""
 
     def step(token: mx.array, index: int) -> tuple[mx.array, mx.array]:
         logits = model(token.reshape(1, 1), cache)[0]
@@ -243,8 +229,6 @@ def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: i
 
 
 def pipe_depth(sessions) -> int:
-    """Passes in flight at once where a stage is remote: one per stage (each computes one while the
-    others compute theirs) and one more, waiting at the first stage, so that it starts its next
-    pass as soon as it ends one, not a hop after the head hears of the last stage's result. One
-    where every stage is local (they share this thread)."""
+    """Passes in flight where a stage is remote: one per stage, and one more waiting at the first
+    stage so it never idles for a hop. One where every stage is local (they share this thread)."""
     return len(sessions) + 1 if any(s.remote for s in sessions) else 1
