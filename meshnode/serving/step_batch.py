@@ -1,24 +1,16 @@
 """Continuous batching across stages: concurrent requests' decode steps go through the pipeline
 together, one batched forward per stage and one frame per hop for all of them.
 
-Each generation keeps its own thread, its own mlx-lm ``generate_step`` (sampling, processors,
-stop strings, cancellation, the prompt cache) and its own prefill through the stages. Only its
-one-position steps change: while another request of the same placement decodes too, the step is
-handed to the placement's :class:`StepBatcher`, which gathers the steps that arrive together,
-runs them as one batch (the head's local stage over its requests' caches merged,
-meshnode.model.decode_batch; each remote stage over one batch stream, meshnode.transport.batch_hop)
-and gives every request its own row of logits back. A request decoding alone steps on its own as
-before (its stages build its next step ahead: the fastest single stream).
+Each generation keeps its own thread, ``generate_step`` and prefill; only its one-position steps
+change. While another request of the placement decodes, the step goes to the :class:`StepBatcher`,
+which runs the steps that arrive together as one batch (meshnode.model.decode_batch locally,
+meshnode.transport.batch_hop remotely) and hands each request its row of logits. A request decoding
+alone steps on its own, its stages building its next step ahead.
 
-Switching is safe at step boundaries: a request stepping alone promises its stages that its next
-step comes on its own stream (``next_single``, so they build it ahead); when another request
-starts decoding it makes no promise for one step, then joins the batch. Leaving the batch needs
-nothing: a stage takes a request's cache back from its batch before the request's own message.
-
-Failures: a batched step that fails raises in every request of it, and each recovers as it would
-from its own step failing (failover replays it on a new placement). A remote stage that fails or
-refuses a batched step (one that cannot batch, an older version) turns batching off for the
-placement, whose requests then step on their own.
+Switching happens at step boundaries: a lone request promises ``next_single``; when another starts
+decoding it skips the promise for one step, then joins. A failed batched step raises in each of its
+requests (failover replays them); a remote stage that refuses batching turns it off for the
+placement.
 """
 
 from __future__ import annotations
@@ -41,9 +33,8 @@ from meshnode.transport.refusals import StageError
 
 log = logging.getLogger(__name__)
 
-# The longest the first step of a round waits for the other batched requests' steps (each arrives
-# once its thread has sampled its last token, taking the node's MLX baton in turn); a round starts
-# as soon as every batched request is there. One that is not there by then steps in the next round.
+# The longest a round waits for its group's other steps (it starts as soon as all are there); a
+# late one steps in the next round.
 GATHER_S = 0.05
 
 
@@ -58,8 +49,7 @@ def stages_batch(setting: bool | str) -> bool:
 
 
 def can_batch(handles) -> bool:
-    """Whether every stage of a placement can take batched decode steps: a plain local shard whose
-    caches mlx-lm batches, or a remote stage reached over its data port."""
+    """Whether every stage can take batched decode steps (a batchable local shard, or a data port)."""
     for stage in handles:
         shard = getattr(stage, "shard", None)
         if shard is not None:
@@ -87,10 +77,9 @@ class _Group:
 class StepBatcher:
     """The decode steps of one placement's concurrent requests, run as batches.
 
-    The batched requests are dealt into as many micro-batches (groups) as the pipeline has
-    stages, each stepping on its own: while one group's step is at a stage, another's can be at
-    the next, so no stage waits for the others (pipeline parallelism) and each still computes
-    several requests at once. A request stays in its group (its caches stay merged there)."""
+    Requests are dealt into as many groups as the pipeline has stages, each stepping on its own,
+    so every stage stays busy and still computes several requests at once. A request stays in
+    its group, whose caches are merged."""
 
     def __init__(self, handles, on_round: Callable[[int], None] | None = None):
         """``on_round(rows)``: told of every round run (meshnode.metrics.NodeMetrics.batched_step)."""
@@ -144,12 +133,10 @@ class StepBatcher:
         return group
 
     def step(self, model, x: mx.array) -> mx.array:
-        """``model``'s next one-position step (``x``: [1, 1] token ids), run in a batch with the
-        other requests of its group whose steps arrive with it; its logits ([1, 1, vocab])."""
+        """``model``'s next one-position step, run with its group's; its logits ([1, 1, vocab])."""
         mx.eval(x)  # built on this thread's stream (its sampler's): another thread may run the round
-        # The baton is free while this request waits for its round, and while its round is at a
-        # remote stage: the leader takes it back only for the local stage (mlx_turn), so another
-        # group's members sample and another group's step runs here meanwhile.
+        # The baton stays free while this request waits and while its round is remote: the leader
+        # takes it only for the local stage (mlx_turn), so other groups run meanwhile.
         with mlx_idle():
             return self._step(model, x)
 
@@ -162,11 +149,9 @@ class StepBatcher:
             while model not in group.results:
                 if not group.running:
                     waiting = group.members - set(group.pending)
-                    # The wait counts from this step's arrival or the end of the group's last round,
-                    # whichever is later: a step that came during a round gives that round's
-                    # members their time to sample and come back. Counted from its arrival alone,
-                    # it went at once after every round longer than GATHER_S (a loaded machine),
-                    # and two members locked into taking turns, one row a round, for good.
+                    # The wait counts from the later of this step's arrival and the group's last
+                    # round's end, so the round's members have time to sample and come back;
+                    # otherwise, on a loaded machine, members lock into one row a round.
                     left = GATHER_S - (time.monotonic() - max(first, group.free_since))
                     if not waiting or left <= 0:
                         round_, group.pending = group.pending, {}
@@ -234,8 +219,7 @@ class StepBatcher:
         try:
             return hop.step([m.request_id for m in models], h)
         except StageError as exc:
-            # Lost with its stage (failover makes a new placement), or refused: an older peer, a
-            # stage that cannot batch. Either way this placement's requests step on their own now.
+            # Lost with its stage, or refused: this placement's requests step on their own now.
             group.hops.pop(i, None)
             hop.close()
             self.off = str(exc)
