@@ -1,25 +1,14 @@
 """Pipelined chunked prefill: a prompt flows through the stages like an assembly line.
 
-The head runs every prompt token but the last through the stages in chunks; mlx-lm's
-``generate_step`` then runs the last token and samples, as it always does. Each stage sees one
-request's chunks in order (its KV cache grows chunk by chunk), but the head never waits for
-chunk k to leave the last stage before sending chunk k+1 into the first: while stage 2 works on
-chunk k, stage 1 already works on k+1. No chunk's logits are used, only the caches they fill.
+The head sends every prompt token but the last through the stages in chunks, without waiting
+for chunk k to leave the last stage before sending k+1 into the first; ``generate_step`` then runs
+the last token and samples. Only the caches the chunks fill are used, not their logits.
 
-:class:`ChunkSizer` picks each chunk's size from every stage's measured seconds per position:
-small enough that no stage's step runs longer than ``max_step`` (Apple's GPU kills a command that
-runs too long), and small enough that the prompt is cut into several chunks per stage, so the
-pipe fills quickly and drains quickly (its idle bubble is about one chunk per stage).
-
-Sharing: a chunk runs at most ``TURN`` seconds at any stage (a request that arrives waits for
-the chunk in progress), and while other generations with less prompt left (decoders, shorter
-prompts) run on the node (``busy``), chunks are cut
-to about ``SHARED_STEP`` seconds at the slowest stage, so another request's step (an answer's prefill or
-decode step) waits at most about that long behind a long prompt's chunk at any stage. Every stage
-takes its work in turns (the MLX baton: the request with the least prompt left first), a chunk or a
-step at a time. Each stage's measured
-speed is remembered across requests (``ChunkSizer(seed=...)``), so a long prompt's first chunk is
-already the right size.
+:class:`ChunkSizer` sizes chunks from each stage's measured seconds per position: no step longer
+than ``max_step`` (Apple's GPU kills long commands) or ``TURN``, several chunks per stage so the
+pipe fills and drains quickly, and about ``SHARED_STEP`` while generations with less prompt left
+run (``busy``), so their steps never wait long behind a long prompt. Measured speeds carry over
+between requests (``seed``).
 
 A chunk is awaited as long as its stage is alive (``Ticket.check``), however long it takes.
 """
@@ -42,8 +31,7 @@ CHUNKS_PER_STAGE = 4
 MIN_CHUNK = 16  # positions: smaller chunks cost more in per-message overhead than they save
 FIRST_CHUNK = 64  # before any stage has been timed
 SHARED_STEP = 0.010  # seconds a chunk may take at the slowest stage while other generations run
-# Seconds a chunk may take even alone (below max_step): a request that arrives meanwhile waits for
-# the chunk in progress, so this bounds what a long prompt adds to its first token.
+# Seconds a chunk may take even alone: bounds what a long prompt adds to a newcomer's first token.
 TURN = 0.05
 BUSY_MIN_CHUNK = 4  # positions: the smallest chunk then (per-message overhead)
 BUSY_FIRST_CHUNK = 16  # before any stage has been timed, while other generations run
@@ -95,9 +83,8 @@ class ChunkSizer:
 
     def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK,
                  seed: Sequence[float | None] | None = None, busy=None):
-        """``seed``: each stage's seconds per position measured before (earlier requests);
-        ``busy()``: other generations that have less prompt left run on this node now (chunks are
-        then cut to SHARED_STEP)."""
+        """``seed``: each stage's seconds per position from earlier requests; ``busy()``: generations
+        with less prompt left run here now (chunks are cut to SHARED_STEP)."""
         self.stages = stages
         self.max_step = max_step
         self.max_chunk = max_chunk
@@ -135,14 +122,10 @@ def pipelined_prefill(
 ) -> int:
     """Fill every stage's cache with ``tokens``; returns the number of chunks sent.
 
-    ``wait(futures, timeout)`` blocks until one of them is done (the caller may hand the MLX
-    thread to other work meanwhile); ``between_steps()`` runs after each local step but the last
-    (fairness: others take their turn; after the last, the request's first token comes next);
-    ``on_cut(remaining)`` after each chunk is cut, with the prompt positions not yet cut.
-    Every chunk goes to every stage with its ``work``: the prompt positions from it on when it was
-    cut, so each stage gives its MLX thread to the request with the least left (a short answer's
-    chunk before a long title's), as the head does.
-    A stage is waited for while it is alive (``Ticket.check``), however long its chunk takes.
+    ``wait(futures, timeout)`` blocks until one is done; ``between_steps()`` runs after each local
+    step but the last, so others take their turn; ``on_cut(remaining)`` after each chunk is cut.
+    Each chunk carries its ``work`` (prompt positions left), so every stage serves the request with
+    the least left first. A stage is waited for while it is alive, however long it takes.
     """
     n = len(sessions)
     total = len(tokens)
@@ -210,9 +193,8 @@ class WaitFn(Protocol):
 def wait_first(handles: list, timeout: float) -> None:
     """Block until one of ``handles`` is ready or ``timeout`` passes.
 
-    A handle is a ``concurrent.futures.Future`` (a reply the event loop receives: gRPC) or an
-    object with ``fileno()`` (a stream the generation thread reads itself: the data port), which
-    is ready when it has bytes to read.
+    A handle is a ``concurrent.futures.Future`` (gRPC) or an object with ``fileno()`` (the data
+    port), ready when it has bytes to read.
     """
     futures = [h for h in handles if isinstance(h, concurrent.futures.Future)]
     streams = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
