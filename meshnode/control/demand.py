@@ -1,15 +1,10 @@
 """Models loaded on demand: which model makes room for which, and when an idle one is unloaded.
 
-Several models on one mesh (meshnode.control.lanes) may not all fit at once. The coordinator
-plans them in order, each into the memory the others leave; one that does not fit then is
-*unloaded* (a plan with no stages, meshnode.control.planner.plans.UNLOADED) and loaded when a
-request asks for it: the request waits, the coordinator unloads the least recently used model
-that no request is using, and places the wanted one in the room freed. Like Ollama's
-``keep_alive``, a model idle for longer than its keep-alive is unloaded even when no other model
-needs the room (0: kept until room is needed).
-
-Every node counts the requests that came to it for each model and announces the counts in its
-heartbeats (:class:`meshnode.serving.usage.Use`); the coordinator adds them up. Pure: no clock, no I/O.
+A mesh's models (meshnode.control.lanes) may not all fit at once. A model that does not fit is
+*unloaded* (planner.plans.UNLOADED) until a request asks for it; the coordinator then unloads the
+least recently used idle model to make room. As with Ollama's ``keep_alive``, a model idle past its
+keep-alive is unloaded anyway (0: only when room is needed). Nodes announce their request counts
+in heartbeats (:class:`meshnode.serving.usage.Use`); the coordinator adds them up. Pure.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ def total(uses: Iterable[Use]) -> Use:
 
 
 def victim(loaded: Mapping[str, Use], loaded_at: Mapping[str, float]) -> str | None:
-    """The model to unload to make room: the least recently used of the idle loaded ones (a model
-    never used counts from when it was loaded; ties by model id); None if every one is in use."""
+    """The least recently used idle loaded model (unused ones count from their load); None if all are busy."""
     idle = [(max(use.last_used, loaded_at.get(model, 0.0)), model) for model, use in loaded.items() if use.idle]
     return min(idle)[1] if idle else None
 

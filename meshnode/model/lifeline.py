@@ -1,15 +1,11 @@
 """A child process of a node dies with it.
 
-A node starts worker processes (a tensor group's member, the ring that times a split layer). When
-the node is killed (kill -9, a crash, launchd or systemd stopping it hard) nothing tells them, and a
-worker stuck in a collective would spin for minutes, holding a core and its ports, when the service
-manager starts the node again. Each such child calls :func:`die_with_parent` first thing.
+A worker (a tensor group's member, a ring probe) of a node killed hard would otherwise spin in a
+collective, holding a core and its ports; each calls :func:`die_with_parent` first thing.
 
-Two watchers, because a worker can be stuck where Python cannot run: MLX's ring holds the GIL while
-it waits for its peers to connect (``mx.distributed.init``), so a thread polling the parent never
-gets to run there. A tiny ``sh`` process therefore watches too and kills the worker when the node
-is gone; the thread covers the rest and needs no process. Linux's PR_SET_PDEATHSIG is not used: it
-fires when the *thread* that forked exits, and workers are started from threads that end.
+Two watchers: a thread, and a tiny ``sh`` process for when MLX's ring holds the GIL while waiting
+for peers (``mx.distributed.init``). PR_SET_PDEATHSIG is not used: it fires when the forking
+*thread* exits, and workers are started from threads that end.
 """
 
 from __future__ import annotations
@@ -29,9 +25,7 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def die_with_parent(exit_code: int = 3) -> None:
-    """Exit at once (no clean-up: the parent that would want it is gone) when the process that
-    started this one exits; checks every half second. A parent already gone (it died while this
-    process was importing) ends it now."""
+    """Exit at once, without clean-up, when the process that started this one exits (or already has)."""
     parent = int(os.environ.get(PARENT_ENV) or os.getppid())
     if os.getppid() != parent:
         os._exit(exit_code)

@@ -1,10 +1,8 @@
 """What can go wrong with a remote stage, and what each outcome tells a generation to do.
 
-Shared by every transport (gRPC, meshnode.transport.stage; the data port, meshnode.transport.hop): a
-stage's refusal is a gRPC status code and a message, and the caller maps it to the error that
-says what to do next: try the same placement again shortly (:class:`StagePending`), wait for a
-new plan (:class:`StageRefused`, or any lost :class:`StageError`), or give up at once
-(:class:`StageFault`: replaying would fail the same way).
+Shared by both transports: a refusal is a gRPC status code and a message, mapped to the error
+that says what to do next: retry the placement shortly (:class:`StagePending`), wait for a new
+plan (:class:`StageRefused` or any :class:`StageError`), or give up (:class:`StageFault`).
 """
 
 from __future__ import annotations
@@ -21,33 +19,28 @@ class StageRefused(StageError):
 
 
 class StagePending(StageRefused):
-    """The stage's node has not switched to this epoch yet (adopting or loading it): the same
-    placement will work shortly, so the caller retries it rather than waiting for a new plan."""
+    """The stage's node is still adopting or loading this epoch: retry the same placement shortly."""
 
 
 class PrefixMiss(StageError):
-    """The stage does not hold the kept prefix the head asked to resume from (evicted, its node
-    restarted, its layers moved): the same request with its whole prompt works."""
+    """The stage no longer holds the kept prefix to resume from: resend the whole prompt."""
 
     quiet = True  # the head runs the request again at once (meshnode.serving.generation.PipelineSource)
 
 
 class StageFault(StageError):
-    """The stage raised on its input (a bug, a model it cannot run): deterministic, so neither a
-    retry nor a new plan on the same nodes would help; the generation ends with this error."""
+    """The stage raised on its input: deterministic, so the generation ends with this error."""
 
 
 # "Not yet": retry the same placement shortly. gRPC never produces ABORTED itself, so a lost
 # connection (UNAVAILABLE) is never taken for it.
 EPOCH_PENDING = grpc.StatusCode.ABORTED
-# The stage's computation raised: INTERNAL with details that start with FAULT. gRPC's client makes
-# INTERNAL statuses of its own ("Internal error from Core" when a stream ends while the client
-# still writes, grpc/grpc#36066), so the code alone would take a refusal for a fault.
+# The stage's computation raised: INTERNAL with details that start with FAULT (gRPC's client makes
+# INTERNAL statuses of its own, grpc/grpc#36066, so the code alone is not enough).
 STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
 
 
-# The stage refused its input (a dtype, shape or token it cannot take): sent again it is refused
-# again, so the generation ends at once (gRPC never makes INVALID_ARGUMENT itself).
+# The stage refused its input: refused again if resent (gRPC never makes INVALID_ARGUMENT itself).
 INVALID_INPUT = grpc.StatusCode.INVALID_ARGUMENT
 
 # The prompt cache's prefix to resume from is not held there (gRPC never makes NOT_FOUND itself).
