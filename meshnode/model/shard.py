@@ -1,24 +1,14 @@
 """Load and run a contiguous range of layers [start, end) of any mlx-lm model.
 
-The shard reuses the model family's own forward pass instead of re-implementing it: mlx-lm
-builds the model (lazily, so no tensor is read from disk yet), then every layer outside the
-range is swapped for a weightless placeholder and the embedding, final norm and head are
-dropped where the shard does not need them. Only the remaining parameters are evaluated,
-so only their bytes are read from the safetensors files.
+The family's own forward pass runs, so every quirk (embedding scale, sliding-window masks,
+soft-capping, tied heads) stays as mlx-lm wrote it. mlx-lm builds the model lazily; layers outside
+the range become weightless placeholders and unneeded embedding, norm and head are dropped, so
+only the shard's tensors are read from disk. The placeholder before ``start`` swaps in the
+received activation; the one at ``end`` raises :class:`_StageOutput` to stop before the head.
 
-Running the family's own ``__call__`` keeps every family quirk (embedding scale, sliding
-window masks, logit soft-capping, tied heads) exactly as mlx-lm wrote it. Two placeholders
-make a slice of that forward pass:
-
-* the placeholder just before ``start`` swaps the hidden state computed so far (from a
-  dummy embedding) for the activation received from the previous stage;
-* the placeholder at ``end`` raises :class:`_StageOutput` carrying the hidden state, so the
-  forward pass stops before the final norm and head.
-
-Masks in mlx-lm are derived from the cache of a fixed layer (``cache[0]``, the first full
-attention layer, ...). The per-request cache list therefore has one entry per layer of the
-whole model: the shard's own layers get real caches, every other position points to an
-owned cache of the same kind, so the family computes the right mask from it.
+mlx-lm derives masks from a fixed layer's cache (``cache[0]``, ...), so a request's cache list
+covers every layer of the model: real caches for the shard's own, and for the others an alias of
+an owned cache of the same kind.
 """
 
 from __future__ import annotations
@@ -58,9 +48,8 @@ class _StageOutput(Exception):
 class _Skip(nn.Module):
     """Stands in for a layer held by another stage: passes the hidden state through.
 
-    Some families' layers return a tuple (hidden state, state shared with later layers, ...):
-    ``arity`` is the length of what the real layer returns; the extra entries are None (the state
-    of a layer this shard does not run, only ever read by other placeholders).
+    ``arity``: the length of the tuple the real layer returns (some families share state with
+    later layers); the extra entries are None.
     """
 
     def __init__(self, arity: int = 1):
@@ -95,8 +84,7 @@ class _Exit(nn.Module):
 class _NoEmbedding(nn.Module):
     """Replaces the embedding on stages that start with a received activation.
 
-    The family's forward still calls it (and may scale the result); the value is never used
-    because :class:`_Inject` swaps it out, so MLX's lazy graph never even computes it.
+    Its value is swapped out by :class:`_Inject`, so the lazy graph never computes it.
     """
 
     def __init__(self, hidden_size: int, dtype: mx.Dtype):
@@ -135,9 +123,8 @@ def _plain_attributes(module: nn.Module) -> dict[str, Any]:
 def _stand_in(placeholder: nn.Module, original: nn.Module) -> nn.Module:
     """Give a placeholder the original layer's plain attributes (``use_sliding``, ...).
 
-    Families read such flags off each layer in their forward pass, some off a sub-module
-    (exaone4: ``layer.self_attn.is_local``): sub-modules become weightless namespaces holding
-    their plain attributes. Parameters live in the module's dict and are not copied.
+    Families read such flags in their forward pass, some off a sub-module (exaone4:
+    ``layer.self_attn.is_local``), so sub-modules become weightless namespaces too.
     """
     for key, value in _plain_attributes(original).items():
         if key not in vars(placeholder):
@@ -189,9 +176,8 @@ def _private_arrays(module: nn.Module) -> list[mx.array]:
 def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, group) -> None:
     """Tensor-parallel: split layers [start, end) over ``group`` with the family's own ``shard()``.
 
-    mlx-lm's ``shard`` walks ``model.layers``; it is shown only the real layers of this shard
-    (the placeholders have no projections to split), then the full list is put back.
-    Embedding, final norm and head stay whole on every member, as in mlx-lm.
+    ``shard`` is shown only this shard's real layers, then the full list is put back; embedding,
+    norm and head stay whole, as in mlx-lm.
     """
     if not callable(getattr(model, "shard", None)):
         raise ValueError(f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx-lm has no tensor-parallel shard() "
@@ -253,14 +239,10 @@ _STREAMS: dict[str, Any] = {}
 def any_thread_stream() -> "mx.Stream":
     """The process's one stream for shard work, usable from every thread.
 
-    MLX streams belong to the thread that made them (each thread's default stream included; mlx-lm's
-    ``generation_stream`` is one per thread), and a graph built on one cannot be evaluated from
-    another thread: "There is no Stream(cpu, n) in current thread". A node builds a stage's next
-    step ahead on its MLX thread and evaluates it on the thread of the connection its input arrives
-    on, and a recurrent layer's state is left lazy by one step and read by the next, wherever that
-    is built. Every shard therefore builds on this stream (one per device; each MLX stream is a
-    worker thread, so not one per shard). MLX asks its users to evaluate such a stream's graphs
-    one at a time: a node runs all MLX work one piece at a time (meshnode.serving.generation's baton).
+    MLX streams belong to the thread that made them, and a graph built on one cannot be evaluated
+    from another; a stage's step is built ahead on one thread and evaluated on another, so every
+    shard builds on this one stream per device. Its graphs are evaluated one at a time, under the
+    node's MLX baton (meshnode.model.scheduler).
     """
     device = str(mx.default_device())
     with _STREAM_LOCK:
@@ -323,8 +305,7 @@ class Shard:
 
         # Caches of the whole model, to learn each layer's cache kind (full, sliding, ...).
         self._cache_template = make_prompt_cache(model)
-        # Bits of a quantized KV cache (the plan's kv_bits, set by the node; 0: off), and why this
-        # model cannot have one ("": it can).
+        # The plan's kv_bits (0: off), and why this model cannot quantize its KV ("": it can).
         self.kv_bits = 0
         self.kv_problem = kv_quant_problem(config)
         if len(self._cache_template) != num_layers and not (start == 0 and end == num_layers):
@@ -334,8 +315,8 @@ class Shard:
             )
 
         tied = not hasattr(model, "lm_head") or bool(config.get("tie_word_embeddings", False))
-        # From config.json and the whole model's headers: a quantized weight's packed shape is not the
-        # width, and a stage fetched without the embedding cannot read the dtype off its own tensors.
+        # From config.json and the headers: packed quantized shapes hide the width, and a stage
+        # without the embedding cannot read the dtype off its own tensors.
         self.hidden_size = hidden_size(config)
         dtype = self.dtype = getattr(mx, activation_dtype(model_path))
         self.input_dtype = dtype  # what the stage before sends: its layers' output dtype, learned as it comes
@@ -362,15 +343,14 @@ class Shard:
         if group is not None and group.size() > 1:
             _shard_layers(model, inner, start, end, group)
         self.group_size = group.size() if group is not None else 1
-        # Read exactly the remaining tensors from disk: layer by layer (``progress(done, total)``
-        # after each), then what is left (embedding, norm, head).
+        # Read the remaining tensors, layer by layer (``progress(done, total)``), then the rest.
         for k, i in enumerate(range(start, end)):
             mx.eval(layers[i].parameters())
             if progress is not None:
                 progress(k + 1, end - start)
         mx.eval(model.parameters())
-        # Arrays a family keeps outside its parameters (hunyuan's rope frequencies, ...) are lazy
-        # graphs of the loading thread's stream: evaluated here, no other thread ever needs that stream.
+        # Arrays kept outside the parameters (rope frequencies, ...) are evaluated here, so no other
+        # thread needs the loading thread's stream.
         mx.eval(_private_arrays(model))
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         log.info(
@@ -400,8 +380,7 @@ class Shard:
         return self.kv_bits
 
     def cache_template(self) -> list[Any]:
-        """The whole model's caches, each plain growing KVCache made mlx-lm's QuantizedKVCache when the
-        KV is quantized (sliding windows and recurrent states stay as they are)."""
+        """The whole model's caches, plain KVCaches made QuantizedKVCache when the KV is quantized."""
         bits = self.kv_quant_bits
         if not bits:
             return self._cache_template
@@ -426,8 +405,7 @@ class Shard:
             by_kind.setdefault(_cache_kind(caches[i]), caches[i])
         for i, template in enumerate(templates):
             if caches[i] is None:
-                # A kind this shard never runs gets a private, never-updated cache: only the
-                # layers of that kind (all elsewhere) would use the mask derived from it.
+                # A kind this shard never runs gets a private, never-updated cache for its mask.
                 caches[i] = by_kind.get(_cache_kind(template)) or copy.deepcopy(template)
         return caches
 
@@ -436,8 +414,8 @@ class Shard:
         return cache[self.spec.start : self.spec.end]
 
     def build_ahead(self, cache: list[Any]) -> "tuple[Placeholder, mx.array] | None":
-        """The next one-position step, built before its input exists (meshnode.model.wire.Placeholder):
-        fill the placeholder, then evaluate the output. None where placeholders do not work."""
+        """The next one-position step, built on a Placeholder before its input exists; None where
+        placeholders do not work."""
         if not placeholders_work():
             return None
         first = self.spec.is_first
@@ -449,10 +427,9 @@ class Shard:
 
 
     def forward(self, x: mx.array, cache: list[Any], all_positions: bool = True) -> mx.array:
-        """Run this shard's layers. Returns a lazy array: hidden state or logits (of every position:
-        ``all_positions`` is for a tensor group's shard, whose worker answers the last one by default)."""
-        # On the stream any thread may evaluate (see any_thread_stream): a step is evaluated where
-        # its input arrives or its output is needed, not always where it was built.
+        """Run this shard's layers: a lazy hidden state or logits (``all_positions``: see a tensor
+        group's shard)."""
+        # On any_thread_stream: a step may be evaluated on another thread than the one that built it.
         with self._lock, mx.stream(any_thread_stream()):
             if self.spec.is_first:
                 tokens = x
