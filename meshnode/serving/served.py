@@ -1,13 +1,5 @@
 """One served model on this node: its plan, its shards, and where its requests run.
 
-A :class:`ServedModel` takes the plans that plan adoption hands it (meshnode.control.adoption),
-loads this node's part of each (make before break: the previous ready plan keeps serving until
-the new one is ready on every node), serves its stages to peers through the stage server, and
-finds the placement a request runs on: here when this node is the head, else the head over gRPC.
-Requests find it by model id; the engine turns its token ids into text.
-
-What it needs of the mesh it gets through ``mesh`` (meshnode.control.peers.Peers): who is alive,
-and how to reach a peer. It decides nothing about plans.
 """
 
 from __future__ import annotations
@@ -46,6 +38,11 @@ MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
 
 
 class ServedModel:
+    """One model as this node serves it: takes the plans adoption hands it, loads this node's part
+    of each (make before break: the previous plan serves until the new one is ready everywhere),
+    serves its stages to peers, and finds the placement a request runs on. It learns who is alive
+    through ``mesh`` (meshnode.control.peers.Peers) and decides nothing about plans."""
+
     def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth,
                  group_secret: bytes, event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None,
                  store=None, learned: bool = False):
@@ -63,8 +60,7 @@ class ServedModel:
         self.previous: Plan | None = None  # the last ready plan, served until the current one is ready
         self.plan_error = ""
         self.ready_epoch = 0
-        # What this node holds, by stage key: Shards, and its member of each tensor group (a
-        # TensorShard supervising a worker process).
+        # What this node holds, by stage key: Shards and TensorShards (a tensor group's member).
         self.shards: dict[tuple, Shard | TensorShard] = {}
         self._apply_task: asyncio.Task | None = None
         self._applying: Plan | None = None  # the plan _apply_task loads this node's part of
@@ -111,8 +107,7 @@ class ServedModel:
 
     @property
     def context(self) -> int:
-        """Tokens of context a request gets: the plan's; before any plan, the setting's or the
-        model's own (meshnode.control.planner.context)."""
+        """Tokens of context a request gets: the plan's, else the setting's or the model's own."""
         return request_context(self.plan, self.settings, self.files.profile)
 
     def close(self) -> None:
@@ -121,10 +116,8 @@ class ServedModel:
         self.shards = {}
 
     def fault(self, error: str) -> None:
-        """This node's computation of the model raised on a request's input (a stage's layers or the
-        head's own): counted and announced with the next heartbeats, so the coordinator stops
-        placing the model here once it happened ``FAULT_LIMIT`` times (meshnode.control.coordinator).
-        A restart clears it (an upgraded mlx may run the model)."""
+        """This node's computation of the model raised: counted and announced in heartbeats, so the
+        coordinator stops placing the model here after ``FAULT_LIMIT``. A restart clears it."""
         self.faults, self.last_fault = self.faults + 1, error[:MAX_FAULT_TEXT]
         others = tuple(f for f in self.mesh.me.faults if f[0] != self.model_id)
         self.mesh.update_me(faults=(*others, (self.model_id, self.faults, self.last_fault)))
@@ -143,9 +136,8 @@ class ServedModel:
         task, loading = self._apply_task, self._applying
         if task is not None and not task.done() and loading is not None and \
                 part_of(loading, self.node_id) == part_of(plan, self.node_id):
-            # The newer plan wants what is loading (another node came or went): let the load finish
-            # and serve it for this plan. Cancelling would throw away a tensor group's worker that
-            # the other members may already have formed their ring with.
+            # The newer plan wants what is loading: let it finish rather than throw away a tensor
+            # group's worker the other members may already have formed their ring with.
             self._apply_task, self._applying = asyncio.create_task(self._load_after(task, plan)), plan
             return
         if task is not None:
@@ -163,10 +155,8 @@ class ServedModel:
         self._placements.clear()
 
     def ensure_applied(self) -> None:
-        """Keep trying to hold this node's part of the current plan: a load that failed (a group
-        member not heard from yet, a ring that did not form in time) is tried again, and a tensor
-        group whose worker died (a member's ring broke) is formed again; every member does the
-        same. Not ready meanwhile, so the plan is not served half-loaded."""
+        """Keep trying to hold this node's part of the current plan: retry a failed load, form a
+        broken tensor group again. Not ready meanwhile, so the plan is never served half-loaded."""
         plan, task = self.plan, self._apply_task
         if task is not None and not task.done():
             return
@@ -247,31 +237,27 @@ class ServedModel:
 
     # ------------------------------------------------------------------ placements
     def engine_for_request(self) -> Engine:
-        """The engine, after checking that the current plan can serve (else a 503); for a model
-        loaded on demand the request waits in the engine's source (meshnode.serving.usage)."""
+        """The engine, once the current plan can serve (else a 503); on-demand models wait in its source."""
         if not self.on_demand():
             self.placement(None)
         assert self.engine is not None, "load() made the engine"
         return self.engine
 
     def on_demand(self) -> bool:
-        """Requests for the model wait for the mesh to load it: its plan unloads it (it did not fit
-        beside the other models, or it was idle and made room), or the plan loading it again is
-        not ready yet."""
+        """Requests wait for the mesh to load the model: its plan unloads it, or the reloading plan
+        is not ready yet."""
         if self.plan is None:
             return False
         serving = self.serving_plan()
         return self.plan.unloaded or (serving is not None and serving.unloaded)
 
     def unplaced_because(self) -> str:
-        """Why no plan of the model fits the mesh: the coordinator's reason (this node's, or a peer's
-        as its heartbeats announce it); "" if none is known."""
+        """Why no plan of the model fits the mesh, as the coordinator said; "" if none is known."""
         return self.plan_error or self.mesh.plan_error_of(self.model_id)
 
     def use_now(self):
-        """This node's requests for the model (meshnode.control.demand.Use); a generation whose model
-        was unloaded under it (its idleness was announced before it started) counts as waiting, so
-        the coordinator loads the model again and the generation goes on by failover."""
+        """This node's requests for the model; a generation whose model was unloaded under it counts
+        as waiting, so the coordinator loads it again and failover carries on."""
         use = self.use.now()
         if use.active and self.on_demand():
             use = dataclasses.replace(use, waiting=use.waiting + use.active)
@@ -304,9 +290,8 @@ class ServedModel:
         return self.placement_for(serving)
 
     def placement_again(self, epoch: int, since: float):
-        """The placement of ``epoch`` again after a generation lost it at ``since`` (monotonic), if
-        no newer plan is known and every node of it was heard from since (nothing failed, so no
-        one is re-planning: meshnode.serving.resilience.FailoverSource); else None."""
+        """The placement of ``epoch`` again after a generation lost it at ``since``, if no newer plan
+        is known and every node of it was heard from since (nobody is re-planning); else None."""
         plan = self.serving_plan()
         if plan is None or plan.epoch != epoch or self.plan is None or self.plan.epoch != epoch:
             return None
@@ -374,8 +359,7 @@ def prompt_cache(settings: ServingSettings, metrics, context: int) -> tuple[Pref
     if not settings.prompt_cache:
         return None, None
     index = PrefixIndex()
-    # A prefix given up here is gone from at least this stage: the head stops offering it (every
-    # stage gives up the least recently used first, so the others follow suit).
+    # A prefix given up here is gone from at least this stage: the head stops offering it.
     store = PrefixStore(settings.kv_requests * context, on_resume=metrics.prompt_cache_resumed,
                         on_drop=lambda key: index.forget(key, "given up for room"))
     return store, index
