@@ -1,11 +1,8 @@
 """A model's memory profile, read from config.json and the safetensors headers only.
 
-The planner needs to know what each layer costs: its weight bytes (summed from the tensor
-entries of the safetensors headers, so quantized models with their ``.scales``/``.biases``
-count exactly), the embedding, final norm and head, and the KV cache per token per layer
-(capped by a sliding window where a layer has one). No tensor data is ever read: a
-safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
-dtype, shape and byte range, then the raw data, and only the first two are looked at.
+The planner needs each layer's weight bytes (quantized scales and biases included), the
+embedding, norm and head, and the KV cache per token per layer (capped by a sliding window).
+Only the safetensors headers are read, never tensor data.
 """
 
 from __future__ import annotations
@@ -50,16 +47,14 @@ class ModelProfile:
     num_experts: int  # 0 for a dense model
     vocab_size: int
     dtype: str  # activation (and KV cache) dtype, e.g. "bfloat16"
-    # Requests a node runs at once, each with a KV cache of its own: what every KV figure below counts
-    # (see for_requests). 1 in a profile read from disk or sent by a peer.
+    # Requests at once, each with its own KV cache, that every KV figure counts (for_requests).
     kv_requests: int = 1
     # Why this model cannot be split into pipeline stages ("" when it can): it is then served whole.
     split_problem: str = ""
     moe_intermediate_size: int = 0  # each expert's (and a shared expert's) MLP width; 0 for a dense model
     quant_group_size: int = 0  # weights quantized in groups of this many inputs; 0 when not quantized
     trained_context: int = 0  # the context its config says it was trained for (rope scaling included); 0: unknown
-    # Bits of the quantized KV cache every KV figure counts (0: unquantized; see for_kv_bits), and why
-    # this model's KV cannot be quantized ("" when it can; meshnode.weights.kvquant).
+    # Bits every KV figure counts (0: unquantized; for_kv_bits), and why the KV cannot be quantized.
     kv_bits: int = 0
     kv_quant_problem: str = ""
     # What was done to the weights on their way in (a GGUF file's conversion), "" when nothing.
@@ -71,30 +66,26 @@ class ModelProfile:
             raise ValueError(f"profile of {self.name!r}: per-layer tuples must have {n} entries")
 
     def for_requests(self, requests: int) -> "ModelProfile":
-        """This profile with every KV figure counting ``requests`` requests at once (what a plan must
-        hold: each request in flight has a cache of its own, up to max_context tokens each)."""
+        """This profile with every KV figure counting ``requests`` requests at once."""
         if requests < 1:
             raise ValueError(f"requests must be at least 1, not {requests}")
         return replace(self, kv_requests=int(requests))
 
     def for_kv_bits(self, bits: int) -> "ModelProfile":
-        """This profile with the KV of every layer that keeps a plain growing KVCache counted quantized
-        to ``bits`` (0: unquantized). A model whose KV cannot be quantized stays unquantized."""
+        """This profile with plain growing KV caches counted quantized to ``bits`` (0: unquantized)."""
         if bits and self.kv_quant_problem:
             bits = 0
         return replace(self, kv_bits=int(bits))
 
     def kv_token_bytes(self, layer: int) -> int:
-        """KV bytes per token of one layer, as its cache stores them: quantized (with kv_bits) unless
-        the layer slides (RotatingKVCache) or keeps no KV (a recurrent layer's state: 0)."""
+        """KV bytes per token of one layer as its cache stores them (0 for a recurrent layer)."""
         plain = self.kv_bytes_per_token[layer]
         if self.kv_bits and self.sliding_window[layer] is None:
             return quantized_kv_bytes(plain, _ITEM.get(self.dtype, 2), self.kv_bits)
         return plain
 
     def kv_bytes(self, layer: int, context: int, requests: int | None = None) -> int:
-        """KV cache bytes of one layer holding ``context`` tokens (capped by its sliding window) for
-        each of ``requests`` requests at once (default: the profile's ``kv_requests``)."""
+        """KV bytes of one layer holding ``context`` tokens for each of ``requests`` requests."""
         window = self.sliding_window[layer]
         tokens = min(context, window) if window else context
         return self.kv_token_bytes(layer) * max(tokens, 0) * (self.kv_requests if requests is None else requests)
@@ -105,9 +96,8 @@ class ModelProfile:
                                                       for i in range(start, end))
 
     def stage_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
-        """Memory a stage holding layers [start, end) needs: weights + KV for max_context tokens of
-        ``requests`` requests, plus the embedding on the first stage and norm + head on the last (+ the
-        embedding again when tied, unless the last stage is also the first)."""
+        """Memory of a stage holding layers [start, end): weights and KV, plus the embedding on the
+        first stage and norm and head (or the tied embedding) on the last."""
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"bad layer range [{start}, {end}) for {self.num_layers} layers")
         total = self.layers_bytes(start, end, max_context, requests)
@@ -185,8 +175,7 @@ class _Tensor:
 def _tensors(model_dir: Path) -> dict[str, _Tensor]:
     out: dict[str, _Tensor] = {}
     marker = read_marker(model_dir)
-    # Some layers (from peers or the Hub) or none (Hub metadata): the whole model's manifest, whose
-    # tensors came from the weight files' headers. A marker without one: this folder's own headers.
+    # A partial folder: the whole model's manifest; without one, this folder's own headers.
     if marker is not None and marker.get("manifest"):
         manifest = manifest_from_dict(marker["manifest"])
         for f in manifest.files:
@@ -234,9 +223,8 @@ def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
 
 
 def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
-    """The dtype activations and the KV cache get: the embedding's output dtype (for a quantized
-    embedding, the dtype of its scales; else what config.json says), promoted as MLX promotes it by
-    the first block's norms (a GGUF model's float32 norms make its float16 embedding float32)."""
+    """The dtype of activations and KV: the embedding's output dtype, promoted by the first block's
+    norms as MLX promotes it."""
     embeds = sorted(k for k in tensors if EMBED_KEY.search(k) and not SKIP_KEY.search(k))
     dtype = next((_DTYPE_NAMES[tensors[k].dtype] for suffix in (".scales", ".weight") for k in embeds
                   if k.endswith(suffix) and tensors[k].dtype in _DTYPE_NAMES), None)
@@ -263,9 +251,7 @@ def _promote(a: str, b: str) -> str:
 
 
 def activation_dtype(model_dir: Path) -> str:
-    """The activation dtype of the model in ``model_dir``, from the weight files' headers (or, for a
-    folder holding only some layers, the whole model's manifest): right on every stage, also on one
-    that holds no embedding and whose packed weights say nothing about it."""
+    """The activation dtype of the model in ``model_dir``, right also on a stage without the embedding."""
     model_dir = Path(model_dir)
     return _activation_dtype(_tensors(model_dir), text_config(json.loads((model_dir / "config.json").read_text())))
 
@@ -284,10 +270,8 @@ _FUSED_QKV = re.compile(r"\.(?:qkv_proj|c_attn|query_key_value|Wqkv|qkv)\.weight
 
 def _kv_per_token(layer_keys: list[list[str]], tensors: dict[str, _Tensor], cfg: dict[str, Any], item: int,
                   default: int) -> tuple[int, ...]:
-    """KV bytes per token of each layer, from the out-features of its k_proj and v_proj where the
-    layer has them (so per-layer head counts count), the config's formula for fused projections,
-    and nothing for layers without attention (the recurrent layers of hybrid models keep a state of
-    fixed size)."""
+    """KV bytes per token of each layer: from its k_proj and v_proj out-features, else the config's
+    formula; 0 for layers without attention (a recurrent state is of fixed size)."""
     if cfg.get("kv_lora_rank"):  # multi-head latent attention: one compressed latent per token
         return ((int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)) * item,) * len(layer_keys)
     any_kv = any(k.endswith(("k_proj.weight", "v_proj.weight")) for keys in layer_keys for k in keys)
