@@ -1,23 +1,13 @@
 """Build real mlx-lm models offline: random weights from a fixed seed plus a locally trained tokenizer.
 
-No model hub is needed. The tokenizer is a byte-level BPE trained with ``tokenizers`` on a small
-built-in corpus and saved with transformers' ``PreTrainedTokenizerFast`` (with a chat template);
-the model is the family's own mlx-lm class, so loading, sharding and generation are exactly what a
-downloaded model would get. Builds are deterministic: the same arguments give byte-identical files
-(the demo model relies on that, since every node of a mesh must hold the same weights). The weight
-values come from an integer hash, not ``mx.random.normal``, so they are identical on every
-platform (see :func:`_init_weights`).
-
-Sizes: ``vocab_size`` is the tokenizer's training target; the trained vocabulary is capped by the
-small corpus (a little over 1,000 tokens), and the model's vocab_size is always ``len(tokenizer)``.
-About 100M parameters in float32 (~400 MB)::
+The tokenizer is a byte-level BPE trained on a small built-in corpus (so the vocabulary stays
+small whatever ``vocab_size`` asks); the model is the family's own mlx-lm class, so it loads,
+shards and generates as a downloaded one would. Builds are byte-identical for the same arguments
+on every platform (weights come from an integer hash), which the demo model relies on: every node
+must hold the same weights. About 100M parameters in float32::
 
     build_model(path, "llama", num_layers=16, hidden_size=768, intermediate_size=2048,
                 num_heads=12, num_kv_heads=4)
-
-Each such layer holds 6.29M parameters (attention 1.57M, MLP 4.72M), so 16 layers give 100.7M plus
-~1.6M for the embedding and head. Per layer in general: ``hidden * (2 * hidden + 2 * kv_heads *
-hidden // heads) + 3 * hidden * intermediate``.
 """
 
 from __future__ import annotations
@@ -36,10 +26,8 @@ from meshnode.model.tinyconfig import NOT_BUILDABLE, family_config, generic_conf
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3",
                              "phi3")
 
-# Every family build_model builds (the nine above with hand-written configs, the rest from their
-# ModelArgs, see generic_config) that splits as a pipeline token-identical to mlx-lm in float32,
-# verified by tests/test_families.py. hunyuan splits only between groups of cla_share_factor layers
-# (meshnode.model.shard.split_boundaries).
+# Every family build_model builds that splits as a pipeline token-identical to mlx-lm in float32
+# (tests/test_families.py); hunyuan only between groups of cla_share_factor layers.
 SPLIT_FAMILIES: tuple[str, ...] = FAMILIES + (
     # asked for by name
     "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "minimax", "llama4", "gemma4_text", "hunyuan", "olmo2",
@@ -146,9 +134,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512, chat: str = "plain") -
     ``chat``: "plain" (roles between special tokens) or "agent" (:data:`AGENT_TEMPLATE`: tools,
     tool calls and thinking, with their markers as special tokens).
 
-    Byte level: every byte has a token, so any Unicode text encodes and decodes losslessly. The
-    vocabulary is at least the 256 bytes plus :data:`SPECIAL_TOKENS`, at most what the corpus
-    yields. ``<|end|>`` (end of a chat turn) also counts as end of sequence. Returns its length.
+    Every byte has a token, so any text round-trips. ``<|end|>`` also ends a sequence. Returns the
+    vocabulary's length.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -213,9 +200,8 @@ def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
 def _init_weights(model, seed: int) -> dict[str, Any]:
     """Deterministic float32 values for every parameter of ``model``, in its own order.
 
-    Matrices: uniform with bound gain / sqrt(fan_in) (mlx's Linear init; embeddings get the same
-    standard deviation as mlx's normal init), biases likewise with their weight's fan-in; norm
-    scales keep the class's constant init (ones, or zeros for Gemma's 1 + w).
+    Matrices and biases: uniform with bound gain / sqrt(fan_in), as mlx's Linear init; norm scales
+    keep the class's constant init.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -291,12 +277,9 @@ def build_model(
 ) -> Path:
     """Write a complete mlx-lm model directory (config, tokenizer, safetensors) and return it.
 
-    ``family`` is one of :data:`FAMILIES`. ``intermediate_size`` defaults to twice the hidden size
-    (MoE families: each expert gets half of it). ``tie_word_embeddings=None`` takes the family's
-    usual choice (tied for qwen2, qwen3 and gemma2). ``chat``: the chat template (build_tokenizer).
-    ``max_file_size_mb`` splits the weights into
-    ``model-0000k-of-0000n.safetensors`` files. ``overrides`` go into config.json last. The
-    directory loads with ``mlx_lm.load``; the same arguments always give the same bytes.
+    ``family`` is one of :data:`FAMILIES`; ``intermediate_size`` defaults to twice the hidden size;
+    ``tie_word_embeddings=None`` takes the family's usual choice; ``max_file_size_mb`` splits the
+    weights into several files; ``overrides`` go into config.json last.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -352,10 +335,8 @@ def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | No
     """Quantize ``model`` in place with mlx-lm's own ``quantize_model``; returns the config with the
     ``quantization`` block exactly as mlx-lm writes it.
 
-    "4bit" / "8bit": affine (mlx-lm's default mode); "mixed": mlx-lm's ``mixed_4_6`` recipe (4 bits,
-    6 for v_proj / down_proj of some layers and the head, like llama.cpp's Q4_K_M); "mxfp4": MLX's
-    microscaling FP4 (group size 32), as gpt-oss ships. Layers whose input width is not a multiple of
-    the group size stay unquantized (mlx-lm's rule), hence a default group size of 32 for tiny models.
+    "4bit" / "8bit": affine; "mixed": mlx-lm's ``mixed_4_6`` recipe; "mxfp4": MLX's FP4, as gpt-oss
+    ships. Layers narrower than a group stay unquantized, hence a default group size of 32.
     """
     import contextlib
     import io
@@ -379,8 +360,7 @@ def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | No
 def build_once(final: Path, family: str = "llama", **kwargs: Any) -> Path:
     """``build_model`` into ``final`` unless it is already there; never leaves a half-built model.
 
-    The build goes to a hidden temporary sibling that is renamed into place in one step. When two
-    processes race, both build and the first rename wins; the other returns the winner's model.
+    The build goes to a temporary sibling renamed into place; of two racing builds the first wins.
     """
     final = Path(final)
     if (final / "config.json").is_file():
