@@ -1,10 +1,8 @@
 """Where a node's layers come from when its disk lacks them: peers first, the Hub as a fallback.
 
-:class:`LayerSource` is what the node asks for "a folder holding layers [start, end) of the served
-model". The local model folder answers when it covers them; else a folder fetched earlier into
-``<cache>/peer-models/`` (resumed if a transfer was interrupted); else the tensors are fetched
-from the live peers that announce the model (:func:`meshnode.weights.transfer.fetch_layers`); with
-no peer holding them, from Hugging Face (:func:`hub_layers`).
+:class:`LayerSource` answers "a folder holding layers [start, end)": the local model folder, else
+one fetched earlier (resumed if interrupted), else the peers that announce the model
+(:func:`meshnode.weights.transfer.fetch_layers`), else Hugging Face (:func:`hub_layers`).
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ def folder_name(model_id: str, start: int, end: int) -> str:
 
 
 def covers(model_dir: Path, start: int, end: int) -> bool:
-    """Whether ``model_dir`` holds every tensor of layers [start, end) (and the embedding/head
-    those layers need: a transfer's folder always holds them for its own range)."""
+    """Whether ``model_dir`` holds every tensor of layers [start, end) and what they need."""
     try:
         marker = read_marker(model_dir)
     except (OSError, ValueError):
@@ -65,9 +62,8 @@ def cached_metadata(cache_root: Path, model_id: str) -> Path | None:
 
 async def metadata_from_peers(model_id: str, cache_root: Path, candidates: Callable[[], Sequence[tuple[str, object]]],
                               deadline_s: float, poll_s: float = 1.0) -> Path:
-    """Wait (up to ``deadline_s``) for peers holding ``model_id`` and fetch its small files (config,
-    tokenizer, chat template) into ``<cache_root>/<id>-0-0``; ``candidates()`` lists (name, channel)
-    pairs of the peers known now. Raises FetchError when none answered in time."""
+    """Fetch ``model_id``'s small files (config, tokenizer) from a peer of ``candidates()`` into
+    ``<cache_root>/<id>-0-0``, waiting up to ``deadline_s``; else FetchError."""
     import asyncio
     import time
 
@@ -138,10 +134,8 @@ class LayerSource:
 
     async def folder(self, start: int, end: int, peers: Sequence[tuple[str, object]],
                      on_progress: Callable[[int, int], None] | None = None) -> Path:
-        """A folder holding layers [start, end): local, else fetched from ``peers`` ((name,
-        channel) pairs of live peers that announce the model), else -- for a Hugging Face id, also
-        when those peers lack the layers -- downloaded from the Hub (only the weight files holding
-        them, see :func:`hub_layers`)."""
+        """A folder holding layers [start, end): local, else from ``peers``, else (a Hub id) only
+        the weight files holding them from the Hub."""
         path = self.local(start, end)
         if path is not None:
             return path
@@ -260,15 +254,9 @@ def _link_folder(dest: Path, links: dict[str, Path], marker: dict) -> Path:
 
 
 def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None) -> Path:
-    """A folder describing Hub model ``model_id`` with no weights downloaded, to profile it and load
-    its tokenizer: ``<cache_root>/<id>-hub`` holding links to its small files (config, tokenizer,
-    chat template, index: downloaded into the Hugging Face cache) and a ``meshnode-partial.json``
-    marker holding no layers (start = end = 0) but the whole model's manifest, its weight files'
-    tensors read from their safetensors headers over HTTP range requests (file digests: the Hub's
-    LFS sha256; tensor digests follow once a stage downloads the file, :func:`hub_layers`).
-
-    When the Hugging Face cache already holds every weight file of the revision (the whole model
-    was downloaded before), that complete snapshot folder is returned instead.
+    """A folder describing Hub model ``model_id`` without its weights, to profile it and load its
+    tokenizer: links to its small files and a marker with no layers but the whole manifest, read
+    from the weight files' headers over HTTP ranges. A complete cached snapshot is returned as is.
     """
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
@@ -314,18 +302,12 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
 
 def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadata: Path | None = None,
                on_progress: Callable[[int, int], None] | None = None) -> Path:
-    """Download from the Hub only the weight files holding layers [start, end) of ``model_id`` (plus
-    the files holding the embedding, final norm and head when the stage needs them), into
-    ``<cache_root>/../hub-blobs/<sha256>``, and return ``<cache_root>/<id>-<start>-<end>``: links to
-    those files and the small ones, and a marker with the whole manifest (the downloaded files'
-    tensors now with their digests, so peers can fetch them from this node). Shard loads it as a
-    partial folder.
+    """Download only the Hub weight files holding layers [start, end) (and embedding, norm, head
+    where needed) into ``hub-blobs/<sha256>``, and return a partial folder linking them, whose
+    marker gives the downloaded tensors' digests so peers can fetch them from here.
 
-    ``metadata``: a folder from :func:`hub_metadata` (made now when it is not one). Progress goes
-    to the log and to ``on_progress(done, total)`` (bytes). A download cut off resumes with an HTTP
-    range from the bytes on disk, in this call and after a restart (:func:`_download`; huggingface_hub
-    2.x itself drops a partial file when a download fails). Every file is checked against the
-    Hub's sha256 and its tensors against the headers before use.
+    ``metadata``: from :func:`hub_metadata`. Cut downloads resume from the bytes on disk
+    (:func:`_download`); every file is checked against the Hub's sha256 before use.
     """
     from meshnode.weights.manifest import hash_file, manifest_from_dict, tensors_for_layers
 
@@ -386,9 +368,8 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
 
 def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blobs: Path,
               report: Callable[[int], None]) -> Path:
-    """``<blobs>/<sha256>``: one weight file of the Hub, downloaded into ``<sha256>.part`` and renamed
-    when whole. The part is kept when the download stops (a cut connection, a killed node), and the
-    next attempt -- in this call or after a restart -- asks only for the rest (HTTP Range)."""
+    """``<blobs>/<sha256>``: one Hub weight file, downloaded into a ``.part`` that is kept when cut
+    off, so the next attempt asks only for the rest (huggingface_hub would drop it)."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -443,8 +424,7 @@ def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blo
 
 
 def _check_hub_space(model_id: str, needed: list[str], files: dict, blobs: Path, reserve: int = 64 << 20) -> None:
-    """Raise DiskSpaceError before downloading when ``blobs``' disk cannot take the files still
-    missing (blobs already there, in full or in part, count as downloaded)."""
+    """Raise DiskSpaceError when ``blobs``' disk cannot take the files still missing."""
     blobs = Path(blobs)
     need = 0
     for path in needed:
