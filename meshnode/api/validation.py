@@ -1,30 +1,16 @@
-"""Check OpenAI request bodies with pydantic models and turn them into a :class:`GenerationRequest`,
-the wire-independent request every API surface hands to :mod:`meshnode.api.core`. Pure: no I/O,
-no model. Every problem raises :class:`ApiError` (400, ``param`` naming the field, a code, and a
-message that says what to fix; pydantic's errors are translated in :mod:`meshnode.api.schema`).
+"""Check OpenAI request bodies with pydantic models and turn them into a :class:`GenerationRequest`
+for :mod:`meshnode.api.core`. Pure. Every problem raises :class:`ApiError` (400, ``param`` naming
+the field, a code, a message that says what to fix).
 
-An unsupported field is an error by construction: the request models forbid every field they do
-not declare (400, code ``unsupported_parameter``, ``param`` = the field), so no client is led to
-believe that a parameter took effect. Every field real clients send is declared, with the type the
-OpenAI API documents (a wrong type is a 400 naming the field), in one of two lists:
+The models forbid every field they do not declare (400 ``unsupported_parameter``), so no client
+believes a parameter took effect. Declared fields are either honoured (the models' own fields,
+response_format included: text, json_object or a json_schema) or ``HARMLESS``: accepted and
+ignored because ignoring them cannot change the answer (who is asking, the provider's storage and
+billing, switches at their default value; any other value is refused).
 
-* honoured: the fields of the models below: model, messages / prompt, max_tokens,
-  max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop, stream,
-  stream_options.include_usage, n = 1; presence_penalty, frequency_penalty, repetition_penalty
-  (Open WebUI's repeat_penalty) and logit_bias (mlx-lm's logits processors); logprobs and
-  top_logprobs; tools / tool_choice (and the older functions / function_call), reasoning_effort
-  and chat_template_kwargs (the chat template's), response_format only as {"type": "text"}.
-* ``HARMLESS``: accepted and ignored because ignoring them cannot change the answer: who is asking
-  (user, safety_identifier, metadata), the provider's storage, caching and billing (store,
-  prompt_cache_key, service_tier), tool-call plumbing (parallel_tool_calls), and switches only at
-  their default value (echo=false, best_of=1, suffix=null, modalities=["text"],
-  verbosity="medium"); any other value is refused.
-
-Messages: roles system, developer (given to the template as system), user, assistant and tool;
-content a string or a list of text parts (joined), null only for an assistant; an assistant's
-tool_calls and a tool result's tool_call_id and name go to the chat template. Other keys of a
-message (reasoning_content...) are chat history that clients copy back from earlier answers; they
-are ignored, not refused.
+Messages: roles system, developer (as system), user, assistant and tool; content a string or text
+parts; tool calls and results go to the chat template. Other message keys (reasoning_content...)
+are history clients copy back, ignored.
 """
 
 from __future__ import annotations
