@@ -3,7 +3,7 @@
 Each simulated node holds the real ``EpochState`` and elects with the real
 ``choose_coordinator``; the test owns the clock and the message queue, so every ordering of
 heartbeats, Installs and refusals it picks is replayed exactly. Control ticks mirror
-``Node._tick``/``_coordinate``: the elected coordinator publishes when it has no plan, when the
+``ControlPlane.tick``/``_coordinate``: the elected coordinator publishes when it has no plan, when the
 members changed, or when its epoch is contested. What must hold, whatever the order: a node's
 epoch never goes back, and once the messages are delivered every node holds the same plan (one
 epoch, one coordinator, every member) under a number no other plan it ever held had.
@@ -72,7 +72,7 @@ class Sim:
             n.hears.discard(nid)
 
     def tick(self, nid: str) -> None:
-        """One control-loop round of ``nid``: heartbeats out, then coordinate (Node._tick)."""
+        """One control-loop round of ``nid``: heartbeats out, then coordinate (ControlPlane.tick)."""
         n = self.nodes[nid]
         if not n.alive_node:
             return
