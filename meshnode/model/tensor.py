@@ -17,8 +17,8 @@ waiting inside a ring collective instead would busy-spin a core for as long as t
 idle. Every rank then runs the same forward pass in lockstep and ends with the full output
 (mlx-lm's sharded-to-all layers all-reduce it); rank 0 replies.
 
-The ring's own connections are plain TCP without authentication (MLX's backend); the README
-says so. On Macs with Thunderbolt, JACCL is the same code with RDMA.
+The ring's own connections are plain TCP without authentication (MLX's backend);
+docs/operations.md ("Security and trust") says so. On Macs with Thunderbolt, JACCL is the same code with RDMA.
 
 :class:`TensorShard` is the node's side: it looks like a :class:`~meshnode.model.shard.Shard`
 (``spec``, ``dtype``, ``hidden_size``, ``make_cache``, ``forward``) so the stage server and the
