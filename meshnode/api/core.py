@@ -1,15 +1,10 @@
-"""What every API surface shares (OpenAI today; Ollama and Anthropic next): the app's state, the
-JSON body, and one generation from a checked :class:`GenerationRequest` to its deltas, whatever the
-wire format.
+"""What the API surfaces (OpenAI, Ollama, Anthropic) share: the app's state, the JSON body, and one
+generation from a checked :class:`GenerationRequest` to its deltas, whatever the wire format.
 
-A surface parses its body into a ``GenerationRequest`` and calls :func:`generate` with a
-``respond`` function; :func:`generate` counts the outcome (meshnode_requests_total), checks the
-model, holds a concurrency slot, turns the request into prompt token ids (the chat template),
-fixes the max_tokens budget against the context and starts the engine. ``respond`` then either
-collects the answer (:func:`collect`) or streams it (:func:`stream`) with a :class:`StreamFormat`
-that frames each piece (OpenAI's SSE chunks live in :mod:`meshnode.api.openai`). A client that
-goes away mid-stream (a chat UI's Stop) is normal: the generation stops with one INFO line, no
-traceback.
+A surface parses its body and calls :func:`generate`, which counts the outcome, checks the model,
+holds a concurrency slot, applies the chat template, fixes the max_tokens budget and starts the
+engine; its ``respond`` then collects the answer (:func:`collect`) or streams it (:func:`stream`)
+in the surface's :class:`StreamFormat`. A client leaving mid-stream is normal: one INFO line.
 """
 
 from __future__ import annotations
@@ -209,17 +204,15 @@ _TOOLLESS: set[str] = set()  # models whose requests with tools were answered wi
 
 async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape]:
     """The chat template applied to the messages, with the request's tools and thinking switch.
-
-    tool_choice: "none" leaves the tools out; "required" ends the prompt with the model's
-    tool-call start marker, so that the answer is a call; a named function is "required" with
-    only that tool offered."""
+    tool_choice "required" ends the prompt with the tool-call marker; a named function is
+    "required" with only that tool."""
     tokenizer = engine.tokenizer
     tools, choice = req.tools, req.tool_choice
     if choice == "none":
         tools = None
     if tools and not (getattr(tokenizer, "has_tool_calling", False) and getattr(tokenizer, "chat_template", None)):
-        # Tools are always accepted (Open WebUI sends its built-in ones with every chat): a model
-        # whose template has no place for them answers without them, said once per model.
+        # Tools are always accepted (Open WebUI sends some with every chat); a template without a
+        # place for them answers without them, logged once per model.
         if engine.model_id not in _TOOLLESS:
             _TOOLLESS.add(engine.model_id)
             log.warning("model %s has no tool-call format in its chat template: requests with tools are "
@@ -271,8 +264,8 @@ def _budget(engine: Engine, req: GenerationRequest, prompt_len: int, limits: Lim
             param="messages" if req.kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    # Room, not refusal: agents ask for far more than any context holds (OpenCode: 32000) and expect
-    # the answer to stop at the room left (finish reason "length"), as mlx_lm.server and Ollama do.
+    # Room, not refusal: agents ask for more than the context holds and expect the answer to stop
+    # at the room left (finish reason "length"), as mlx_lm.server and Ollama do.
     cap = min(room, limits.max_tokens_limit)
     if req.max_tokens is None:  # the room left (a reasoning model's thinking is not cut short)
         return min(limits.default_max_tokens or cap, cap)
