@@ -131,7 +131,7 @@ def parse(body: Any, limits: Limits, lookup: Lookup = lambda _id: None) -> Respo
         before = lookup(req.previous_response_id)
         if before is None:
             raise ApiError(400, f"Previous response with id '{req.previous_response_id}' not found: this node keeps "
-                           "the responses it made with store not false, for a while (see the README); send the "
+                           "the responses it made with store not false, for a while (see docs/api.md); send the "
                            "whole conversation in 'input' instead", param="previous_response_id",
                            code="previous_response_not_found")
         history = list(before)
