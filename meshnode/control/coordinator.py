@@ -1,13 +1,4 @@
-"""The coordinator's job: weigh a plan for the live nodes and publish it under a new epoch.
-
-Only the elected node (meshnode.control.election) runs :meth:`Coordinator.coordinate`, once per
-control-loop tick. It plans again when the members change, when a member of the plan restarted
-(it came back empty-handed), when another node published a different plan under this epoch, and
-now and then with fresh link and compute figures. A working plan is replaced only by one
-estimated ``REPLAN_GAIN`` faster, confirmed at two weighings in a row and not sooner than
-``rebalance_dwell`` after the last change (hysteresis: no flapping). The planner itself is pure
-(meshnode.control.planner); this module feeds it what the mesh announces and measures.
-"""
+"""The coordinator: weigh a plan for the live nodes and publish it under a new epoch."""
 
 from __future__ import annotations
 
@@ -41,12 +32,11 @@ log = logging.getLogger(__name__)
 
 # A working plan is replaced only by one estimated this much faster per token (hysteresis).
 REPLAN_GAIN = 0.15
-# A node whose all-reduce cost is not measured yet is assumed this slow (above what a Linux CPU
-# box measures): tensor groups must prove themselves rather than be formed on a guess.
+# A node whose all-reduce cost is not measured yet is assumed this slow, so tensor groups are
+# formed on measurements, not on a guess.
 UNMEASURED_COLLECTIVE_S = 250e-6
-# A node whose computation of a model raised this many times (it announces them: NodeInfo.faults)
-# holds none of that model's layers in the next plans, until it restarts. Once may be one bad
-# input; twice is a model the node cannot run (a bug, an mlx that lacks the family).
+# A node whose computation of a model raised this many times holds none of its layers until it
+# restarts: once may be one bad input, twice is a model the node cannot run.
 FAULT_LIMIT = 2
 
 
@@ -70,10 +60,8 @@ def layout(plan: Plan) -> list:
 
 def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
                used: dict[str, int] | None = None) -> list[NodeSpec]:
-    """What the planner needs of each live node, from what it announces: for ``model_id``, with the
-    memory ``used`` by other models' plans taken off its budget (several models on one mesh). A
-    node measures its layer time on the first model it offers; for another model the planner goes
-    by its compute figure."""
+    """What the planner needs of each live node, from what it announces, with the memory ``used`` by
+    other models' plans taken off its budget. Layer times are measured for a node's first model only."""
     used = used or {}
     return [NodeSpec(node_id=n.node_id, memory_budget=max(0, n.memory_budget - used.get(n.node_id, 0)),
                      compute=n.compute,
@@ -83,15 +71,21 @@ def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
 
 
 class Coordinator:
+    """Plans one model for the mesh; only the elected node calls :meth:`coordinate`, once a tick.
+
+    It plans again when the members change, a member of the plan restarted, another plan appears
+    under this epoch, and now and then with fresh figures. A working plan is replaced only by one
+    ``REPLAN_GAIN`` faster at two weighings in a row, and not within ``rebalance_dwell`` of the
+    last change, so plans do not flap. It feeds the pure planner what the mesh announces."""
+
     def __init__(self, settings: PlanSettings, node_id: str, peers: Peers, adoption: Adoption, *,
                  event: Callable[..., None], used_by_others: Callable[[], dict[str, int]] = dict):
         """``used_by_others``: bytes each node holds for the other models' plans (meshnode.control.lanes)."""
         self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption
         self._event, self._used_by_others = event, used_by_others
         self._planned_for: frozenset[str] = frozenset()
-        # started_at of each node of the plan this coordinator published: a node that restarts
-        # comes back empty-handed, so its plan is published again under a new epoch (generations
-        # that lost the old epoch wait for a newer one).
+        # started_at of each node of the published plan: a restarted node comes back empty-handed,
+        # so the plan is published again under a new epoch.
         self._incarnations: dict[str, float] = {}
         self._planned_at = 0.0  # when the coordinator last weighed a plan
         self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
@@ -150,8 +144,7 @@ class Coordinator:
                     self._forced_note = str(forced)
         except PlanError as exc:
             if self._fits_alone(candidates, links, held):
-                # It fits, but not beside the other models' plans: unloaded until a request asks for
-                # it, and then placed where the least recently used idle model made room.
+                # It fits, but not beside the other models: unloaded until a request asks for it.
                 self.needs_room = True
                 self._planned_for, self._planned_at = members, now
                 served.plan_error = ""
@@ -172,8 +165,7 @@ class Coordinator:
                                                           f"{'; '.join(excluded.values())}")
         desired = self._with_endpoints(desired, alive)
         if current_plan is not None and plan_ok and not contested:
-            # The current plan still works: move only for a real gain by today's figures, and not
-            # sooner than rebalance_dwell after the last change (hysteresis: no flapping).
+            # The current plan works: move only for a real gain, not within rebalance_dwell.
             current = plan_estimate(served.profile, nodes, current_plan.stages,
                                     max_context=current_plan.max_context or desired.max_context, links=links)
             preferred_now = strategy is not None and desired.strategy == strategy != current_plan.strategy
@@ -182,8 +174,7 @@ class Coordinator:
                 self._planned_for, self._planned_at, self._pending = members, now, None
                 return
             if members == self._planned_for and not preferred_now and self._pending != layout(desired):
-                # Same nodes, new figures: the move must win at two re-weighings in a row, so one
-                # noisy measurement does not tear down a working tensor group.
+                # The move must win twice in a row, so one noisy figure cannot tear down a group.
                 self._pending, self._planned_at = layout(desired), now
                 return
             if now - adoption.changed_at < s.rebalance_dwell:
@@ -238,8 +229,7 @@ class Coordinator:
         return True
 
     def estimate_now(self) -> float | None:
-        """Seconds per token of the current plan by today's compute and link figures (the plan's own
-        estimate is from when it was made, often before the links were measured)."""
+        """Seconds per token of the current plan by today's figures (its own estimate may predate them)."""
         served = self.adoption.served
         if served.plan is None or self.peers.membership is None or served.profile is None:
             return None
@@ -254,8 +244,7 @@ class Coordinator:
             return None
 
     def _with_endpoints(self, plan: Plan, alive: dict[str, NodeInfo]) -> Plan:
-        """Name, for each tensor group member, the address its ring should use: the one the other
-        members reach fastest (a Thunderbolt bridge rather than Wi-Fi), else its first announced."""
+        """Name each tensor group member's ring address: the one the others reach fastest."""
         if all(len(s.nodes) == 1 for s in plan.stages):
             return plan
         measured = self.peers.measured()

@@ -1,12 +1,4 @@
-"""The control loop: every ``heartbeat_interval``, heartbeat everyone, then look at the mesh.
-
-Each tick: membership says who joined and who is gone; reachability says which announced peers
-never answer; the oldest live node is elected coordinator (meshnode.control.election) and, if
-that is this node, it weighs and publishes a plan for each model the mesh serves
-(meshnode.control.coordinator, one lane per model: meshnode.control.lanes); then this node's
-serving runtime of each model keeps its part of the plan loaded and retires older epochs once the
-current one is ready everywhere.
-"""
+"""The control loop: every ``heartbeat_interval``, heartbeat everyone, then look at the mesh."""
 
 from __future__ import annotations
 
@@ -31,6 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class ControlPlane:
+    """Runs the control loop. Each tick: membership and reachability say who is alive; the elected
+    coordinator (meshnode.control.election), if this node, plans each model the mesh serves (a lane
+    per model, meshnode.control.lanes) and loads or unloads models on demand; then each served
+    model keeps its part of the plan loaded and retires older epochs."""
+
     def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
                  lanes: Lanes, *, event: Callable[..., None], holders=None):
         """``holders``: opens a search for the peers holding a model (ModelFiles' ``Holders``), for
@@ -130,8 +127,8 @@ class ControlPlane:
                 continue
             use = uses[model]
             if plan is not None and plan.unloaded:
-                # Placed again when a request waits for it (making room if need be), or, if it was
-                # unloaded for want of room, when the members change (a node joined: room may be free).
+                # Placed again when a request waits for it, or, if unloaded for want of room, when
+                # the members change.
                 retry = model in self._no_room and self._no_room[model] != frozenset(alive)
                 if use.waiting or retry:
                     lane.coordinator.coordinate(alive)

@@ -1,11 +1,4 @@
-"""Turns a stream of token ids into the text a client sees.
-
-The engine owns what is per-request on the serving node: the streaming detokenizer, EOS,
-stop strings, max_tokens, and a chat answer's split into content, reasoning and tool calls
-(meshnode.serving.answer). Where the token ids come from is a :class:`TokenSource`: the
-local pipeline, or (in a mesh) the node that holds the model's head. Keeping the text here
-means a generation that moves to another placement mid-way still reads as one stream.
-"""
+"""Turns a stream of token ids into the text a client sees."""
 
 from __future__ import annotations
 
@@ -35,10 +28,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of the answer; the last one has ``finish_reason`` set ("stop", "length" or
-    "tool_calls"). ``text`` is the answer's content, ``reasoning`` the model's thinking (between
-    its think markers), ``tool_calls`` the calls completed in this piece, ``logprobs`` one entry
-    per token of this piece where the request asked for them."""
+    """A piece of the answer: content, reasoning, completed tool calls and logprobs; the last one
+    has ``finish_reason`` set ("stop", "length" or "tool_calls")."""
 
     text: str
     completion_tokens: int
@@ -59,6 +50,11 @@ class TokenSource(Protocol):
 
 
 class Engine:
+    """Owns what is per-request on the serving node: the streaming detokenizer, EOS, stop strings,
+    max_tokens, and a chat answer's split into content, reasoning and tool calls. The token ids
+    come from a :class:`TokenSource` (the local pipeline or the head's node), so a generation that
+    moves to another placement mid-way still reads as one stream."""
+
     def __init__(
         self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int,
         metrics: NodeMetrics | None = None,
@@ -74,9 +70,7 @@ class Engine:
         self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = (),
         shape: AnswerShape | None = None,
     ) -> AsyncGenerator[Delta, None]:
-        """The answer to ``prompt`` in pieces. ``shape``: a chat answer, split into content,
-        reasoning and tool calls (meshnode.serving.answer); None: all of it is text (completions).
-        Stop strings end the content; logprobs (where asked) come with the piece of their token."""
+        """The answer to ``prompt`` in pieces. ``shape``: how a chat answer splits (None: all text)."""
         tokenizer = self.tokenizer
         detokenizer = tokenizer.detokenizer
         eos = tokenizer.eos_token_ids
@@ -125,8 +119,8 @@ class Engine:
             return delta
 
         metrics, started, first_at, stopped_at = self.metrics, time.monotonic(), None, None
-        # Closed as soon as the answer is complete, before its last piece goes out: the stages then
-        # keep the prompt cache's prefix before the client can send its next turn.
+        # Closed before the last piece goes out, so the stages keep the prompt cache's prefix
+        # before the client can send its next turn.
         async with contextlib.aclosing(self.source.tokens(prompt, params)) as tokens:
             async for token in tokens:
                 if metrics is not None:
