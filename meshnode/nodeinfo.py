@@ -55,6 +55,8 @@ def ordered_addresses(addresses: Iterable[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class NodeInfo:
+    """A node's identity, addresses, ports, memory, measured speed, models and holdings, as it announces them."""
+
     node_id: str
     addresses: tuple[str, ...]
     http_port: int

@@ -43,6 +43,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """A checked request, the same whichever API it came through: what :mod:`meshnode.api.core` runs."""
+
     kind: str  # "chat" | "completion"
     model: str
     messages: list[dict[str, Any]] = field(default_factory=list)

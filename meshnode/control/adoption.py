@@ -1,10 +1,5 @@
 """Plan adoption: which plan this node follows, under which epoch.
 
-A plan reaches a node three ways: its own coordinator publishes it, an Install from the
-coordinator brings it, or a heartbeat carries it. Each goes through :class:`Adoption`, which
-keeps one plan per epoch (meshnode.control.epochs decides which of two plans under one epoch
-wins), checks the plan against the model it names, and hands it to that model's serving runtime
-(meshnode.serving.served), which loads this node's part and serves it once ready.
 """
 
 from __future__ import annotations
@@ -32,6 +27,10 @@ def describe(plan: Plan) -> str:
 
 
 class Adoption:
+    """Every plan that reaches the node for one model (its own coordinator, an Install, a heartbeat)
+    goes through here: one plan per epoch (meshnode.control.epochs), checked against the model,
+    then handed to the model's :class:`~meshnode.serving.served.ServedModel`."""
+
     def __init__(self, served: ServedModel, *, grace: float, event: Callable[..., None]):
         self.served = served
         # Epoch numbers and the rule that keeps one plan per epoch. Nodes started together hear

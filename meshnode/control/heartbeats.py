@@ -1,14 +1,5 @@
 """Heartbeats: how nodes learn that the others are alive, and what they hold.
 
-Every ``heartbeat_interval`` a node sends each peer it knows (and each static ``--peer``
-address) a heartbeat: its own :class:`NodeInfo` with its link figures, who it thinks
-coordinates, and for each model it serves (meshnode.control.lanes) its epoch, the plan it holds,
-the epoch it is ready for and any plan error. The reply says the same of the peer, plus the peers
-it knows (gossip). A plan seen in either direction is offered to that model's plan adoption
-(meshnode.control.adoption), so a node that missed an Install still gets the plan.
-
-A peer that refuses the connection (nothing listens: the process is gone) is dropped at once; one
-that does not answer is dropped after ``failure_timeout`` by membership.
 """
 
 from __future__ import annotations
@@ -36,6 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeats:
+    """Sends and answers heartbeats: this node's :class:`NodeInfo`, its coordinator, and per model
+    its epoch, plan, readiness and plan error; replies add the peers known (gossip). A plan seen
+    either way goes to that model's adoption, so a missed Install still arrives. A peer that
+    refuses the connection is dropped at once; a silent one after ``failure_timeout``."""
+
     def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
                  lanes: Lanes):
         self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at

@@ -33,6 +33,8 @@ class Peer:
 
 
 class Membership:
+    """The peers heard from within ``failure_timeout``: the failure detector."""
+
     def __init__(self, me: NodeInfo, *, failure_timeout: float, clock: Callable[[], float] = time.monotonic):
         self.me = me
         self.failure_timeout = failure_timeout

@@ -1,9 +1,5 @@
 """The other nodes and how to reach them.
 
-:class:`Peers` keeps what this node knows of the mesh around it: who is alive (membership, fed
-by heartbeats), which announced peers never answer (reachability), what each link measures
-(this node's probes and what peers report), and one gRPC channel per address, signed with the
-cluster key and, with ``encrypt``, over TLS. Everything that talks to a peer asks it for a channel.
 """
 
 from __future__ import annotations
@@ -33,6 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class Peers:
+    """What this node knows of the mesh around it: who is alive (membership), which announced peers
+    never answer (reachability), what each link measures, and one signed (with ``encrypt``, TLS)
+    gRPC channel per address. Everything that talks to a peer asks it for a channel."""
+
     def __init__(self, settings: PeerSettings, node_id: str, auth: ClusterAuth, identity=None):
         self.settings, self.node_id, self.auth, self.tls = settings, node_id, auth, identity
         self.me: NodeInfo | None = None

@@ -1,14 +1,7 @@
 """Peers that mDNS shows but that never answer: macOS Local Network privacy, or a firewall.
 
-macOS may refuse a process that launchd started any traffic to the LAN (Local Network privacy)
-without an error anyone sees, and a firewall can do the same on any system: the node then runs,
-mDNS may still show its peers, but every call to them fails. This module notices that: a peer
-that discovery still announces, whose every heartbeat from this node failed for ``grace``
-seconds, is *unreachable*. The node says so once in its log (with how to fix it, at most every
-``hint_every`` seconds), lists it in ``/v1/mesh`` (``unreachable``) and so in ``meshnode
-status``, and says when it answers again.
-
-Pure bookkeeping with an injected clock; ``meshnode.node`` feeds it from discovery and heartbeats.
+Such blocks are silent: mDNS still shows the peers, but every call fails. Pure bookkeeping with
+an injected clock, fed from discovery and heartbeats.
 """
 
 from __future__ import annotations
@@ -43,6 +36,10 @@ class _Announced:
 
 
 class Reachability:
+    """Marks a peer *unreachable* when discovery still announces it but every heartbeat to it failed
+    for ``grace`` seconds; logs how to fix it (at most every ``hint_every`` seconds), lists it in
+    ``/v1/mesh``, and says when it answers again."""
+
     def __init__(self, grace: float, *, clock: Callable[[], float] = time.monotonic, hint_every: float = 900.0):
         self.grace = grace
         self.clock = clock

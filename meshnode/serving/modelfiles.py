@@ -39,6 +39,9 @@ Holders = Callable[[str], AbstractAsyncContextManager[Callable[[], list[tuple[st
 
 
 class ModelFiles:
+    """Resolves the served model and brings this node its metadata and its stages' layers (local,
+    from peers or from the Hub), announcing what it holds."""
+
     def __init__(self, settings, progress, event: Callable[..., None], *, model: str | None = None,
                  store: ModelStore | None = None, learned: bool = False):
         """``model``: what to serve (a folder or an id; None: the demo model); ``store``: the node's

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples: limits, temperature and filters, penalties, seed, logprobs, grammar."""
+
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0

@@ -1,9 +1,7 @@
 """A TCP listener that serves each connection on a blocking thread of its own.
 
-The link echo (meshnode.control.echo) and the data port (meshnode.transport.dataport) are both
-bare TCP next to gRPC, for what an event loop and an RPC stack make slow: each connection gets
-a plain thread that blocks in ``recv``, so a message costs the kernel's round trip and little
-else. At most ``max_connections`` are served at once; more are closed at once.
+Used by the link echo and the data port: a thread blocking in ``recv`` makes a message cost the
+kernel's round trip and little else, unlike an event loop and an RPC stack.
 """
 
 from __future__ import annotations
@@ -17,6 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class ThreadedListener:
+    """Accepts connections on ``host:port`` and runs ``serve`` for each on its own thread, at most
+    ``max_connections`` at once (more are closed)."""
+
     def __init__(self, host: str, port: int, serve: Callable[[socket.socket, str], None], *, name: str,
                  max_connections: int):
         self._serve = serve

@@ -36,6 +36,8 @@ class Handlers:
 
 
 class MeshServicer(mesh_pb2_grpc.MeshServicer):
+    """The Mesh gRPC service: routes each call to the part named in :class:`Handlers`."""
+
     def __init__(self, handlers: Handlers):
         self.h = handlers
 

@@ -29,6 +29,8 @@ _ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 @dataclass(frozen=True)
 class ModelProfile:
+    """A model's shape and byte sizes per layer, embedding, head and KV: what the planner places."""
+
     name: str
     model_type: str
     num_layers: int

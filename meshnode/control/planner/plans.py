@@ -46,6 +46,8 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
+    """Which nodes hold which layers of a model, by stage, with the estimate and reasons behind it."""
+
     model: str
     strategy: str  # "single" | "pipeline" | "tensor" | "hybrid"
     stages: tuple[Stage, ...]
