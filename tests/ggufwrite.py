@@ -51,7 +51,8 @@ def write_gguf(folder: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.
         assert target is not None, f"{arch}: no GGUF name for {name}"
         data = np.array(weights[name].astype(mx.float32))
         if arch == "llama" and target.endswith(("attn_q", "attn_k")):
-            data = permute(data, cfg["num_attention_heads"] if target.endswith("attn_q") else cfg["num_key_value_heads"])
+            heads = cfg["num_attention_heads"] if target.endswith("attn_q") else cfg["num_key_value_heads"]
+            data = permute(data, heads)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
         kind = qtype if data.ndim >= 2 and data.shape[-1] % 32 == 0 and suffix == "weight" else \

@@ -67,7 +67,9 @@ def test_q4_0_and_q8_0_are_kept_as_mlx_reads_them(tmp_path):
         _, folder = resolve_gguf(str(path), tmp_path / "cache")
         theirs, _ = mx.load(str(path), return_metadata=True)
         ours = mx.load(str(folder / "model.safetensors"))
-        for g, m in (("blk.1.ffn_down", "model.layers.1.mlp.down_proj"), ("blk.0.attn_v", "model.layers.0.self_attn.v_proj")):
+        pairs = (("blk.1.ffn_down", "model.layers.1.mlp.down_proj"),
+                 ("blk.0.attn_v", "model.layers.0.self_attn.v_proj"))
+        for g, m in pairs:
             for part in ("weight", "scales", "biases"):
                 assert mx.array_equal(theirs[f"{g}.{part}"], ours[f"{m}.{part}"]), (kind.name, g, part)
         config = json.loads((folder / "config.json").read_text())

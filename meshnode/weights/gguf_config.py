@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from meshnode.weights.gguf_tensors import UnsupportedGGUF
@@ -75,7 +74,7 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": _float32(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "vocab_size": vocab,
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -112,6 +111,11 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         cfg["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length",
                                                           cfg["max_position_embeddings"]))
     return cfg
+
+
+def _float32(value: float) -> float:
+    """A float32 from the file as the shortest decimal that is that float32 (1e-05, not 9.99...e-06)."""
+    return float(f"{float(value):.7g}")
 
 
 def _rope_scaling(get) -> dict[str, Any] | None:
@@ -165,7 +169,3 @@ def save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     if "tokenizer.ggml.add_bos_token" in meta:
         tokenizer.add_bos_token = bool(meta["tokenizer.ggml.add_bos_token"])
     tokenizer.save_pretrained(str(out))
-
-
-def as_array(values: list[Any]) -> np.ndarray:
-    return np.asarray(values)
