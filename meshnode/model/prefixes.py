@@ -1,17 +1,11 @@
 """The prompt cache's node side: KV caches of recent conversation prefixes, kept per layer range.
 
-A chat client re-sends the whole conversation every turn. When a generation ends, the head asks
-every stage to keep that request's KV (cut to the positions both sides know were fed) under a
-key made from those tokens (:func:`prefix_key`); the next request that starts with them resumes
-from a copy of it and prefills only its new tokens, at every stage. The head decides what to
-resume from (meshnode.serving.promptcache); a stage that no longer holds it says so and the head
-prefills it all.
+When a generation ends the head asks every stage to keep its KV under a key made from its tokens
+(:func:`prefix_key`); a later request starting with them resumes from a copy and prefills only its
+new tokens. The head decides (meshnode.serving.promptcache); a stage that lost the prefix says so.
 
-Memory: kept prefixes live in the KV the memory plan reserves for requests
-(``kv_requests`` x ``max_context`` positions of this node's layers): the positions kept plus the
-positions of the requests open here never exceed it; the least recently used prefix goes first.
-Entries are keyed by layer range, not epoch, so a stage whose layers did not move in a re-plan
-keeps its prefixes.
+Kept prefixes live in the KV the plan reserves for ``kv_requests`` requests, least recently used
+out first. Entries are keyed by layer range, not epoch, so they survive a re-plan that keeps them.
 """
 
 from __future__ import annotations
@@ -42,17 +36,13 @@ def prefix_key(tokens: Sequence[int]) -> str:
 
 
 def keeps_prefixes(shard: Any) -> bool:
-    """Whether a shard's per-request cache can be kept: a pipeline shard's list of layer caches
-    (here), a tensor group's (in its workers, driven from rank 0: ``shard.keeps_prefixes``)."""
+    """Whether a shard's per-request cache can be kept (here, or in a tensor group's workers)."""
     return getattr(shard, "owned", None) is not None or bool(getattr(shard, "keeps_prefixes", False))
 
 
 @runtime_checkable
 class KeptElsewhere(Protocol):
-    """A prefix's KV kept in another process (a tensor group's workers, each with its share of
-    every layer): the store counts its positions as for its own; dropping the handle frees it
-    there. A request's cache that can be kept so has ``keep_as_prefix(positions)``, which returns
-    (such a handle or None, why not)."""
+    """A prefix's KV kept in a tensor group's workers: counted here, freed when the handle is dropped."""
 
     owner: Any  # the shard whose workers hold it
 
@@ -108,10 +98,8 @@ class PrefixStore:
 
     def __init__(self, capacity: int, on_resume: Callable[[int], None] | None = None,
                  on_drop: Callable[[str], None] | None = None):
-        """``capacity``: positions of KV one layer range may hold, kept and in use together;
-        ``on_resume(positions)``: told of each request resumed from a kept prefix (metrics);
-        ``on_drop(key)``: told of each prefix given up for room (a head's index then stops
-        offering it: resuming from it would miss here)."""
+        """``capacity``: positions one layer range may hold, kept and in use; ``on_resume`` and
+        ``on_drop``: told of each resume and each prefix given up for room."""
         self.capacity = max(0, int(capacity))
         self._on_resume, self._on_drop = on_resume, on_drop
         self._lock = threading.Lock()
@@ -130,8 +118,7 @@ class PrefixStore:
 
     # -- keeping and resuming
     def keep(self, layers: Layers, key: str, cache: list[Any], positions: int) -> bool:
-        """Keep ``cache`` (this request's, no longer used by it) cut to ``positions``. A cache
-        held in another process (a tensor group's, see :class:`KeptElsewhere`) is kept there."""
+        """Keep ``cache`` (a finished request's) cut to ``positions``."""
         if positions <= 0 or positions > self.capacity:
             return False
         elsewhere = getattr(cache, "keep_as_prefix", None)
@@ -154,10 +141,8 @@ class PrefixStore:
         return held
 
     def resume(self, layers: Layers, key: str, positions: int, shard: Any = None) -> tuple[list[Any] | None, str]:
-        """A copy of the cache kept under ``key``, cut to ``positions``, for ``shard`` to run; or
-        None and why not: not held here (evicted, never kept, a node restarted), kept by another
-        kind of shard for these layers (a tensor group's workers, a plain shard's lists: a re-plan
-        changed how they run), or CANNOT_CUT."""
+        """A copy of the cache kept under ``key``, cut to ``positions``, for ``shard``; or None and
+        why not (not held, kept by another kind of shard, or CANNOT_CUT)."""
         with self._lock:
             kept = self._kept.get(layers)
             entry = kept.get(key) if kept is not None else None
@@ -204,8 +189,7 @@ class PrefixStore:
                 self._on_drop(key)
 
     def _fit(self, layers: Layers) -> list[str]:
-        """Give up the least recently used prefixes of ``layers`` until kept and in use fit (under
-        the lock); the keys given up."""
+        """Give up least recently used prefixes of ``layers`` until all fits; their keys."""
         kept = self._kept.get(layers)
         dropped: list[str] = []
         if not kept:

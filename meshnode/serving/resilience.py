@@ -1,21 +1,10 @@
 """Generations that survive the loss of a stage.
 
-:class:`FailoverSource` is the token source the API's engine uses in a mesh. It asks the node for
-the current plan's placement (the local pipeline on the head, or the head over gRPC) and relays
-its tokens. When that fails mid-way (a stage died, hung, or the head vanished), it waits for the
-mesh to publish and load a new plan, then replays the prompt plus every token already produced
-on the new placement (prefill rebuilds the KV caches) and carries on. The client sees one
-stream: no token missing, none repeated; with greedy decoding the output is identical to a run
-without the fault. Attempts are bounded and logged; waiting for the new plan uses tenacity.
-
-A false suspicion costs nothing: a generation waits for a new plan only while one can come. If
-no newer plan is known and every node of the lost placement has been heard from (a heartbeat)
-since the loss, nothing failed, so nobody is re-planning: the generation replays at once on the
-same epoch (``same_epoch``). A node that is really gone is never heard from again, so its
-generation waits for the coordinator's new plan as before.
-
-Waiting on a peer (:func:`await_while_alive`) lasts as long as the peer is alive by the control
-plane (heartbeats), not a fixed time: a busy peer is not a lost one.
+When a placement fails mid-way, :class:`FailoverSource` waits for a new plan and replays the
+prompt plus every token produced so far on it, so the client sees one stream with nothing missing
+or repeated. If every node of the lost placement was heard from since, nothing failed and it
+replays at once on the same epoch. A peer is waited for as long as it heartbeats
+(:func:`await_while_alive`): a busy peer is not a lost one.
 """
 
 from __future__ import annotations
@@ -44,21 +33,17 @@ class NotReady(RuntimeError):
 
 
 class EpochPending(PlacementLost):
-    """A node of the placement has not switched to the placement's epoch yet (it is adopting or
-    loading it): transient, so the same placement is tried again shortly, with backoff, until the
-    epoch is ready there or a newer plan supersedes it. Costs no attempt."""
+    """A node is still switching to the placement's epoch: retried shortly, costing no attempt."""
 
 
 class GenerationFault(RuntimeError):
-    """A stage raised on the generation's input (a bug, a model it cannot run). Deterministic:
-    replaying it would fail the same way, so it ends the generation at once with the stage's error."""
+    """A stage raised on the generation's input: deterministic, so the generation ends at once."""
 
 
 async def await_while_alive(awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str],
                             poll: float = 0.25):
-    """The result of ``awaitable``, waited for as long as ``alive()`` holds (the peer heartbeats);
-    raises :class:`PlacementLost` with ``lost(seconds waited)`` once it does not. The awaitable is
-    never cancelled by a slow answer (cancelling a gRPC read would end the call)."""
+    """The result of ``awaitable``, waited for while ``alive()`` holds; else :class:`PlacementLost`.
+    A slow answer never cancels it (that would end a gRPC call)."""
     task = asyncio.ensure_future(awaitable)
     started = time.monotonic()
     try:
@@ -81,12 +66,9 @@ class Placement(Protocol):
 
 
 class FailoverSource:
-    """Token source that replays a generation onto a new plan when its placement fails.
-
-    ``current(after_epoch)`` returns the placement to use now; with ``after_epoch`` set it must
-    raise :class:`NotReady` until a plan with a higher epoch is ready (and may raise any other
-    error to give up at once, e.g. when the model no longer fits).
-    """
+    """The engine's token source in a mesh: relays a placement's tokens and replays the generation
+    onto a new plan when it fails. ``current(after_epoch)`` raises :class:`NotReady` until a newer
+    plan is ready, or any other error to give up."""
 
     def __init__(
         self,
@@ -100,8 +82,7 @@ class FailoverSource:
         give_up: Callable[[BaseException], BaseException] | None = None,
         same_epoch: Callable[[int, float], Placement | None] | None = None,
     ):
-        # same_epoch(lost epoch, when it was lost (time.monotonic())): the placement of that epoch
-        # again if no newer plan is coming and every node of it was heard from since; else None.
+        # same_epoch(epoch, lost at): that placement again if nothing failed (ServedModel.placement_again).
         self._same_epoch = same_epoch
         self._on_retry = on_retry  # called once per retry (metrics)
         # What the caller gets when the generation is lost for good (the API: a 503, retry later).
@@ -170,8 +151,7 @@ class FailoverSource:
                         yield token
                 return
             except EpochPending as exc:
-                # Not lost: a node is still switching to this epoch. Use a newer plan if one is
-                # ready, else try the same placement again shortly (no attempt spent).
+                # Not lost: a node is still switching. A newer ready plan, else the same again.
                 now = time.monotonic()
                 pending_since = now if pending_since is None else pending_since
                 newer = self._newer(placement.epoch)
@@ -199,8 +179,7 @@ class FailoverSource:
                             self._attempts - 1)
                 if self._on_retry is not None:
                     self._on_retry()
-                # The wait for a new plan counts from the loss: a generation that ran for minutes
-                # before it is as entitled to a new plan as one that had just started.
+                # The wait for a new plan counts from the loss, not from the generation's start.
                 placement = await self._next_placement(lost, lost_at + self._deadline, lost_at)
                 attempt += 1
                 log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt - 1,

@@ -1,49 +1,18 @@
 """Encryption of node-to-node gRPC traffic (``encrypt = true``): mutual TLS with one certificate
 that every holder of the cluster key derives by itself.
 
-How it works
-------------
-From the cluster key, HKDF-SHA256 (label ``meshnode grpc tls v1``) derives 48 bytes, reduced to
-an EC P-256 private scalar (``ec.derive_private_key``); a second HKDF output gives the serial
-number. The certificate is self-signed with that key, with a fixed subject and SAN
-(:data:`SERVER_NAME`), a fixed validity (2000-01-01 .. 9999-12-31, so node clocks do not matter)
-and a **deterministic** ECDSA signature (RFC 6979, ``CertificateBuilder.sign(...,
-ecdsa_deterministic=True)``, cryptography >= 44), so every node builds the identical DER bytes.
-No file is written and nothing has to be copied between machines.
+How it works: HKDF-SHA256 of the cluster key gives an EC P-256 private key and a serial number;
+the certificate is self-signed with a fixed name (:data:`SERVER_NAME`), a fixed validity (so
+clocks do not matter) and a deterministic ECDSA signature (RFC 6979), so every node builds the
+same bytes and nothing is copied between machines. Servers require this certificate from clients
+and channels trust only it (TLS 1.2/1.3 with ECDHE: forward secrecy); the HMAC layer of
+:mod:`meshnode.trust.auth` stays on top.
 
-Every node then listens with ``grpc.ssl_server_credentials`` that *require* a client
-certificate, trusting only this certificate, and dials with ``grpc.ssl_channel_credentials``
-presenting it and trusting only it (mutual TLS, TLS 1.2/1.3 with ECDHE, so sessions have
-forward secrecy). Peers are dialled by IP address, so channels set
-``grpc.ssl_target_name_override`` to :data:`SERVER_NAME`. The HMAC interceptors of
-:mod:`meshnode.trust.auth` stay on top of TLS (defence in depth).
-
-Threat model
-------------
-Authentication alone (always on, :mod:`meshnode.trust.auth`) stops anyone without the key from
-calling a node or replaying calls, but everything travels in clear. With ``encrypt = true``,
-against anyone on the network without the cluster key:
-
-* **secrecy**: prompts, generated tokens, activations, plans and heartbeats are encrypted;
-* **integrity of everything**: replies and every message of a Forward stream are protected by
-  the TLS record MAC, which closes the gaps the HMAC layer leaves (unsigned replies, unsigned
-  stream messages after an authenticated opening);
-* **both ends are key holders**: a server without the key cannot present the certificate and a
-  client without it cannot complete the handshake (no man in the middle, no plaintext client).
-
-Not protected / limits:
-
-* a key holder can impersonate any node (one shared identity, as with the HMAC layer). TLS uses
-  ephemeral ECDHE, so traffic recorded before the key leaks stays secret, but whoever steals the
-  key can join, impersonate or intercept the mesh from then on: rotate the key on every node;
-* traffic analysis: sizes and timing of messages remain visible (one message per token);
-* only gRPC is covered: the HTTP API (use a reverse proxy with TLS) and the tensor-parallel ring
-  (``mx.distributed``, a fast local link by design) are not encrypted;
-* ``encrypt`` needs a ``cluster_key``: a certificate derived from the public open-cluster key
-  would authenticate nobody, so the setting refuses to start without one.
-
-The handshake happens once per channel (channels are kept per peer); ``benchmarks/security.py``
-measures the cost.
+Against anyone without the key this adds secrecy and integrity of everything (replies and every
+stream message), and both ends must hold the key. Limits: a key holder can impersonate any node
+(rotate a stolen key everywhere); sizes and timing stay visible; the HTTP API and the
+tensor-parallel ring are not covered; ``encrypt`` refuses to start without a ``cluster_key``.
+docs/operations.md ("Security and trust") has the full threat model.
 """
 
 from __future__ import annotations
