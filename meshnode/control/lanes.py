@@ -1,16 +1,10 @@
 """Several models on one mesh: a lane per model.
 
-A mesh serves every model that any of its live nodes offers (``model`` and ``models`` in their
-settings). Each model is a *lane* on every node: its own :class:`ServedModel` (files, shards, stage
-server, placements), its own plan adoption with its own epochs, and its own coordinator state. So a
-re-plan of one model never moves another, and one model's epoch numbers say nothing of another's.
-
-A node takes part in every lane of the mesh, also for models it does not offer: the coordinator
-may place their layers on it (fetched from peers, issue 7's machinery), so the node learns of a
-model from a peer's announcement or heartbeat and loads its metadata and tokenizer from the peers
-that hold it. The coordinator plans the lanes one after the other, each into the memory the others'
-plans leave on every node (:meth:`Lanes.used_by_others`), so their placements together never
-exceed a node's budget.
+A mesh serves every model any live node offers. Each model is a *lane* on every node, with its own
+:class:`ServedModel`, plan adoption, epochs and coordinator state, so a re-plan of one never moves
+another. A node takes part in every lane, also for models it does not offer (their layers may be
+placed on it, fetched from peers). The coordinator plans lanes in turn, each into the memory the
+others leave (:meth:`Lanes.used_by_others`).
 """
 
 from __future__ import annotations
@@ -54,8 +48,7 @@ class Lanes:
 
     def __init__(self, make: Callable[[str | None, bool], Lane], offered: tuple[str | None, ...],
                  withdrawn: frozenset[str] = frozenset()):
-        """``offered``: the models this node offers, the first one the primary; ``withdrawn``: model
-        ids it was told to stop offering (``meshnode models remove``), kept as lanes it takes part in."""
+        """``offered``: this node's models, the first the primary; ``withdrawn``: ids no longer offered."""
         self._make = make
         self._offered, self._withdrawn = offered, withdrawn
         self.primary: Lane = make(offered[0], True)  # the first model offered; "" names it on the wire
@@ -64,8 +57,7 @@ class Lanes:
         self._failed: dict[str, float] = {}  # models whose metadata could not be loaded here, and when
 
     async def start(self, holders) -> None:
-        """Load every model this node offers: the first must load (the node serves nothing else
-        without it); another that cannot is logged and left out."""
+        """Load every model this node offers: the first must load; another that cannot is left out."""
         await self.primary.served.load(holders)
         self._lanes[self.primary.model_id] = self.primary
         for spec in self._offered[1:]:
@@ -104,8 +96,7 @@ class Lanes:
         return tuple(lane.model_id for lane in self if lane.offered)
 
     def learn(self, model_ids, holders) -> None:
-        """Models the mesh serves (peers announce them): start loading each this node has no lane
-        for yet (its metadata from the peers that hold it)."""
+        """Models peers announce: start loading each this node has no lane for yet."""
         for model_id in model_ids:
             failed_at = self._failed.get(model_id)
             if not model_id or model_id in self._lanes or model_id in self._loading or \

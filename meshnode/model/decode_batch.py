@@ -1,20 +1,13 @@
 """Decoding requests at one stage run as one batched forward (continuous batching across stages).
 
-A pipeline stage holds one KV cache per request (its session). When several requests decode at
-once, the head sends their next positions together: one step of B rows, one per request, in an
-order it names. :class:`DecodeBatch` keeps those requests' caches merged into mlx-lm's batch caches
-between steps (``BatchKVCache`` and kin, left-padded as ``BatchGenerator`` holds them: the family's
-own forward masks the padding), so a step costs one forward of B rows instead of B forwards, and
-the KV is not copied again while the members stay the same.
+The head sends several requests' next positions as one step of B rows. :class:`DecodeBatch` keeps
+their caches merged in mlx-lm's batch caches (left-padded, as ``BatchGenerator`` holds them)
+between steps, so a step is one forward of B rows and the KV is not copied while members stay.
 
-Membership follows each step's list, so there are no join or leave messages to lose: a request
-named for the first time is merged in (its cache extended into the batch, out of another batch
-first if one held it); one no longer named is taken out (its cache extracted back to its session).
-Each member's ``batch`` says which batch holds its cache. Before a member runs on its own (a prefill
-chunk, a failover replay) or its KV is kept or dropped, :func:`take_back` gives its cache back whole.
-
-A cache mlx-lm cannot batch (``QuantizedKVCache`` under ``kv_bits``, ``ChunkedKVCache``) makes a
-shard unbatchable: :func:`batchable_cache` says so and its requests keep stepping one at a time.
+Membership follows each step's list, so no join or leave message can be lost: new members are
+merged in, absent ones extracted back. Before a member runs alone or its KV is kept or dropped,
+:func:`take_back` returns its cache. Caches mlx-lm cannot batch (quantized, chunked) make a shard
+unbatchable (:func:`batchable_cache`).
 """
 
 from __future__ import annotations
@@ -43,21 +36,18 @@ def take_back(member: Member) -> None:
 
 
 def _aliases(cache: list[Any]) -> list[int]:
-    """For each layer, the first layer holding the same cache object (a partial shard's cache list
-    aliases the layers it does not run to one of its own, for the family's mask)."""
+    """For each layer, the first layer holding the same cache object (a shard's list has aliases)."""
     first: dict[int, int] = {}
     return [first.setdefault(id(c), i) for i, c in enumerate(cache)]
 
 
 def batchable_cache(cache: list[Any]) -> bool:
-    """Whether mlx-lm can merge (and so extend, filter and extract) every cache of this list:
-    not ``QuantizedKVCache`` (``kv_bits``) nor ``ChunkedKVCache``, which have no batch form."""
+    """Whether mlx-lm can merge every cache of this list (quantized and chunked caches cannot)."""
     return all(_mergeable(c) for c in cache)
 
 
 def batchable_shard(shard: Any) -> bool:
-    """Whether a stage's requests can step in a batch here: a plain shard (not a tensor group's)
-    whose caches mlx-lm batches."""
+    """Whether a stage's requests can step in a batch here (a plain shard with batchable caches)."""
     return isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())
 
 

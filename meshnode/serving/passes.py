@@ -1,14 +1,10 @@
 """Speculative passes in flight through a request's stages: the pipeline's bubbles filled.
 
-With one pass at a time a pipeline's stages take turns: while the last stage checks a pass, the
-first waits. :class:`PassPipe` lets the head send the next pass into the first stage before the
-one ahead of it has left the last (its tokens are guesses that assume the one ahead is confirmed:
-meshnode.serving.speculative), so every stage works at once. Passes leave the last stage in the
-order they were sent. When a pass's logits reject a guess, every pass behind it is cancelled: it
-goes into no further stage (the head carries each pass from stage to stage, so the stages it has
-not reached never see it), and every stage cuts its KV cache back to the confirmed positions
-(meshnode.model.rewind): a local stage at once, a remote one with its next message, after the
-messages it already has (their replies are read and dropped).
+:class:`PassPipe` sends the next pass into the first stage before the one ahead has left the last,
+so every stage works at once; passes leave in order. When a guess is rejected, every pass behind
+is cancelled (the head carries passes from stage to stage, so unreached stages never see them)
+and every stage cuts its KV back to the confirmed positions: a local one at once, a remote one
+with its next message.
 """
 
 from __future__ import annotations
@@ -60,8 +56,7 @@ class PassPipe:
 
     def send(self, tokens: Sequence[int]) -> None:
         """Send a pass into the first stage (a remote one gets it now)."""
-        # Alone: nothing else of this request's in the stages, a cancelled pass still computing at a
-        # remote stage included (this one would wait behind it there).
+        # Alone: nothing else of this request's in the stages, cancelled passes included.
         busy = any(not ticket.done() for q in self._running for _, ticket in q)
         p = Pass(list(tokens), self.end, alone=not self._passes and not busy)
         for q in self._passes:
@@ -74,8 +69,7 @@ class PassPipe:
         self._start_remote()
 
     def result(self) -> tuple[Pass, mx.array]:
-        """The oldest pass in flight and its logits, (positions, vocab): the stages driven until
-        it has left the last one."""
+        """The oldest pass in flight and its logits, (positions, vocab), once it has left the last stage."""
         oldest = self._passes[0]
         while not self._done or self._done[0][0] is not oldest:
             self._pump()
@@ -111,8 +105,7 @@ class PassPipe:
             self._done.append((p, out[0]))
 
     def _pump(self) -> None:
-        """One move: replies taken in, passes started at remote stages, one local stage's step
-        (the deepest first: it drains the pipe), or a wait for a remote stage."""
+        """One move: take replies, start remote stages, run the deepest local stage, or wait."""
         for i, q in enumerate(self._running):
             while q and q[0][1].done():
                 p, ticket = q.popleft()
