@@ -1,30 +1,19 @@
 """Tensor parallelism: a group of nodes shares every layer of a stage over ``mx.distributed``.
 
-mlx-lm's ``model.shard(group)`` splits each layer's projections over the group; the forward
-pass then does two all-reduces per layer. ``mx.distributed`` keeps its group for the life of
-a process, so every member runs the group in a **worker subprocess** that its node starts for
-a plan and kills when the plan changes. The ring backend has no timeouts (a vanished peer
-hangs a collective), so the node supervises: every call on the worker has a deadline, and a
-worker that misses it is killed, which breaks the ring for the other members too (their
-collectives fail with "connection to a peer was lost" and their workers exit).
+mlx-lm's ``model.shard(group)`` splits each layer's projections over the group (two all-reduces
+per layer). ``mx.distributed`` keeps its group for a process's life, so each member runs it in a
+**worker subprocess** (meshnode.model.tensor_worker) started per plan. The ring has no timeouts,
+so every call on the worker has a deadline, and a worker that misses it is killed, which breaks
+the ring for the other members too.
 
-Rank 0's node drives the group. It talks to its worker over the worker's stdin/stdout with
-length-prefixed protobuf frames (``WorkerCommand`` / ``WorkerReply``; local pipes, never the
-network). Rank 0's worker hands each command to the other ranks over plain TCP control
-connections (a 20-byte header and the input's raw bytes; each follower proves the cluster key
-with an HMAC when it connects). A follower waits for its next command in a blocking read:
-waiting inside a ring collective instead would busy-spin a core for as long as the group is
-idle. Every rank then runs the same forward pass in lockstep and ends with the full output
-(mlx-lm's sharded-to-all layers all-reduce it); rank 0 replies.
+Rank 0's node drives its worker over stdin/stdout frames (``WorkerCommand`` / ``WorkerReply``);
+that worker hands each command to the others over TCP control connections (HMAC-checked at
+connect), where followers wait in a blocking read rather than busy-spin in a collective. Every
+rank runs the forward in lockstep; rank 0 replies. The ring's own connections are plain TCP
+without authentication (MLX's backend; docs/operations.md, "Security and trust").
 
-The ring's own connections are plain TCP without authentication (MLX's backend);
-docs/operations.md ("Security and trust") says so. On Macs with Thunderbolt, JACCL is the same code with RDMA.
-
-:class:`TensorShard` is the node's side: it looks like a :class:`~meshnode.model.shard.Shard`
-(``spec``, ``dtype``, ``hidden_size``, ``make_cache``, ``forward``) so the stage server and the
-local pipeline use it unchanged.
-
-The worker itself is meshnode.model.tensor_worker.
+:class:`TensorShard` looks like a :class:`~meshnode.model.shard.Shard` to the stage server and
+the local pipeline.
 """
 
 from __future__ import annotations
@@ -70,8 +59,7 @@ class _Slot:
         weakref.finalize(self, owner._closed.append, (mesh_pb2.WorkerCommand.CLOSE, slot))
 
     def keep_as_prefix(self, positions: int) -> tuple[_Kept | None, str]:
-        """The prompt cache: the worker keeps this request's KV cut to ``positions`` (every rank its
-        share); the handle stands for it (meshnode.model.prefixes.KeptElsewhere)."""
+        """The worker keeps this request's KV cut to ``positions``; the handle stands for it."""
         return self._owner.keep(self, positions)
 
 
@@ -120,8 +108,7 @@ class TensorShard:
         self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
         self.inject_latency = inject_latency  # seconds every collective waits (tests and benchmarks)
         self.kv_bits = kv_bits  # the plan's quantized KV cache, built in the worker (0: not quantized)
-        # Every member's node heartbeats (the control plane): a step is then waited for however long
-        # it takes, as a pipeline stage is. None: a fixed deadline per step (tests of the group alone).
+        # Whether every member heartbeats: a step is waited for while they do (None: a fixed deadline).
         self.members_alive = members_alive
         self.dtype: mx.Dtype = mx.float32
         self.hidden_size: int | None = None

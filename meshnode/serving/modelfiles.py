@@ -1,10 +1,7 @@
 """A served model's files: where its metadata and layers come from, and what they say of it.
 
-The configured model is resolved (a folder, a Hugging Face id, the demo); a node whose disk lacks
-it asks its peers for the small files first, to profile the model (bytes per layer, KV) and load
-its tokenizer before it announces itself. A stage's layers come from the local folder, from live
-peers that announce them, or from the Hub (only the weight files holding them), with progress
-shown while they arrive; the node then announces them as held (meshnode.weights).
+A node lacking the model asks peers for its small files first, to profile it and load its
+tokenizer before it announces itself; a stage's layers come from disk, peers or the Hub.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ class ModelFiles:
 
     def __init__(self, settings, progress, event: Callable[..., None], *, model: str | None = None,
                  store: ModelStore | None = None, learned: bool = False):
-        """``model``: what to serve (a folder or an id; None: the demo model); ``store``: the node's
-        store of held models, shared by every model it serves (None: one of its own); ``learned``:
-        the model id is a peer's (meshnode.control.lanes), so its files come from the peers."""
+        """``model``: a folder or an id (None: the demo); ``store``: the node's shared store;
+        ``learned``: a peer's model, whose files come from the peers."""
         self.settings, self.progress, self._event = settings, progress, event
         self.spec, self._store, self._learned = model, store, learned
         self.model_id: str | None = None
@@ -110,9 +106,7 @@ class ModelFiles:
         return self.source.local(start, end)
 
     async def fetch_layers(self, start: int, end: int, peers: list[tuple[str, Any]]) -> Path:
-        """A folder holding layers [start, end) that this disk lacks (see :meth:`local_layers`),
-        fetched now from ``peers`` (those that announce them), or for a Hugging Face id downloaded
-        from the Hub (only the weight files holding them; progress in ``self.progress``)."""
+        """A folder holding layers [start, end) this disk lacks, from ``peers`` or else the Hub."""
         where = f"{len(peers)} peer(s)" if peers else "Hugging Face"  # (LayerSource: no peer -> the Hub)
         task = f"fetching layers {start}-{end - 1} of {self.model_id} from {where}"
         self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])

@@ -2,11 +2,9 @@
 (``max_context = 0``): the context the model was trained for, lowered only as far as the mesh's
 memory requires. Pure: no I/O.
 
-A KV cache grows with the context, so the longest context is tried first and halved until a plan
-fits (never below :data:`FLOOR`, or the trained context if that is shorter). Agents need long
-contexts (OpenCode's system prompt and tools alone are ~5k tokens; Ollama's docs ask 64k for
-coding tools); beyond that, whether one more node for a longer context is worth a slower token is
-the cost model's call. The plan's reason says which context it got and why.
+The longest context is tried first and halved until a plan fits (not below :data:`FLOOR`). Agents
+need long contexts; beyond :data:`ENOUGH`, the cost model decides whether more context is worth a
+slower token. The plan's reason says which context it got and why.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from meshnode.control.planner.plans import Plan, PlanError
 
 FLOOR = 4096  # the least context "auto" settles for (the old fixed default)
 UNKNOWN = 4096  # a model whose config names no context length
-# Tokens of context that serve coding agents (Ollama's docs ask 64k for them): more than this is
-# taken only where it does not cost speed (see plan_longest_context).
+# Tokens of context that serve coding agents: more is taken only where it does not cost speed.
 ENOUGH = 65536
 SLOWER = 1.1  # a longer context's plan may be this much slower per token than the fastest and still win
 
@@ -43,11 +40,8 @@ def plan_longest_context(make: Callable[[int], Plan], trained: int, setting: int
     (``setting`` 0) the trained context halved until a plan fits. Raises the PlanError of the
     last (shortest) context tried.
 
-    More context can cost speed: a longer KV cache may need one more node, so one more hop per
-    token. Below :data:`ENOUGH` the longest context that fits is always worth it (an agent's
-    prompt must fit at all). From :data:`ENOUGH` up, the cost model decides: the plans of every
-    context that fits down to ENOUGH are compared, and the longest whose estimated time per token
-    is within :data:`SLOWER` of the fastest of them wins."""
+    Below :data:`ENOUGH` the longest context that fits wins; from there, the longest whose plan is
+    within :data:`SLOWER` of the fastest per token (more KV may need another node and hop)."""
     tries = contexts_to_try(trained, setting)
     fits: list[tuple[int, Plan]] = []  # longest first
     for i, context in enumerate(tries):
