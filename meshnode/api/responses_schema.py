@@ -4,36 +4,13 @@ parts in the chat template's form (messages, tools, tool_choice, the JSON schema
 to :mod:`meshnode.api.core`. Pure: no I/O, no model. Every problem is an :class:`ApiError` 400
 whose ``param`` names the field (``input[2].call_id``).
 
-Honoured: model, input (a string, or items: messages with input_text / output_text / refusal
-parts, function_call / function_call_output, custom_tool_call / custom_tool_call_output; reasoning
-items are history and left out, as chat templates leave out earlier thinking), instructions (the
-first system message; not carried to a follow-up, as OpenAI documents), previous_response_id,
-store, max_output_tokens, temperature, top_p, stream, tools, tool_choice, reasoning.effort (the
-template's reasoning_effort; "none"/"minimal" turn thinking off), text.format (json_schema,
-json_object: the answer is JSON valid under it), top_logprobs with include
-"message.output_text.logprobs".
+What is honoured, ignored and refused is listed in docs/api.md ("Responses API"). Hosted tools
+(web_search, ...) are left out rather than refused, because Codex sends web_search with every
+request; client built-ins with call items of their own (local_shell, apply_patch, ...) are refused.
 
-Tools by type. ``function``: the model's tools. ``custom`` (freeform input): a function with one
-string parameter ``input``, its call returned as a custom_tool_call. ``namespace`` (Codex puts its
-sub-agent tools in one): each inner tool offered as ``<namespace>__<name>``, its call returned with
-``namespace`` and the bare name, as Codex routes it. Hosted tools the provider would run
-(web_search, file_search, code_interpreter, image_generation, mcp, tool_search): left out, logged
-once per type; this server runs no tools, and Codex sends web_search with every request, so a
-refusal would make Codex unusable. Client built-ins with call items of their own (local_shell,
-shell, apply_patch, computer): refused, no model here makes those items; send them as functions.
-
-Harmless, accepted and ignored (* = Codex sends it by default): parallel_tool_calls*, store*
-false (nothing is kept), include* "reasoning.encrypted_content" (there is no encrypted reasoning)
-and the include values of tools and images that never run here, prompt_cache_key*,
-client_metadata* (who is asking), reasoning.summary* (the raw reasoning is returned as the
-reasoning item's content; no summary is made), metadata (echoed), user, safety_identifier,
-service_tier, prompt_cache_retention, stream_options.include_obfuscation; at their default only:
-truncation "disabled", background false, text.verbosity "medium". All else is a 400 naming it.
-
-Messages become the chat template's: developer is system (templates know "system"; Qwen's drops
-other roles), the leading system messages are joined into one, the parts of a content with a blank
-line; function calls join the assistant turn before them as its ``tool_calls`` (arguments as an
-object); an output is a ``tool`` message.
+Messages become the chat template's: developer is system (Qwen's template drops other roles),
+leading system messages join into one, function calls join the assistant turn before them as its
+``tool_calls``, and an output is a ``tool`` message.
 """
 
 from __future__ import annotations
@@ -96,8 +73,7 @@ def _listed(one: Callable[[str], dict[str, Any]], what: str) -> BeforeValidator:
 
 
 class _Loose(BaseModel):
-    """History that clients copy back from earlier answers: keys this server does not use (id,
-    status, annotations, logprobs, phase...) are ignored, not refused."""
+    """History clients copy back: keys this server does not use are ignored, not refused."""
 
     model_config = ConfigDict(strict=True, frozen=True)
 

@@ -1,14 +1,8 @@
 """The worker process of a tensor-parallel group (see meshnode.model.tensor for the design).
 
-Every member's node starts one: it forms the ``mx.distributed`` group, loads its share of the
-stage's layers and runs commands in lockstep with the other ranks. Rank 0 takes commands from its
-node over stdin/stdout (length-prefixed ``WorkerCommand`` / ``WorkerReply`` frames) and hands each
-to the other ranks over the group's authenticated control connections. Besides a forward step,
-a command can keep a request's KV cache as a prefix and resume a new request from a copy of it
-(the prompt cache: meshnode.model.prefixes), identically on every rank, since each rank holds its
-share of every layer's KV.
-
-Run as ``python -m meshnode.model.tensor_worker`` by :class:`~meshnode.model.tensor.TensorShard` only.
+Each member forms the ``mx.distributed`` group, loads its share of the layers and runs commands in
+lockstep; rank 0 relays its node's commands (forward steps, prompt-cache keeps and resumes) to the
+others. Started only by :class:`~meshnode.model.tensor.TensorShard`.
 """
 
 from __future__ import annotations
@@ -102,9 +96,7 @@ class _Worker:
         self.kept: dict[int, list[Any]] = {}  # prefixes kept (the prompt cache), by the node's number
 
     def prefix_op(self, op: int, slot: int, kept: int, positions: int) -> str:
-        """KEEP, RESUME or FORGET, run identically on every rank (each holds its share of every
-        layer's KV); '' when done, else why not (the same on every rank: it depends only on what
-        the commands before did)."""
+        """KEEP, RESUME or FORGET, identically on every rank; '' when done, else why not."""
         if op == _OP_FORGET:
             self.kept.pop(kept, None)
             return ""
@@ -126,8 +118,7 @@ class _Worker:
         return why
 
     def rewind(self, slot: int, positions: int) -> str:
-        """Drop the last ``positions`` of slot's KV (speculative decoding's rejected drafts), the same
-        on every rank; '' when done, else why not."""
+        """Drop the last ``positions`` of slot's KV on every rank; '' when done, else why not."""
         cache = self.caches.get(slot)
         try:
             if cache is not None:
@@ -161,12 +152,9 @@ class _Worker:
             peer.sendall(frame)
 
     def watch_members(self) -> None:
-        """Rank 0, for the life of the group: the other ranks never write after their hello, so a
-        control connection turning readable means that rank's worker went (its node closed it for
-        a newer plan, or died). The ring is then broken, so this worker exits at once: its node sees
-        the group down and forms it again with the member's new worker. An idle group sends no
-        commands, so the loop in :meth:`lead` alone would never notice, and the new worker would
-        find nobody listening."""
+        """Rank 0: followers never write after their hello, so a readable control connection means a
+        follower's worker went and the ring is broken; exit at once so the node forms the group
+        again. An idle group sends no commands, so :meth:`lead` alone would never notice."""
         if not self.peers:
             return
         readable, _, _ = select.select(self.peers, [], [])
@@ -345,9 +333,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _delay_collectives(seconds: float) -> None:
-    """Make every collective of this process take ``seconds`` longer, as a link with that much more
-    round-trip latency would (a 2-member ring all-reduce is one exchange each way). The sharded
-    layers look ``mx.distributed.all_sum`` up at call time, so wrapping it there reaches them."""
+    """Make every collective take ``seconds`` longer, by wrapping ``mx.distributed.all_sum``
+    (looked up at call time by the sharded layers)."""
     for name in ("all_sum", "all_gather"):
         original = getattr(mx.distributed, name)
 

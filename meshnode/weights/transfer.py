@@ -1,19 +1,12 @@
 """Models from peers, the fetching side: exactly the tensors of some layers, from every peer that
 holds them. (The serving side is :mod:`meshnode.weights.store`.)
 
-:func:`fetch_layers` asks every peer for its manifest, keeps those that agree on the model digest,
-and downloads the needed tensors (one work item per tensor) and the small files (config,
-tokenizer, chat template, ...) from all peers that hold them at once
-(:mod:`meshnode.weights.download`: verified items, peers that fail an item are skipped for it).
+:func:`fetch_layers` keeps the peers whose manifests agree on the model digest and downloads each
+needed tensor and small file from all of them at once (:mod:`meshnode.weights.download`).
 
-Crash safety and resume: everything is written into ``<dest>.partial/``: the output safetensors
-files are laid out up front (their header is known from the manifest) and each tensor is written
-at its place; a journal records each verified item once its bytes are on disk. A new call with the
-same plan re-verifies the journaled items on disk and fetches only the rest. The folder becomes
-``<dest>`` by one rename once every item is verified, so an incomplete folder never looks
-complete. The result is an mlx-lm model folder holding only the stage's tensors plus
-``meshnode-partial.json`` (the layer range and the original manifest), which
-:class:`meshnode.model.shard.Shard` loads.
+Everything goes into ``<dest>.partial/``, the output files laid out from the manifest and a
+journal recording each verified item, so a later call fetches only the rest. One rename publishes
+it once complete: an mlx-lm folder of the stage's tensors plus ``meshnode-partial.json``.
 """
 
 from __future__ import annotations
@@ -123,8 +116,7 @@ def _choose(manifests: list[tuple[str, mesh_pb2.ModelManifest]], model_id: str) 
     full = [m for _, m in manifests if m.digest == digest and m.complete]
     if full:
         return full[0]
-    # Only partial holders: the union of the tensors they list (a tensor nobody lists is then
-    # missing from the stage, which Shard's check of a partial folder reports by name).
+    # Only partial holders: the union of the tensors they list.
     merged = mesh_pb2.ModelManifest()
     merged.CopyFrom(next(m for _, m in manifests if m.digest == digest))
     seen = {t.name for f in merged.files for t in f.tensors}
@@ -224,10 +216,8 @@ async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path,
 
 async def fetch_metadata(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, dest_dir: Path | str, *,
                          timeout: float = 30.0, metadata=None) -> Path:
-    """Only the small files of ``model_id`` (config, tokenizer, chat template, ...; no weights)
-    into ``dest_dir``, each verified, published by one rename. Its marker holds no layers
-    (start = end = 0) but the whole manifest, so the model can be profiled before any weight
-    arrives."""
+    """Only the small files of ``model_id`` into ``dest_dir``, with the whole manifest in its
+    marker, so the model can be profiled before any weight arrives."""
     dest = Path(dest_dir)
     manifests = await _manifests(peers, model_id, timeout, metadata)
     ref = _choose(manifests, model_id)
@@ -252,13 +242,9 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
                        on_progress: Callable[[int, int], None] | None = None, streams_per_peer: int = 2,
                        chunk_timeout: float = 30.0, max_peer_failures: int = 3, reserve_bytes: int = 64 << 20,
                        max_file_bytes: int = _OUT_FILE_BYTES, metadata=None) -> FetchResult:
-    """Fetch the tensors of layers [start, end) of ``model_id`` (plus config, tokenizer and the
-    other small files) from ``peers`` into the model folder ``dest_dir``; see the module doc.
-
-    ``peers``: (name, channel) pairs, channels carrying the cluster's auth interceptors. Raises
-    :class:`DiskSpaceError` before any download when the disk is too small, :class:`FetchError`
-    when no peer can supply something. Cancelling leaves ``<dest>.partial`` to resume from.
-    """
+    """Fetch layers [start, end) of ``model_id`` and its small files from ``peers`` ((name, channel)
+    pairs) into ``dest_dir``. Raises :class:`DiskSpaceError` before downloading, :class:`FetchError`
+    when no peer can supply something; cancelling leaves ``<dest>.partial`` to resume from."""
     dest = Path(dest_dir)
     partial = dest.with_name(dest.name + ".partial")
     if dest.exists() and not (dest / PARTIAL_MARKER).is_file():
@@ -295,8 +281,7 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
         log.info("%s layers [%d, %d) already in %s", model_id, start, end, dest)
         return FetchResult(dest, total, 0, total)
 
-    # Who holds what: complete peers hold everything; a partial peer the tensors its manifest lists
-    # (identical entries only) and every small file.
+    # Complete peers hold everything; a partial one the tensors it lists and every small file.
     tensor_holders: dict[str, list[str]] = {}
     for name, m in agree:
         for f in m.files:
