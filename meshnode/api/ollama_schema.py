@@ -4,28 +4,12 @@ models, and their translation into the :class:`GenerationRequest` every surface 
 the field (:mod:`meshnode.api.schema`); :mod:`meshnode.api.app` sends it as Ollama's
 ``{"error": message}``.
 
-An unknown field is refused, and so is every known one that would change the answer but is not
-implemented. Of ``options``:
-
-* honoured: temperature, top_p, top_k, min_p, seed, num_predict (max_tokens; -1: the server's
-  default), stop, repeat_penalty (mlx-lm's repetition_penalty), presence_penalty,
-  frequency_penalty. Left out, temperature, top_k and top_p take the defaults Ollama documents
-  (docs/modelfile.md: 0.8, 40, 0.9). Ollama's default repeat_penalty (1.1 over the last 64
-  tokens) is not copied: mlx-lm's penalties look back a fixed 20 tokens, so the answer would not
-  be Ollama's anyway; a penalty applies only when asked for.
-* ``IGNORED``: how Ollama runs and keeps a model (memory, threads, batches, GPU layers, mmap,
-  context size); they cannot change which tokens are picked. num_ctx: the node's max_context
-  decides; a prompt beyond it is a 400, never silently cut as Ollama would. num_keep only matters
-  when Ollama cuts a prompt. mirostat_tau and mirostat_eta only matter with mirostat on.
-* ``OFF_ONLY``: accepted at their "off" value only (mirostat 0, typical_p 1, tfs_z 1,
-  penalize_newline false); repeat_last_n only while no penalty is asked for (the window is
-  mlx-lm's).
-
-Top level: keep_alive is ignored (a mesh keeps its model loaded); ``format`` ("json" or a JSON
-schema) constrains the answer (meshnode.serving.grammar); ``images``, generate's ``suffix`` and
-``context`` and a ``template`` are refused until implemented; ``think`` takes true or false
-(levels such as "high" are refused). ``system`` on /api/chat is ignored as Ollama ignores it there
-(Open WebUI copies its system prompt into it besides the messages).
+An unknown field is refused, and so is a known one that would change the answer but is not
+implemented. ``options`` are honoured (sampling, with Ollama's documented defaults for
+temperature, top_k and top_p), ``IGNORED`` (how Ollama runs a model: they cannot change the
+tokens; a prompt beyond max_context is a 400, never cut), or ``OFF_ONLY`` (accepted at their
+"off" value). Ollama's default repeat_penalty is not copied: mlx-lm's penalty window differs, so
+a penalty applies only when asked for. ``system`` on /api/chat is ignored, as Ollama does.
 """
 
 from __future__ import annotations
@@ -262,9 +246,7 @@ def sampling(options: Options | None) -> dict[str, Any]:
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Ollama's messages as the chat template takes them (OpenAI's shape): an assistant's tool calls
-    get ids where they have none, and a tool result the id of the call it answers (the first open
-    call of its tool_name, else the first open one) where it does not name one."""
+    """Ollama's messages in OpenAI's shape, with ids given to tool calls and matched to their results."""
     out: list[dict[str, Any]] = []
     open_calls: list[dict[str, Any]] = []
     for i, m in enumerate(messages):

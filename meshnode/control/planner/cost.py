@@ -14,19 +14,13 @@ DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: 
 DEFAULT_BYTES_PER_S = 100e9  # weight bytes a node of compute 1.0 streams per second (decode is memory-bound)
 FAST_RTT_S = 200e-6  # a link below this RTT may carry a MoE layer's expert traffic (Thunderbolt, not TCP)
 TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
-# Nodes whose measured speeds differ by less than this (relative) split layers as equals: the
-# figure is a median of a dozen steps, and two identical machines measure a few percent apart.
-# Taken at face value, the least-time split would then move every layer it can onto the one
-# that happened to measure faster (7 and 9 of 16 layers, measured), gaining nothing one request
-# can see and leaving a pipeline whose stages overlap (speculative passes, several requests)
-# waiting on its longest stage.
+# Nodes whose measured speeds differ by less than this (relative) split layers as equals: like
+# machines measure a few percent apart, and an uneven split would gain nothing and leave
+# overlapping stages waiting on the longest one.
 SAME_SPEED = 0.10
-# Families whose mlx-lm model class has ``shard(group)`` and whose sharding needs only heads, kv heads and
-# (expert, shared expert) intermediate sizes divisible by the group size, checked token for token against
-# mlx-lm in tests/test_tensor.py. mlx-lm 0.32 has shard() for more: qwen3_5 also needs its linear-attention
-# head counts divisible (not checked here yet); minimax's group fails its first step here; the rest
-# (deepseek_v2, mistral4, step3p5, ...) are not built by meshnode.model.build yet. They stay pipeline-only
-# until they pass there.
+# Families whose mlx-lm ``shard(group)`` needs only heads, kv heads and intermediate sizes divisible
+# by the group size, checked against mlx-lm in tests/test_tensor.py; other families with shard()
+# stay pipeline-only until they pass there.
 TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_k25",
                              "glm4_moe", "glm4_moe_lite", "gpt_oss"})
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -205,10 +199,8 @@ class CostModel:
         return sorted(f"{a}-{b}" for a, b in pairs if not self.link(a, b)[2])
 
     def split(self, groups: Sequence[Sequence[str]]) -> list[int] | None:
-        """Layer boundaries for these units in this order: the least estimated time within every
-        member's budget, then the least largest fraction of a budget. Equal-speed single nodes get
-        the memory-proportional split of :func:`split_layers` (time does not depend on it); speeds
-        within SAME_SPEED of each other count as equal here (:func:`_same_speeds`)."""
+        """Layer boundaries for these units in this order: the least estimated time within budgets,
+        then the least largest fraction of a budget; equal speeds (within SAME_SPEED) split by memory."""
         n, k = self.n, len(groups)
         if k > n or k == 0:
             return None
@@ -256,9 +248,7 @@ class CostModel:
 
 
 def _same_speeds(specs: list[tuple]) -> list[tuple]:
-    """``unit_spec`` tuples with the slowest members' speeds that lie within SAME_SPEED of each
-    other (a chain from the fastest of each run) replaced by their mean, so that the split treats
-    them as the equals they are within the measurement's noise."""
+    """``unit_spec`` tuples with speeds within SAME_SPEED of each other replaced by their mean."""
     order = sorted({sp[4] for sp in specs})
     snapped: dict[float, float] = {}
     run: list[float] = []
