@@ -3,22 +3,11 @@ pydantic and turn them into the :class:`GenerationRequest` every surface hands t
 :mod:`meshnode.api.core`. Pure: no I/O, no model. Every problem is an :class:`ApiError` 400 whose
 ``param`` and message name the field (``messages[0].content[1]``).
 
-Honoured: model, max_tokens, messages, system, stop_sequences, temperature (0-1), top_p, top_k,
-stream, tools (client tools: name, description, input_schema), tool_choice (auto, any, tool,
-none), thinking (enabled, disabled, adaptive = the model's default; ``display: "omitted"`` leaves
-the thinking text out of the answer). Harmless, accepted and ignored: metadata, service_tier,
-inference_geo, speed, cache_control (top level, on tools and on blocks), tool_choice's
-disable_parallel_tool_use, thinking's budget_tokens (the budget is not enforced; thinking counts
-toward max_tokens). output_config.format (a JSON schema) constrains the answer
-(meshnode.serving.grammar); output_config.effort goes to the chat template as reasoning_effort.
-Accepted but not honoured, because Claude Code sends it with every request and a 400 would make
-it unusable: context_management (logged once at WARNING). Everything else is refused: an unknown
-field, image and document blocks, server tools, a last assistant message (prefill).
+docs/api.md lists what is honoured, ignored and refused. context_management is accepted but not
+honoured (logged once) because Claude Code sends it with every request.
 
-Messages become the chat template's: ``system`` the first system message; a user message's
-tool_result blocks one ``tool`` message each (then its text as a user message); an assistant's
-tool_use blocks its ``tool_calls``; thinking and redacted_thinking blocks are history and left
-out. Text blocks of one message are joined with a blank line.
+Messages become the chat template's: ``system`` the first system message, tool_result blocks
+``tool`` messages, tool_use blocks ``tool_calls``; thinking blocks are history, left out.
 """
 
 from __future__ import annotations
@@ -74,8 +63,7 @@ def _only(kinds: tuple[str, ...]) -> WrapValidator:
 
 
 def _text_or(what: str) -> BeforeValidator:
-    """A string is shorthand for one text block (as in Anthropic's API); anything else but a list is
-    refused as a whole, so a bad block is named by its own path."""
+    """A string is shorthand for one text block; anything else but a list is refused as a whole."""
 
     def check(value: Any) -> Any:
         if isinstance(value, str):

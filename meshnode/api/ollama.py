@@ -24,9 +24,8 @@ from meshnode.api.validation import GenerationRequest
 from meshnode.errors import ApiError
 from meshnode.serving.engine import Delta, TokenLogprob, ToolCall
 
-# Clients read GET /api/version, and some refuse a server older than they need (VS Code's Copilot
-# asks for 0.6.4 or later). 0.9.0 is the Ollama release that brought the newest request fields this
-# surface implements (think, a message's thinking and tool_name); it is not meshnode's own version.
+# Some clients refuse an older server; this is the Ollama release whose newest request fields this
+# surface implements, not meshnode's own version.
 OLLAMA_VERSION = "0.9.0"
 NEVER = "2999-12-31T23:59:59Z"  # /api/ps expires_at: a mesh keeps its model loaded
 
@@ -172,9 +171,7 @@ async def _generation(request: web.Request, endpoint: str) -> web.StreamResponse
     def parse(body: Any, limits) -> GenerationRequest:
         return schema.parse(body, endpoint, limits, served)
 
-    # Parsed here first for Ollama's "load the model" call (no messages, no prompt): it has nothing
-    # to generate. A bad body is left to core.generate, which reads it again (aiohttp keeps it) and
-    # answers and counts the error as for any generation.
+    # Parsed first for Ollama's "load the model" call; a bad body is left to core.generate.
     try:
         req = parse(await core.json_body(request), request.app[core.SETTINGS].limits)
     except (ApiError, web.HTTPException):

@@ -1,17 +1,10 @@
 """A model's content identity: every file and every tensor with its sha256.
 
-Nodes fetch exactly the tensors of their layers from peers (see :mod:`meshnode.weights.transfer`).
-For that a model is named by its id plus a digest over its files' digests, and each tensor of
-each safetensors file is listed with its absolute byte range and the sha256 of its bytes, so a
-receiver can verify every tensor it gets on its own, without the rest of the file.
-
-Hashing a multi-GB model takes a while, so the manifest is cached next to the weights in
-``<model_dir>/.meshnode-manifest.json``, keyed by the files' sizes and mtimes; it is computed
-once per content. A folder written by a transfer (only some layers) carries the original
-model's manifest in its ``meshnode-partial.json`` marker instead.
-
-Layer classification reuses :mod:`meshnode.weights.profile`'s regexes so that the planner's byte
-counts and the transfer's tensor choice can never disagree.
+Each tensor is listed with its byte range and sha256, so a node fetching only its layers from
+peers (:mod:`meshnode.weights.transfer`) verifies every tensor on its own. The manifest is cached
+beside the weights, keyed by sizes and mtimes; a partial folder carries the original's in its
+marker. Layers are classified with :mod:`meshnode.weights.profile`'s regexes, so the planner's
+byte counts and the transfer's tensor choice agree.
 """
 
 from __future__ import annotations
@@ -212,9 +205,8 @@ def _kind(name: str, num_layers: int) -> tuple[str, int]:
 
 def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, num_layers: int,
                        tied: bool | None = None) -> list[tuple[str, mesh_pb2.TensorEntry]]:
-    """(file path, tensor) of exactly the tensors a stage holding layers [start, end) needs: its
-    layers, the embedding on the first stage, final norm + head on the last, and the embedding on
-    the last when the head is tied (``tied=None``: tied when the model has no head tensor)."""
+    """(file path, tensor) of exactly the tensors a stage holding layers [start, end) needs
+    (``tied=None``: tied when the model has no head tensor)."""
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"bad layer range [{start}, {end}) for {num_layers} layers")
     weights = [(f.path, t) for f in manifest.files if loaded_weights(f.path) for t in f.tensors]
@@ -250,9 +242,7 @@ def read_marker(model_dir: Path | str) -> dict[str, Any] | None:
 
 
 def cached_folders(cache_root: Path | str) -> Iterator[tuple[Path, dict[str, Any] | None]]:
-    """Every finished folder under ``cache_root`` (not a ``.partial`` download, not hidden) with its
-    marker: a dict for layers or metadata fetched from peers or the Hub, None for a plain model
-    folder; folders whose marker cannot be read are skipped."""
+    """Every finished folder under ``cache_root`` with its marker (None for a plain model folder)."""
     root = Path(cache_root)
     if not root.is_dir():
         return
@@ -277,8 +267,7 @@ def _ranges(indices: set[int]) -> list[tuple[int, int]]:
 
 
 def layers_held(model_dir: Path | str) -> list[tuple[int, int]]:
-    """The [start, end) layer ranges whose tensors a local folder holds: the marker's range for a
-    folder written by a transfer, else the layers found in its safetensors headers."""
+    """The [start, end) layer ranges whose tensors a local folder holds."""
     model_dir = Path(model_dir)
     marker = read_marker(model_dir)
     if marker is not None:
@@ -294,9 +283,8 @@ def layers_held(model_dir: Path | str) -> list[tuple[int, int]]:
 
 
 def validate_manifest(m: mesh_pb2.ModelManifest, model_id: str) -> None:
-    """Check everything a peer's manifest says before anything is fetched by it: names, paths,
-    sizes, byte ranges inside their files and disjoint, dtype x shape = length, digests well formed
-    and the model digest equal to the digest of the files. Raises ValueError."""
+    """Check a peer's manifest before fetching by it: paths, sizes, disjoint byte ranges that match
+    dtype x shape, well-formed digests and the model digest. Raises ValueError."""
     if m.model_id != model_id:
         raise ValueError(f"manifest names model {m.model_id!r}, asked for {model_id!r}")
     if not _HEX.match(m.digest):

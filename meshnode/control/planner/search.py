@@ -204,17 +204,10 @@ def plan(
     requests: int = 1,
     kv_bits: int = 0,
 ) -> Plan:
-    """The placement of ``profile`` on ``nodes`` with the least estimated time per token that fits
-    ``max_context`` tokens of KV cache. ``strategy`` forces one of :data:`STRATEGIES`. Ties go to
-    the memory-driven plan (the fewest nodes; ``preferred`` node ids, the current plan's in stage
-    order, win among equally small ones). ``links`` maps (a, b) to a measured :class:`LinkSpec`
-    (either order; a missing pair is assumed :data:`DEFAULT_LINK`); ``link_latency_s`` replaces
-    every link's one-way latency (benchmarks that inject latency per message). ``held`` maps node
-    ids to the layers their disks hold: after ``preferred``, nodes holding layers are preferred,
-    in the order of the first layer they hold, so stages land where their bytes already are and
-    the least is fetched (:func:`bytes_to_fetch`). ``requests``: how many requests each stage holds
-    KV cache for at once (:meth:`ModelProfile.for_requests`). ``kv_bits``: KV caches quantized to
-    these bits (0: not; :meth:`ModelProfile.for_kv_bits`); the plan carries what it counted."""
+    """The placement of ``profile`` on ``nodes`` with the least estimated time per token for
+    ``max_context`` tokens of KV (see the package docstring). ``preferred``: the current plan's
+    nodes; ``held``: the layers each node's disk holds, so stages land where their bytes are;
+    ``requests`` and ``kv_bits``: what the KV figures count."""
     if requests != profile.kv_requests:
         profile = profile.for_requests(requests)
     if kv_bits != profile.kv_bits:
@@ -372,9 +365,8 @@ def estimate(
     links: Mapping[tuple[str, str], LinkSpec] | None = None,
     fast_rtt_s: float = FAST_RTT_S,
 ) -> float:
-    """Seconds per decoded token of an existing placement under today's figures (the same model
-    :func:`plan` uses), so a current plan and a new one can be compared fairly. ``inf`` when a
-    stage names a node not in ``nodes``."""
+    """Seconds per decoded token of an existing placement under today's figures (``inf``: a node
+    is missing)."""
     known = {x.node_id for x in nodes}
     if any(n not in known for s in stages for n in s.nodes):
         return float("inf")
@@ -390,11 +382,9 @@ def crossover_latency(
     links: Mapping[tuple[str, str], LinkSpec] | None = None,
     fast_rtt_s: float = FAST_RTT_S,
 ) -> float:
-    """The one-way per-message latency (every link's, as ``plan(link_latency_s=...)`` sets it) at
-    which plans with tensor groups (tensor, hybrid) stop beating those without (single, pipeline):
-    below it :func:`plan` picks a grouped plan, above it not. 0.0 when grouped plans never win (or
-    none fits); ``inf`` when nothing else fits. Every estimate is linear in that latency, so this is
-    where the lower envelopes of the two families of lines meet."""
+    """The one-way link latency above which plans with tensor groups stop beating those without:
+    where the lower envelopes of the two families' (linear) estimates meet. 0.0: groups never win;
+    ``inf``: nothing else fits."""
     plain = _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, {"single", "pipeline"})
     grouped = _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, {"tensor", "hybrid"})
     if not grouped:
