@@ -1,14 +1,9 @@
 """Zero-configuration discovery over mDNS (python-zeroconf, asyncio API).
 
-Each node announces ``<node_id>._meshnode._tcp.local.`` with its ports, memory, compute, version,
-models and cluster id (derived from the cluster key, never the key itself) in TXT properties, and
-browses for the others. Nodes of another cluster are ignored; a malformed announcement from some
-other device on the LAN is logged and skipped, never fatal. Two nodes that use the same node id are
-reported (``Discovery.duplicates`` and an error in the log); among other nodes the one that started
-first keeps the id. mDNS removals are hints: the membership layer decides liveness by heartbeats.
-
-``python -m meshnode.control.discovery --node-id X --cluster-key K --seconds N`` announces and
-browses on its own and prints what it sees as JSON lines (used by the multi-host tests).
+Each node announces ``<node_id>._meshnode._tcp.local.`` with its NodeInfo and cluster id (never
+the key) in TXT properties, and browses for the others. Other clusters are ignored, malformed
+announcements skipped, duplicate node ids reported. mDNS removals are only hints: heartbeats
+decide liveness. ``python -m meshnode.control.discovery`` prints what it sees (multi-host tests).
 """
 
 from __future__ import annotations
@@ -42,11 +37,8 @@ def local_addresses() -> tuple[str, ...]:
 
 
 class Discovery:
-    """Announce ``me`` and track the peers of the same cluster; see the module docstring.
-
-    ``on_change(node_id, info)`` is called in the event loop for every peer added or changed, and with
-    ``info=None`` when one is gone (goodbye packet or expired records).
-    """
+    """Announce ``me`` and track the peers of the same cluster; ``on_change(node_id, info)`` is told
+    of each peer added, changed or gone (``info=None``)."""
 
     def __init__(self, me: NodeInfo, *, interfaces=None,
                  on_change: Callable[[str, NodeInfo | None], None] | None = None):

@@ -1,15 +1,10 @@
 """Measured links: round-trip time, jitter and bandwidth to every peer, on each of its addresses.
 
-The planner needs facts about the links, not guesses: tensor parallelism pays two collectives
-per layer per token and only wins on a low-latency link, and data should flow over the fastest
-path between two machines (a Thunderbolt bridge rather than Wi-Fi) while discovery may use any.
-
-Each node probes each peer's announced addresses with the ``Probe`` RPC: ``samples`` small
-round trips (median = RTT, p90 - p10 = jitter) and two bulk transfers (``bulk_bytes`` up,
-a few bytes back: bandwidth = bytes / (time - RTT), the faster of the two: a busy CPU, as on
-joining while the model loads, only ever slows a transfer down). A peer is re-measured every
-``interval`` seconds, one address at a time with pauses in between, so the duty cycle stays
-low (a few ms of traffic per peer per interval).
+The planner weighs tensor groups against pipelines by link latency, and data should take the
+fastest path (a Thunderbolt bridge rather than Wi-Fi). Each peer address is probed with
+``samples`` small round trips (median = RTT, p90 - p10 = jitter) and two bulk transfers (the
+faster gives the bandwidth: load only slows a transfer), re-measured every ``interval`` seconds,
+one address at a time, so the traffic stays light.
 """
 
 from __future__ import annotations
@@ -163,9 +158,8 @@ class LinkProber:
 
 def best_paths(measured: Iterable[tuple[str, LinkStat]],
                members: Iterable[str]) -> dict[frozenset, tuple[str, LinkStat]]:
-    """The fastest measured path between every pair of ``members``, from what each node measured
-    ((measuring node, stat) pairs; either end's measurement counts): {frozenset({a, b}): (who
-    measured, stat)}. A stat's address belongs to ``stat.peer``."""
+    """The fastest measured path between every pair of ``members``, either end's measurement
+    counting: {frozenset({a, b}): (who measured, stat)}."""
     members = set(members)
     out: dict[frozenset, tuple[str, LinkStat]] = {}
     for src, stat in measured:

@@ -1,18 +1,13 @@
 """Batched decode steps over the data port: one frame carries a token's step for several requests.
 
-Serving side (:func:`serve_batch`): a stream opened with ``ForwardRequest.batch`` names a stage
-(epoch, layers) and no request. Each frame after it is a ``ForwardRequest`` whose ``members`` name
-the requests of the step, one row of ``input`` each (``[rows, 1]`` token ids for the first stage,
-``[rows, 1, hidden]`` after it). Every member must have its own data-port stream to this stage open
-(it prefilled there and its cache lives there); the stage runs all rows as one forward over the
-requests' caches merged (meshnode.model.decode_batch.DecodeBatch, one per batch stream: a head's
-micro-batch; on the connection's thread holding the node's MLX baton) and answers with one raw reply of ``rows`` positions (the rows in order). A
-member's own stream may still run a message of its own (its cache then leaves the batch first) and
-ends as before. A refusal (a member with no stream here, a malformed frame, the model raising) is a
-``ForwardReply`` with ``code`` and ``error``, after which the stream closes.
+Serving side (:func:`serve_batch`): a stream opened with ``ForwardRequest.batch`` names a stage;
+each frame's ``members`` name the step's requests, one row of ``input`` each. Every member keeps
+its own data-port stream (where its cache lives); the rows run as one forward over the merged
+caches (meshnode.model.decode_batch) and come back as one raw reply. A refusal is a
+``ForwardReply`` with ``code`` and ``error``, then the stream closes.
 
-Head side (:class:`BatchHop`): the stepping thread writes the frame and reads the reply itself,
-waiting for as long as the stage's node is alive (meshnode.transport.stage.RemoteStage.check).
+Head side (:class:`BatchHop`): the stepping thread writes the frame and reads the reply, waiting
+while the stage's node is alive.
 """
 
 from __future__ import annotations

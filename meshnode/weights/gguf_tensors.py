@@ -191,8 +191,7 @@ def quantized_bits(t: ReaderTensor) -> int | None:
 
 def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, str],
                       done: Callable[[int], None] | None = None) -> None:
-    """Write ``tensors`` to a safetensors file one at a time: the header first (every shape is known
-    ahead), then each tensor's bytes as it is computed, so memory holds one tensor, not the file."""
+    """Write ``tensors`` to a safetensors file one at a time (header first), so memory holds one tensor."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for p in tensors:
