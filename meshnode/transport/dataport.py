@@ -5,16 +5,10 @@ travel here, on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in f
 length, then a protobuf message, or a raw reply or raw decode step (meshnode.model.wire) where the
 stream agreed on those. Nothing is unpickled; every frame's length is bounded before it is read.
 
-Opening a stream: the first frame is a :class:`DataHello` signed with the cluster key exactly as
-a gRPC call's metadata is (:meth:`ClusterAuth.sign`, with :data:`HELLO_METHOD`), over the
-serialized ``DataOpen`` it carries; the server checks it as the gRPC interceptor checks a call
-(MAC, clock window, replay cache) before it looks at anything else. After the hello, the
-stream belongs to the handler of what it opens (meshnode.transport.hop for a stage's activations).
-
-What this protects is what the gRPC path protects in an authenticated, unencrypted cluster:
-only key holders open streams; as in a gRPC stream, the frames after the opening are not MACed
-one by one. A cluster with ``encrypt = true`` keeps every activation on gRPC over mutual TLS
-and does not open this port.
+A stream opens with a :class:`DataHello` signed as a gRPC call is (:meth:`ClusterAuth.sign`) and
+checked the same way before anything else; then it belongs to the handler of what it opens. It
+protects what an authenticated, unencrypted gRPC stream does; with ``encrypt = true`` this port is
+not opened.
 """
 
 from __future__ import annotations
@@ -72,8 +66,7 @@ HEADER = LENGTH.size  # bytes before a frame's payload
 
 
 def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
-    """Send a frame whose ``n``-byte payload the caller wrote into ``buf`` after :data:`HEADER`
-    bytes it left free (a buffer reused from frame to frame: nothing is allocated or copied)."""
+    """Send the ``n``-byte payload the caller wrote into ``buf`` after :data:`HEADER` free bytes."""
     if n > MAX_FRAME:
         raise FrameError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME}")
     LENGTH.pack_into(buf, 0, n)
@@ -83,8 +76,7 @@ def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
 
 def recv_frame_into(sock: socket.socket, spare: bytearray | None,
                     max_bytes: int = MAX_FRAME) -> tuple[memoryview, bytearray] | None:
-    """As :func:`recv_frame`, read into ``spare`` when it is large enough (nothing allocated): the
-    payload and the buffer it lies in, or None if the peer closed the stream between frames."""
+    """As :func:`recv_frame`, into ``spare`` when large enough: (payload, buffer), or None at the end."""
     header = recv_exact(sock, HEADER)
     if header is None:
         return None
@@ -124,8 +116,7 @@ def connect(host: str, port: int, *, auth: ClusterAuth, node_id: str, opening: m
 
 
 def keepalive(sock: socket.socket, idle: int = 10, interval: int = 5, probes: int = 3) -> None:
-    """Notice a peer that vanished (powered off, cable out) within ~25 s instead of holding its
-    request's KV cache until the idle timeout: TCP keepalive probes on an idle stream."""
+    """TCP keepalive, so a vanished peer's KV cache is freed within seconds, not at the idle timeout."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPALIVE", idle),  # Linux / macOS spelling
                         ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes)):
@@ -143,9 +134,8 @@ Handler = Callable[[socket.socket, mesh_pb2.DataOpen, str], None]
 class DataServer:
     """Accepts data streams, checks each hello, hands the stream to the handler of what it opens.
 
-    ``verify`` False: the cluster does not authenticate (``authenticate = false``), as for gRPC.
-    A refused hello or a malformed frame is logged through ``auth`` (at most once per peer per
-    10 s) and the stream closed; nothing reaches a handler before its hello is verified.
+    ``verify`` False: the cluster does not authenticate. A refused hello or malformed frame is
+    logged (rate-limited) and the stream closed.
     """
 
     def __init__(self, host: str, port: int, *, auth: ClusterAuth, verify: bool, forward: Handler):

@@ -2,30 +2,17 @@
 
 How it works
 ------------
-Both ends derive a MAC key from the cluster key (HKDF-SHA256, label ``meshnode grpc auth v1``);
-the cluster key itself never leaves :class:`ClusterAuth` and is never logged. The client
-interceptors (:func:`client_interceptors`) add four metadata entries to every call:
+Both ends derive a MAC key from the cluster key (HKDF-SHA256); the key never leaves
+:class:`ClusterAuth` and is never logged. Every call carries ``x-mesh-ts`` (unix ms),
+``x-mesh-nonce``, ``x-mesh-node`` and ``x-mesh-mac``: HMAC-SHA256 over the method, those fields
+and, for single-request calls, the request body's digest. Nodes sign with :class:`SignedChannel`
+once per call, not per message (an interceptor would touch every message of a stream).
 
-* ``x-mesh-ts``: the caller's clock in unix milliseconds,
-* ``x-mesh-nonce``: 16 random bytes, hex,
-* ``x-mesh-node``: the caller's node id,
-* ``x-mesh-mac``: hex HMAC-SHA256(mac_key, method, ts, nonce, caller, body digest), each field
-  length-prefixed, where the body digest is SHA-256 of the serialized request for calls with a
-  single request message (unary-unary, unary-stream) and empty for request streams.
-
-Nodes sign with :class:`SignedChannel`, which adds the same metadata when a call opens without
-installing a client interceptor: grpc.aio routes every message of an intercepted call through
-extra Python machinery, while the signature is needed once per call. The server interceptor
-checks once per call as well; a Forward stream's messages reach the servicer untouched.
-
-The server interceptor (:meth:`ClusterAuth.server_interceptor`) refuses, with
-``UNAUTHENTICATED`` and a short message, any call whose metadata is missing or malformed, whose
-timestamp is more than ``window`` seconds away from the server's clock, whose MAC does not match
-(constant-time compare), or whose nonce was already accepted within the window (a bounded replay
-cache; nonces are only recorded once their MAC is verified, so unauthenticated callers cannot
-fill it). For single-request methods the MAC is checked over the raw request bytes before they
-are deserialized; a signed message that does not parse gets ``INVALID_ARGUMENT``. Refusals
-are logged at most once per peer host per 10 s; neither the key nor MACs are ever logged.
+The server interceptor refuses with ``UNAUTHENTICATED`` a call whose metadata is missing or
+malformed, whose timestamp is outside ``window``, whose MAC does not match (constant-time), or
+whose nonce was already seen (recorded only after the MAC checks, so strangers cannot fill the
+cache). Single-request bodies are checked as raw bytes before parsing. Refusals are logged at most
+once per peer host per 10 s.
 
 Threat model
 ------------
@@ -146,10 +133,9 @@ class _Refused(Exception):
 class ClusterAuth:
     """The MAC key of a cluster and the checks both ends run.
 
-    ``cluster_key`` None or "" is the open cluster: the same checks run with a fixed public key,
-    which gives no secrecy and no authentication (see the module docstring). ``window`` is the
-    accepted clock difference in seconds (and how long nonces are remembered); ``max_nonces``
-    caps the replay cache (oldest evicted first).
+    ``cluster_key`` None or "" is the open cluster: the same checks with a fixed public key, which
+    protect nothing. ``window``: the accepted clock difference in seconds (and the nonces' memory);
+    ``max_nonces`` caps the replay cache.
     """
 
     def __init__(self, cluster_key: str | None, *, window: float = 30.0, max_nonces: int = 100_000,
@@ -295,12 +281,8 @@ class _StreamStream(_ClientBase, grpc.aio.StreamStreamClientInterceptor):
 
 
 def client_interceptors(auth: ClusterAuth, node_id: str) -> list:
-    """Interceptors for ``grpc.aio.insecure_channel(target, interceptors=...)`` that sign every
-    call as ``node_id``. Unary requests must be protobuf messages (or bytes): the MAC covers
-    ``request.SerializeToString()``, the bytes the channel sends.
-
-    Prefer :class:`SignedChannel` for long streams: an interceptor costs every message of a call,
-    while the signature is only needed once."""
+    """Interceptors that sign every call as ``node_id`` (unary requests: protobuf messages or bytes).
+    Prefer :class:`SignedChannel` for long streams."""
     return [cls(auth, node_id) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
@@ -329,9 +311,7 @@ class _SignedMultiCallable:
 class SignedChannel:
     """A ``grpc.aio`` channel whose every call is signed as ``node_id`` when it opens.
 
-    Same MACs as :func:`client_interceptors`, without an interceptor: messages of a stream
-    (Forward activations, Generate tokens) go through grpc.aio's plain call objects, so signing
-    costs one HMAC per call and nothing per message. Everything else is the wrapped channel's."""
+    Same MACs as :func:`client_interceptors`, one HMAC per call and nothing per stream message."""
 
     def __init__(self, channel: grpc.aio.Channel, auth: ClusterAuth, node_id: str):
         self._channel, self._auth, self._node_id = channel, auth, node_id
@@ -431,10 +411,8 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
         async def refuse_stream(_requests, context):
-            # Take the first message (raw bytes, never parsed) before refusing: a client that
-            # writes and then reads, as RemoteStage does, then sees UNAUTHENTICATED. Refusing
-            # while the client is still writing makes grpc.aio clients report INTERNAL "Internal
-            # error from Core" instead (grpc/grpc#36066).
+            # Take the first message (raw, never parsed) before refusing, so a client that writes
+            # then reads sees UNAUTHENTICATED, not INTERNAL (grpc/grpc#36066).
             try:
                 await asyncio.wait_for(context.read(), _STREAM_REFUSAL_READ_TIMEOUT)
             except Exception:  # noqa: BLE001 - timeout, cancelled or broken stream: refuse anyway
