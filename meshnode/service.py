@@ -1,19 +1,9 @@
 """``meshnode install`` / ``uninstall``: run the node as a launchd job (macOS) or systemd unit (Linux).
 
-Why it is built this way:
-
-* Rendering is pure: :func:`render_plist`, :func:`render_unit` and :func:`render_newsyslog` turn the
-  templates in ``systemd_launchd/`` plus paths into text, so tests check exactly what a Mac or a
-  Linux box would get, on any machine.
-* Every path hangs off a :class:`Layout` built from ``root`` and ``home``, and every command goes
-  through an injected ``runner``: tests install into a temporary folder and record the commands
-  instead of running them. Outside tests the runner is :func:`run_command` (subprocess).
-* :func:`plan_install` / :func:`plan_uninstall` list the files to write or remove and the commands
-  to run; ``--dry-run`` prints that list, :func:`apply` carries it out. One list, so a dry run
-  shows exactly what a real run does.
-* The config holds the cluster key, so it is created with mode 0600 (never wider, not even for a
-  moment) and never overwritten: a reinstall or upgrade keeps the mesh's key, and the key is shown
-  only on the install that generated it.
+Rendering is pure (templates plus paths to text), every path hangs off a :class:`Layout` and
+every command goes through an injected ``runner``, so tests check exactly what a Mac or Linux box
+gets. :func:`plan_install` / :func:`plan_uninstall` make one list that ``--dry-run`` prints and
+:func:`apply` carries out. The config holds the cluster key: created 0600, never overwritten.
 """
 
 from __future__ import annotations
@@ -45,9 +35,7 @@ ROTATE_COUNT, ROTATE_SIZE_KIB = 5, 10240
 
 
 def templates_dir() -> Path:
-    """Where the templates are: inside the package when installed from a wheel
-    (``meshnode/service_templates``, mapped from systemd_launchd/ by setup.py), else in the
-    source tree's systemd_launchd/ beside the package (a checkout or an editable install)."""
+    """Where the templates are: in the package (a wheel), else the source tree's systemd_launchd/."""
     package = Path(__file__).resolve().parent
     for folder in (package / "service_templates", package.parent / "systemd_launchd"):
         if (folder / "meshnode.service").is_file():
@@ -225,9 +213,8 @@ def _systemctl(lay: Layout, *args: str, check: bool = True) -> Command:
 
 
 def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, cluster_key: str | None = None) -> Action:
-    """Everything ``meshnode install`` does for this layout. A new config gets ``cluster_key``
-    (another machine's, to join its mesh) or else a freshly generated key, which is shown once;
-    with ``dry_run`` no key is generated and none is shown."""
+    """Everything ``meshnode install`` does for this layout; a new config gets ``cluster_key`` or a
+    fresh key, shown once (none with ``dry_run``)."""
     act = Action()
     reinstall = lay.service_file.exists()
     if not lay.config_file.exists():

@@ -3,17 +3,10 @@
 coding agents) work against a node. Bodies are checked in :mod:`meshnode.api.anthropic_schema`;
 the generation itself is :mod:`meshnode.api.core`'s.
 
-An answer's content is, in order: a thinking block (if the model reasoned), a text block (always,
-unless the model only called tools), then one tool_use block per call. The stream sends the same
-blocks as they come: message_start, ping, then per block content_block_start, its deltas
-(thinking_delta, text_delta, input_json_delta) and content_block_stop, then message_delta (the
-stop reason and output tokens) and message_stop; a failure after the headers is an ``error`` event.
-
-Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the HTTP
-status; :func:`error_body` maps the status to the type (app.py's errors middleware uses it for
-these routes). 503 (the mesh is forming or re-planning, with Retry-After) is ``overloaded_error``:
-like Anthropic's own 529 it means "busy now, retry shortly", and clients (the SDKs, Claude Code)
-retry it with backoff, whereas ``api_error`` reads as a server bug.
+An answer is a thinking block, a text block and one tool_use block per call; the stream sends
+the same blocks with Anthropic's events. Errors have Anthropic's shape (:func:`error_body`); a 503
+(the mesh is forming) is ``overloaded_error``, which clients retry with backoff, as for Anthropic's
+own 529, whereas ``api_error`` reads as a server bug.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """The OpenAI Responses API: ``POST /v1/responses`` (a Response, or its typed server-sent events)
-and ``GET /v1/responses/{id}`` (a stored one), so that Codex CLI and ``client.responses`` work
-against a node. Bodies are checked with :mod:`meshnode.api.responses_schema`'s models (its
-docstring: what is honoured, ignored and refused) and made into a :class:`GenerationRequest` by
-:func:`parse`; the generation itself is :mod:`meshnode.api.core`'s. Errors have OpenAI's shape
-(app.py's errors middleware).
+and ``GET /v1/responses/{id}``, for Codex CLI and ``client.responses``. Bodies are checked by
+:mod:`meshnode.api.responses_schema` (docs/api.md lists what is honoured) and made into a
+:class:`GenerationRequest` by :func:`parse`.
 
-A Response's output is, in the order the model said them: a reasoning item (its thinking as
-``content`` of type reasoning_text; ``summary`` stays empty, no summary is made), a message item
-(one output_text part), one function_call item per call (custom_tool_call for a custom tool; a
-namespaced tool's call carries its ``namespace``), and again if the model goes on. Status is
-"completed", or "incomplete" with incomplete_details.reason "max_output_tokens" when the answer
-was cut. Usage counts the prompt, the answer and, as reasoning_tokens, the answer up to the end
-of its thinking; cached_tokens is 0.
-
-The stream sends, each with ``event: <type>`` and a sequence_number: response.created,
-response.in_progress; per item output_item.added, then for reasoning and messages
-content_part.added, reasoning_text.delta / output_text.delta..., their .done, content_part.done,
-for calls function_call_arguments.delta and .done (custom_tool_call_input for custom tools), and
-output_item.done; finally response.completed (or response.incomplete) with the whole Response, as
-the non-streamed answer. A failure after the headers is an ``error`` event, then response.failed.
-
-Responses made with ``store`` not false are kept in memory on this node (the last
-:data:`STORE_SIZE`, each for :data:`STORE_SECONDS`): a request with ``previous_response_id``
-continues that conversation (its input and output, not its instructions), and GET returns the
-Response. An unknown or expired id is a 400, code previous_response_not_found, as OpenAI answers.
+Output items come in the order the model said them (reasoning, message, function calls); the
+stream sends OpenAI's typed events and ends with the same Response the non-streamed answer gives.
+Responses with ``store`` not false are kept in memory (the last :data:`STORE_SIZE`, each for
+:data:`STORE_SECONDS`) for ``previous_response_id`` and GET.
 """
 
 from __future__ import annotations
@@ -168,9 +151,8 @@ def _logprobs(delta: Delta) -> list[dict[str, Any]]:
 
 
 class Output:
-    """A response's output items as the deltas come and, when streaming, its events (the
-    :class:`core.StreamFormat` of this surface). The non-streamed answer is built the same way, so
-    that both end in the same Response."""
+    """A response's output items as the deltas come and, when streaming, its events; the
+    non-streamed answer is built the same way, so both end in the same Response."""
 
     content_type = "text/event-stream"
 

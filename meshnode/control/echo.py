@@ -1,15 +1,9 @@
 """The network's own round trip, measured with a bare TCP echo.
 
-A gRPC call from Python costs several hundred microseconds on its own, more than a wired LAN or a
-Thunderbolt bridge adds. A tensor group's ring collectives run in C++ over plain TCP and pay the
-network, not that stack; so the planner needs the two apart. Every node runs this echo on
-``tensor_port + 2 * TENSOR_PORTS`` (one port after the tensor ports): it answers each fixed-size
-frame with the same bytes, from blocking threads, so the measurement sees the network and the
-kernel rather than an event loop.
-
-The echo hands nothing to the node and reads nothing it has to trust: it returns what it got,
-in frames of :data:`FRAME` bytes, to at most :data:`MAX_CONNECTIONS` clients at a time, each
-dropped after :data:`IDLE_S` idle or :data:`MAX_FRAMES` frames.
+A gRPC call from Python costs more than the network it crosses, while a tensor group's ring pays
+only the network, so the planner needs the two apart. The echo (on ``tensor_port + 32``) returns
+each fixed-size frame from a blocking thread, trusting nothing it reads, to at most
+:data:`MAX_CONNECTIONS` clients, each dropped when idle or after :data:`MAX_FRAMES` frames.
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ def _read(conn: socket.socket, n: int) -> bytes | None:
 
 
 def echo_rtt(host: str, port: int, samples: int = 12, timeout: float = 2.0) -> tuple[float, float]:
-    """(median round trip, p90 - p10 spread) in seconds of ``samples`` frames to an echo (blocking:
-    run it in a thread). Raises OSError when the echo cannot be reached or answers wrongly."""
+    """(median round trip, p90 - p10 spread) of ``samples`` frames to an echo; blocking. OSError on failure."""
     with socket.create_connection((host, port), timeout=timeout) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         frame = bytes(range(FRAME))
