@@ -1,13 +1,7 @@
 """What a node measures about itself: Prometheus metrics, live figures and load progress.
 
-Each node has its own :class:`NodeMetrics` with its own ``CollectorRegistry`` (several nodes
-may run in one process, e.g. in tests); ``GET /metrics`` renders it in Prometheus text format.
-The hooks sit where things happen: the HTTP API counts requests by outcome, the engine counts
-tokens and times the first one, remote stages time every hop, the node counts membership
-changes and plans, the failover source counts retries.
-
-:class:`Progress` reports a long task (loading a model's layers): a bar on a terminal (stderr
-is a TTY) and a dict for ``/v1/mesh`` and the dashboard.
+Each :class:`NodeMetrics` has its own registry (tests run several nodes in one process), rendered
+by ``GET /metrics``. :class:`Progress` reports a long task as a terminal bar and for ``/v1/mesh``.
 """
 
 from __future__ import annotations
@@ -256,9 +250,8 @@ class Progress:
 
 
 class EventLog:
-    """What happened to this node lately (joins, losses, plans, loads): the last ``keep`` events
-    for ``/v1/mesh`` and the dashboard, each also counted in the metrics. Call it with the kind
-    and its fields."""
+    """The last ``keep`` events of this node (joins, losses, plans, loads) for ``/v1/mesh``, each
+    also counted in the metrics."""
 
     def __init__(self, metrics: NodeMetrics, keep: int = 100):
         self.metrics, self.keep = metrics, keep

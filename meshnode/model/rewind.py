@@ -1,12 +1,8 @@
 """Cutting a request's KV cache back: what a speculative pass's rejected drafts need on every stage.
 
-A speculative pass (meshnode.serving.speculative) runs the last token and k drafted ones through
-every stage at once; the drafts the model did not confirm leave positions at the end of each
-stage's cache that must go before the next pass. mlx-lm's own caches know how: a growing
-``KVCache`` (and its quantized and chunked kin) can always be cut, a ``RotatingKVCache`` (a
-sliding window) only while it has not wrapped around, a recurrent state (``ArraysCache``:
-linear attention, Mamba) never. :func:`rewind_limit` says so for a model before anything is
-speculated, so a request never needs a cut its stages cannot make.
+A growing ``KVCache`` can always be cut, a ``RotatingKVCache`` only until it wraps, a recurrent
+state (``ArraysCache``) never; :func:`rewind_limit` says so before a request speculates, so it
+never needs a cut its stages cannot make.
 """
 
 from __future__ import annotations
@@ -23,9 +19,8 @@ class CannotRewind(RuntimeError):
 
 
 def rewind_limit(template: list[Any]) -> tuple[int | None, str]:
-    """How far a request with caches like ``template`` (one per layer, the whole model's) can be
-    cut back: (None, "") always; (n, "") while it holds fewer than n positions (a sliding window
-    of n); (0, why) never."""
+    """How far caches like ``template`` can be cut back: (None, "") always; (n, "") while under n
+    positions; (0, why) never."""
     limit = None
     for cache in distinct(template):
         for c in getattr(cache, "caches", None) or (cache,):  # a CacheList holds several

@@ -2,9 +2,8 @@
 reasoning (between its think markers) and its tool calls (between its tool-call markers, parsed
 by the tool parser mlx-lm picked for the model's chat template).
 
-mlx-lm's own :class:`~mlx_lm.generate.TextStateMachine` does the matching, on decoded text (robust
-to a marker's tokens merging with the next byte) and holding back text that may be the start of a
-marker. The states are mlx-lm's: "normal", "reasoning", "tool".
+mlx-lm's :class:`~mlx_lm.generate.TextStateMachine` matches the markers on decoded text, holding
+back text that may start one; its states are "normal", "reasoning" and "tool".
 """
 
 from __future__ import annotations
@@ -86,8 +85,7 @@ class AnswerSplitter:
         return self._sort(segments, final=False)
 
     def finish(self) -> Pieces:
-        """The rest held back (a partial marker is text after all), and a tool call the answer
-        left open (parsers whose calls have no end marker, or an answer cut by max_tokens)."""
+        """The rest held back, and a tool call the answer left open (no end marker, or cut short)."""
         self._state, rest, state = TextStateMachine.flush(self._state)
         return self._sort([(state, rest)], final=True)
 

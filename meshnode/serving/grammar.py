@@ -2,10 +2,8 @@
 token that cannot continue a valid answer, run by llguidance (the constrained-decoding engine vLLM
 and SGLang use) as one more logits processor where the head samples.
 
-A grammar travels as llguidance's own grammar text (SamplingParams.grammar, a GenerateRequest
-field), so a remote head constrains exactly what the serving node compiled and checked. The
-token mask comes from the same tokenizer the model was trained with (the head's copy), built once
-per tokenizer (about a second for a 150k vocabulary).
+A grammar travels as llguidance's grammar text, so a remote head constrains exactly what the
+serving node checked; the token mask is built once per tokenizer.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ def _lltokenizer(tokenizer):
 class GrammarProcessor:
     """An mlx-lm logits processor that lets through only tokens that keep the answer valid.
 
-    generate_step calls it with every token so far (its first call: what it was fed of the prompt)
-    and the logits of the next; it consumes the tokens sampled since its last call, then masks."""
+    It consumes the tokens sampled since its last call, then masks the next logits."""
 
     def __init__(self, grammar: str, tokenizer):
         from llguidance import LLMatcher

@@ -1,12 +1,9 @@
 """A quantized KV cache (setting ``kv_bits``): mlx-lm's own ``QuantizedKVCache``, what it costs and
 which models can use it. Pure: the planner counts it, every stage builds the same caches from it.
 
-mlx-lm's ``QuantizedKVCache(group_size, bits)`` stores each key and value vector quantized in groups
-of ``group_size`` elements: ``bits * group_size / 8`` bytes of packed data per group, plus a scale
-and a bias in the activations' dtype. The models' attention (``scaled_dot_product_attention`` in
-mlx_lm/models/base.py) sees the cache's ``bits`` and runs the quantized kernel. Only a layer whose
-cache is a plain growing ``KVCache`` is quantized: sliding windows (``RotatingKVCache``) and the
-recurrent state of linear-attention layers (``ArraysCache``) stay as they are.
+Each group of ``group_size`` elements takes ``bits * group_size / 8`` bytes plus a scale and a
+bias; mlx-lm's attention runs its quantized kernel on it. Only plain growing ``KVCache`` layers
+are quantized; sliding windows and recurrent states stay as they are.
 """
 
 from __future__ import annotations
@@ -49,9 +46,7 @@ def kv_quant_problem(config: dict[str, Any], bits: int = KV_BITS[0]) -> str:
 
 
 def quantized_kv_bytes(plain: int, item: int, bits: int) -> int:
-    """Bytes per token of a layer whose unquantized KV takes ``plain`` bytes per token in a dtype of
-    ``item`` bytes, quantized to ``bits`` in groups of KV_GROUP_SIZE (packed data + a scale and a
-    bias per group, in that dtype)."""
+    """Bytes per token of a layer's KV (``plain`` bytes unquantized, ``item``-byte dtype) at ``bits``."""
     if not bits or plain <= 0:
         return plain
     elements = plain // item
