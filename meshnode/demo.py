@@ -1,14 +1,9 @@
 """The built-in demo model: served when no model is configured, so the whole path works offline.
 
-A small llama (8 layers, hidden 256, ~5M parameters, float32, ~20 MB) with random weights and a
-locally trained tokenizer with a chat template. It builds in well under a second and decodes in a
-few milliseconds per token on a small CPU. Its output is gibberish; it exists to exercise
-discovery, planning, pipelining and the API without a download.
-
-The build is deterministic and platform-independent, so every machine builds byte-identical files
-and a mesh of demo nodes agrees on the model without exchanging it. The directory is named after
-:data:`DEMO_VERSION`: bump it whenever ``DEMO_ARGS`` or the build changes, so an old cached build
-is never mistaken for the new one.
+A small random-weight llama with a locally trained tokenizer: gibberish, but it exercises the
+whole path without a download. Every machine builds byte-identical files, so demo nodes agree on
+the model without exchanging it. Bump :data:`DEMO_VERSION` whenever ``DEMO_ARGS`` or the build
+changes, so an old cached build is never taken for the new one.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ DEMO_ARGS = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads
 
 
 def default_models_dir() -> Path:
-    """``$MESHNODE_CACHE_DIR/models`` if set, else ``models`` under the platform cache directory
-    (``$XDG_CACHE_HOME/meshnode`` or ``~/.cache/meshnode``; ``~/Library/Caches/meshnode`` on macOS)."""
+    """``$MESHNODE_CACHE_DIR/models`` if set, else ``models`` under the platform cache directory."""
     if os.environ.get("MESHNODE_CACHE_DIR"):
         return Path(os.environ["MESHNODE_CACHE_DIR"]).expanduser() / "models"
     from meshnode.config import default_cache_dir

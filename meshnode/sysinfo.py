@@ -156,8 +156,7 @@ def available_memory() -> int:
 
 
 def working_set_limit() -> int | None:
-    """Metal's recommended working set (bytes the GPU can keep resident without paging; mlx-lm sets
-    its wired limit to it), or None where the device reports none (MLX's CPU build)."""
+    """Metal's recommended working set in bytes, or None (MLX's CPU build)."""
     try:
         import mlx.core as mx
 
@@ -180,8 +179,7 @@ def capped_budget(budget: int, working_set: int | None) -> int:
 
 
 def use_recommended_wired_limit() -> None:
-    """Wire the model's memory up to the recommended working set, as mlx_lm.generate does for its own
-    run (a node serves for hours, so for the process's life); nothing on MLX's CPU build."""
+    """Wire memory up to the recommended working set for the process's life, as mlx_lm.generate does."""
     if working_set_limit() is not None:
         from mlx_lm.utils import maybe_set_recommended_wired_limit
 
@@ -195,9 +193,8 @@ _compute_cache: float | None = None
 def compute_figure() -> float:
     """Matrix-multiply throughput of this machine's default MLX device in GFLOP/s.
 
-    A quick estimate (well under 0.3 s, once per process; cached in memory): float32 square matmuls,
-    grown from 256 until one takes a few milliseconds, best of a few timed runs. Only the ratios
-    between nodes matter (the planner weighs stages with it). Returns 1.0 if MLX is unusable.
+    A quick estimate, once per process: float32 square matmuls grown until one takes a few
+    milliseconds, best of a few runs; only ratios between nodes matter. 1.0 if MLX is unusable.
     """
     global _compute_cache
     with _compute_lock:

@@ -1,11 +1,8 @@
 """Timestamps on the token path, to see where a token's time goes between processes (off by default).
 
-With ``MESHNODE_TRACE`` naming a folder, each process appends one line per event to
-``<folder>/<pid>.trace``: monotonic nanoseconds (CLOCK_MONOTONIC, the same clock in every process of
-one machine, so a head's and a stage's events line up), the event's name, and the thread's name and
-native id (``name/id``: what /proc/<pid>/task/<id> shows of its CPU time).
-``benchmarks/split_cost.py`` reads them back into a per-token breakdown. With the variable unset,
-:func:`mark` is one global lookup and a return.
+With ``MESHNODE_TRACE`` naming a folder, each process appends ``<folder>/<pid>.trace`` lines:
+CLOCK_MONOTONIC nanoseconds (shared by the processes of a machine), the event, and the thread's
+name and native id; ``benchmarks/split_cost.py`` reads them back. Unset, :func:`mark` costs a lookup.
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ def mark(event: str) -> None:
 
 
 def flush() -> None:
-    """Append the events noted so far to this process's file (events other threads note meanwhile
-    stay in the list for the next flush: it is cut, never swapped for a new one)."""
+    """Append the events noted so far to this process's file (the list is cut, never swapped)."""
     events = _events
     if events is None or _path is None:
         return

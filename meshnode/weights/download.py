@@ -1,11 +1,9 @@
 """One download of a model's files from peers: the work items (one per tensor or small file), one
 worker per peer stream taking items from a shared queue, and the journal that makes it resumable.
 
-Each item is verified against its sha256 as it arrives; a corrupted, truncated or failed stream
-marks that peer bad for the item and the item goes back to the queue for another peer. Verified
-items are recorded in the journal once their bytes are on disk (fsynced in batches off the event
-loop, so receiving never waits on the disk). :mod:`meshnode.weights.transfer` plans the download
-and finishes the folder.
+Each item is verified against its sha256 as it arrives; a bad stream marks that peer bad for the
+item, which goes back to the queue. Verified items are journaled once fsynced (in batches, off the
+event loop). :mod:`meshnode.weights.transfer` plans the download and finishes the folder.
 """
 
 from __future__ import annotations
@@ -101,8 +99,7 @@ class Download:
         self.max_failures = max_peer_failures
         self.metadata = metadata
         self.journal = open(partial / JOURNAL, "a")
-        # Verified items wait here until their bytes are on disk: a committer fsyncs them in batches
-        # off the event loop and only then journals them, so the network never waits on the disk.
+        # Verified items wait here for the committer to fsync and journal them off the event loop.
         self.verified: list[DownloadItem] = []
         self.verified_ready = asyncio.Event()
         self.closing = False  # no more items will come: the committer drains and returns
@@ -201,8 +198,7 @@ class Download:
         self.verified_ready.set()
 
     async def _committer(self) -> None:
-        """Make verified items durable, as many at a time as have arrived meanwhile, then journal
-        them: an item is in the journal only once its bytes are (a crash refetches the rest)."""
+        """Make verified items durable in batches, then journal them (a crash refetches the rest)."""
         while True:
             await self.verified_ready.wait()
             self.verified_ready.clear()

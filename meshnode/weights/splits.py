@@ -1,8 +1,7 @@
 """Which models can be cut into pipeline stages, and where: pure functions of config.json.
 
-The planner reads them (through :class:`meshnode.weights.profile.ModelProfile`'s ``split_problem``)
-before it places a model, and :class:`meshnode.model.shard.Shard` refuses a range they rule out. No
-MLX here: importing this module costs nothing.
+The planner reads them (``ModelProfile.split_problem``) and :class:`meshnode.model.shard.Shard`
+refuses a range they rule out. No MLX import.
 """
 
 from __future__ import annotations
@@ -33,11 +32,7 @@ _OTHER_LAYOUTS = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "internlm
 
 
 def split_support(config: dict[str, Any]) -> str | None:
-    """Why a model (its config.json) cannot be split into pipeline stages, or None if it can.
-
-    Pure: the planner calls it before planning; a model with a reason is served whole by one node.
-    A model that splits may still restrict where a stage starts: see :func:`split_boundaries`.
-    """
+    """Why a model cannot be split into pipeline stages (it is then served whole), or None."""
     cfg = text_config(config)
     family = config.get("model_type")
     if int(cfg.get("num_kv_shared_layers") or 0) > 0:
@@ -59,8 +54,8 @@ def split_support(config: dict[str, Any]) -> str | None:
 def split_boundaries(config: dict[str, Any]) -> list[int]:
     """The layers a stage may start at (besides 0), for a model :func:`split_support` accepts.
 
-    Cross-layer attention (hunyuan with ``use_cla``) hands the keys and values of the first layer of
-    each group of ``cla_share_factor`` layers to the others, so a stage starts only at a group.
+    Cross-layer attention (hunyuan's ``use_cla``) shares KV within groups of ``cla_share_factor``
+    layers, so a stage starts only at a group.
     """
     n = _layer_count(config) or 0
     cfg = text_config(config)
