@@ -57,9 +57,8 @@ def _read_id(path: Path) -> str | None:
 
 
 def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
-    """The node id: ``configured`` if given, else the one stored in ``state_dir/node_id``, else a new
-    one stored there atomically (so it stays the same across restarts, and two processes racing on
-    the same state folder agree on one id)."""
+    """The node id: ``configured``, else the one stored in ``state_dir/node_id``, else a new one
+    stored there atomically (racing processes agree on one)."""
     if configured:
         if not VALID_ID.match(configured):
             raise ValueError(f"invalid node id {configured!r}")
@@ -107,10 +106,8 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
 
 
 def cluster_id(cluster_key: str | None) -> str:
-    """A public identifier of the mesh derived from its key: 16 hex characters of
-    HMAC-SHA256(key, "meshnode cluster id v1"). It is announced over mDNS so nodes can tell meshes
-    apart; it does not reveal the key (but a weak key can be guessed offline, so use a long random
-    one). No key (None or "") -> ``"open"``."""
+    """The mesh's public id, announced over mDNS: 16 hex characters of an HMAC of the key (a weak
+    key can be guessed offline from it). No key: ``"open"``."""
     if not cluster_key:
         return OPEN_CLUSTER
     return hmac.new(cluster_key.encode("utf-8"), _CLUSTER_ID_INFO, hashlib.sha256).hexdigest()[:16]

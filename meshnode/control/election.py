@@ -1,12 +1,8 @@
 """Who coordinates: one node per connected group, chosen the same way by everyone.
 
-Rule: among the nodes alive in a group, the one that has been running longest coordinates
-(smallest ``started_at``, ties broken by node id). It is deterministic (every node that sees
-the same group picks the same one) and stable: a node that joins later, however big, is
-younger and never deposes a healthy coordinator. When the coordinator dies, the next oldest
-takes over; when two partitions merge, the older coordinator of the two wins.
-
-Epochs fence stale plans: a coordinator always publishes ``max(epoch seen anywhere) + 1``.
+The longest-running live node coordinates (smallest ``started_at``, then node id): every node
+picks the same one, and a newcomer never deposes a healthy coordinator. A coordinator publishes
+under ``max(epoch seen anywhere) + 1``.
 """
 
 from __future__ import annotations

@@ -142,8 +142,7 @@ def _args_classes(family: str):
 
 
 def _fill(args_class, table: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A config for ``args_class``: tiny sizes for the fields the table names, a neutral value for
-    required fields it does not (False, 0, empty), the class defaults for the rest."""
+    """A config for ``args_class``: the table's tiny sizes, neutral values for other required fields."""
     import typing
 
     cfg: dict[str, Any] = {}
@@ -191,11 +190,9 @@ def generic_config(family: str, **sizes: Any) -> dict[str, Any]:
     return cfg
 
 
-# Gains over the usual 1/sqrt(fan_in) init, by parameter-name suffix. With plain init a random model
-# settles into emitting one token forever (attention near uniform, the MLP nearly linear; with tied
-# embeddings, the head also echoes the residual stream). Sharper attention and a more nonlinear MLP
-# give varied greedy output in every family; a larger head gives logits with a standard deviation
-# of about 2, so ties are rare even in bfloat16. ("gate_up_proj" is phi3's fused gate and up.)
+# Gains over the usual 1/sqrt(fan_in) init, by parameter-name suffix: with plain init a random model
+# repeats one token forever; sharper attention, a more nonlinear MLP and a larger head give varied
+# greedy output with logits far enough apart that ties are rare even in bfloat16.
 def is_mlx_family(family: str) -> bool:
     """Whether mlx-lm has a model module (with ModelArgs) for this model type."""
     import importlib.util

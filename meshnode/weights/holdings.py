@@ -1,9 +1,7 @@
 """What models a node holds on disk, in full or in part, as announced to peers.
 
-A holding is ``(model_id, complete, ranges)``: ``ranges`` are the half-open layer ranges whose
-tensors are on disk. Nodes announce them in heartbeats (``NodeInfo.holdings``, never in the small
-mDNS TXT record); the coordinator prefers placements that reuse them and a node missing layers
-fetches them from peers that hold them. Peer input is bounded and checked here.
+A holding is ``(model_id, complete, ranges)``, announced in heartbeats; the coordinator places
+stages where their layers are, and nodes fetch missing layers from holders. Peer input is checked.
 """
 
 from __future__ import annotations
