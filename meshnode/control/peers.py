@@ -88,8 +88,7 @@ class Peers:
         return self.membership.alive_infos() if self.membership is not None else {}
 
     def heard_within(self, node_id: str) -> bool:
-        """The node heartbeats and is not stalled: worth waiting for, however long its step takes (a
-        busy node is not a lost one; see meshnode.serving.resilience)."""
+        """The node heartbeats and is not stalled: worth waiting for, however long its step takes."""
         return self.membership is not None and self.membership.heard_within(node_id) and not self.stalled(node_id)
 
     def heard_since(self, node_id: str, since: float) -> bool:
@@ -105,9 +104,7 @@ class Peers:
 
     @contextlib.asynccontextmanager
     async def holders_of(self, model_id: str, cluster_id: str):
-        """While open: a function listing (node id, channel) of the peers that may hold ``model_id``
-        (the live peers that offer or hold it, the static ``--peer`` addresses, and mDNS
-        announcements naming it)."""
+        """While open: a function listing (node id, channel) of the peers that may hold ``model_id``."""
         browser = Browser(self.node_id, cluster_id) if self.settings.mdns and self.membership is None else None
         if browser is not None:
             await browser.start()
@@ -182,8 +179,7 @@ class Peers:
         return self.channel_to(f"{address}:{peer.info.grpc_port}")
 
     def data_port_of(self, node_id: str) -> tuple[str, int] | None:
-        """Where to send a peer's activations in bare TCP frames (fast_hops): its data port on its
-        fastest measured address; None where activations go over gRPC (encrypt, or fast_hops off)."""
+        """A peer's data port on its fastest measured address; None where activations go over gRPC."""
         peer = self.membership.peers.get(node_id) if self.membership else None
         if not self.data_port_open or peer is None or not peer.info.tensor_port:
             return None
@@ -205,8 +201,7 @@ class Peers:
         return out
 
     def link_specs(self, members) -> dict[tuple[str, str], LinkSpec]:
-        """The planner's view of the links: the fastest measured path between each pair, its
-        network round trip and what the RPC stack adds to it (a pipeline hop pays both)."""
+        """The planner's links: each pair's fastest path, its round trip and the RPC stack's overhead."""
         return {tuple(sorted(pair)): LinkSpec(rtt_s=stat.rtt_us * 1e-6, bandwidth_Bps=stat.bandwidth,
                                               overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6)
                 for pair, (_, stat) in best_paths(self.measured(), members).items()}

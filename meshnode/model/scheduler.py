@@ -39,8 +39,7 @@ class TokenJob:
         self._end_lock = threading.Lock()
 
     def end(self, error: BaseException | None = None) -> None:
-        """Hand the consumer the generation's end (or its failure), once: the generation's own
-        thread and :meth:`TokenScheduler.stop` may both end it, and the second is dropped."""
+        """Hand the consumer the generation's end (or failure) once, whoever ends it first."""
         with self._end_lock:
             if self._ended:
                 return
@@ -185,8 +184,7 @@ def mlx_idle():
 
 @contextlib.contextmanager
 def mlx_turn():
-    """Inside :func:`mlx_idle`: hold the baton again for one piece of MLX work (a batched step's
-    local stage), letting go after it; elsewhere nothing."""
+    """Inside :func:`mlx_idle`: hold the baton for one piece of MLX work; elsewhere nothing."""
     baton = getattr(_held, "idle", None)
     if baton is None:
         yield
@@ -206,8 +204,7 @@ def mlx_yield() -> None:
 
 
 def _settle_generation() -> None:
-    """Wait for the step generate_step left running: it is built on the shards' stream
-    (meshnode.model.shard.any_thread_stream), which only one generation may use at a time."""
+    """Wait for the step generate_step left running on the shards' stream (one user at a time)."""
     mx.synchronize(generation_stream)
     mx.synchronize(any_thread_stream())
 
@@ -215,10 +212,8 @@ def _settle_generation() -> None:
 class TokenScheduler:
     """Runs all MLX work of this node, one piece at a time (:class:`Baton`).
 
-    Every generation gets a thread that advances it one token at a time, holding the baton
-    while it computes and letting go while a remote stage works on its activation; one-off calls
-    (a stage's step for another node's generation, loading a shard) run on the scheduler's own
-    thread, also under the baton.
+    Each generation gets a thread that advances it a token at a time under the baton; one-off
+    calls (a stage's step for a peer, loading a shard) run on the scheduler's own thread.
     """
 
     def __init__(self, name: str = "meshnode-mlx", age_s: float = AGE_S):
@@ -251,8 +246,7 @@ class TokenScheduler:
         return any(theirs <= mine for theirs in left.values())
 
     def submit(self, tokens: Generator[int, None, None], work: int = 0) -> TokenJob:
-        """Run a generation; ``work``: prompt positions it prefills before its first token (its
-        first claim of the baton: see AGE_S)."""
+        """Run a generation; ``work``: prompt positions it prefills first (see AGE_S)."""
         job = TokenJob(tokens, asyncio.get_running_loop())
         with self._jobs_lock:
             if self._stopped:
@@ -262,8 +256,7 @@ class TokenScheduler:
         return job
 
     def track(self, job: TokenJob) -> None:
-        """Count a generation run elsewhere (meshnode.serving.batching's loop) among this node's
-        active ones until :meth:`untrack`; :meth:`stop` ends it as its own."""
+        """Count a generation run elsewhere (the batching loop) as active until :meth:`untrack`."""
         with self._jobs_lock:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
@@ -340,8 +333,7 @@ class TokenScheduler:
                 else:
                     flush()
                     job._put(token)
-                    # All stages local: the others' turn, a token each. generate_step left this
-                    # request's next step running (async_eval); it finishes first.
+                    # All stages local: the others' turn, after this request's running step ends.
                     self._baton.pass_on(_settle_generation)
         finally:
             flush()

@@ -59,9 +59,8 @@ def _subset_reach(costs: LayerCosts, budgets: Sequence[int]) -> list[int]:
     """f[mask]: the furthest layer the nodes in mask can cover from layer 0, each holding at least
     one layer and leaving one for each node not in mask, in the best order (-1: none).
 
-    Taking the furthest reach at each step loses nothing while no smaller set of nodes fits: were
-    a greedy boundary to overtake a fitting split's next boundary and get stuck, dropping the node
-    in between would leave a fitting split with fewer nodes.
+    Taking the furthest reach loses nothing while no smaller set fits: otherwise a node could be
+    dropped from a fitting split.
     """
     k, n = len(budgets), costs.n
     f = [-1] * (1 << k)
@@ -89,8 +88,7 @@ def _fits(costs: LayerCosts, nodes: Sequence[NodeSpec]) -> bool:
 
 
 def _natural_orders(nodes: Sequence[NodeSpec]) -> list[tuple[NodeSpec, ...]]:
-    """For clusters beyond the exact search: the given order, reversed, and every choice of the
-    first and last node (where the embedding and head go) with the rest in between."""
+    """Beyond the exact search: the given order, reversed, and every choice of first and last node."""
     base = tuple(nodes)
     out = [base, tuple(reversed(base))]
     for first, last in itertools.permutations(base, 2):
@@ -99,8 +97,8 @@ def _natural_orders(nodes: Sequence[NodeSpec]) -> list[tuple[NodeSpec, ...]]:
 
 
 def fitting_order(costs: LayerCosts, nodes: Sequence[NodeSpec]) -> tuple[NodeSpec, ...] | None:
-    """A stage order of these nodes that fits: the given order if it does, else the first (in
-    lexicographic order over the given one) along a chain of the subset programme's best reaches."""
+    """A stage order of these nodes that fits: the given one if it does, else the first along the
+    subset programme's best reaches."""
     base = tuple(nodes)
     if costs.greedy([x.memory_budget for x in base]):
         return base
@@ -191,8 +189,7 @@ def split_layers(costs: LayerCosts, budgets: Sequence[int]) -> list[int] | None:
 
 
 def _candidates(ranked: list[NodeSpec], k: int, preferred: dict[str, int]):
-    """k-subsets in order of preference: the top k by budget, preceded by those holding more
-    preferred nodes (most first; then the larger budgets). Each comes in stage order."""
+    """k-subsets, most preferred nodes first, then the top k by budget; each in stage order."""
     top = ranked[:k]
     top_pref = sum(1 for x in top if x.node_id in preferred)
     pref_idx = [i for i, x in enumerate(ranked) if x.node_id in preferred]
