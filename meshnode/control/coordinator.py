@@ -41,8 +41,7 @@ FAULT_LIMIT = 2
 
 
 def faulted(alive: dict[str, NodeInfo], model_id: str) -> dict[str, str]:
-    """The nodes not to place ``model_id`` on, with why: a stalled node (a model step that never
-    ends), and one whose computation of the model raised FAULT_LIMIT times."""
+    """The nodes not to place ``model_id`` on, with why: stalled, or faulted FAULT_LIMIT times."""
     out = {}
     for nid, info in alive.items():
         if info.stalled_for > 0:
@@ -103,7 +102,7 @@ class Coordinator:
         if current_plan is not None and current_plan.unloaded:  # placing it again (a request wants it)
             current_plan = None
         members = frozenset(alive)
-        if self.node_id in alive:  # this node's own stall is not in what it announced at start
+        if self.node_id in alive:  # this node's own stall is newer than its announcement
             alive = {**alive, self.node_id: dataclasses.replace(alive[self.node_id],
                                                                  stalled_for=self.peers.stalled_for())}
         excluded = faulted(alive, model_id)
@@ -189,8 +188,7 @@ class Coordinator:
         self._publish(desired)
 
     def unload(self, reason: str) -> None:
-        """Hold the model nowhere (several models on one mesh): every node frees its layers; a request
-        for it then waits while the mesh loads it again (meshnode.control.demand)."""
+        """Hold the model nowhere; a request for it then waits while the mesh loads it again."""
         model_id = self.adoption.served.model_id
         assert model_id is not None, "a model is unloaded once its metadata is loaded"
         log.info("unloading model %s: %s", model_id, reason)
@@ -210,8 +208,7 @@ class Coordinator:
             asyncio.create_task(self._install(peer.target, msg))
 
     def _longest(self, nodes: list[NodeSpec], **kw) -> Plan:
-        """The planner's plan of the model on ``nodes`` for the longest context worth serving
-        (meshnode.control.planner.context); ``kw``: the planner's other arguments."""
+        """The plan on ``nodes`` for the longest context worth serving (planner.context)."""
         served, s = self.adoption.served, self.settings
         return plan_longest_context(
             lambda ctx: make_plan(served.profile, nodes, max_context=ctx, requests=s.kv_requests, kv_bits=s.kv_bits,

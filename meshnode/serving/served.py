@@ -46,8 +46,7 @@ class ServedModel:
     def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth,
                  group_secret: bytes, event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None,
                  store=None, learned: bool = False):
-        """``model``: a folder or an id (None: the demo model); ``store``: the node's held models;
-        ``learned``: a model a peer offers, not this node (its files come from peers)."""
+        """``model``: a folder or an id (None: the demo); ``learned``: a peer's model."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
         self.progress, self.mesh, self.auth, self.group_secret = progress, mesh, auth, group_secret
         self.event, self.on_ready = event, on_ready
@@ -85,7 +84,7 @@ class ServedModel:
                                give_up=lambda exc: unavailable(str(exc), 5, "model_not_loaded"))
         self.engine = Engine(model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
-        # The prompt cache: what this node's stages keep; as a head, what it asked its stages to keep.
+        # The prompt cache: what this node's stages keep, and as a head what it asked them to keep.
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context)
         self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size,
                                         max_chunk=s.placement.prefill_step_size, max_context=self.context,
@@ -127,7 +126,7 @@ class ServedModel:
     def take(self, plan) -> None:
         """Plan adoption hands over a newer plan (load it with :meth:`apply_soon`)."""
         if self.plan is not None and self.ready(self.plan):
-            # Make before break: keep serving the ready plan until the new one is ready everywhere.
+            # Make before break.
             self.previous = self.plan
         self.plan = plan
         self.plan_error = ""
@@ -145,7 +144,7 @@ class ServedModel:
         self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
 
     async def _load_after(self, task: asyncio.Task, plan) -> None:
-        # gather: cancelling this cancels the load it waits for too (a plan that wants other things).
+        # gather: cancelling this cancels the load too.
         await asyncio.gather(task, return_exceptions=True)  # a failure was logged; this plan tries anew
         await load_part(self, plan)
 
@@ -244,8 +243,7 @@ class ServedModel:
         return self.engine
 
     def on_demand(self) -> bool:
-        """Requests wait for the mesh to load the model: its plan unloads it, or the reloading plan
-        is not ready yet."""
+        """Requests wait for the mesh to load the model (unloaded, or reloading)."""
         if self.plan is None:
             return False
         serving = self.serving_plan()
@@ -354,8 +352,7 @@ def request_context(plan, settings: ServingSettings, profile) -> int:
 
 
 def prompt_cache(settings: ServingSettings, metrics, context: int) -> tuple[PrefixStore | None, PrefixIndex | None]:
-    """A node's prompt cache (off: None, None): kept prefixes live in the KV the plan reserves for
-    ``kv_requests`` requests of ``context`` positions."""
+    """A node's prompt cache (off: None, None), sized to the KV the plan reserves."""
     if not settings.prompt_cache:
         return None, None
     index = PrefixIndex()

@@ -71,7 +71,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     free = getattr(drafter, "free", False)  # asked at every token of a pause for finding nothing
 
     def ask_again() -> None:
-        """In a pause for finding nothing, a free drafter is asked at each token: a guess ends it."""
+        """In a dry pause, ask a free drafter again: a guess ends the pause."""
         if free and length.dry_paused and drafter.propose(1):
             length.found()
     fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
@@ -150,11 +150,11 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             checks = p.tokens[1:] + behind  # the guesses this pass's logits check
             out, logprobs = _draws(logits, checks, greedy, sample, params.offset + n)
             mark("spec.drawn")
-            came = time.perf_counter()  # after the draws: a local last stage's logits are computed lazily
+            came = time.perf_counter()  # after the draws: local logits are computed lazily
             if not p.alone and last_out is not None and p.sent < last_out:  # in flight behind the last one
                 spec.costs.observe_filled(len(p.tokens), came - last_out)
             last_out = came
-            # out stops at the first draw that differs from its check: the ones before it are confirmed
+            # out stops at the first draw that differs from its check
             accepted = next((j for j, (a, b) in enumerate(zip(out, checks)) if a != b), min(len(out), len(checks)))
             if p.alone:
                 spec.costs.observe(len(p.tokens), came - p.sent)
