@@ -53,9 +53,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-# chat="agent": a template in the shape of Qwen3's and GLM's: the tools listed in a system turn,
-# calls as <tool_call>{json}</tool_call> (mlx-lm infers its json_tools parser from
-# "<tool_call>" and "tool_call.name"), and the answer opened with <think> unless thinking is off.
+# chat="agent": a Qwen3/GLM-shaped template: tools in a system turn, calls as
+# <tool_call>{json}</tool_call> (mlx-lm's json_tools parser), <think> unless thinking is off.
 AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 AGENT_TEMPLATE = (
     "{{ bos_token }}"
@@ -131,11 +130,8 @@ Emoji and symbols: 🙂 🚀 ❤️ 👍 🎉 ✓ ✗ → ← ↑ ↓ • € £
 def build_tokenizer(out_dir: Path, vocab_size: int = 512, chat: str = "plain") -> int:
     """Train a byte-level BPE tokenizer and save it, with a chat template, into ``out_dir``.
 
-    ``chat``: "plain" (roles between special tokens) or "agent" (:data:`AGENT_TEMPLATE`: tools,
-    tool calls and thinking, with their markers as special tokens).
-
-    Every byte has a token, so any text round-trips. ``<|end|>`` also ends a sequence. Returns the
-    vocabulary's length.
+    ``chat``: "plain" or "agent" (:data:`AGENT_TEMPLATE`). Every byte has a token, so any text
+    round-trips. Returns the vocabulary's length.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -185,8 +181,7 @@ def _hash32(x):
 def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
     """Uniform values in [-bound, bound), from (seed, name, position) alone.
 
-    Integer hashing, then exact float steps (a 24-bit integer scaled by a power of two, minus 1) and
-    one correctly rounded multiply: bit-identical on any CPU, unlike transcendental-based samplers.
+    Integer hashing and exact float steps: bit-identical on any CPU.
     """
     import mlx.core as mx
 
@@ -305,7 +300,7 @@ def build_model(
     config = family_config(family, **sizes) if legacy else generic_config(family, **sizes)
     config.update(overrides)
     model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)  # nothing random escapes the seed; the values themselves come from _init_weights
+    mx.random.seed(seed)  # the values themselves come from _init_weights
     model = model_class(args_class.from_dict(config))
     weights = _init_weights(model, seed)
     tied = bool(config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings"))
@@ -332,8 +327,7 @@ QUANTIZATIONS: tuple[str | None, ...] = (None, "4bit", "8bit", "mixed", "mxfp4")
 
 
 def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | None) -> dict[str, Any]:
-    """Quantize ``model`` in place with mlx-lm's own ``quantize_model``; returns the config with the
-    ``quantization`` block exactly as mlx-lm writes it.
+    """Quantize ``model`` in place with mlx-lm's ``quantize_model``; returns the config as mlx-lm writes it.
 
     "4bit" / "8bit": affine; "mixed": mlx-lm's ``mixed_4_6`` recipe; "mxfp4": MLX's FP4, as gpt-oss
     ships. Layers narrower than a group stay unquantized, hence a default group size of 32.

@@ -68,8 +68,7 @@ def layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_byte
 
 
 def _cached(state_dir: Path, key: str, measure, what: str) -> float:
-    """``known[key]`` from the state dir's compute.json, else ``measure()`` (cached when > 0;
-    ``what`` is logged with the figure in ms)."""
+    """``known[key]`` from compute.json, else ``measure()``, cached when > 0 and logged as ``what``."""
     cache_file = state_dir / CACHE_FILE
     known = _load(cache_file)
     value = known.get(key)
@@ -127,8 +126,7 @@ def _layer_range(num_layers: int, layer_bytes: int) -> tuple[int, int]:
 
 def _time_steps(shard, cache, own_work: bool = True) -> float:
     """Median seconds of a single-token decode step through ``shard`` after a short prefill.
-    ``own_work``: the step is this process's computation alone (:func:`step_seconds`); False where
-    waiting is part of the cost (a ring's all-reduces wait for the other rank)."""
+    ``own_work`` False: waiting is part of the cost (a ring's all-reduces)."""
     if shard.spec.is_first:
         step = lambda: shard.forward(mx.zeros((1, 1), dtype=mx.int32), cache)  # noqa: E731
         mx.eval(shard.forward(mx.zeros((1, CONTEXT), dtype=mx.int32), cache))
@@ -145,8 +143,7 @@ def _time_steps(shard, cache, own_work: bool = True) -> float:
 
 
 def step_seconds(wall: float, cpu: float, on_cpu: bool) -> float:
-    """What a step took this machine: on MLX's CPU backend the smaller of its wall time and the
-    process's CPU time (not the time it waited for a core), elsewhere its wall time."""
+    """A step's cost: on MLX's CPU backend the smaller of wall and CPU time, elsewhere wall time."""
     return min(wall, cpu) if on_cpu and cpu > 0 else wall
 
 

@@ -51,11 +51,11 @@ class ModelProfile:
     dtype: str  # activation (and KV cache) dtype, e.g. "bfloat16"
     # Requests at once, each with its own KV cache, that every KV figure counts (for_requests).
     kv_requests: int = 1
-    # Why this model cannot be split into pipeline stages ("" when it can): it is then served whole.
+    # Why this model cannot be split into pipeline stages ("" when it can).
     split_problem: str = ""
     moe_intermediate_size: int = 0  # each expert's (and a shared expert's) MLP width; 0 for a dense model
     quant_group_size: int = 0  # weights quantized in groups of this many inputs; 0 when not quantized
-    trained_context: int = 0  # the context its config says it was trained for (rope scaling included); 0: unknown
+    trained_context: int = 0  # the trained context (rope scaling included); 0: unknown
     # Bits every KV figure counts (0: unquantized; for_kv_bits), and why the KV cannot be quantized.
     kv_bits: int = 0
     kv_quant_problem: str = ""
@@ -259,8 +259,7 @@ def activation_dtype(model_dir: Path) -> str:
 
 
 def hidden_size(config: dict[str, Any]) -> int:
-    """The width of the residual stream, from config.json (nested text configs included); never from
-    a weight's shape, which a quantized model packs."""
+    """The residual stream's width from config.json (a quantized weight's shape is packed)."""
     value = config_value(text_config(config), "hidden_size", "n_embd", "d_model", "dim")
     if value is None:
         raise ValueError(f"{config.get('model_type')}: config.json names no hidden size")
@@ -346,8 +345,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     experts = int(config_value(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
     problem = split_support(raw_cfg) or ""
     if not problem and split_boundaries(raw_cfg) != list(range(1, n)):
-        # The planner places a stage boundary after any layer; a family whose layers share caches in
-        # groups (hunyuan's cross-layer attention) is served whole until it can respect the groups.
+        # Layers sharing caches in groups (hunyuan's cross-layer attention) cannot split anywhere.
         problem = (f"{raw_cfg.get('model_type')}: its layers share keys and values in groups, and stages "
                    f"may start only at layers {split_boundaries(raw_cfg)}, which the planner does not place yet")
     return ModelProfile(

@@ -51,8 +51,7 @@ def covers(model_dir: Path, start: int, end: int) -> bool:
 
 
 def cached_metadata(cache_root: Path, model_id: str) -> Path | None:
-    """A folder fetched earlier for ``model_id`` (its layers or its metadata only), the one with
-    the most layers, or None."""
+    """The folder fetched earlier for ``model_id`` with the most layers, or None."""
     best, best_n = None, -1
     for d, marker in cached_folders(cache_root):
         if marker is not None and marker.get("model_id") == model_id and marker["end"] - marker["start"] > best_n:
@@ -186,8 +185,7 @@ def is_hub_id(model_id: str) -> bool:
         all(part and not part.startswith(".") for part in model_id.split("/"))
 
 
-# The files mlx-lm needs to build a model and its tokenizer (mirrors mlx-lm's own download); a node
-# downloads those not ending in .safetensors at start-up, and weight files per stage.
+# The files mlx-lm downloads for a model; weight files come per stage, the rest at start-up.
 HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
@@ -196,8 +194,7 @@ def _small_patterns() -> list[str]:
 
 
 def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, dict]:
-    """(header length incl. its 8-byte prefix, the JSON header) of one safetensors file on the Hub,
-    read with HTTP range requests: no tensor data is downloaded."""
+    """(header length with its prefix, the JSON header) of a Hub safetensors file, by HTTP ranges."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
