@@ -30,9 +30,8 @@ access = logging.getLogger("meshnode.access")
 
 
 class _MalformedHttpFilter(logging.Filter):
-    """aiohttp logs every request its parser rejects (not HTTP, bad method, oversized header: the
-    client's fault, answered 400 and closed) at ERROR with a traceback, so anyone who can reach the
-    port can fill the log. Keep one line per peer every 10 s instead."""
+    """aiohttp logs each request its parser rejects at ERROR with a traceback, so anyone could fill
+    the log: keep one line per peer every 10 s instead."""
 
     def __init__(self):
         super().__init__()
@@ -115,9 +114,8 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[SETTINGS].api_key
-    # Open without the key: /health, and the dashboard's own files (it asks for the key and sends
-    # it with every API call it makes). /metrics and every /v1 route need it.
-    # A CORS preflight carries no credentials by design; aiohttp-cors answers it and runs nothing.
+    # Open without the key: /health and the dashboard's files (the dashboard sends the key itself),
+    # and CORS preflights, which carry no credentials by design and run nothing.
     preflight = request.method == "OPTIONS" and bool(request.app[SETTINGS].cors_origins)
     if key and not preflight and request.path != "/health" and request.path != "/" \
             and not request.path.startswith("/static/"):
@@ -149,8 +147,7 @@ def make_app(backend: Backend, settings: ApiSettings | None = None) -> web.Appli
 
 
 def _allow_origins(app: web.Application, origins: tuple[str, ...]) -> None:
-    """CORS for the API routes (aiohttp-cors): pages of these origins may call them, sending the
-    Authorization header; no cookies are involved."""
+    """CORS for the API routes: pages of these origins may call them with an Authorization header."""
     import aiohttp_cors
 
     options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",

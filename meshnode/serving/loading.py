@@ -19,8 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def stage_key(stage) -> tuple:
-    """What a node holds for a stage: its layers, plus the group's members for a tensor group
-    (the same layers shared with other nodes are a different thing to load)."""
+    """What a node holds for a stage: its layers, and for a tensor group its members."""
     if len(stage.nodes) == 1:
         return (stage.start_layer, stage.end_layer)
     return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
@@ -48,8 +47,7 @@ def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, set
         info = mesh.me if member == node_id else alive.get(member)
         if info is None or not info.tensor_port:
             raise TensorGroupError(f"group member {member} is unknown or has no tensor port")
-        # The plan's choice of address (the coordinator picks the fastest measured path), else
-        # the member's first announced address.
+        # The plan's address (the fastest measured path), else the member's first announced one.
         chosen = getattr(stage, "endpoints", ())
         host = chosen[stage.nodes.index(member)] if chosen else info.addresses[0]
         endpoints.append(f"{host}:{info.tensor_port + offset}")
@@ -74,8 +72,7 @@ async def load_part(served, plan) -> None:
             if isinstance(shard, TensorShard) and not shard.alive():
                 shard = None  # its worker died: start the group again
             elif isinstance(shard, TensorShard) and shard.kv_bits != plan.kv_bits:
-                # Its worker builds caches of the other kind: start the group again (first
-                # closing this one, whose ring holds the ports the new one takes).
+                # Its worker builds the other cache kind: close it (freeing its ports), start anew.
                 log.info("epoch %d: kv_bits %d (was %d): starting the tensor group for layers [%d, %d) again",
                          plan.epoch, plan.kv_bits, shard.kv_bits, key[0], key[1])
                 shard.close()
@@ -128,8 +125,7 @@ async def load_part(served, plan) -> None:
 
 
 def keep_for_newer(served, loaded: dict) -> None:
-    """A newer plan came while this load ran: hold what it wants too (its own load then finds it),
-    close the rest (a shard already held under the same key is the one kept)."""
+    """A newer plan came while this load ran: keep what it wants too, close the rest."""
     newer = part_of(served.plan, served.node_id)[1] if served.plan is not None else frozenset()
     held = dict(served.shards)
     for key, shard in loaded.items():
@@ -146,8 +142,7 @@ def keep_for_newer(served, loaded: dict) -> None:
 
 
 async def layers_folder(served, start: int, end: int) -> Path:
-    """The layers' folder, fetched from the live peers that announce them if this disk lacks
-    them; then announced as held."""
+    """The layers' folder, fetched from peers if this disk lacks them, then announced as held."""
     if (local := served.files.local_layers(start, end)) is not None:
         return local
     alive = served.mesh.alive_infos()
@@ -159,8 +154,7 @@ async def layers_folder(served, start: int, end: int) -> Path:
 
 
 def use_context(served, context: int) -> None:
-    """The plan's context for requests from now on: what the API allows, what a stage accepts,
-    what kept prefixes may hold."""
+    """Apply the plan's context to the API, the stages and the kept prefixes."""
     served.engine.max_context = served.stage_server.max_context = context
     if served.prefixes is not None:
         served.prefixes.capacity = served.settings.kv_requests * context

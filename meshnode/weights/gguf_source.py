@@ -142,8 +142,7 @@ def resolve_gguf(spec: str, cache_dir: Path, progress: Progress | None = None) -
 
 
 def converted_id(folder: Path) -> str | None:
-    """The model id of a folder converted from a GGUF file (None for any other folder), so that
-    the folder served as itself keeps the id its file gives."""
+    """The model id of a folder converted from a GGUF file, so it keeps its file's id; else None."""
     try:
         info = json.loads((folder / "config.json").read_text()).get("gguf") or {}
     except (OSError, ValueError):
@@ -220,8 +219,7 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
 
 
 def _parameter_names(cfg: dict) -> list[str]:
-    """The parameter names of the mlx-lm model ``cfg`` describes; the model is built lazily, so
-    nothing is allocated."""
+    """The parameter names of the mlx-lm model ``cfg`` describes (built lazily: nothing allocated)."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 

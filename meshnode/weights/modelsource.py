@@ -20,15 +20,9 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None,
                   progress: Callable[[str, int, int], None] | None = None) -> tuple[str, Path]:
     """(model id, local directory) for a configured model; ``None`` means the demo model.
 
-    A GGUF file (a path, or ``ollama:<name>[:<tag>]`` for a model Ollama pulled) is converted once
-    into an mlx-lm folder in the cache (:mod:`meshnode.weights.gguf_source`; ``progress(task, done,
-    total)`` while it hashes and converts), and its model id is derived from the file's content.
-
-    For a Hugging Face id the directory holds no weights: only the small files (config, tokenizer,
-    chat template, index) and a marker with the whole model's manifest read from the weight files'
-    headers (:func:`meshnode.weights.sourcing.hub_metadata`); a stage downloads the weight files holding
-    its layers once the plan gives it some (:func:`meshnode.weights.sourcing.hub_layers`). A model the
-    Hugging Face cache already holds whole is returned as that complete folder."""
+    A GGUF file (or ``ollama:<name>[:<tag>]``) is converted once into a cached mlx-lm folder whose id
+    comes from the file's content. A Hugging Face id gives a folder of small files and the manifest
+    only (:func:`meshnode.weights.sourcing.hub_metadata`); stages download their weight files later."""
     if spec is None:
         from meshnode.demo import DEMO_MODEL_ID, ensure_demo_model
 
