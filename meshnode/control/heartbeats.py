@@ -78,8 +78,7 @@ class Heartbeats:
             if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 log.warning("peer at %s refused us (another cluster key?): %s", target, exc.details())
             elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
-                # The host answered but nothing listens: the process is gone. No need to wait out
-                # the failure timeout (a hung or unreachable peer still takes the full timeout).
+                # Nothing listens: the process is gone, no need to wait out the failure timeout.
                 for peer in peers.members.alive_peers().values():
                     if peer.target == target:
                         log.warning("%s refuses connections: its process is gone", peer.info.node_id)
@@ -161,8 +160,7 @@ class Heartbeats:
 
 
 def model_states(msg) -> list[tuple[str, Any]]:
-    """(model, its state) of each model a heartbeat tells of; a heartbeat without ``models`` (one
-    model per node) tells of the model its plan names, else of the receiver's first model ("")."""
+    """(model, its state) of each model a heartbeat tells of (without ``models``: its plan's, else "")."""
     if msg.models:
         return [(state.model, state) for state in msg.models[:64]]
     return [(msg.plan.model if msg.HasField("plan") else "", msg)]

@@ -30,8 +30,7 @@ class ControlPlane:
 
     def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
                  lanes: Lanes, *, event: Callable[..., None], holders=None):
-        """``holders``: opens a search for the peers holding a model (ModelFiles' ``Holders``), for
-        the models this node learns of from peers."""
+        """``holders``: opens a search for the peers holding a model learned of from peers."""
         self.settings, self.node_id, self.peers, self.lanes = settings, node_id, peers, lanes
         self._event, self._holders = event, holders
         self.heartbeats = Heartbeats(settings, node_id, cluster_id, started_at, peers, lanes)
@@ -106,8 +105,8 @@ class ControlPlane:
                 lane.served.retire_previous()
 
     def _coordinate(self, alive: dict, offered: set[str]) -> None:
-        """Plan each model the mesh serves, in the lanes' order, each into the memory the others
-        leave; unload and load models on demand (meshnode.control.demand)."""
+        """Plan each model in the lanes' order, each into the memory the others leave; unload and
+        load models on demand."""
         now, wall = time.monotonic(), time.time()
         lanes = [lane for lane in self.lanes if lane.model_id is not None]
         uses = {lane.model_id: self.use_of(lane) for lane in lanes}
@@ -153,7 +152,7 @@ class ControlPlane:
                   if lane is not wanted and lane.served.plan is not None and not lane.served.plan.unloaded}
         model = victim(loaded, self._loaded_at)
         if model is None:
-            return  # every loaded model is in use: the request waits (load_timeout) for one to be idle
+            return  # every loaded model is in use: the request waits for one to be idle
         lane = self.lanes.get(model)
         assert lane is not None, "victim() names a loaded model"
         lane.coordinator.unload(

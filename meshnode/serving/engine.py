@@ -84,7 +84,7 @@ class Engine:
         logprobs: list[TokenLogprob] = []
 
         def cut() -> tuple[str, str | None]:
-            """Content that is safe to emit now, and the stop string that ended the output, if one did."""
+            """Content safe to emit now, and the stop string that ended the output, if any."""
             nonlocal emitted
             if stops:
                 window = max(0, emitted - hold)
@@ -129,7 +129,7 @@ class Engine:
                         metrics.first_token(first_at - started)
                     if token not in eos:
                         metrics.token()
-                        if count:  # the decode rate of this generation so far (tokens after the first)
+                        if count:  # the decode rate so far
                             metrics.generation_done(count, time.monotonic() - first_at)
                 if token in eos:
                     finish = "stop"
@@ -139,7 +139,7 @@ class Engine:
                     logprobs.append(self._logprob(token))
                 detokenizer.add_token(int(token))
                 delta = piece(detokenizer.last_segment)
-                if delta.finish_reason is not None:  # a stop string: the last piece, once the source is closed
+                if delta.finish_reason is not None:  # a stop string: the last piece
                     stopped_at = delta
                     break
                 if delta.carries:

@@ -15,8 +15,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    # Tokens of this generation already produced elsewhere: a replay after failover passes how many
-    # it carries over, so a seeded draw continues where it was instead of starting again.
+    # Tokens already produced before a failover replay, so a seeded draw continues where it was.
     offset: int = 0
     # mlx-lm's other filters (0: off) and logits processors (None: off), as mlx-lm applies them.
     top_k: int = 0
@@ -42,9 +41,8 @@ class SamplingParams:
 
 
 class Sampled(int):
-    """A generated token id that also carries its log-probability and the ``top`` alternatives
-    ((id, logprob), most likely first), where the request asked for them. It is an ``int`` so that
-    every token source (local pipeline, remote head, failover replay) passes it on unchanged."""
+    """A token id carrying its log-probability and ``top`` alternatives; an ``int``, so every token
+    source passes it on unchanged."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]

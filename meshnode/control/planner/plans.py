@@ -7,8 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
-# A model the mesh serves but holds nowhere now (several models on one mesh: it did not fit beside
-# the others, or it was idle and made room for another): no stages; loaded when a request asks for it.
+# A model the mesh serves but holds nowhere now (no room, or idle): loaded when a request asks.
 UNLOADED = "unloaded"
 
 
@@ -37,7 +36,7 @@ class Stage:
     end_layer: int  # exclusive
     nodes: tuple[str, ...]  # one node for a pipeline stage
     bytes: int = 0  # memory the stage needs on its node
-    endpoints: tuple[str, ...] = ()  # tensor group: the address each member's ring uses, by rank (the node fills it)
+    endpoints: tuple[str, ...] = ()  # tensor group: each member's ring address, by rank
 
     @property
     def num_layers(self) -> int:
