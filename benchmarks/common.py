@@ -243,7 +243,7 @@ def stream_chat(url, model, messages, max_tokens, timeout=900):
 
 @contextlib.contextmanager
 def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction: float = 0.6, env: dict | None = None,
-                   cores: list[int] | None = None, loopback: bool = False):
+                   cores: list[int] | None = None, loopback: bool = False, drafts: Path | None = None):
     """Two ``meshnode run`` processes on namespace hosts, pipelined (neither holds the model alone),
     and a third host for the client; yields ``(client, entry_url, node_logs)`` once a 2-stage plan
     serves: ``entry_url`` is the node that is not the head (a client of any node is relayed to the
@@ -251,7 +251,8 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
     unpinned, the two share this box's cores and one's compute takes CPU from the other's (``cores``:
     the ones to pin to, this thread's by default). Needs root, except with ``loopback``: both nodes
     on 127.0.0.1 (ports of their own, each the other's static peer, mDNS off) and the client here
-    (``client`` is None), for a machine without network namespaces, such as a lent GPU.
+    (``client`` is None), for a machine without network namespaces, such as a lent GPU. ``drafts``:
+    the nodes' scripted guesses for speculative decoding (harness/drafts.py), a test hook.
 
     Both nodes are given one speed figure, measured here once (the best of 3, as the tests'
     ``seed_figures``): they stand for two identical machines, and on a VM whose timings drift
@@ -292,7 +293,7 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
             h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(
                 model, **node_flags, node_id=h.name, budget=budget, state_dir=state,
                 # budgets are fractions of one request's total (as in the tests)
-                max_context=max_context, kv_requests=1),
+                max_context=max_context, kv_requests=1, drafts=drafts),
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))),
                      "MESHNODE_CLUSTER_KEY": "bench",
                      "MESHNODE_STRATEGY": "pipeline", **(env or {})},

@@ -7,8 +7,8 @@ and the ratio (target >= 0.95).
 
 ``--lookup-rounds N``: what prompt lookup (``speculative = "prompt_lookup"``) costs through one
 node where it finds nothing to guess (random weights rarely repeat themselves): the node runs with
-it, and N rounds each ask once without it and once with it, in turns (the test drafts file,
-``MESHNODE_TEST_DRAFTS``, switches it per request); prints the median of the rounds' ratios.
+it, and N rounds each ask once without it and once with it, in turns (the node's test drafts file,
+harness/drafts.py, switches it per request); prints the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         drafts = Path(tmp) / "drafts.json"
         drafts.write_text(json.dumps({"off": True}))
-        env = {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(drafts)} if args.lookup_rounds else {}
+        env = {"MESHNODE_SPECULATIVE": "prompt_lookup"} if args.lookup_rounds else {}
         node = start_node(node_argv(path, host="127.0.0.1", http_port=port, grpc_port=0, mdns=False, state_dir=tmp,
-                                    budget="8GiB", max_context=2048), env=env, log=Path(tmp) / "node.log")
+                                    budget="8GiB", max_context=2048, drafts=drafts if args.lookup_rounds else None),
+                          env=env, log=Path(tmp) / "node.log")
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url)

@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.speculative --loopback --mlx-cores all [--size bench|1b] ...   (a lent GPU)
 
 Random weights make any real drafter's acceptance unpredictable, so acceptance is controlled: the
-head's drafter is the test one (meshnode.serving.drafting.ReferenceDrafter, MESHNODE_TEST_DRAFTS)
+head's drafter is the test one (harness.drafts.ReferenceDrafter, given to the nodes as a test hook)
 proposing the reference continuation (mlx-lm's greedy answer, computed first), each guess right
 with probability p = 0, 0.5, 0.8, 1.0 (the same guesses at the same positions in every run). The
 same guesses drive mlx-lm's own speculative decoding in this process (a stand-in draft model that
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (PROMPT, STREAM_CHAT, bench_model_dir, exact_backend, first_difference,  # noqa: E402
                                mlx_device, two_stage_mesh)
-from meshnode.serving.drafting import reference_guess  # noqa: E402
+from harness.drafts import reference_guess  # noqa: E402
 
 PS = (0.0, 0.5, 0.8, 1.0)
 # changes to the bench model: "1b" is a model whose step a GPU's compute, not its launches, dominates
@@ -188,9 +188,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         drafts = Path(tmp) / "drafts.json"
         drafts.write_text(json.dumps({"off": True}))
-        env = {"MESHNODE_SPECULATIVE": "prompt_lookup", "MESHNODE_TEST_DRAFTS": str(drafts)}
+        env = {"MESHNODE_SPECULATIVE": "prompt_lookup"}
         with two_stage_mesh(model_dir, 1024, pin=not args.loopback, env=env, cores=cores,
-                            loopback=args.loopback) as (client, url, logs):
+                            loopback=args.loopback, drafts=drafts) as (client, url, logs):
             relay_url, head_url = url, head_url_of(client, url)
             entries = {"relay": [("", relay_url)], "head": [("", head_url)],
                        "both": [("", relay_url), (" via head", head_url)]}[args.entry]
@@ -279,7 +279,7 @@ def main() -> int:
 
 def mesh_request(client, head_url: str, drafts: Path, spec: dict, want: str, label: str, tokens: int,
                  ask: Callable[[], dict]) -> tuple[float, dict]:
-    """One request to a benchmark's mesh with the test drafter file (MESHNODE_TEST_DRAFTS) set to
+    """One request to a benchmark's mesh with the test drafter file (harness/drafts.py) set to
     ``spec``: its decode tokens/s (first streamed token to the last) and what it moved of the
     head's speculation counters. ``ask()``: the client's JSON (first, total, text), whose text must
     be ``want`` (mlx-lm's answer)."""

@@ -139,9 +139,8 @@ def main() -> int:
               f"{args.rounds} rounds", flush=True)
         drafts = Path(tmp) / "drafts.json"
         drafts.write_text(json.dumps({"off": True}))
-        env = {"MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(draft_dir),
-               "MESHNODE_TEST_DRAFTS": str(drafts)}
-        with two_stage_mesh(model_dir, 1024, pin=True, env=env, cores=cores) as (client, url, logs):
+        env = {"MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(draft_dir)}
+        with two_stage_mesh(model_dir, 1024, pin=True, env=env, cores=cores, drafts=drafts) as (client, url, logs):
             head_url = head_url_of(client, url)
 
             def mesh(label: str, spec: dict) -> float:  # spec {}: the draft model the settings load

@@ -24,18 +24,24 @@ from typing import Any, Callable
 
 HTTP, GRPC = 8470, 8471
 KEY = "test-cluster-key"
+HOOKED_NODE = Path(__file__).resolve().parent / "hooked_node.py"  # `meshnode run` with test hooks
 
 
 def node_argv(model: Path | str | None = None, *, http_port: int | str | None = None,
               grpc_port: int | str | None = None, node_id: str | None = None, budget: int | str | None = None,
               state_dir: Path | str | None = None, max_context: int | None = None,
               cache_dir: Path | str | None = None, kv_requests: int | None = None, host: str | None = None,
-              config: Path | str | None = None, peers=(), mdns: bool = True, extra=()) -> list[str]:
+              config: Path | str | None = None, peers=(), mdns: bool = True, extra=(),
+              stage_delays: Path | str | None = None, drafts: Path | str | None = None) -> list[str]:
     """The argv of ``python -m meshnode.cli run`` (this interpreter) with these flags; a flag whose
     value is None is left out (the node's default or config file applies). ``budget`` is
     ``--memory-budget`` (bytes or a size such as "1GiB"); ``peers``: one ``--peer`` each;
-    ``mdns=False``: ``--no-mdns``; ``extra``: further arguments, last (e.g. ``["--encrypt"]``)."""
-    argv = [sys.executable, "-m", "meshnode.cli", "run"]
+    ``mdns=False``: ``--no-mdns``; ``extra``: further arguments, last (e.g. ``["--encrypt"]``).
+    ``stage_delays`` (harness/faults.py), ``drafts`` (harness/drafts.py): files of test hooks,
+    which the node gets through harness/hooked_node.py instead."""
+    hooks = [arg for flag, path in (("--stage-delays", stage_delays), ("--drafts", drafts)) if path is not None
+             for arg in (flag, str(path))]
+    argv = [sys.executable, *((str(HOOKED_NODE), *hooks) if hooks else ("-m", "meshnode.cli")), "run"]
     for flag, value in (("--config", config), ("--model", model), ("--host", host), ("--http-port", http_port),
                         ("--grpc-port", grpc_port), ("--node-id", node_id), ("--memory-budget", budget),
                         ("--state-dir", state_dir), ("--max-context", max_context), ("--cache-dir", cache_dir),
@@ -198,9 +204,11 @@ class Cluster:
         for h, b in zip(self.hosts, budgets):
             self.start(h, b)
 
-    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None, model=None):
+    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None, model=None,
+              stage_delays: Path | None = None, drafts: Path | None = None):
         """``model``: what ``--model`` names (default: the model folder); a node's own
-        ``--cache-dir`` is ``<tmp>/<host>/cache``."""
+        ``--cache-dir`` is ``<tmp>/<host>/cache``; ``stage_delays``, ``drafts``: files of test
+        hooks (``node_argv``)."""
         state = self.tmp / host.name
         state.mkdir(exist_ok=True)
         if self.seed is not None and not (state / "compute.json").exists():
@@ -208,20 +216,20 @@ class Cluster:
         # budgets here are fractions of profile.total_bytes(max_context): one request's KV (kv_requests=1)
         args = node_argv(model or self.model, http_port=HTTP, grpc_port=GRPC, node_id=host.name, budget=budget,
                          state_dir=state, max_context=self.max_context, cache_dir=state / "cache", kv_requests=1,
-                         peers=peers, mdns=mdns)
+                         peers=peers, mdns=mdns, stage_delays=stage_delays, drafts=drafts)
         self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
                                            log_path=self.log_path(host))
 
     def start_all_delayable(self, budget, env=None) -> dict[str, Path]:
         """Start a node on every host, each reading its injected stage delays and faults from its
-        own file (MESHNODE_TEST_STAGE_DELAY, meshnode.transport.hop.InjectedDelay), empty for
-        now; returns those files by host name (write JSON into one to change its node)."""
+        own file (harness/faults.py), empty for now; returns those files by host name (write JSON
+        into one to change its node)."""
         delays = {}
         for h in self.hosts:
             (self.tmp / h.name).mkdir(exist_ok=True)
             delays[h.name] = self.tmp / h.name / "delay.json"
             delays[h.name].write_text("{}")
-            self.start(h, budget, env={"MESHNODE_TEST_STAGE_DELAY": str(delays[h.name]), **(env or {})})
+            self.start(h, budget, env=env, stage_delays=delays[h.name])
         return delays
 
     def log_path(self, host) -> Path:

@@ -23,6 +23,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -51,12 +52,13 @@ from meshnode.metrics import EventLog, NodeMetrics, Progress
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
-from meshnode.serving.drafting import DraftModel
+from meshnode.serving.drafting import DraftModel, DrafterFactory
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel, plan_status
 from meshnode.serving.settings import ServingSettings
 from meshnode.transport.dataport import DataServer
+from meshnode.transport.hop import StreamHook
 from meshnode.transport.routing import StageRouter, not_served
 from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
@@ -140,8 +142,17 @@ def peer_view(peers, nid: str, info, me: bool, coordinator: bool) -> dict[str, A
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeHooks:
+    """What a test harness puts into a node (harness/hooked_node.py); a node run as a service has none."""
+
+    stream_hook: StreamHook | None = None  # every data-port stream to a stage here (meshnode.transport.hop)
+    drafters: Callable[[DrafterFactory], DrafterFactory] | None = None  # PlacementSettings.drafters
+
+
 class Node:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, hooks: NodeHooks | None = None):
+        hooks = hooks or NodeHooks()
         self.settings = settings
         self.started_at = time.time()
         self.node_id = load_or_create_node_id(settings.resolved_state_dir(), settings.node_id)
@@ -166,6 +177,9 @@ class Node:
         # Every model this node serves is a lane (meshnode.control.lanes), sharing one store of held models.
         store = ModelStore(settings.resolved_cache_dir() / "peer-models")
         serving, planning = ServingSettings.of(settings), PlanSettings.of(settings)
+        if hooks.drafters is not None:
+            serving = dataclasses.replace(serving, placement=dataclasses.replace(serving.placement,
+                                                                                 drafters=hooks.drafters))
 
         def lane(model: str | None, offered: bool) -> Lane:
             served = ServedModel(serving, self.node_id, scheduler=self.scheduler, metrics=self.metrics,
@@ -182,7 +196,7 @@ class Node:
         self.served = self.lanes.primary.served  # the first model's (a single-model mesh's only one)
         self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at,
                                     self.peers, self.lanes, event=self.events, holders=self._holders)
-        self.router = StageRouter(self._stage_server_of, self.scheduler.run_here)
+        self.router = StageRouter(self._stage_server_of, self.scheduler.run_here, stream_hook=hooks.stream_hook)
         self.discovery: Discovery | None = None
         self.http_port, self.grpc_port = settings.http_port, settings.grpc_port
         self._grpc = None
@@ -435,8 +449,8 @@ class Node:
         }
 
 
-async def serve(settings: Settings) -> None:
-    node = Node(settings)
+async def serve(settings: Settings, hooks: NodeHooks | None = None) -> None:
+    node = Node(settings, hooks)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -455,6 +469,6 @@ async def serve(settings: Settings) -> None:
         await node.stop()
 
 
-def run_node(settings: Settings) -> int:
-    asyncio.run(serve(settings))
+def run_node(settings: Settings, hooks: NodeHooks | None = None) -> int:
+    asyncio.run(serve(settings, hooks))
     return 0

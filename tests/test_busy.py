@@ -3,7 +3,7 @@
 Two nodes hold two stages of one model; the client talks to the first stage (not the head), so
 both waits are exercised: the head waiting on the first stage's data port, and the first stage
 waiting on the head's Generate stream. Delays are injected deterministically into the first
-stage's steps (MESHNODE_TEST_STAGE_DELAY, meshnode.transport.hop.InjectedDelay) while the node stays
+stage's steps (harness/faults.py, through the nodes' test hooks) while the node stays
 alive (it keeps heartbeating): before this issue, any step past 2 s (decode) or past
 2 s + 0.05 s per queued position (prefill) counted as a lost stage, and the request waited 30 s
 for a re-plan that nobody made, then failed (503 or placement_lost).

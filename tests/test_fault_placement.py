@@ -2,7 +2,7 @@
 
 - A deterministic failure is not a lost node, and the planner stops placing the model that way:
   three nodes, any two of which hold the model; the first stage's computation raises on every
-  request (MESHNODE_TEST_STAGE_DELAY ``raise_at``, as a model its node cannot run would). Each
+  request (harness/faults.py ``raise_at``, as a model its node cannot run would). Each
   request ends at once with the stage's error (503 ``stage_fault``); after the second, that node
   announces two faults and the coordinator plans again without it. The next request is served by
   the other two nodes, identical to mlx-lm, and /v1/mesh says why the node was left out.

@@ -15,7 +15,7 @@ float32, bf16 and 4-bit.
 from __future__ import annotations
 
 from meshnode.serving.draft_length import FILL_SHARE, DraftLength, PassCosts, filled_rate
-from meshnode.serving.drafting import ReferenceDrafter
+from harness.drafts import ReferenceDrafter
 from meshnode.serving.sampling import SamplingParams
 from tests.speculation import TEXT, model_cases, plain, speculate, stages_of
 

@@ -372,7 +372,7 @@ def test_data_stream_for_a_model_not_served_here_is_refused_as_pending(pair):
 def test_data_stream_goes_to_its_models_server(pair, monkeypatch, batch):
     conn, peer = pair
     calls = []
-    monkeypatch.setattr(routing, "serve_forward", lambda *a: calls.append(("forward", a)))
+    monkeypatch.setattr(routing, "serve_forward", lambda *a, hook=None: calls.append(("forward", a)))
     monkeypatch.setattr(routing, "serve_batch", lambda *a: calls.append(("batch", a)))
     first, second = object(), object()
     run_here = object()

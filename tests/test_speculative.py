@@ -15,7 +15,8 @@ from mlx_lm import load
 
 from meshnode.model.build import model_dir_for
 from meshnode.model.rewind import CannotRewind, rewind_limit
-from meshnode.serving.drafting import PromptLookup, ReferenceDrafter
+from harness.drafts import ReferenceDrafter
+from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.draft_length import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
@@ -444,8 +445,8 @@ def test_log_probabilities_are_those_of_decoding_one_at_a_time(model_case):
 
 
 def test_test_drafts_with_only_k_fix_the_configured_drafters_guesses(tmp_path):
-    """MESHNODE_TEST_DRAFTS {"k": n} keeps the drafter the settings chose (a draft model, prompt
-    lookup) and makes it guess n every pass: a mesh test then gets guesses whatever they cost."""
+    """A drafts file (harness/drafts.py) of only {"k": n} keeps the drafter the settings chose (a draft
+    model, prompt lookup) and makes it guess n every pass: a mesh test then gets guesses whatever they cost."""
     f = tmp_path / "drafts.json"
     f.write_text('{"k": 3}')
     drafter = ReferenceDrafter.from_file(str(f), configured=PromptLookup)([1, 2, 3])

@@ -1,6 +1,6 @@
 """Speculative decoding on real nodes (namespace hosts), asked through the openai package.
 
-The head's drafter is the test one (ReferenceDrafter, MESHNODE_TEST_DRAFTS) with guesses right
+The head's drafter is the test one (harness/drafts.py, given to the nodes as a test hook) with guesses right
 60% of the time at chosen positions, so passes with rejections happen on every run; the answers
 must be exactly mlx-lm's (greedy) and exactly the same seeded draws as decoding one token at a
 time, over 2 pipeline stages (data port and gRPC), a tensor pair, and through a stage killed in
@@ -65,17 +65,18 @@ def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
 
 
 def drafts_file(tmp_path, model, answers, p: float = 0.6, k: int | None = 4, mode: str | None = "prompt_lookup"):
-    """The test drafter's file (read for each request, so a test may write it again between two),
-    and the nodes' environment that points at it. ``k``: that many guesses every pass, whatever they
-    cost (here each costs ~a step: the head would stop); None: the head's own choice. ``mode``:
-    the nodes' ``speculative`` setting (None: the default, "auto")."""
+    """The nodes' environment (their ``speculative`` setting) and the test drafter's file
+    (Cluster.start's ``drafts``: read for each request, so a test may write it again between two).
+    ``k``: that many guesses every pass, whatever they cost (here each costs ~a step: the head
+    would stop); None: the head's own choice. ``mode``: the ``speculative`` setting (None: the
+    default, "auto")."""
     from mlx_lm.utils import load_config
 
     path = tmp_path / "drafts.json"
     vocab = load_config(model)["vocab_size"]
     path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers,
                                 **({"k": k} if k is not None else {})}))
-    return {**({"MESHNODE_SPECULATIVE": mode} if mode else {}), "MESHNODE_TEST_DRAFTS": str(path)}
+    return ({"MESHNODE_SPECULATIVE": mode} if mode else {}), path
 
 
 def counter(metrics: str, name: str) -> float:
@@ -135,13 +136,13 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
                         dtype="float32", quantize=quantize, seed=4)
     texts, answers = references(model, MAX_TOKENS)
     # The 4-bit case runs with the default setting ("auto": on, where the model is split).
-    env = drafts_file(tmp_path, model, answers, mode=None if quantize else "prompt_lookup")
+    env, drafts = drafts_file(tmp_path, model, answers, mode=None if quantize else "prompt_lookup")
     env.update({"MESHNODE_STRATEGY": "pipeline", "MESHNODE_FAST_HOPS": str(fast_hops).lower()})
     total = profile_model(model).total_bytes(1024)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:  # neither holds it alone: two stages
-            cluster.start(h, int(total * 0.6), env=env)
+            cluster.start(h, int(total * 0.6), env=env, drafts=drafts)
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
@@ -154,13 +155,13 @@ def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
     model = build_model(tmp_path / "llama", "llama", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2,
                         intermediate_size=256, dtype="float32", seed=5)
     texts, answers = references(model, MAX_TOKENS)
-    env = drafts_file(tmp_path, model, answers)
+    env, drafts = drafts_file(tmp_path, model, answers)
     env["MESHNODE_STRATEGY"] = "tensor"
     total = profile_model(model).total_bytes(512)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path)
         for h in cluster.hosts:
-            cluster.start(h, int(total * 2), env=env)
+            cluster.start(h, int(total * 2), env=env, drafts=drafts)
         view = cluster.wait(lambda: (v := cluster.converged(cluster.hosts, 2)) and v[0]["plan"]["strategy"] == "tensor"
                             and v, 90, "a tensor plan")[0]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
@@ -174,7 +175,7 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
     max_tokens = 200
     texts, answers = references(model, max_tokens)
     assert len(texts["greedy"]) > 100, "too short to fault in the middle"
-    env = drafts_file(tmp_path, model, answers, p=0.8)
+    env, drafts = drafts_file(tmp_path, model, answers, p=0.8)
     env["MESHNODE_STRATEGY"] = "pipeline"
     profile = profile_model(model)
     total = profile.total_bytes(512)
@@ -183,7 +184,7 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
     with netns_mesh(3) as mesh:
         cluster = Cluster(mesh, model, tmp_path, seed=seed)
         for h in cluster.hosts:
-            cluster.start(h, int(total * 0.6), env=env)
+            cluster.start(h, int(total * 0.6), env=env, drafts=drafts)
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, "convergence")[0]
         stages = stage_nodes(view)
         first, head = stages[0], stages[-1]
@@ -212,12 +213,11 @@ def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
     # measure that a guess costs about a step here and may stop guessing, which is its job).
     fixed = tmp_path / "fixed-k.json"
     fixed.write_text(json.dumps({"k": 4}))
-    env = {"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(model),
-           "MESHNODE_TEST_DRAFTS": str(fixed)}
+    env = {"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "draft_model", "MESHNODE_DRAFT_MODEL": str(model)}
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:
-            cluster.start(h, budget, env=env)
+            cluster.start(h, budget, env=env, drafts=fixed)
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         for node in view["nodes"]:  # the draft's weights (the file less its header) are off what each node offers

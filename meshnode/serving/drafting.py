@@ -12,9 +12,8 @@ where it pays.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class Drafter(Protocol):
@@ -28,6 +27,10 @@ class Drafter(Protocol):
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that may follow the request's tokens (fewer, or none, when it has no guess)."""
+
+
+# A request's tokens so far -> its drafter (None: it does not speculate).
+DrafterFactory = Callable[[Sequence[int]], "Drafter | None"]
 
 
 class PromptLookup:
@@ -73,78 +76,6 @@ class PromptLookup:
         return []
 
 
-TEST_DRAFTS_ENV = "MESHNODE_TEST_DRAFTS"
-
-
-class ReferenceDrafter:
-    """For tests and benchmarks only: guesses from known answers, each guess right with probability
-    ``p``, so acceptance is controlled (random weights make any real drafter's unpredictable).
-
-    Off unless the environment variable ``MESHNODE_TEST_DRAFTS`` names a JSON file
-    ``{"p": 0.8, "seed": 1, "vocab": 512, "answers": [[token ids of a prompt and its reference answer], ...]}``
-    and optionally ``"k": 4``: guess that many every pass, whatever they cost (tests: passes with
-    guesses and rejections on a machine where guessing does not pay), and ``"depth": 2``: at most
-    that many passes in flight (benchmarks: what a cancelled pass costs at each depth).
-    (meshnode.serving.placements.speculation_for). A request whose tokens so far begin one of the
-    answers gets that answer's next tokens, a wrong id in place of each with probability 1 - p
-    (drawn from ``seed`` and the position: the same guesses in every run); any other request gets
-    no guesses.
-    """
-
-    free = True
-
-    def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int,
-                 fixed_k: int | None = None, fixed_depth: int | None = None):
-        self.fixed_k = fixed_k  # guesses per pass whatever they cost (meshnode.serving.speculative)
-        self.fixed_depth = fixed_depth  # passes in flight at most, instead of the placement's
-        self._tokens = list(tokens)
-        self.p, self.seed, self.vocab = p, seed, vocab
-        self._answer = next((list(a) for a in answers if list(a[:len(tokens)]) == self._tokens and len(a) > len(tokens)),
-                            None)
-
-    @classmethod
-    def from_file(cls, path: str, configured: Callable[[Sequence[int]], Any] | None = None):
-        """A drafter factory (tokens -> drafter, or None: this request does not speculate) reading
-        a ``MESHNODE_TEST_DRAFTS`` file for each request, so a benchmark changes ``p`` between
-        requests; ``{"off": true}`` in it: requests decode without speculation; ``{"prompt_lookup":
-        true}``: they speculate with :class:`PromptLookup`; only ``{"k": 4}``: with the drafter the
-        settings chose (``configured``: a draft model), that many guesses every pass."""
-        import json
-
-        def make(tokens: Sequence[int]):
-            with open(path) as f:
-                spec = json.load(f)
-            if spec.get("off"):
-                return None
-            if spec.get("prompt_lookup"):
-                return PromptLookup(tokens)
-            if "answers" not in spec and configured is not None:
-                drafter = configured(tokens)
-                drafter.fixed_k = spec.get("k")
-                return drafter
-            return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]),
-                       spec.get("k"), spec.get("depth"))
-
-        return make
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(tokens)
-
-    def propose(self, k: int) -> list[int]:
-        answer, at = self._answer, len(self._tokens)
-        if answer is None or answer[:at] != self._tokens:
-            return []
-        return [reference_guess(answer, i, self.p, self.seed, self.vocab) for i in range(at, min(at + k, len(answer)))]
-
-
-def reference_guess(answer: Sequence[int], i: int, p: float, seed: int, vocab: int) -> int:
-    """:class:`ReferenceDrafter`'s guess at position ``i`` of ``answer``: right with probability ``p``,
-    else another id of the vocabulary, drawn from (seed, i) alone (the same in every run and process)."""
-    draw = random.Random(seed * 1_000_003 + i)
-    right = answer[i]
-    return right if draw.random() < p else (right + 1 + draw.randrange(vocab - 1)) % vocab
-
-
 class DraftModel:
     """A small model with the served model's tokenizer, loaded whole on the node (``speculative =
     "draft_model"``, setting ``draft_model``: a folder or a Hub id, as mlx-lm loads it). Its weights
@@ -178,7 +109,7 @@ class ModelDrafter:
 
     PREFILL = 512  # positions per step when it catches up with a prompt
     free = False  # each guess is a step of the draft model
-    fixed_k: int | None = None  # tests only (MESHNODE_TEST_DRAFTS {"k": n}): that many guesses every pass
+    fixed_k: int | None = None  # that many guesses every pass, whatever they cost (set by a test harness)
 
     def __init__(self, model, tokens: Sequence[int]):
         from mlx_lm.models.cache import make_prompt_cache

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -20,7 +19,7 @@ from meshnode.errors import ApiError
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.batching import BatchedSource, batchable
-from meshnode.serving.drafting import TEST_DRAFTS_ENV, PromptLookup, ReferenceDrafter
+from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
@@ -139,9 +138,8 @@ def speculation_for(settings: PlacementSettings, on_pass: Callable[[int, int, in
         drafter = PromptLookup
     else:
         return None
-    test_drafts = os.environ.get(TEST_DRAFTS_ENV)
-    if test_drafts:  # tests and benchmarks: guesses of a controlled acceptance
-        drafter = ReferenceDrafter.from_file(test_drafts, configured=drafter)
+    if settings.drafters is not None:  # a test harness's drafter, in place of the options' own
+        drafter = settings.drafters(drafter)
     return Speculation(drafter=drafter, on_pass=on_pass, on_costs=on_costs, k_max=settings.draft_max)
 
 

@@ -6,12 +6,14 @@ the options, their defaults and their meaning live.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshnode.config import Settings
+    from meshnode.serving.drafting import DrafterFactory
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ class PlacementSettings:
     batch_stages: bool | str
     speculative: str
     draft_max: int
+    # Given the drafter factory the options choose, the one requests use instead (a test harness's
+    # scripted guesses: harness/drafts.py); None: the options' own.
+    drafters: Callable[[DrafterFactory], DrafterFactory] | None = None
 
     @classmethod
     def of(cls, s: Settings) -> PlacementSettings:

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -70,90 +71,24 @@ WRITE_INLINE = 64 * 1024  # larger frames (prefill chunks) go out from the sessi
 
 # --------------------------------------------------------------------------- serving side
 
-TEST_DELAY_ENV = "MESHNODE_TEST_STAGE_DELAY"
-
-
-class InjectedDelay:
-    """For tests only: make this node's stage slow or stall it, deterministically, while the node
-    stays alive (it heartbeats, its data port answers). Off unless the environment variable
-    ``MESHNODE_TEST_STAGE_DELAY`` names a JSON file; the file is read again whenever it changes, so
-    a test can change the delays of a running node. Keys (all optional, seconds):
-
-    - ``prefill``: added before running each message of more than one position (a prefill chunk);
-      with ``prefill_first`` (a count), only the first that many of each request's stream;
-    - ``prefill_per_position``: added per position of such a message;
-    - ``decode``: added before running a one-position message (a decode step); with ``decode_at``
-      (a list of indexes, from 0, among each stream's one-position messages), only those;
-    - ``raise_at``: a list of such indexes at which the stage's computation raises, as a bug in
-      a model would (a deterministic fault, reported to the head as one);
-    - ``stall``: seconds the computation of a one-position message hangs, holding the MLX thread as
-      a hung GPU command would; with ``stall_at`` (indexes as ``decode_at``), only those.
-
-    The wait happens on the stream's own thread without the MLX baton (other requests go on).
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        self._stamp: float | None = None
-        self._spec: dict = {}
-
-    @classmethod
-    def from_env(cls) -> "InjectedDelay | None":
-        path = os.environ.get(TEST_DELAY_ENV)
-        return cls(path) if path else None
-
-    def _current(self) -> dict:
-        try:
-            stamp = os.stat(self.path).st_mtime_ns
-        except OSError:
-            return {}
-        if stamp != self._stamp:
-            try:
-                import json
-
-                with open(self.path) as f:
-                    self._spec = json.load(f) or {}
-            except (OSError, ValueError):
-                self._spec = {}
-            self._stamp = stamp
-        return self._spec
-
-    def seconds(self, positions: int, prefills: int, decodes: int) -> float:
-        """The delay for a message of ``positions`` after ``prefills`` multi-position and
-        ``decodes`` one-position messages of its stream."""
-        spec = self._current()
-        if positions > 1:
-            first = spec.get("prefill_first")
-            if first is not None and prefills >= first:
-                return 0.0
-            return float(spec.get("prefill", 0.0)) + float(spec.get("prefill_per_position", 0.0)) * positions
-        at = spec.get("decode_at")
-        if at is not None and decodes not in at:
-            return 0.0
-        return float(spec.get("decode", 0.0))
-
-    def stall(self, positions: int, decodes: int) -> float:
-        """Seconds the one-position message after ``decodes`` others hangs inside its step (``stall``)."""
-        spec = self._current()
-        at = spec.get("stall_at")
-        if positions != 1 or (at is not None and decodes not in at):
-            return 0.0
-        return float(spec.get("stall", 0.0))
-
-    def raises(self, positions: int, decodes: int) -> bool:
-        """Whether the one-position message after ``decodes`` others is to fail (``raise_at``)."""
-        return positions == 1 and decodes in self._current().get("raise_at", ())
+# A test harness's seam (harness/faults.py): called with a request's id when its stream opens, it
+# returns a function that is called with each message's positions before the stage runs it, on the
+# stream's thread without the MLX baton (it may wait there: other requests go on). What that returns,
+# if anything, runs on the MLX thread inside the stage's step, before the stage's own computation:
+# waiting there holds the baton (a stalled step), raising is the stage's fault on that input.
+StreamHook = Callable[[str], Callable[[int], "Callable[[], None] | None"]]
 
 
 def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
-                  host: str) -> None:
+                  host: str, hook: StreamHook | None = None) -> None:
     """Serve one request's stream to one stage until the head closes it.
 
-    ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton.
+    ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton; ``hook``: a test
+    harness's, called before each message (:data:`StreamHook`).
     """
     request_id = opening.forward.request_id or "?"
     raw = opening.forward.raw_replies
-    delay, prefills, decodes = InjectedDelay.from_env(), 0, 0
+    before = hook(request_id) if hook is not None else None
     out = bytearray()  # raw replies are written here, token after token
     try:
         stage = server.open(opening.forward)
@@ -184,21 +119,15 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 continue
             positions = msg.positions if type(msg) is RawRequest else \
                 msg.input.shape[1] if len(msg.input.shape) > 1 else 0
-            if delay is not None:
-                pause = delay.seconds(positions, prefills, decodes)
-                if delay.raises(positions, decodes):
-                    stage.injected_fault = f"injected fault at decode step {decodes} ({TEST_DELAY_ENV})"
-                stage.injected_stall = delay.stall(positions, decodes)
-                prefills, decodes = prefills + (positions > 1), decodes + (positions == 1)
-                if pause > 0:
-                    log.info("test delay: %.1f s before a %d-position step of %s", pause, positions, request_id)
-                    time.sleep(pause)
+            inside = before(positions) if before is not None else None
             # A prefill chunk waits for the MLX thread behind decode steps and requests with less
             # prompt left (shortest remaining first: meshnode.model.scheduler.AGE_S); a sender of
             # an older version says nothing of the rest (work 0): the chunk's own positions then.
             set_priority(msg.work or (positions if positions > 1 else 0))
             try:
                 stage.admit(positions, msg.rewind)
+                if inside is not None:
+                    run_here(lambda: _run_hook(stage, inside, request_id))
                 if raw:
                     n = run_here(lambda: _run_raw(stage, msg, out))
                 else:
@@ -232,6 +161,17 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
 def stream_key(request_id: str, start: int, end: int) -> tuple[str, int, int]:
     """How :attr:`StageServer.streams` names a request's own stream to a stage."""
     return request_id, start, end
+
+
+def _run_hook(stage: "OpenStage", inside: Callable[[], None], request_id: str) -> None:
+    """A hook's part of a step (:data:`StreamHook`), on the MLX thread, as a step of the stage:
+    what it raises is the stage's fault on this input."""
+    server = stage.server
+    with server.steps.step():
+        try:
+            inside()
+        except Exception as exc:  # noqa: BLE001 - reported as the stage's computation raising
+            raise server.fault(stage.shard, "this input", f"{request_id}'s input", exc) from None
 
 
 def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from meshnode.errors import abort
 from meshnode.proto import mesh_pb2
 from meshnode.transport.batch_hop import serve_batch
-from meshnode.transport.hop import refuse, serve_forward
+from meshnode.transport.hop import StreamHook, refuse, serve_forward
 from meshnode.transport.refusals import EPOCH_PENDING, StageRefusal
 
 if TYPE_CHECKING:
@@ -35,8 +35,10 @@ def not_served(model: str) -> StageRefusal:
 class StageRouter:
     """The node's stage servers by model, for gRPC Forward streams and data-port streams."""
 
-    def __init__(self, server_of: Callable[[str], StageServer | None], run_here):
-        self._server_of, self._run_here = server_of, run_here
+    def __init__(self, server_of: Callable[[str], StageServer | None], run_here, *,
+                 stream_hook: StreamHook | None = None):
+        """``stream_hook``: a test harness's, on every request's data-port stream (meshnode.transport.hop)."""
+        self._server_of, self._run_here, self._stream_hook = server_of, run_here, stream_hook
 
     async def forward(self, requests: AsyncIterator[mesh_pb2.ForwardRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[mesh_pb2.ForwardReply]:
@@ -67,5 +69,7 @@ class StageRouter:
         if server is None:
             refuse(conn, not_served(opening.forward.model))
             return
-        serve = serve_batch if opening.forward.batch else serve_forward
-        serve(server, self._run_here, conn, opening, host)
+        if opening.forward.batch:
+            serve_batch(server, self._run_here, conn, opening, host)
+        else:
+            serve_forward(server, self._run_here, conn, opening, host, hook=self._stream_hook)
