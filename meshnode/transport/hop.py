@@ -1,26 +1,16 @@
 """A pipeline hop over the data port (meshnode.transport.dataport): activations in bare TCP frames.
 
-Serving side (:func:`serve_forward`): the stream's hello opened one request's use of one stage
-(``DataOpen.forward``: request, epoch, layer range, no input). Each frame after it is a
-``ForwardRequest`` whose input the stage runs, on the connection's own thread holding the
-node's MLX baton (no hand-off to another thread), answered by a frame with the output and the
-stage's own seconds: a raw reply (meshnode.model.wire.RAW_REPLY, written into a buffer reused
-token after token) where the opening asked for them (``raw_replies``, as every HopSession
-does), else a ``ForwardReply``. A refusal is always a ``ForwardReply`` with ``code`` (a gRPC
-status number) and ``error``, after which the stream closes. The same checks as the gRPC path
-apply (meshnode.transport.stage.OpenStage).
+Serving side (:func:`serve_forward`): the hello opens one request's use of one stage; each frame
+after it is a ``ForwardRequest`` run on the connection's own thread under the MLX baton, answered
+with the output and the stage's seconds as a raw reply (meshnode.model.wire) or a
+``ForwardReply``. A refusal is a ``ForwardReply`` with ``code`` and ``error``, then the stream
+closes. The checks are the gRPC path's (meshnode.transport.stage.OpenStage).
 
-Head side (:class:`HopSession`): the generation thread writes a frame and reads the reply
-itself: no event loop, no thread hop, one ``send`` and one ``recv`` per hop. Once a stage's raw
-replies say it takes them (``TAKES_RAW``), each decode step goes as a raw request
-(meshnode.model.wire.RAW_REQUEST: a fixed header and the token id or activation, no protobuf
-at either end); prefill chunks and speculative passes stay ``ForwardRequest`` messages. A raw reply is read
-into the buffer the previous one used, and a decode step's reply is checked and copied straight
-into the placeholder of the local step built ahead of it (no message, no array in between). Messages may run
-ahead of replies (pipelined prefill); replies come back in order. Large frames (prefill chunks)
-are written by a helper thread, so the head never blocks on a stage that is still busy with the
-previous chunk; frames already queued there keep their order. A reply is waited for while the
-stage's node heartbeats (meshnode.transport.stage.RemoteStage.check), however long its step takes.
+Head side (:class:`HopSession`): the generation thread sends a frame and reads the reply itself,
+one ``send`` and one ``recv`` per hop. Decode steps go as raw requests once the stage takes them,
+and their replies are copied straight into the step built ahead. Messages may run ahead of
+replies, which come back in order; large frames go out from a writer thread so the head never
+blocks on a busy stage. A reply is waited for while the stage's node heartbeats.
 """
 
 from __future__ import annotations
@@ -59,14 +49,12 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 3600.0  # a request's stream with no message for this long is dropped (as gRPC's deadline)
 FRAME_STALL = 30.0  # a reply whose bytes started arriving and then stopped for this long: the stream is lost
-# After sending what the peer waits for, this thread goes on with CPU-bound Python (building the
-# next step ahead). Linux wakes a socket's reader on the waker's CPU when it can (wake-affine), so a
-# peer process on this same machine (namespace hosts, tests, benchmarks) would wait in this CPU's
-# run queue for our time slice to end, ~1.3 ms here, with the other core idle. One sched_yield lets
-# it run first (a peer on another machine is not affected; the call costs ~1 µs).
+# After a send this thread goes on with CPU-bound Python. Linux wakes a socket's reader on the
+# waker's CPU (wake-affine), so a peer process on this machine would wait for our time slice to
+# end while another core idles; one sched_yield lets it run first.
 _yield = getattr(os, "sched_yield", lambda: None)
-WRITE_INLINE = 64 * 1024  # larger frames (prefill chunks) go out from the session's writer thread: a socket
-# buffer holds ~128 KiB before the stage reads, and the head must not wait for a busy stage to read
+WRITE_INLINE = 64 * 1024  # larger frames go out from the writer thread: the head must not wait for a
+# busy stage to drain the socket buffer
 
 
 # --------------------------------------------------------------------------- serving side
@@ -120,9 +108,8 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             positions = msg.positions if type(msg) is RawRequest else \
                 msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             inside = before(positions) if before is not None else None
-            # A prefill chunk waits for the MLX thread behind decode steps and requests with less
-            # prompt left (shortest remaining first: meshnode.model.scheduler.AGE_S); a sender of
-            # an older version says nothing of the rest (work 0): the chunk's own positions then.
+            # A prefill chunk claims the baton with its prompt left (scheduler.AGE_S); an older
+            # sender gives no work, so the chunk's own positions count.
             set_priority(msg.work or (positions if positions > 1 else 0))
             try:
                 stage.admit(positions, msg.rewind)
@@ -236,11 +223,8 @@ class HopSession:
 
     # -- writing
     def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "HopTicket":
-        """Send ``x`` without waiting for the reply (called on the generation thread).
-
-        ``next_single``: the next message, if any, carries one position (decoding), so the stage
-        may build that step ahead. ``work``: ForwardRequest.work (prefill chunks).
-        """
+        """Send ``x`` without waiting for the reply. ``next_single``: the next message carries one
+        position, so the stage may build it ahead; ``work``: ForwardRequest.work."""
         mark("head.submit")
         mx.eval(x)  # the head's own step ends here (its bytes go on the wire)
         mark("head.evaluated")
@@ -331,13 +315,10 @@ class HopSession:
         return ticket.result(into)
 
     def keep(self, key: str, positions: int) -> None:
-        """Ask the stage to keep this request's KV (the prompt cache) and wait until it has: the
-        replies still in flight, then its KEPT (so the next turn, on another stream, finds it)."""
+        """Ask the stage to keep this request's KV and wait for its KEPT, so the next turn finds it."""
         payload = mesh_pb2.ForwardRequest(keep=key, keep_length=positions).SerializeToString()
-        # Network only, so the baton goes to others meanwhile (mlx_idle). Held, two nodes each
-        # keeping a request whose stage the other served deadlocked: each stage waited for its
-        # node's baton, held by that node's keep waiting for the other (found in CI,
-        # test_models_mesh: two models whose heads are on different nodes).
+        # Network only, so the baton goes to others meanwhile (mlx_idle): held, two nodes keeping
+        # requests whose stages the other serves would each wait for the other's baton.
         with mlx_idle():
             self._keep(payload)
 
@@ -371,9 +352,8 @@ class HopSession:
 
 def read_reply(sock: socket.socket, st: "RemoteStage", sent: float, spare: bytearray | None = None,
                stream: str = "data stream") -> "mesh_pb2.ForwardReply | RawReply":
-    """The next reply on a stream to stage ``st`` (read into ``spare`` where it fits), waited for as
-    long as the stage is alive (meshnode.transport.stage.RemoteStage.check) since ``sent``; a
-    refusal, a lost stream or a reply that does not parse raises :class:`StageError`."""
+    """The next reply on a stream to stage ``st`` (into ``spare`` where it fits), waited for while
+    the stage is alive; a refusal, a lost stream or a bad reply raises :class:`StageError`."""
     try:
         while not select.select([sock], [], [], st.poll)[0]:
             st.check(sent)
