@@ -1,15 +1,6 @@
-"""One running meshnode: the composition root. It builds the parts, wires them, starts and stops them.
+"""One running meshnode: the composition root. ``run_node`` is what ``meshnode run`` calls.
 
-The parts, each in its own place (README, "How the code is laid out"):
-- :class:`~meshnode.control.peers.Peers`: who the other nodes are and how to reach them;
-- :class:`~meshnode.control.plane.ControlPlane`: heartbeats, election, the coordinator that
-  publishes plans, and plan adoption;
-- :class:`~meshnode.serving.served.ServedModel`: the model this node serves, its plan, shards and
-  placements, and the engine requests use;
-- the servers: gRPC (meshnode.transport.service), HTTP (meshnode.api.app), the link echo and
-  the data port for activations in bare TCP frames.
-
-Nothing is decided here. ``run_node`` is what ``meshnode run`` calls.
+The parts and where they live: docs/architecture.md, "Where things live".
 """
 
 from __future__ import annotations
@@ -87,8 +78,7 @@ class Backend:
         return served.engine_for_request()
 
     def models(self) -> list[dict[str, Any]]:
-        """Every model the mesh serves (some live node offers it): ready, loading, on demand (not loaded
-        now; a request loads it) or does not fit."""
+        """Every model the mesh serves: ready, loading, on demand or does not fit."""
         offered = self.node.offered_models()
         return [{"id": model_id, "state": model_state(served),
                  "context_length": served.context if served.files.profile is not None else None}
@@ -151,6 +141,12 @@ class NodeHooks:
 
 
 class Node:
+    """Builds a node's parts, wires them, starts and stops them, and decides nothing itself: its
+    :class:`~meshnode.control.peers.Peers` (who the other nodes are), its
+    :class:`~meshnode.control.plane.ControlPlane` (heartbeats, election, plans), a
+    :class:`~meshnode.serving.served.ServedModel` per model it serves, and the servers: gRPC, HTTP,
+    the link echo and the data port."""
+
     def __init__(self, settings: Settings, hooks: NodeHooks | None = None):
         hooks = hooks or NodeHooks()
         self.settings = settings
@@ -274,9 +270,8 @@ class Node:
         return self.served.serving_ready()
 
     async def _load_draft(self) -> None:
-        """The draft model of speculative decoding, for the first model's requests; its weights come
-        off the memory this node offers. One that cannot serve (no setting, unloadable, another
-        vocabulary) is logged, and requests decode without it."""
+        """The first model's draft model for speculative decoding (its weights count against this
+        node's memory); one that cannot serve is logged, and requests decode without it."""
         name, served = self.settings.draft_model, self.served
         if not name:
             log.error('speculative = "draft_model" needs draft_model (a folder or a Hub id); speculation is off')
@@ -410,9 +405,8 @@ class Node:
                 yield reply
 
     async def _measure_collectives(self) -> None:
-        """Time a few layers of the model split two ways over a loopback ring on this machine
-        (cached; two short-lived processes), so the planner prices tensor groups by what their
-        all-reduces and unhalved per-operation costs add here; announced with the next heartbeat."""
+        """Time a layer split two ways over a loopback ring here (cached), so the planner prices
+        tensor groups; announced with the next heartbeat."""
         files = self.served.files
         self.measuring = "a layer split two ways (what tensor parallelism costs here)"
         try:
