@@ -168,8 +168,8 @@ class OpenStage:
         if server.prefixes is not None and resumed:
             server.prefixes.grow(self.layers, resumed)
         self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
-        self.injected_fault: str | None = None  # tests only: the next run raises this (hop.InjectedDelay)
-        self.injected_stall = 0.0  # tests only: the next run hangs this many seconds (hop.InjectedDelay)
+        self.injected_fault: str | None = None  # the next run raises this (nothing sets it now)
+        self.injected_stall = 0.0  # the next run hangs this many seconds (nothing sets it now)
         self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
     def admit(self, positions: int, rewind: int = 0) -> None:
