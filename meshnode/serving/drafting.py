@@ -1,13 +1,9 @@
 """Drafters for speculative decoding (meshnode.serving.speculative): cheap guesses of the next tokens.
 
-A drafter sees the request's tokens so far (prompt and answer) and proposes up to k tokens that
-may come next; the pipeline checks them all in one pass and keeps the ones the model confirms.
-A wrong guess costs a little compute on each stage, never a different answer.
-
-:class:`PromptLookup` (prompt lookup decoding) needs no model and no memory: it finds the most
-recent earlier place where the last few tokens occurred, and proposes what followed them there.
-Code edits, agent turns and chats that quote their context repeat long runs of it, which is
-where it pays.
+A drafter proposes up to k next tokens from the request's tokens so far; a wrong guess costs a
+little compute, never a different answer. :class:`PromptLookup` needs no model: it proposes what
+followed the last earlier occurrence of the latest tokens, which pays where answers quote their
+context (code edits, agent turns).
 """
 
 from __future__ import annotations
@@ -17,9 +13,8 @@ from typing import Protocol
 
 
 class Drafter(Protocol):
-    # Whether asking costs nothing next to a step (no model: a few lookups). Such a drafter is asked
-    # at every token of a pause for finding nothing, which ends once it has a guess
-    # (meshnode.serving.draft_length.DraftLength.found); one with a model waits for the pause's end.
+    # Whether asking costs nothing next to a step: such a drafter is asked at every token of a dry
+    # pause (DraftLength.found); one with a model waits for the pause's end.
     free: bool
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -37,8 +32,7 @@ class PromptLookup:
     """Proposes what followed the most recent earlier occurrence of the request's last n tokens
     (n from ``longest`` down to ``shortest``: the longest match wins).
 
-    Every n-gram's latest end is indexed as tokens arrive, so a proposal costs a few dictionary
-    lookups however long the context is.
+    Every n-gram's latest end is indexed as tokens arrive, so a proposal costs a few lookups.
     """
 
     free = True
@@ -77,10 +71,8 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A small model with the served model's tokenizer, loaded whole on the node (``speculative =
-    "draft_model"``, setting ``draft_model``: a folder or a Hub id, as mlx-lm loads it). Its weights
-    are taken off the memory the node offers to the plan. Shared by the node's requests; each has
-    its own KV cache (:class:`ModelDrafter`), and its steps run under the node's MLX baton."""
+    """The ``draft_model`` setting's model, loaded whole on the node and shared by its requests (each
+    with its own :class:`ModelDrafter`); its weights count against the node's memory."""
 
     def __init__(self, model, name: str):
         from mlx.utils import tree_flatten
@@ -104,8 +96,7 @@ class DraftModel:
 
 
 class ModelDrafter:
-    """Greedy guesses of a draft model, its cache kept in step with the request: positions of
-    guesses the served model did not confirm are cut back before the next guesses."""
+    """Greedy guesses of a draft model, its cache cut back to the confirmed positions each pass."""
 
     PREFILL = 512  # positions per step when it catches up with a prompt
     free = False  # each guess is a step of the draft model

@@ -65,11 +65,8 @@ class HeadPlacement:
                  on_batched_step: Callable[[int], None] | None = None,
                  batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
                  on_spec_costs: Callable[[float, float | None], None] | None = None, draft=None):
-        """``batch_steps``: concurrent decode steps may go through the stages together (every stage a
-        plain shard on one node, caches mlx-lm batches: no kv_bits, no tensor group);
-        ``on_speculated``: told of each speculative pass (meshnode.metrics.NodeMetrics.speculated),
-        ``on_spec_costs`` of what a speculating request measured of its passes (NodeMetrics.pass_costs);
-        ``draft``: the node's draft model (meshnode.serving.drafting.DraftModel), if any."""
+        """``batch_steps``: concurrent decode steps may go through the stages together;
+        ``on_speculated`` and ``on_spec_costs``: metrics hooks; ``draft``: the node's draft model."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
@@ -100,9 +97,7 @@ class HeadPlacement:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         source = self._source
-        # Alone, a request that can speculate does so; one that cannot (penalties, a bias, a grammar)
-        # goes into the batch as without speculation, so that the requests that come while it
-        # decodes batch with it instead of taking turns with it.
+        # A request that cannot speculate goes into the batch, so later requests batch with it.
         if self._alone is not None and self._scheduler.active == 0 and not why_not(params, self._limit):
             source = self._alone
         try:
@@ -126,11 +121,8 @@ class HeadPlacement:
 def speculation_for(settings: PlacementSettings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
                     on_costs: Callable[[float, float | None], None] | None = None, *,
                     batched: bool = False) -> Speculation | None:
-    """A placement's speculative decoding as the settings ask (None: off); ``draft``: the node's
-    draft model, for ``speculative = "draft_model"`` (None: it could not be loaded, off).
-    ``"auto"``: prompt lookup, unless the placement's requests batch (``batched``: the whole model
-    on this node): a lone request speculating there decodes beside the batch, not in it, and one
-    that comes while it decodes would take turns with it instead of batching."""
+    """A placement's speculative decoding as the settings ask (None: off). ``"auto"``: prompt
+    lookup, unless the placement's requests batch (a speculating request would not batch)."""
     mode = settings.speculative
     if mode == "draft_model" and draft is not None:
         drafter = draft.drafter
@@ -153,8 +145,7 @@ class RemoteHeadPlacement:
                  alive: Callable[[str], bool], model: str = ""):
         self.epoch, self.head, self._caller, self.model = epoch, head, caller, model
         self._channel, self._alive = channel, alive
-        # Generations given up (closed before the head's stream ended) since the last request:
-        # the next one asks the head to wait for them (GenerateRequest.after).
+        # Generations given up since the last request: the next asks the head to wait for them.
         self._given_up: list[str] = []
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
@@ -165,8 +156,7 @@ class RemoteHeadPlacement:
         self._given_up.clear()
         call = stub.Generate(request, wait_for_ready=True)
         over = False  # the head ended the stream (it has kept the generation's prefix)
-        # The head is waited for while it heartbeats, however long its prefill or a token takes
-        # (a busy head is not a lost one); it reports its own stages' faults on this stream.
+        # The head is waited for while it heartbeats; it reports its stages' faults on this stream.
         alive = lambda: self._alive(self.head)  # noqa: E731
         lost = lambda waited: f"head {self.head} stopped heartbeating or is stalled ({waited:.1f} s into a wait)"  # noqa: E731
         try:
@@ -229,8 +219,7 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
     ``request.epoch``."""
     serving = served.serving_plan()
     if serving is None or serving.epoch != request.epoch:
-        # Not switched yet (the plan is adopted but not ready here, or not adopted yet): the
-        # caller tries again shortly. Older than this node's plan: superseded, it waits for that.
+        # Not switched yet: the caller retries shortly. Older than this node's plan: superseded.
         pending = request.epoch > epoch_now or (request.epoch == epoch_now and served.plan is not None)
         await context.abort(EPOCH_PENDING if pending else grpc.StatusCode.FAILED_PRECONDITION,
                             f"epoch {request.epoch} is not the epoch served here "
@@ -253,8 +242,7 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
         await index.after(request.after[:AFTER_MAX])
     over = index.relayed(request.request_id) if index is not None else None
     try:
-        # Closed here, not left to the garbage collector: the generation is over (its prefix
-        # kept) once its tokens are closed, and only then is ``over`` set.
+        # Closed here, not by the garbage collector: ``over`` is set once the prefix is kept.
         async with contextlib.aclosing(served.placement_for(serving).tokens(prompt, params)) as tokens:
             async for token in tokens:
                 if isinstance(token, Sampled):

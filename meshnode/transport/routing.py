@@ -1,9 +1,7 @@
 """Which model's stage server a stream is for: a node may serve several models (meshnode.control.lanes).
 
-Each model has its own stage server, with its own epochs and layers (two models' epoch numbers
-and layer ranges may well coincide), so a stream's opening names its model (``ForwardRequest.model``,
-"" = the node's first model) and is handed to that model's server. A model not (yet) served here
-is refused as pending: the plan that sent the stream here is still being taken up.
+Each model has its own stage server, epochs and layers, so a stream's opening names its model
+("" = the first) and goes to that server; a model not served here yet is refused as pending.
 """
 
 from __future__ import annotations
