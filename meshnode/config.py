@@ -148,11 +148,12 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a node can be told. Defaults here are the only defaults (see configs/default.toml)."""
+    """Everything a node can be told. Defaults here are the only defaults; configs/default.toml
+    documents every key in full, so the comments below stay short."""
 
     #: None = the built-in demo model; else a local mlx-lm directory or a Hugging Face id.
     model: str | None = None
-    #: More models this node offers beside ``model``, each planned on its own (meshnode.control.lanes).
+    #: More models this node offers beside ``model``.
     models: tuple[str, ...] = ()
     #: Bind address for HTTP and gRPC.
     host: str = "0.0.0.0"
@@ -162,48 +163,42 @@ class Settings:
     node_id: str | None = None
     #: Nodes with the same key form one mesh; None = the open cluster. Never logged.
     cluster_key: str | None = field(default=None, repr=False)
-    #: Encrypt node-to-node gRPC (mutual TLS with a certificate derived from cluster_key; needs one).
+    #: Mutual TLS between nodes, from cluster_key (needs one).
     encrypt: bool = False
-    #: Tests and benchmarks only: False turns the HMAC signing of gRPC calls off (measures its cost).
+    #: Tests and benchmarks only: False turns call signing off.
     authenticate: bool = True
     #: Bytes offered for weights + KV cache; None = memory_fraction x available memory.
     memory_budget: int | None = None
     memory_fraction: float = 0.75
-    #: Tokens of context per request; 0: the model's own, lowered as far as the mesh's memory requires.
+    #: Tokens of context per request; 0: as much of the model's own as memory allows.
     max_context: int = 0
-    #: Requests whose KV cache every stage reserves memory for (a chat's answer and its title request).
+    #: Requests whose KV cache every stage reserves memory for.
     kv_requests: int = 2
-    #: Quantize the KV cache to 4 or 8 bits (0: off), so a longer context fits; turns batching off.
+    #: Quantize the KV cache to 4 or 8 bits (0: off).
     kv_bits: int = 0
     prefill_step_size: int = 512
-    #: Prefill a prompt in chunks that flow through the stages like an assembly line.
+    #: Prefill in chunks that flow through the stages like an assembly line.
     pipelined_prefill: bool = True
-    #: Keep recent conversations' KV on every stage, so a chat's next turn prefills only new tokens.
+    #: Keep recent conversations' KV on every stage (the prompt cache).
     prompt_cache: bool = True
-    #: Where one node holds the whole model, batch its concurrent generations (mlx-lm's BatchGenerator).
+    #: Where one node holds the whole model, batch its concurrent generations.
     batching: bool = True
-    #: Across pipeline stages, concurrent decode steps travel together (meshnode.serving.step_batch).
-    #: "auto": only where MLX's matmuls are OpenBLAS's, whose batched rows are cheap; not on the
-    #: reference BLAS or a GPU (docs/benchmarks.md, "Concurrent streams").
+    #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only
+    #: (docs/benchmarks.md, "Concurrent streams").
     batch_stages: bool | str = "auto"
-    #: Speculative decoding: "prompt_lookup", "draft_model" (with draft_model) or "off"; the answer
-    #: is the same tokens. "auto": prompt lookup where the model is split, off where one node
-    #: holds it and batches (a speculating request would not batch).
+    #: "prompt_lookup", "draft_model" or "off"; "auto": prompt lookup where the model is split.
     speculative: str = "auto"
     #: The most tokens guessed per pass.
     draft_max: int = 8
-    #: A small model with the served model's tokenizer, loaded whole on every node (its weights
-    #: count against memory_budget).
+    #: A small model with the served model's tokenizer, for speculative = "draft_model".
     draft_model: str | None = None
-    #: Activations between stages travel in bare TCP frames on the data port instead of gRPC.
+    #: Activations between stages go over the data port, not gRPC.
     fast_hops: bool = True
-    #: The longest one stage's step of a prefill may run (chunks are sized to fit; Apple's GPU
-    #: watchdog kills a command that runs too long).
+    #: The longest a stage's prefill step may run (Apple's GPU watchdog kills long commands).
     max_step_ms: float = 500.0
-    #: The most tokens one answer may have (a larger max_tokens is capped, not refused).
+    #: The most tokens one answer may have (larger max_tokens are capped).
     max_tokens_limit: int = 4096
-    #: max_tokens of a request that gives none; 0: the room left in the context (a reasoning
-    #: model's thinking is not cut short).
+    #: max_tokens of a request that gives none; 0: the room left in the context.
     default_max_tokens: int = 0
     max_body_bytes: int = 1 << 20
     max_concurrent_requests: int = 8
@@ -212,29 +207,25 @@ class Settings:
     mdns: bool = True
     heartbeat_interval: float = 0.5
     failure_timeout: float = 2.0
-    #: Seconds a generation whose stage failed may wait for a new plan before it fails.
+    #: Seconds a failed-over generation may wait for a new plan.
     failover_deadline: float = 30.0
     #: Seconds an idle model stays loaded ({"*": s} or per model); 0: until its room is needed.
     keep_alive: dict = field(default_factory=lambda: {"*": 0.0})
-    #: Seconds a request for a model loaded on demand may wait for the load before it fails (503).
+    #: Seconds a request may wait for its model to load (then 503).
     load_timeout: float = 600.0
-    #: Seconds one model step may run before this node reports itself stalled, not busy, and
-    #: generations waiting on it fail over.
+    #: Seconds one model step may run before this node reports itself stalled.
     stall_timeout: float = 60.0
-    #: Seconds a plan stays before the coordinator moves to a better one (a node joined).
+    #: Seconds a plan stays before the coordinator moves to a better one.
     rebalance_dwell: float = 5.0
-    #: auto (lowest estimated time per token), or prefer single, pipeline, tensor or hybrid (where
-    #: impossible, the auto plan is served and the log says so).
+    #: auto, or prefer single, pipeline, tensor or hybrid where possible.
     strategy: str = "auto"
-    #: First of 34 TCP ports: tensor-parallel groups (mx.distributed ring and control), the link
-    #: echo (+32) and the data port (+33); 0 = grpc_port + 1.
+    #: First of 34 TCP ports: tensor groups, the link echo (+32), the data port (+33); 0 = grpc_port + 1.
     tensor_port: int = 0
-    #: Seconds a tensor group may take to form and load its layers before its worker is stopped.
+    #: Seconds a tensor group may take to form and load.
     group_ready_timeout: float = 300.0
-    #: Seconds between measurements of the link to each peer (RTT, jitter, bandwidth).
+    #: Seconds between link measurements to each peer.
     link_probe_interval: float = 30.0
-    #: Tests and benchmarks only: microseconds of round trip added to this node's data path, link
-    #: probes and tensor collectives.
+    #: Tests and benchmarks only: microseconds of round trip added to this node's links.
     inject_latency_us: float = 0.0
     #: None = platform default (see default_state_dir).
     state_dir: Path | None = None
@@ -242,7 +233,7 @@ class Settings:
     cache_dir: Path | None = None
     #: Optional Bearer key for the HTTP API. Never logged.
     api_key: str | None = field(default=None, repr=False)
-    #: Web pages of these origins may call the API from a browser (CORS); empty = none may.
+    #: Origins whose web pages may call the API (CORS); empty = none.
     cors_origins: tuple[str, ...] = ()
     log_level: str = "INFO"
     #: One INFO line per HTTP request (logger meshnode.access).
