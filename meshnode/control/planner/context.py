@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from meshnode.control.planner.plans import Plan, PlanError
 
-FLOOR = 4096  # the least context "auto" settles for (the old fixed default)
+FLOOR = 4096  # the least context "auto" settles for
 UNKNOWN = 4096  # a model whose config names no context length
 # Tokens of context that serve coding agents: more is taken only where it does not cost speed.
 ENOUGH = 65536
