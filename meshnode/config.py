@@ -19,14 +19,34 @@ import dataclasses
 import os
 import sys
 import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from meshnode.values import (as_float, as_int, as_path, as_text, bool_or_auto, checked, log_level, node_id, optional,
-                             keep_alive_map, model_list, origin_list, parse_bool, parse_duration, parse_peer, parse_size, peer_list, port,
-                             positive_duration, positive_int)
+from meshnode.values import (
+    as_float,
+    as_int,
+    as_path,
+    as_text,
+    bool_or_auto,
+    checked,
+    keep_alive_map,
+    log_level,
+    model_list,
+    node_id,
+    optional,
+    origin_list,
+    parse_bool,
+    parse_duration,
+    parse_peer,
+    parse_size,
+    peer_list,
+    port,
+    positive_duration,
+    positive_int,
+)
 from meshnode.weights.kvquant import KV_BITS
 
 __all__ = [
@@ -56,7 +76,8 @@ STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
 SPECULATIVE_CHOICES = ("auto", "off", "prompt_lookup", "draft_model")
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
-DATA_OFFSET = ECHO_OFFSET + 1  # tensor_port + 33: the data port, activations in bare TCP frames (meshnode.transport.dataport)
+# tensor_port + 33: the data port, activations in bare TCP frames (meshnode.transport.dataport)
+DATA_OFFSET = ECHO_OFFSET + 1
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "model": optional(as_text),
@@ -278,7 +299,7 @@ class Settings:
             out[f.name] = value
         return out
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
 

@@ -43,7 +43,7 @@ from meshnode.metrics import EventLog, NodeMetrics, Progress
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
-from meshnode.serving.drafting import DraftModel, DrafterFactory
+from meshnode.serving.drafting import DrafterFactory, DraftModel
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel, plan_status

@@ -13,15 +13,15 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from meshnode import __version__
-from meshnode.config import ConfigError, Settings, load_settings
+from meshnode.cli import models as models_cli
 from meshnode.cli.dryrun import cluster_from_mesh, format_plan, load_cluster
 from meshnode.cli.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetch_json
 from meshnode.cli.status import format_status, status_exit_code
-from meshnode.cli import models as models_cli
+from meshnode.config import ConfigError, Settings, load_settings
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster-key", metavar="KEY",
         help="shared secret of the mesh (prefer MESHNODE_CLUSTER_KEY: flags are visible in ps)",
     )
-    run.add_argument("--memory-budget", metavar="SIZE", help="memory to offer, e.g. 16GiB (default: a fraction of free)")
+    run.add_argument("--memory-budget", metavar="SIZE",
+                     help="memory to offer, e.g. 16GiB (default: a fraction of free)")
     run.add_argument(
         "--peer", metavar="HOST:PORT", action="append", dest="peers",
         help="a static peer's gRPC address (repeatable; replaces peers from the config file and environment)",
@@ -105,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "else the installed service's)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait (default 3)")
-    status.add_argument("--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
+    status.add_argument("--api-key", metavar="KEY",
+                        help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
     status.set_defaults(handler=cmd_status)
 
     plan = sub.add_parser(
@@ -267,7 +269,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from meshnode.control.planner import PlanError, plan as make_plan
+    from meshnode.control.planner import PlanError
+    from meshnode.control.planner import plan as make_plan
     from meshnode.control.planner.context import plan_longest_context
     from meshnode.weights.profile import profile_model
 

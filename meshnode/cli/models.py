@@ -21,13 +21,15 @@ def add_parser(sub) -> None:
         "models", help="list the mesh's models, or add or remove one this node offers",
         description="Several models on one mesh: `list` shows every model it serves and its state (ready, "
                     "loading, on demand, does not fit); `add M` makes this node offer model M (a model folder, "
-                    "a GGUF file, ollama:NAME[:TAG] or a Hugging Face id) and `remove M` stops offering it. The change is kept across restarts.")
+                    "a GGUF file, ollama:NAME[:TAG] or a Hugging Face id) and `remove M` stops offering it. "
+                    "The change is kept across restarts.")
     models.add_argument("action", choices=("list", "add", "remove"))
     models.add_argument("model", nargs="?", help="the model (add: a folder, a GGUF file, ollama:NAME[:TAG] or an id; "
                                                       "remove: its id)")
     models.add_argument("--url", help="the node's HTTP address (default: from the node's config)")
     models.add_argument("--config", metavar="FILE", help="the node's config file, for its port and API key")
-    models.add_argument("--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
+    models.add_argument("--api-key", metavar="KEY",
+                        help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
     models.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="seconds to wait (add may fetch the model's files from peers; default 600)")
     models.set_defaults(handler=cmd_models)

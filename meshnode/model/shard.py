@@ -28,11 +28,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
+from meshnode.model.rewind import rewind_limit
+from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
 from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem
 from meshnode.weights.profile import activation_dtype, hidden_size
 from meshnode.weights.splits import split_boundaries, split_support
-from meshnode.model.rewind import rewind_limit
-from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ _STREAM_LOCK = threading.Lock()
 _STREAMS: dict[str, Any] = {}
 
 
-def any_thread_stream() -> "mx.Stream":
+def any_thread_stream() -> mx.Stream:
     """The process's one stream for shard work, usable from every thread.
 
     MLX streams belong to the thread that made them, and a graph built on one cannot be evaluated
@@ -277,7 +277,7 @@ class Shard:
     and returns the hidden state (all but the last shard) or the logits (last shard).
     """
 
-    def __init__(self, model_path: str | Path, start: int, end: int, group: "mx.distributed.Group | None" = None,
+    def __init__(self, model_path: str | Path, start: int, end: int, group: mx.distributed.Group | None = None,
                  progress: Callable[[int, int], None] | None = None):
         model_path = Path(model_path)
         partial = _is_partial(model_path)
@@ -413,7 +413,7 @@ class Shard:
         """The caches of this shard's own layers (what holds memory for a request)."""
         return cache[self.spec.start : self.spec.end]
 
-    def build_ahead(self, cache: list[Any]) -> "tuple[Placeholder, mx.array] | None":
+    def build_ahead(self, cache: list[Any]) -> tuple[Placeholder, mx.array] | None:
         """The next one-position step, built on a Placeholder before its input exists; None where
         placeholders do not work."""
         if not placeholders_work():

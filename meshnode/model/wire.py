@@ -166,14 +166,15 @@ class RawRequest:
         self.data = frame[RAW_REQUEST.size:]
 
     @property
-    def input(self) -> "RawRequest":  # where a ForwardRequest has its Tensor
+    def input(self) -> RawRequest:  # where a ForwardRequest has its Tensor
         return self
 
     def host(self, dtypes: Sequence[str], width: int) -> np.ndarray:
         """A numpy view of the input, if it is what the stage expects: one of ``dtypes`` (1, positions,
         ``width``), or with ``width`` 0 token ids (1, positions)."""
         if self.dtype not in dtypes or self.width != width:
-            raise WireError(f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} was expected")
+            raise WireError(f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} "
+                            "was expected")
         dtype_name = self.dtype
         _, np_dtype, itemsize = _DTYPES[dtype_name]
         shape = (1, self.positions, width) if width else (1, self.positions)
@@ -275,7 +276,7 @@ def placeholders_work() -> bool:
 _PLACEHOLDERS_WORK: bool | None = None
 
 
-def check_tokens(tensor: "mesh_pb2.Tensor | RawRequest", vocab_size: int, max_chunk: int,
+def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chunk: int,
                  expect=(1, None)) -> np.ndarray:
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
     if type(tensor) is RawRequest:
@@ -294,7 +295,7 @@ def check_tokens(tensor: "mesh_pb2.Tensor | RawRequest", vocab_size: int, max_ch
     return ids
 
 
-def check_activation(tensor: "mesh_pb2.Tensor | RawRequest", width: int, max_chunk: int) -> np.ndarray:
+def check_activation(tensor: mesh_pb2.Tensor | RawRequest, width: int, max_chunk: int) -> np.ndarray:
     """A message's activation, checked: a dtype in ACTIVATIONS, (1, positions, ``width``), at most
     ``max_chunk`` positions (its dtype: ``tensor.dtype``)."""
     if type(tensor) is RawRequest:

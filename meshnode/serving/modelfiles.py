@@ -16,8 +16,8 @@ from typing import Any
 
 from mlx_lm.utils import load_config, load_tokenizer
 
-from meshnode.weights.holdings import Holding
 from meshnode.weights.gguf_source import is_gguf_spec
+from meshnode.weights.holdings import Holding
 from meshnode.weights.manifest import read_marker
 from meshnode.weights.modelsource import ModelNotFound, resolve_model
 from meshnode.weights.profile import ModelProfile, profile_model

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
@@ -24,12 +25,20 @@ from google.protobuf.message import DecodeError
 
 from meshnode.model.decode_batch import DecodeBatch, batchable_shard
 from meshnode.model.scheduler import mlx_idle
-from meshnode.model.wire import ACTIVATIONS, RawReply, WireError, host_array, raw_reply_into, to_array, to_tensor
+from meshnode.model.wire import (
+    ACTIVATIONS,
+    RawReply,
+    WireError,
+    check_tokens,
+    host_array,
+    raw_reply_into,
+    to_array,
+    to_tensor,
+)
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
 from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read_reply, refuse, stream_key
 from meshnode.transport.refusals import StageError, StageFault, StageRefusal
-from meshnode.model.wire import check_tokens
 
 if TYPE_CHECKING:
     from meshnode.model.shard import Shard
@@ -44,7 +53,7 @@ MAX_ROWS = 256  # requests in one step (a node's max_concurrent_requests is far 
 # --------------------------------------------------------------------------- serving side
 
 
-def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
+def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
                 host: str) -> None:
     """Serve one head's batched decode steps to one stage until the head closes the stream."""
     try:
@@ -63,7 +72,7 @@ def serve_batch(server: "StageServer", run_here, conn: socket.socket, opening: m
             run_here(batch.release_all)
 
 
-def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: "Shard", batch: DecodeBatch,
+def _serve_steps(server: StageServer, run_here, conn: socket.socket, shard: Shard, batch: DecodeBatch,
                  host: str) -> None:
     out = bytearray()  # raw replies are written here, step after step
     while True:
@@ -79,7 +88,7 @@ def _serve_steps(server: "StageServer", run_here, conn: socket.socket, shard: "S
         try:
             members = _members(server, shard, msg)
             rows = _rows(server, shard, msg.input, len(members))
-            n = run_here(lambda: _step(server, shard, batch, members, rows, msg.input.dtype, out))
+            n = run_here(partial(_step, server, shard, batch, members, rows, msg.input.dtype, out))
         except StageRefusal as refusal:
             if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                 log.warning("refused a batched step from %s: %s", host, refusal)
@@ -98,7 +107,7 @@ def _check_batchable(shard) -> None:
                            f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
 
 
-def _members(server: "StageServer", shard: "Shard", msg: mesh_pb2.ForwardRequest) -> list["OpenStage"]:
+def _members(server: StageServer, shard: Shard, msg: mesh_pb2.ForwardRequest) -> list[OpenStage]:
     ids = list(msg.members)
     if not ids or len(ids) > MAX_ROWS or len(set(ids)) != len(ids):
         raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT,
@@ -113,7 +122,7 @@ def _members(server: "StageServer", shard: "Shard", msg: mesh_pb2.ForwardRequest
     return members
 
 
-def _rows(server: "StageServer", shard: "Shard", tensor: mesh_pb2.Tensor, n: int) -> np.ndarray:
+def _rows(server: StageServer, shard: Shard, tensor: mesh_pb2.Tensor, n: int) -> np.ndarray:
     try:
         if shard.spec.is_first:
             return check_tokens(tensor, server.vocab_size, server.max_chunk, expect=(n, 1))
@@ -122,11 +131,10 @@ def _rows(server: "StageServer", shard: "Shard", tensor: mesh_pb2.Tensor, n: int
         raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
-def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: list["OpenStage"], rows: np.ndarray,
+def _step(server: StageServer, shard: Shard, batch: DecodeBatch, members: list[OpenStage], rows: np.ndarray,
           dtype: str, buf: bytearray) -> int:
     """Run one batched step (on the MLX thread); its raw reply's length, written into ``buf``."""
     started = time.perf_counter()
-    spec = shard.spec
     with server.steps.step(), batch.lock:
         if any(stage.prepared is not None for stage in members):
             raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -148,7 +156,7 @@ def _step(server: "StageServer", shard: "Shard", batch: DecodeBatch, members: li
 class BatchHop:
     """The head's stream of batched decode steps to one remote stage, over its data port."""
 
-    def __init__(self, stage: "RemoteStage", host: str, port: int, *, auth: "ClusterAuth", node_id: str):
+    def __init__(self, stage: RemoteStage, host: str, port: int, *, auth: ClusterAuth, node_id: str):
         self._stage = stage
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
             epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end, raw_replies=True, batch=True,

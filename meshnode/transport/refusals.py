@@ -76,4 +76,5 @@ def stage_error(st, exc: grpc.aio.AioRpcError | None, code=None, details=None) -
     """The error for a refusal by stage ``st`` (its ``start``, ``end`` and ``node_id`` name it)."""
     code = exc.code() if exc is not None else code
     details = exc.details() if exc is not None else details
-    return refusal_kind(code, details)(f"stage [{st.start}, {st.end}) on {st.node_id}: {code.name if code else '?'}: {details}")
+    name = code.name if code else "?"
+    return refusal_kind(code, details)(f"stage [{st.start}, {st.end}) on {st.node_id}: {name}: {details}")

@@ -21,32 +21,51 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
 import mlx.core as mx
 import numpy as np
-
 from google.protobuf.message import DecodeError
 
-from meshnode.transport.refusals import (EPOCH_PENDING, FAULT, PREFIX_MISS, STAGE_FAULT, StageError, StageFault,
-                                         StageRefusal, stage_error)
 from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import keeps_prefixes
 from meshnode.model.rewind import CannotRewind, rewind
-from meshnode.model.tensor import TensorGroupError
-from meshnode.model.wire import (ACTIVATIONS, Placeholder, RawReply, RawRequest, WireError, check_activation, check_tokens,
-                                 dtype_name, host_array, to_array, to_tensor)
 from meshnode.model.scheduler import StepWatch, mlx_idle
+from meshnode.model.tensor import TensorGroupError
+from meshnode.model.wire import (
+    ACTIVATIONS,
+    Placeholder,
+    RawReply,
+    RawRequest,
+    WireError,
+    check_activation,
+    check_tokens,
+    dtype_name,
+    host_array,
+    to_array,
+    to_tensor,
+)
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.transport.refusals import (
+    EPOCH_PENDING,
+    FAULT,
+    PREFIX_MISS,
+    STAGE_FAULT,
+    StageError,
+    StageFault,
+    StageRefusal,
+    stage_error,
+)
 
 if TYPE_CHECKING:
-    from meshnode.trust.auth import ClusterAuth
-    from meshnode.model.prefixes import PrefixStore
-    from meshnode.model.shard import Shard
     from meshnode.model.decode_batch import DecodeBatch
+    from meshnode.model.prefixes import PrefixStore
     from meshnode.model.scheduler import TokenScheduler
+    from meshnode.model.shard import Shard
     from meshnode.serving.generation import StageSession
+    from meshnode.trust.auth import ClusterAuth
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +78,8 @@ KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
 class StageServer:
     """Serves ``Forward`` streams for the shards this node holds in the current plan."""
 
-    def __init__(self, scheduler: "TokenScheduler", *, vocab_size: int, max_chunk: int, max_context: int,
-                 inject_latency: float = 0.0, prefixes: "PrefixStore | None" = None):
+    def __init__(self, scheduler: TokenScheduler, *, vocab_size: int, max_chunk: int, max_context: int,
+                 inject_latency: float = 0.0, prefixes: PrefixStore | None = None):
         self.scheduler = scheduler
         self.prefixes = prefixes  # the prompt cache's kept prefixes (None: off)
         self.inject_latency = inject_latency  # seconds added to every reply (tests and benchmarks)
@@ -68,7 +87,7 @@ class StageServer:
         self.max_chunk = max_chunk
         self.max_context = max_context
         # epoch -> its shards; two epochs while a new plan loads (make before break).
-        self.epochs: dict[int, dict[tuple[int, int], "Shard"]] = {}
+        self.epochs: dict[int, dict[tuple[int, int], Shard]] = {}
         # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
         self.on_fault: Callable[[str], None] | None = None
         self.steps = StepWatch()  # a step that never ends is a stalled node (announced in heartbeats)
@@ -76,7 +95,7 @@ class StageServer:
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
         self.batches: dict[int, DecodeBatch] = {}  # by batch stream
 
-    def fault(self, shard: "Shard", what: str, whose: str, exc: BaseException) -> StageRefusal:
+    def fault(self, shard: Shard, what: str, whose: str, exc: BaseException) -> StageRefusal:
         """The refusal for ``shard``'s model raising on ``what``, logged and told to on_fault."""
         spec = shard.spec
         log.exception("layers [%d, %d) failed on %s", spec.start, spec.end, whose)
@@ -85,7 +104,7 @@ class StageServer:
             self.on_fault(error)
         return StageRefusal(STAGE_FAULT, f"{FAULT}{error}")
 
-    def serve(self, epoch: int, shards: dict[tuple[int, int], "Shard"]) -> None:
+    def serve(self, epoch: int, shards: dict[tuple[int, int], Shard]) -> None:
         self.epochs[epoch] = dict(shards)
 
     def retire_before(self, epoch: int) -> None:
@@ -97,7 +116,7 @@ class StageServer:
                 if layers not in served:
                     self.prefixes.forget(layers)
 
-    def open(self, msg: mesh_pb2.ForwardRequest) -> "OpenStage":
+    def open(self, msg: mesh_pb2.ForwardRequest) -> OpenStage:
         """One request's use of a stage served here (raises :class:`StageRefusal`)."""
         key = (msg.start_layer, msg.end_layer)
         shard = self.shard_for(msg)
@@ -110,7 +129,7 @@ class StageServer:
                                                 f"[{key[0]}, {key[1]}): {why}")
         return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
 
-    def shard_for(self, msg: mesh_pb2.ForwardRequest) -> "Shard":
+    def shard_for(self, msg: mesh_pb2.ForwardRequest) -> Shard:
         """The shard a stream's opening names (its epoch and layers), or :class:`StageRefusal`."""
         key = (msg.start_layer, msg.end_layer)
         if msg.epoch not in self.epochs:
@@ -134,11 +153,11 @@ class StageServer:
                     if stage is None:
                         stage = self.open(msg)
                     if msg.keep:  # the request's last message: keep its KV, then say it is kept
-                        await self.scheduler.call(lambda m=msg: stage.keep(m))
+                        await self.scheduler.call(partial(stage.keep, msg))
                         yield KEPT
                         continue
                     stage.admit(msg.input.shape[1] if len(msg.input.shape) > 1 else 0, msg.rewind)
-                    output, seconds = await self.scheduler.call(lambda m=msg: stage.run(m))
+                    output, seconds = await self.scheduler.call(partial(stage.run, msg))
                 except StageRefusal as refusal:
                     if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                         log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", refusal)
@@ -159,7 +178,7 @@ class OpenStage:
     """One request's use of one stage on the serving side: its KV cache and what it has seen.
     Both transports admit each message, then run it on the MLX thread."""
 
-    def __init__(self, server: StageServer, shard: "Shard", cache: list | None = None, resumed: int = 0):
+    def __init__(self, server: StageServer, shard: Shard, cache: list | None = None, resumed: int = 0):
         """``cache``: a kept prefix's KV (the prompt cache) holding ``resumed`` positions."""
         self.server, self.shard = server, shard
         self.layers = (shard.spec.start, shard.spec.end)
@@ -173,7 +192,8 @@ class OpenStage:
         self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
     def admit(self, positions: int, rewind: int = 0) -> None:
-        """Count ``positions`` more of this request's KV here, ``rewind`` fewer (a speculative pass's rejected drafts)."""
+        """Count ``positions`` more of this request's KV here, ``rewind`` fewer (a speculative pass's
+        rejected drafts)."""
         if rewind > self.seen:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"rewind of {rewind} positions, {self.seen} held")
         self.seen += positions - rewind
@@ -199,7 +219,7 @@ class OpenStage:
             self.server.prefixes.grow(self.layers, -self.seen)
             self.seen = 0
 
-    def _host_input(self, tensor: "mesh_pb2.Tensor | RawRequest") -> np.ndarray:
+    def _host_input(self, tensor: mesh_pb2.Tensor | RawRequest) -> np.ndarray:
         if self.shard.spec.is_first:
             return check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
         return check_activation(tensor, self.shard.hidden_size, self.server.max_chunk)
@@ -210,12 +230,12 @@ class OpenStage:
         out = self.run_array(msg)
         return to_tensor(out), time.perf_counter() - started
 
-    def run_array(self, msg: "mesh_pb2.ForwardRequest | RawRequest") -> mx.array:
+    def run_array(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> mx.array:
         """Decode and run one message (on the MLX thread): the output, evaluated."""
         with self.server.steps.step():
             return self._run_array(msg)
 
-    def _run_array(self, msg: "mesh_pb2.ForwardRequest | RawRequest") -> mx.array:
+    def _run_array(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> mx.array:
         take_back(self)
         try:
             if self.injected_stall:
@@ -259,7 +279,7 @@ class RemoteSession:
 
     remote = True
 
-    def __init__(self, stage: "RemoteStage", request_id: str, resume: tuple[str, int] | None = None):
+    def __init__(self, stage: RemoteStage, request_id: str, resume: tuple[str, int] | None = None):
         self._stage = stage
         self._request_id = request_id
         self._resume = resume  # the prompt cache's kept prefix to start from (meshnode.model.prefixes)
@@ -297,7 +317,7 @@ class RemoteSession:
             raise stage_error(st, None, code, details)
         return reply
 
-    def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "RemoteTicket":
+    def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> RemoteTicket:
         """Send ``x`` without waiting for the reply. ``next_single`` and ``work`` matter only on
         the data port."""
         if x.dtype == mx.uint32:
@@ -313,7 +333,7 @@ class RemoteSession:
         """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
         return self.finish(self.submit(x))
 
-    def finish(self, ticket: "RemoteTicket", into: Placeholder | None = None) -> mx.array | None:
+    def finish(self, ticket: RemoteTicket, into: Placeholder | None = None) -> mx.array | None:
         if not ticket.done():
             with mlx_idle():  # other generations use the MLX thread while this one waits on the network
                 ticket.wait()
@@ -398,10 +418,10 @@ class RemoteStage:
         request_timeout: float = 3600.0,
         observe: Callable[[float, int, float, str], None] | None = None,
         data_port: tuple[str, int] | None = None,
-        auth: "ClusterAuth | None" = None,
+        auth: ClusterAuth | None = None,
         caller: str = "",
         alive: Callable[[], bool] | None = None,
-        data_session: "Callable[..., StageSession] | None" = None, model: str = "",
+        data_session: Callable[..., StageSession] | None = None, model: str = "",
     ):
         # Opens a request's stream over the peer's data port (hop.HopSession); None: all go over gRPC.
         self.data_session = data_session
@@ -423,7 +443,7 @@ class RemoteStage:
         self.poll = min(POLL, hop_timeout / 2)
         self.request_timeout = request_timeout
 
-    def accept(self, reply: "mesh_pb2.ForwardReply | RawReply", positions: int, sent: float, transport: str,
+    def accept(self, reply: mesh_pb2.ForwardReply | RawReply, positions: int, sent: float, transport: str,
                into: Placeholder | None = None) -> mx.array | None:
         """A reply's activation, checked against the plan, its round trip observed; ``into``: written
         into that step built ahead instead."""
@@ -455,7 +475,7 @@ class RemoteStage:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
                              f"{self.request_timeout:.0f} s")
 
-    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> "StageSession":
+    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession:
         """The request's stream to this stage: the data port where it has one, else gRPC.
         ``resume``: (key, positions) of a kept prefix to start from."""
         if self.data_port is not None and self.auth is not None and self.data_session is not None:

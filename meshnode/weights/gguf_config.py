@@ -138,9 +138,12 @@ def eos_ids(meta: dict[str, Any]) -> list[int]:
 
 def save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     """tokenizer.json, tokenizer_config.json (with the chat template) and friends into ``out``."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
-                                                                       add_gguf_special_tokens,
-                                                                       select_tokenizer_builder, set_split_regex)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        add_gguf_special_tokens,
+        select_tokenizer_builder,
+        set_split_regex,
+    )
 
     arch = str(meta.get("general.architecture"))
     wanted = GGUF_TOKENIZER_MAPPING["tokenizer"]

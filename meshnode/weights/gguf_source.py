@@ -25,8 +25,19 @@ from pathlib import Path
 import numpy as np
 
 from meshnode.weights.gguf_config import NORM_PLUS_ONE, eos_ids, family, metadata, model_config, save_tokenizer
-from meshnode.weights.gguf_tensors import (DERIVED, GROUP_SIZE, KEPT, REQUANTIZED, Planned, UnsupportedGGUF,
-                                           gguf_names, open_gguf, plan_tensor, quantized_bits, write_safetensors)
+from meshnode.weights.gguf_tensors import (
+    DERIVED,
+    GROUP_SIZE,
+    KEPT,
+    REQUANTIZED,
+    Planned,
+    UnsupportedGGUF,
+    gguf_names,
+    open_gguf,
+    plan_tensor,
+    quantized_bits,
+    write_safetensors,
+)
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,15 @@ from typing import Any
 from meshnode.weights.kvquant import kv_quant_problem, quantized_kv_bytes
 from meshnode.weights.manifest import loaded_weights, manifest_from_dict, read_marker
 from meshnode.weights.splits import config_value, split_boundaries, split_support, text_config
-from meshnode.weights.weightfiles import (DTYPE_BYTES, EMBED_KEY, HEAD_KEY, LAYER_KEY, SKIP_KEY, read_safetensors_header,
-                                       weight_files)
+from meshnode.weights.weightfiles import (
+    DTYPE_BYTES,
+    EMBED_KEY,
+    HEAD_KEY,
+    LAYER_KEY,
+    SKIP_KEY,
+    read_safetensors_header,
+    weight_files,
+)
 
 __all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "tensor_bytes"]
 
@@ -67,13 +74,13 @@ class ModelProfile:
         if not (len(self.layer_bytes) == len(self.kv_bytes_per_token) == len(self.sliding_window) == n):
             raise ValueError(f"profile of {self.name!r}: per-layer tuples must have {n} entries")
 
-    def for_requests(self, requests: int) -> "ModelProfile":
+    def for_requests(self, requests: int) -> ModelProfile:
         """This profile with every KV figure counting ``requests`` requests at once."""
         if requests < 1:
             raise ValueError(f"requests must be at least 1, not {requests}")
         return replace(self, kv_requests=int(requests))
 
-    def for_kv_bits(self, bits: int) -> "ModelProfile":
+    def for_kv_bits(self, bits: int) -> ModelProfile:
         """This profile with plain growing KV caches counted quantized to ``bits`` (0: unquantized)."""
         if bits and self.kv_quant_problem:
             bits = 0
@@ -126,7 +133,7 @@ class ModelProfile:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
+    def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
         known = {f.name for f in fields(cls)}
         optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size",
