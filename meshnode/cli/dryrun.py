@@ -57,7 +57,8 @@ def cluster_from_mesh(data: dict[str, Any]):
     for each pair its fastest measured path (least RTT)."""
     from meshnode.control.planner import LinkSpec, NodeSpec
 
-    nodes, links = [], {}
+    nodes: list[NodeSpec] = []
+    links: dict[tuple[str, ...], LinkSpec] = {}
     for raw in data.get("nodes") or []:
         layer, coll = float(raw.get("layer_seconds") or 0), float(raw.get("collective_seconds") or 0)
         nodes.append(NodeSpec(node_id=str(raw["node_id"]), memory_budget=int(raw.get("memory_budget") or 0),

@@ -100,7 +100,8 @@ def format_status(data: dict[str, Any]) -> str:
         for i, m in enumerate(models):
             if not isinstance(m, dict):
                 continue
-            plan = m.get("plan") if isinstance(m.get("plan"), dict) else {}
+            plan = m.get("plan")
+            plan = plan if isinstance(plan, dict) else {}
             where = " | ".join(f"{s.get('start_layer')}-{s.get('end_layer', 1) - 1}@{'+'.join(s.get('nodes', []))}"
                                for s in plan.get("stages") or [] if isinstance(s, dict))
             lines.append(f"{'models' if i == 0 else '':<13}{m.get('model')}: {m.get('state', '?')}"

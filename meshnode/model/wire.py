@@ -158,9 +158,10 @@ class RawRequest:
             raise WireError(f"raw request of {len(frame)} bytes is shorter than its header")
         _, code, flags, self.rewind, self.positions, self.width = RAW_REQUEST.unpack_from(frame)
         self.next_single = bool(flags & RAW_NEXT_SINGLE)
-        self.dtype = _RAW_NAMES.get(code)
-        if self.dtype is None:
+        dtype = _RAW_NAMES.get(code)
+        if dtype is None:
             raise WireError(f"raw request with unknown dtype code {code}")
+        self.dtype: str = dtype
         if self.positions <= 0:
             raise WireError(f"raw request of {self.positions} positions")
         self.data = frame[RAW_REQUEST.size:]
@@ -193,9 +194,10 @@ class RawReply:
         if len(frame) < RAW_REPLY.size:
             raise WireError(f"raw reply of {len(frame)} bytes is shorter than its header")
         _, code, self.flags, self.stage_seconds, self.positions, self.width = RAW_REPLY.unpack_from(frame)
-        self.dtype = _RAW_NAMES.get(code)
-        if self.dtype is None:
+        dtype = _RAW_NAMES.get(code)
+        if dtype is None:
             raise WireError(f"raw reply with unknown dtype code {code}")
+        self.dtype: str = dtype
         self.data = frame[RAW_REPLY.size:]
 
     def host(self, positions: int, width: int) -> np.ndarray:
@@ -279,7 +281,7 @@ _PLACEHOLDERS_WORK: bool | None = None
 def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chunk: int,
                  expect=(1, None)) -> np.ndarray:
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
-    if type(tensor) is RawRequest:
+    if isinstance(tensor, RawRequest):
         ids = tensor.host(("int32",), 0)
         if ids.size == 1:  # a decode step: one Python comparison, cheaper than numpy's reductions
             token = int(ids[0, 0])
@@ -298,7 +300,7 @@ def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chun
 def check_activation(tensor: mesh_pb2.Tensor | RawRequest, width: int, max_chunk: int) -> np.ndarray:
     """A message's activation, checked: a dtype in ACTIVATIONS, (1, positions, ``width``), at most
     ``max_chunk`` positions (its dtype: ``tensor.dtype``)."""
-    if type(tensor) is RawRequest:
+    if isinstance(tensor, RawRequest):
         host = tensor.host(ACTIVATIONS, width)
     else:
         host = host_array(tensor, dtypes=ACTIVATIONS, expect=(1, None, width))

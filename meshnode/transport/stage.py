@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import mlx.core as mx
@@ -182,7 +182,7 @@ class OpenStage:
         """``cache``: a kept prefix's KV (the prompt cache) holding ``resumed`` positions."""
         self.server, self.shard = server, shard
         self.layers = (shard.spec.start, shard.spec.end)
-        self.cache = cache if cache is not None else shard.make_cache()
+        self.cache: list[Any] | None = cache if cache is not None else shard.make_cache()
         self.seen = resumed
         if server.prefixes is not None and resumed:
             server.prefixes.grow(self.layers, resumed)

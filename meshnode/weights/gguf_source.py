@@ -236,7 +236,7 @@ def _parameter_names(cfg: dict) -> list[str]:
 
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
-    return [k for k, _ in tree_flatten(model.parameters())]
+    return [pair[0] for pair in tree_flatten(model.parameters())]
 
 
 def _minus_one(p: Planned) -> Planned:
