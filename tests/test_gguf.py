@@ -213,8 +213,11 @@ def test_an_interrupted_conversion_is_redone_never_used(tmp_path):
     partial = tmp_path / "cache" / "gguf" / f"{sha}.partial-99999"
     partial.mkdir(parents=True)
     (partial / "model.safetensors").write_bytes(b"half a file")
-    model_id, folder = resolve_gguf(str(path), tmp_path / "cache")
+    seen: list[tuple[str, int, int]] = []
+    model_id, folder = resolve_gguf(str(path), tmp_path / "cache", lambda *a: seen.append(a))
     assert not partial.exists() and folder.name == sha
+    task, done, total = seen[-1]  # what /v1/mesh's progress shows while it converts
+    assert task == "converting llama.gguf" and done == total > 0
     load_model(folder)
     mtime = os.stat(folder / "config.json").st_mtime_ns
     assert resolve_gguf(str(path), tmp_path / "cache") == (model_id, folder)

@@ -214,13 +214,16 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
     cfg["eos_token_id"] = eos_ids(meta) or None
     cfg["gguf"] = {"model_id": ident, "sha256": sha, "file": path.name, "weights": weights_note(reader.tensors)}
     total = sum(p.nbytes for _, p in planned)
-    done = 0
+    done = told = 0
 
     def advance(n: int) -> None:
-        nonlocal done
+        nonlocal done, told
         done += n
         if progress is not None:
             progress(f"converting {path.name}", done, total)
+        if done * 10 // total > told:  # the log says it too, for a service with no terminal
+            told = done * 10 // total
+            log.info("converting %s: %d%%", path.name, 10 * told)
 
     log.info("converting %s (%s, %d tensors) into %s: %s", path.name, model_type, len(planned), out,
              cfg["gguf"]["weights"])
