@@ -105,26 +105,51 @@ def _pack(values: np.ndarray, bits: int) -> np.ndarray:
     return np.bitwise_or.reduce(v << shifts, axis=2)
 
 
-def repack(t: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(packed uint32, scales float16, offsets float16) of a Q4_0, Q4_1 or Q8_0 tensor, exactly."""
-    raw = np.asarray(t.data)
-    rows = int(np.prod(raw.shape[:-1]))
-    block, size = GGML_QUANT_SIZES[t.tensor_type]
+def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed uint32, scales float16, offsets float16) of rows of Q4_0, Q4_1 or Q8_0 blocks, exactly."""
+    rows = raw.shape[0]
+    block, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(rows, -1, size)
     scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-    if t.tensor_type == Q.Q8_0:  # w = d * q, q int8
+    if qtype == Q.Q8_0:  # w = d * q, q int8
         q = blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128
         offset = (scale.astype(np.float32) * -128).astype(np.float16)
-        packed = _pack(q.reshape(rows, -1), 8)
-    else:  # w = d * q + m (Q4_1), or d * (q - 8) (Q4_0); q in 16 bytes, low nibbles first
-        start = 4 if t.tensor_type == Q.Q4_1 else 2
-        offset = (blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if t.tensor_type == Q.Q4_1
-                  else (scale.astype(np.float32) * -8).astype(np.float16))
-        qs = blocks[:, :, start:start + 16]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
-        packed = _pack(q.reshape(rows, -1), 4)
+        return _pack(q.reshape(rows, -1), 8), scale, offset
+    # w = d * q + m (Q4_1), or d * (q - 8) (Q4_0); q in 16 bytes, low nibbles first
+    start = 4 if qtype == Q.Q4_1 else 2
+    offset = (blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if qtype == Q.Q4_1
+              else (scale.astype(np.float32) * -8).astype(np.float16))
+    qs = blocks[:, :, start:start + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+    return _pack(q.reshape(rows, -1), 4), scale, offset
+
+
+def requantize(raw: np.ndarray, qtype: GGMLQuantizationType, bits: int) -> tuple[np.ndarray, ...]:
+    """(packed uint32, scales float16, offsets float16) of rows of any type the gguf package reads,
+    dequantized and quantized again with MLX at ``bits``."""
+    w = mx.array(quants.dequantize(raw, qtype).astype(np.float32))
+    q, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
+    return np.array(q), np.array(scales.astype(mx.float16)), np.array(biases.astype(mx.float16))
+
+
+ROWS_AT_ONCE = 1024  # rows converted together: what the conversion holds beyond its output tensor
+
+
+def by_rows(t: ReaderTensor, convert: Callable[[np.ndarray], tuple[np.ndarray, ...]],
+            fix: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, ...]:
+    """``convert`` applied to ``t``'s byte rows a block of rows at a time, into whole arrays (with
+    the leading dimensions of ``t``), then ``fix``ed: memory holds the output and one block."""
+    raw = np.asarray(t.data)
     lead = raw.shape[:-1]
-    return (packed.reshape(*lead, -1), scale.reshape(*lead, -1), offset.reshape(*lead, -1))
+    rows = raw.reshape(-1, raw.shape[-1])
+    out: list[np.ndarray] = []
+    for start in range(0, rows.shape[0], ROWS_AT_ONCE):
+        parts = convert(rows[start:start + ROWS_AT_ONCE])
+        if not out:
+            out = [np.empty((rows.shape[0], *p.shape[1:]), p.dtype) for p in parts]
+        for whole, part in zip(out, parts):
+            whole[start:start + part.shape[0]] = part
+    return tuple(fix(a.reshape(*lead, -1)) for a in out)
 
 
 def plan_tensor(t: ReaderTensor, name: str, unpermute: int = 0) -> list[Planned]:
@@ -150,29 +175,24 @@ def plan_tensor(t: ReaderTensor, name: str, unpermute: int = 0) -> list[Planned]
                         lambda: mx.array(fix(quants.dequantize(np.asarray(t.data), qtype)).astype(np.float16)))]
     if qtype in KEPT:
         bits = KEPT[qtype]
-        parts: dict[str, Any] = {}
 
-        def part(i: int) -> Callable[[], mx.array]:
-            def make() -> mx.array:
-                if "v" not in parts:
-                    parts["v"] = tuple(fix(a) for a in repack(t))
-                return mx.array(parts["v"][i]) if i < 2 else mx.array(parts.pop("v")[i])
-            return make
+        def convert(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+            return repack(raw, qtype)
     elif qtype in REQUANTIZED:
         bits = REQUANTIZED[qtype]
-        parts = {}
 
-        def part(i: int) -> Callable[[], mx.array]:
-            def make() -> mx.array:
-                if "v" not in parts:
-                    w = mx.array(fix(quants.dequantize(np.asarray(t.data), qtype).astype(np.float32)))
-                    parts["v"] = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
-                    mx.eval(parts["v"])
-                    parts["v"] = tuple(a.astype(mx.float16) if a.dtype != mx.uint32 else a for a in parts["v"])
-                return parts["v"][i] if i < 2 else parts.pop("v")[i]
-            return make
+        def convert(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+            return requantize(raw, qtype, bits)
     else:
         raise UnsupportedGGUF(f"tensor {t.name}: GGUF type {qtype.name} is not supported")
+    parts: dict[str, tuple[np.ndarray, ...]] = {}
+
+    def part(i: int) -> Callable[[], mx.array]:
+        def make() -> mx.array:  # the three are computed together, then handed out and let go
+            if "v" not in parts:
+                parts["v"] = by_rows(t, convert, fix)
+            return mx.array(parts["v"][i] if i < 2 else parts.pop("v")[i])
+        return make
     lead, cols = shape[:-1], shape[-1]
     packed = (*lead, cols * bits // 32)
     grouped = (*lead, cols // GROUP_SIZE)
@@ -209,7 +229,7 @@ def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, st
                 raise UnsupportedGGUF(f"{p.name}: computed {array.dtype} {tuple(array.shape)}, "
                                       f"planned {p.dtype} {p.shape}")
             view = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
-            f.write(np.ascontiguousarray(np.asarray(view)).tobytes())
+            f.write(memoryview(np.ascontiguousarray(np.asarray(view))).cast("B"))
             if done is not None:
                 done(p.nbytes)
 
