@@ -290,13 +290,15 @@ class BatchedSource:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         index = self._prefixes
-        resume = index.match(prompt) if index is not None else None
+        resume = await index.settled_match(prompt) if index is not None else None
         ended = threading.Event()
         job = self.loop.submit(prompt, params, resume, ended)
+        produced: list[int] = []
         try:
             async for token in job:
+                produced.append(int(token))
                 yield token
-        finally:  # the prefix kept before the answer is sent (as PipelineSource.tokens)
+        finally:  # the prefix kept for the next turn (as PipelineSource.tokens)
             job.cancelled.set()
             if index is not None:
-                await index.until_kept(ended)
+                await index.until_kept(ended, [*prompt, *produced])

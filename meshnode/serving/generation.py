@@ -430,6 +430,26 @@ def _wait_idle(handles: list, timeout: float) -> None:
         wait_first(handles, timeout)
 
 
+class Ending:
+    """A generation's tokens whose ``ended`` is set once they are closed, also when they were
+    closed before their first step (a generator never started runs no ``finally``)."""
+
+    def __init__(self, tokens: Iterator, ended: threading.Event):
+        self._tokens, self._ended = tokens, ended
+
+    def __iter__(self) -> "Ending":
+        return self
+
+    def __next__(self):
+        return next(self._tokens)
+
+    def close(self) -> None:
+        try:
+            self._tokens.close()
+        finally:
+            self._ended.set()
+
+
 _ids = itertools.count(1)
 
 
@@ -464,22 +484,24 @@ class PipelineSource:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         index = self._prefixes
-        resume = index.match(prompt) if index is not None else None
+        # A previous turn whose answer is complete may still be keeping the prefix this one resumes.
+        resume = await index.settled_match(prompt) if index is not None else None
         scheduler = self._scheduler
         missed = False
         while True:
             model = PipelineModel(self._stages(), new_request_id(), resume, self._batcher)
             ended = threading.Event()
             job = scheduler.submit(
-                generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                                prefill=self._prefill, busy=scheduler.others_waiting, keep=index, ended=ended,
-                                tokenizer=self._tokenizer, speculation=self.speculation),
+                Ending(generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
+                                       prefill=self._prefill, busy=scheduler.others_waiting, keep=index,
+                                       ended=ended, tokenizer=self._tokenizer, speculation=self.speculation),
+                       ended),
                 work=len(prompt) - (resume[1] if resume else 0),
             )
-            produced = False
+            produced: list[int] = []
             try:
                 async for token in job:
-                    produced = True
+                    produced.append(int(token))
                     yield token
                 return
             except PrefixMiss as miss:  # a stage no longer holds it: another kept prefix, once, then the whole prompt
@@ -492,8 +514,8 @@ class PipelineSource:
                          f"prefilling all {len(prompt)} tokens")
             finally:
                 # Closed by the API (the answer complete), the generation is still running its
-                # last step and keeping its prefix: that is over before the answer is sent, so
-                # the client's next turn finds it (meshnode.serving.promptcache).
+                # last step and keeping its prefix: the answer waits for that a while, and the
+                # client's next turn for as long as it takes (meshnode.serving.promptcache).
                 job.cancelled.set()
                 if index is not None:
-                    await index.until_kept(ended)
+                    await index.until_kept(ended, [*prompt, *produced])

@@ -9,15 +9,21 @@ so, and the request is run again with its whole prompt (:class:`PrefixIndex.forg
 A chat client sends the next turn as soon as the previous answer is complete, and an answer is
 complete before its generation is over (EOS, a stop string or max_tokens seen by the API; the
 stages still run the step built ahead, then keep the prefix). So that the next turn finds the
-prefix, nothing tells the client the answer is complete before the prefix is kept:
-- on the head, closing a generation's tokens waits for its keep (:meth:`PrefixIndex.until_kept`),
-  and the API closes them before it sends the answer's last piece (meshnode.serving.engine);
-- a relay (another node the client asked) cannot wait so: it gives the generation up by
-  cancelling its stream. It names the generations it gave up in its next request to that head
-  (``GenerateRequest.after``), and the head waits for those to be over first
-  (:meth:`PrefixIndex.after`).
+prefix:
+- on the head, closing a generation's tokens registers it as closed with the tokens it is known
+  to keep (its prompt and answer) until it is over (:meth:`PrefixIndex.until_kept`), and the API
+  closes them before it sends the answer's last piece (meshnode.serving.engine). A request looks
+  for its prefix only once every closed generation that would give it a longer start than the
+  prefixes kept now is over (:meth:`PrefixIndex.settled_match`): however long the keep takes, the
+  next turn resumes it, never an older prefix. The answer itself waits for the keep at most
+  ``SETTLE_WAIT`` (a keep that makes it sooner costs the next turn nothing);
+- a relay (another node the client asked) gives the generation up by cancelling its stream, which
+  the head may see after the relay's next request has come. The relay names the generations it
+  gave up in that request (``GenerateRequest.after``), and the head first waits (at most
+  ``SETTLE_WAIT``) for those to be over (:meth:`PrefixIndex.after`); closed by then, they are
+  waited for as above.
 Waiting on exactly those generations, not on prompts that look alike, leaves an agent's parallel
-calls (which share a start) running side by side; every wait is bounded by ``SETTLE_WAIT``.
+calls (which share a start) running side by side: a generation still answering is never waited for.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ log = logging.getLogger(__name__)
 # A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
 MIN_REUSE = 16
 ENTRIES = 32  # prefixes remembered (the stages bound them by memory; this bounds the search)
-SETTLE_WAIT = 2.0  # seconds an answer or a next turn waits for a generation's prefix to be kept
+# Seconds an answer waits for its generation's prefix to be kept, and a head for the generations a
+# relay gave up to be over; a next turn waits for a closed generation's keep however long it takes.
+SETTLE_WAIT = 2.0
+WAIT_SLICE = 1.0  # seconds a wait without a bound holds a worker thread before it looks again
 
 
 def common_start(a: np.ndarray, b: np.ndarray) -> int:
@@ -50,10 +59,16 @@ def common_start(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-async def _wait_all(events: Sequence[threading.Event], timeout: float) -> bool:
-    """Wait, off the event loop, until every event is set or ``timeout`` has passed; whether all were."""
-    deadline = time.monotonic() + timeout
-    return await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in events))
+async def _wait_all(events: Sequence[threading.Event], timeout: float | None) -> bool:
+    """Wait, off the event loop, until every event is set or ``timeout`` has passed (None: for as
+    long as it takes, a slice at a time so as not to hold a worker thread); whether all were."""
+    if timeout is not None:
+        deadline = time.monotonic() + timeout
+        return await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in events))
+    for event in events:
+        while not event.is_set():
+            await asyncio.to_thread(event.wait, WAIT_SLICE)
+    return True
 
 
 class PrefixIndex:
@@ -64,31 +79,67 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
         self._relayed: dict[str, threading.Event] = {}  # relays' generations running here: set once over
+        # Generations whose tokens are closed (answers complete) and that may still be keeping their
+        # prefix: the tokens they are known to keep a prefix of, and their end.
+        self._closed: list[tuple[np.ndarray, threading.Event]] = []
         self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
 
-    async def until_kept(self, ended: threading.Event, timeout: float = SETTLE_WAIT) -> bool:
-        """Wait (at most ``timeout``) for a generation whose tokens are closed to be over: its
-        stages have kept its prefix, or it kept none (``ended``, set by the generation's end)."""
-        return ended.is_set() or await _wait_all([ended], timeout)
+    async def until_kept(self, ended: threading.Event, tokens: Sequence[int] | None = None,
+                         timeout: float | None = None) -> bool:
+        """A generation's tokens are closed: wait (at most ``timeout``, default ``SETTLE_WAIT``) for
+        it to be over: its stages have kept its prefix, or it kept none (``ended``, set by the
+        generation's end). ``tokens``: its prompt and the tokens it answered; until it is over, a
+        request that would resume more of them than any kept prefix waits for it
+        (:meth:`settled_match`), however long that takes."""
+        if ended.is_set():
+            return True
+        if tokens is not None and len(tokens) >= MIN_REUSE:
+            with self._lock:
+                self._closed = [c for c in self._closed if not c[1].is_set()]
+                self._closed.append((np.asarray(tokens, dtype=np.int64), ended))
+        return await _wait_all([ended], SETTLE_WAIT if timeout is None else timeout)
+
+    async def settled_match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
+        """:meth:`match`, once every closed generation that would give ``prompt`` a longer start
+        than the prefixes kept now is over (each sets its end once it has kept its prefix, or
+        failed to): a next turn resumes the prefix its previous turn is still keeping."""
+        want = np.asarray(prompt, dtype=np.int64)
+        t0, waited = time.monotonic(), False
+        while True:
+            with self._lock:  # those not over before the match: one that ends after it is waited for
+                self._closed = [c for c in self._closed if not c[1].is_set()]
+                closed = list(self._closed)
+            best = self.match(prompt)
+            have = best[1] if best is not None else 0
+            pending = [ended for tokens, ended in closed
+                       if max(have + 1, MIN_REUSE) <= min(common_start(tokens, want), len(want) - 1)]
+            if not pending:
+                if waited:
+                    log.debug("prompt cache: waited %.3f s for closed generations to keep their prefixes",
+                              time.monotonic() - t0)
+                return best
+            await _wait_all(pending, None)
+            waited = True
 
     def relayed(self, request_id: str) -> threading.Event:
         """A relay's generation ``request_id`` runs here: set the event returned once it is over
-        (its tokens closed, so its prefix kept: :meth:`until_kept`)."""
+        (its tokens closed and :meth:`until_kept` returned)."""
         ended = threading.Event()
         with self._lock:
             self._relayed = {r: e for r, e in self._relayed.items() if not e.is_set()}
             self._relayed[request_id] = ended
         return ended
 
-    async def after(self, request_ids: Sequence[str], timeout: float = SETTLE_WAIT) -> None:
-        """Wait (at most ``timeout``) for the relayed generations ``request_ids`` still running
-        here to be over: the relay gave them up (their answers were complete) before it sent the
-        request that waits, which may be their conversation's next turn."""
+    async def after(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
+        """Wait (at most ``timeout``, default ``SETTLE_WAIT``) for the relayed generations
+        ``request_ids`` still running here to be over: the relay gave them up (their answers were
+        complete) before it sent the request that waits, which may be their conversation's next
+        turn (whose :meth:`settled_match` then waits for their keeps)."""
         with self._lock:
             pending = [e for r in request_ids if (e := self._relayed.get(r)) is not None and not e.is_set()]
         if pending:
             t0 = time.monotonic()
-            over = await _wait_all(pending, timeout)
+            over = await _wait_all(pending, SETTLE_WAIT if timeout is None else timeout)
             log.debug("prompt cache: waited %.3f s for %d generation(s) given up by their relay%s",
                       time.monotonic() - t0, len(pending), "" if over else " (gave up)")
 
