@@ -1,29 +1,16 @@
 """The prompt cache's head side: which conversation prefixes the stages keep, and which to resume.
 
-After a generation, the head asks every stage to keep the request's KV under a key made from the
-tokens it holds (meshnode.model.prefixes). Here the head remembers those token sequences; a new
-request resumes from the one sharing the longest start with its prompt and prefills only the rest
-at every stage. The stages bound what they keep by memory and may have dropped it; they then say
-so, and the request is run again with its whole prompt (:class:`PrefixIndex.forget`).
+The head remembers the token sequences it asked its stages to keep (meshnode.model.prefixes); a
+new request resumes from the one sharing the longest start with its prompt. A stage that dropped
+it says so, and the request runs again with its whole prompt (:meth:`PrefixIndex.forget`).
 
-A chat client sends the next turn as soon as the previous answer is complete, and an answer is
-complete before its generation is over (EOS, a stop string or max_tokens seen by the API; the
-stages still run the step built ahead, then keep the prefix). So that the next turn finds the
-prefix:
-- on the head, closing a generation's tokens registers it as closed with the tokens it is known
-  to keep (its prompt and answer) until it is over (:meth:`PrefixIndex.until_kept`), and the API
-  closes them before it sends the answer's last piece (meshnode.serving.engine). A request looks
-  for its prefix only once every closed generation that would give it a longer start than the
-  prefixes kept now is over (:meth:`PrefixIndex.settled_match`): however long the keep takes, the
-  next turn resumes it, never an older prefix. The answer itself waits for the keep at most
-  ``SETTLE_WAIT`` (a keep that makes it sooner costs the next turn nothing);
-- a relay (another node the client asked) gives the generation up by cancelling its stream, which
-  the head may see after the relay's next request has come. The relay names the generations it
-  gave up in that request (``GenerateRequest.after``), and the head first waits (at most
-  ``SETTLE_WAIT``) for those to be over (:meth:`PrefixIndex.after`); closed by then, they are
-  waited for as above.
-Waiting on exactly those generations, not on prompts that look alike, leaves an agent's parallel
-calls (which share a start) running side by side: a generation still answering is never waited for.
+A client sends the next turn as soon as an answer is complete, before the stages have kept its
+prefix. So a closed generation is registered with the tokens it will keep
+(:meth:`PrefixIndex.until_kept`), and a request that would resume more of them waits until it is
+over (:meth:`PrefixIndex.settled_match`), never taking an older prefix. A relay names the
+generations it gave up (``GenerateRequest.after``), and the head waits for those first
+(:meth:`PrefixIndex.after`). Waiting on exactly those generations, not on prompts that look alike,
+leaves an agent's parallel calls running side by side.
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ log = logging.getLogger(__name__)
 # A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
 MIN_REUSE = 16
 ENTRIES = 32  # prefixes remembered (the stages bound them by memory; this bounds the search)
-# Seconds an answer waits for its generation's prefix to be kept, and a head for the generations a
-# relay gave up to be over; a next turn waits for a closed generation's keep however long it takes.
+# Seconds an answer waits for its prefix to be kept, and a head for a relay's given-up generations.
 SETTLE_WAIT = 2.0
 WAIT_SLICE = 1.0  # seconds a wait without a bound holds a worker thread before it looks again
 
@@ -60,8 +46,7 @@ def common_start(a: np.ndarray, b: np.ndarray) -> int:
 
 
 async def _wait_all(events: Sequence[threading.Event], timeout: float | None) -> bool:
-    """Wait, off the event loop, until every event is set or ``timeout`` has passed (None: for as
-    long as it takes, a slice at a time so as not to hold a worker thread); whether all were."""
+    """Wait off the event loop until every event is set or ``timeout`` passes; whether all were."""
     if timeout is not None:
         deadline = time.monotonic() + timeout
         return await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in events))
@@ -79,18 +64,14 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
         self._relayed: dict[str, threading.Event] = {}  # relays' generations running here: set once over
-        # Generations whose tokens are closed (answers complete) and that may still be keeping their
-        # prefix: the tokens they are known to keep a prefix of, and their end.
+        # Closed generations that may still be keeping their prefix: their tokens and their end.
         self._closed: list[tuple[np.ndarray, threading.Event]] = []
         self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
 
     async def until_kept(self, ended: threading.Event, tokens: Sequence[int] | None = None,
                          timeout: float | None = None) -> bool:
-        """A generation's tokens are closed: wait (at most ``timeout``, default ``SETTLE_WAIT``) for
-        it to be over: its stages have kept its prefix, or it kept none (``ended``, set by the
-        generation's end). ``tokens``: its prompt and the tokens it answered; until it is over, a
-        request that would resume more of them than any kept prefix waits for it
-        (:meth:`settled_match`), however long that takes."""
+        """A generation's tokens are closed: wait up to ``timeout`` for ``ended`` (its prefix kept,
+        or none). Until then a request that would resume more of ``tokens`` waits for it."""
         if ended.is_set():
             return True
         if tokens is not None and len(tokens) >= MIN_REUSE:
@@ -100,9 +81,7 @@ class PrefixIndex:
         return await _wait_all([ended], SETTLE_WAIT if timeout is None else timeout)
 
     async def settled_match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """:meth:`match`, once every closed generation that would give ``prompt`` a longer start
-        than the prefixes kept now is over (each sets its end once it has kept its prefix, or
-        failed to): a next turn resumes the prefix its previous turn is still keeping."""
+        """:meth:`match`, once every closed generation that would give ``prompt`` a longer start is over."""
         want = np.asarray(prompt, dtype=np.int64)
         t0, waited = time.monotonic(), False
         while True:
@@ -131,10 +110,7 @@ class PrefixIndex:
         return ended
 
     async def after(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
-        """Wait (at most ``timeout``, default ``SETTLE_WAIT``) for the relayed generations
-        ``request_ids`` still running here to be over: the relay gave them up (their answers were
-        complete) before it sent the request that waits, which may be their conversation's next
-        turn (whose :meth:`settled_match` then waits for their keeps)."""
+        """Wait up to ``timeout`` for the relayed generations ``request_ids`` a relay gave up to be over."""
         with self._lock:
             pending = [e for r in request_ids if (e := self._relayed.get(r)) is not None and not e.is_set()]
         if pending:
@@ -177,9 +153,7 @@ class PrefixIndex:
         return key
 
     def forget(self, key: str, why: str = "") -> None:
-        """A stage did not hold ``key`` (``why``: its refusal). A cache that cannot be cut back
-        (meshnode.model.prefixes.CANNOT_CUT) misses that way every time: from then on only whole
-        kept prefixes are resumed."""
+        """A stage did not hold ``key``; after CANNOT_CUT only whole kept prefixes are resumed."""
         with self._lock:
             self._kept.pop(key, None)
         if CANNOT_CUT in why:
