@@ -109,7 +109,7 @@ class LocalSession:
 
     def prepare(self) -> bool:
         """Build the next one-position step on a placeholder while a remote stage before this one
-        works (MLX builds graphs in Python, ~0.2-0.3 ms a layer); False where that cannot be done."""
+        works (building an MLX graph in Python is slow); False where that cannot be done."""
         build_ahead = getattr(self._shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
         take_back(self)
         self._prepared = build_ahead(self.cache) if build_ahead is not None else None
@@ -274,9 +274,8 @@ class PipelineModel:
         return PassPipe(self.state.sessions, held, wait=_wait_idle)
 
     def alone(self) -> None:
-        """The next step goes through the stages on its own (never in a batch) and promises nothing.
-        The request decodes all the same: others that start decoding see it and batch (a
-        speculating request then stops sending passes: meshnode.serving.speculative)."""
+        """The next step goes through the stages on its own and promises nothing; others that start
+        decoding still see this request and batch."""
         self._promised = False
         if self._batcher is not None:
             if not self._decoding:
@@ -296,12 +295,8 @@ class PipelineModel:
         return limit if limit is not None else (0, "the last stage cannot say how far its cache can be cut back")
 
     def prefill(self, tokens: Sequence[int], options: PrefillOptions, busy: Callable[[], bool] | None = None) -> int:
-        """Run ``tokens`` through every stage, chunks pipelined (meshnode.serving.prefill); the number of chunks.
-
-        ``busy()``: other generations run on this node now (chunks are then cut short, so they get
-        their turns at every stage). Each stage's measured speed is kept on its handle (the
-        placement's, shared by its requests) to size the next request's first chunk.
-        """
+        """Run ``tokens`` through every stage, chunks pipelined; the number of chunks. ``busy()``:
+        other generations run here now (chunks are cut short)."""
         sessions = self.state.sessions
         seed = [getattr(stage, "prefill_rate", None) for stage in self._stages]
         sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed,
@@ -322,9 +317,8 @@ class PipelineModel:
         return chunks
 
     def keep(self, key: str, positions: int) -> bool:
-        """Ask every stage to keep this request's KV of its first ``positions`` (what was fed)
-        under ``key``; whether all of them took it (a stage that cannot, a tensor group, makes
-        the prefix useless)."""
+        """Ask every stage to keep this request's first ``positions`` of KV under ``key``; whether
+        all did (one that cannot makes the prefix useless)."""
         if self.state is None or not all(hasattr(s, "keep") for s in self.state.sessions):
             return False
         return all([session.keep(key, positions) is not False for session in self.state.sessions])
@@ -360,12 +354,9 @@ def generate_tokens(
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
-    With pipelined prefill, every prompt token but the last first streams through the stages in
-    chunks (meshnode.serving.prefill); generate_step then gets the filled cache and the last token, and
-    samples and decodes exactly as it does for a prompt it prefilled itself. ``keep``: where the
-    prompt cache remembers what the stages were asked to keep at the end (``model.resume``: the
-    start they resume from); ``ended`` is set once that is done. ``speculation``: the placement's
-    speculative decoding (meshnode.serving.speculative), for a request that can use it.
+    Pipelined prefill fills the caches with all but the last prompt token; generate_step then
+    samples as for a prompt it prefilled itself. ``keep``: where the prompt cache records what the
+    stages kept at the end; ``ended`` is set once that is done.
     """
     sampler = make_request_sampler(params)
     produced: list[int] = []
@@ -472,9 +463,8 @@ class PipelineSource:
         batcher: "StepBatcher | None" = None,
         speculation: Speculation | None = None,
     ):
-        """``prefixes``: the model's prompt cache (what its stages keep), None: off; ``tokenizer``:
-        the model's (structured output masks tokens by their text); ``batcher``: the placement's
-        batched decode steps (meshnode.serving.step_batch), None: every request steps on its own."""
+        """``prefixes``: the prompt cache (None: off); ``batcher``: the placement's batched decode
+        steps (None: every request steps on its own)."""
         self._prefixes, self._tokenizer, self._batcher = prefixes, tokenizer, batcher
         self.speculation = speculation  # speculative decoding (meshnode.serving.speculative), None: off
         self._scheduler = scheduler
@@ -513,9 +503,8 @@ class PipelineSource:
                 log.info("prompt cache: %s; %s", miss, f"resuming from {resume[0]} instead" if resume else
                          f"prefilling all {len(prompt)} tokens")
             finally:
-                # Closed by the API (the answer complete), the generation is still running its
-                # last step and keeping its prefix: the answer waits for that a while, and the
-                # client's next turn for as long as it takes (meshnode.serving.promptcache).
+                # Closed by the API, the generation may still be keeping its prefix: see
+                # meshnode.serving.promptcache for who waits for it.
                 job.cancelled.set()
                 if index is not None:
                     await index.until_kept(ended, [*prompt, *produced])
