@@ -1,16 +1,10 @@
 """Continuous batching where one node holds the whole model (setting ``batching``).
 
-When a placement is a single local stage covering every layer with a plain :class:`Shard`, its
-generations do not each run mlx-lm's ``generate_step`` on a thread of their own (taking turns a
-token each); one loop runs them all with mlx-lm's ``BatchGenerator``: each step decodes a token
-for every running request at once, and new requests join (their prompts prefilled a chunk per
-step beside the decoders) while finished or cancelled ones leave. The loop runs its MLX work
-under the node's baton (meshnode.model.scheduler), a step at a time, so a remote stage's call or
-a shard load still gets its turn between steps.
-
-Per request it keeps what the unbatched path gives: its sampler (seeded draws included:
-meshnode.serving.sampler), its logits processors (penalties, bias, grammar), its log-probabilities,
-and the prompt cache (a request resumes from a copy of a kept prefix, and its KV is kept at the end).
+Where a placement is one local plain :class:`Shard` holding every layer, one loop runs all its
+generations with mlx-lm's ``BatchGenerator``, a token for every request per step, requests joining
+and leaving as they come. The loop holds the node's baton a step at a time, so other MLX work
+gets its turns. Each request keeps what the unbatched path gives it: sampler, processors,
+log-probabilities and the prompt cache.
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ _TOLD_QUANTIZED = False  # the log said once that kv_bits turns batching off
 
 
 def batchable(handles: Sequence[Any]) -> bool:
-    """Whether a placement's stages are one local plain shard holding every layer, whose caches
-    BatchGenerator can hold (not mlx-lm's QuantizedKVCache: with kv_bits, requests take turns)."""
+    """Whether a placement is one local plain shard holding every layer, with batchable caches."""
     if len(handles) != 1:
         return False
     shard = getattr(handles[0], "shard", None)
@@ -59,9 +52,8 @@ def batchable(handles: Sequence[Any]) -> bool:
 
 
 class ShardModel:
-    """The whole-model shard as mlx-lm's BatchGenerator wants a model: ``model(inputs, cache=...)``
-    returns the logits of every position (the family's own forward pass, so its attention mask is
-    made from ``cache[0]`` as mlx-lm's models do: BatchKVCache's left padding is masked)."""
+    """The whole-model shard as BatchGenerator wants a model: logits of every position, the family's
+    own forward masking BatchKVCache's left padding."""
 
     def __init__(self, shard: Shard):
         self.shard = shard
@@ -85,8 +77,7 @@ class _Request:
 
 
 def _guarded(request: _Request, processor):
-    """A processor whose failure (a grammar the answer left) fails its own request only: the batch
-    step goes on with that row's logits unchanged, and the loop then takes the request out."""
+    """A processor whose failure fails its own request only; the batch step goes on."""
 
     def process(tokens, logits):
         if request.error is not None:
@@ -224,9 +215,8 @@ class BatchLoop:
             self._finish(request, request.error)
 
     def _resume(self, prompt: list[int], key: str, positions: int) -> tuple[Any, int]:
-        """A copy of the kept prefix the head chose (the cache, the positions it holds), or, where
-        this store gave it up meanwhile (a generation that ended after the head chose made room for
-        its own), of the best one still kept; (None, 0): prefill the whole prompt."""
+        """A copy of the kept prefix the head chose (cache, positions), else of the best one still
+        kept; (None, 0): prefill the whole prompt."""
         for _ in range(2):
             cache, why = self._store.resume(self._layers, key, positions, self._shard)
             if cache is not None:
@@ -241,8 +231,7 @@ class BatchLoop:
         return None, 0
 
     def _leave(self, cancelled: list[_Request]) -> None:
-        """Requests whose consumer stopped (a stop string, EOS, a closed client) leave the batch;
-        what they fed is kept for the conversation's next turn, as the unbatched path does."""
+        """Requests whose consumer stopped leave the batch, their KV kept for the next turn."""
         if not cancelled:
             return
         caches = self._batch().remove([r.uid for r in cancelled], return_prompt_caches=True)
