@@ -116,3 +116,34 @@ def test_a_quote_past_the_first_pause_is_speculated_from_where_it_begins(model_c
     finally:
         for close in reversed(closers):
             close()
+
+
+def test_where_a_free_drafter_finds_nothing_each_step_promises_the_next(model_case):
+    """A chat answer prompt lookup finds nothing in: every step but the first few promises the
+    peer's stage that the next is plain too, so it builds each step ahead, as without speculation
+    (where the drafter finds nothing only DRY_RUN times in a row, steps went unpromised)."""
+    from meshnode.model.shard import Shard as ShardClass
+
+    name, path, model, tokenizer = model_case
+    prompt = tokenizer.encode(TEXT)
+    closers: list = []
+    built: list[int] = []
+    original = ShardClass.build_ahead
+
+    def counting(self, cache):
+        if self.start == 0:  # the peer's stage
+            built.append(len(built))
+        return original(self, cache)
+
+    try:
+        params = SamplingParams(max_tokens=N)
+        want = plain(model, prompt, N, None)
+        with mock.patch.object(ShardClass, "build_ahead", counting):
+            stages = head_and_peer(path, [0, 2, 4], closers)
+            got = speculate(stages, prompt, params, lambda h: Patchy(h, prompt + want, [], free=True),
+                            costs=FixedCosts())
+        assert got == want, name
+        assert len(built) >= N - DRY_RUN, (name, len(built))
+    finally:
+        for close in reversed(closers):
+            close()

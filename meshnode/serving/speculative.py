@@ -84,19 +84,23 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     # the consumer streams these.
     drawn: list = []
     last_out = None  # when the last pass came out of the pipe
+    promised = False  # the last step promised the stages that this one is plain too
     try:
         while n < max_tokens:
             room = max_tokens - n  # positions that may still yield a token
             if window is not None:
                 room = min(room, window - held - 1)
-            k = 0 if others() else min(length.choose() if fixed is None else fixed, room - 1)
+            k = 0 if others() or promised else min(length.choose() if fixed is None else fixed, room - 1)
             dry = False  # the drafter found nothing for this position (told to ``length`` once)
             if not pipe:
                 drafts = drafter.propose(k) if k > 0 else []
                 if k > 0 and not drafts:
                     dry = True
                     length.dry()
-                fill = depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
+                elif promised and free:  # a promised plain step: would the drafter have found anything?
+                    dry = not drafter.propose(1)
+                fill = not promised and depth > 1 and not others() and (fixed is not None or length.fill_ok(0))
+                promised = False
                 if not drafts and not fill and not pipe.cut_pending:  # a plain step (it may batch)
                     yield from drawn
                     drawn = []
@@ -114,7 +118,9 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                             ask_again()
                             yield sampled(y, logprobs[0], top) if top >= 0 else y
                         continue
-                    model.may_promise = length.paused()
+                    # Where a free drafter finds nothing the next position is likely dry too: the
+                    # step promises that the next is plain, so the stages build it ahead.
+                    model.may_promise = promised = length.paused() or (dry and free)
                     started = time.perf_counter()
                     logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
                     out, logprobs = _draws(logits, [], greedy, sample, params.offset + n)
