@@ -1,15 +1,9 @@
 """Token generation over a chain of stages, with mlx-lm doing the generating.
 
-:class:`PipelineModel` looks like an mlx-lm model to ``mlx_lm.generate.generate_step``: calling
-it runs the request's slice through every stage in order (local shards, or remote stages over
-gRPC) and returns the last stage's logits. mlx-lm keeps doing what it already does: sampling
-(temperature, top_p) and the generation loop. The prompt (all but its last token) is prefilled
-first with its chunks pipelined through the stages (meshnode.serving.prefill).
-
-meshnode.model.scheduler runs all MLX work of the node one piece at a time (:class:`Baton`). Each
-generation has its own thread and gives the baton up while a remote stage works on its
-activation, so concurrent generations overlap across the stages; they take turns a token each
-(fairness) and each keeps its own caches.
+:class:`PipelineModel` looks like an mlx-lm model to ``generate_step``: a call runs every stage in
+order (local or remote) and returns the logits; mlx-lm samples and loops as ever. Each generation
+has its own thread and gives up the MLX baton while a remote stage works, so concurrent
+generations overlap across the stages.
 """
 
 from __future__ import annotations
@@ -108,8 +102,7 @@ class LocalSession:
             self._prefixes.keep(self._layers, key, cache, positions)
 
     def prepare(self) -> bool:
-        """Build the next one-position step on a placeholder while a remote stage before this one
-        works (building an MLX graph in Python is slow); False where that cannot be done."""
+        """Build the next step on a placeholder while a remote stage before it works; False if not."""
         build_ahead = getattr(self._shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
         take_back(self)
         self._prepared = build_ahead(self.cache) if build_ahead is not None else None
@@ -131,8 +124,7 @@ class LocalSession:
         return out
 
     def submit(self, x: mx.array, *, work: int = 0) -> DoneTicket:
-        """Run one prefill chunk now (pipelined prefill); only its effect on the cache matters.
-        (``work``: this thread's claims already carry the request's remaining work.)"""
+        """Run one prefill chunk now; only its effect on the cache matters."""
         take_back(self)
         self.grow(x.shape[1])
         out = self._shard.forward(x, self.cache)
@@ -147,7 +139,6 @@ class LocalSession:
     def forward(self, x: mx.array, all_positions: bool = False) -> mx.array:
         """``all_positions``: the last stage's logits of every position of ``x`` (a speculative pass)."""
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
-        # (A remote stage evaluates when it encodes the activation for the wire.)
         take_back(self)
         self.grow(x.shape[1])
         if not self._shard.spec.is_last:
@@ -202,8 +193,7 @@ class PipelineModel:
 
     def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None,
                  batcher: "StepBatcher | None" = None):
-        """``resume``: (key, positions) of a prefix every stage kept (the prompt cache) to start from;
-        ``batcher``: the placement's, to step in batches while other requests decode too."""
+        """``resume``: (key, positions) of a kept prefix to start from; ``batcher``: the placement's."""
         ends = [0] + [s.end for s in stages]
         if [s.start for s in stages] != ends[:-1]:
             raise ValueError(f"stages do not tile the layers: {[(s.start, s.end) for s in stages]}")
@@ -214,8 +204,7 @@ class PipelineModel:
         self._batcher = batcher
         self._decoding = False
         self._promised = False  # its last step on its own promised the stages that the next comes so too
-        # Whether a one-position step may promise the stages that the next is one too (they then build
-        # it ahead); a speculating request promises only while it does not draft.
+        # Whether a step may promise the next is one position too (a drafting request may not).
         self.may_promise = True
 
     def make_cache(self) -> list[_RequestState]:
@@ -269,13 +258,11 @@ class PipelineModel:
         return x
 
     def passes(self, held: int) -> PassPipe:
-        """Speculative passes through this request's stages (meshnode.serving.passes), which hold
-        ``held`` positions now; such passes step alone (call :meth:`alone` before each)."""
+        """Speculative passes through this request's stages, which hold ``held`` positions now."""
         return PassPipe(self.state.sessions, held, wait=_wait_idle)
 
     def alone(self) -> None:
-        """The next step goes through the stages on its own and promises nothing; others that start
-        decoding still see this request and batch."""
+        """The next step goes through the stages on its own and promises nothing."""
         self._promised = False
         if self._batcher is not None:
             if not self._decoding:
@@ -288,15 +275,13 @@ class PipelineModel:
         return self._batcher is not None and self._batcher.others_decoding(self)
 
     def rewind_limit(self) -> tuple[int | None, str]:
-        """How far a request's caches can be cut back (meshnode.model.rewind.rewind_limit), judged by
-        the head's own stage (the model's cache kinds are the same on every stage)."""
+        """How far a request's caches can be cut back, judged by the head's own stage."""
         last = self._stages[-1]
         limit = getattr(getattr(last, "shard", None), "rewind_limit", None)
         return limit if limit is not None else (0, "the last stage cannot say how far its cache can be cut back")
 
     def prefill(self, tokens: Sequence[int], options: PrefillOptions, busy: Callable[[], bool] | None = None) -> int:
-        """Run ``tokens`` through every stage, chunks pipelined; the number of chunks. ``busy()``:
-        other generations run here now (chunks are cut short)."""
+        """Run ``tokens`` through every stage, chunks pipelined; the number of chunks."""
         sessions = self.state.sessions
         seed = [getattr(stage, "prefill_rate", None) for stage in self._stages]
         sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed,
@@ -317,8 +302,7 @@ class PipelineModel:
         return chunks
 
     def keep(self, key: str, positions: int) -> bool:
-        """Ask every stage to keep this request's first ``positions`` of KV under ``key``; whether
-        all did (one that cannot makes the prefix useless)."""
+        """Ask every stage to keep this request's first ``positions`` of KV; whether all did."""
         if self.state is None or not all(hasattr(s, "keep") for s in self.state.sessions):
             return False
         return all([session.keep(key, positions) is not False for session in self.state.sessions])
@@ -403,8 +387,7 @@ def generate_tokens(
         raise
     finally:
         try:
-            # Every token but the last produced went through every stage: keep that for the next
-            # turn of the conversation (the prompt cache).
+            # Every token but the last went through every stage: keep that for the next turn.
             fed = list(prompt) + produced[:-1]
             if finished and keep is not None and produced and len(fed) >= MIN_REUSE:
                 key = prefix_key(fed)
@@ -463,8 +446,7 @@ class PipelineSource:
         batcher: "StepBatcher | None" = None,
         speculation: Speculation | None = None,
     ):
-        """``prefixes``: the prompt cache (None: off); ``batcher``: the placement's batched decode
-        steps (None: every request steps on its own)."""
+        """``prefixes``: the prompt cache (None: off); ``batcher``: batched decode steps (None: off)."""
         self._prefixes, self._tokenizer, self._batcher = prefixes, tokenizer, batcher
         self.speculation = speculation  # speculative decoding (meshnode.serving.speculative), None: off
         self._scheduler = scheduler
