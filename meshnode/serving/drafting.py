@@ -85,13 +85,13 @@ class DraftModel:
         self.vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
 
     @classmethod
-    def load(cls, name: str) -> "DraftModel":
+    def load(cls, name: str) -> DraftModel:
         from mlx_lm import load
 
         model, _ = load(name)
         return cls(model, name)
 
-    def drafter(self, tokens: Sequence[int]) -> "ModelDrafter":
+    def drafter(self, tokens: Sequence[int]) -> ModelDrafter:
         return ModelDrafter(self.model, tokens)
 
 

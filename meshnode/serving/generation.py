@@ -22,16 +22,16 @@ from mlx_lm.generate import generate_step
 from meshnode.model.decode_batch import take_back
 from meshnode.model.prefixes import prefix_key
 from meshnode.model.rewind import rewind
+from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.model.shard import Shard
 from meshnode.model.wire import Placeholder
-from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
-from meshnode.serving.sampling import SamplingParams
-from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
 from meshnode.serving.passes import PassPipe
 from meshnode.serving.prefill import ChunkSizer, DoneTicket, pipelined_prefill, wait_first
+from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
+from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
+from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
 from meshnode.tracing import mark
-from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.transport.refusals import PrefixMiss
 
 if TYPE_CHECKING:
@@ -58,21 +58,21 @@ class StageHandle(Protocol):
 class StepBatcher(Protocol):
     """A placement's batched decode steps (meshnode.serving.step_batch.StepBatcher)."""
 
-    def decoding(self, model: "PipelineModel") -> None: ...
+    def decoding(self, model: PipelineModel) -> None: ...
 
-    def others_decoding(self, model: "PipelineModel") -> bool: ...
+    def others_decoding(self, model: PipelineModel) -> bool: ...
 
-    def alone(self, model: "PipelineModel") -> None: ...
+    def alone(self, model: PipelineModel) -> None: ...
 
-    def leave(self, model: "PipelineModel") -> None: ...
+    def leave(self, model: PipelineModel) -> None: ...
 
-    def step(self, model: "PipelineModel", x: mx.array) -> mx.array: ...
+    def step(self, model: PipelineModel, x: mx.array) -> mx.array: ...
 
 
 class LocalSession:
     remote = False
 
-    def __init__(self, shard: Shard, prefixes: "PrefixStore | None" = None, resume: tuple[str, int] | None = None):
+    def __init__(self, shard: Shard, prefixes: PrefixStore | None = None, resume: tuple[str, int] | None = None):
         self._shard = shard
         self._prefixes = prefixes
         self._layers = (shard.start, shard.end)
@@ -162,7 +162,7 @@ class LocalSession:
 class LocalStage:
     """A shard held by this process; ``prefixes``: this node's kept prefixes (the prompt cache)."""
 
-    def __init__(self, shard: Shard, prefixes: "PrefixStore | None" = None):
+    def __init__(self, shard: Shard, prefixes: PrefixStore | None = None):
         self.shard, self.prefixes = shard, prefixes
         self.start, self.end = shard.start, shard.end
 
@@ -192,7 +192,7 @@ class PipelineModel:
     """An mlx-lm-callable model made of stages covering layers [0, L) in order."""
 
     def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None,
-                 batcher: "StepBatcher | None" = None):
+                 batcher: StepBatcher | None = None):
         """``resume``: (key, positions) of a kept prefix to start from; ``batcher``: the placement's."""
         ends = [0] + [s.end for s in stages]
         if [s.start for s in stages] != ends[:-1]:
@@ -334,7 +334,7 @@ def generate_tokens(
     keep: PrefixIndex | None = None,
     ended: threading.Event | None = None,
     tokenizer=None,
-    speculation: "Speculation | None" = None,
+    speculation: Speculation | None = None,
 ) -> Iterator[int]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
@@ -411,7 +411,7 @@ class Ending:
     def __init__(self, tokens: Iterator, ended: threading.Event):
         self._tokens, self._ended = tokens, ended
 
-    def __iter__(self) -> "Ending":
+    def __iter__(self) -> Ending:
         return self
 
     def __next__(self):
@@ -443,7 +443,7 @@ class PipelineSource:
         prefill: PrefillOptions | None = None,
         prefixes: PrefixIndex | None = None,
         tokenizer=None,
-        batcher: "StepBatcher | None" = None,
+        batcher: StepBatcher | None = None,
         speculation: Speculation | None = None,
     ):
         """``prefixes``: the prompt cache (None: off); ``batcher``: batched decode steps (None: off)."""

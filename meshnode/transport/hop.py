@@ -24,26 +24,42 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
 import mlx.core as mx
 from google.protobuf.message import DecodeError
 
-from meshnode.transport.dataport import (HEADER, FrameError, connect, recv_frame, recv_frame_into, send_frame,
-                                    send_prepared)
-from meshnode.transport.refusals import StageError, StageRefusal, stage_error
-from meshnode.model.wire import (TAKES_RAW, RawReply, RawRequest, WireError, is_raw, raw_reply_into,
-                                 raw_request_into, to_tensor)
 from meshnode.model.scheduler import mlx_idle, set_priority
+from meshnode.model.wire import (
+    TAKES_RAW,
+    RawReply,
+    RawRequest,
+    WireError,
+    is_raw,
+    raw_reply_into,
+    raw_request_into,
+    to_tensor,
+)
 from meshnode.proto import mesh_pb2
 from meshnode.tracing import mark
+from meshnode.transport.dataport import (
+    HEADER,
+    FrameError,
+    connect,
+    recv_frame,
+    recv_frame_into,
+    send_frame,
+    send_prepared,
+)
+from meshnode.transport.refusals import StageError, StageRefusal, stage_error
 from meshnode.transport.stage import KEPT
 
 if TYPE_CHECKING:
-    from meshnode.trust.auth import ClusterAuth
-    from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
     from meshnode.model.wire import Placeholder
+    from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.trust.auth import ClusterAuth
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +83,7 @@ WRITE_INLINE = 64 * 1024  # larger frames go out from the writer thread: the hea
 StreamHook = Callable[[str], Callable[[int], "Callable[[], None] | None"]]
 
 
-def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
+def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
                   host: str, hook: StreamHook | None = None) -> None:
     """Serve one request's stream to one stage until the head closes it.
 
@@ -102,7 +118,7 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
                 refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
             if msg.keep:  # the request's last message: keep its KV (the prompt cache), then say so
-                run_here(lambda: stage.keep(msg))
+                run_here(partial(stage.keep, msg))
                 send_frame(conn, KEPT_FRAME)
                 continue
             positions = msg.positions if type(msg) is RawRequest else \
@@ -114,11 +130,11 @@ def serve_forward(server: "StageServer", run_here, conn: socket.socket, opening:
             try:
                 stage.admit(positions, msg.rewind)
                 if inside is not None:
-                    run_here(lambda: _run_hook(stage, inside, request_id))
+                    run_here(partial(_run_hook, stage, inside, request_id))
                 if raw:
-                    n = run_here(lambda: _run_raw(stage, msg, out))
+                    n = run_here(partial(_run_raw, stage, msg, out))
                 else:
-                    payload = run_here(lambda: _run_message(stage, msg))
+                    payload = run_here(partial(_run_message, stage, msg))
             except StageRefusal as refusal:
                 if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
                     log.warning("refused a malformed activation from %s for %s: %s", host, request_id, refusal)
@@ -150,7 +166,7 @@ def stream_key(request_id: str, start: int, end: int) -> tuple[str, int, int]:
     return request_id, start, end
 
 
-def _run_hook(stage: "OpenStage", inside: Callable[[], None], request_id: str) -> None:
+def _run_hook(stage: OpenStage, inside: Callable[[], None], request_id: str) -> None:
     """A hook's part of a step (:data:`StreamHook`), on the MLX thread, as a step of the stage:
     what it raises is the stage's fault on this input."""
     server = stage.server
@@ -161,12 +177,12 @@ def _run_hook(stage: "OpenStage", inside: Callable[[], None], request_id: str) -
             raise server.fault(stage.shard, "this input", f"{request_id}'s input", exc) from None
 
 
-def _run_message(stage: "OpenStage", msg: mesh_pb2.ForwardRequest) -> bytes:
+def _run_message(stage: OpenStage, msg: mesh_pb2.ForwardRequest) -> bytes:
     output, seconds = stage.run(msg)
     return mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString()
 
 
-def _run_raw(stage: "OpenStage", msg: "mesh_pb2.ForwardRequest | RawRequest", buf: bytearray) -> int:
+def _run_raw(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest, buf: bytearray) -> int:
     """Run ``msg`` and write its raw reply into ``buf`` after the frame header (saying that raw
     decode steps are welcome on this stream); the reply's length."""
     mark("stage.running")
@@ -194,7 +210,7 @@ class HopSession:
 
     remote = True
 
-    def __init__(self, stage: "RemoteStage", request_id: str, host: str, port: int, *, auth: "ClusterAuth",
+    def __init__(self, stage: RemoteStage, request_id: str, host: str, port: int, *, auth: ClusterAuth,
                  node_id: str, resume: tuple[str, int] | None = None):
         self._stage = stage
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
@@ -222,7 +238,7 @@ class HopSession:
         self._rewind += positions
 
     # -- writing
-    def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> "HopTicket":
+    def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> HopTicket:
         """Send ``x`` without waiting for the reply. ``next_single``: the next message carries one
         position, so the stage may build it ahead; ``work``: ForwardRequest.work."""
         mark("head.submit")
@@ -306,7 +322,7 @@ class HopSession:
         """One activation through the stage and back; other generations use MLX meanwhile."""
         return self.finish(self.submit(x))
 
-    def finish(self, ticket: "HopTicket", into: "Placeholder | None" = None) -> mx.array | None:
+    def finish(self, ticket: HopTicket, into: Placeholder | None = None) -> mx.array | None:
         """The reply to ``ticket`` (``into``: see RemoteStage.accept); other generations use MLX
         while this one waits."""
         if not ticket.done():
@@ -350,8 +366,8 @@ class HopSession:
         self._sock.close()
 
 
-def read_reply(sock: socket.socket, st: "RemoteStage", sent: float, spare: bytearray | None = None,
-               stream: str = "data stream") -> "mesh_pb2.ForwardReply | RawReply":
+def read_reply(sock: socket.socket, st: RemoteStage, sent: float, spare: bytearray | None = None,
+               stream: str = "data stream") -> mesh_pb2.ForwardReply | RawReply:
     """The next reply on a stream to stage ``st`` (into ``spare`` where it fits), waited for while
     the stage is alive; a refusal, a lost stream or a bad reply raises :class:`StageError`."""
     try:
@@ -359,7 +375,7 @@ def read_reply(sock: socket.socket, st: "RemoteStage", sent: float, spare: bytea
             st.check(sent)
         mark("head.readable")
         got = recv_frame_into(sock, spare)
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
                          f"a reply ({FRAME_STALL:.0f} s)") from None
     except (OSError, FrameError, ValueError) as exc:
@@ -377,7 +393,7 @@ def read_reply(sock: socket.socket, st: "RemoteStage", sent: float, spare: bytea
     return reply
 
 
-def lost(st: "RemoteStage", exc: BaseException, stream: str = "data stream") -> StageError:
+def lost(st: RemoteStage, exc: BaseException, stream: str = "data stream") -> StageError:
     return StageError(f"stage [{st.start}, {st.end}) on {st.node_id}: {stream} lost ({exc})")
 
 
@@ -408,7 +424,7 @@ class HopTicket:
     def wait_handle(self) -> HopSession:
         return self.session
 
-    def result(self, into: "Placeholder | None" = None) -> mx.array | None:
+    def result(self, into: Placeholder | None = None) -> mx.array | None:
         self.wait()
         session, reply = self.session, self.reply
         session._queued -= self.positions

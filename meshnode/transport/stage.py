@@ -187,8 +187,6 @@ class OpenStage:
         if server.prefixes is not None and resumed:
             server.prefixes.grow(self.layers, resumed)
         self.prepared: tuple[Placeholder, mx.array] | None = None  # the next step, built ahead
-        self.injected_fault: str | None = None  # the next run raises this (nothing sets it now)
-        self.injected_stall = 0.0  # the next run hangs this many seconds (nothing sets it now)
         self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
     def admit(self, positions: int, rewind: int = 0) -> None:
@@ -238,13 +236,6 @@ class OpenStage:
     def _run_array(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> mx.array:
         take_back(self)
         try:
-            if self.injected_stall:
-                stall, self.injected_stall = self.injected_stall, 0.0
-                log.warning("test stall: %.1f s inside a step of %s", stall, msg.request_id or "?")
-                time.sleep(stall)
-            if self.injected_fault is not None:
-                fault, self.injected_fault = self.injected_fault, None
-                raise RuntimeError(fault)
             host = self._host_input(msg.input)
             if self.prepared is not None:  # this step's graph was built ahead: fill in its input
                 placeholder, out = self.prepared

@@ -229,7 +229,7 @@ def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, st
                 raise UnsupportedGGUF(f"{p.name}: computed {array.dtype} {tuple(array.shape)}, "
                                       f"planned {p.dtype} {p.shape}")
             view = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
-            f.write(memoryview(np.ascontiguousarray(np.asarray(view))).cast("B"))
+            f.write(np.ascontiguousarray(np.asarray(view)).data)
             if done is not None:
                 done(p.nbytes)
 
