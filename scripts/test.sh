@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up (a venv in .venv with meshnode and its test extra), run the checks (lint, types,
-# import layers, format), then the whole suite.
+# import layers), then the whole suite.
 # Multi-host tests need root (network namespaces); without root they are skipped with a reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,5 +9,4 @@ export TMPDIR=${TMPDIR:-/tmp}
 .venv/bin/ruff check meshnode
 .venv/bin/mypy meshnode
 .venv/bin/lint-imports
-.venv/bin/ruff format --check meshnode
 exec .venv/bin/python -m pytest -q -ra "$@"
