@@ -92,17 +92,18 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         else:
             cfg.update(num_experts=experts, num_experts_per_tok=used, decoder_sparse_step=1, mlp_only_layers=[],
                        moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True)
-    if model_type == "qwen2":
-        cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     if model_type == "gemma2":
+        # Gemma 2 27B (46 layers) scales its queries by hidden / heads, the others by the head's width
+        scalar = hidden // heads if cfg["num_hidden_layers"] == 46 else cfg["head_dim"]
         cfg.update(attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
                    final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
-                   query_pre_attn_scalar=float(cfg["head_dim"]))
+                   query_pre_attn_scalar=float(scalar))
         window = get("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
     if model_type == "gemma3_text":
-        cfg.update(query_pre_attn_scalar=float(cfg["head_dim"]), rope_local_base_freq=10000.0,
+        cfg.update(query_pre_attn_scalar=float(cfg["head_dim"]),
+                   rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)),
                    sliding_window=int(get("attention.sliding_window", 512)), sliding_window_pattern=6)
     if model_type == "phi3":
         rot = get("rope.dimension_count")
