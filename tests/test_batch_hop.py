@@ -46,7 +46,7 @@ def served(request, tmp_path):
                           server, scheduler.run_here, conn, opening, host))
     first = next(iter(shards.values()))
     stages = [RemoteStage(node_id="peer", channel=mock.MagicMock(), loop=None, start=a, end=b, epoch=EPOCH,
-                          hidden_size=first.hidden_size if b < LAYERS else 512, dtype=first.dtype, hop_timeout=5.0)
+                          hidden_size=first.hidden_size if b < LAYERS else 512, hop_timeout=5.0)
               for a, b in shards]
     yield path, server, data, auth, stages
     data.close()

@@ -18,12 +18,12 @@ from unittest import mock
 import aiohttp
 import pytest
 
-from meshnode.transport.refusals import StageError
-from meshnode.transport.stage import RemoteSession, RemoteStage, RemoteTicket
-from meshnode.serving.generation import SamplingParams
 from meshnode.model.build import build_model
+from meshnode.serving.generation import SamplingParams
 from meshnode.serving.prefill import BUSY_MIN_CHUNK, SHARED_STEP, TURN, ChunkSizer
 from meshnode.serving.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
+from meshnode.transport.refusals import StageError
+from meshnode.transport.stage import RemoteSession, RemoteStage, RemoteTicket
 from tests.helpers import running_node
 
 TRUE = list(range(100, 120))
@@ -110,7 +110,7 @@ def test_await_while_alive_waits_past_any_deadline_and_stops_when_the_peer_does(
 
 def _remote_stage(alive):
     return RemoteStage(node_id="n1", channel=mock.MagicMock(), loop=None, start=0, end=4, epoch=1,
-                       hidden_size=8, dtype=__import__("mlx.core").core.float32, hop_timeout=0.2, alive=alive)
+                       hidden_size=8, hop_timeout=0.2, alive=alive)
 
 
 def test_a_reply_is_awaited_while_the_stage_heartbeats():
@@ -193,9 +193,9 @@ def test_access_log_off_by_setting(model_path, tmp_path, caplog):
 def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
     import grpc
 
+    from meshnode.proto import mesh_pb2
     from meshnode.transport.refusals import StageRefusal
     from meshnode.transport.stage import StageServer
-    from meshnode.proto import mesh_pb2
 
     server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64)
     server.serve(3, {})

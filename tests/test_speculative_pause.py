@@ -63,7 +63,7 @@ def head_and_peer(path, cuts, closers):
                                                                         host))
     closers += [scheduler.stop, data.close]
     return [RemoteStage(node_id="peer", channel=mock.MagicMock(), loop=None, start=a, end=b, epoch=EPOCH,
-                        hidden_size=shard.hidden_size, dtype=shard.dtype, hop_timeout=5.0,
+                        hidden_size=shard.hidden_size, hop_timeout=5.0,
                         data_port=("127.0.0.1", data.port), auth=auth, caller="head", data_session=HopSession)
             for (a, b), shard in shards.items()] + [LocalStage(Shard(path, cuts[-2], cuts[-1]))]
 

@@ -336,7 +336,7 @@ def stage_handles(served: ServedModel, plan) -> list:
             handles.append(RemoteStage(
                 node_id=node_id, channel=served.mesh.data_channel(node_id), loop=loop,
                 start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
-                hidden_size=served.profile.hidden_size, dtype=next(iter(served.shards.values())).dtype,
+                hidden_size=served.profile.hidden_size,
                 hop_timeout=served.settings.failure_timeout, observe=served.metrics.hop_observer(node_id),
                 data_port=served.mesh.data_port_of(node_id), auth=served.auth, caller=served.node_id,
                 alive=functools.partial(served.mesh.heard_within, node_id),

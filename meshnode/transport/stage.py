@@ -42,7 +42,6 @@ from meshnode.model.wire import (
     WireError,
     check_activation,
     check_tokens,
-    dtype_name,
     host_array,
     to_array,
     to_tensor,
@@ -404,7 +403,6 @@ class RemoteStage:
         end: int,
         epoch: int,
         hidden_size: int,
-        dtype: mx.Dtype,
         hop_timeout: float,
         request_timeout: float = 3600.0,
         observe: Callable[[float, int, float, str], None] | None = None,
@@ -429,7 +427,6 @@ class RemoteStage:
         self.loop = loop
         self.start, self.end, self.epoch, self.model = start, end, epoch, model  # model: "" = the peer's first
         self.hidden_size = hidden_size
-        self.dtype_name = dtype_name(dtype)
         self.hop_timeout = hop_timeout  # connecting to the stage (a refused or silent port is lost)
         self.poll = min(POLL, hop_timeout / 2)
         self.request_timeout = request_timeout
