@@ -128,11 +128,12 @@ class _Worker:
             return str(exc)
         return ""
 
-    def step(self, op: int, slot: int, x: mx.array | None, flags: int = 0) -> mx.array | None:
-        """One command, run identically on every rank."""
-        if op == _OP_CLOSE:
-            self.caches.pop(slot, None)
-            return None
+    def close(self, slot: int) -> None:
+        """CLOSE, identically on every rank: drop the slot's KV."""
+        self.caches.pop(slot, None)
+
+    def step(self, slot: int, x: mx.array, flags: int = 0) -> mx.array:
+        """One FORWARD, run identically on every rank."""
         cache = self.caches.get(slot)
         if cache is None:
             cache = self.caches[slot] = self.shard.make_cache()
@@ -173,7 +174,7 @@ class _Worker:
                 return  # the node is done with this group: closing the connections stops the rest
             if cmd.op == mesh_pb2.WorkerCommand.CLOSE:
                 self._tell(_OP_CLOSE, cmd.slot)
-                self.step(_OP_CLOSE, cmd.slot, None)
+                self.close(cmd.slot)
                 continue
             if cmd.op in _PREFIX_OPS:
                 op = _PREFIX_OPS[cmd.op]
@@ -197,7 +198,7 @@ class _Worker:
                 self._tell(_OP_REWIND, cmd.slot, dims=(cmd.rewind,))
             flags = _ALL_POSITIONS if cmd.all_positions else 0
             self._tell(_OP_FORWARD, cmd.slot, cmd.input, flags=flags)
-            result = self.step(_OP_FORWARD, cmd.slot, x, flags)
+            result = self.step(cmd.slot, x, flags)
             write_frame(out, mesh_pb2.WorkerReply(output=to_tensor(result)))
 
     def follow(self, leader: socket.socket) -> None:
@@ -208,7 +209,7 @@ class _Worker:
             except EOFError:
                 return  # rank 0 stopped
             if op == _OP_CLOSE:
-                self.step(op, slot, None)
+                self.close(slot)
                 continue
             if op in (_OP_KEEP, _OP_RESUME, _OP_FORGET):
                 self.prefix_op(op, slot, dims[0], dims[1])
@@ -224,7 +225,7 @@ class _Worker:
             if nbytes > MAX_FRAME:
                 raise TensorGroupError(f"command of {nbytes} bytes exceeds {MAX_FRAME}")
             tensor.data = _read_exact(stream, nbytes)
-            self.step(op, slot, from_tensor(tensor), flags)
+            self.step(slot, from_tensor(tensor), flags)
 
 
 def _hello_mac(secret: bytes, group_id: str, rank: int) -> bytes:
@@ -310,7 +311,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     shard = Shard(args.model, args.start, args.end, group=group)
     shard.kv_bits = args.kv_bits  # each rank quantizes its share of the heads, in groups along head_dim
     try:
-        if rank == 0:
+        if server is not None:  # rank 0
             peers = _accept_followers(server, group.size(), secret, group_id)
             server.close()
         else:

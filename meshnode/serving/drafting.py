@@ -9,7 +9,7 @@ context (code edits, agent turns).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 
 class Drafter(Protocol):
@@ -81,14 +81,14 @@ class DraftModel:
         if not can_trim_prompt_cache(make_prompt_cache(model)):
             raise ValueError(f"draft model {name}: its caches cannot be cut back (recurrent layers)")
         self.model, self.name = model, name
-        self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.nbytes = sum(v.nbytes for v in dict(tree_flatten(model.parameters())).values())
         self.vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
 
     @classmethod
     def load(cls, name: str) -> DraftModel:
         from mlx_lm import load
 
-        model, _ = load(name)
+        model = load(name)[0]
         return cls(model, name)
 
     def drafter(self, tokens: Sequence[int]) -> ModelDrafter:
@@ -139,7 +139,7 @@ class ModelDrafter:
             step = feed[-1:]
             for _ in range(k):
                 logits = self._model(mx.array([step]), cache=self._cache)
-                guesses.append(int(mx.argmax(logits[0, -1]).item()))
+                guesses.append(cast(int, mx.argmax(logits[0, -1]).item()))
                 step = guesses[-1:]
         fed.extend(feed)
         fed.extend(guesses[:-1])
