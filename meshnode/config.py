@@ -99,6 +99,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prefill_step_size": positive_int,
     "pipelined_prefill": parse_bool,
     "prompt_cache": parse_bool,
+    "prompt_cache_disk": checked(parse_size, lambda n: n >= 0, "0 (off) or a size"),
     "batching": parse_bool,
     "batch_stages": bool_or_auto,
     "speculative": checked(lambda v: as_text(v).strip().lower().replace("-", "_"), lambda v: v in SPECULATIVE_CHOICES,
@@ -202,6 +203,8 @@ class Settings:
     pipelined_prefill: bool = True
     #: Keep recent conversations' KV on every stage (the prompt cache).
     prompt_cache: bool = True
+    #: The most the prompt cache may hold on disk, under cache_dir (0: memory only).
+    prompt_cache_disk: int = 32 * 10**9
     #: Where one node holds the whole model, batch its concurrent generations.
     batching: bool = True
     #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only

@@ -79,6 +79,13 @@ class NodeMetrics:
         self.prompt_cache_tokens = Counter("meshnode_prompt_cache_reused_tokens",
                                            "Prompt positions stages here did not compute again (kept prefixes)",
                                            registry=r)
+        self.prompt_cache_disk_hits = Counter("meshnode_prompt_cache_disk_hits",
+                                              "Of the prompt cache hits, those read back from disk", registry=r)
+        self.prompt_cache_disk_tokens = Counter("meshnode_prompt_cache_disk_tokens",
+                                                "Prompt positions read back from disk instead of computed",
+                                                registry=r)
+        self.prompt_cache_disk_written = Counter("meshnode_prompt_cache_disk_written_bytes",
+                                                 "Bytes of kept prefixes written to disk", registry=r)
         self.batched_steps = Counter("meshnode_batched_decode_steps",
                                      "Decode steps of several requests run through the stages as one batch", registry=r)
         self.batched_rows = Counter("meshnode_batched_decode_rows",
@@ -145,9 +152,16 @@ class NodeMetrics:
 
         return observe
 
-    def prompt_cache_resumed(self, positions: int) -> None:
+    def prompt_cache_resumed(self, positions: int, source: str = "memory") -> None:
+        """A request started from a kept prefix, held in memory or read back from disk."""
         self.prompt_cache_hits.inc()
         self.prompt_cache_tokens.inc(positions)
+        if source == "disk":
+            self.prompt_cache_disk_hits.inc()
+            self.prompt_cache_disk_tokens.inc(positions)
+
+    def prompt_cache_written(self, nbytes: int) -> None:
+        self.prompt_cache_disk_written.inc(nbytes)
 
     def batched_step(self, rows: int) -> None:
         self.batched_steps.inc()

@@ -26,7 +26,7 @@ from harness.cluster import HTTP, Cluster, in_ns, wait_mesh
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.model.prefixes import CANNOT_CUT, PrefixStore, prefix_key
-from meshnode.model.scheduler import TokenScheduler
+from meshnode.model.scheduler import Baton, TokenScheduler
 from meshnode.model.shard import Shard
 from meshnode.serving.batching import BatchedSource
 from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
@@ -227,8 +227,8 @@ def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept
     from meshnode.serving.served import prompt_cache
     from meshnode.serving.settings import ServingSettings
 
-    store, index = prompt_cache(ServingSettings.of(Settings(kv_requests=1)),
-                                SimpleNamespace(prompt_cache_resumed=lambda n: None), 100)
+    store, index = prompt_cache(ServingSettings.of(Settings(kv_requests=1, prompt_cache_disk=0)),
+                                SimpleNamespace(prompt_cache_resumed=lambda n, source: None), 100, "m", Baton())
     layers, system = (0, 4), list(range(1000, 1030))
     turns = [system + list(range(k * 100, k * 100 + 10 * (k + 1))) for k in range(3)]  # 40, 50, 60 positions
     for tokens in turns:

@@ -6,6 +6,8 @@ new tokens. The head decides (meshnode.serving.promptcache); a stage that lost t
 
 Kept prefixes live in the KV the plan reserves for ``kv_requests`` requests, least recently used
 out first. Entries are keyed by layer range, not epoch, so they survive a re-plan that keeps them.
+With a :class:`~meshnode.model.prefix_disk.PrefixDisk` every kept prefix is also written to disk,
+and a prefix no longer in memory is read back from there.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+if TYPE_CHECKING:
+    from meshnode.model.prefix_disk import PrefixDisk
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +102,23 @@ def cache_positions(cache: list[Any]) -> int:
 class PrefixStore:
     """This node's kept prefixes, per layer range; thread-safe (stages run on several threads)."""
 
-    def __init__(self, capacity: int, on_resume: Callable[[int], None] | None = None,
-                 on_drop: Callable[[str], None] | None = None):
-        """``capacity``: positions one layer range may hold, kept and in use; ``on_resume`` and
-        ``on_drop``: told of each resume and each prefix given up for room."""
+    def __init__(self, capacity: int, on_resume: Callable[[int, str], None] | None = None,
+                 on_drop: Callable[[str], None] | None = None, disk: PrefixDisk | None = None,
+                 mlx_turn: Callable[[], Any] | None = None):
+        """``capacity``: positions one layer range may hold, kept and in use; ``on_resume``: told
+        of each resume (positions, "memory" or "disk"); ``on_drop``: of each prefix gone from this
+        node for room; ``disk``: where kept prefixes are written too; ``mlx_turn``: a context
+        holding the node's MLX baton, for reading from disk."""
         self.capacity = max(0, int(capacity))
         self._on_resume, self._on_drop = on_resume, on_drop
+        self.disk = disk
+        self._mlx_turn = mlx_turn or nullcontext
         self._lock = threading.Lock()
         self._kept: dict[Layers, OrderedDict[str, tuple[list[Any], int]]] = {}
         self._in_use: dict[Layers, int] = {}
         self.hits = 0  # requests resumed from a kept prefix
         self.reused_positions = 0  # positions requests did not have to compute again
+        self.disk_hits = 0  # of those, read back from disk
 
     # -- the requests open here
     def grow(self, layers: Layers, positions: int) -> None:
@@ -131,6 +143,8 @@ class PrefixStore:
         if why:
             log.debug("not keeping %s for layers %s: %s", key, layers, why)
             return False
+        if self.disk is not None and not isinstance(cache, KeptElsewhere):
+            self.disk.keep(key, layers, cache[layers[0] : layers[1]], positions)
         with self._lock:
             kept = self._kept.setdefault(layers, OrderedDict())
             kept.pop(key, None)
@@ -138,7 +152,7 @@ class PrefixStore:
             dropped = self._fit(layers)
             held = key in kept
         self._dropped(dropped)
-        return held
+        return held or self.disk is not None
 
     def resume(self, layers: Layers, key: str, positions: int, shard: Any = None) -> tuple[list[Any] | None, str]:
         """A copy of the cache kept under ``key``, cut to ``positions``, for ``shard``; or None and
@@ -149,7 +163,7 @@ class PrefixStore:
             if entry is not None:
                 self._kept[layers].move_to_end(key)
         if entry is None or positions > entry[1]:
-            return None, "not kept here"
+            return self._from_disk(layers, key, positions, shard)
         cache = entry[0]
         if shard is not None and (cache.owner is not shard if isinstance(cache, KeptElsewhere) else
                                   getattr(shard, "owned", None) is None):
@@ -157,11 +171,32 @@ class PrefixStore:
         mine, why = cache.resume(positions) if isinstance(cache, KeptElsewhere) else copy_cut(cache, positions)
         if mine is None:
             return None, why
-        self.hits += 1
-        self.reused_positions += positions
-        if self._on_resume is not None:
-            self._on_resume(positions)
+        self._resumed(positions, "memory")
         return mine, ""
+
+    def _from_disk(self, layers: Layers, key: str, positions: int, shard: Any) -> tuple[list[Any] | None, str]:
+        """A prefix not in memory, read back from disk for ``shard``; or None and why not."""
+        if self.disk is None or shard is None or getattr(shard, "owned", None) is None:
+            return None, "not kept here"
+        with self._mlx_turn():
+            owned, why = self.disk.load(key, layers, positions, shard.owned(shard.cache_template()))
+            if owned is None:
+                log.debug("prompt cache: %s of layers %s not read from disk: %s", key, layers, why)
+                return None, f"not kept here ({why})"
+            cache = shard.make_cache(owned)
+            why = cut_to(cache, positions)
+        if why:
+            return None, why
+        self._resumed(positions, "disk")
+        return cache, ""
+
+    def _resumed(self, positions: int, source: str) -> None:
+        with self._lock:
+            self.hits += 1
+            self.reused_positions += positions
+            self.disk_hits += source == "disk"
+        if self._on_resume is not None:
+            self._on_resume(positions, source)
 
     def forget(self, layers: Layers | None = None) -> None:
         """Drop every prefix kept (for ``layers``, or all): its layers are not served here any more."""
@@ -186,7 +221,8 @@ class PrefixStore:
     def _dropped(self, keys: list[str]) -> None:
         if self._on_drop is not None:
             for key in keys:
-                self._on_drop(key)
+                if self.disk is None or not self.disk.holds(key):
+                    self._on_drop(key)
 
     def _fit(self, layers: Layers) -> list[str]:
         """Give up least recently used prefixes of ``layers`` until all fits; their keys."""

@@ -161,6 +161,10 @@ class Baton:
         finally:
             self.release()
 
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the baton for one piece of work, unless this thread holds it already."""
+        return contextlib.nullcontext() if getattr(_held, "baton", None) is self else self.holding()
+
 
 @contextlib.contextmanager
 def mlx_idle():

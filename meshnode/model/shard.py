@@ -392,16 +392,16 @@ class Shard:
         """How far a request's cache can be cut back (meshnode.model.rewind.rewind_limit)."""
         return rewind_limit(self.cache_template())
 
-    def make_cache(self) -> list[Any]:
-        """A fresh per-request cache: real caches for owned layers, aliases for the rest."""
+    def make_cache(self, owned: list[Any] | None = None) -> list[Any]:
+        """A per-request cache: real caches for owned layers (fresh, or ``owned``), aliases for the rest."""
         start, end = self.spec.start, self.spec.end
         templates = self.cache_template()
         if start == 0 and end == self.spec.num_layers:  # the whole model: the family's own caches
-            return copy.deepcopy(templates)
+            return list(owned) if owned is not None else copy.deepcopy(templates)
         caches: list[Any] = [None] * self.spec.num_layers
         by_kind: dict[tuple, Any] = {}
         for i in range(start, end):
-            caches[i] = copy.deepcopy(templates[i])
+            caches[i] = owned[i - start] if owned is not None else copy.deepcopy(templates[i])
             by_kind.setdefault(_cache_kind(caches[i]), caches[i])
         for i, template in enumerate(templates):
             if caches[i] is None:

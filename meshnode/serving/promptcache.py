@@ -21,10 +21,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from meshnode.model.prefixes import CANNOT_CUT, prefix_key
+
+if TYPE_CHECKING:
+    from meshnode.model.prefix_disk import PrefixDisk
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +63,27 @@ async def _wait_all(events: Sequence[threading.Event], timeout: float | None) ->
 class PrefixIndex:
     """The prefixes this head asked its stages to keep, most recently used last; thread-safe."""
 
-    def __init__(self, entries: int = ENTRIES):
+    def __init__(self, entries: int = ENTRIES, disk: PrefixDisk | None = None):
+        """``disk``: where the tokens of each prefix are written, and read back from at start."""
         self._entries = entries
+        self._disk = disk
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
         self._relayed: dict[str, threading.Event] = {}  # relays' generations running here: set once over
         # Closed generations that may still be keeping their prefix: their tokens and their end.
         self._closed: list[tuple[np.ndarray, threading.Event]] = []
         self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
+        if disk is not None:
+            self._read_back(disk)
+
+    def _read_back(self, disk: PrefixDisk) -> None:
+        """Remember the prefixes most recently kept on disk here (a restarted head's index)."""
+        for key, tokens in disk.recent_tokens(self._entries):
+            if prefix_key(tokens.tolist()) == key:
+                self._kept[key] = tokens
+            else:
+                log.warning("prompt cache: deleted prefix %s from disk: its tokens do not hash to its name", key)
+                disk.discard(key)
 
     async def until_kept(self, ended: threading.Event, tokens: Sequence[int] | None = None,
                          timeout: float | None = None) -> bool:
@@ -150,6 +167,8 @@ class PrefixIndex:
             self._kept[key] = np.asarray(tokens, dtype=np.int64)
             while len(self._kept) > self._entries:
                 self._kept.popitem(last=False)
+        if self._disk is not None:
+            self._disk.keep_tokens(key, tokens)
         return key
 
     def forget(self, key: str, why: str = "") -> None:

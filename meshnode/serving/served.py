@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from meshnode.control.planner.context import UNKNOWN
+from meshnode.model.prefix_disk import PrefixDisk
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
@@ -27,9 +28,11 @@ from meshnode.serving.settings import ServingSettings
 from meshnode.serving.usage import CountedSource, UseCounter
 from meshnode.transport.hop import HopSession
 from meshnode.transport.stage import RemoteStage, StageServer
+from meshnode.weights.manifest import weights_identity
 
 if TYPE_CHECKING:
     from meshnode.control.planner.plans import Plan
+    from meshnode.model.scheduler import Baton
     from meshnode.serving.drafting import DraftModel
 
 log = logging.getLogger(__name__)
@@ -85,7 +88,8 @@ class ServedModel:
         self.engine = Engine(model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
         # The prompt cache: what this node's stages keep, and as a head what it asked them to keep.
-        self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context)
+        weights = f"{model_id}-{weights_identity(f.path)[:12]}"
+        self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context, weights, self.scheduler.baton)
         self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size,
                                         max_chunk=s.placement.prefill_step_size, max_context=self.context,
                                         inject_latency=s.inject_latency_us * 1e-6, prefixes=self.prefixes)
@@ -351,14 +355,21 @@ def request_context(plan, settings: ServingSettings, profile) -> int:
     return settings.max_context or (profile.trained_context if profile is not None else 0) or UNKNOWN
 
 
-def prompt_cache(settings: ServingSettings, metrics, context: int) -> tuple[PrefixStore | None, PrefixIndex | None]:
-    """A node's prompt cache (off: None, None), sized to the KV the plan reserves."""
+def prompt_cache(settings: ServingSettings, metrics, context: int, model: str,
+                 baton: Baton) -> tuple[PrefixStore | None, PrefixIndex | None]:
+    """A node's prompt cache (off: None, None), sized to the KV the plan reserves, and on disk
+    under the cache folder when ``prompt_cache_disk`` allows it."""
     if not settings.prompt_cache:
         return None, None
-    index = PrefixIndex()
-    # A prefix given up here is gone from at least this stage: the head stops offering it.
+    disk = None  # ``model``: the model id and its weights' identity, which names the folder
+    if settings.prompt_cache_disk > 0:
+        disk = PrefixDisk(settings.cache_dir / "prompt-cache", model, settings.prompt_cache_disk,
+                          on_write=metrics.prompt_cache_written)
+    index = PrefixIndex(disk=disk)
+    # A prefix gone from this node is gone from at least this stage: the head stops offering it.
     store = PrefixStore(settings.kv_requests * context, on_resume=metrics.prompt_cache_resumed,
-                        on_drop=lambda key: index.forget(key, "given up for room"))
+                        on_drop=lambda key: index.forget(key, "given up for room"), disk=disk,
+                        mlx_turn=baton.turn)
     return store, index
 
 

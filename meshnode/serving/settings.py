@@ -46,6 +46,7 @@ class ServingSettings:
     max_context: int
     kv_requests: int
     prompt_cache: bool
+    prompt_cache_disk: int
     max_tokens_limit: int
     inject_latency_us: float
     heartbeat_interval: float
@@ -58,7 +59,8 @@ class ServingSettings:
     @classmethod
     def of(cls, s: Settings) -> ServingSettings:
         return cls(cache_dir=s.resolved_cache_dir(), max_context=s.max_context, kv_requests=s.kv_requests,
-                   prompt_cache=s.prompt_cache, max_tokens_limit=s.max_tokens_limit,
+                   prompt_cache=s.prompt_cache,
+                   prompt_cache_disk=s.prompt_cache_disk, max_tokens_limit=s.max_tokens_limit,
                    inject_latency_us=s.inject_latency_us, heartbeat_interval=s.heartbeat_interval,
                    failure_timeout=s.failure_timeout, failover_deadline=s.failover_deadline,
                    load_timeout=s.load_timeout, group_ready_timeout=s.group_ready_timeout,

@@ -149,8 +149,8 @@ class StageServer:
         try:
             async for msg in requests:
                 try:
-                    if stage is None:
-                        stage = self.open(msg)
+                    if stage is None:  # a resume may read a kept prefix back from disk: off the loop
+                        stage = await asyncio.to_thread(self.open, msg) if msg.resume else self.open(msg)
                     if msg.keep:  # the request's last message: keep its KV, then say it is kept
                         await self.scheduler.call(partial(stage.keep, msg))
                         yield KEPT

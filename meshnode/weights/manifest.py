@@ -33,7 +33,7 @@ from meshnode.weights.weightfiles import (
 
 __all__ = ["CACHE_NAME", "PARTIAL_MARKER", "INDEX_NAME", "build_manifest", "tensors_for_layers", "layers_held",
            "validate_manifest", "model_digest", "safe_relpath", "is_weight_file", "num_layers_of",
-           "manifest_to_dict", "manifest_from_dict", "read_marker"]
+           "manifest_to_dict", "manifest_from_dict", "read_marker", "weights_identity"]
 
 CACHE_NAME = ".meshnode-manifest.json"
 PARTIAL_MARKER = "meshnode-partial.json"
@@ -239,6 +239,21 @@ def read_marker(model_dir: Path | str) -> dict[str, Any] | None:
     if not isinstance(d, dict) or not isinstance(d.get("start"), int) or not isinstance(d.get("end"), int):
         raise ValueError(f"{p}: malformed partial-model marker")
     return d
+
+
+def weights_identity(model_dir: Path | str) -> str:
+    """A cheap name for the weights a folder holds, without reading them: a partial folder's
+    model digest, else a hash of its config and its weight files' names, sizes and times."""
+    marker = read_marker(model_dir)
+    if marker is not None and isinstance(marker.get("digest"), str) and marker["digest"]:
+        return marker["digest"]
+    h = hashlib.sha256()
+    config = Path(model_dir) / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in weight_files(Path(model_dir)):
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def cached_folders(cache_root: Path | str) -> Iterator[tuple[Path, dict[str, Any] | None]]:
