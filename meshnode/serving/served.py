@@ -117,6 +117,8 @@ class ServedModel:
         for shard in self.shards.values():
             close_shard(shard)
         self.shards = {}
+        if self.prefixes is not None and self.prefixes.disk is not None:
+            self.prefixes.disk.close()  # the prefixes still queued are written first
 
     def fault(self, error: str) -> None:
         """This node's computation of the model raised: counted and announced in heartbeats, so the
