@@ -245,9 +245,9 @@ class Node:
 
     async def _announce_models(self, what: str) -> None:
         write_offers(self.settings.resolved_state_dir(), self._offers)
-        self.peers.update_me(models=self.lanes.offered_ids(), holdings=self.served.files.holdings())
+        me = self.peers.update_me(models=self.lanes.offered_ids(), holdings=self.served.files.holdings())
         if self.discovery is not None:
-            await self.discovery.update(self.peers.me)
+            await self.discovery.update(me)
         log.info("%s (offered here: %s)", what, ", ".join(self.lanes.offered_ids()) or "none")
         self.events("models", offered=list(self.lanes.offered_ids()))
         await self.control.beat_now()
@@ -306,7 +306,7 @@ class Node:
         await self._start_http()
         tensor_port = s.tensor_port or self.grpc_port + 1
         self._start_side_ports(tensor_port)
-        files = served.files
+        files, profile = served.files, served.files.loaded_profile
         me = NodeInfo(
             node_id=self.node_id, addresses=self._announced_addresses(), http_port=self.http_port,
             grpc_port=self.grpc_port, memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
@@ -314,13 +314,13 @@ class Node:
             cluster_id=self.cluster_id, models=self.lanes.offered_ids(), started_at=self.started_at,
             tensor_port=tensor_port,
             layer_seconds=await self.scheduler.call(
-                lambda: layer_seconds(files.path, files.profile.num_layers, s.resolved_state_dir(),
-                                      max(files.profile.layer_bytes, default=0))) if files.weights_local else 0.0,
+                lambda: layer_seconds(files.path, profile.num_layers, s.resolved_state_dir(),
+                                      max(profile.layer_bytes, default=0))) if files.weights_local else 0.0,
             holdings=files.holdings(),
         )
         self.peers.start(me)
-        if supports_tensor(files.profile) and files.weights_local:
-            self._tasks.append(asyncio.create_task(self._measure_collectives(), name="meshnode-collective"))
+        if supports_tensor(profile) and files.weights_local:
+            self._tasks.append(asyncio.create_task(self._measure_collectives(me), name="meshnode-collective"))
         if s.mdns:
             self.discovery = Discovery(me, on_change=lambda nid, info: self.peers.on_discovery(nid, info,
                                                                                                self.cluster_id))
@@ -404,18 +404,18 @@ class Node:
             async for reply in replies:  # closed in turn when this stream is (serve_generate's end)
                 yield reply
 
-    async def _measure_collectives(self) -> None:
+    async def _measure_collectives(self, me: NodeInfo) -> None:
         """Time a layer split two ways over a loopback ring here (cached), so the planner prices
-        tensor groups; announced with the next heartbeat."""
-        files = self.served.files
+        tensor groups; announced with the next heartbeat. ``me``: what this node announced at start."""
+        files, profile = self.served.files, self.served.files.loaded_profile
         self.measuring = "a layer split two ways (what tensor parallelism costs here)"
         try:
-            split = await asyncio.to_thread(tensor_layer_seconds, files.path, files.profile.num_layers,
+            split = await asyncio.to_thread(tensor_layer_seconds, files.path, profile.num_layers,
                                             self.settings.resolved_state_dir(),
-                                            max(files.profile.layer_bytes, default=0), self._stopping)
+                                            max(profile.layer_bytes, default=0), self._stopping)
         finally:
             self.measuring = None
-        value = collective_overhead(self.peers.me.layer_seconds, split)
+        value = collective_overhead(me.layer_seconds, split)
         if value > 0:
             self.peers.update_me(collective_seconds=value)
 

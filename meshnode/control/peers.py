@@ -62,12 +62,13 @@ class Peers:
         for channel in self._channels.values():
             await channel.close()
 
-    def update_me(self, **changes) -> None:
-        """Change what this node announces (sent with the next heartbeats)."""
+    def update_me(self, **changes) -> NodeInfo:
+        """Change what this node announces (sent with the next heartbeats); returns it, changed."""
         assert self.me is not None, "the peers are started"
         self.me = dataclasses.replace(self.me, **changes)
         if self.membership is not None:
             self.membership.me = self.me
+        return self.me
 
     def me_pb(self) -> mesh_pb2.NodeInfo:
         assert self.me is not None, "the peers are started"

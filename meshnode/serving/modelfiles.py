@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
 
 from meshnode.weights.gguf_source import is_gguf_spec
@@ -26,6 +27,7 @@ from meshnode.weights.store import ModelStore
 from meshnode.weights.transfer import FetchError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long a node configured with a model it does not hold waits for a peer that holds it.
 MODEL_WAIT_S = 300.0
@@ -44,14 +46,15 @@ class ModelFiles:
         """``model``: a folder or an id (None: the demo); ``store``: the node's shared store;
         ``learned``: a peer's model, whose files come from the peers."""
         self.settings, self.progress, self._event = settings, progress, event
-        self.spec, self._store, self._learned = model, store, learned
+        self.spec, self._shared_store, self._learned = model, store, learned
+        # None until load() reads them
         self.model_id: str | None = None
-        self.path: Path | None = None
         self.profile: ModelProfile | None = None
-        self.tokenizer = None
+        self.tokenizer: TokenizerWrapper | None = None
         self.vocab_size = 0
-        self.store: ModelStore | None = None  # serves held models to peers (Manifest/Fetch)
-        self.source: LayerSource | None = None  # folders holding layer ranges, fetched when missing
+        self._path: Path | None = None
+        self._store: ModelStore | None = None  # serves held models to peers (Manifest/Fetch)
+        self._source: LayerSource | None = None  # folders holding layer ranges, fetched when missing
 
     async def load(self, holders: Holders) -> None:
         """Resolve the model, profile it and load its tokenizer (from peers if this disk lacks it)."""
@@ -61,27 +64,45 @@ class ModelFiles:
             if self._learned:  # not a folder here, nor a Hub download: the peers that offer it have it
                 raise ModelNotFound(f"model {self.spec} is offered by a peer")
             try:
-                self.model_id, self.path = await asyncio.to_thread(resolve_model, self.spec, cache_dir,
-                                                                   self.progress.update)
+                model_id, path = await asyncio.to_thread(resolve_model, self.spec, cache_dir, self.progress.update)
             finally:
                 self.progress.finish()
         except ModelNotFound as exc:  # not on this disk: from a folder fetched earlier, or from peers
-            if not self._learned and (not self.spec or is_gguf_spec(self.spec)
-                                      or Path(self.spec).expanduser().is_absolute()):
+            if not self.spec or (not self._learned and (is_gguf_spec(self.spec)
+                                                        or Path(self.spec).expanduser().is_absolute())):
                 raise
-            self.model_id = self.spec
-            self.path = cached_metadata(peer_models, self.model_id) or await self._from_peers(
-                exc, holders, peer_models)
+            model_id = self.spec
+            path = cached_metadata(peer_models, model_id) or await self._from_peers(exc, model_id, holders, peer_models)
+        self.model_id, self._path = model_id, path
         # What this node serves to peers, and where its layers come from when its disk lacks them.
-        self.store = self._store or ModelStore(peer_models)
-        self.store.add(self.model_id, (self.path if self.weights_local
-                                       else cached_metadata(peer_models, self.model_id) or self.path))
-        self.profile = await asyncio.to_thread(profile_model, self.path, self.model_id)
-        self.source = LayerSource(self.model_id, self.path, peer_models, self.store, self.profile.num_layers)
+        store = self._store = self._shared_store or ModelStore(peer_models)
+        store.add(model_id, path if self.weights_local else cached_metadata(peer_models, model_id) or path)
+        profile = self.profile = await asyncio.to_thread(profile_model, path, model_id)
+        self._source = LayerSource(model_id, path, peer_models, store, profile.num_layers)
         # As mlx_lm.load does: the model's own end-of-sequence ids (generation_config.json included).
-        eos = (await asyncio.to_thread(load_config, self.path)).get("eos_token_id")
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.path, eos_token_ids=eos)
-        self.vocab_size = self.profile.vocab_size or len(self.tokenizer)
+        eos = (await asyncio.to_thread(load_config, path)).get("eos_token_id")
+        tokenizer: TokenizerWrapper = await asyncio.to_thread(load_tokenizer, path, eos_token_ids=eos)
+        self.tokenizer, self.vocab_size = tokenizer, profile.vocab_size or len(tokenizer)
+
+    @property
+    def path(self) -> Path:
+        """The model's folder here (complete, or its small files and some layers from peers)."""
+        return self._loaded(self._path)
+
+    @property
+    def store(self) -> ModelStore:
+        """What this node serves to peers (Manifest/Fetch)."""
+        return self._loaded(self._store)
+
+    @property
+    def loaded_profile(self) -> ModelProfile:
+        """The profile, for callers that run after :meth:`load` (``profile`` is None before)."""
+        return self._loaded(self.profile)
+
+    def _loaded(self, value: T | None) -> T:
+        if value is None:
+            raise RuntimeError(f"model {self.spec}: its files are not loaded yet (ModelFiles.load)")
+        return value
 
     @property
     def weights_local(self) -> bool:
@@ -91,19 +112,19 @@ class ModelFiles:
     def holdings(self) -> tuple[Holding, ...]:
         return holdings_of(self.store)
 
-    async def _from_peers(self, exc: Exception, holders: Holders, peer_models: Path) -> Path:
+    async def _from_peers(self, exc: Exception, model_id: str, holders: Holders, peer_models: Path) -> Path:
         """Wait for a peer that holds the model (static peers, mDNS announcements naming it) and
         fetch its small files."""
-        log.info("%s; asking peers for model %s", exc, self.model_id)
+        log.info("%s; asking peers for model %s", exc, model_id)
         try:
-            async with holders(self.model_id) as candidates:
-                return await metadata_from_peers(self.model_id, peer_models, candidates, deadline_s=MODEL_WAIT_S)
+            async with holders(model_id) as candidates:
+                return await metadata_from_peers(model_id, peer_models, candidates, deadline_s=MODEL_WAIT_S)
         except FetchError as err:
             raise ModelNotFound(str(err)) from err
 
     def local_layers(self, start: int, end: int) -> Path | None:
         """A folder on this disk holding layers [start, end), or None."""
-        return self.source.local(start, end)
+        return self._loaded(self._source).local(start, end)
 
     async def fetch_layers(self, start: int, end: int, peers: list[tuple[str, Any]]) -> Path:
         """A folder holding layers [start, end) this disk lacks, from ``peers`` or else the Hub."""
@@ -112,8 +133,8 @@ class ModelFiles:
         self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])
         t0 = time.monotonic()
         try:
-            path = await self.source.folder(start, end, peers,
-                                            on_progress=lambda d, n: self.progress.update(task, d, n))
+            path = await self._loaded(self._source).folder(
+                start, end, peers, on_progress=lambda d, n: self.progress.update(task, d, n))
         finally:
             self.progress.finish()
         self._event("fetched", layers=[start, end], seconds=round(time.monotonic() - t0, 2))

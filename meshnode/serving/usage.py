@@ -7,10 +7,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from meshnode.serving.resilience import PlacementLost
+from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class CountedSource:
         self._on_demand, self._loaded, self._deadline, self._give_up = on_demand, loaded, deadline, give_up
         self._model = model
 
-    async def tokens(self, prompt: Sequence[int], params) -> AsyncIterator:
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         c = self.counter
         c.touch()
         if self._on_demand():
