@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
-from meshnode.model.prefixes import cache_positions, prefix_key
+from meshnode.model.prefixes import PrefixStore, cache_positions, prefix_key
 from meshnode.model.scheduler import TokenJob, TokenScheduler, _settle_generation
 from meshnode.model.shard import Shard, any_thread_stream
+from meshnode.serving.generation import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
@@ -36,9 +38,9 @@ _TOLD_QUANTIZED = False  # the log said once that kv_bits turns batching off
 
 def batchable(handles: Sequence[Any]) -> bool:
     """Whether a placement is one local plain shard holding every layer, with batchable caches."""
-    if len(handles) != 1:
+    if len(handles) != 1 or not isinstance(handles[0], LocalStage):
         return False
-    shard = getattr(handles[0], "shard", None)
+    shard = handles[0].shard
     if not (isinstance(shard, Shard) and shard.group_size == 1 and shard.spec.is_first and shard.spec.is_last):
         return False
     if shard.kv_quant_bits:
@@ -51,11 +53,12 @@ def batchable(handles: Sequence[Any]) -> bool:
     return True
 
 
-class ShardModel:
+class ShardModel(nn.Module):
     """The whole-model shard as BatchGenerator wants a model: logits of every position, the family's
     own forward masking BatchKVCache's left padding."""
 
     def __init__(self, shard: Shard):
+        super().__init__()
         self.shard = shard
         self.layers = shard.model.layers
 
@@ -67,11 +70,11 @@ class ShardModel:
 
 
 class _Request:
-    __slots__ = ("prompt", "params", "resume", "ended", "job", "uid", "produced", "grown", "error")
+    __slots__ = ("prompt", "params", "resume", "ended", "job", "produced", "grown", "error")
 
-    def __init__(self, prompt: list[int], params: SamplingParams, resume, ended: threading.Event, job: TokenJob):
+    def __init__(self, prompt: list[int], params: SamplingParams, resume: tuple[str, int] | None,
+                 ended: threading.Event, job: TokenJob):
         self.prompt, self.params, self.resume, self.ended, self.job = prompt, params, resume, ended, job
-        self.uid: int | None = None
         self.produced = self.grown = 0
         self.error: BaseException | None = None
 
@@ -91,14 +94,19 @@ def _guarded(request: _Request, processor):
     return process
 
 
+def _no_tokens() -> Generator[int, None, None]:
+    """A batched request's own generator, never stepped: the loop hands its job the tokens."""
+    yield from ()
+
+
 class BatchLoop:
     """One BatchGenerator over a whole-model shard, driven by a thread that exists while requests run."""
 
-    def __init__(self, scheduler: TokenScheduler, stage, *, prefill_step_size: int = 512,
+    def __init__(self, scheduler: TokenScheduler, stage: LocalStage, *, prefill_step_size: int = 512,
                  prefixes: PrefixIndex | None = None, tokenizer=None):
         self._scheduler = scheduler
         self._shard: Shard = stage.shard
-        self._store = getattr(stage, "prefixes", None)  # the node's kept prefixes (PrefixStore)
+        self._store: PrefixStore | None = stage.prefixes  # the node's kept prefixes
         self._index = prefixes if self._store is not None else None
         self._layers = (self._shard.start, self._shard.end)
         self._tokenizer = tokenizer
@@ -114,8 +122,9 @@ class BatchLoop:
     def running(self) -> int:
         return len(self._running)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, resume, ended: threading.Event) -> TokenJob:
-        job = TokenJob(iter(()), asyncio.get_running_loop())
+    def submit(self, prompt: Sequence[int], params: SamplingParams, resume: tuple[str, int] | None,
+               ended: threading.Event) -> TokenJob:
+        job = TokenJob(_no_tokens(), asyncio.get_running_loop())
         request = _Request(list(prompt), params, resume, ended, job)
         self._scheduler.track(job)
         with self._lock:
@@ -138,7 +147,7 @@ class BatchLoop:
                         return
                 try:
                     self._admit(incoming)
-                    self._leave([r for r in self._running.values() if r.job.cancelled.is_set()])
+                    self._leave({uid: r for uid, r in self._running.items() if r.job.cancelled.is_set()})
                     if self._running:
                         self._step()
                 except Exception as exc:  # noqa: BLE001 - the batch's model step failed: every request in it
@@ -169,18 +178,21 @@ class BatchLoop:
                 continue
             try:
                 params, prompt, skip, cache = request.params, request.prompt, 0, None
-                if request.resume is not None and self._store is not None:
-                    cache, skip = self._resume(prompt, *request.resume)
+                # (a request resumes only where the head matched its prompt: in the index)
+                if request.resume is not None and self._store is not None and self._index is not None:
+                    cache, skip = self._resume(self._store, self._index, prompt, *request.resume)
                 processors = make_request_processors(params, (), self._tokenizer) or []
-                sampler = make_request_sampler(params) if params.temperature > 0 else None  # None: batched argmax
-                (request.uid,) = self._batch().insert(
+                batch = self._batch()
+                # the batch's own sampler: greedy requests share one batched argmax
+                sampler = make_request_sampler(params) if params.temperature > 0 else batch.sampler
+                (uid,) = batch.insert(
                     [prompt[skip:]], max_tokens=[params.max_tokens], caches=[cache] if cache is not None else None,
                     all_tokens=[prompt[:skip]], samplers=[sampler],
                     logits_processors=[[_guarded(request, p) for p in processors]])
             except Exception as exc:  # noqa: BLE001 - this request's own parameters (a bad grammar)
                 self._finish(request, exc)
                 continue
-            self._running[request.uid] = request
+            self._running[uid] = request
             self._grow(request, len(prompt))
 
     def _step(self) -> None:
@@ -191,13 +203,13 @@ class BatchLoop:
         batch.prefill_step_size = min(self._prefill_step_size, DECODING_CHUNK) if decoding else self._prefill_step_size
         _, responses = batch.next()
         self.widest = max(self.widest, len(responses))
-        failed = []
+        failed: list[tuple[int, _Request]] = []
         for response in responses:
             request = self._running.get(response.uid)
             if request is None:
                 continue
             if request.error is not None:
-                failed.append(request)
+                failed.append((response.uid, request))
                 continue
             request.produced += 1
             self._grow(request, 1)
@@ -209,20 +221,21 @@ class BatchLoop:
                 self._release(request)  # its positions are the kept prefix's now, not a request's in use
                 self._keep(response.prompt_cache, response.all_tokens)
                 self._finish(request)
-        for request in failed:
-            self._batch().remove([request.uid])
-            del self._running[request.uid]
+        for uid, request in failed:
+            self._batch().remove([uid])
+            del self._running[uid]
             self._finish(request, request.error)
 
-    def _resume(self, prompt: list[int], key: str, positions: int) -> tuple[Any, int]:
+    def _resume(self, store: PrefixStore, index: PrefixIndex, prompt: list[int], key: str,
+                positions: int) -> tuple[Any, int]:
         """A copy of the kept prefix the head chose (cache, positions), else of the best one still
         kept; (None, 0): prefill the whole prompt."""
         for _ in range(2):
-            cache, why = self._store.resume(self._layers, key, positions, self._shard)
+            cache, why = store.resume(self._layers, key, positions, self._shard)
             if cache is not None:
                 return cache, positions
-            self._index.forget(key, why)
-            again = self._index.match(prompt)
+            index.forget(key, why)
+            again = index.match(prompt)
             if again is None:
                 break
             log.debug("prompt cache: prefix %s: %s; resuming from %s instead", key, why, again[0])
@@ -230,20 +243,20 @@ class BatchLoop:
         log.info("prompt cache: prefix %s: %s; prefilling all %d tokens", key, why, len(prompt))
         return None, 0
 
-    def _leave(self, cancelled: list[_Request]) -> None:
-        """Requests whose consumer stopped leave the batch, their KV kept for the next turn."""
+    def _leave(self, cancelled: dict[int, _Request]) -> None:
+        """Requests whose consumer stopped leave the batch (by uid), their KV kept for the next turn."""
         if not cancelled:
             return
-        caches = self._batch().remove([r.uid for r in cancelled], return_prompt_caches=True)
-        for request in cancelled:
-            del self._running[request.uid]
+        caches = self._batch().remove(list(cancelled), return_prompt_caches=True)
+        for uid, request in cancelled.items():
+            del self._running[uid]
             self._release(request)
-            if request.produced and request.uid in caches:  # decoding: its cache holds what it was fed
-                self._keep(*caches[request.uid])
+            if request.produced and uid in caches:  # decoding: its cache holds what it was fed
+                self._keep(*caches[uid])
             self._finish(request)
 
     def _keep(self, cache, tokens) -> None:
-        if self._index is None or cache is None or not tokens or len(tokens) < MIN_REUSE \
+        if self._store is None or self._index is None or cache is None or not tokens or len(tokens) < MIN_REUSE \
                 or cache_positions(cache) != len(tokens):
             return
         tokens = list(tokens)
@@ -271,9 +284,9 @@ class BatchLoop:
 class BatchedSource:
     """Token ids (or Sampled) of generations run by a :class:`BatchLoop`: PipelineSource's interface."""
 
-    def __init__(self, scheduler: TokenScheduler, stage, *, prefill_step_size: int = 512,
+    def __init__(self, scheduler: TokenScheduler, stage: LocalStage, *, prefill_step_size: int = 512,
                  prefixes: PrefixIndex | None = None, tokenizer=None):
-        self._prefixes = prefixes if getattr(stage, "prefixes", None) is not None else None
+        self._prefixes = prefixes if stage.prefixes is not None else None
         self.loop = BatchLoop(scheduler, stage, prefill_step_size=prefill_step_size, prefixes=self._prefixes,
                               tokenizer=tokenizer)
 
