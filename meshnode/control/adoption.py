@@ -1,6 +1,4 @@
-"""Plan adoption: which plan this node follows, under which epoch.
-
-"""
+"""Plan adoption: which plan this node follows, under which epoch."""
 
 from __future__ import annotations
 
@@ -27,16 +25,14 @@ def describe(plan: Plan) -> str:
 
 
 class Adoption:
-    """Every plan that reaches the node for one model (its own coordinator, an Install, a heartbeat)
-    goes through here: one plan per epoch (meshnode.control.epochs), checked against the model,
-    then handed to the model's :class:`~meshnode.serving.served.ServedModel`."""
+    """Every plan that reaches the node for one model goes through here: one plan per epoch,
+    checked against the model, then handed to its :class:`~meshnode.serving.served.ServedModel`."""
 
     def __init__(self, served: ServedModel, *, grace: float, event: Callable[..., None]):
         self.served = served
-        # Epoch numbers and the rule that keeps one plan per epoch. Nodes started together hear
-        # each other before either publishes (grace).
+        # Nodes started together hear each other before either publishes (grace).
         self.epochs = EpochState(grace=grace)
-        self.changed_at = 0.0  # when the plan held here last changed (the coordinator's dwell)
+        self.changed_at = 0.0  # for the coordinator's dwell
         self._event = event
 
     # ------------------------------------------------------------------ what this node holds
@@ -63,7 +59,7 @@ class Adoption:
 
     # ------------------------------------------------------------------ plans arriving
     def heard_of(self, msg, sender: str) -> None:
-        """A heartbeat (or its reply) from ``sender``: its epoch, and the plan it holds."""
+        """A heartbeat or reply from ``sender``."""
         self.epochs.saw(msg.epoch)
         if msg.HasField("plan") and self.epochs.offered(msg.plan.epoch, msg.plan.coordinator, sender):
             self.adopt_pb(msg.plan, source=sender)

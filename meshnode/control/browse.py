@@ -1,9 +1,4 @@
-"""Listen to mDNS announcements without announcing this node (yet).
-
-A node configured with a model it does not hold must find a peer that holds it before it can
-profile the model and announce itself; :class:`Browser` lists the cluster's announced peers
-meanwhile, with the same checks as :class:`meshnode.control.discovery.Discovery`.
-"""
+"""Browse mDNS without announcing: a node lacking its model finds a peer that holds it first."""
 
 from __future__ import annotations
 

@@ -32,11 +32,10 @@ log = logging.getLogger(__name__)
 
 # A working plan is replaced only by one estimated this much faster per token (hysteresis).
 REPLAN_GAIN = 0.15
-# A node whose all-reduce cost is not measured yet is assumed this slow, so tensor groups are
-# formed on measurements, not on a guess.
+# Assumed all-reduce cost of an unmeasured node, so tensor groups form on measurements.
 UNMEASURED_COLLECTIVE_S = 250e-6
-# A node whose computation of a model raised this many times holds none of its layers until it
-# restarts: once may be one bad input, twice is a model the node cannot run.
+# Faults after which a node holds none of a model's layers until it restarts: once may be one
+# bad input, twice is a model the node cannot run.
 FAULT_LIMIT = 2
 
 
@@ -59,8 +58,8 @@ def layout(plan: Plan) -> list:
 
 def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
                used: dict[str, int] | None = None) -> list[NodeSpec]:
-    """What the planner needs of each live node, from what it announces, with the memory ``used`` by
-    other models' plans taken off its budget. Layer times are measured for a node's first model only."""
+    """Each live node as the planner sees it, less the memory ``used`` by other models' plans.
+    Layer times are measured for a node's first model only."""
     used = used or {}
     return [NodeSpec(node_id=n.node_id, memory_budget=max(0, n.memory_budget - used.get(n.node_id, 0)),
                      compute=n.compute,
@@ -71,26 +70,22 @@ def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
 
 class Coordinator:
     """Plans one model for the mesh; only the elected node calls :meth:`coordinate`, once a tick.
-
-    It plans again when the members change, a member of the plan restarted, another plan appears
-    under this epoch, and now and then with fresh figures. A working plan is replaced only by one
-    ``REPLAN_GAIN`` faster at two weighings in a row, and not within ``rebalance_dwell`` of the
-    last change, so plans do not flap. It feeds the pure planner what the mesh announces."""
+    A working plan is replaced only by one ``REPLAN_GAIN`` faster at two weighings in a row, and
+    not within ``rebalance_dwell`` of the last change, so plans do not flap."""
 
     def __init__(self, settings: PlanSettings, node_id: str, peers: Peers, adoption: Adoption, *,
                  event: Callable[..., None], used_by_others: Callable[[], dict[str, int]] = dict):
-        """``used_by_others``: bytes each node holds for the other models' plans (meshnode.control.lanes)."""
+        """``used_by_others``: bytes each node holds for the other models' plans."""
         self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption
         self._event, self._used_by_others = event, used_by_others
         self._planned_for: frozenset[str] = frozenset()
-        # started_at of each node of the published plan: a restarted node comes back empty-handed,
-        # so the plan is published again under a new epoch.
+        # started_at of each plan member: a restarted node comes back empty, so republish.
         self._incarnations: dict[str, float] = {}
-        self._planned_at = 0.0  # when the coordinator last weighed a plan
-        self._pending: list | None = None  # a better layout seen at the last re-weighing, to confirm
-        self._forced_note = ""  # why the configured strategy could not be used, last said
-        self._excluded: dict[str, str] = {}  # nodes left out for their faults at the last weighing
-        # The last weighing found that the model fits only if other models' plans make room.
+        self._planned_at = 0.0
+        self._pending: list | None = None  # a better layout, to confirm at the next weighing
+        self._forced_note = ""  # why the configured strategy could not be used
+        self._excluded: dict[str, str] = {}  # nodes left out for their faults
+        # The model fits only if other models' plans make room.
         self.needs_room = False
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
@@ -99,7 +94,7 @@ class Coordinator:
         assert model_id is not None, "a model is coordinated once its metadata is loaded"
         self.needs_room = False
         current_plan = served.plan
-        if current_plan is not None and current_plan.unloaded:  # placing it again (a request wants it)
+        if current_plan is not None and current_plan.unloaded:  # a request wants it
             current_plan = None
         members = frozenset(alive)
         if self.node_id in alive:  # this node's own stall is newer than its announcement
@@ -128,14 +123,14 @@ class Coordinator:
         links = self.peers.link_specs(members)
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
         strategy = None if s.strategy == "auto" else s.strategy
-        held = {nid: layers_of(info.holdings, model_id) for nid, info in alive.items()}  # reuse disks
+        held = {nid: layers_of(info.holdings, model_id) for nid, info in alive.items()}
         try:
             try:
                 desired = self._longest(nodes, preferred=preferred, strategy=strategy, links=links, held=held)
             except PlanError as forced:
                 if strategy is None:
                     raise
-                # A configured strategy is a preference: serving some other way beats not serving.
+                # A configured strategy is a preference: serving another way beats not serving.
                 desired = self._longest(nodes, preferred=preferred, links=links, held=held)
                 if self._forced_note != str(forced):
                     log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,
@@ -143,7 +138,7 @@ class Coordinator:
                     self._forced_note = str(forced)
         except PlanError as exc:
             if self._fits_alone(candidates, links, held):
-                # It fits, but not beside the other models: unloaded until a request asks for it.
+                # Fits, but not beside the other models: unloaded until a request asks for it.
                 self.needs_room = True
                 self._planned_for, self._planned_at = members, now
                 served.plan_error = ""
@@ -173,7 +168,7 @@ class Coordinator:
                 self._planned_for, self._planned_at, self._pending = members, now, None
                 return
             if members == self._planned_for and not preferred_now and self._pending != layout(desired):
-                # The move must win twice in a row, so one noisy figure cannot tear down a group.
+                # Must win twice in a row: one noisy figure cannot tear down a group.
                 self._pending, self._planned_at = layout(desired), now
                 return
             if now - adoption.changed_at < s.rebalance_dwell:
@@ -188,7 +183,7 @@ class Coordinator:
         self._publish(desired)
 
     def unload(self, reason: str) -> None:
-        """Hold the model nowhere; a request for it then waits while the mesh loads it again."""
+        """Hold the model nowhere; a request then waits while the mesh loads it again."""
         model_id = self.adoption.served.model_id
         assert model_id is not None, "a model is unloaded once its metadata is loaded"
         log.info("unloading model %s: %s", model_id, reason)
@@ -226,7 +221,7 @@ class Coordinator:
         return True
 
     def estimate_now(self) -> float | None:
-        """Seconds per token of the current plan by today's figures (its own estimate may predate them)."""
+        """Seconds per token of the current plan by today's figures."""
         served = self.adoption.served
         if served.plan is None or self.peers.membership is None or served.profile is None:
             return None
@@ -241,7 +236,7 @@ class Coordinator:
             return None
 
     def _with_endpoints(self, plan: Plan, alive: dict[str, NodeInfo]) -> Plan:
-        """Name each tensor group member's ring address: the one the others reach fastest."""
+        """Each tensor group member's ring address: the one the others reach fastest."""
         if all(len(s.nodes) == 1 for s in plan.stages):
             return plan
         measured = self.peers.measured()

@@ -1,10 +1,6 @@
-"""Zero-configuration discovery over mDNS (python-zeroconf, asyncio API).
-
-Each node announces ``<node_id>._meshnode._tcp.local.`` with its NodeInfo and cluster id (never
-the key) in TXT properties, and browses for the others. Other clusters are ignored, malformed
-announcements skipped, duplicate node ids reported. mDNS removals are only hints: heartbeats
-decide liveness. ``python -m meshnode.control.discovery`` prints what it sees (multi-host tests).
-"""
+"""Zero-configuration discovery over mDNS: each node announces its NodeInfo and cluster id (never
+the key) and browses for the others. Removals are only hints; heartbeats decide liveness.
+``python -m meshnode.control.discovery`` prints what it sees."""
 
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_meshnode._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000
 def local_addresses() -> tuple[str, ...]:
-    """This host's IPv4 addresses other than loopback (link-local ones only if there is nothing else)."""
+    """This host's non-loopback IPv4 addresses (link-local ones only if there is nothing else)."""
     import ifaddr  # zeroconf's own dependency
 
     found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
@@ -37,15 +33,15 @@ def local_addresses() -> tuple[str, ...]:
 
 
 class Discovery:
-    """Announce ``me`` and track the peers of the same cluster; ``on_change(node_id, info)`` is told
-    of each peer added, changed or gone (``info=None``)."""
+    """Announce ``me`` and track the cluster's peers; ``on_change(node_id, info)`` hears of each
+    peer added, changed or gone (``info=None``)."""
 
     def __init__(self, me: NodeInfo, *, interfaces=None,
                  on_change: Callable[[str, NodeInfo | None], None] | None = None):
         self._interfaces = interfaces if interfaces is not None else InterfaceChoice.All
         self.me = self._with_addresses(me)
         self.on_change = on_change or (lambda *_: None)
-        self.duplicates: dict[str, set[str]] = {}  # node id -> what was seen of the nodes sharing it
+        self.duplicates: dict[str, set[str]] = {}  # node id -> the nodes sharing it
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
         self._info: AsyncServiceInfo | None = None
@@ -53,7 +49,7 @@ class Discovery:
         self._peers: dict[str, NodeInfo] = {}
         self._resolving: dict[str, asyncio.Task] = {}
         self._quiet: set[str] = set()  # names already logged as foreign or malformed
-        self._server = f"{self.me.node_id}.local."  # our mDNS host name
+        self._server = f"{self.me.node_id}.local."
 
     def _with_addresses(self, me: NodeInfo) -> NodeInfo:
         if me.addresses:
@@ -92,7 +88,7 @@ class Discovery:
             await self._zc.async_register_service(self._info, allow_name_change=False)
         except NonUniqueNameException:
             self._duplicate(self.me.node_id, "another node announced it first")
-            # a host name of our own too, so peers never mix our address records with the other's
+            # our own host name too, so peers never mix our address records with the other's
             self._server = f"{self.me.node_id}-{secrets.token_hex(3)}.local."
             self._info = self._service_info()
             await self._zc.async_register_service(self._info, allow_name_change=True)
@@ -157,7 +153,7 @@ class Discovery:
         self._accept(name, info)
 
     def _accept(self, name: str, info) -> None:
-        """A resolved announcement (kept separate from the network for tests)."""
+        """A resolved announcement (separate from the network for tests)."""
         node = NodeInfo.from_service_info(info, quiet=name in self._quiet)
         if name == self.name:  # our own records: someone else claims them if they differ from ours
             if node is not None and (not set(node.addresses) <= set(self.me.addresses)
@@ -192,7 +188,7 @@ class Discovery:
             log.error("two nodes use node id %s: %s; give one of them another --node-id", node_id, where)
 
     def _recompute(self) -> None:
-        """Peers by node id; if several announcements share an id, the earliest started keeps it."""
+        """Peers by node id; of announcements sharing an id, the earliest started keeps it."""
         groups: dict[str, list[tuple[str, NodeInfo]]] = {}
         for name, node in self._by_name.items():
             groups.setdefault(node.node_id, []).append((name, node))

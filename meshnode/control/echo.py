@@ -1,10 +1,6 @@
-"""The network's own round trip, measured with a bare TCP echo.
-
-A gRPC call from Python costs more than the network it crosses, while a tensor group's ring pays
-only the network, so the planner needs the two apart. The echo (on ``tensor_port + 32``) returns
-each fixed-size frame from a blocking thread, trusting nothing it reads, to at most
-:data:`MAX_CONNECTIONS` clients, each dropped when idle or after :data:`MAX_FRAMES` frames.
-"""
+"""The network's own round trip via a bare TCP echo: a tensor ring pays only the network, a gRPC
+call also the RPC stack, so the planner needs the two apart. The echo trusts nothing it reads and
+bounds clients and frames."""
 
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ IDLE_S = 5.0
 
 class EchoServer:
     def __init__(self, host: str, port: int, delay: float = 0.0):
-        self.delay = delay  # seconds each answer waits (tests and benchmarks inject link latency)
+        self.delay = delay  # seconds per answer: injected link latency for tests
         self._listener = ThreadedListener(host, port, self._serve, name="meshnode-echo",
                                           max_connections=MAX_CONNECTIONS)
         self.port = self._listener.port
@@ -50,11 +46,11 @@ def _read(conn: socket.socket, n: int) -> bytes | None:
 
 
 def echo_rtt(host: str, port: int, samples: int = 12, timeout: float = 2.0) -> tuple[float, float]:
-    """(median round trip, p90 - p10 spread) of ``samples`` frames to an echo; blocking. OSError on failure."""
+    """(median round trip, p90 - p10 spread); blocking. OSError on failure."""
     with socket.create_connection((host, port), timeout=timeout) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         frame = bytes(range(FRAME))
-        conn.sendall(frame)  # warm up: connection set up, buffers in place
+        conn.sendall(frame)  # warm up
         if _read(conn, FRAME) != frame:
             raise OSError("echo answered something else")
         rtts = []

@@ -1,9 +1,5 @@
-"""Who coordinates: one node per connected group, chosen the same way by everyone.
-
-The longest-running live node coordinates (smallest ``started_at``, then node id): every node
-picks the same one, and a newcomer never deposes a healthy coordinator. A coordinator publishes
-under ``max(epoch seen anywhere) + 1``.
-"""
+"""Who coordinates: the longest-running live node (smallest ``started_at``, then node id), so
+every node picks the same one and a newcomer never deposes a healthy coordinator."""
 
 from __future__ import annotations
 

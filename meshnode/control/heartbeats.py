@@ -1,6 +1,4 @@
-"""Heartbeats: how nodes learn that the others are alive, and what they hold.
-
-"""
+"""Heartbeats: how nodes learn that the others are alive, and what they hold."""
 
 from __future__ import annotations
 
@@ -27,17 +25,16 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeats:
-    """Sends and answers heartbeats: this node's :class:`NodeInfo`, its coordinator, and per model
-    its epoch, plan, readiness and plan error; replies add the peers known (gossip). A plan seen
-    either way goes to that model's adoption, so a missed Install still arrives. A peer that
-    refuses the connection is dropped at once; a silent one after ``failure_timeout``."""
+    """Sends and answers heartbeats: node info, coordinator and per-model plan state; replies add
+    known peers (gossip). A plan seen either way goes to adoption, so a missed Install still
+    arrives. A peer refusing the connection is dropped at once, a silent one after ``failure_timeout``."""
 
     def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
                  lanes: Lanes):
         self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at
         self.peers, self.lanes = peers, lanes
-        self.coordinator: str | None = None  # who this node thinks coordinates (set by the control loop)
-        self.goodbyes: set[str] = set()  # peers that said goodbye (leave), as opposed to lost
+        self.coordinator: str | None = None  # set by the control loop
+        self.goodbyes: set[str] = set()  # peers that left, as opposed to lost
 
     # ------------------------------------------------------------------ out
     def _fill(self, msg) -> None:
@@ -55,7 +52,7 @@ class Heartbeats:
                                    waiting=use.waiting)
             if a.plan is not None:
                 state.plan.CopyFrom(plan_to_pb(a.plan, a.plan_coordinator))
-            if lane is self.lanes.primary:  # the fields of a single-model heartbeat: the first model's
+            if lane is self.lanes.primary:  # a single-model heartbeat's fields
                 msg.epoch, msg.ready_epoch, msg.plan_error = state.epoch, state.ready_epoch, state.plan_error
                 if state.HasField("plan"):
                     msg.plan.CopyFrom(state.plan)
@@ -78,7 +75,7 @@ class Heartbeats:
             if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 log.warning("peer at %s refused us (another cluster key?): %s", target, exc.details())
             elif exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
-                # Nothing listens: the process is gone, no need to wait out the failure timeout.
+                # Nothing listens: the process is gone, no need to wait out the timeout.
                 for peer in peers.members.alive_peers().values():
                     if peer.target == target:
                         log.warning("%s refuses connections: its process is gone", peer.info.node_id)
@@ -155,12 +152,12 @@ class Heartbeats:
                                 state.waiting) for model, state in states if state is not msg}
         for model, state in states:
             lane = self.lanes.get(model)
-            if lane is not None:  # else not known here yet: the control loop loads it (Lanes.learn)
+            if lane is not None:  # else the control loop loads it (Lanes.learn)
                 lane.adoption.heard_of(state, info.node_id)
 
 
 def model_states(msg) -> list[tuple[str, Any]]:
-    """(model, its state) of each model a heartbeat tells of (without ``models``: its plan's, else "")."""
+    """(model, state) pairs a heartbeat tells of (without ``models``: its plan's, else "")."""
     if msg.models:
         return [(state.model, state) for state in msg.models[:64]]
     return [(msg.plan.model if msg.HasField("plan") else "", msg)]

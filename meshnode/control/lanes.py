@@ -1,11 +1,6 @@
-"""Several models on one mesh: a lane per model.
-
-A mesh serves every model any live node offers. Each model is a *lane* on every node, with its own
-:class:`ServedModel`, plan adoption, epochs and coordinator state, so a re-plan of one never moves
-another. A node takes part in every lane, also for models it does not offer (their layers may be
-placed on it, fetched from peers). The coordinator plans lanes in turn, each into the memory the
-others leave (:meth:`Lanes.used_by_others`).
-"""
+"""Several models on one mesh: a *lane* per model on every node, with its own plan, epochs and
+coordinator state, so a re-plan of one never moves another. Each lane is planned into the memory
+the others leave."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 30.0  # a peer's model whose files could not be had here is tried again after this long
+RETRY_S = 30.0  # retry loading a peer's model whose files failed here
 
 
 @dataclass
@@ -33,31 +28,31 @@ class Lane:
     served: ServedModel
     adoption: Adoption
     coordinator: Coordinator
-    offered: bool  # this node offers the model (announces it; the mesh serves it for that)
+    offered: bool  # this node announces the model
 
     @property
     def model_id(self) -> str:
-        """The model's id, known once its metadata is loaded (a lane is used only then)."""
+        """Known once its metadata is loaded (a lane is used only then)."""
         model_id = self.served.model_id
         assert model_id is not None, "the lane's model is loaded"
         return model_id
 
 
 class Lanes:
-    """This node's lanes: the ones it offers, loaded at start, and the ones it learns of from peers."""
+    """This node's lanes: the models it offers, and those it learns of from peers."""
 
     def __init__(self, make: Callable[[str | None, bool], Lane], offered: tuple[str | None, ...],
                  withdrawn: frozenset[str] = frozenset()):
-        """``offered``: this node's models, the first the primary; ``withdrawn``: ids no longer offered."""
+        """``offered``: the first is the primary; ``withdrawn``: ids no longer offered."""
         self._make = make
         self._offered, self._withdrawn = offered, withdrawn
-        self.primary: Lane = make(offered[0], True)  # the first model offered; "" names it on the wire
+        self.primary: Lane = make(offered[0], True)  # "" names it on the wire
         self._lanes: dict[str, Lane] = {}
         self._loading: dict[str, asyncio.Task] = {}
-        self._failed: dict[str, float] = {}  # models whose metadata could not be loaded here, and when
+        self._failed: dict[str, float] = {}  # model -> when its metadata failed to load
 
     async def start(self, holders) -> None:
-        """Load every model this node offers: the first must load; another that cannot is left out."""
+        """Load the offered models: the first must load; others that cannot are left out."""
         await self.primary.served.load(holders)
         self._lanes[self.primary.model_id] = self.primary
         for spec in self._offered[1:]:
@@ -70,7 +65,7 @@ class Lanes:
             lane.offered = lane.model_id not in self._withdrawn
 
     async def offer(self, spec: str, holders) -> Lane:
-        """Offer one more model (a folder or an id): its lane, loaded (raises if it cannot be)."""
+        """Offer one more model (a folder or an id); raises if it cannot load."""
         lane = self._lanes.get(spec)
         if lane is None:
             lane = self._make(spec, True)
@@ -81,7 +76,7 @@ class Lanes:
         return lane
 
     def __iter__(self) -> Iterator[Lane]:
-        """The loaded lanes, the primary first, then by model id (the order the coordinator plans in)."""
+        """The loaded lanes, primary first, then by id (the coordinator's planning order)."""
         yield self.primary
         for model_id in sorted(m for m in self._lanes if m != self.primary.model_id):
             yield self._lanes[model_id]
@@ -96,7 +91,7 @@ class Lanes:
         return tuple(lane.model_id for lane in self if lane.offered)
 
     def learn(self, model_ids, holders) -> None:
-        """Models peers announce: start loading each this node has no lane for yet."""
+        """Start loading each model peers announce that has no lane here yet."""
         for model_id in model_ids:
             failed_at = self._failed.get(model_id)
             if not model_id or model_id in self._lanes or model_id in self._loading or \

@@ -1,11 +1,6 @@
-"""Measured links: round-trip time, jitter and bandwidth to every peer, on each of its addresses.
-
-The planner weighs tensor groups against pipelines by link latency, and data should take the
-fastest path (a Thunderbolt bridge rather than Wi-Fi). Each peer address is probed with
-``samples`` small round trips (median = RTT, p90 - p10 = jitter) and two bulk transfers (the
-faster gives the bandwidth: load only slows a transfer), re-measured every ``interval`` seconds,
-one address at a time, so the traffic stays light.
-"""
+"""Measured links: RTT, jitter and bandwidth to every address of every peer, so the planner can
+weigh groups against pipelines and data takes the fastest path. One address at a time, every
+``interval`` seconds; the fastest of the bulk transfers counts (load only slows one)."""
 
 from __future__ import annotations
 
@@ -23,19 +18,19 @@ from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_PROBE_BYTES = 4 * 2**20  # the largest payload a node echoes or accepts in a probe
-BULK_ROUNDS = 2  # bulk transfers per measurement; the fastest counts
+MAX_PROBE_BYTES = 4 * 2**20  # the largest probe payload echoed or accepted
+BULK_ROUNDS = 2
 
 
 @dataclass(frozen=True)
 class LinkStat:
     peer: str
     address: str
-    rtt_us: float  # the network's round trip (TCP echo; the gRPC one where the echo is unreachable)
+    rtt_us: float  # TCP echo round trip (the gRPC one where the echo is unreachable)
     jitter_us: float
-    bandwidth: float  # bytes per second
+    bandwidth: float  # bytes/s
     measured_at: float
-    rpc_rtt_us: float = 0.0  # a small gRPC call's round trip: the network plus the RPC stack
+    rpc_rtt_us: float = 0.0  # a small gRPC call: the network plus the RPC stack
 
     def to_pb(self) -> mesh_pb2.Link:
         return mesh_pb2.Link(peer=self.peer, address=self.address, rtt_us=self.rtt_us, jitter_us=self.jitter_us,
@@ -56,21 +51,20 @@ class LinkStat:
 
 
 def probe_reply(request: mesh_pb2.ProbeRequest) -> mesh_pb2.ProbeReply:
-    """The receiving side: echo back the number of bytes asked for (bounded)."""
+    """Echo back the number of bytes asked for (bounded)."""
     return mesh_pb2.ProbeReply(payload=bytes(min(request.reply_bytes, MAX_PROBE_BYTES)))
 
 
-TYPICAL_MESSAGE = 16 * 2**10  # bytes: a prefill chunk's activation is this order of size
+TYPICAL_MESSAGE = 16 * 2**10  # bytes, the order of a prefill chunk's activation
 
 
 def transfer_seconds(link: LinkStat, nbytes: int = TYPICAL_MESSAGE) -> float:
-    """What one message of ``nbytes`` costs on this path: a one-way trip plus its serialisation."""
+    """A one-way trip plus serialisation of ``nbytes``."""
     return link.rtt_us * 0.5e-6 + nbytes / max(link.bandwidth, 1.0)
 
 
 def best(links: Iterable[LinkStat]) -> LinkStat | None:
-    """The fastest measured path for per-token traffic: least time for a typical message, so a
-    low-latency but throttled path loses to a slightly slower but wide one."""
+    """The path that carries a typical message fastest, so a low-latency but throttled path loses."""
     ranked = sorted(links, key=lambda s: (transfer_seconds(s), s.address))
     return ranked[0] if ranked else None
 
@@ -106,7 +100,7 @@ class LinkProber:
         rtts.sort()
         rtt, jitter = rpc_rtt, rtts[int(0.9 * (len(rtts) - 1))] - rtts[int(0.1 * (len(rtts) - 1))]
         if echo_port:
-            try:  # the network's own round trip, without the RPC stack (see meshnode/control/echo.py)
+            try:  # the network's own round trip, without the RPC stack
                 rtt, jitter = await asyncio.to_thread(echo_rtt, address, echo_port, self.samples, self.timeout)
             except OSError as exc:
                 log.debug("echo of %s at %s:%d failed (%s); RTT from gRPC", peer, address, echo_port, exc)
@@ -120,8 +114,8 @@ class LinkProber:
         return LinkStat(peer, address, rtt * 1e6, jitter * 1e6, bandwidth, time.time(), rpc_rtt * 1e6)
 
     async def refresh(self, peers: dict[str, tuple[tuple[str, ...], int, int]]) -> None:
-        """Measure every stale (peer, address); forget peers that are gone. ``peers`` maps a node
-        id to (its addresses, its gRPC port, its echo port or 0)."""
+        """Measure every stale (peer, address); forget peers that are gone. ``peers``: node id ->
+        (addresses, gRPC port, echo port or 0)."""
         for key in [k for k in self._stats if k[0] not in peers]:
             del self._stats[key]
         now = time.time()
@@ -158,8 +152,7 @@ class LinkProber:
 
 def best_paths(measured: Iterable[tuple[str, LinkStat]],
                members: Iterable[str]) -> dict[frozenset, tuple[str, LinkStat]]:
-    """The fastest measured path between every pair of ``members``, either end's measurement
-    counting: {frozenset({a, b}): (who measured, stat)}."""
+    """The fastest path between each pair of ``members`` by either end: {frozenset({a, b}): (measurer, stat)}."""
     members = set(members)
     out: dict[frozenset, tuple[str, LinkStat]] = {}
     for src, stat in measured:
@@ -173,8 +166,7 @@ def best_paths(measured: Iterable[tuple[str, LinkStat]],
 
 
 def ring_address(measured: Iterable[tuple[str, LinkStat]], member: str, group: Iterable[str]) -> str | None:
-    """The address of ``member`` that the other members of its group reach fastest (their
-    measurements of it), or None when none has measured it yet."""
+    """The address of ``member`` its group reaches fastest; None until measured."""
     others = set(group) - {member}
     stats = [stat for src, stat in measured if src in others and stat.peer == member]
     chosen = best(stats)

@@ -1,9 +1,5 @@
-"""Which peers are alive: heartbeats in, a timeout-based failure detector out.
-
-A peer is alive while we heard from it (its heartbeat to us, or its reply to ours) within
-``failure_timeout``. An mDNS removal is only a hint: the peer is dropped when heartbeats stop,
-or at once when it says goodbye. Pure bookkeeping; the clock is injected for tests.
-"""
+"""Which peers are alive: a peer is alive while we heard from it within ``failure_timeout``.
+An mDNS removal is only a hint; a goodbye drops the peer at once. Pure; the clock is injected."""
 
 from __future__ import annotations
 
@@ -26,10 +22,10 @@ class Peer:
     coordinator: str = ""
     epoch: int = 0
     alive_view: frozenset[str] = field(default_factory=frozenset)
-    # By model: the plan epoch whose shards the peer has loaded (meshnode.control.lanes).
+    # By model: the plan epoch whose shards the peer has loaded.
     ready_epochs: dict[str, int] = field(default_factory=dict)
-    plan_errors: dict[str, str] = field(default_factory=dict)  # by model: why no plan fits ("" = none)
-    uses: dict[str, Use] = field(default_factory=dict)  # by model: its requests there (meshnode.control.demand)
+    plan_errors: dict[str, str] = field(default_factory=dict)  # by model: why no plan fits
+    uses: dict[str, Use] = field(default_factory=dict)  # by model
 
 
 class Membership:
@@ -43,7 +39,7 @@ class Membership:
         self._alive: set[str] = set()
 
     def add_target(self, info: NodeInfo, target: str) -> None:
-        """A peer we learned of (mDNS, gossip): heartbeat it, but it is not alive until it answers."""
+        """A peer learned of (mDNS, gossip): not alive until it answers."""
         if info.node_id == self.me.node_id:
             return
         peer = self.peers.get(info.node_id)
@@ -81,16 +77,14 @@ class Membership:
         return joined, left
 
     def heard_since(self, node_id: str, since: float) -> bool:
-        """We heard from ``node_id`` (or it is this node) at or after ``since`` (this clock). Safe to
-        call from any thread (reads one float)."""
+        """Heard from ``node_id`` (or it is this node) at or after ``since``. Any thread."""
         if node_id == self.me.node_id:
             return True
         peer = self.peers.get(node_id)
         return peer is not None and peer.last_seen >= since
 
     def heard_within(self, node_id: str) -> bool:
-        """``node_id`` is alive by the failure detector's own rule right now (not at the last
-        :meth:`refresh`): heard from within ``failure_timeout``. Any thread."""
+        """Heard from within ``failure_timeout`` now, not as of the last :meth:`refresh`. Any thread."""
         return self.heard_since(node_id, self.clock() - self.failure_timeout)
 
     def alive_peers(self) -> dict[str, Peer]:

@@ -1,5 +1,4 @@
-"""What a node was told to offer at run time (``meshnode models add|remove``, or the HTTP admin call),
-kept in its state folder so a restart by the service manager offers the same models."""
+"""Models offered or withdrawn at run time, kept in the state folder so a restart offers the same."""
 
 from __future__ import annotations
 
@@ -17,11 +16,11 @@ FILE = "models.json"
 
 @dataclass(frozen=True)
 class Offers:
-    added: tuple[str, ...] = ()  # models offered beside the configured ones (folders or ids)
-    withdrawn: tuple[str, ...] = ()  # model ids no longer offered, configured or added
+    added: tuple[str, ...] = ()  # folders or ids beside the configured ones
+    withdrawn: tuple[str, ...] = ()  # model ids
 
     def offered(self, configured: tuple[str | None, ...]) -> tuple[str | None, ...]:
-        """The models to offer: the configured ones, then the added ones (the first stays first)."""
+        """The configured models, then the added ones."""
         return tuple(dict.fromkeys((*configured, *self.added)))
 
     def add(self, spec: str, model_id: str) -> Offers:

@@ -23,21 +23,20 @@ log = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    """Runs the control loop. Each tick: membership and reachability say who is alive; the elected
-    coordinator (meshnode.control.election), if this node, plans each model the mesh serves (a lane
-    per model, meshnode.control.lanes) and loads or unloads models on demand; then each served
-    model keeps its part of the plan loaded and retires older epochs."""
+    """Runs the control loop. Each tick: find who is alive; if this node coordinates, plan each
+    model's lane and load or unload models on demand; then each served model keeps its part of
+    the plan loaded and retires older epochs."""
 
     def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
                  lanes: Lanes, *, event: Callable[..., None], holders=None):
-        """``holders``: opens a search for the peers holding a model learned of from peers."""
+        """``holders``: opens a search for the peers holding a model."""
         self.settings, self.node_id, self.peers, self.lanes = settings, node_id, peers, lanes
         self._event, self._holders = event, holders
         self.heartbeats = Heartbeats(settings, node_id, cluster_id, started_at, peers, lanes)
         self._since = 0.0
-        self._lane_since: dict[str, float] = {}  # when each lane was first seen loaded (rule 4 of epochs)
-        self._loaded_at: dict[str, float] = {}  # unix time each model's plan was first seen loaded here
-        self._no_room: dict[str, frozenset] = {}  # models unloaded for want of room, and the members then
+        self._lane_since: dict[str, float] = {}  # when each lane was first loaded (epochs rule 4)
+        self._loaded_at: dict[str, float] = {}  # unix time each model's plan was first loaded here
+        self._no_room: dict[str, frozenset] = {}  # models unloaded for want of room -> members then
 
     @property
     def coordinator_id(self) -> str | None:
@@ -45,7 +44,7 @@ class ControlPlane:
 
     @property
     def adoption(self):
-        """The first model's plan adoption (a single-model mesh's only one)."""
+        """The first model's plan adoption."""
         return self.lanes.primary.adoption
 
     @property
@@ -66,7 +65,7 @@ class ControlPlane:
             await asyncio.sleep(self.settings.heartbeat_interval)
 
     async def beat_now(self) -> None:
-        """Heartbeat every peer, then tick (also when a plan became ready: tell the mesh now)."""
+        """Heartbeat every peer, then tick."""
         await self.heartbeats.beat_all()
         try:
             self.tick()
@@ -105,8 +104,7 @@ class ControlPlane:
                 lane.served.retire_previous()
 
     def _coordinate(self, alive: dict, offered: set[str]) -> None:
-        """Plan each model in the lanes' order, each into the memory the others leave; unload and
-        load models on demand."""
+        """Plan each model into the memory the others leave; load and unload on demand."""
         now, wall = time.monotonic(), time.time()
         lanes = [lane for lane in self.lanes if lane.model_id is not None]
         uses = {lane.model_id: self.use_of(lane) for lane in lanes}
@@ -126,8 +124,7 @@ class ControlPlane:
                 continue
             use = uses[model]
             if plan is not None and plan.unloaded:
-                # Placed again when a request waits for it, or, if unloaded for want of room, when
-                # the members change.
+                # Placed again when a request waits, or (unloaded for room) when the members change.
                 retry = model in self._no_room and self._no_room[model] != frozenset(alive)
                 if use.waiting or retry:
                     lane.coordinator.coordinate(alive)
@@ -159,6 +156,6 @@ class ControlPlane:
             f"the least recently used idle model, unloaded to make room for {wanted.model_id}")
 
     def use_of(self, lane) -> Use:
-        """The requests for the lane's model over the mesh: this node's and what its peers announce."""
+        """The requests for the lane's model over the mesh."""
         peers = self.peers.membership.alive_peers().values() if self.peers.membership is not None else ()
         return total([lane.served.use_now(), *(p.uses[lane.model_id] for p in peers if lane.model_id in p.uses)])

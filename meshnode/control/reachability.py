@@ -1,8 +1,5 @@
-"""Peers that mDNS shows but that never answer: macOS Local Network privacy, or a firewall.
-
-Such blocks are silent: mDNS still shows the peers, but every call fails. Pure bookkeeping with
-an injected clock, fed from discovery and heartbeats.
-"""
+"""Peers that mDNS shows but that never answer (macOS Local Network privacy, a firewall).
+Pure bookkeeping with an injected clock."""
 
 from __future__ import annotations
 
@@ -26,9 +23,9 @@ HINT = (
 @dataclass
 class _Announced:
     target: str  # host:port of its gRPC server, as announced
-    failing_since: float | None = None  # first failed heartbeat since the last answer (or announcement)
-    error: str = ""  # the last failure
-    reported: bool = False  # said in the log as unreachable (until it answers or is withdrawn)
+    failing_since: float | None = None  # first failure since the last answer or announcement
+    error: str = ""
+    reported: bool = False  # logged as unreachable
 
     def failing_for(self, now: float) -> float:
         """Seconds since the first failed heartbeat (0 while it answers)."""
@@ -36,26 +33,25 @@ class _Announced:
 
 
 class Reachability:
-    """Marks a peer *unreachable* when discovery still announces it but every heartbeat to it failed
-    for ``grace`` seconds; logs how to fix it (at most every ``hint_every`` seconds), lists it in
-    ``/v1/mesh``, and says when it answers again."""
+    """Marks a peer *unreachable* when it is announced but every heartbeat failed for ``grace``
+    seconds; logs a hint (at most every ``hint_every`` seconds) and when it answers again."""
 
     def __init__(self, grace: float, *, clock: Callable[[], float] = time.monotonic, hint_every: float = 900.0):
         self.grace = grace
         self.clock = clock
         self.hint_every = hint_every
-        self._peers: dict[str, _Announced] = {}  # by node id: the peers discovery announces now
+        self._peers: dict[str, _Announced] = {}  # node id -> announced now
         self._hinted_at = float("-inf")
 
     # -- what discovery and heartbeats tell
     def announced(self, node_id: str, target: str) -> None:
-        """Discovery sees ``node_id`` at ``target`` (a new or changed announcement)."""
+        """A new or changed announcement."""
         peer = self._peers.get(node_id)
         if peer is None or peer.target != target:
             self._peers[node_id] = _Announced(target)
 
     def withdrawn(self, node_id: str) -> None:
-        """Discovery no longer sees ``node_id``: whether it answers is the failure detector's business."""
+        """No longer announced; liveness is the failure detector's business."""
         self._peers.pop(node_id, None)
 
     def answered(self, target: str) -> None:
@@ -78,8 +74,7 @@ class Reachability:
                 if p.failing_since is not None and now - p.failing_since >= self.grace}
 
     def check(self) -> list[tuple[int, str, dict]]:
-        """Log lines due now, as (level, message, event fields): a peer that became unreachable
-        (with the hint, unless it was given within ``hint_every``), or answers again."""
+        """Log lines due now, as (level, message, event fields)."""
         now = self.clock()
         out: list[tuple[int, str, dict]] = []
         bad = self.unreachable()
@@ -100,7 +95,7 @@ class Reachability:
         return out
 
     def report(self) -> list[dict]:
-        """For /v1/mesh: each unreachable peer, its address, for how long, the last error."""
+        """Each unreachable peer for /v1/mesh."""
         now = self.clock()
         return [{"node_id": nid, "address": p.target, "seconds": round(p.failing_for(now), 1), "error": p.error}
                 for nid, p in sorted(self.unreachable().items())]

@@ -1,8 +1,5 @@
-"""The options the control plane reads of the node's settings, each part's as a typed object.
-
-The composition root (meshnode.node) builds them from :class:`meshnode.config.Settings`, where
-the options, their defaults and their meaning live.
-"""
+"""The control plane's options as typed objects, built from :class:`meshnode.config.Settings`
+(where the options and their meaning live)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ControlSettings:
-    """What the control loop and its heartbeats read (meshnode.control.plane.ControlPlane)."""
+    """What the control loop and its heartbeats read."""
 
     heartbeat_interval: float
     failure_timeout: float
@@ -29,7 +26,7 @@ class ControlSettings:
 
 @dataclass(frozen=True)
 class PeerSettings:
-    """What the node's view of its peers reads (meshnode.control.peers.Peers)."""
+    """What :class:`meshnode.control.peers.Peers` reads."""
 
     peers: tuple[str, ...]
     mdns: bool
@@ -52,8 +49,7 @@ class PeerSettings:
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """What a model's coordinator reads when it weighs and publishes plans
-    (meshnode.control.coordinator.Coordinator)."""
+    """What a model's coordinator reads."""
 
     strategy: str
     rebalance_dwell: float

@@ -1,11 +1,5 @@
-"""How much context a plan gives its model, when the setting leaves it to the mesh
-(``max_context = 0``): the context the model was trained for, lowered only as far as the mesh's
-memory requires. Pure: no I/O.
-
-The longest context is tried first and halved until a plan fits (not below :data:`FLOOR`). Agents
-need long contexts; beyond :data:`ENOUGH`, the cost model decides whether more context is worth a
-slower token. The plan's reason says which context it got and why.
-"""
+"""The context a plan gives its model when ``max_context = 0``: the trained context, halved only
+as far as the mesh's memory requires (not below :data:`FLOOR`). Pure."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ FLOOR = 4096  # the least context "auto" settles for
 UNKNOWN = 4096  # a model whose config names no context length
 # Tokens of context that serve coding agents: more is taken only where it does not cost speed.
 ENOUGH = 65536
-SLOWER = 1.1  # a longer context's plan may be this much slower per token than the fastest and still win
+SLOWER = 1.1  # how much slower per token a longer context's plan may be and still win
 
 
 def contexts_to_try(trained: int, setting: int) -> list[int]:
@@ -36,12 +30,9 @@ def contexts_to_try(trained: int, setting: int) -> list[int]:
 
 
 def plan_longest_context(make: Callable[[int], Plan], trained: int, setting: int) -> Plan:
-    """``make(max_context)`` for the context this mesh should serve: the setting's, or with "auto"
-    (``setting`` 0) the trained context halved until a plan fits. Raises the PlanError of the
-    last (shortest) context tried.
-
-    Below :data:`ENOUGH` the longest context that fits wins; from there, the longest whose plan is
-    within :data:`SLOWER` of the fastest per token (more KV may need another node and hop)."""
+    """``make(max_context)`` for the setting's context, or with 0 the longest that fits; from
+    :data:`ENOUGH` up, the longest within :data:`SLOWER` of the fastest plan per token (more KV may
+    need another hop). Raises the shortest context's PlanError."""
     tries = contexts_to_try(trained, setting)
     fits: list[tuple[int, Plan]] = []  # longest first
     for i, context in enumerate(tries):

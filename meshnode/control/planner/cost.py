@@ -1,5 +1,4 @@
-"""The cost model: seconds per decoded token of a placement (the formulas are in
-:mod:`meshnode.control.planner`), and which tensor groups a model allows."""
+"""The cost model: seconds per decoded token of a placement, and which tensor groups a model allows."""
 
 from __future__ import annotations
 
@@ -11,23 +10,21 @@ from meshnode.control.planner.plans import LinkSpec, NodeSpec
 from meshnode.weights.profile import ModelProfile
 
 DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: a conservative LAN
-DEFAULT_BYTES_PER_S = 100e9  # weight bytes a node of compute 1.0 streams per second (decode is memory-bound)
-FAST_RTT_S = 200e-6  # a link below this RTT may carry a MoE layer's expert traffic (Thunderbolt, not TCP)
+DEFAULT_BYTES_PER_S = 100e9  # weight bytes/s of a compute-1.0 node (decode is memory-bound)
+FAST_RTT_S = 200e-6  # a link below this RTT may carry MoE expert traffic (Thunderbolt, not TCP)
 TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
-# Nodes whose measured speeds differ by less than this (relative) split layers as equals: like
-# machines measure a few percent apart, and an uneven split would gain nothing and leave
-# overlapping stages waiting on the longest one.
+# Relative speed difference under which nodes split layers as equals: like machines measure a few
+# percent apart, and an uneven split would leave stages waiting on the longest one.
 SAME_SPEED = 0.10
 # Families whose mlx-lm ``shard(group)`` needs only heads, kv heads and intermediate sizes divisible
-# by the group size, checked against mlx-lm in tests/test_tensor.py; other families with shard()
-# stay pipeline-only until they pass there.
+# by the group size (checked against mlx-lm in tests/test_tensor.py).
 TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_k25",
                              "glm4_moe", "glm4_moe_lite", "gpt_oss"})
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def tensor_parallel_problem(profile: ModelProfile) -> str | None:
-    """None when mlx-lm can shard this model over a tensor group; else why not (one sentence)."""
+    """None when mlx-lm can shard this model over a tensor group; else why not."""
     if profile.model_type in TENSOR_FAMILIES:
         return None
     return f"tensor: {profile.model_type or 'this model'} has no tensor-parallel implementation in mlx-lm"
@@ -85,7 +82,9 @@ def kind_of(units) -> str:
 
 
 class CostModel:
-    """Everything the estimates need, precomputed: see the module docstring for the model."""
+    """Everything the estimates need, precomputed. A unit of g nodes on layers [s, e) costs its
+    slowest member's ``s/B * bytes / g`` plus two ring all-reduces per layer, each
+    ``2 (g - 1) (one-way + M / (g * bandwidth)) + collective_s``; k pipeline units add k one-way trips."""
 
     def __init__(self, profile: ModelProfile, nodes: Sequence[NodeSpec], max_context: int,
                  links: Mapping[tuple[str, str], LinkSpec] | None, link_latency_s: float | None, fast_rtt_s: float):
@@ -125,7 +124,7 @@ class CostModel:
         return max(one_way, 0.0), max(spec.bandwidth_Bps, 1.0), known
 
     def hop(self, a: str, b: str) -> tuple[float, float]:
-        """(seconds one way, bandwidth B/s) of a pipeline hop: the network plus the RPC stack."""
+        """(seconds one way, bandwidth B/s) of a pipeline hop, RPC stack included."""
         one_way, bw, _ = self.link(a, b)
         spec = self.links.get((a, b))
         return one_way + (spec.overhead_s / 2 if spec is not None else 0.0), bw
@@ -142,8 +141,8 @@ class CostModel:
         return g == 1 or (group_size_problem(self.p, g) is None and (not self.moe or self.fast(ids)))
 
     def mem(self, s: int, e: int, g: int) -> int:
-        """Bytes each member of a g-node group holding layers [s, e) needs: 1/g of the layers' sharded
-        weights and KV, all of their norms (and MoE routers), the embedding and head whole."""
+        """Bytes per member of a g-node group on layers [s, e): 1/g of the sharded weights and KV;
+        norms, routers, embedding and head whole."""
         if g == 1:
             return self.costs.stage(s, e)
         ends = self.costs.stage(s, e) - (self.costs.prefix[e] - self.costs.prefix[s])
@@ -199,8 +198,8 @@ class CostModel:
         return sorted(f"{a}-{b}" for a, b in pairs if not self.link(a, b)[2])
 
     def split(self, groups: Sequence[Sequence[str]]) -> list[int] | None:
-        """Layer boundaries for these units in this order: the least estimated time within budgets,
-        then the least largest fraction of a budget; equal speeds (within SAME_SPEED) split by memory."""
+        """Layer boundaries for these units in order: least estimated time within budgets, then the
+        least largest fraction of a budget; equal speeds split by memory."""
         n, k = self.n, len(groups)
         if k > n or k == 0:
             return None

@@ -44,8 +44,8 @@ class LayerCosts:
         return lo
 
     def greedy(self, budgets: Sequence[int]) -> bool:
-        """Whether this stage order fits, each stage taking as many layers as it can while leaving
-        one for each later stage. Sound always; exact when no fewer nodes fit (see fitting_order)."""
+        """Whether this order fits, each stage taking all it can while leaving one layer per later
+        stage. Sound always; exact when no fewer nodes fit."""
         start, k = 0, len(budgets)
         for i, b in enumerate(budgets):
             end = self.reach(start, b, self.n - (k - 1 - i))
@@ -56,12 +56,9 @@ class LayerCosts:
 
 
 def _subset_reach(costs: LayerCosts, budgets: Sequence[int]) -> list[int]:
-    """f[mask]: the furthest layer the nodes in mask can cover from layer 0, each holding at least
-    one layer and leaving one for each node not in mask, in the best order (-1: none).
-
-    Taking the furthest reach loses nothing while no smaller set fits: otherwise a node could be
-    dropped from a fitting split.
-    """
+    """f[mask]: the furthest layer the nodes in mask cover from layer 0 in their best order, each
+    holding one layer or more and leaving one per node outside mask (-1: none). The furthest reach
+    loses nothing while no smaller set fits (else a node could be dropped)."""
     k, n = len(budgets), costs.n
     f = [-1] * (1 << k)
     f[0] = 0
@@ -97,8 +94,7 @@ def _natural_orders(nodes: Sequence[NodeSpec]) -> list[tuple[NodeSpec, ...]]:
 
 
 def fitting_order(costs: LayerCosts, nodes: Sequence[NodeSpec]) -> tuple[NodeSpec, ...] | None:
-    """A stage order of these nodes that fits: the given one if it does, else the first along the
-    subset programme's best reaches."""
+    """A fitting stage order: the given one if it fits, else one along the best subset reaches."""
     base = tuple(nodes)
     if costs.greedy([x.memory_budget for x in base]):
         return base
@@ -134,8 +130,8 @@ def fitting_order(costs: LayerCosts, nodes: Sequence[NodeSpec]) -> tuple[NodeSpe
 
 
 def split_layers(costs: LayerCosts, budgets: Sequence[int]) -> list[int] | None:
-    """Layer boundaries [0, b1, ..., n] for stages with these budgets, in this order: the split
-    that minimises the largest fraction of a budget used, then sum(bytes**2 / budget)."""
+    """Boundaries [0, b1, ..., n] minimising the largest fraction of a budget used, then
+    sum(bytes**2 / budget)."""
     n, k = costs.n, len(budgets)
     inf = float("inf")
     # Pass 1: best1[i][e] = least max fraction over splits of layers [0, e) into stages 0..i.
@@ -216,8 +212,8 @@ def _stage_order(subset: Sequence[NodeSpec], preferred: dict[str, int]) -> list[
 
 def memory_plan(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ids: list[str], max_context: int,
                  strategy: str | None, pref: dict[str, int]) -> Plan | None:
-    """The memory-driven single/pipeline plan: the fewest nodes, split by memory (rules 1-3 above).
-    It comes first among the candidates, so it wins every tie of the estimates."""
+    """The memory-driven plan: the fewest nodes, split by memory. It comes first among the
+    candidates, so it wins every tie."""
     n = profile.num_layers
     low = 2 if strategy == "pipeline" else 1
     high = 1 if strategy == "single" else min(len(ranked), n)
@@ -293,8 +289,7 @@ def why_not(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ct
         reasons.append(f"model needs {human_bytes(split_need)} {context} when split over nodes (its tied embedding "
                        f"is held by the first and the last stage); {offer} {human_bytes(offered)}{together} "
                        f"(short by {human_bytes(split_need - offered)})")
-    # The stage holding layer i needs at least stage(i, i + 1): the embedding comes with layer 0,
-    # the norm and head with the last layer.
+    # The stage holding layer i needs at least stage(i, i + 1) (embedding, head at the ends).
     alone = [costs.stage(i, i + 1) for i in range(n)]
     too_big = [i for i in range(n) if alone[i] > largest.memory_budget]
     if too_big and not (n == 1 and reasons):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
-# A model the mesh serves but holds nowhere now (no room, or idle): loaded when a request asks.
+# A model served but held nowhere now (no room, or idle): loaded when a request asks.
 UNLOADED = "unloaded"
 
 
@@ -15,19 +15,19 @@ UNLOADED = "unloaded"
 class NodeSpec:
     node_id: str
     memory_budget: int  # bytes offered for weights + KV cache
-    compute: float = 1.0  # relative speed, higher is faster: used only when layer_seconds is unknown
+    compute: float = 1.0  # relative speed; used only when layer_seconds is unknown
     address: str = ""
-    layer_seconds: float | None = None  # measured decode step of one average layer (None/0: unknown)
-    collective_s: float | None = None  # what one all-reduce adds beyond the wire, measured (None/0: not counted)
+    layer_seconds: float | None = None  # measured decode step of an average layer (None/0: unknown)
+    collective_s: float | None = None  # measured all-reduce cost beyond the wire (None/0: not counted)
 
 
 @dataclass(frozen=True)
 class LinkSpec:
     """A measured link between two nodes (symmetric)."""
 
-    rtt_s: float  # round trip of a small message on the network (what a ring collective pays)
-    bandwidth_Bps: float  # bytes per second
-    overhead_s: float = 0.0  # what the RPC stack adds to a round trip (a pipeline hop pays it too)
+    rtt_s: float  # network round trip of a small message (what a ring collective pays)
+    bandwidth_Bps: float
+    overhead_s: float = 0.0  # what the RPC stack adds to a round trip (pipeline hops pay it)
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class Stage:
     start_layer: int
     end_layer: int  # exclusive
     nodes: tuple[str, ...]  # one node for a pipeline stage
-    bytes: int = 0  # memory the stage needs on its node
-    endpoints: tuple[str, ...] = ()  # tensor group: each member's ring address, by rank
+    bytes: int = 0
+    endpoints: tuple[str, ...] = ()  # tensor group: ring address by rank
 
     @property
     def num_layers(self) -> int:
@@ -45,7 +45,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
-    """Which nodes hold which layers of a model, by stage, with the estimate and reasons behind it."""
+    """Which nodes hold which layers of a model, by stage, with its estimate and reasons."""
 
     model: str
     strategy: str  # "single" | "pipeline" | "tensor" | "hybrid"
@@ -54,8 +54,8 @@ class Plan:
     reason: str = ""
     max_context: int = 0
     estimate_s: float = 0.0  # estimated seconds per decoded token (0: not estimated)
-    alternatives: tuple[dict, ...] = ()  # the best plan of each other strategy, or why it has none
-    kv_bits: int = 0  # KV caches quantized to these bits (meshnode.weights.kvquant); 0: unquantized
+    alternatives: tuple[dict, ...] = ()  # each other strategy's best plan, or why it has none
+    kv_bits: int = 0  # KV cache quantization bits; 0: unquantized
 
     @property
     def unloaded(self) -> bool:

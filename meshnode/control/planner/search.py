@@ -1,5 +1,5 @@
-"""The search over strategies: every candidate placement, estimated by the cost model; the least
-wins, explained with its alternatives. Entry points: plan, estimate, crossover_latency, bytes_to_fetch."""
+"""The search over strategies: every candidate placement estimated; the least wins, explained with
+its alternatives."""
 
 from __future__ import annotations
 
@@ -204,10 +204,9 @@ def plan(
     requests: int = 1,
     kv_bits: int = 0,
 ) -> Plan:
-    """The placement of ``profile`` on ``nodes`` with the least estimated time per token for
-    ``max_context`` tokens of KV (see the package docstring). ``preferred``: the current plan's
-    nodes; ``held``: the layers each node's disk holds, so stages land where their bytes are;
-    ``requests`` and ``kv_bits``: what the KV figures count."""
+    """The placement with the least estimated time per token for ``max_context`` tokens of KV.
+    ``preferred``: the current plan's nodes; ``held``: each node's layers on disk, so stages land
+    where their bytes are."""
     if requests != profile.kv_requests:
         profile = profile.for_requests(requests)
     if kv_bits != profile.kv_bits:
@@ -241,7 +240,7 @@ def plan(
         if node_id not in pref:
             pref[node_id] = len(pref)
     allowed = set(STRATEGIES) if strategy is None else {strategy}
-    if profile.split_problem:  # layers cannot be cut into stages: one node, or a tensor group over all layers
+    if profile.split_problem:  # no stages: one node, or a tensor group over all layers
         if strategy in ("pipeline", "hybrid"):
             raise PlanError([f"{strategy}: {profile.split_problem}"])
         allowed -= {"pipeline", "hybrid"}
@@ -295,7 +294,7 @@ def kv_note(profile: ModelProfile, asked: int) -> str:
 
 def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int,
                   allowed: set[str]) -> tuple[dict, ...]:
-    """The best plan of every other strategy (or why it has none), and the runner-up of the chosen one."""
+    """Each other strategy's best plan (or why none), and the chosen one's runner-up."""
     chosen, est = cands[pick], estimates[pick]
     out = []
     for strategy in STRATEGIES:
@@ -365,8 +364,7 @@ def estimate(
     links: Mapping[tuple[str, str], LinkSpec] | None = None,
     fast_rtt_s: float = FAST_RTT_S,
 ) -> float:
-    """Seconds per decoded token of an existing placement under today's figures (``inf``: a node
-    is missing)."""
+    """Seconds per decoded token of a placement by today's figures (``inf``: a node is missing)."""
     known = {x.node_id for x in nodes}
     if any(n not in known for s in stages for n in s.nodes):
         return float("inf")
@@ -382,9 +380,8 @@ def crossover_latency(
     links: Mapping[tuple[str, str], LinkSpec] | None = None,
     fast_rtt_s: float = FAST_RTT_S,
 ) -> float:
-    """The one-way link latency above which plans with tensor groups stop beating those without:
-    where the lower envelopes of the two families' (linear) estimates meet. 0.0: groups never win;
-    ``inf``: nothing else fits."""
+    """The one-way latency above which tensor-group plans stop beating the others (where the two
+    families' lower envelopes meet). 0.0: groups never win; ``inf``: nothing else fits."""
     plain = _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, {"single", "pipeline"})
     grouped = _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, {"tensor", "hybrid"})
     if not grouped:
