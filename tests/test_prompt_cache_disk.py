@@ -186,3 +186,30 @@ def test_the_head_index_is_rebuilt_from_disk_and_skips_tokens_that_do_not_hash_t
     assert len(rebuilt) == 1 and rebuilt.match(good + [1, 2]) == (key, len(good))
     assert not (tmp_path / MODEL / prefix_key(bad)).exists()
     disk.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_turn_that_resumed_writes_only_its_new_positions_and_reads_back_whole(model, tmp_path):
+    """Turn 2 resumes turn 1's prefix, so its entry holds only the positions after it and names
+    turn 1's as its parent; after a restart turn 3 reads both back, joined, and answers as mlx-lm."""
+    written: list[int] = []
+    node = Node(model, tmp_path, [(0, 2), (2, 4)], written=written.append)
+    try:
+        answer1 = node.answer(PROMPT, 6)
+        second = PROMPT + answer1 + NEXT
+        answer2 = node.answer(second, 6)
+        assert [source for _, source in node.resumed] == ["memory"] * 2
+    finally:
+        node.close()
+    assert answer2 == reference(model, second, 6)
+    assert len(written) == 4 and max(written[2:]) < min(written[:2]) / 2, written  # turn 2: ~36 of 160 positions
+
+    third = second + answer2 + NEXT[:10]
+    again = Node(model, tmp_path, [(0, 1), (1, 4)])  # restarted, re-planned
+    try:
+        answer3 = again.answer(third, 6)
+        resumed = list(again.resumed)
+    finally:
+        again.close()
+    assert answer3 == reference(model, third, 6)
+    assert resumed == [(len(second) + len(answer2) - 1, "disk")] * 2, resumed

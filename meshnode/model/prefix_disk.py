@@ -15,6 +15,7 @@ match its name, is deleted and never used.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import queue
@@ -29,7 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +59,34 @@ class PrefixDisk:
         self._on_write = on_write
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending: dict[str, int] = {}  # keys queued for writing: how many writes
+        self._pending_entries: dict[tuple[str, Layers], int] = {}  # the same, by key and layers
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="meshnode-prompt-disk", daemon=True)
         self._thread.start()
 
     # -- writing
-    def keep(self, key: str, layers: Layers, caches: list[Any], positions: int) -> None:
-        """Queue the write of ``caches`` (the evaluated caches of ``layers``, holding ``positions``)."""
+    def keep(self, key: str, layers: Layers, caches: list[Any], positions: int,
+             parent: tuple[str, int] | None = None) -> None:
+        """Queue the write of ``caches`` (the evaluated caches of ``layers``, holding ``positions``).
+        ``parent``: the kept prefix (key, positions) the request started from; where it is on disk
+        for these layers, only the positions after it are written, as an entry that names it."""
         metadata = {"format": FORMAT, "key": key, "layers": f"{layers[0]},{layers[1]}", "positions": str(positions)}
-        self._queue_write(key, lambda: self._write_entry(key, layers, caches, metadata))
+        if parent is not None and 0 < parent[1] < positions and self._extends(parent[0], layers) \
+                and all(type(c) in SEGMENTS for c in caches):
+            caches = [_after(c, parent[1]) for c in caches]  # on the caller's (MLX) thread
+            mx.eval([c.state for c in caches])
+            metadata.update(parent=parent[0], start=str(parent[1]))
+        self._queue_write(key, lambda: self._write_entry(key, layers, caches, metadata), layers)
+
+    def _extends(self, key: str, layers: Layers) -> bool:
+        """Whether ``key``'s entry for ``layers`` is on disk or queued (writes run in order)."""
+        with self._lock:
+            if (key, layers) in self._pending_entries:
+                return True
+        return self._entry(key, layers).is_file()
+
+    def _entry(self, key: str, layers: Layers) -> Path:
+        return self.folder / key / f"layers-{layers[0]}-{layers[1]}.safetensors"
 
     def keep_tokens(self, key: str, tokens: Sequence[int]) -> None:
         """Queue the write of the tokens a head asked its stages to keep under ``key``."""
@@ -89,9 +110,11 @@ class PrefixDisk:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def _queue_write(self, key: str, write: Callable[[], None]) -> None:
+    def _queue_write(self, key: str, write: Callable[[], None], layers: Layers | None = None) -> None:
         with self._lock:
             self._pending[key] = self._pending.get(key, 0) + 1
+            if layers is not None:
+                self._pending_entries[(key, layers)] = self._pending_entries.get((key, layers), 0) + 1
 
         def run() -> None:
             try:
@@ -101,6 +124,10 @@ class PrefixDisk:
                     self._pending[key] -= 1
                     if not self._pending[key]:
                         del self._pending[key]
+                    if layers is not None:
+                        self._pending_entries[(key, layers)] -= 1
+                        if not self._pending_entries[(key, layers)]:
+                            del self._pending_entries[(key, layers)]
 
         self._queue.put(run)
 
@@ -117,7 +144,7 @@ class PrefixDisk:
             log.debug("prompt cache: %s (%d bytes) is larger than prompt_cache_disk", key, nbytes)
             return
         self._make_room(nbytes)
-        path = self.folder / key / f"layers-{layers[0]}-{layers[1]}.safetensors"
+        path = self._entry(key, layers)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{uuid.uuid4().hex}.safetensors")
         try:
@@ -126,6 +153,8 @@ class PrefixDisk:
             _touch(path)
         finally:
             tmp.unlink(missing_ok=True)
+        if "parent" in metadata:  # a parent is used as long as its children are
+            _touch(self._entry(metadata["parent"], layers))
         written = path.stat().st_size
         log.debug("prompt cache: wrote %s of layers %s (%d bytes)", key, layers, written)
         if self._on_write is not None:
@@ -189,21 +218,51 @@ class PrefixDisk:
         return caches, ""
 
     def _read(self, path: Path, key: str, layers: Layers, positions: int) -> tuple[list[Any] | None, str]:
+        """The caches of the entry at ``path``, joined after those of the entries it extends."""
+        segments: list[tuple[list[Any], int]] = []  # (caches, first position), the newest first
+        read: list[Path] = []
+        while True:
+            caches, metadata, why = self._read_one(path, key, layers)
+            if caches is None:
+                for child in read:  # an entry whose parent is gone can never be read again
+                    child.unlink(missing_ok=True)
+                return None, why
+            start, held = int(metadata.get("start", 0)), int(metadata["positions"])
+            if held < positions:
+                return None, f"{held} positions on disk, {positions} asked"
+            segments.append((caches, start))
+            read.append(path)
+            parent = metadata.get("parent")
+            if parent is None:
+                break
+            if len(segments) >= MAX_CHAIN or not _is_key(parent):
+                return None, f"{path.name} extends an entry too far back"
+            path, key, positions = self._entry(parent, layers), parent, start
+        for p in read[1:]:
+            _touch(p)
+        segments.reverse()
+        if len(segments) == 1:
+            return segments[0][0], ""
+        ends = [start for _, start in segments[1:]]
+        return [_joined([caches[i] for caches, _ in segments], [s for _, s in segments], ends)
+                for i in range(len(segments[0][0]))], ""
+
+    def _read_one(self, path: Path, key: str, layers: Layers) -> tuple[list[Any] | None, dict[str, str], str]:
         try:
             caches, metadata = load_prompt_cache(str(path), return_metadata=True)
             mx.eval([c.state for c in caches])
+            start, held = int(metadata.get("start", 0)), int(metadata.get("positions", 0))
         except Exception as exc:  # truncated, corrupt, or not an entry at all
             log.warning("prompt cache: deleted %s, which could not be read: %s", path, exc)
             path.unlink(missing_ok=True)
-            return None, f"{path.name} could not be read"
+            return None, {}, f"{path.name} could not be read"
         expected = {"format": FORMAT, "key": key, "layers": f"{layers[0]},{layers[1]}"}
-        if any(metadata.get(k) != v for k, v in expected.items()) or len(caches) != layers[1] - layers[0]:
+        if any(metadata.get(k) != v for k, v in expected.items()) or len(caches) != layers[1] - layers[0] \
+                or not 0 <= start < held or any(getattr(c, "offset", held - start) != held - start for c in caches):
             log.warning("prompt cache: deleted %s, whose metadata does not match its name", path)
             path.unlink(missing_ok=True)
-            return None, f"{path.name} is not the entry its name says"
-        if int(metadata.get("positions", 0)) < positions:
-            return None, f"{metadata.get('positions')} positions on disk, {positions} asked"
-        return caches, ""
+            return None, {}, f"{path.name} is not the entry its name says"
+        return caches, metadata, ""
 
     def discard(self, key: str) -> None:
         """Delete everything kept under ``key`` here."""
@@ -228,6 +287,39 @@ class PrefixDisk:
                 continue
             out.append((key, tokens.astype(np.int64)))
         return out
+
+
+# The caches whose positions can be written as segments and joined again: plain and quantized KV.
+SEGMENTS = (KVCache, QuantizedKVCache)
+MAX_CHAIN = 1000  # entries one read may join (a conversation's turns)
+
+
+def _is_key(name: str) -> bool:
+    return bool(re.fullmatch(r"[0-9a-f]{1,64}", name))
+
+
+def _after(cache: Any, start: int) -> Any:
+    """A cache holding ``cache``'s positions from ``start`` on (lazy slices)."""
+    out = copy.copy(cache)
+    cut = lambda a: a[..., start : cache.offset, :]  # noqa: E731
+    out.keys, out.values = tree_map(cut, cache.keys), tree_map(cut, cache.values)
+    out.offset = cache.offset - start
+    return out
+
+
+def _joined(segments: list[Any], starts: list[int], ends: list[int]) -> Any:
+    """One layer's cache from its segments: each one's positions from its start to the next's."""
+    out = copy.copy(segments[-1])
+    lengths = [end - start for start, end in zip(starts, ends)] + [segments[-1].offset]
+
+    def join(*arrays: mx.array) -> mx.array:
+        return mx.concatenate([a[..., :n, :] for a, n in zip(arrays, lengths)], axis=2)
+
+    out.keys = tree_map(join, *[c.keys for c in segments])
+    out.values = tree_map(join, *[c.values for c in segments])
+    out.offset = starts[-1] + segments[-1].offset
+    mx.eval(out.state)
+    return out
 
 
 def _dirs(path: Path) -> list[Path]:

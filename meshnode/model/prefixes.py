@@ -56,6 +56,15 @@ class KeptElsewhere(Protocol):
         """A new request's cache, a copy of this prefix cut to ``positions``; or (None, why not)."""
 
 
+class Resumed(list):
+    """A request's cache that started from a kept prefix: ``resumed_from`` is (its key, positions),
+    so that keeping the request's own prefix writes only the positions after it to disk."""
+
+    def __init__(self, cache: list[Any], key: str, positions: int):
+        super().__init__(cache)
+        self.resumed_from = (key, positions)
+
+
 def distinct(cache: list[Any]) -> list[Any]:
     """Each layer cache once: a shard's list aliases the layers it does not own to its own."""
     return list({id(c): c for c in cache}.values())
@@ -144,7 +153,7 @@ class PrefixStore:
             log.debug("not keeping %s for layers %s: %s", key, layers, why)
             return False
         if self.disk is not None and not isinstance(cache, KeptElsewhere):
-            self.disk.keep(key, layers, cache[layers[0] : layers[1]], positions)
+            self.disk.keep(key, layers, cache[layers[0] : layers[1]], positions, getattr(cache, "resumed_from", None))
         with self._lock:
             kept = self._kept.setdefault(layers, OrderedDict())
             kept.pop(key, None)
@@ -172,7 +181,7 @@ class PrefixStore:
         if mine is None:
             return None, why
         self._resumed(positions, "memory")
-        return mine, ""
+        return Resumed(mine, key, positions) if isinstance(mine, list) else mine, ""
 
     def _from_disk(self, layers: Layers, key: str, positions: int, shard: Any) -> tuple[list[Any] | None, str]:
         """A prefix not in memory, read back from disk for ``shard``; or None and why not."""
@@ -188,7 +197,7 @@ class PrefixStore:
         if why:
             return None, why
         self._resumed(positions, "disk")
-        return cache, ""
+        return Resumed(cache, key, positions), ""
 
     def _resumed(self, positions: int, source: str) -> None:
         with self._lock:
