@@ -4,7 +4,7 @@ from meshnode import blas as _blas
 
 __version__ = "0.1.0"
 
-# Before anything imports MLX: OpenBLAS under its CPU matmuls where the system has it (meshnode.blas).
+# Before anything imports MLX.
 try:
     _blas.use_fast_blas()
 except _blas.BlasError as _exc:

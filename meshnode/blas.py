@@ -1,20 +1,12 @@
 """OpenBLAS under MLX's CPU matrix multiplies on Linux (``MESHNODE_BLAS``).
 
-MLX's Linux CPU wheel links the netlib *reference* BLAS, whose matmul costs the same per row
-whatever the shape, so prefill and batching gain nothing; OpenBLAS's ``cblas_sgemm`` is many times
-faster for several rows. Loaded before MLX with ``RTLD_GLOBAL``, its symbols come first in the
-global lookup, so MLX's library binds to them (docs/operations.md, docs/benchmarks.md).
+MLX's Linux CPU wheel links the netlib reference BLAS, whose matmul gains nothing from several
+rows; loaded first with ``RTLD_GLOBAL``, OpenBLAS's symbols bind MLX's calls instead.
+``MESHNODE_BLAS``: ``auto`` (OpenBLAS where the system has it), ``reference`` (MLX's own), or the
+path of a CBLAS library. Read once, on the first import of :mod:`meshnode`; no-op on macOS.
 
-``MESHNODE_BLAS``: ``auto`` (the default: OpenBLAS where the system has it, e.g. Debian's
-``libopenblas0``), ``reference`` (MLX's own), or the path of a BLAS library exporting the CBLAS
-interface. OpenBLAS computes on one thread per process unless ``OPENBLAS_NUM_THREADS`` says more.
-Read once, when :mod:`meshnode` is first imported, before ``mlx``; children inherit the variable.
-On macOS MLX uses Accelerate and this does nothing.
-
-Exactness: with the reference BLAS a row's result does not depend on how many rows go with it,
-so a split, batched or speculating mesh gives mlx-lm's greedy tokens bit for bit. OpenBLAS blocks
-by shape, so rounding varies with positions per step, as on a GPU (docs/speculative.md, "The same
-answer, and greedy identity on a GPU"): tests comparing with mlx-lm use the reference BLAS.
+OpenBLAS rounding varies with the rows per step (as on a GPU); with the reference BLAS a mesh
+gives mlx-lm's greedy tokens bit for bit, so tests comparing with mlx-lm use it.
 """
 
 from __future__ import annotations
@@ -27,11 +19,11 @@ from collections.abc import Callable, Mapping
 
 ENV = "MESHNODE_BLAS"
 THREADS_ENV = "OPENBLAS_NUM_THREADS"
-# Debian/Ubuntu's libopenblas0-pthread and Fedora's openblas put one of these on the loader's path.
+# Debian/Ubuntu's and Fedora's OpenBLAS packages put one of these on the loader's path.
 NAMES = ("libopenblas.so.0", "libopenblas.so", "libopenblasp.so.0", "libopenblas64_.so.0")
 
-_loaded: str | None = None  # the library loaded by use_fast_blas, if any
-problem: str | None = None  # why MESHNODE_BLAS could not be followed (logged by the node at start)
+_loaded: str | None = None
+problem: str | None = None  # why MESHNODE_BLAS could not be followed (logged at start)
 
 
 class BlasError(ValueError):
@@ -39,8 +31,7 @@ class BlasError(ValueError):
 
 
 def choose(setting: str, platform: str, find: Callable[[], str | None]) -> str | None:
-    """The library to load for ``setting`` on ``platform`` (``sys.platform``), or None for MLX's own.
-    ``find()``: OpenBLAS's name or path on this system, or None. Pure but for ``find``."""
+    """The library to load for ``setting`` on ``platform``, or None for MLX's own. Pure but for ``find``."""
     setting = (setting or "auto").strip()
     if platform != "linux" or setting.lower() == "reference":
         return None
@@ -52,9 +43,8 @@ def choose(setting: str, platform: str, find: Callable[[], str | None]) -> str |
 
 
 def _open(name: str, mode: int) -> ctypes.CDLL:
-    """``name`` loaded (or found loaded). OpenBLAS reads its thread count once, at load, so it is
-    set before: one thread unless set, so nodes sharing a machine do not fight with spinning BLAS
-    threads."""
+    """``name`` loaded. OpenBLAS reads its thread count at load: one unless set, so nodes sharing a
+    machine do not fight with spinning BLAS threads."""
     os.environ.setdefault(THREADS_ENV, "1")
     return ctypes.CDLL(name, mode=mode)
 
@@ -71,8 +61,7 @@ def find_openblas() -> str | None:
 
 
 def use_fast_blas(env: Mapping[str, str] = os.environ) -> str | None:
-    """Load the BLAS ``env[ENV]`` asks for (see the module's text) into the process, before MLX;
-    the library loaded, or None. Once per process; after MLX's import it changes nothing."""
+    """Load the BLAS ``env[ENV]`` asks for, before MLX; the library loaded, or None. Once per process."""
     global _loaded
     if _loaded is not None or "mlx.core" in sys.modules:
         return _loaded
@@ -91,12 +80,12 @@ def use_fast_blas(env: Mapping[str, str] = os.environ) -> str | None:
 
 
 def loaded() -> str | None:
-    """The library :func:`use_fast_blas` loaded for MLX's CPU matmuls, or None (MLX's own)."""
+    """The library :func:`use_fast_blas` loaded, or None (MLX's own)."""
     return _loaded
 
 
 def in_use() -> str:
-    """What computes MLX's CPU matmuls in this process, in words (status pages, benchmark headers)."""
+    """What computes MLX's CPU matmuls in this process, in words."""
     if sys.platform == "darwin":
         return "Accelerate (MLX's own)"
     if _loaded is None:

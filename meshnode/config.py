@@ -1,17 +1,6 @@
-"""One ``Settings`` object for the whole node.
-
-Precedence, lowest first::
-
-    dataclass defaults  <  config file (TOML)  <  environment (MESHNODE_<FIELD>)  <  command-line flags
-
-The defaults live only in :class:`Settings`; ``configs/default.toml`` documents every key (a test keeps
-the two in step).
-
-Value syntax, the same in every source (a TOML file may also use native types): an empty string
-means "not set" for optional values (TOML has no null); sizes take units (:func:`parse_size`);
-durations are seconds or ``"500ms"``; booleans also ``1/0 yes/no on/off``; ``peers`` is an array of
-``"HOST:PORT"`` (comma-separated in the environment); a relative path in a file is relative to it.
-"""
+"""One ``Settings`` object for the whole node: defaults < config file (TOML) < environment
+(``MESHNODE_<FIELD>``) < flags. Defaults live only in :class:`Settings`; ``configs/default.toml``
+documents every key. Values parse alike in every source; an empty string means "not set"."""
 
 from __future__ import annotations
 
@@ -63,20 +52,20 @@ __all__ = [
 ]
 
 ENV_PREFIX = "MESHNODE_"
-#: Environment variable naming a config file, used when ``load_settings`` gets no ``config_file``.
+#: Names a config file when ``load_settings`` gets no ``config_file``.
 CONFIG_ENV = "MESHNODE_CONFIG"
 SECRET_FIELDS = ("cluster_key", "api_key")
 
 
 class ConfigError(ValueError):
-    """A setting has an unknown name or a bad value; the message names the key and where it came from."""
+    """An unknown setting or a bad value; the message names the key and its source."""
 
 
 STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
 SPECULATIVE_CHOICES = ("auto", "off", "prompt_lookup", "draft_model")
-TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; the groups' control channels: + 16..31
-ECHO_OFFSET = 2 * TENSOR_PORTS  # tensor_port + 32: the TCP echo peers measure the network's round trip with
-# tensor_port + 33: the data port, activations in bare TCP frames (meshnode.transport.dataport)
+TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; group control channels: + 16..31
+ECHO_OFFSET = 2 * TENSOR_PORTS  # the link echo
+# The data port: activations in bare TCP frames.
 DATA_OFFSET = ECHO_OFFSET + 1
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
@@ -170,8 +159,7 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a node can be told. Defaults here are the only defaults; configs/default.toml
-    documents every key in full, so the comments below stay short."""
+    """Everything a node can be told; the only defaults. configs/default.toml documents each key."""
 
     #: None = the built-in demo model; else a local mlx-lm directory or a Hugging Face id.
     model: str | None = None
@@ -207,8 +195,7 @@ class Settings:
     prompt_cache_disk: int = 32 * 10**9
     #: Where one node holds the whole model, batch its concurrent generations.
     batching: bool = True
-    #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only
-    #: (docs/benchmarks.md, "Concurrent streams").
+    #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
     batch_stages: bool | str = "auto"
     #: "prompt_lookup", "draft_model" or "off"; "auto": prompt lookup where the model is split.
     speculative: str = "auto"
@@ -243,7 +230,7 @@ class Settings:
     rebalance_dwell: float = 5.0
     #: auto, or prefer single, pipeline, tensor or hybrid where possible.
     strategy: str = "auto"
-    #: First of 34 TCP ports: tensor groups, the link echo (+32), the data port (+33); 0 = grpc_port + 1.
+    #: First of 34 TCP ports (tensor groups, echo +32, data port +33); 0 = grpc_port + 1.
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load.
     group_ready_timeout: float = 300.0
@@ -264,7 +251,7 @@ class Settings:
     access_log: bool = True
 
     def __post_init__(self) -> None:
-        # Normalise and validate, so that Settings(...) built in code obeys the same rules as a file.
+        # Settings(...) built in code obeys the same rules as a file.
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             try:
@@ -281,15 +268,15 @@ class Settings:
         return (self.model, *(m for m in self.models if m != self.model))
 
     def resolved_state_dir(self) -> Path:
-        """Where the node keeps its state (node id ...): ``state_dir`` or the platform default."""
+        """``state_dir`` or the platform default."""
         return self.state_dir if self.state_dir is not None else default_state_dir()
 
     def resolved_cache_dir(self) -> Path:
-        """Where downloaded/built models are cached: ``cache_dir`` or the platform default."""
+        """``cache_dir`` or the platform default."""
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()
 
     def redacted(self) -> dict[str, Any]:
-        """A JSON-friendly dict of every setting with the secrets (cluster_key, api_key) hidden."""
+        """Every setting, JSON-friendly, secrets hidden."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -380,8 +367,8 @@ def load_settings(
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Build Settings from defaults < config file (else ``$MESHNODE_CONFIG``) < ``env`` < ``flags``
-    (None: not given). Raises :class:`ConfigError` naming the key and its source."""
+    """Settings from defaults < config file (else ``$MESHNODE_CONFIG``) < ``env`` < ``flags``
+    (None: not given). Raises :class:`ConfigError`."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

@@ -1,10 +1,6 @@
-"""The built-in demo model: served when no model is configured, so the whole path works offline.
-
-A small random-weight llama with a locally trained tokenizer: gibberish, but it exercises the
-whole path without a download. Every machine builds byte-identical files, so demo nodes agree on
-the model without exchanging it. Bump :data:`DEMO_VERSION` whenever ``DEMO_ARGS`` or the build
-changes, so an old cached build is never taken for the new one.
-"""
+"""The built-in demo model, served when none is configured: a small random-weight llama, built
+byte-identical on every machine, so the whole path works offline. Bump :data:`DEMO_VERSION`
+whenever ``DEMO_ARGS`` or the build changes."""
 
 from __future__ import annotations
 
@@ -29,6 +25,6 @@ def default_models_dir() -> Path:
 
 
 def ensure_demo_model(models_dir: Path | None = None) -> Path:
-    """The demo model's directory, ``<models_dir>/meshnode-demo-v<N>``, built once (atomically) if missing."""
+    """The demo model's directory, built once (atomically) if missing."""
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     return build_once(root / f"{DEMO_MODEL_ID}-v{DEMO_VERSION}", "llama", **DEMO_ARGS)

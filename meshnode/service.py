@@ -1,9 +1,8 @@
 """``meshnode install`` / ``uninstall``: run the node as a launchd job (macOS) or systemd unit (Linux).
 
-Rendering is pure (templates plus paths to text), every path hangs off a :class:`Layout` and
-every command goes through an injected ``runner``, so tests check exactly what a Mac or Linux box
-gets. :func:`plan_install` / :func:`plan_uninstall` make one list that ``--dry-run`` prints and
-:func:`apply` carries out. The config holds the cluster key: created 0600, never overwritten.
+Rendering is pure and commands go through an injected ``runner``, so tests see exactly what a host
+gets; one plan is printed by ``--dry-run`` or carried out by :func:`apply`. The config holds the
+cluster key: created 0600, never overwritten.
 """
 
 from __future__ import annotations
@@ -26,16 +25,16 @@ __all__ = [
     "plan_install", "plan_uninstall", "apply", "describe", "run_command",
 ]
 
-LABEL = "org.meshnode.node"  # the launchd label
-UNIT = "meshnode.service"  # the systemd unit
+LABEL = "org.meshnode.node"
+UNIT = "meshnode.service"
 PLATFORMS = ("macos", "linux")
 THROTTLE_INTERVAL = 10  # launchd: seconds between restarts at the least
-STOP_TIMEOUT = 20  # seconds a stopping node gets to say goodbye before it is killed
+STOP_TIMEOUT = 20  # seconds to say goodbye before being killed
 ROTATE_COUNT, ROTATE_SIZE_KIB = 5, 10240
 
 
 def templates_dir() -> Path:
-    """Where the templates are: in the package (a wheel), else the source tree's systemd_launchd/."""
+    """In the package (a wheel), else the source tree's systemd_launchd/."""
     package = Path(__file__).resolve().parent
     for folder in (package / "service_templates", package.parent / "systemd_launchd"):
         if (folder / "meshnode.service").is_file():
@@ -45,12 +44,12 @@ def templates_dir() -> Path:
 
 
 def host_platform() -> str:
-    """"macos" or "linux": the service managers this module knows."""
+    """"macos" or "linux"."""
     return "macos" if sys.platform == "darwin" else "linux"
 
 
 def default_executable() -> Path:
-    """The ``meshnode`` console script of the running installation (the venv's, not some other on PATH)."""
+    """The running installation's ``meshnode`` script (the venv's, not another on PATH)."""
     beside = Path(sys.executable).parent / "meshnode"
     if beside.exists():
         return beside
@@ -73,7 +72,7 @@ class Layout:
     config_file: Path
     log_file: Path | None  # macOS only: Linux logs to the journal
     rotation_file: Path | None  # macOS system only: newsyslog.d entry
-    pid_file: Path | None  # macOS system only: what newsyslog signals after rotating
+    pid_file: Path | None  # macOS system only: newsyslog signals it after rotating
     uid: int = 0
     user: str = ""
 
@@ -84,7 +83,7 @@ class Layout:
 
 def layout(platform: str, system: bool = False, root: Path | str = "/", home: Path | str | None = None,
            uid: int | None = None, user: str | None = None) -> Layout:
-    """The paths for ``platform`` ("macos"/"linux"); ``root`` and ``home`` move them (tests)."""
+    """The paths for ``platform``; ``root`` and ``home`` move them (tests)."""
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
     root = Path(root)
@@ -127,8 +126,8 @@ def program_arguments(executable: Path | str, config_file: Path | str) -> list[s
 
 
 def render_plist(lay: Layout, executable: Path | str) -> str:
-    """The launchd plist. A LaunchDaemon starts via /bin/sh, which records its pid (the same pid
-    after ``exec``) for newsyslog to signal after rotating the log; see meshnode.newsyslog.conf."""
+    """The launchd plist. A LaunchDaemon starts via /bin/sh, which records its pid (kept by ``exec``)
+    for newsyslog to signal after rotating the log."""
     args = program_arguments(executable, lay.config_file)
     if lay.pid_file is not None:
         args = ["/bin/sh", "-c", f"echo $$ > '{lay.pid_file}' && exec \"$@\"", "meshnode", *args]
@@ -148,7 +147,7 @@ def _systemd_quote(arg: str) -> str:
 
 
 def render_unit(lay: Layout, executable: Path | str) -> str:
-    """The systemd unit; a user unit is wanted by default.target, a system one by multi-user.target."""
+    """The systemd unit."""
     exec_start = " ".join(_systemd_quote(a) for a in program_arguments(executable, lay.config_file))
     return _template("meshnode.service").substitute(
         exec_start=exec_start, stop_timeout=STOP_TIMEOUT,
@@ -160,15 +159,15 @@ def render_unit(lay: Layout, executable: Path | str) -> str:
 
 
 def render_newsyslog(lay: Layout) -> str:
-    """The newsyslog.d entry rotating a LaunchDaemon's log (fields are separated by white space,
-    which is why the log and pid paths have none)."""
+    """The newsyslog.d entry rotating a LaunchDaemon's log (fields split on white space, so the
+    paths have none)."""
     return _template("meshnode.newsyslog.conf").substitute(
         log_file=lay.log_file, pid_file=lay.pid_file, count=ROTATE_COUNT, size_kib=ROTATE_SIZE_KIB, label=LABEL,
     )
 
 
 def render_config(cluster_key: str) -> str:
-    """A config the daemon loads: the cluster key, everything else at its default."""
+    """The daemon's config: the cluster key, all else default."""
     quoted = "".join(f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c
                      for c in cluster_key.replace("\\", "\\\\").replace('"', '\\"'))  # a TOML basic string
     return (
@@ -186,7 +185,7 @@ def render_config(cluster_key: str) -> str:
 @dataclass(frozen=True)
 class Command:
     argv: tuple[str, ...]
-    check: bool = True  # False: a failure is expected sometimes (e.g. stopping what is not loaded)
+    check: bool = True  # False: a failure may be expected (stopping what is not loaded)
 
     def __str__(self) -> str:
         import shlex
@@ -196,14 +195,14 @@ class Command:
 
 @dataclass
 class Action:
-    """Files to write or remove, then commands to run (install: write first; uninstall: commands first)."""
+    """Files to write or remove and commands to run (install writes first; uninstall runs first)."""
 
     write: list[tuple[Path, str, int]] = field(default_factory=list)  # (path, text, mode)
     remove: list[Path] = field(default_factory=list)
     remove_dirs: list[Path] = field(default_factory=list)  # removed only when empty
     make_dirs: list[Path] = field(default_factory=list)
     commands: list[Command] = field(default_factory=list)
-    then: list[Command] = field(default_factory=list)  # uninstall: run after the files are removed
+    then: list[Command] = field(default_factory=list)  # uninstall: after the files are removed
     cluster_key: str | None = None  # set when this install generates a new key
     notes: list[str] = field(default_factory=list)
 
@@ -213,8 +212,7 @@ def _systemctl(lay: Layout, *args: str, check: bool = True) -> Command:
 
 
 def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, cluster_key: str | None = None) -> Action:
-    """Everything ``meshnode install`` does for this layout; a new config gets ``cluster_key`` or a
-    fresh key, shown once (none with ``dry_run``)."""
+    """Everything ``meshnode install`` does; a new config gets ``cluster_key`` or a fresh key."""
     act = Action()
     reinstall = lay.service_file.exists()
     if not lay.config_file.exists():
@@ -246,14 +244,13 @@ def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, clu
         act.commands += [_systemctl(lay, "daemon-reload"), _systemctl(lay, "enable", "--now", UNIT)]
         if reinstall:  # enable --now leaves a running old version running
             act.commands.append(_systemctl(lay, "restart", UNIT))
-        if not lay.system:  # without lingering, user services stop at logout and wait for a login at boot
+        if not lay.system:  # without lingering, user services stop at logout
             act.commands.append(Command(("loginctl", "enable-linger", lay.user), check=False))
     return act
 
 
 def plan_uninstall(lay: Layout, purge: bool = False) -> Action:
-    """Everything ``meshnode uninstall`` does: stop the service, remove what install wrote; the
-    config (with the cluster key) and the logs stay unless ``purge``."""
+    """Everything ``meshnode uninstall`` does; the config and logs stay unless ``purge``."""
     act = Action()
     if lay.platform == "macos":
         act.commands.append(Command(("launchctl", "bootout", f"{lay.launchd_domain}/{LABEL}"), check=False))
@@ -283,7 +280,7 @@ Runner = Callable[[Sequence[str]], int]
 
 
 def run_command(argv: Sequence[str]) -> int:
-    """The real runner: runs the command, its output going to the terminal; returns the exit status."""
+    """Runs the command on the terminal; returns the exit status."""
     try:
         return subprocess.run(list(argv), check=False).returncode
     except FileNotFoundError:
@@ -309,7 +306,7 @@ class CommandFailed(RuntimeError):
 
 
 def apply(act: Action, runner: Runner = run_command, uninstall: bool = False, out: TextIO | None = None) -> None:
-    """Carry out a plan. Install: write, then run; uninstall: run (stop the service), then remove."""
+    """Carry out a plan."""
     out = out if out is not None else sys.stdout
 
     def run_all(commands: list[Command]) -> None:
@@ -347,7 +344,7 @@ def apply(act: Action, runner: Runner = run_command, uninstall: bool = False, ou
 
 
 def describe(act: Action, uninstall: bool = False) -> str:
-    """The dry run's text: every file in full, every removal and every command, in order."""
+    """The dry run's text: every file, removal and command, in order."""
     lines: list[str] = []
     files = [f"# remove {p}" for p in act.remove] + [f"# remove {d} if empty" for d in act.remove_dirs]
     for d in act.make_dirs:

@@ -130,11 +130,8 @@ def total_memory() -> int:
 
 
 def available_memory() -> int:
-    """Memory in bytes that could be used now without swapping.
-
-    Linux: ``MemAvailable`` from /proc/meminfo (capped by the cgroup v2 limit minus usage).
-    macOS: free + inactive + speculative pages from ``vm_stat``.
-    """
+    """Bytes usable now without swapping: Linux ``MemAvailable`` (capped by the cgroup), macOS
+    free + inactive + speculative pages."""
     avail = 0
     if sys.platform == "darwin":
         try:
@@ -167,8 +164,8 @@ def working_set_limit() -> int | None:
 
 
 def memory_budget(settings: Settings) -> int:
-    """Bytes this node offers: ``settings.memory_budget`` if set, else fraction x available memory,
-    never more than the GPU's recommended working set (a Mac whose model spills out of it pages)."""
+    """``settings.memory_budget``, else fraction x available memory; never over the GPU's
+    recommended working set (beyond it a Mac pages)."""
     if settings.memory_budget is not None:
         return int(settings.memory_budget)
     return capped_budget(int(settings.memory_fraction * available_memory()), working_set_limit())
@@ -191,11 +188,8 @@ _compute_cache: float | None = None
 
 
 def compute_figure() -> float:
-    """Matrix-multiply throughput of this machine's default MLX device in GFLOP/s.
-
-    A quick estimate, once per process: float32 square matmuls grown until one takes a few
-    milliseconds, best of a few runs; only ratios between nodes matter. 1.0 if MLX is unusable.
-    """
+    """Matmul GFLOP/s of the default MLX device, once per process; only ratios between nodes
+    matter. 1.0 if MLX is unusable."""
     global _compute_cache
     with _compute_lock:
         if _compute_cache is None:
@@ -228,7 +222,7 @@ def _measure_matmul(budget_s: float = 0.2) -> float:
             took = dt if took is None else min(took, dt)
             if time.perf_counter() > deadline:
                 break
-        assert took is not None  # the loop above runs at least once
+        assert took is not None
         best = max(best, 2.0 * n**3 / max(took, 1e-9) / 1e9)
         # Small matmuls on a fast GPU measure launch overhead: grow until one takes a few ms.
         if took >= 0.003 or n >= 2048 or time.perf_counter() + 40 * took > deadline:
