@@ -1,14 +1,6 @@
-"""Build real mlx-lm models offline: random weights from a fixed seed plus a locally trained tokenizer.
-
-The tokenizer is a byte-level BPE trained on a small built-in corpus (so the vocabulary stays
-small whatever ``vocab_size`` asks); the model is the family's own mlx-lm class, so it loads,
-shards and generates as a downloaded one would. Builds are byte-identical for the same arguments
-on every platform (weights come from an integer hash), which the demo model relies on: every node
-must hold the same weights. About 100M parameters in float32::
-
-    build_model(path, "llama", num_layers=16, hidden_size=768, intermediate_size=2048,
-                num_heads=12, num_kv_heads=4)
-"""
+"""Build real mlx-lm models offline: random weights from a fixed seed plus a locally trained
+byte-level BPE tokenizer, in the family's own mlx-lm class. Builds are byte-identical for the same
+arguments on every platform (weights come from an integer hash): demo nodes rely on it."""
 
 from __future__ import annotations
 
@@ -39,7 +31,7 @@ SPLIT_FAMILIES: tuple[str, ...] = FAMILIES + (
     "stablelm", "starcoder2", "telechat3", "youtu_llm",
 )
 
-# Changes whenever the same arguments would build different files; part of model_dir_for's cache key.
+# Bump when the same arguments would build different files (model_dir_for's cache key).
 BUILD_VERSION = 2
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
@@ -128,11 +120,8 @@ Emoji and symbols: 🙂 🚀 ❤️ 👍 🎉 ✓ ✗ → ← ↑ ↓ • € £
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512, chat: str = "plain") -> int:
-    """Train a byte-level BPE tokenizer and save it, with a chat template, into ``out_dir``.
-
-    ``chat``: "plain" or "agent" (:data:`AGENT_TEMPLATE`). Every byte has a token, so any text
-    round-trips. Returns the vocabulary's length.
-    """
+    """Train a byte-level BPE tokenizer with a chat template ("plain" or "agent") into ``out_dir``;
+    any text round-trips. Returns the vocabulary's length."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -168,7 +157,7 @@ _GAINS = (("gate_proj.weight", 3.0), ("up_proj.weight", 3.0), ("q_proj.weight", 
 
 
 def _hash32(x):
-    """Wellons' lowbias32 integer hash, elementwise on uint32 (wrapping arithmetic, exact everywhere)."""
+    """Wellons' lowbias32 integer hash, elementwise on uint32 (exact everywhere)."""
     import mlx.core as mx
 
     x = x ^ (x >> 16)
@@ -179,10 +168,7 @@ def _hash32(x):
 
 
 def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
-    """Uniform values in [-bound, bound), from (seed, name, position) alone.
-
-    Integer hashing and exact float steps: bit-identical on any CPU.
-    """
+    """Uniform values in [-bound, bound) from (seed, name, position) alone; bit-identical on any CPU."""
     import mlx.core as mx
 
     salt = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
@@ -193,11 +179,8 @@ def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
 
 
 def _init_weights(model, seed: int) -> dict[str, Any]:
-    """Deterministic float32 values for every parameter of ``model``, in its own order.
-
-    Matrices and biases: uniform with bound gain / sqrt(fan_in), as mlx's Linear init; norm scales
-    keep the class's constant init.
-    """
+    """Deterministic float32 values for every parameter: uniform with bound gain / sqrt(fan_in), as
+    mlx's Linear init; norm scales keep the class's init."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -271,11 +254,7 @@ def build_model(
     **overrides: Any,
 ) -> Path:
     """Write a complete mlx-lm model directory (config, tokenizer, safetensors) and return it.
-
-    ``family`` is one of :data:`FAMILIES`; ``intermediate_size`` defaults to twice the hidden size;
-    ``tie_word_embeddings=None`` takes the family's usual choice; ``max_file_size_mb`` splits the
-    weights into several files; ``overrides`` go into config.json last.
-    """
+    ``overrides`` go into config.json last."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import MAX_FILE_SIZE_GB, _get_classes, save_config
@@ -327,11 +306,8 @@ QUANTIZATIONS: tuple[str | None, ...] = (None, "4bit", "8bit", "mixed", "mxfp4")
 
 
 def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | None) -> dict[str, Any]:
-    """Quantize ``model`` in place with mlx-lm's ``quantize_model``; returns the config as mlx-lm writes it.
-
-    "4bit" / "8bit": affine; "mixed": mlx-lm's ``mixed_4_6`` recipe; "mxfp4": MLX's FP4, as gpt-oss
-    ships. Layers narrower than a group stay unquantized, hence a default group size of 32.
-    """
+    """Quantize ``model`` in place with mlx-lm's ``quantize_model``; returns the config it writes.
+    Layers narrower than a group stay unquantized, hence a default group size of 32."""
     import contextlib
     import io
 
@@ -352,10 +328,8 @@ def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | No
 
 
 def build_once(final: Path, family: str = "llama", **kwargs: Any) -> Path:
-    """``build_model`` into ``final`` unless it is already there; never leaves a half-built model.
-
-    The build goes to a temporary sibling renamed into place; of two racing builds the first wins.
-    """
+    """``build_model`` into ``final`` unless there, via a renamed temporary sibling; of two racing
+    builds the first wins."""
     final = Path(final)
     if (final / "config.json").is_file():
         return final

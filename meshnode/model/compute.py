@@ -1,12 +1,8 @@
 """How fast this machine runs the served model: seconds for one decode step of one layer.
 
-The planner weighs compute against links, so it times the served model itself: a few
-consecutive layers are loaded, a short context prefilled, and the median single-token step per
-layer kept. Several layers, so their weights stream from memory as a whole model's do instead of
-staying in the CPU's caches. The figure is cached per model, machine, MLX version and BLAS.
-
-On MLX's CPU backend a step counts the smaller of wall and CPU time, so time descheduled while
-other programs run does not make the node look slow for good; on a GPU the wall time counts.
+Times a few consecutive layers (so weights stream from memory, not CPU caches) after a short
+prefill; cached per model, machine, MLX version and BLAS. On the CPU backend a step counts the
+smaller of wall and CPU time, so a descheduled moment does not make the node look slow for good.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ log = logging.getLogger(__name__)
 CONTEXT = 64  # tokens in the cache while timing, like an early decode step
 STEPS = 12
 LAYERS = 4  # at most this many layers timed together...
-WORKING_SET = 256 * 2**20  # ...enough that their weights do not fit in a CPU cache (big layers: one)
-VERSION = "layers4-cpu-time"  # part of the cache key: a change of method measures again
+WORKING_SET = 256 * 2**20  # ...enough that their weights do not fit in a CPU cache
+VERSION = "layers4-cpu-time"  # in the cache key: a change of method measures again
 CACHE_FILE = "compute.json"  # in the node's state folder
 
 
@@ -125,8 +121,8 @@ def _layer_range(num_layers: int, layer_bytes: int) -> tuple[int, int]:
 
 
 def _time_steps(shard, cache, own_work: bool = True) -> float:
-    """Median seconds of a single-token decode step through ``shard`` after a short prefill.
-    ``own_work`` False: waiting is part of the cost (a ring's all-reduces)."""
+    """Median seconds of a single-token step through ``shard``. ``own_work`` False: waiting counts
+    (a ring's all-reduces)."""
     if shard.spec.is_first:
         step = lambda: shard.forward(mx.zeros((1, 1), dtype=mx.int32), cache)  # noqa: E731
         mx.eval(shard.forward(mx.zeros((1, CONTEXT), dtype=mx.int32), cache))
@@ -149,9 +145,8 @@ def step_seconds(wall: float, cpu: float, on_cpu: bool) -> float:
 
 def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0, timeout: float = 120.0,
                                  tries: int = 2, cancel: threading.Event | None = None) -> float:
-    """Seconds of one decode step of one layer split two ways by mlx-lm's ``shard()`` over an
-    ``mx.distributed`` ring on loopback, all-reduces included. The best of ``tries`` rings (noise
-    only slows). Blocking; 0.0 when unmeasurable or once ``cancel`` is set, which kills the ring."""
+    """Seconds of one layer's decode step split two ways by mlx-lm's ``shard()`` over a loopback
+    ring, all-reduces included; best of ``tries``. Blocking; 0.0 when unmeasurable or cancelled."""
     times = [t for t in (_ring_probe(model_path, num_layers, layer_bytes, timeout, cancel) for _ in range(tries)
                          if cancel is None or not cancel.is_set()) if t > 0]
     return min(times, default=0.0)
@@ -193,16 +188,15 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
 
 
 def _half_the_threads() -> dict[str, str]:
-    """Half the node's OPENBLAS_NUM_THREADS for each of the two ring processes: OpenBLAS's threads
-    spin while they wait, so oversubscribed cores slow the ring badly."""
+    """Half the node's OpenBLAS threads per ring process: waiting threads spin, and oversubscribed
+    cores slow the ring."""
     threads = os.environ.get(blas.THREADS_ENV)
     return {blas.THREADS_ENV: str(max(1, int(threads) // 2))} if threads and threads.isdigit() else {}
 
 
 def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
                          cancel: threading.Event | None = None) -> float:
-    """The cached two-way tensor-parallel figure for this model on this machine (0.0: unmeasurable,
-    or ``cancel`` set meanwhile)."""
+    """The cached two-way tensor-parallel figure (0.0: unmeasurable, or cancelled)."""
     value = _cached(state_dir, _split_key(model_path),
                     lambda: measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, cancel=cancel),
                     f"one layer of {model_path.name} split two ways decodes in %.3f ms here, all-reduces included")
@@ -213,9 +207,8 @@ def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, lay
 
 def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
                  rounds: int = 3, tensor: bool = True) -> tuple[float, float]:
-    """Measure both figures afresh, alternating so a burst of load skews neither's ratio, and cache
-    the best of ``rounds`` of each in ``state_dir`` (for benchmarks and tests). Returns (layer
-    seconds, two-way split layer seconds or 0.0)."""
+    """Measure and cache both figures afresh, alternating so a burst of load skews neither.
+    Returns (layer seconds, split layer seconds or 0.0)."""
     one, two = [], []
     for _ in range(rounds):
         one.append(measure_layer_seconds(model_path, num_layers, layer_bytes))
@@ -232,8 +225,7 @@ def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes
 
 
 def collective_overhead(layer_s: float, tensor_layer_s: float) -> float:
-    """What each all-reduce adds beyond the halved layer: a split layer takes layer / 2 + 2 C, so
-    C = (tensor_layer - layer / 2) / 2. 0.0 when either is unknown."""
+    """C, what each all-reduce adds: a split layer takes layer / 2 + 2 C. 0.0 when either is unknown."""
     if layer_s <= 0 or tensor_layer_s <= 0:
         return 0.0
     return max((tensor_layer_s - layer_s / 2) / 2, 1e-6)

@@ -1,11 +1,7 @@
-"""A child process of a node dies with it.
+"""A node's worker processes die with it, instead of spinning in a collective holding ports.
 
-A worker (a tensor group's member, a ring probe) of a node killed hard would otherwise spin in a
-collective, holding a core and its ports; each calls :func:`die_with_parent` first thing.
-
-Two watchers: a thread, and a tiny ``sh`` process for when MLX's ring holds the GIL while waiting
-for peers (``mx.distributed.init``). PR_SET_PDEATHSIG is not used: it fires when the forking
-*thread* exits, and workers are started from threads that end.
+Two watchers: a thread, and a tiny ``sh`` process for when MLX's ring holds the GIL in
+``mx.distributed.init``. Not PR_SET_PDEATHSIG: it fires when the forking *thread* exits.
 """
 
 from __future__ import annotations
@@ -16,16 +12,16 @@ import threading
 import time
 
 POLL_S = 0.5
-PARENT_ENV = "MESHNODE_PARENT_PID"  # set by the parent: it may die before the child asks for its pid
+PARENT_ENV = "MESHNODE_PARENT_PID"  # the parent may die before the child asks for its pid
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child that will call :func:`die_with_parent`: names this process."""
+    """The environment for a child that will call :func:`die_with_parent`."""
     return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
 
 def die_with_parent(exit_code: int = 3) -> None:
-    """Exit at once, without clean-up, when the process that started this one exits (or already has)."""
+    """Exit at once, without clean-up, when the parent exits (or already has)."""
     parent = int(os.environ.get(PARENT_ENV) or os.getppid())
     if os.getppid() != parent:
         os._exit(exit_code)

@@ -1,16 +1,8 @@
-"""The prompt cache on disk: kept prefixes' KV written under the cache folder, read back on a miss.
-
-A stage writes the KV of its layers for every prefix it keeps (meshnode.model.prefixes) to
-``<root>/<model>/<key>/layers-<start>-<end>.safetensors``, in mlx-lm's prompt cache format
-(:func:`mlx_lm.models.cache.save_prompt_cache`) with the key, the layer range and the positions in
-its metadata. A head writes the prefix's tokens beside it (``tokens.npy``), so that its index
-(meshnode.serving.promptcache) is rebuilt after a restart. Writes run on a thread of their own,
-after the answer has ended.
-
-A prefix no longer in memory is read back from the entries whose layer ranges cover the layers a
-stage holds now, so a re-plan that moves layers keeps the cache. The folder is bounded by size,
-least recently used prefix out first. An entry that cannot be read, or whose metadata does not
-match its name, is deleted and never used.
+"""The prompt cache on disk: each stage writes its layers' KV of every kept prefix to
+``<root>/<model>/<key>/layers-<start>-<end>.safetensors`` (mlx-lm's prompt cache format), the head
+the tokens beside it, on a writer thread. A miss reads back the entries covering the layers held
+now, so a re-plan keeps the cache. Bounded by size, least recently used out first; an entry that
+cannot be read or whose metadata does not match its name is deleted, never used.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ log = logging.getLogger(__name__)
 Layers = tuple[int, int]
 ENTRY = re.compile(r"layers-(\d+)-(\d+)\.safetensors")
 TOKENS = "tokens.npy"
-FORMAT = "1"  # the metadata's "format": entries of another format are not read
+FORMAT = "1"  # entries of another format are not read
 
 
 def model_folder(model: str) -> str:
@@ -47,19 +39,18 @@ def model_folder(model: str) -> str:
 
 
 class PrefixDisk:
-    """Kept prefixes on this node's disk, for one model; writes are queued, reads are synchronous."""
+    """One model's kept prefixes on this node's disk; writes are queued, reads synchronous."""
 
     def __init__(self, root: Path, model: str, limit: int,
                  on_write: Callable[[int], None] | None = None):
-        """``root``: the prompt cache folder, shared by every model (``limit`` bytes bound all of
-        it); ``on_write``: told the bytes of each entry written."""
+        """``root``: shared by every model; ``limit`` bytes bound all of it."""
         self.root = Path(root)
         self.folder = self.root / model_folder(model)
         self.limit = int(limit)
         self._on_write = on_write
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._pending: dict[str, int] = {}  # keys queued for writing: how many writes
-        self._pending_entries: dict[tuple[str, Layers], int] = {}  # the same, by key and layers
+        self._pending: dict[str, int] = {}  # key -> queued writes
+        self._pending_entries: dict[tuple[str, Layers], int] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="meshnode-prompt-disk", daemon=True)
         self._thread.start()
@@ -67,9 +58,8 @@ class PrefixDisk:
     # -- writing
     def keep(self, key: str, layers: Layers, caches: list[Any], positions: int,
              parent: tuple[str, int] | None = None) -> None:
-        """Queue the write of ``caches`` (the evaluated caches of ``layers``, holding ``positions``).
-        ``parent``: the kept prefix (key, positions) the request started from; where it is on disk
-        for these layers, only the positions after it are written, as an entry that names it."""
+        """Queue the write of ``layers``' evaluated caches. With ``parent`` (key, positions) on disk,
+        only the positions after it are written, as an entry naming it."""
         metadata = {"format": FORMAT, "key": key, "layers": f"{layers[0]},{layers[1]}", "positions": str(positions)}
         if parent is not None and 0 < parent[1] < positions and self._extends(parent[0], layers) \
                 and all(type(c) in SEGMENTS for c in caches):
@@ -89,7 +79,7 @@ class PrefixDisk:
         return self.folder / key / f"layers-{layers[0]}-{layers[1]}.safetensors"
 
     def keep_tokens(self, key: str, tokens: Sequence[int]) -> None:
-        """Queue the write of the tokens a head asked its stages to keep under ``key``."""
+        """Queue the write of the tokens kept under ``key``."""
         array = np.asarray(tokens, dtype=np.int32)
         self._queue_write(key, lambda: self._write_tokens(key, array))
 
@@ -101,7 +91,7 @@ class PrefixDisk:
         return (self.folder / key).is_dir()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every write queued so far is done; whether it was within ``timeout``."""
+        """Wait for every write queued so far; whether it was within ``timeout``."""
         done = threading.Event()
         self._queue.put(done.set)
         return done.wait(timeout)
@@ -188,9 +178,8 @@ class PrefixDisk:
 
     # -- reading
     def load(self, key: str, layers: Layers, positions: int, templates: list[Any]) -> tuple[list[Any] | None, str]:
-        """The caches of ``layers`` kept under ``key`` with at least ``positions`` positions, read
-        from the entries that cover them, and evaluated; or None and why not. ``templates``: the
-        caches the stage makes for those layers now (an entry of other kinds is not used)."""
+        """``layers``' caches kept under ``key`` with at least ``positions``, evaluated; or (None, why
+        not). An entry of other kinds than ``templates`` is not used."""
         folder = self.folder / key
         ranges = {}
         for path in folder.glob("layers-*.safetensors"):
@@ -219,7 +208,7 @@ class PrefixDisk:
 
     def _read(self, path: Path, key: str, layers: Layers, positions: int) -> tuple[list[Any] | None, str]:
         """The caches of the entry at ``path``, joined after those of the entries it extends."""
-        segments: list[tuple[list[Any], int]] = []  # (caches, first position), the newest first
+        segments: list[tuple[list[Any], int]] = []  # (caches, first position), newest first
         read: list[Path] = []
         while True:
             caches, metadata, why = self._read_one(path, key, layers)
@@ -334,8 +323,8 @@ _stamp_lock = threading.Lock()
 
 
 def _touch(path: Path) -> None:
-    """Mark ``path`` used now: strictly after every other use this process marked, since the
-    kernel's file clock ticks in milliseconds and the order of uses decides what goes first."""
+    """Mark ``path`` used strictly after every other use here: the file clock ticks in ms, and the
+    order of uses decides what goes first."""
     global _last_stamp
     with _stamp_lock:
         _last_stamp = max(time.time_ns(), _last_stamp + 1000)

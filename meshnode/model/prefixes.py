@@ -1,13 +1,9 @@
-"""The prompt cache's node side: KV caches of recent conversation prefixes, kept per layer range.
+"""The prompt cache's node side: KV of recent conversation prefixes, kept per layer range.
 
-When a generation ends the head asks every stage to keep its KV under a key made from its tokens
-(:func:`prefix_key`); a later request starting with them resumes from a copy and prefills only its
-new tokens. The head decides (meshnode.serving.promptcache); a stage that lost the prefix says so.
-
-Kept prefixes live in the KV the plan reserves for ``kv_requests`` requests, least recently used
-out first. Entries are keyed by layer range, not epoch, so they survive a re-plan that keeps them.
-With a :class:`~meshnode.model.prefix_disk.PrefixDisk` every kept prefix is also written to disk,
-and a prefix no longer in memory is read back from there.
+A request starting with a kept prefix resumes from a copy and prefills only its new tokens; the
+head decides (meshnode.serving.promptcache). Prefixes live in the KV reserved for ``kv_requests``,
+least recently used out first, keyed by layer range so they survive a re-plan; with a
+:class:`~meshnode.model.prefix_disk.PrefixDisk` they are also written to and read back from disk.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Layers = tuple[int, int]
-# Why a kept prefix cannot be resumed part way: this model's cache (a sliding window, a recurrent
-# state) cannot be cut back, so only whole kept prefixes can be resumed.
+# A sliding window or recurrent state cannot be cut back: only whole kept prefixes resume.
 CANNOT_CUT = "this model's cache cannot be cut back"
 
 
@@ -42,13 +37,13 @@ def prefix_key(tokens: Sequence[int]) -> str:
 
 
 def keeps_prefixes(shard: Any) -> bool:
-    """Whether a shard's per-request cache can be kept (here, or in a tensor group's workers)."""
+    """Whether a shard's per-request cache can be kept (here or in a tensor group's workers)."""
     return getattr(shard, "owned", None) is not None or bool(getattr(shard, "keeps_prefixes", False))
 
 
 @runtime_checkable
 class KeptElsewhere(Protocol):
-    """A prefix's KV kept in a tensor group's workers: counted here, freed when the handle is dropped."""
+    """A prefix kept in a tensor group's workers: counted here, freed when the handle is dropped."""
 
     owner: Any  # the shard whose workers hold it
 
@@ -57,8 +52,8 @@ class KeptElsewhere(Protocol):
 
 
 class Resumed(list):
-    """A request's cache that started from a kept prefix: ``resumed_from`` is (its key, positions),
-    so that keeping the request's own prefix writes only the positions after it to disk."""
+    """A cache resumed from a kept prefix: ``resumed_from`` (key, positions) lets the disk write
+    only the positions after it."""
 
     def __init__(self, cache: list[Any], key: str, positions: int):
         super().__init__(cache)
@@ -100,7 +95,7 @@ def copy_cut(cache: list[Any], positions: int) -> tuple[list[Any] | None, str]:
 
 
 def cache_positions(cache: list[Any]) -> int:
-    """Positions a KV cache holds (its first layer's offset; 0 for an empty list)."""
+    """Positions a KV cache holds (its first layer's offset)."""
     for layer in cache:
         offset = getattr(layer, "offset", None)
         if isinstance(offset, int):
@@ -109,14 +104,12 @@ def cache_positions(cache: list[Any]) -> int:
 
 
 class PrefixStore:
-    """This node's kept prefixes, per layer range; thread-safe (stages run on several threads)."""
+    """This node's kept prefixes, per layer range; thread-safe."""
 
     def __init__(self, capacity: int, on_resume: Callable[[int, str], None] | None = None,
                  on_drop: Callable[[str], None] | None = None, disk: PrefixDisk | None = None,
                  mlx_turn: Callable[[], Any] | None = None):
-        """``capacity``: positions one layer range may hold, kept and in use; ``on_resume``: told
-        of each resume (positions, "memory" or "disk"); ``on_drop``: of each prefix gone from this
-        node for room; ``disk``: where kept prefixes are written too; ``mlx_turn``: a context
+        """``capacity``: positions one layer range may hold, kept and in use; ``mlx_turn``: a context
         holding the node's MLX baton, for reading from disk."""
         self.capacity = max(0, int(capacity))
         self._on_resume, self._on_drop = on_resume, on_drop
@@ -125,13 +118,13 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._kept: dict[Layers, OrderedDict[str, tuple[list[Any], int]]] = {}
         self._in_use: dict[Layers, int] = {}
-        self.hits = 0  # requests resumed from a kept prefix
-        self.reused_positions = 0  # positions requests did not have to compute again
-        self.disk_hits = 0  # of those, read back from disk
+        self.hits = 0
+        self.reused_positions = 0
+        self.disk_hits = 0
 
     # -- the requests open here
     def grow(self, layers: Layers, positions: int) -> None:
-        """A request open here took ``positions`` more positions of KV (negative: released)."""
+        """An open request took ``positions`` more KV positions (negative: released)."""
         with self._lock:
             self._in_use[layers] = max(0, self._in_use.get(layers, 0) + positions)
             dropped = self._fit(layers)
@@ -164,8 +157,7 @@ class PrefixStore:
         return held or self.disk is not None
 
     def resume(self, layers: Layers, key: str, positions: int, shard: Any = None) -> tuple[list[Any] | None, str]:
-        """A copy of the cache kept under ``key``, cut to ``positions``, for ``shard``; or None and
-        why not (not held, kept by another kind of shard, or CANNOT_CUT)."""
+        """A copy of the cache kept under ``key``, cut to ``positions``; or (None, why not)."""
         with self._lock:
             kept = self._kept.get(layers)
             entry = kept.get(key) if kept is not None else None
@@ -184,7 +176,7 @@ class PrefixStore:
         return Resumed(mine, key, positions) if isinstance(mine, list) else mine, ""
 
     def _from_disk(self, layers: Layers, key: str, positions: int, shard: Any) -> tuple[list[Any] | None, str]:
-        """A prefix not in memory, read back from disk for ``shard``; or None and why not."""
+        """A prefix read back from disk; or (None, why not)."""
         if self.disk is None or shard is None or getattr(shard, "owned", None) is None:
             return None, "not kept here"
         with self._mlx_turn():
@@ -208,7 +200,7 @@ class PrefixStore:
             self._on_resume(positions, source)
 
     def forget(self, layers: Layers | None = None) -> None:
-        """Drop every prefix kept (for ``layers``, or all): its layers are not served here any more."""
+        """Drop every prefix kept for ``layers`` (or all)."""
         with self._lock:
             dropped = [key for lr in ([layers] if layers is not None else list(self._kept))
                        for key in self._kept.pop(lr, {})]

@@ -1,9 +1,5 @@
-"""Cutting a request's KV cache back: what a speculative pass's rejected drafts need on every stage.
-
-A growing ``KVCache`` can always be cut, a ``RotatingKVCache`` only until it wraps, a recurrent
-state (``ArraysCache``) never; :func:`rewind_limit` says so before a request speculates, so it
-never needs a cut its stages cannot make.
-"""
+"""Cutting a request's KV cache back after rejected drafts. A ``KVCache`` can always be cut, a
+``RotatingKVCache`` until it wraps, a recurrent state never: :func:`rewind_limit` tells first."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ class CannotRewind(RuntimeError):
 
 
 def rewind_limit(template: list[Any]) -> tuple[int | None, str]:
-    """How far caches like ``template`` can be cut back: (None, "") always; (n, "") while under n
-    positions; (0, why) never."""
+    """(None, "") always; (n, "") while under n positions; (0, why) never."""
     limit = None
     for cache in distinct(template):
         for c in getattr(cache, "caches", None) or (cache,):  # a CacheList holds several
@@ -32,7 +27,7 @@ def rewind_limit(template: list[Any]) -> tuple[int | None, str]:
 
 
 def rewind(shard: Any, cache: Any, positions: int) -> None:
-    """Drop the last ``positions`` of a request's ``cache`` on ``shard`` (raises :class:`CannotRewind`)."""
+    """Drop the last ``positions`` of ``cache`` on ``shard``; raises :class:`CannotRewind`."""
     if positions <= 0:
         return
     own = getattr(shard, "rewind", None)
@@ -46,7 +41,7 @@ def rewind(shard: Any, cache: Any, positions: int) -> None:
 
 
 def rewind_owned(caches: list[Any], positions: int) -> None:
-    """Drop the last ``positions`` of each of ``caches`` (a shard's own layers' caches)."""
+    """Drop the last ``positions`` of a shard's own layers' caches."""
     owned = distinct(caches)
     if not can_trim_prompt_cache(owned):
         kinds = sorted({type(c).__name__ for c in owned if not c.is_trimmable()})

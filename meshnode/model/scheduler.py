@@ -1,9 +1,6 @@
-"""The one thread that runs all of a node's MLX work, one piece at a time.
-
-MLX evaluation is not re-entrant across threads for one model. :class:`TokenScheduler` runs
-generations (:class:`TokenJob`) and one-off calls under a :class:`Baton` that makes them take
-turns; a job waiting on the network lets go of it (:func:`mlx_idle`).
-"""
+"""All of a node's MLX work, one piece at a time: MLX evaluation is not re-entrant across threads
+for one model, so generations and one-off calls take turns under a :class:`Baton`; a job waiting
+on the network lets go of it (:func:`mlx_idle`)."""
 
 from __future__ import annotations
 
@@ -68,14 +65,13 @@ class TokenJob:
 _held = threading.local()
 
 
-# Who gets the baton next: the claim with the least work before its next token (prompt positions
-# left to prefill; 0 for a decode step), earliest among equals. A claim that has waited AGE_S goes
-# first whatever its work, so a long prefill is slowed, never starved.
+# The baton goes to the claim with the least work before its next token (prompt positions left;
+# 0 for a decode step), earliest among equals; one waiting AGE_S goes first, so none starves.
 AGE_S = 0.25
 
 
 def set_priority(work: int) -> None:
-    """Declare this thread's work left before its next token (see AGE_S), until set again."""
+    """Declare this thread's work left before its next token (see AGE_S)."""
     _held.priority = max(0, int(work))
     generations = getattr(_held, "generations", None)
     if generations is not None:  # a generation's thread: its scheduler knows what it has left
@@ -90,12 +86,9 @@ class _Claim:
 
 
 class Baton:
-    """The right to run MLX work on this node: one thread at a time.
-
-    A generation computes only while holding it, and lets go while it waits for a remote stage
-    and after every token or prefill chunk. The releasing thread hands it to one waiting claim
-    (see AGE_S), so every thread sees the same choice.
-    """
+    """The right to run MLX work on this node, one thread at a time. A generation lets go while
+    it waits for a remote stage and after every token or chunk; the releasing thread hands it to
+    one waiting claim (see AGE_S)."""
 
     def __init__(self, age_s: float = AGE_S, clock: Callable[[], float] = time.monotonic):
         self._cond = threading.Condition()
@@ -135,15 +128,12 @@ class Baton:
                 self._busy = False
                 return
             self._waiting.remove(nxt)
-            nxt.granted = True  # the baton passes straight to it: nobody can slip in between
+            nxt.granted = True  # passed straight on: nobody can slip in between
             self._cond.notify_all()
 
     def pass_on(self, settle: Callable[[], None] | None = None) -> None:
-        """Let a waiting thread with a better claim go first, then take the baton back.
-
-        ``settle`` runs first (only when someone goes first) to finish the work this thread left
-        running, so the next holder gets the processor to itself.
-        """
+        """Let a waiting thread with a better claim go first, then take the baton back. ``settle``
+        (run only when someone goes first) finishes this thread's running work."""
         with self._cond:
             mine = self._claim()
             yields = bool(self._waiting) and self._first([*self._waiting, mine]) is not mine
@@ -214,11 +204,8 @@ def _settle_generation() -> None:
 
 
 class TokenScheduler:
-    """Runs all MLX work of this node, one piece at a time (:class:`Baton`).
-
-    Each generation gets a thread that advances it a token at a time under the baton; one-off
-    calls (a stage's step for a peer, loading a shard) run on the scheduler's own thread.
-    """
+    """Runs all MLX work of this node under one :class:`Baton`: a thread per generation, a token
+    at a time; one-off calls run on the scheduler's own thread."""
 
     def __init__(self, name: str = "meshnode-mlx", age_s: float = AGE_S):
         """``age_s``: see AGE_S; 0 serves claims in the order they came."""
@@ -227,7 +214,7 @@ class TokenScheduler:
         self._name = name
         self._jobs: set[TokenJob] = set()
         self._jobs_lock = threading.Lock()
-        self._left: dict[int, int] = {}  # each generation thread's prompt positions still to prefill
+        self._left: dict[int, int] = {}  # thread -> prompt positions still to prefill
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -238,12 +225,12 @@ class TokenScheduler:
 
     @property
     def baton(self) -> Baton:
-        """The right to run MLX work here (meshnode.serving.batching's loop holds it a step at a time)."""
+        """The right to run MLX work here."""
         return self._baton
 
     def others_waiting(self) -> bool:
-        """On a generation's thread: whether another generation here has no more prompt left than
-        this one, and so would wait behind its long chunks."""
+        """Whether another generation has no more prompt left than this thread's, and would wait
+        behind its long chunks."""
         me = threading.get_ident()
         left = dict(self._left)  # a copy: other threads add and remove themselves
         mine = left.pop(me, 0)
@@ -260,7 +247,7 @@ class TokenScheduler:
         return job
 
     def track(self, job: TokenJob) -> None:
-        """Count a generation run elsewhere (the batching loop) as active until :meth:`untrack`."""
+        """Count a generation run elsewhere as active until :meth:`untrack`."""
         with self._jobs_lock:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
@@ -303,9 +290,8 @@ class TokenScheduler:
     def _drive(self, job: TokenJob, work: int) -> None:
         """One generation's thread: a token at a time, each computed holding the baton."""
         _held.generations = self._left
-        # A token whose step waited on a remote stage is handed to the event loop only once the
-        # next step has gone out (mlx_idle): the loop's work for it then runs while the stage
-        # computes instead of delaying this node's send. A client sees it one step later.
+        # A token whose step waited on a remote stage goes to the event loop once the next step is
+        # out (mlx_idle), so the loop's work overlaps the stage's instead of delaying the send.
         held: list[int] = []
 
         def flush() -> None:
@@ -323,8 +309,7 @@ class TokenScheduler:
                     flush()
                     job.end()
                     return
-                except Exception as exc:  # the failure belongs to this request only
-                    # (quiet: an outcome its caller handles, such as a prompt-cache miss)
+                except Exception as exc:  # this request's failure only; its caller handles it
                     log.log(logging.INFO if getattr(exc, "quiet", False) else logging.WARNING, "generation failed: %s",
                             exc, exc_info=log.isEnabledFor(logging.DEBUG))
                     flush()
@@ -380,10 +365,8 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 
 
 class StepWatch:
-    """The model steps in flight on this node, to tell a stalled node from a busy one: a busy node
-    finishes each step (a chunk or a token), a stalled one has a step that never ends while its
-    event loop still heartbeats.
-    """
+    """The model steps in flight, to tell a stalled node (a step that never ends while the event
+    loop heartbeats) from a busy one."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
