@@ -28,8 +28,7 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of the answer: content, reasoning, completed tool calls and logprobs; the last one
-    has ``finish_reason`` set ("stop", "length" or "tool_calls")."""
+    """A piece of the answer; the last has ``finish_reason`` set ("stop", "length" or "tool_calls")."""
 
     text: str
     completion_tokens: int
@@ -37,11 +36,11 @@ class Delta:
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
-    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
+    stop_sequence: str | None = None  # the stop string that ended the answer
 
     @property
     def carries(self) -> bool:
-        """Whether the piece has anything for the client: text, reasoning, tool calls or logprobs."""
+        """Whether the piece has anything for the client."""
         return bool(self.text or self.reasoning or self.tool_calls or self.logprobs)
 
 
@@ -50,16 +49,15 @@ class TokenSource(Protocol):
 
 
 class Engine:
-    """Owns what is per-request on the serving node: the streaming detokenizer, EOS, stop strings,
-    max_tokens, and a chat answer's split into content, reasoning and tool calls. The token ids
-    come from a :class:`TokenSource` (the local pipeline or the head's node), so a generation that
-    moves to another placement mid-way still reads as one stream."""
+    """Owns what is per-request on the serving node: detokenizer, EOS, stop strings, max_tokens, and
+    a chat answer's split into content, reasoning and tool calls. Token ids come from a
+    :class:`TokenSource`, so a generation moved to another placement still reads as one stream."""
 
     def __init__(
         self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int,
         metrics: NodeMetrics | None = None,
     ):
-        self.metrics = metrics  # counts tokens, times the first one (meshnode.metrics)
+        self.metrics = metrics
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -119,8 +117,7 @@ class Engine:
             return delta
 
         metrics, started, first_at, stopped_at = self.metrics, time.monotonic(), None, None
-        # Closed before the last piece goes out, so the stages keep the prompt cache's prefix
-        # before the client can send its next turn.
+        # Closed before the last piece goes out, so the stages keep the prefix before the next turn.
         async with contextlib.aclosing(self.source.tokens(prompt, params)) as tokens:
             async for token in tokens:
                 if metrics is not None:

@@ -1,10 +1,6 @@
-"""Structured output: ``response_format`` json_object / json_schema as a grammar that masks every
-token that cannot continue a valid answer, run by llguidance (the constrained-decoding engine vLLM
-and SGLang use) as one more logits processor where the head samples.
-
-A grammar travels as llguidance's grammar text, so a remote head constrains exactly what the
-serving node checked; the token mask is built once per tokenizer.
-"""
+"""Structured output: ``response_format`` as an llguidance grammar masking every token that cannot
+continue a valid answer, one more logits processor where the head samples. The grammar travels as
+text, so a remote head constrains exactly what the serving node checked."""
 
 from __future__ import annotations
 
@@ -52,9 +48,7 @@ def _lltokenizer(tokenizer):
 
 
 class GrammarProcessor:
-    """An mlx-lm logits processor that lets through only tokens that keep the answer valid.
-
-    It consumes the tokens sampled since its last call, then masks the next logits."""
+    """An mlx-lm logits processor letting through only tokens that keep the answer valid."""
 
     def __init__(self, grammar: str, tokenizer):
         from llguidance import LLMatcher
@@ -69,8 +63,8 @@ class GrammarProcessor:
         elif tokens.shape[0] > self._seen:
             new, self._seen = cast(list[int], tokens[self._seen:].tolist()), tokens.shape[0]
             for token in new:
-                if matcher.is_stopped():  # complete: only EOS may follow, and generate_step computes
-                    break  # a step past that EOS which the engine throws away
+                if matcher.is_stopped():  # only EOS may follow; generate_step runs a step past it,
+                    break  # which the engine throws away
                 matcher.consume_token(token)
         if matcher.is_error():
             raise GrammarError(f"structured output: {matcher.get_error()}")
@@ -83,4 +77,4 @@ class GrammarProcessor:
 
 
 class GrammarError(RuntimeError):
-    """The answer left its grammar (it cannot when every token is masked by it)."""
+    """The answer left its grammar."""

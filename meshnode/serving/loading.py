@@ -1,6 +1,5 @@
-"""Loading this node's part of a plan: its shards (a plain shard, or its member of a tensor group),
-with layers this disk lacks fetched from the peers that hold them first (make before break: the
-:class:`~meshnode.serving.served.ServedModel` swaps them in only once all are loaded)."""
+"""Loading this node's part of a plan: its shards or tensor group member, fetching layers this disk
+lacks from peers first; swapped in only once all are loaded (make before break)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ def stage_key(stage) -> tuple:
 
 
 def part_of(plan, node_id: str) -> tuple:
-    """What a plan has this node load: its stages' keys, and the KV cache kind its groups' workers build."""
+    """This node's stage keys in the plan, and the KV cache kind its groups' workers build."""
     return plan.kv_bits, frozenset(stage_key(s) for s in plan.stages if node_id in s.nodes)
 
 
@@ -37,7 +36,7 @@ def close_shard(shard) -> None:
 
 def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings: ServingSettings, secret: bytes,
                   kv_bits: int = 0, model: str = "") -> TensorShard:
-    """This node's member of the stage's tensor group: ring endpoints every member derives alike."""
+    """This node's member of the stage's tensor group; every member derives the endpoints alike."""
     alive = mesh.alive_infos()
     # The model too: two models' groups on the same nodes and layers need rings of their own.
     key = f"{model}/{stage.start_layer}-{stage.end_layer}-{','.join(stage.nodes)}"
@@ -47,7 +46,7 @@ def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, set
         info = mesh.me if member == node_id else alive.get(member)
         if info is None or not info.tensor_port:
             raise TensorGroupError(f"group member {member} is unknown or has no tensor port")
-        # The plan's address (the fastest measured path), else the member's first announced one.
+        # The plan's address (the fastest path), else the member's first announced one.
         chosen = getattr(stage, "endpoints", ())
         host = chosen[stage.nodes.index(member)] if chosen else info.addresses[0]
         endpoints.append(f"{host}:{info.tensor_port + offset}")
@@ -99,7 +98,7 @@ async def load_part(served, plan) -> None:
                 launching.remove(shard)
                 served.event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
                              seconds=round(time.monotonic() - t0, 2))
-            if isinstance(shard, Shard):  # its requests' caches from now on: the plan's (meshnode.weights.kvquant)
+            if isinstance(shard, Shard):  # its requests' caches from now on: the plan's
                 shard.kv_bits = plan.kv_bits
             wanted[key] = shard
     except BaseException as exc:
@@ -142,7 +141,7 @@ def keep_for_newer(served, loaded: dict) -> None:
 
 
 async def layers_folder(served, start: int, end: int) -> Path:
-    """The layers' folder, fetched from peers if this disk lacks them, then announced as held."""
+    """The layers' folder, fetched from peers if missing, then announced as held."""
     if (local := served.files.local_layers(start, end)) is not None:
         return local
     alive = served.mesh.alive_infos()

@@ -1,10 +1,6 @@
 """Where a generation of one plan runs: here (this node is the head) or on the head over gRPC.
-
-A placement is bound to one epoch. Its ``tokens`` yields token ids and turns whatever goes wrong
-into the three outcomes failover knows (meshnode.serving.resilience): the epoch is not ready
-there yet (:class:`EpochPending`), a stage failed on its input (:class:`GenerationFault`), or the
-placement is gone (:class:`PlacementLost`).
-"""
+A placement is bound to one epoch; its ``tokens`` turns every failure into one of failover's
+outcomes: :class:`EpochPending`, :class:`GenerationFault` or :class:`PlacementLost`."""
 
 from __future__ import annotations
 
@@ -53,7 +49,7 @@ def gave_up(exc: BaseException) -> ApiError:
 
 
 def head_of(plan) -> str:
-    """The node holding the model's last layers: it runs each generation of the plan."""
+    """The node holding the last layers: it runs each generation of the plan."""
     return plan.stages[-1].nodes[0]
 
 
@@ -65,8 +61,7 @@ class HeadPlacement:
                  on_batched_step: Callable[[int], None] | None = None,
                  batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
                  on_spec_costs: Callable[[float, float | None], None] | None = None, draft=None):
-        """``batch_steps``: concurrent decode steps may go through the stages together;
-        ``on_speculated`` and ``on_spec_costs``: metrics hooks; ``draft``: the node's draft model."""
+        """``batch_steps``: concurrent decode steps may go through the stages together."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
         prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
@@ -78,17 +73,16 @@ class HeadPlacement:
             log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
             speculation = None
         self._alone: PipelineSource | None = None  # a lone request's source where concurrent ones batch
-        self._limit = limit  # how far the caches can be cut back (speculative.why_not)
-        # Bound now, while the plan is ready: a later plan swapping shards cannot pull them away.
+        self._limit = limit  # how far the caches can be cut back
+        # Bound now: a later plan swapping shards cannot pull them away.
         if batched:
             self._source: BatchedSource | PipelineSource = BatchedSource(
                 scheduler, handles[0], prefill_step_size=s.prefill_step_size, prefixes=prefixes, tokenizer=tokenizer)
-            if speculation is not None:  # a request alone speculates; with others it joins their batch
+            if speculation is not None:  # alone it speculates; with others it joins their batch
                 self._alone = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
                                              prefill=prefill, prefixes=prefixes, tokenizer=tokenizer,
                                              speculation=speculation)
             return
-        # Across stages, concurrent requests' decode steps go through the stages together.
         batcher = StepBatcher(handles, on_batched_step) \
             if batch_steps and stages_batch(s.batch_stages) and can_batch(handles) else None
         self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
@@ -121,8 +115,7 @@ class HeadPlacement:
 def speculation_for(settings: PlacementSettings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
                     on_costs: Callable[[float, float | None], None] | None = None, *,
                     batched: bool = False) -> Speculation | None:
-    """A placement's speculative decoding as the settings ask (None: off). ``"auto"``: prompt
-    lookup, unless the placement's requests batch (a speculating request would not batch)."""
+    """A placement's speculative decoding (None: off). ``"auto"``: prompt lookup, unless requests batch."""
     mode = settings.speculative
     if mode == "draft_model" and draft is not None:
         drafter = draft.drafter
@@ -130,12 +123,12 @@ def speculation_for(settings: PlacementSettings, on_pass: Callable[[int, int, in
         drafter = PromptLookup
     else:
         return None
-    if settings.drafters is not None:  # a test harness's drafter, in place of the options' own
+    if settings.drafters is not None:  # a test harness's drafter
         drafter = settings.drafters(drafter)
     return Speculation(drafter=drafter, on_pass=on_pass, on_costs=on_costs, k_max=settings.draft_max)
 
 
-AFTER_MAX = 16  # generations given up that one request asks its head to wait for (GenerateRequest.after)
+AFTER_MAX = 16  # given-up generations one request asks its head to wait for
 
 
 class RemoteHeadPlacement:
@@ -145,7 +138,7 @@ class RemoteHeadPlacement:
                  alive: Callable[[str], bool], model: str = ""):
         self.epoch, self.head, self._caller, self.model = epoch, head, caller, model
         self._channel, self._alive = channel, alive
-        # Generations given up since the last request: the next asks the head to wait for them.
+        # Given up since the last request: the next asks the head to wait for them.
         self._given_up: list[str] = []
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
@@ -155,8 +148,8 @@ class RemoteHeadPlacement:
         request.after.extend(self._given_up[-AFTER_MAX:])
         self._given_up.clear()
         call = stub.Generate(request, wait_for_ready=True)
-        over = False  # the head ended the stream (it has kept the generation's prefix)
-        # The head is waited for while it heartbeats; it reports its stages' faults on this stream.
+        over = False  # the head ended the stream (it has kept the prefix)
+        # Waited for while it heartbeats; it reports its stages' faults on this stream.
         alive = lambda: self._alive(self.head)  # noqa: E731
         lost = lambda waited: f"head {self.head} stopped heartbeating or is stalled ({waited:.1f} s into a wait)"  # noqa: E731
         try:
@@ -175,7 +168,7 @@ class RemoteHeadPlacement:
             raise head_failure(self.head, exc.code(), exc.details()) from None
         finally:
             call.cancel()
-            if not over:  # the answer was complete here first: the head is still finishing it
+            if not over:  # complete here first: the head is still finishing it
                 self._given_up.append(request.request_id)
 
 
@@ -194,7 +187,7 @@ def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params:
 
 
 def received_params(request) -> SamplingParams:
-    """The SamplingParams of a peer's GenerateRequest (its ranges are checked by the caller)."""
+    """The SamplingParams of a peer's GenerateRequest (the caller checks ranges)."""
     return SamplingParams(
         max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
         seed=request.seed if request.has_seed else None, offset=request.offset,
@@ -208,15 +201,14 @@ def received_params(request) -> SamplingParams:
 
 
 def head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
-    """What a remote head's error status means for the generation (the codes of meshnode.transport.stage)."""
+    """What a remote head's error status means for the generation."""
     kind = refusal_kind(code, details)
     as_generation = {StagePending: EpochPending, StageFault: GenerationFault}.get(kind, PlacementLost)
     return as_generation(f"head {head}: {code.name}: {details}")
 
 
 async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epoch_now: int):
-    """A peer's Generate: run the request on ``served`` (a ServedModel), where this node is the head of
-    ``request.epoch``."""
+    """A peer's Generate, where this node is the head of ``request.epoch``."""
     serving = served.serving_plan()
     if serving is None or serving.epoch != request.epoch:
         # Not switched yet: the caller retries shortly. Older than this node's plan: superseded.
@@ -242,7 +234,7 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
         await index.after(request.after[:AFTER_MAX])
     over = index.relayed(request.request_id) if index is not None else None
     try:
-        # Closed here, not by the garbage collector: ``over`` is set once the prefix is kept.
+        # Closed here, not by the GC: ``over`` is set once the prefix is kept.
         async with contextlib.aclosing(served.placement_for(serving).tokens(prompt, params)) as tokens:
             async for token in tokens:
                 if isinstance(token, Sampled):

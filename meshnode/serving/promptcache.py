@@ -1,16 +1,7 @@
-"""The prompt cache's head side: which conversation prefixes the stages keep, and which to resume.
-
-The head remembers the token sequences it asked its stages to keep (meshnode.model.prefixes); a
-new request resumes from the one sharing the longest start with its prompt. A stage that dropped
-it says so, and the request runs again with its whole prompt (:meth:`PrefixIndex.forget`).
-
-A client sends the next turn as soon as an answer is complete, before the stages have kept its
-prefix. So a closed generation is registered with the tokens it will keep
-(:meth:`PrefixIndex.until_kept`), and a request that would resume more of them waits until it is
-over (:meth:`PrefixIndex.settled_match`), never taking an older prefix. A relay names the
-generations it gave up (``GenerateRequest.after``), and the head waits for those first
-(:meth:`PrefixIndex.after`). Waiting on exactly those generations, not on prompts that look alike,
-leaves an agent's parallel calls running side by side.
+"""The prompt cache's head side: which prefixes the stages keep, and which to resume from (the
+longest shared start). A client sends its next turn before the stages have kept the last answer's
+prefix, so a request that would resume more of a closed generation's tokens waits for exactly that
+generation (:meth:`PrefixIndex.settled_match`), leaving an agent's parallel calls side by side.
 """
 
 from __future__ import annotations
@@ -32,12 +23,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A shared start shorter than this is prefilled again: a resume that misses costs a round trip.
+# A shorter shared start is prefilled again: a resume that misses costs a round trip.
 MIN_REUSE = 16
-ENTRIES = 32  # prefixes remembered (the stages bound them by memory; this bounds the search)
+ENTRIES = 32  # bounds the search; the stages bound prefixes by memory
 # Seconds an answer waits for its prefix to be kept, and a head for a relay's given-up generations.
 SETTLE_WAIT = 2.0
-WAIT_SLICE = 1.0  # seconds a wait without a bound holds a worker thread before it looks again
+WAIT_SLICE = 1.0  # seconds an unbounded wait holds a worker thread before looking again
 
 
 def common_start(a: np.ndarray, b: np.ndarray) -> int:
@@ -50,7 +41,7 @@ def common_start(a: np.ndarray, b: np.ndarray) -> int:
 
 
 async def _wait_all(events: Sequence[threading.Event], timeout: float | None) -> bool:
-    """Wait off the event loop until every event is set or ``timeout`` passes; whether all were."""
+    """Wait off the event loop for every event or ``timeout``; whether all were set."""
     if timeout is not None:
         deadline = time.monotonic() + timeout
         return await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in events))
@@ -64,20 +55,20 @@ class PrefixIndex:
     """The prefixes this head asked its stages to keep, most recently used last; thread-safe."""
 
     def __init__(self, entries: int = ENTRIES, disk: PrefixDisk | None = None):
-        """``disk``: where the tokens of each prefix are written, and read back from at start."""
+        """``disk``: where prefix tokens are written, and read back from at start."""
         self._entries = entries
         self._disk = disk
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._relayed: dict[str, threading.Event] = {}  # relays' generations running here: set once over
-        # Closed generations that may still be keeping their prefix: their tokens and their end.
+        self._relayed: dict[str, threading.Event] = {}  # relayed generations here: set once over
+        # Closed generations that may still be keeping their prefix: (tokens, end).
         self._closed: list[tuple[np.ndarray, threading.Event]] = []
-        self.partial = True  # False once a stage could not cut a kept prefix (its cache cannot trim)
+        self.partial = True  # False once a stage could not cut a kept prefix
         if disk is not None:
             self._read_back(disk)
 
     def _read_back(self, disk: PrefixDisk) -> None:
-        """Remember the prefixes most recently kept on disk here (a restarted head's index)."""
+        """A restarted head's index: the prefixes most recently kept on disk."""
         for key, tokens in disk.recent_tokens(self._entries):
             if prefix_key(tokens.tolist()) == key:
                 self._kept[key] = tokens
@@ -87,8 +78,8 @@ class PrefixIndex:
 
     async def until_kept(self, ended: threading.Event, tokens: Sequence[int] | None = None,
                          timeout: float | None = None) -> bool:
-        """A generation's tokens are closed: wait up to ``timeout`` for ``ended`` (its prefix kept,
-        or none). Until then a request that would resume more of ``tokens`` waits for it."""
+        """Wait up to ``timeout`` for ``ended``; meanwhile a request that would resume more of
+        ``tokens`` waits too."""
         if ended.is_set():
             return True
         if tokens is not None and len(tokens) >= MIN_REUSE:
@@ -98,11 +89,11 @@ class PrefixIndex:
         return await _wait_all([ended], SETTLE_WAIT if timeout is None else timeout)
 
     async def settled_match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """:meth:`match`, once every closed generation that would give ``prompt`` a longer start is over."""
+        """:meth:`match`, once every closed generation giving ``prompt`` a longer start is over."""
         want = np.asarray(prompt, dtype=np.int64)
         t0, waited = time.monotonic(), False
         while True:
-            with self._lock:  # those not over before the match: one that ends after it is waited for
+            with self._lock:  # one that ends after the match is waited for
                 self._closed = [c for c in self._closed if not c[1].is_set()]
                 closed = list(self._closed)
             best = self.match(prompt)
@@ -118,8 +109,7 @@ class PrefixIndex:
             waited = True
 
     def relayed(self, request_id: str) -> threading.Event:
-        """A relay's generation ``request_id`` runs here: set the event returned once it is over
-        (its tokens closed and :meth:`until_kept` returned)."""
+        """A relay's generation runs here: the event is set once it is over."""
         ended = threading.Event()
         with self._lock:
             self._relayed = {r: e for r, e in self._relayed.items() if not e.is_set()}
@@ -127,7 +117,7 @@ class PrefixIndex:
         return ended
 
     async def after(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` for the relayed generations ``request_ids`` a relay gave up to be over."""
+        """Wait up to ``timeout`` for the generations a relay gave up to be over."""
         with self._lock:
             pending = [e for r in request_ids if (e := self._relayed.get(r)) is not None and not e.is_set()]
         if pending:
@@ -137,15 +127,14 @@ class PrefixIndex:
                       time.monotonic() - t0, len(pending), "" if over else " (gave up)")
 
     def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """(key, positions) to resume ``prompt`` from, or None. At least the prompt's last token is
-        always computed (its logits give the first new token)."""
+        """(key, positions) to resume ``prompt`` from, or None. The last prompt token is always
+        computed (its logits give the first new token)."""
         want = np.asarray(prompt, dtype=np.int64)
         best: tuple[str, int] | None = None
         with self._lock:
             entries = list(self._kept.items())
         whole = False
-        # On a tie, a prefix resumed whole (nothing to cut back, the least to copy), then the most
-        # recently kept or used (the stages give up the least recent first).
+        # Ties: a prefix resumed whole (nothing to cut), then the most recent (stages drop the oldest).
         for key, tokens in reversed(entries):
             n = min(common_start(tokens, want), len(want) - 1)
             if n < len(tokens) and not self.partial:
@@ -159,8 +148,7 @@ class PrefixIndex:
         return best
 
     def add(self, tokens: Sequence[int], key: str | None = None) -> str:
-        """Remember that the stages were asked to keep exactly ``tokens`` (under ``key``, their
-        :func:`prefix_key`, when the caller has it already); the key."""
+        """Remember the stages keep exactly ``tokens``; returns the key."""
         key = key or prefix_key(tokens)
         with self._lock:
             self._kept.pop(key, None)

@@ -1,11 +1,6 @@
-"""Generations that survive the loss of a stage.
-
-When a placement fails mid-way, :class:`FailoverSource` waits for a new plan and replays the
-prompt plus every token produced so far on it, so the client sees one stream with nothing missing
-or repeated. If every node of the lost placement was heard from since, nothing failed and it
-replays at once on the same epoch. A peer is waited for as long as it heartbeats
-(:func:`await_while_alive`): a busy peer is not a lost one.
-"""
+"""Generations that survive the loss of a stage: the prompt plus every token so far is replayed
+on a new plan, so the client sees one stream with nothing missing or repeated. A peer is waited for
+as long as it heartbeats: a busy peer is not a lost one."""
 
 from __future__ import annotations
 
@@ -42,8 +37,8 @@ class GenerationFault(RuntimeError):
 
 async def await_while_alive(awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str],
                             poll: float = 0.25):
-    """The result of ``awaitable``, waited for while ``alive()`` holds; else :class:`PlacementLost`.
-    A slow answer never cancels it (that would end a gRPC call)."""
+    """``awaitable``'s result, waited for while ``alive()``; else :class:`PlacementLost`. Never
+    cancelled for slowness (that would end a gRPC call)."""
     task = asyncio.ensure_future(awaitable)
     started = time.monotonic()
     try:
@@ -67,8 +62,7 @@ class Placement(Protocol):
 
 class FailoverSource:
     """The engine's token source in a mesh: relays a placement's tokens and replays the generation
-    onto a new plan when it fails. ``current(after_epoch)`` raises :class:`NotReady` until a newer
-    plan is ready, or any other error to give up."""
+    on a new plan when it fails. ``current(after_epoch)`` raises :class:`NotReady` until one is ready."""
 
     def __init__(
         self,
@@ -82,10 +76,10 @@ class FailoverSource:
         give_up: Callable[[BaseException], BaseException] | None = None,
         same_epoch: Callable[[int, float], Placement | None] | None = None,
     ):
-        # same_epoch(epoch, lost at): that placement again if nothing failed (ServedModel.placement_again).
+        # same_epoch(epoch, lost at): that placement again if nothing failed.
         self._same_epoch = same_epoch
-        self._on_retry = on_retry  # called once per retry (metrics)
-        # What the caller gets when the generation is lost for good (the API: a 503, retry later).
+        self._on_retry = on_retry
+        # What the caller gets when the generation is lost for good.
         self._give_up = give_up
         self._current = current
         self._attempts = attempts
@@ -136,7 +130,7 @@ class FailoverSource:
         produced: list[int] = []
         placement = self._current(None)
         attempt = 1
-        pending_since: float | None = None  # the first refusal of a not-yet-switched epoch, in a row
+        pending_since: float | None = None  # the first of consecutive EpochPending refusals
         pending_wait = self._poll
         while True:
             left = params.max_tokens - len(produced)

@@ -1,6 +1,5 @@
-"""What a request asks of the sampler: a plain dataclass every part can import (the API builds
-it, a remote head receives it in a GenerateRequest, failover carries it over), with no MLX; and
-:class:`Sampled`, a token id that also carries its log-probabilities where they were asked for."""
+"""What a request asks of the sampler, as a plain dataclass with no MLX; and :class:`Sampled`, a
+token id carrying its log-probabilities."""
 
 from __future__ import annotations
 
@@ -15,18 +14,18 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    # Tokens already produced before a failover replay, so a seeded draw continues where it was.
+    # Tokens produced before a failover replay, so a seeded draw continues where it was.
     offset: int = 0
-    # mlx-lm's other filters (0: off) and logits processors (None: off), as mlx-lm applies them.
+    # mlx-lm's other filters (0: off) and logits processors (None: off).
     top_k: int = 0
     min_p: float = 0.0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Report each token's log-probability, and this many most likely alternatives (-1: none asked).
+    # Each token's log-probability, and this many alternatives (-1: none asked).
     top_logprobs: int = -1
-    # Structured output: llguidance's grammar text the answer must follow ("": none).
+    # llguidance grammar text the answer must follow ("": none).
     grammar: str = ""
 
     @property
@@ -41,8 +40,8 @@ class SamplingParams:
 
 
 class Sampled(int):
-    """A token id carrying its log-probability and ``top`` alternatives; an ``int``, so every token
-    source passes it on unchanged."""
+    """A token id carrying its log-probability and ``top`` alternatives; an ``int``, so every
+    token source passes it on unchanged."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]

@@ -1,6 +1,4 @@
-"""One served model on this node: its plan, its shards, and where its requests run.
-
-"""
+"""One served model on this node: its plan, its shards, and where its requests run."""
 
 from __future__ import annotations
 
@@ -41,10 +39,9 @@ MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
 
 
 class ServedModel:
-    """One model as this node serves it: takes the plans adoption hands it, loads this node's part
-    of each (make before break: the previous plan serves until the new one is ready everywhere),
-    serves its stages to peers, and finds the placement a request runs on. It learns who is alive
-    through ``mesh`` (meshnode.control.peers.Peers) and decides nothing about plans."""
+    """One model as this node serves it: loads this node's part of each plan adoption hands it
+    (make before break: the previous plan serves until the new one is ready everywhere), serves its
+    stages to peers, and finds a request's placement. It decides nothing about plans."""
 
     def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth,
                  group_secret: bytes, event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None,
@@ -56,25 +53,25 @@ class ServedModel:
         self.files = ModelFiles(settings, progress, event, model=model, store=store, learned=learned)
         self.engine: Engine | None = None
         self.stage_server: StageServer | None = None
-        self.prefixes: PrefixStore | None = None  # the prompt cache (load(): prompt_cache())
+        self.prefixes: PrefixStore | None = None  # the prompt cache
         self.prefix_index: PrefixIndex | None = None
         self.plan: Plan | None = None
-        self.previous: Plan | None = None  # the last ready plan, served until the current one is ready
+        self.previous: Plan | None = None  # the last ready plan, served until the current one is
         self.plan_error = ""
         self.ready_epoch = 0
-        # What this node holds, by stage key: Shards and TensorShards (a tensor group's member).
+        # By stage key: Shards and TensorShards.
         self.shards: dict[tuple, Shard | TensorShard] = {}
         self._apply_task: asyncio.Task | None = None
-        self._applying: Plan | None = None  # the plan _apply_task loads this node's part of
+        self._applying: Plan | None = None  # the plan _apply_task loads
         self._group_restart_at = 0.0
         self._placements: dict[int, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.faults, self.last_fault = 0, ""  # this node's computation of the model raised (fault())
-        self.use = UseCounter()  # requests for the model that came to this node (meshnode.control.demand)
-        self.draft: DraftModel | None = None  # speculative decoding's draft model, if any
+        self.faults, self.last_fault = 0, ""
+        self.use = UseCounter()  # requests for the model that came to this node
+        self.draft: DraftModel | None = None
 
     async def load(self, holders) -> None:
-        """The model's metadata and tokenizer (from peers if need be), its engine and stage server."""
+        """The model's metadata and tokenizer (from peers if need be), engine and stage server."""
         self.loop = asyncio.get_running_loop()
         await self.files.load(holders)
         s, f = self.settings, self.files
@@ -87,7 +84,7 @@ class ServedModel:
                                give_up=lambda exc: unavailable(str(exc), 5, "model_not_loaded"))
         self.engine = Engine(model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
                              metrics=self.metrics)
-        # The prompt cache: what this node's stages keep, and as a head what it asked them to keep.
+        # What this node's stages keep, and as a head what it asked them to keep.
         weights = f"{model_id}-{weights_identity(f.path)[:12]}"
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context, weights, self.scheduler.baton)
         self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size,
@@ -121,8 +118,8 @@ class ServedModel:
             self.prefixes.disk.close()  # the prefixes still queued are written first
 
     def fault(self, error: str) -> None:
-        """This node's computation of the model raised: counted and announced in heartbeats, so the
-        coordinator stops placing the model here after ``FAULT_LIMIT``. A restart clears it."""
+        """This node's computation raised: announced, so the coordinator stops placing the model here
+        after ``FAULT_LIMIT``. A restart clears it."""
         self.faults, self.last_fault = self.faults + 1, error[:MAX_FAULT_TEXT]
         others = tuple(f for f in self.mesh.me.faults if f[0] != self.model_id)
         self.mesh.update_me(faults=(*others, (self.model_id, self.faults, self.last_fault)))
@@ -130,7 +127,7 @@ class ServedModel:
 
     # ------------------------------------------------------------------ plans
     def take(self, plan) -> None:
-        """Plan adoption hands over a newer plan (load it with :meth:`apply_soon`)."""
+        """A newer plan from adoption (loaded by :meth:`apply_soon`)."""
         if self.plan is not None and self.ready(self.plan):
             # Make before break.
             self.previous = self.plan
@@ -141,8 +138,8 @@ class ServedModel:
         task, loading = self._apply_task, self._applying
         if task is not None and not task.done() and loading is not None and \
                 part_of(loading, self.node_id) == part_of(plan, self.node_id):
-            # The newer plan wants what is loading: let it finish rather than throw away a tensor
-            # group's worker the other members may already have formed their ring with.
+            # The newer plan wants what is loading: let it finish rather than drop a tensor group's
+            # worker the other members may have formed their ring with.
             self._apply_task, self._applying = asyncio.create_task(self._load_after(task, plan)), plan
             return
         if task is not None:
@@ -160,8 +157,8 @@ class ServedModel:
         self._placements.clear()
 
     def ensure_applied(self) -> None:
-        """Keep trying to hold this node's part of the current plan: retry a failed load, form a
-        broken tensor group again. Not ready meanwhile, so the plan is never served half-loaded."""
+        """Retry a failed load, re-form a broken tensor group; not ready meanwhile, so the plan is never
+        served half-loaded."""
         plan, task = self.plan, self._apply_task
         if task is not None and not task.done():
             return
@@ -184,7 +181,7 @@ class ServedModel:
         self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
 
     def retire_previous(self) -> None:
-        """Once the current plan is ready on every node, stop serving older epochs and free them."""
+        """Once the current plan is ready everywhere, free older epochs."""
         plan = self.plan
         if plan is None or not self.ready(plan):
             return
@@ -242,7 +239,7 @@ class ServedModel:
 
     # ------------------------------------------------------------------ placements
     def engine_for_request(self) -> Engine:
-        """The engine, once the current plan can serve (else a 503); on-demand models wait in its source."""
+        """The engine, once the current plan can serve (else a 503)."""
         if not self.on_demand():
             self.placement(None)
         assert self.engine is not None, "load() made the engine"
@@ -256,12 +253,12 @@ class ServedModel:
         return self.plan.unloaded or (serving is not None and serving.unloaded)
 
     def unplaced_because(self) -> str:
-        """Why no plan of the model fits the mesh, as the coordinator said; "" if none is known."""
+        """Why no plan fits, as the coordinator said; "" if none is known."""
         return self.plan_error or self.mesh.plan_error_of(self.model_id)
 
     def use_now(self):
-        """This node's requests for the model; a generation whose model was unloaded under it counts
-        as waiting, so the coordinator loads it again and failover carries on."""
+        """This node's requests; one whose model was unloaded under it counts as waiting, so the
+        coordinator loads it again."""
         use = self.use.now()
         if use.active and self.on_demand():
             use = dataclasses.replace(use, waiting=use.waiting + use.active)
@@ -294,8 +291,8 @@ class ServedModel:
         return self.placement_for(serving)
 
     def placement_again(self, epoch: int, since: float):
-        """The placement of ``epoch`` again after a generation lost it at ``since``, if no newer plan
-        is known and every node of it was heard from since (nobody is re-planning); else None."""
+        """``epoch``'s placement again after a generation lost it at ``since``, if no newer plan is
+        known and every node was heard from since; else None."""
         plan = self.serving_plan()
         if plan is None or plan.epoch != epoch or self.plan is None or self.plan.epoch != epoch:
             return None
@@ -325,7 +322,7 @@ class ServedModel:
 
 
 def stage_handles(served: ServedModel, plan) -> list:
-    """Each stage of ``plan`` as this node reaches it: its own shard, or a peer over the network."""
+    """Each stage of ``plan`` as this node reaches it: its own shard, or a peer."""
     handles: list[LocalStage | RemoteStage] = []
     loop, model_id = served.loop, served.model_id
     assert loop is not None and model_id is not None, "the model is loaded"
@@ -360,7 +357,7 @@ def request_context(plan, settings: ServingSettings, profile) -> int:
 def prompt_cache(settings: ServingSettings, metrics, context: int, model: str,
                  baton: Baton) -> tuple[PrefixStore | None, PrefixIndex | None]:
     """A node's prompt cache (off: None, None), sized to the KV the plan reserves, and on disk
-    under the cache folder when ``prompt_cache_disk`` allows it."""
+    when ``prompt_cache_disk`` allows."""
     if not settings.prompt_cache:
         return None, None
     disk = None  # ``model``: the model id and its weights' identity, which names the folder

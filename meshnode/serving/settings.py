@@ -1,8 +1,4 @@
-"""The options a served model reads of the node's settings, as typed objects.
-
-The composition root (meshnode.node) builds them from :class:`meshnode.config.Settings`, where
-the options, their defaults and their meaning live.
-"""
+"""A served model's options as typed objects, built from :class:`meshnode.config.Settings`."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlacementSettings:
-    """What a generation run on this node reads (meshnode.serving.placements.HeadPlacement)."""
+    """What a generation run on this node reads."""
 
     prefill_step_size: int
     pipelined_prefill: bool
@@ -27,8 +23,7 @@ class PlacementSettings:
     batch_stages: bool | str
     speculative: str
     draft_max: int
-    # Given the drafter factory the options choose, the one requests use instead (a test harness's
-    # scripted guesses: harness/drafts.py); None: the options' own.
+    # A test harness's drafter factory replacing the options' own (None: the options').
     drafters: Callable[[DrafterFactory], DrafterFactory] | None = None
 
     @classmethod
@@ -40,7 +35,7 @@ class PlacementSettings:
 
 @dataclass(frozen=True)
 class ServingSettings:
-    """What a served model reads (meshnode.serving.served.ServedModel, its loading and placements)."""
+    """What a served model, its loading and placements read."""
 
     cache_dir: Path
     max_context: int
@@ -67,5 +62,5 @@ class ServingSettings:
                    placement=PlacementSettings.of(s))
 
     def resolved_cache_dir(self) -> Path:
-        """Where models are cached (meshnode.serving.modelfiles.ModelFiles asks so)."""
+        """Where models are cached."""
         return self.cache_dir

@@ -1,16 +1,10 @@
 """Continuous batching across stages: concurrent requests' decode steps go through the pipeline
-together, one batched forward per stage and one frame per hop for all of them.
+together, one batched forward per stage and one frame per hop.
 
-Each generation keeps its own thread, ``generate_step`` and prefill; only its one-position steps
-change. While another request of the placement decodes, the step goes to the :class:`StepBatcher`,
-which runs the steps that arrive together as one batch (meshnode.model.decode_batch locally,
-meshnode.transport.batch_hop remotely) and hands each request its row of logits. A request decoding
-alone steps on its own, its stages building its next step ahead.
-
-Switching happens at step boundaries: a lone request promises ``next_single``; when another starts
-decoding it skips the promise for one step, then joins. A failed batched step raises in each of its
-requests (failover replays them); a remote stage that refuses batching turns it off for the
-placement.
+Each generation keeps its own thread and prefill; while another request of the placement decodes,
+its one-position steps go to the :class:`StepBatcher`, which hands each request its row of logits.
+Switching happens at step boundaries. A failed batched step raises in each of its requests; a
+remote stage that refuses batching turns it off for the placement.
 """
 
 from __future__ import annotations
@@ -33,23 +27,20 @@ from meshnode.transport.refusals import StageError
 
 log = logging.getLogger(__name__)
 
-# The longest a round waits for its group's other steps (it starts as soon as all are there); a
-# late one steps in the next round.
+# The longest a round waits for its group's other steps; a late one steps in the next round.
 GATHER_S = 0.05
 
 
 def stages_batch(setting: bool | str) -> bool:
-    """Whether concurrent requests' decode steps go through the stages together, for the
-    ``batch_stages`` setting. "auto": where MLX multiplies on the CPU with OpenBLAS (or another BLAS
-    that meshnode.blas loaded), whose batched rows cost a fraction of a row each; not on MLX's
-    reference BLAS, where steps in turn overlap the stages better, nor on a GPU (not measured)."""
+    """The ``batch_stages`` setting. "auto": only on the CPU with a BLAS meshnode.blas loaded, whose
+    batched rows cost a fraction of a row each; with the reference BLAS steps in turn overlap better."""
     if setting == "auto":
         return mx.default_device().type == mx.DeviceType.cpu and blas.loaded() is not None
     return bool(setting)
 
 
 def can_batch(handles) -> bool:
-    """Whether every stage can take batched decode steps (a batchable local shard, or a data port)."""
+    """Whether every stage takes batched decode steps (a batchable local shard, or a data port)."""
     for stage in handles:
         shard = getattr(stage, "shard", None)
         if shard is not None:
@@ -64,33 +55,30 @@ class _Group:
     """One micro-batch: requests that step together, with their own caches merged at each stage."""
 
     def __init__(self, handles):
-        self.members: set[Any] = set()  # requests stepping in this group
-        self.pending: dict[Any, mx.array] = {}  # their steps waiting for the next round
+        self.members: set[Any] = set()
+        self.pending: dict[Any, mx.array] = {}  # steps waiting for the next round
         self.results: dict[Any, Any] = {}  # a round's rows (or its error), by request
         self.running = False
-        self.free_since = 0.0  # when its last round ended (time.monotonic)
-        self.hops: dict[int, BatchHop] = {}  # remote stages' batch streams, by stage index
+        self.free_since = 0.0  # when its last round ended (monotonic)
+        self.hops: dict[int, BatchHop] = {}  # by stage index
         self.batches = {i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(handles)
                         if getattr(h, "shard", None) is not None}
 
 
 class StepBatcher:
-    """The decode steps of one placement's concurrent requests, run as batches.
-
-    Requests are dealt into as many groups as the pipeline has stages, each stepping on its own,
-    so every stage stays busy and still computes several requests at once. A request stays in
-    its group, whose caches are merged."""
+    """The decode steps of one placement's concurrent requests, run as batches: requests are dealt
+    into one group per stage, so every stage stays busy; a request stays in its group."""
 
     def __init__(self, handles, on_round: Callable[[int], None] | None = None):
-        """``on_round(rows)``: told of every round run (meshnode.metrics.NodeMetrics.batched_step)."""
+        """``on_round(rows)``: told of every round run."""
         self._handles = list(handles)
         self._on_round = on_round
         self._cond = threading.Condition()
-        self._decoding: set[Any] = set()  # requests (PipelineModel) between their first step and their end
+        self._decoding: set[Any] = set()  # requests between their first step and their end
         self._groups = [_Group(self._handles) for _ in range(max(1, len(self._handles)))]
         self._group_of: dict[Any, _Group] = {}
-        self.off: str | None = None  # why batching is off for this placement (a stage refused it)
-        self.widest = 0  # the most requests one round has stepped (tests, diagnostics)
+        self.off: str | None = None  # why batching is off (a stage refused it)
+        self.widest = 0  # the most requests one round has stepped
 
     # -- what a request's PipelineModel asks
     def decoding(self, model) -> None:
@@ -98,7 +86,7 @@ class StepBatcher:
             self._decoding.add(model)
 
     def others_decoding(self, model) -> bool:
-        """Whether another request of this placement decodes now (this one should batch)."""
+        """Whether another request of this placement decodes now."""
         if self.off is not None:
             return False
         with self._cond:
@@ -110,7 +98,7 @@ class StepBatcher:
             self._ungroup(model)
 
     def leave(self, model) -> None:
-        """``model``'s generation ended (its stages take its caches back as they close)."""
+        """``model``'s generation ended."""
         with self._cond:
             self._decoding.discard(model)
             self._ungroup(model)
@@ -133,10 +121,9 @@ class StepBatcher:
         return group
 
     def step(self, model, x: mx.array) -> mx.array:
-        """``model``'s next one-position step, run with its group's; its logits ([1, 1, vocab])."""
-        mx.eval(x)  # built on this thread's stream (its sampler's): another thread may run the round
-        # The baton stays free while this request waits and while its round is remote: the leader
-        # takes it only for the local stage (mlx_turn), so other groups run meanwhile.
+        """``model``'s next step, run with its group's; its logits ([1, 1, vocab])."""
+        mx.eval(x)  # built on this thread's stream: another thread may run the round
+        # The leader takes the baton only for the local stage, so other groups run meanwhile.
         with mlx_idle():
             return self._step(model, x)
 
@@ -144,14 +131,13 @@ class StepBatcher:
         with self._cond:
             group = self._group(model)
             group.pending[model] = x
-            self._cond.notify_all()  # a leader waiting for the others may be waiting for this one
+            self._cond.notify_all()  # a leader may be waiting for this one
             first = time.monotonic()
             while model not in group.results:
                 if not group.running:
                     waiting = group.members - set(group.pending)
-                    # The wait counts from the later of this step's arrival and the group's last
-                    # round's end, so the round's members have time to sample and come back;
-                    # otherwise, on a loaded machine, members lock into one row a round.
+                    # Counted from the later of this arrival and the last round's end, so members
+                    # have time to sample and come back instead of locking into one row a round.
                     left = GATHER_S - (time.monotonic() - max(first, group.free_since))
                     if not waiting or left <= 0:
                         round_, group.pending = group.pending, {}
@@ -188,7 +174,7 @@ class StepBatcher:
         self.widest = max(self.widest, len(models))
         if self._on_round is not None:
             self._on_round(len(models))
-        # The rows' token ids, joined on the host (no MLX work: the baton may be elsewhere).
+        # Joined on the host: the baton may be elsewhere.
         h = mx.array(np.concatenate([np.asarray(round_[m]) for m in models], axis=0).astype(np.int32))
         for i, stage in enumerate(self._handles):
             if i in group.batches:
@@ -200,8 +186,7 @@ class StepBatcher:
     @staticmethod
     def _local(batch: DecodeBatch, i: int, stage, models: list, h: mx.array) -> mx.array:
         sessions = [m.state.sessions[i] for m in models]
-        # The baton for this stage's MLX work; the batch's lock: the step is evaluated before a
-        # member's close may take its cache back.
+        # The batch's lock: the step is evaluated before a member's close takes its cache back.
         with mlx_turn(), mx.stream(any_thread_stream()), batch.lock:
             out = stage.shard.forward(h, batch.follow(sessions))
             mx.eval(out)
@@ -219,7 +204,7 @@ class StepBatcher:
         try:
             return hop.step([m.request_id for m in models], h)
         except StageError as exc:
-            # Lost with its stage, or refused: this placement's requests step on their own now.
+            # Lost with its stage, or refused: requests step on their own now.
             group.hops.pop(i, None)
             hop.close()
             self.off = str(exc)
