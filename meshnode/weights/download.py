@@ -1,10 +1,6 @@
-"""One download of a model's files from peers: the work items (one per tensor or small file), one
-worker per peer stream taking items from a shared queue, and the journal that makes it resumable.
-
-Each item is verified against its sha256 as it arrives; a bad stream marks that peer bad for the
-item, which goes back to the queue. Verified items are journaled once fsynced (in batches, off the
-event loop). :mod:`meshnode.weights.transfer` plans the download and finishes the folder.
-"""
+"""One download of a model's files from peers: one worker per peer stream taking items (a tensor
+or a small file) from a shared queue. Each item is verified against its sha256 as it arrives (a bad
+one goes back for another peer) and journaled once fsynced, so the download resumes."""
 
 from __future__ import annotations
 

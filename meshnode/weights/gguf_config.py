@@ -1,9 +1,5 @@
-"""A GGUF file's metadata as an mlx-lm model's config.json and tokenizer files.
-
-Each supported GGUF architecture names its mlx-lm family and the keys its config needs; the
-tokenizer is built by transformers' own GGUF converter from the vocabulary, merges and special
-tokens in the metadata, with the chat template the file carries.
-"""
+"""A GGUF file's metadata as an mlx-lm config.json and tokenizer files (built by transformers' own
+GGUF converter, with the file's chat template)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""GGUF files as mlx-lm model folders: a path, or a model Ollama already pulled.
-
-A GGUF is converted once into ``<cache_dir>/gguf/<sha256>/`` (config.json, tokenizer files,
-safetensors shards under mlx-lm's names), keyed by the file's content hash: the same file gives
-the same model id and the same folder on every node, and peers without the file fetch only the
-layers they serve from the folder, as for any model. A conversion is written into a temporary
-folder and renamed into place when whole, so an interrupted one is redone, never half-used.
-"""
+"""GGUF files (a path, or a model Ollama pulled) as mlx-lm model folders, converted once into
+``<cache_dir>/gguf/<sha256>/``: the same file gives the same model id on every node. Written into a
+temporary folder and renamed when whole, so an interrupted conversion is never half-used."""
 
 from __future__ import annotations
 
@@ -57,8 +52,7 @@ def ollama_models_dir() -> Path:
 
 
 def ollama_blob(spec: str, root: Path | None = None) -> Path:
-    """The GGUF blob of ``ollama:<name>[:<tag>]`` in Ollama's model store (``library`` when the name
-    has no namespace, tag ``latest`` when none is given)."""
+    """The GGUF blob of ``ollama:<name>[:<tag>]`` in Ollama's model store."""
     name = spec[len(OLLAMA_PREFIX):]
     name, _, tag = name.partition(":")
     if not name or not re.fullmatch(r"[\w.\-/]+", name) or (tag and not re.fullmatch(r"[\w.\-]+", tag)):
@@ -83,8 +77,7 @@ def ollama_blob(spec: str, root: Path | None = None) -> Path:
 
 
 def content_hash(path: Path, cache_dir: Path, progress: Progress | None = None) -> str:
-    """The file's sha256: an Ollama blob's own name, else computed once and remembered by path,
-    size and modification time."""
+    """The file's sha256: an Ollama blob's name, else computed once and cached by path, size, mtime."""
     m = re.fullmatch(r"sha256-([0-9a-f]{64})", path.name)
     if m:
         return m.group(1)
@@ -293,8 +286,7 @@ def _write_shards(out: Path, planned: list[tuple[int, Planned]], advance: Callab
 
 
 def _check_rope_factors(tensors: dict, cfg: dict) -> None:
-    """llama 3's rope frequencies come as a tensor of factors; mlx-lm computes them from four
-    numbers: find the numbers that give exactly these factors, or refuse the file."""
+    """The four llama 3 rope numbers mlx-lm needs that give exactly the file's factor tensor, or refuse."""
     t = tensors.get("rope_freqs.weight")
     if t is None:
         return

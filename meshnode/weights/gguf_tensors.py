@@ -1,13 +1,6 @@
-"""A GGUF file's tensors as mlx-lm weights, one tensor at a time.
-
-Q4_0, Q4_1 and Q8_0 blocks are MLX's affine quantization with groups of 32 already (a float16 scale
-and offset per block), so their bits are repacked unchanged. Every other quantized type (the
-K-quants, IQ types, Q5_x) is dequantized with the ``gguf`` package and quantized again with MLX's
-own affine quantization at the nearest bit width. Float tensors keep their dtype.
-
-Names come from the ``gguf`` package's map of Hugging Face names to GGUF names, applied to the
-parameter names of the mlx-lm model the config describes (built lazily: nothing is allocated).
-"""
+"""A GGUF file's tensors as mlx-lm weights, one tensor at a time. Q4_0, Q4_1 and Q8_0 blocks are
+MLX's affine groups of 32 already, so their bits are repacked unchanged; other quantized types are
+dequantized and quantized again by MLX at the nearest bit width; floats keep their dtype."""
 
 from __future__ import annotations
 
@@ -41,7 +34,7 @@ _SAFE_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.ui
 
 
 class UnsupportedGGUF(ValueError):
-    """A GGUF this node cannot serve: the message names the architecture, tensor or type."""
+    """A GGUF this node cannot serve; the message names the architecture, tensor or type."""
 
 
 @dataclass(frozen=True)
@@ -91,14 +84,14 @@ def hf_spellings(module: str) -> Iterator[str]:
 
 
 def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of a llama q/k projection's rows (written for its interleaved
-    rope), so mlx-lm's default rope applies; works on packed rows, scales and offsets alike."""
+    """Undo llama.cpp's q/k row reordering (for its interleaved rope), so mlx-lm's rope applies;
+    works on packed rows, scales and offsets alike."""
     n = rows.shape[0]
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned ``bits``-bit values (rows, cols) packed as MLX does: 32 // bits to a uint32, lowest first."""
+    """``bits``-bit values packed as MLX does: 32 // bits to a uint32, lowest first."""
     per = 32 // bits
     v = values.astype(np.uint32).reshape(values.shape[0], -1, per)
     shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
@@ -106,7 +99,7 @@ def _pack(values: np.ndarray, bits: int) -> np.ndarray:
 
 
 def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(packed uint32, scales float16, offsets float16) of rows of Q4_0, Q4_1 or Q8_0 blocks, exactly."""
+    """(packed, scales, offsets) of Q4_0, Q4_1 or Q8_0 block rows, exactly."""
     rows = raw.shape[0]
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(rows, -1, size)
@@ -125,20 +118,19 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np
 
 
 def requantize(raw: np.ndarray, qtype: GGMLQuantizationType, bits: int) -> tuple[np.ndarray, ...]:
-    """(packed uint32, scales float16, offsets float16) of rows of any type the gguf package reads,
-    dequantized and quantized again with MLX at ``bits``."""
+    """(packed, scales, offsets) of any type the gguf package reads, requantized by MLX at ``bits``."""
     w = mx.array(quants.dequantize(raw, qtype).astype(np.float32))
     q, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
     return np.array(q), np.array(scales.astype(mx.float16)), np.array(biases.astype(mx.float16))
 
 
-ROWS_AT_ONCE = 1024  # rows converted together: what the conversion holds beyond its output tensor
+ROWS_AT_ONCE = 1024  # bounds what the conversion holds beyond its output tensor
 
 
 def by_rows(t: ReaderTensor, convert: Callable[[np.ndarray], tuple[np.ndarray, ...]],
             fix: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, ...]:
-    """``convert`` applied to ``t``'s byte rows a block of rows at a time, into whole arrays (with
-    the leading dimensions of ``t``), then ``fix``ed: memory holds the output and one block."""
+    """``convert`` applied to ``t``'s rows a block at a time, then ``fix``ed: memory holds the output
+    and one block."""
     raw = np.asarray(t.data)
     lead = raw.shape[:-1]
     rows = raw.reshape(-1, raw.shape[-1])
@@ -153,8 +145,8 @@ def by_rows(t: ReaderTensor, convert: Callable[[np.ndarray], tuple[np.ndarray, .
 
 
 def plan_tensor(t: ReaderTensor, name: str, unpermute: int = 0) -> list[Planned]:
-    """The mlx-lm tensors for GGUF tensor ``t`` named ``name`` (``.weight``, or a bias); quantized
-    weights give ``.weight``, ``.scales`` and ``.biases``. ``unpermute``: heads to un-permute rows by."""
+    """The mlx-lm tensors for GGUF tensor ``t``; a quantized weight gives ``.weight``, ``.scales`` and
+    ``.biases``. ``unpermute``: heads to un-permute rows by."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     fix = (lambda a: unpermute_rows(a, unpermute)) if unpermute else (lambda a: a)
     qtype = t.tensor_type
@@ -211,7 +203,7 @@ def quantized_bits(t: ReaderTensor) -> int | None:
 
 def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, str],
                       done: Callable[[int], None] | None = None) -> None:
-    """Write ``tensors`` to a safetensors file one at a time (header first), so memory holds one tensor."""
+    """Write ``tensors`` one at a time (header first), so memory holds one tensor."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for p in tensors:

@@ -1,8 +1,5 @@
-"""What models a node holds on disk, in full or in part, as announced to peers.
-
-A holding is ``(model_id, complete, ranges)``, announced in heartbeats; the coordinator places
-stages where their layers are, and nodes fetch missing layers from holders. Peer input is checked.
-"""
+"""What models a node holds on disk, in full or in part, as announced in heartbeats: stages are
+placed where their layers are. Peer input is checked."""
 
 from __future__ import annotations
 

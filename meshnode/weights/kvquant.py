@@ -1,10 +1,5 @@
-"""A quantized KV cache (setting ``kv_bits``): mlx-lm's own ``QuantizedKVCache``, what it costs and
-which models can use it. Pure: the planner counts it, every stage builds the same caches from it.
-
-Each group of ``group_size`` elements takes ``bits * group_size / 8`` bytes plus a scale and a
-bias; mlx-lm's attention runs its quantized kernel on it. Only plain growing ``KVCache`` layers
-are quantized; sliding windows and recurrent states stay as they are.
-"""
+"""A quantized KV cache (``kv_bits``): mlx-lm's ``QuantizedKVCache``, its cost and which models can
+use it. Only plain ``KVCache`` layers are quantized; sliding windows and recurrent states stay. Pure."""
 
 from __future__ import annotations
 
@@ -13,10 +8,10 @@ from typing import Any
 from meshnode.weights.splits import config_value, text_config
 
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
-KV_BITS = (4, 8)  # what the setting accepts besides 0 (off)
+KV_BITS = (4, 8)  # besides 0 (off)
 
-# Families whose attention cannot run on mlx-lm's QuantizedKVCache: attention sinks (the quantized
-# kernel has none), or an attention of their own that reads the cache's arrays as plain tensors.
+# Families whose attention cannot use QuantizedKVCache: attention sinks (the quantized kernel has
+# none), or their own attention reading the cache's arrays as plain tensors.
 _SINKS = frozenset({"gpt_oss", "mimo_v2_flash"})
 _OWN_ATTENTION = frozenset({"gemma2", "olmo", "plamo2"})
 
@@ -46,7 +41,7 @@ def kv_quant_problem(config: dict[str, Any], bits: int = KV_BITS[0]) -> str:
 
 
 def quantized_kv_bytes(plain: int, item: int, bits: int) -> int:
-    """Bytes per token of a layer's KV (``plain`` bytes unquantized, ``item``-byte dtype) at ``bits``."""
+    """Bytes per token of a layer's KV at ``bits`` (``plain``: unquantized bytes)."""
     if not bits or plain <= 0:
         return plain
     elements = plain // item

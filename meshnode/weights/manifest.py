@@ -1,11 +1,5 @@
-"""A model's content identity: every file and every tensor with its sha256.
-
-Each tensor is listed with its byte range and sha256, so a node fetching only its layers from
-peers (:mod:`meshnode.weights.transfer`) verifies every tensor on its own. The manifest is cached
-beside the weights, keyed by sizes and mtimes; a partial folder carries the original's in its
-marker. Layers are classified with :mod:`meshnode.weights.profile`'s regexes, so the planner's
-byte counts and the transfer's tensor choice agree.
-"""
+"""A model's content identity: every file and every tensor with its byte range and sha256, so a node
+fetching only its layers verifies every tensor on its own. Cached beside the weights."""
 
 from __future__ import annotations
 
@@ -41,8 +35,7 @@ INDEX_NAME = "model.safetensors.index.json"
 _CACHE_VERSION = 1
 _READ = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-# Weight formats never copied as "small files" (mlx-lm loads only model*.safetensors; the others
-# are duplicates some repositories ship, and the index is rewritten for the tensors held).
+# Never copied as "small files": mlx-lm loads only model*.safetensors; the index is rewritten.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".ckpt", ".h5", ".msgpack",
                     ".pkl", ".onnx", ".ot")
 MAX_FILES = 100_000
@@ -154,8 +147,7 @@ def _cache_key(model_dir: Path, rels: list[str]) -> list:
 
 
 def build_manifest(model_dir: Path | str, model_id: str) -> mesh_pb2.ModelManifest:
-    """Every file of a (complete) model folder with sizes and digests, every tensor of its
-    safetensors files, and the model digest. Cached in ``<model_dir>/.meshnode-manifest.json``."""
+    """A complete model folder's files and tensors with digests, and the model digest; cached."""
     model_dir = Path(model_dir)
     rels = list_files(model_dir)
     key = _cache_key(model_dir, rels)
@@ -184,7 +176,7 @@ def build_manifest(model_dir: Path | str, model_id: str) -> mesh_pb2.ModelManife
 
 
 def loaded_weights(path: str) -> bool:
-    """The files mlx-lm loads (profile.weight_files): top-level ``model*.safetensors``."""
+    """Top-level ``model*.safetensors``, as mlx-lm loads."""
     return "/" not in path and path.startswith("model") and path.endswith(".safetensors")
 
 
@@ -205,8 +197,8 @@ def _kind(name: str, num_layers: int) -> tuple[str, int]:
 
 def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, num_layers: int,
                        tied: bool | None = None) -> list[tuple[str, mesh_pb2.TensorEntry]]:
-    """(file path, tensor) of exactly the tensors a stage holding layers [start, end) needs
-    (``tied=None``: tied when the model has no head tensor)."""
+    """(file path, tensor) of exactly what a stage of layers [start, end) needs (``tied=None``:
+    tied when there is no head tensor)."""
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"bad layer range [{start}, {end}) for {num_layers} layers")
     weights = [(f.path, t) for f in manifest.files if loaded_weights(f.path) for t in f.tensors]
@@ -242,8 +234,8 @@ def read_marker(model_dir: Path | str) -> dict[str, Any] | None:
 
 
 def weights_identity(model_dir: Path | str) -> str:
-    """A cheap name for the weights a folder holds, without reading them: a partial folder's
-    model digest, else a hash of its config and its weight files' names, sizes and times."""
+    """A cheap name for a folder's weights: a partial folder's model digest, else a hash of config
+    and weight file names, sizes and times."""
     marker = read_marker(model_dir)
     if marker is not None and isinstance(marker.get("digest"), str) and marker["digest"]:
         return marker["digest"]
@@ -298,8 +290,7 @@ def layers_held(model_dir: Path | str) -> list[tuple[int, int]]:
 
 
 def validate_manifest(m: mesh_pb2.ModelManifest, model_id: str) -> None:
-    """Check a peer's manifest before fetching by it: paths, sizes, disjoint byte ranges that match
-    dtype x shape, well-formed digests and the model digest. Raises ValueError."""
+    """Check a peer's manifest before fetching by it (paths, sizes, byte ranges, digests). Raises ValueError."""
     if m.model_id != model_id:
         raise ValueError(f"manifest names model {m.model_id!r}, asked for {model_id!r}")
     if not _HEX.match(m.digest):

@@ -18,11 +18,8 @@ class ModelNotFound(RuntimeError):
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None,
                   progress: Callable[[str, int, int], None] | None = None) -> tuple[str, Path]:
-    """(model id, local directory) for a configured model; ``None`` means the demo model.
-
-    A GGUF file (or ``ollama:<name>[:<tag>]``) is converted once into a cached mlx-lm folder whose id
-    comes from the file's content. A Hugging Face id gives a folder of small files and the manifest
-    only (:func:`meshnode.weights.sourcing.hub_metadata`); stages download their weight files later."""
+    """(model id, local directory) for a configured model; ``None``: the demo. A GGUF file is
+    converted once into a cached folder; a Hub id gives metadata only (stages download weights later)."""
     if spec is None:
         from meshnode.demo import DEMO_MODEL_ID, ensure_demo_model
 

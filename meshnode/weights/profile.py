@@ -1,9 +1,5 @@
-"""A model's memory profile, read from config.json and the safetensors headers only.
-
-The planner needs each layer's weight bytes (quantized scales and biases included), the
-embedding, norm and head, and the KV cache per token per layer (capped by a sliding window).
-Only the safetensors headers are read, never tensor data.
-"""
+"""A model's memory profile (per-layer weights and KV, embedding, head), read from config.json and
+the safetensors headers only."""
 
 from __future__ import annotations
 
@@ -36,18 +32,18 @@ _ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """A model's shape and byte sizes per layer, embedding, head and KV: what the planner places."""
+    """A model's shape and byte sizes: what the planner places."""
 
     name: str
     model_type: str
     num_layers: int
     layer_bytes: tuple[int, ...]  # weight bytes of each transformer block
-    embed_bytes: int  # token (and position) embeddings: on the first stage
-    head_bytes: int  # lm_head; 0 when tied: the last stage then holds the embedding too
-    norm_bytes: int  # final norm and any other tensor outside the blocks: on the last stage
+    embed_bytes: int  # on the first stage
+    head_bytes: int  # 0 when tied: the last stage then holds the embedding too
+    norm_bytes: int  # final norm and other tensors outside the blocks: on the last stage
     tied_embeddings: bool
     kv_bytes_per_token: tuple[int, ...]  # per layer, keys and values together
-    sliding_window: tuple[int | None, ...]  # per layer; None = the KV grows with the whole context
+    sliding_window: tuple[int | None, ...]  # per layer; None: the KV grows with the context
     hidden_size: int
     num_heads: int
     num_kv_heads: int
@@ -56,17 +52,17 @@ class ModelProfile:
     num_experts: int  # 0 for a dense model
     vocab_size: int
     dtype: str  # activation (and KV cache) dtype, e.g. "bfloat16"
-    # Requests at once, each with its own KV cache, that every KV figure counts (for_requests).
+    # Requests at once that every KV figure counts.
     kv_requests: int = 1
     # Why this model cannot be split into pipeline stages ("" when it can).
     split_problem: str = ""
-    moe_intermediate_size: int = 0  # each expert's (and a shared expert's) MLP width; 0 for a dense model
-    quant_group_size: int = 0  # weights quantized in groups of this many inputs; 0 when not quantized
+    moe_intermediate_size: int = 0  # each expert's MLP width; 0 for a dense model
+    quant_group_size: int = 0  # 0 when not quantized
     trained_context: int = 0  # the trained context (rope scaling included); 0: unknown
-    # Bits every KV figure counts (0: unquantized; for_kv_bits), and why the KV cannot be quantized.
+    # Bits every KV figure counts (0: unquantized), and why the KV cannot be quantized.
     kv_bits: int = 0
     kv_quant_problem: str = ""
-    # What was done to the weights on their way in (a GGUF file's conversion), "" when nothing.
+    # What a conversion did to the weights (GGUF), "" when nothing.
     weights_note: str = ""
 
     def __post_init__(self) -> None:
@@ -105,8 +101,7 @@ class ModelProfile:
                                                       for i in range(start, end))
 
     def stage_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
-        """Memory of a stage holding layers [start, end): weights and KV, plus the embedding on the
-        first stage and norm and head (or the tied embedding) on the last."""
+        """Weights and KV of layers [start, end), plus embedding on the first stage and head on the last."""
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"bad layer range [{start}, {end}) for {self.num_layers} layers")
         total = self.layers_bytes(start, end, max_context, requests)
@@ -123,7 +118,7 @@ class ModelProfile:
         return self.stage_bytes(0, self.num_layers, max_context, requests)
 
     def weight_bytes(self) -> int:
-        """Bytes of all tensors counted (what the safetensors files hold for this model)."""
+        """Bytes of all tensors counted."""
         return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,7 +129,7 @@ class ModelProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer peer may send more)."""
+        """Inverse of :meth:`to_dict`; unknown keys (a newer peer's) are ignored."""
         known = {f.name for f in fields(cls)}
         optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size",
                     "trained_context", "kv_bits", "kv_quant_problem", "weights_note"}  # newer fields
@@ -232,8 +227,7 @@ def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
 
 
 def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
-    """The dtype of activations and KV: the embedding's output dtype, promoted by the first block's
-    norms as MLX promotes it."""
+    """The dtype of activations and KV: the embedding's, promoted by the first block's norms."""
     embeds = sorted(k for k in tensors if EMBED_KEY.search(k) and not SKIP_KEY.search(k))
     dtype = next((_DTYPE_NAMES[tensors[k].dtype] for suffix in (".scales", ".weight") for k in embeds
                   if k.endswith(suffix) and tensors[k].dtype in _DTYPE_NAMES), None)
@@ -260,7 +254,7 @@ def _promote(a: str, b: str) -> str:
 
 
 def activation_dtype(model_dir: Path) -> str:
-    """The activation dtype of the model in ``model_dir``, right also on a stage without the embedding."""
+    """The activation dtype, right also on a stage without the embedding."""
     model_dir = Path(model_dir)
     return _activation_dtype(_tensors(model_dir), text_config(json.loads((model_dir / "config.json").read_text())))
 
@@ -278,8 +272,7 @@ _FUSED_QKV = re.compile(r"\.(?:qkv_proj|c_attn|query_key_value|Wqkv|qkv)\.weight
 
 def _kv_per_token(layer_keys: list[list[str]], tensors: dict[str, _Tensor], cfg: dict[str, Any], item: int,
                   default: int) -> tuple[int, ...]:
-    """KV bytes per token of each layer: from its k_proj and v_proj out-features, else the config's
-    formula; 0 for layers without attention (a recurrent state is of fixed size)."""
+    """KV bytes per token of each layer, from k_proj/v_proj or the config; 0 without attention."""
     if cfg.get("kv_lora_rank"):  # multi-head latent attention: one compressed latent per token
         return ((int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)) * item,) * len(layer_keys)
     any_kv = any(k.endswith(("k_proj.weight", "v_proj.weight")) for keys in layer_keys for k in keys)
@@ -314,7 +307,7 @@ def trained_context(config: dict[str, Any]) -> int:
 
 
 def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
-    """Profile an mlx-lm model directory (config.json + ``model*.safetensors``), reading headers only."""
+    """Profile an mlx-lm model directory, reading headers only."""
     model_dir = Path(model_dir)
     raw_cfg = json.loads((model_dir / "config.json").read_text())
     cfg = text_config(raw_cfg)

@@ -1,9 +1,4 @@
-"""Where a node's layers come from when its disk lacks them: peers first, the Hub as a fallback.
-
-:class:`LayerSource` answers "a folder holding layers [start, end)": the local model folder, else
-one fetched earlier (resumed if interrupted), else the peers that announce the model
-(:func:`meshnode.weights.transfer.fetch_layers`), else Hugging Face (:func:`hub_layers`).
-"""
+"""Where a node's layers come from when its disk lacks them: peers first, the Hub as a fallback."""
 
 from __future__ import annotations
 
@@ -61,8 +56,7 @@ def cached_metadata(cache_root: Path, model_id: str) -> Path | None:
 
 async def metadata_from_peers(model_id: str, cache_root: Path, candidates: Callable[[], Sequence[tuple[str, object]]],
                               deadline_s: float, poll_s: float = 1.0) -> Path:
-    """Fetch ``model_id``'s small files (config, tokenizer) from a peer of ``candidates()`` into
-    ``<cache_root>/<id>-0-0``, waiting up to ``deadline_s``; else FetchError."""
+    """Fetch ``model_id``'s small files from a peer, waiting up to ``deadline_s``; else FetchError."""
     import asyncio
     import time
 
@@ -89,7 +83,7 @@ async def metadata_from_peers(model_id: str, cache_root: Path, candidates: Calla
 
 
 def holdings_of(store: ModelStore) -> tuple[Holding, ...]:
-    """What this node announces: every model folder its store serves, with its layer ranges."""
+    """Every model folder the store serves, with its layer ranges."""
     out = []
     for model_id in store.model_ids()[:16]:
         path = store.path_of(model_id)
@@ -133,8 +127,7 @@ class LayerSource:
 
     async def folder(self, start: int, end: int, peers: Sequence[tuple[str, object]],
                      on_progress: Callable[[int, int], None] | None = None) -> Path:
-        """A folder holding layers [start, end): local, else from ``peers``, else (a Hub id) only
-        the weight files holding them from the Hub."""
+        """A folder holding layers [start, end): local, else from ``peers``, else from the Hub."""
         path = self.local(start, end)
         if path is not None:
             return path
@@ -175,8 +168,8 @@ class LayerSource:
 # ----------------------------------------------------------------------------------------------
 # Hugging Face: the small files first, weight headers over HTTP ranges, then only a stage's files.
 
-HUB_SOURCE = "hub"  # the marker's "source" of folders written by hub_metadata / hub_layers
-_HUB_TRIES = 5  # download attempts per weight file (each resumes from the bytes already on disk)
+HUB_SOURCE = "hub"  # the marker's "source" of folders written here
+_HUB_TRIES = 5  # per weight file, each resuming from the bytes on disk
 
 
 def is_hub_id(model_id: str) -> bool:
@@ -194,7 +187,7 @@ def _small_patterns() -> list[str]:
 
 
 def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, dict]:
-    """(header length with its prefix, the JSON header) of a Hub safetensors file, by HTTP ranges."""
+    """(header length with prefix, JSON header) of a Hub safetensors file, by HTTP ranges."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
@@ -251,10 +244,8 @@ def _link_folder(dest: Path, links: dict[str, Path], marker: dict) -> Path:
 
 
 def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None) -> Path:
-    """A folder describing Hub model ``model_id`` without its weights, to profile it and load its
-    tokenizer: links to its small files and a marker with no layers but the whole manifest, read
-    from the weight files' headers over HTTP ranges. A complete cached snapshot is returned as is.
-    """
+    """A folder describing a Hub model without its weights: its small files and a marker with the
+    whole manifest, read from headers over HTTP ranges. A complete cached snapshot is returned as is."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
@@ -299,13 +290,9 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
 
 def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadata: Path | None = None,
                on_progress: Callable[[int, int], None] | None = None) -> Path:
-    """Download only the Hub weight files holding layers [start, end) (and embedding, norm, head
-    where needed) into ``hub-blobs/<sha256>``, and return a partial folder linking them, whose
-    marker gives the downloaded tensors' digests so peers can fetch them from here.
-
-    ``metadata``: from :func:`hub_metadata`. Cut downloads resume from the bytes on disk
-    (:func:`_download`); every file is checked against the Hub's sha256 before use.
-    """
+    """Download only the Hub weight files a stage of layers [start, end) needs, and return a
+    partial folder linking them whose marker lets peers fetch them from here. Every file is checked
+    against the Hub's sha256 before use."""
     from meshnode.weights.manifest import hash_file, manifest_from_dict, tensors_for_layers
 
     cache_root = Path(cache_root)
@@ -365,8 +352,8 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
 
 def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blobs: Path,
               report: Callable[[int], None]) -> Path:
-    """``<blobs>/<sha256>``: one Hub weight file, downloaded into a ``.part`` that is kept when cut
-    off, so the next attempt asks only for the rest (huggingface_hub would drop it)."""
+    """``<blobs>/<sha256>``, via a ``.part`` kept when cut off so the next attempt asks only for the
+    rest (huggingface_hub would drop it)."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status

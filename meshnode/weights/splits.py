@@ -1,8 +1,4 @@
-"""Which models can be cut into pipeline stages, and where: pure functions of config.json.
-
-The planner reads them (``ModelProfile.split_problem``) and :class:`meshnode.model.shard.Shard`
-refuses a range they rule out. No MLX import.
-"""
+"""Which models can be cut into pipeline stages, and where: pure functions of config.json, no MLX."""
 
 from __future__ import annotations
 
@@ -12,8 +8,8 @@ __all__ = ["split_boundaries", "split_support", "text_config"]
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields: multimodal configs nest them under ``text_config`` (or
-    ``language_config``), over the outer ones."""
+    """The language model's fields (multimodal configs nest them under ``text_config`` or
+    ``language_config``)."""
     text = config.get("text_config") or config.get("language_config") or {}
     return {**config, **text} if isinstance(text, dict) else config
 
@@ -24,15 +20,14 @@ def _layer_count(config: dict[str, Any]) -> int | None:
     return int(value) if value is not None else None
 
 
-# mlx-lm families whose text model does not keep its embedding as ``embed_tokens`` (wte, word embeddings,
-# ...) or has no list of layers: Shard finds no place to cut them.
+# Families with no ``embed_tokens`` or no list of layers: Shard finds no place to cut them.
 _OTHER_LAYOUTS = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "internlm2", "bailing_moe", "bailing_moe_linear",
                             "bailing_moe_v3", "bailing_hybrid", "exaone", "mamba", "mamba2", "nanochat", "phixtral",
                             "lille-130m", "talkie", "rwkv7", "phi", "dbrx", "openelm"})
 
 
 def split_support(config: dict[str, Any]) -> str | None:
-    """Why a model cannot be split into pipeline stages (it is then served whole), or None."""
+    """Why a model cannot be split into stages (then served whole), or None."""
     cfg = text_config(config)
     family = config.get("model_type")
     if int(cfg.get("num_kv_shared_layers") or 0) > 0:
@@ -52,11 +47,8 @@ def split_support(config: dict[str, Any]) -> str | None:
 
 
 def split_boundaries(config: dict[str, Any]) -> list[int]:
-    """The layers a stage may start at (besides 0), for a model :func:`split_support` accepts.
-
-    Cross-layer attention (hunyuan's ``use_cla``) shares KV within groups of ``cla_share_factor``
-    layers, so a stage starts only at a group.
-    """
+    """The layers a stage may start at besides 0; with cross-layer attention (``use_cla``) only
+    at a group of ``cla_share_factor`` layers, which share KV."""
     n = _layer_count(config) or 0
     cfg = text_config(config)
     step = 1
@@ -66,7 +58,7 @@ def split_boundaries(config: dict[str, Any]) -> list[int]:
 
 
 def config_value(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    """The first of ``keys`` that ``cfg`` sets (not None), else ``default``."""
+    """The first of ``keys`` set in ``cfg`` (not None), else ``default``."""
     for key in keys:
         if cfg.get(key) is not None:
             return cfg[key]

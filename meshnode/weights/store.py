@@ -1,10 +1,5 @@
-"""Models from peers, the serving side: :class:`ModelStore` answers the ``Manifest`` and ``Fetch``
-rpcs for the models this node holds, complete or in part.
-
-Fetch streams one byte range of one file that the manifest lists, in chunks; gRPC's streaming
-flow control keeps a slow receiver from making the sender buffer. Nothing outside the listed files
-is ever opened. The fetching side is :mod:`meshnode.weights.transfer`.
-"""
+"""Models for peers: :class:`ModelStore` answers ``Manifest`` and ``Fetch`` for the models this
+node holds, complete or in part. Nothing outside the manifest's files is ever opened."""
 
 from __future__ import annotations
 
@@ -43,8 +38,8 @@ class _Held:
     """One local model folder served to peers."""
 
     path: Path
-    manifest: mesh_pb2.ModelManifest  # what Manifest answers
-    files: dict[str, mesh_pb2.FileEntry]  # every file of the model, by path
+    manifest: mesh_pb2.ModelManifest
+    files: dict[str, mesh_pb2.FileEntry]  # by path
     # Partial folders: per original path, sorted (offset, length, local file, local offset).
     spans: dict[str, list[tuple[int, int, Path, int]]] | None = None
 
@@ -63,13 +58,8 @@ class _Held:
 
 
 class ModelStore:
-    """The models this node can serve, answering ``Manifest`` and ``Fetch``.
-
-    ``local_models`` maps model ids to complete model folders; ``cache_root`` holds folders
-    written by :func:`fetch_layers` (found by their ``meshnode-partial.json``) and complete ones
-    (named by their folder). Manifests are hashed once, in a thread, on first request.
-    A grpc.aio servicer delegates its ``Manifest``/``Fetch`` methods here.
-    """
+    """The models this node can serve to peers: ``local_models`` (id -> complete folder) and the
+    folders under ``cache_root``. Manifests are hashed once, in a thread, on first request."""
 
     def __init__(self, cache_root: Path | str | None = None, local_models: Mapping[str, Path | str] | None = None,
                  *, chunk_size: int = CHUNK):
@@ -80,7 +70,7 @@ class ModelStore:
         self._locks: dict[str, asyncio.Lock] = {}
 
     def add(self, model_id: str, path: Path | str) -> None:
-        """Serve ``path`` as ``model_id`` (e.g. after a fetch finished)."""
+        """Serve ``path`` as ``model_id``."""
         self._paths[model_id] = Path(path)
         self._held.pop(model_id, None)
 
@@ -97,7 +87,7 @@ class ModelStore:
         return self._paths.get(model_id)
 
     def model_ids(self) -> list[str]:
-        """The ids of every model held, in full or in part (what a node announces)."""
+        """Every model held, in full or in part."""
         self._scan()
         return sorted(self._paths)
 

@@ -1,13 +1,6 @@
-"""Models from peers, the fetching side: exactly the tensors of some layers, from every peer that
-holds them. (The serving side is :mod:`meshnode.weights.store`.)
-
-:func:`fetch_layers` keeps the peers whose manifests agree on the model digest and downloads each
-needed tensor and small file from all of them at once (:mod:`meshnode.weights.download`).
-
-Everything goes into ``<dest>.partial/``, the output files laid out from the manifest and a
-journal recording each verified item, so a later call fetches only the rest. One rename publishes
-it once complete: an mlx-lm folder of the stage's tensors plus ``meshnode-partial.json``.
-"""
+"""Models from peers, the fetching side: exactly the tensors of some layers, from every peer whose
+manifest agrees on the model digest, at once. Written into ``<dest>.partial/`` (resumable) and
+published by one rename once complete."""
 
 from __future__ import annotations
 
@@ -103,7 +96,7 @@ async def _manifests(peers, model_id: str, timeout: float, metadata) -> list[tup
 
 
 def _choose(manifests: list[tuple[str, mesh_pb2.ModelManifest]], model_id: str) -> mesh_pb2.ModelManifest:
-    """The reference manifest: the digest held in full by the most peers (else by the most peers)."""
+    """The digest held in full by the most peers (else by the most peers)."""
     if not manifests:
         raise FetchError(f"no peer holds model {model_id!r}")
     score: dict[str, tuple[int, int]] = {}
@@ -139,7 +132,7 @@ def _tensor_key(path: str, t: mesh_pb2.TensorEntry) -> str:
 
 
 def _held_layers(m: mesh_pb2.ModelManifest) -> set[int]:
-    """The layer indices a manifest's ``layers_held`` ("start-end") names; malformed entries count for nothing."""
+    """The layer indices a manifest's ``layers_held`` names; malformed entries count for nothing."""
     out: set[int] = set()
     for r in m.layers_held[:10_000]:
         a, _, b = r.partition("-")
@@ -216,8 +209,8 @@ async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path,
 
 async def fetch_metadata(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, dest_dir: Path | str, *,
                          timeout: float = 30.0, metadata=None) -> Path:
-    """Only the small files of ``model_id`` into ``dest_dir``, with the whole manifest in its
-    marker, so the model can be profiled before any weight arrives."""
+    """Only the small files, with the whole manifest in the marker, so the model can be profiled
+    before any weight arrives."""
     dest = Path(dest_dir)
     manifests = await _manifests(peers, model_id, timeout, metadata)
     ref = _choose(manifests, model_id)

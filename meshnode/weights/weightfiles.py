@@ -1,7 +1,5 @@
-"""A model's weight files, read without loading them: which files mlx-lm loads, a safetensors
-file's header (an 8-byte little-endian length, then JSON naming each tensor's dtype, shape and
-byte range; the tensor data after it is never read here), and which part of the model a tensor
-name belongs to (a layer, the embedding, the head, or a tower a text model drops)."""
+"""A model's weight files, read without loading them: which files mlx-lm loads, safetensors headers
+(tensor data is never read here), and which part of the model a tensor name belongs to."""
 
 from __future__ import annotations
 
@@ -21,15 +19,14 @@ MAX_HEADER = 100 * 2**20
 LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 EMBED_KEY = re.compile(r"(?:^|\.)(?:embed_tokens|wte|embed_in|tok_embeddings|word_embeddings|wpe)\.")
 HEAD_KEY = re.compile(r"(?:^|\.)(?:lm_head|embed_out)\.|^output\.")
-# Towers mlx-lm's text models drop when they load a multimodal checkpoint: not part of any stage.
+# Towers mlx-lm's text models drop from a multimodal checkpoint: in no stage.
 SKIP_KEY = re.compile(r"^(?:[\w]*\.)?(?:vision_tower|vision_model|visual|vision|audio_tower|audio_model|"
                    r"multi_modal_projector|mm_projector|embed_vision|embed_audio)\.")
 
 
 def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], where: str) -> tuple[int, dict]:
-    """(bytes before the tensor data, the JSON header without ``__metadata__``) of a safetensors file
-    whose first bytes are ``head``; ``more(first, last)`` reads bytes first..last (inclusive) when
-    the header is longer than ``head``. ``where`` names the file in errors."""
+    """(bytes before the tensor data, JSON header without ``__metadata__``) of a file starting with
+    ``head``; ``more(first, last)`` reads an inclusive byte range when the header is longer."""
     if len(head) < 8:
         raise ValueError(f"{where}: not a safetensors file")
     (n,) = struct.unpack("<Q", head[:8])
@@ -46,7 +43,7 @@ def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], wh
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (without ``__metadata__``); reads no tensor data."""
+    """The JSON header of a safetensors file (without ``__metadata__``)."""
     with open(path, "rb") as f:
         def more(first: int, last: int) -> bytes:
             f.seek(first)
@@ -56,5 +53,5 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The weight files mlx-lm loads: ``model*.safetensors`` (not e.g. a ``consolidated`` copy)."""
+    """``model*.safetensors``, as mlx-lm loads (not a ``consolidated`` copy)."""
     return sorted(Path(model_dir).glob("model*.safetensors"))
