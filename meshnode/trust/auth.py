@@ -1,43 +1,16 @@
 """Authentication of every node-to-node gRPC call with the shared cluster key.
 
-How it works
-------------
-Both ends derive a MAC key from the cluster key (HKDF-SHA256); the key never leaves
-:class:`ClusterAuth` and is never logged. Every call carries ``x-mesh-ts`` (unix ms),
-``x-mesh-nonce``, ``x-mesh-node`` and ``x-mesh-mac``: HMAC-SHA256 over the method, those fields
-and, for single-request calls, the request body's digest. Nodes sign with :class:`SignedChannel`
-once per call, not per message (an interceptor would touch every message of a stream).
+Both ends derive a MAC key (HKDF-SHA256), never logged. Every call carries ``x-mesh-ts``,
+``x-mesh-nonce``, ``x-mesh-node`` and ``x-mesh-mac``: HMAC-SHA256 over the method, those fields and,
+for single-request calls, the body's digest; signed once per call, not per stream message. The
+server refuses (``UNAUTHENTICATED``) bad metadata, a timestamp outside ``window``, a wrong MAC
+(constant-time) or a seen nonce (recorded only after the MAC checks, so strangers cannot fill the
+cache). Bodies are checked as raw bytes before parsing.
 
-The server interceptor refuses with ``UNAUTHENTICATED`` a call whose metadata is missing or
-malformed, whose timestamp is outside ``window``, whose MAC does not match (constant-time), or
-whose nonce was already seen (recorded only after the MAC checks, so strangers cannot fill the
-cache). Single-request bodies are checked as raw bytes before parsing. Refusals are logged at most
-once per peer host per 10 s.
-
-Threat model
-------------
-Protected, against anyone on the network without the cluster key:
-
-* only key holders can call a node: join/heartbeat, install plans, leave, forward activations
-  or ask for generations;
-* a captured call cannot be replayed: outside the window its timestamp is refused, inside it
-  its nonce is;
-* the request body of single-request calls (Heartbeat, Install, Leave, Generate) cannot be
-  altered in transit without the MAC failing.
-
-Not protected:
-
-* **no secrecy**: requests, replies, activations and tokens travel in clear; anyone on the path
-  can read them unless ``encrypt = true`` (mutual TLS, :mod:`meshnode.trust.tls`);
-* replies are not authenticated (a man in the middle can alter them; TLS closes this);
-* in request streams (Forward) only the call's opening is authenticated; the messages of the
-  stream are not individually MACed, so an active man in the middle could alter or inject them
-  within an authenticated connection (TLS closes this too);
-* a key holder is fully trusted (it can claim any node id; ``x-mesh-node`` is informational);
-* the open cluster (no key) uses a fixed, public key so the code path is the same, which gives
-  **no protection at all** — anyone can compute its MACs;
-* the replay cache is per process: a replay within the window to a node that restarted in the
-  meantime is accepted; clocks of the nodes must agree within ``window`` seconds.
+Protects, against anyone without the key: who may call, replay, single-request bodies. Does not
+protect: secrecy and replies (use ``encrypt = true``), stream messages after the opening, against a
+key holder (any node id), the open cluster (a public key: no protection at all), a replay to a
+node restarted within the window. Threat model: docs/operations.md ("Security and trust").
 """
 
 from __future__ import annotations
@@ -131,12 +104,8 @@ class _Refused(Exception):
 
 
 class ClusterAuth:
-    """The MAC key of a cluster and the checks both ends run.
-
-    ``cluster_key`` None or "" is the open cluster: the same checks with a fixed public key, which
-    protect nothing. ``window``: the accepted clock difference in seconds (and the nonces' memory);
-    ``max_nonces`` caps the replay cache.
-    """
+    """The MAC key of a cluster and the checks both ends run. ``cluster_key`` None or "": the open
+    cluster, a fixed public key that protects nothing. ``window``: accepted clock difference (s)."""
 
     def __init__(self, cluster_key: str | None, *, window: float = 30.0, max_nonces: int = 100_000,
                  clock: Callable[[], float] = time.time):
@@ -144,7 +113,7 @@ class ClusterAuth:
         self._mac_key = _hkdf((cluster_key or OPEN_KEY).encode("utf-8"), LABEL)
         self.window = float(window)
         self._clock = clock
-        # A nonce must be remembered for as long as its timestamp is acceptable: up to 2 windows.
+        # Remembered as long as its timestamp is acceptable: up to 2 windows.
         self._nonces = _ReplayCache(2 * self.window, max_nonces)
         self._logged: OrderedDict[str, float] = OrderedDict()
         self._log_lock = threading.Lock()
@@ -200,10 +169,7 @@ class ClusterAuth:
             raise _Refused("replayed call")
 
     def check(self, method: str, metadata: Iterable[Any], body: bytes | None) -> str | None:
-        """Verify a signature made by :meth:`sign` outside gRPC (the data port's hello).
-
-        Returns None when it holds, else the reason for refusing, as the interceptor would.
-        """
+        """Verify a :meth:`sign` signature outside gRPC (the data port's hello); None, or why refused."""
         try:
             self._verify(method, self._parse(metadata), body)
         except _Refused as exc:
@@ -281,8 +247,7 @@ class _StreamStream(_ClientBase, grpc.aio.StreamStreamClientInterceptor):
 
 
 def client_interceptors(auth: ClusterAuth, node_id: str) -> list:
-    """Interceptors that sign every call as ``node_id`` (unary requests: protobuf messages or bytes).
-    Prefer :class:`SignedChannel` for long streams."""
+    """Interceptors that sign every call as ``node_id``; prefer :class:`SignedChannel` for streams."""
     return [cls(auth, node_id) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
@@ -309,9 +274,7 @@ class _SignedMultiCallable:
 
 
 class SignedChannel:
-    """A ``grpc.aio`` channel whose every call is signed as ``node_id`` when it opens.
-
-    Same MACs as :func:`client_interceptors`, one HMAC per call and nothing per stream message."""
+    """A ``grpc.aio`` channel whose every call is signed as ``node_id`` when it opens (one HMAC per call)."""
 
     def __init__(self, channel: grpc.aio.Channel, auth: ClusterAuth, node_id: str):
         self._channel, self._auth, self._node_id = channel, auth, node_id
@@ -411,16 +374,15 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
         async def refuse_stream(_requests, context):
-            # Take the first message (raw, never parsed) before refusing, so a client that writes
-            # then reads sees UNAUTHENTICATED, not INTERNAL (grpc/grpc#36066).
+            # Take the first message (raw, never parsed) first, so a writing client sees
+            # UNAUTHENTICATED, not INTERNAL (grpc/grpc#36066).
             try:
                 await asyncio.wait_for(context.read(), _STREAM_REFUSAL_READ_TIMEOUT)
             except Exception:  # noqa: BLE001 - timeout, cancelled or broken stream: refuse anyway
                 pass
             await refuse(None, context)
 
-        # Match the handler's shape so the request is consumed the way the client sends it;
-        # the request is never deserialized (raw bytes).
+        # Match the handler's shape; the request is never deserialized.
         if handler is None or (not handler.request_streaming and not handler.response_streaming):
             return grpc.unary_unary_rpc_method_handler(refuse)
         if not handler.request_streaming:
@@ -442,8 +404,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
                 return _Checked(raw, None)
             try:
                 return _Checked(deserialize(raw), None)
-            except Exception:  # noqa: BLE001 - a signed but corrupt message: the caller's error, not ours
-                # (grpc would answer UNKNOWN with the parser's exception text)
+            except Exception:  # noqa: BLE001 - signed but corrupt: the caller's error, not UNKNOWN
                 return _Checked(None, "malformed request message", grpc.StatusCode.INVALID_ARGUMENT)
 
         async def refuse(checked: _Checked, context) -> bool:

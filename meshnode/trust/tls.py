@@ -1,18 +1,10 @@
-"""Encryption of node-to-node gRPC traffic (``encrypt = true``): mutual TLS with one certificate
-that every holder of the cluster key derives by itself.
+"""Node-to-node gRPC encryption (``encrypt = true``): mutual TLS with one certificate every holder
+of the cluster key derives by itself (HKDF key, fixed name and validity, RFC 6979 signature), so
+nothing is copied between machines. The HMAC layer of :mod:`meshnode.trust.auth` stays on top.
 
-How it works: HKDF-SHA256 of the cluster key gives an EC P-256 private key and a serial number;
-the certificate is self-signed with a fixed name (:data:`SERVER_NAME`), a fixed validity (so
-clocks do not matter) and a deterministic ECDSA signature (RFC 6979), so every node builds the
-same bytes and nothing is copied between machines. Servers require this certificate from clients
-and channels trust only it (TLS 1.2/1.3 with ECDHE: forward secrecy); the HMAC layer of
-:mod:`meshnode.trust.auth` stays on top.
-
-Against anyone without the key this adds secrecy and integrity of everything (replies and every
-stream message), and both ends must hold the key. Limits: a key holder can impersonate any node
-(rotate a stolen key everywhere); sizes and timing stay visible; the HTTP API and the
-tensor-parallel ring are not covered; ``encrypt`` refuses to start without a ``cluster_key``.
-docs/operations.md ("Security and trust") has the full threat model.
+Adds secrecy and integrity of everything against anyone without the key. Limits: a key holder can
+impersonate any node; sizes and timing stay visible; the HTTP API and the tensor ring are not
+covered. Threat model: docs/operations.md ("Security and trust").
 """
 
 from __future__ import annotations
@@ -104,5 +96,5 @@ def channel_credentials(identity: TlsIdentity):
 
 
 def channel_options() -> list[tuple[str, str]]:
-    """Peers are dialled by address: check the certificate against its fixed name instead."""
+    """Peers are dialled by address: check the certificate's fixed name instead."""
     return [("grpc.ssl_target_name_override", SERVER_NAME), ("grpc.default_authority", SERVER_NAME)]
