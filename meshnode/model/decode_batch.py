@@ -35,6 +35,14 @@ def take_back(member: Member) -> None:
         member.batch.release(member)
 
 
+def cache_of(member: Member) -> list[Any]:
+    """``member``'s cache, taken back from the batch holding it, if any; raises once it is closed."""
+    take_back(member)
+    if member.cache is None:
+        raise RuntimeError("the request's cache here is closed (kept or dropped)")
+    return member.cache
+
+
 def _aliases(cache: list[Any]) -> list[int]:
     """For each layer, the first layer holding the same cache object (a shard's list has aliases)."""
     first: dict[int, int] = {}

@@ -153,7 +153,7 @@ class RawRequest:
     keep = ""
     request_id = ""
 
-    def __init__(self, frame: memoryview):
+    def __init__(self, frame: memoryview | bytearray):
         if len(frame) < RAW_REQUEST.size:
             raise WireError(f"raw request of {len(frame)} bytes is shorter than its header")
         _, code, flags, self.rewind, self.positions, self.width = RAW_REQUEST.unpack_from(frame)
@@ -213,7 +213,7 @@ class RawReply:
         return np.frombuffer(self.data, dtype=np_dtype).reshape(1, positions, width)
 
 
-def is_raw(frame: memoryview) -> bool:
+def is_raw(frame: memoryview | bytearray) -> bool:
     return len(frame) > 0 and frame[0] == 0
 
 

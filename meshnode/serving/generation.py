@@ -12,14 +12,15 @@ import itertools
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
-from meshnode.model.decode_batch import take_back
+from meshnode.model.decode_batch import cache_of, take_back
 from meshnode.model.prefixes import prefix_key
 from meshnode.model.rewind import rewind
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
@@ -33,24 +34,24 @@ from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
 from meshnode.tracing import mark
 from meshnode.transport.refusals import PrefixMiss
+from meshnode.transport.streams import StageStream
 
 if TYPE_CHECKING:
+    from meshnode.model.decode_batch import DecodeBatch
     from meshnode.model.prefixes import PrefixStore
 
 log = logging.getLogger(__name__)
 
-
-class StageSession(Protocol):
-    """One request's use of one stage: keeps that stage's KV cache for the request."""
-
-    def forward(self, x: mx.array) -> mx.array: ...
-
-    def close(self) -> None: ...
+# One request's use of one stage: its KV cache held here, or a stream to the node holding it (``remote``).
+StageSession: TypeAlias = "LocalSession | StageStream"
 
 
 class StageHandle(Protocol):
+    """A stage of a placement: LocalStage, or meshnode.transport.stage.RemoteStage."""
+
     start: int
     end: int
+    prefill_rate: float | None  # seconds a position took there in the last prefill (None: not timed)
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession: ...
 
@@ -70,7 +71,7 @@ class StepBatcher(Protocol):
 
 
 class LocalSession:
-    remote = False
+    remote: Literal[False] = False
 
     def __init__(self, shard: Shard, prefixes: PrefixStore | None = None, resume: tuple[str, int] | None = None):
         self._shard = shard
@@ -78,7 +79,7 @@ class LocalSession:
         self._layers = (shard.start, shard.end)
         self._seen = 0
         self._prepared: tuple[Placeholder, mx.array] | None = None
-        self.batch = None  # the head's DecodeBatch holding this request's cache (meshnode.serving.step_batch)
+        self.batch: DecodeBatch | None = None  # the head's batch holding this request's cache (step_batch)
         cache = None
         if resume is not None:  # start from a prefix kept here (the prompt cache)
             cache, why = prefixes.resume(self._layers, *resume, shard=shard) if prefixes is not None else (None, "off")
@@ -86,7 +87,7 @@ class LocalSession:
                 raise PrefixMiss(f"layers [{shard.start}, {shard.end}) here: prefix {resume[0]}: {why}")
             self.grow(resume[1])
         # (None while a DecodeBatch holds it: meshnode.serving.step_batch)
-        self.cache = cache if cache is not None else shard.make_cache()
+        self.cache: list[Any] | None = cache if cache is not None else shard.make_cache()
 
     def grow(self, positions: int) -> None:
         self._seen += positions
@@ -116,22 +117,24 @@ class LocalSession:
     @property
     def placeholder(self) -> Placeholder:
         """The input of the step :meth:`prepare` built: the stage before writes its reply here."""
+        assert self._prepared is not None, "prepare() built a step"
         return self._prepared[0]
 
     def run_prepared(self) -> mx.array:
         """The step :meth:`prepare` built, its placeholder filled."""
+        assert self._prepared is not None, "prepare() built a step"
         (_, out), self._prepared = self._prepared, None
         return out
 
     def submit(self, x: mx.array, *, work: int = 0) -> DoneTicket:
         """Run one prefill chunk now; only its effect on the cache matters."""
-        take_back(self)
+        cache = cache_of(self)
         self.grow(x.shape[1])
-        out = self._shard.forward(x, self.cache)
+        out = self._shard.forward(x, cache)
         if self._shard.spec.is_last:
             owned = getattr(self._shard, "owned", None)
             # As mlx-lm's own prefill: evaluate the cache, never the chunk's logits.
-            mx.eval([c.state for c in owned(self.cache)] if owned is not None else out)
+            mx.eval([c.state for c in owned(cache)] if owned is not None else out)
         else:
             mx.eval(out)
         return DoneTicket(out, x.shape[1])
@@ -139,11 +142,11 @@ class LocalSession:
     def forward(self, x: mx.array, all_positions: bool = False) -> mx.array:
         """``all_positions``: the last stage's logits of every position of ``x`` (a speculative pass)."""
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
-        take_back(self)
+        cache = cache_of(self)
         self.grow(x.shape[1])
         if not self._shard.spec.is_last:
-            return self._shard.forward(x, self.cache)
-        out = self._shard.forward(x, self.cache, all_positions=all_positions)
+            return self._shard.forward(x, cache)
+        out = self._shard.forward(x, cache, all_positions=all_positions)
         return out if all_positions else out[:, -1:, :]
 
     def rewind(self, positions: int) -> None:
@@ -165,6 +168,7 @@ class LocalStage:
     def __init__(self, shard: Shard, prefixes: PrefixStore | None = None):
         self.shard, self.prefixes = shard, prefixes
         self.start, self.end = shard.start, shard.end
+        self.prefill_rate: float | None = None
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> LocalSession:
         return LocalSession(self.shard, self.prefixes, resume)
@@ -257,9 +261,14 @@ class PipelineModel:
             i += 1
         return x
 
+    @property
+    def sessions(self) -> list[StageSession]:
+        assert self.state is not None, "make_cache() opened them"
+        return self.state.sessions
+
     def passes(self, held: int) -> PassPipe:
         """Speculative passes through this request's stages, which hold ``held`` positions now."""
-        return PassPipe(self.state.sessions, held, wait=_wait_idle)
+        return PassPipe(self.sessions, held, wait=_wait_idle)
 
     def alone(self) -> None:
         """The next step goes through the stages on its own and promises nothing."""
@@ -276,14 +285,14 @@ class PipelineModel:
 
     def rewind_limit(self) -> tuple[int | None, str]:
         """How far a request's caches can be cut back, judged by the head's own stage."""
-        last = self._stages[-1]
-        limit = getattr(getattr(last, "shard", None), "rewind_limit", None)
-        return limit if limit is not None else (0, "the last stage cannot say how far its cache can be cut back")
+        if isinstance(last := self._stages[-1], LocalStage):
+            return last.shard.rewind_limit
+        return 0, "the last stage cannot say how far its cache can be cut back"
 
     def prefill(self, tokens: Sequence[int], options: PrefillOptions, busy: Callable[[], bool] | None = None) -> int:
         """Run ``tokens`` through every stage, chunks pipelined; the number of chunks."""
-        sessions = self.state.sessions
-        seed = [getattr(stage, "prefill_rate", None) for stage in self._stages]
+        sessions = self.sessions
+        seed = [stage.prefill_rate for stage in self._stages]
         sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed,
                            busy=busy)
         try:
@@ -293,17 +302,14 @@ class PipelineModel:
             set_priority(0)  # decoding from here: a step at a time
             for stage, rate in zip(self._stages, sizer.per_position):
                 if rate:
-                    try:
-                        stage.prefill_rate = rate
-                    except AttributeError:  # a handle that keeps no attributes
-                        pass
+                    stage.prefill_rate = rate
         log.debug("%s: prefilled %d tokens in %d chunks through %d stages", self.request_id, len(tokens), chunks,
                   len(sessions))
         return chunks
 
     def keep(self, key: str, positions: int) -> bool:
         """Ask every stage to keep this request's first ``positions`` of KV; whether all did."""
-        if self.state is None or not all(hasattr(s, "keep") for s in self.state.sessions):
+        if self.state is None:
             return False
         return all([session.keep(key, positions) is not False for session in self.state.sessions])
 
@@ -335,7 +341,7 @@ def generate_tokens(
     ended: threading.Event | None = None,
     tokenizer=None,
     speculation: Speculation | None = None,
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
     Pipelined prefill fills the caches with all but the last prompt token; generate_step then
@@ -349,29 +355,28 @@ def generate_tokens(
         ids = list(prompt)
         cache = None
         skip = model.resume[1] if model.resume else 0  # positions every stage resumes (prompt cache)
-        pipelined = prefill is not None and prefill.pipelined
+        pipelined = prefill if prefill is not None and prefill.pipelined else None
         drafter = speculation.drafter(prompt) if speculation is not None and \
             not why_not(params, model.rewind_limit()) else None
-        speculate = drafter is not None
-        if skip or (pipelined and len(ids) > 1) or speculate:
+        if skip or (pipelined is not None and len(ids) > 1) or drafter is not None:
             cache = model.make_cache()
             ids = ids[skip:]
-            if pipelined and len(ids) > 1:
-                model.prefill(ids[:-1], prefill, busy)
+            if pipelined is not None and len(ids) > 1:
+                model.prefill(ids[:-1], pipelined, busy)
                 ids = ids[-1:]
-        if speculate:
-            for i in range(0, len(ids) - 1, prefill_step_size):  # not pipelined: chunk by chunk, as mlx-lm
-                mx.eval(model(mx.array([ids[i:min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache))
-            for token in speculative_tokens(model, cache, list(prompt), params, speculation, drafter,
-                                            max_tokens=params.max_tokens, others=model.others_decoding):
-                produced.append(int(token))
-                yield token
-            finished = True
-            return
+            if speculation is not None and drafter is not None:  # (a drafter comes from speculation)
+                for i in range(0, len(ids) - 1, prefill_step_size):  # not pipelined: chunk by chunk, as mlx-lm
+                    mx.eval(model(mx.array([ids[i:min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache))
+                for token in speculative_tokens(model, cache, list(prompt), params, speculation, drafter,
+                                                max_tokens=params.max_tokens, others=model.others_decoding):
+                    produced.append(int(token))
+                    yield token
+                finished = True
+                return
         top = params.top_logprobs
         for token, logprobs in generate_step(
             mx.array(ids, dtype=mx.uint32),
-            model,
+            cast(nn.Module, model),  # mlx-lm's type for it; generate_step only calls it and its make_cache
             max_tokens=params.max_tokens,
             sampler=sampler,
             logits_processors=make_request_processors(params, prompt[: len(prompt) - len(ids)], tokenizer),
@@ -404,18 +409,21 @@ def _wait_idle(handles: list, timeout: float) -> None:
         wait_first(handles, timeout)
 
 
-class Ending:
+class Ending(Generator[int, None, None]):
     """A generation's tokens whose ``ended`` is set once they are closed, also when they were
     closed before their first step (a generator never started runs no ``finally``)."""
 
-    def __init__(self, tokens: Iterator, ended: threading.Event):
+    def __init__(self, tokens: Generator[int, None, None], ended: threading.Event):
         self._tokens, self._ended = tokens, ended
 
-    def __iter__(self) -> Ending:
-        return self
-
-    def __next__(self):
+    def __next__(self) -> int:
         return next(self._tokens)
+
+    def send(self, value: None) -> int:
+        return self._tokens.send(value)
+
+    def throw(self, *exc):  # as the tokens' own (their signature's overloads)
+        return self._tokens.throw(*exc)
 
     def close(self) -> None:
         try:
@@ -477,7 +485,7 @@ class PipelineSource:
                     yield token
                 return
             except PrefixMiss as miss:  # a stage no longer holds it: another kept prefix, once, then the whole prompt
-                if produced or resume is None:
+                if produced or resume is None or index is None:  # (a resume comes from the index)
                     raise
                 index.forget(resume[0], str(miss))
                 resume = index.match(prompt) if not missed else None

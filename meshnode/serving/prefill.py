@@ -54,7 +54,8 @@ class Ticket(Protocol):
 
 
 class PipelinedSession(Protocol):
-    remote: bool
+    @property
+    def remote(self) -> bool: ...  # read only, so each kind of session may declare its own Literal
 
     def submit(self, x: mx.array, *, work: int = 0) -> Ticket: ...  # work: see pipelined_prefill
 

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 import mlx.core as mx
@@ -59,6 +59,7 @@ from meshnode.transport.stage import KEPT
 if TYPE_CHECKING:
     from meshnode.model.wire import Placeholder
     from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.transport.streams import StreamTicket
     from meshnode.trust.auth import ClusterAuth
 
 log = logging.getLogger(__name__)
@@ -117,11 +118,12 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
-            if msg.keep:  # the request's last message: keep its KV (the prompt cache), then say so
+            # The request's last message: keep its KV (the prompt cache), then say so.
+            if not isinstance(msg, RawRequest) and msg.keep:
                 run_here(partial(stage.keep, msg))
                 send_frame(conn, KEPT_FRAME)
                 continue
-            positions = msg.positions if type(msg) is RawRequest else \
+            positions = msg.positions if isinstance(msg, RawRequest) else \
                 msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             inside = before(positions) if before is not None else None
             # A prefill chunk claims the baton with its prompt left (scheduler.AGE_S); an older
@@ -177,7 +179,7 @@ def _run_hook(stage: OpenStage, inside: Callable[[], None], request_id: str) -> 
             raise server.fault(stage.shard, "this input", f"{request_id}'s input", exc) from None
 
 
-def _run_message(stage: OpenStage, msg: mesh_pb2.ForwardRequest) -> bytes:
+def _run_message(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest) -> bytes:
     output, seconds = stage.run(msg)
     return mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString()
 
@@ -208,7 +210,7 @@ KEPT_FRAME = KEPT.SerializeToString()
 class HopSession:
     """One request's stream to one remote stage over its data port, driven from the generation thread."""
 
-    remote = True
+    remote: Literal[True] = True
 
     def __init__(self, stage: RemoteStage, request_id: str, host: str, port: int, *, auth: ClusterAuth,
                  node_id: str, resume: tuple[str, int] | None = None):
@@ -223,7 +225,7 @@ class HopSession:
         self._sock.settimeout(FRAME_STALL)
         self._unanswered: deque[HopTicket] = deque()
         self._queued = 0  # positions sent and not answered yet
-        self._writes: queue.Queue | None = None  # frames for the writer thread
+        self._writes: queue.Queue[bytes | None] | None = None  # frames for the writer thread
         self._writing = 0  # frames handed to it and not yet written
         self._write_error: BaseException | None = None
         self._lock = threading.Lock()
@@ -280,12 +282,13 @@ class HopSession:
             raise self._lost(self._write_error)
         if self._writes is None:
             self._writes = queue.Queue()
-            threading.Thread(target=self._writer, name="meshnode-hop-writer", daemon=True).start()
+            threading.Thread(target=self._writer, args=(self._writes,), name="meshnode-hop-writer",
+                             daemon=True).start()
         self._writes.put(payload)
 
-    def _writer(self) -> None:
+    def _writer(self, writes: queue.Queue[bytes | None]) -> None:
         while True:
-            payload = self._writes.get()
+            payload = writes.get()
             if payload is None:
                 return
             try:
@@ -322,7 +325,7 @@ class HopSession:
         """One activation through the stage and back; other generations use MLX meanwhile."""
         return self.finish(self.submit(x))
 
-    def finish(self, ticket: HopTicket, into: Placeholder | None = None) -> mx.array | None:
+    def finish(self, ticket: StreamTicket, into: Placeholder | None = None) -> mx.array:
         """The reply to ``ticket`` (``into``: see RemoteStage.accept); other generations use MLX
         while this one waits."""
         if not ticket.done():
@@ -388,7 +391,7 @@ def read_reply(sock: socket.socket, st: RemoteStage, sent: float, spare: bytearr
     except (WireError, DecodeError):
         raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
             from None
-    if type(reply) is not RawReply and (reply.error or reply.code):
+    if not isinstance(reply, RawReply) and (reply.error or reply.code):
         raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
     return reply
 
@@ -424,9 +427,10 @@ class HopTicket:
     def wait_handle(self) -> HopSession:
         return self.session
 
-    def result(self, into: Placeholder | None = None) -> mx.array | None:
+    def result(self, into: Placeholder | None = None) -> mx.array:
         self.wait()
         session, reply = self.session, self.reply
+        assert reply is not None, "wait() read it"
         session._queued -= self.positions
         out = session._stage.accept(reply, self.positions, self.sent, "tcp", into)
         if type(reply) is RawReply:  # its bytes are copied out: the next reply may be read there

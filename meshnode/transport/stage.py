@@ -22,14 +22,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 import mlx.core as mx
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from meshnode.model.decode_batch import take_back
+from meshnode.model.decode_batch import cache_of, take_back
 from meshnode.model.prefixes import keeps_prefixes
 from meshnode.model.rewind import CannotRewind, rewind
 from meshnode.model.scheduler import StepWatch, mlx_idle
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from meshnode.model.prefixes import PrefixStore
     from meshnode.model.scheduler import TokenScheduler
     from meshnode.model.shard import Shard
-    from meshnode.serving.generation import StageSession
+    from meshnode.transport.streams import StageStream, StreamTicket
     from meshnode.trust.auth import ClusterAuth
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class OpenStage:
             return check_tokens(tensor, self.server.vocab_size, self.server.max_chunk)
         return check_activation(tensor, self.shard.hidden_size, self.server.max_chunk)
 
-    def run(self, msg: mesh_pb2.ForwardRequest) -> tuple[mesh_pb2.Tensor, float]:
+    def run(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> tuple[mesh_pb2.Tensor, float]:
         """Decode, run and encode one message (on the MLX thread): the output and the seconds it took."""
         started = time.perf_counter()
         out = self.run_array(msg)
@@ -243,8 +243,9 @@ class OpenStage:
                     raise WireError(f"{host.shape[1]} positions (rewind {msg.rewind}) after a promise of one")
                 placeholder.fill(host, msg.input.dtype)
             else:
-                rewind(self.shard, self.cache, msg.rewind)
-                out = self.shard.forward(to_array(host, msg.input.dtype), self.cache)
+                cache = cache_of(self)
+                rewind(self.shard, cache, msg.rewind)
+                out = self.shard.forward(to_array(host, msg.input.dtype), cache)
             mx.eval(out)
             return out
         except (WireError, CannotRewind) as exc:
@@ -267,15 +268,15 @@ class RemoteSession:
     """One request's stream to one remote stage, driven from the generation thread. Messages may
     go ahead of replies (pipelined prefill); replies come back in order."""
 
-    remote = True
+    remote: Literal[True] = True
 
     def __init__(self, stage: RemoteStage, request_id: str, resume: tuple[str, int] | None = None):
         self._stage = stage
         self._request_id = request_id
         self._resume = resume  # the prompt cache's kept prefix to start from (meshnode.model.prefixes)
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._write_lock: asyncio.Lock | None = None
-        self._read_lock: asyncio.Lock | None = None
+        # (bound to the node's loop at their first use there)
+        self._write_lock, self._read_lock = asyncio.Lock(), asyncio.Lock()
         self._queued = 0  # positions sent and not answered yet
         self._rewind = 0  # positions the stage drops before the next message's (speculative decoding)
 
@@ -284,8 +285,6 @@ class RemoteSession:
 
     async def _forward(self, tensor: mesh_pb2.Tensor, rewind: int = 0) -> mesh_pb2.ForwardReply:
         st = self._stage
-        if self._write_lock is None:
-            self._write_lock, self._read_lock = asyncio.Lock(), asyncio.Lock()
         msg = mesh_pb2.ForwardRequest(input=tensor, rewind=rewind)
         try:
             async with self._write_lock:
@@ -323,7 +322,7 @@ class RemoteSession:
         """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
         return self.finish(self.submit(x))
 
-    def finish(self, ticket: RemoteTicket, into: Placeholder | None = None) -> mx.array | None:
+    def finish(self, ticket: StreamTicket, into: Placeholder | None = None) -> mx.array:
         if not ticket.done():
             with mlx_idle():  # other generations use the MLX thread while this one waits on the network
                 ticket.wait()
@@ -331,20 +330,21 @@ class RemoteSession:
 
     def keep(self, key: str, positions: int) -> None:
         """Ask the stage to keep this request's KV (the prompt cache) and end the stream."""
-        if self._call is None:
+        call = self._call
+        if call is None:
             return
         try:
             with mlx_idle():  # network only: as HopSession.keep
-                asyncio.run_coroutine_threadsafe(self._keep(key, positions), self._stage.loop).result(KEEP_WAIT)
+                asyncio.run_coroutine_threadsafe(self._keep(call, key, positions), self._stage.loop).result(KEEP_WAIT)
         except Exception as exc:  # noqa: BLE001 - the answer is complete; only the cache is lost
             log.debug("stage [%d, %d) did not take the prefix to keep: %s", self._stage.start, self._stage.end, exc)
 
-    async def _keep(self, key: str, positions: int) -> None:
+    async def _keep(self, call: grpc.aio.StreamStreamCall, key: str, positions: int) -> None:
         async with self._write_lock:
-            await self._call.write(mesh_pb2.ForwardRequest(keep=key, keep_length=positions))
-            await self._call.done_writing()
+            await call.write(mesh_pb2.ForwardRequest(keep=key, keep_length=positions))
+            await call.done_writing()
         async with self._read_lock:  # replies still in flight, then the stream's end
-            while await self._call.read() is not grpc.aio.EOF:
+            while await call.read() is not grpc.aio.EOF:
                 pass
 
     def close(self) -> None:
@@ -382,7 +382,7 @@ class RemoteTicket:
             concurrent.futures.wait([self.future], timeout=st.poll)
             self.check()
 
-    def result(self, into: Placeholder | None = None) -> mx.array | None:
+    def result(self, into: Placeholder | None = None) -> mx.array:
         st = self.session._stage
         self.wait()
         reply = self.future.result()
@@ -410,7 +410,7 @@ class RemoteStage:
         auth: ClusterAuth | None = None,
         caller: str = "",
         alive: Callable[[], bool] | None = None,
-        data_session: Callable[..., StageSession] | None = None, model: str = "",
+        data_session: Callable[..., StageStream] | None = None, model: str = "",
     ):
         # Opens a request's stream over the peer's data port (hop.HopSession); None: all go over gRPC.
         self.data_session = data_session
@@ -430,22 +430,23 @@ class RemoteStage:
         self.hop_timeout = hop_timeout  # connecting to the stage (a refused or silent port is lost)
         self.poll = min(POLL, hop_timeout / 2)
         self.request_timeout = request_timeout
+        self.prefill_rate: float | None = None  # seconds a position took here in the last prefill
 
     def accept(self, reply: mesh_pb2.ForwardReply | RawReply, positions: int, sent: float, transport: str,
-               into: Placeholder | None = None) -> mx.array | None:
+               into: Placeholder | None = None) -> mx.array:
         """A reply's activation, checked against the plan, its round trip observed; ``into``: written
-        into that step built ahead instead."""
+        into that step built ahead instead (its input returned)."""
         if self.observe is not None:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
         try:
-            if type(reply) is RawReply:
+            if isinstance(reply, RawReply):
                 array, dtype = reply.host(positions, self.hidden_size), reply.dtype
             else:
                 array = host_array(reply.output, dtypes=ACTIVATIONS, expect=(1, positions, self.hidden_size))
                 dtype = reply.output.dtype
             if into is not None:
                 into.fill(array, dtype)
-                return None
+                return into.array
             return to_array(array, dtype)
         except WireError as exc:
             raise StageFault(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
@@ -463,7 +464,7 @@ class RemoteStage:
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
                              f"{self.request_timeout:.0f} s")
 
-    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession:
+    def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageStream:
         """The request's stream to this stage: the data port where it has one, else gRPC.
         ``resume``: (key, positions) of a kept prefix to start from."""
         if self.data_port is not None and self.auth is not None and self.data_session is not None:
