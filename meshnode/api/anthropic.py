@@ -1,13 +1,6 @@
-"""The Anthropic surface: ``POST /v1/messages`` (a message, or its server-sent events) and
-``POST /v1/messages/count_tokens``, so that Claude-style clients (the ``anthropic`` package,
-coding agents) work against a node. Bodies are checked in :mod:`meshnode.api.anthropic_schema`;
-the generation itself is :mod:`meshnode.api.core`'s.
-
-An answer is a thinking block, a text block and one tool_use block per call; the stream sends
-the same blocks with Anthropic's events. Errors have Anthropic's shape (:func:`error_body`); a 503
-(the mesh is forming) is ``overloaded_error``, which clients retry with backoff, as for Anthropic's
-own 529, whereas ``api_error`` reads as a server bug.
-"""
+"""The Anthropic surface: ``POST /v1/messages`` and ``/v1/messages/count_tokens``, for Claude-style
+clients. A 503 is ``overloaded_error``, which clients retry with backoff (``api_error`` reads as a
+server bug)."""
 
 from __future__ import annotations
 
@@ -40,8 +33,7 @@ def error_body(err: ApiError) -> dict[str, Any]:
 
 
 def stop_reason(last: Delta | None, called: bool) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence for an answer that ended with ``last`` and made
-    tool calls if ``called`` (a call the parser dropped leaves no tool_use block to answer: end_turn)."""
+    """Anthropic's stop_reason and stop_sequence (tool_use only if a tool_use block was made)."""
     if last is None or last.finish_reason == "length":
         return "max_tokens", None
     if last.stop_sequence is not None:
@@ -88,7 +80,7 @@ def message(gen: core.Generation, answer: core.Answer, hide_thinking: bool = Fal
 
 
 class Events:
-    """A streamed message as Anthropic's server-sent events (see the module docstring)."""
+    """A streamed message as Anthropic's server-sent events."""
 
     content_type = "text/event-stream"
 
@@ -171,7 +163,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """The prompt's tokens: the chat template applied to the same body, as /v1/messages would."""
+    """The prompt's tokens, as /v1/messages would make them."""
     req = parse(await core.json_body(request), request.app[core.SETTINGS].limits, count=True)
     engine = request.app[core.BACKEND].engine(req.model)
     prompt, _ = await core.chat_prompt(engine, req)

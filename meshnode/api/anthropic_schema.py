@@ -1,13 +1,6 @@
-"""Check Anthropic Messages API bodies (``/v1/messages``, ``/v1/messages/count_tokens``) with
-pydantic and turn them into the :class:`GenerationRequest` every surface hands to
-:mod:`meshnode.api.core`. Pure: no I/O, no model. Every problem is an :class:`ApiError` 400 whose
-``param`` and message name the field (``messages[0].content[1]``).
-
-docs/api.md lists what is honoured, ignored and refused. context_management is accepted but not
-honoured (logged once) because Claude Code sends it with every request.
-
-Messages become the chat template's: ``system`` the first system message, tool_result blocks
-``tool`` messages, tool_use blocks ``tool_calls``; thinking blocks are history, left out.
+"""Anthropic Messages API bodies, checked and turned into a :class:`GenerationRequest`. Pure;
+docs/api.md lists what is honoured. context_management is accepted but not honoured (logged once)
+because Claude Code sends it with every request.
 """
 
 from __future__ import annotations
@@ -251,7 +244,7 @@ def _tool_choice(choice: ToolChoice | None, tools: list[dict[str, Any]]) -> str 
 
 
 def template_messages(req: CountRequest) -> list[dict[str, Any]]:
-    """The conversation as the chat template takes it (see the module docstring)."""
+    """The conversation as the chat template takes it; thinking blocks are history, left out."""
     out: list[dict[str, Any]] = []
     system = JOIN.join(b.text for b in req.system or ())
     if system:

@@ -1,11 +1,5 @@
-"""The HTTP app every node serves: middlewares (access log, errors, API key), CORS, and the routes
-of each API surface (:mod:`meshnode.api.openai`, :mod:`meshnode.api.responses`, :mod:`meshnode.api.anthropic`,
-:mod:`meshnode.api.ops`) over one core (:mod:`meshnode.api.core`). Errors are OpenAI-style JSON with a
-4xx/5xx (Anthropic's shape on /v1/messages, Ollama's on /api/: meshnode.api.ollama).
-
-Every request gets one INFO line in the log (logger ``meshnode.access``, setting ``access_log``):
-method, path, status, seconds, and for generations the model and tokens (prompt+completion).
-"""
+"""The HTTP app every node serves: middlewares (access log, errors, API key), CORS, and each API
+surface's routes over one core. Errors are OpenAI-style JSON, except in Anthropic's and Ollama's paths."""
 
 from __future__ import annotations
 
@@ -23,15 +17,15 @@ from meshnode.metrics import NodeMetrics
 
 __all__ = ["ApiSettings", "Backend", "make_app"]
 
-SURFACES = (openai.routes, responses.routes, anthropic.routes, ollama.routes, ops.routes)  # each adds its routes
+SURFACES = (openai.routes, responses.routes, anthropic.routes, ollama.routes, ops.routes)
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("meshnode.access")
 
 
 class _MalformedHttpFilter(logging.Filter):
-    """aiohttp logs each request its parser rejects at ERROR with a traceback, so anyone could fill
-    the log: keep one line per peer every 10 s instead."""
+    """aiohttp logs each rejected request with a traceback, so anyone could fill the log: one line
+    per peer every 10 s instead."""
 
     def __init__(self):
         super().__init__()
@@ -58,7 +52,7 @@ logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
 
 
 def _error_response(err: ApiError, path: str = "") -> web.Response:
-    shaped = next((s for s in (anthropic, ollama) if s.owns(path)), None)  # each surface's own shape
+    shaped = next((s for s in (anthropic, ollama) if s.owns(path)), None)
     body = shaped.error_body(err) if shaped else err.body()
     return web.json_response(body, status=err.status, headers=err.headers)
 
@@ -114,8 +108,8 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[SETTINGS].api_key
-    # Open without the key: /health and the dashboard's files (the dashboard sends the key itself),
-    # and CORS preflights, which carry no credentials by design and run nothing.
+    # Open: /health, the dashboard's files (it sends the key itself), and CORS preflights (no
+    # credentials by design, and they run nothing).
     preflight = request.method == "OPTIONS" and bool(request.app[SETTINGS].cors_origins)
     if key and not preflight and request.path != "/health" and request.path != "/" \
             and not request.path.startswith("/static/"):
@@ -131,13 +125,12 @@ async def auth_middleware(request: web.Request, handler):
 
 def make_app(backend: Backend, settings: ApiSettings | None = None) -> web.Application:
     settings = ApiSettings() if settings is None else settings
-    # aiohttp enforces the body limit itself (413) for reads beyond it.
     middlewares = ([access_middleware] if settings.access_log else []) + [errors_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[BACKEND] = backend
     app[SETTINGS] = settings
     app[ACTIVE] = []
-    # The node's own metrics (one registry per node); a backend without any gets a fresh set.
+    # One registry per node; a backend without any gets a fresh set.
     app[METRICS] = getattr(backend, "metrics", None) or NodeMetrics()
     for add_routes in SURFACES:
         add_routes(app)
@@ -147,7 +140,7 @@ def make_app(backend: Backend, settings: ApiSettings | None = None) -> web.Appli
 
 
 def _allow_origins(app: web.Application, origins: tuple[str, ...]) -> None:
-    """CORS for the API routes: pages of these origins may call them with an Authorization header."""
+    """CORS: pages of these origins may call the API with an Authorization header."""
     import aiohttp_cors
 
     options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",

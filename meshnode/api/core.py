@@ -1,11 +1,6 @@
-"""What the API surfaces (OpenAI, Ollama, Anthropic) share: the app's state, the JSON body, and one
-generation from a checked :class:`GenerationRequest` to its deltas, whatever the wire format.
-
-A surface parses its body and calls :func:`generate`, which counts the outcome, checks the model,
-holds a concurrency slot, applies the chat template, fixes the max_tokens budget and starts the
-engine; its ``respond`` then collects the answer (:func:`collect`) or streams it (:func:`stream`)
-in the surface's :class:`StreamFormat`. A client leaving mid-stream is normal: one INFO line.
-"""
+"""What the API surfaces (OpenAI, Ollama, Anthropic) share: one generation from a checked
+:class:`GenerationRequest` to its deltas, which each surface collects or streams in its own
+:class:`StreamFormat`."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ log = logging.getLogger(__name__)
 
 class Backend(Protocol):
     def engine(self, model: str) -> Engine:
-        """The engine serving ``model`` now, or raise ApiError: 404 for a model this mesh does not
-        serve, 503 while it cannot serve it (forming, re-planning)."""
+        """The engine serving ``model`` now, or ApiError: 404 if not served here, 503 while it cannot be."""
 
     def models(self) -> list[dict[str, Any]]:
         """Every model this mesh serves, ready or not: ``id`` and ``state``."""
@@ -47,10 +41,10 @@ class Backend(Protocol):
     def health(self) -> tuple[bool, dict[str, Any]]: ...
 
     async def add_model(self, spec: str) -> dict[str, Any]:
-        """This node offers one more model (``POST /v1/admin/models``)."""
+        """Offer one more model."""
 
     async def remove_model(self, model_id: str) -> dict[str, Any]:
-        """This node stops offering a model (``POST /v1/admin/models``)."""
+        """Stop offering a model."""
 
     def model_profile(self, model: str) -> ModelProfile | None:
         """The served model's shape and sizes, None before they are known."""
@@ -62,16 +56,16 @@ class ApiSettings:
     max_body_bytes: int = 1 << 20
     max_concurrent_requests: int = 8
     api_key: str | None = None
-    cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API; empty = none
-    access_log: bool = True  # one INFO line per request (logger meshnode.access)
+    cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API
+    access_log: bool = True  # one INFO line per request
 
 
 BACKEND: web.AppKey[Backend] = web.AppKey("backend")
 SETTINGS = web.AppKey("settings", ApiSettings)
 ACTIVE = web.AppKey("active", list)
 METRICS = web.AppKey("metrics", NodeMetrics)
-OUTCOME = web.ResponseKey("outcome", str)  # how a generation ended (meshnode_requests_total)
-ACCESS = web.RequestKey("access", dict)  # what a generation adds to its access line (model, tokens)
+OUTCOME = web.ResponseKey("outcome", str)  # how a generation ended
+ACCESS = web.RequestKey("access", dict)  # what a generation adds to its access line
 
 
 async def json_body(request: web.Request) -> Any:
@@ -89,13 +83,13 @@ async def json_body(request: web.Request) -> Any:
 
 @dataclass
 class Generation:
-    """One running generation, for the surface to frame: its engine deltas and what to report."""
+    """One running generation, for the surface to frame."""
 
     id: str
     model: str
     prompt_tokens: int
     deltas: AsyncGenerator[Delta, None]
-    access: dict[str, Any] = field(default_factory=dict)  # model and tokens for the access log
+    access: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         self.access.update(model=self.model, prompt_tokens=self.prompt_tokens, completion_tokens=0)
@@ -108,13 +102,13 @@ class Generation:
         self.access["completion_tokens"] = delta.completion_tokens
 
 
-Req = TypeVar("Req", bound=GenerationRequest)  # a surface's own request, parsed and answered by it
+Req = TypeVar("Req", bound=GenerationRequest)  # a surface's own request
 Respond = Callable[[web.Request, Generation, Req], Awaitable[web.StreamResponse]]
 
 
 async def generate(request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req],
                    id_prefix: str = "") -> web.StreamResponse:
-    """Serve one generation request and count it by outcome (meshnode_requests_total)."""
+    """Serve one generation request and count it by outcome."""
     outcome = "error"
     try:
         response = await _serve(request, parse, respond, id_prefix)
@@ -151,8 +145,7 @@ async def _serve(request: web.Request, parse: Callable[[Any, Limits], Req], resp
 
 
 async def _grammar(engine: Engine, req: GenerationRequest) -> str:
-    """Structured output: the grammar for the request's JSON schema, checked against this model's
-    tokenizer ("" for none)."""
+    """The grammar for the request's JSON schema, checked against the tokenizer ("" for none)."""
     if req.json_schema is None:
         return ""
     try:
@@ -167,8 +160,7 @@ async def _grammar(engine: Engine, req: GenerationRequest) -> str:
 
 
 def sampling(engine: Engine, req: GenerationRequest, max_tokens: int, grammar: str = "") -> SamplingParams:
-    """The request's sampling, its token ids checked against the model's vocabulary; ``grammar``:
-    its structured output (:func:`_grammar`)."""
+    """The request's sampling, its token ids checked against the vocabulary."""
     vocab = engine.vocab_size
     bias = req.logit_bias or {}
     bad = next((t for t in bias if not 0 <= t < vocab), None)
@@ -185,7 +177,7 @@ def sampling(engine: Engine, req: GenerationRequest, max_tokens: int, grammar: s
 
 
 async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape | None]:
-    """The prompt's token ids, and for a chat how its answer is read (meshnode.serving.answer)."""
+    """The prompt's token ids, and for a chat how its answer is read."""
     tokenizer = engine.tokenizer
     if req.kind == "chat":
         return await chat_prompt(engine, req)
@@ -199,20 +191,19 @@ async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> tuple[list[i
     return list(await asyncio.to_thread(tokenizer.encode, req.prompt)), None
 
 
-_TOOLLESS: set[str] = set()  # models whose requests with tools were answered without them (logged once)
+_TOOLLESS: set[str] = set()  # models whose template has no place for tools (logged once)
 
 
 async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape]:
-    """The chat template applied to the messages, with the request's tools and thinking switch.
-    tool_choice "required" ends the prompt with the tool-call marker; a named function is
-    "required" with only that tool."""
+    """The chat template applied, with tools and thinking switch; tool_choice "required" ends the
+    prompt with the tool-call marker (a named function: "required" with only that tool)."""
     tokenizer = engine.tokenizer
     tools, choice = req.tools, req.tool_choice
     if choice == "none":
         tools = None
     if tools and not (getattr(tokenizer, "has_tool_calling", False) and getattr(tokenizer, "chat_template", None)):
-        # Tools are always accepted (Open WebUI sends some with every chat); a template without a
-        # place for them answers without them, logged once per model.
+        # Tools are always accepted (Open WebUI sends some with every chat); a template without
+        # a place for them answers without them.
         if engine.model_id not in _TOOLLESS:
             _TOOLLESS.add(engine.model_id)
             log.warning("model %s has no tool-call format in its chat template: requests with tools are "
@@ -239,7 +230,7 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
     def render() -> list[int]:
         try:
             tokens = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - a template that raises (jinja's raise_exception) on this chat
+        except Exception as exc:  # noqa: BLE001 - a template that raises on this chat
             raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                            code="invalid_value") from None
         if isinstance(tokens, dict):  # transformers may return a BatchEncoding
@@ -264,8 +255,8 @@ def _budget(engine: Engine, req: GenerationRequest, prompt_len: int, limits: Lim
             param="messages" if req.kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    # Room, not refusal: agents ask for more than the context holds and expect the answer to stop
-    # at the room left (finish reason "length"), as mlx_lm.server and Ollama do.
+    # Room, not refusal: agents ask for more than the context holds and expect "length" at the
+    # room left, as mlx_lm.server and Ollama do.
     cap = min(room, limits.max_tokens_limit)
     if req.max_tokens is None:  # the room left (a reasoning model's thinking is not cut short)
         return min(limits.default_max_tokens or cap, cap)
@@ -292,8 +283,7 @@ class _Slot:
 
 @dataclass
 class Answer:
-    """A whole answer: its content, reasoning, tool calls and logprobs, and the last delta
-    (finish reason, completion tokens)."""
+    """A whole answer, with the last delta (finish reason, completion tokens)."""
 
     text: str
     reasoning: str
@@ -321,14 +311,14 @@ async def collect(gen: Generation) -> Answer:
 
 
 class StreamFormat(Protocol):
-    """How a surface frames a streamed answer; each method returns the frames to send, as bytes."""
+    """How a surface frames a streamed answer; each method returns the frames to send."""
 
     content_type: str
 
     def opening(self) -> list[bytes]: ...
 
     def delta(self, delta: Delta) -> list[bytes]:
-        """Frames for one piece: its text, and its reasoning, tool calls and logprobs if any."""
+        """Frames for one piece."""
 
     def closing(self, last: Delta) -> list[bytes]: ...
 
@@ -361,7 +351,7 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
                 await send(fmt.delta(delta))
         assert last is not None, "a generation ends with its final delta"
         await send(fmt.closing(last))
-    except ConnectionResetError:  # a client that goes away (Stop) is normal: one line, no traceback
+    except ConnectionResetError:  # a client leaving is normal: one line, no traceback
         gone()
         response[OUTCOME] = "cancelled"  # counted by generate
     except asyncio.CancelledError:

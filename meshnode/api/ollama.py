@@ -1,10 +1,6 @@
-"""The Ollama surface: what Open WebUI's Ollama connection and the ``ollama`` client ask of a server
-(``/api/version``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/chat``, ``/api/generate``),
-framed as Ollama frames it: NDJSON streams (streaming is Ollama's default), one JSON object ending
-in ``done: true`` with durations in nanoseconds, errors as ``{"error": message}`` (mid-stream, an
-NDJSON line). Bodies are checked in :mod:`meshnode.api.ollama_schema`; the generation itself is
-:mod:`meshnode.api.core`'s. Model names may carry Ollama's default tag: ``<id>:latest`` is ``<id>``.
-"""
+"""The Ollama surface: what Open WebUI and the ``ollama`` client ask of a server under ``/api/``,
+framed as Ollama does (NDJSON streams ending in ``done: true``, durations in ns, errors as
+``{"error": message}``). ``<id>:latest`` is ``<id>``."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ from meshnode.api.validation import GenerationRequest
 from meshnode.errors import ApiError
 from meshnode.serving.engine import Delta, TokenLogprob, ToolCall
 
-# Some clients refuse an older server; this is the Ollama release whose newest request fields this
-# surface implements, not meshnode's own version.
+# The Ollama release whose request fields this surface implements (some clients refuse older).
 OLLAMA_VERSION = "0.9.0"
 NEVER = "2999-12-31T23:59:59Z"  # /api/ps expires_at: a mesh keeps its model loaded
 
@@ -34,7 +29,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-STARTED = _now()  # modified_at of every model: when this node started serving
+STARTED = _now()  # modified_at of every model
 
 
 # --------------------------------------------------------------------------- answers (pure)
@@ -62,8 +57,7 @@ def logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[dic
 
 
 def piece(endpoint: str, model: str, delta: Delta) -> dict[str, Any]:
-    """One streamed object (``done: false``) holding this delta: /api/chat's message (content,
-    thinking, tool_calls) or /api/generate's response (and thinking), and logprobs if asked."""
+    """One streamed object (``done: false``) holding this delta."""
     obj: dict[str, Any] = {"model": model, "created_at": _now()}
     if endpoint == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": delta.text}
@@ -90,9 +84,9 @@ class Clock:
     """When a generation's parts happened (perf_counter_ns), for Ollama's durations."""
 
     def __init__(self, received: int):
-        self.received = received  # the request arrived
-        self.started = time.perf_counter_ns()  # its prompt is tokenized and the engine runs
-        self.first: int | None = None  # the first piece of the answer came
+        self.received = received
+        self.started = time.perf_counter_ns()  # the engine runs
+        self.first: int | None = None  # the first piece came
         self.last: int | None = None
 
     def tick(self) -> None:
@@ -122,7 +116,7 @@ def _line(obj: Any) -> bytes:
 
 
 class NdjsonStream:
-    """A streamed answer: one JSON object per line, the last one ``done: true`` with the stats."""
+    """A streamed answer: one JSON object per line, the last ``done: true`` with the stats."""
 
     content_type = "application/x-ndjson"
 
@@ -200,7 +194,7 @@ def _served(request: web.Request) -> list[str]:
 
 
 def parameter_count(p: Any) -> int:
-    """The model's parameters, from its shape (attention, MLP or experts, embedding and head)."""
+    """The model's parameters, from its shape."""
     attention = p.hidden_size * p.head_dim * 2 * (p.num_heads + p.num_kv_heads)
     if p.num_experts:
         mlp = p.num_experts * (3 * p.hidden_size * p.moe_intermediate_size + p.hidden_size)
@@ -210,7 +204,7 @@ def parameter_count(p: Any) -> int:
 
 
 def details(p: Any) -> dict[str, Any]:
-    """Ollama's ``details`` of a model: format, family, parameter size and quantization."""
+    """Ollama's ``details`` of a model."""
     if p is None:
         return {"parent_model": "", "format": "mlx", "family": "", "families": [], "parameter_size": "",
                 "quantization_level": ""}
@@ -225,7 +219,7 @@ def details(p: Any) -> dict[str, Any]:
 
 
 def _entry(backend: Any, model_id: str) -> dict[str, Any]:
-    p = backend.model_profile(model_id)  # family, size and quantization; None: they stay empty
+    p = backend.model_profile(model_id)  # None: details stay empty
     return {"name": model_id, "model": model_id, "modified_at": STARTED, "size": p.weight_bytes() if p else 0,
             "digest": hashlib.sha256(model_id.encode()).hexdigest(),  # of the name: there is no manifest
             "details": details(p)}
@@ -236,7 +230,7 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def tags(request: web.Request) -> web.Response:
-    """Every served model, also while the mesh forms (a request made too early gets a 503)."""
+    """Every served model, also while the mesh forms."""
     backend = request.app[core.BACKEND]
     return web.json_response({"models": [_entry(backend, m["id"]) for m in backend.models()]})
 
@@ -290,7 +284,7 @@ def routes(app: web.Application) -> None:
 
 
 def owns(path: str) -> bool:
-    """Whether ``path`` is one of this surface's (its errors then take Ollama's shape)."""
+    """Whether ``path`` is this surface's (its errors take Ollama's shape)."""
     return path.startswith("/api/")
 
 

@@ -1,15 +1,7 @@
-"""Ollama's request bodies (``/api/chat``, ``/api/generate``, ``/api/show``) as strict pydantic
-models, and their translation into the :class:`GenerationRequest` every surface hands to
-:mod:`meshnode.api.core`. Pure: no I/O, no model. A problem is an :class:`ApiError` 400 that names
-the field (:mod:`meshnode.api.schema`); :mod:`meshnode.api.app` sends it as Ollama's
-``{"error": message}``.
-
-An unknown field is refused, and so is a known one that would change the answer but is not
-implemented. ``options`` are honoured (sampling, with Ollama's documented defaults for
-temperature, top_k and top_p), ``IGNORED`` (how Ollama runs a model: they cannot change the
-tokens; a prompt beyond max_context is a 400, never cut), or ``OFF_ONLY`` (accepted at their
-"off" value). Ollama's default repeat_penalty is not copied: mlx-lm's penalty window differs, so
-a penalty applies only when asked for. ``system`` on /api/chat is ignored, as Ollama does.
+"""Ollama's request bodies as strict pydantic models, translated into a :class:`GenerationRequest`.
+Pure. Unknown fields are refused, and so are known ones that would change the answer but are not
+implemented; ``options`` are honoured, ``IGNORED`` (cannot change the tokens) or ``OFF_ONLY``.
+Ollama's default repeat_penalty is not copied: mlx-lm's penalty window differs.
 """
 
 from __future__ import annotations
@@ -192,8 +184,8 @@ def show_model(body: Any, served: list[str]) -> str:
 
 
 def parse(body: Any, endpoint: str, limits: Limits, served: list[str]) -> GenerationRequest:
-    """A /api/chat or /api/generate body as a GenerationRequest. A body with nothing to answer
-    (no messages; no prompt and no system) is Ollama's "load the model" call: see :func:`loads_only`."""
+    """A /api/chat or /api/generate body as a GenerationRequest (nothing to answer: Ollama's "load
+    the model" call, :func:`loads_only`)."""
     if isinstance(body, dict) and isinstance(body.get("messages"), list):  # images: a clear message first
         for i, m in enumerate(body["messages"]):
             if isinstance(m, dict) and m.get("images"):
@@ -223,7 +215,7 @@ def loads_only(req: GenerationRequest) -> bool:
 
 
 def sampling(options: Options | None) -> dict[str, Any]:
-    """The GenerationRequest fields ``options`` sets, with Ollama's defaults; neutral values are off."""
+    """The fields ``options`` sets, with Ollama's defaults; neutral values are off."""
     o = options or Options()
 
     def value(name: str, neutral: float | None = None) -> Any:
@@ -246,7 +238,7 @@ def sampling(options: Options | None) -> dict[str, Any]:
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Ollama's messages in OpenAI's shape, with ids given to tool calls and matched to their results."""
+    """Ollama's messages in OpenAI's shape, tool calls given ids matched to their results."""
     out: list[dict[str, Any]] = []
     open_calls: list[dict[str, Any]] = []
     for i, m in enumerate(messages):

@@ -1,8 +1,4 @@
-"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/models, and their envelopes
-(chat.completion, chat.completion.chunk, text_completion, usage, the SSE stream ending in
-``[DONE]``, an error event mid-stream). Bodies are checked in :mod:`meshnode.api.validation`;
-the generation itself is :mod:`meshnode.api.core`'s.
-"""
+"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/models, and their envelopes."""
 
 from __future__ import annotations
 

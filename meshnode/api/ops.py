@@ -1,6 +1,4 @@
-"""The mesh's own endpoints, beside the model APIs: /health (open, for load balancers and service
-managers), /v1/mesh (the dashboard's data), /metrics (Prometheus), the dashboard's files, and
-POST /v1/admin/models (this node offers one more model, or stops offering one)."""
+"""The mesh's own endpoints: /health (open), /v1/mesh, /metrics, the dashboard, /v1/admin/models."""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ async def dashboard(request: web.Request) -> web.FileResponse:
 
 
 async def admin_models(request: web.Request) -> web.Response:
-    """``{"add": "<folder or id>"}`` or ``{"remove": "<model id>"}``: what this node offers (kept
-    across restarts). With an API key set, the key is checked like any /v1 call; without one, only
-    this machine may ask (a model folder is a path on this disk)."""
+    """``{"add": "<folder or id>"}`` or ``{"remove": "<model id>"}``, kept across restarts. Without
+    an API key only this machine may ask (a model folder is a path on this disk)."""
     if not request.app[SETTINGS].api_key and request.remote not in LOOPBACK:
         raise ApiError(403, "admin calls need an API key (the api_key setting) or must come from this machine",
                        type="permission_error", code="admin_forbidden")

@@ -1,13 +1,5 @@
-"""The OpenAI Responses API: ``POST /v1/responses`` (a Response, or its typed server-sent events)
-and ``GET /v1/responses/{id}``, for Codex CLI and ``client.responses``. Bodies are checked by
-:mod:`meshnode.api.responses_schema` (docs/api.md lists what is honoured) and made into a
-:class:`GenerationRequest` by :func:`parse`.
-
-Output items come in the order the model said them (reasoning, message, function calls); the
-stream sends OpenAI's typed events and ends with the same Response the non-streamed answer gives.
-Responses with ``store`` not false are kept in memory (the last :data:`STORE_SIZE`, each for
-:data:`STORE_SECONDS`) for ``previous_response_id`` and GET.
-"""
+"""The OpenAI Responses API (``/v1/responses``), for Codex CLI and ``client.responses``. Responses
+with ``store`` not false are kept in memory (bounded) for ``previous_response_id`` and GET."""
 
 from __future__ import annotations
 

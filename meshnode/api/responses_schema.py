@@ -1,16 +1,6 @@
-"""The OpenAI Responses API's request bodies (``POST /v1/responses``) as pydantic models, and their
-parts in the chat template's form (messages, tools, tool_choice, the JSON schema), which
-:func:`meshnode.api.responses.parse` makes into the :class:`GenerationRequest` every surface hands
-to :mod:`meshnode.api.core`. Pure: no I/O, no model. Every problem is an :class:`ApiError` 400
-whose ``param`` names the field (``input[2].call_id``).
-
-What is honoured, ignored and refused is listed in docs/api.md ("Responses API"). Hosted tools
-(web_search, ...) are left out rather than refused, because Codex sends web_search with every
-request; client built-ins with call items of their own (local_shell, apply_patch, ...) are refused.
-
-Messages become the chat template's: developer is system (Qwen's template drops other roles),
-leading system messages join into one, function calls join the assistant turn before them as its
-``tool_calls``, and an output is a ``tool`` message.
+"""The OpenAI Responses API's request bodies as pydantic models, and their parts in the chat
+template's form. Pure; docs/api.md lists what is honoured. Hosted tools are left out rather than
+refused, because Codex sends web_search with every request.
 """
 
 from __future__ import annotations
@@ -73,7 +63,7 @@ def _listed(one: Callable[[str], dict[str, Any]], what: str) -> BeforeValidator:
 
 
 class _Loose(BaseModel):
-    """History clients copy back: keys this server does not use are ignored, not refused."""
+    """History clients copy back: unused keys are ignored, not refused."""
 
     model_config = ConfigDict(strict=True, frozen=True)
 
@@ -310,8 +300,8 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
 
 
 def template_messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input items as the chat template's messages (see the module docstring); ``before``: the
-    conversation they continue (for the names of the calls that outputs answer)."""
+    """The input items as the chat template's messages: developer is system, function calls join
+    the assistant turn before them. ``before``: the conversation they continue."""
     out: list[dict[str, Any]] = []
     called = {c["id"]: c["function"]["name"] for m in before for c in m.get("tool_calls", ())}  # call_id -> name
     for i, item in enumerate(items):

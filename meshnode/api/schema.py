@@ -1,6 +1,5 @@
-"""What every API surface's request models share: strict JSON types, and pydantic's validation
-errors as one OpenAI-style 400 that names the field (``param``: ``messages[0].content``) and says
-what it takes. The OpenAI models are in :mod:`meshnode.api.validation`."""
+"""What every API surface's request models share: strict JSON types, and validation errors as one
+OpenAI-style 400 naming the field (``messages[0].content``) and what it takes."""
 
 from __future__ import annotations
 
@@ -12,21 +11,19 @@ from pydantic_core import PydanticCustomError
 
 from meshnode.errors import ApiError
 
-Number = Annotated[float, Field(allow_inf_nan=False)]  # an integer or a finite float, not a boolean
+Number = Annotated[float, Field(allow_inf_nan=False)]  # finite, not a boolean
 JsonObject = dict[str, Any]
-OUR_CODES = ("invalid_type", "invalid_value")  # the error types our own checks raise (PydanticCustomError)
+OUR_CODES = ("invalid_type", "invalid_value")  # raised by our own checks
 
 
 class Strict(BaseModel):
-    """JSON types as they are (no "5" for 5, no true for 1, no 1.0 for an integer), and no field
-    the model does not declare."""
+    """JSON types as they are (no "5" for 5, no 1.0 for an integer), and no undeclared field."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 def one_of(message: str) -> WrapValidator:
-    """A union's errors (one per member, tagged with the member's type) read as one: the field and
-    what it takes."""
+    """A union's errors (one per member) read as one: the field and what it takes."""
 
     def check(value: Any, handler) -> Any:
         try:

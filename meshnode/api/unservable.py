@@ -1,6 +1,5 @@
-"""What a node whose own model cannot be served answers: every HTTP request gets a 503 with the
-reason (``meshnode status`` shows it), so a service manager keeps one running process that says
-what is wrong instead of restarting it in a loop."""
+"""A node whose model cannot be served answers every request with a 503 and the reason, so a
+service manager keeps one process saying what is wrong instead of restarting it in a loop."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from aiohttp import web
 
 
 async def refuse_until(stop: asyncio.Event, host: str, port: int, reason: str) -> None:
-    """Answer every request on ``host:port`` with a 503 naming ``reason`` until ``stop`` is set."""
+    """Answer 503 naming ``reason`` until ``stop`` is set."""
     body = {"error": {"message": f"this node cannot serve its model: {reason}", "type": "model_not_loadable",
                       "param": "model", "code": "model_not_loadable"}}
 

@@ -1,16 +1,9 @@
-"""Check OpenAI request bodies with pydantic models and turn them into a :class:`GenerationRequest`
-for :mod:`meshnode.api.core`. Pure. Every problem raises :class:`ApiError` (400, ``param`` naming
-the field, a code, a message that says what to fix).
+"""Check OpenAI request bodies and turn them into a :class:`GenerationRequest`. Pure; every problem
+raises a 400 :class:`ApiError` naming the field.
 
-The models forbid every field they do not declare (400 ``unsupported_parameter``), so no client
-believes a parameter took effect. Declared fields are either honoured (the models' own fields,
-response_format included: text, json_object or a json_schema) or ``HARMLESS``: accepted and
-ignored because ignoring them cannot change the answer (who is asking, the provider's storage and
-billing, switches at their default value; any other value is refused).
-
-Messages: roles system, developer (as system), user, assistant and tool; content a string or text
-parts; tool calls and results go to the chat template. Other message keys (reasoning_content...)
-are history clients copy back, ignored.
+Undeclared fields are refused (``unsupported_parameter``), so no client believes a parameter took
+effect. Declared fields are honoured, or ``HARMLESS``: ignored because ignoring them cannot change
+the answer (switches only at their default value). Unknown message keys are history, ignored.
 """
 
 from __future__ import annotations
@@ -43,20 +36,20 @@ class Limits:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked request, the same whichever API it came through: what :mod:`meshnode.api.core` runs."""
+    """A checked request, the same whichever API it came through."""
 
     kind: str  # "chat" | "completion"
     model: str
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str | list[int] | None = None
-    max_tokens: int | None = None  # None: the server picks (default, capped by context)
+    max_tokens: int | None = None  # None: the server picks
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
-    # Sampling beyond temperature/top_p (mlx-lm's sampler and logits processors); None: off.
+    # mlx-lm's other sampler filters and logits processors; None: off.
     top_k: int | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
@@ -65,17 +58,15 @@ class GenerationRequest:
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: this many alternatives per token
-    # Function tools in OpenAI's form ({"type": "function", "function": {name, description,
-    # parameters}}), given to the model's chat template; tool_choice "auto", "none", "required"
-    # or {"type": "function", "function": {"name": ...}}.
+    # Function tools in OpenAI's form, for the chat template; tool_choice as OpenAI's.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     think: bool | None = None  # reasoning models: think first (None: the model's default)
-    json_schema: dict[str, Any] | None = None  # structured output: the answer is JSON valid under it
+    json_schema: dict[str, Any] | None = None  # the answer is JSON valid under it
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more for the chat template
 
 
-# (name, type) pairs; every field is optional (null = absent). The lists are explained above.
+# (name, type) pairs; every field is optional (null = absent).
 HARMLESS: tuple[tuple[str, Any], ...] = (
     ("user", str),
     ("safety_identifier", str),
@@ -101,7 +92,7 @@ else:
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
-    include_obfuscation: bool | None = None  # harmless: there is no obfuscation padding to leave out
+    include_obfuscation: bool | None = None  # harmless: there is no obfuscation padding
 
 
 class _Sampling(_Accepted):
@@ -164,7 +155,7 @@ class _ToolCallIn(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, frozen=True)  # other keys ignored (see the module docstring)
+    model_config = ConfigDict(strict=True, frozen=True)  # other keys ignored
     role: Role
     tool_calls: list[_ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
@@ -181,10 +172,9 @@ class Message(BaseModel):
         return value
 
     def plain(self) -> dict[str, Any]:
-        """The message as the chat template takes it: role and content text, and the tool calls
-        (arguments as an object, as templates render them) or the call a tool result answers."""
+        """The message as the chat template takes it (tool call arguments as an object)."""
         text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
-        # OpenAI's newer name for system: chat templates know "system" (Qwen's drops roles it does not know)
+        # OpenAI's newer name for system; templates know "system" (Qwen's drops unknown roles)
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": text or ""}
         if self.tool_calls:
@@ -339,8 +329,7 @@ def _json_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
 
 
 def _tools(req: ChatRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
-    """The request's tools in OpenAI's current form, and its tool_choice (the older
-    functions/function_call are read as tools/tool_choice)."""
+    """The request's tools and tool_choice (older functions/function_call read as those)."""
     if req.functions is not None and req.tools is not None:
         raise ApiError(400, "send 'tools' or the older 'functions', not both", param="functions",
                        code="invalid_value")
