@@ -71,6 +71,8 @@ class Patchy:
     what the prompt holds). ``free``: asked at every token of a pause for finding nothing, as
     prompt lookup is (meshnode.serving.drafting.Drafter.free)."""
 
+    fixed_k = fixed_depth = None
+
     def __init__(self, tokens, reference, windows, free: bool = False):
         self._tokens, self.reference, self.windows, self.free = list(tokens), reference, windows, free
 

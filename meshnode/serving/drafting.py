@@ -16,6 +16,10 @@ class Drafter(Protocol):
     # Whether asking costs nothing next to a step: such a drafter is asked at every token of a dry
     # pause (DraftLength.found); one with a model waits for the pause's end.
     free: bool
+    # Set by a test harness (None: the head chooses): guesses in every pass whatever they cost, and
+    # the most passes in flight.
+    fixed_k: int | None
+    fixed_depth: int | None
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens now part of the request (confirmed by the model)."""
@@ -36,6 +40,8 @@ class PromptLookup:
     """
 
     free = True
+    fixed_k: int | None = None
+    fixed_depth: int | None = None
 
     def __init__(self, tokens: Sequence[int], longest: int = 3, shortest: int = 2):
         if not 1 <= shortest <= longest:
@@ -100,7 +106,8 @@ class ModelDrafter:
 
     PREFILL = 512  # positions per step when it catches up with a prompt
     free = False  # each guess is a step of the draft model
-    fixed_k: int | None = None  # that many guesses every pass, whatever they cost (set by a test harness)
+    fixed_k: int | None = None
+    fixed_depth: int | None = None
 
     def __init__(self, model, tokens: Sequence[int]):
         from mlx_lm.models.cache import make_prompt_cache

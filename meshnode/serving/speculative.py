@@ -66,15 +66,15 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     greedy, top = params.temperature == 0, params.top_logprobs
     stages = len(model.state.sessions)
     depth = spec.depth if spec.depth is not None else pipe_depth(model.state.sessions)
-    depth = max(1, getattr(drafter, "fixed_depth", None) or depth)  # the test drafter's, where it sets one
+    depth = max(1, drafter.fixed_depth or depth)
     length = DraftLength(spec.costs, spec.k_max, fills=depth > 1, stages=stages)
-    free = getattr(drafter, "free", False)  # asked at every token of a pause for finding nothing
+    free = drafter.free
 
     def ask_again() -> None:
         """In a dry pause, ask a free drafter again: a guess ends the pause."""
         if free and length.dry_paused and drafter.propose(1):
             length.found()
-    fixed = getattr(drafter, "fixed_k", None)  # the test drafter's: that many guesses, whatever they cost
+    fixed = drafter.fixed_k
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # confirmed positions in the stages' caches
     local = not any(s.remote for s in model.state.sessions)
