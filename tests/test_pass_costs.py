@@ -11,7 +11,7 @@ Pure logic: the timings go in by hand.
 
 from __future__ import annotations
 
-from meshnode.serving.draft_length import RETIME_EVERY, DraftLength, PassCosts
+from meshnode.serving.draft_length import REMEASURE, WINDOW, DraftLength, PassCosts
 
 # (positions, ms) of lone passes in the order a head on OpenBLAS timed them (benchmarks.speculative
 # --p 0 0.8, traced): its first seconds under a load (a peer's start-up measurements), then what
@@ -57,7 +57,7 @@ def test_a_sizes_first_pass_is_not_kept_and_only_recent_ones_count():
     assert costs.cost(1) is None
     costs.observe(1, 0.1)
     assert costs.cost(1) == 0.1
-    for _ in range(PassCosts.WINDOW):
+    for _ in range(WINDOW):
         costs.observe(1, 0.05)  # the machine got faster (a load went away): the old times leave
     assert costs.cost(1) == 0.05
 
@@ -80,11 +80,11 @@ def test_where_passes_fill_the_pipeline_some_go_alone_to_be_timed_one_guess_long
     for i in range(30):
         length.observe(1, 0 if i % 5 == 2 else 1)  # 4 guesses in 5 confirmed
     chosen = []
-    for _ in range(3 * RETIME_EVERY):
+    for _ in range(3 * REMEASURE):
         k = length.choose()
         chosen.append((k, length.fill_ok(0)))
     timed_ones = [i for i, (_, fills) in enumerate(chosen) if not fills]
-    assert timed_ones == [RETIME_EVERY - 1, 2 * RETIME_EVERY - 1, 3 * RETIME_EVERY - 1], chosen
+    assert timed_ones == [REMEASURE - 1, 2 * REMEASURE - 1, 3 * REMEASURE - 1], chosen
     best = chosen[0][0]
     assert best >= 1 and all(k == best for k, fills in chosen if fills)
     assert [chosen[i][0] for i in timed_ones] == [best, 0, best + 1]  # the size in use, a step, one longer
@@ -122,7 +122,7 @@ def test_one_slow_pass_does_not_price_every_guess():
 
 def test_passes_are_timed_again_across_a_placements_requests_not_only_within_one():
     # A request of 48 tokens at p = 0.8 chooses about 14 passes where they fill the pipeline; the
-    # count toward RETIME_EVERY started again with each request, so no pass was ever timed after
+    # count toward REMEASURE started again with each request, so no pass was ever timed after
     # the first, and one pass of two positions timed at 1.28 steps priced every guess for the rest
     # of the run. The placement's requests count together.
     costs = PassCosts(one=0.04, extra=0.004, share=0.5)
@@ -135,7 +135,7 @@ def test_passes_are_timed_again_across_a_placements_requests_not_only_within_one
             length.choose()
             if not length.fill_ok(0):
                 timed_at.append(request * 14 + step)
-    assert timed_at == [RETIME_EVERY - 1, 2 * RETIME_EVERY - 1, 3 * RETIME_EVERY - 1], timed_at
+    assert timed_at == [REMEASURE - 1, 2 * REMEASURE - 1, 3 * REMEASURE - 1], timed_at
 
 
 def test_where_the_size_in_use_is_a_plain_step_it_and_one_guess_are_timed_in_turn():
@@ -145,8 +145,8 @@ def test_where_the_size_in_use_is_a_plain_step_it_and_one_guess_are_timed_in_tur
     length = DraftLength(costs, k_max=8, fills=True, stages=2)
     for i in range(30):
         length.observe(1, 0 if i % 5 == 2 else 1)
-    chosen = [length.choose() for _ in range(4 * RETIME_EVERY)]
-    timed_ones = [chosen[i] for i in range(RETIME_EVERY - 1, 4 * RETIME_EVERY, RETIME_EVERY)]
+    chosen = [length.choose() for _ in range(4 * REMEASURE)]
+    timed_ones = [chosen[i] for i in range(REMEASURE - 1, 4 * REMEASURE, REMEASURE)]
     assert set(chosen) - {0} == {1} and timed_ones == [0, 1, 0, 1], chosen
 
 

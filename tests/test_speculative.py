@@ -19,7 +19,7 @@ from harness.drafts import ReferenceDrafter
 from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.draft_length import (DRY_RUN, FILL_DEEP, FILL_MIN, PROBE_AFTER, DraftLength, PassCosts,
+from meshnode.serving.draft_length import (DRY_RUN, MIN_GAIN, NOISE, REMEASURE, DraftLength, PassCosts,
                                            expected_tokens, filled_rate)
 from meshnode.serving.speculative import Speculation, why_not
 from tests.speculation import TEXT, Patchy, model_cases, plain, speculate, stages_of
@@ -153,13 +153,13 @@ def test_draft_length_follows_acceptance_and_cost():
         length.observe(4, 0)
     assert length.choose() == 0  # nothing confirmed: plain steps
     assert length.paused()
-    for _ in range(PROBE_AFTER):
+    for _ in range(REMEASURE):
         assert length.choose() == 0
         length.observe(0, 0)
-    assert length.choose() == 1  # probed again, with one guess, after PROBE_AFTER plain steps
+    assert length.choose() == 1  # probed again, with one guess, after REMEASURE plain steps
     length.observe(1, 0)
     assert length.choose() == 0  # the probe confirmed nothing: the next pause is twice as long
-    for _ in range(2 * PROBE_AFTER - 1):
+    for _ in range(2 * REMEASURE - 1):
         length.observe(0, 0)
         assert length.choose() == 0
     length.observe(0, 0)
@@ -182,24 +182,24 @@ def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one
     for _ in range(10):
         length.observe(1, 0)
     assert length.choose() == 0 and not length.fill_ok(0) and length.paused()
-    for _ in range(PROBE_AFTER):
+    for _ in range(REMEASURE):
         length.observe(0, 0)
     assert length.choose() == 0  # the probe: no guess inside the pass ...
     assert length.fill_ok(0) and not length.fill_ok(0, in_flight=2) and not length.fill_ok(1)  # ... one behind it
     assert length.fill_ok(0)  # still, until a pass that checked a guess is observed
     length.observe(1, 0)
     assert not length.fill_ok(0) and length.choose() == 0 and length.paused()  # refused: a longer pause
-    for _ in range(2 * PROBE_AFTER):
+    for _ in range(2 * REMEASURE):
         length.observe(0, 0)
     assert length.choose() == 0 and length.fill_ok(0)
     before = length.alpha
     length.observe(1, 1)  # the guess came right: the estimate rises, and decides the next fill
-    assert length.alpha > before and length.fill_ok(0) == (length.alpha >= FILL_MIN)
+    assert length.alpha > before and length.fill_ok(0) == (length.alpha >= NOISE)
 
 
 def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_request():
     """One stage with passes in flight behind it (a single remote stage; the tests' depth 3 on one
-    local stage): every pass behind is beyond one per stage (FILL_DEEP). Where guesses do not pay
+    local stage): every pass behind is beyond one per stage. Where guesses do not pay
     inside a pass and a pass behind would not be sent either, choose() pauses; it once answered 0
     with no pause, so the drafter was never asked again (no guess, no dry run, no pause) and every
     step went through the pass pipe, not built ahead (seen in CI: a loaded CPU measured a further
@@ -208,9 +208,9 @@ def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_requ
     length = DraftLength(dear, k_max=4, fills=True, stages=1)
     for _ in range(30):
         length.observe(4, 3)
-    assert FILL_MIN < length.alpha < FILL_DEEP
+    assert NOISE < length.alpha < 1 - MIN_GAIN
     assert length.choose() == 0 and length.paused() and not length.fill_ok(0, in_flight=1)
-    for _ in range(PROBE_AFTER):
+    for _ in range(REMEASURE):
         length.observe(0, 0)
     assert length.choose() == 1  # the probe: one guess inside the pass (no pass behind would go)
     # Nearly every guess confirmed: a pass behind the one in flight is worth sending, so 0 is a fill.
@@ -346,11 +346,11 @@ def test_in_a_filled_pipeline_a_new_placement_times_a_guess_first(model_case):
 
 def test_pass_costs_fit_the_cost_of_extra_positions():
     costs = PassCosts()
-    assert costs.ratio() == 0.25 and costs.fit() == (None, None)  # the prior until measured
+    assert costs.ratio() == 1.0 and costs.fit() == (None, None)  # a whole step until measured
     costs.observe(3, 0.3)  # nothing to measure it against yet (and a size's first: not kept)
     for t in (0.3, 0.1, 0.1):  # plain steps (the first built MLX's kernels: not kept)
         costs.observe(1, t)
-    assert costs.fit() == (0.1, None) and costs.ratio() == 0.25  # steps alone cannot tell a position's cost
+    assert costs.fit() == (0.1, None) and costs.ratio() == 1.0  # steps alone cannot tell a position's cost
     costs.observe(3, 0.3)  # a further position costs a step
     one, extra = costs.fit()
     assert abs(one - 0.1) < 1e-9 and abs(extra - 0.1) < 1e-9 and abs(costs.ratio() - 1.0) < 1e-9
@@ -560,14 +560,14 @@ def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long
         length.dry()
         assert not length.paused()
     length.dry()  # DRY_RUN times in a row: a pause
-    assert length.plain_left == PROBE_AFTER and length.paused()
-    for _ in range(PROBE_AFTER):
+    assert length.plain_left == REMEASURE and length.paused()
+    for _ in range(REMEASURE):
         assert length.choose() == 0
         length.observe(0, 0)
     assert length.choose() == 1  # the pause over: one guess, to see
     length.dry()  # still nothing: paused again at once, twice as long
-    assert length.plain_left == 2 * PROBE_AFTER
-    for _ in range(2 * PROBE_AFTER):
+    assert length.plain_left == 2 * REMEASURE
+    for _ in range(2 * REMEASURE):
         length.observe(0, 0)
     assert length.choose() == 1
     length.observe(1, 1)  # it guessed (right): the count of nothing and the pauses start over
@@ -575,7 +575,7 @@ def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long
         length.dry()
         assert not length.paused()
     length.dry()
-    assert length.plain_left == PROBE_AFTER
+    assert length.plain_left == REMEASURE
 
 
 @pytest.mark.parametrize("cuts", [[0, 4], [0, 2, 4]])

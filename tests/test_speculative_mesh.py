@@ -18,7 +18,6 @@ from harness.cluster import HTTP, Cluster, in_ns, read_stream, stage_nodes
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
-from meshnode.serving.draft_length import SHARE_MAX
 from meshnode.weights.profile import profile_model
 from tests.helpers import node_metrics
 
@@ -122,7 +121,7 @@ def check_filled_share(cluster, head, model, answers, texts, tmp_path) -> None:
     drafts_file(tmp_path, model, answers, p=1.0, k=2)
     assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
     view = cluster.mesh_view(head)["metrics"]["speculation"]
-    assert view["filled_share"] is not None and 0 < view["filled_share"] <= SHARE_MAX, view
+    assert view["filled_share"] is not None and 0 < view["filled_share"] < 2, view
     print(f"the head measured: a further position {view['position_cost']} of a step, "
           f"a full pipeline's share of a traversal {view['filled_share']}")
 

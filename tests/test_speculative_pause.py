@@ -18,7 +18,7 @@ import pytest
 
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.model.shard import Shard
-from meshnode.serving.draft_length import DRY_RUN, PROBE_AFTER, DraftLength, PassCosts
+from meshnode.serving.draft_length import DRY_RUN, REMEASURE, DraftLength, PassCosts
 from meshnode.serving.sampling import SamplingParams
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import HopSession, serve_forward
@@ -33,8 +33,8 @@ model_case = model_cases()
 EPOCH, KEY = 7, "pause test key"
 N = 60
 # The answer's positions (from its first token) where the drafter has guesses: inside the second
-# pause (the first runs from the 4th token for PROBE_AFTER, the second from its end for twice as long).
-QUOTE = (DRY_RUN + PROBE_AFTER + 6, DRY_RUN + PROBE_AFTER + 26)
+# pause (the first runs from the 4th token for REMEASURE, the second from its end for twice as long).
+QUOTE = (DRY_RUN + REMEASURE + 6, DRY_RUN + REMEASURE + 26)
 
 
 class FixedCosts(PassCosts):
@@ -73,7 +73,7 @@ def test_a_free_drafters_guess_ends_a_pause_for_finding_nothing_and_only_that_pa
     for _ in range(DRY_RUN):
         assert length.choose() > 0
         length.dry()
-    assert length.dry_paused and length.plain_left == PROBE_AFTER
+    assert length.dry_paused and length.plain_left == REMEASURE
     for _ in range(3):
         length.observe(0, 0)
     length.found()  # a guess again: the step in flight (or promised) is the pause's last
@@ -84,10 +84,10 @@ def test_a_free_drafters_guess_ends_a_pause_for_finding_nothing_and_only_that_pa
     length.observe(1, 1)
     # A pause because guesses do not pay (none confirmed, each costing a step) is not ended by one.
     dear = DraftLength(PassCosts(one=0.1, extra=0.1), k_max=4, prior=0.05)
-    assert dear.choose() == 0 and dear.plain_left == PROBE_AFTER
+    assert dear.choose() == 0 and dear.plain_left == REMEASURE
     assert not dear.dry_paused
     dear.found()
-    assert dear.plain_left == PROBE_AFTER
+    assert dear.plain_left == REMEASURE
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])

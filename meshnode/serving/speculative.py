@@ -23,7 +23,7 @@ from typing import cast
 import mlx.core as mx
 
 from meshnode.model.shard import any_thread_stream
-from meshnode.serving.draft_length import K_MAX, DraftLength, PassCosts
+from meshnode.serving.draft_length import DraftLength, PassCosts
 from meshnode.serving.drafting import Drafter
 from meshnode.serving.sampler import make_indexed_sampler, sampled
 from meshnode.serving.sampling import SamplingParams
@@ -36,12 +36,12 @@ class Speculation:
 
     # A drafter for a request's tokens so far (None: that request decodes without speculation).
     drafter: Callable[[Sequence[int]], Drafter | None]
+    k_max: int  # the most guesses in one pass (the draft_max setting)
     costs: PassCosts = field(default_factory=PassCosts)
     # Told of every pass that checked guesses: (guessed, confirmed, yielded, passes cancelled).
     on_pass: Callable[[int, int, int, int], None] | None = None
     # Told what the request measured when it ends: (PassCosts.ratio, filled share or None).
     on_costs: Callable[[float, float | None], None] | None = None
-    k_max: int = K_MAX
     depth: int | None = None  # passes in flight at once (None: meshnode.serving.speculative.pipe_depth)
 
 
