@@ -1,6 +1,5 @@
-"""The network's own round trip via a bare TCP echo: a tensor ring pays only the network, a gRPC
-call also the RPC stack, so the planner needs the two apart. The echo trusts nothing it reads and
-bounds clients and frames."""
+"""The network's own round trip via a bare TCP echo: a tensor ring pays only the network, a gRPC call
+also the RPC stack. The echo trusts nothing it reads and bounds clients and frames."""
 
 from __future__ import annotations
 

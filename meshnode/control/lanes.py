@@ -1,6 +1,5 @@
-"""Several models on one mesh: a *lane* per model on every node, with its own plan, epochs and
-coordinator state, so a re-plan of one never moves another. Each lane is planned into the memory
-the others leave."""
+"""Several models on one mesh: a *lane* per model, with its own plan and epochs, so a re-plan of one
+never moves another; each lane is planned into the memory the others leave."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Measured links: RTT, jitter and bandwidth to every address of every peer, so the planner can
-weigh groups against pipelines and data takes the fastest path. One address at a time, every
-``interval`` seconds; the fastest of the bulk transfers counts (load only slows one)."""
+"""Measured links: RTT, jitter and bandwidth to every address of every peer, one address at a time,
+so the planner can weigh groups against pipelines and data takes the fastest path."""
 
 from __future__ import annotations
 
