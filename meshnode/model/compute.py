@@ -1,9 +1,6 @@
-"""How fast this machine runs the served model: seconds for one decode step of one layer.
-
-Times a few consecutive layers (so weights stream from memory, not CPU caches) after a short
-prefill; cached per model, machine, MLX version and BLAS. On the CPU backend a step counts the
-smaller of wall and CPU time, so a descheduled moment does not make the node look slow for good.
-"""
+"""How fast this machine runs the served model: seconds for one decode step of one layer, cached per
+model, machine, MLX version and BLAS. On the CPU a step counts the smaller of wall and CPU time, so
+a descheduled moment does not make the node look slow for good."""
 
 from __future__ import annotations
 

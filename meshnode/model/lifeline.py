@@ -1,8 +1,6 @@
-"""A node's worker processes die with it, instead of spinning in a collective holding ports.
-
-Two watchers: a thread, and a tiny ``sh`` process for when MLX's ring holds the GIL in
-``mx.distributed.init``. Not PR_SET_PDEATHSIG: it fires when the forking *thread* exits.
-"""
+"""A node's worker processes die with it, instead of spinning in a collective holding ports. A thread
+watches, and a tiny ``sh`` for when MLX's ring holds the GIL; PR_SET_PDEATHSIG would fire when the
+forking *thread* exits."""
 
 from __future__ import annotations
 

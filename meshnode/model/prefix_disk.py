@@ -1,9 +1,7 @@
-"""The prompt cache on disk: each stage writes its layers' KV of every kept prefix to
-``<root>/<model>/<key>/layers-<start>-<end>.safetensors`` (mlx-lm's prompt cache format), the head
-the tokens beside it, on a writer thread. A miss reads back the entries covering the layers held
-now, so a re-plan keeps the cache. Bounded by size, least recently used out first; an entry that
-cannot be read or whose metadata does not match its name is deleted, never used.
-"""
+"""The prompt cache on disk: each stage writes its layers' KV of every kept prefix (mlx-lm's prompt
+cache format) on a writer thread; a miss reads back the entries covering the layers held now, so a
+re-plan keeps the cache. Bounded by size, least recently used out first; an unreadable or
+mismatched entry is deleted, never used."""
 
 from __future__ import annotations
 

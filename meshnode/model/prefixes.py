@@ -1,10 +1,5 @@
-"""The prompt cache's node side: KV of recent conversation prefixes, kept per layer range.
-
-A request starting with a kept prefix resumes from a copy and prefills only its new tokens; the
-head decides (meshnode.serving.promptcache). Prefixes live in the KV reserved for ``kv_requests``,
-least recently used out first, keyed by layer range so they survive a re-plan; with a
-:class:`~meshnode.model.prefix_disk.PrefixDisk` they are also written to and read back from disk.
-"""
+"""The prompt cache's node side: KV of recent conversation prefixes, kept per layer range (so they
+survive a re-plan) in the KV reserved for ``kv_requests``, least recently used out first."""
 
 from __future__ import annotations
 
