@@ -1,6 +1,5 @@
-"""Structured output: ``response_format`` as an llguidance grammar masking every token that cannot
-continue a valid answer, one more logits processor where the head samples. The grammar travels as
-text, so a remote head constrains exactly what the serving node checked."""
+"""Structured output: ``response_format`` as an llguidance grammar masking tokens that cannot continue
+a valid answer. It travels as text, so a remote head constrains exactly what was checked."""
 
 from __future__ import annotations
 

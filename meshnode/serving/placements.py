@@ -1,6 +1,5 @@
-"""Where a generation of one plan runs: here (this node is the head) or on the head over gRPC.
-A placement is bound to one epoch; its ``tokens`` turns every failure into one of failover's
-outcomes: :class:`EpochPending`, :class:`GenerationFault` or :class:`PlacementLost`."""
+"""Where a generation of one plan runs: here (this node is the head) or on the head over gRPC. Every
+failure becomes :class:`EpochPending`, :class:`GenerationFault` or :class:`PlacementLost`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The prompt cache's head side: which prefixes the stages keep, and which to resume from (the
-longest shared start). A client sends its next turn before the stages have kept the last answer's
-prefix, so a request that would resume more of a closed generation's tokens waits for exactly that
-generation (:meth:`PrefixIndex.settled_match`), leaving an agent's parallel calls side by side.
-"""
+"""The prompt cache's head side: which prefixes the stages keep, and which to resume from. A request
+that would resume more of a closed generation's tokens waits for exactly that generation, not for
+look-alike prompts, so an agent's parallel calls run side by side."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Generations that survive the loss of a stage: the prompt plus every token so far is replayed
-on a new plan, so the client sees one stream with nothing missing or repeated. A peer is waited for
-as long as it heartbeats: a busy peer is not a lost one."""
+"""Generations that survive the loss of a stage: the prompt and every token so far replay on a new
+plan, so the client sees one stream. A peer that still heartbeats is busy, not lost."""
 
 from __future__ import annotations
 

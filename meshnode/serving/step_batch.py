@@ -1,11 +1,6 @@
 """Continuous batching across stages: concurrent requests' decode steps go through the pipeline
-together, one batched forward per stage and one frame per hop.
-
-Each generation keeps its own thread and prefill; while another request of the placement decodes,
-its one-position steps go to the :class:`StepBatcher`, which hands each request its row of logits.
-Switching happens at step boundaries. A failed batched step raises in each of its requests; a
-remote stage that refuses batching turns it off for the placement.
-"""
+together, one batched forward per stage and one frame per hop. A request switches in and out at
+step boundaries; a failed batched step raises in each of its requests."""
 
 from __future__ import annotations
 
