@@ -1,6 +1,6 @@
-"""One download of a model's files from peers: one worker per peer stream taking items (a tensor
-or a small file) from a shared queue. Each item is verified against its sha256 as it arrives (a bad
-one goes back for another peer) and journaled once fsynced, so the download resumes."""
+"""One download of a model's files from peers: a worker per peer stream takes items from a shared
+queue; each is verified against its sha256 (a bad one goes back for another peer) and journaled
+once fsynced, so the download resumes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""GGUF files (a path, or a model Ollama pulled) as mlx-lm model folders, converted once into
-``<cache_dir>/gguf/<sha256>/``: the same file gives the same model id on every node. Written into a
-temporary folder and renamed when whole, so an interrupted conversion is never half-used."""
+"""GGUF files (a path, or a model Ollama pulled) as mlx-lm folders, converted once by content hash,
+so the same file gives the same model id on every node. Renamed into place only when whole."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A GGUF file's tensors as mlx-lm weights, one tensor at a time. Q4_0, Q4_1 and Q8_0 blocks are
-MLX's affine groups of 32 already, so their bits are repacked unchanged; other quantized types are
-dequantized and quantized again by MLX at the nearest bit width; floats keep their dtype."""
+"""A GGUF file's tensors as mlx-lm weights, one at a time. Q4_0, Q4_1 and Q8_0 are MLX's affine
+groups of 32 already, repacked unchanged; other quantized types are requantized by MLX."""
 
 from __future__ import annotations
 

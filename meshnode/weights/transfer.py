@@ -1,6 +1,5 @@
 """Models from peers, the fetching side: exactly the tensors of some layers, from every peer whose
-manifest agrees on the model digest, at once. Written into ``<dest>.partial/`` (resumable) and
-published by one rename once complete."""
+manifest agrees, at once; resumable, and published by one rename once complete."""
 
 from __future__ import annotations
 
