@@ -1,8 +1,5 @@
 """Ollama's request bodies as strict pydantic models, translated into a :class:`GenerationRequest`.
-Pure. Unknown fields are refused, and so are known ones that would change the answer but are not
-implemented; ``options`` are honoured, ``IGNORED`` (cannot change the tokens) or ``OFF_ONLY``.
-Ollama's default repeat_penalty is not copied: mlx-lm's penalty window differs.
-"""
+Pure. Fields that would change the answer but are not implemented are refused."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The OpenAI Responses API's request bodies as pydantic models, and their parts in the chat
-template's form. Pure; docs/api.md lists what is honoured. Hosted tools are left out rather than
-refused, because Codex sends web_search with every request.
-"""
+"""The OpenAI Responses API's request bodies as pydantic models, in the chat template's form. Pure.
+Hosted tools are left out rather than refused: Codex sends web_search with every request."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Check OpenAI request bodies and turn them into a :class:`GenerationRequest`. Pure; every problem
-raises a 400 :class:`ApiError` naming the field.
-
-Undeclared fields are refused (``unsupported_parameter``), so no client believes a parameter took
-effect. Declared fields are honoured, or ``HARMLESS``: ignored because ignoring them cannot change
-the answer (switches only at their default value). Unknown message keys are history, ignored.
-"""
+"""Check OpenAI request bodies and turn them into a :class:`GenerationRequest`. Pure. Undeclared
+fields are refused, so no client believes a parameter took effect; ``HARMLESS`` fields are ignored
+because ignoring them cannot change the answer."""
 
 from __future__ import annotations
 
