@@ -1,12 +1,9 @@
-"""OpenBLAS under MLX's CPU matrix multiplies on Linux (``MESHNODE_BLAS``).
+"""OpenBLAS under MLX's CPU matrix multiplies on Linux (``MESHNODE_BLAS``: ``auto``, ``reference``
+or a CBLAS library's path), loaded with ``RTLD_GLOBAL`` before MLX so MLX binds to it; MLX's own
+reference BLAS gains nothing from several rows. Read once, on the first import of :mod:`meshnode`.
 
-MLX's Linux CPU wheel links the netlib reference BLAS, whose matmul gains nothing from several
-rows; loaded first with ``RTLD_GLOBAL``, OpenBLAS's symbols bind MLX's calls instead.
-``MESHNODE_BLAS``: ``auto`` (OpenBLAS where the system has it), ``reference`` (MLX's own), or the
-path of a CBLAS library. Read once, on the first import of :mod:`meshnode`; no-op on macOS.
-
-OpenBLAS rounding varies with the rows per step (as on a GPU); with the reference BLAS a mesh
-gives mlx-lm's greedy tokens bit for bit, so tests comparing with mlx-lm use it.
+OpenBLAS rounding varies with the rows per step; tests comparing with mlx-lm bit for bit use the
+reference BLAS.
 """
 
 from __future__ import annotations

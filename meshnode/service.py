@@ -1,9 +1,6 @@
-"""``meshnode install`` / ``uninstall``: run the node as a launchd job (macOS) or systemd unit (Linux).
-
-Rendering is pure and commands go through an injected ``runner``, so tests see exactly what a host
-gets; one plan is printed by ``--dry-run`` or carried out by :func:`apply`. The config holds the
-cluster key: created 0600, never overwritten.
-"""
+"""``meshnode install`` / ``uninstall``: the node as a launchd job (macOS) or systemd unit (Linux).
+Pure rendering and an injected ``runner``, so ``--dry-run`` and tests see exactly what runs. The
+config holds the cluster key: created 0600, never overwritten."""
 
 from __future__ import annotations
 
