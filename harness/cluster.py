@@ -205,18 +205,18 @@ class Cluster:
             self.start(h, b)
 
     def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None, model=None,
-              stage_delays: Path | None = None, drafts: Path | None = None):
+              stage_delays: Path | None = None, drafts: Path | None = None, kv_requests: int = 1):
         """``model``: what ``--model`` names (default: the model folder); a node's own
         ``--cache-dir`` is ``<tmp>/<host>/cache``; ``stage_delays``, ``drafts``: files of test
-        hooks (``node_argv``)."""
+        hooks (``node_argv``); ``kv_requests``: the requests whose KV each node reserves."""
         state = self.tmp / host.name
         state.mkdir(exist_ok=True)
         if self.seed is not None and not (state / "compute.json").exists():
             shutil.copy(self.seed / "compute.json", state / "compute.json")
-        # budgets here are fractions of profile.total_bytes(max_context): one request's KV (kv_requests=1)
+        # budgets here are fractions of profile.total_bytes(max_context, kv_requests)
         args = node_argv(model or self.model, http_port=HTTP, grpc_port=GRPC, node_id=host.name, budget=budget,
-                         state_dir=state, max_context=self.max_context, cache_dir=state / "cache", kv_requests=1,
-                         peers=peers, mdns=mdns, stage_delays=stage_delays, drafts=drafts)
+                         state_dir=state, max_context=self.max_context, cache_dir=state / "cache",
+                         kv_requests=kv_requests, peers=peers, mdns=mdns, stage_delays=stage_delays, drafts=drafts)
         self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
                                            log_path=self.log_path(host))
 
