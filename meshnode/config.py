@@ -163,13 +163,13 @@ class Settings:
 
     #: None = the built-in demo model; else a local mlx-lm directory or a Hugging Face id.
     model: str | None = None
-    #: More models this node offers beside ``model``.
+    #: More models this node offers.
     models: tuple[str, ...] = ()
     #: Bind address for HTTP and gRPC.
     host: str = "0.0.0.0"
     http_port: int = 8470
     grpc_port: int = 8471
-    #: None = generated once and persisted in state_dir/node_id.
+    #: None = generated once and kept in state_dir.
     node_id: str | None = None
     #: Nodes with the same key form one mesh; None = the open cluster. Never logged.
     cluster_key: str | None = field(default=None, repr=False)
@@ -177,23 +177,23 @@ class Settings:
     encrypt: bool = False
     #: Tests and benchmarks only: False turns call signing off.
     authenticate: bool = True
-    #: Bytes offered for weights + KV cache; None = memory_fraction x available memory.
+    #: Bytes for weights + KV; None = memory_fraction x available memory.
     memory_budget: int | None = None
     memory_fraction: float = 0.75
-    #: Tokens of context per request; 0: as much of the model's own as memory allows.
+    #: Tokens of context per request; 0: as much as memory allows.
     max_context: int = 0
     #: Requests whose KV cache every stage reserves memory for.
     kv_requests: int = 2
     #: Quantize the KV cache to 4 or 8 bits (0: off).
     kv_bits: int = 0
     prefill_step_size: int = 512
-    #: Prefill in chunks that flow through the stages like an assembly line.
+    #: Prefill chunks flow through the stages like an assembly line.
     pipelined_prefill: bool = True
     #: Keep recent conversations' KV on every stage (the prompt cache).
     prompt_cache: bool = True
-    #: The most the prompt cache may hold on disk, under cache_dir (0: memory only).
+    #: Prompt cache bytes on disk (0: memory only).
     prompt_cache_disk: int = 32 * 10**9
-    #: Where one node holds the whole model, batch its concurrent generations.
+    #: Batch concurrent generations where one node holds the whole model.
     batching: bool = True
     #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
     batch_stages: bool | str = "auto"
@@ -205,9 +205,9 @@ class Settings:
     draft_model: str | None = None
     #: Activations between stages go over the data port, not gRPC.
     fast_hops: bool = True
-    #: The longest a stage's prefill step may run (Apple's GPU watchdog kills long commands).
+    #: The longest prefill step (Apple's GPU watchdog kills long commands).
     max_step_ms: float = 500.0
-    #: The most tokens one answer may have (larger max_tokens are capped).
+    #: Larger max_tokens are capped to this.
     max_tokens_limit: int = 4096
     #: max_tokens of a request that gives none; 0: the room left in the context.
     default_max_tokens: int = 0
@@ -224,7 +224,7 @@ class Settings:
     keep_alive: dict = field(default_factory=lambda: {"*": 0.0})
     #: Seconds a request may wait for its model to load (then 503).
     load_timeout: float = 600.0
-    #: Seconds one model step may run before this node reports itself stalled.
+    #: Seconds one model step may run before the node reports itself stalled.
     stall_timeout: float = 60.0
     #: Seconds a plan stays before the coordinator moves to a better one.
     rebalance_dwell: float = 5.0
@@ -236,11 +236,11 @@ class Settings:
     group_ready_timeout: float = 300.0
     #: Seconds between link measurements to each peer.
     link_probe_interval: float = 30.0
-    #: Tests and benchmarks only: microseconds of round trip added to this node's links.
+    #: Tests and benchmarks only: microseconds added to this node's round trips.
     inject_latency_us: float = 0.0
-    #: None = platform default (see default_state_dir).
+    #: None = platform default.
     state_dir: Path | None = None
-    #: None = platform default (see default_cache_dir).
+    #: None = platform default.
     cache_dir: Path | None = None
     #: Optional Bearer key for the HTTP API. Never logged.
     api_key: str | None = field(default=None, repr=False)

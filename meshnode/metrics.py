@@ -1,8 +1,5 @@
-"""What a node measures about itself: Prometheus metrics, live figures and load progress.
-
-Each :class:`NodeMetrics` has its own registry (tests run several nodes in one process), rendered
-by ``GET /metrics``. :class:`Progress` reports a long task as a terminal bar and for ``/v1/mesh``.
-"""
+"""What a node measures about itself: Prometheus metrics (a registry per node, as tests run several
+in one process), live figures and load progress."""
 
 from __future__ import annotations
 

@@ -23,14 +23,14 @@ MAX_EPOCH = 2**62  # leaves room to publish above any epoch seen
 
 @dataclass(frozen=True)
 class Published:
-    """A plan as the epoch rule sees it: its number and who published it."""
+    """A plan as the epoch rule sees it."""
 
     epoch: int
     coordinator: str
 
 
 class EpochState:
-    """One node's view of plan epochs (see the module's rule)."""
+    """One node's view of plan epochs."""
 
     def __init__(self, grace: float = 0.0):
         self.grace = grace  # seconds up before publishing a first plan (rule 4)
@@ -45,7 +45,7 @@ class EpochState:
         return self.held.epoch if self.held is not None else self.withdrawn
 
     def saw(self, epoch: int) -> None:
-        """An epoch a peer holds. Numbers past MAX_EPOCH are ignored: the next would overflow uint64."""
+        """An epoch a peer holds; past MAX_EPOCH ignored (the next would overflow uint64)."""
         if 0 <= epoch <= MAX_EPOCH:
             self.max_seen = max(self.max_seen, epoch)
 
@@ -67,7 +67,7 @@ class EpochState:
         return self.held == Published(epoch, coordinator)
 
     def refused(self, epoch: int, their_epoch: int, peer: str) -> None:
-        """``peer`` refused this node's Install of ``epoch``, holding ``their_epoch``."""
+        """``peer``, holding ``their_epoch``, refused our Install of ``epoch``."""
         self.saw(their_epoch)
         if self.held is not None and their_epoch == epoch == self.held.epoch and self.contested != epoch:
             log.warning("epoch %d names two plans: %s holds another one", epoch, peer)
@@ -78,7 +78,7 @@ class EpochState:
         self.saw(epoch)
 
     def withdraw(self) -> None:
-        """The held plan no longer fits: no plan, and the next one is numbered above it."""
+        """The held plan no longer fits; the next is numbered above it."""
         if self.held is not None:
             self.withdrawn_by = self.held.coordinator
         self.withdrawn, self.held = self.epoch, None

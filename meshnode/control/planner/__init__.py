@@ -4,8 +4,8 @@ In: the model's profile, the live nodes (memory budget, measured speed), the lin
 Out: a :class:`Plan`, or a :class:`PlanError` saying what is missing. The memory-driven plan takes
 the fewest nodes that fit (every hop costs a round trip per token), preferring the current plan's,
 and splits contiguous layers in proportion to memory. Every candidate (``single``, ``pipeline``,
-``tensor``, ``hybrid``) is estimated in seconds per decoded token; the least wins, the memory-driven
-plan every tie.
+``tensor``, ``hybrid``) is estimated in seconds per decoded token (formulas: ``cost.CostModel``); the
+least wins, the memory-driven plan every tie.
 """
 
 from meshnode.control.planner.cost import (

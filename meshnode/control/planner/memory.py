@@ -1,5 +1,5 @@
-"""Memory-driven placement: the fewest nodes that hold the model, their order and the layer split
-(rules 1-3 of :mod:`meshnode.control.planner`). Exact dynamic programmes; pure."""
+"""Memory-driven placement: the fewest nodes that hold the model (if any k nodes fit, the k largest
+budgets do), their order, and the layer split. Exact dynamic programmes; pure."""
 
 from __future__ import annotations
 
