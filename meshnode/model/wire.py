@@ -1,8 +1,7 @@
 """mx.array <-> protobuf Tensor: dtype, shape and the raw buffer; never pickle.
 
-Everything a peer sends is checked before an array is built from it: the dtype must be on
-the allowlist, the shape must match what the receiver expects (``expect`` pins dimensions,
-``None`` leaves one free), and the byte length must be exactly shape × itemsize.
+Everything a peer sends is checked before an array is built: dtype on the allowlist, shape as
+expected (``None`` leaves a dimension free), byte length exactly shape × itemsize.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import numpy as np
 
 from meshnode.proto import mesh_pb2
 
-# Wire name -> (mlx dtype, numpy view dtype used to move the bytes, itemsize).
-# bfloat16 has no numpy dtype: its bytes travel as uint16 and are reinterpreted by MLX.
+# Wire name -> (mlx dtype, numpy view dtype, itemsize); bfloat16 travels as uint16.
 _DTYPES: dict[str, tuple[mx.Dtype, np.dtype, int]] = {
     "float32": (mx.float32, np.dtype("<f4"), 4),
     "float16": (mx.float16, np.dtype("<f2"), 2),
@@ -24,12 +22,11 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype, int]] = {
     "int32": (mx.int32, np.dtype("<i4"), 4),
 }
 _NAMES = {mx_dtype: name for name, (mx_dtype, _, _) in _DTYPES.items()}
-# What a stage's activations may be: whatever its layers produce (a GGUF model's float16
-# embedding becomes float32 at its first float32 norm), so a receiver takes any of these.
+# A stage's activations may be any of these: whatever its layers produce.
 ACTIVATIONS = ("float32", "float16", "bfloat16")
 
 MAX_TENSOR_BYTES = 256 * 2**20  # no single activation is anywhere near this
-# Every frame (the data port's, a tensor group's pipes): this little-endian uint32 length, then the payload.
+# Every frame: this little-endian uint32 length, then the payload.
 LENGTH = struct.Struct("<I")
 
 
@@ -81,11 +78,8 @@ def host_array(
     return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
 
 
-# A raw activation reply on the data port (ForwardRequest.raw_replies): this header, then the
-# array's bytes. 0 (a marker no protobuf message starts with), the dtype's code, flags, a spare
-# byte, the stage's own seconds, positions, width. The per-token hop then builds and parses no
-# protobuf message, whose Python objects are costly right after a step.
-# The third byte holds flags (0 from stages that do not take raw requests):
+# A raw activation reply on the data port, so the per-token hop builds no protobuf: this header, then
+# the bytes. 0 (no protobuf message starts with it), dtype code, flags, spare, stage seconds, positions, width.
 RAW_REPLY = struct.Struct("<BBBxdII")
 TAKES_RAW = 1  # the stage reads raw decode steps (RAW_REQUEST) on this stream
 _RAW_CODES = {name: i for i, name in enumerate(_DTYPES, start=1)}
@@ -94,8 +88,7 @@ _RAW_NAMES = {i: name for name, i in _RAW_CODES.items()}
 
 def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float, flags: int = 0) -> int:
     """Write a raw reply for an evaluated (1, positions, width) array into ``buf`` at ``offset``
-    (grown if short); the reply's length. The caller reuses the buffer from token to token: after a
-    step, glibc's first large allocation is slow (it merges the blocks the step freed)."""
+    (grown if short); the reply's length. The caller reuses ``buf``: a fresh large allocation after a step is slow."""
     name = dtype_name(array.dtype)
     if array.ndim != 3 or array.shape[0] != 1:
         raise WireError(f"a raw reply carries (1, positions, width), not {tuple(array.shape)}")
@@ -108,23 +101,19 @@ def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float,
 
 
 def _fit(buf: bytearray, size: int) -> None:
-    """Grow ``buf`` to ``size`` bytes if it is shorter (a buffer reused from frame to frame)."""
+    """Grow ``buf`` to ``size`` bytes if it is shorter."""
     if len(buf) < size:
         buf.extend(bytes(size - len(buf)))
 
 
-# A raw decode step on the data port, sent by a head to a stage whose raw replies say it takes
-# them (TAKES_RAW): this header, then the input's bytes. 0 (as a raw reply), the dtype's code,
-# flags (RAW_NEXT_SINGLE), a spare byte, positions to drop first (ForwardRequest.rewind),
-# positions, width (0: token ids, shape (1, positions)). What a ForwardRequest carries for a
-# decode step, without building or parsing one at either end.
+# A raw decode step, sent to stages that set TAKES_RAW: this header, then the input's bytes. 0, dtype code,
+# flags (RAW_NEXT_SINGLE), spare, positions to drop first (rewind), positions, width (0: token ids (1, positions)).
 RAW_REQUEST = struct.Struct("<BBBxIII")
 RAW_NEXT_SINGLE = 1
 
 
 def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool, rewind: int) -> int:
-    """Write a raw decode step for an evaluated input ``x`` (token ids (1, n), or an activation
-    (1, n, width)) into ``buf`` at ``offset`` (grown if short); its length."""
+    """Write a raw decode step for evaluated ``x`` ((1, n) ids or (1, n, width)) into ``buf``; its length."""
     name = dtype_name(x.dtype) if x.dtype != mx.uint32 else "int32"
     if name not in _RAW_CODES or x.ndim not in (2, 3) or x.shape[0] != 1:
         raise WireError(f"a raw request carries (1, positions[, width]), not {x.dtype} {tuple(x.shape)}")
@@ -145,8 +134,7 @@ def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool
 
 
 class RawRequest:
-    """A raw decode step as read off the wire, its header checked against the frame; what the
-    stage reads of a ForwardRequest (``work`` 0: a decode step)."""
+    """A raw decode step read off the wire, header checked; read by the stage as a ForwardRequest."""
 
     __slots__ = ("dtype", "next_single", "rewind", "positions", "width", "data")
     work = 0
@@ -171,8 +159,7 @@ class RawRequest:
         return self
 
     def host(self, dtypes: Sequence[str], width: int) -> np.ndarray:
-        """A numpy view of the input, if it is what the stage expects: one of ``dtypes`` (1, positions,
-        ``width``), or with ``width`` 0 token ids (1, positions)."""
+        """A numpy view of the input, checked: ``dtypes`` (1, positions, ``width``); ``width`` 0: token ids."""
         if self.dtype not in dtypes or self.width != width:
             raise WireError(f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} "
                             "was expected")
@@ -201,8 +188,7 @@ class RawReply:
         self.data = frame[RAW_REPLY.size:]
 
     def host(self, positions: int, width: int) -> np.ndarray:
-        """A numpy view of the bytes, if they are what the receiver expects: an activation of any
-        dtype in ACTIVATIONS, (1, ``positions``, ``width``)."""
+        """A numpy view of the bytes, checked: an ACTIVATIONS dtype, (1, ``positions``, ``width``)."""
         if self.dtype not in ACTIVATIONS or self.positions != positions or self.width != width:
             raise WireError(f"{self.dtype} (1, {self.positions}, {self.width}) where an activation "
                             f"(1, {positions}, {width}) was expected")
@@ -236,10 +222,8 @@ def from_tensor(
 class Placeholder:
     """An input whose values arrive after the graph that uses it was built.
 
-    Building an MLX graph in Python is slow, so a stage that knows its next input's shape builds
-    that step ahead on this array while the pipeline works; the input's bytes are then written into
-    its memory (shared with numpy on CPU and unified memory) and the graph evaluated. The array is
-    held here, so MLX never donates its buffer to another op.
+    Building a graph is slow, so a stage builds its next step ahead on this array and writes the input's
+    bytes into its memory later. Held here so MLX never donates its buffer to another op.
     """
 
     def __init__(self, dtype_name: str, shape: tuple[int, ...]):
@@ -257,7 +241,7 @@ class Placeholder:
         self._host[...] = host
 
     def fill_from(self, array: mx.array) -> None:
-        """Fill from an evaluated array of the same dtype (what a remote stage sent back)."""
+        """Fill from an evaluated array of the same dtype."""
         self.fill(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array), dtype_name(array.dtype))
 
 
@@ -283,7 +267,7 @@ def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chun
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
     if isinstance(tensor, RawRequest):
         ids = tensor.host(("int32",), 0)
-        if ids.size == 1:  # a decode step: one Python comparison, cheaper than numpy's reductions
+        if ids.size == 1:  # a decode step: cheaper than numpy's reductions
             token = int(ids[0, 0])
             if not 0 <= token < vocab_size:
                 raise WireError(f"token id outside the vocabulary [0, {vocab_size})")
@@ -298,8 +282,7 @@ def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chun
 
 
 def check_activation(tensor: mesh_pb2.Tensor | RawRequest, width: int, max_chunk: int) -> np.ndarray:
-    """A message's activation, checked: a dtype in ACTIVATIONS, (1, positions, ``width``), at most
-    ``max_chunk`` positions (its dtype: ``tensor.dtype``)."""
+    """A message's activation, checked: an ACTIVATIONS dtype, (1, positions, ``width``), ≤ ``max_chunk``."""
     if isinstance(tensor, RawRequest):
         host = tensor.host(ACTIVATIONS, width)
     else:

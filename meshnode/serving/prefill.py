@@ -1,16 +1,7 @@
 """Pipelined chunked prefill: a prompt flows through the stages like an assembly line.
 
-The head sends every prompt token but the last through the stages in chunks, without waiting
-for chunk k to leave the last stage before sending k+1 into the first; ``generate_step`` then runs
-the last token and samples. Only the caches the chunks fill are used, not their logits.
-
-:class:`ChunkSizer` sizes chunks from each stage's measured seconds per position: no step longer
-than ``max_step`` (Apple's GPU kills long commands) or ``TURN``, several chunks per stage so the
-pipe fills and drains quickly, and about ``SHARED_STEP`` while generations with less prompt left
-run (``busy``), so their steps never wait long behind a long prompt. Measured speeds carry over
-between requests (``seed``).
-
-A chunk is awaited as long as its stage is alive (``Ticket.check``), however long it takes.
+The head sends every prompt token but the last through the stages in chunks, chunk k+1 entering
+the first stage before chunk k leaves the last; only the filled caches are used, not the logits.
 """
 
 from __future__ import annotations
@@ -25,17 +16,16 @@ from typing import Protocol
 
 import mlx.core as mx
 
-# Chunks per stage a prompt is cut into when it is long enough: the bubble of a pipe of S stages
-# fed n chunks costs (S - 1) / n of the ideal time.
+# Chunks per stage: a pipe of S stages fed n chunks loses (S - 1) / n of the ideal time.
 CHUNKS_PER_STAGE = 4
-MIN_CHUNK = 16  # positions: smaller chunks cost more in per-message overhead than they save
+MIN_CHUNK = 16  # positions: smaller chunks cost more in overhead than they save
 FIRST_CHUNK = 64  # before any stage has been timed
 SHARED_STEP = 0.010  # seconds a chunk may take at the slowest stage while other generations run
-# Seconds a chunk may take even alone: bounds what a long prompt adds to a newcomer's first token.
+# Seconds a chunk may take alone: bounds a long prompt's delay to a newcomer's first token.
 TURN = 0.05
-BUSY_MIN_CHUNK = 4  # positions: the smallest chunk then (per-message overhead)
+BUSY_MIN_CHUNK = 4  # positions
 BUSY_FIRST_CHUNK = 16  # before any stage has been timed, while other generations run
-POLL = 0.25  # seconds between two looks at the liveness of the stages being waited for
+POLL = 0.25  # seconds between liveness checks of awaited stages
 IN_FLIGHT = 2  # chunks queued at one stage: one running, one waiting behind it
 
 
@@ -46,7 +36,7 @@ class Ticket(Protocol):
 
     def done(self) -> bool: ...
 
-    def check(self) -> None: ...  # raises when the stage is lost (not when it is slow)
+    def check(self) -> None: ...  # raises when the stage is lost, not when slow
 
     def result(self) -> mx.array: ...
 
@@ -55,7 +45,7 @@ class Ticket(Protocol):
 
 class PipelinedSession(Protocol):
     @property
-    def remote(self) -> bool: ...  # read only, so each kind of session may declare its own Literal
+    def remote(self) -> bool: ...  # read only, so sessions may declare a Literal
 
     def submit(self, x: mx.array, *, work: int = 0) -> Ticket: ...  # work: see pipelined_prefill
 
@@ -80,12 +70,12 @@ class DoneTicket:
 
 
 class ChunkSizer:
-    """Chunk sizes from each stage's measured seconds per position."""
+    """Chunk sizes from each stage's measured seconds per position: under ``max_step`` (Apple's GPU kills
+    long commands) and ``TURN``, several per stage, about ``SHARED_STEP`` while others run."""
 
     def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK,
                  seed: Sequence[float | None] | None = None, busy=None):
-        """``seed``: each stage's seconds per position from earlier requests; ``busy()``: generations
-        with less prompt left run here now (chunks are cut to SHARED_STEP)."""
+        """``seed``: seconds per position from earlier requests; ``busy()``: other generations run now."""
         self.stages = stages
         self.max_step = max_step
         self.max_chunk = max_chunk
@@ -123,10 +113,8 @@ def pipelined_prefill(
 ) -> int:
     """Fill every stage's cache with ``tokens``; returns the number of chunks sent.
 
-    ``wait(futures, timeout)`` blocks until one is done; ``between_steps()`` runs after each local
-    step but the last, so others take their turn; ``on_cut(remaining)`` after each chunk is cut.
-    Each chunk carries its ``work`` (prompt positions left), so every stage serves the request with
-    the least left first. A stage is waited for while it is alive, however long it takes.
+    Each chunk carries its ``work`` (prompt positions left): stages serve the least left first.
+    ``between_steps()`` runs after each local step but the last; a stage is awaited while it is alive.
     """
     n = len(sessions)
     total = len(tokens)
@@ -144,7 +132,7 @@ def pipelined_prefill(
                 out = ticket.result()
                 if sessions[i].remote:
                     sizer.observe(i, ticket.positions, now - started)
-                    if running[i]:  # the next one started (at the latest) when this one ended
+                    if running[i]:  # the next one started when this one ended, at the latest
                         nxt, nxt_started, nxt_work = running[i][0]
                         running[i][0] = (nxt, max(nxt_started, now), nxt_work)
                 if i + 1 < n:
@@ -178,7 +166,7 @@ def pipelined_prefill(
             wait([t.wait_handle() for t in heads], POLL)
             for t in heads:
                 if not t.done():
-                    t.check()  # raises: the stage is lost (stopped heartbeating), not merely busy
+                    t.check()  # raises if the stage is lost, not merely busy
             continue
         if sent >= total and not any(ready) and not any(running):
             return chunks
@@ -192,11 +180,7 @@ class WaitFn(Protocol):
 
 
 def wait_first(handles: list, timeout: float) -> None:
-    """Block until one of ``handles`` is ready or ``timeout`` passes.
-
-    A handle is a ``concurrent.futures.Future`` (gRPC) or an object with ``fileno()`` (the data
-    port), ready when it has bytes to read.
-    """
+    """Block until one of ``handles`` (Futures, or objects with ``fileno()``) is ready or ``timeout`` passes."""
     futures = [h for h in handles if isinstance(h, concurrent.futures.Future)]
     streams = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
     if not streams:
@@ -205,7 +189,7 @@ def wait_first(handles: list, timeout: float) -> None:
     if not futures:
         select.select(streams, [], [], timeout)
         return
-    end = time.perf_counter() + timeout  # both kinds (a stage on an old peer): look at each in turn
+    end = time.perf_counter() + timeout  # both kinds: look at each in turn
     while time.perf_counter() < end and not any(f.done() for f in futures):
         if select.select(streams, [], [], 0.0005)[0]:
             return

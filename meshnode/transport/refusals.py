@@ -1,9 +1,4 @@
-"""What can go wrong with a remote stage, and what each outcome tells a generation to do.
-
-Shared by both transports: a refusal is a gRPC status code and a message, mapped to the error
-that says what to do next: retry the placement shortly (:class:`StagePending`), wait for a new
-plan (:class:`StageRefused` or any :class:`StageError`), or give up (:class:`StageFault`).
-"""
+"""What can go wrong with a remote stage: gRPC status codes mapped to the error that says what to do next."""
 
 from __future__ import annotations
 
@@ -19,31 +14,29 @@ class StageRefused(StageError):
 
 
 class StagePending(StageRefused):
-    """The stage's node is still adopting or loading this epoch: retry the same placement shortly."""
+    """The stage is still adopting or loading this epoch: retry the same placement shortly."""
 
 
 class PrefixMiss(StageError):
     """The stage no longer holds the kept prefix to resume from: resend the whole prompt."""
 
-    quiet = True  # the head runs the request again at once (meshnode.serving.generation.PipelineSource)
+    quiet = True  # the head reruns the request at once
 
 
 class StageFault(StageError):
     """The stage raised on its input: deterministic, so the generation ends with this error."""
 
 
-# "Not yet": retry the same placement shortly. gRPC never produces ABORTED itself, so a lost
-# connection (UNAVAILABLE) is never taken for it.
+# "Not yet": gRPC never makes ABORTED itself, so a lost connection is never taken for it.
 EPOCH_PENDING = grpc.StatusCode.ABORTED
-# The stage's computation raised: INTERNAL with details that start with FAULT (gRPC's client makes
-# INTERNAL statuses of its own, grpc/grpc#36066, so the code alone is not enough).
+# The stage raised: INTERNAL with details starting FAULT (gRPC's client makes INTERNAL of its own).
 STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
 
 
-# The stage refused its input: refused again if resent (gRPC never makes INVALID_ARGUMENT itself).
+# Bad input: refused again if resent (gRPC never makes INVALID_ARGUMENT itself).
 INVALID_INPUT = grpc.StatusCode.INVALID_ARGUMENT
 
-# The prompt cache's prefix to resume from is not held there (gRPC never makes NOT_FOUND itself).
+# The prefix to resume from is not held (gRPC never makes NOT_FOUND itself).
 PREFIX_MISS = grpc.StatusCode.NOT_FOUND
 
 
@@ -60,7 +53,7 @@ class StageRefusal(Exception):
 
 
 def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[StageError]:
-    """What a stage's (or a head's) error status means: the one reading of the codes above."""
+    """What a stage's (or a head's) error status means."""
     if code == EPOCH_PENDING:
         return StagePending
     if code == PREFIX_MISS:
@@ -73,7 +66,7 @@ def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[Stag
 
 
 def stage_error(st, exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
-    """The error for a refusal by stage ``st`` (its ``start``, ``end`` and ``node_id`` name it)."""
+    """The error for a refusal by stage ``st``."""
     code = exc.code() if exc is not None else code
     details = exc.details() if exc is not None else details
     name = code.name if code else "?"

@@ -1,7 +1,4 @@
-"""What the head's generation thread holds of a stage on another node: one request's stream to it
-(meshnode.transport.hop.HopSession over the data port, meshnode.transport.stage.RemoteSession over
-gRPC), and a ticket for each message sent on it. Messages go ahead of their replies, which come
-back in order."""
+"""One request's stream to a remote stage, and a ticket per message; replies come back in order."""
 
 from __future__ import annotations
 
@@ -13,20 +10,20 @@ from meshnode.model.wire import Placeholder
 
 
 class StreamTicket(Protocol):
-    """One message sent on a stream (meshnode.serving.prefill.Ticket, and more)."""
+    """One message sent on a stream."""
 
     positions: int
 
     def done(self) -> bool: ...
 
-    def check(self) -> None: ...  # raises when the stage is lost (not when it is slow)
+    def check(self) -> None: ...  # raises when the stage is lost, not when slow
 
-    def wait(self) -> None: ...  # until the reply is here, for as long as the stage is alive
+    def wait(self) -> None: ...
 
     def wait_handle(self) -> object | None: ...  # see meshnode.serving.prefill.wait_first
 
     def result(self, into: Placeholder | None = None) -> mx.array:
-        """The reply's activation; ``into``: written into that step built ahead (its input)."""
+        """The reply's activation, written into ``into`` when given."""
         ...
 
 
@@ -45,8 +42,8 @@ class StageStream(Protocol):
 
     def forward(self, x: mx.array) -> mx.array: ...
 
-    def rewind(self, positions: int) -> None: ...  # the stage drops them with the next message
+    def rewind(self, positions: int) -> None: ...  # applied with the next message
 
-    def keep(self, key: str, positions: int) -> None: ...  # the prompt cache: keep the stage's KV
+    def keep(self, key: str, positions: int) -> None: ...  # the stage keeps its KV for the prompt cache
 
     def close(self) -> None: ...
