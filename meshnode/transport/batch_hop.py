@@ -1,13 +1,8 @@
 """Batched decode steps over the data port: one frame carries a token's step for several requests.
 
-Serving side (:func:`serve_batch`): a stream opened with ``ForwardRequest.batch`` names a stage;
-each frame's ``members`` name the step's requests, one row of ``input`` each. Every member keeps
-its own data-port stream (where its cache lives); the rows run as one forward over the merged
-caches (meshnode.model.decode_batch) and come back as one raw reply. A refusal is a
-``ForwardReply`` with ``code`` and ``error``, then the stream closes.
-
-Head side (:class:`BatchHop`): the stepping thread writes the frame and reads the reply, waiting
-while the stage's node is alive.
+Each frame's ``members`` name the step's requests, one row each; every member keeps its own
+data-port stream, where its cache lives. The rows run as one forward over the merged caches and
+come back as one raw reply.
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 256  # requests in one step (a node's max_concurrent_requests is far below)
+MAX_ROWS = 256  # requests in one step
 
 
 # --------------------------------------------------------------------------- serving side
@@ -68,7 +63,7 @@ def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mes
         _serve_steps(server, run_here, conn, shard, batch, host)
     finally:
         del server.batches[id(conn)]
-        if len(batch):  # its members' caches back to them (they may go on alone, or in another batch)
+        if len(batch):  # its members' caches back to them
             run_here(batch.release_all)
 
 
@@ -79,7 +74,7 @@ def _serve_steps(server: StageServer, run_here, conn: socket.socket, shard: Shar
         try:
             frame = recv_frame(conn)
             if frame is None:
-                return  # the head is done batching here (its members' own streams end on their own)
+                return  # the head is done batching here
             msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
         except (FrameError, DecodeError) as exc:
             log.warning("refused a malformed batch frame from %s: %s", host, exc)
@@ -166,8 +161,7 @@ class BatchHop:
         self._closed = False
 
     def step(self, request_ids: list[str], x: mx.array) -> mx.array:
-        """One decode step of ``request_ids`` (``x``: one row each) through the stage: its output
-        rows, ``[rows, 1, width]``. Other generations use MLX while the reply is awaited."""
+        """One decode step of ``request_ids`` (one row each): its output, ``[rows, 1, width]``."""
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         rows = len(request_ids)

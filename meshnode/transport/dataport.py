@@ -1,14 +1,9 @@
 """The data port: a bare TCP stream beside gRPC, for the per-token hot path.
 
-A grpcio stream round trip costs many times what TCP does, per token and per hop, so activations
-travel here, on ``tensor_port + 33`` (:data:`meshnode.config.DATA_OFFSET`), in frames: a uint32
-length, then a protobuf message, or a raw reply or raw decode step (meshnode.model.wire) where the
-stream agreed on those. Nothing is unpickled; every frame's length is bounded before it is read.
-
-A stream opens with a :class:`DataHello` signed as a gRPC call is (:meth:`ClusterAuth.sign`) and
-checked the same way before anything else; then it belongs to the handler of what it opens. It
-protects what an authenticated, unencrypted gRPC stream does; with ``encrypt = true`` this port is
-not opened.
+A grpcio round trip costs many times a TCP one, so activations travel here in frames: a uint32
+length, then a protobuf message or a raw reply or step (meshnode.model.wire). Nothing is unpickled;
+every frame's length is bounded before it is read. A stream opens with a :class:`DataHello` signed
+and checked as a gRPC call is; with ``encrypt = true`` this port is not opened.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ MAX_HELLO = 64 * 1024
 MAX_FRAME = MAX_TENSOR_BYTES + 64 * 1024  # one activation and its envelope
 HELLO_TIMEOUT = 5.0
 MAX_CONNECTIONS = 256
-_INLINE = 64 * 1024  # frames up to this size go out in one send (header and body copied together)
+_INLINE = 64 * 1024  # frames up to this size go out in one send
 
 
 class FrameError(ValueError):
@@ -76,7 +71,7 @@ def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
 
 def recv_frame_into(sock: socket.socket, spare: bytearray | None,
                     max_bytes: int = MAX_FRAME) -> tuple[memoryview, bytearray] | None:
-    """As :func:`recv_frame`, into ``spare`` when large enough: (payload, buffer), or None at the end."""
+    """As :func:`recv_frame`, into ``spare`` when large enough: (payload, buffer)."""
     header = recv_exact(sock, HEADER)
     if header is None:
         return None
@@ -103,7 +98,7 @@ def hello(auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen) -> bytes:
 
 def connect(host: str, port: int, *, auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen,
             timeout: float) -> socket.socket:
-    """A stream to a peer's data port, hello sent (the peer's verdict comes with its first reply)."""
+    """A stream to a peer's data port, hello sent (the verdict comes with the first reply)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -132,11 +127,7 @@ Handler = Callable[[socket.socket, mesh_pb2.DataOpen, str], None]
 
 
 class DataServer:
-    """Accepts data streams, checks each hello, hands the stream to the handler of what it opens.
-
-    ``verify`` False: the cluster does not authenticate. A refused hello or malformed frame is
-    logged (rate-limited) and the stream closed.
-    """
+    """Accepts data streams, checks each hello, hands the stream to the handler of what it opens."""
 
     def __init__(self, host: str, port: int, *, auth: ClusterAuth, verify: bool, forward: Handler):
         self._auth, self._verify = auth, verify

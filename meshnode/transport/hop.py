@@ -1,16 +1,9 @@
 """A pipeline hop over the data port (meshnode.transport.dataport): activations in bare TCP frames.
 
-Serving side (:func:`serve_forward`): the hello opens one request's use of one stage; each frame
-after it is a ``ForwardRequest`` run on the connection's own thread under the MLX baton, answered
-with the output and the stage's seconds as a raw reply (meshnode.model.wire) or a
-``ForwardReply``. A refusal is a ``ForwardReply`` with ``code`` and ``error``, then the stream
-closes. The checks are the gRPC path's (meshnode.transport.stage.OpenStage).
-
-Head side (:class:`HopSession`): the generation thread sends a frame and reads the reply itself,
-one ``send`` and one ``recv`` per hop. Decode steps go as raw requests once the stage takes them,
-and their replies are copied straight into the step built ahead. Messages may run ahead of
-replies, which come back in order; large frames go out from a writer thread so the head never
-blocks on a busy stage. A reply is waited for while the stage's node heartbeats.
+Serving side (:func:`serve_forward`): each frame after the hello is run on the connection's own
+thread under the MLX baton, with the gRPC path's checks; a refusal is a ``ForwardReply`` with
+``code`` and ``error``, then the stream closes. Head side (:class:`HopSession`): the generation
+thread sends and reads itself, one ``send`` and one ``recv`` per hop; replies come back in order.
 """
 
 from __future__ import annotations
@@ -64,23 +57,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = 3600.0  # a request's stream with no message for this long is dropped (as gRPC's deadline)
-FRAME_STALL = 30.0  # a reply whose bytes started arriving and then stopped for this long: the stream is lost
-# After a send this thread goes on with CPU-bound Python. Linux wakes a socket's reader on the
-# waker's CPU (wake-affine), so a peer process on this machine would wait for our time slice to
-# end while another core idles; one sched_yield lets it run first.
+IDLE_TIMEOUT = 3600.0  # seconds without a message before a stream is dropped
+FRAME_STALL = 30.0  # seconds a started reply may stop arriving before the stream is lost
+# Linux wakes a socket's reader on the waker's CPU, so a local peer would wait for this thread's
+# time slice; one sched_yield after a send lets it run first.
 _yield = getattr(os, "sched_yield", lambda: None)
-WRITE_INLINE = 64 * 1024  # larger frames go out from the writer thread: the head must not wait for a
-# busy stage to drain the socket buffer
+WRITE_INLINE = 64 * 1024  # larger frames go out from the writer thread, never blocking the head
 
 
 # --------------------------------------------------------------------------- serving side
 
-# A test harness's seam (harness/faults.py): called with a request's id when its stream opens, it
-# returns a function that is called with each message's positions before the stage runs it, on the
-# stream's thread without the MLX baton (it may wait there: other requests go on). What that returns,
-# if anything, runs on the MLX thread inside the stage's step, before the stage's own computation:
-# waiting there holds the baton (a stalled step), raising is the stage's fault on that input.
+# A test harness's seam: given a request's id, returns a function called with each message's positions
+# on the stream's thread without the baton; what that returns, if anything, runs inside the stage's step
+# under the baton (waiting there stalls the step, raising is the stage's fault).
 StreamHook = Callable[[str], Callable[[int], "Callable[[], None] | None"]]
 
 
@@ -88,8 +77,7 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
                   host: str, hook: StreamHook | None = None) -> None:
     """Serve one request's stream to one stage until the head closes it.
 
-    ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton; ``hook``: a test
-    harness's, called before each message (:data:`StreamHook`).
+    ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton.
     """
     request_id = opening.forward.request_id or "?"
     raw = opening.forward.raw_replies
@@ -101,7 +89,7 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
         refuse(conn, refusal)
         return
     conn.settimeout(IDLE_TIMEOUT)
-    # Batched decode steps of this request (meshnode.transport.batch_hop) find its cache by this name.
+    # Batched decode steps find this request's cache by this name.
     key = stream_key(opening.forward.request_id, opening.forward.start_layer, opening.forward.end_layer)
     if opening.forward.request_id:
         server.streams[key] = stage
@@ -118,7 +106,7 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
                 return
-            # The request's last message: keep its KV (the prompt cache), then say so.
+            # The request's last message: keep its KV, then say so.
             if not isinstance(msg, RawRequest) and msg.keep:
                 run_here(partial(stage.keep, msg))
                 send_frame(conn, KEPT_FRAME)
@@ -126,8 +114,7 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
             positions = msg.positions if isinstance(msg, RawRequest) else \
                 msg.input.shape[1] if len(msg.input.shape) > 1 else 0
             inside = before(positions) if before is not None else None
-            # A prefill chunk claims the baton with its prompt left (scheduler.AGE_S); an older
-            # sender gives no work, so the chunk's own positions count.
+            # A prefill chunk claims the baton with its prompt left; without work, its own positions count.
             set_priority(msg.work or (positions if positions > 1 else 0))
             try:
                 stage.admit(positions, msg.rewind)
@@ -157,7 +144,7 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
     finally:
         if server.streams.get(key) is stage:
             del server.streams[key]
-        if stage.batch is not None:  # its cache comes back out of the batch: MLX work, under the baton
+        if stage.batch is not None:  # taking its cache out of the batch is MLX work: under the baton
             run_here(stage.close)
         else:
             stage.close()
@@ -169,8 +156,7 @@ def stream_key(request_id: str, start: int, end: int) -> tuple[str, int, int]:
 
 
 def _run_hook(stage: OpenStage, inside: Callable[[], None], request_id: str) -> None:
-    """A hook's part of a step (:data:`StreamHook`), on the MLX thread, as a step of the stage:
-    what it raises is the stage's fault on this input."""
+    """A hook's part of a step, on the MLX thread; what it raises is the stage's fault."""
     server = stage.server
     with server.steps.step():
         try:
@@ -185,8 +171,7 @@ def _run_message(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest) ->
 
 
 def _run_raw(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest, buf: bytearray) -> int:
-    """Run ``msg`` and write its raw reply into ``buf`` after the frame header (saying that raw
-    decode steps are welcome on this stream); the reply's length."""
+    """Run ``msg`` and write its raw reply (with TAKES_RAW) into ``buf`` after the frame header; its length."""
     mark("stage.running")
     started = time.perf_counter()
     out = stage.run_array(msg)
@@ -218,10 +203,10 @@ class HopSession:
         opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
             request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end,
             raw_replies=True, model=stage.model))
-        if resume is not None:  # start from a prefix the stage kept (meshnode.model.prefixes)
+        if resume is not None:  # start from a prefix the stage kept
             opening.forward.resume, opening.forward.resume_length = resume
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
-        # Replies are awaited with select (liveness checked in between); a frame once started must go on.
+        # Replies are awaited with select, liveness checked in between.
         self._sock.settimeout(FRAME_STALL)
         self._unanswered: deque[HopTicket] = deque()
         self._queued = 0  # positions sent and not answered yet
@@ -231,8 +216,8 @@ class HopSession:
         self._lock = threading.Lock()
         self._closed = False
         self._spare: bytearray | None = None  # a raw reply's buffer, back from the last reply used
-        self._rewind = 0  # positions the stage drops before the next message's (speculative decoding)
-        self._takes_raw = False  # the stage's raw replies say it reads raw decode steps (RAW_REQUEST)
+        self._rewind = 0  # positions the stage drops before the next message
+        self._takes_raw = False  # the stage reads raw decode steps
         self._out = bytearray(64)  # a raw decode step is written here, token after token
 
     def rewind(self, positions: int) -> None:
@@ -241,8 +226,8 @@ class HopSession:
 
     # -- writing
     def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> HopTicket:
-        """Send ``x`` without waiting for the reply. ``next_single``: the next message carries one
-        position, so the stage may build it ahead; ``work``: ForwardRequest.work."""
+        """Send ``x`` without waiting for the reply. ``next_single``: the next message is one position,
+        so the stage may build it ahead."""
         mark("head.submit")
         mx.eval(x)  # the head's own step ends here (its bytes go on the wire)
         mark("head.evaluated")
@@ -308,8 +293,7 @@ class HopSession:
         return self._sock.fileno()
 
     def _read_next(self) -> None:
-        """Read one reply and give it to the oldest unanswered ticket; wait for it as long as the
-        stage is alive (meshnode.transport.stage.RemoteStage.check)."""
+        """Read one reply for the oldest unanswered ticket, waiting while the stage is alive."""
         ticket = self._unanswered[0]
         spare, self._spare = self._spare, None  # the reply is read into it, or it is not needed
         reply = read_reply(self._sock, self._stage, ticket.sent, spare)
@@ -326,8 +310,7 @@ class HopSession:
         return self.finish(self.submit(x))
 
     def finish(self, ticket: StreamTicket, into: Placeholder | None = None) -> mx.array:
-        """The reply to ``ticket`` (``into``: see RemoteStage.accept); other generations use MLX
-        while this one waits."""
+        """The reply to ``ticket``; other generations use MLX while this one waits."""
         if not ticket.done():
             with mlx_idle():
                 ticket.wait()
@@ -336,8 +319,7 @@ class HopSession:
     def keep(self, key: str, positions: int) -> None:
         """Ask the stage to keep this request's KV and wait for its KEPT, so the next turn finds it."""
         payload = mesh_pb2.ForwardRequest(keep=key, keep_length=positions).SerializeToString()
-        # Network only, so the baton goes to others meanwhile (mlx_idle): held, two nodes keeping
-        # requests whose stages the other serves would each wait for the other's baton.
+        # Without the baton: two nodes keeping requests whose stages the other serves would deadlock.
         with mlx_idle():
             self._keep(payload)
 
@@ -371,8 +353,7 @@ class HopSession:
 
 def read_reply(sock: socket.socket, st: RemoteStage, sent: float, spare: bytearray | None = None,
                stream: str = "data stream") -> mesh_pb2.ForwardReply | RawReply:
-    """The next reply on a stream to stage ``st`` (into ``spare`` where it fits), waited for while
-    the stage is alive; a refusal, a lost stream or a bad reply raises :class:`StageError`."""
+    """The next reply from stage ``st``, waited for while it is alive; failures raise :class:`StageError`."""
     try:
         while not select.select([sock], [], [], st.poll)[0]:
             st.check(sent)
@@ -414,8 +395,7 @@ class HopTicket:
         return self.reply is not None
 
     def wait(self) -> None:
-        """Block until the reply is here, for as long as the stage is alive (no MLX work: callable
-        without the baton)."""
+        """Block until the reply is here, while the stage is alive (no MLX work)."""
         while self.reply is None:
             self.session._read_next()
 

@@ -1,7 +1,6 @@
 """A TCP listener that serves each connection on a blocking thread of its own.
 
-Used by the link echo and the data port: a thread blocking in ``recv`` makes a message cost the
-kernel's round trip and little else, unlike an event loop and an RPC stack.
+A thread blocking in ``recv`` costs the kernel's round trip and little else, unlike an event loop.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ log = logging.getLogger(__name__)
 
 
 class ThreadedListener:
-    """Accepts connections on ``host:port`` and runs ``serve`` for each on its own thread, at most
-    ``max_connections`` at once (more are closed)."""
+    """Runs ``serve`` for each connection on its own thread, at most ``max_connections`` at once."""
 
     def __init__(self, host: str, port: int, serve: Callable[[socket.socket, str], None], *, name: str,
                  max_connections: int):

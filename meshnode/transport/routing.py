@@ -1,7 +1,6 @@
-"""Which model's stage server a stream is for: a node may serve several models (meshnode.control.lanes).
+"""Which model's stage server a stream is for: a stream's opening names its model ("" = the first).
 
-Each model has its own stage server, epochs and layers, so a stream's opening names its model
-("" = the first) and goes to that server; a model not served here yet is refused as pending.
+A model not served here yet is refused as pending.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class StageRouter:
 
     def __init__(self, server_of: Callable[[str], StageServer | None], run_here, *,
                  stream_hook: StreamHook | None = None):
-        """``stream_hook``: a test harness's, on every request's data-port stream (meshnode.transport.hop)."""
+        """``stream_hook``: a test harness's, on every request's data-port stream."""
         self._server_of, self._run_here, self._stream_hook = server_of, run_here, stream_hook
 
     async def forward(self, requests: AsyncIterator[mesh_pb2.ForwardRequest],

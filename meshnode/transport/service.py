@@ -1,9 +1,7 @@
 """The node's gRPC server: the Mesh service of protos/mesh.proto, one handler per call.
 
-Each call is signed with the cluster key (meshnode.trust.auth) and, with ``encrypt``, runs over
-mutual TLS. The handlers only route: heartbeats and goodbyes to the control plane, Install to plan
-adoption, Forward to the stage server, Generate to the served model, Manifest and Fetch to the
-model store, Probe answered here (the link prober on the other side times it).
+Each call is signed with the cluster key and, with ``encrypt``, runs over mutual TLS; the
+handlers only route each call to the part that owns it.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ class Handlers:
     stage_server: Any  # meshnode.transport.stage.StageServer
     store: Any  # meshnode.weights.store.ModelStore
     probe: Callable[[mesh_pb2.ProbeRequest], mesh_pb2.ProbeReply]  # meshnode.control.links.probe_reply
-    probe_delay_s: float = 0.0  # injected latency (tests and benchmarks)
+    probe_delay_s: float = 0.0  # injected latency (tests)
 
 
 class MeshServicer(mesh_pb2_grpc.MeshServicer):

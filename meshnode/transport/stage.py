@@ -1,17 +1,8 @@
 """The pipeline's data plane over gRPC, and the stage logic every transport shares.
 
-Activations normally travel over the data port (meshnode.transport.hop); gRPC carries them in
-encrypted clusters, to peers without a reachable data port, and with ``fast_hops = false``.
-:class:`OpenStage` (one request's use of a stage) serves both.
-
-Server side (:class:`StageServer`): a ``Forward`` stream's first message names the request, epoch
-and layers; every later one is an activation in and out, validated against the plan first.
-Client side (:class:`RemoteStage`): the generation thread calls ``forward``; the I/O runs on the
-node's loop.
-
-A step is waited for as long as the stage's node heartbeats, however long it takes: a step's time
-says nothing about liveness. A stage is lost when its node stops heartbeating, refuses or drops
-the stream, or reports a fault.
+gRPC carries activations where the data port (meshnode.transport.hop) is not used. A step is
+awaited while the stage's node heartbeats, however long it takes: a step's time says nothing of
+liveness. A stage is lost when its node stops heartbeating, refuses or drops the stream, or faults.
 """
 
 from __future__ import annotations
@@ -68,9 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL = 0.25  # seconds between two looks at the liveness of a stage whose reply is awaited
-KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to take its prefix to keep
-# The answer to a keep: the prefix is stored (not an empty frame, which reads as end of stream).
+POLL = 0.25  # seconds between liveness checks of an awaited stage
+KEEP_WAIT = 5.0  # seconds a finished request waits for its stages to keep its prefix
+# The answer to a keep (not an empty frame, which reads as end of stream).
 KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
 
 
@@ -81,21 +72,21 @@ class StageServer:
                  inject_latency: float = 0.0, prefixes: PrefixStore | None = None):
         self.scheduler = scheduler
         self.prefixes = prefixes  # the prompt cache's kept prefixes (None: off)
-        self.inject_latency = inject_latency  # seconds added to every reply (tests and benchmarks)
+        self.inject_latency = inject_latency  # seconds added to every reply (tests)
         self.vocab_size = vocab_size
         self.max_chunk = max_chunk
         self.max_context = max_context
         # epoch -> its shards; two epochs while a new plan loads (make before break).
         self.epochs: dict[int, dict[tuple[int, int], Shard]] = {}
-        # Told of every fault of a served stage (its computation raised), from whichever thread ran it.
+        # Told of every fault of a served stage, from whichever thread ran it.
         self.on_fault: Callable[[str], None] | None = None
-        self.steps = StepWatch()  # a step that never ends is a stalled node (announced in heartbeats)
-        # Batched decode steps (meshnode.transport.batch_hop): requests' open data-port streams, by stream_key.
+        self.steps = StepWatch()  # a step that never ends is a stalled node
+        # Batched decode steps: open data-port streams, by stream_key.
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
         self.batches: dict[int, DecodeBatch] = {}  # by batch stream
 
     def fault(self, shard: Shard, what: str, whose: str, exc: BaseException) -> StageRefusal:
-        """The refusal for ``shard``'s model raising on ``what``, logged and told to on_fault."""
+        """The refusal for ``shard`` raising on ``what``, logged and told to on_fault."""
         spec = shard.spec
         log.exception("layers [%d, %d) failed on %s", spec.start, spec.end, whose)
         error = f"layers [{spec.start}, {spec.end}) failed on {what}: {type(exc).__name__}: {exc}"
@@ -109,7 +100,7 @@ class StageServer:
     def retire_before(self, epoch: int) -> None:
         for old in [e for e in self.epochs if e < epoch]:
             del self.epochs[old]
-        if self.prefixes is not None:  # prefixes of layers no longer served here are memory to give back
+        if self.prefixes is not None:  # free prefixes of layers no longer served
             served = {key for shards in self.epochs.values() for key in shards}
             for layers in self.prefixes.layer_ranges():
                 if layers not in served:
@@ -129,7 +120,7 @@ class StageServer:
         return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
 
     def shard_for(self, msg: mesh_pb2.ForwardRequest) -> Shard:
-        """The shard a stream's opening names (its epoch and layers), or :class:`StageRefusal`."""
+        """The shard a stream's opening names, or :class:`StageRefusal`."""
         key = (msg.start_layer, msg.end_layer)
         if msg.epoch not in self.epochs:
             serving = sorted(self.epochs) or "none"
@@ -165,7 +156,7 @@ class StageServer:
                     await asyncio.sleep(self.inject_latency)
                 yield mesh_pb2.ForwardReply(output=output, stage_seconds=seconds)
         except DecodeError:
-            # A corrupt message is the caller's error: INVALID_ARGUMENT, not UNKNOWN and a traceback.
+            # A corrupt message is the caller's error, not UNKNOWN and a traceback.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
         finally:
             if stage is not None:
@@ -174,11 +165,10 @@ class StageServer:
 
 
 class OpenStage:
-    """One request's use of one stage on the serving side: its KV cache and what it has seen.
-    Both transports admit each message, then run it on the MLX thread."""
+    """One request's use of one stage on the serving side: its KV cache and what it has seen."""
 
     def __init__(self, server: StageServer, shard: Shard, cache: list | None = None, resumed: int = 0):
-        """``cache``: a kept prefix's KV (the prompt cache) holding ``resumed`` positions."""
+        """``cache``: a kept prefix's KV holding ``resumed`` positions."""
         self.server, self.shard = server, shard
         self.layers = (shard.spec.start, shard.spec.end)
         self.cache: list[Any] | None = cache if cache is not None else shard.make_cache()
@@ -189,8 +179,7 @@ class OpenStage:
         self.batch: DecodeBatch | None = None  # holds this request's cache while it decodes in a batch
 
     def admit(self, positions: int, rewind: int = 0) -> None:
-        """Count ``positions`` more of this request's KV here, ``rewind`` fewer (a speculative pass's
-        rejected drafts)."""
+        """Count ``positions`` more of this request's KV here, ``rewind`` fewer (rejected drafts)."""
         if rewind > self.seen:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"rewind of {rewind} positions, {self.seen} held")
         self.seen += positions - rewind
@@ -204,7 +193,7 @@ class OpenStage:
         """The request's last message: keep its KV for a later request with the same start."""
         take_back(self)
         cache, self.cache, self.prepared = self.cache, None, None
-        self.close()  # its positions are the kept prefix's now, not a request's in use
+        self.close()  # its positions are the kept prefix's now
         if self.server.prefixes is not None and cache is not None and keeps_prefixes(self.shard):
             self.server.prefixes.keep(self.layers, msg.keep, cache, msg.keep_length)
 
@@ -222,13 +211,13 @@ class OpenStage:
         return check_activation(tensor, self.shard.hidden_size, self.server.max_chunk)
 
     def run(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> tuple[mesh_pb2.Tensor, float]:
-        """Decode, run and encode one message (on the MLX thread): the output and the seconds it took."""
+        """Run one message on the MLX thread: the output and the seconds it took."""
         started = time.perf_counter()
         out = self.run_array(msg)
         return to_tensor(out), time.perf_counter() - started
 
     def run_array(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> mx.array:
-        """Decode and run one message (on the MLX thread): the output, evaluated."""
+        """Run one message on the MLX thread: the output, evaluated."""
         with self.server.steps.step():
             return self._run_array(msg)
 
@@ -256,8 +245,7 @@ class OpenStage:
             raise self.server.fault(self.shard, "this input", f"{msg.request_id or '?'}'s input", exc) from None
 
     def prepare(self) -> None:
-        """Build the next one-position step on a placeholder (the head promised one), so it costs
-        nothing once its input arrives."""
+        """Build the next one-position step on a placeholder, ready before its input arrives."""
         build_ahead = getattr(self.shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
         take_back(self)
         if self.prepared is None and build_ahead is not None:
@@ -265,20 +253,19 @@ class OpenStage:
 
 
 class RemoteSession:
-    """One request's stream to one remote stage, driven from the generation thread. Messages may
-    go ahead of replies (pipelined prefill); replies come back in order."""
+    """One request's gRPC stream to one remote stage, driven from the generation thread."""
 
     remote: Literal[True] = True
 
     def __init__(self, stage: RemoteStage, request_id: str, resume: tuple[str, int] | None = None):
         self._stage = stage
         self._request_id = request_id
-        self._resume = resume  # the prompt cache's kept prefix to start from (meshnode.model.prefixes)
+        self._resume = resume  # the kept prefix to start from
         self._call: grpc.aio.StreamStreamCall | None = None
         # (bound to the node's loop at their first use there)
         self._write_lock, self._read_lock = asyncio.Lock(), asyncio.Lock()
         self._queued = 0  # positions sent and not answered yet
-        self._rewind = 0  # positions the stage drops before the next message's (speculative decoding)
+        self._rewind = 0  # positions the stage drops before the next message
 
     def rewind(self, positions: int) -> None:  # sent with the next message
         self._rewind += positions
@@ -307,8 +294,7 @@ class RemoteSession:
         return reply
 
     def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> RemoteTicket:
-        """Send ``x`` without waiting for the reply. ``next_single`` and ``work`` matter only on
-        the data port."""
+        """Send ``x`` without waiting for the reply (``next_single``, ``work``: data port only)."""
         if x.dtype == mx.uint32:
             x = x.astype(mx.int32)
         st = self._stage
@@ -319,17 +305,17 @@ class RemoteSession:
         return RemoteTicket(self, future, positions)
 
     def forward(self, x: mx.array) -> mx.array:
-        """Called on the generation thread: arrays are encoded and decoded here, the I/O runs on the loop."""
+        """On the generation thread; the I/O runs on the loop."""
         return self.finish(self.submit(x))
 
     def finish(self, ticket: StreamTicket, into: Placeholder | None = None) -> mx.array:
         if not ticket.done():
-            with mlx_idle():  # other generations use the MLX thread while this one waits on the network
+            with mlx_idle():  # others use the MLX thread while this one waits
                 ticket.wait()
         return ticket.result(into)
 
     def keep(self, key: str, positions: int) -> None:
-        """Ask the stage to keep this request's KV (the prompt cache) and end the stream."""
+        """Ask the stage to keep this request's KV and end the stream."""
         call = self._call
         if call is None:
             return
@@ -367,7 +353,7 @@ class RemoteTicket:
         return self.future
 
     def check(self) -> None:
-        """Raise StageError if the stage is lost while this reply is awaited (see RemoteStage.check)."""
+        """Raise StageError if the stage is lost while this reply is awaited."""
         if not self.future.done():
             try:
                 self.session._stage.check(self.sent)
@@ -376,7 +362,7 @@ class RemoteTicket:
                 raise
 
     def wait(self) -> None:
-        """Block until the reply is here, for as long as the stage is alive (no MLX work)."""
+        """Block until the reply is here, while the stage is alive."""
         st = self.session._stage
         while not self.future.done():
             concurrent.futures.wait([self.future], timeout=st.poll)
@@ -412,14 +398,13 @@ class RemoteStage:
         alive: Callable[[], bool] | None = None,
         data_session: Callable[..., StageStream] | None = None, model: str = "",
     ):
-        # Opens a request's stream over the peer's data port (hop.HopSession); None: all go over gRPC.
+        # Opens a stream over the peer's data port; None: all go over gRPC.
         self.data_session = data_session
-        # Called with (seconds, positions, the stage's own seconds, transport) after each hop's round trip.
+        # Called with (seconds, positions, stage seconds, transport) after each round trip.
         self.observe = observe
-        # Whether the stage's node heartbeats now; a reply is waited for while it does (None:
-        # request_timeout alone bounds the wait).
+        # Whether the stage's node heartbeats now (None: request_timeout alone bounds the wait).
         self.alive = alive
-        # Where the peer's data port is (meshnode.transport.hop), when activations may go there.
+        # The peer's data port, when activations may go there.
         self.data_port = data_port
         self.auth, self.caller = auth, caller
         self.node_id = node_id
@@ -434,8 +419,7 @@ class RemoteStage:
 
     def accept(self, reply: mesh_pb2.ForwardReply | RawReply, positions: int, sent: float, transport: str,
                into: Placeholder | None = None) -> mx.array:
-        """A reply's activation, checked against the plan, its round trip observed; ``into``: written
-        into that step built ahead instead (its input returned)."""
+        """A reply's activation, checked against the plan; written into ``into`` when given."""
         if self.observe is not None:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
         try:
@@ -453,9 +437,8 @@ class RemoteStage:
                 from None
 
     def check(self, waiting_since: float) -> None:
-        """Raise :class:`StageError` if this stage is lost while a reply sent at ``waiting_since`` is
-        awaited: its node stopped heartbeating, or reports a step past stall_timeout. An alive
-        stage is busy, not lost, however long its step takes."""
+        """Raise :class:`StageError` if this stage's node stopped heartbeating or reports a step past
+        stall_timeout; an alive stage is busy, not lost."""
         waited = time.perf_counter() - waiting_since
         if self.alive is not None and not self.alive():
             raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating or is "
@@ -465,8 +448,7 @@ class RemoteStage:
                              f"{self.request_timeout:.0f} s")
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageStream:
-        """The request's stream to this stage: the data port where it has one, else gRPC.
-        ``resume``: (key, positions) of a kept prefix to start from."""
+        """The request's stream to this stage: the data port where it has one, else gRPC."""
         if self.data_port is not None and self.auth is not None and self.data_session is not None:
             host, port = self.data_port
             try:
