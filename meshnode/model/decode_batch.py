@@ -1,13 +1,8 @@
 """Decoding requests at one stage run as one batched forward (continuous batching across stages).
 
-The head sends several requests' next positions as one step of B rows. :class:`DecodeBatch` keeps
-their caches merged in mlx-lm's batch caches (left-padded, as ``BatchGenerator`` holds them)
-between steps, so a step is one forward of B rows and the KV is not copied while members stay.
-
-Membership follows each step's list, so no join or leave message can be lost: new members are
-merged in, absent ones extracted back. Before a member runs alone or its KV is kept or dropped,
-:func:`take_back` returns its cache. Caches mlx-lm cannot batch (quantized, chunked) make a shard
-unbatchable (:func:`batchable_cache`).
+Caches stay merged in mlx-lm's batch caches between steps, so the KV is not copied while members
+stay. Membership follows each step's list, so no join or leave message can be lost; before a member
+runs alone or its KV is kept or dropped, :func:`take_back` returns its cache.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ from meshnode.model.shard import Shard, any_thread_stream
 
 
 class Member(Protocol):
-    """A request's use of a stage: ``cache`` is its per-layer caches (None while they are in a
-    batch); ``batch`` is the batch holding them (None: its own)."""
+    """A request's use of a stage: ``cache`` (None while in a batch) and the ``batch`` holding it."""
 
     cache: list[Any] | None
     batch: DecodeBatch | None
@@ -73,7 +67,7 @@ class DecodeBatch:
     :meth:`release` takes it too, so a member's stream may end on any thread."""
 
     def __init__(self, make_cache):
-        """``make_cache()``: a fresh per-request cache list of the stage (for never-written caches)."""
+        """``make_cache()``: a fresh per-request cache list of the stage."""
         self.lock = threading.RLock()
         self._make_cache = make_cache
         self._members: list[Member] = []
@@ -151,7 +145,7 @@ class DecodeBatch:
 
     def _join(self, joining: list[Member]) -> None:
         for member in joining:
-            if member.batch is not None:  # another batch holds its cache: it steps here from now on
+            if member.batch is not None:  # another batch holds its cache
                 member.batch.release(member)
         caches = [m.cache for m in joining if m.cache is not None]
         if len(caches) != len(joining):
@@ -171,7 +165,7 @@ class DecodeBatch:
             for i in self._distinct():
                 held[i].extend(merged[i])
         for member in joining:
-            member.cache, member.batch = None, self  # the batch holds its KV now (no second copy)
+            member.cache, member.batch = None, self  # the batch holds its KV now
         self._members.extend(joining)
 
     def _extract(self, idx: int) -> list[Any]:

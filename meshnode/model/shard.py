@@ -1,14 +1,9 @@
 """Load and run a contiguous range of layers [start, end) of any mlx-lm model.
 
-The family's own forward pass runs, so every quirk (embedding scale, sliding-window masks,
-soft-capping, tied heads) stays as mlx-lm wrote it. mlx-lm builds the model lazily; layers outside
-the range become weightless placeholders and unneeded embedding, norm and head are dropped, so
-only the shard's tensors are read from disk. The placeholder before ``start`` swaps in the
-received activation; the one at ``end`` raises :class:`_StageOutput` to stop before the head.
-
-mlx-lm derives masks from a fixed layer's cache (``cache[0]``, ...), so a request's cache list
-covers every layer of the model: real caches for the shard's own, and for the others an alias of
-an owned cache of the same kind.
+The family's own forward pass runs, so every quirk stays as mlx-lm wrote it; layers outside the
+range become weightless placeholders, so only the shard's tensors are read from disk. mlx-lm
+derives masks from a fixed layer's cache, so a request's cache list covers every layer: real
+caches for the shard's own, for the others an alias of an owned cache of the same kind.
 """
 
 from __future__ import annotations
@@ -48,8 +43,7 @@ class _StageOutput(Exception):
 class _Skip(nn.Module):
     """Stands in for a layer held by another stage: passes the hidden state through.
 
-    ``arity``: the length of the tuple the real layer returns (some families share state with
-    later layers); the extra entries are None.
+    ``arity``: the length of the tuple the real layer returns; the extra entries are None.
     """
 
     def __init__(self, arity: int = 1):
@@ -82,10 +76,7 @@ class _Exit(nn.Module):
 
 
 class _NoEmbedding(nn.Module):
-    """Replaces the embedding on stages that start with a received activation.
-
-    Its value is swapped out by :class:`_Inject`, so the lazy graph never computes it.
-    """
+    """Replaces the embedding on stages that start with a received activation (never computed)."""
 
     def __init__(self, hidden_size: int, dtype: mx.Dtype):
         super().__init__()
@@ -121,11 +112,8 @@ def _plain_attributes(module: nn.Module) -> dict[str, Any]:
 
 
 def _stand_in(placeholder: nn.Module, original: nn.Module) -> nn.Module:
-    """Give a placeholder the original layer's plain attributes (``use_sliding``, ...).
-
-    Families read such flags in their forward pass, some off a sub-module (exaone4:
-    ``layer.self_attn.is_local``), so sub-modules become weightless namespaces too.
-    """
+    """Give a placeholder the original layer's plain attributes (``use_sliding``, ...), sub-modules'
+    included, since families read such flags in their forward pass."""
     for key, value in _plain_attributes(original).items():
         if key not in vars(placeholder):
             object.__setattr__(placeholder, key, value)
@@ -136,8 +124,7 @@ def _stand_in(placeholder: nn.Module, original: nn.Module) -> nn.Module:
 
 
 def _return_arity(layer: nn.Module) -> int:
-    """How many values the layer's ``__call__`` returns: 1, or the length of the tuple it returns
-    (gemma4_text: hidden, shared kv, offset; hunyuan: hidden, shared kv states)."""
+    """How many values the layer's ``__call__`` returns: 1, or the length of its tuple."""
     import ast
     import inspect
     import textwrap
@@ -174,11 +161,8 @@ def _private_arrays(module: nn.Module) -> list[mx.array]:
 
 
 def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, group) -> None:
-    """Tensor-parallel: split layers [start, end) over ``group`` with the family's own ``shard()``.
-
-    ``shard`` is shown only this shard's real layers, then the full list is put back; embedding,
-    norm and head stay whole, as in mlx-lm.
-    """
+    """Tensor-parallel: split layers [start, end) over ``group`` with the family's own ``shard()``;
+    embedding, norm and head stay whole, as in mlx-lm."""
     if not callable(getattr(model, "shard", None)):
         raise ValueError(f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx-lm has no tensor-parallel shard() "
                          "for this model family")
@@ -215,8 +199,7 @@ def _is_partial(model_path: Path) -> bool:
 
 
 def _check_partial(model: nn.Module, model_path: Path, start: int, end: int) -> None:
-    """A partial folder loads with strict=False (the other layers' tensors are absent); every
-    parameter the shard keeps must then have come from the files, never from random init."""
+    """After a strict=False load, every parameter the shard keeps must come from the files, not random init."""
     weights: dict[str, Any] = {}
     for wf in sorted(model_path.glob("model*.safetensors")):
         weights.update(mx.load(str(wf)))  # lazy: headers only
@@ -239,10 +222,8 @@ _STREAMS: dict[str, Any] = {}
 def any_thread_stream() -> mx.Stream:
     """The process's one stream for shard work, usable from every thread.
 
-    MLX streams belong to the thread that made them, and a graph built on one cannot be evaluated
-    from another; a stage's step is built ahead on one thread and evaluated on another, so every
-    shard builds on this one stream per device. Its graphs are evaluated one at a time, under the
-    node's MLX baton (meshnode.model.scheduler).
+    A step is built on one thread and evaluated on another, which MLX's per-thread streams forbid;
+    graphs on this stream are evaluated one at a time, under the node's MLX baton.
     """
     device = str(mx.default_device())
     with _STREAM_LOCK:
@@ -271,11 +252,7 @@ class ShardSpec:
 
 
 class Shard:
-    """Layers [start, end) of a model, ready to run one request's slice of the forward pass.
-
-    ``forward`` takes token ids (first shard) or the previous stage's hidden state (others)
-    and returns the hidden state (all but the last shard) or the logits (last shard).
-    """
+    """Layers [start, end) of a model, ready to run one request's slice of the forward pass."""
 
     def __init__(self, model_path: str | Path, start: int, end: int, group: mx.distributed.Group | None = None,
                  progress: Callable[[int, int], None] | None = None):
@@ -315,11 +292,10 @@ class Shard:
             )
 
         tied = not hasattr(model, "lm_head") or bool(config.get("tie_word_embeddings", False))
-        # From config.json and the headers: packed quantized shapes hide the width, and a stage
-        # without the embedding cannot read the dtype off its own tensors.
+        # From config.json and the headers: packed quantized shapes hide the width.
         self.hidden_size = hidden_size(config)
         dtype = self.dtype = getattr(mx, activation_dtype(model_path))
-        self.input_dtype = dtype  # what the stage before sends: its layers' output dtype, learned as it comes
+        self.input_dtype = dtype  # what the stage before sends, learned as it comes
 
         # Weightless placeholders for every layer this shard does not hold.
         arity = _return_arity(layers[0])
@@ -349,8 +325,7 @@ class Shard:
             if progress is not None:
                 progress(k + 1, end - start)
         mx.eval(model.parameters())
-        # Arrays kept outside the parameters (rope frequencies, ...) are evaluated here, so no other
-        # thread needs the loading thread's stream.
+        # Arrays outside the parameters (rope frequencies) are evaluated here, off the loader's stream.
         mx.eval(_private_arrays(model))
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         log.info(
@@ -380,7 +355,7 @@ class Shard:
         return self.kv_bits
 
     def cache_template(self) -> list[Any]:
-        """The whole model's caches, plain KVCaches made QuantizedKVCache when the KV is quantized."""
+        """The whole model's caches, quantized when the KV is."""
         bits = self.kv_quant_bits
         if not bits:
             return self._cache_template
@@ -414,8 +389,7 @@ class Shard:
         return cache[self.spec.start : self.spec.end]
 
     def build_ahead(self, cache: list[Any]) -> tuple[Placeholder, mx.array] | None:
-        """The next one-position step, built on a Placeholder before its input exists; None where
-        placeholders do not work."""
+        """The next one-position step, built on a Placeholder before its input exists (None: unsupported)."""
         if not placeholders_work():
             return None
         first = self.spec.is_first
@@ -427,8 +401,7 @@ class Shard:
 
 
     def forward(self, x: mx.array, cache: list[Any], all_positions: bool = True) -> mx.array:
-        """Run this shard's layers: a lazy hidden state or logits (``all_positions``: see a tensor
-        group's shard)."""
+        """Run this shard's layers: a lazy hidden state or logits."""
         # On any_thread_stream: a step may be evaluated on another thread than the one that built it.
         with self._lock, mx.stream(any_thread_stream()):
             if self.spec.is_first:

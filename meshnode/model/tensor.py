@@ -1,19 +1,10 @@
 """Tensor parallelism: a group of nodes shares every layer of a stage over ``mx.distributed``.
 
-mlx-lm's ``model.shard(group)`` splits each layer's projections over the group (two all-reduces
-per layer). ``mx.distributed`` keeps its group for a process's life, so each member runs it in a
-**worker subprocess** (meshnode.model.tensor_worker) started per plan. The ring has no timeouts,
-so every call on the worker has a deadline, and a worker that misses it is killed, which breaks
-the ring for the other members too.
-
-Rank 0's node drives its worker over stdin/stdout frames (``WorkerCommand`` / ``WorkerReply``);
-that worker hands each command to the others over TCP control connections (HMAC-checked at
-connect), where followers wait in a blocking read rather than busy-spin in a collective. Every
-rank runs the forward in lockstep; rank 0 replies. The ring's own connections are plain TCP
-without authentication (MLX's backend; docs/operations.md, "Security and trust").
-
-:class:`TensorShard` looks like a :class:`~meshnode.model.shard.Shard` to the stage server and
-the local pipeline.
+``mx.distributed`` keeps its group for a process's life, so each member runs in a worker subprocess
+started per plan. The ring has no timeouts: every call on the worker has a deadline, and a worker
+that misses it is killed. Rank 0's node drives its worker over stdin/stdout frames; that worker
+hands each command to the others over HMAC-checked TCP control connections. The ring's own
+connections are plain TCP without authentication (MLX's backend).
 """
 
 from __future__ import annotations
@@ -55,7 +46,7 @@ class _Slot:
     def __init__(self, owner: TensorShard, slot: int):
         self.slot = slot
         self._owner = owner
-        self.rewind = 0  # positions the worker drops before this slot's next step (speculative decoding)
+        self.rewind = 0  # positions the worker drops before this slot's next step
         weakref.finalize(self, owner._closed.append, (mesh_pb2.WorkerCommand.CLOSE, slot))
 
     def keep_as_prefix(self, positions: int) -> tuple[_Kept | None, str]:
@@ -76,9 +67,8 @@ class _Kept:
 
 
 class TensorShard:
-    """This node's member of a tensor-parallel group, run in a worker subprocess.
+    """This node's member of a tensor-parallel group, run in a worker subprocess; looks like a Shard.
 
-    Looks like a :class:`~meshnode.model.shard.Shard` to the stage server and the pipeline.
     Only rank 0 runs requests; the other members just keep their worker alive.
     """
 
@@ -106,8 +96,8 @@ class TensorShard:
         self.control, self._secret = control, secret
         self.group_size = len(self.endpoints)
         self.hop_timeout, self.prefill_allowance = hop_timeout, prefill_allowance
-        self.inject_latency = inject_latency  # seconds every collective waits (tests and benchmarks)
-        self.kv_bits = kv_bits  # the plan's quantized KV cache, built in the worker (0: not quantized)
+        self.inject_latency = inject_latency  # seconds every collective waits (tests)
+        self.kv_bits = kv_bits  # 0: not quantized
         # Whether every member heartbeats: a step is waited for while they do (None: a fixed deadline).
         self.members_alive = members_alive
         self.dtype: mx.Dtype = mx.float32
@@ -117,7 +107,7 @@ class TensorShard:
         self._proc: subprocess.Popen[bytes] | None = None
         self._hostfile: str | None = None
         self._lock = threading.Lock()
-        # Slots and prefixes dropped, told to the worker with its next command: (CLOSE or FORGET, number).
+        # (CLOSE or FORGET, number) dropped, told to the worker with its next command.
         self._closed: collections.deque[tuple[mesh_pb2.WorkerCommand.Op, int]] = collections.deque()
         self._next_slot = self._next_kept = 0
         self._failed: str | None = None
@@ -188,8 +178,7 @@ class TensorShard:
         return TensorGroupError(f"tensor group [{self.start}, {self.end}): {why}")
 
     def _read(self, timeout: float, doing: str, alive: Callable[[], bool] | None = None) -> mesh_pb2.WorkerReply:
-        """The worker's next reply: within ``timeout``, or, given ``alive``, for as long as it holds
-        (checked four times a second) and the worker runs."""
+        """The worker's next reply: within ``timeout``, or, given ``alive``, while it holds and the worker runs."""
         proc = self._proc
         if proc is None:
             raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is stopped")
@@ -276,7 +265,7 @@ class TensorShard:
         cache.rewind += positions
 
     def forward(self, x: mx.array, cache: _Slot, all_positions: bool = False) -> mx.array:
-        """``all_positions``: the last stage answers with the logits of every position (a speculative pass)."""
+        """``all_positions``: the last stage answers with every position's logits."""
         if self.rank != 0:
             raise TensorGroupError("only rank 0 of a tensor group runs requests")
         if x.dtype == mx.uint32:
