@@ -1,10 +1,8 @@
 """Continuous batching where one node holds the whole model (setting ``batching``).
 
-Where a placement is one local plain :class:`Shard` holding every layer, one loop runs all its
-generations with mlx-lm's ``BatchGenerator``, a token for every request per step, requests joining
-and leaving as they come. The loop holds the node's baton a step at a time, so other MLX work
-gets its turns. Each request keeps what the unbatched path gives it: sampler, processors,
-log-probabilities and the prompt cache.
+One loop runs all generations of a whole-model local shard with mlx-lm's ``BatchGenerator``,
+holding the node's baton a step at a time. Each request keeps its sampler, processors,
+log-probabilities and prompt cache.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Prompt positions a joining request prefills per step while others decode (mlx-lm's
-# BatchGenerator prefills a chunk per step beside the decode; with none decoding: prefill_step_size).
+# Prompt positions a joining request prefills per step while others decode.
 DECODING_CHUNK = 128
 
 
@@ -54,8 +51,7 @@ def batchable(handles: Sequence[Any]) -> bool:
 
 
 class ShardModel(nn.Module):
-    """The whole-model shard as BatchGenerator wants a model: logits of every position, the family's
-    own forward masking BatchKVCache's left padding."""
+    """The whole-model shard as BatchGenerator wants a model: logits of every position."""
 
     def __init__(self, shard: Shard):
         super().__init__()
@@ -70,13 +66,14 @@ class ShardModel(nn.Module):
 
 
 class _Request:
-    __slots__ = ("prompt", "params", "resume", "ended", "job", "produced", "grown", "error")
+    __slots__ = ("prompt", "params", "resume", "ended", "job", "produced", "grown", "error", "resumed_from")
 
     def __init__(self, prompt: list[int], params: SamplingParams, resume: tuple[str, int] | None,
                  ended: threading.Event, job: TokenJob):
         self.prompt, self.params, self.resume, self.ended, self.job = prompt, params, resume, ended, job
         self.produced = self.grown = 0
         self.error: BaseException | None = None
+        self.resumed_from: tuple[str, int] | None = None  # the kept prefix its cache started from
 
 
 def _guarded(request: _Request, processor):
@@ -116,7 +113,7 @@ class BatchLoop:
         self._running: dict[int, _Request] = {}
         self._thread: threading.Thread | None = None
         self._generator: BatchGenerator | None = None
-        self.widest = 0  # the most requests one step has decoded for (tests, diagnostics)
+        self.widest = 0  # the most requests one step has decoded for
 
     @property
     def running(self) -> int:
@@ -150,7 +147,7 @@ class BatchLoop:
                     self._leave({uid: r for uid, r in self._running.items() if r.job.cancelled.is_set()})
                     if self._running:
                         self._step()
-                except Exception as exc:  # noqa: BLE001 - the batch's model step failed: every request in it
+                except Exception as exc:  # noqa: BLE001 - the step failed: every request in it
                     log.warning("batched generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
                     for request in list(self._running.values()):
                         self._finish(request, exc)
@@ -178,9 +175,10 @@ class BatchLoop:
                 continue
             try:
                 params, prompt, skip, cache = request.params, request.prompt, 0, None
-                # (a request resumes only where the head matched its prompt: in the index)
+                # (a request resumes only where the head matched its prompt)
                 if request.resume is not None and self._store is not None and self._index is not None:
                     cache, skip = self._resume(self._store, self._index, prompt, *request.resume)
+                    request.resumed_from = getattr(cache, "resumed_from", None)
                 processors = make_request_processors(params, (), self._tokenizer) or []
                 batch = self._batch()
                 # the batch's own sampler: greedy requests share one batched argmax
@@ -197,8 +195,7 @@ class BatchLoop:
 
     def _step(self) -> None:
         batch = self._batch()
-        # Beside decoders, a prompt is prefilled in shorter chunks: a step (a token for every
-        # decoder) then waits for a fraction of a long prefill, not all of it (DECODING_CHUNK).
+        # Beside decoders, a prompt is prefilled in shorter chunks, so a step waits for a fraction of it.
         decoding = any(r.produced for r in self._running.values())
         batch.prefill_step_size = min(self._prefill_step_size, DECODING_CHUNK) if decoding else self._prefill_step_size
         _, responses = batch.next()
@@ -218,8 +215,8 @@ class BatchLoop:
             request.job._put(sampled(token, response.logprobs, top) if top >= 0 else token)
             if response.finish_reason is not None:
                 del self._running[response.uid]
-                self._release(request)  # its positions are the kept prefix's now, not a request's in use
-                self._keep(response.prompt_cache, response.all_tokens)
+                self._release(request)  # its positions are the kept prefix's now
+                self._keep(response.prompt_cache, response.all_tokens, request.resumed_from)
                 self._finish(request)
         for uid, request in failed:
             self._batch().remove([uid])
@@ -228,8 +225,7 @@ class BatchLoop:
 
     def _resume(self, store: PrefixStore, index: PrefixIndex, prompt: list[int], key: str,
                 positions: int) -> tuple[Any, int]:
-        """A copy of the kept prefix the head chose (cache, positions), else of the best one still
-        kept; (None, 0): prefill the whole prompt."""
+        """A copy of the kept prefix the head chose, else the best one still kept; (None, 0): none."""
         for _ in range(2):
             cache, why = store.resume(self._layers, key, positions, self._shard)
             if cache is not None:
@@ -252,24 +248,24 @@ class BatchLoop:
             del self._running[uid]
             self._release(request)
             if request.produced and uid in caches:  # decoding: its cache holds what it was fed
-                self._keep(*caches[uid])
+                cache, tokens = caches[uid]
+                self._keep(cache, tokens, request.resumed_from)
             self._finish(request)
 
-    def _keep(self, cache, tokens) -> None:
+    def _keep(self, cache, tokens, parent: tuple[str, int] | None = None) -> None:
         if self._store is None or self._index is None or cache is None or not tokens or len(tokens) < MIN_REUSE \
                 or cache_positions(cache) != len(tokens):
             return
         tokens = list(tokens)
         key = prefix_key(tokens)
         try:
-            if self._store.keep(self._layers, key, cache, len(tokens)):
+            if self._store.keep(self._layers, key, cache, len(tokens), parent):
                 self._index.add(tokens, key)
-        except Exception:  # noqa: BLE001 - the answer is complete; only the next turn's head start is lost
+        except Exception:  # noqa: BLE001 - the answer is complete; only the cache is lost
             log.debug("keeping a prefix failed", exc_info=True)
 
     def _release(self, request: _Request) -> None:
-        """The request's positions are no longer in use (counted once: a kept prefix counts them
-        next, and counting both would give up other prefixes for room that is there)."""
+        """The request's positions are no longer in use (counted once: a kept prefix counts them next)."""
         if request.grown and self._store is not None:
             self._store.grow(self._layers, -request.grown)
         request.grown = 0
@@ -282,7 +278,7 @@ class BatchLoop:
 
 
 class BatchedSource:
-    """Token ids (or Sampled) of generations run by a :class:`BatchLoop`: PipelineSource's interface."""
+    """Token ids of generations run by a :class:`BatchLoop`, as PipelineSource gives them."""
 
     def __init__(self, scheduler: TokenScheduler, stage: LocalStage, *, prefill_step_size: int = 512,
                  prefixes: PrefixIndex | None = None, tokenizer=None):

@@ -1,9 +1,6 @@
 """Drafters for speculative decoding (meshnode.serving.speculative): cheap guesses of the next tokens.
 
-A drafter proposes up to k next tokens from the request's tokens so far; a wrong guess costs a
-little compute, never a different answer. :class:`PromptLookup` needs no model: it proposes what
-followed the last earlier occurrence of the latest tokens, which pays where answers quote their
-context (code edits, agent turns).
+A wrong guess costs a little compute, never a different answer.
 """
 
 from __future__ import annotations
@@ -13,11 +10,9 @@ from typing import Protocol, cast
 
 
 class Drafter(Protocol):
-    # Whether asking costs nothing next to a step: such a drafter is asked at every token of a dry
-    # pause (DraftLength.found); one with a model waits for the pause's end.
+    # Whether asking costs nothing next to a step (asked at every token of a dry pause).
     free: bool
-    # Set by a test harness (None: the head chooses): guesses in every pass whatever they cost, and
-    # the most passes in flight.
+    # Set by a test harness (None: the head chooses): guesses per pass, passes in flight.
     fixed_k: int | None
     fixed_depth: int | None
 
@@ -25,7 +20,7 @@ class Drafter(Protocol):
         """Tokens now part of the request (confirmed by the model)."""
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that may follow the request's tokens (fewer, or none, when it has no guess)."""
+        """Up to ``k`` tokens that may follow the request's tokens."""
 
 
 # A request's tokens so far -> its drafter (None: it does not speculate).
@@ -33,8 +28,7 @@ DrafterFactory = Callable[[Sequence[int]], "Drafter | None"]
 
 
 class PromptLookup:
-    """Proposes what followed the most recent earlier occurrence of the request's last n tokens
-    (n from ``longest`` down to ``shortest``: the longest match wins).
+    """Proposes what followed the latest earlier occurrence of the request's last n tokens (longest n wins).
 
     Every n-gram's latest end is indexed as tokens arrive, so a proposal costs a few lookups.
     """
@@ -77,8 +71,7 @@ class PromptLookup:
 
 
 class DraftModel:
-    """The ``draft_model`` setting's model, loaded whole on the node and shared by its requests (each
-    with its own :class:`ModelDrafter`); its weights count against the node's memory."""
+    """The ``draft_model`` setting's model, loaded whole and shared by the node's requests."""
 
     def __init__(self, model, name: str):
         from mlx.utils import tree_flatten
@@ -133,7 +126,7 @@ class ModelDrafter:
         common = self._valid
         while common < min(len(fed), len(seq)) and fed[common] == seq[common]:
             common += 1
-        common = min(common, len(seq) - 1)  # the last token is fed again: its logits give the first guess
+        common = min(common, len(seq) - 1)  # the last token is fed again for the first guess
         if len(fed) > common:
             trim_prompt_cache(self._cache, len(fed) - common)
             del fed[common:]

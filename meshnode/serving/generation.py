@@ -1,9 +1,7 @@
 """Token generation over a chain of stages, with mlx-lm doing the generating.
 
-:class:`PipelineModel` looks like an mlx-lm model to ``generate_step``: a call runs every stage in
-order (local or remote) and returns the logits; mlx-lm samples and loops as ever. Each generation
-has its own thread and gives up the MLX baton while a remote stage works, so concurrent
-generations overlap across the stages.
+:class:`PipelineModel` looks like an mlx-lm model to ``generate_step``. Each generation has its own
+thread and gives up the MLX baton while a remote stage works, so generations overlap across stages.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# One request's use of one stage: its KV cache held here, or a stream to the node holding it (``remote``).
+# One request's use of one stage: its KV cache here, or a stream to the node holding it.
 StageSession: TypeAlias = "LocalSession | StageStream"
 
 
@@ -51,7 +49,7 @@ class StageHandle(Protocol):
 
     start: int
     end: int
-    prefill_rate: float | None  # seconds a position took there in the last prefill (None: not timed)
+    prefill_rate: float | None  # seconds per position in the last prefill (None: not timed)
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession: ...
 
@@ -79,14 +77,14 @@ class LocalSession:
         self._layers = (shard.start, shard.end)
         self._seen = 0
         self._prepared: tuple[Placeholder, mx.array] | None = None
-        self.batch: DecodeBatch | None = None  # the head's batch holding this request's cache (step_batch)
+        self.batch: DecodeBatch | None = None  # the head's batch holding this request's cache
         cache = None
-        if resume is not None:  # start from a prefix kept here (the prompt cache)
+        if resume is not None:  # start from a prefix kept here
             cache, why = prefixes.resume(self._layers, *resume, shard=shard) if prefixes is not None else (None, "off")
             if cache is None:
                 raise PrefixMiss(f"layers [{shard.start}, {shard.end}) here: prefix {resume[0]}: {why}")
             self.grow(resume[1])
-        # (None while a DecodeBatch holds it: meshnode.serving.step_batch)
+        # (None while a DecodeBatch holds it)
         self.cache: list[Any] | None = cache if cache is not None else shard.make_cache()
 
     def grow(self, positions: int) -> None:
@@ -95,16 +93,16 @@ class LocalSession:
             self._prefixes.grow(self._layers, positions)
 
     def keep(self, key: str, positions: int) -> bool:
-        """Keep this request's KV here (the prompt cache); whether it was."""
+        """Keep this request's KV here; whether it was."""
         take_back(self)
         cache, self.cache, self._prepared = self.cache, None, None
-        self.close()  # its positions are the kept prefix's now, not a request's in use
+        self.close()  # its positions are the kept prefix's now
         return self._prefixes is not None and cache is not None and \
             self._prefixes.keep(self._layers, key, cache, positions)
 
     def prepare(self) -> bool:
         """Build the next step on a placeholder while a remote stage before it works; False if not."""
-        build_ahead = getattr(self._shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
+        build_ahead = getattr(self._shard, "build_ahead", None)  # None: a tensor group's shard
         take_back(self)
         self._prepared = build_ahead(self.cache) if build_ahead is not None else None
         if self._prepared is None:
@@ -140,7 +138,7 @@ class LocalSession:
         return DoneTicket(out, x.shape[1])
 
     def forward(self, x: mx.array, all_positions: bool = False) -> mx.array:
-        """``all_positions``: the last stage's logits of every position of ``x`` (a speculative pass)."""
+        """``all_positions``: the last stage's logits of every position of ``x``."""
         # Stays lazy: generate_step overlaps building the next step with evaluating this one.
         cache = cache_of(self)
         self.grow(x.shape[1])
@@ -150,7 +148,7 @@ class LocalSession:
         return out if all_positions else out[:, -1:, :]
 
     def rewind(self, positions: int) -> None:
-        """Drop the last ``positions`` of this request's KV here (a speculative pass's rejected drafts)."""
+        """Drop the last ``positions`` of this request's KV here (rejected drafts)."""
         take_back(self)
         rewind(self._shard, self.cache, positions)
         self.grow(-positions)
@@ -163,7 +161,7 @@ class LocalSession:
 
 
 class LocalStage:
-    """A shard held by this process; ``prefixes``: this node's kept prefixes (the prompt cache)."""
+    """A shard held by this process; ``prefixes``: this node's kept prefixes."""
 
     def __init__(self, shard: Shard, prefixes: PrefixStore | None = None):
         self.shard, self.prefixes = shard, prefixes
@@ -197,7 +195,7 @@ class PipelineModel:
 
     def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None,
                  batcher: StepBatcher | None = None):
-        """``resume``: (key, positions) of a kept prefix to start from; ``batcher``: the placement's."""
+        """``resume``: (key, positions) of a kept prefix to start from."""
         ends = [0] + [s.end for s in stages]
         if [s.start for s in stages] != ends[:-1]:
             raise ValueError(f"stages do not tile the layers: {[(s.start, s.end) for s in stages]}")
@@ -207,7 +205,7 @@ class PipelineModel:
         self.state: _RequestState | None = None
         self._batcher = batcher
         self._decoding = False
-        self._promised = False  # its last step on its own promised the stages that the next comes so too
+        self._promised = False  # its last lone step promised the stages a lone next one
         # Whether a step may promise the next is one position too (a drafting request may not).
         self.may_promise = True
 
@@ -226,7 +224,7 @@ class PipelineModel:
     def __call__(self, inputs: mx.array, cache: list[_RequestState]) -> mx.array:
         x = inputs
         sessions = cache[0].sessions
-        # One position: decoding (or the last prompt token), and one position at a time after it.
+        # One position: decoding (or the last prompt token).
         single = inputs.shape[1] == 1
         promise = single and self.may_promise
         batcher = self._batcher
@@ -280,7 +278,7 @@ class PipelineModel:
             self._batcher.alone(self)  # no batched round waits for it
 
     def others_decoding(self) -> bool:
-        """Whether other requests of this placement decode now (their steps batch: meshnode.serving.step_batch)."""
+        """Whether other requests of this placement decode now (their steps batch)."""
         return self._batcher is not None and self._batcher.others_decoding(self)
 
     def rewind_limit(self) -> tuple[int | None, str]:
@@ -322,7 +320,7 @@ class PipelineModel:
 
 @dataclass(frozen=True)
 class PrefillOptions:
-    """Pipelined prefill (meshnode.serving.prefill): on, and the longest a stage's step may run."""
+    """Pipelined prefill: on, and the longest a stage's step may run."""
 
     pipelined: bool = True
     max_step: float = 0.5  # seconds
@@ -344,9 +342,8 @@ def generate_tokens(
 ) -> Generator[int, None, None]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
 
-    Pipelined prefill fills the caches with all but the last prompt token; generate_step then
-    samples as for a prompt it prefilled itself. ``keep``: where the prompt cache records what the
-    stages kept at the end; ``ended`` is set once that is done.
+    Pipelined prefill fills the caches with all but the last prompt token. ``keep``: where the prompt
+    cache records what the stages kept; ``ended`` is set once that is done.
     """
     sampler = make_request_sampler(params)
     produced: list[int] = []
@@ -354,7 +351,7 @@ def generate_tokens(
     try:
         ids = list(prompt)
         cache = None
-        skip = model.resume[1] if model.resume else 0  # positions every stage resumes (prompt cache)
+        skip = model.resume[1] if model.resume else 0  # positions every stage resumes
         pipelined = prefill if prefill is not None and prefill.pipelined else None
         drafter = speculation.drafter(prompt) if speculation is not None and \
             not why_not(params, model.rewind_limit()) else None
@@ -376,7 +373,7 @@ def generate_tokens(
         top = params.top_logprobs
         for token, logprobs in generate_step(
             mx.array(ids, dtype=mx.uint32),
-            cast(nn.Module, model),  # mlx-lm's type for it; generate_step only calls it and its make_cache
+            cast(nn.Module, model),  # generate_step only calls it and its make_cache
             max_tokens=params.max_tokens,
             sampler=sampler,
             logits_processors=make_request_processors(params, prompt[: len(prompt) - len(ids)], tokenizer),
@@ -410,8 +407,7 @@ def _wait_idle(handles: list, timeout: float) -> None:
 
 
 class Ending(Generator[int, None, None]):
-    """A generation's tokens whose ``ended`` is set once they are closed, also when they were
-    closed before their first step (a generator never started runs no ``finally``)."""
+    """A generation's tokens whose ``ended`` is set once closed, even before their first step."""
 
     def __init__(self, tokens: Generator[int, None, None], ended: threading.Event):
         self._tokens, self._ended = tokens, ended
@@ -454,9 +450,9 @@ class PipelineSource:
         batcher: StepBatcher | None = None,
         speculation: Speculation | None = None,
     ):
-        """``prefixes``: the prompt cache (None: off); ``batcher``: batched decode steps (None: off)."""
+        """``prefixes``, ``batcher``, ``speculation``: None when off."""
         self._prefixes, self._tokenizer, self._batcher = prefixes, tokenizer, batcher
-        self.speculation = speculation  # speculative decoding (meshnode.serving.speculative), None: off
+        self.speculation = speculation
         self._scheduler = scheduler
         self._stages = stages
         self._prefill_step_size = prefill_step_size
@@ -484,7 +480,7 @@ class PipelineSource:
                     produced.append(int(token))
                     yield token
                 return
-            except PrefixMiss as miss:  # a stage no longer holds it: another kept prefix, once, then the whole prompt
+            except PrefixMiss as miss:  # another kept prefix, once, then the whole prompt
                 if produced or resume is None or index is None:  # (a resume comes from the index)
                     raise
                 index.forget(resume[0], str(miss))
@@ -493,8 +489,7 @@ class PipelineSource:
                 log.info("prompt cache: %s; %s", miss, f"resuming from {resume[0]} instead" if resume else
                          f"prefilling all {len(prompt)} tokens")
             finally:
-                # Closed by the API, the generation may still be keeping its prefix: see
-                # meshnode.serving.promptcache for who waits for it.
+                # Closed by the API, the generation may still be keeping its prefix.
                 job.cancelled.set()
                 if index is not None:
                     await index.until_kept(ended, [*prompt, *produced])

@@ -29,22 +29,19 @@ from meshnode.weights.transfer import FetchError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# How long a node configured with a model it does not hold waits for a peer that holds it.
+# Seconds a node configured with a model it lacks waits for a peer that holds it.
 MODEL_WAIT_S = 300.0
 
-# Opens a search for the peers holding a model (by its id): an async context manager that yields
-# a function returning (node id, gRPC channel) of each one found so far.
+# Opens a search for a model's holders: yields a function returning (node id, channel) of each found so far.
 Holders = Callable[[str], AbstractAsyncContextManager[Callable[[], list[tuple[str, Any]]]]]
 
 
 class ModelFiles:
-    """Resolves the served model and brings this node its metadata and its stages' layers (local,
-    from peers or from the Hub), announcing what it holds."""
+    """Resolves the served model and brings this node its metadata and its stages' layers."""
 
     def __init__(self, settings, progress, event: Callable[..., None], *, model: str | None = None,
                  store: ModelStore | None = None, learned: bool = False):
-        """``model``: a folder or an id (None: the demo); ``store``: the node's shared store;
-        ``learned``: a peer's model, whose files come from the peers."""
+        """``model``: a folder or an id (None: the demo); ``learned``: a peer's model, from the peers."""
         self.settings, self.progress, self._event = settings, progress, event
         self.spec, self._shared_store, self._learned = model, store, learned
         # None until load() reads them
@@ -53,50 +50,50 @@ class ModelFiles:
         self.tokenizer: TokenizerWrapper | None = None
         self.vocab_size = 0
         self._path: Path | None = None
-        self._store: ModelStore | None = None  # serves held models to peers (Manifest/Fetch)
-        self._source: LayerSource | None = None  # folders holding layer ranges, fetched when missing
+        self._store: ModelStore | None = None  # serves held models to peers
+        self._source: LayerSource | None = None  # folders holding layer ranges
 
     async def load(self, holders: Holders) -> None:
         """Resolve the model, profile it and load its tokenizer (from peers if this disk lacks it)."""
         cache_dir = self.settings.resolved_cache_dir()
         peer_models = cache_dir / "peer-models"
         try:
-            if self._learned:  # not a folder here, nor a Hub download: the peers that offer it have it
+            if self._learned:  # only the peers that offer it have it
                 raise ModelNotFound(f"model {self.spec} is offered by a peer")
             try:
                 model_id, path = await asyncio.to_thread(resolve_model, self.spec, cache_dir, self.progress.update)
             finally:
                 self.progress.finish()
-        except ModelNotFound as exc:  # not on this disk: from a folder fetched earlier, or from peers
+        except ModelNotFound as exc:  # from a folder fetched earlier, or from peers
             if not self.spec or (not self._learned and (is_gguf_spec(self.spec)
                                                         or Path(self.spec).expanduser().is_absolute())):
                 raise
             model_id = self.spec
             path = cached_metadata(peer_models, model_id) or await self._from_peers(exc, model_id, holders, peer_models)
         self.model_id, self._path = model_id, path
-        # What this node serves to peers, and where its layers come from when its disk lacks them.
+        # What this node serves to peers, and where missing layers come from.
         store = self._store = self._shared_store or ModelStore(peer_models)
         store.add(model_id, path if self.weights_local else cached_metadata(peer_models, model_id) or path)
         profile = self.profile = await asyncio.to_thread(profile_model, path, model_id)
         self._source = LayerSource(model_id, path, peer_models, store, profile.num_layers)
-        # As mlx_lm.load does: the model's own end-of-sequence ids (generation_config.json included).
+        # As mlx_lm.load does: the model's own end-of-sequence ids.
         eos = (await asyncio.to_thread(load_config, path)).get("eos_token_id")
         tokenizer: TokenizerWrapper = await asyncio.to_thread(load_tokenizer, path, eos_token_ids=eos)
         self.tokenizer, self.vocab_size = tokenizer, profile.vocab_size or len(tokenizer)
 
     @property
     def path(self) -> Path:
-        """The model's folder here (complete, or its small files and some layers from peers)."""
+        """The model's folder here (complete, or small files and some layers)."""
         return self._loaded(self._path)
 
     @property
     def store(self) -> ModelStore:
-        """What this node serves to peers (Manifest/Fetch)."""
+        """What this node serves to peers."""
         return self._loaded(self._store)
 
     @property
     def loaded_profile(self) -> ModelProfile:
-        """The profile, for callers that run after :meth:`load` (``profile`` is None before)."""
+        """The profile, for callers that run after :meth:`load`."""
         return self._loaded(self.profile)
 
     def _loaded(self, value: T | None) -> T:
@@ -106,15 +103,14 @@ class ModelFiles:
 
     @property
     def weights_local(self) -> bool:
-        """The configured model folder is complete (not metadata or a few layers from peers)."""
+        """The configured model folder is complete."""
         return read_marker(self.path) is None
 
     def holdings(self) -> tuple[Holding, ...]:
         return holdings_of(self.store)
 
     async def _from_peers(self, exc: Exception, model_id: str, holders: Holders, peer_models: Path) -> Path:
-        """Wait for a peer that holds the model (static peers, mDNS announcements naming it) and
-        fetch its small files."""
+        """Wait for a peer that holds the model and fetch its small files."""
         log.info("%s; asking peers for model %s", exc, model_id)
         try:
             async with holders(model_id) as candidates:
@@ -128,7 +124,7 @@ class ModelFiles:
 
     async def fetch_layers(self, start: int, end: int, peers: list[tuple[str, Any]]) -> Path:
         """A folder holding layers [start, end) this disk lacks, from ``peers`` or else the Hub."""
-        where = f"{len(peers)} peer(s)" if peers else "Hugging Face"  # (LayerSource: no peer -> the Hub)
+        where = f"{len(peers)} peer(s)" if peers else "Hugging Face"
         task = f"fetching layers {start}-{end - 1} of {self.model_id} from {where}"
         self._event("fetch", layers=[start, end], peers=[p for p, _ in peers])
         t0 = time.monotonic()
