@@ -136,16 +136,12 @@ def peer_view(peers, nid: str, info, me: bool, coordinator: bool) -> dict[str, A
 class NodeHooks:
     """What a test harness puts into a node (harness/hooked_node.py); a node run as a service has none."""
 
-    stream_hook: StreamHook | None = None  # every data-port stream to a stage here (meshnode.transport.hop)
+    stream_hook: StreamHook | None = None  # every data-port stream to a stage here
     drafters: Callable[[DrafterFactory], DrafterFactory] | None = None  # PlacementSettings.drafters
 
 
 class Node:
-    """Builds a node's parts, wires them, starts and stops them, and decides nothing itself: its
-    :class:`~meshnode.control.peers.Peers` (who the other nodes are), its
-    :class:`~meshnode.control.plane.ControlPlane` (heartbeats, election, plans), a
-    :class:`~meshnode.serving.served.ServedModel` per model it serves, and the servers: gRPC, HTTP,
-    the link echo and the data port."""
+    """Builds a node's parts, wires them, starts and stops them, and decides nothing itself."""
 
     def __init__(self, settings: Settings, hooks: NodeHooks | None = None):
         hooks = hooks or NodeHooks()
@@ -154,7 +150,7 @@ class Node:
         self.node_id = load_or_create_node_id(settings.resolved_state_dir(), settings.node_id)
         self.cluster_id = derive_cluster_id(settings.cluster_key)
         self.auth = ClusterAuth(settings.cluster_key)  # every gRPC call in and out is signed
-        # encrypt: mutual TLS with a certificate derived from the cluster key (meshnode/trust/tls.py)
+        # encrypt: mutual TLS with a certificate derived from the cluster key
         self.tls = tls.derive_identity(settings.cluster_key) if settings.encrypt else None
         if not settings.authenticate:
             log.warning("authenticate = false: gRPC calls are not signed (tests and benchmarks only)")
@@ -164,13 +160,13 @@ class Node:
         self.memory_budget = sysinfo.memory_budget(settings)
         sysinfo.use_recommended_wired_limit()
         self.scheduler = TokenScheduler()
-        self.metrics = NodeMetrics(epoch=lambda: self.epoch,  # GET /metrics, and figures in /v1/mesh
+        self.metrics = NodeMetrics(epoch=lambda: self.epoch,  # GET /metrics
                                    unreachable=lambda: len(self.peers.reach.unreachable()))
-        self.progress = Progress()  # model loading: a bar on a terminal, `progress` in /v1/mesh
-        self.measuring: str | None = None  # what of its machine it times meanwhile (requests run slower)
+        self.progress = Progress()  # model loading
+        self.measuring: str | None = None  # what it times now (requests run slower)
         self.events = EventLog(self.metrics)
         self.peers = Peers(PeerSettings.of(settings), self.node_id, self.auth, self.tls)
-        # Every model this node serves is a lane (meshnode.control.lanes), sharing one store of held models.
+        # Every model this node serves is a lane, sharing one store of held models.
         store = ModelStore(settings.resolved_cache_dir() / "peer-models")
         serving, planning = ServingSettings.of(settings), PlanSettings.of(settings)
         if hooks.drafters is not None:
@@ -189,7 +185,7 @@ class Node:
 
         self._offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
         self.lanes = Lanes(lane, self._offers.offered(settings.offered_models()), frozenset(self._offers.withdrawn))
-        self.served = self.lanes.primary.served  # the first model's (a single-model mesh's only one)
+        self.served = self.lanes.primary.served  # the first model's
         self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at,
                                     self.peers, self.lanes, event=self.events, holders=self._holders)
         self.router = StageRouter(self._stage_server_of, self.scheduler.run_here, stream_hook=hooks.stream_hook)
@@ -198,7 +194,7 @@ class Node:
         self._grpc = None
         self._http: web.AppRunner | None = None
         self._echo: EchoServer | None = None  # lets peers time the network without the RPC stack
-        self._data: DataServer | None = None  # activations in bare TCP frames (meshnode.transport.dataport)
+        self._data: DataServer | None = None  # activations in bare TCP frames
         self._tasks: list[asyncio.Task] = []
         self._stopping = threading.Event()  # set by stop(): work in threads ends early
 
@@ -270,8 +266,7 @@ class Node:
         return self.served.serving_ready()
 
     async def _load_draft(self) -> None:
-        """The first model's draft model for speculative decoding (its weights count against this
-        node's memory); one that cannot serve is logged, and requests decode without it."""
+        """The first model's draft model; one that cannot serve is logged, and requests decode without it."""
         name, served = self.settings.draft_model, self.served
         if not name:
             log.error('speculative = "draft_model" needs draft_model (a folder or a Hub id); speculation is off')
@@ -354,8 +349,7 @@ class Node:
             default=0.0)) >= limit else 0.0
 
     def _announced_addresses(self) -> tuple[str, ...]:
-        """Where peers can reach this node: the bind address if it is a specific one, else every
-        address of the machine."""
+        """Where peers can reach this node: a specific bind address, else every address of the machine."""
         if self.settings.host not in ("0.0.0.0", "::", ""):
             return (self.settings.host,)
         return local_addresses() or ("127.0.0.1",)
@@ -401,12 +395,11 @@ class Node:
             refusal = not_served(request.model)
             await context.abort(refusal.code, str(refusal))
         async with contextlib.aclosing(serve_generate(lane.served, request, context, lane.adoption.epoch)) as replies:
-            async for reply in replies:  # closed in turn when this stream is (serve_generate's end)
+            async for reply in replies:  # closed in turn when this stream is
                 yield reply
 
     async def _measure_collectives(self, me: NodeInfo) -> None:
-        """Time a layer split two ways over a loopback ring here (cached), so the planner prices
-        tensor groups; announced with the next heartbeat. ``me``: what this node announced at start."""
+        """Time a layer split two ways over a loopback ring here (cached), so the planner prices tensor groups."""
         files, profile = self.served.files, self.served.files.loaded_profile
         self.measuring = "a layer split two ways (what tensor parallelism costs here)"
         try:

@@ -29,27 +29,26 @@ log = logging.getLogger(__name__)
 
 
 class Peers:
-    """What this node knows of the mesh around it: who is alive (membership), which announced peers
-    never answer (reachability), what each link measures, and one signed (with ``encrypt``, TLS)
-    gRPC channel per address. Everything that talks to a peer asks it for a channel."""
+    """What this node knows of the mesh: who is alive, which peers never answer, what each link measures,
+    and one signed gRPC channel per address, which everything that talks to a peer asks for."""
 
     def __init__(self, settings: PeerSettings, node_id: str, auth: ClusterAuth, identity=None):
         self.settings, self.node_id, self.auth, self.tls = settings, node_id, auth, identity
         self.me: NodeInfo | None = None
-        self.membership: Membership | None = None  # from start(): it needs this node's own figures
+        self.membership: Membership | None = None  # from start()
         self.static_targets = list(settings.peers)
         # Peers mDNS announces but heartbeats never reach (macOS Local Network privacy, a firewall).
         self.reach = Reachability(grace=max(10.0, 5 * settings.failure_timeout))
         self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
         self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
-        self.data_port_open = False  # this node sends activations in bare TCP frames (the data port)
+        self.data_port_open = False
         self.stalled_for: Callable[[], float] = lambda: 0.0  # this node's own stall (announced)
         self._said_stalled = False
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     @property
     def members(self) -> Membership:
-        """The membership, made by :meth:`start` (before the control loop and the heartbeats run)."""
+        """The membership, made by :meth:`start`."""
         if self.membership is None:
             raise RuntimeError("the peers are not started yet")
         return self.membership
@@ -63,7 +62,7 @@ class Peers:
             await channel.close()
 
     def update_me(self, **changes) -> NodeInfo:
-        """Change what this node announces (sent with the next heartbeats); returns it, changed."""
+        """Change what this node announces with the next heartbeats; returns it, changed."""
         assert self.me is not None, "the peers are started"
         self.me = dataclasses.replace(self.me, **changes)
         if self.membership is not None:
@@ -97,7 +96,7 @@ class Peers:
             and not self.stalled(node_id)
 
     def stalled(self, node_id: str) -> bool:
-        """The node says one of its model steps has run past stall_timeout (its heartbeats go on)."""
+        """The node says one of its model steps has run past stall_timeout."""
         if node_id == self.node_id:
             return self.stalled_for() > 0
         peer = self.membership.peers.get(node_id) if self.membership is not None else None
@@ -112,7 +111,7 @@ class Peers:
 
         def candidates():
             found = [(t, self.channel_to(t)) for t in self.static_targets]
-            if self.membership is not None:  # a running node: its live peers (a model one of them offers)
+            if self.membership is not None:  # a running node: its live peers
                 found[:0] = [(nid, self.channel_to(p.target))
                              for nid, p in sorted(self.membership.alive_peers().items())
                              if model_id in p.info.models or any(h[0] == model_id for h in p.info.holdings)]
@@ -132,7 +131,7 @@ class Peers:
         return {m for info in self.alive_infos().values() for m in info.models}
 
     def plan_error_of(self, model_id: str) -> str:
-        """Why no plan of ``model_id`` fits, as a live peer (its coordinator) announces it; "" if none does."""
+        """Why no plan of ``model_id`` fits, as a live peer announces it; "" if none does."""
         if self.membership is None:
             return ""
         return next((e for p in self.membership.alive_peers().values() if (e := p.plan_errors.get(model_id))), "")
@@ -157,8 +156,7 @@ class Peers:
         if channel is None:
             options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
                        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
-                       # A peer that was unreachable (link down, restarting) is tried again within a
-                       # second, not after gRPC's default backoff of up to two minutes.
+                       # Retry an unreachable peer within a second, not gRPC's default of up to two minutes.
                        ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                        ("grpc.max_reconnect_backoff_ms", 1000)]
             if self.tls:
@@ -202,7 +200,7 @@ class Peers:
         return out
 
     def link_specs(self, members) -> dict[tuple[str, str], LinkSpec]:
-        """The planner's links: each pair's fastest path, its round trip and the RPC stack's overhead."""
+        """The planner's links: each pair's fastest path."""
         return {tuple(sorted(pair)): LinkSpec(rtt_s=stat.rtt_us * 1e-6, bandwidth_Bps=stat.bandwidth,
                                               overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6)
                 for pair, (_, stat) in best_paths(self.measured(), members).items()}

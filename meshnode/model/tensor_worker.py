@@ -1,8 +1,7 @@
-"""The worker process of a tensor-parallel group (see meshnode.model.tensor for the design).
+"""The worker process of a tensor-parallel group (see meshnode.model.tensor).
 
-Each member forms the ``mx.distributed`` group, loads its share of the layers and runs commands in
-lockstep; rank 0 relays its node's commands (forward steps, prompt-cache keeps and resumes) to the
-others. Started only by :class:`~meshnode.model.tensor.TensorShard`.
+Each member loads its share of the layers and runs commands in lockstep; rank 0 relays its node's
+commands to the others.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME = 512 * 2**20
 _OP_FORWARD, _OP_CLOSE, _OP_KEEP, _OP_RESUME, _OP_FORGET, _OP_REWIND = 1, 2, 3, 4, 5, 6
-_ALL_POSITIONS = 1  # a FORWARD's flags (the control frame's pad byte): the last stage answers every position
+_ALL_POSITIONS = 1  # a FORWARD's flag: the last stage answers every position
 # The prompt cache's commands: (proto op, control op); dims[0] carries the prefix, dims[1] positions.
 _PREFIX_OPS = {mesh_pb2.WorkerCommand.KEEP: _OP_KEEP, mesh_pb2.WorkerCommand.RESUME: _OP_RESUME,
                mesh_pb2.WorkerCommand.FORGET: _OP_FORGET}
@@ -86,8 +85,7 @@ def read_frame(stream: BinaryIO, cls):
 
 
 class _Worker:
-    """Runs the shard on every rank in lockstep; rank 0 takes commands from its node and hands
-    each one to the other ranks over the group's control connections before running it."""
+    """Runs the shard on every rank in lockstep; rank 0 relays its node's commands to the other ranks."""
 
     def __init__(self, shard, group, peers: list[socket.socket]):
         self.shard = shard
@@ -154,14 +152,13 @@ class _Worker:
             peer.sendall(frame)
 
     def watch_members(self) -> None:
-        """Rank 0: followers never write after their hello, so a readable control connection means a
-        follower's worker went and the ring is broken; exit at once so the node forms the group
-        again. An idle group sends no commands, so :meth:`lead` alone would never notice."""
+        """Rank 0: followers never write after their hello, so a readable control connection means the
+        ring is broken; exit at once. An idle group sends no commands, so :meth:`lead` would not notice."""
         if not self.peers:
             return
         readable, _, _ = select.select(self.peers, [], [])
         rank = 1 + self.peers.index(readable[0])
-        # A warning, not an error: when a plan retires the group, a member's node may just close first.
+        # A warning: when a plan retires the group, a member's node may just close first.
         log.warning("rank %d's worker left the group; stopping", rank)
         os._exit(1)
 
