@@ -126,8 +126,10 @@ class PrefixStore:
         self._dropped(dropped)
 
     # -- keeping and resuming
-    def keep(self, layers: Layers, key: str, cache: list[Any], positions: int) -> bool:
-        """Keep ``cache`` (a finished request's) cut to ``positions``."""
+    def keep(self, layers: Layers, key: str, cache: list[Any], positions: int,
+             parent: tuple[str, int] | None = None) -> bool:
+        """Keep ``cache`` (a finished request's) cut to ``positions``; ``parent``: the kept prefix
+        it started from, if not marked on it (:class:`Resumed`)."""
         if positions <= 0 or positions > self.capacity:
             return False
         elsewhere = getattr(cache, "keep_as_prefix", None)
@@ -141,7 +143,8 @@ class PrefixStore:
             log.debug("not keeping %s for layers %s: %s", key, layers, why)
             return False
         if self.disk is not None and not isinstance(cache, KeptElsewhere):
-            self.disk.keep(key, layers, cache[layers[0] : layers[1]], positions, getattr(cache, "resumed_from", None))
+            parent = parent or getattr(cache, "resumed_from", None)
+            self.disk.keep(key, layers, cache[layers[0] : layers[1]], positions, parent)
         with self._lock:
             kept = self._kept.setdefault(layers, OrderedDict())
             kept.pop(key, None)
