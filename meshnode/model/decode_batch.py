@@ -1,4 +1,4 @@
-"""Decoding requests at one stage run as one batched forward (continuous batching across stages).
+"""Decoding requests at one stage run as one batched forward.
 
 Caches stay merged in mlx-lm's batch caches between steps, so the KV is not copied while members
 stay. Membership follows each step's list, so no join or leave message can be lost; before a member
@@ -24,7 +24,7 @@ class Member(Protocol):
 
 
 def take_back(member: Member) -> None:
-    """``member``'s cache out of the batch holding it, if any (before it runs alone or ends)."""
+    """``member``'s cache out of the batch holding it, if any."""
     if member.batch is not None:
         member.batch.release(member)
 
@@ -38,7 +38,7 @@ def cache_of(member: Member) -> list[Any]:
 
 
 def _aliases(cache: list[Any]) -> list[int]:
-    """For each layer, the first layer holding the same cache object (a shard's list has aliases)."""
+    """For each layer, the first layer holding the same cache object."""
     first: dict[int, int] = {}
     return [first.setdefault(id(c), i) for i, c in enumerate(cache)]
 
@@ -49,7 +49,7 @@ def batchable_cache(cache: list[Any]) -> bool:
 
 
 def batchable_shard(shard: Any) -> bool:
-    """Whether a stage's requests can step in a batch here (a plain shard with batchable caches)."""
+    """Whether a stage's requests can step in a batch here."""
     return isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())
 
 
@@ -82,7 +82,7 @@ class DecodeBatch:
 
     @property
     def cache(self) -> list[Any] | None:
-        """The batch's per-layer caches (rows in :meth:`follow`'s order), for the stage's forward."""
+        """The batch's per-layer caches, rows in :meth:`follow`'s order."""
         return self._cache
 
     def follow(self, members: Sequence[Member]) -> list[Any]:
@@ -106,7 +106,7 @@ class DecodeBatch:
         return self._held()[0]
 
     def release(self, member: Member) -> None:
-        """Take ``member`` out of the batch, its cache extracted back to it (no-op if not in it)."""
+        """Take ``member`` out of the batch, its cache extracted back to it."""
         with self.lock, mx.stream(any_thread_stream()):
             self._release(member)
 
@@ -131,7 +131,7 @@ class DecodeBatch:
         return next(i for i, m in enumerate(self._members) if m is member)
 
     def _held(self) -> tuple[list[Any], list[int]]:
-        """The merged caches and which layer's cache each layer uses (set once a member joined)."""
+        """The merged caches and which layer's cache each layer uses."""
         assert self._cache is not None and self._alias is not None, "the batch holds a member"
         return self._cache, self._alias
 

@@ -95,7 +95,7 @@ class _Absent(nn.Module):
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """The module that owns embed_tokens / layers / norm (``model.model`` for most families)."""
+    """The module that owns embed_tokens / layers / norm."""
     for name in ("model", "language_model", "transformer"):
         sub = getattr(model, name, None)
         if isinstance(sub, nn.Module) and hasattr(sub, "embed_tokens"):
@@ -151,7 +151,7 @@ def _return_arity(layer: nn.Module) -> int:
 
 
 def _private_arrays(module: nn.Module) -> list[mx.array]:
-    """Every array held by ``module`` and its sub-modules outside their parameters (``_freqs``, ...)."""
+    """Every array held by ``module`` and its sub-modules outside their parameters."""
     found: list[mx.array] = []
     for _, sub in module.named_modules():
         for key, value in [*sub.items(), *vars(sub).items()]:  # an nn.Module keeps arrays as dict items
@@ -189,7 +189,7 @@ def _check_split(config: dict[str, Any], start: int, end: int, num_layers: int) 
                          f"allowed boundaries: {sorted(allowed)}")
 
 
-# --- Folders holding only some layers' tensors (written by meshnode.weights.transfer) -------------
+# --- Folders holding only some layers' tensors ---
 
 
 def _is_partial(model_path: Path) -> bool:
@@ -261,8 +261,8 @@ class Shard:
         model, config = load_model(model_path, lazy=True, strict=not partial)
         try:
             inner = _inner(model)
-            layers = inner.layers  # the list itself: model.layers may be a copy (pipeline_layers)
-        except ValueError:  # another layout (gpt2's wte and h, ...): only ever run whole
+            layers = inner.layers  # the list itself: model.layers may be a copy
+        except ValueError:  # another layout: only ever run whole
             if not isinstance(getattr(model, "layers", None), list):
                 raise
             inner, layers = None, model.layers
@@ -280,7 +280,7 @@ class Shard:
         self._slot = threading.local()
         self._lock = threading.Lock()
 
-        # Caches of the whole model, to learn each layer's cache kind (full, sliding, ...).
+        # Caches of the whole model, to learn each layer's cache kind.
         self._cache_template = make_prompt_cache(model)
         # The plan's kv_bits (0: off), and why this model cannot quantize its KV ("": it can).
         self.kv_bits = 0
@@ -319,7 +319,7 @@ class Shard:
         if group is not None and group.size() > 1:
             _shard_layers(model, inner, start, end, group)
         self.group_size = group.size() if group is not None else 1
-        # Read the remaining tensors, layer by layer (``progress(done, total)``), then the rest.
+        # Read the remaining tensors, layer by layer, then the rest.
         for k, i in enumerate(range(start, end)):
             mx.eval(layers[i].parameters())
             if progress is not None:
@@ -364,7 +364,7 @@ class Shard:
 
     @property
     def rewind_limit(self) -> tuple[int | None, str]:
-        """How far a request's cache can be cut back (meshnode.model.rewind.rewind_limit)."""
+        """How far a request's cache can be cut back."""
         return rewind_limit(self.cache_template())
 
     def make_cache(self, owned: list[Any] | None = None) -> list[Any]:
@@ -385,7 +385,7 @@ class Shard:
         return caches
 
     def owned(self, cache: list[Any]) -> list[Any]:
-        """The caches of this shard's own layers (what holds memory for a request)."""
+        """The caches of this shard's own layers."""
         return cache[self.spec.start : self.spec.end]
 
     def build_ahead(self, cache: list[Any]) -> tuple[Placeholder, mx.array] | None:

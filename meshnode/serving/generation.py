@@ -45,7 +45,7 @@ StageSession: TypeAlias = "LocalSession | StageStream"
 
 
 class StageHandle(Protocol):
-    """A stage of a placement: LocalStage, or meshnode.transport.stage.RemoteStage."""
+    """A stage of a placement: LocalStage or RemoteStage."""
 
     start: int
     end: int
@@ -55,7 +55,7 @@ class StageHandle(Protocol):
 
 
 class StepBatcher(Protocol):
-    """A placement's batched decode steps (meshnode.serving.step_batch.StepBatcher)."""
+    """A placement's batched decode steps."""
 
     def decoding(self, model: PipelineModel) -> None: ...
 
@@ -114,7 +114,7 @@ class LocalSession:
 
     @property
     def placeholder(self) -> Placeholder:
-        """The input of the step :meth:`prepare` built: the stage before writes its reply here."""
+        """The input of the step :meth:`prepare` built."""
         assert self._prepared is not None, "prepare() built a step"
         return self._prepared[0]
 
@@ -347,7 +347,7 @@ def generate_tokens(
     """
     sampler = make_request_sampler(params)
     produced: list[int] = []
-    finished = False  # to the end, or stopped by its consumer: the stages hold what was fed
+    finished = False  # to the end, or stopped by its consumer
     try:
         ids = list(prompt)
         cache = None
@@ -460,7 +460,7 @@ class PipelineSource:
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         index = self._prefixes
-        # A previous turn whose answer is complete may still be keeping the prefix this one resumes.
+        # A previous turn may still be keeping the prefix this one resumes.
         resume = await index.settled_match(prompt) if index is not None else None
         scheduler = self._scheduler
         missed = False

@@ -1,7 +1,6 @@
 """A served model's files: where its metadata and layers come from, and what they say of it.
 
-A node lacking the model asks peers for its small files first, to profile it and load its
-tokenizer before it announces itself; a stage's layers come from disk, peers or the Hub.
+A node lacking the model asks peers for its small files first; layers come from disk, peers or the Hub.
 """
 
 from __future__ import annotations
