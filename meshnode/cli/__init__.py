@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _SecretFilter(logging.Filter):
-    """Replaces the literal text of secrets in every log record (belt and braces: code never logs them)."""
+    """Replaces the literal text of secrets in every log record (code never logs them: belt and braces)."""
 
     def __init__(self, secrets: Sequence[str]):
         super().__init__()

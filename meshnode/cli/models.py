@@ -1,8 +1,6 @@
 """``meshnode models``: what a running node offers (several models on one mesh).
 
-``list`` prints every model the mesh serves and its state; ``add`` and ``remove`` change what the
-node offers (POST /v1/admin/models: kept across restarts; the mesh serves every model a live node
-offers). Standard library only, like ``meshnode status``.
+``add`` and ``remove`` change what the node offers, kept across restarts. Standard library only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Asking a running node from the command line (``meshnode status``, ``meshnode plan --url``):
-where its HTTP API is (the settings it runs with, the installed service's config file) and one
-JSON GET. Standard library only, so these commands start fast.
+"""Asking a running node from the command line: where its HTTP API is, and one JSON call.
+
+Standard library only, so these commands start fast.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ DEFAULT_STATUS_URL = "http://127.0.0.1:8470"
 
 
 def fetch_json(url: str, timeout: float, api_key: str | None, body: Any = None) -> tuple[int, Any]:
-    """(HTTP status, parsed JSON body or None): a GET, or a POST of ``body`` as JSON. Raises
-    URLError/OSError when nothing answered."""
+    """(HTTP status, parsed JSON body or None); raises URLError/OSError when nothing answered."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Accept": "application/json",
                                                               "Content-Type": "application/json"})
@@ -37,8 +36,7 @@ def fetch_json(url: str, timeout: float, api_key: str | None, body: Any = None) 
 
 
 def service_config() -> Path | None:
-    """The config file of the installed service (``meshnode install``): per-user first, then the
-    system's, whichever exists and can be read; None when there is none."""
+    """The installed service's config file: per-user first, then the system's; None when there is none."""
     from meshnode import service
 
     for system in (False, True):
@@ -52,8 +50,7 @@ def service_config() -> Path | None:
 
 
 def default_status_url(config: Path | None = None) -> tuple[str, str | None]:
-    """(URL, api key) from the settings the node runs with: ``config``, else $MESHNODE_CONFIG,
-    else the installed service's config file, and the environment; the defaults if unreadable."""
+    """(URL, api key) from ``config``, else $MESHNODE_CONFIG, else the installed service's config file."""
     if config is None and not os.environ.get("MESHNODE_CONFIG"):
         config = service_config()
     try:

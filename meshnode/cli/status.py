@@ -1,10 +1,7 @@
 """``meshnode status``: a node's ``GET /v1/mesh`` document for a person, and its exit status.
 
-Healthy means: the node serves (``healthy`` in the document: it has a plan that is loaded
-everywhere) and every peer that mDNS announces answers (``unreachable`` is empty). Anything else
+Healthy means: the node's plan is loaded everywhere and every announced peer answers. Anything else
 is explained on a ``health`` line, so the exit status and the text always agree.
-
-Light imports only (``meshnode status`` must start fast).
 """
 
 from __future__ import annotations
@@ -96,7 +93,7 @@ def format_status(data: dict[str, Any]) -> str:
     if data.get("plan_error"):
         lines.append(f"plan error   {data['plan_error']}")
     models = data.get("models") or []
-    if len(models) > 1:  # several models on one mesh: each with its own plan (`meshnode models list`)
+    if len(models) > 1:  # several models on one mesh: each with its own plan
         for i, m in enumerate(models):
             if not isinstance(m, dict):
                 continue

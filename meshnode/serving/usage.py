@@ -1,5 +1,4 @@
-"""Requests for one model at this node: counted (announced in heartbeats, meshnode.control.demand)
-and, for a model loaded on demand, held until the mesh has loaded it."""
+"""Requests for one model at this node: counted, and for a model loaded on demand held until it is loaded."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class UseCounter:
 
 
 class CountedSource:
-    """A model's token source (meshnode.serving.resilience.FailoverSource) with each generation
-    counted, and held first while the model is unloaded or loading for the requests waiting on it."""
+    """A model's token source with each generation counted, and held while the model is not loaded."""
 
     def __init__(self, source, counter: UseCounter, *, on_demand: Callable[[], bool], loaded: Callable[[], bool],
                  deadline: Callable[[], float], give_up: Callable[[BaseException], BaseException], model: str):
