@@ -206,10 +206,10 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
             assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (h.name, hits, reused)
         if transport != "tcp":
             return
-        # The stage that is not the head forgets what it kept (restarted): the head's next turn
-        # misses there, runs the whole prompt, and answers all the same.
+        # The stage that is not the head forgets what it kept (restarted, its disk cache off): the
+        # head's next turn misses there, runs the whole prompt, and answers all the same.
         cluster.mesh.stop(cluster.procs.pop(other.name))
-        cluster.start(other, int(total * 0.6), env=env)
+        cluster.start(other, int(total * 0.6), env={**env, "MESHNODE_PROMPT_CACHE_DISK": "0"})
         cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "the restarted node back")
         again = in_ns(cluster.client, CHAT, f"http://{head.ip}:{HTTP}", model.name, json.dumps(TURNS[:2]),
                       timeout=300)
