@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,14 +48,17 @@ url, model, messages = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 print(json.dumps(stream_chat(url, model, messages, MAX_TOKENS)))
 '''.replace("MAX_TOKENS", str(MAX_TOKENS))
 
-# argv: the /metrics URLs; prints the bytes each node has written to its prompt cache on disk
-WRITTEN = r'''
+# argv: the /metrics URLs; prints, summed over the nodes, the bytes written to the prompt cache on
+# disk and the positions read back from it
+DISK = r'''
 import json, sys, urllib.request
-out = []
+names = ("meshnode_prompt_cache_disk_written_bytes_total ", "meshnode_prompt_cache_disk_tokens_total ")
+out = [0, 0]
 for url in sys.argv[1:]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out.append(sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                   if l.startswith("meshnode_prompt_cache_disk_written_bytes_total ")))
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        for i, name in enumerate(names):
+            if line.startswith(name):
+                out[i] += float(line.rsplit(" ", 1)[1])
 print(json.dumps(out))
 '''
 
@@ -96,9 +100,9 @@ class Server:
 
     def stop(self) -> None: ...
 
-    def written(self) -> int:
-        """Bytes its nodes have written to the prompt cache on disk so far."""
-        return 0
+    def disk(self) -> tuple[int, int]:
+        """Bytes its nodes have written to the prompt cache on disk so far, and positions read back."""
+        return 0, 0
 
 
 class MlxLmServer(Server):
@@ -135,8 +139,9 @@ class OneNode(Server):
     def stop(self) -> None:
         stop(self.proc)
 
-    def written(self) -> int:
-        return int(sum(in_ns(None, WRITTEN, self.url + "/metrics")))
+    def disk(self) -> tuple[int, int]:
+        written, read = in_ns(None, DISK, self.url + "/metrics")
+        return int(written), int(read)
 
 
 class TwoStages(Server):
@@ -178,41 +183,47 @@ class TwoStages(Server):
             stop(proc)
         self.procs = []
 
-    def written(self) -> int:
-        return int(sum(in_ns(self.client, WRITTEN, *[f"http://{h.ip}:8470/metrics" for h in self.hosts])))
+    def disk(self) -> tuple[int, int]:
+        written, read = in_ns(self.client, DISK, *[f"http://{h.ip}:8470/metrics" for h in self.hosts])
+        return int(written), int(read)
 
 
 def session(server: Server, model: Path, system: str, users: list[str], others: list[str]) -> dict:
-    """The session's turns on ``server``: each turn's time to first token, answer and disk bytes."""
+    """The session's turns on ``server``: each turn's time to first token and answer, the bytes
+    written to disk for it (its keep included: counted up to the next turn) and the positions its
+    stages read back from disk."""
     name = str(model) if isinstance(server, MlxLmServer) else model.name
     messages = [{"role": "system", "content": system}]
-    ttft, answers, written = [], [], []
+    ttft, answers, written, read = [], [], [], []
     server.start()
     try:
-        before = server.written()
+        mark = (0, 0)
         for turn, user in enumerate(users, start=1):
+            if turn > 1:
+                time.sleep(1)  # the last turn's keep is written meanwhile
+                written[-1] += server.disk()[0] - mark[0]
             if turn == RESTART_AFTER + 1:
                 server.stop()
                 server.start()
-                before = server.written()
             if turn == OTHERS_AFTER + 1:
                 for other in others:
                     in_ns(server.client, ASK, server.url, name, json.dumps([{"role": "user", "content": other}]),
                           timeout=1800)
-                before = server.written()
+            mark = server.disk()
             messages.append({"role": "user", "content": user})
             first, _, text = in_ns(server.client, ASK, server.url, name, json.dumps(messages), timeout=1800)
             messages.append({"role": "assistant", "content": text})
-            after = server.written()
             ttft.append(first)
             answers.append(text)
-            written.append(after - before)
-            before = after
-            print(f"  turn {turn}: {first * 1000:.0f} ms to the first token, {written[-1] / 1e6:.1f} MB written",
+            read.append(server.disk()[1] - mark[1])
+            written.append(0)
+            print(f"  turn {turn}: {first * 1000:.0f} ms to the first token, {read[-1]} positions from disk",
                   flush=True)
+        time.sleep(1)
+        written[-1] += server.disk()[0] - mark[0]
     finally:
         server.stop()
-    return {"ttft": ttft, "answers": answers, "written": written}
+    return {"ttft": ttft, "answers": answers, "written": written, "read_from_disk": read}
 
 
 @contextlib.contextmanager
@@ -264,7 +275,8 @@ def main() -> int:
             for turn in (5, 7):
                 print(f"    turn {turn}: {t[turn - 1] / t[3]:.2f}x its turn 4 (from memory; goal <= 1.5x), "
                       f"{t[turn - 1] / cold:.3f}x mlx_lm.server's cold turn 5 (goal <= 0.2x)")
-            print(f"    disk written per turn (MB): {' '.join(f'{w / 1e6:.1f}' for w in r['written'])}")
+            print(f"    disk written per turn (MB): {' '.join(f'{w / 1e6:.1f}' for w in r['written'])}; "
+                  f"positions read from disk per turn: {' '.join(map(str, r['read_from_disk']))}")
     if args.json:
         args.json.write_text(json.dumps({"model": MODEL, "device": mlx_device(), "args": vars(args) | {
             "cache": str(args.cache), "json": str(args.json)}, "runs": runs}, indent=1))
