@@ -16,6 +16,8 @@ What the head measures:
   passes against a lone pass's traversal, the lower median of the last WINDOW measures with the
   prior 1 / stages standing in for those not made (so a stall or two does not rule filling out).
   About 1 / stages where stages compute at once, near 1 where they cannot (two nodes on one device).
+  A measure lapses after WINDOW * REMEASURE passes (counted per placement): where the share rules
+  filling out nothing measures it, so the prior comes back and passes behind measure it again.
 
 What it chooses from them:
 
@@ -28,16 +30,15 @@ What it chooses from them:
   wait for a hop, about MIN_GAIN of a step, and a cancelled one costs it a whole step: it goes
   where q * MIN_GAIN >= 1 - q.
 - Where nothing pays, the request pauses: plain steps, which the stages build ahead. Then a probe
-  measures the acceptance again: one guess inside a pass or, where passes may go behind and there
-  are stages to fill, one guess in a pass behind a plain one (which measures the filled share too).
-  A pause lasts :data:`REMEASURE` steps, twice as long each time until a guess is confirmed.
+  measures the acceptance again: one guess in a pass behind a plain one where passes fill the
+  pipeline, else one guess inside a pass (which times that size again). A pause lasts
+  :data:`REMEASURE` steps, twice as long each time until a guess is confirmed.
 - A drafter that finds nothing :data:`DRY_RUN` times in a row (once, right after a pause) pauses the
   request the same way. Such a pause ends after one more step where the drafter has a guess again;
   a free drafter (prompt lookup) is asked at every token of it.
-- Every REMEASURE-th pass chosen on the estimates (counted per placement, since a short request
-  makes few) measures what the others cannot. Where passes fill the pipeline none is timed, so it
-  goes alone to be timed: in turn the size in use, a plain step and one guess longer. Where the
-  filled share rules filling out nothing measures it, so a plain pass goes with one behind it.
+- Where passes fill the pipeline none is timed, so every REMEASURE-th pass (counted per placement,
+  since a short request makes few) goes alone to be timed: in turn the size in use, a plain step
+  and one guess longer.
 
 Pure logic; the passes run in meshnode.serving.speculative.
 """
@@ -60,12 +61,12 @@ MIN_GAIN = 0.02  # the least gain, as a share of a step, worth a risk
 # What the pass the request chooses next is for, beyond the estimates' choice.
 PROBE = "probe"  # a pause ended: measure the acceptance
 ALONE = "alone"  # timed alone: nothing goes behind it
-BEHIND = "behind"  # a pass goes behind it (a probe, or measuring the filled share), until a guess is checked
+BEHIND = "behind"  # a probe: a pass goes behind it, until a pass that checked a guess comes back
 
 
 class PassCosts:
     """What a pass through a placement's stages costs by its positions (plain steps are one), the
-    filled share, and the passes chosen on the estimates; shared by the placement's requests."""
+    filled share, and the count of passes chosen; shared by the placement's requests."""
 
     def __init__(self, one: float | None = None, extra: float | None = None, share: float | None = None):
         """``one``, ``extra``, ``share``: a starting fit (tests)."""
@@ -73,8 +74,10 @@ class PassCosts:
         self._steps: deque[float] = deque(maxlen=WINDOW)  # one-position passes' seconds
         self._relative: dict[int, deque[float]] = {}  # positions -> recent passes' times in steps
         self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (from a size's second pass)
-        self._shares: deque[float] = deque([share] * WINDOW if share is not None else (), maxlen=WINDOW)
-        self._chosen = 0  # passes chosen on the estimates
+        # (passes counted when measured, share)
+        self._shares: deque[tuple[int, float]] = deque([(0, share)] * WINDOW if share is not None else (),
+                                                       maxlen=WINDOW)
+        self._passes = 0  # passes chosen
         if one is not None:
             self._keep(1, one)
             if extra is not None:
@@ -144,12 +147,11 @@ class PassCosts:
             times = self._times.get(positions)
             return statistics.median(times) if times else None
 
-    def remeasure_turn(self) -> int | None:
-        """A pass is chosen on the estimates: every :data:`REMEASURE`-th time, how many such turns
-        came before (picks what is measured); else None."""
+    def count_pass(self) -> int:
+        """A pass is chosen: how many were, this one included."""
         with self._lock:
-            self._chosen += 1
-            return self._chosen // REMEASURE - 1 if self._chosen % REMEASURE == 0 else None
+            self._passes += 1
+            return self._passes
 
     def observe_filled(self, positions: int, seconds: float) -> None:
         """A pass of ``positions`` came out ``seconds`` after the one ahead of it in a full pipeline."""
@@ -157,21 +159,25 @@ class PassCosts:
         if traversal is None or traversal <= 0:
             return
         with self._lock:
-            self._shares.append(seconds / traversal)
+            self._shares.append((self._passes, seconds / traversal))
         mark("spec.share")
+
+    def _current_shares(self) -> list[float]:
+        """The measures of the share that have not lapsed."""
+        with self._lock:
+            return [share for at, share in self._shares if self._passes - at < WINDOW * REMEASURE]
 
     @property
     def measured_share(self) -> float | None:
-        """The lower median of the recent measures (None: none yet)."""
-        with self._lock:
-            return statistics.median_low(self._shares) if self._shares else None
+        """The lower median of the recent measures (None: none)."""
+        shares = self._current_shares()
+        return statistics.median_low(shares) if shares else None
 
     def filled_share(self, stages: int) -> float:
         """A full pipeline's time between passes against one pass's traversal: the lower median of
-        the last :data:`WINDOW` measures, the prior 1 / stages standing in for those not made yet (so
-        a stall or two does not rule filling out)."""
-        with self._lock:
-            shares = list(self._shares)
+        the last :data:`WINDOW` measures, the prior 1 / stages standing in for those not made or
+        lapsed."""
+        shares = self._current_shares()
         return statistics.median_low(shares + [1.0 / max(stages, 1)] * (WINDOW - len(shares)))
 
     def ratio(self) -> float:
@@ -212,27 +218,23 @@ class DraftLength:
         return self._hits / self._trials
 
     def choose(self) -> int:
+        passes = self.costs.count_pass()
         if self._next == ALONE:
             self._next = None
         if self._plain_left > 0:
             return 0
         if self._next == PROBE:
-            self._next = BEHIND if self.fills and self.stages > 1 else None
+            self._next = BEHIND if self.stages > 1 and self._filling() else None
             return 0 if self._next == BEHIND else 1
         one, extra = self.costs.fit()
         if extra is None:  # measure a step, then one guess, each alone
             self._next = ALONE
             return 0 if one is None else 1
         k = self._best()
-        if self.fills and (k > 0 or self.fill_ok(0)):
-            turn = self.costs.remeasure_turn()
-            if turn is not None and self._filling():
-                self._next = ALONE
-                sizes = list(dict.fromkeys((k, 0, k + 1)))
-                return min(sizes[turn % len(sizes)], self.k_max)
-            if turn is not None and self.stages > 1:
-                self._next = BEHIND
-                return 0
+        if passes % REMEASURE == 0 and (k > 0 or self.fill_ok(0)) and self._filling():
+            self._next = ALONE
+            sizes = list(dict.fromkeys((k, 0, k + 1)))
+            return min(sizes[(passes // REMEASURE - 1) % len(sizes)], self.k_max)
         if k == 0 and not self.fill_ok(0):
             self._start_pause()
         return k
