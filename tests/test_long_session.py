@@ -239,10 +239,12 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
             assert got["answer"] == expected["first"], cluster.logs()
             assert got["title"] == reference.answer(TITLE, 10) and got["tags"] == reference.answer(TAGS, 10), got
 
-            # 2. Back to three nodes; the next turn through the Anthropic API resumes the long prefix.
-            cluster.start(stage0, int(total * 0.6), env=ENV)
-            view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "the killed node back")
-            stages = [cluster.host(n) for n in stage_nodes(view[0])]
+            # 2. The next turn through the Anthropic API resumes the long prefix on both stages.
+            def without_victim() -> dict | None:
+                v = cluster.mesh_view(head)
+                return v if v["healthy"] and v["plan"] and stage0.name not in stage_nodes(v) else None
+
+            stages = [cluster.host(n) for n in stage_nodes(cluster.wait(without_victim, 120, "a plan without it"))]
             before = {h.name: prompt_cache_reuse(node_metrics(cluster, h))[1] for h in stages}
             history = first[1:] + [{"role": "assistant", "content": got["answer"]},
                                    {"role": "user", "content": "Now run the tests and say what failed."}]
@@ -253,7 +255,11 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
                 reused = prompt_cache_reuse(node_metrics(cluster, h))[1] - before[h.name]
                 assert reused > PROMPT_TOKENS - 2000, (h.name, reused, cluster.logs())
 
-            # 3. The first stage's node killed mid-decode of the turn after.
+            # 3. Back to three nodes (a re-plan may give a stage to the node that never kept the
+            # prefix: it prefills it); the first stage's node killed mid-decode of the turn after.
+            cluster.start(stage0, int(total * 0.6), env=ENV)
+            view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "the killed node back")
+            stages = [cluster.host(n) for n in stage_nodes(view[0])]
             following = [first[0], *history, {"role": "assistant", "content": answer},
                          {"role": "user", "content": "Which file failed first?"}]
             victim = cluster.procs[stages[0].name]
