@@ -47,8 +47,7 @@ class PrefixDisk:
         self.limit = int(limit)
         self._on_write = on_write
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._pending: dict[str, int] = {}  # key -> queued writes
-        self._pending_entries: dict[tuple[str, Layers], int] = {}
+        self._pending: dict[tuple[str, Layers], int] = {}  # entries queued for writing: how many writes
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="meshnode-prompt-disk", daemon=True)
         self._thread.start()
@@ -59,17 +58,17 @@ class PrefixDisk:
         """Queue the write of ``layers``' evaluated caches. With ``parent`` (key, positions) on disk,
         only the positions after it are written, as an entry naming it."""
         metadata = {"format": FORMAT, "key": key, "layers": f"{layers[0]},{layers[1]}", "positions": str(positions)}
-        if parent is not None and 0 < parent[1] < positions and self._extends(parent[0], layers) \
+        if parent is not None and 0 < parent[1] < positions and self.holds(parent[0], layers) \
                 and all(type(c) in SEGMENTS for c in caches):
             caches = [_after(c, parent[1]) for c in caches]  # on the caller's (MLX) thread
             mx.eval([c.state for c in caches])
             metadata.update(parent=parent[0], start=str(parent[1]))
-        self._queue_write(key, lambda: self._write_entry(key, layers, caches, metadata), layers)
+        self._queue_write(key, layers, lambda: self._write_entry(key, layers, caches, metadata))
 
-    def _extends(self, key: str, layers: Layers) -> bool:
+    def holds(self, key: str, layers: Layers) -> bool:
         """Whether ``key``'s entry for ``layers`` is on disk or queued (writes run in order)."""
         with self._lock:
-            if (key, layers) in self._pending_entries:
+            if (key, layers) in self._pending:
                 return True
         return self._entry(key, layers).is_file()
 
@@ -79,14 +78,7 @@ class PrefixDisk:
     def keep_tokens(self, key: str, tokens: Sequence[int]) -> None:
         """Queue the write of the tokens kept under ``key``."""
         array = np.asarray(tokens, dtype=np.int32)
-        self._queue_write(key, lambda: self._write_tokens(key, array))
-
-    def holds(self, key: str) -> bool:
-        """Whether ``key`` is on disk here or queued to be."""
-        with self._lock:
-            if key in self._pending:
-                return True
-        return (self.folder / key).is_dir()
+        self._queue.put(lambda: self._write_tokens(key, array))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every write queued so far; whether it was within ``timeout``."""
@@ -98,24 +90,19 @@ class PrefixDisk:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def _queue_write(self, key: str, write: Callable[[], None], layers: Layers | None = None) -> None:
+    def _queue_write(self, key: str, layers: Layers, write: Callable[[], None]) -> None:
+        entry = (key, layers)
         with self._lock:
-            self._pending[key] = self._pending.get(key, 0) + 1
-            if layers is not None:
-                self._pending_entries[(key, layers)] = self._pending_entries.get((key, layers), 0) + 1
+            self._pending[entry] = self._pending.get(entry, 0) + 1
 
         def run() -> None:
             try:
                 write()
             finally:
                 with self._lock:
-                    self._pending[key] -= 1
-                    if not self._pending[key]:
-                        del self._pending[key]
-                    if layers is not None:
-                        self._pending_entries[(key, layers)] -= 1
-                        if not self._pending_entries[(key, layers)]:
-                            del self._pending_entries[(key, layers)]
+                    self._pending[entry] -= 1
+                    if not self._pending[entry]:
+                        del self._pending[entry]
 
         self._queue.put(run)
 

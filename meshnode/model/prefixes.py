@@ -200,7 +200,7 @@ class PrefixStore:
     def forget(self, layers: Layers | None = None) -> None:
         """Drop every prefix kept for ``layers`` (or all)."""
         with self._lock:
-            dropped = [key for lr in ([layers] if layers is not None else list(self._kept))
+            dropped = [(lr, key) for lr in ([layers] if layers is not None else list(self._kept))
                        for key in self._kept.pop(lr, {})]
         self._dropped(dropped)
 
@@ -217,23 +217,24 @@ class PrefixStore:
         with self._lock:
             return list(self._kept.get(layers, {}))
 
-    def _dropped(self, keys: list[str]) -> None:
+    def _dropped(self, dropped: list[tuple[Layers, str]]) -> None:
+        """Tell ``on_drop`` of each (layers, key) given up here and not kept on disk either."""
         if self._on_drop is not None:
-            for key in keys:
-                if self.disk is None or not self.disk.holds(key):
+            for layers, key in dropped:
+                if self.disk is None or not self.disk.holds(key, layers):
                     self._on_drop(key)
 
-    def _fit(self, layers: Layers) -> list[str]:
-        """Give up least recently used prefixes of ``layers`` until all fits; their keys."""
+    def _fit(self, layers: Layers) -> list[tuple[Layers, str]]:
+        """Give up least recently used prefixes of ``layers`` until all fits; (layers, key) of each."""
         kept = self._kept.get(layers)
-        dropped: list[str] = []
+        dropped: list[tuple[Layers, str]] = []
         if not kept:
             return dropped
         room = self.capacity - self._in_use.get(layers, 0)
         total = sum(p for _, p in kept.values())
         while kept and total > room:
             key, (_, positions) = kept.popitem(last=False)
-            dropped.append(key)
+            dropped.append((layers, key))
             total -= positions
             log.debug("prompt cache: gave up prefix %s (%d positions) of layers %s: %d kept + %d in use > %d",
                       key, positions, layers, total + positions, self._in_use.get(layers, 0), self.capacity)
