@@ -33,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.chat import sized_text  # noqa: E402
 from benchmarks.common import STREAM_CHAT, free_port, mlx_device, start_node, stop, wait_healthy  # noqa: E402
-from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
+from harness.cluster import in_ns, mlx_lm_server_argv, node_argv, wait_mesh  # noqa: E402
 
 MODEL = dict(family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2,
              dtype="float32", max_position_embeddings=32768)
@@ -62,32 +63,14 @@ for url in sys.argv[1:]:
 print(json.dumps(out))
 '''
 
-# mlx_lm.server under the BLAS meshnode would load here (OpenBLAS where the system has it)
-SERVER = r'''
-import runpy, sys
-from meshnode import blas
-blas.use_fast_blas()
-sys.argv = ["mlx_lm.server", *sys.argv[1:]]
-runpy.run_module("mlx_lm.server", run_name="__main__")
-'''
-
-
 def texts(model: Path, prefix_tokens: int, turn_tokens: int, other_tokens: int) -> tuple[str, list[str], list[str]]:
     """The session's system message, its user turns, and the other conversations' prompts."""
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
-
-    def sized(head: str, n: int, salt: int) -> str:
-        words = n
-        for _ in range(5):
-            text = head + " ".join(f"w{(i * 7 + salt) % 89}" for i in range(words))
-            words = max(10, int(words * n / max(len(tok.encode(text)), 1)))
-        return text
-
-    return (sized("Instructions and tools. ", prefix_tokens, 97),
-            [sized(f"Turn {t}. ", turn_tokens, t + 3) for t in range(TURNS)],
-            [sized(f"Another task {k}. ", other_tokens, 50 + k) for k in range(OTHERS)])
+    return (sized_text(tok, "Instructions and tools. ", prefix_tokens, 97),
+            [sized_text(tok, f"Turn {t}. ", turn_tokens, t + 3) for t in range(TURNS)],
+            [sized_text(tok, f"Another task {k}. ", other_tokens, 50 + k) for k in range(OTHERS)])
 
 
 class Server:
@@ -111,7 +94,7 @@ class MlxLmServer(Server):
 
     def start(self) -> None:
         port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, "--model", str(self.model), "--port", str(port)],
+        self.proc = subprocess.Popen(mlx_lm_server_argv(self.model, port),
                                      stdout=open(self.tmp / "server.log", "ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.url = f"http://127.0.0.1:{port}"

@@ -69,17 +69,18 @@ def user_messages(model: Path, tokens: int, prefix_tokens: int = 0, sessions: in
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
-
-    def sized(head: str, n: int, salt: int) -> str:
-        words = n
-        for _ in range(5):
-            text = head + " ".join(f"w{(i * 7 + salt) % 89}" for i in range(words))
-            words = max(10, int(words * n / max(len(tok.encode(text)), 1)))
-        return text
-
-    system = sized("Instructions and tools. ", prefix_tokens, 97) if prefix_tokens else ""
-    return [[sized(f"Session {k} turn {turn}. ", tokens, turn + 7 * k) for turn in range(TURNS)]
+    system = sized_text(tok, "Instructions and tools. ", prefix_tokens, 97) if prefix_tokens else ""
+    return [[sized_text(tok, f"Session {k} turn {turn}. ", tokens, turn + 7 * k) for turn in range(TURNS)]
             for k in range(sessions)], system
+
+
+def sized_text(tok, head: str, n: int, salt: int) -> str:
+    """``head`` and words made from ``salt``: about ``n`` tokens of ``tok``."""
+    words = n
+    for _ in range(5):
+        text = head + " ".join(f"w{(i * 7 + salt) % 89}" for i in range(words))
+        words = max(10, int(words * n / max(len(tok.encode(text)), 1)))
+    return text
 
 
 def on_mlx_lm_server(model: Path, users: list[list[str]], system: str = "") -> dict:

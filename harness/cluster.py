@@ -267,16 +267,17 @@ class Cluster:
         assert status == 200, out
         return out["choices"][0]["message"]["content"]
 
-    def stream(self, host, messages, max_tokens: int, *, model: str | None = None, **sampling) -> subprocess.Popen:
+    def stream(self, host, messages, max_tokens: int, *, model: str | None = None, timeout: float = 120,
+               **sampling) -> subprocess.Popen:
         """A streamed chat completion from the client; prints one JSON line per SSE event.
         Greedy unless ``sampling`` says otherwise (``temperature=0.8, seed=7``); ``model``: its id
-        (default: the cluster's model)."""
+        (default: the cluster's model); ``timeout``: seconds the client waits for a line."""
         body = json.dumps({"model": model or self.model.name, "messages": messages, "max_tokens": max_tokens,
                            "temperature": 0, **sampling, "stream": True})
         code = ("import sys,urllib.request\n"
                 "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
                 "headers={'Content-Type':'application/json'})\n"
-                "for line in urllib.request.urlopen(req,timeout=120):\n"
+                f"for line in urllib.request.urlopen(req,timeout={timeout}):\n"
                 "  line=line.strip()\n"
                 "  if line: print(line.decode(),flush=True)\n")
         return subprocess.Popen(self.client.exec_args([sys.executable, "-c", code,
@@ -334,6 +335,22 @@ def read_stream(proc, fault=None, after_chunks=10, timeout=90):
     assert error is None, error
     assert done, f"stream ended without [DONE]: {proc.stderr.read()[-2000:]}"
     return text, fault is None
+
+
+# mlx_lm.server under the BLAS meshnode.blas loads (the nodes' own): argv after the script are its own
+_MLX_LM_SERVER = r'''
+import runpy, sys
+from meshnode import blas
+blas.use_fast_blas()
+sys.argv = ["mlx_lm.server", *sys.argv[1:]]
+runpy.run_module("mlx_lm.server", run_name="__main__")
+'''
+
+
+def mlx_lm_server_argv(model: Path, port: int) -> list[str]:
+    """The argv of ``mlx_lm.server`` serving ``model`` on loopback ``port``, computing its matmuls
+    on the BLAS the nodes use (``MESHNODE_BLAS``)."""
+    return [sys.executable, "-c", _MLX_LM_SERVER, "--model", str(model), "--port", str(port)]
 
 
 def mlx_reference(model: Path, messages: list[dict], max_tokens: int) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster import HTTP, Cluster, in_ns, stage_nodes
+from harness.cluster import HTTP, Cluster, in_ns, mlx_lm_server_argv, stage_nodes
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
@@ -88,16 +88,6 @@ r = a.messages.create(model=model, max_tokens=16, system=system, messages=messag
 print(json.dumps([r.stop_reason, "".join(b.text for b in r.content if b.type == "text")]))
 '''
 
-# mlx_lm.server on the BLAS the nodes use
-SERVER = r'''
-import runpy, sys
-from meshnode import blas
-blas.use_fast_blas()
-sys.argv = ["mlx_lm.server", *sys.argv[1:]]
-runpy.run_module("mlx_lm.server", run_name="__main__")
-'''
-
-
 def conversation(model: Path, salt: int, tokens: int = PROMPT_TOKENS) -> list[dict]:
     """A system message of tool definitions and a long history: about ``tokens`` tokens."""
     from mlx_lm.utils import load_tokenizer
@@ -120,12 +110,14 @@ class Reference:
     """``mlx_lm.server`` on the whole model: what the mesh's answers must equal."""
 
     def __init__(self, model: Path, log: Path):
-        self.model = model
+        from mlx_lm.utils import load_tokenizer
+
+        self.model, self.tokenizer = model, load_tokenizer(model)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, "--model", str(model), "--port", str(port)],
+        self.proc = subprocess.Popen(mlx_lm_server_argv(model, port),
                                      env={**os.environ, **ENV}, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + 120
@@ -147,28 +139,11 @@ class Reference:
 
     def tokens(self, messages: list[dict]) -> list[int]:
         """The prompt the chat template makes of ``messages``."""
-        from mlx_lm.utils import load_tokenizer
-
-        return load_tokenizer(self.model).apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
-
-
-def stream(cluster: Cluster, host, messages: list[dict], max_tokens: int) -> subprocess.Popen:
-    """A streamed chat completion from the client namespace; prints each SSE data line."""
-    body = json.dumps({"model": cluster.model.name, "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True})
-    code = ("import sys,urllib.request\n"
-            "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
-            "headers={'Content-Type':'application/json'})\n"
-            "for line in urllib.request.urlopen(req,timeout=900):\n"
-            "  line=line.strip()\n"
-            "  if line: print(line.decode(),flush=True)\n")
-    return subprocess.Popen(cluster.client.exec_args([sys.executable, "-c", code,
-                                                      f"http://{host.ip}:{HTTP}/v1/chat/completions", body]),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def read(proc: subprocess.Popen, fault, after_chunks: int) -> str:
@@ -263,7 +238,8 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
             following = [first[0], *history, {"role": "assistant", "content": answer},
                          {"role": "user", "content": "Which file failed first?"}]
             victim = cluster.procs[stages[0].name]
-            text = read(stream(cluster, stages[-1], following, 48), fault=lambda: mesh.kill(victim), after_chunks=4)
+            text = read(cluster.stream(stages[-1], following, 48, timeout=900), fault=lambda: mesh.kill(victim),
+                        after_chunks=4)
             assert text == reference.answer(following, 48), cluster.logs()
     finally:
         computing.join(900)
