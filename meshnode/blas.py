@@ -1,9 +1,7 @@
-"""OpenBLAS under MLX's CPU matrix multiplies on Linux (``MESHNODE_BLAS``: ``auto``, ``reference``
-or a CBLAS library's path), loaded with ``RTLD_GLOBAL`` before MLX so MLX binds to it; MLX's own
-reference BLAS gains nothing from several rows. Read once, on the first import of :mod:`meshnode`.
-
-OpenBLAS rounding varies with the rows per step; tests comparing with mlx-lm bit for bit use the
-reference BLAS.
+"""OpenBLAS under MLX's CPU matmuls on Linux, where MLX's reference BLAS gains nothing from several
+rows. ``MESHNODE_BLAS`` (``auto``, ``reference`` or a CBLAS library's path) is read on the first
+import of :mod:`meshnode`; the library is loaded with ``RTLD_GLOBAL`` before MLX, so MLX binds to it.
+OpenBLAS rounding varies with the rows per step: bit-exact tests against mlx-lm use the reference.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 ENV = "MESHNODE_BLAS"
 THREADS_ENV = "OPENBLAS_NUM_THREADS"
-# Debian/Ubuntu's and Fedora's OpenBLAS packages put one of these on the loader's path.
+# What Debian's, Ubuntu's and Fedora's OpenBLAS packages put on the loader's path.
 NAMES = ("libopenblas.so.0", "libopenblas.so", "libopenblasp.so.0", "libopenblas64_.so.0")
 
 _loaded: str | None = None
@@ -40,8 +38,8 @@ def choose(setting: str, platform: str, find: Callable[[], str | None]) -> str |
 
 
 def _open(name: str, mode: int) -> ctypes.CDLL:
-    """``name`` loaded. OpenBLAS reads its thread count at load: one unless set, so nodes sharing a
-    machine do not fight with spinning BLAS threads."""
+    """Loads ``name``; OpenBLAS reads its thread count then: one unless set, so nodes sharing a
+    machine do not fight with spinning threads."""
     os.environ.setdefault(THREADS_ENV, "1")
     return ctypes.CDLL(name, mode=mode)
 
@@ -58,7 +56,7 @@ def find_openblas() -> str | None:
 
 
 def use_fast_blas(env: Mapping[str, str] = os.environ) -> str | None:
-    """Load the BLAS ``env[ENV]`` asks for, before MLX; the library loaded, or None. Once per process."""
+    """Loads the BLAS ``env[ENV]`` asks for, before MLX, once per process; the library, or None."""
     global _loaded
     if _loaded is not None or "mlx.core" in sys.modules:
         return _loaded

@@ -1,6 +1,5 @@
-"""The built-in demo model, served when none is configured: a small random-weight llama, built
-byte-identical on every machine, so the whole path works offline. Bump :data:`DEMO_VERSION`
-whenever ``DEMO_ARGS`` or the build changes."""
+"""The demo model, served when none is configured: a small random-weight llama built byte-identical
+on every machine, so all works offline. Bump :data:`DEMO_VERSION` when ``DEMO_ARGS`` or the build changes."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ DEMO_ARGS = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads
 
 
 def default_models_dir() -> Path:
-    """``$MESHNODE_CACHE_DIR/models`` if set, else ``models`` under the platform cache directory."""
+    """``$MESHNODE_CACHE_DIR/models`` if set, else ``models`` in the platform cache directory."""
     if os.environ.get("MESHNODE_CACHE_DIR"):
         return Path(os.environ["MESHNODE_CACHE_DIR"]).expanduser() / "models"
     from meshnode.config import default_cache_dir

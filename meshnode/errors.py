@@ -1,6 +1,6 @@
 """The one error a request can end with, whichever layer finds it: an HTTP status, an OpenAI-style
-error body, and headers (Retry-After for a mesh that is re-planning). The API turns it into the
-response or, mid-stream, into an error event; serving raises it without depending on the API."""
+body and headers (Retry-After while re-planning). The API makes it the response or, mid-stream, an
+error event; serving raises it without depending on the API."""
 
 from __future__ import annotations
 
@@ -31,6 +31,6 @@ class ApiError(Exception):
 
 
 async def abort(context: Any, code: Any, details: str) -> NoReturn:
-    """End a gRPC call with ``code`` and ``details``: grpc.aio's ``context.abort`` raises."""
+    """Ends a gRPC call with ``code`` and ``details`` (grpc.aio's ``context.abort`` raises)."""
     await context.abort(code, details)
     raise AssertionError("context.abort returned")

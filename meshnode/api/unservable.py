@@ -1,5 +1,5 @@
-"""A node whose model cannot be served answers every request with a 503 and the reason, so a
-service manager keeps one process saying what is wrong instead of restarting it in a loop."""
+"""A node that cannot serve its model answers every request with a 503 and the reason, so a service
+manager keeps one process saying what is wrong rather than restarting it in a loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from aiohttp import web
 
 
 async def refuse_until(stop: asyncio.Event, host: str, port: int, reason: str) -> None:
-    """Answer 503 naming ``reason`` until ``stop`` is set."""
+    """Answers 503 naming ``reason`` until ``stop`` is set."""
     body = {"error": {"message": f"this node cannot serve its model: {reason}", "type": "model_not_loadable",
                       "param": "model", "code": "model_not_loadable"}}
 

@@ -1,5 +1,5 @@
-"""Models loaded on demand: which idle model makes room, and when one idle past its keep-alive
-is unloaded (as Ollama's ``keep_alive``; 0: only when room is needed). Pure."""
+"""Models loaded on demand: which idle model makes room, and when an idle one is unloaded
+(Ollama's ``keep_alive``; 0: only for room). Pure."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ def total(uses: Iterable[Use]) -> Use:
 
 
 def victim(loaded: Mapping[str, Use], loaded_at: Mapping[str, float]) -> str | None:
-    """The least recently used idle model (unused ones count from their load); None if all are busy."""
+    """The least recently used idle model (an unused one from its load); None if all are busy."""
     idle = [(max(use.last_used, loaded_at.get(model, 0.0)), model) for model, use in loaded.items() if use.idle]
     return min(idle)[1] if idle else None
 
 
 def expired(use: Use, keep_alive: float, loaded_at: float, now: float) -> bool:
-    """An idle loaded model whose keep-alive ran out (``keep_alive`` seconds; 0: never)."""
+    """Whether an idle model's keep-alive (seconds; 0: never) ran out."""
     return keep_alive > 0 and use.idle and now - max(use.last_used, loaded_at) > keep_alive
 
 

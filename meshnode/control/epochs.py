@@ -1,11 +1,11 @@
-"""One plan per epoch: a node's view of plan epochs, and the rule that keeps one plan per number.
+"""A node's view of plan epochs, and the rules that keep one plan per number.
 
-Two coordinators can publish under one number (nodes started together, a healed partition). Rule:
+Two coordinators can publish under one number (nodes started together, a healed partition):
 
 1. Adopt a plan only if its epoch is above ours, or it is the plan we withdrew (holding none
    since) offered by its own coordinator.
-2. A plan under our epoch from another coordinator marks that epoch *contested*.
-3. The coordinator republishes above every epoch seen once its epoch is contested.
+2. Another coordinator's plan of our epoch marks that epoch *contested*.
+3. A coordinator whose epoch is contested republishes above every epoch seen.
 4. Nobody publishes a first plan before ``grace`` seconds up unless it has heard of one.
 """
 
@@ -35,22 +35,22 @@ class EpochState:
     def __init__(self, grace: float = 0.0):
         self.grace = grace  # seconds up before publishing a first plan (rule 4)
         self.held: Published | None = None  # the plan this node holds
-        self.withdrawn = 0  # epoch of the withdrawn plan: numbers never go back
+        self.withdrawn = 0  # the withdrawn plan's epoch: numbers never go back
         self.withdrawn_by = ""  # who published that plan
         self.max_seen = 0
-        self.contested = 0  # an epoch another coordinator also published
+        self.contested = 0  # an epoch two coordinators published
 
     @property
     def epoch(self) -> int:
         return self.held.epoch if self.held is not None else self.withdrawn
 
     def saw(self, epoch: int) -> None:
-        """An epoch a peer holds; past MAX_EPOCH ignored (the next would overflow uint64)."""
+        """An epoch a peer holds; one past MAX_EPOCH is ignored (the next would overflow uint64)."""
         if 0 <= epoch <= MAX_EPOCH:
             self.max_seen = max(self.max_seen, epoch)
 
     def offered(self, epoch: int, coordinator: str, seen_at: str) -> bool:
-        """Whether to adopt ``coordinator``'s plan of ``epoch``, seen at ``seen_at`` (rules 1 and 2)."""
+        """Whether to adopt ``coordinator``'s plan of ``epoch``, seen at ``seen_at`` (rules 1, 2)."""
         if epoch > self.epoch:  # seen only once adopted: the plan may yet be invalid
             return epoch <= MAX_EPOCH
         if seen_at == coordinator and self.takes_back(epoch, coordinator):
@@ -63,7 +63,7 @@ class EpochState:
         return False
 
     def holds(self, epoch: int, coordinator: str) -> bool:
-        """Whether this node holds that very plan already."""
+        """Whether this node already holds that plan."""
         return self.held == Published(epoch, coordinator)
 
     def refused(self, epoch: int, their_epoch: int, peer: str) -> None:

@@ -1,6 +1,6 @@
-"""A node's worker processes die with it, instead of spinning in a collective holding ports. A thread
-watches, and a tiny ``sh`` for when MLX's ring holds the GIL; PR_SET_PDEATHSIG would fire when the
-forking *thread* exits."""
+"""A node's worker processes die with it rather than spin in a collective holding ports: a thread
+watches, and a tiny ``sh`` in case MLX's ring holds the GIL (PR_SET_PDEATHSIG fires when the forking
+*thread* exits)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def die_with_parent(exit_code: int = 3) -> None:
-    """Exit at once, without clean-up, when the parent exits (or already has)."""
+    """Exits at once, without clean-up, when the parent exits (or has)."""
     parent = int(os.environ.get(PARENT_ENV) or os.getppid())
     if os.getppid() != parent:
         os._exit(exit_code)
@@ -30,7 +30,7 @@ def die_with_parent(exit_code: int = 3) -> None:
         os._exit(exit_code)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-    # $1 the node, $2 this worker: ends with the worker, kills it when the node is gone.
+    # $1 the node, $2 this worker: kills the worker when the node is gone.
     script = f'while kill -0 "$1" 2>/dev/null; do kill -0 "$2" 2>/dev/null || exit 0; sleep {POLL_S}; done; ' \
              'kill -9 "$2" 2>/dev/null'
     subprocess.Popen(["/bin/sh", "-c", script, "meshnode-lifeline", str(parent), str(os.getpid())],

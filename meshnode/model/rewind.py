@@ -1,5 +1,5 @@
-"""Cutting a request's KV cache back after rejected drafts. A ``KVCache`` can always be cut, a
-``RotatingKVCache`` until it wraps, a recurrent state never: :func:`rewind_limit` tells first."""
+"""Cutting a request's KV cache back after rejected drafts: a ``KVCache`` always, a
+``RotatingKVCache`` until it wraps, a recurrent state never (:func:`rewind_limit`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def rewind_limit(template: list[Any]) -> tuple[int | None, str]:
 
 
 def rewind(shard: Any, cache: Any, positions: int) -> None:
-    """Drop the last ``positions`` of ``cache`` on ``shard``; raises :class:`CannotRewind`."""
+    """Drops the last ``positions`` of ``cache`` on ``shard``; raises :class:`CannotRewind`."""
     if positions <= 0:
         return
     own = getattr(shard, "rewind", None)
@@ -41,7 +41,7 @@ def rewind(shard: Any, cache: Any, positions: int) -> None:
 
 
 def rewind_owned(caches: list[Any], positions: int) -> None:
-    """Drop the last ``positions`` of a shard's own layers' caches."""
+    """Drops the last ``positions`` of a shard's own layers' caches."""
     owned = distinct(caches)
     if not can_trim_prompt_cache(owned):
         kinds = sorted({type(c).__name__ for c in owned if not c.is_trimmable()})

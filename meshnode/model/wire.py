@@ -1,7 +1,6 @@
-"""mx.array <-> protobuf Tensor: dtype, shape and the raw buffer; never pickle.
-
-Everything a peer sends is checked before an array is built: dtype on the allowlist, shape as
-expected (``None`` leaves a dimension free), byte length exactly shape × itemsize.
+"""mx.array <-> protobuf Tensor: dtype, shape and the raw buffer; never pickle. A peer's tensor is
+checked before an array is built: dtype allowed, shape as expected (``None``: any), bytes exactly
+shape × itemsize.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype, int]] = {
     "int32": (mx.int32, np.dtype("<i4"), 4),
 }
 _NAMES = {mx_dtype: name for name, (mx_dtype, _, _) in _DTYPES.items()}
-# A stage's activations may be any of these: whatever its layers produce.
+# A stage's activations: whatever dtype its layers produce.
 ACTIVATIONS = ("float32", "float16", "bfloat16")
 
 MAX_TENSOR_BYTES = 256 * 2**20  # no single activation is anywhere near this
@@ -60,7 +59,7 @@ def host_array(
     expect: Sequence[int | None] | None = None,
     max_bytes: int = MAX_TENSOR_BYTES,
 ) -> np.ndarray:
-    """Validate a received tensor; a read-only numpy view of its bytes (bfloat16 as uint16)."""
+    """Validates a received tensor; a read-only numpy view of its bytes (bfloat16 as uint16)."""
     if tensor.dtype not in _DTYPES or tensor.dtype not in dtypes:
         raise WireError(f"dtype {tensor.dtype!r} not allowed (allowed: {', '.join(dtypes)})")
     _, np_dtype, itemsize = _DTYPES[tensor.dtype]
@@ -78,8 +77,8 @@ def host_array(
     return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
 
 
-# A raw activation reply on the data port, so the per-token hop builds no protobuf: this header, then
-# the bytes. 0 (no protobuf message starts with it), dtype code, flags, spare, stage seconds, positions, width.
+# A raw activation reply, so the per-token hop builds no protobuf: this header, then the bytes.
+# 0 (no protobuf message starts with it), dtype code, flags, spare, stage seconds, positions, width.
 RAW_REPLY = struct.Struct("<BBBxdII")
 TAKES_RAW = 1  # the stage reads raw decode steps (RAW_REQUEST) on this stream
 _RAW_CODES = {name: i for i, name in enumerate(_DTYPES, start=1)}
@@ -87,8 +86,8 @@ _RAW_NAMES = {i: name for name, i in _RAW_CODES.items()}
 
 
 def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float, flags: int = 0) -> int:
-    """Write a raw reply for an evaluated (1, positions, width) array into ``buf`` at ``offset``
-    (grown if short); the reply's length. The caller reuses ``buf``: a fresh large allocation after a step is slow."""
+    """Writes a raw reply for an evaluated (1, positions, width) array into ``buf`` at ``offset``;
+    its length. ``buf`` grows if short and is reused: a large allocation per step is slow."""
     name = dtype_name(array.dtype)
     if array.ndim != 3 or array.shape[0] != 1:
         raise WireError(f"a raw reply carries (1, positions, width), not {tuple(array.shape)}")
@@ -101,19 +100,19 @@ def raw_reply_into(buf: bytearray, offset: int, array: mx.array, seconds: float,
 
 
 def _fit(buf: bytearray, size: int) -> None:
-    """Grow ``buf`` to ``size`` bytes if it is shorter."""
+    """Grows ``buf`` to ``size`` bytes if shorter."""
     if len(buf) < size:
         buf.extend(bytes(size - len(buf)))
 
 
-# A raw decode step, sent to stages that set TAKES_RAW: this header, then the input's bytes. 0, dtype code,
-# flags (RAW_NEXT_SINGLE), spare, positions to drop first (rewind), positions, width (0: token ids (1, positions)).
+# A raw decode step for stages that set TAKES_RAW: this header, then the input's bytes. 0, dtype code,
+# flags (RAW_NEXT_SINGLE), spare, positions to drop first (rewind), positions, width (0: token ids).
 RAW_REQUEST = struct.Struct("<BBBxIII")
 RAW_NEXT_SINGLE = 1
 
 
 def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool, rewind: int) -> int:
-    """Write a raw decode step for evaluated ``x`` ((1, n) ids or (1, n, width)) into ``buf``; its length."""
+    """Writes a raw decode step for evaluated ``x`` ((1, n) ids or (1, n, width)) into ``buf``; its length."""
     name = dtype_name(x.dtype) if x.dtype != mx.uint32 else "int32"
     if name not in _RAW_CODES or x.ndim not in (2, 3) or x.shape[0] != 1:
         raise WireError(f"a raw request carries (1, positions[, width]), not {x.dtype} {tuple(x.shape)}")
@@ -134,7 +133,7 @@ def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool
 
 
 class RawRequest:
-    """A raw decode step read off the wire, header checked; read by the stage as a ForwardRequest."""
+    """A raw decode step off the wire, header checked; the stage reads it as a ForwardRequest."""
 
     __slots__ = ("dtype", "next_single", "rewind", "positions", "width", "data")
     work = 0
@@ -172,7 +171,7 @@ class RawRequest:
 
 
 class RawReply:
-    """A raw reply as read off the wire: its header checked against the frame, its bytes not yet."""
+    """A raw reply off the wire: its header checked against the frame, its bytes not yet."""
 
     __slots__ = ("dtype", "flags", "stage_seconds", "positions", "width", "data", "buffer")
 
@@ -215,16 +214,13 @@ def from_tensor(
     expect: Sequence[int | None] | None = None,
     max_bytes: int = MAX_TENSOR_BYTES,
 ) -> mx.array:
-    """Validate a received tensor and build an mx.array from it."""
+    """Validates a received tensor and builds an mx.array from it."""
     return to_array(host_array(tensor, dtypes=dtypes, expect=expect, max_bytes=max_bytes), tensor.dtype)
 
 
 class Placeholder:
-    """An input whose values arrive after the graph that uses it was built.
-
-    Building a graph is slow, so a stage builds its next step ahead on this array and writes the input's
-    bytes into its memory later. Held here so MLX never donates its buffer to another op.
-    """
+    """An input written after the graph using it was built (a stage builds its next step ahead); its
+    base array is held so MLX never donates the buffer to another op."""
 
     def __init__(self, dtype_name: str, shape: tuple[int, ...]):
         _, np_dtype, _ = _DTYPES[dtype_name]
@@ -241,7 +237,7 @@ class Placeholder:
         self._host[...] = host
 
     def fill_from(self, array: mx.array) -> None:
-        """Fill from an evaluated array of the same dtype."""
+        """Fills from an evaluated array of the same dtype."""
         self.fill(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array), dtype_name(array.dtype))
 
 

@@ -2,45 +2,36 @@
 
 What the head measures:
 
-- A request's acceptance: the share of its guesses the model confirms, averaged over about its
-  last :data:`WINDOW` passes that guessed (the newest weighs 1 / WINDOW), starting at :data:`PRIOR`.
-- A placement's price of a pass by its positions n (:class:`PassCosts`), in plain steps, from
-  passes timed alone (a pass with another in flight is not). Each is kept as its time against the
-  steps' median when it came, so a load that slows both cancels out. Noise only ever slows a pass,
-  so a size is priced by the lower median of its last WINDOW once timed twice (one slow pass of
-  two cannot raise it), else by the line ``1 + slope * (n - 1)`` whose slope is the lower median of
-  every kept pass's own; never below a step, and a further position at a whole step until measured.
-  A size's first pass built MLX's kernels and is not kept. A pass below ``1 - NOISE`` steps means
-  the steps were timed under a load since gone: steps and prices start over.
-- Where passes may go behind the one in flight, the filled share: a full pipeline's time between
-  passes against a lone pass's traversal, the lower median of the last WINDOW measures with the
-  prior 1 / stages standing in for those not made (so a stall or two does not rule filling out).
-  About 1 / stages where stages compute at once, near 1 where they cannot (two nodes on one device).
-  A measure lapses after WINDOW * REMEASURE passes (counted per placement): where the share rules
-  filling out nothing measures it, so the prior comes back and passes behind measure it again.
+- A request's acceptance: the share of its guesses confirmed, averaged over about its last
+  :data:`WINDOW` guessing passes, from :data:`PRIOR`.
+- A pass's price by its n positions (:class:`PassCosts`, per placement), in plain steps: passes
+  timed alone, each against the steps' median then, so a shared load cancels. Noise only slows, so
+  a size timed twice costs the lower median of its last WINDOW, else ``1 + slope * (n - 1)`` with
+  the kept passes' lower median slope (1 until measured); never under a step. A size's first pass
+  builds MLX's kernels and is dropped; one under ``1 - NOISE`` steps means a load has gone: steps and
+  prices start over.
+- The filled share: a full pipeline's time between passes over a lone traversal (about 1 / stages;
+  near 1 on one device), the lower median of the last WINDOW measures with the prior 1 / stages in
+  the gaps, so a stall does not rule filling out. Measures lapse after WINDOW * REMEASURE passes,
+  so a share that ruled filling out is measured again.
 
-What it chooses from them:
+What it chooses:
 
-- k, the guesses in the next pass, maximizes expected tokens per second (:func:`filled_rate`); each
-  further guess must raise that by :data:`MIN_GAIN`.
-- Passes fill the pipeline only where that saves more than :data:`NOISE` of a traversal per pass
-  (a share of at most 1 - NOISE). A pass goes behind the ones in flight while its chance of being
-  kept, q, pays for it. Up to one pass per stage it uses stages that would otherwise wait, so it
-  goes unless q is lost in the noise (q >= NOISE). The one beyond saves the first stage only its
-  wait for a hop, about MIN_GAIN of a step, and a cancelled one costs it a whole step: it goes
-  where q * MIN_GAIN >= 1 - q.
-- Where nothing pays, the request pauses: plain steps, which the stages build ahead. Then a probe
-  measures the acceptance again: one guess in a pass behind a plain one where passes fill the
-  pipeline, else one guess inside a pass (which times that size again). A pause lasts
-  :data:`REMEASURE` steps, twice as long each time until a guess is confirmed.
-- A drafter that finds nothing :data:`DRY_RUN` times in a row (once, right after a pause) pauses the
-  request the same way. Such a pause ends after one more step where the drafter has a guess again;
-  a free drafter (prompt lookup) is asked at every token of it.
-- Where passes fill the pipeline none is timed, so every REMEASURE-th pass (counted per placement,
-  since a short request makes few) goes alone to be timed: in turn the size in use, a plain step
-  and one guess longer.
+- k maximizes tokens per second (:func:`filled_rate`), each further guess gaining :data:`MIN_GAIN`.
+- Passes fill the pipeline only where the share is at most ``1 - NOISE``. A pass kept with
+  probability q goes behind those in flight if q >= NOISE, up to one per stage (it uses a waiting
+  stage); beyond that if q * MIN_GAIN >= 1 - q (it saves the first stage about MIN_GAIN of a step; a
+  cancelled one costs it a step).
+- Where nothing pays, the request pauses: :data:`REMEASURE` plain steps, built ahead by the stages,
+  twice as many each time until a guess is confirmed. Then a probe guesses once: in a pass behind a
+  plain one where passes fill the pipeline, else in a pass of its own (timing that size again).
+- :data:`DRY_RUN` drafter misses in a row (one right after a pause) pause the request too; that pause
+  ends one step after the drafter has a guess again (a free drafter, prompt lookup, is asked at every
+  step of it).
+- Filled passes are not timed, so every REMEASURE-th pass of a placement goes alone: in turn the
+  size in use, a plain step and one guess longer.
 
-Pure logic; the passes run in meshnode.serving.speculative.
+Pure logic; meshnode.serving.speculative runs the passes.
 """
 
 from __future__ import annotations
@@ -51,29 +42,28 @@ from collections import deque
 
 from meshnode.tracing import mark
 
-WINDOW = 5  # recent measures kept: passes per size, steps, filled shares; the acceptance's span in passes
+WINDOW = 5  # measures kept per series; the acceptance's span in passes
 PRIOR = 0.6  # a new request's acceptance, worth one guess
-REMEASURE = 16  # passes on an estimate before it is measured again; a first pause's steps
-DRY_RUN = 4  # misses in a row before a pause (prompt lookup misses one or two after each change it copies)
+REMEASURE = 16  # passes before an estimate is measured again; a first pause's steps
+DRY_RUN = 4  # drafter misses before a pause (prompt lookup misses a few per change it copies)
 NOISE = 0.1  # how far a measure strays, as a share, with nothing changed
 MIN_GAIN = 0.02  # the least gain, as a share of a step, worth a risk
 
-# What the pass the request chooses next is for, beyond the estimates' choice.
+# What the next pass is for:
 PROBE = "probe"  # a pause ended: measure the acceptance
 ALONE = "alone"  # timed alone: nothing goes behind it
-BEHIND = "behind"  # a probe: a pass goes behind it, until a pass that checked a guess comes back
+BEHIND = "behind"  # a probe with a pass behind it, until a guess is checked
 
 
 class PassCosts:
-    """What a pass through a placement's stages costs by its positions (plain steps are one), the
-    filled share, and the count of passes chosen; shared by the placement's requests."""
+    """A placement's pass prices by positions (a plain step is one), filled share and pass count."""
 
     def __init__(self, one: float | None = None, extra: float | None = None, share: float | None = None):
         """``one``, ``extra``, ``share``: a starting fit (tests)."""
         self._lock = threading.Lock()
         self._steps: deque[float] = deque(maxlen=WINDOW)  # one-position passes' seconds
         self._relative: dict[int, deque[float]] = {}  # positions -> recent passes' times in steps
-        self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (from a size's second pass)
+        self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (from the second)
         # (passes counted when measured, share)
         self._shares: deque[tuple[int, float]] = deque([(0, share)] * WINDOW if share is not None else (),
                                                        maxlen=WINDOW)
@@ -105,7 +95,7 @@ class PassCosts:
                 self._relative.setdefault(positions, deque(maxlen=WINDOW)).append(relative)
 
     def _medians(self) -> tuple[float | None, dict[int, float], float | None]:
-        """The steps' median, the sizes priced by their own times, and the line's slope (None: none kept)."""
+        """The steps' median, each size's own price, and the slope (None: none kept)."""
         with self._lock:
             step = statistics.median(self._steps) if self._steps else None
             sizes = {n: statistics.median_low(r) for n, r in self._relative.items() if len(r) >= 2}
@@ -114,8 +104,7 @@ class PassCosts:
 
     @staticmethod
     def _relative_of(positions: int, sizes: dict[int, float], slope: float | None) -> float:
-        """A pass in steps, never below 1 (it costs at least the step it also is); unmeasured, a
-        further position costs a step."""
+        """A pass in steps, at least 1; an unmeasured further position costs a step."""
         if positions <= 1:
             return 1.0
         if positions in sizes:
@@ -123,7 +112,7 @@ class PassCosts:
         return 1.0 + (1.0 if slope is None else max(0.0, slope)) * (positions - 1)
 
     def fit(self) -> tuple[float | None, float | None]:
-        """(one, extra): a step's seconds and a further position's; None where not measured yet."""
+        """(one, extra): a step's seconds and a further position's; None until measured."""
         step, _, slope = self._medians()
         return step, (slope * step if step is not None and slope is not None else None)
 
@@ -133,13 +122,12 @@ class PassCosts:
         return self._relative_of(positions, sizes, slope)
 
     def relatives(self, most: int) -> list[float]:
-        """:meth:`relative` of 0 to ``most`` positions (the medians taken once)."""
+        """:meth:`relative` of 0 to ``most`` positions."""
         _, sizes, slope = self._medians()
         return [self._relative_of(n, sizes, slope) for n in range(most + 1)]
 
     def cost(self, positions: int) -> float | None:
-        """Seconds a lone pass of ``positions`` takes; with no step timed (a fixed k), that size's
-        own median; else None."""
+        """Seconds of a lone pass of ``positions``; with no step timed (a fixed k), that size's median."""
         step, sizes, slope = self._medians()
         if step is not None:
             return step * self._relative_of(positions, sizes, slope)
@@ -148,13 +136,13 @@ class PassCosts:
             return statistics.median(times) if times else None
 
     def count_pass(self) -> int:
-        """A pass is chosen: how many were, this one included."""
+        """Counts a chosen pass; returns the count."""
         with self._lock:
             self._passes += 1
             return self._passes
 
     def observe_filled(self, positions: int, seconds: float) -> None:
-        """A pass of ``positions`` came out ``seconds`` after the one ahead of it in a full pipeline."""
+        """A pass of ``positions`` came out ``seconds`` after the one ahead in a full pipeline."""
         traversal = self.cost(positions)
         if traversal is None or traversal <= 0:
             return
@@ -163,46 +151,42 @@ class PassCosts:
         mark("spec.share")
 
     def _current_shares(self) -> list[float]:
-        """The measures of the share that have not lapsed."""
+        """The share's unlapsed measures."""
         with self._lock:
             return [share for at, share in self._shares if self._passes - at < WINDOW * REMEASURE]
 
     @property
     def measured_share(self) -> float | None:
-        """The lower median of the recent measures (None: none)."""
+        """The measures' lower median (None: none)."""
         shares = self._current_shares()
         return statistics.median_low(shares) if shares else None
 
     def filled_share(self, stages: int) -> float:
-        """A full pipeline's time between passes against one pass's traversal: the lower median of
-        the last :data:`WINDOW` measures, the prior 1 / stages standing in for those not made or
-        lapsed."""
+        """A full pipeline's time between passes over a lone pass's traversal (the module docstring)."""
         shares = self._current_shares()
         return statistics.median_low(shares + [1.0 / max(stages, 1)] * (WINDOW - len(shares)))
 
     def ratio(self) -> float:
-        """A further position's cost against a one-position step (1 until measured)."""
+        """A further position's cost in steps (1 until measured)."""
         return self._relative_of(2, {}, self._medians()[2]) - 1.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one pass yields with k guesses each confirmed with probability ``alpha``."""
+    """Tokens a pass of k guesses yields, each confirmed with probability ``alpha``."""
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def filled_rate(alpha: float, k: int, cost: float, share: float) -> float:
-    """Tokens per plain step's time of passes of k + 1 positions costing ``cost`` steps each, one
-    every ``share`` of that in a full pipeline (1: nothing behind). A miss (1 - alpha^(k+1))
-    cancels the passes behind, and the next pass takes a whole traversal."""
+    """Tokens per step's time of k-guess passes costing ``cost`` steps, one every ``share`` of that
+    in a full pipeline (1: nothing behind); a miss cancels those behind, so the next takes a traversal."""
     kept = alpha ** (k + 1)
     return expected_tokens(alpha, k) / (cost * (kept * share + 1.0 - kept))
 
 
 class DraftLength:
-    """Chooses k for a request's next pass from its acceptance and ``costs``, and runs its pauses
-    and probes (the module docstring)."""
+    """Chooses k for a request's next pass and runs its pauses and probes (the module docstring)."""
 
     def __init__(self, costs: PassCosts, k_max: int, prior: float = PRIOR, fills: bool = False, stages: int = 1):
         """``fills``: passes may follow the one in flight."""
@@ -210,7 +194,7 @@ class DraftLength:
         self._hits, self._trials = prior, 1.0
         self._plain_left = 0  # plain steps left in the pause
         self._pause = REMEASURE  # plain steps of the next pause
-        self._dry = 0  # times in a row the drafter found nothing (DRY_RUN: a pause for it is under way)
+        self._dry = 0  # drafter misses in a row (DRY_RUN: their pause is under way)
         self._next: str | None = None  # PROBE, ALONE or BEHIND
 
     @property
@@ -240,7 +224,7 @@ class DraftLength:
         return k
 
     def _best(self) -> int:
-        """The k that yields the most tokens per second, each further guess gaining MIN_GAIN."""
+        """The k with the most tokens per second, each further guess gaining MIN_GAIN."""
         alpha = self.alpha
         share = self.costs.filled_share(self.stages) if self._filling() else 1.0
         prices = self.costs.relatives(self.k_max + 1)
@@ -252,8 +236,7 @@ class DraftLength:
         return best_k
 
     def fill_ok(self, ahead: int, in_flight: int = 1) -> bool:
-        """Whether to send a pass behind ``in_flight`` passes holding ``ahead`` guesses: it is kept
-        only if those and its own first guess are all confirmed."""
+        """Whether to send a pass behind ``in_flight`` passes holding ``ahead`` guesses."""
         if not self.fills or self._plain_left > 0 or self._next == ALONE:
             return False
         deep = in_flight >= self.stages
@@ -265,7 +248,7 @@ class DraftLength:
         return kept * MIN_GAIN >= 1.0 - kept if deep else kept >= NOISE
 
     def _filling(self) -> bool:
-        """Whether passes may go behind the one in flight: filling saves more than NOISE."""
+        """Whether filling the pipeline saves more than NOISE."""
         return self.fills and (self.stages < 2 or self.costs.filled_share(self.stages) <= 1.0 - NOISE)
 
     def _start_pause(self) -> None:
@@ -289,12 +272,11 @@ class DraftLength:
 
     @property
     def dry_paused(self) -> bool:
-        """Whether a pause for a drafter that found nothing is under way (``found`` may end it)."""
+        """Whether a pause for drafter misses is under way (``found`` may end it)."""
         return self._dry >= DRY_RUN and self._plain_left > 1
 
     def found(self) -> None:
-        """The drafter has a guess again: a pause for finding nothing ends after one more plain
-        step. A pause because guesses did not pay goes on."""
+        """The drafter has a guess again: a pause for its misses ends after one more step."""
         if self.dry_paused:
             self._plain_left = 1
 

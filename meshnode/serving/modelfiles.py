@@ -1,6 +1,5 @@
-"""A served model's files: where its metadata and layers come from, and what they say of it.
-
-A node lacking the model asks peers for its small files first; layers come from disk, peers or the Hub.
+"""A served model's files: where its metadata and layers come from, and what they say of it. A node
+lacking the model asks peers for its small files; layers come from disk, peers or the Hub.
 """
 
 from __future__ import annotations
@@ -28,10 +27,10 @@ from meshnode.weights.transfer import FetchError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Seconds a node configured with a model it lacks waits for a peer that holds it.
+# Seconds a node lacking its configured model waits for a peer that holds it.
 MODEL_WAIT_S = 300.0
 
-# Opens a search for a model's holders: yields a function returning (node id, channel) of each found so far.
+# Searches for a model's holders; yields a function returning (node id, channel) of each found.
 Holders = Callable[[str], AbstractAsyncContextManager[Callable[[], list[tuple[str, Any]]]]]
 
 
@@ -40,7 +39,7 @@ class ModelFiles:
 
     def __init__(self, settings, progress, event: Callable[..., None], *, model: str | None = None,
                  store: ModelStore | None = None, learned: bool = False):
-        """``model``: a folder or an id (None: the demo); ``learned``: a peer's model, from the peers."""
+        """``model``: a folder or an id (None: the demo); ``learned``: a peer's model, from peers."""
         self.settings, self.progress, self._event = settings, progress, event
         self.spec, self._shared_store, self._learned = model, store, learned
         # None until load() reads them
@@ -53,7 +52,7 @@ class ModelFiles:
         self._source: LayerSource | None = None  # folders holding layer ranges
 
     async def load(self, holders: Holders) -> None:
-        """Resolve the model, profile it and load its tokenizer (from peers if this disk lacks it)."""
+        """Resolves the model, profiles it and loads its tokenizer (from peers if this disk lacks it)."""
         cache_dir = self.settings.resolved_cache_dir()
         peer_models = cache_dir / "peer-models"
         try:
@@ -92,7 +91,7 @@ class ModelFiles:
 
     @property
     def loaded_profile(self) -> ModelProfile:
-        """The profile, for callers that run after :meth:`load`."""
+        """The profile, once :meth:`load` ran."""
         return self._loaded(self.profile)
 
     def _loaded(self, value: T | None) -> T:
@@ -102,14 +101,14 @@ class ModelFiles:
 
     @property
     def weights_local(self) -> bool:
-        """The configured model folder is complete."""
+        """Whether the configured model folder is complete."""
         return read_marker(self.path) is None
 
     def holdings(self) -> tuple[Holding, ...]:
         return holdings_of(self.store)
 
     async def _from_peers(self, exc: Exception, model_id: str, holders: Holders, peer_models: Path) -> Path:
-        """Wait for a peer that holds the model and fetch its small files."""
+        """Waits for a peer that holds the model and fetches its small files."""
         log.info("%s; asking peers for model %s", exc, model_id)
         try:
             async with holders(model_id) as candidates:

@@ -1,10 +1,6 @@
-"""Speculative passes in flight through a request's stages: the pipeline's bubbles filled.
-
-:class:`PassPipe` sends the next pass into the first stage before the one ahead has left the last,
-so every stage works at once; passes leave in order. When a guess is rejected, every pass behind
-is cancelled (the head carries passes from stage to stage, so unreached stages never see them)
-and every stage cuts its KV back to the confirmed positions: a local one at once, a remote one
-with its next message.
+"""Speculative passes in flight through a request's stages, filling the pipeline's bubbles; they
+leave in order. A rejected guess cancels the passes behind (the head carries them between stages,
+so unreached stages never see them), and each stage cuts its KV back: a remote one with its next message.
 """
 
 from __future__ import annotations
@@ -22,30 +18,30 @@ from meshnode.tracing import mark
 
 @dataclass(eq=False)
 class Pass:
-    """Tokens that go through every stage as one step, at positions ``start`` on."""
+    """Tokens that go through every stage as one step, from position ``start``."""
 
     tokens: list[int]
     start: int
     sent: float = field(default_factory=time.perf_counter)
-    alone: bool = True  # no other pass was in flight while it was (its time is a pass's cost)
+    alone: bool = True  # nothing else was in flight with it (its time is a pass's cost)
     cancelled: bool = False
 
 
 class PassPipe:
-    """One request's passes in flight through its stage sessions (meshnode.serving.generation),
-    oldest first. ``held``: the positions every stage holds now."""
+    """One request's passes in flight through its stage sessions, oldest first; ``held``: the
+    positions every stage holds now."""
 
     def __init__(self, sessions: Sequence, held: int, wait: WaitFn | None = None):
         self._sessions = list(sessions)
         n = len(self._sessions)
         self._held = [held] * n  # positions given to each stage, passes in flight included
         self._ready: list[deque] = [deque() for _ in range(n)]  # (pass, input) for stage i
-        self._running: list[deque] = [deque() for _ in range(n)]  # (pass, ticket) at remote stage i, in order
+        self._running: list[deque] = [deque() for _ in range(n)]  # (pass, ticket) at remote stage i
         self._done: deque = deque()  # (pass, logits) through every stage
         self._passes: deque[Pass] = deque()  # in flight, oldest first
         self._wait = wait or wait_first
         self.end = held  # the position after the last token sent
-        self.cut_pending = False  # a cut not yet carried to every remote stage by a later message
+        self.cut_pending = False  # a cut that a remote stage gets with its next message
 
     def __len__(self) -> int:
         return len(self._passes)
@@ -55,8 +51,8 @@ class PassPipe:
         return [t for p in self._passes for t in p.tokens]
 
     def send(self, tokens: Sequence[int]) -> None:
-        """Send a pass into the first stage (a remote one gets it now)."""
-        # Alone: nothing else of this request's in the stages, cancelled passes included.
+        """Sends a pass into the first stage (a remote one gets it now)."""
+        # Alone: none of this request's passes, even cancelled, is in the stages.
         busy = any(not ticket.done() for q in self._running for _, ticket in q)
         p = Pass(list(tokens), self.end, alone=not self._passes and not busy)
         for q in self._passes:
@@ -69,7 +65,7 @@ class PassPipe:
         self._start_remote()
 
     def result(self) -> tuple[Pass, mx.array]:
-        """The oldest pass in flight and its logits, (positions, vocab), once it has left the last stage."""
+        """The oldest pass and its logits (positions, vocab), once it has left the last stage."""
         oldest = self._passes[0]
         while not self._done or self._done[0][0] is not oldest:
             self._pump()
@@ -77,7 +73,7 @@ class PassPipe:
         return self._done.popleft()
 
     def cancel(self, keep: int) -> None:
-        """Drop every pass in flight; each stage keeps positions [0, keep) of its cache."""
+        """Drops every pass in flight; each stage keeps positions [0, keep) of its cache."""
         for p in self._passes:
             p.cancelled = True
         self._passes.clear()
@@ -105,7 +101,7 @@ class PassPipe:
             self._done.append((p, out[0]))
 
     def _pump(self) -> None:
-        """One move: take replies, start remote stages, run the deepest local stage, or wait."""
+        """Takes replies, starts remote stages, runs the deepest local stage, or waits."""
         for i, q in enumerate(self._running):
             while q and q[0][1].done():
                 p, ticket = q.popleft()
@@ -131,4 +127,4 @@ class PassPipe:
         self._wait([t.wait_handle() for t in heads if t.wait_handle() is not None], POLL)
         for t in heads:
             if not t.done():
-                t.check()  # raises: the stage is lost (stopped heartbeating), not merely busy
+                t.check()  # raises if the stage is lost (no heartbeat), not if busy

@@ -1,7 +1,5 @@
-"""Pipelined chunked prefill: a prompt flows through the stages like an assembly line.
-
-The head sends every prompt token but the last through the stages in chunks, chunk k+1 entering
-the first stage before chunk k leaves the last; only the filled caches are used, not the logits.
+"""Pipelined chunked prefill: every prompt token but the last goes through the stages in chunks,
+chunk k+1 entering the first stage before chunk k leaves the last; only the filled caches are used.
 """
 
 from __future__ import annotations
@@ -21,10 +19,10 @@ CHUNKS_PER_STAGE = 4
 MIN_CHUNK = 16  # positions: smaller chunks cost more in overhead than they save
 FIRST_CHUNK = 64  # before any stage has been timed
 SHARED_STEP = 0.010  # seconds a chunk may take at the slowest stage while other generations run
-# Seconds a chunk may take alone: bounds a long prompt's delay to a newcomer's first token.
+# Seconds a chunk may take alone: bounds a long prompt's delay to a newcomer.
 TURN = 0.05
 BUSY_MIN_CHUNK = 4  # positions
-BUSY_FIRST_CHUNK = 16  # before any stage has been timed, while other generations run
+BUSY_FIRST_CHUNK = 16  # FIRST_CHUNK while other generations run
 POLL = 0.25  # seconds between liveness checks of awaited stages
 IN_FLIGHT = 2  # chunks queued at one stage: one running, one waiting behind it
 
@@ -51,7 +49,7 @@ class PipelinedSession(Protocol):
 
 
 class DoneTicket:
-    """A chunk a local stage has already run (on the generation's own thread)."""
+    """A chunk a local stage has run (on the generation's thread)."""
 
     def __init__(self, out: mx.array, positions: int):
         self._out, self.positions = out, positions
@@ -70,12 +68,12 @@ class DoneTicket:
 
 
 class ChunkSizer:
-    """Chunk sizes from each stage's measured seconds per position: under ``max_step`` (Apple's GPU kills
-    long commands) and ``TURN``, several per stage, about ``SHARED_STEP`` while others run."""
+    """Chunk sizes from each stage's seconds per position: under ``max_step`` (Apple's GPU kills long
+    commands) and ``TURN``, several per stage, about ``SHARED_STEP`` while others run."""
 
     def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK,
                  seed: Sequence[float | None] | None = None, busy=None):
-        """``seed``: seconds per position from earlier requests; ``busy()``: other generations run now."""
+        """``seed``: seconds per position from earlier requests; ``busy()``: others run now."""
         self.stages = stages
         self.max_step = max_step
         self.max_chunk = max_chunk
@@ -111,10 +109,10 @@ def pipelined_prefill(
     between_steps=None,
     on_cut: Callable[[int], None] | None = None,
 ) -> int:
-    """Fill every stage's cache with ``tokens``; returns the number of chunks sent.
+    """Fills every stage's cache with ``tokens``; returns the chunks sent.
 
-    Each chunk carries its ``work`` (prompt positions left): stages serve the least left first.
-    ``between_steps()`` runs after each local step but the last; a stage is awaited while it is alive.
+    Each chunk carries its ``work`` (positions left): stages serve the least first. ``between_steps()``
+    runs after each local step but the last; a stage is awaited while alive.
     """
     n = len(sessions)
     total = len(tokens)
@@ -124,7 +122,7 @@ def pipelined_prefill(
     wait = wait or wait_first
 
     while True:
-        # Results leave each stage in order; a stage's next chunk starts when its last one ends.
+        # Results leave each stage in order; its next chunk starts when the last ends.
         for i in range(n):
             while running[i] and running[i][0][0].done():
                 ticket, started, work = running[i].popleft()
@@ -132,7 +130,7 @@ def pipelined_prefill(
                 out = ticket.result()
                 if sessions[i].remote:
                     sizer.observe(i, ticket.positions, now - started)
-                    if running[i]:  # the next one started when this one ended, at the latest
+                    if running[i]:  # the next started when this ended, at the latest
                         nxt, nxt_started, nxt_work = running[i][0]
                         running[i][0] = (nxt, max(nxt_started, now), nxt_work)
                 if i + 1 < n:
@@ -180,7 +178,7 @@ class WaitFn(Protocol):
 
 
 def wait_first(handles: list, timeout: float) -> None:
-    """Block until one of ``handles`` (Futures, or objects with ``fileno()``) is ready or ``timeout`` passes."""
+    """Blocks until one of ``handles`` (Futures, or objects with ``fileno()``) is ready, or ``timeout``."""
     futures = [h for h in handles if isinstance(h, concurrent.futures.Future)]
     streams = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
     if not streams:

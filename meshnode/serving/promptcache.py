@@ -1,6 +1,6 @@
 """The prompt cache's head side: which prefixes the stages keep, and which to resume from. A request
-that would resume more of a closed generation's tokens waits for exactly that generation, not for
-look-alike prompts, so an agent's parallel calls run side by side."""
+that would resume more of a closed generation's tokens waits for that one alone, so an agent's
+parallel calls run side by side."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MIN_REUSE = 16
 ENTRIES = 32  # bounds the search; the stages bound prefixes by memory
 # Seconds an answer waits for its prefix to be kept, and a head for a relay's given-up generations.
 SETTLE_WAIT = 2.0
-WAIT_SLICE = 1.0  # seconds an unbounded wait holds a worker thread before looking again
+WAIT_SLICE = 1.0  # seconds an unbounded wait holds a worker thread at a time
 
 
 def common_start(a: np.ndarray, b: np.ndarray) -> int:
@@ -39,7 +39,7 @@ def common_start(a: np.ndarray, b: np.ndarray) -> int:
 
 
 async def _wait_all(events: Sequence[threading.Event], timeout: float | None) -> bool:
-    """Wait off the event loop for every event or ``timeout``; whether all were set."""
+    """Waits off the event loop for every event or ``timeout``; whether all were set."""
     if timeout is not None:
         deadline = time.monotonic() + timeout
         return await asyncio.to_thread(lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in events))
@@ -59,7 +59,7 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
         self._relayed: dict[str, threading.Event] = {}  # relayed generations here: set once over
-        # Closed generations that may still be keeping their prefix: (tokens, end).
+        # Closed generations maybe still keeping their prefix: (tokens, end).
         self._closed: list[tuple[np.ndarray, threading.Event]] = []
         self.partial = True  # False once a stage could not cut a kept prefix
         if disk is not None:
@@ -76,7 +76,7 @@ class PrefixIndex:
 
     async def until_kept(self, ended: threading.Event, tokens: Sequence[int] | None = None,
                          timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` for ``ended``; meanwhile a request that would resume more of
+        """Waits up to ``timeout`` for ``ended``; meanwhile a request that would resume more of
         ``tokens`` waits too."""
         if ended.is_set():
             return True
@@ -87,7 +87,7 @@ class PrefixIndex:
         return await _wait_all([ended], SETTLE_WAIT if timeout is None else timeout)
 
     async def settled_match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """:meth:`match`, once every closed generation giving ``prompt`` a longer start is over."""
+        """:meth:`match`, once every closed generation giving ``prompt`` a longer start ends."""
         want = np.asarray(prompt, dtype=np.int64)
         t0, waited = time.monotonic(), False
         while True:
@@ -107,7 +107,7 @@ class PrefixIndex:
             waited = True
 
     def relayed(self, request_id: str) -> threading.Event:
-        """A relay's generation runs here: the event is set once it is over."""
+        """A relay's generation runs here: the event is set when it ends."""
         ended = threading.Event()
         with self._lock:
             self._relayed = {r: e for r, e in self._relayed.items() if not e.is_set()}
@@ -115,7 +115,7 @@ class PrefixIndex:
         return ended
 
     async def after(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` for the generations a relay gave up to be over."""
+        """Waits up to ``timeout`` for the generations a relay gave up to end."""
         with self._lock:
             pending = [e for r in request_ids if (e := self._relayed.get(r)) is not None and not e.is_set()]
         if pending:
@@ -125,7 +125,7 @@ class PrefixIndex:
                       time.monotonic() - t0, len(pending), "" if over else " (gave up)")
 
     def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """(key, positions) to resume ``prompt`` from, or None. The last prompt token is always
+        """(key, positions) to resume ``prompt`` from, or None; the last prompt token is always
         computed (its logits give the first new token)."""
         want = np.asarray(prompt, dtype=np.int64)
         best: tuple[str, int] | None = None
@@ -146,7 +146,7 @@ class PrefixIndex:
         return best
 
     def add(self, tokens: Sequence[int], key: str | None = None) -> str:
-        """Remember the stages keep exactly ``tokens``; returns the key."""
+        """Remembers that the stages keep exactly ``tokens``; returns the key."""
         key = key or prefix_key(tokens)
         with self._lock:
             self._kept.pop(key, None)

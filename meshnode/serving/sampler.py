@@ -1,9 +1,8 @@
-"""One request's sampler, logits processors and token log-probabilities, built from mlx-lm's pieces.
+"""One request's sampler, logits processors and log-probabilities, from mlx-lm's pieces.
 
-Two differences from mlx-lm keep the answer equal to ``mlx_lm.generate`` on the whole prompt:
-the penalties also see the prompt's tail (prefilled before ``generate_step`` runs), and a seeded
-request draws token ``i`` from a key of ``(seed, i)`` alone, so it is reproducible beside other
-requests and across a failover replay.
+Two differences keep the answer equal to ``mlx_lm.generate`` on the whole prompt: the penalties also
+see the prompt's tail (prefilled before ``generate_step``), and a seeded request draws token ``i``
+from a key of ``(seed, i)`` alone, reproducible beside other requests and across a failover replay.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from meshnode.serving.grammar import GrammarProcessor
 from meshnode.serving.sampling import Sampled, SamplingParams
 
-# mlx-lm's context for each penalty (make_logits_processors' default): how far back it looks.
+# How far back each penalty looks (make_logits_processors' default).
 PENALTY_CONTEXT = 20
 
 
@@ -35,12 +34,12 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
 
 
 def make_indexed_sampler(params: SamplingParams) -> Callable[[mx.array, int], mx.array]:
-    """``sample(logprobs, index)`` draws token ``index``; seeded draws depend on (seed, index) alone,
-    so a speculative pass draws each position as one-at-a-time decoding would."""
+    """``sample(logprobs, index)`` draws token ``index``; seeded, from (seed, index) alone, so a
+    speculative pass draws each position as one-at-a-time decoding would."""
     if params.seed is None or params.temperature == 0:
         plain = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
         return lambda logprobs, index: plain(logprobs)
-    # The API accepts any int64 seed (OpenAI's range): fold it into the key's uint64.
+    # Any int64 seed (OpenAI's range), folded into the key's uint64.
     seed = params.seed % 2**64
     top_p, min_p, top_k, inv_temp = params.top_p, params.min_p, params.top_k, 1.0 / params.temperature
 
@@ -65,8 +64,8 @@ def draw_key(seed: int, index: int) -> mx.array:
 
 
 def make_request_processors(params: SamplingParams, before: Sequence[int], tokenizer=None) -> list | None:
-    """mlx-lm's logits processors for ``params``, the grammar's last; ``before``: prompt tokens
-    generate_step is not fed, whose tail the penalties must still see."""
+    """mlx-lm's logits processors for ``params``, the grammar last; ``before``: prompt tokens
+    generate_step is not fed, whose tail the penalties see."""
     if not params.processed:
         return None
     grammar = []
@@ -92,8 +91,8 @@ def make_request_processors(params: SamplingParams, before: Sequence[int], token
 
 
 def sampled(token: int, logprobs: mx.array, top: int) -> Sampled:
-    """``token`` with its log-probability and the ``top`` most likely tokens (after the processors,
-    before the sampler's filters, as mlx_lm.server reports them)."""
+    """``token`` with its log-probability and the ``top`` likeliest tokens (after the processors,
+    before the filters, as mlx_lm.server reports them)."""
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]

@@ -1,5 +1,4 @@
-"""What a request asks of the sampler, as a plain dataclass with no MLX; and :class:`Sampled`, a
-token id carrying its log-probabilities."""
+"""What a request asks of the sampler (no MLX), and :class:`Sampled`, a token id with log-probabilities."""
 
 from __future__ import annotations
 
@@ -8,13 +7,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples: limits, temperature and filters, penalties, seed, logprobs, grammar."""
+    """How one request samples: limits, temperature, filters, penalties, seed, logprobs, grammar."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    # Tokens produced before a failover replay, so a seeded draw continues where it was.
+    # Tokens before a failover replay, so a seeded draw resumes.
     offset: int = 0
     # mlx-lm's other filters (0: off) and logits processors (None: off).
     top_k: int = 0
@@ -23,14 +22,14 @@ class SamplingParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Each token's log-probability, and this many alternatives (-1: none asked).
+    # Log-probabilities with this many alternatives (-1: none).
     top_logprobs: int = -1
-    # llguidance grammar text the answer must follow ("": none).
+    # An llguidance grammar the answer follows ("": none).
     grammar: str = ""
 
     @property
     def processed(self) -> bool:
-        """Whether any logits processor runs (penalties or a bias)."""
+        """Whether any logits processor runs (penalties, a bias, a grammar)."""
         return bool(self.logit_bias) or bool(self.grammar) or any(
             p for p in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
 
@@ -40,8 +39,8 @@ class SamplingParams:
 
 
 class Sampled(int):
-    """A token id carrying its log-probability and ``top`` alternatives; an ``int``, so every
-    token source passes it on unchanged."""
+    """A token id with its log-probability and ``top`` alternatives; an ``int``, so token sources
+    pass it on unchanged."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]

@@ -1,16 +1,10 @@
 """Speculative decoding across the pipeline: a drafter's guesses checked by every stage in one pass.
 
-A drafter on the head (meshnode.serving.drafting) guesses the next k tokens; the last token and
-the guesses go through every stage as one step of k+1 positions, one hop per stage, and the head
-keeps the confirmed guesses plus the model's own next token. Stages drop the rejected positions
-from their KV cache (meshnode.model.rewind) with the next pass's message.
-
-Exactness: each position's token is drawn as one-at-a-time decoding would draw it, and a guess is
-kept only when it equals that token, so greedy and seeded answers are the same tokens as without
-speculation, and unseeded sampling keeps its distribution (the standard acceptance rule for a
-drafter proposing one token per position).
-
-How many to guess, and whether to fill the pipeline: meshnode.serving.draft_length.
+The last token and k guesses (meshnode.serving.drafting) go through the stages as one step; the head
+keeps the confirmed guesses and the model's next token, and the stages drop the rest from their KV
+cache (meshnode.model.rewind). Each token is drawn as one-at-a-time decoding would draw it, and a guess
+is kept only when equal, so greedy and seeded answers do not change and unseeded sampling keeps its
+distribution. How many to guess, and whether to fill the pipeline: meshnode.serving.draft_length.
 """
 
 from __future__ import annotations
@@ -34,13 +28,13 @@ from meshnode.tracing import mark
 class Speculation:
     """What a placement gives its requests to speculate with."""
 
-    # A drafter for a request's tokens so far (None: that request decodes without speculation).
+    # A request's drafter, from its tokens so far (None: no speculation).
     drafter: Callable[[Sequence[int]], Drafter | None]
     k_max: int  # the most guesses in one pass (the draft_max setting)
     costs: PassCosts = field(default_factory=PassCosts)
     # Told of every pass that checked guesses: (guessed, confirmed, yielded, passes cancelled).
     on_pass: Callable[[int, int, int, int], None] | None = None
-    # Told what the request measured when it ends: (PassCosts.ratio, filled share or None).
+    # Told at the request's end: (PassCosts.ratio, filled share or None).
     on_costs: Callable[[float, float | None], None] | None = None
     depth: int | None = None  # passes in flight at once (None: meshnode.serving.speculative.pipe_depth)
 
@@ -56,12 +50,9 @@ def why_not(params: SamplingParams, limit: tuple[int | None, str]) -> str:
 
 def speculative_tokens(model, cache, history: list[int], params: SamplingParams, spec: Speculation,
                        drafter: Drafter, *, max_tokens: int, others: Callable[[], bool] = lambda: False) -> Iterator:
-    """Token ids (or Sampled) of a request whose stages hold every position of ``history`` but the
-    last. ``others()``: other requests decode on the placement now (steps stay plain to batch).
-
-    Up to ``depth`` passes are in flight (:class:`~meshnode.serving.passes.PassPipe`), each behind
-    the first assuming the ones ahead are confirmed; at the first rejection the passes behind are
-    cancelled and every stage cut back to the confirmed positions."""
+    """Token ids (or Sampled) of a request whose stages hold all of ``history`` but the last, with up
+    to ``depth`` passes in flight (:class:`~meshnode.serving.passes.PassPipe`); ``others()``: other
+    requests decode on the placement now (steps stay plain to batch)."""
     sample = make_indexed_sampler(params)
     greedy, top = params.temperature == 0, params.top_logprobs
     stages = len(model.state.sessions)
@@ -71,7 +62,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     free = drafter.free
 
     def ask_again() -> None:
-        """In a dry pause, ask a free drafter again: a guess ends the pause."""
+        """In a dry pause, a free drafter's guess ends the pause."""
         if free and length.dry_paused and drafter.propose(1):
             length.found()
     fixed = drafter.fixed_k
@@ -80,18 +71,17 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
     local = not any(s.remote for s in model.state.sessions)
     pipe = model.passes(held)
     y, n = history[-1], 0
-    # Tokens drawn and not yet yielded: the next passes go out first, so the stages compute while
-    # the consumer streams these.
+    # Yielded once the next passes are out, so the stages compute while these stream.
     drawn: list = []
-    last_out = None  # when the last pass came out of the pipe
-    promised = False  # the last step promised the stages that this one is plain too
+    last_out = None  # when the last pass came out
+    promised = False  # the last step promised the stages that this one is plain
     try:
         while n < max_tokens:
             room = max_tokens - n  # positions that may still yield a token
             if window is not None:
                 room = min(room, window - held - 1)
             k = 0 if others() or promised else min(length.choose() if fixed is None else fixed, room - 1)
-            dry = False  # the drafter found nothing for this position (told to ``length`` once)
+            dry = False  # the drafter found nothing for this position (``length`` told once)
             if not pipe:
                 drafts = drafter.propose(k) if k > 0 else []
                 if k > 0 and not drafts:
@@ -105,8 +95,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     yield from drawn
                     drawn = []
                     if local and length.paused() and not others():
-                        # A pause: steps built ahead, as generate_step does, until its last step
-                        # or until others decode.
+                        # A pause: steps built ahead (as generate_step) until its last or others decode.
                         last = y
                         for y, logprobs in _plain_run(model, cache, last, min(length.plain_left, max_tokens - n),
                                                       greedy, sample, params.offset + n,
@@ -118,8 +107,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                             ask_again()
                             yield sampled(y, logprobs[0], top) if top >= 0 else y
                         continue
-                    # Where a free drafter finds nothing the next position is likely dry too: the
-                    # step promises that the next is plain, so the stages build it ahead.
+                    # After a free drafter's miss the next is likely dry too: promise it plain.
                     model.may_promise = promised = length.paused() or (dry and free)
                     started = time.perf_counter()
                     logits = model(mx.array([[y]], dtype=mx.uint32), cache)[0]
@@ -135,7 +123,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     continue
                 model.alone()
                 pipe.send([y, *drafts])
-            # Fill: passes of guesses behind the ones in flight, while each may well be confirmed.
+            # Fill: guesses behind the passes in flight, while each is likely kept.
             while len(pipe) < depth and not others():
                 ahead = pipe.in_flight()[1:]  # guesses in flight (the first token is confirmed)
                 size = 1 + max(k, 0)
@@ -167,7 +155,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             length.observe(len(checks), accepted)
             held = p.start + len(out)
             cancelled = 0
-            if accepted < len(checks):  # a rejection: what is behind it is cancelled
+            if accepted < len(checks):
                 cancelled = len(pipe)
                 pipe.cancel(held)
             if checks and spec.on_pass is not None:
@@ -186,10 +174,9 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
 
 
 def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> tuple[list[int], mx.array]:
-    """The model's tokens at a pass's positions (and every position's log probabilities), drawn as
-    one-at-a-time decoding would (draw ``offset + j`` at position j), up to the first that differs
-    from ``checks[j]``. Greedy takes the argmax of the log probabilities, as mlx-lm does: in
-    bfloat16 the raw logits' argmax can differ."""
+    """The model's tokens at a pass's positions, drawn as one-at-a-time decoding would (``offset + j``
+    at j) up to the first that differs from ``checks[j]``, and the log probabilities. Greedy takes
+    their argmax, as mlx-lm does: in bfloat16 the raw logits' can differ."""
     out: list[int] = []
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if greedy:
@@ -209,9 +196,9 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
 
 def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: int,
                stop: Callable[[], bool]) -> Iterator[tuple[int, mx.array]]:
-    """Up to ``steps`` plain steps from token ``y`` on all-local stages, each built while the one
-    before computes (as mlx-lm's ``generate_step``); yields (token, log probabilities). Stops
-    building ahead once ``stop()``, asked before each step is built."""
+    """Up to ``steps`` plain steps from ``y`` on all-local stages, each built while the one before
+    computes (as mlx-lm's ``generate_step``); yields (token, log probabilities). Builds no further
+    once ``stop()``."""
 
     def step(token: mx.array, index: int) -> tuple[mx.array, mx.array]:
         logits = model(token.reshape(1, 1), cache)[0]
@@ -235,6 +222,6 @@ def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: i
 
 
 def pipe_depth(sessions) -> int:
-    """Passes in flight where a stage is remote: one per stage, and one more waiting at the first
-    stage so it never idles for a hop. One where every stage is local (they share this thread)."""
+    """Passes in flight: one per stage plus one waiting at the first, so it never idles for a hop;
+    one where all stages are local (they share this thread)."""
     return len(sessions) + 1 if any(s.remote for s in sessions) else 1

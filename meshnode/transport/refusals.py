@@ -1,4 +1,4 @@
-"""What can go wrong with a remote stage: gRPC status codes mapped to the error that says what to do next."""
+"""A remote stage's gRPC status codes, mapped to errors that say what to do next."""
 
 from __future__ import annotations
 
@@ -10,33 +10,33 @@ class StageError(RuntimeError):
 
 
 class StageRefused(StageError):
-    """The stage said no (stale epoch, not loaded): retrying on a new plan may help."""
+    """The stage said no (stale epoch, not loaded): a new plan may help."""
 
 
 class StagePending(StageRefused):
-    """The stage is still adopting or loading this epoch: retry the same placement shortly."""
+    """The stage is still adopting or loading this epoch: retry shortly."""
 
 
 class PrefixMiss(StageError):
-    """The stage no longer holds the kept prefix to resume from: resend the whole prompt."""
+    """The stage no longer holds the prefix to resume from: resend the whole prompt."""
 
     quiet = True  # the head reruns the request at once
 
 
 class StageFault(StageError):
-    """The stage raised on its input: deterministic, so the generation ends with this error."""
+    """The stage raised on its input: deterministic, so the generation ends."""
 
 
-# "Not yet": gRPC never makes ABORTED itself, so a lost connection is never taken for it.
+# Not yet. gRPC never makes ABORTED, NOT_FOUND or INVALID_ARGUMENT itself, so a lost connection is none of them.
 EPOCH_PENDING = grpc.StatusCode.ABORTED
-# The stage raised: INTERNAL with details starting FAULT (gRPC's client makes INTERNAL of its own).
+# The stage raised: INTERNAL, details starting FAULT (gRPC makes INTERNAL of its own too).
 STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
 
 
-# Bad input: refused again if resent (gRPC never makes INVALID_ARGUMENT itself).
+# Bad input: refused again if resent.
 INVALID_INPUT = grpc.StatusCode.INVALID_ARGUMENT
 
-# The prefix to resume from is not held (gRPC never makes NOT_FOUND itself).
+# The prefix to resume from is not held.
 PREFIX_MISS = grpc.StatusCode.NOT_FOUND
 
 
@@ -45,7 +45,7 @@ def is_fault(code: grpc.StatusCode | None, details: str | None) -> bool:
 
 
 class StageRefusal(Exception):
-    """Why a stage will not run a message, as the gRPC status the caller gets."""
+    """Why a stage will not run a message, as the caller's gRPC status."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)

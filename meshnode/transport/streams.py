@@ -1,4 +1,4 @@
-"""One request's stream to a remote stage, and a ticket per message; replies come back in order."""
+"""One request's stream to a remote stage, a ticket per message; replies come in order."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class StageStream(Protocol):
         ...
 
     def finish(self, ticket: StreamTicket, into: Placeholder | None = None) -> mx.array:
-        """The reply to ``ticket``; other generations use MLX while this one waits."""
+        """The reply to ``ticket``; other generations use MLX meanwhile."""
         ...
 
     def forward(self, x: mx.array) -> mx.array: ...

@@ -1,10 +1,9 @@
-"""Node-to-node gRPC encryption (``encrypt = true``): mutual TLS with one certificate every holder
-of the cluster key derives by itself (HKDF key, fixed name and validity, RFC 6979 signature), so
-nothing is copied between machines. The HMAC layer of :mod:`meshnode.trust.auth` stays on top.
+"""Node-to-node gRPC encryption (``encrypt = true``): mutual TLS with one certificate that every
+holder of the cluster key derives itself (HKDF key, fixed name and validity, RFC 6979 signature), so
+nothing is copied between machines; :mod:`meshnode.trust.auth`'s HMAC stays on top.
 
-Adds secrecy and integrity of everything against anyone without the key. Limits: a key holder can
-impersonate any node; sizes and timing stay visible; the HTTP API and the tensor ring are not
-covered. Threat model: docs/operations.md ("Security and trust").
+It keeps everything secret and intact from anyone without the key; a key holder can impersonate any
+node, sizes and timing stay visible, and the HTTP API and tensor ring are not covered (docs/operations.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A quantized KV cache (``kv_bits``): mlx-lm's ``QuantizedKVCache``, its cost and which models can
-use it. Only plain ``KVCache`` layers are quantized; sliding windows and recurrent states stay. Pure."""
+"""A quantized KV cache (``kv_bits``): mlx-lm's ``QuantizedKVCache``, its cost and the models that can
+use it. Only plain ``KVCache`` layers are quantized. Pure."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from meshnode.weights.splits import config_value, text_config
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
 KV_BITS = (4, 8)  # besides 0 (off)
 
-# Families whose attention cannot use QuantizedKVCache: attention sinks (the quantized kernel has
-# none), or their own attention reading the cache's arrays as plain tensors.
+# Families that cannot use QuantizedKVCache: attention sinks (no quantized kernel), or attention of
+# their own that reads the cache as plain arrays.
 _SINKS = frozenset({"gpt_oss", "mimo_v2_flash"})
 _OWN_ATTENTION = frozenset({"gemma2", "olmo", "plamo2"})
 

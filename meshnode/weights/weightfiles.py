@@ -1,5 +1,5 @@
-"""A model's weight files, read without loading them: which files mlx-lm loads, safetensors headers
-(tensor data is never read here), and which part of the model a tensor name belongs to."""
+"""A model's weight files, read without loading: which files mlx-lm loads, safetensors headers (never
+the data), and which part of the model a tensor name belongs to."""
 
 from __future__ import annotations
 
@@ -14,19 +14,18 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32
                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 MAX_HEADER = 100 * 2**20
 
-# One transformer block: "model.layers.3.self_attn.q_proj.weight", "language_model.model.layers.3...",
-# gpt2's "model.h.3.attn...", olmo's "model.transformer.blocks.3...".
+# A transformer block: "model.layers.3.", gpt2's "model.h.3.", olmo's "model.transformer.blocks.3.".
 LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 EMBED_KEY = re.compile(r"(?:^|\.)(?:embed_tokens|wte|embed_in|tok_embeddings|word_embeddings|wpe)\.")
 HEAD_KEY = re.compile(r"(?:^|\.)(?:lm_head|embed_out)\.|^output\.")
-# Towers mlx-lm's text models drop from a multimodal checkpoint: in no stage.
+# Multimodal towers mlx-lm's text models drop: in no stage.
 SKIP_KEY = re.compile(r"^(?:[\w]*\.)?(?:vision_tower|vision_model|visual|vision|audio_tower|audio_model|"
                    r"multi_modal_projector|mm_projector|embed_vision|embed_audio)\.")
 
 
 def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], where: str) -> tuple[int, dict]:
-    """(bytes before the tensor data, JSON header without ``__metadata__``) of a file starting with
-    ``head``; ``more(first, last)`` reads an inclusive byte range when the header is longer."""
+    """(bytes before the tensor data, header without ``__metadata__``) of a file starting with
+    ``head``; ``more(first, last)`` reads an inclusive byte range of a longer header."""
     if len(head) < 8:
         raise ValueError(f"{where}: not a safetensors file")
     (n,) = struct.unpack("<Q", head[:8])

@@ -1,11 +1,9 @@
 """The planner: which nodes hold which layers. Pure: no I/O, no clock, no randomness.
 
-In: the model's profile, the live nodes (memory budget, measured speed), the links, the max context.
-Out: a :class:`Plan`, or a :class:`PlanError` saying what is missing. The memory-driven plan takes
-the fewest nodes that fit (every hop costs a round trip per token), preferring the current plan's,
-and splits contiguous layers in proportion to memory. Every candidate (``single``, ``pipeline``,
-``tensor``, ``hybrid``) is estimated in seconds per decoded token (formulas: ``cost.CostModel``); the
-least wins, the memory-driven plan every tie.
+From the model's profile, the live nodes, the links and the context it makes the :class:`Plan` with
+the fewest seconds per token (``cost.CostModel``), or a :class:`PlanError` naming what is missing.
+Ties go to the memory-driven plan: the fewest nodes that fit (each hop costs a round trip per token),
+the current plan's first, contiguous layers split by memory.
 """
 
 from meshnode.control.planner.cost import (

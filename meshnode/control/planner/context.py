@@ -1,5 +1,5 @@
-"""The context a plan gives its model when ``max_context = 0``: the trained context, halved only
-as far as the mesh's memory requires (not below :data:`FLOOR`). Pure."""
+"""The context a plan gives its model when ``max_context = 0``: the trained one, halved only as the
+mesh's memory requires (not below :data:`FLOOR`). Pure."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from meshnode.control.planner.plans import Plan, PlanError
 
 FLOOR = 4096  # the least context "auto" settles for
 UNKNOWN = 4096  # a model whose config names no context length
-# Tokens of context that serve coding agents: more is taken only where it does not cost speed.
+# Context that serves coding agents: more only where it costs no speed.
 ENOUGH = 65536
-SLOWER = 1.1  # how much slower per token a longer context's plan may be and still win
+SLOWER = 1.1  # how much slower per token a longer context's plan may be
 
 
 def contexts_to_try(trained: int, setting: int) -> list[int]:
@@ -30,9 +30,9 @@ def contexts_to_try(trained: int, setting: int) -> list[int]:
 
 
 def plan_longest_context(make: Callable[[int], Plan], trained: int, setting: int) -> Plan:
-    """``make(max_context)`` for the setting's context, or with 0 the longest that fits; from
-    :data:`ENOUGH` up, the longest within :data:`SLOWER` of the fastest plan per token (more KV may
-    need another hop). Raises the shortest context's PlanError."""
+    """``make(max_context)`` for the set context, or with 0 the longest that fits; from :data:`ENOUGH`
+    up, the longest within :data:`SLOWER` of the fastest (more KV may need another hop). Raises the
+    shortest context's PlanError."""
     tries = contexts_to_try(trained, setting)
     fits: list[tuple[int, Plan]] = []  # longest first
     for i, context in enumerate(tries):
