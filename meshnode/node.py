@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import logging
@@ -23,7 +24,6 @@ from meshnode import __version__, blas, sysinfo
 from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
 from meshnode.api.unservable import refuse_until
-from meshnode.api.validation import Limits
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
 from meshnode.control.adoption import Adoption
 from meshnode.control.coordinator import Coordinator
@@ -31,11 +31,12 @@ from meshnode.control.discovery import Discovery, local_addresses
 from meshnode.control.echo import EchoServer
 from meshnode.control.lanes import Lane, Lanes
 from meshnode.control.links import probe_reply
-from meshnode.control.offers import read_offers, write_offers
+from meshnode.control.offers import Offers, read_offers, write_offers
 from meshnode.control.peers import Peers
 from meshnode.control.plane import ControlPlane
 from meshnode.control.planner import supports_tensor
 from meshnode.control.settings import ControlSettings, PeerSettings, PlanSettings
+from meshnode.control.status import mesh_status, model_state
 from meshnode.errors import ApiError
 from meshnode.identity import cluster_id as derive_cluster_id
 from meshnode.identity import load_or_create_node_id
@@ -43,10 +44,10 @@ from meshnode.metrics import EventLog, NodeMetrics, Progress
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
-from meshnode.serving.drafting import DrafterFactory, DraftModel
+from meshnode.serving.drafting import DrafterFactory, load_draft
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
-from meshnode.serving.served import ServedModel, plan_status
+from meshnode.serving.served import ServedModel
 from meshnode.serving.settings import ServingSettings
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import StreamHook
@@ -54,7 +55,6 @@ from meshnode.transport.routing import StageRouter, not_served
 from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth
-from meshnode.weights.holdings import holdings_to_json
 from meshnode.weights.modelsource import ModelNotFound
 from meshnode.weights.store import ModelStore
 
@@ -85,10 +85,28 @@ class Backend:
                 for model_id, served in self.node.models.items() if model_id in offered]
 
     async def add_model(self, spec: str) -> dict[str, Any]:
-        return await self.node.add_model(spec)
+        """Offer one more model from now on (and after a restart): the mesh then serves it too."""
+        node = self.node
+        try:
+            lane = await node.lanes.offer(spec, node.holders)
+        except Exception as exc:  # noqa: BLE001 - the caller's model: ModelNotFound, a bad folder, ...
+            raise ApiError(400, f"cannot offer model {spec!r}: {exc}", param="add", code="model_not_loadable") \
+                from None
+        await node.announce_models(node.offers.add(spec, lane.model_id), f"offering model {lane.model_id}")
+        return {"model": lane.model_id, "offered": True, "offered_here": list(node.lanes.offered_ids())}
 
     async def remove_model(self, model_id: str) -> dict[str, Any]:
-        return await self.node.remove_model(model_id)
+        """Stop offering a model (the mesh stops serving it once no live node offers it)."""
+        node = self.node
+        lane = node.lanes.get(model_id)
+        if lane is None or not lane.offered:
+            raise ApiError(404, f"model {model_id!r} is not offered by this node; it offers "
+                                f"{', '.join(node.lanes.offered_ids()) or 'none'}", param="remove",
+                           code="model_not_found")
+        lane.offered = False
+        offers = node.offers.remove(model_id, lane.served.files.spec)
+        await node.announce_models(offers, f"no longer offering model {model_id}")
+        return {"model": model_id, "offered": False, "offered_here": list(node.lanes.offered_ids())}
 
     def model_profile(self, model: str):
         """The served model's shape and sizes (the Ollama surface's details), None before they are known."""
@@ -101,35 +119,8 @@ class Backend:
                     "epoch": self.node.epoch}
 
     def mesh_status(self) -> dict[str, Any]:
-        return self.node.status()
-
-
-def model_state(served: ServedModel) -> str:
-    if served.loaded():
-        return "ready"
-    if served.on_demand():
-        return "on demand"
-    if served.plan is None and served.unplaced_because():
-        return "does not fit"
-    return "loading"
-
-
-def peer_view(peers, nid: str, info, me: bool, coordinator: bool) -> dict[str, Any]:
-    """One node of /v1/mesh's ``nodes``, as ``peers`` (this node's Peers) know it."""
-    return {
-        "node_id": nid, "address": info.addresses[0] if info.addresses else "",
-        "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
-        "memory_budget": info.memory_budget, "total_memory": info.total_memory,
-        "compute": info.compute, "version": info.version,
-        "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
-        "collective_seconds": info.collective_seconds,
-        "holdings": holdings_to_json(info.holdings),
-        "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
-        "stalled_for": round(peers.stalled_for() if me else info.stalled_for, 1),
-        "data_address": None if me else peers.links.best_address(nid),
-        "links": peers.links_of(nid),
-        "role": "coordinator" if coordinator else "member",
-    }
+        node = self.node
+        return mesh_status(node.control, node.events, node.progress, node.metrics, node.measuring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +129,19 @@ class NodeHooks:
 
     stream_hook: StreamHook | None = None  # every data-port stream to a stage here
     drafters: Callable[[DrafterFactory], DrafterFactory] | None = None  # PlacementSettings.drafters
+
+
+def _lane(node: Node, serving: ServingSettings, planning: PlanSettings, store: ModelStore, group_secret: bytes,
+          model: str | None, offered: bool) -> Lane:
+    """One served model of ``node``: its files and stages, plan adoption and coordinator."""
+    served = ServedModel(serving, node.node_id, scheduler=node.scheduler, metrics=node.metrics,
+                         progress=node.progress, mesh=node.peers, auth=node.auth, group_secret=group_secret,
+                         event=node.events, on_ready=lambda: node.control.beat_now(), model=model, store=store,
+                         learned=not offered)
+    adoption = Adoption(served, grace=max(1.0, 2 * node.settings.heartbeat_interval), event=node.events)
+    coordinator = Coordinator(planning, node.node_id, node.peers, adoption, event=node.events,
+                              used_by_others=lambda: node.lanes.used_by_others(served.model_id))
+    return Lane(served, adoption, coordinator, offered)
 
 
 class Node:
@@ -173,21 +177,12 @@ class Node:
             serving = dataclasses.replace(serving, placement=dataclasses.replace(serving.placement,
                                                                                  drafters=hooks.drafters))
 
-        def lane(model: str | None, offered: bool) -> Lane:
-            served = ServedModel(serving, self.node_id, scheduler=self.scheduler, metrics=self.metrics,
-                                 progress=self.progress, mesh=self.peers, auth=self.auth, group_secret=group_secret,
-                                 event=self.events, on_ready=lambda: self.control.beat_now(), model=model, store=store,
-                                 learned=not offered)
-            adoption = Adoption(served, grace=max(1.0, 2 * settings.heartbeat_interval), event=self.events)
-            coordinator = Coordinator(planning, self.node_id, self.peers, adoption, event=self.events,
-                                      used_by_others=lambda: self.lanes.used_by_others(served.model_id))
-            return Lane(served, adoption, coordinator, offered)
-
-        self._offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
-        self.lanes = Lanes(lane, self._offers.offered(settings.offered_models()), frozenset(self._offers.withdrawn))
+        lane = functools.partial(_lane, self, serving, planning, store, group_secret)
+        self.offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
+        self.lanes = Lanes(lane, self.offers.offered(settings.offered_models()), frozenset(self.offers.withdrawn))
         self.served = self.lanes.primary.served  # the first model's
         self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at,
-                                    self.peers, self.lanes, event=self.events, holders=self._holders)
+                                    self.peers, self.lanes, event=self.events, holders=self.holders)
         self.router = StageRouter(self._stage_server_of, self.scheduler.run_here, stream_hook=hooks.stream_hook)
         self.discovery: Discovery | None = None
         self.http_port, self.grpc_port = settings.http_port, settings.grpc_port
@@ -216,31 +211,10 @@ class Node:
         """The served models by id (requests find theirs here), the first model first."""
         return {lane.model_id: lane.served for lane in self.lanes if lane.model_id is not None}
 
-    async def add_model(self, spec: str) -> dict[str, Any]:
-        """Offer one more model from now on (and after a restart): the mesh then serves it too."""
-        try:
-            lane = await self.lanes.offer(spec, self._holders)
-        except Exception as exc:  # noqa: BLE001 - the caller's model: ModelNotFound, a bad folder, ...
-            raise ApiError(400, f"cannot offer model {spec!r}: {exc}", param="add", code="model_not_loadable") \
-                from None
-        self._offers = self._offers.add(spec, lane.model_id)
-        await self._announce_models(f"offering model {lane.model_id}")
-        return {"model": lane.model_id, "offered": True, "offered_here": list(self.lanes.offered_ids())}
-
-    async def remove_model(self, model_id: str) -> dict[str, Any]:
-        """Stop offering a model (the mesh stops serving it once no live node offers it)."""
-        lane = self.lanes.get(model_id)
-        if lane is None or not lane.offered:
-            raise ApiError(404, f"model {model_id!r} is not offered by this node; it offers "
-                                f"{', '.join(self.lanes.offered_ids()) or 'none'}", param="remove",
-                           code="model_not_found")
-        lane.offered = False
-        self._offers = self._offers.remove(model_id, lane.served.files.spec)
-        await self._announce_models(f"no longer offering model {model_id}")
-        return {"model": model_id, "offered": False, "offered_here": list(self.lanes.offered_ids())}
-
-    async def _announce_models(self, what: str) -> None:
-        write_offers(self.settings.resolved_state_dir(), self._offers)
+    async def announce_models(self, offers: Offers, what: str) -> None:
+        """Keep ``offers`` (they hold after a restart) and tell the mesh which models this node offers now."""
+        self.offers = offers
+        write_offers(self.settings.resolved_state_dir(), offers)
         me = self.peers.update_me(models=self.lanes.offered_ids(), holdings=self.served.files.holdings())
         if self.discovery is not None:
             await self.discovery.update(me)
@@ -252,7 +226,7 @@ class Node:
         """The models the mesh serves: those its live nodes offer (this node's before it has peers)."""
         return self.peers.offered_models() if self.peers.membership is not None else set(self.models)
 
-    def _holders(self, model_id: str):
+    def holders(self, model_id: str):
         return self.peers.holders_of(model_id, self.cluster_id)
 
     def _stage_server_of(self, model: str):
@@ -265,32 +239,15 @@ class Node:
     def serving_ready(self) -> bool:
         return self.served.serving_ready()
 
-    async def _load_draft(self) -> None:
-        """The first model's draft model; one that cannot serve is logged, and requests decode without it."""
-        name, served = self.settings.draft_model, self.served
-        if not name:
-            log.error('speculative = "draft_model" needs draft_model (a folder or a Hub id); speculation is off')
-            return
-        try:
-            draft = await self.scheduler.call(lambda: DraftModel.load(name))
-        except Exception as exc:  # noqa: BLE001 - a bad draft model must not stop the node
-            log.error("draft model %s could not be loaded (%s: %s); speculation is off", name, type(exc).__name__, exc)
-            return
-        if served.files.vocab_size and draft.vocab_size != served.files.vocab_size:
-            log.error("draft model %s has a vocabulary of %d, %s has %d; speculation is off", name, draft.vocab_size,
-                      served.model_id, served.files.vocab_size)
-            return
-        served.draft = draft
-        self.memory_budget = max(0, self.memory_budget - draft.nbytes)
-        log.info("draft model %s loaded for %s: %.1f MiB, taken off the memory offered", name, served.model_id,
-                 draft.nbytes / 2**20)
-
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         s, served = self.settings, self.served
-        await self.lanes.start(self._holders)
+        await self.lanes.start(self.holders)
         if s.speculative == "draft_model":
-            await self._load_draft()
+            draft = await load_draft(s.draft_model, self.scheduler, served.model_id, served.files.vocab_size)
+            if draft is not None:
+                served.draft = draft
+                self.memory_budget = max(0, self.memory_budget - draft.nbytes)
         handlers = Handlers(heartbeat=self.control.heartbeats.on_heartbeat, install=self.control.on_install,
                             goodbye=self.control.heartbeats.on_goodbye, generate=self._on_generate,
                             stage_server=self.router, store=served.files.store, probe=probe_reply,
@@ -344,9 +301,7 @@ class Node:
                             exc)
         self.peers.data_port_open = self._data is not None
         limit, lanes = s.stall_timeout, self.lanes
-        self.peers.stalled_for = lambda: longest if (longest := max(
-            (lane.served.stage_server.steps.longest() for lane in lanes if lane.served.stage_server is not None),
-            default=0.0)) >= limit else 0.0
+        self.peers.stalled_for = lambda: longest if (longest := lanes.longest_step()) >= limit else 0.0
 
     def _announced_addresses(self) -> tuple[str, ...]:
         """Where peers can reach this node: a specific bind address, else every address of the machine."""
@@ -356,12 +311,8 @@ class Node:
 
     async def _start_http(self) -> None:
         s = self.settings
-        api = ApiSettings(
-            limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
-            max_body_bytes=s.max_body_bytes, max_concurrent_requests=s.max_concurrent_requests, api_key=s.api_key,
-            cors_origins=s.cors_origins, access_log=s.access_log,
-        )
-        self._http = web.AppRunner(make_app(Backend(self), api), access_log=None, shutdown_timeout=2.0)
+        app = make_app(Backend(self), ApiSettings.of(s))
+        self._http = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._http.setup()
         site = web.TCPSite(self._http, s.host, s.http_port)
         await site.start()
@@ -411,29 +362,6 @@ class Node:
         value = collective_overhead(me.layer_seconds, split)
         if value > 0:
             self.peers.update_me(collective_seconds=value)
-
-    # ------------------------------------------------------------------ status
-    def status(self) -> dict[str, Any]:
-        """``GET /v1/mesh``: this node's view of the mesh, the plan, and what happened lately."""
-        peers, coordinator = self.peers, self.control.coordinator_id
-        nodes = [peer_view(peers, nid, info, nid == self.node_id, nid == coordinator)
-                 for nid, info in sorted(peers.alive_infos().items())]
-        served = self.served
-        return {
-            "node_id": self.node_id, "version": __version__, "blas": blas.in_use(), "model": served.model_id,
-            "coordinator": coordinator, "epoch": self.epoch, "ready_epoch": served.ready_epoch,
-            "healthy": served.serving_ready(), "plan_error": served.plan_error or None,
-            "unreachable": peers.reach.report(),
-            "nodes": nodes, "plan": plan_status(served.plan, self.control.coordinator.estimate_now()),
-            "models": [{"model": lane.model_id, "state": model_state(lane.served), "offered_here": lane.offered,
-                        "epoch": lane.adoption.epoch, "use": dataclasses.asdict(self.control.use_of(lane)),
-                        "ready_epoch": lane.served.ready_epoch, "healthy": lane.served.serving_ready(),
-                        "plan_error": lane.served.plan_error or None,
-                        "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now())}
-                       for lane in self.lanes if lane.model_id is not None],
-            "events": self.events.recent(), "progress": self.progress.current, "measuring": self.measuring,
-            "metrics": self.metrics.summary(),
-        }
 
 
 async def serve(settings: Settings, hooks: NodeHooks | None = None) -> None:

@@ -12,7 +12,8 @@ from mlx_lm.generate import generate_step
 from meshnode.model.build import model_dir_for
 from meshnode.model.shard import Shard
 from meshnode.serving.draft_length import PassCosts
-from meshnode.serving.generation import LocalStage, PipelineModel, generate_tokens
+from meshnode.serving.generation import PipelineModel, generate_tokens
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.speculative import Speculation
 

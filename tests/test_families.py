@@ -12,9 +12,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from meshnode.model.shard import Shard, split_boundaries, split_support
-from meshnode.serving.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
 from meshnode.model.build import FAMILIES, SPLIT_FAMILIES, build_model
+from meshnode.model.shard import Shard, split_boundaries, split_support
+from meshnode.serving.generation import PipelineModel, SamplingParams, generate_tokens
+from meshnode.serving.local_stage import LocalStage
 
 LAYERS = 4
 TOKENS = 10

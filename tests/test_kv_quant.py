@@ -19,12 +19,14 @@ from openai import OpenAI
 
 from meshnode.config import ConfigError, load_settings
 from meshnode.control.messages import plan_from_pb, plan_to_pb
-from meshnode.control.planner import NodeSpec, Plan, plan as make_plan
+from meshnode.control.planner import NodeSpec, Plan
+from meshnode.control.planner import plan as make_plan
 from meshnode.control.planner.context import plan_longest_context
 from meshnode.model.build import build_model
 from meshnode.model.shard import Shard
 from meshnode.serving.batching import batchable
-from meshnode.serving.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
+from meshnode.serving.generation import PipelineModel, SamplingParams, generate_tokens
+from meshnode.serving.local_stage import LocalStage
 from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem, quantized_kv_bytes
 from meshnode.weights.profile import ModelProfile, profile_model
 from tests.helpers import prompt_cache_reuse, running_node, tensor_group

@@ -11,10 +11,11 @@ import time
 import mlx.core as mx
 import pytest
 
-from meshnode.model.shard import Shard
-from meshnode.model.scheduler import Baton, mlx_idle, set_priority
-from meshnode.serving.generation import LocalStage, PipelineModel, PrefillOptions, SamplingParams, generate_tokens
 from meshnode.model.build import build_model
+from meshnode.model.scheduler import Baton, mlx_idle, set_priority
+from meshnode.model.shard import Shard
+from meshnode.serving.generation import PipelineModel, PrefillOptions, SamplingParams, generate_tokens
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.prefill import CHUNKS_PER_STAGE, MIN_CHUNK, ChunkSizer
 
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(300)]

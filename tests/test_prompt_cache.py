@@ -29,7 +29,8 @@ from meshnode.model.prefixes import CANNOT_CUT, PrefixStore, prefix_key
 from meshnode.model.scheduler import Baton, TokenScheduler
 from meshnode.model.shard import Shard
 from meshnode.serving.batching import BatchedSource
-from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
+from meshnode.serving.generation import PipelineSource, PrefillOptions
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.serving.sampling import SamplingParams
 from meshnode.weights.profile import profile_model

@@ -22,7 +22,8 @@ from meshnode.model.scheduler import TokenScheduler
 from meshnode.model.shard import Shard
 from meshnode.serving import promptcache
 from meshnode.serving.batching import BatchedSource
-from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
+from meshnode.serving.generation import PipelineSource, PrefillOptions
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.serving.sampling import SamplingParams
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from meshnode.model.shard import Shard
-from meshnode.serving.generation import LocalStage, PipelineModel, SamplingParams, generate_tokens
 from meshnode.model.build import FAMILIES, build_model
+from meshnode.model.shard import Shard
+from meshnode.serving.generation import PipelineModel, SamplingParams, generate_tokens
+from meshnode.serving.local_stage import LocalStage
 
 LAYERS = 6
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 128, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,

@@ -51,7 +51,7 @@ def head_and_peer(path, cuts, closers):
     """The model's layers in stages as a head sees them: the last one its own (a LocalStage), the
     ones before served by a peer (a StageServer behind a data port on loopback, reached through
     RemoteStage handles)."""
-    from meshnode.serving.generation import LocalStage
+    from meshnode.serving.local_stage import LocalStage
 
     shards = {(a, b): Shard(path, a, b) for a, b in zip(cuts, cuts[1:-1])}
     scheduler = TokenScheduler("test-pause")

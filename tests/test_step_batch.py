@@ -16,9 +16,10 @@ from mlx_lm.utils import load_model
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.model.shard import Shard, any_thread_stream
-from meshnode.serving.generation import LocalStage, PipelineSource, PrefillOptions
-from meshnode.serving.sampling import SamplingParams
 from meshnode.serving import step_batch
+from meshnode.serving.generation import PipelineSource, PrefillOptions
+from meshnode.serving.local_stage import LocalStage
+from meshnode.serving.sampling import SamplingParams
 from meshnode.serving.step_batch import StepBatcher, can_batch
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from aiohttp import web
 
 from meshnode.api.validation import GenerationRequest, Limits
+from meshnode.config import Settings
 from meshnode.errors import ApiError
 from meshnode.metrics import NodeMetrics, outcome_for_status
 from meshnode.serving.answer import AnswerShape, ToolCall, initial_state
@@ -58,6 +59,12 @@ class ApiSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API
     access_log: bool = True  # one INFO line per request
+
+    @classmethod
+    def of(cls, s: Settings) -> ApiSettings:
+        return cls(limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
+                   max_body_bytes=s.max_body_bytes, max_concurrent_requests=s.max_concurrent_requests,
+                   api_key=s.api_key, cors_origins=s.cors_origins, access_log=s.access_log)
 
 
 BACKEND: web.AppKey[Backend] = web.AppKey("backend")

@@ -127,6 +127,11 @@ class Lanes:
                     used[node_id] = used.get(node_id, 0) + stage.bytes
         return used
 
+    def longest_step(self) -> float:
+        """Seconds taken so far by the longest step running now on any lane's stage server."""
+        servers = (lane.served.stage_server for lane in self)
+        return max((server.steps.longest() for server in servers if server is not None), default=0.0)
+
     async def close(self) -> None:
         for task in list(self._loading.values()):
             task.cancel()

@@ -13,6 +13,7 @@ from meshnode.control.election import Candidate, choose_coordinator
 from meshnode.control.heartbeats import Heartbeats
 from meshnode.control.settings import ControlSettings
 from meshnode.proto import mesh_pb2
+from meshnode.serving.loading import retire_previous
 from meshnode.serving.usage import Use
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class ControlPlane:
         for lane in self.lanes:
             if lane.model_id is not None:
                 lane.served.ensure_applied()
-                lane.served.retire_previous()
+                retire_previous(lane.served)
 
     def _coordinate(self, alive: dict, offered: set[str]) -> None:
         """Plan each model into the memory the others leave; load and unload on demand."""

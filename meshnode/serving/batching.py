@@ -19,7 +19,7 @@ from mlx_lm.generate import BatchGenerator
 from meshnode.model.prefixes import PrefixStore, cache_positions, prefix_key
 from meshnode.model.scheduler import TokenJob, TokenScheduler, _settle_generation
 from meshnode.model.shard import Shard, any_thread_stream
-from meshnode.serving.generation import LocalStage
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
 from meshnode.serving.sampling import SamplingParams

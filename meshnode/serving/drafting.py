@@ -5,8 +5,14 @@ A wrong guess costs a little compute, never a different answer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    from meshnode.model.scheduler import TokenScheduler
+
+log = logging.getLogger(__name__)
 
 
 class Drafter(Protocol):
@@ -92,6 +98,27 @@ class DraftModel:
 
     def drafter(self, tokens: Sequence[int]) -> ModelDrafter:
         return ModelDrafter(self.model, tokens)
+
+
+async def load_draft(
+    name: str | None, scheduler: TokenScheduler, model_id: str | None, vocab_size: int | None
+) -> DraftModel | None:
+    """The draft model ``name`` for ``model_id``; None, logged, where it cannot serve (requests then decode without)."""
+    if not name:
+        log.error('speculative = "draft_model" needs draft_model (a folder or a Hub id); speculation is off')
+        return None
+    try:
+        draft = await scheduler.call(lambda: DraftModel.load(name))
+    except Exception as exc:  # noqa: BLE001 - a bad draft model must not stop the node
+        log.error("draft model %s could not be loaded (%s: %s); speculation is off", name, type(exc).__name__, exc)
+        return None
+    if vocab_size and draft.vocab_size != vocab_size:
+        log.error("draft model %s has a vocabulary of %d, %s has %d; speculation is off", name, draft.vocab_size,
+                  model_id, vocab_size)
+        return None
+    log.info("draft model %s loaded for %s: %.1f MiB, taken off the memory offered", name, model_id,
+             draft.nbytes / 2**20)
+    return draft
 
 
 class ModelDrafter:

@@ -123,6 +123,24 @@ async def load_part(served, plan) -> None:
     asyncio.create_task(served.on_ready())  # tell the mesh now, not at the next beat
 
 
+def retire_previous(served) -> None:
+    """Once ``served``'s current plan is ready everywhere, free its older epochs' shards."""
+    plan = served.plan
+    if plan is None or not served.ready(plan):
+        return
+    if served.previous is None and list(served.stage_server_now().epochs) == [plan.epoch]:
+        return
+    keep = {stage_key(s) for s in plan.stages if served.node_id in s.nodes}
+    for key, shard in served.shards.items():
+        if key not in keep:
+            close_shard(shard)
+    served.shards = {k: v for k, v in served.shards.items() if k in keep}
+    served.stage_server_now().retire_before(plan.epoch)
+    if served.previous is not None:
+        log.info("epoch %d is ready everywhere; epoch %d retired", plan.epoch, served.previous.epoch)
+    served.previous = None
+
+
 def keep_for_newer(served, loaded: dict) -> None:
     """A newer plan came while this load ran: keep what it wants too, close the rest."""
     newer = part_of(served.plan, served.node_id)[1] if served.plan is not None else frozenset()

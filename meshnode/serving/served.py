@@ -16,8 +16,8 @@ from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
 from meshnode.serving.engine import Engine
-from meshnode.serving.generation import LocalStage
 from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
 from meshnode.serving.promptcache import PrefixIndex
@@ -180,24 +180,7 @@ class ServedModel:
             log.warning("epoch %d: loading this node's part again", plan.epoch)
         self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
 
-    def retire_previous(self) -> None:
-        """Once the current plan is ready everywhere, free older epochs."""
-        plan = self.plan
-        if plan is None or not self.ready(plan):
-            return
-        if self.previous is None and list(self._stage_server().epochs) == [plan.epoch]:
-            return
-        keep = {stage_key(s) for s in plan.stages if self.node_id in s.nodes}
-        for key, shard in self.shards.items():
-            if key not in keep:
-                close_shard(shard)
-        self.shards = {k: v for k, v in self.shards.items() if k in keep}
-        self._stage_server().retire_before(plan.epoch)
-        if self.previous is not None:
-            log.info("epoch %d is ready everywhere; epoch %d retired", plan.epoch, self.previous.epoch)
-        self.previous = None
-
-    def _stage_server(self) -> StageServer:
+    def stage_server_now(self) -> StageServer:
         assert self.stage_server is not None, "load() made the stage server"
         return self.stage_server
 
@@ -208,7 +191,7 @@ class ServedModel:
         alive = membership.alive_peers() if membership is not None else {}
         for node_id in plan.node_ids():
             if node_id == self.node_id:
-                if self.ready_epoch < plan.epoch or plan.epoch not in self._stage_server().epochs:
+                if self.ready_epoch < plan.epoch or plan.epoch not in self.stage_server_now().epochs:
                     return False
                 if not self._groups_alive(plan):
                     return False
@@ -301,24 +284,27 @@ class ServedModel:
         return self.placement_for(plan)
 
     def placement_for(self, plan):
+        """``plan``'s placement, made once per epoch (the two newest epochs' are kept)."""
         placement = self._placements.get(plan.epoch)
         if placement is None:
-            if head_of(plan) == self.node_id:
-                placement = HeadPlacement(plan.epoch, self.scheduler, stage_handles(self, plan),
-                                          self.settings.placement, prefixes=self.prefix_index,
-                                          tokenizer=self.files.tokenizer, on_fault=self.fault,
-                                          on_batched_step=self.metrics.batched_step,
-                                          on_speculated=self.metrics.speculated,
-                                          on_spec_costs=self.metrics.pass_costs, draft=self.draft,
-                                          batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
-            else:
-                placement = RemoteHeadPlacement(plan.epoch, head_of(plan), self.node_id, self.mesh.data_channel,
-                                                self.mesh.heard_within, model=self.model_id)
-            self._placements[plan.epoch] = placement
+            placement = self._placements[plan.epoch] = new_placement(self, plan)
             for epoch in [e for e in self._placements if e < plan.epoch - 1]:
                 del self._placements[epoch]
         return placement
 
+
+def new_placement(served: ServedModel, plan) -> HeadPlacement | RemoteHeadPlacement:
+    """Where ``plan``'s requests run from this node: here, where it holds the plan's head, else on the head."""
+    if head_of(plan) != served.node_id:
+        assert served.model_id is not None, "load() named the model"
+        return RemoteHeadPlacement(plan.epoch, head_of(plan), served.node_id, served.mesh.data_channel,
+                                   served.mesh.heard_within, model=served.model_id)
+    metrics = served.metrics
+    return HeadPlacement(plan.epoch, served.scheduler, stage_handles(served, plan), served.settings.placement,
+                         prefixes=served.prefix_index, tokenizer=served.files.tokenizer, on_fault=served.fault,
+                         on_batched_step=metrics.batched_step, on_speculated=metrics.speculated,
+                         on_spec_costs=metrics.pass_costs, draft=served.draft,
+                         batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
 
 
 def stage_handles(served: ServedModel, plan) -> list:

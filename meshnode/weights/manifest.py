@@ -248,6 +248,11 @@ def weights_identity(model_dir: Path | str) -> str:
     return h.hexdigest()
 
 
+def folder_name(model_id: str, start: int, end: int) -> str:
+    """The cache folder's name for layers [start, end) of ``model_id``."""
+    return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', model_id)[:120]}-{start}-{end}"
+
+
 def cached_folders(cache_root: Path | str) -> Iterator[tuple[Path, dict[str, Any] | None]]:
     """Every finished folder under ``cache_root`` with its marker (None for a plain model folder)."""
     root = Path(cache_root)

@@ -39,7 +39,7 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None,
     if spec.count("/") != 1 or spec.startswith(("/", ".", "~")):
         raise ModelNotFound(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
     try:
-        from meshnode.weights.sourcing import hub_metadata
+        from meshnode.weights.hub import hub_metadata
 
         log.info("reading %s from Hugging Face: config, tokenizer and weight headers (weights follow per stage)", spec)
         root = (cache_dir if cache_dir is not None else default_cache_dir()) / "peer-models"

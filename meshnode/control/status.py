@@ -1,0 +1,66 @@
+"""``GET /v1/mesh``: this node's view of the mesh, the plans of its models, and what happened lately."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from meshnode import __version__, blas
+from meshnode.control.peers import Peers
+from meshnode.control.plane import ControlPlane
+from meshnode.metrics import EventLog, NodeMetrics, Progress
+from meshnode.nodeinfo import NodeInfo
+from meshnode.serving.served import ServedModel, plan_status
+from meshnode.weights.holdings import holdings_to_json
+
+
+def model_state(served: ServedModel) -> str:
+    if served.loaded():
+        return "ready"
+    if served.on_demand():
+        return "on demand"
+    if served.plan is None and served.unplaced_because():
+        return "does not fit"
+    return "loading"
+
+
+def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: bool) -> dict[str, Any]:
+    """One node of ``nodes``, as ``peers`` (this node's Peers) know it."""
+    return {
+        "node_id": nid, "address": info.addresses[0] if info.addresses else "",
+        "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
+        "memory_budget": info.memory_budget, "total_memory": info.total_memory,
+        "compute": info.compute, "version": info.version,
+        "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
+        "collective_seconds": info.collective_seconds,
+        "holdings": holdings_to_json(info.holdings),
+        "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
+        "stalled_for": round(peers.stalled_for() if me else info.stalled_for, 1),
+        "data_address": None if me else peers.links.best_address(nid),
+        "links": peers.links_of(nid),
+        "role": "coordinator" if coordinator else "member",
+    }
+
+
+def mesh_status(control: ControlPlane, events: EventLog, progress: Progress, metrics: NodeMetrics,
+                measuring: str | None) -> dict[str, Any]:
+    """The ``/v1/mesh`` document; ``measuring``: what the node times now (requests run slower meanwhile)."""
+    peers, coordinator, node_id = control.peers, control.coordinator_id, control.node_id
+    nodes = [peer_view(peers, nid, info, nid == node_id, nid == coordinator)
+             for nid, info in sorted(peers.alive_infos().items())]
+    served = control.lanes.primary.served
+    return {
+        "node_id": node_id, "version": __version__, "blas": blas.in_use(), "model": served.model_id,
+        "coordinator": coordinator, "epoch": control.adoption.epoch, "ready_epoch": served.ready_epoch,
+        "healthy": served.serving_ready(), "plan_error": served.plan_error or None,
+        "unreachable": peers.reach.report(),
+        "nodes": nodes, "plan": plan_status(served.plan, control.coordinator.estimate_now()),
+        "models": [{"model": lane.model_id, "state": model_state(lane.served), "offered_here": lane.offered,
+                    "epoch": lane.adoption.epoch, "use": dataclasses.asdict(control.use_of(lane)),
+                    "ready_epoch": lane.served.ready_epoch, "healthy": lane.served.serving_ready(),
+                    "plan_error": lane.served.plan_error or None,
+                    "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now())}
+                   for lane in control.lanes if lane.model_id is not None],
+        "events": events.recent(), "progress": progress.current, "measuring": measuring,
+        "metrics": metrics.summary(),
+    }
