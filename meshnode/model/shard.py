@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -192,6 +192,11 @@ def _check_split(config: dict[str, Any], start: int, end: int, num_layers: int) 
 # --- Folders holding only some layers' tensors ---
 
 
+def _flat(tree: Any) -> list[tuple[str, Any]]:
+    """``tree_flatten``'s (dotted name, leaf) pairs."""
+    return cast(list[tuple[str, Any]], tree_flatten(tree))
+
+
 def _is_partial(model_path: Path) -> bool:
     from meshnode.weights.manifest import PARTIAL_MARKER
 
@@ -202,10 +207,10 @@ def _check_partial(model: nn.Module, model_path: Path, start: int, end: int) -> 
     """After a strict=False load, every parameter the shard keeps must come from the files, not random init."""
     weights: dict[str, Any] = {}
     for wf in sorted(model_path.glob("model*.safetensors")):
-        weights.update(mx.load(str(wf)))  # lazy: headers only
+        weights.update(cast(dict[str, mx.array], mx.load(str(wf))))  # lazy: headers only
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    missing = sorted(k for k, _ in tree_flatten(model.parameters()) if k not in weights)
+    missing = sorted(k for k, _ in _flat(model.parameters()) if k not in weights)
     if missing:
         shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
         raise ValueError(f"{model_path} holds only some layers and lacks {len(missing)} tensor(s) that layers "
@@ -301,6 +306,7 @@ class Shard:
         arity = _return_arity(layers[0])
         for i in range(num_layers):
             if i < start or i >= end:
+                stand_in: nn.Module
                 if i == start - 1:
                     stand_in = _Inject(self._slot, arity)
                 elif i == end:
@@ -308,15 +314,16 @@ class Shard:
                 else:
                     stand_in = _Skip(arity)
                 layers[i] = _stand_in(stand_in, layers[i])
-        if start > 0 and not (self.spec.is_last and tied):
+        # inner is None only for a model run whole, which stands in for nothing
+        if inner is not None and start > 0 and not (self.spec.is_last and tied):
             inner.embed_tokens = _NoEmbedding(self.hidden_size, dtype)
-        if not self.spec.is_last:
+        if inner is not None and not self.spec.is_last:
             inner.norm = _Absent()
             if hasattr(model, "lm_head"):
                 model.lm_head = _Absent()
         if partial:
             _check_partial(model, model_path, start, end)
-        if group is not None and group.size() > 1:
+        if inner is not None and group is not None and group.size() > 1:
             _shard_layers(model, inner, start, end, group)
         self.group_size = group.size() if group is not None else 1
         # Read the remaining tensors, layer by layer, then the rest.
@@ -327,7 +334,7 @@ class Shard:
         mx.eval(model.parameters())
         # Arrays outside the parameters (rope frequencies) are evaluated here, off the loader's stream.
         mx.eval(_private_arrays(model))
-        self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.nbytes = sum(v.nbytes for _, v in _flat(model.parameters()))
         log.info(
             "loaded layers [%d, %d) of %s (%d layers): %.1f MiB",
             start, end, model_path.name, num_layers, self.nbytes / 2**20,
@@ -342,7 +349,7 @@ class Shard:
         return self.spec.end
 
     def parameter_names(self) -> list[str]:
-        return [k for k, _ in tree_flatten(self.model.parameters())]
+        return [k for k, _ in _flat(self.model.parameters())]
 
     @property
     def kv_quant_bits(self) -> int:
