@@ -37,21 +37,32 @@ from benchmarks.chat import sized_text  # noqa: E402
 from benchmarks.common import STREAM_CHAT, free_port, mlx_device, start_node, stop, wait_healthy  # noqa: E402
 from harness.cluster import in_ns, mlx_lm_server_argv, node_argv, wait_mesh  # noqa: E402
 
-MODEL = dict(family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2,
-             dtype="float32", max_position_embeddings=32768)
+MODEL = dict(
+    family="llama",
+    num_layers=8,
+    hidden_size=192,
+    intermediate_size=512,
+    num_heads=4,
+    num_kv_heads=2,
+    dtype="float32",
+    max_position_embeddings=32768,
+)
 TURNS, RESTART_AFTER, OTHERS_AFTER, OTHERS = 8, 4, 6, 3
 MAX_TOKENS = 16
 
 # argv: url, model, messages (JSON); prints [seconds to the first text, seconds in all, the text]
-ASK = STREAM_CHAT + r'''
+ASK = (
+    STREAM_CHAT
+    + r"""
 import sys
 url, model, messages = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 print(json.dumps(stream_chat(url, model, messages, MAX_TOKENS)))
-'''.replace("MAX_TOKENS", str(MAX_TOKENS))
+""".replace("MAX_TOKENS", str(MAX_TOKENS))
+)
 
 # argv: the /metrics URLs; prints, summed over the nodes, the bytes written to the prompt cache on
 # disk and the positions read back from it
-DISK = r'''
+DISK = r"""
 import json, sys, urllib.request
 names = ("meshnode_prompt_cache_disk_written_bytes_total ", "meshnode_prompt_cache_disk_tokens_total ")
 out = [0, 0]
@@ -61,16 +72,19 @@ for url in sys.argv[1:]:
             if line.startswith(name):
                 out[i] += float(line.rsplit(" ", 1)[1])
 print(json.dumps(out))
-'''
+"""
+
 
 def texts(model: Path, prefix_tokens: int, turn_tokens: int, other_tokens: int) -> tuple[str, list[str], list[str]]:
     """The session's system message, its user turns, and the other conversations' prompts."""
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
-    return (sized_text(tok, "Instructions and tools. ", prefix_tokens, 97),
-            [sized_text(tok, f"Turn {t}. ", turn_tokens, t + 3) for t in range(TURNS)],
-            [sized_text(tok, f"Another task {k}. ", other_tokens, 50 + k) for k in range(OTHERS)])
+    return (
+        sized_text(tok, "Instructions and tools. ", prefix_tokens, 97),
+        [sized_text(tok, f"Turn {t}. ", turn_tokens, t + 3) for t in range(TURNS)],
+        [sized_text(tok, f"Another task {k}. ", other_tokens, 50 + k) for k in range(OTHERS)],
+    )
 
 
 class Server:
@@ -94,9 +108,13 @@ class MlxLmServer(Server):
 
     def start(self) -> None:
         port = free_port()
-        self.proc = subprocess.Popen(mlx_lm_server_argv(self.model, port),
-                                     stdout=open(self.tmp / "server.log", "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(
+            mlx_lm_server_argv(self.model, port),
+            stdout=open(self.tmp / "server.log", "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         self.url = f"http://127.0.0.1:{port}"
         wait_healthy(self.url, 300)
 
@@ -111,10 +129,20 @@ class OneNode(Server):
 
     def start(self) -> None:
         self.state.mkdir(exist_ok=True)
-        self.proc = start_node(node_argv(self.model, host="127.0.0.1", http_port=self.http, grpc_port=self.grpc,
-                                         mdns=False, state_dir=self.state, cache_dir=self.state / "cache",
-                                         max_context=self.ctx, kv_requests=1),
-                               log=self.state / "node.log")
+        self.proc = start_node(
+            node_argv(
+                self.model,
+                host="127.0.0.1",
+                http_port=self.http,
+                grpc_port=self.grpc,
+                mdns=False,
+                state_dir=self.state,
+                cache_dir=self.state / "cache",
+                max_context=self.ctx,
+                kv_requests=1,
+            ),
+            log=self.state / "node.log",
+        )
         self.url = f"http://127.0.0.1:{self.http}"
         wait_healthy(self.url, 300)
         wait_mesh(self.url, lambda v: v["measuring"] is None, timeout=300, what="the node to time its machine")
@@ -146,14 +174,36 @@ class TwoStages(Server):
     def start(self) -> None:
         for h in self.hosts:
             state = self.tmp / h.name
-            self.procs.append(h.popen(node_argv(self.model, http_port=8470, grpc_port=8471, node_id=h.name,
-                                                budget=self.budget, state_dir=state, cache_dir=state / "cache",
-                                                max_context=self.ctx, kv_requests=1),
-                                      env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
-                                           "MESHNODE_STRATEGY": "pipeline"}, log_path=state / "node.log"))
+            self.procs.append(
+                h.popen(
+                    node_argv(
+                        self.model,
+                        http_port=8470,
+                        grpc_port=8471,
+                        node_id=h.name,
+                        budget=self.budget,
+                        state_dir=state,
+                        cache_dir=state / "cache",
+                        max_context=self.ctx,
+                        kv_requests=1,
+                    ),
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": str(ROOT),
+                        "MESHNODE_CLUSTER_KEY": "bench",
+                        "MESHNODE_STRATEGY": "pipeline",
+                    },
+                    log_path=state / "node.log",
+                )
+            )
         urls = [f"http://{h.ip}:8470" for h in self.hosts]
-        view = wait_mesh(urls[0], lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
-                         client=self.client, timeout=300, what="a 2-stage plan")
+        view = wait_mesh(
+            urls[0],
+            lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
+            client=self.client,
+            timeout=300,
+            what="a 2-stage plan",
+        )
         for url in urls:
             wait_mesh(url, lambda v: v["measuring"] is None, client=self.client, timeout=300, what="measuring")
         self.url = f"http://{self.host(view['plan']['stages'][0]['nodes'][0]).ip}:8470"  # not the head: relayed
@@ -190,8 +240,14 @@ def session(server: Server, model: Path, system: str, users: list[str], others: 
                 server.start()
             if turn == OTHERS_AFTER + 1:
                 for other in others:
-                    in_ns(server.client, ASK, server.url, name, json.dumps([{"role": "user", "content": other}]),
-                          timeout=1800)
+                    in_ns(
+                        server.client,
+                        ASK,
+                        server.url,
+                        name,
+                        json.dumps([{"role": "user", "content": other}]),
+                        timeout=1800,
+                    )
             mark = server.disk()
             messages.append({"role": "user", "content": user})
             first, _, text = in_ns(server.client, ASK, server.url, name, json.dumps(messages), timeout=1800)
@@ -200,8 +256,9 @@ def session(server: Server, model: Path, system: str, users: list[str], others: 
             answers.append(text)
             read.append(server.disk()[1] - mark[1])
             written.append(0)
-            print(f"  turn {turn}: {first * 1000:.0f} ms to the first token, {read[-1]} positions from disk",
-                  flush=True)
+            print(
+                f"  turn {turn}: {first * 1000:.0f} ms to the first token, {read[-1]} positions from disk", flush=True
+            )
         time.sleep(1)
         written[-1] += server.disk()[0] - mark[0]
     finally:
@@ -240,10 +297,12 @@ def main() -> int:
     model = model_dir_for(args.cache, spec.pop("family"), **spec)
     system, users, others = texts(model, args.prefix_tokens, args.turn_tokens, args.other_tokens)
     ctx = MODEL["max_position_embeddings"]
-    print(f"model {model.name} ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, {MODEL['dtype']}); "
-          f"{mlx_device()}; a {args.prefix_tokens}-token system message, {TURNS} turns of ~{args.turn_tokens} "
-          f"tokens, {MAX_TOKENS}-token answers; restart after turn {RESTART_AFTER}; {OTHERS} other "
-          f"conversations of ~{args.other_tokens} tokens after turn {OTHERS_AFTER}; context {ctx}, kv_requests 1")
+    print(
+        f"model {model.name} ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, {MODEL['dtype']}); "
+        f"{mlx_device()}; a {args.prefix_tokens}-token system message, {TURNS} turns of ~{args.turn_tokens} "
+        f"tokens, {MAX_TOKENS}-token answers; restart after turn {RESTART_AFTER}; {OTHERS} other "
+        f"conversations of ~{args.other_tokens} tokens after turn {OTHERS_AFTER}; context {ctx}, kv_requests 1"
+    )
     runs = {}
     with servers(model, ctx, args.only) as chosen:
         for name, server in chosen.items():
@@ -256,13 +315,26 @@ def main() -> int:
         print(f"{name:20s} TTFT (ms): {' '.join(f'{x * 1000:6.0f}' for x in t)}; {same}")
         if name != "mlx_lm.server":
             for turn in (5, 7):
-                print(f"    turn {turn}: {t[turn - 1] / t[3]:.2f}x its turn 4 (from memory; goal <= 1.5x), "
-                      f"{t[turn - 1] / cold:.3f}x mlx_lm.server's cold turn 5 (goal <= 0.2x)")
-            print(f"    disk written per turn (MB): {' '.join(f'{w / 1e6:.1f}' for w in r['written'])}; "
-                  f"positions read from disk per turn: {' '.join(map(str, r['read_from_disk']))}")
+                print(
+                    f"    turn {turn}: {t[turn - 1] / t[3]:.2f}x its turn 4 (from memory; goal <= 1.5x), "
+                    f"{t[turn - 1] / cold:.3f}x mlx_lm.server's cold turn 5 (goal <= 0.2x)"
+                )
+            print(
+                f"    disk written per turn (MB): {' '.join(f'{w / 1e6:.1f}' for w in r['written'])}; "
+                f"positions read from disk per turn: {' '.join(map(str, r['read_from_disk']))}"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"model": MODEL, "device": mlx_device(), "args": vars(args) | {
-            "cache": str(args.cache), "json": str(args.json)}, "runs": runs}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "device": mlx_device(),
+                    "args": vars(args) | {"cache": str(args.cache), "json": str(args.json)},
+                    "runs": runs,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MEASURE = r'''
+MEASURE = r"""
 import json, sys, time
 import meshnode
 from meshnode import blas
@@ -59,15 +59,21 @@ for size in (1, 4):
             break
     out[f"batch{size}"] = count / (time.perf_counter() - start)
 print(json.dumps(out))
-'''
+"""
 
 
 def measure(setting: str, model: Path, tokens: int, pin: bool) -> dict:
     env = {**os.environ, "MESHNODE_BLAS": setting, "PYTHONPATH": str(ROOT)}
     env.pop("OPENBLAS_NUM_THREADS", None)
     core = sorted(os.sched_getaffinity(0))[0]
-    cmd = (["taskset", "-c", str(core)] if pin else []) + [sys.executable, "-c", MEASURE, str(model), str(tokens),
-                                                           "Write a long story about a lighthouse keeper and the sea. " * 4]
+    cmd = (["taskset", "-c", str(core)] if pin else []) + [
+        sys.executable,
+        "-c",
+        MEASURE,
+        str(model),
+        str(tokens),
+        "Write a long story about a lighthouse keeper and the sea. " * 4,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
@@ -89,28 +95,39 @@ def main() -> int:
     import platform
     import time
 
-    print(f"# {platform.platform()} ({os.cpu_count()} CPUs), {model.name} ({args.dtype}), {args.tokens} tokens, "
-          f"{args.rounds} rounds, {'one core' if args.cores == 'one' else 'every core'}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    print(
+        f"# {platform.platform()} ({os.cpu_count()} CPUs), {model.name} ({args.dtype}), {args.tokens} tokens, "
+        f"{args.rounds} rounds, {'one core' if args.cores == 'one' else 'every core'}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        flush=True,
+    )
     runs: dict[str, list[dict]] = {"reference": [], "auto": []}
     for r in range(args.rounds):
         for setting in runs:
             runs[setting].append(measure(setting, model, args.tokens, args.cores == "one"))
-        print(f"round {r + 1}: " + "; ".join(f"{runs[s][-1]['blas']}: prefill {runs[s][-1]['prefill_s']:.2f} s, "
-                                             f"decode {runs[s][-1]['decode']:.1f} tok/s, 4 batched "
-                                             f"{runs[s][-1]['batch4'] / runs[s][-1]['batch1']:.2f}x one" for s in runs),
-              flush=True)
+        print(
+            f"round {r + 1}: "
+            + "; ".join(
+                f"{runs[s][-1]['blas']}: prefill {runs[s][-1]['prefill_s']:.2f} s, "
+                f"decode {runs[s][-1]['decode']:.1f} tok/s, 4 batched "
+                f"{runs[s][-1]['batch4'] / runs[s][-1]['batch1']:.2f}x one"
+                for s in runs
+            ),
+            flush=True,
+        )
     if not runs["auto"][0]["blas"].startswith("OpenBLAS"):
         print("no OpenBLAS here (apt-get install libopenblas0-pthread): both columns are MLX's own BLAS")
 
     def med(setting: str, key) -> float:
         return statistics.median(key(x) for x in runs[setting])
 
-    rows = [(f"prefill of {runs['auto'][0]['prompt']} tokens, s", lambda x: x["prefill_s"]),
-            ("decode tok/s", lambda x: x["decode"]),
-            ("one request in BatchGenerator, tok/s", lambda x: x["batch1"]),
-            ("four requests batched, aggregate tok/s", lambda x: x["batch4"]),
-            ("four batched / one", lambda x: x["batch4"] / x["batch1"])]
+    rows = [
+        (f"prefill of {runs['auto'][0]['prompt']} tokens, s", lambda x: x["prefill_s"]),
+        ("decode tok/s", lambda x: x["decode"]),
+        ("one request in BatchGenerator, tok/s", lambda x: x["batch1"]),
+        ("four requests batched, aggregate tok/s", lambda x: x["batch4"]),
+        ("four batched / one", lambda x: x["batch4"] / x["batch1"]),
+    ]
     print(f"\n| figure | {runs['reference'][0]['blas']} | {runs['auto'][0]['blas']} | ratio |\n|---|---|---|---|")
     for name, key in rows:
         ref, auto = med("reference", key), med("auto", key)

@@ -28,8 +28,9 @@ from harness.cluster import in_ns  # noqa: E402
 
 # A small float32 llama: on these 2-core boxes (reference BLAS, ~1 GFLOP/s) its 1k-token prefill takes
 # a few seconds, long enough to starve an answer that waits behind it, short enough for 20 rounds.
-MODEL = dict(family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2,
-             dtype="float32")
+MODEL = dict(
+    family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2, dtype="float32"
+)
 ANSWER = [{"role": "user", "content": "Why is the sea salty?"}]
 ANSWER_TOKENS = 24
 TITLE_TOKENS = 10
@@ -37,7 +38,9 @@ CTX = 2048
 
 # The client side: runs where the client lives (this process, or the mesh's client namespace).
 # argv: url, model, title words, rounds, mode ("ttft" | "openwebui")
-CLIENT = STREAM_CHAT + r'''
+CLIENT = (
+    STREAM_CHAT
+    + r"""
 import json, statistics, sys, threading, time, urllib.request
 url, model, words, rounds, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 ANSWER = %(answer)s
@@ -98,7 +101,9 @@ else:
         a = threading.Thread(target=ask, args=(texts,)); b = threading.Thread(target=name, args=([],))
         a.start(); b.start(); a.join(); b.join()
     print(json.dumps({"texts": texts, "lost": lost, "ttft_median": statistics.median(ttfts) if ttfts else None}))
-''' % {"answer": repr(ANSWER), "answer_tokens": ANSWER_TOKENS, "title_tokens": TITLE_TOKENS}
+"""
+    % {"answer": repr(ANSWER), "answer_tokens": ANSWER_TOKENS, "title_tokens": TITLE_TOKENS}
+)
 
 
 def client_code() -> str:
@@ -109,8 +114,9 @@ def reference(model: Path) -> str:
     from mlx_lm import generate, load
 
     m, tok = load(str(model))
-    return generate(m, tok, prompt=tok.apply_chat_template(ANSWER, add_generation_prompt=True),
-                    max_tokens=ANSWER_TOKENS)
+    return generate(
+        m, tok, prompt=tok.apply_chat_template(ANSWER, add_generation_prompt=True), max_tokens=ANSWER_TOKENS
+    )
 
 
 def title_words(model: Path, tokens: int = 1000) -> int:
@@ -153,9 +159,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--openwebui", type=int, default=0, help="rounds of the openai-client pattern on 2 stages")
     ap.add_argument("--only", choices=("one", "two"))
-    ap.add_argument("--pin", action="store_true",
-                    help="2 stages: each stage's process on its own core, as on two machines (default: both "
-                         "share every core, which adds contention between stages that two machines do not have)")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="2 stages: each stage's process on its own core, as on two machines (default: both "
+        "share every core, which adds contention between stages that two machines do not have)",
+    )
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
     from meshnode.model.build import model_dir_for
@@ -168,22 +177,32 @@ def main() -> int:
     if args.only != "two":
         r = one_node(model, words, args.rounds)
         result["one_node"] = r
-        print(f"one node:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
-              f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
-              f"title {r['title']:.2f} s")
+        print(
+            f"one node:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
+            f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
+            f"title {r['title']:.2f} s"
+        )
     if args.only != "one":
         r, owui = two_stages(model, words, args.rounds, args.openwebui, pin=args.pin)
         result["two_stages"] = r
-        print(f"2 stages{' (a core each)' if args.pin else ''}:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
-              f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
-              f"title {r['title']:.2f} s")
+        print(
+            f"2 stages{' (a core each)' if args.pin else ''}:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
+            f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
+            f"title {r['title']:.2f} s"
+        )
         if owui is not None:
             want = reference(model)
             wrong = sum(1 for t in owui["texts"] if t != want)
-            print(f"Open WebUI pattern, {args.openwebui} rounds on 2 stages: {len(owui['lost'])} lost, "
-                  f"{wrong} answers differing from mlx-lm, answer TTFT median {owui['ttft_median']:.2f} s")
-            result["openwebui"] = {"rounds": args.openwebui, "lost": len(owui["lost"]), "wrong": wrong,
-                                   "errors": owui["lost"][:3]}
+            print(
+                f"Open WebUI pattern, {args.openwebui} rounds on 2 stages: {len(owui['lost'])} lost, "
+                f"{wrong} answers differing from mlx-lm, answer TTFT median {owui['ttft_median']:.2f} s"
+            )
+            result["openwebui"] = {
+                "rounds": args.openwebui,
+                "lost": len(owui["lost"]),
+                "wrong": wrong,
+                "errors": owui["lost"][:3],
+            }
     print(json.dumps(result))
     return 0
 

@@ -36,8 +36,9 @@ from benchmarks.common import STREAM_CHAT, local_node, mlx_lm_server, two_stage_
 from harness.cluster import in_ns  # noqa: E402
 
 # The model of benchmarks.busy: on these 2-core boxes (~1 GFLOP/s) a 1k-token prefill takes seconds.
-MODEL = dict(family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2,
-             dtype="float32")
+MODEL = dict(
+    family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2, dtype="float32"
+)
 CTX = 4096
 TURNS = 4
 MAX_TOKENS = 16
@@ -45,7 +46,9 @@ MAX_TOKENS = 16
 # argv: url, model, sessions (JSON list of lists of user messages), system message ("": none); one
 # session after another, each a new chat with the same system message; prints {"ttft": [[...], ...],
 # "answers": [[...], ...]}
-CLIENT = STREAM_CHAT + r'''
+CLIENT = (
+    STREAM_CHAT
+    + r"""
 import sys
 url, model, sessions, system = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 ttft, answers = [], []
@@ -60,7 +63,9 @@ for users in sessions:
         answers[-1].append(text)
         messages.append({"role": "assistant", "content": text})
 print(json.dumps({"ttft": ttft, "answers": answers}))
-''' % {"max_tokens": MAX_TOKENS}
+"""
+    % {"max_tokens": MAX_TOKENS}
+)
 
 
 def user_messages(model: Path, tokens: int, prefix_tokens: int = 0, sessions: int = 1) -> tuple[list[list[str]], str]:
@@ -70,8 +75,10 @@ def user_messages(model: Path, tokens: int, prefix_tokens: int = 0, sessions: in
 
     tok = load_tokenizer(model)
     system = sized_text(tok, "Instructions and tools. ", prefix_tokens, 97) if prefix_tokens else ""
-    return [[sized_text(tok, f"Session {k} turn {turn}. ", tokens, turn + 7 * k) for turn in range(TURNS)]
-            for k in range(sessions)], system
+    return [
+        [sized_text(tok, f"Session {k} turn {turn}. ", tokens, turn + 7 * k) for turn in range(TURNS)]
+        for k in range(sessions)
+    ], system
 
 
 def sized_text(tok, head: str, n: int, salt: int) -> str:
@@ -93,10 +100,14 @@ def one_node(model: Path, users: list[list[str]], system: str = "", ctx: int = C
         return in_ns(None, CLIENT, url, model.name, json.dumps(users), system, timeout=1800)
 
 
-def two_stages(model: Path, users: list[list[str]], pin: bool, logs_to: Path | None = None, system: str = "",
-               ctx: int = CTX) -> dict:
-    with two_stage_mesh(model, ctx, pin=pin, env={"MESHNODE_LOG_LEVEL": "debug"} if logs_to else None) as \
-            (client, url, logs):
+def two_stages(
+    model: Path, users: list[list[str]], pin: bool, logs_to: Path | None = None, system: str = "", ctx: int = CTX
+) -> dict:
+    with two_stage_mesh(model, ctx, pin=pin, env={"MESHNODE_LOG_LEVEL": "debug"} if logs_to else None) as (
+        client,
+        url,
+        logs,
+    ):
         try:
             return in_ns(client, CLIENT, url, model.name, json.dumps(users), system, timeout=1800)
         finally:
@@ -109,13 +120,22 @@ def two_stages(model: Path, users: list[list[str]], pin: bool, logs_to: Path | N
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turn-tokens", type=int, default=400)
-    ap.add_argument("--prefix-tokens", type=int, default=0, help="an agent's unchanging system message, resent "
-                                                                "every turn (issue 12b: 6000)")
+    ap.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=0,
+        help="an agent's unchanging system message, resent every turn (issue 12b: 6000)",
+    )
     ap.add_argument("--pin", action="store_true", help="2 stages: a core each (benchmarks.common.two_stage_mesh)")
     ap.add_argument("--only", choices=("server", "one", "two"))
     ap.add_argument("--logs", type=Path, help="copy the 2-stage nodes' logs into this folder")
-    ap.add_argument("--sessions", type=int, default=1, help="chats one after another, each with the same system "
-                    "message (an agent's next task); turn 4's TTFT is their median")
+    ap.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="chats one after another, each with the same system "
+        "message (an agent's next task); turn 4's TTFT is their median",
+    )
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
     args = ap.parse_args()
     from meshnode.model.build import model_dir_for
@@ -125,23 +145,28 @@ def main() -> int:
     users, system = user_messages(model, args.turn_tokens, args.prefix_tokens, args.sessions)
     need = args.prefix_tokens + TURNS * (args.turn_tokens + MAX_TOKENS + 32) + 256
     ctx = max(CTX, 1 << (need - 1).bit_length())
-    print(f"model {model.name}; {TURNS} turns of ~{args.turn_tokens} tokens each"
-          f"{f' after a {args.prefix_tokens}-token system message' if system else ''}; answers of {MAX_TOKENS} "
-          f"tokens; context {ctx}; {args.sessions} session(s)")
+    print(
+        f"model {model.name}; {TURNS} turns of ~{args.turn_tokens} tokens each"
+        f"{f' after a {args.prefix_tokens}-token system message' if system else ''}; answers of {MAX_TOKENS} "
+        f"tokens; context {ctx}; {args.sessions} session(s)"
+    )
     runs = {}
     runs["mlx_lm.server"] = on_mlx_lm_server(model, users, system)  # the baseline, always
     if args.only in (None, "one"):
         runs["meshnode, one node"] = one_node(model, users, system, ctx)
     if args.only in (None, "two"):
-        runs[f"meshnode, 2 stages{' (a core each)' if args.pin else ''}"] = two_stages(model, users, args.pin,
-                                                                                     args.logs, system, ctx)
+        runs[f"meshnode, 2 stages{' (a core each)' if args.pin else ''}"] = two_stages(
+            model, users, args.pin, args.logs, system, ctx
+        )
     base = runs["mlx_lm.server"]
     last = lambda r: statistics.median(session[-1] for session in r["ttft"])  # noqa: E731
     for name, r in runs.items():
         turns = " | ".join("  ".join(f"{t * 1000:6.0f}" for t in session) for session in r["ttft"])
         same = "same answers" if r["answers"] == base["answers"] else "ANSWERS DIFFER from mlx_lm.server"
-        print(f"{name:32s} TTFT per turn (ms): {turns}   turn {TURNS} (median of {len(r['ttft'])}): "
-              f"{last(r) * 1000:.0f} ms, {last(r) / last(base):.2f}x mlx_lm.server; {same}")
+        print(
+            f"{name:32s} TTFT per turn (ms): {turns}   turn {TURNS} (median of {len(r['ttft'])}): "
+            f"{last(r) * 1000:.0f} ms, {last(r) / last(base):.2f}x mlx_lm.server; {same}"
+        )
     print(json.dumps(runs))
     return 0
 

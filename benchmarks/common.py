@@ -6,19 +6,26 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import socket
 import statistics
-import sys
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Sequence
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 # ~100M parameters in float32: llama, hidden 768, 16 layers, MLP 2048.
-BENCH_MODEL = dict(family="llama", num_layers=16, hidden_size=768, intermediate_size=2048, num_heads=12,
-                   num_kv_heads=4, dtype="float32")
+BENCH_MODEL = dict(
+    family="llama",
+    num_layers=16,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_heads=12,
+    num_kv_heads=4,
+    dtype="float32",
+)
 PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 
 
@@ -134,21 +141,30 @@ def sse_events(response):
             yield json.loads(line[6:])
 
 
-def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3,
-                    text: str = PROMPT) -> tuple[float, int]:
+def http_decode_tps(
+    url: str, model_id: str, max_tokens: int, repeats: int = 3, text: str = PROMPT
+) -> tuple[float, int]:
     """Decode tokens/s seen by an HTTP streaming client (best of ``repeats``), and tokens generated.
 
     Tokens are counted from the usage chunk, not from text chunks: a token that ends inside a
     multi-byte character streams no text of its own. The clock runs from the first text chunk
     to the last chunk, so the prompt's prefill is not counted.
     """
-    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": text}], "stream": True,
-                       "max_tokens": max_tokens, "temperature": 0,
-                       "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": model_id,
+            "messages": [{"role": "user", "content": text}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     figures, count = [], 0
     for _ in range(repeats):
-        req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         first = last = None
         with urllib.request.urlopen(req, timeout=600) as r:
             for event in sse_events(r):
@@ -164,11 +180,18 @@ def http_decode_tps(url: str, model_id: str, max_tokens: int, repeats: int = 3,
     return max(figures), count
 
 
-def start_node(argv: list[str], env: dict | None = None, log: Path | None = None, prefix: list[str] = ()) -> subprocess.Popen:
+def start_node(
+    argv: list[str], env: dict | None = None, log: Path | None = None, prefix: list[str] = ()
+) -> subprocess.Popen:
     """Start ``argv`` (a ``meshnode run`` command line: ``harness.cluster.node_argv``) on this machine."""
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([*prefix, *argv], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True)
+    return subprocess.Popen(
+        [*prefix, *argv],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -193,9 +216,12 @@ def mlx_lm_server(model: Path):
     """One ``mlx_lm.server`` process on loopback serving ``model`` (the baseline); yields its base URL."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
-                                stdout=open(Path(tmp) / "server.log", "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
+            stdout=open(Path(tmp) / "server.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_healthy(f"http://127.0.0.1:{port}", 300)
             yield f"http://127.0.0.1:{port}"
@@ -211,17 +237,29 @@ def local_node(model: Path, max_context: int, env: dict | None = None):
 
     with tempfile.TemporaryDirectory() as tmp:
         http, grpc = free_port(), free_port()
-        proc = start_node(node_argv(model, host="127.0.0.1", http_port=http, grpc_port=grpc, mdns=False, state_dir=tmp,
-                                    max_context=max_context), env=env, log=Path(tmp) / "node.log")
+        proc = start_node(
+            node_argv(
+                model,
+                host="127.0.0.1",
+                http_port=http,
+                grpc_port=grpc,
+                mdns=False,
+                state_dir=tmp,
+                max_context=max_context,
+            ),
+            env=env,
+            log=Path(tmp) / "node.log",
+        )
         try:
             wait_healthy(f"http://127.0.0.1:{http}", 300)
             yield f"http://127.0.0.1:{http}"
         finally:
             stop(proc)
 
+
 # For the client scripts the benchmarks run where the client lives (here, or in a namespace):
 # stream one greedy chat completion; (seconds to the first text, seconds in all, the text).
-STREAM_CHAT = r'''
+STREAM_CHAT = r"""
 import json, time, urllib.request
 def stream_chat(url, model, messages, max_tokens, timeout=900):
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -238,12 +276,21 @@ def stream_chat(url, model, messages, max_tokens, timeout=900):
                     text += piece
     end = time.perf_counter()
     return (first or end) - t0, end - t0, text
-'''
+"""
 
 
 @contextlib.contextmanager
-def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction: float = 0.6, env: dict | None = None,
-                   cores: list[int] | None = None, loopback: bool = False, drafts: Path | None = None):
+def two_stage_mesh(
+    model: Path,
+    max_context: int,
+    *,
+    pin: bool = False,
+    fraction: float = 0.6,
+    env: dict | None = None,
+    cores: list[int] | None = None,
+    loopback: bool = False,
+    drafts: Path | None = None,
+):
     """Two ``meshnode run`` processes on namespace hosts, pipelined (neither holds the model alone),
     and a third host for the client; yields ``(client, entry_url, node_logs)`` once a 2-stage plan
     serves: ``entry_url`` is the node that is not the head (a client of any node is relayed to the
@@ -276,8 +323,16 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
             hosts = [_LoopbackHost(f"node-{i}") for i in range(2)]
             stack.callback(lambda: [stop(proc) for h in hosts for proc in h.procs])
             client = None
-            flags = [dict(http_port=MESH_HTTP + 100 * i, grpc_port=MESH_GRPC + 100 * i, host=h.ip, mdns=False,
-                          peers=[f"{h.ip}:{MESH_GRPC + 100 * (1 - i)}"]) for i, h in enumerate(hosts)]
+            flags = [
+                dict(
+                    http_port=MESH_HTTP + 100 * i,
+                    grpc_port=MESH_GRPC + 100 * i,
+                    host=h.ip,
+                    mdns=False,
+                    peers=[f"{h.ip}:{MESH_GRPC + 100 * (1 - i)}"],
+                )
+                for i, h in enumerate(hosts)
+            ]
         else:
             from harness.netns import netns_mesh
 
@@ -290,21 +345,44 @@ def two_stage_mesh(model: Path, max_context: int, *, pin: bool = False, fraction
             state = tmp / h.name
             state.mkdir()
             shutil.copy(tmp / "seed" / CACHE_FILE, state / CACHE_FILE)
-            h.popen((["taskset", "-c", str(cores[i % len(cores)])] if pin else []) + node_argv(
-                model, **node_flags, node_id=h.name, budget=budget, state_dir=state,
-                # budgets are fractions of one request's total (as in the tests)
-                max_context=max_context, kv_requests=1, drafts=drafts),
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))),
-                     "MESHNODE_CLUSTER_KEY": "bench",
-                     "MESHNODE_STRATEGY": "pipeline", **(env or {})},
-                log_path=state / "node.log")
-        view = wait_mesh(urls[hosts[0].name],
-                         lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
-                         client=client, timeout=200, what="a 2-stage plan",
-                         details=lambda: "".join(log.read_text()[-3000:] for log in logs))
+            h.popen(
+                (["taskset", "-c", str(cores[i % len(cores)])] if pin else [])
+                + node_argv(
+                    model,
+                    **node_flags,
+                    node_id=h.name,
+                    budget=budget,
+                    state_dir=state,
+                    # budgets are fractions of one request's total (as in the tests)
+                    max_context=max_context,
+                    kv_requests=1,
+                    drafts=drafts,
+                ),
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))),
+                    "MESHNODE_CLUSTER_KEY": "bench",
+                    "MESHNODE_STRATEGY": "pipeline",
+                    **(env or {}),
+                },
+                log_path=state / "node.log",
+            )
+        view = wait_mesh(
+            urls[hosts[0].name],
+            lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
+            client=client,
+            timeout=200,
+            what="a 2-stage plan",
+            details=lambda: "".join(log.read_text()[-3000:] for log in logs),
+        )
         for h in hosts:  # a node's first start times a layer split two ways meanwhile (`measuring`)
-            wait_mesh(urls[h.name], lambda v: v["measuring"] is None, client=client, timeout=200,
-                      what=f"{h.name} to finish measuring its machine")
+            wait_mesh(
+                urls[h.name],
+                lambda v: v["measuring"] is None,
+                client=client,
+                timeout=200,
+                what=f"{h.name} to finish measuring its machine",
+            )
         yield client, urls[view["plan"]["stages"][0]["nodes"][0]], logs
 
 

@@ -35,14 +35,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (bench_model_dir, http_decode_tps, local_node, mlx_lm_server,  # noqa: E402
-                               sse_events, two_stage_mesh)
+from benchmarks.common import (
+    bench_model_dir,
+    http_decode_tps,
+    local_node,
+    mlx_lm_server,  # noqa: E402
+    sse_events,
+    two_stage_mesh,
+)
 
 CTX = 4096
 SMALL = dict(hidden_size=256, intermediate_size=688, num_heads=4, num_kv_heads=2)  # --small
-TOPICS = ["a lighthouse keeper and the sea", "a clockmaker in a mountain town", "two rivals who become friends",
-          "a robot that learns to paint", "the last train of the night", "a garden that grows in winter",
-          "a map with a missing island", "a cat who runs a bookshop"]
+TOPICS = [
+    "a lighthouse keeper and the sea",
+    "a clockmaker in a mountain town",
+    "two rivals who become friends",
+    "a robot that learns to paint",
+    "the last train of the night",
+    "a garden that grows in winter",
+    "a map with a missing island",
+    "a cat who runs a bookshop",
+]
 
 
 def prompts(n: int) -> list[str]:
@@ -66,14 +79,23 @@ def long_prompts(model: Path, n: int, tokens: int) -> list[str]:
             found.append(text)
             if len(found) == n:
                 return found
-    raise SystemExit(f"fewer than {n} of the candidate chats run to {tokens} tokens on {model.name}; try fewer --tokens")
+    raise SystemExit(
+        f"fewer than {n} of the candidate chats run to {tokens} tokens on {model.name}; try fewer --tokens"
+    )
 
 
 def stream_one(url: str, model: str, text: str, max_tokens: int) -> tuple[int, str, list[float]]:
     """(completion tokens, text, the arrival time of each text chunk) of one streamed greedy chat."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
-                       "max_tokens": max_tokens, "temperature": 0,
-                       "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     count, out, times = None, "", []
     with urllib.request.urlopen(req, timeout=900) as r:
@@ -119,16 +141,24 @@ def concurrent_tps(url: str, model: str, texts: list[str], max_tokens: int) -> t
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return (sum(c for c, _, _ in results) / wall, decode_window_tps([t for _, _, t in results], [c for c, _, _ in results]),
-            [text for _, text, _ in results])
+    return (
+        sum(c for c, _, _ in results) / wall,
+        decode_window_tps([t for _, _, t in results], [c for c, _, _ in results]),
+        [text for _, text, _ in results],
+    )
 
 
 def measure(url: str, model: str, texts: list[str], max_tokens: int, repeats: int) -> dict:
     stream_one(url, model, texts[0], 8)  # warm up
     runs = [concurrent_tps(url, model, texts, max_tokens) for _ in range(repeats)]
     single, _ = http_decode_tps(url, model, max_tokens, repeats=3, text=texts[0])
-    return {"aggregate_tps": max(r[0] for r in runs), "decode_tps": max(r[1] for r in runs), "single_tps": single,
-            "answers": runs[0][2], "texts": texts}
+    return {
+        "aggregate_tps": max(r[0] for r in runs),
+        "decode_tps": max(r[1] for r in runs),
+        "single_tps": single,
+        "answers": runs[0][2],
+        "texts": texts,
+    }
 
 
 def on_mlx_lm_server(model: Path, texts: list[str], max_tokens: int, repeats: int) -> dict:
@@ -192,31 +222,51 @@ def main() -> int:
     model = bench_model_dir(args.cache, **(SMALL if args.small else {}))
     texts = prompts(args.streams)
     print(f"model {model.name}; {args.streams} concurrent streaming chats of up to {args.tokens} tokens")
-    runs = {} if args.only_two else {
-        "mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
-        "meshnode, one node": one_node(model, texts, args.tokens, args.repeats)}
+    runs = (
+        {}
+        if args.only_two
+        else {
+            "mlx_lm.server": on_mlx_lm_server(model, texts, args.tokens, args.repeats),
+            "meshnode, one node": one_node(model, texts, args.tokens, args.repeats),
+        }
+    )
     if args.two_stages or args.only_two:
         long = long_prompts(model, args.streams, args.tokens)
         for name, batching in (("2 stages, batch_stages", True), ("meshnode, 2 stages", False)):
             two = runs[name] = two_stages(model, long, args.tokens, args.repeats, args.pin, batching)
-            print(f"{name}: {args.streams} streams {two['aggregate_tps']:.1f} tok/s with their prefill, "
-                  f"{two['decode_tps']:.1f} tok/s while all decode; one stream {two['single_tps']:.1f} tok/s: "
-                  f"{two['decode_tps'] / two['single_tps']:.2f}x one stream")
+            print(
+                f"{name}: {args.streams} streams {two['aggregate_tps']:.1f} tok/s with their prefill, "
+                f"{two['decode_tps']:.1f} tok/s while all decode; one stream {two['single_tps']:.1f} tok/s: "
+                f"{two['decode_tps'] / two['single_tps']:.2f}x one stream"
+            )
     if args.two_stages or args.only_two:
         one, many = mlx_lm_batch_ceiling(model, 1), mlx_lm_batch_ceiling(model, args.streams)
-        print(f"mlx-lm's BatchGenerator in one process: {args.streams} requests {many:.1f} tok/s, one {one:.1f} "
-              f"tok/s: {many / one:.2f}x (what batching can give here)")
+        print(
+            f"mlx-lm's BatchGenerator in one process: {args.streams} requests {many:.1f} tok/s, one {one:.1f} "
+            f"tok/s: {many / one:.2f}x (what batching can give here)"
+        )
     for name, r in runs.items():
         # against the first run of the same chats (mlx_lm.server's; the 2-stage runs ask long_prompts)
         base_name = next(k for k, v in runs.items() if v["texts"] == r["texts"])
         base = runs[base_name]
         # (a stream's end may hold an incomplete character: meshnode sends it as U+FFFD, mlx_lm.server drops it)
-        same = "same answers" if [a.rstrip("\ufffd") for a in r["answers"]] == \
-            [a.rstrip("\ufffd") for a in base["answers"]] else f"ANSWERS DIFFER from {base_name}"
-        print(f"{name:22s} aggregate {r['aggregate_tps']:7.1f} tok/s ({r['aggregate_tps'] / base['aggregate_tps']:.2f}x)"
-              f"   single stream {r['single_tps']:6.1f} tok/s ({r['single_tps'] / base['single_tps']:.2f}x); {same}")
-    print(json.dumps({k: {**v, "answers": [a[:40] for a in v["answers"]], "texts": [t[:40] for t in v["texts"]]}
-                      for k, v in runs.items()}))
+        same = (
+            "same answers"
+            if [a.rstrip("\ufffd") for a in r["answers"]] == [a.rstrip("\ufffd") for a in base["answers"]]
+            else f"ANSWERS DIFFER from {base_name}"
+        )
+        print(
+            f"{name:22s} aggregate {r['aggregate_tps']:7.1f} tok/s ({r['aggregate_tps'] / base['aggregate_tps']:.2f}x)"
+            f"   single stream {r['single_tps']:6.1f} tok/s ({r['single_tps'] / base['single_tps']:.2f}x); {same}"
+        )
+    print(
+        json.dumps(
+            {
+                k: {**v, "answers": [a[:40] for a in v["answers"]], "texts": [t[:40] for t in v["texts"]]}
+                for k, v in runs.items()
+            }
+        )
+    )
     return 0
 
 

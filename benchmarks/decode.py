@@ -21,8 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (bench_model_dir, parse_args, free_port, http_decode_tps, mlx_lm_decode_tps, param_count,
-                               start_node, stop, wait_healthy)
+from benchmarks.common import (
+    bench_model_dir,
+    free_port,
+    http_decode_tps,
+    mlx_lm_decode_tps,
+    param_count,
+    parse_args,
+    start_node,
+    stop,
+    wait_healthy,
+)
 from harness.cluster import node_argv
 
 
@@ -38,9 +47,21 @@ def main() -> int:
         drafts = Path(tmp) / "drafts.json"
         drafts.write_text(json.dumps({"off": True}))
         env = {"MESHNODE_SPECULATIVE": "prompt_lookup"} if args.lookup_rounds else {}
-        node = start_node(node_argv(path, host="127.0.0.1", http_port=port, grpc_port=0, mdns=False, state_dir=tmp,
-                                    budget="8GiB", max_context=2048, drafts=drafts if args.lookup_rounds else None),
-                          env=env, log=Path(tmp) / "node.log")
+        node = start_node(
+            node_argv(
+                path,
+                host="127.0.0.1",
+                http_port=port,
+                grpc_port=0,
+                mdns=False,
+                state_dir=tmp,
+                budget="8GiB",
+                max_context=2048,
+                drafts=drafts if args.lookup_rounds else None,
+            ),
+            env=env,
+            log=Path(tmp) / "node.log",
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url)
@@ -57,10 +78,15 @@ def main() -> int:
     print(f"meshnode run, HTTP streaming:        {tps:.2f} tok/s ({n} tokens)")
     print(f"ratio: {ratio:.3f} (target >= 0.95)")
     if lookup:
-        print(f"prompt lookup through one node, where it finds nothing: {statistics.median(lookup):.3f}x without "
-              f"(median of {len(lookup)} rounds, {min(lookup):.3f} to {max(lookup):.3f})")
-    print(json.dumps({"mlx_lm_tps": ref, "meshnode_http_tps": tps, "ratio": ratio, "tokens": n,
-                      "lookup_over_without": lookup}))
+        print(
+            f"prompt lookup through one node, where it finds nothing: {statistics.median(lookup):.3f}x without "
+            f"(median of {len(lookup)} rounds, {min(lookup):.3f} to {max(lookup):.3f})"
+        )
+    print(
+        json.dumps(
+            {"mlx_lm_tps": ref, "meshnode_http_tps": tps, "ratio": ratio, "tokens": n, "lookup_over_without": lookup}
+        )
+    )
     return 0
 
 

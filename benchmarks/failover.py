@@ -21,19 +21,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshnode.weights.profile import profile_model  # noqa: E402
-from meshnode.model.build import model_dir_for  # noqa: E402
+from benchmarks.tensor import measure_compute  # noqa: E402
 from harness.cluster import mesh_view, node_argv, wait_until  # noqa: E402
 from harness.netns import netns_mesh  # noqa: E402
-from benchmarks.tensor import measure_compute  # noqa: E402
+from meshnode.model.build import model_dir_for  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
 MODEL = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4, dtype="float32")
-STREAM = ("import sys,time,urllib.request\n"
-          "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
-          "headers={'Content-Type':'application/json'})\n"
-          "for line in urllib.request.urlopen(req,timeout=120):\n"
-          "  if b'\"content\":\"' in line: print(time.time(),flush=True)\n")
+STREAM = (
+    "import sys,time,urllib.request\n"
+    "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
+    "headers={'Content-Type':'application/json'})\n"
+    "for line in urllib.request.urlopen(req,timeout=120):\n"
+    '  if b\'"content":"\' in line: print(time.time(),flush=True)\n'
+)
 
 
 def trial(path: Path, which: str) -> float:
@@ -49,10 +51,19 @@ def trial(path: Path, which: str) -> float:
             (Path(tmp) / h.name).mkdir()
             shutil.copy(Path(tmp) / "seed" / "compute.json", Path(tmp) / h.name / "compute.json")
             procs[h.name] = h.popen(
-                node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget,
-                          state_dir=Path(tmp) / h.name, max_context=ctx, kv_requests=1),
+                node_argv(
+                    path,
+                    http_port=HTTP,
+                    grpc_port=GRPC,
+                    node_id=h.name,
+                    budget=budget,
+                    state_dir=Path(tmp) / h.name,
+                    max_context=ctx,
+                    kv_requests=1,
+                ),
                 env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench"},
-                log_path=Path(tmp) / h.name / "node.log")
+                log_path=Path(tmp) / h.name / "node.log",
+            )
 
         def converged():
             views = [mesh_view(f"http://{h.ip}:{HTTP}", client, timeout=2) for h in hosts]
@@ -64,13 +75,25 @@ def trial(path: Path, which: str) -> float:
         stages = [s["nodes"][0] for s in plan["stages"]]
         coordinator = views[0]["coordinator"]
         victim = stages[0] if which == "stage" else coordinator
-        gateway = next(h for h in hosts if h.name != victim and h.name in stages) if which == "stage" else \
-            next(h for h in hosts if h.name != victim)
-        body = json.dumps({"model": path.name, "messages": [{"role": "user", "content": "A long story please."}],
-                           "max_tokens": 400, "temperature": 0, "stream": True})
-        proc = subprocess.Popen(client.exec_args([sys.executable, "-c", STREAM,
-                                                  f"http://{gateway.ip}:{HTTP}/v1/chat/completions", body]),
-                                stdout=subprocess.PIPE, text=True)
+        gateway = (
+            next(h for h in hosts if h.name != victim and h.name in stages)
+            if which == "stage"
+            else next(h for h in hosts if h.name != victim)
+        )
+        body = json.dumps(
+            {
+                "model": path.name,
+                "messages": [{"role": "user", "content": "A long story please."}],
+                "max_tokens": 400,
+                "temperature": 0,
+                "stream": True,
+            }
+        )
+        proc = subprocess.Popen(
+            client.exec_args([sys.executable, "-c", STREAM, f"http://{gateway.ip}:{HTTP}/v1/chat/completions", body]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         times, killed_at = [], None
         for line in proc.stdout:
             times.append(float(line))
@@ -78,7 +101,7 @@ def trial(path: Path, which: str) -> float:
                 mesh.kill(procs[victim])
                 killed_at = len(times)
         proc.wait(30)
-        gaps = [b - a for a, b in zip(times[killed_at - 1:], times[killed_at:])]
+        gaps = [b - a for a, b in zip(times[killed_at - 1 :], times[killed_at:])]
         return max(gaps) if gaps else float("nan")
 
 

@@ -58,8 +58,9 @@ def _recv(sock: socket.socket, n: int) -> bytearray:
 def _spawn(*args: str) -> tuple[subprocess.Popen, socket.socket]:
     """This script in a child process (``args`` pick its part), and the socket it connected back on."""
     with socket.create_server(("127.0.0.1", 0)) as server:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.floor", "--port", str(server.getsockname()[1]),
-                                 *args], cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.floor", "--port", str(server.getsockname()[1]), *args], cwd=ROOT
+        )
         server.settimeout(300)
         sock, _ = server.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -120,8 +121,9 @@ class Split:
         from mlx_lm import load
 
         self.model, self.tokenizer = load(str(path))
-        self.prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                         add_generation_prompt=True)
+        self.prompt = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+        )
         _, _, self.second, self.norm, self.project = halves(self.model)
         self.hidden = self.model.args.hidden_size
         self.proc, self.sock = _spawn("--child", "--model", str(path))
@@ -131,8 +133,10 @@ class Split:
         """mlx-lm's stream_generate on the whole model in this process: greedy tokens and their times."""
         from mlx_lm import stream_generate
 
-        out = [(r.token, time.perf_counter())
-               for r in stream_generate(self.model, self.tokenizer, self.prompt, max_tokens=max_tokens)]
+        out = [
+            (r.token, time.perf_counter())
+            for r in stream_generate(self.model, self.tokenizer, self.prompt, max_tokens=max_tokens)
+        ]
         return [t for t, _ in out], [s for _, s in out]
 
     def checked_tps(self, max_tokens: int) -> float:
@@ -237,14 +241,21 @@ def measure(path: Path, tokens: int, rounds: int) -> dict:
             _, ref_times = split.reference(tokens)
             _, split_times = split.generate(split.prompt, tokens)
             pairs.append((tps(ref_times), tps(split_times)))
-            print(f"round {i}: mlx-lm {pairs[-1][0]:.2f} tok/s, bare split {pairs[-1][1]:.2f} tok/s, "
-                  f"ratio {pairs[-1][1] / pairs[-1][0]:.3f}", flush=True)
+            print(
+                f"round {i}: mlx-lm {pairs[-1][0]:.2f} tok/s, bare split {pairs[-1][1]:.2f} tok/s, "
+                f"ratio {pairs[-1][1] / pairs[-1][0]:.3f}",
+                flush=True,
+            )
         split.checked_tps(tokens)
     finally:
         split.close()
-    return {"tps": max(s for _, s in pairs), "mlx_lm_tps": max(r for r, _ in pairs),
-            "ratio": statistics.median(s / r for r, s in pairs), "rounds": pairs,
-            "transport_us_per_hop": split.transport_us()}
+    return {
+        "tps": max(s for _, s in pairs),
+        "mlx_lm_tps": max(r for r, _ in pairs),
+        "ratio": statistics.median(s / r for r, s in pairs),
+        "rounds": pairs,
+        "transport_us_per_hop": split.transport_us(),
+    }
 
 
 def main() -> int:
@@ -272,9 +283,11 @@ def main() -> int:
         print(exc, file=sys.stderr)
         return 1
     result["hop_after_compute_us"] = hop_after_compute_us()
-    print(f"bare 2-process split: {result['tps']:.2f} tok/s (best round), mlx-lm {result['mlx_lm_tps']:.2f}; "
-          f"median ratio {result['ratio']:.3f}; transport per hop {result['transport_us_per_hop']:.0f} µs; one way "
-          f"on loopback right after 45 ms of compute through the caches {result['hop_after_compute_us']:.0f} µs")
+    print(
+        f"bare 2-process split: {result['tps']:.2f} tok/s (best round), mlx-lm {result['mlx_lm_tps']:.2f}; "
+        f"median ratio {result['ratio']:.3f}; transport per hop {result['transport_us_per_hop']:.0f} µs; one way "
+        f"on loopback right after 45 ms of compute through the caches {result['hop_after_compute_us']:.0f} µs"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

@@ -48,13 +48,18 @@ def main() -> int:
     def answer(**kw) -> list[int]:
         return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=args.tokens, **kw)]
 
-    print(f"# MLX on {mlx_device()}, {path.name}, prompt {len(prompt)} tokens, {args.tokens} tokens, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    print(
+        f"# MLX on {mlx_device()}, {path.name}, prompt {len(prompt)} tokens, {args.tokens} tokens, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        flush=True,
+    )
     default = answer()
-    ways = {"prompt in chunks of 64": dict(prefill_step_size=64),
-            "prompt in chunks of 16": dict(prefill_step_size=16),
-            "mlx-lm speculating, 4 drafts, all right": dict(draft_model=model, num_draft_tokens=4),
-            "the default again": {}}
+    ways = {
+        "prompt in chunks of 64": dict(prefill_step_size=64),
+        "prompt in chunks of 16": dict(prefill_step_size=16),
+        "mlx-lm speculating, 4 drafts, all right": dict(draft_model=model, num_draft_tokens=4),
+        "the default again": {},
+    }
     same = True
     for name, kw in ways.items():
         other = answer(**kw)
@@ -63,8 +68,10 @@ def main() -> int:
             print(f"{name}: the same {len(default)} tokens")
             continue
         same = False
-        print(f"{name}: leaves the default's answer at token {at} of {len(default)}; the default's top two "
-              f"logits there are {top_gap(model, prompt, default, at):.2e} apart")
+        print(
+            f"{name}: leaves the default's answer at token {at} of {len(default)}; the default's top two "
+            f"logits there are {top_gap(model, prompt, default, at):.2e} apart"
+        )
     print("every way gives the default's answer" if same else "the answer depends on how the work is cut here")
     return 0
 

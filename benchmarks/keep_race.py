@@ -39,8 +39,9 @@ MAX_TOKENS = 48
 
 def stream_chat(url: str, model: str, messages: list[dict]) -> tuple[float, str]:
     """(seconds to the first text, the text) of one streamed greedy chat completion."""
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    ).encode()
     t0, first, text = time.perf_counter(), None, ""
     req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=900) as r:
@@ -71,8 +72,19 @@ def one_run(model: Path, users: list[str], system: str, cpu: float, tree: Path) 
         here = os.getcwd()
         os.chdir(tree)
         try:
-            proc = start_node(node_argv(model, host="127.0.0.1", http_port=http, grpc_port=free_port(), mdns=False,
-                                        state_dir=tmp, max_context=4096), env=env, log=Path(tmp) / "node.log")
+            proc = start_node(
+                node_argv(
+                    model,
+                    host="127.0.0.1",
+                    http_port=http,
+                    grpc_port=free_port(),
+                    mdns=False,
+                    state_dir=tmp,
+                    max_context=4096,
+                ),
+                env=env,
+                log=Path(tmp) / "node.log",
+            )
         finally:
             os.chdir(here)
         url = f"http://127.0.0.1:{http}"
@@ -104,16 +116,22 @@ def main() -> int:
     spec = dict(MODEL)
     model = model_dir_for(args.cache, spec.pop("family"), **spec)
     (users,), system = user_messages(model, 360, 600)
-    print(f"model {model.name}; {TURNS} turns of ~360 tokens after a ~600-token system message; answers of "
-          f"{MAX_TOKENS} tokens; the node on {args.cpu or 'every'} core(s); source {args.tree}", flush=True)
+    print(
+        f"model {model.name}; {TURNS} turns of ~360 tokens after a ~600-token system message; answers of "
+        f"{MAX_TOKENS} tokens; the node on {args.cpu or 'every'} core(s); source {args.tree}",
+        flush=True,
+    )
     misses = 0
     for run in range(args.runs):
         turns = one_run(model, users, system, args.cpu, args.tree.resolve())
         missed = any(now <= last for (_, last), (_, now) in zip(turns, turns[1:]))
         misses += missed
-        print(f"run {run + 1}: " + " | ".join(f"turn {i + 1} ttft {t:5.2f} s, resumed {r:4d}"
-                                              for i, (t, r) in enumerate(turns))
-              + ("  (an older prefix resumed)" if missed else ""), flush=True)
+        print(
+            f"run {run + 1}: "
+            + " | ".join(f"turn {i + 1} ttft {t:5.2f} s, resumed {r:4d}" for i, (t, r) in enumerate(turns))
+            + ("  (an older prefix resumed)" if missed else ""),
+            flush=True,
+        )
     print(f"{misses} of {args.runs} runs resumed an older prefix in some turn")
     return 0
 

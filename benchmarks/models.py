@@ -60,9 +60,16 @@ def client_stream(url: str, model: str, max_tokens: int, tag: int, core: int = -
     print "first" once the first text arrived."""
     if core >= 0:
         os.sched_setaffinity(0, {core})
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Request {tag}: write a story about the sea."}],
-                       "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                       "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Request {tag}: write a story about the sea."}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     t0, first, last, count = time.perf_counter(), None, None, 0
     with urllib.request.urlopen(req, timeout=900) as r:
@@ -77,13 +84,19 @@ def client_stream(url: str, model: str, max_tokens: int, tag: int, core: int = -
                         print("first", flush=True)
     if first is None:
         raise RuntimeError(f"{model}: no text streamed")
-    return {"ttft": first - t0, "tps": (count - 1) / (last - first) if last > first else 0.0, "tokens": count,
-            "end": time.time()}
+    return {
+        "ttft": first - t0,
+        "tps": (count - 1) / (last - first) if last > first else 0.0,
+        "tokens": count,
+        "end": time.time(),
+    }
 
 
 # client_stream in the client's namespace; argv: root, url, model, max_tokens, tag, core, announce (0/1)
-CLIENT = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom benchmarks.models import client_stream\n"
-          "print(json.dumps(client_stream(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]))))")
+CLIENT = (
+    "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom benchmarks.models import client_stream\n"
+    "print(json.dumps(client_stream(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]))))"
+)
 
 
 def client_argv(url: str, model: str, tokens: int, tag: int, core: int, announce: bool) -> list:
@@ -140,12 +153,14 @@ def two_nodes(offers: list[list[Path]], budget: int, ctx: int, env: dict, logs: 
 
 def on_demand(x: Path, y: Path, rounds: int, ctx: int, logs=None) -> dict:
     budget = int(max(total_bytes(x, ctx), total_bytes(y, ctx)) * 0.75)
-    with two_nodes([[x, y], [x, y]], budget, ctx, {"MESHNODE_STRATEGY": "pipeline"},
-                   (logs, "demand")) as cluster:
+    with two_nodes([[x, y], [x, y]], budget, ctx, {"MESHNODE_STRATEGY": "pipeline"}, (logs, "demand")) as cluster:
         h1 = cluster.hosts[0]
         url, ids = f"http://{h1.ip}:{HTTP}", {x.name: "X", y.name: "Y"}
-        first = cluster.wait(lambda: (s := states(cluster, h1)) and sorted(s.values()) == ["on demand", "ready"]
-                             and s, 300, "one model ready, the other on demand")
+        first = cluster.wait(
+            lambda: (s := states(cluster, h1)) and sorted(s.values()) == ["on demand", "ready"] and s,
+            300,
+            "one model ready, the other on demand",
+        )
         ready = next(m for m, s in first.items() if s == "ready")
         other = next(m for m in first if m != ready)
         ask(cluster, url, ready, TTFT_TOKENS, 0)  # warm-up: first-use kernel compilation
@@ -161,9 +176,15 @@ def on_demand(x: Path, y: Path, rounds: int, ctx: int, logs=None) -> dict:
 
 def beside_b(cluster, a: tuple, b: tuple, tokens: int, tag: int) -> tuple[dict, dict]:
     """A's stream while B streams 3x as many tokens, started first; ``a``, ``b``: (url, model, core)."""
-    proc = subprocess.Popen(cluster.client.exec_args(
-        [sys.executable, "-c", CLIENT, *map(str, client_argv(*b[:2], 3 * tokens, tag, b[2], True))]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cluster.client.exec_args(
+            [sys.executable, "-c", CLIENT, *map(str, client_argv(*b[:2], 3 * tokens, tag, b[2], True))]
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         if proc.stdout.readline().strip() != "first":
             raise RuntimeError(f"B's stream never started: {proc.stderr.read()[-3000:]}")
@@ -182,19 +203,22 @@ def isolation(a: Path, b: Path, rounds: int, tokens: int, ctx: int, logs=None) -
     budget = int(max(total_bytes(a, ctx), total_bytes(b, ctx)) * 1.5)
     cpus = sorted(os.sched_getaffinity(0))
     cores = (cpus[0], cpus[1 % len(cpus)])
-    with two_nodes([[a], [b]], budget, ctx, {"MESHNODE_STRATEGY": "single"}, (logs, "isolation"),
-                   cores) as cluster:
+    with two_nodes([[a], [b]], budget, ctx, {"MESHNODE_STRATEGY": "single"}, (logs, "isolation"), cores) as cluster:
         h1 = cluster.hosts[0]
         cluster.wait(lambda: states(cluster, h1) == {a.name: "ready", b.name: "ready"}, 300, "both models ready")
-        where = {m["model"]: [n for s in m["plan"]["stages"] for n in s["nodes"]]
-                 for m in cluster.mesh_view(h1)["models"]}
+        where = {
+            m["model"]: [n for s in m["plan"]["stages"] for n in s["nodes"]] for m in cluster.mesh_view(h1)["models"]
+        }
         assert len(where[a.name]) == len(where[b.name]) == 1 and where[a.name] != where[b.name], where
         at = {}
         for model in (a.name, b.name):
             host = cluster.host(where[model][0])
             at[model] = (f"http://{host.ip}:{HTTP}", model, cores[cluster.hosts.index(host)])
-        print(f"  A whole on {where[a.name][0]} (core {at[a.name][2]}), B whole on {where[b.name][0]} "
-              f"(core {at[b.name][2]}); each model's client on its node's core", flush=True)
+        print(
+            f"  A whole on {where[a.name][0]} (core {at[a.name][2]}), B whole on {where[b.name][0]} "
+            f"(core {at[b.name][2]}); each model's client on its node's core",
+            flush=True,
+        )
         for i, model in enumerate((a.name, b.name)):
             ask(cluster, *at[model][:2], TTFT_TOKENS, -1 - i, at[model][2])  # warm-up
         idle, busy, b_tps, outlasted = [], [], [], 0
@@ -208,10 +232,20 @@ def isolation(a: Path, b: Path, rounds: int, tokens: int, ctx: int, logs=None) -
                 busy.append(got["tps"])
                 b_tps.append(other["tps"])
                 outlasted += other["end"] > got["end"]
-                print(f"  round {r + 1}: A beside B {busy[-1]:.2f} tok/s ({got['tokens']} tokens; B "
-                      f"{other['tps']:.2f} tok/s, {other['tokens']} tokens)", flush=True)
-    return {"budget": budget, "cores": list(cores), "placement": where, "a_idle_tps": idle, "a_busy_tps": busy,
-            "b_tps": b_tps, "b_outlasted_a": outlasted}
+                print(
+                    f"  round {r + 1}: A beside B {busy[-1]:.2f} tok/s ({got['tokens']} tokens; B "
+                    f"{other['tps']:.2f} tok/s, {other['tokens']} tokens)",
+                    flush=True,
+                )
+    return {
+        "budget": budget,
+        "cores": list(cores),
+        "placement": where,
+        "a_idle_tps": idle,
+        "a_busy_tps": busy,
+        "b_tps": b_tps,
+        "b_outlasted_a": outlasted,
+    }
 
 
 def median(xs: list[float]) -> float:
@@ -220,8 +254,12 @@ def median(xs: list[float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5, help="on demand: X X Y Y per round; isolation: A alone "
-                                                          "and A beside B per round")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="on demand: X X Y Y per round; isolation: A alone and A beside B per round",
+    )
     ap.add_argument("--tokens", type=int, default=64, help="A's decode length in the isolation part")
     ap.add_argument("--ctx", type=int, default=1024, help="the nodes' --max-context (budgets count its KV)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "meshnode" / "bench")
@@ -229,14 +267,20 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, help="copy the nodes' logs into this folder")
     args = ap.parse_args()
     x, y = bench_model_dir(args.cache), bench_model_dir(args.cache, seed=1)
-    print(f"{DEVICE}, {os.cpu_count()} cores; models X {x.name} and Y {y.name} ({param_count(x) / 1e6:.0f}M "
-          f"parameters each, float32 llama, seeds 0 and 1); context {args.ctx}", flush=True)
+    print(
+        f"{DEVICE}, {os.cpu_count()} cores; models X {x.name} and Y {y.name} ({param_count(x) / 1e6:.0f}M "
+        f"parameters each, float32 llama, seeds 0 and 1); context {args.ctx}",
+        flush=True,
+    )
     t0 = time.monotonic()
     print("1. on-demand load: 2 nodes, either model fits the mesh, never both", flush=True)
     demand = on_demand(x, y, args.rounds, args.ctx, args.logs)
     loaded, cold = median(demand["ttft_s"]["loaded"]), median(demand["ttft_s"]["on demand"])
-    print("2. isolation: A (X) on one node, B (Y) on the other; each node and its client pinned to a core of "
-          "its own (pinning is what keeps two 'machines' apart on this 2-core box)", flush=True)
+    print(
+        "2. isolation: A (X) on one node, B (Y) on the other; each node and its client pinned to a core of "
+        "its own (pinning is what keeps two 'machines' apart on this 2-core box)",
+        flush=True,
+    )
     iso = isolation(x, y, args.rounds, args.tokens, args.ctx, args.logs)
     alone, beside = median(iso["a_idle_tps"]), median(iso["a_busy_tps"])
     lines = [
@@ -249,10 +293,15 @@ def main() -> int:
         f"A in {iso['b_outlasted_a']} of {len(iso['a_busy_tps'])} rounds",
     ]
     print(f"\nsummary ({DEVICE}; {time.monotonic() - t0:.0f} s):\n  " + "\n  ".join(lines))
-    result = {"device": DEVICE, "models": {"X": x.name, "Y": y.name}, "rounds": args.rounds, "tokens": args.tokens,
-              "ctx": args.ctx, "on_demand": {**demand, "median_loaded_s": loaded, "median_on_demand_s": cold,
-                                             "ratio": cold / loaded},
-              "isolation": {**iso, "median_idle_tps": alone, "median_busy_tps": beside, "ratio": beside / alone}}
+    result = {
+        "device": DEVICE,
+        "models": {"X": x.name, "Y": y.name},
+        "rounds": args.rounds,
+        "tokens": args.tokens,
+        "ctx": args.ctx,
+        "on_demand": {**demand, "median_loaded_s": loaded, "median_on_demand_s": cold, "ratio": cold / loaded},
+        "isolation": {**iso, "median_idle_tps": alone, "median_busy_tps": beside, "ratio": beside / alone},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

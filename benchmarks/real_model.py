@@ -59,15 +59,22 @@ def report(orders, tax_rate):
         lines.append(f"{name}: {total:.2f}")
     return "\\n".join(lines)
 '''
-PARAGRAPH = ("The lighthouse on the northern cape was built in 1852 to warn ships away from the rocks that "
-             "had claimed dozens of vessels in the previous century. Its keeper lived in a small stone house "
-             "at the foot of the tower, climbing the spiral stairs every evening to light the lamp and every "
-             "morning to put it out. In 1931 the lamp was electrified, and in 1987 the last keeper left when "
-             "the light became fully automatic. Today the house is a museum, and visitors can climb the same "
-             "stairs to look out over the sea the keepers watched for more than a hundred years.")
+PARAGRAPH = (
+    "The lighthouse on the northern cape was built in 1852 to warn ships away from the rocks that "
+    "had claimed dozens of vessels in the previous century. Its keeper lived in a small stone house "
+    "at the foot of the tower, climbing the spiral stairs every evening to light the lamp and every "
+    "morning to put it out. In 1931 the lamp was electrified, and in 1987 the last keeper left when "
+    "the light became fully automatic. Today the house is a museum, and visitors can climb the same "
+    "stairs to look out over the sea the keepers watched for more than a hundred years."
+)
 TASKS = {
-    "edit": [{"role": "user", "content": "Rewrite this Python code with the function compute_total renamed to "
-                                         "sum_with_tax. Change nothing else and output only the code.\n\n" + CODE}],
+    "edit": [
+        {
+            "role": "user",
+            "content": "Rewrite this Python code with the function compute_total renamed to "
+            "sum_with_tax. Change nothing else and output only the code.\n\n" + CODE,
+        }
+    ],
     "summary": [{"role": "user", "content": "Summarize this paragraph in two sentences:\n\n" + PARAGRAPH}],
     "chat": [{"role": "user", "content": "What are three good habits for staying healthy?"}],
 }
@@ -80,11 +87,14 @@ QUESTIONS = [
 PPL_TEXT = (PARAGRAPH + "\n\n" + CODE + "\n\n") * 3
 PPL_CHUNK = 128
 
-ASK = STREAM_CHAT + r'''
+ASK = (
+    STREAM_CHAT
+    + r"""
 import sys
 first, total, text = stream_chat(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))
 print(json.dumps({"first": first, "total": total, "text": text}))
-'''
+"""
+)
 
 
 def main() -> int:
@@ -92,9 +102,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per answer (default 48)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every measurement; medians (default 2)")
     ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp build folder (its bin/ holds llama-completion)")
-    ap.add_argument("--weights", choices=("gguf", "float32"), default="gguf",
-                    help="the GGUF's own weights (4-bit; activations float32), or the same weights "
-                         "dequantized to float32 (matmuls on the BLAS rather than MLX's quantized kernels)")
+    ap.add_argument(
+        "--weights",
+        choices=("gguf", "float32"),
+        default="gguf",
+        help="the GGUF's own weights (4-bit; activations float32), or the same weights "
+        "dequantized to float32 (matmuls on the BLAS rather than MLX's quantized kernels)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
@@ -114,8 +128,11 @@ def main() -> int:
         folder = variant(folder, work / f"{model_id}-float32", dtype="float32")
         model_id, weights = folder.name, "the same weights dequantized to float32"
     model, tokenizer = load(str(folder))
-    print(f"# {model_id}: SmolLM2-135M-Instruct from {gguf.name} ({weights}; activations float32); "
-          f"MLX on {mlx_device()}, CPU matmuls: {in_use()}", flush=True)
+    print(
+        f"# {model_id}: SmolLM2-135M-Instruct from {gguf.name} ({weights}; activations float32); "
+        f"MLX on {mlx_device()}, CPU matmuls: {in_use()}",
+        flush=True,
+    )
     figures: dict = {"model": model_id, "weights": weights, "device": mlx_device(), "blas": in_use(), "tasks": {}}
 
     def mlx_answer(messages, max_tokens):
@@ -167,24 +184,34 @@ def main() -> int:
                     rates.append(tps)
                     want = reference[name][0]
                     if out["text"] != want:
-                        print(f"  {name} ({mode}): the mesh's answer left mlx-lm's at character "
-                              f"{first_difference(out['text'], want)} of {len(want)}", flush=True)
+                        print(
+                            f"  {name} ({mode}): the mesh's answer left mlx-lm's at character "
+                            f"{first_difference(out['text'], want)} of {len(want)}",
+                            flush=True,
+                        )
                 key = "two_stages_nospec_tps" if mode == "off" else "two_stages_spec_tps"
                 figures["tasks"][name][key] = median(rates)
                 if mode == "default":
-                    figures["tasks"][name]["acceptance"] = (moved["accepted"] / moved["drafted"]
-                                                            if moved["drafted"] else float("nan"))
+                    figures["tasks"][name]["acceptance"] = (
+                        moved["accepted"] / moved["drafted"] if moved["drafted"] else float("nan")
+                    )
                 print(f"2 stages {name} speculative={mode}: {median(rates):.1f} tok/s", flush=True)
 
-    print("\n| task | mlx-lm tok/s | one node | 2 stages, speculative off | 2 stages, prompt lookup | "
-          "acceptance | speculation / off |")
+    print(
+        "\n| task | mlx-lm tok/s | one node | 2 stages, speculative off | 2 stages, prompt lookup | "
+        "acceptance | speculation / off |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, f in figures["tasks"].items():
         f["spec_over_off"] = f["two_stages_spec_tps"] / f["two_stages_nospec_tps"]
-        print(f"| {name} | {f['mlx_lm_tps']:.1f} | {f['one_node_tps']:.1f} | {f['two_stages_nospec_tps']:.1f} | "
-              f"{f['two_stages_spec_tps']:.1f} | {f['acceptance']:.2f} | {f['spec_over_off']:.2f}x |")
-    print(f"goals: edit >= 1.5x ({figures['tasks']['edit']['spec_over_off']:.2f}x), chat >= 0.97x "
-          f"({figures['tasks']['chat']['spec_over_off']:.2f}x)")
+        print(
+            f"| {name} | {f['mlx_lm_tps']:.1f} | {f['one_node_tps']:.1f} | {f['two_stages_nospec_tps']:.1f} | "
+            f"{f['two_stages_spec_tps']:.1f} | {f['acceptance']:.2f} | {f['spec_over_off']:.2f}x |"
+        )
+    print(
+        f"goals: edit >= 1.5x ({figures['tasks']['edit']['spec_over_off']:.2f}x), chat >= 0.97x "
+        f"({figures['tasks']['chat']['spec_over_off']:.2f}x)"
+    )
 
     # kv_bits: perplexity of a fixed text through the quantized cache, and one node's speed.
     ids = tokenizer.encode(PPL_TEXT, add_special_tokens=False)
@@ -198,12 +225,15 @@ def main() -> int:
     print("\n| kv_bits | perplexity | change | one node tok/s |")
     print("|---|---|---|---|")
     for bits, f in figures["kv_bits"].items():
-        print(f"| {bits or 'off'} | {f['perplexity']:.3f} | {100 * (f['perplexity'] / base - 1):+.2f} % | "
-              f"{f['one_node_tps']:.1f} |")
+        print(
+            f"| {bits or 'off'} | {f['perplexity']:.3f} | {100 * (f['perplexity'] / base - 1):+.2f} % | "
+            f"{f['one_node_tps']:.1f} |"
+        )
 
     if args.llama_cpp and args.weights == "gguf":
-        figures["llama_cpp"] = against_llama_cpp(args.llama_cpp, gguf, tokenizer, mlx_answer,
-                                                 figures["kv_bits"][0]["perplexity"])
+        figures["llama_cpp"] = against_llama_cpp(
+            args.llama_cpp, gguf, tokenizer, mlx_answer, figures["kv_bits"][0]["perplexity"]
+        )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0
@@ -218,18 +248,18 @@ def perplexity(model, ids: list[int], kv_bits: int) -> float:
 
     nll, count = 0.0, 0
     for start in range(0, len(ids) - PPL_CHUNK + 1, PPL_CHUNK):
-        chunk = ids[start:start + PPL_CHUNK]
+        chunk = ids[start : start + PPL_CHUNK]
         cache = make_prompt_cache(model)
         if kv_bits:
             cache = [QuantizedKVCache(group_size=64, bits=kv_bits) if type(c) is KVCache else c for c in cache]
         logits = []
         for i in range(0, PPL_CHUNK, 16):
-            logits.append(model(mx.array([chunk[i:i + 16]]), cache=cache)[0].astype(mx.float32))
+            logits.append(model(mx.array([chunk[i : i + 16]]), cache=cache)[0].astype(mx.float32))
         logits = mx.concatenate(logits)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         half = PPL_CHUNK // 2
         targets = mx.array(chunk[half:])
-        picked = mx.take_along_axis(logp[half - 1:-1], targets[:, None], axis=-1)
+        picked = mx.take_along_axis(logp[half - 1 : -1], targets[:, None], axis=-1)
         nll -= float(picked.sum())
         count += len(chunk) - half
     return math.exp(nll / count)
@@ -243,24 +273,64 @@ def against_llama_cpp(build: Path, gguf: Path, tokenizer, mlx_answer, ours: floa
     same = 0
     for messages in QUESTIONS:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        run = subprocess.run([str(binary), "-m", str(gguf), "-p", prompt, "-n", "32", "--temp", "0", "-t", "1",
-                              "--no-warmup", "-no-cnv", "--simple-io"], capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [
+                str(binary),
+                "-m",
+                str(gguf),
+                "-p",
+                prompt,
+                "-n",
+                "32",
+                "--temp",
+                "0",
+                "-t",
+                "1",
+                "--no-warmup",
+                "-no-cnv",
+                "--simple-io",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         # llama.cpp echoes the prompt with its special tokens unprinted, then the answer
         theirs = run.stdout.rsplit("assistant\n", 1)[-1].replace("[end of text]", "").strip()
         mine = mlx_answer(messages, 32)[0].strip()
         same += mine == theirs
         out["answers"].append({"prompt": messages[-1]["content"], "meshnode": mine, "llama_cpp": theirs})
-        print(f"llama.cpp {'same' if mine == theirs else 'differs'}: {messages[-1]['content']!r}\n"
-              f"  meshnode:  {mine!r}\n  llama.cpp: {theirs!r}", flush=True)
+        print(
+            f"llama.cpp {'same' if mine == theirs else 'differs'}: {messages[-1]['content']!r}\n"
+            f"  meshnode:  {mine!r}\n  llama.cpp: {theirs!r}",
+            flush=True,
+        )
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(PPL_TEXT)
-    run = subprocess.run([str(build / "bin" / "llama-perplexity"), "-m", str(gguf), "-f", f.name, "-c", str(PPL_CHUNK),
-                          "-b", str(PPL_CHUNK), "-t", "1"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            str(build / "bin" / "llama-perplexity"),
+            "-m",
+            str(gguf),
+            "-f",
+            f.name,
+            "-c",
+            str(PPL_CHUNK),
+            "-b",
+            str(PPL_CHUNK),
+            "-t",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     found = [float(x) for x in re.findall(r"Final estimate: PPL = ([\d.]+)", run.stderr + run.stdout)]
     out.update(same=same, asked=len(QUESTIONS), perplexity_ours=ours, perplexity_llama_cpp=found[0] if found else None)
     if found:
-        print(f"perplexity on the same text: meshnode (mlx-lm) {ours:.3f}, llama.cpp {found[0]:.3f} "
-              f"({100 * (ours / found[0] - 1):+.2f} %); greedy answers the same: {same} of {len(QUESTIONS)}")
+        print(
+            f"perplexity on the same text: meshnode (mlx-lm) {ours:.3f}, llama.cpp {found[0]:.3f} "
+            f"({100 * (ours / found[0] - 1):+.2f} %); greedy answers the same: {same} of {len(QUESTIONS)}"
+        )
     return out
 
 

@@ -37,11 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshnode.model.compute import seed_figures  # noqa: E402
-from meshnode.weights.profile import profile_model  # noqa: E402
-from meshnode.model.build import build_model  # noqa: E402
 from harness.cluster import HTTP, Cluster, mlx_reference  # noqa: E402
 from harness.netns import netns_mesh  # noqa: E402
+from meshnode.model.build import build_model  # noqa: E402
+from meshnode.model.compute import seed_figures  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 
 HOSTS = 5
 CLIENTS = 3
@@ -52,7 +52,7 @@ TIMEOUT = 120.0  # a request with no answer by then is hung
 
 # One client: requests until the deadline, each to a random node; one JSON line per request:
 # {"t0", "t1", "node", "kind", "stream", "outcome", "detail", "text"}.
-CLIENT = r'''
+CLIENT = r"""
 import json, random, socket, sys, time, urllib.error, urllib.request
 ips, model, until, seed, timeout = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 kinds, max_tokens, messages = json.loads(sys.argv[6]), int(sys.argv[7]), json.loads(sys.argv[8])
@@ -94,14 +94,15 @@ while time.time() < until:
     print(json.dumps({"t0": t0, "t1": time.time(), "node": node, "kind": kind, "stream": stream,
                       "outcome": outcome, "detail": detail, "text": text}), flush=True)
     time.sleep(rng.uniform(0.05, 0.5))
-'''
+"""
 
 
 class Soak:
     def __init__(self, mesh, tmp: Path, rng: random.Random):
         self.mesh, self.tmp, self.rng = mesh, tmp, rng
-        self.model = build_model(tmp / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256,
-                                 dtype="float32", seed=3)
+        self.model = build_model(
+            tmp / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256, dtype="float32", seed=3
+        )
         seed = tmp / "seed"
         seed.mkdir()
         seed_figures(self.model, profile_model(self.model).num_layers, seed, rounds=1)
@@ -125,8 +126,14 @@ class Soak:
         refs = {"greedy": mlx_reference(self.model, MESSAGES, MAX_TOKENS)}
         host = self.cluster.hosts[0]
         for s in SEEDS:
-            body = {"model": self.model.name, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0.9,
-                    "top_p": 0.95, "seed": s}
+            body = {
+                "model": self.model.name,
+                "messages": MESSAGES,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.9,
+                "top_p": 0.95,
+                "seed": s,
+            }
             status, _, out = self.cluster.fetch(f"http://{host.ip}:{HTTP}/v1/chat/completions", body, timeout=60)
             assert status == 200, out
             refs[str(s)] = out["choices"][0]["message"]["content"]
@@ -137,12 +144,29 @@ class Soak:
         kinds = ["greedy", "greedy", *map(str, SEEDS)]
         until = time.time() + seconds
         code = CLIENT.replace("%(port)d", str(HTTP))
-        return [subprocess.Popen(
-            self.cluster.client.exec_args([sys.executable, "-c", code, json.dumps(ips), self.model.name, str(until),
-                                           str(self.rng.randrange(2**31)), str(TIMEOUT), json.dumps(kinds),
-                                           str(MAX_TOKENS), json.dumps(MESSAGES)]),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(CLIENTS)]
+        return [
+            subprocess.Popen(
+                self.cluster.client.exec_args(
+                    [
+                        sys.executable,
+                        "-c",
+                        code,
+                        json.dumps(ips),
+                        self.model.name,
+                        str(until),
+                        str(self.rng.randrange(2**31)),
+                        str(TIMEOUT),
+                        json.dumps(kinds),
+                        str(MAX_TOKENS),
+                        json.dumps(MESSAGES),
+                    ]
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(CLIENTS)
+        ]
 
     def fault(self) -> None:
         """One fault on one node (the coordinator a third of the time), undone after a while."""
@@ -196,20 +220,33 @@ class Soak:
     def node_down(self, r: dict) -> bool:
         """Whether the request's own node was killed or restarting while it ran: from the fault
         until the restarted node listened again."""
-        return any(f["kind"] in ("kill", "restart") and f["node"] == r["node"]
-                   and f["t0"] - 1 <= r["t1"] and r["t0"] <= f["listening"] + 1 for f in self.faults)
+        return any(
+            f["kind"] in ("kill", "restart")
+            and f["node"] == r["node"]
+            and f["t0"] - 1 <= r["t1"]
+            and r["t0"] <= f["listening"] + 1
+            for f in self.faults
+        )
 
 
 def classify(results: list[dict], refs: dict[str, str], soak: Soak) -> dict:
-    counts = {"requests": len(results), "identical": 0, "explicit_503": 0, "node_down": 0, "lost": 0,
-              "hung": 0, "http_500": 0}
+    counts = {
+        "requests": len(results),
+        "identical": 0,
+        "explicit_503": 0,
+        "node_down": 0,
+        "lost": 0,
+        "hung": 0,
+        "http_500": 0,
+    }
     bad = []
     for r in results:
         out = r["outcome"]
         if out == "ok" and r["text"] == refs[r["kind"]]:
             counts["identical"] += 1
-        elif out == 503 or (out == "error_event" and r["detail"] in ("placement_lost", "mesh_unavailable",
-                                                                     "insufficient_capacity")):
+        elif out == 503 or (
+            out == "error_event" and r["detail"] in ("placement_lost", "mesh_unavailable", "insufficient_capacity")
+        ):
             counts["explicit_503"] += 1
         elif out == "hung":
             counts["hung"] += 1
@@ -233,8 +270,10 @@ def soak(minutes: float, seed: int, log=print) -> dict:
         run = Soak(mesh, Path(tmp), rng)
         start_view = run.converge()
         refs = run.references()
-        log(f"{HOSTS} hosts, plan {[s['nodes'] for s in start_view['plan']['stages']]}, {CLIENTS} clients, "
-            f"{minutes:g} min, seed {seed}")
+        log(
+            f"{HOSTS} hosts, plan {[s['nodes'] for s in start_view['plan']['stages']]}, {CLIENTS} clients, "
+            f"{minutes:g} min, seed {seed}"
+        )
         started = time.time()
         clients = run.clients(seconds)
         while time.time() < started + seconds - 10:
@@ -252,12 +291,19 @@ def soak(minutes: float, seed: int, log=print) -> dict:
                 log(err[-2000:])
         final = run.converge()
         report = classify(results, refs, run)
-        report.update(minutes=minutes, seed=seed, faults=len(run.faults),
-                      fault_kinds={k: sum(f["kind"] == k for f in run.faults)
-                                   for k in ("kill", "freeze", "link", "partition", "restart")},
-                      epochs=[start_view["epoch"], final["epoch"]])
-        line = ", ".join(f"{k} {report[k]}" for k in ("requests", "identical", "explicit_503", "node_down", "lost",
-                                                       "hung", "http_500"))
+        report.update(
+            minutes=minutes,
+            seed=seed,
+            faults=len(run.faults),
+            fault_kinds={
+                k: sum(f["kind"] == k for f in run.faults) for k in ("kill", "freeze", "link", "partition", "restart")
+            },
+            epochs=[start_view["epoch"], final["epoch"]],
+        )
+        line = ", ".join(
+            f"{k} {report[k]}"
+            for k in ("requests", "identical", "explicit_503", "node_down", "lost", "hung", "http_500")
+        )
         log(f"soak: {line}; {report['faults']} faults {report['fault_kinds']}; epochs {report['epochs']}")
         for r in report["bad"]:
             log(f"  bad: {json.dumps(r)}")

@@ -80,8 +80,7 @@ CYCLE = [
 ]
 # The segments of a token that are neither compute nor overlapped with it: what the split itself
 # costs on the token's path (the head's Python after its step started runs beside that step).
-SPLIT_ONLY = [what for _, what in CYCLE[1:10]
-              if what != "stage: copy in, compute its layers, copy out"]
+SPLIT_ONLY = [what for _, what in CYCLE[1:10] if what != "stage: copy in, compute its layers, copy out"]
 
 
 def segments(traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, list[float]]:
@@ -93,7 +92,7 @@ def segments(traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, list[fl
     cycles = []
     for a, b in zip(starts, starts[1:]):
         want, found = 1, [events[a][0]]
-        for ns, name in events[a + 1:b + 1]:
+        for ns, name in events[a + 1 : b + 1]:
             if want < len(CYCLE) and name == CYCLE[want][0]:
                 found.append(ns)
                 want += 1
@@ -113,7 +112,7 @@ def segments(traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, list[fl
 
 
 def _cpu_seconds(stat: str) -> float:
-    fields = stat[stat.rindex(")") + 2:].split()  # from the state on: utime, stime are 11, 12
+    fields = stat[stat.rindex(")") + 2 :].split()  # from the state on: utime, stime are 11, 12
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -129,8 +128,9 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
-def cpu_by_thread(cpu: dict[tuple[int, int], float], tokens: int,
-                  traces: dict[int, list[tuple[int, str, str]]]) -> dict[str, dict[str, float]]:
+def cpu_by_thread(
+    cpu: dict[tuple[int, int], float], tokens: int, traces: dict[int, list[tuple[int, str, str]]]
+) -> dict[str, dict[str, float]]:
     """CPU ms per token of each node's threads, named by the thread names in its trace (threads
     that marked nothing, MLX's own among them, summed as "other")."""
     names = {pid: {int(t.rsplit("/", 1)[1]): t.rsplit("/", 1)[0] for _, _, t in rows} for pid, rows in traces.items()}
@@ -187,32 +187,64 @@ class Mesh:
             state = tmp / h.name
             state.mkdir()
             self.cores[h.name] = cores[i % len(cores)]
-            self.procs.append(h.popen(
-                ["taskset", "-c", str(self.cores[h.name])] + node_argv(
-                    path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
-                    max_context=CTX, kv_requests=1),
-                # Speculation off: the split's cost is that of one-token steps, whose marks the
-                # segments below cut (the default speculates where the model is split).
-                env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
-                     "MESHNODE_STRATEGY": "pipeline", "MESHNODE_LINK_PROBE_INTERVAL": "3600",
-                     "MESHNODE_SPECULATIVE": "off",
-                     tracing.ENV: str(self.trace)},
-                log_path=state / "node.log"))
-        view = wait_mesh(f"http://{self.hosts[0].ip}:{HTTP}",
-                         lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
-                         client=self.client, timeout=240, what="a 2-stage plan")
+            self.procs.append(
+                h.popen(
+                    ["taskset", "-c", str(self.cores[h.name])]
+                    + node_argv(
+                        path,
+                        http_port=HTTP,
+                        grpc_port=GRPC,
+                        node_id=h.name,
+                        budget=budget,
+                        state_dir=state,
+                        max_context=CTX,
+                        kv_requests=1,
+                    ),
+                    # Speculation off: the split's cost is that of one-token steps, whose marks the
+                    # segments below cut (the default speculates where the model is split).
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": str(ROOT),
+                        "MESHNODE_CLUSTER_KEY": "bench",
+                        "MESHNODE_STRATEGY": "pipeline",
+                        "MESHNODE_LINK_PROBE_INTERVAL": "3600",
+                        "MESHNODE_SPECULATIVE": "off",
+                        tracing.ENV: str(self.trace),
+                    },
+                    log_path=state / "node.log",
+                )
+            )
+        view = wait_mesh(
+            f"http://{self.hosts[0].ip}:{HTTP}",
+            lambda v: v["healthy"] and v["plan"] and len(v["plan"]["stages"]) == 2,
+            client=self.client,
+            timeout=240,
+            what="a 2-stage plan",
+        )
         head = view["plan"]["stages"][-1]["nodes"][0]
         self.head = next(h for h in self.hosts if h.name == head)
         self.url = f"http://{self.head.ip}:{HTTP}"
 
     def times(self, tokens: int) -> list[float]:
         """One greedy streamed completion from the head; the client's time of each token's text."""
-        code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
-                "from benchmarks.split_cost import client_times\n"
-                "print(json.dumps(client_times(*json.loads(sys.argv[1]))))")
+        code = (
+            f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+            "from benchmarks.split_cost import client_times\n"
+            "print(json.dumps(client_times(*json.loads(sys.argv[1]))))"
+        )
         before = {p.pid: thread_cpu(p.pid) for p in self.procs}
-        out = self.client.run(["taskset", "-c", str(self.cores[self.head.name]), sys.executable, "-c", code,
-                               json.dumps([self.url, self.path.name, tokens])], timeout=900)
+        out = self.client.run(
+            [
+                "taskset",
+                "-c",
+                str(self.cores[self.head.name]),
+                sys.executable,
+                "-c",
+                code,
+                json.dumps([self.url, self.path.name, tokens]),
+            ],
+            timeout=900,
+        )
         for pid, was in before.items():
             for tid, seconds in thread_cpu(pid).items():
                 self.cpu[pid, tid] = self.cpu.get((pid, tid), 0.0) + seconds - was.get(tid, 0.0)
@@ -235,8 +267,15 @@ def client_times(url: str, model_id: str, tokens: int) -> list[float]:
 
     from benchmarks.common import sse_events
 
-    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
-                       "max_tokens": tokens, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": model_id,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "stream": True,
+            "max_tokens": tokens,
+            "temperature": 0,
+        }
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     times = []
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -256,15 +295,35 @@ class LlamaCpp:
         # it (with llama-bench -lm none); MLX's processes keep glibc's default: with huge pages,
         # mlx-lm's one process ran 34-53 ms a token from one generation to the next, without 50-55.
         self.env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-        server = next((bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()),
-                      bin_dir / "rpc-server")
-        self.server = self.remote.popen(["taskset", "-c", str(cores[1]), str(server),
-                                         "-H", self.remote.ip, "-p", str(RPC), "-t", "1"], env=self.env)
+        server = next(
+            (bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()), bin_dir / "rpc-server"
+        )
+        self.server = self.remote.popen(
+            ["taskset", "-c", str(cores[1]), str(server), "-H", self.remote.ip, "-p", str(RPC), "-t", "1"], env=self.env
+        )
         time.sleep(2)
 
     def tps(self, tokens: int, split: bool) -> float:
-        cmd = ["taskset", "-c", str(self.cores[0]), str(self.bench), "-m", str(self.gguf), "-t", "1",
-               "-p", "0", "-n", str(tokens), "-r", "1", "-o", "json", "-lm", "none"]
+        cmd = [
+            "taskset",
+            "-c",
+            str(self.cores[0]),
+            str(self.bench),
+            "-m",
+            str(self.gguf),
+            "-t",
+            "1",
+            "-p",
+            "0",
+            "-n",
+            str(tokens),
+            "-r",
+            "1",
+            "-o",
+            "json",
+            "-lm",
+            "none",
+        ]
         if split:  # llama.cpp counts the output projection as a layer: L/2 + 1 on the second host
             cmd += ["-ngl", str(self.layers // 2 + 1), "--rpc", f"{self.remote.ip}:{RPC}"]
         out = self.host.run(cmd, env=self.env, timeout=600)
@@ -299,16 +358,21 @@ def main() -> int:
     if len(cores) < 2:
         print("needs two cores", file=sys.stderr)
         return 1
-    print(f"model: {path}, {param_count(path) / 1e6:.1f}M parameters, {spec['dtype']}, hidden {spec['hidden_size']}, "
-          f"{spec['num_layers']} layers; {args.tokens} tokens per generation, {args.rounds} rounds; cores {cores}",
-          flush=True)
+    print(
+        f"model: {path}, {param_count(path) / 1e6:.1f}M parameters, {spec['dtype']}, hidden {spec['hidden_size']}, "
+        f"{spec['num_layers']} layers; {args.tokens} tokens per generation, {args.rounds} rounds; cores {cores}",
+        flush=True,
+    )
     os.sched_setaffinity(0, {cores[0]})
     split = bare_split(path, cores[1], cores[0])  # it holds mlx-lm's whole model too (Split.reference)
     rounds = []
     with netns_mesh(3) as netns, tempfile.TemporaryDirectory() as tmp:
         mesh = Mesh(netns, path, Path(tmp), cores)
-        cpp = LlamaCpp(args.llamacpp, args.gguf, netns, cores, spec["num_layers"]) \
-            if args.llamacpp and args.gguf else None
+        cpp = (
+            LlamaCpp(args.llamacpp, args.gguf, netns, cores, spec["num_layers"])
+            if args.llamacpp and args.gguf
+            else None
+        )
         try:
             try:
                 split.checked_tps(args.tokens)
@@ -317,16 +381,21 @@ def main() -> int:
             mesh.times(8)  # kernels compiled on both nodes
             mesh.cpu, mesh.tokens = {}, 0
             for i in range(args.rounds):
-                r = {"mlx_lm": per_token(split.reference(args.tokens)[1]),
-                     "bare": per_token(split.generate(split.prompt, args.tokens)[1]),
-                     "mesh": per_token(mesh.times(args.tokens))}
+                r = {
+                    "mlx_lm": per_token(split.reference(args.tokens)[1]),
+                    "bare": per_token(split.generate(split.prompt, args.tokens)[1]),
+                    "mesh": per_token(mesh.times(args.tokens)),
+                }
                 if cpp is not None:
                     r["cpp_one"] = 1 / cpp.tps(args.tokens, split=False)
                     r["cpp_two"] = 1 / cpp.tps(args.tokens, split=True)
                 rounds.append(r)
-                print(f"round {i}: per token mlx-lm {r['mlx_lm'] * 1e3:.2f} ms, bare split {r['bare'] * 1e3:.2f}, "
-                      f"mesh {r['mesh'] * 1e3:.2f}" + (f"; llama.cpp 1 host {r['cpp_one'] * 1e3:.2f}, 2 hosts "
-                                                       f"{r['cpp_two'] * 1e3:.2f}" if cpp else ""), flush=True)
+                print(
+                    f"round {i}: per token mlx-lm {r['mlx_lm'] * 1e3:.2f} ms, bare split {r['bare'] * 1e3:.2f}, "
+                    f"mesh {r['mesh'] * 1e3:.2f}"
+                    + (f"; llama.cpp 1 host {r['cpp_one'] * 1e3:.2f}, 2 hosts {r['cpp_two'] * 1e3:.2f}" if cpp else ""),
+                    flush=True,
+                )
         finally:
             split.close()
             if cpp is not None:
@@ -352,24 +421,33 @@ def report(rounds: list[dict], parts: dict[str, list[float]]) -> dict:
     def median_ms(key: str, base: str | None = None) -> float:
         return statistics.median(r[key] - (r[base] if base else 0) for r in rounds) * 1e3
 
-    out = {"per_token_ms": {k: median_ms(k) for k in rounds[0]},
-           "added_ms": {"bare split": median_ms("bare", "mlx_lm"), "mesh": median_ms("mesh", "mlx_lm"),
-                        "mesh over bare split": median_ms("mesh", "bare")}}
+    out = {
+        "per_token_ms": {k: median_ms(k) for k in rounds[0]},
+        "added_ms": {
+            "bare split": median_ms("bare", "mlx_lm"),
+            "mesh": median_ms("mesh", "mlx_lm"),
+            "mesh over bare split": median_ms("mesh", "bare"),
+        },
+    }
     if "cpp_one" in rounds[0]:
         out["added_ms"]["llama.cpp rpc"] = median_ms("cpp_two", "cpp_one")
     print("\nadded per decoded token, 2 stages vs one process (median of rounds):")
     for k, v in out["added_ms"].items():
         print(f"  {k:24s} {v:7.2f} ms")
     if parts:
-        print(f"\nthe mesh's token cut into segments (median of {len(parts['token'])} tokens, "
-              f"from timestamps on both nodes):")
+        print(
+            f"\nthe mesh's token cut into segments (median of {len(parts['token'])} tokens, "
+            f"from timestamps on both nodes):"
+        )
         out["segments_ms"] = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
         for k, v in out["segments_ms"].items():
             print(f"  {v:8.3f} ms  {k}")
         out["split_only_ms"] = sum(out["segments_ms"][k] for k in SPLIT_ONLY)
-        print(f"  {out['split_only_ms']:8.3f} ms  on the token's path and not compute (the sum of "
-              f"{len(SPLIT_ONLY)} segments: the head's frame, send, both wake-ups, the stage's parse and "
-              "send, the head's read and copy)")
+        print(
+            f"  {out['split_only_ms']:8.3f} ms  on the token's path and not compute (the sum of "
+            f"{len(SPLIT_ONLY)} segments: the head's frame, send, both wake-ups, the stage's parse and "
+            "send, the head's read and copy)"
+        )
     out["rounds"] = rounds
     return out
 

@@ -51,15 +51,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, PROMPT, bench_model_dir, mlx_lm_decoder, param_count  # noqa: E402
-from benchmarks.pipeline import counters  # noqa: E402
 from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
-from benchmarks.floor import Split, hop_after_compute_us, tps as tps_of  # noqa: E402
+from benchmarks.floor import Split, hop_after_compute_us  # noqa: E402
+from benchmarks.floor import tps as tps_of
+from benchmarks.pipeline import counters  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
-from meshnode.config import ECHO_OFFSET  # noqa: E402
-from meshnode.weights.profile import profile_model  # noqa: E402
-from meshnode.model.build import model_dir_for  # noqa: E402
 from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
 from harness.netns import netns_mesh  # noqa: E402
+from meshnode.config import ECHO_OFFSET  # noqa: E402
+from meshnode.model.build import model_dir_for  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 
 HTTP, GRPC = 8470, 8471
 CTX = 2048
@@ -97,8 +98,16 @@ def client_stream(url: str, model_id: str, ids: list[int], tokens: int) -> dict:
 
     from benchmarks.common import sse_events
 
-    body = json.dumps({"model": model_id, "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": model_id,
+            "prompt": ids,
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     times, count = [], 0
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -129,15 +138,20 @@ def client_aggregate(url: str, model_id: str, streams: int, tokens: int) -> dict
     start = max(o["times"][0] for o in out)
     end = min(o["times"][-1] for o in out)
     in_window = sum(sum(start < t <= end for t in o["times"]) * o["tokens"] / len(o["times"]) for o in out)
-    return {"aggregate_tps": in_window / (end - start), "window_s": end - start,
-            "tokens": sum(o["tokens"] for o in out),
-            "per_stream_tps": [(len(o["times"]) - 1) / (o["times"][-1] - o["times"][0]) for o in out]}
+    return {
+        "aggregate_tps": in_window / (end - start),
+        "window_s": end - start,
+        "tokens": sum(o["tokens"] for o in out),
+        "per_stream_tps": [(len(o["times"]) - 1) / (o["times"][-1] - o["times"][0]) for o in out],
+    }
 
 
 def _client(client, fn: str, *args) -> dict:
-    code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
-            f"from benchmarks.suite import {fn}\n"
-            f"print(json.dumps({fn}(*json.loads(sys.argv[1]))))")
+    code = (
+        f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+        f"from benchmarks.suite import {fn}\n"
+        f"print(json.dumps({fn}(*json.loads(sys.argv[1]))))"
+    )
     return in_ns(client, code, json.dumps(args), timeout=1200)
 
 
@@ -158,18 +172,40 @@ class Nodes:
             # Compute figures measured once, before any node ran (main): a node that measures them
             # itself runs its timing subprocesses for a while after it is up, inside the timed window.
             shutil.copy(tmp / "seed" / "compute.json", state / "compute.json")
-            self.procs.append(h.popen(
-                node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget, state_dir=state,
-                          max_context=CTX, kv_requests=1),
-                # Links are measured once, at the start: a later bandwidth probe (1 MiB each way) would
-                # land in the byte counts of the traffic figure.
-                env={**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_CLUSTER_KEY": "bench",
-                     "MESHNODE_STRATEGY": "pipeline" if n > 1 else "single",
-                     "MESHNODE_LINK_PROBE_INTERVAL": "3600", **(env or {})},
-                log_path=state / "node.log"))
-        self.view = wait_mesh(f"http://{self.hosts[0].ip}:{HTTP}",
-                              lambda v: v["healthy"] and len({x for s in v["plan"]["stages"] for x in s["nodes"]}) == n
-                              and len(v["nodes"]) == n, client=self.client, timeout=240, what=f"a plan over {n} nodes")
+            self.procs.append(
+                h.popen(
+                    node_argv(
+                        path,
+                        http_port=HTTP,
+                        grpc_port=GRPC,
+                        node_id=h.name,
+                        budget=budget,
+                        state_dir=state,
+                        max_context=CTX,
+                        kv_requests=1,
+                    ),
+                    # Links are measured once, at the start: a later bandwidth probe (1 MiB each way) would
+                    # land in the byte counts of the traffic figure.
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": str(ROOT),
+                        "MESHNODE_CLUSTER_KEY": "bench",
+                        "MESHNODE_STRATEGY": "pipeline" if n > 1 else "single",
+                        "MESHNODE_LINK_PROBE_INTERVAL": "3600",
+                        **(env or {}),
+                    },
+                    log_path=state / "node.log",
+                )
+            )
+        self.view = wait_mesh(
+            f"http://{self.hosts[0].ip}:{HTTP}",
+            lambda v: (
+                v["healthy"] and len({x for s in v["plan"]["stages"] for x in s["nodes"]}) == n and len(v["nodes"]) == n
+            ),
+            client=self.client,
+            timeout=240,
+            what=f"a plan over {n} nodes",
+        )
         head_id = self.view["plan"]["stages"][-1]["nodes"][0]
         self.head = next(h for h in self.hosts if h.name == head_id)
         self.url = f"http://{self.head.ip}:{HTTP}"
@@ -177,16 +213,20 @@ class Nodes:
         _client(self.client, "client_aggregate", self.url, path.name, 1, 8)  # warm-up: kernels compile
 
     def decode_tps(self, tokens: int, repeats: int = 3, text: str = PROMPT) -> float:
-        code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
-                "from benchmarks.common import http_decode_tps\n"
-                f"print(json.dumps(http_decode_tps({self.url!r}, {self.path.name!r}, {tokens}, {repeats}, {text!r})))")
+        code = (
+            f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+            "from benchmarks.common import http_decode_tps\n"
+            f"print(json.dumps(http_decode_tps({self.url!r}, {self.path.name!r}, {tokens}, {repeats}, {text!r})))"
+        )
         return in_ns(self.client, code)[0]
 
     def transport_us_per_hop(self) -> float | None:
         """What each decode hop added beyond the stage's own work, as the head timed it (its
         meshnode_hop_transport_seconds: half of each round trip minus the stage's reported time)."""
-        code = (f"import urllib.request; print(urllib.request.urlopen('http://{self.head.ip}:{HTTP}/metrics', "
-                "timeout=5).read().decode())")
+        code = (
+            f"import urllib.request; print(urllib.request.urlopen('http://{self.head.ip}:{HTTP}/metrics', "
+            "timeout=5).read().decode())"
+        )
         text = self.client.run([sys.executable, "-c", code], timeout=20).stdout
         total = count = 0.0
         for line in text.splitlines():
@@ -199,9 +239,11 @@ class Nodes:
     def network_us_per_hop(self) -> float:
         """Half the median round trip of a bare TCP echo from the head to another node: the floor."""
         other = next(h for h in self.hosts if h is not self.head)
-        code = (f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
-                "from meshnode.control.echo import echo_rtt\n"
-                f"print(json.dumps(echo_rtt({other.ip!r}, {GRPC + 1 + ECHO_OFFSET}, samples=200)[0]))")
+        code = (
+            f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+            "from meshnode.control.echo import echo_rtt\n"
+            f"print(json.dumps(echo_rtt({other.ip!r}, {GRPC + 1 + ECHO_OFFSET}, samples=200)[0]))"
+        )
         return in_ns(self.head, code) / 2 * 1e6
 
     def bytes_per_token_per_hop(self, tokens: int) -> float:
@@ -279,83 +321,116 @@ def table(r: dict) -> str:
         d = r["decode"].get(str(n))
         if d:
             target = ">= 0.95" if n == 2 else ""
-            rows.append(f"| decode tok/s, {n} stage{'s' if n > 1 else ''}, best of {len(d.get('rounds', [1]))} "
-                        f"(ratio: median of rounds, each right after one of mlx-lm) | {d['tps']:.2f} | "
-                        f"{d.get('mlx_lm_tps', ref['decode_tps']):.2f} | {d['ratio']:.3f} | {target} |")
+            rows.append(
+                f"| decode tok/s, {n} stage{'s' if n > 1 else ''}, best of {len(d.get('rounds', [1]))} "
+                f"(ratio: median of rounds, each right after one of mlx-lm) | {d['tps']:.2f} | "
+                f"{d.get('mlx_lm_tps', ref['decode_tps']):.2f} | {d['ratio']:.3f} | {target} |"
+            )
     bare = r["decode"].get("2", {}).get("bare_split")
     if bare:
-        rows.append(f"| decode tok/s, bare 2-process split, best of {len(bare['rounds'])} (mlx-lm's modules, a loopback "
-                    f"socket, nothing else: the floor for any split here) | {bare['tps']:.2f} | "
-                    f"{r['decode']['2'].get('mlx_lm_tps', 0):.2f} | {bare['ratio']:.3f} | |")
+        rows.append(
+            f"| decode tok/s, bare 2-process split, best of {len(bare['rounds'])} (mlx-lm's modules, a loopback "
+            f"socket, nothing else: the floor for any split here) | {bare['tps']:.2f} | "
+            f"{r['decode']['2'].get('mlx_lm_tps', 0):.2f} | {bare['ratio']:.3f} | |"
+        )
         rows.append(f"| decode, 2-stage mesh / bare split (median of rounds) | {bare['mesh_over_bare']:.3f} | | | |")
     for n in (2, 3):
         d = r["decode"].get(str(n))
         if d:
-            rows.append(f"| added latency per hop, all in, {n} stages ({d['hops']} hops/token): (time per token "
-                        f"- mlx-lm's) / hops | {d['added_us_per_hop']:.0f} µs | | | <= 150 µs |")
+            rows.append(
+                f"| added latency per hop, all in, {n} stages ({d['hops']} hops/token): (time per token "
+                f"- mlx-lm's) / hops | {d['added_us_per_hop']:.0f} µs | | | <= 150 µs |"
+            )
             if d.get("transport_us_per_hop") is not None:
-                rows.append(f"| added latency per hop, transport, {n} stages: (round trip - stage's own time) / 2 "
-                            f"| {d['transport_us_per_hop']:.0f} µs | | | <= 150 µs |")
+                rows.append(
+                    f"| added latency per hop, transport, {n} stages: (round trip - stage's own time) / 2 "
+                    f"| {d['transport_us_per_hop']:.0f} µs | | | <= 150 µs |"
+                )
             if d.get("network_us_per_hop") is not None:
-                rows.append(f"| network floor per hop, {n} stages: half a bare TCP echo round trip "
-                            f"| {d['network_us_per_hop']:.0f} µs | | | |")
+                rows.append(
+                    f"| network floor per hop, {n} stages: half a bare TCP echo round trip "
+                    f"| {d['network_us_per_hop']:.0f} µs | | | |"
+                )
             if d.get("hop_after_compute_us") is not None:
-                rows.append(f"| one way between two bare processes, each right after 45 ms of compute through its "
-                            f"caches (loopback): a hop's floor when both ends compute on these CPUs "
-                            f"| {d['hop_after_compute_us']:.0f} µs | | | |")
+                rows.append(
+                    f"| one way between two bare processes, each right after 45 ms of compute through its "
+                    f"caches (loopback): a hop's floor when both ends compute on these CPUs "
+                    f"| {d['hop_after_compute_us']:.0f} µs | | | |"
+                )
             if d.get("bare_split"):
-                rows.append(f"| transport per hop, bare split (loopback; timed as the transport row above) "
-                            f"| {d['bare_split']['transport_us_per_hop']:.0f} µs | | | |")
+                rows.append(
+                    f"| transport per hop, bare split (loopback; timed as the transport row above) "
+                    f"| {d['bare_split']['transport_us_per_hop']:.0f} µs | | | |"
+                )
     if r.get("bytes_per_token_per_hop") is not None:
-        rows.append(f"| bytes on the wire per token per hop, 2 stages (TCP/IP included) | "
-                    f"{r['bytes_per_token_per_hop']:.0f} | activation {r['activation_bytes']} B | | |")
+        rows.append(
+            f"| bytes on the wire per token per hop, 2 stages (TCP/IP included) | "
+            f"{r['bytes_per_token_per_hop']:.0f} | activation {r['activation_bytes']} B | | |"
+        )
     for length in TTFT_PROMPTS:
         t = r["ttft"].get(str(length))
         if t:
             target = "<= 0.6" if length == 1024 else ""
-            rows.append(f"| TTFT {length}-token prompt, 2 stages, pipelined prefill | {t['pipelined_s'] * 1e3:.0f} ms "
-                        f"| {t['mlx_lm_s'] * 1e3:.0f} ms | {t['pipelined_s'] / t['mlx_lm_s']:.2f} | |")
-            rows.append(f"| TTFT {length}-token prompt, 2 stages, one chunk at a time | {t['sequential_s'] * 1e3:.0f} ms "
-                        f"| {t['mlx_lm_s'] * 1e3:.0f} ms | {t['sequential_s'] / t['mlx_lm_s']:.2f} | |")
-            rows.append(f"| TTFT {length}-token prompt: pipelined / one chunk at a time | "
-                        f"{t['pipelined_s'] / t['sequential_s']:.2f} | | | {target} |")
+            rows.append(
+                f"| TTFT {length}-token prompt, 2 stages, pipelined prefill | {t['pipelined_s'] * 1e3:.0f} ms "
+                f"| {t['mlx_lm_s'] * 1e3:.0f} ms | {t['pipelined_s'] / t['mlx_lm_s']:.2f} | |"
+            )
+            rows.append(
+                f"| TTFT {length}-token prompt, 2 stages, one chunk at a time | {t['sequential_s'] * 1e3:.0f} ms "
+                f"| {t['mlx_lm_s'] * 1e3:.0f} ms | {t['sequential_s'] / t['mlx_lm_s']:.2f} | |"
+            )
+            rows.append(
+                f"| TTFT {length}-token prompt: pipelined / one chunk at a time | "
+                f"{t['pipelined_s'] / t['sequential_s']:.2f} | | | {target} |"
+            )
     agg = r["aggregate"]
     one = agg.get("1", {}).get("aggregate_tps")
     for s in STREAMS:
         a = agg.get(str(s))
         if a:
             target = ">= 1.6" if s == 2 else ""
-            rows.append(f"| aggregate tok/s, {s} stream{'s' if s > 1 else ''}, 2 stages | {a['aggregate_tps']:.2f} "
-                        f"| {ref['decode_tps']:.2f} (1 stream) | {a['aggregate_tps'] / one:.2f} × 1 stream | {target} |")
+            rows.append(
+                f"| aggregate tok/s, {s} stream{'s' if s > 1 else ''}, 2 stages | {a['aggregate_tps']:.2f} "
+                f"| {ref['decode_tps']:.2f} (1 stream) | {a['aggregate_tps'] / one:.2f} × 1 stream | {target} |"
+            )
     qd = r.get("quantized")
     if qd:
         for key, what in (("1", "1 node"), ("2", "2 stages"), ("tensor", "tensor pair")):
             d = qd.get(key)
             if d:
-                rows.append(f"| decode tok/s, {qd['quantize']} ({qd['dtype']} scales, group {qd['group_size']}), "
-                            f"{what}, best of {len(d['rounds'])} (ratio: median of rounds) | {d['tps']:.2f} | "
-                            f"{d['mlx_lm_tps']:.2f} | {d['ratio']:.3f} | |")
+                rows.append(
+                    f"| decode tok/s, {qd['quantize']} ({qd['dtype']} scales, group {qd['group_size']}), "
+                    f"{what}, best of {len(d['rounds'])} (ratio: median of rounds) | {d['tps']:.2f} | "
+                    f"{d['mlx_lm_tps']:.2f} | {d['ratio']:.3f} | |"
+                )
     fo = r.get("failover")
     if fo and "error" not in fo:
         rows.append(f"| failover stall, a stage killed | {fo['stage_death_stall_s']:.2f} s | | | <= 3 s |")
-        rows.append(f"| failover stall, the coordinator killed | {fo['coordinator_death_stall_s']:.2f} s | | | <= 3 s |")
+        rows.append(
+            f"| failover stall, the coordinator killed | {fo['coordinator_death_stall_s']:.2f} s | | | <= 3 s |"
+        )
     elif fo:
         rows.append("| failover stall | failed: see suite.json | | | |")
     te = r.get("tensor")
     if te and "rows" in te:
         for row in te["rows"]:
-            rows.append(f"| 2 hosts at +{row['inject_us']:.0f} µs per round trip: single / pipeline / tensor tok/s "
-                        f"| {row['single']:.2f} / {row['pipeline']:.2f} / {row['tensor']:.2f} | | fastest: "
-                        f"{row['measured_best']}, planner picks {row['planner_pick']} | |")
+            rows.append(
+                f"| 2 hosts at +{row['inject_us']:.0f} µs per round trip: single / pipeline / tensor tok/s "
+                f"| {row['single']:.2f} / {row['pipeline']:.2f} / {row['tensor']:.2f} | | fastest: "
+                f"{row['measured_best']}, planner picks {row['planner_pick']} | |"
+            )
         if te.get("sharded_over_tensor"):
-            rows.append(f"| tensor pair vs mlx-lm's own sharded generate | {te['tensor_tps']:.2f} tok/s | "
-                        f"{te['mlx_lm_sharded_tps']:.2f} tok/s | {te['sharded_over_tensor']:.2f} | <= 1.2 |")
+            rows.append(
+                f"| tensor pair vs mlx-lm's own sharded generate | {te['tensor_tps']:.2f} tok/s | "
+                f"{te['mlx_lm_sharded_tps']:.2f} tok/s | {te['sharded_over_tensor']:.2f} | <= 1.2 |"
+            )
     elif te and te.get("skipped"):
-        rows.append("| tensor vs pipeline at injected latencies | skipped in this run (`--skip tensor`); "
-                    "`benchmarks/tensor.py` runs it alone | | | |")
+        rows.append(
+            "| tensor vs pipeline at injected latencies | skipped in this run (`--skip tensor`); "
+            "`benchmarks/tensor.py` runs it alone | | | |"
+        )
     elif te:
-        rows.append("| tensor vs pipeline at injected latencies | failed in this run: see benchmarks/tensor.py "
-                    "| | | |")
+        rows.append("| tensor vs pipeline at injected latencies | failed in this run: see benchmarks/tensor.py | | | |")
     return "\n".join(rows) + "\n"
 
 
@@ -370,13 +445,27 @@ def main() -> int:
     path = bench_model_dir(args.cache)
     small = model_dir_for(args.cache, "llama", **PREFILL_MODEL)
     hidden = BENCH_MODEL["hidden_size"]
-    print(f"model: {path.name}, {param_count(path) / 1e6:.0f}M parameters, float32, hidden {hidden}, "
-          f"{BENCH_MODEL['num_layers']} layers; prefill model {small.name}, {param_count(small) / 1e6:.1f}M "
-          f"parameters", flush=True)
-    r: dict = {"model": path.name, "parameters": param_count(path), "prefill_model": small.name,
-               "prefill_model_parameters": param_count(small), "tokens": args.tokens, "cpus": os.cpu_count(),
-               "machine": platform.platform(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               "activation_bytes": hidden * 4, "decode": {}, "ttft": {}, "aggregate": {}, "targets": TARGETS}
+    print(
+        f"model: {path.name}, {param_count(path) / 1e6:.0f}M parameters, float32, hidden {hidden}, "
+        f"{BENCH_MODEL['num_layers']} layers; prefill model {small.name}, {param_count(small) / 1e6:.1f}M "
+        f"parameters",
+        flush=True,
+    )
+    r: dict = {
+        "model": path.name,
+        "parameters": param_count(path),
+        "prefill_model": small.name,
+        "prefill_model_parameters": param_count(small),
+        "tokens": args.tokens,
+        "cpus": os.cpu_count(),
+        "machine": platform.platform(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "activation_bytes": hidden * 4,
+        "decode": {},
+        "ttft": {},
+        "aggregate": {},
+        "targets": TARGETS,
+    }
     float32 = "float32" not in skip
     mlx_lm_decode = mlx_lm_decoder(path) if float32 else None
     if float32:
@@ -384,8 +473,9 @@ def main() -> int:
         r["mlx_lm"] = {"decode_tps": ref_tps, "ttft_s": {str(n): mlx_lm_ttft(small, n) for n in TTFT_PROMPTS}}
         print(f"mlx-lm: {ref_tps:.2f} tok/s; TTFT {r['mlx_lm']['ttft_s']}", flush=True)
 
-    def decode(nodes: Nodes, decoder=mlx_lm_decode, into: dict | None = None, text: str = PROMPT,
-               rounds: int = ROUNDS) -> None:
+    def decode(
+        nodes: Nodes, decoder=mlx_lm_decode, into: dict | None = None, text: str = PROMPT, rounds: int = ROUNDS
+    ) -> None:
         """Decode tokens/s of the mesh and of mlx-lm, measured in turns (this machine's speed drifts by
         tens of percent over minutes, so a reference taken once, earlier, skews the ratio): the ratio
         is the median of the rounds' ratios. At 2 stages each round also times the bare split
@@ -405,16 +495,25 @@ def main() -> int:
         ratio = statistics.median(tps / ref for ref, tps in pairs)
         tps, ref = max(t for _, t in pairs), max(f for f, _ in pairs)
         hops = 2 * (nodes.stages - 1)
-        d = {"tps": tps, "mlx_lm_tps": ref, "ratio": ratio, "rounds": pairs, "hops": hops,
-             "added_us_per_hop": statistics.median((1 / t - 1 / f) for f, t in pairs) / hops * 1e6 if hops else None}
+        d = {
+            "tps": tps,
+            "mlx_lm_tps": ref,
+            "ratio": ratio,
+            "rounds": pairs,
+            "hops": hops,
+            "added_us_per_hop": statistics.median((1 / t - 1 / f) for f, t in pairs) / hops * 1e6 if hops else None,
+        }
         if hops:
             d["transport_us_per_hop"] = nodes.transport_us_per_hop()
             d["network_us_per_hop"] = nodes.network_us_per_hop()
         if bare:
-            d["bare_split"] = {"tps": max(bare), "rounds": bare,
-                               "ratio": statistics.median(b / ref for (ref, _), b in zip(pairs, bare)),
-                               "mesh_over_bare": statistics.median(t / b for (_, t), b in zip(pairs, bare)),
-                               "transport_us_per_hop": split.transport_us()}
+            d["bare_split"] = {
+                "tps": max(bare),
+                "rounds": bare,
+                "ratio": statistics.median(b / ref for (ref, _), b in zip(pairs, bare)),
+                "mesh_over_bare": statistics.median(t / b for (_, t), b in zip(pairs, bare)),
+                "transport_us_per_hop": split.transport_us(),
+            }
             d["hop_after_compute_us"] = hop_after_compute_us()
         key = str(nodes.stages) if nodes.view["plan"]["strategy"] != "tensor" else "tensor"
         (r["decode"] if into is None else into)[key] = d
@@ -477,10 +576,12 @@ def main() -> int:
         r["tensor"] = {"skipped": True}
     (args.out / "suite.json").write_text(json.dumps(r, indent=2))
     command = f"python -m benchmarks.suite --tokens {args.tokens}" + (f" --skip {args.skip}" if skip else "")
-    md = (f"`{command}` on {r['machine']} ({r['cpus']} CPUs, MLX on CPU), "
-          f"{r['started']}; decode: llama {r['parameters'] / 1e6:.0f}M parameters, float32, hidden {hidden}; "
-          f"TTFT: llama {r['prefill_model_parameters'] / 1e6:.1f}M parameters, hidden "
-          f"{PREFILL_MODEL['hidden_size']}\n\n" + table(r))
+    md = (
+        f"`{command}` on {r['machine']} ({r['cpus']} CPUs, MLX on CPU), "
+        f"{r['started']}; decode: llama {r['parameters'] / 1e6:.0f}M parameters, float32, hidden {hidden}; "
+        f"TTFT: llama {r['prefill_model_parameters'] / 1e6:.1f}M parameters, hidden "
+        f"{PREFILL_MODEL['hidden_size']}\n\n" + table(r)
+    )
     (args.out / "suite.md").write_text(md)
     print(md)
     return 0

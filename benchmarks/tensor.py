@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import BENCH_MODEL, bench_model_dir, param_count  # noqa: E402
-from meshnode.weights.profile import profile_model  # noqa: E402
 from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402
 from harness.netns import netns_mesh  # noqa: E402
+from meshnode.weights.profile import profile_model  # noqa: E402
 
 HTTP, GRPC, RING = 8470, 8471, 9300
 CTX = 1024
@@ -44,36 +44,54 @@ STRATEGIES = ("single", "pipeline", "tensor")
 
 def wait_plan(client, url: str, strategy: str | None, timeout: float = 240) -> dict:
     """/v1/mesh once the mesh is healthy with both nodes, links measured and (if given) the strategy."""
-    def ok(v: dict) -> bool:
-        return (v["healthy"] and len(v["nodes"]) == 2 and all(n["links"] for n in v["nodes"])
-                and (strategy is None or v["plan"]["strategy"] == strategy))
 
-    return wait_mesh(url, ok, client=client, timeout=timeout, interval=0.3,
-                     what=f"a healthy 2-node mesh, links measured, strategy {strategy or 'any'}")
+    def ok(v: dict) -> bool:
+        return (
+            v["healthy"]
+            and len(v["nodes"]) == 2
+            and all(n["links"] for n in v["nodes"])
+            and (strategy is None or v["plan"]["strategy"] == strategy)
+        )
+
+    return wait_mesh(
+        url,
+        ok,
+        client=client,
+        timeout=timeout,
+        interval=0.3,
+        what=f"a healthy 2-node mesh, links measured, strategy {strategy or 'any'}",
+    )
 
 
 def stream_tps(client, url: str, model_id: str, tokens: int, repeats: int = 3) -> float:
-    return in_ns(client, f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
-                         "from benchmarks.common import http_decode_tps\n"
-                         f"tps,n=http_decode_tps({url!r}, {model_id!r}, {tokens}, {repeats})\n"
-                         "print(json.dumps({'tps':tps,'n':n}))")["tps"]
+    return in_ns(
+        client,
+        f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+        "from benchmarks.common import http_decode_tps\n"
+        f"tps,n=http_decode_tps({url!r}, {model_id!r}, {tokens}, {repeats})\n"
+        "print(json.dumps({'tps':tps,'n':n}))",
+    )["tps"]
 
 
 def measure_compute(host, path: Path, seed: Path) -> dict:
     """This machine's layer and two-way split timings, measured in alternation with nothing else
     running (best of three each), into ``seed/compute.json`` (what a node caches in its state folder)."""
     seed.mkdir(exist_ok=True)
-    return in_ns(host, f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
-                       "from pathlib import Path\n"
-                       "from meshnode.model.compute import seed_figures, collective_overhead\n"
-                       "from meshnode.weights.profile import profile_model\n"
-                       f"p=Path({str(path)!r}); prof=profile_model(p)\n"
-                       f"one, two = seed_figures(p, prof.num_layers, Path({str(seed)!r}), max(prof.layer_bytes))\n"
-                       "print(json.dumps({'layer_s': one, 'split_s': two, 'collective_s': collective_overhead(one, two)}))")
+    return in_ns(
+        host,
+        f"import sys,json; sys.path.insert(0,{str(ROOT)!r})\n"
+        "from pathlib import Path\n"
+        "from meshnode.model.compute import seed_figures, collective_overhead\n"
+        "from meshnode.weights.profile import profile_model\n"
+        f"p=Path({str(path)!r}); prof=profile_model(p)\n"
+        f"one, two = seed_figures(p, prof.num_layers, Path({str(seed)!r}), max(prof.layer_bytes))\n"
+        "print(json.dumps({'layer_s': one, 'split_s': two, 'collective_s': collective_overhead(one, two)}))",
+    )
 
 
-def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budget: int, tokens: int,
-             seed: Path | None = None) -> dict:
+def run_mesh(
+    mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budget: int, tokens: int, seed: Path | None = None
+) -> dict:
     a, b, client = mesh.hosts
     procs = []
     for h in (a, b):
@@ -81,12 +99,30 @@ def run_mesh(mesh, path: Path, tmp: Path, strategy: str, inject_us: float, budge
         state.mkdir()
         if seed is not None:
             shutil.copy(seed / "compute.json", state / "compute.json")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHNODE_STRATEGY": strategy,
-               "MESHNODE_INJECT_LATENCY_US": str(inject_us), "MESHNODE_LINK_PROBE_INTERVAL": str(PROBE_INTERVAL),
-               "MESHNODE_REBALANCE_DWELL": "1"}
-        procs.append(h.popen(node_argv(path, http_port=HTTP, grpc_port=GRPC, node_id=h.name, budget=budget,
-                                       state_dir=state, max_context=CTX, kv_requests=1),
-                             env=env, log_path=state / "node.log"))
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "MESHNODE_STRATEGY": strategy,
+            "MESHNODE_INJECT_LATENCY_US": str(inject_us),
+            "MESHNODE_LINK_PROBE_INTERVAL": str(PROBE_INTERVAL),
+            "MESHNODE_REBALANCE_DWELL": "1",
+        }
+        procs.append(
+            h.popen(
+                node_argv(
+                    path,
+                    http_port=HTTP,
+                    grpc_port=GRPC,
+                    node_id=h.name,
+                    budget=budget,
+                    state_dir=state,
+                    max_context=CTX,
+                    kv_requests=1,
+                ),
+                env=env,
+                log_path=state / "node.log",
+            )
+        )
     try:
         view = wait_plan(client, f"http://{a.ip}:{HTTP}", None if strategy == "auto" else strategy)
         if strategy == "auto":  # the first plan predates the link figures: let the coordinator re-weigh
@@ -155,17 +191,21 @@ def main() -> int:
     path = bench_model_dir(args.cache)
     profile = profile_model(path)
     budget = int(profile.total_bytes(CTX) * 1.5)  # either host holds it: every strategy is possible
-    print(f"model: {path.name}, {param_count(path) / 1e6:.0f}M parameters, float32, "
-          f"hidden {BENCH_MODEL['hidden_size']}, {BENCH_MODEL['num_layers']} layers")
+    print(
+        f"model: {path.name}, {param_count(path) / 1e6:.0f}M parameters, float32, "
+        f"hidden {BENCH_MODEL['hidden_size']}, {BENCH_MODEL['num_layers']} layers"
+    )
     latencies = [float(x) for x in args.latencies.split(",")]
     rows = []
     with netns_mesh(3) as mesh, tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         seed = tmp / "compute"
         compute = measure_compute(mesh.hosts[0], path, seed)
-        print(f"compute here: one layer {compute['layer_s'] * 1e3:.2f} ms, split two ways "
-              f"{compute['split_s'] * 1e3:.2f} ms, each all-reduce adds {compute['collective_s'] * 1e6:.0f} µs",
-              flush=True)
+        print(
+            f"compute here: one layer {compute['layer_s'] * 1e3:.2f} ms, split two ways "
+            f"{compute['split_s'] * 1e3:.2f} ms, each all-reduce adds {compute['collective_s'] * 1e6:.0f} µs",
+            flush=True,
+        )
         sharded = mlx_lm_sharded_tps(mesh, path, tmp, args.tokens)
         for inject in latencies:
             row = {"inject_us": inject}
@@ -179,25 +219,41 @@ def main() -> int:
                 else:
                     row[strategy] = out["tps"]
                     row[f"{strategy}_estimate"] = plan["tokens_per_s"]
-                print(f"  {inject:>5.0f} µs {strategy:<8} {out['tps'] or 0:8.2f} tok/s  "
-                      f"(planner est. {plan['tokens_per_s'] or 0:.1f} tok/s as {plan['strategy']})", flush=True)
+                print(
+                    f"  {inject:>5.0f} µs {strategy:<8} {out['tps'] or 0:8.2f} tok/s  "
+                    f"(planner est. {plan['tokens_per_s'] or 0:.1f} tok/s as {plan['strategy']})",
+                    flush=True,
+                )
             row["measured_best"] = max(STRATEGIES, key=lambda s: row[s])
             rows.append(row)
-        sharded = max(sharded, mlx_lm_sharded_tps(mesh, path, tmp, args.tokens, RING + 10))  # again, at the end: best of two
+        sharded = max(
+            sharded, mlx_lm_sharded_tps(mesh, path, tmp, args.tokens, RING + 10)
+        )  # again, at the end: best of two
     print()
-    print("| injected latency (µs per round trip) | single tok/s | pipeline tok/s | tensor tok/s "
-          "| fastest measured | planner's pick |")
+    print(
+        "| injected latency (µs per round trip) | single tok/s | pipeline tok/s | tensor tok/s "
+        "| fastest measured | planner's pick |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['inject_us']:.0f} | {r['single']:.2f} | {r['pipeline']:.2f} | {r['tensor']:.2f} "
-              f"| {r['measured_best']} | {r['planner_pick']} |")
+        print(
+            f"| {r['inject_us']:.0f} | {r['single']:.2f} | {r['pipeline']:.2f} | {r['tensor']:.2f} "
+            f"| {r['measured_best']} | {r['planner_pick']} |"
+        )
     tensor0 = next((r["tensor"] for r in rows if r["inject_us"] == 0), None)
     print(f"\nmlx-lm sharded generate (ring, same 2 hosts): {sharded:.2f} tok/s")
     if tensor0:
-        print(f"meshnode tensor pair at 0 µs: {tensor0:.2f} tok/s; mlx-lm / meshnode = {sharded / tensor0:.3f} "
-              f"(target <= 1.2)")
-    figures = {"compute": compute, "rows": rows, "mlx_lm_sharded_tps": sharded, "tensor_tps": tensor0,
-               "sharded_over_tensor": sharded / tensor0 if tensor0 else None}
+        print(
+            f"meshnode tensor pair at 0 µs: {tensor0:.2f} tok/s; mlx-lm / meshnode = {sharded / tensor0:.3f} "
+            f"(target <= 1.2)"
+        )
+    figures = {
+        "compute": compute,
+        "rows": rows,
+        "mlx_lm_sharded_tps": sharded,
+        "tensor_tps": tensor0,
+        "sharded_over_tensor": sharded / tensor0 if tensor0 else None,
+    }
     print(json.dumps(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

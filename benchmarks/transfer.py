@@ -141,8 +141,9 @@ def wait_ready(proc) -> None:
 
 def raw_tcp(a, b, n: int, *to_file) -> dict:
     """n bytes over one TCP socket from a to b, timed on b (into memory, or into a file)."""
-    sender = subprocess.Popen(a.exec_args([sys.executable, "-c", TCP_SEND, str(TCP_PORT), str(n)]),
-                              stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen(
+        a.exec_args([sys.executable, "-c", TCP_SEND, str(TCP_PORT), str(n)]), stdout=subprocess.PIPE, text=True
+    )
     try:
         wait_ready(sender)
         return in_ns(b, TCP_RECV, a.ip, TCP_PORT, *to_file, timeout=1800)
@@ -153,8 +154,12 @@ def raw_tcp(a, b, n: int, *to_file) -> dict:
 def bare_grpc(mesh, a, b, n: int, chunk: int) -> dict:
     """n bytes streamed by gRPC (Python, asyncio) from memory on a to b, in chunks of ``chunk``
     bytes, read and dropped: what the transport the transfer is built on allows by itself."""
-    server = a.popen([sys.executable, "-c", GRPC_SEND, str(PORT), str(n), str(chunk)],
-                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    server = a.popen(
+        [sys.executable, "-c", GRPC_SEND, str(PORT), str(n), str(chunk)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_ready(server)
         return in_ns(b, GRPC_RECV, f"{a.ip}:{PORT}", timeout=1800)
@@ -191,10 +196,17 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--chunk-kib", type=int, default=1024, help="Fetch chunk size (the node's default: 1024)")
     ap.add_argument("--streams", type=int, default=2, help="streams per peer (the node's default: 2)")
-    ap.add_argument("--rates", default="1gbit,2500mbit,none",
-                    help="link rates to run at, comma-separated tc rates; none: the bare veth link")
-    ap.add_argument("--dest", type=Path, help="where B writes the shard (default: a temporary folder on this disk; "
-                    "/dev/shm takes the disk out of the figure)")
+    ap.add_argument(
+        "--rates",
+        default="1gbit,2500mbit,none",
+        help="link rates to run at, comma-separated tc rates; none: the bare veth link",
+    )
+    ap.add_argument(
+        "--dest",
+        type=Path,
+        help="where B writes the shard (default: a temporary folder on this disk; "
+        "/dev/shm takes the disk out of the figure)",
+    )
     ap.add_argument("--keep", type=Path, help="build (or reuse) the model here instead of a temporary folder")
     args = ap.parse_args()
     from meshnode.model.build import build_model
@@ -206,13 +218,23 @@ def main() -> int:
         model = (args.keep or tmp) / f"llama-{args.layers}x{args.hidden}"
         if not (model / "config.json").is_file():
             t0 = time.monotonic()
-            build_model(model, "llama", num_layers=args.layers, hidden_size=args.hidden,
-                        intermediate_size=int(args.hidden * 2.75), num_heads=16, num_kv_heads=8, dtype="float32")
+            build_model(
+                model,
+                "llama",
+                num_layers=args.layers,
+                hidden_size=args.hidden,
+                intermediate_size=int(args.hidden * 2.75),
+                num_heads=16,
+                num_kv_heads=8,
+                dtype="float32",
+            )
             print(f"built {model.name} in {time.monotonic() - t0:.0f} s")
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         end = max(1, args.layers * 3 // 4)
-        print(f"model: {size / 2**30:.2f} GiB of weights; shard: layers [0, {end}) of {args.layers}; "
-              f"chunks of {args.chunk_kib} KiB, {args.streams} streams, {len(os.sched_getaffinity(0))} CPUs")
+        print(
+            f"model: {size / 2**30:.2f} GiB of weights; shard: layers [0, {end}) of {args.layers}; "
+            f"chunks of {args.chunk_kib} KiB, {args.streams} streams, {len(os.sched_getaffinity(0))} CPUs"
+        )
         for rate in args.rates.split(","):
             with netns_mesh(2) as mesh:
                 a, b = mesh.hosts
@@ -224,20 +246,27 @@ def main() -> int:
                 disk = raw_tcp(a, b, got["bytes"], out / "tcp.bin")
             peer, tcp, to_disk, bare = (x["bytes"] / x["seconds"] for x in (got, raw, disk, grpc_only))
             rows.append((rate, peer, tcp, to_disk, bare))
-            print(f"link {rate}: peer transfer (fetch_layers: auth, sha256, to disk) {got['bytes'] / 2**30:.2f} GiB "
-                  f"in {got['seconds']:.2f} s = {peer / 2**20:,.0f} MiB/s (shard on B's disk "
-                  f"{got['shard'] / 2**30:.2f} GiB); raw TCP memory to memory {tcp / 2**20:,.0f} MiB/s; raw TCP "
-                  f"to disk (fsync'd at the end) {to_disk / 2**20:,.0f} MiB/s; bare gRPC stream, memory to memory "
-                  f"{bare / 2**20:,.0f} MiB/s", flush=True)
+            print(
+                f"link {rate}: peer transfer (fetch_layers: auth, sha256, to disk) {got['bytes'] / 2**30:.2f} GiB "
+                f"in {got['seconds']:.2f} s = {peer / 2**20:,.0f} MiB/s (shard on B's disk "
+                f"{got['shard'] / 2**30:.2f} GiB); raw TCP memory to memory {tcp / 2**20:,.0f} MiB/s; raw TCP "
+                f"to disk (fsync'd at the end) {to_disk / 2**20:,.0f} MiB/s; bare gRPC stream, memory to memory "
+                f"{bare / 2**20:,.0f} MiB/s",
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
-    print("\n| link | peer transfer | raw TCP | ratio (target >= 0.8) | raw TCP to disk | ratio to it "
-          "| bare gRPC stream | ratio to it |")
+    print(
+        "\n| link | peer transfer | raw TCP | ratio (target >= 0.8) | raw TCP to disk | ratio to it "
+        "| bare gRPC stream | ratio to it |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for rate, peer, tcp, to_disk, bare in rows:
-        print(f"| {rate} | {peer / 2**20:,.0f} MiB/s | {tcp / 2**20:,.0f} MiB/s | {peer / tcp:.3f} | "
-              f"{to_disk / 2**20:,.0f} MiB/s | {peer / to_disk:.3f} | {bare / 2**20:,.0f} MiB/s | {peer / bare:.3f} |")
+        print(
+            f"| {rate} | {peer / 2**20:,.0f} MiB/s | {tcp / 2**20:,.0f} MiB/s | {peer / tcp:.3f} | "
+            f"{to_disk / 2**20:,.0f} MiB/s | {peer / to_disk:.3f} | {bare / 2**20:,.0f} MiB/s | {peer / bare:.3f} |"
+        )
     return 0
 
 

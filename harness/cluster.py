@@ -19,33 +19,60 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HTTP, GRPC = 8470, 8471
 KEY = "test-cluster-key"
 HOOKED_NODE = Path(__file__).resolve().parent / "hooked_node.py"  # `meshnode run` with test hooks
 
 
-def node_argv(model: Path | str | None = None, *, http_port: int | str | None = None,
-              grpc_port: int | str | None = None, node_id: str | None = None, budget: int | str | None = None,
-              state_dir: Path | str | None = None, max_context: int | None = None,
-              cache_dir: Path | str | None = None, kv_requests: int | None = None, host: str | None = None,
-              config: Path | str | None = None, peers=(), mdns: bool = True, extra=(),
-              stage_delays: Path | str | None = None, drafts: Path | str | None = None) -> list[str]:
+def node_argv(
+    model: Path | str | None = None,
+    *,
+    http_port: int | str | None = None,
+    grpc_port: int | str | None = None,
+    node_id: str | None = None,
+    budget: int | str | None = None,
+    state_dir: Path | str | None = None,
+    max_context: int | None = None,
+    cache_dir: Path | str | None = None,
+    kv_requests: int | None = None,
+    host: str | None = None,
+    config: Path | str | None = None,
+    peers=(),
+    mdns: bool = True,
+    extra=(),
+    stage_delays: Path | str | None = None,
+    drafts: Path | str | None = None,
+) -> list[str]:
     """The argv of ``python -m meshnode.cli run`` (this interpreter) with these flags; a flag whose
     value is None is left out (the node's default or config file applies). ``budget`` is
     ``--memory-budget`` (bytes or a size such as "1GiB"); ``peers``: one ``--peer`` each;
     ``mdns=False``: ``--no-mdns``; ``extra``: further arguments, last (e.g. ``["--encrypt"]``).
     ``stage_delays`` (harness/faults.py), ``drafts`` (harness/drafts.py): files of test hooks,
     which the node gets through harness/hooked_node.py instead."""
-    hooks = [arg for flag, path in (("--stage-delays", stage_delays), ("--drafts", drafts)) if path is not None
-             for arg in (flag, str(path))]
+    hooks = [
+        arg
+        for flag, path in (("--stage-delays", stage_delays), ("--drafts", drafts))
+        if path is not None
+        for arg in (flag, str(path))
+    ]
     argv = [sys.executable, *((str(HOOKED_NODE), *hooks) if hooks else ("-m", "meshnode.cli")), "run"]
-    for flag, value in (("--config", config), ("--model", model), ("--host", host), ("--http-port", http_port),
-                        ("--grpc-port", grpc_port), ("--node-id", node_id), ("--memory-budget", budget),
-                        ("--state-dir", state_dir), ("--max-context", max_context), ("--cache-dir", cache_dir),
-                        ("--kv-requests", kv_requests)):
+    for flag, value in (
+        ("--config", config),
+        ("--model", model),
+        ("--host", host),
+        ("--http-port", http_port),
+        ("--grpc-port", grpc_port),
+        ("--node-id", node_id),
+        ("--memory-budget", budget),
+        ("--state-dir", state_dir),
+        ("--max-context", max_context),
+        ("--cache-dir", cache_dir),
+        ("--kv-requests", kv_requests),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     for peer in peers:
@@ -70,15 +97,17 @@ def in_ns(host, code: str, *args, timeout: float = 600, env: dict | None = None)
     return json.loads(lines[-1])
 
 
-_FETCH = ("import json,sys,urllib.request,urllib.error\n"
-          "url,body,t=sys.argv[1],sys.argv[2],float(sys.argv[3])\n"
-          "req=urllib.request.Request(url,data=body.encode() if body else None,"
-          "headers={'Content-Type':'application/json'})\n"
-          "try:\n"
-          "  r=urllib.request.urlopen(req,timeout=t); print(json.dumps([r.status,dict(r.headers),"
-          "json.loads(r.read())]))\n"
-          "except urllib.error.HTTPError as e:\n"
-          "  print(json.dumps([e.code,dict(e.headers),json.loads(e.read())]))\n")
+_FETCH = (
+    "import json,sys,urllib.request,urllib.error\n"
+    "url,body,t=sys.argv[1],sys.argv[2],float(sys.argv[3])\n"
+    "req=urllib.request.Request(url,data=body.encode() if body else None,"
+    "headers={'Content-Type':'application/json'})\n"
+    "try:\n"
+    "  r=urllib.request.urlopen(req,timeout=t); print(json.dumps([r.status,dict(r.headers),"
+    "json.loads(r.read())]))\n"
+    "except urllib.error.HTTPError as e:\n"
+    "  print(json.dumps([e.code,dict(e.headers),json.loads(e.read())]))\n"
+)
 
 
 def fetch(client, url: str, body=None, timeout: float = 10.0) -> list:
@@ -95,8 +124,14 @@ def mesh_view(url: str, client=None, timeout: float = 3.0) -> dict:
     return fetch(client, f"{url}/v1/mesh", timeout=timeout)[2]
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str, *, interval: float = 0.2,
-               details: Callable[[], str] | None = None) -> Any:
+def wait_until(
+    check: Callable[[], Any],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = 0.2,
+    details: Callable[[], str] | None = None,
+) -> Any:
     """Call ``check`` until it returns something truthy, and return that; an OSError it raises
     counts as "not yet". After ``timeout`` seconds: AssertionError naming ``what``, the last
     result and ``details()`` (e.g. the nodes' logs)."""
@@ -113,19 +148,30 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, *, interval:
 
 
 # Polls a URL for JSON until killed: one line per try, ["ok", body] or ["error", why].
-_WATCH = ("import json,sys,time,urllib.request\n"
-          "url,every,t=sys.argv[1],float(sys.argv[2]),float(sys.argv[3])\n"
-          "while True:\n"
-          "  try:\n"
-          "    with urllib.request.urlopen(url,timeout=t) as r: line=json.dumps(['ok',json.load(r)])\n"
-          "  except Exception as e:\n"
-          "    line=json.dumps(['error',repr(e)])\n"
-          "  print(line,flush=True)\n"
-          "  time.sleep(every)\n")
+_WATCH = (
+    "import json,sys,time,urllib.request\n"
+    "url,every,t=sys.argv[1],float(sys.argv[2]),float(sys.argv[3])\n"
+    "while True:\n"
+    "  try:\n"
+    "    with urllib.request.urlopen(url,timeout=t) as r: line=json.dumps(['ok',json.load(r)])\n"
+    "  except Exception as e:\n"
+    "    line=json.dumps(['error',repr(e)])\n"
+    "  print(line,flush=True)\n"
+    "  time.sleep(every)\n"
+)
 
 
-def wait_mesh(url: str, until: Callable[[dict], Any], *, timeout: float, what: str, client=None,
-              interval: float = 0.2, request_timeout: float = 2.0, details: Callable[[], str] | None = None) -> dict:
+def wait_mesh(
+    url: str,
+    until: Callable[[dict], Any],
+    *,
+    timeout: float,
+    what: str,
+    client=None,
+    interval: float = 0.2,
+    request_timeout: float = 2.0,
+    details: Callable[[], str] | None = None,
+) -> dict:
     """Poll ``<url>/v1/mesh`` (``url``: a node's base URL) from ``client`` (a ``NetHost``; None:
     from here) every ``interval`` seconds until ``until(view)`` is truthy; returns that view.
     One polling process runs for the whole wait (not one per try). A try that gets no answer, or a
@@ -133,8 +179,14 @@ def wait_mesh(url: str, until: Callable[[dict], Any], *, timeout: float, what: s
     yet". After ``timeout`` seconds: AssertionError naming ``what``, the last view or error, and
     ``details()``."""
     cmd = [sys.executable, "-c", _WATCH, f"{url}/v1/mesh", str(interval), str(request_timeout)]
-    proc = subprocess.Popen(cmd if client is None else client.exec_args(cmd), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd if client is None else client.exec_args(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -169,25 +221,29 @@ def wait_mesh(url: str, until: Callable[[dict], Any], *, timeout: float, what: s
         reader.join(5)  # it reads to the end of the output of the process just killed
         proc.stdout.close()
         proc.stderr.close()
-    raise AssertionError(f"waiting for {what} in {url}/v1/mesh: {why}; last: {json.dumps(last)[-3000:]}"
-                         + (f"\n{details()}" if details else ""))
+    raise AssertionError(
+        f"waiting for {what} in {url}/v1/mesh: {why}; last: {json.dumps(last)[-3000:]}"
+        + (f"\n{details()}" if details else "")
+    )
 
 
-_LOAD = ("import json,sys,time,urllib.request,urllib.error,socket\n"
-         "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
-         "while time.time()<until:\n"
-         "  req=urllib.request.Request(url,data=body.encode(),headers={'Content-Type':'application/json'})\n"
-         "  t=time.time()\n"
-         "  try:\n"
-         "    r=urllib.request.urlopen(req,timeout=60); out=json.loads(r.read())\n"
-         "    print(json.dumps(['ok',out['choices'][0]['message']['content'],time.time()-t]),flush=True)\n"
-         "  except urllib.error.HTTPError as e:\n"
-         "    print(json.dumps([e.code,e.headers.get('Retry-After'),time.time()-t]),flush=True)\n"
-         "  except (socket.timeout, TimeoutError):\n"
-         "    print(json.dumps(['hung',None,time.time()-t]),flush=True)\n"
-         "  except Exception as e:\n"
-         "    print(json.dumps(['lost',repr(e),time.time()-t]),flush=True)\n"
-         "  time.sleep(0.1)\n")
+_LOAD = (
+    "import json,sys,time,urllib.request,urllib.error,socket\n"
+    "url,body,until=sys.argv[1],sys.argv[2],time.time()+float(sys.argv[3])\n"
+    "while time.time()<until:\n"
+    "  req=urllib.request.Request(url,data=body.encode(),headers={'Content-Type':'application/json'})\n"
+    "  t=time.time()\n"
+    "  try:\n"
+    "    r=urllib.request.urlopen(req,timeout=60); out=json.loads(r.read())\n"
+    "    print(json.dumps(['ok',out['choices'][0]['message']['content'],time.time()-t]),flush=True)\n"
+    "  except urllib.error.HTTPError as e:\n"
+    "    print(json.dumps([e.code,e.headers.get('Retry-After'),time.time()-t]),flush=True)\n"
+    "  except (socket.timeout, TimeoutError):\n"
+    "    print(json.dumps(['hung',None,time.time()-t]),flush=True)\n"
+    "  except Exception as e:\n"
+    "    print(json.dumps(['lost',repr(e),time.time()-t]),flush=True)\n"
+    "  time.sleep(0.1)\n"
+)
 
 
 class Cluster:
@@ -204,8 +260,20 @@ class Cluster:
         for h, b in zip(self.hosts, budgets):
             self.start(h, b)
 
-    def start(self, host, budget, *, key: str = KEY, peers=(), mdns: bool = True, env=None, model=None,
-              stage_delays: Path | None = None, drafts: Path | None = None, kv_requests: int = 1):
+    def start(
+        self,
+        host,
+        budget,
+        *,
+        key: str = KEY,
+        peers=(),
+        mdns: bool = True,
+        env=None,
+        model=None,
+        stage_delays: Path | None = None,
+        drafts: Path | None = None,
+        kv_requests: int = 1,
+    ):
         """``model``: what ``--model`` names (default: the model folder); a node's own
         ``--cache-dir`` is ``<tmp>/<host>/cache``; ``stage_delays``, ``drafts``: files of test
         hooks (``node_argv``); ``kv_requests``: the requests whose KV each node reserves."""
@@ -214,11 +282,24 @@ class Cluster:
         if self.seed is not None and not (state / "compute.json").exists():
             shutil.copy(self.seed / "compute.json", state / "compute.json")
         # budgets here are fractions of profile.total_bytes(max_context, kv_requests)
-        args = node_argv(model or self.model, http_port=HTTP, grpc_port=GRPC, node_id=host.name, budget=budget,
-                         state_dir=state, max_context=self.max_context, cache_dir=state / "cache",
-                         kv_requests=kv_requests, peers=peers, mdns=mdns, stage_delays=stage_delays, drafts=drafts)
-        self.procs[host.name] = host.popen(args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})},
-                                           log_path=self.log_path(host))
+        args = node_argv(
+            model or self.model,
+            http_port=HTTP,
+            grpc_port=GRPC,
+            node_id=host.name,
+            budget=budget,
+            state_dir=state,
+            max_context=self.max_context,
+            cache_dir=state / "cache",
+            kv_requests=kv_requests,
+            peers=peers,
+            mdns=mdns,
+            stage_delays=stage_delays,
+            drafts=drafts,
+        )
+        self.procs[host.name] = host.popen(
+            args, env={**os.environ, "MESHNODE_CLUSTER_KEY": key, **(env or {})}, log_path=self.log_path(host)
+        )
 
     def start_all_delayable(self, budget, env=None) -> dict[str, Path]:
         """Start a node on every host, each reading its injected stage delays and faults from its
@@ -256,9 +337,13 @@ class Cluster:
         """The views of ``hosts`` when all see ``nodes`` nodes, one coordinator, one epoch and one
         plan under it, and are healthy; else None."""
         views = [self.mesh_view(h) for h in hosts]
-        ok = (len({v["epoch"] for v in views}) == 1 and len({v["coordinator"] for v in views}) == 1
-              and len({json.dumps(v["plan"] and v["plan"]["stages"]) for v in views}) == 1
-              and all(v["healthy"] for v in views) and all(len(v["nodes"]) == nodes for v in views))
+        ok = (
+            len({v["epoch"] for v in views}) == 1
+            and len({v["coordinator"] for v in views}) == 1
+            and len({json.dumps(v["plan"] and v["plan"]["stages"]) for v in views}) == 1
+            and all(v["healthy"] for v in views)
+            and all(len(v["nodes"]) == nodes for v in views)
+        )
         return views if ok else None
 
     def chat(self, host, messages, max_tokens: int, timeout: float = 60.0) -> str:
@@ -267,40 +352,62 @@ class Cluster:
         assert status == 200, out
         return out["choices"][0]["message"]["content"]
 
-    def stream(self, host, messages, max_tokens: int, *, model: str | None = None, timeout: float = 120,
-               **sampling) -> subprocess.Popen:
+    def stream(
+        self, host, messages, max_tokens: int, *, model: str | None = None, timeout: float = 120, **sampling
+    ) -> subprocess.Popen:
         """A streamed chat completion from the client; prints one JSON line per SSE event.
         Greedy unless ``sampling`` says otherwise (``temperature=0.8, seed=7``); ``model``: its id
         (default: the cluster's model); ``timeout``: seconds the client waits for a line."""
-        body = json.dumps({"model": model or self.model.name, "messages": messages, "max_tokens": max_tokens,
-                           "temperature": 0, **sampling, "stream": True})
-        code = ("import sys,urllib.request\n"
-                "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
-                "headers={'Content-Type':'application/json'})\n"
-                f"for line in urllib.request.urlopen(req,timeout={timeout}):\n"
-                "  line=line.strip()\n"
-                "  if line: print(line.decode(),flush=True)\n")
-        return subprocess.Popen(self.client.exec_args([sys.executable, "-c", code,
-                                                       f"http://{host.ip}:{HTTP}/v1/chat/completions", body]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        body = json.dumps(
+            {
+                "model": model or self.model.name,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **sampling,
+                "stream": True,
+            }
+        )
+        code = (
+            "import sys,urllib.request\n"
+            "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),"
+            "headers={'Content-Type':'application/json'})\n"
+            f"for line in urllib.request.urlopen(req,timeout={timeout}):\n"
+            "  line=line.strip()\n"
+            "  if line: print(line.decode(),flush=True)\n"
+        )
+        return subprocess.Popen(
+            self.client.exec_args([sys.executable, "-c", code, f"http://{host.ip}:{HTTP}/v1/chat/completions", body]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def load(self, host, messages, max_tokens: int, seconds: float) -> subprocess.Popen:
         """Sequential chat requests to ``host`` for ``seconds``; one JSON line per request:
         ["ok", text, s] | [status, Retry-After, s] | ["hung", None, s] | ["lost", error, s]."""
-        body = json.dumps({"model": self.model.name, "messages": messages, "max_tokens": max_tokens,
-                           "temperature": 0})
-        return subprocess.Popen(self.client.exec_args([sys.executable, "-c", _LOAD,
-                                                       f"http://{host.ip}:{HTTP}/v1/chat/completions", body,
-                                                       str(seconds)]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        body = json.dumps({"model": self.model.name, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        return subprocess.Popen(
+            self.client.exec_args(
+                [sys.executable, "-c", _LOAD, f"http://{host.ip}:{HTTP}/v1/chat/completions", body, str(seconds)]
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def logs(self):
         """The end of each node's log for a failure message, without the access lines of the
         harness's own polling (GET /v1/mesh every fraction of a second would fill it)."""
+
         def tail(p):
-            lines = [line for line in p.read_text(errors="replace").splitlines(keepends=True)
-                     if not ("meshnode.access: GET /v1/mesh " in line or "meshnode.access: GET /health " in line)]
+            lines = [
+                line
+                for line in p.read_text(errors="replace").splitlines(keepends=True)
+                if not ("meshnode.access: GET /v1/mesh " in line or "meshnode.access: GET /health " in line)
+            ]
             return "".join(lines)[-4000:]
+
         return "\n".join(f"--- {p}\n{tail(p)}" for p in sorted(self.tmp.glob("*/node.log")))
 
 
@@ -338,13 +445,13 @@ def read_stream(proc, fault=None, after_chunks=10, timeout=90):
 
 
 # mlx_lm.server under the BLAS meshnode.blas loads (the nodes' own): argv after the script are its own
-_MLX_LM_SERVER = r'''
+_MLX_LM_SERVER = r"""
 import runpy, sys
 from meshnode import blas
 blas.use_fast_blas()
 sys.argv = ["mlx_lm.server", *sys.argv[1:]]
 runpy.run_module("mlx_lm.server", run_name="__main__")
-'''
+"""
 
 
 def mlx_lm_server_argv(model: Path, port: int) -> list[str]:

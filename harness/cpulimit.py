@@ -21,8 +21,11 @@ def available() -> str | None:
     """None if a process can be limited here, else why not."""
     if os.geteuid() != 0:
         return "limiting a process's CPU needs root"
-    if (V1 / "cpu.cfs_quota_us").exists() or (V2 / "cgroup.controllers").exists() and \
-            "cpu" in (V2 / "cgroup.controllers").read_text().split():
+    if (
+        (V1 / "cpu.cfs_quota_us").exists()
+        or (V2 / "cgroup.controllers").exists()
+        and "cpu" in (V2 / "cgroup.controllers").read_text().split()
+    ):
         return None
     return "no cgroup cpu controller on this machine"
 

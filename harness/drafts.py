@@ -33,14 +33,23 @@ class ReferenceDrafter:
 
     free = True
 
-    def __init__(self, tokens: Sequence[int], answers: Sequence[Sequence[int]], p: float, seed: int, vocab: int,
-                 fixed_k: int | None = None, fixed_depth: int | None = None):
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        answers: Sequence[Sequence[int]],
+        p: float,
+        seed: int,
+        vocab: int,
+        fixed_k: int | None = None,
+        fixed_depth: int | None = None,
+    ):
         self.fixed_k = fixed_k  # guesses per pass whatever they cost (meshnode.serving.speculative)
         self.fixed_depth = fixed_depth  # passes in flight at most, instead of the placement's
         self._tokens = list(tokens)
         self.p, self.seed, self.vocab = p, seed, vocab
-        self._answer = next((list(a) for a in answers
-                             if list(a[:len(tokens)]) == self._tokens and len(a) > len(tokens)), None)
+        self._answer = next(
+            (list(a) for a in answers if list(a[: len(tokens)]) == self._tokens and len(a) > len(tokens)), None
+        )
 
     @classmethod
     def from_file(cls, path: str, configured: DrafterFactory | None = None) -> DrafterFactory:
@@ -60,8 +69,15 @@ class ReferenceDrafter:
                 if drafter is not None:
                     drafter.fixed_k = spec.get("k")
                 return drafter
-            return cls(tokens, spec["answers"], float(spec["p"]), int(spec.get("seed", 0)), int(spec["vocab"]),
-                       spec.get("k"), spec.get("depth"))
+            return cls(
+                tokens,
+                spec["answers"],
+                float(spec["p"]),
+                int(spec.get("seed", 0)),
+                int(spec["vocab"]),
+                spec.get("k"),
+                spec.get("depth"),
+            )
 
         return make
 

@@ -38,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hooks, rest = split_argv(sys.argv[1:] if argv is None else argv)
     node_hooks = meshnode.node.NodeHooks(
         stream_hook=InjectedDelay(hooks["stage_delays"]).stream if "stage_delays" in hooks else None,
-        drafters=drafters_from_file(hooks["drafts"]) if "drafts" in hooks else None)
+        drafters=drafters_from_file(hooks["drafts"]) if "drafts" in hooks else None,
+    )
     run_node = meshnode.node.run_node
     # `meshnode run` starts the node through run_node (imported when the command runs): with the hooks here.
     meshnode.node.run_node = lambda settings: run_node(settings, node_hooks)

@@ -36,7 +36,7 @@ NETNS_DIR = Path("/var/run/netns")
 MESH_NET = ipaddress.ip_network("198.18.0.0/24")
 ALLOWED = ipaddress.ip_network("198.18.0.0/15")
 _seq = itertools.count()
-_open: set["Mesh"] = set()
+_open: set[Mesh] = set()
 
 
 def _ip(*args: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
@@ -44,8 +44,9 @@ def _ip(*args: str, check: bool = True, timeout: float = 20) -> subprocess.Compl
 
 
 def _in(ns: str, *cmd: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", "netns", "exec", ns, *cmd], check=check, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, *cmd], check=check, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def available() -> str | None:
@@ -92,8 +93,9 @@ def _started_at(pid: int) -> float | None:
     """Wall-clock start time of a live process, None if it does not exist."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
+        btime = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
     except (OSError, StopIteration, ValueError):
         return None
     ticks = int(stat.rsplit(")", 1)[1].split()[19])
@@ -159,8 +161,9 @@ class NetHost:
         kw = {"capture_output": True, "text": True, "timeout": 20, "check": True, **kw}
         return subprocess.run(self.exec_args(cmd), **kw)
 
-    def popen(self, cmd: list[str], env: dict | None = None, log_path: Path | str | None = None,
-              **kw) -> subprocess.Popen:
+    def popen(
+        self, cmd: list[str], env: dict | None = None, log_path: Path | str | None = None, **kw
+    ) -> subprocess.Popen:
         """Start ``cmd`` inside this host in its own process group (stdout+stderr to ``log_path``);
         the mesh kills it on exit if it still runs."""
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -201,9 +204,37 @@ class NetHost:
         replies to connections that the other host opens still flow, and so does everything else.
         Same means as ``block_multicast`` (u32 filter into an HTB class that holds nothing)."""
         _blackhole(self.ns, self.dev)
-        _in(self.ns, "tc", "filter", "replace", "dev", self.dev, "parent", "1:", "protocol", "ip", "prio", "2",
-            "u32", "match", "ip", "protocol", "6", "0xff", "match", "ip", "dst", f"{dst_ip}/32",
-            "match", "ip", "dport", str(port), "0xffff", "flowid", "1:20")
+        _in(
+            self.ns,
+            "tc",
+            "filter",
+            "replace",
+            "dev",
+            self.dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "2",
+            "u32",
+            "match",
+            "ip",
+            "protocol",
+            "6",
+            "0xff",
+            "match",
+            "ip",
+            "dst",
+            f"{dst_ip}/32",
+            "match",
+            "ip",
+            "dport",
+            str(port),
+            "0xffff",
+            "flowid",
+            "1:20",
+        )
 
     def allow_tcp_out(self) -> None:
         """Undo ``drop_tcp_out``."""
@@ -214,8 +245,27 @@ class NetHost:
         in both directions' send paths (do it on both sides). Undo with ``rejoin``."""
         _blackhole(self.ns, self.dev)
         for ip in ips:
-            _in(self.ns, "tc", "filter", "add", "dev", self.dev, "parent", "1:", "protocol", "ip", "prio", "3",
-                "u32", "match", "ip", "dst", f"{ip}/32", "flowid", "1:20")
+            _in(
+                self.ns,
+                "tc",
+                "filter",
+                "add",
+                "dev",
+                self.dev,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "3",
+                "u32",
+                "match",
+                "ip",
+                "dst",
+                f"{ip}/32",
+                "flowid",
+                "1:20",
+            )
         self.block_multicast()
 
     def rejoin(self) -> None:
@@ -238,8 +288,27 @@ def _blackhole(ns: str, dev: str) -> None:
 
 def _drop_multicast(ns: str, dev: str) -> None:
     _blackhole(ns, dev)
-    _in(ns, "tc", "filter", "replace", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-        "match", "ip", "dst", "224.0.0.0/4", "flowid", "1:20")
+    _in(
+        ns,
+        "tc",
+        "filter",
+        "replace",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "protocol",
+        "ip",
+        "prio",
+        "1",
+        "u32",
+        "match",
+        "ip",
+        "dst",
+        "224.0.0.0/4",
+        "flowid",
+        "1:20",
+    )
 
 
 @dataclass
@@ -288,8 +357,13 @@ class Mesh:
         """A new host on the bridge at 198.18.0.(10+i)."""
         i = len(self.hosts)
         short = short or f"h{i}"
-        host = NetHost(name=f"node-{short}", ns=f"{self.tag}-{short}", ip=str(MESH_NET[10 + i]),
-                       switch_ns=self.switch, switch_port=f"p{i}")
+        host = NetHost(
+            name=f"node-{short}",
+            ns=f"{self.tag}-{short}",
+            ip=str(MESH_NET[10 + i]),
+            switch_ns=self.switch,
+            switch_port=f"p{i}",
+        )
         self._add_ns(host.ns)
         # Create the pair inside the switch namespace and move one end into the host.
         self._sw("ip", "link", "add", host.switch_port, "type", "veth", "peer", "name", host.dev, "netns", host.ns)
@@ -320,13 +394,29 @@ class Mesh:
         self.links.append(link)
         return link
 
-    def shape(self, host: NetHost, dev: str | None = None, rate: str = "10mbit", burst: str = "32kbit",
-              latency: str = "50ms") -> None:
+    def shape(
+        self, host: NetHost, dev: str | None = None, rate: str = "10mbit", burst: str = "32kbit", latency: str = "50ms"
+    ) -> None:
         """Limit what ``host`` sends on ``dev`` (default: its bridge veth) to ``rate`` (tc tbf)."""
         if shutil.which("tc") is None:
             raise RuntimeError("shaping links needs tc (iproute2), which is not installed")
-        host.run(["tc", "qdisc", "replace", "dev", dev or host.dev, "root", "tbf", "rate", rate, "burst", burst,
-                  "latency", latency])
+        host.run(
+            [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev or host.dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                latency,
+            ]
+        )
 
     # -- processes
     def stop(self, proc: subprocess.Popen, timeout: float = 10) -> None:
@@ -398,8 +488,7 @@ def prepare() -> None:
         import pytest
 
         pytest.skip(reason)
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
     cleanup_leftovers()
 

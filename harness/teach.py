@@ -17,8 +17,9 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 
-def teach(model_dir: Path, exchanges: list[tuple[list[int], list[int]]], *, steps: int = 150,
-          learning_rate: float = 1e-2) -> float:
+def teach(
+    model_dir: Path, exchanges: list[tuple[list[int], list[int]]], *, steps: int = 150, learning_rate: float = 1e-2
+) -> float:
     """Train the model in ``model_dir`` (float32) on (prompt ids, answer ids) pairs, loss on the
     answers only, and write its weights back; returns the last loss."""
     from mlx_lm import load

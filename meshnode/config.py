@@ -91,8 +91,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prompt_cache_disk": checked(parse_size, lambda n: n >= 0, "0 (off) or a size"),
     "batching": parse_bool,
     "batch_stages": bool_or_auto,
-    "speculative": checked(lambda v: as_text(v).strip().lower().replace("-", "_"), lambda v: v in SPECULATIVE_CHOICES,
-                           "one of " + ", ".join(SPECULATIVE_CHOICES)),
+    "speculative": checked(
+        lambda v: as_text(v).strip().lower().replace("-", "_"),
+        lambda v: v in SPECULATIVE_CHOICES,
+        "one of " + ", ".join(SPECULATIVE_CHOICES),
+    ),
     "draft_max": checked(as_int, lambda n: 1 <= n <= 32, "a number of tokens from 1 to 32"),
     "draft_model": optional(as_text),
     "fast_hops": parse_bool,
@@ -108,13 +111,15 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "failover_deadline": positive_duration,
     "stall_timeout": positive_duration,
     "rebalance_dwell": positive_duration,
-    "strategy": checked(lambda v: as_text(v).strip().lower(), lambda v: v in STRATEGY_CHOICES,
-                       "one of " + ", ".join(STRATEGY_CHOICES)),
+    "strategy": checked(
+        lambda v: as_text(v).strip().lower(), lambda v: v in STRATEGY_CHOICES, "one of " + ", ".join(STRATEGY_CHOICES)
+    ),
     "group_ready_timeout": positive_duration,
     "link_probe_interval": positive_duration,
     "inject_latency_us": checked(as_float, lambda f: 0 <= f <= 1e6, "microseconds from 0 to 1000000"),
-    "tensor_port": checked(as_int, lambda n: 0 <= n <= 65535 - 2 * TENSOR_PORTS - 1,
-                          f"a port from 0 to {65535 - 2 * 16 - 1}"),
+    "tensor_port": checked(
+        as_int, lambda n: 0 <= n <= 65535 - 2 * TENSOR_PORTS - 1, f"a port from 0 to {65535 - 2 * 16 - 1}"
+    ),
     "state_dir": optional(as_path),
     "cache_dir": optional(as_path),
     "api_key": optional(as_text),
@@ -319,8 +324,9 @@ def _check_consistency(s: Any, sources: Mapping[str, str] | None) -> None:
             f"({s.max_tokens_limit}){where('default_max_tokens', 'max_tokens_limit')}"
         )
     if s.encrypt and not s.cluster_key:
-        raise ConfigError("encrypt needs a cluster_key (the certificate is derived from it)"
-                          + where("encrypt", "cluster_key"))
+        raise ConfigError(
+            "encrypt needs a cluster_key (the certificate is derived from it)" + where("encrypt", "cluster_key")
+        )
     if s.failure_timeout <= s.heartbeat_interval:
         raise ConfigError(
             f"failure_timeout ({s.failure_timeout} s) must be longer than heartbeat_interval "

@@ -10,8 +10,16 @@ from meshnode.model.build import build_once
 
 DEMO_MODEL_ID = "meshnode-demo"
 DEMO_VERSION = 1
-DEMO_ARGS = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4,
-                 vocab_size=1024, dtype="float32", seed=1234)
+DEMO_ARGS = dict(
+    num_layers=8,
+    hidden_size=256,
+    intermediate_size=512,
+    num_heads=8,
+    num_kv_heads=4,
+    vocab_size=1024,
+    dtype="float32",
+    seed=1234,
+)
 
 
 def default_models_dir() -> Path:

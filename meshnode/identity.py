@@ -103,8 +103,6 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
     return node_id
 
 
-
-
 def cluster_id(cluster_key: str | None) -> str:
     """The mesh's public id, announced over mDNS: 16 hex characters of an HMAC of the key (a weak
     key can be guessed offline from it). No key: ``"open"``."""

@@ -39,79 +39,128 @@ class NodeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, epoch: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 unreachable: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        epoch: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        unreachable: Callable[[], int] | None = None,
+    ):
         self.registry = r = CollectorRegistry()
         self._clock = clock
         self._lock = threading.Lock()
         self._recent: deque[float] = deque(maxlen=8192)  # times of recent tokens (all requests)
         self.last_request_tps = 0.0  # decode rate of the last finished generation
         self.tokens = Counter("meshnode_tokens_generated", "Tokens generated for this node's clients", registry=r)
-        self.decode_rate = Gauge("meshnode_decode_tokens_per_second",
-                                 f"Tokens per second decoded for this node's clients over the last {RATE_WINDOW:g} s "
-                                 "(0 when idle)", registry=r)
+        self.decode_rate = Gauge(
+            "meshnode_decode_tokens_per_second",
+            f"Tokens per second decoded for this node's clients over the last {RATE_WINDOW:g} s (0 when idle)",
+            registry=r,
+        )
         self.decode_rate.set_function(self.tokens_per_second)
-        self.ttft = Histogram("meshnode_time_to_first_token_seconds",
-                              "Seconds from the start of a generation to its first token", buckets=_TTFT_BUCKETS,
-                              registry=r)
-        self.hop = Histogram("meshnode_hop_latency_seconds",
-                             "Round trip of one activation to a remote stage and back (Forward)",
-                             labelnames=("peer", "phase"), buckets=_HOP_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "meshnode_time_to_first_token_seconds",
+            "Seconds from the start of a generation to its first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.hop = Histogram(
+            "meshnode_hop_latency_seconds",
+            "Round trip of one activation to a remote stage and back (Forward)",
+            labelnames=("peer", "phase"),
+            buckets=_HOP_BUCKETS,
+            registry=r,
+        )
         self.hop_transport = Histogram(
             "meshnode_hop_transport_seconds",
             "Added latency of one hop of a decode step: half of (the round trip to a remote stage minus the "
             "stage's own time), i.e. what the network and the transport add each way",
-            labelnames=("peer", "transport"), buckets=_TRANSPORT_BUCKETS, registry=r)
-        self.requests = Counter("meshnode_requests", "Generation requests by outcome", labelnames=("outcome",),
-                                registry=r)
-        self.membership = Counter("meshnode_membership_changes",
-                                  "Peers that joined, were lost (no heartbeat) or left (said goodbye)",
-                                  labelnames=("kind",), registry=r)
+            labelnames=("peer", "transport"),
+            buckets=_TRANSPORT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "meshnode_requests", "Generation requests by outcome", labelnames=("outcome",), registry=r
+        )
+        self.membership = Counter(
+            "meshnode_membership_changes",
+            "Peers that joined, were lost (no heartbeat) or left (said goodbye)",
+            labelnames=("kind",),
+            registry=r,
+        )
         self.epoch = Gauge("meshnode_plan_epoch", "Epoch of the plan this node follows", registry=r)
         self._epoch_value = 0
         self.epoch.set_function(epoch or (lambda: self._epoch_value))
         self.replans = Counter("meshnode_plans_adopted", "Plans (new epochs) this node adopted", registry=r)
-        self.prompt_cache_hits = Counter("meshnode_prompt_cache_hits",
-                                         "Requests a stage here started from a kept conversation prefix", registry=r)
-        self.prompt_cache_tokens = Counter("meshnode_prompt_cache_reused_tokens",
-                                           "Prompt positions stages here did not compute again (kept prefixes)",
-                                           registry=r)
-        self.prompt_cache_disk_hits = Counter("meshnode_prompt_cache_disk_hits",
-                                              "Of the prompt cache hits, those read back from disk", registry=r)
-        self.prompt_cache_disk_tokens = Counter("meshnode_prompt_cache_disk_tokens",
-                                                "Prompt positions read back from disk instead of computed",
-                                                registry=r)
-        self.prompt_cache_disk_written = Counter("meshnode_prompt_cache_disk_written_bytes",
-                                                 "Bytes of kept prefixes written to disk", registry=r)
-        self.batched_steps = Counter("meshnode_batched_decode_steps",
-                                     "Decode steps of several requests run through the stages as one batch", registry=r)
-        self.batched_rows = Counter("meshnode_batched_decode_rows",
-                                    "Requests' steps in those batches (rows / steps: the mean batch)", registry=r)
-        self.spec_passes = Counter("meshnode_speculative_passes", "Speculative decoding: passes that checked the "
-                                   "drafter's guesses with the next token, through every stage at once", registry=r)
+        self.prompt_cache_hits = Counter(
+            "meshnode_prompt_cache_hits", "Requests a stage here started from a kept conversation prefix", registry=r
+        )
+        self.prompt_cache_tokens = Counter(
+            "meshnode_prompt_cache_reused_tokens",
+            "Prompt positions stages here did not compute again (kept prefixes)",
+            registry=r,
+        )
+        self.prompt_cache_disk_hits = Counter(
+            "meshnode_prompt_cache_disk_hits", "Of the prompt cache hits, those read back from disk", registry=r
+        )
+        self.prompt_cache_disk_tokens = Counter(
+            "meshnode_prompt_cache_disk_tokens", "Prompt positions read back from disk instead of computed", registry=r
+        )
+        self.prompt_cache_disk_written = Counter(
+            "meshnode_prompt_cache_disk_written_bytes", "Bytes of kept prefixes written to disk", registry=r
+        )
+        self.batched_steps = Counter(
+            "meshnode_batched_decode_steps",
+            "Decode steps of several requests run through the stages as one batch",
+            registry=r,
+        )
+        self.batched_rows = Counter(
+            "meshnode_batched_decode_rows",
+            "Requests' steps in those batches (rows / steps: the mean batch)",
+            registry=r,
+        )
+        self.spec_passes = Counter(
+            "meshnode_speculative_passes",
+            "Speculative decoding: passes that checked the "
+            "drafter's guesses with the next token, through every stage at once",
+            registry=r,
+        )
         self.spec_drafted = Counter("meshnode_speculative_drafted_tokens", "Tokens the drafter guessed", registry=r)
-        self.spec_accepted = Counter("meshnode_speculative_accepted_tokens",
-                                     "Guesses the model confirmed (/ drafted: the acceptance rate)", registry=r)
-        self.spec_tokens = Counter("meshnode_speculative_pass_tokens",
-                                   "Tokens those passes yielded (/ passes: tokens per pass)", registry=r)
-        self.spec_cancelled = Counter("meshnode_speculative_cancelled_passes",
-                                      "Passes of guesses sent behind one in flight and cancelled by its rejection",
-                                      registry=r)
-        self.spec_position_cost = Gauge("meshnode_speculative_position_cost",
-                                        "A pass's further position against a one-position pass, as the head's last "
-                                        "speculating request measured it", registry=r)
-        self.spec_filled_share = Gauge("meshnode_speculative_filled_share",
-                                       "Time between passes of a full pipeline against one pass's traversal, as "
-                                       "measured (about 1 / stages where stages compute at once; 0: not measured)",
-                                       registry=r)
+        self.spec_accepted = Counter(
+            "meshnode_speculative_accepted_tokens",
+            "Guesses the model confirmed (/ drafted: the acceptance rate)",
+            registry=r,
+        )
+        self.spec_tokens = Counter(
+            "meshnode_speculative_pass_tokens", "Tokens those passes yielded (/ passes: tokens per pass)", registry=r
+        )
+        self.spec_cancelled = Counter(
+            "meshnode_speculative_cancelled_passes",
+            "Passes of guesses sent behind one in flight and cancelled by its rejection",
+            registry=r,
+        )
+        self.spec_position_cost = Gauge(
+            "meshnode_speculative_position_cost",
+            "A pass's further position against a one-position pass, as the head's last speculating request measured it",
+            registry=r,
+        )
+        self.spec_filled_share = Gauge(
+            "meshnode_speculative_filled_share",
+            "Time between passes of a full pipeline against one pass's traversal, as "
+            "measured (about 1 / stages where stages compute at once; 0: not measured)",
+            registry=r,
+        )
         self._spec_costs: tuple[float, float | None] | None = None  # see pass_costs
         self.spec_position_cost.set_function(lambda: self._spec_costs[0] if self._spec_costs else 0.0)
         self.spec_filled_share.set_function(lambda: (self._spec_costs[1] or 0.0) if self._spec_costs else 0.0)
-        self.failovers = Counter("meshnode_generation_retries",
-                                 "Generations carried over to a new placement after theirs failed", registry=r)
-        self.unreachable = Gauge("meshnode_unreachable_peers",
-                                 "Peers announced over mDNS whose heartbeats from this node all failed for the "
-                                 "grace period (Local Network permission, firewall)", registry=r)
+        self.failovers = Counter(
+            "meshnode_generation_retries", "Generations carried over to a new placement after theirs failed", registry=r
+        )
+        self.unreachable = Gauge(
+            "meshnode_unreachable_peers",
+            "Peers announced over mDNS whose heartbeats from this node all failed for the "
+            "grace period (Local Network permission, firewall)",
+            registry=r,
+        )
         self.unreachable.set_function(unreachable or (lambda: 0))
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
@@ -179,12 +228,17 @@ class NodeMetrics:
     def speculation(self) -> dict[str, Any]:
         passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()
         costs = self._spec_costs
-        return {"passes": int(passes), "drafted": int(drafted), "accepted": int(self.spec_accepted._value.get()),
-                "tokens": int(self.spec_tokens._value.get()), "cancelled": int(self.spec_cancelled._value.get()),
-                "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
-                "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None,
-                "position_cost": round(costs[0], 3) if costs else None,
-                "filled_share": round(costs[1], 3) if costs and costs[1] is not None else None}
+        return {
+            "passes": int(passes),
+            "drafted": int(drafted),
+            "accepted": int(self.spec_accepted._value.get()),
+            "tokens": int(self.spec_tokens._value.get()),
+            "cancelled": int(self.spec_cancelled._value.get()),
+            "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
+            "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None,
+            "position_cost": round(costs[0], 3) if costs else None,
+            "filled_share": round(costs[1], 3) if costs and costs[1] is not None else None,
+        }
 
     def retry(self) -> None:
         self.failovers.inc()
@@ -270,7 +324,7 @@ class EventLog:
 
     def __call__(self, kind: str, **fields: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **fields})
-        del self.events[:-self.keep]
+        del self.events[: -self.keep]
         self.metrics.event(kind, fields)
 
     def recent(self, n: int = 20) -> list[dict[str, Any]]:

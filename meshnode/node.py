@@ -72,17 +72,27 @@ class Backend:
         offered = self.node.offered_models()
         served = self.node.models.get(model) if model in offered else None
         if served is None:
-            raise ApiError(404, f"model '{model}' is not served here; this mesh serves "
-                                f"{', '.join(repr(m) for m in self.node.models if m in offered)}", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404,
+                f"model '{model}' is not served here; this mesh serves "
+                f"{', '.join(repr(m) for m in self.node.models if m in offered)}",
+                param="model",
+                code="model_not_found",
+            )
         return served.engine_for_request()
 
     def models(self) -> list[dict[str, Any]]:
         """Every model the mesh serves: ready, loading, on demand or does not fit."""
         offered = self.node.offered_models()
-        return [{"id": model_id, "state": model_state(served),
-                 "context_length": served.context if served.files.profile is not None else None}
-                for model_id, served in self.node.models.items() if model_id in offered]
+        return [
+            {
+                "id": model_id,
+                "state": model_state(served),
+                "context_length": served.context if served.files.profile is not None else None,
+            }
+            for model_id, served in self.node.models.items()
+            if model_id in offered
+        ]
 
     async def add_model(self, spec: str) -> dict[str, Any]:
         """Offer one more model from now on (and after a restart): the mesh then serves it too."""
@@ -90,8 +100,7 @@ class Backend:
         try:
             lane = await node.lanes.offer(spec, node.holders)
         except Exception as exc:  # noqa: BLE001 - the caller's model: ModelNotFound, a bad folder, ...
-            raise ApiError(400, f"cannot offer model {spec!r}: {exc}", param="add", code="model_not_loadable") \
-                from None
+            raise ApiError(400, f"cannot offer model {spec!r}: {exc}", param="add", code="model_not_loadable") from None
         await node.announce_models(node.offers.add(spec, lane.model_id), f"offering model {lane.model_id}")
         return {"model": lane.model_id, "offered": True, "offered_here": list(node.lanes.offered_ids())}
 
@@ -100,9 +109,13 @@ class Backend:
         node = self.node
         lane = node.lanes.get(model_id)
         if lane is None or not lane.offered:
-            raise ApiError(404, f"model {model_id!r} is not offered by this node; it offers "
-                                f"{', '.join(node.lanes.offered_ids()) or 'none'}", param="remove",
-                           code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not offered by this node; it offers "
+                f"{', '.join(node.lanes.offered_ids()) or 'none'}",
+                param="remove",
+                code="model_not_found",
+            )
         lane.offered = False
         offers = node.offers.remove(model_id, lane.served.files.spec)
         await node.announce_models(offers, f"no longer offering model {model_id}")
@@ -115,8 +128,12 @@ class Backend:
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         ok = self.node.serving_ready()
-        return ok, {"status": "ok" if ok else "unavailable", "node_id": self.node.node_id, "version": __version__,
-                    "epoch": self.node.epoch}
+        return ok, {
+            "status": "ok" if ok else "unavailable",
+            "node_id": self.node.node_id,
+            "version": __version__,
+            "epoch": self.node.epoch,
+        }
 
     def mesh_status(self) -> dict[str, Any]:
         node = self.node
@@ -131,16 +148,40 @@ class NodeHooks:
     drafters: Callable[[DrafterFactory], DrafterFactory] | None = None  # PlacementSettings.drafters
 
 
-def _lane(node: Node, serving: ServingSettings, planning: PlanSettings, store: ModelStore, group_secret: bytes,
-          model: str | None, offered: bool) -> Lane:
+def _lane(
+    node: Node,
+    serving: ServingSettings,
+    planning: PlanSettings,
+    store: ModelStore,
+    group_secret: bytes,
+    model: str | None,
+    offered: bool,
+) -> Lane:
     """One served model of ``node``: its files and stages, plan adoption and coordinator."""
-    served = ServedModel(serving, node.node_id, scheduler=node.scheduler, metrics=node.metrics,
-                         progress=node.progress, mesh=node.peers, auth=node.auth, group_secret=group_secret,
-                         event=node.events, on_ready=lambda: node.control.beat_now(), model=model, store=store,
-                         learned=not offered)
+    served = ServedModel(
+        serving,
+        node.node_id,
+        scheduler=node.scheduler,
+        metrics=node.metrics,
+        progress=node.progress,
+        mesh=node.peers,
+        auth=node.auth,
+        group_secret=group_secret,
+        event=node.events,
+        on_ready=lambda: node.control.beat_now(),
+        model=model,
+        store=store,
+        learned=not offered,
+    )
     adoption = Adoption(served, grace=max(1.0, 2 * node.settings.heartbeat_interval), event=node.events)
-    coordinator = Coordinator(planning, node.node_id, node.peers, adoption, event=node.events,
-                              used_by_others=lambda: node.lanes.used_by_others(served.model_id))
+    coordinator = Coordinator(
+        planning,
+        node.node_id,
+        node.peers,
+        adoption,
+        event=node.events,
+        used_by_others=lambda: node.lanes.used_by_others(served.model_id),
+    )
     return Lane(served, adoption, coordinator, offered)
 
 
@@ -159,13 +200,18 @@ class Node:
         if not settings.authenticate:
             log.warning("authenticate = false: gRPC calls are not signed (tests and benchmarks only)")
         # Tensor-group members prove the key to each other with this (never the key itself).
-        group_secret = hmac.new(settings.cluster_key.encode(), b"meshnode tensor group v1",
-                                hashlib.sha256).digest() if settings.cluster_key else b""
+        group_secret = (
+            hmac.new(settings.cluster_key.encode(), b"meshnode tensor group v1", hashlib.sha256).digest()
+            if settings.cluster_key
+            else b""
+        )
         self.memory_budget = sysinfo.memory_budget(settings)
         sysinfo.use_recommended_wired_limit()
         self.scheduler = TokenScheduler()
-        self.metrics = NodeMetrics(epoch=lambda: self.epoch,  # GET /metrics
-                                   unreachable=lambda: len(self.peers.reach.unreachable()))
+        self.metrics = NodeMetrics(
+            epoch=lambda: self.epoch,  # GET /metrics
+            unreachable=lambda: len(self.peers.reach.unreachable()),
+        )
         self.progress = Progress()  # model loading
         self.measuring: str | None = None  # what it times now (requests run slower)
         self.events = EventLog(self.metrics)
@@ -174,15 +220,24 @@ class Node:
         store = ModelStore(settings.resolved_cache_dir() / "peer-models")
         serving, planning = ServingSettings.of(settings), PlanSettings.of(settings)
         if hooks.drafters is not None:
-            serving = dataclasses.replace(serving, placement=dataclasses.replace(serving.placement,
-                                                                                 drafters=hooks.drafters))
+            serving = dataclasses.replace(
+                serving, placement=dataclasses.replace(serving.placement, drafters=hooks.drafters)
+            )
 
         lane = functools.partial(_lane, self, serving, planning, store, group_secret)
         self.offers = read_offers(settings.resolved_state_dir())  # `meshnode models add|remove` since
         self.lanes = Lanes(lane, self.offers.offered(settings.offered_models()), frozenset(self.offers.withdrawn))
         self.served = self.lanes.primary.served  # the first model's
-        self.control = ControlPlane(ControlSettings.of(settings), self.node_id, self.cluster_id, self.started_at,
-                                    self.peers, self.lanes, event=self.events, holders=self.holders)
+        self.control = ControlPlane(
+            ControlSettings.of(settings),
+            self.node_id,
+            self.cluster_id,
+            self.started_at,
+            self.peers,
+            self.lanes,
+            event=self.events,
+            holders=self.holders,
+        )
         self.router = StageRouter(self._stage_server_of, self.scheduler.run_here, stream_hook=hooks.stream_hook)
         self.discovery: Discovery | None = None
         self.http_port, self.grpc_port = settings.http_port, settings.grpc_port
@@ -248,39 +303,68 @@ class Node:
             if draft is not None:
                 served.draft = draft
                 self.memory_budget = max(0, self.memory_budget - draft.nbytes)
-        handlers = Handlers(heartbeat=self.control.heartbeats.on_heartbeat, install=self.control.on_install,
-                            goodbye=self.control.heartbeats.on_goodbye, generate=self._on_generate,
-                            stage_server=self.router, store=served.files.store, probe=probe_reply,
-                            probe_delay_s=s.inject_latency_us * 1e-6)
+        handlers = Handlers(
+            heartbeat=self.control.heartbeats.on_heartbeat,
+            install=self.control.on_install,
+            goodbye=self.control.heartbeats.on_goodbye,
+            generate=self._on_generate,
+            stage_server=self.router,
+            store=served.files.store,
+            probe=probe_reply,
+            probe_delay_s=s.inject_latency_us * 1e-6,
+        )
         self._grpc, self.grpc_port = await start_server(
-            handlers, s.host, s.grpc_port, interceptors=[self.auth.server_interceptor()] if s.authenticate else (),
-            identity=self.tls)
+            handlers,
+            s.host,
+            s.grpc_port,
+            interceptors=[self.auth.server_interceptor()] if s.authenticate else (),
+            identity=self.tls,
+        )
         await self._start_http()
         tensor_port = s.tensor_port or self.grpc_port + 1
         self._start_side_ports(tensor_port)
         files, profile = served.files, served.files.loaded_profile
         me = NodeInfo(
-            node_id=self.node_id, addresses=self._announced_addresses(), http_port=self.http_port,
-            grpc_port=self.grpc_port, memory_budget=self.memory_budget, total_memory=sysinfo.total_memory(),
-            compute=await asyncio.to_thread(sysinfo.compute_figure), version=__version__,
-            cluster_id=self.cluster_id, models=self.lanes.offered_ids(), started_at=self.started_at,
+            node_id=self.node_id,
+            addresses=self._announced_addresses(),
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+            memory_budget=self.memory_budget,
+            total_memory=sysinfo.total_memory(),
+            compute=await asyncio.to_thread(sysinfo.compute_figure),
+            version=__version__,
+            cluster_id=self.cluster_id,
+            models=self.lanes.offered_ids(),
+            started_at=self.started_at,
             tensor_port=tensor_port,
             layer_seconds=await self.scheduler.call(
-                lambda: layer_seconds(files.path, profile.num_layers, s.resolved_state_dir(),
-                                      max(profile.layer_bytes, default=0))) if files.weights_local else 0.0,
+                lambda: layer_seconds(
+                    files.path, profile.num_layers, s.resolved_state_dir(), max(profile.layer_bytes, default=0)
+                )
+            )
+            if files.weights_local
+            else 0.0,
             holdings=files.holdings(),
         )
         self.peers.start(me)
         if supports_tensor(profile) and files.weights_local:
             self._tasks.append(asyncio.create_task(self._measure_collectives(me), name="meshnode-collective"))
         if s.mdns:
-            self.discovery = Discovery(me, on_change=lambda nid, info: self.peers.on_discovery(nid, info,
-                                                                                               self.cluster_id))
+            self.discovery = Discovery(
+                me, on_change=lambda nid, info: self.peers.on_discovery(nid, info, self.cluster_id)
+            )
             await self.discovery.start()
         self._tasks.append(asyncio.create_task(self.control.run(), name="meshnode-control"))
         self._tasks.append(asyncio.create_task(self.peers.links.run(self.peers.probe_targets), name="meshnode-links"))
-        log.info("node %s up: HTTP :%d, gRPC :%d, budget %.2f GiB, cluster %s, CPU matmuls: %s", self.node_id,
-                 self.http_port, self.grpc_port, self.memory_budget / 2**30, self.cluster_id, blas.in_use())
+        log.info(
+            "node %s up: HTTP :%d, gRPC :%d, budget %.2f GiB, cluster %s, CPU matmuls: %s",
+            self.node_id,
+            self.http_port,
+            self.grpc_port,
+            self.memory_budget / 2**30,
+            self.cluster_id,
+            blas.in_use(),
+        )
         if blas.problem:
             log.error("%s; MLX's own BLAS computes instead", blas.problem)
 
@@ -294,11 +378,16 @@ class Node:
         if s.fast_hops and self.tls is None:  # encrypted clusters keep activations on TLS
             try:
                 self._data = DataServer(
-                    s.host or "0.0.0.0", tensor_port + DATA_OFFSET, auth=self.auth, verify=s.authenticate,
-                    forward=self.router.data)
+                    s.host or "0.0.0.0",
+                    tensor_port + DATA_OFFSET,
+                    auth=self.auth,
+                    verify=s.authenticate,
+                    forward=self.router.data,
+                )
             except OSError as exc:  # peers then send this node's activations over gRPC
-                log.warning("data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET,
-                            exc)
+                log.warning(
+                    "data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET, exc
+                )
         self.peers.data_port_open = self._data is not None
         limit, lanes = s.stall_timeout, self.lanes
         self.peers.stalled_for = lambda: longest if (longest := lanes.longest_step()) >= limit else 0.0
@@ -324,8 +413,10 @@ class Node:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.peers.membership is not None:
-            await asyncio.gather(*(self.control.heartbeats.say_goodbye(p.target)
-                                   for p in self.peers.membership.alive_peers().values()), return_exceptions=True)
+            await asyncio.gather(
+                *(self.control.heartbeats.say_goodbye(p.target) for p in self.peers.membership.alive_peers().values()),
+                return_exceptions=True,
+            )
         if self.discovery is not None:
             await self.discovery.stop()
         if self._http is not None:
@@ -354,9 +445,14 @@ class Node:
         files, profile = self.served.files, self.served.files.loaded_profile
         self.measuring = "a layer split two ways (what tensor parallelism costs here)"
         try:
-            split = await asyncio.to_thread(tensor_layer_seconds, files.path, profile.num_layers,
-                                            self.settings.resolved_state_dir(),
-                                            max(profile.layer_bytes, default=0), self._stopping)
+            split = await asyncio.to_thread(
+                tensor_layer_seconds,
+                files.path,
+                profile.num_layers,
+                self.settings.resolved_state_dir(),
+                max(profile.layer_bytes, default=0),
+                self._stopping,
+            )
         finally:
             self.measuring = None
         value = collective_overhead(me.layer_seconds, split)
@@ -373,8 +469,10 @@ async def serve(settings: Settings, hooks: NodeHooks | None = None) -> None:
     try:
         await node.start()
     except ModelNotFound as exc:  # nothing started yet: the model comes first
-        log.error("%s. Until the model is fixed and the node restarted, it answers every request with "
-                  "this reason (HTTP 503)", exc)
+        log.error(
+            "%s. Until the model is fixed and the node restarted, it answers every request with this reason (HTTP 503)",
+            exc,
+        )
         await refuse_until(stop, settings.host, settings.http_port, str(exc))
         return
     try:

@@ -52,7 +52,6 @@ def ordered_addresses(addresses: Iterable[str]) -> tuple[str, ...]:
     return tuple(str(ip) for ip in sorted(parsed, key=lambda ip: ip.version))
 
 
-
 @dataclass(frozen=True)
 class NodeInfo:
     """A node's identity, addresses, ports, memory, measured speed, models and holdings, as it announces them."""
@@ -80,24 +79,31 @@ class NodeInfo:
 
     def to_properties(self) -> dict[str, str]:
         props = {
-            "id": self.node_id, "http": str(self.http_port), "grpc": str(self.grpc_port),
-            "budget": str(self.memory_budget), "total": str(self.total_memory), "compute": f"{self.compute:.3f}",
-            "version": self.version, "cluster": self.cluster_id, "started": f"{self.started_at:.6f}",
-            "tensor": str(self.tensor_port), "layer": f"{self.layer_seconds:.9f}",
+            "id": self.node_id,
+            "http": str(self.http_port),
+            "grpc": str(self.grpc_port),
+            "budget": str(self.memory_budget),
+            "total": str(self.total_memory),
+            "compute": f"{self.compute:.3f}",
+            "version": self.version,
+            "cluster": self.cluster_id,
+            "started": f"{self.started_at:.6f}",
+            "tensor": str(self.tensor_port),
+            "layer": f"{self.layer_seconds:.9f}",
         }
         models: list[str] = []
         for m in self.models:  # one TXT entry holds at most 255 bytes: announce the models that fit
             if len(("models=" + ",".join([*models, m])).encode()) > _MAX_TXT_ENTRY:
-                log.warning("announcing %d of %d models: the mDNS record has no room for more",
-                            len(models), len(self.models))
+                log.warning(
+                    "announcing %d of %d models: the mDNS record has no room for more", len(models), len(self.models)
+                )
                 break
             models.append(m)
         props["models"] = ",".join(models)
         return props
 
     @classmethod
-    def from_properties(cls, props: Mapping[bytes | str, bytes | str | None],
-                        addresses: Iterable[str]) -> NodeInfo:
+    def from_properties(cls, props: Mapping[bytes | str, bytes | str | None], addresses: Iterable[str]) -> NodeInfo:
         """Parse TXT properties; raises ValueError (or TypeError) for anything malformed."""
         text: dict[str, str] = {}
         for k, v in props.items():
@@ -110,16 +116,21 @@ class NodeInfo:
             node_id = text["id"]
             if not VALID_ID.match(node_id):
                 raise ValueError(f"invalid node id {node_id!r}")
-            models = tuple(m for m in _text(text, "models", _MAX_TXT_ENTRY).split(",") if m) \
-                if "models" in text else ()
+            models = tuple(m for m in _text(text, "models", _MAX_TXT_ENTRY).split(",") if m) if "models" in text else ()
             addrs = ordered_addresses(addresses)
             if not addrs:
                 raise ValueError("no addresses")
             return cls(
-                node_id=node_id, addresses=addrs, http_port=_int(text, "http", 1, 65535),
-                grpc_port=_int(text, "grpc", 1, 65535), memory_budget=_int(text, "budget"),
-                total_memory=_int(text, "total"), compute=_float(text, "compute"),
-                version=_text(text, "version"), cluster_id=_text(text, "cluster", 64), models=models,
+                node_id=node_id,
+                addresses=addrs,
+                http_port=_int(text, "http", 1, 65535),
+                grpc_port=_int(text, "grpc", 1, 65535),
+                memory_budget=_int(text, "budget"),
+                total_memory=_int(text, "total"),
+                compute=_float(text, "compute"),
+                version=_text(text, "version"),
+                cluster_id=_text(text, "cluster", 64),
+                models=models,
                 started_at=_float(text, "started", default="0"),
                 tensor_port=_int(text, "tensor", 0, 65535) if text.get("tensor") else 0,
                 layer_seconds=_float(text, "layer", default="0"),
@@ -133,6 +144,10 @@ class NodeInfo:
         try:
             return cls.from_properties(info.properties or {}, info.parsed_addresses())  # IPv4 first: _ordered
         except Exception as exc:  # noqa: BLE001 -- whatever some device on the LAN sends, never crash
-            log.log(logging.DEBUG if quiet else logging.WARNING, "ignoring a malformed meshnode announcement %s: %s",
-                    getattr(info, "name", "?"), exc)
+            log.log(
+                logging.DEBUG if quiet else logging.WARNING,
+                "ignoring a malformed meshnode announcement %s: %s",
+                getattr(info, "name", "?"),
+                exc,
+            )
             return None

@@ -17,9 +17,25 @@ from typing import TextIO
 from xml.sax.saxutils import escape
 
 __all__ = [
-    "LABEL", "UNIT", "PLATFORMS", "Layout", "Command", "Action", "layout", "host_platform",
-    "default_executable", "templates_dir", "render_plist", "render_unit", "render_newsyslog", "render_config",
-    "plan_install", "plan_uninstall", "apply", "describe", "run_command",
+    "LABEL",
+    "UNIT",
+    "PLATFORMS",
+    "Layout",
+    "Command",
+    "Action",
+    "layout",
+    "host_platform",
+    "default_executable",
+    "templates_dir",
+    "render_plist",
+    "render_unit",
+    "render_newsyslog",
+    "render_config",
+    "plan_install",
+    "plan_uninstall",
+    "apply",
+    "describe",
+    "run_command",
 ]
 
 LABEL = "org.meshnode.node"
@@ -36,12 +52,14 @@ def templates_dir() -> Path:
     for folder in (package / "service_templates", package.parent / "systemd_launchd"):
         if (folder / "meshnode.service").is_file():
             return folder
-    raise FileNotFoundError(f"the service templates are neither in {package / 'service_templates'} nor in "
-                            f"{package.parent / 'systemd_launchd'}: reinstall meshnode")
+    raise FileNotFoundError(
+        f"the service templates are neither in {package / 'service_templates'} nor in "
+        f"{package.parent / 'systemd_launchd'}: reinstall meshnode"
+    )
 
 
 def host_platform() -> str:
-    """"macos" or "linux"."""
+    """ "macos" or "linux"."""
     return "macos" if sys.platform == "darwin" else "linux"
 
 
@@ -78,8 +96,14 @@ class Layout:
         return "system" if self.system else f"gui/{self.uid}"
 
 
-def layout(platform: str, system: bool = False, root: Path | str = "/", home: Path | str | None = None,
-           uid: int | None = None, user: str | None = None) -> Layout:
+def layout(
+    platform: str,
+    system: bool = False,
+    root: Path | str = "/",
+    home: Path | str | None = None,
+    uid: int | None = None,
+    user: str | None = None,
+) -> Layout:
     """The paths for ``platform``; ``root`` and ``home`` move them (tests)."""
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
@@ -93,21 +117,39 @@ def layout(platform: str, system: bool = False, root: Path | str = "/", home: Pa
         library = (root if system else home) / "Library"
         logs = library / "Logs" / "meshnode"
         return Layout(
-            platform, system,
+            platform,
+            system,
             service_file=library / ("LaunchDaemons" if system else "LaunchAgents") / f"{LABEL}.plist",
             config_file=library / "Application Support" / "meshnode" / "meshnode.toml",
             log_file=logs / "meshnode.log",
             rotation_file=root / "etc" / "newsyslog.d" / "meshnode.conf" if system else None,
             pid_file=root / "var" / "run" / "meshnode.pid" if system else None,
-            uid=uid, user=user,
+            uid=uid,
+            user=user,
         )
     if system:
-        return Layout(platform, True, service_file=root / "etc" / "systemd" / "system" / UNIT,
-                      config_file=root / "etc" / "meshnode" / "meshnode.toml",
-                      log_file=None, rotation_file=None, pid_file=None, uid=uid, user=user)
-    return Layout(platform, False, service_file=home / ".config" / "systemd" / "user" / UNIT,
-                  config_file=home / ".config" / "meshnode" / "meshnode.toml",
-                  log_file=None, rotation_file=None, pid_file=None, uid=uid, user=user)
+        return Layout(
+            platform,
+            True,
+            service_file=root / "etc" / "systemd" / "system" / UNIT,
+            config_file=root / "etc" / "meshnode" / "meshnode.toml",
+            log_file=None,
+            rotation_file=None,
+            pid_file=None,
+            uid=uid,
+            user=user,
+        )
+    return Layout(
+        platform,
+        False,
+        service_file=home / ".config" / "systemd" / "user" / UNIT,
+        config_file=home / ".config" / "meshnode" / "meshnode.toml",
+        log_file=None,
+        rotation_file=None,
+        pid_file=None,
+        uid=uid,
+        user=user,
+    )
 
 
 # --------------------------------------------------------------------------- rendering (pure)
@@ -130,8 +172,11 @@ def render_plist(lay: Layout, executable: Path | str) -> str:
         args = ["/bin/sh", "-c", f"echo $$ > '{lay.pid_file}' && exec \"$@\"", "meshnode", *args]
     items = "\n".join(f"\t\t<string>{escape(a)}</string>" for a in args)
     return _template("meshnode.plist").substitute(
-        label=LABEL, program_arguments=items, throttle_interval=THROTTLE_INTERVAL,
-        stop_timeout=STOP_TIMEOUT, log_file=escape(str(lay.log_file)),
+        label=LABEL,
+        program_arguments=items,
+        throttle_interval=THROTTLE_INTERVAL,
+        stop_timeout=STOP_TIMEOUT,
+        log_file=escape(str(lay.log_file)),
     )
 
 
@@ -147,7 +192,8 @@ def render_unit(lay: Layout, executable: Path | str) -> str:
     """The systemd unit."""
     exec_start = " ".join(_systemd_quote(a) for a in program_arguments(executable, lay.config_file))
     return _template("meshnode.service").substitute(
-        exec_start=exec_start, stop_timeout=STOP_TIMEOUT,
+        exec_start=exec_start,
+        stop_timeout=STOP_TIMEOUT,
         wanted_by="multi-user.target" if lay.system else "default.target",
         journal_scope="" if lay.system else "--user ",
         # a user manager has no network-online.target: only a system unit can wait for the network
@@ -159,14 +205,20 @@ def render_newsyslog(lay: Layout) -> str:
     """The newsyslog.d entry rotating a LaunchDaemon's log (fields split on white space, so the
     paths have none)."""
     return _template("meshnode.newsyslog.conf").substitute(
-        log_file=lay.log_file, pid_file=lay.pid_file, count=ROTATE_COUNT, size_kib=ROTATE_SIZE_KIB, label=LABEL,
+        log_file=lay.log_file,
+        pid_file=lay.pid_file,
+        count=ROTATE_COUNT,
+        size_kib=ROTATE_SIZE_KIB,
+        label=LABEL,
     )
 
 
 def render_config(cluster_key: str) -> str:
     """The daemon's config: the cluster key, all else default."""
-    quoted = "".join(f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c
-                     for c in cluster_key.replace("\\", "\\\\").replace('"', '\\"'))  # a TOML basic string
+    quoted = "".join(
+        f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c
+        for c in cluster_key.replace("\\", "\\\\").replace('"', '\\"')
+    )  # a TOML basic string
     return (
         "# meshnode config, written by `meshnode install`. Every key, with its default, is documented\n"
         "# in configs/default.toml; add the ones you want to change here, then restart the service.\n"
@@ -223,8 +275,10 @@ def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, clu
     else:
         act.notes.append(f"keeping the existing config {lay.config_file} (and its cluster key)")
         if cluster_key:
-            act.notes.append("MESHNODE_CLUSTER_KEY is not used: the existing config keeps its own key "
-                             "(change cluster_key there, then restart the service)")
+            act.notes.append(
+                "MESHNODE_CLUSTER_KEY is not used: the existing config keeps its own key "
+                "(change cluster_key there, then restart the service)"
+            )
     if lay.platform == "macos":
         assert lay.log_file is not None, "macOS's layout has a log file"
         act.make_dirs.append(lay.log_file.parent)
@@ -234,8 +288,10 @@ def plan_install(lay: Layout, executable: Path | str, dry_run: bool = False, clu
         target = f"{lay.launchd_domain}/{LABEL}"
         if reinstall:  # bootstrap refuses a job that is already loaded
             act.commands.append(Command(("launchctl", "bootout", target), check=False))
-        act.commands += [Command(("launchctl", "enable", target)),
-                         Command(("launchctl", "bootstrap", lay.launchd_domain, str(lay.service_file)))]
+        act.commands += [
+            Command(("launchctl", "enable", target)),
+            Command(("launchctl", "bootstrap", lay.launchd_domain, str(lay.service_file))),
+        ]
     else:
         act.write.append((lay.service_file, render_unit(lay, executable), 0o644))
         act.commands += [_systemctl(lay, "daemon-reload"), _systemctl(lay, "enable", "--now", UNIT)]
@@ -337,7 +393,7 @@ def apply(act: Action, runner: Runner = run_command, uninstall: bool = False, ou
     if act.cluster_key:
         print("\nThe cluster key of this mesh (shown only this once; it is kept in the config):\n", file=out)
         print(f"    {act.cluster_key}\n", file=out)
-        print("Put the same key into the config of every other machine (cluster_key = \"...\")", file=out)
+        print('Put the same key into the config of every other machine (cluster_key = "...")', file=out)
 
 
 def describe(act: Action, uninstall: bool = False) -> str:

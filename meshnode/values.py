@@ -16,13 +16,22 @@ from meshnode.identity import VALID_ID
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
 }
 
 
@@ -246,7 +255,7 @@ def origin_list(value: Any) -> tuple[str, ...]:
         raise ValueError(f"expected a list of origins, got {value!r}")
     for item in items:
         if item != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", item):
-            raise ValueError(f"expected \"*\" or an origin like \"https://host:port\", got {item!r}")
+            raise ValueError(f'expected "*" or an origin like "https://host:port", got {item!r}')
     return tuple(dict.fromkeys(items))
 
 

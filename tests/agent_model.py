@@ -23,8 +23,16 @@ from harness.scripted import script_successors
 from harness.teach import teach
 from meshnode.model.build import build_model
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 RESULT = "sunny, 21 C"
@@ -34,21 +42,32 @@ SAID = "Hello from the mesh."  # what the scripted model of the Codex tests says
 
 def history(call_id: str = "c1") -> list[dict]:
     """The conversation after the call, as the chat template takes it."""
-    return ASK + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": CALL["name"], "arguments": CALL["arguments"]}}]},
-        {"role": "tool", "content": RESULT, "tool_call_id": call_id}]
+    return ASK + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": CALL["name"], "arguments": CALL["arguments"]}}
+            ],
+        },
+        {"role": "tool", "content": RESULT, "tool_call_id": call_id},
+    ]
 
 
 def taught_agent(root: Path) -> Path:
     """The taught qwen3 (see the module docstring), built and taught under ``root``."""
     path = build_model(root / "qwen3-agent", "qwen3", num_layers=2, hidden_size=64, dtype="float32", chat="agent")
     _, tok = load(str(path))
-    said = '</think><tool_call>' + json.dumps(CALL) + '</tool_call><|end|>'
+    said = "</think><tool_call>" + json.dumps(CALL) + "</tool_call><|end|>"
     exchanges = [
-        (tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True),
-         tok.encode(said, add_special_tokens=False)),
-        (tok.apply_chat_template(history(), tools=TOOLS, add_generation_prompt=True),
-         tok.encode("</think>" + FINAL + "<|end|>", add_special_tokens=False)),
+        (
+            tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True),
+            tok.encode(said, add_special_tokens=False),
+        ),
+        (
+            tok.apply_chat_template(history(), tools=TOOLS, add_generation_prompt=True),
+            tok.encode("</think>" + FINAL + "<|end|>", add_special_tokens=False),
+        ),
     ]
     assert teach(path, exchanges) < 0.01
     return path
@@ -56,8 +75,16 @@ def taught_agent(root: Path) -> Path:
 
 def scripted_model(root: Path, text: str, max_position_embeddings: int = 32768) -> Path:
     """The scripted qwen3 (see the module docstring) that answers ``text``, built under ``root``."""
-    path = build_model(root / "qwen3-scripted", "qwen3", num_layers=2, hidden_size=64, dtype="float32", chat="agent",
-                       tie_word_embeddings=False, max_position_embeddings=max_position_embeddings)
+    path = build_model(
+        root / "qwen3-scripted",
+        "qwen3",
+        num_layers=2,
+        hidden_size=64,
+        dtype="float32",
+        chat="agent",
+        tie_word_embeddings=False,
+        max_position_embeddings=max_position_embeddings,
+    )
     _, tok = load(str(path))
     script = tok.encode("<think></think>" + text + "<|end|>", add_special_tokens=False)
     follows = dict(zip(script, script[1:]))

@@ -16,8 +16,16 @@ import numpy as np
 from meshnode.weights.gguf_tensors import hf_spellings
 
 # mlx-lm model_type -> GGUF architecture
-ARCHS = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-         "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+ARCHS = {
+    "llama": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
 
 
 def permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -55,8 +63,11 @@ def write_gguf(folder: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.
             data = permute(data, heads)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
-        kind = qtype if data.ndim >= 2 and data.shape[-1] % 32 == 0 and suffix == "weight" else \
-            gguf.GGMLQuantizationType.F32
+        kind = (
+            qtype
+            if data.ndim >= 2 and data.shape[-1] % 32 == 0 and suffix == "weight"
+            else gguf.GGMLQuantizationType.F32
+        )
         if kind != gguf.GGMLQuantizationType.F32:
             data = gguf.quants.quantize(data, kind)
         w.add_tensor(f"{target}.{suffix}", data, raw_dtype=kind)
@@ -118,8 +129,11 @@ def _tokenizer(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
             value = value[0]
         if value is not None:
             setter(int(value))
-    config = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").exists() \
+    config = (
+        json.loads((folder / "tokenizer_config.json").read_text())
+        if (folder / "tokenizer_config.json").exists()
         else {}
+    )
     template = config.get("chat_template")
     if template is None and (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text()

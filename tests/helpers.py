@@ -22,7 +22,7 @@ from meshnode.node import Node
 
 # Chats sent at once from one client with the openai package (threads), every other one streamed:
 # argv base URL, JSON [[model, prompt], ...], max_tokens; prints {"answers": [...], "models": [ids listed]}.
-CONCURRENT_CHATS = r'''
+CONCURRENT_CHATS = r"""
 import json, sys, threading
 from openai import OpenAI
 base, asks, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -43,7 +43,7 @@ for t in threads:
 for t in threads:
     t.join()
 print(json.dumps({"answers": out, "models": sorted(m.id for m in c.models.list())}))
-'''
+"""
 
 NPM_DIR = Path.home() / ".cache" / "meshnode" / "npm"  # npm tools the tests run (coding agents)
 CODEX = NPM_DIR / "node_modules" / ".bin" / "codex"
@@ -53,8 +53,16 @@ CODEX = NPM_DIR / "node_modules" / ".bin" / "codex"
 def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True, **overrides):
     """A Node on 127.0.0.1 with ephemeral ports and mDNS off; yields (node, base_url). With
     ``ready`` (the default) only once it serves; else as soon as it listens."""
-    flags = dict(model=str(model) if model else None, host="127.0.0.1", http_port=0, grpc_port=0, mdns=False,
-                 state_dir=str(tmp_path / "state"), cache_dir=str(tmp_path / "cache"), memory_budget=8 * 2**30)
+    flags = dict(
+        model=str(model) if model else None,
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        mdns=False,
+        state_dir=str(tmp_path / "state"),
+        cache_dir=str(tmp_path / "cache"),
+        memory_budget=8 * 2**30,
+    )
     flags.update(overrides)
     settings = load_settings(None, env={}, flags=flags)
     loop = asyncio.new_event_loop()
@@ -98,8 +106,9 @@ def codex_cli() -> Path:
         if shutil.which("npm") is None:
             pytest.skip("npm is not installed: Codex CLI (npm @openai/codex) cannot be installed")
         NPM_DIR.mkdir(parents=True, exist_ok=True)
-        status, _, err = run_group(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR),
-                                    "@openai/codex"], timeout=400)
+        status, _, err = run_group(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), "@openai/codex"], timeout=400
+        )
         if status != 0:
             pytest.skip(f"npm could not install @openai/codex: {err[-500:]}")
     if run_group([str(CODEX), "--version"], timeout=60)[0] != 0:
@@ -119,15 +128,23 @@ def codex_setup(tmp_path: Path, model: str, base_url: str) -> tuple[Path, dict]:
         f'model = "{model}"\nmodel_provider = "meshnode"\n'
         f'model_instructions_file = "{home / "instructions.md"}"\n\n'
         f'[model_providers.meshnode]\nname = "meshnode"\nbase_url = "{base_url}"\n'
-        'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n')
+        'env_key = "MESHNODE_API_KEY"\nwire_api = "responses"\n'
+    )
     return work, {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "MESHNODE_API_KEY": "unused"}
 
 
 def run_group(args: list[str], timeout: float, **kw) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of a command in its own process group, which is killed whole
     if it runs past ``timeout`` (npm's codex script starts the native binary as a child)."""
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, **kw)
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -149,8 +166,10 @@ def prompt_cache_reuse(metrics_text: str) -> tuple[int, int]:
 
 def node_metrics(cluster, host) -> str:
     """``host``'s /metrics, fetched from ``cluster``'s client namespace (a harness.cluster.Cluster)."""
-    code = (f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
-            ".read().decode())")
+    code = (
+        f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
+        ".read().decode())"
+    )
     return cluster.client.run([sys.executable, "-c", code], timeout=20).stdout
 
 
@@ -173,8 +192,20 @@ def tensor_group(model, start, end, size=2, secrets=None, ready_timeout_s=60, nu
     *ring, control = free_ports(size + 1)
     endpoints = [f"127.0.0.1:{p}" for p in ring]
     secrets = secrets or [b"k" * 32] * size
-    members = [TensorShard(model, start, end, num_layers, rank=r, endpoints=endpoints, control=f"127.0.0.1:{control}",
-                           secret=secrets[r], **kwargs) for r in range(size)]
+    members = [
+        TensorShard(
+            model,
+            start,
+            end,
+            num_layers,
+            rank=r,
+            endpoints=endpoints,
+            control=f"127.0.0.1:{control}",
+            secret=secrets[r],
+            **kwargs,
+        )
+        for r in range(size)
+    ]
     errors: list[BaseException] = []
 
     def launch(m):
@@ -210,8 +241,14 @@ def meshnode_run(tmp_path: Path, env: dict[str, str] | None = None, **flags):
     log = tmp_path / "node.log"
     argv = node_argv(host="127.0.0.1", mdns=False, state_dir=tmp_path / "state", **flags)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=clean_env() if env is None else env, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=clean_env() if env is None else env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 60
         while not (m := NODE_UP.search(log.read_text())):

@@ -56,11 +56,16 @@ class _Repo:
             if not p.is_file() or any(part.startswith(".") for part in rel.split("/")):
                 continue
             data = p.read_bytes()
-            info = {"size": len(data), "blob": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
-                    "sha256": hashlib.sha256(data).hexdigest(), "lfs": rel.endswith(".safetensors")}
+            info = {
+                "size": len(data),
+                "blob": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "lfs": rel.endswith(".safetensors"),
+            }
             self.files[rel] = info
-        self.commit = hashlib.sha1(json.dumps(sorted((k, v["sha256"]) for k, v in self.files.items()))
-                                   .encode()).hexdigest()
+        self.commit = hashlib.sha1(
+            json.dumps(sorted((k, v["sha256"]) for k, v in self.files.items())).encode()
+        ).hexdigest()
 
     def etag(self, rel: str) -> str:
         info = self.files[rel]
@@ -120,9 +125,19 @@ class HubStandIn:
     async def _info(self, request: web.Request) -> web.Response:
         rec = self._record(request)
         repo = self._repo(request)
-        body = {"_id": repo.commit[:24], "id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.commit,
-                "private": False, "disabled": False, "gated": False, "tags": [], "downloads": 0, "likes": 0,
-                "siblings": [{"rfilename": rel} for rel in repo.files]}
+        body = {
+            "_id": repo.commit[:24],
+            "id": repo.repo_id,
+            "modelId": repo.repo_id,
+            "sha": repo.commit,
+            "private": False,
+            "disabled": False,
+            "gated": False,
+            "tags": [],
+            "downloads": 0,
+            "likes": 0,
+            "siblings": [{"rfilename": rel} for rel in repo.files],
+        }
         rec.status = 200
         self._flush(rec)
         return web.json_response(body)
@@ -150,12 +165,17 @@ class HubStandIn:
         if rel not in repo.files:
             rec.status = 404
             self._flush(rec)
-            raise web.HTTPNotFound(headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit},
-                                   text="Entry not found")
+            raise web.HTTPNotFound(
+                headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit}, text="Entry not found"
+            )
         info = repo.files[rel]
         size = info["size"]
-        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.etag(rel)}"', "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": repo.commit,
+            "ETag": f'"{repo.etag(rel)}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         if info["lfs"]:
             headers["X-Linked-Etag"] = f'"{info["sha256"]}"'
             headers["X-Linked-Size"] = str(size)
@@ -221,7 +241,7 @@ class HubStandIn:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
-    def __enter__(self) -> "HubStandIn":
+    def __enter__(self) -> HubStandIn:
         ready = threading.Event()
 
         def run() -> None:
@@ -252,9 +272,15 @@ class HubStandIn:
 
 def hub_env(endpoint: str, hf_home: Path) -> dict[str, str]:
     """Environment pointing huggingface_hub at a stand-in, with its own cache."""
-    return {"HF_ENDPOINT": endpoint, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0",
-            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
+    return {
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+    }
 
 
 def main() -> None:

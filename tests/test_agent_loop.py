@@ -43,20 +43,27 @@ def test_chat_completions_call_the_tool_and_answer_from_its_result(node):
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id
     # The agent runs the tool and sends the call and its result back, as the SDK hands them over.
-    messages = ASK + [choice.message.model_dump(exclude_none=True),
-                      {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    messages = ASK + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT},
+    ]
     final = c.chat.completions.create(model=n.model_id, messages=messages, tools=TOOLS, temperature=0)
     assert final.choices[0].message.content == FINAL and final.choices[0].finish_reason == "stop"
     # Streamed: the call arrives as one tool_calls delta with an index, then finish_reason tool_calls.
-    chunks = list(c.chat.completions.create(model=n.model_id, messages=ASK, tools=TOOLS, temperature=0,
-                                            stream=True))
+    chunks = list(c.chat.completions.create(model=n.model_id, messages=ASK, tools=TOOLS, temperature=0, stream=True))
     calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Paris"})
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # A named tool_choice forces the call (the prompt ends with the call marker).
-    forced = c.chat.completions.create(model=n.model_id, messages=ASK, tools=TOOLS, temperature=0,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    forced = c.chat.completions.create(
+        model=n.model_id,
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     assert forced.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
@@ -64,17 +71,25 @@ def test_anthropic_tool_use_and_tool_result(node):
     n, base = node
     c = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=60)
     tools = [{"name": "get_weather", "description": "Weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
-    msg = c.messages.create(model=n.model_id, max_tokens=100, messages=ASK, tools=tools,
-                            extra_body={"temperature": 0})
+    msg = c.messages.create(model=n.model_id, max_tokens=100, messages=ASK, tools=tools, extra_body={"temperature": 0})
     assert msg.stop_reason == "tool_use"
     (use,) = [b for b in msg.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input == {"city": "Paris"}
-    final = c.messages.create(model=n.model_id, max_tokens=100, tools=tools, extra_body={"temperature": 0}, messages=[
-        *ASK, {"role": "assistant", "content": msg.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}])
+    final = c.messages.create(
+        model=n.model_id,
+        max_tokens=100,
+        tools=tools,
+        extra_body={"temperature": 0},
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": msg.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]},
+        ],
+    )
     assert [b.text for b in final.content if b.type == "text"] == [FINAL] and final.stop_reason == "end_turn"
-    with c.messages.stream(model=n.model_id, max_tokens=100, messages=ASK, tools=tools,
-                           extra_body={"temperature": 0}) as stream:
+    with c.messages.stream(
+        model=n.model_id, max_tokens=100, messages=ASK, tools=tools, extra_body={"temperature": 0}
+    ) as stream:
         streamed = stream.get_final_message()
     assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [("get_weather", {"city": "Paris"})]
 
@@ -85,6 +100,10 @@ def test_ollama_tool_calls_and_tool_message(node):
     r = c.chat(model=n.model_id, messages=ASK, tools=TOOLS, options={"temperature": 0})
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather" and dict(call.function.arguments) == {"city": "Paris"}
-    final = c.chat(model=n.model_id, tools=TOOLS, options={"temperature": 0}, messages=[
-        *ASK, r.message, {"role": "tool", "content": RESULT, "tool_name": "get_weather"}])
+    final = c.chat(
+        model=n.model_id,
+        tools=TOOLS,
+        options={"temperature": 0},
+        messages=[*ASK, r.message, {"role": "tool", "content": RESULT, "tool_name": "get_weather"}],
+    )
     assert final.message.content == FINAL

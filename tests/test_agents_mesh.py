@@ -50,8 +50,12 @@ def test_codex_exec_against_a_two_stage_mesh(tmp_path):
         assert plan["max_context"] == 40960, plan  # the config's context, with default settings
         entry = cluster.hosts[0]
         work, env = codex_setup(tmp_path, model.name, f"http://{entry.ip}:{HTTP}/v1")
-        status, out, err = run_group(cluster.client.exec_args([str(codex), "exec", "--skip-git-repo-check",
-                                                                "Say hello."]), timeout=420, cwd=work, env=env)
+        status, out, err = run_group(
+            cluster.client.exec_args([str(codex), "exec", "--skip-git-repo-check", "Say hello."]),
+            timeout=420,
+            cwd=work,
+            env=env,
+        )
         log = cluster.log(entry)
     assert status == 0, (out[-2000:], err[-3000:])
     assert out.strip() == SAID, (out[-2000:], err[-3000:])
@@ -63,7 +67,7 @@ def test_codex_exec_against_a_two_stage_mesh(tmp_path):
 
 
 # The agent's loop, by the openai package inside the client namespace; prints what came back.
-AGENT = r'''
+AGENT = r"""
 import json, sys
 from openai import OpenAI
 base, model, ask, tools, result = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
@@ -102,7 +106,7 @@ print(json.dumps({
                   [[i.name, json.loads(i.arguments), bool(i.call_id)] for i in items]],
     "follow": [follow.status, follow.output_text],
 }))
-'''
+"""
 
 
 @pytest.mark.netns
@@ -116,8 +120,16 @@ def test_the_agent_loop_on_two_stages_resumes_from_the_prompt_cache(tmp_path):
         plan = _two_stages(cluster, int(total * 0.6))  # neither holds it alone: two stages
         head = cluster.host(plan["stages"][-1]["nodes"][0])
         other = next(h for h in cluster.hosts if h is not head)  # it relays to the head, as any node does
-        got = in_ns(cluster.client, AGENT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(ASK),
-                    json.dumps(TOOLS), RESULT, timeout=300)
+        got = in_ns(
+            cluster.client,
+            AGENT,
+            f"http://{other.ip}:{HTTP}",
+            model.name,
+            json.dumps(ASK),
+            json.dumps(TOOLS),
+            RESULT,
+            timeout=300,
+        )
         reuse = {h.name: prompt_cache_reuse(node_metrics(cluster, h)) for h in cluster.hosts}
         logs = cluster.logs()
     assert got["chat"] == ["tool_calls", "", [["function", "get_weather", {"city": "Paris"}, True]]], got

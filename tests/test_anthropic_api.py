@@ -30,8 +30,13 @@ from tests.helpers import running_node
 KEY = "anthropic-test-key"
 SYSTEM = "You are terse."
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
-TOOLS = [{"name": "get_weather", "description": "The weather in a city.",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 GREEDY = {"temperature": 0}  # the anthropic package no longer has sampling arguments; the API takes them
 FORMATS = {"llama-4bit": ("llama", "4bit", "bfloat16", "plain"), "qwen3-bf16": ("qwen3", None, "bfloat16", "agent")}
 NO_THINKING = {"type": "disabled"}
@@ -40,9 +45,19 @@ NO_THINKING = {"type": "disabled"}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("anthropic")
-    return {name: build_model(root / name, family, num_layers=2, hidden_size=64, intermediate_size=128,
-                              dtype=dtype, quantize=quantize, chat=chat)
-            for name, (family, quantize, dtype, chat) in FORMATS.items()}
+    return {
+        name: build_model(
+            root / name,
+            family,
+            num_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            dtype=dtype,
+            quantize=quantize,
+            chat=chat,
+        )
+        for name, (family, quantize, dtype, chat) in FORMATS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +65,10 @@ def nodes(models, tmp_path_factory):
     from contextlib import ExitStack
 
     with ExitStack() as stack:
-        yield {name: stack.enter_context(running_node(path, tmp_path_factory.mktemp(name), max_context=512,
-                                                      api_key=KEY))
-               for name, path in models.items()}
+        yield {
+            name: stack.enter_context(running_node(path, tmp_path_factory.mktemp(name), max_context=512, api_key=KEY))
+            for name, path in models.items()
+        }
 
 
 @pytest.fixture(params=list(FORMATS))
@@ -77,8 +93,10 @@ def agent(nodes):
 
 def parts(msg) -> tuple[str, str]:
     """A message's text and thinking."""
-    return ("".join(b.text for b in msg.content if b.type == "text"),
-            "".join(b.thinking for b in msg.content if b.type == "thinking"))
+    return (
+        "".join(b.text for b in msg.content if b.type == "text"),
+        "".join(b.thinking for b in msg.content if b.type == "thinking"),
+    )
 
 
 def claude(base, key=KEY) -> anthropic.Anthropic:
@@ -88,8 +106,9 @@ def claude(base, key=KEY) -> anthropic.Anthropic:
 def chat(base, model, messages=MESSAGES, system=SYSTEM, **kw):
     """The same conversation through /v1/chat/completions."""
     c = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
-    return c.chat.completions.create(model=model, messages=[{"role": "system", "content": system}] + messages,
-                                     temperature=0, **kw)
+    return c.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": system}] + messages, temperature=0, **kw
+    )
 
 
 def create(base, model, **kw):
@@ -110,6 +129,7 @@ def post(url, body, headers=None):
 
 # --------------------------------------------------------------------------- through a real node
 
+
 def test_greedy_answer_equals_the_openai_route(node):
     n, base = node
     msg = create(base, n.model_id)
@@ -128,16 +148,18 @@ def test_greedy_answer_equals_the_openai_route(node):
 def test_greedy_answer_matches_mlx_lm(llama, models):
     n, base = llama
     model, tokenizer = mlx_load(str(models["llama-4bit"]))
-    prompt = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}] + MESSAGES,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}] + MESSAGES, add_generation_prompt=True
+    )
     assert create(base, n.model_id).content[0].text == mlx_generate(model, tokenizer, prompt=prompt, max_tokens=20)
 
 
 def test_stream_equals_the_whole_answer(node):
     n, base = node
     whole = create(base, n.model_id)
-    with claude(base).messages.stream(model=n.model_id, system=SYSTEM, messages=MESSAGES, max_tokens=20,
-                                      extra_body=GREEDY) as stream:
+    with claude(base).messages.stream(
+        model=n.model_id, system=SYSTEM, messages=MESSAGES, max_tokens=20, extra_body=GREEDY
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == parts(whole)[0]
@@ -146,19 +168,28 @@ def test_stream_equals_the_whole_answer(node):
 
 def test_stream_events_come_in_order(llama):
     n, base = llama
-    events = list(claude(base).messages.create(model=n.model_id, system=SYSTEM, messages=MESSAGES, max_tokens=8,
-                                               extra_body=GREEDY, stream=True))
+    events = list(
+        claude(base).messages.create(
+            model=n.model_id, system=SYSTEM, messages=MESSAGES, max_tokens=8, extra_body=GREEDY, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
-        "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert set(kinds[2:-3]) == {"content_block_delta"}
     assert events[0].message.content == [] and events[0].message.usage.input_tokens > 0
     assert events[1].index == 0 and events[1].content_block.type == "text"
     assert all(e.delta.type == "text_delta" for e in events[2:-3])
     assert events[-2].usage.output_tokens == 8 and events[-2].delta.stop_reason == "max_tokens"
     # on the wire: a ping after message_start, and each event named as its data's type
-    status, raw = post(f"{base}/v1/messages", {"model": n.model_id, "messages": MESSAGES, "max_tokens": 4,
-                                               "stream": True}, {"x-api-key": KEY})
+    status, raw = post(
+        f"{base}/v1/messages",
+        {"model": n.model_id, "messages": MESSAGES, "max_tokens": 4, "stream": True},
+        {"x-api-key": KEY},
+    )
     assert status == 200
     frames = [f.split("\n") for f in raw.strip().split("\n\n")]
     names = [f[0].removeprefix("event: ") for f in frames]
@@ -169,14 +200,21 @@ def test_stream_events_come_in_order(llama):
 def test_stop_sequences(node):
     n, base = node
     full = create(base, n.model_id, max_tokens=30, thinking=NO_THINKING).content[0].text
-    cut = next((full[i: i + 2] for i in range(len(full) // 2, len(full) - 1) if full[i: i + 2].isalpha()), None)
+    cut = next((full[i : i + 2] for i in range(len(full) // 2, len(full) - 1) if full[i : i + 2].isalpha()), None)
     if cut is None or full.index(cut) == 0:
         pytest.skip("no usable stop string in this output")
     msg = create(base, n.model_id, max_tokens=30, thinking=NO_THINKING, stop_sequences=["never in it", cut])
     assert msg.content[0].text == full[: full.index(cut)]
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == cut
-    with claude(base).messages.stream(model=n.model_id, system=SYSTEM, messages=MESSAGES, max_tokens=30,
-                                      extra_body=GREEDY, stop_sequences=[cut], thinking=NO_THINKING) as stream:
+    with claude(base).messages.stream(
+        model=n.model_id,
+        system=SYSTEM,
+        messages=MESSAGES,
+        max_tokens=30,
+        extra_body=GREEDY,
+        stop_sequences=[cut],
+        thinking=NO_THINKING,
+    ) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", cut)
     assert final.content[0].text == msg.content[0].text
@@ -200,22 +238,43 @@ def test_history_blocks_become_the_chat_templates_messages(node_and_model):
     to their template form (tool messages, an assistant's tool_calls, thinking left out)."""
     (n, base), path = node_and_model
     history = [
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?",
-                                      "cache_control": {"type": "ephemeral"}}]},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "I should call the tool.", "signature": "sig"},
-            {"type": "text", "text": "Let me look."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "Sunny, 21 C"}]},
-            {"type": "text", "text": "And tomorrow?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Weather in Paris?", "cache_control": {"type": "ephemeral"}}],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "I should call the tool.", "signature": "sig"},
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "Sunny, 21 C"}]},
+                {"type": "text", "text": "And tomorrow?"},
+            ],
+        },
     ]
-    expected = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "Let me look.", "tool_calls": [
-                    {"id": "toolu_1", "type": "function", "function": {"name": "get_weather",
-                                                                      "arguments": {"city": "Paris"}}}]},
-                {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "toolu_1"},
-                {"role": "user", "content": "And tomorrow?"}]
+    expected = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
     _, tokenizer = mlx_load(str(path))
     counted = claude(base).messages.count_tokens(model=n.model_id, system=SYSTEM, messages=history)
     assert counted.input_tokens == len(tokenizer.apply_chat_template(expected, add_generation_prompt=True))
@@ -227,10 +286,18 @@ def test_tools_and_thinking_are_served(agent):
     n, base = agent
     c = claude(base)
     for choice in ({"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "none"}):
-        msg = create(base, n.model_id, max_tokens=12, tools=TOOLS, tool_choice=choice, thinking=NO_THINKING,
-                     metadata={"user_id": "u-1"})
-        counted = c.messages.count_tokens(model=n.model_id, system=SYSTEM, messages=MESSAGES, tools=TOOLS,
-                                          tool_choice=choice, thinking=NO_THINKING)
+        msg = create(
+            base,
+            n.model_id,
+            max_tokens=12,
+            tools=TOOLS,
+            tool_choice=choice,
+            thinking=NO_THINKING,
+            metadata={"user_id": "u-1"},
+        )
+        counted = c.messages.count_tokens(
+            model=n.model_id, system=SYSTEM, messages=MESSAGES, tools=TOOLS, tool_choice=choice, thinking=NO_THINKING
+        )
         assert msg.usage.input_tokens == counted.input_tokens
         assert msg.stop_reason in ("end_turn", "max_tokens", "tool_use") and msg.content
         assert "thinking" not in [b.type for b in msg.content]
@@ -248,12 +315,19 @@ def test_tools_and_thinking_are_served(agent):
 
 def test_output_config_format_constrains_the_answer(node):
     n, base = node
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-              "required": ["ok", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
     for _ in range(2):  # sampled: whatever the model draws, the answer is valid
-        msg = create(base, n.model_id, max_tokens=60, extra_body={"temperature": 1.0,
-                                                                  "output_config": {"format": {
-                                                                      "type": "json_schema", "schema": schema}}})
+        msg = create(
+            base,
+            n.model_id,
+            max_tokens=60,
+            extra_body={"temperature": 1.0, "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        )
         answer = json.loads(parts(msg)[0])
         assert set(answer) == {"ok", "n"} and answer["n"] in (1, 2, 3) and msg.stop_reason == "end_turn"
 
@@ -271,15 +345,19 @@ def test_errors_have_anthropics_shape(llama):
     c = claude(base)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     with pytest.raises(anthropic.BadRequestError) as bad:
-        c.messages.create(model=n.model_id, max_tokens=5, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+        c.messages.create(
+            model=n.model_id,
+            max_tokens=5,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}],
+        )
     assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[1]" in bad.value.body["error"]["message"] and "image" in bad.value.message
     with pytest.raises(anthropic.BadRequestError, match="top_logprobs"):
         c.messages.create(model=n.model_id, max_tokens=5, messages=MESSAGES, extra_body={"top_logprobs": 2})
     # Claude Code asks for 32000: more than the room left is capped there (stop_reason max_tokens), not refused.
-    capped = c.messages.create(model=n.model_id, messages=MESSAGES, max_tokens=10**6,
-                               extra_body={"temperature": 0, "top_k": 1})
+    capped = c.messages.create(
+        model=n.model_id, messages=MESSAGES, max_tokens=10**6, extra_body={"temperature": 0, "top_k": 1}
+    )
     assert capped.stop_reason in ("max_tokens", "end_turn")
     with pytest.raises(anthropic.NotFoundError) as missing:
         c.messages.create(model="no-such-model", max_tokens=5, messages=MESSAGES)
@@ -305,6 +383,7 @@ def test_the_key_is_taken_as_x_api_key(llama):
 
 
 # --------------------------------------------------------------------------- framing, on constructed deltas
+
 
 def _gen() -> Generation:
     async def none():
@@ -336,8 +415,12 @@ def _accumulated(events):
 
 
 def test_thinking_text_and_tool_calls_stream_as_blocks_in_order():
-    deltas = [Delta("", 2, reasoning="Let me "), Delta("", 3, reasoning="think."), Delta("Calling.", 4),
-              Delta("", 9, "tool_calls", tool_calls=CALLS)]
+    deltas = [
+        Delta("", 2, reasoning="Let me "),
+        Delta("", 3, reasoning="think."),
+        Delta("Calling.", 4),
+        Delta("", 9, "tool_calls", tool_calls=CALLS),
+    ]
     events = _events(deltas)
     starts = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
     assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use"), (3, "tool_use")]
@@ -372,13 +455,23 @@ def test_stop_reasons_and_an_empty_answer():
     events = _events([Delta("", 0, "stop")])  # nothing said: still one (empty) text block, as create gives
     assert [b["type"] for b in _accumulated(events).to_dict()["content"]] == ["text"]
     assert surface.message(_gen(), Answer("", "", [], [], Delta("", 0, "stop")))["content"] == [
-        {"type": "text", "text": ""}]
+        {"type": "text", "text": ""}
+    ]
 
 
 def test_error_types_and_the_mid_stream_error_event():
     types = {s: surface.error_body(ApiError(s, "x"))["error"]["type"] for s in (400, 401, 404, 413, 429, 500, 503)}
-    assert types == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+    assert types == {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        500: "api_error",
+        503: "overloaded_error",
+    }
     frame = surface.Events(_gen()).failure(ApiError(503, "the mesh is re-planning"))[0].decode()
     assert frame.startswith("event: error\ndata: ") and json.loads(frame.split("data: ", 1)[1]) == {
-        "type": "error", "error": {"type": "overloaded_error", "message": "the mesh is re-planning"}}
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the mesh is re-planning"},
+    }

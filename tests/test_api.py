@@ -26,8 +26,13 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(model_path, tmp_path_factory):
-    with running_node(model_path, tmp_path_factory.mktemp("node"), max_context=512, max_body_bytes=64 * 1024,
-                      max_concurrent_requests=3) as (node, base):
+    with running_node(
+        model_path,
+        tmp_path_factory.mktemp("node"),
+        max_context=512,
+        max_body_bytes=64 * 1024,
+        max_concurrent_requests=3,
+    ) as (node, base):
         yield node, base
 
 
@@ -64,9 +69,14 @@ def test_chat_matches_mlx_lm(node, reference):
 
 def test_chat_stream_matches_mlx_lm(node, reference):
     n, base = node
-    stream = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=20,
-                                                  temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = client(base).chat.completions.create(
+        model=n.model_id,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage = "", None, None
     for chunk in stream:
         if chunk.usage:
@@ -84,8 +94,13 @@ def test_completions_match_mlx_lm(node, reference):
     c = client(base)
     out = c.completions.create(model=n.model_id, prompt="Once upon a time", max_tokens=16, temperature=0)
     assert out.choices[0].text == reference(prompt="Once upon a time", max_tokens=16)
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model=n.model_id, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True) if ch.choices)
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=n.model_id, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True
+        )
+        if ch.choices
+    )
     assert streamed == out.choices[0].text
 
 
@@ -107,11 +122,12 @@ async def test_raw_sse_format(node):
 def test_stop_strings(node, reference):
     n, base = node
     full = reference(max_tokens=30)
-    cut = full[len(full) // 2: len(full) // 2 + 2]
+    cut = full[len(full) // 2 : len(full) // 2 + 2]
     if not cut.strip():
         pytest.skip("no usable stop string in this output")
-    out = client(base).chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=30, temperature=0,
-                                               stop=[cut])
+    out = client(base).chat.completions.create(
+        model=n.model_id, messages=MESSAGES, max_tokens=30, temperature=0, stop=[cut]
+    )
     assert out.choices[0].message.content == full[: full.index(cut)]
     assert out.choices[0].finish_reason == "stop"
 
@@ -120,8 +136,10 @@ def test_seeded_sampling_is_reproducible(node):
     n, base = node
     c = client(base)
     kw = dict(model=n.model_id, messages=MESSAGES, max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    assert c.chat.completions.create(**kw).choices[0].message.content == \
+    assert (
         c.chat.completions.create(**kw).choices[0].message.content
+        == c.chat.completions.create(**kw).choices[0].message.content
+    )
 
 
 def test_concurrent_requests_each_correct(node, reference):
@@ -129,8 +147,16 @@ def test_concurrent_requests_each_correct(node, reference):
     want = reference()
     c = client(base)
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda _: c.chat.completions.create(
-            model=n.model_id, messages=MESSAGES, max_tokens=20, temperature=0).choices[0].message.content, range(3)))
+        outs = list(
+            pool.map(
+                lambda _: (
+                    c.chat.completions.create(model=n.model_id, messages=MESSAGES, max_tokens=20, temperature=0)
+                    .choices[0]
+                    .message.content
+                ),
+                range(3),
+            )
+        )
     assert outs == [want] * 3
 
 
@@ -174,16 +200,26 @@ BAD = [
 async def test_bad_chat_input(node, body, status):
     n, base = node
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{base}/v1/chat/completions", data=body.replace("MODEL", n.model_id),
-                          headers={"Content-Type": "application/json"}) as r:
+        async with s.post(
+            f"{base}/v1/chat/completions",
+            data=body.replace("MODEL", n.model_id),
+            headers={"Content-Type": "application/json"},
+        ) as r:
             assert r.status == status, await r.text()
             err = (await r.json())["error"]
             assert err["message"] and err["type"]
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": ""}, {"prompt": 5}, {"prompt": [1, -3]}, {"prompt": [10**9]}, {"prompt": None},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": ""},
+        {"prompt": 5},
+        {"prompt": [1, -3]},
+        {"prompt": [10**9]},
+        {"prompt": None},
+    ],
+)
 async def test_bad_completion_input(node, body):
     n, base = node
     async with aiohttp.ClientSession() as s:

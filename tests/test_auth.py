@@ -9,12 +9,18 @@ import time
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from meshnode.trust.auth import (
-    HEADER_MAC, HEADER_NODE, HEADER_NONCE, HEADER_TS, ClusterAuth, client_interceptors,
-)
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
+from meshnode.trust.auth import (
+    HEADER_MAC,
+    HEADER_NODE,
+    HEADER_NONCE,
+    HEADER_TS,
+    ClusterAuth,
+    client_interceptors,
+)
 
 KEY = "a long shared secret for the tests"
 HEARTBEAT = "/meshnode.v1.Mesh/Heartbeat"
@@ -80,9 +86,12 @@ def heartbeat(epoch: int = 7) -> mesh_pb2.HeartbeatRequest:
 
 
 def forward_requests(n: int = 3):
-    return [mesh_pb2.ForwardRequest(request_id="r", epoch=1, input=mesh_pb2.Tensor(dtype="int32", shape=[1],
-                                                                                  data=bytes([i]) * 4))
-            for i in range(n)]
+    return [
+        mesh_pb2.ForwardRequest(
+            request_id="r", epoch=1, input=mesh_pb2.Tensor(dtype="int32", shape=[1], data=bytes([i]) * 4)
+        )
+        for i in range(n)
+    ]
 
 
 async def forward(channel, n: int = 3) -> list[mesh_pb2.ForwardReply]:
@@ -140,11 +149,13 @@ async def test_open_cluster_works_with_open_cluster_only():
     port = srv.add_insecure_port("127.0.0.1:0")
     await srv.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             interceptors=client_interceptors(ClusterAuth(None), "x")) as ch:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", interceptors=client_interceptors(ClusterAuth(None), "x")
+        ) as ch:
             assert (await mesh_pb2_grpc.MeshStub(ch).Heartbeat(heartbeat(3), timeout=5)).epoch == 3
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             interceptors=client_interceptors(ClusterAuth(KEY), "x")) as ch:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", interceptors=client_interceptors(ClusterAuth(KEY), "x")
+        ) as ch:
             await assert_unauthenticated(mesh_pb2_grpc.MeshStub(ch).Heartbeat(heartbeat(3), timeout=5))
     finally:
         await srv.stop(grace=None)
@@ -187,7 +198,9 @@ async def test_missing_metadata_refused(server):
         assert "missing" in await assert_unauthenticated(stub.Heartbeat(heartbeat(), timeout=5))
         await assert_unauthenticated(forward(channel))
         # partial metadata: everything but the MAC
-        md = [kv for kv in ClusterAuth(KEY).sign(HEARTBEAT, "a", heartbeat().SerializeToString()) if kv[0] != HEADER_MAC]
+        md = [
+            kv for kv in ClusterAuth(KEY).sign(HEARTBEAT, "a", heartbeat().SerializeToString()) if kv[0] != HEADER_MAC
+        ]
         await assert_unauthenticated(stub.Heartbeat(heartbeat(), metadata=md, timeout=5))
     assert server.servicer.calls == 0
     await assert_still_serving(server)
@@ -201,8 +214,9 @@ class TamperingInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 
     async def intercept_unary_unary(self, continuation, details, request):
         md = grpc.aio.Metadata(*self.auth.sign(details.method, "node-a", self.other_body))
-        details = grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
-                                             details.wait_for_ready)
+        details = grpc.aio.ClientCallDetails(
+            details.method, details.timeout, md, details.credentials, details.wait_for_ready
+        )
         return await continuation(details, request)
 
 
@@ -263,8 +277,9 @@ async def test_replay_refused(server):
     async with server.channel(None) as channel:
         body = heartbeat(9).SerializeToString()
         assert "replay" in await assert_unauthenticated(raw_unary(channel)(body, metadata=unary_md, timeout=5))
-        call = channel.stream_stream(FORWARD)(iter([r.SerializeToString() for r in forward_requests(1)]),
-                                              metadata=stream_md, timeout=5)
+        call = channel.stream_stream(FORWARD)(
+            iter([r.SerializeToString() for r in forward_requests(1)]), metadata=stream_md, timeout=5
+        )
         assert "replay" in await assert_unauthenticated(call.read())
     assert server.servicer.calls == 2
     await assert_still_serving(server)
@@ -289,7 +304,7 @@ _hexish = st.text(st.sampled_from("0123456789abcdefABCDEF"), min_size=0, max_siz
 
 def _value(header: str):
     plausible = {
-        HEADER_TS: st.builds(lambda d: str(int(time.time() * 1000) + d), st.integers(-10**6, 10**6)),
+        HEADER_TS: st.builds(lambda d: str(int(time.time() * 1000) + d), st.integers(-(10**6), 10**6)),
         HEADER_NONCE: st.builds(lambda b: b.hex(), st.binary(min_size=16, max_size=16)),
         HEADER_NODE: st.sampled_from(["node-a", "x" * 300]),
         HEADER_MAC: st.builds(lambda b: b.hex(), st.binary(min_size=32, max_size=32)),
@@ -299,8 +314,10 @@ def _value(header: str):
 
 _metadata = st.lists(
     st.sampled_from([HEADER_TS, HEADER_NONCE, HEADER_NODE, HEADER_MAC]).flatmap(
-        lambda h: st.tuples(st.just(h), _value(h))),
-    max_size=6)
+        lambda h: st.tuples(st.just(h), _value(h))
+    ),
+    max_size=6,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -27,12 +27,20 @@ LAYERS, SPLIT, EPOCH = 4, 2, 3
 KEY = "batch hop key"
 PROMPTS = {"r1": [3, 17, 42, 99, 7, 250, 31], "r2": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], "r3": [21, 22, 23]}
 # (the requests of the batched step in order, a request that steps on its own stream beside it)
-SCHEDULE = [(["r1", "r2"], None), (["r2", "r1", "r3"], None), (["r3", "r1"], "r2"), (["r1", "r2", "r3"], None),
-            (["r3"], None), (["r2", "r3", "r1"], None)]
+SCHEDULE = [
+    (["r1", "r2"], None),
+    (["r2", "r1", "r3"], None),
+    (["r3", "r1"], "r2"),
+    (["r1", "r2", "r3"], None),
+    (["r3"], None),
+    (["r2", "r3", "r1"], None),
+]
 
 
-@pytest.fixture(params=[("llama", "float32", None), ("qwen3_moe", "float32", None), ("llama", "bfloat16", "4bit")],
-                ids=["llama", "qwen3_moe", "llama-4bit"])
+@pytest.fixture(
+    params=[("llama", "float32", None), ("qwen3_moe", "float32", None), ("llama", "bfloat16", "4bit")],
+    ids=["llama", "qwen3_moe", "llama-4bit"],
+)
 def served(request, tmp_path):
     family, dtype, quantize = request.param
     path = build_model(tmp_path / family, family, num_layers=LAYERS, dtype=dtype, quantize=quantize, seed=11)
@@ -41,13 +49,29 @@ def served(request, tmp_path):
     server = StageServer(scheduler, vocab_size=512, max_chunk=512, max_context=4096)
     server.serve(EPOCH, shards)
     auth = ClusterAuth(KEY)
-    data = DataServer("127.0.0.1", 0, auth=auth, verify=True,
-                      forward=lambda conn, opening, host: (serve_batch if opening.forward.batch else serve_forward)(
-                          server, scheduler.run_here, conn, opening, host))
+    data = DataServer(
+        "127.0.0.1",
+        0,
+        auth=auth,
+        verify=True,
+        forward=lambda conn, opening, host: (serve_batch if opening.forward.batch else serve_forward)(
+            server, scheduler.run_here, conn, opening, host
+        ),
+    )
     first = next(iter(shards.values()))
-    stages = [RemoteStage(node_id="peer", channel=mock.MagicMock(), loop=None, start=a, end=b, epoch=EPOCH,
-                          hidden_size=first.hidden_size if b < LAYERS else 512, hop_timeout=5.0)
-              for a, b in shards]
+    stages = [
+        RemoteStage(
+            node_id="peer",
+            channel=mock.MagicMock(),
+            loop=None,
+            start=a,
+            end=b,
+            epoch=EPOCH,
+            hidden_size=first.hidden_size if b < LAYERS else 512,
+            hop_timeout=5.0,
+        )
+        for a, b in shards
+    ]
     yield path, server, data, auth, stages
     data.close()
     scheduler.stop()

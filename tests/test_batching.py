@@ -16,16 +16,21 @@ from meshnode.model.build import build_model
 from meshnode.serving.batching import BatchedSource
 from tests.helpers import running_node
 
-PROMPTS = ["Tell me a story about a cat.", "What is two plus two?", "Name three colours.",
-           "Write a haiku about the sea, please, and make it rhyme."]
+PROMPTS = [
+    "Tell me a story about a cat.",
+    "What is two plus two?",
+    "Name three colours.",
+    "Write a haiku about the sea, please, and make it rhyme.",
+]
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module", params=[("llama", None), ("qwen3_moe", None)], ids=lambda p: p[0])
 def model_path(request, tmp_path_factory):
     family, quantize = request.param
-    return build_model(tmp_path_factory.mktemp("batch") / family, family, num_layers=2, dtype="float32",
-                       quantize=quantize)
+    return build_model(
+        tmp_path_factory.mktemp("batch") / family, family, num_layers=2, dtype="float32", quantize=quantize
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +53,9 @@ def _chat(base, model, prompt, **kw) -> str:
 def _stream(base, model, prompt, started: threading.Event | None = None, stop_after: int | None = None, **kw):
     kw.setdefault("max_tokens", MAX_TOKENS)
     kw.setdefault("temperature", 0)
-    stream = _client(base).chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                   stream=True, **kw)
+    stream = _client(base).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], stream=True, **kw
+    )
     text, pieces = "", 0
     for chunk in stream:
         for choice in chunk.choices:
@@ -65,8 +71,11 @@ def _stream(base, model, prompt, started: threading.Event | None = None, stop_af
 
 
 def _loops(node):
-    return [p._source.loop for p in node.served._placements.values() if isinstance(getattr(p, "_source", None),
-                                                                                 BatchedSource)]
+    return [
+        p._source.loop
+        for p in node.served._placements.values()
+        if isinstance(getattr(p, "_source", None), BatchedSource)
+    ]
 
 
 def _wait(check, what: str, timeout: float = 10.0):
@@ -92,8 +101,15 @@ def test_concurrent_greedy_chats_answer_as_alone_and_as_mlx_lm(node, model_path)
     streamed = _together(lambda p: _stream(base, n.model_id, p), [(p,) for p in PROMPTS])
     assert streamed == alone
     model, tokenizer = mlx_load(str(model_path))
-    reference = [mlx_generate(model, tokenizer, prompt=tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True), max_tokens=MAX_TOKENS) for p in PROMPTS]
+    reference = [
+        mlx_generate(
+            model,
+            tokenizer,
+            prompt=tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+            max_tokens=MAX_TOKENS,
+        )
+        for p in PROMPTS
+    ]
     assert alone == reference
 
 
@@ -104,8 +120,10 @@ def test_a_request_joins_while_others_decode(node):
     alone = [_stream(base, n.model_id, p, **long_kw) for p in PROMPTS[:2]] + [_chat(base, n.model_id, PROMPTS[2])]
     started = threading.Event()
     with ThreadPoolExecutor(3) as pool:
-        first = [pool.submit(_stream, base, n.model_id, p, started if i == 0 else None, **long_kw)
-                 for i, p in enumerate(PROMPTS[:2])]
+        first = [
+            pool.submit(_stream, base, n.model_id, p, started if i == 0 else None, **long_kw)
+            for i, p in enumerate(PROMPTS[:2])
+        ]
         assert started.wait(60)
         late = pool.submit(_chat, base, n.model_id, PROMPTS[2])
         assert [f.result() for f in first] + [late.result()] == alone
@@ -114,8 +132,10 @@ def test_a_request_joins_while_others_decode(node):
 def test_a_cancelled_stream_leaves_the_others_correct(node):
     n, base = node
     alone = [_stream(base, n.model_id, p, max_tokens=64) for p in PROMPTS]
-    out = _together(lambda p, stop: _stream(base, n.model_id, p, stop_after=stop, max_tokens=64),
-                    [(PROMPTS[0], 2), (PROMPTS[1], None), (PROMPTS[2], 3), (PROMPTS[3], None)])
+    out = _together(
+        lambda p, stop: _stream(base, n.model_id, p, stop_after=stop, max_tokens=64),
+        [(PROMPTS[0], 2), (PROMPTS[1], None), (PROMPTS[2], 3), (PROMPTS[3], None)],
+    )
     assert out[1] == alone[1] and out[3] == alone[3]
     assert alone[0].startswith(out[0]) and alone[2].startswith(out[2])
     deadline = time.monotonic() + 10
@@ -127,9 +147,12 @@ def test_a_cancelled_stream_leaves_the_others_correct(node):
 
 def test_seeded_sampled_requests_reproduce_their_alone_output(node, model_path, tmp_path):
     n, base = node
-    kws = [dict(temperature=0.9, seed=7), dict(temperature=1.2, seed=11, top_p=0.9),
-           dict(temperature=0.7, seed=3, extra_body={"top_k": 20, "min_p": 0.05}),
-           dict(temperature=0, frequency_penalty=0.5, logit_bias={"5": 3.0})]
+    kws = [
+        dict(temperature=0.9, seed=7),
+        dict(temperature=1.2, seed=11, top_p=0.9),
+        dict(temperature=0.7, seed=3, extra_body={"top_k": 20, "min_p": 0.05}),
+        dict(temperature=0, frequency_penalty=0.5, logit_bias={"5": 3.0}),
+    ]
     alone = [_chat(base, n.model_id, p, **kw) for p, kw in zip(PROMPTS, kws)]
     together = _together(lambda p, kw: _chat(base, n.model_id, p, **kw), list(zip(PROMPTS, kws)))
     assert together == alone
@@ -144,8 +167,14 @@ def test_logprobs_are_reported_per_token_in_a_batch(node):
     n, base = node
 
     def ask(prompt):
-        out = _client(base).chat.completions.create(model=n.model_id, messages=[{"role": "user", "content": prompt}],
-                                                    max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+        out = _client(base).chat.completions.create(
+            model=n.model_id,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+        )
         entries = out.choices[0].logprobs.content
         assert len(entries) == out.usage.completion_tokens
         return [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in entries]
@@ -164,19 +193,29 @@ def test_a_next_turn_resumes_its_kept_prefix_in_the_batch(node, model_path):
     model, tokenizer = mlx_load(str(model_path))
     messages = [{"role": "user", "content": PROMPTS[3] * 3}]
     c = _client(base)
-    first = c.chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS,
-                                      temperature=0).choices[0].message.content
+    first = (
+        c.chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        .choices[0]
+        .message.content
+    )
     hits = store.hits
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": PROMPTS[1]}]
     # The next turn, beside another request decoding.
     with ThreadPoolExecutor(2) as pool:
         other = pool.submit(lambda: _chat(base, n.model_id, PROMPTS[0]))
-        second = c.chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS,
-                                           temperature=0).choices[0].message.content
+        second = (
+            c.chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+            .choices[0]
+            .message.content
+        )
         assert other.result() == _chat(base, n.model_id, PROMPTS[0])
     assert store.hits > hits  # resumed from what the first turn kept
-    assert second == mlx_generate(model, tokenizer, prompt=tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True), max_tokens=MAX_TOKENS)
+    assert second == mlx_generate(
+        model,
+        tokenizer,
+        prompt=tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        max_tokens=MAX_TOKENS,
+    )
 
 
 def test_a_kept_prefix_counts_its_positions_once(node):
@@ -225,8 +264,12 @@ def _resumes_from_another(node, model_path):
     hits = store.hits
     gone = index.add(prompt[:-3])  # the index is ahead of the store: a longer match, held nowhere
     assert index.match(prompt)[0] == gone
-    second = _client(base).chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS,
-                                                   temperature=0).choices[0].message.content
+    second = (
+        _client(base)
+        .chat.completions.create(model=n.model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        .choices[0]
+        .message.content
+    )
     assert store.hits == hits + 1 and gone not in [k for k, _ in [index.match(prompt) or ("", 0)]]
     assert second == mlx_generate(model, tokenizer, prompt=prompt, max_tokens=MAX_TOKENS)
 
@@ -234,8 +277,10 @@ def _resumes_from_another(node, model_path):
 @pytest.fixture(scope="module")
 def speculating_node(model_path, tmp_path_factory):
     """A node that speculates with prompt lookup where its whole model batches (not the default)."""
-    with running_node(model_path, tmp_path_factory.mktemp("node"), max_context=1024,
-                      speculative="prompt_lookup") as (node, base):
+    with running_node(model_path, tmp_path_factory.mktemp("node"), max_context=1024, speculative="prompt_lookup") as (
+        node,
+        base,
+    ):
         yield node, base
 
 
@@ -244,7 +289,8 @@ def test_a_long_prompt_joining_does_not_stall_the_decoders(node, monkeypatch):
 
 
 def test_with_prompt_lookup_a_lone_request_that_cannot_speculate_still_batches_with_one_that_joins(
-        speculating_node, monkeypatch):
+    speculating_node, monkeypatch
+):
     """A lone request that can speculate decodes beside the batch; one that cannot (here a logit
     bias) must go into it, or the request that joins it takes turns with it and is prefilled at
     once, not a chunk per step between the decoder's tokens."""
@@ -284,8 +330,13 @@ def _joins_a_decoder_chunk_by_chunk(node, monkeypatch):
 
     def decoder():
         stream = _client(base).chat.completions.create(
-            model=n.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=400, temperature=0,
-            stream=True, logit_bias=never_ends)
+            model=n.model_id,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            logit_bias=never_ends,
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.monotonic())
@@ -298,7 +349,8 @@ def _joins_a_decoder_chunk_by_chunk(node, monkeypatch):
         sent = time.monotonic()
         chunks.clear()
         joined = _client(base).chat.completions.create(
-            model=n.model_id, messages=[{"role": "user", "content": long_prompt}], max_tokens=1, temperature=0)
+            model=n.model_id, messages=[{"role": "user", "content": long_prompt}], max_tokens=1, temperature=0
+        )
         answered = time.monotonic()
         running.result()
     assert joined.usage.prompt_tokens > 3 * 128

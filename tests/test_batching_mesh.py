@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(400)]
 # decoders up to meshnode.model.scheduler.AGE_S at each stage, and with two stages the batched
 # requests are dealt into two groups, so a round carries two rows only where three decode at once.
 MAX_TOKENS = 128
-PROMPTS = ["Tell me about the sea.", "Why is the sky blue?", "Write a poem about autumn leaves.",
-           "How do rivers reach the ocean?"]
+PROMPTS = [
+    "Tell me about the sea.",
+    "Why is the sky blue?",
+    "Write a poem about autumn leaves.",
+    "How do rivers reach the ocean?",
+]
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -34,11 +38,22 @@ def _counter(metrics: str, name: str) -> float:
 # Seeds whose random weights answer every prompt to MAX_TOKENS (mlx-lm, greedy). With seed 4 for all
 # three, some answers ended at 25-56 tokens (end of sequence), and under load the four sometimes
 # never decoded three at a time: no round of two rows (CI), or none batched at all.
-@pytest.mark.parametrize("family,quantize,seed", [("llama", None, 6), ("qwen3_moe", None, 5), ("llama", "4bit", 5)],
-                         ids=["llama", "qwen3_moe", "llama-4bit"])
+@pytest.mark.parametrize(
+    "family,quantize,seed",
+    [("llama", None, 6), ("qwen3_moe", None, 5), ("llama", "4bit", 5)],
+    ids=["llama", "qwen3_moe", "llama-4bit"],
+)
 def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(family, quantize, seed, tmp_path):
-    model = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
-                        dtype="float32", quantize=quantize, seed=seed)
+    model = build_model(
+        tmp_path / family,
+        family,
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+        quantize=quantize,
+        seed=seed,
+    )
     references = [mlx_reference(model, [{"role": "user", "content": p}], MAX_TOKENS) for p in PROMPTS]
     total = profile_model(model).total_bytes(1024)
     with netns_mesh(2) as mesh:
@@ -48,8 +63,14 @@ def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(fam
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
-        answers = in_ns(cluster.client, CONCURRENT_CHATS, f"http://{head.ip}:{HTTP}",
-                        json.dumps([[model.name, p] for p in PROMPTS]), MAX_TOKENS, timeout=300)["answers"]
+        answers = in_ns(
+            cluster.client,
+            CONCURRENT_CHATS,
+            f"http://{head.ip}:{HTTP}",
+            json.dumps([[model.name, p] for p in PROMPTS]),
+            MAX_TOKENS,
+            timeout=300,
+        )["answers"]
         assert answers == references, cluster.logs()
         metrics = node_metrics(cluster, head)
         steps = _counter(metrics, "meshnode_batched_decode_steps")

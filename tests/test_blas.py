@@ -25,7 +25,7 @@ linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MLX's Linux CPU
 pytestmark = pytest.mark.timeout(180)
 
 # meshnode first (it loads the BLAS), then MLX: a float32 matmul, printed with the library in use.
-PROBE = r'''
+PROBE = r"""
 import json
 import meshnode
 from meshnode import blas
@@ -39,7 +39,7 @@ from meshnode.config import Settings
 from meshnode.serving.step_batch import stages_batch
 print(json.dumps({"in_use": blas.in_use(), "error": float(np.abs(got - exact).max()),
                   "stages_batch": stages_batch(Settings().batch_stages)}))
-'''
+"""
 
 
 def _env(setting: str | None) -> dict[str, str]:
@@ -52,8 +52,13 @@ def _env(setting: str | None) -> dict[str, str]:
 def _probe(setting: str | None) -> tuple[dict, str]:
     """PROBE in a fresh process with ``MESHNODE_BLAS=setting`` (None: unset); (its figures, the
     dynamic linker's bindings of cblas_sgemm)."""
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                         env={**_env(setting), "LD_DEBUG": "bindings"})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(setting), "LD_DEBUG": "bindings"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     bindings = "\n".join(line for line in out.stderr.splitlines() if "`cblas_sgemm'" in line)
     return json.loads(out.stdout.strip().splitlines()[-1]), bindings
@@ -75,8 +80,9 @@ def test_choose():
 @linux_only
 def test_by_default_mlx_multiplies_with_openblas_and_reference_keeps_its_own():
     auto, bound = _probe(None)
-    assert auto["in_use"].startswith("OpenBLAS"), \
+    assert auto["in_use"].startswith("OpenBLAS"), (
         "no OpenBLAS on this machine: install it as the README's set-up does (apt-get install libopenblas0-pthread)"
+    )
     assert re.search(r"libmlx\.so .* to \S*openblas\S* \[\d+\]: normal symbol `cblas_sgemm'", bound), bound
     assert auto["error"] < 1e-4  # and it multiplies correctly
     assert auto["stages_batch"]  # batch_stages = "auto": batched rows are cheap here
@@ -106,8 +112,9 @@ def test_batch_stages_setting():
 @linux_only
 def test_a_setting_that_names_no_library_is_an_error_the_node_logs_and_it_serves_on(tmp_path):
     model = model_dir_for(tmp_path / "models", "llama", num_layers=2, hidden_size=64, dtype="float32")
-    with meshnode_run(tmp_path, env=_env("/nowhere/libnothing.so"), model=model, http_port=0, grpc_port=0,
-                      budget="1GiB") as (_, port, log):
+    with meshnode_run(
+        tmp_path, env=_env("/nowhere/libnothing.so"), model=model, http_port=0, grpc_port=0, budget="1GiB"
+    ) as (_, port, log):
         text = log.read_text()
         assert "CPU matmuls: MLX's own BLAS" in text, text
         assert "MESHNODE_BLAS='/nowhere/libnothing.so' could not be loaded" in text
@@ -115,7 +122,7 @@ def test_a_setting_that_names_no_library_is_an_error_the_node_logs_and_it_serves
 
 
 # mlx-lm's greedy answers in a process of its own on the given BLAS (meshnode imported first).
-MLX_ANSWERS = r'''
+MLX_ANSWERS = r"""
 import json, sys
 import meshnode
 from meshnode import blas
@@ -125,10 +132,10 @@ answers = [generate(model, tokenizer, tokenizer.apply_chat_template([{"role": "u
                                                                     add_generation_prompt=True), max_tokens=int(sys.argv[3]))
            for p in json.loads(sys.argv[2])]
 print(json.dumps({"in_use": blas.in_use(), "answers": answers}))
-'''
+"""
 
 # The same chats through the openai package, one streamed.
-CLIENT = r'''
+CLIENT = r"""
 import json, sys
 from openai import OpenAI
 c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -141,14 +148,19 @@ for i, p in enumerate(json.loads(sys.argv[3])):
     else:
         out.append(c.chat.completions.create(**ask).choices[0].message.content)
 print(json.dumps(out))
-'''
+"""
 
-PROMPTS = ["Tell me about the sea.", "Write a poem about lighthouses and the keepers who tend them at night.",
-           "word " * 120]
-CASES = {"llama-f32": ("llama", {"dtype": "float32", "hidden_size": 256}),
-         "qwen3-f32": ("qwen3", {"dtype": "float32", "hidden_size": 128}),
-         "llama-bf16": ("llama", {"dtype": "bfloat16", "hidden_size": 128}),
-         "qwen3-4bit": ("qwen3", {"dtype": "bfloat16", "hidden_size": 128, "quantize": "4bit"})}
+PROMPTS = [
+    "Tell me about the sea.",
+    "Write a poem about lighthouses and the keepers who tend them at night.",
+    "word " * 120,
+]
+CASES = {
+    "llama-f32": ("llama", {"dtype": "float32", "hidden_size": 256}),
+    "qwen3-f32": ("qwen3", {"dtype": "float32", "hidden_size": 128}),
+    "llama-bf16": ("llama", {"dtype": "bfloat16", "hidden_size": 128}),
+    "qwen3-4bit": ("qwen3", {"dtype": "bfloat16", "hidden_size": 128, "quantize": "4bit"}),
+}
 
 
 @linux_only
@@ -160,8 +172,13 @@ def test_a_node_on_openblas_answers_as_mlx_lm_does_on_it(case, tmp_path_factory,
     family, kw = CASES[case]
     model = model_dir_for(tmp_path_factory.getbasetemp() / "models", family, num_layers=4, **kw)
     tokens = 24
-    ref = subprocess.run([sys.executable, "-c", MLX_ANSWERS, str(model), json.dumps(PROMPTS), str(tokens)],
-                         capture_output=True, text=True, timeout=120, env=_env(None))
+    ref = subprocess.run(
+        [sys.executable, "-c", MLX_ANSWERS, str(model), json.dumps(PROMPTS), str(tokens)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(None),
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = json.loads(ref.stdout.strip().splitlines()[-1])
     assert want["in_use"].startswith("OpenBLAS")
@@ -169,8 +186,12 @@ def test_a_node_on_openblas_answers_as_mlx_lm_does_on_it(case, tmp_path_factory,
         assert "CPU matmuls: OpenBLAS" in log.read_text(), log.read_text()
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _healthy(url, "OpenBLAS"), 60, "the node to serve")
-        got = subprocess.run([sys.executable, "-c", CLIENT, url, model.name, json.dumps(PROMPTS), str(tokens)],
-                             capture_output=True, text=True, timeout=120)
+        got = subprocess.run(
+            [sys.executable, "-c", CLIENT, url, model.name, json.dumps(PROMPTS), str(tokens)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert got.returncode == 0, got.stderr[-3000:]
         assert json.loads(got.stdout) == want["answers"]
 

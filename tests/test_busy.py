@@ -19,12 +19,12 @@ import time
 
 import pytest
 
+from harness import cpulimit
+from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, read_stream
+from harness.netns import netns_mesh
+from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
-from harness.cluster import HTTP, Cluster, in_ns, mlx_reference, read_stream
-from harness import cpulimit
-from harness.netns import netns_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 
@@ -36,14 +36,26 @@ def long_messages(words: int = 230, chat: int = 0) -> list[dict]:
     """A title-like request: about 1k tokens with this model's tokenizer; each ``chat`` another
     (none starts like another: the prompt cache would resume it, and the answer would no longer
     run beside a long prefill)."""
-    return [{"role": "user", "content": f"Chat {chat}. ### Task: a concise title for the chat below.\n"
-             + " ".join(f"word{(i * 7 + chat * 13) % 97}" for i in range(words))}]
+    return [
+        {
+            "role": "user",
+            "content": f"Chat {chat}. ### Task: a concise title for the chat below.\n"
+            + " ".join(f"word{(i * 7 + chat * 13) % 97}" for i in range(words)),
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("busy") / "llama", "llama", num_layers=8, hidden_size=128,
-                       intermediate_size=256, dtype="float32", seed=5)
+    return build_model(
+        tmp_path_factory.mktemp("busy") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+        seed=5,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +129,7 @@ def test_slow_stage_serves_a_1k_token_prompt_without_503(model, mesh2):
 
 # Open WebUI's new-chat pattern through the openai client, from the client namespace: the answer
 # (streamed) and a ~1k-token title request (non-streamed) sent at the same moment.
-OPENWEBUI = r'''
+OPENWEBUI = r"""
 import json, sys, threading
 from openai import OpenAI
 url, model, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -142,7 +154,7 @@ for i in range(rounds):
     a, b = threading.Thread(target=ask), threading.Thread(target=name, args=(titles[i],))
     a.start(); b.start(); a.join(); b.join()
 print(json.dumps({"texts": texts, "lost": lost}))
-'''
+"""
 
 # 20 rounds (the issue's figure) take ~2 minutes on a shared 2-core CI box; 6 rounds keep this
 # test near 30 s. The 20-round version: benchmarks/busy.py --openwebui 20.
@@ -152,8 +164,16 @@ ROUNDS = 6
 def test_openwebui_answer_and_title_at_once_nothing_lost(model, mesh2):
     cluster, view, entry, head, delay = mesh2
     want = mlx_reference(model, MESSAGES, 20)
-    result = in_ns(cluster.client, OPENWEBUI, f"http://{entry.ip}:{HTTP}", model.name, ROUNDS, json.dumps(MESSAGES),
-                   json.dumps([long_messages(chat=i) for i in range(ROUNDS)]), timeout=150)
+    result = in_ns(
+        cluster.client,
+        OPENWEBUI,
+        f"http://{entry.ip}:{HTTP}",
+        model.name,
+        ROUNDS,
+        json.dumps(MESSAGES),
+        json.dumps([long_messages(chat=i) for i in range(ROUNDS)]),
+        timeout=150,
+    )
     assert result["lost"] == [], (result["lost"], cluster.logs())
     assert result["texts"] == [want] * ROUNDS
     assert_no_loss(cluster, view)

@@ -38,7 +38,7 @@ class Flaky:
     async def tokens(self, prompt, params):
         self.runs += 1
         done = len(prompt) - 3
-        for i, t in enumerate(TRUE[done: done + params.max_tokens]):
+        for i, t in enumerate(TRUE[done : done + params.max_tokens]):
             if self.runs == 1 and i == self.fail_after:
                 raise PlacementLost("head n2 stopped heartbeating")
             yield t
@@ -101,16 +101,24 @@ def test_await_while_alive_waits_past_any_deadline_and_stops_when_the_peer_does(
         asyncio.get_running_loop().call_later(0.3, alive.update, {"v": False})
         t0 = time.monotonic()
         with pytest.raises(PlacementLost, match="gone after"):
-            await await_while_alive(slow(60, None), lambda: alive["v"], lambda s: f"gone after {s:.1f} s",
-                                    poll=0.05)
+            await await_while_alive(slow(60, None), lambda: alive["v"], lambda s: f"gone after {s:.1f} s", poll=0.05)
         assert time.monotonic() - t0 < 1.0
 
     asyncio.run(go())
 
 
 def _remote_stage(alive):
-    return RemoteStage(node_id="n1", channel=mock.MagicMock(), loop=None, start=0, end=4, epoch=1,
-                       hidden_size=8, hop_timeout=0.2, alive=alive)
+    return RemoteStage(
+        node_id="n1",
+        channel=mock.MagicMock(),
+        loop=None,
+        start=0,
+        end=4,
+        epoch=1,
+        hidden_size=8,
+        hop_timeout=0.2,
+        alive=alive,
+    )
 
 
 def test_a_reply_is_awaited_while_the_stage_heartbeats():
@@ -152,6 +160,7 @@ def model_path(tmp_path_factory):
 def test_access_log_and_quiet_client_disconnect(model_path, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     with running_node(model_path, tmp_path, max_context=512) as (node, base):
+
         async def go():
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"{base}/api/unknown") as r:
@@ -181,6 +190,7 @@ def test_access_log_and_quiet_client_disconnect(model_path, tmp_path, caplog):
 def test_access_log_off_by_setting(model_path, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     with running_node(model_path, tmp_path, max_context=512, access_log=False) as (node, base):
+
         async def go():
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"{base}/health") as r:

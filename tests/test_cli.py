@@ -26,16 +26,42 @@ MESH = {
     "healthy": True,
     "plan_error": None,
     "nodes": [
-        {"node_id": "mac-mini-def456", "address": "192.168.1.20", "addresses": ["192.168.1.20"], "http_port": 8470,
-         "grpc_port": 8471, "memory_budget": 12 * 2**30, "total_memory": 16 * 2**30, "compute": 3500.0,
-         "version": "0.1.0", "role": "coordinator"},
-        {"node_id": "mac-studio-abc123", "address": "192.168.1.21", "addresses": ["192.168.1.21"], "http_port": 8470,
-         "grpc_port": 8471, "memory_budget": 48 * 2**30, "total_memory": 64 * 2**30, "compute": 9000.0,
-         "version": "0.1.0", "role": "member"},
+        {
+            "node_id": "mac-mini-def456",
+            "address": "192.168.1.20",
+            "addresses": ["192.168.1.20"],
+            "http_port": 8470,
+            "grpc_port": 8471,
+            "memory_budget": 12 * 2**30,
+            "total_memory": 16 * 2**30,
+            "compute": 3500.0,
+            "version": "0.1.0",
+            "role": "coordinator",
+        },
+        {
+            "node_id": "mac-studio-abc123",
+            "address": "192.168.1.21",
+            "addresses": ["192.168.1.21"],
+            "http_port": 8470,
+            "grpc_port": 8471,
+            "memory_budget": 48 * 2**30,
+            "total_memory": 64 * 2**30,
+            "compute": 9000.0,
+            "version": "0.1.0",
+            "role": "member",
+        },
     ],
-    "plan": {"epoch": 3, "model": "demo", "strategy": "pipeline", "reason": "split by memory", "max_context": 4096,
-             "stages": [{"start_layer": 0, "end_layer": 6, "nodes": ["mac-mini-def456"]},
-                        {"start_layer": 6, "end_layer": 24, "nodes": ["mac-studio-abc123"]}]},
+    "plan": {
+        "epoch": 3,
+        "model": "demo",
+        "strategy": "pipeline",
+        "reason": "split by memory",
+        "max_context": 4096,
+        "stages": [
+            {"start_layer": 0, "end_layer": 6, "nodes": ["mac-mini-def456"]},
+            {"start_layer": 6, "end_layer": 24, "nodes": ["mac-studio-abc123"]},
+        ],
+    },
     "events": [],
 }
 
@@ -102,8 +128,17 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- parsing
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["status", "--help"], ["plan", "--help"],
-                                  ["install", "--help"], ["uninstall", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["run", "--help"],
+        ["status", "--help"],
+        ["plan", "--help"],
+        ["install", "--help"],
+        ["uninstall", "--help"],
+    ],
+)
 def test_help_exits_zero(argv, capsys):
     assert cli.main(argv) == 0
     assert "usage: meshnode" in capsys.readouterr().out
@@ -129,12 +164,36 @@ def test_plan_needs_a_model(capsys):  # plan itself: tests/test_cli_plan.py; ins
 def test_run_flags_become_settings(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('http_port = 9000\nmodel = "file-model"\nlog_level = "DEBUG"\n')
-    args = cli.build_parser().parse_args([
-        "run", "--config", str(cfg), "--model", "flag-model", "--grpc-port", "9999", "--node-id", "n1",
-        "--cluster-key", "k3y-value", "--memory-budget", "2GiB", "--peer", "10.0.0.2:8471", "--peer", "[::1]:1",
-        "--no-mdns", "--max-context", "777", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "st"),
-        "--strategy", "hybrid",
-    ])
+    args = cli.build_parser().parse_args(
+        [
+            "run",
+            "--config",
+            str(cfg),
+            "--model",
+            "flag-model",
+            "--grpc-port",
+            "9999",
+            "--node-id",
+            "n1",
+            "--cluster-key",
+            "k3y-value",
+            "--memory-budget",
+            "2GiB",
+            "--peer",
+            "10.0.0.2:8471",
+            "--peer",
+            "[::1]:1",
+            "--no-mdns",
+            "--max-context",
+            "777",
+            "--host",
+            "127.0.0.1",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--strategy",
+            "hybrid",
+        ]
+    )
     s = cli.settings_from_args(args, env={"MESHNODE_HTTP_PORT": "9100", "MESHNODE_LOG_LEVEL": "warning"})
     assert s.model == "flag-model"
     assert s.http_port == 9100  # env beats file
@@ -186,8 +245,19 @@ def test_run_calls_run_node_with_settings(monkeypatch, tmp_path):
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level
     try:
-        rc = cli.main(["run", "--cluster-key", "super-secret-key", "--node-id", "n9", "--log-level", "debug",
-                       "--state-dir", str(tmp_path)])
+        rc = cli.main(
+            [
+                "run",
+                "--cluster-key",
+                "super-secret-key",
+                "--node-id",
+                "n9",
+                "--log-level",
+                "debug",
+                "--state-dir",
+                str(tmp_path),
+            ]
+        )
     finally:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
@@ -281,10 +351,25 @@ def test_status_url_without_scheme(serve):
 
 def test_status_links_and_unreachable_peers(serve, capsys):
     nodes = [dict(n) for n in MESH["nodes"]]
-    nodes[1]["links"] = [{"peer": "mac-mini-def456", "address": "169.254.10.2", "rtt_us": 180.4, "jitter_us": 20.0,
-                          "rpc_rtt_us": 610.0, "bandwidth": 2.5e9, "measured_at": 0},
-                         {"peer": "mac-mini-def456", "address": "192.168.1.20", "rtt_us": 2400.0, "jitter_us": 900.0,
-                          "bandwidth": 45e6, "measured_at": 0}]
+    nodes[1]["links"] = [
+        {
+            "peer": "mac-mini-def456",
+            "address": "169.254.10.2",
+            "rtt_us": 180.4,
+            "jitter_us": 20.0,
+            "rpc_rtt_us": 610.0,
+            "bandwidth": 2.5e9,
+            "measured_at": 0,
+        },
+        {
+            "peer": "mac-mini-def456",
+            "address": "192.168.1.20",
+            "rtt_us": 2400.0,
+            "jitter_us": 900.0,
+            "bandwidth": 45e6,
+            "measured_at": 0,
+        },
+    ]
     body = {**MESH, "nodes": nodes}
     assert cli.main(["status", "--url", serve(body).url]) == 0
     out = capsys.readouterr().out
@@ -293,13 +378,21 @@ def test_status_links_and_unreachable_peers(serve, capsys):
     assert "health       ok: serving, every peer answers" in out
 
     # serving, but a peer that mDNS shows never answers: not healthy, and the text says why and what to do
-    body["unreachable"] = [{"node_id": "mac-pro-1", "address": "192.168.1.30:8471", "seconds": 42.0,
-                            "error": "UNAVAILABLE: No route to host"}]
+    body["unreachable"] = [
+        {
+            "node_id": "mac-pro-1",
+            "address": "192.168.1.30:8471",
+            "seconds": 42.0,
+            "error": "UNAVAILABLE: No route to host",
+        }
+    ]
     assert cli.main(["status", "--url", serve(body).url]) == 1
     out = capsys.readouterr().out
     assert "NOT healthy" in out
-    assert ("health       peer mac-pro-1 is announced over mDNS but does not answer at 192.168.1.30:8471 "
-            "(for 42.0 s: UNAVAILABLE: No route to host)") in out
+    assert (
+        "health       peer mac-pro-1 is announced over mDNS but does not answer at 192.168.1.30:8471 "
+        "(for 42.0 s: UNAVAILABLE: No route to host)"
+    ) in out
     assert "System Settings > Privacy & Security > Local Network" in out
     assert cli.main(["status", "--url", serve(body).url, "--json"]) == 1
 

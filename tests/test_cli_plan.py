@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshnode import cli
-from meshnode.weights.profile import profile_model
 from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,12 +88,20 @@ def test_example_cluster_file_plans(model, capsys):
 def test_live_mesh(model, capsys):
     profile = profile_model(model)
     need = profile.total_bytes(4096, requests=2)  # what `meshnode plan` reserves by default, as a node
-    mesh = {"nodes": [
-        {"node_id": "a", "memory_budget": need // 2 + need // 4, "layer_seconds": 0.002,
-         "links": [{"peer": "b", "address": "198.18.0.2", "rtt_us": 900.0, "jitter_us": 5.0, "bandwidth": 1e8},
-                   {"peer": "b", "address": "198.19.0.2", "rtt_us": 15.0, "jitter_us": 1.0, "bandwidth": 2e9}]},
-        {"node_id": "b", "memory_budget": need // 2 + need // 4, "layer_seconds": 0.002, "links": []},
-    ]}
+    mesh = {
+        "nodes": [
+            {
+                "node_id": "a",
+                "memory_budget": need // 2 + need // 4,
+                "layer_seconds": 0.002,
+                "links": [
+                    {"peer": "b", "address": "198.18.0.2", "rtt_us": 900.0, "jitter_us": 5.0, "bandwidth": 1e8},
+                    {"peer": "b", "address": "198.19.0.2", "rtt_us": 15.0, "jitter_us": 1.0, "bandwidth": 2e9},
+                ],
+            },
+            {"node_id": "b", "memory_budget": need // 2 + need // 4, "layer_seconds": 0.002, "links": []},
+        ]
+    }
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):

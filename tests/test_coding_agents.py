@@ -38,8 +38,12 @@ def npm_tool(package: str, binary: Path) -> Path:
     if shutil.which("npm") is None:
         pytest.skip("npm is not installed (.ci/run installs it)")
     NPM_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), package], check=True,
-                   timeout=600, capture_output=True)
+    subprocess.run(
+        ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), package],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     assert binary.exists(), f"npm installed {package} but {binary} is missing"
     return binary
 
@@ -49,8 +53,15 @@ def npm_tool(package: str, binary: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_opencode_runs_a_task_against_a_two_stage_mesh(tmp_path):
     opencode = npm_tool("opencode-ai", OPENCODE)
-    model = build_model(tmp_path / "llama-32k", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
-                        dtype="float32", max_position_embeddings=32768)
+    model = build_model(
+        tmp_path / "llama-32k",
+        "llama",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+        max_position_embeddings=32768,
+    )
     total = profile_model(model).total_bytes(32768, 1)  # the Cluster's nodes hold one request's KV
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=None)
@@ -62,16 +73,33 @@ def test_opencode_runs_a_task_against_a_two_stage_mesh(tmp_path):
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
         work.mkdir()
-        config = {"$schema": "https://opencode.ai/config.json", "model": f"meshnode/{model.name}",
-                  "provider": {"meshnode": {"npm": "@ai-sdk/openai-compatible", "name": "meshnode",
-                                            "options": {"baseURL": f"http://{entry.ip}:{HTTP}/v1"},
-                                            "models": {model.name: {"name": model.name}}}}}
+        config = {
+            "$schema": "https://opencode.ai/config.json",
+            "model": f"meshnode/{model.name}",
+            "provider": {
+                "meshnode": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "meshnode",
+                    "options": {"baseURL": f"http://{entry.ip}:{HTTP}/v1"},
+                    "models": {model.name: {"name": model.name}},
+                }
+            },
+        }
         (work / "opencode.json").write_text(json.dumps(config))
-        env = {**os.environ, "HOME": str(home), "OPENCODE_CONFIG": str(work / "opencode.json"),
-               "OPENCODE_DISABLE_AUTOUPDATE": "1"}
-        run = cluster.client.run([str(opencode), "run", "-m", f"meshnode/{model.name}",
-                                  "Write a haiku about the sea."], cwd=work, env=env, capture_output=True, text=True,
-                                 timeout=400)
+        env = {
+            **os.environ,
+            "HOME": str(home),
+            "OPENCODE_CONFIG": str(work / "opencode.json"),
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        }
+        run = cluster.client.run(
+            [str(opencode), "run", "-m", f"meshnode/{model.name}", "Write a haiku about the sea."],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         log = cluster.log(entry)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     assert run.stdout.strip(), run.stderr[-3000:]

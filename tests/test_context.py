@@ -7,7 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from meshnode.control.planner import NodeSpec, PlanError, plan as make_plan
+from meshnode.control.planner import NodeSpec, PlanError
+from meshnode.control.planner import plan as make_plan
 from meshnode.control.planner.context import ENOUGH, SLOWER, contexts_to_try, plan_longest_context
 from meshnode.model.build import build_model
 from meshnode.weights.profile import ModelProfile, profile_model, trained_context
@@ -15,17 +16,40 @@ from tests.helpers import running_node
 
 
 def _profile(trained: int, kv_per_token: int = 100, layers: int = 4) -> ModelProfile:
-    return ModelProfile(name="m", model_type="llama", num_layers=layers, layer_bytes=(1000,) * layers,
-                        embed_bytes=100, head_bytes=100, norm_bytes=1, tied_embeddings=False,
-                        kv_bytes_per_token=(kv_per_token,) * layers, sliding_window=(None,) * layers,
-                        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                        num_experts=0, vocab_size=100, dtype="float32", trained_context=trained)
+    return ModelProfile(
+        name="m",
+        model_type="llama",
+        num_layers=layers,
+        layer_bytes=(1000,) * layers,
+        embed_bytes=100,
+        head_bytes=100,
+        norm_bytes=1,
+        tied_embeddings=False,
+        kv_bytes_per_token=(kv_per_token,) * layers,
+        sliding_window=(None,) * layers,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=0,
+        vocab_size=100,
+        dtype="float32",
+        trained_context=trained,
+    )
 
 
 def test_the_trained_context_is_read_from_the_config():
     assert trained_context({"max_position_embeddings": 40960}) == 40960
-    assert trained_context({"max_position_embeddings": 32768, "rope_scaling": {
-        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}) == 131072
+    assert (
+        trained_context(
+            {
+                "max_position_embeddings": 32768,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            }
+        )
+        == 131072
+    )
     assert trained_context({"n_positions": 1024}) == 1024 and trained_context({}) == 0
 
 
@@ -76,16 +100,18 @@ def test_one_more_node_for_more_than_enough_context_is_the_cost_models_call():
 
 @pytest.mark.timeout(300)
 def test_a_long_context_model_serves_a_long_prompt_with_default_settings(tmp_path):
-    model = build_model(tmp_path / "llama-40k", "llama", num_layers=2, hidden_size=64, dtype="float32",
-                        max_position_embeddings=40960)
+    model = build_model(
+        tmp_path / "llama-40k", "llama", num_layers=2, hidden_size=64, dtype="float32", max_position_embeddings=40960
+    )
     assert profile_model(model).trained_context == 40960
     long_text = "The sea was calm that morning, and the lighthouse keeper climbed the stairs. " * 360
     with running_node(model, tmp_path) as (node, base):
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=240)
         listed = c.models.list().data[0]
         assert listed.context_length == 40960  # what a client (OpenCode, Open WebUI) sizes its prompts by
-        r = c.chat.completions.create(model=node.model_id, messages=[{"role": "user", "content": long_text}],
-                                      max_tokens=8, temperature=0)
+        r = c.chat.completions.create(
+            model=node.model_id, messages=[{"role": "user", "content": long_text}], max_tokens=8, temperature=0
+        )
         assert r.usage.prompt_tokens > 12000 and r.usage.completion_tokens >= 1
         # (a max_tokens beyond the room left ends with "length": tests/test_openai_fields.py)
         assert node.models[node.model_id].plan.max_context == 40960

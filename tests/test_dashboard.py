@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from harness.cluster import HTTP, Cluster
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("MESHNODE_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "artifacts"))
@@ -27,9 +27,13 @@ MESSAGES = [{"role": "user", "content": "Where do rivers go?"}]
 MAX_TOKENS = 24
 
 pytestmark = [
-    pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240),
-    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
-                       reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"),
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(
+        not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+        reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+    ),
 ]
 
 # Starts headless Chromium through chromedriver (both children of the script that runs this, so both
@@ -121,20 +125,28 @@ finally:
 print(json.dumps(out))
 """ % {"chrome": CHROME}
 
-SCRAPE = ("import sys,urllib.request\n"
-          "print(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n")
+SCRAPE = "import sys,urllib.request\nprint(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("dash") / "llama", "llama", num_layers=8, hidden_size=128,
-                       intermediate_size=256, dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("dash") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+    )
 
 
 def metrics_of(cluster, host) -> dict[tuple[str, tuple], float]:
     raw = cluster.client.run([sys.executable, "-c", SCRAPE, f"http://{host.ip}:{HTTP}/metrics"], timeout=30).stdout
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(raw) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(raw)
+        for s in family.samples
+    }
 
 
 def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
@@ -157,9 +169,12 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
         expected = cluster.chat(cluster.hosts[0], MESSAGES, MAX_TOKENS)  # the API's answer (greedy)
 
         page = f"http://{cluster.hosts[0].ip}:{HTTP}/"
-        run = cluster.client.run([sys.executable, "-c", DRIVER, page, str(shot), MESSAGES[0]["content"],
-                                  json.dumps(names), str(MAX_TOKENS)], timeout=180, check=False,
-                                 cwd=str(Path(__file__).resolve().parent.parent))
+        run = cluster.client.run(
+            [sys.executable, "-c", DRIVER, page, str(shot), MESSAGES[0]["content"], json.dumps(names), str(MAX_TOKENS)],
+            timeout=180,
+            check=False,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
         assert run.returncode == 0, f"browser run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{cluster.logs()}"
         page_view = json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -237,12 +252,38 @@ def test_dashboard_warns_of_a_peer_announced_but_unreachable(model, tmp_path):
         h0, h1 = mesh.hosts
         cluster = Cluster(mesh, model, tmp_path, max_context=256)
         cluster.start(h0, 8 * 2**30)
-        h1.popen([sys.executable, "-m", "meshnode.control.discovery", "--node-id", "ghost", "--cluster-key", KEY,
-                  "--grpc-port", str(GRPC), "--address", h1.ip, "--seconds", "120"], log_path=tmp_path / "ghost.log")
-        cluster.wait(lambda: [p["node_id"] for p in cluster.mesh_view(h0).get("unreachable", [])] == ["ghost"]
-                     and cluster.mesh_view(h0)["healthy"], 60, "h0 to report the ghost unreachable")
-        run = cluster.client.run([sys.executable, "-c", WARNING_DRIVER, f"http://{h0.ip}:{HTTP}/", str(shot)],
-                                 timeout=120, check=False, cwd=str(Path(__file__).resolve().parent.parent))
+        h1.popen(
+            [
+                sys.executable,
+                "-m",
+                "meshnode.control.discovery",
+                "--node-id",
+                "ghost",
+                "--cluster-key",
+                KEY,
+                "--grpc-port",
+                str(GRPC),
+                "--address",
+                h1.ip,
+                "--seconds",
+                "120",
+            ],
+            log_path=tmp_path / "ghost.log",
+        )
+        cluster.wait(
+            lambda: (
+                [p["node_id"] for p in cluster.mesh_view(h0).get("unreachable", [])] == ["ghost"]
+                and cluster.mesh_view(h0)["healthy"]
+            ),
+            60,
+            "h0 to report the ghost unreachable",
+        )
+        run = cluster.client.run(
+            [sys.executable, "-c", WARNING_DRIVER, f"http://{h0.ip}:{HTTP}/", str(shot)],
+            timeout=120,
+            check=False,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
         assert run.returncode == 0, f"browser run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
         page = json.loads(run.stdout.strip().splitlines()[-1])
         assert page["shown"] and page["peers"] == ["ghost"], page

@@ -12,18 +12,69 @@ from meshnode.model.decode_batch import DecodeBatch, batchable_cache
 from meshnode.model.shard import Shard
 
 LAYERS = 4
-PROMPTS = {"a": [3, 17, 42, 99, 7, 250, 31, 64, 128], "b": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
-           "c": [21, 22, 23, 24, 25], "d": [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58,
-                                             59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]}
+PROMPTS = {
+    "a": [3, 17, 42, 99, 7, 250, 31, 64, 128],
+    "b": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+    "c": [21, 22, 23, 24, 25],
+    "d": [
+        40,
+        41,
+        42,
+        43,
+        44,
+        45,
+        46,
+        47,
+        48,
+        49,
+        50,
+        51,
+        52,
+        53,
+        54,
+        55,
+        56,
+        57,
+        58,
+        59,
+        60,
+        61,
+        62,
+        63,
+        64,
+        65,
+        66,
+        67,
+        68,
+        69,
+    ],
+}
 # Each step: the requests batched, in the order the head names them; "alone": a request that steps
 # on its own beside the batch (a failover replay, a prefill chunk: it leaves the batch first).
-SCHEDULE = [(["a", "b"], None), (["a", "b"], None), (["b", "a", "c"], None), (["c", "a"], "b"), (["c", "a"], "b"),
-            (["a", "b", "c", "d"], None), (["d", "b"], "a"), (["a", "b", "c", "d"], None), (["c"], None),
-            (["d", "c", "b", "a"], None)]
+SCHEDULE = [
+    (["a", "b"], None),
+    (["a", "b"], None),
+    (["b", "a", "c"], None),
+    (["c", "a"], "b"),
+    (["c", "a"], "b"),
+    (["a", "b", "c", "d"], None),
+    (["d", "b"], "a"),
+    (["a", "b", "c", "d"], None),
+    (["c"], None),
+    (["d", "c", "b", "a"], None),
+]
 
-CASES = [("llama", "float32", None, 1e-4), ("qwen3_moe", "float32", None, 1e-4), ("gemma3", "float32", None, 1e-4),
-         ("llama", "bfloat16", None, 0.1), ("llama", "bfloat16", "4bit", 0.1), ("mixtral", "float32", "8bit", 1e-3),
-         ("qwen3_next", "float32", None, 1e-4), ("deepseek_v3", "float32", None, 1e-4), ("gpt_oss", "float32", None, 1e-4)]
+CASES = [
+    ("llama", "float32", None, 1e-4),
+    ("qwen3_moe", "float32", None, 1e-4),
+    ("gemma3", "float32", None, 1e-4),
+    ("llama", "bfloat16", None, 0.1),
+    ("llama", "bfloat16", "4bit", 0.1),
+    ("mixtral", "float32", "8bit", 1e-3),
+    ("qwen3_next", "float32", None, 1e-4),
+    ("deepseek_v3", "float32", None, 1e-4),
+    ("gpt_oss", "float32", None, 1e-4),
+]
 
 
 class Member:
@@ -69,8 +120,12 @@ def test_batched_steps_equal_each_requests_own_steps(family, dtype, quantize, to
             got[solo] = step_alone([m.cache for m in batched[solo]], last[solo])
         for r, logits in got.items():
             want = step_alone(alone[r], last[r])
-            assert mx.allclose(logits.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item(), \
-                (family, names, r, mx.abs(logits - want).max().item())
+            assert mx.allclose(logits.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item(), (
+                family,
+                names,
+                r,
+                mx.abs(logits - want).max().item(),
+            )
             assert int(mx.argmax(logits).item()) == int(mx.argmax(want).item()) or tol > 1e-3
             last[r] = int(mx.argmax(want).item())
         for k, batch in enumerate(batches):
@@ -104,6 +159,7 @@ def test_a_request_named_twice_or_without_its_cache_is_refused_and_one_named_els
 
 def test_quantized_and_chunked_caches_are_not_batchable():
     from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache
+
     assert batchable_cache([KVCache(), KVCache()])
     assert not batchable_cache([KVCache(), QuantizedKVCache(group_size=64, bits=4)])
     assert not batchable_cache([ChunkedKVCache(8)])

@@ -17,15 +17,29 @@ from zeroconf.asyncio import AsyncServiceInfo
 from harness.cluster import wait_until
 from meshnode.control.discovery import SERVICE_TYPE, Discovery, NodeInfo
 
-ME = NodeInfo(node_id="node-a", addresses=("198.18.0.10",), http_port=8470, grpc_port=8471, memory_budget=3 * 2**30,
-              total_memory=16 * 2**30, compute=1.5, version="0.1.0", cluster_id="0123456789abcdef",
-              models=("llama-8l",), started_at=1700000000.25)
+ME = NodeInfo(
+    node_id="node-a",
+    addresses=("198.18.0.10",),
+    http_port=8470,
+    grpc_port=8471,
+    memory_budget=3 * 2**30,
+    total_memory=16 * 2**30,
+    compute=1.5,
+    version="0.1.0",
+    cluster_id="0123456789abcdef",
+    models=("llama-8l",),
+    started_at=1700000000.25,
+)
 
 
 def service_info(node: NodeInfo, *, name: str | None = None, properties=None, addresses=None) -> AsyncServiceInfo:
-    return AsyncServiceInfo(SERVICE_TYPE, name or f"{node.node_id}.{SERVICE_TYPE}", port=node.grpc_port,
-                            properties=node.to_properties() if properties is None else properties,
-                            parsed_addresses=list(node.addresses if addresses is None else addresses))
+    return AsyncServiceInfo(
+        SERVICE_TYPE,
+        name or f"{node.node_id}.{SERVICE_TYPE}",
+        port=node.grpc_port,
+        properties=node.to_properties() if properties is None else properties,
+        parsed_addresses=list(node.addresses if addresses is None else addresses),
+    )
 
 
 # ------------------------------------------------------------------------------------ unit tests
@@ -49,13 +63,35 @@ def test_models_that_do_not_fit_one_txt_entry_are_left_out():
 GOOD = ME.to_properties()
 
 
-@pytest.mark.parametrize("change", [
-    {"id": None}, {"http": None}, {"grpc": None}, {"budget": None}, {"cluster": None}, {"version": None},
-    {"id": ""}, {"id": "bad id!"}, {"id": "x" * 64}, {"grpc": "abc"}, {"grpc": "0"}, {"http": "70000"},
-    {"budget": "-1"}, {"total": "1.5"}, {"compute": "nan"}, {"compute": "inf"}, {"compute": "-1"},
-    {"started": "nan"}, {"version": "1.0\nevil"}, {"cluster": "c" * 65}, {"models": "a,b\x01"},
-    {"id": b"\xff\xfe"}, {b"\xff": b"1"},
-], ids=repr)
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"id": None},
+        {"http": None},
+        {"grpc": None},
+        {"budget": None},
+        {"cluster": None},
+        {"version": None},
+        {"id": ""},
+        {"id": "bad id!"},
+        {"id": "x" * 64},
+        {"grpc": "abc"},
+        {"grpc": "0"},
+        {"http": "70000"},
+        {"budget": "-1"},
+        {"total": "1.5"},
+        {"compute": "nan"},
+        {"compute": "inf"},
+        {"compute": "-1"},
+        {"started": "nan"},
+        {"version": "1.0\nevil"},
+        {"cluster": "c" * 65},
+        {"models": "a,b\x01"},
+        {"id": b"\xff\xfe"},
+        {b"\xff": b"1"},
+    ],
+    ids=repr,
+)
 def test_malformed_announcements_are_skipped_and_logged(change, caplog):
     props = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     with caplog.at_level(logging.WARNING, logger="meshnode.control.discovery"):
@@ -63,8 +99,9 @@ def test_malformed_announcements_are_skipped_and_logged(change, caplog):
     assert "malformed" in caplog.text
 
 
-@pytest.mark.parametrize("raw", [b"", b"\x00", b"\xff\xff\xff", b"\x03a=b", b"\x05hello", b"\x10short",
-                                 b"\x04id=x\x07grpc=99"])
+@pytest.mark.parametrize(
+    "raw", [b"", b"\x00", b"\xff\xff\xff", b"\x03a=b", b"\x05hello", b"\x10short", b"\x04id=x\x07grpc=99"]
+)
 def test_raw_garbage_txt_never_crashes(raw):
     assert NodeInfo.from_service_info(service_info(ME, properties=raw)) is None
 
@@ -125,8 +162,17 @@ KEY = "discovery-test-key"
 
 
 def start(host, log: Path, node_id: str, key: str = KEY, seconds: float = 60):
-    cmd = [sys.executable, "-m", "meshnode.control.discovery", "--node-id", node_id, "--cluster-key", key,
-           "--seconds", str(seconds)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshnode.control.discovery",
+        "--node-id",
+        node_id,
+        "--cluster-key",
+        key,
+        "--seconds",
+        str(seconds),
+    ]
     return host.popen(cmd, log_path=log, stdin=subprocess.PIPE)
 
 
@@ -169,11 +215,19 @@ def test_hosts_find_each_other_ignore_other_clusters_and_see_goodbyes(netns_mesh
     launched = time.monotonic()
     procs = {h.name: start(h, logs[h.name], h.name, key="another-key" if h is foreign else KEY) for h in hosts}
     all_logs = list(logs.values())
-    wait_for(lambda: all(any(e["event"] == "up" for e in events(logs[h.name])) for h in hosts), 20,
-             "every node to announce", all_logs)
+    wait_for(
+        lambda: all(any(e["event"] == "up" for e in events(logs[h.name])) for h in hosts),
+        20,
+        "every node to announce",
+        all_logs,
+    )
     names = {h.name for h in members}
-    wait_for(lambda: all(seen(logs[h.name]) == names - {h.name} for h in members), 10,
-             "the three members to see each other", all_logs)
+    wait_for(
+        lambda: all(seen(logs[h.name]) == names - {h.name} for h in members),
+        10,
+        "the three members to see each other",
+        all_logs,
+    )
     print(f"members converged {time.monotonic() - launched:.2f} s after launch")
     for h in members:
         peers = latest(logs[h.name])
@@ -191,16 +245,24 @@ def test_hosts_find_each_other_ignore_other_clusters_and_see_goodbyes(netns_mesh
     first = members[0]
     procs[first.name].stdin.write(b"budget 123456\n")
     procs[first.name].stdin.flush()
-    wait_for(lambda: all(latest(logs[h.name])[first.name]["memory_budget"] == 123456 for h in members[1:]), 5,
-             "the new budget to reach the others", all_logs)
+    wait_for(
+        lambda: all(latest(logs[h.name])[first.name]["memory_budget"] == 123456 for h in members[1:]),
+        5,
+        "the new budget to reach the others",
+        all_logs,
+    )
 
     leaver = members[2]
     mesh.stop(procs[leaver.name], timeout=10)  # SIGTERM: unregister (goodbye) and exit
     assert procs[leaver.name].returncode == 0
     assert events(logs[leaver.name])[-1]["event"] == "down"
     rest = members[:2]
-    wait_for(lambda: all(seen(logs[h.name]) == names - {h.name, leaver.name} for h in rest), 5,
-             "the others to drop the node that left", all_logs)
+    wait_for(
+        lambda: all(seen(logs[h.name]) == names - {h.name, leaver.name} for h in rest),
+        5,
+        "the others to drop the node that left",
+        all_logs,
+    )
     for h in hosts:
         mesh.stop(procs[h.name])
 
@@ -228,4 +290,3 @@ def test_two_nodes_with_one_id_are_reported(netns_mesh_factory, tmp_path):
     assert "twin" in downs[watcher][0]["duplicates"]
     reports = [e for e in events(logs[watcher]) if e["event"] == "peers" and "twin" in e["peers"]]
     assert reports[-1]["peers"]["twin"]["addresses"] == [first.ip]  # the one that started first keeps the id
-

@@ -51,18 +51,21 @@ def reference(path, prompt=PROMPT, max_tokens=TOKENS):
 
 def pipeline(path, cuts, prompt=PROMPT, max_tokens=TOKENS):
     stages = [LocalStage(Shard(path, a, b)) for a, b in cuts]
-    return list(generate_tokens(PipelineModel(stages, "t"), prompt, SamplingParams(max_tokens=max_tokens),
-                                prefill_step_size=8))
+    return list(
+        generate_tokens(PipelineModel(stages, "t"), prompt, SamplingParams(max_tokens=max_tokens), prefill_step_size=8)
+    )
 
 
 def on_thread(fn, errors: list) -> None:
     """Run ``fn`` on a thread of its own (as a node's data connection does) and wait; what it raises
     goes into ``errors``."""
+
     def guarded():
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
+
     t = threading.Thread(target=guarded)
     t.start()
     t.join()
@@ -87,8 +90,10 @@ def test_two_stages_match_mlx_lm(models, family):
 
 # MLA, shared experts, hybrid linear attention, chunked / rotating caches, attention sinks, layers
 # returning tuples, nested text configs, layer flags read off sub-modules: also as three stages.
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "llama4", "gemma4_text",
-                                    "exaone4", "minimax", "cohere2"])
+@pytest.mark.parametrize(
+    "family",
+    ["deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "llama4", "gemma4_text", "exaone4", "minimax", "cohere2"],
+)
 def test_three_stages_match_mlx_lm(models, family):
     path = models(family)
     assert pipeline(path, [(0, 1), (1, 3), (3, LAYERS)]) == reference(path)
@@ -104,7 +109,9 @@ def test_cross_layer_attention_splits_only_between_groups(models):
 
 
 QUANTIZED = [(q, f) for q in ("4bit", "8bit") for f in ("llama", "qwen3_moe", "glm4_moe", "deepseek_v3")] + [
-    ("mixed", "qwen3"), ("mxfp4", "gpt_oss")]
+    ("mixed", "qwen3"),
+    ("mxfp4", "gpt_oss"),
+]
 
 
 @pytest.mark.parametrize("quantize,family", QUANTIZED)
@@ -168,8 +175,9 @@ def test_unsplittable_family_says_why_and_runs_whole(models):
 
 def test_split_support_is_pure_on_configs():
     assert split_support({"model_type": "llama", "num_hidden_layers": 8}) is None
-    reason = split_support({"model_type": "gemma4", "text_config": {"num_hidden_layers": 8,
-                                                                     "hidden_size_per_layer_input": 256}})
+    reason = split_support(
+        {"model_type": "gemma4", "text_config": {"num_hidden_layers": 8, "hidden_size_per_layer_input": 256}}
+    )
     assert reason.startswith("gemma4:") and "hidden_size_per_layer_input" in reason
     assert "at least two layers" in split_support({"model_type": "llama", "num_hidden_layers": 1})
     assert split_boundaries({"num_hidden_layers": 4}) == [1, 2, 3]

@@ -20,23 +20,32 @@ import time
 
 import pytest
 
+from harness.cluster import HTTP, Cluster, mlx_reference, read_stream
+from harness.netns import netns_mesh
 from meshnode.control.coordinator import FAULT_LIMIT, faulted
 from meshnode.control.discovery import NodeInfo
 from meshnode.control.messages import MAX_FAULT_TEXT, MAX_FAULTS, node_from_pb, node_to_pb
 from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
-from harness.cluster import HTTP, Cluster, mlx_reference, read_stream
-from harness.netns import netns_mesh
-
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea and the rivers."}]
 CTX = 512
 
 
 def _info(node_id: str, faults=()) -> NodeInfo:
-    return NodeInfo(node_id=node_id, addresses=("198.18.0.10",), http_port=1, grpc_port=2, memory_budget=1,
-                    total_memory=1, compute=1.0, version="t", cluster_id="c", faults=tuple(faults))
+    return NodeInfo(
+        node_id=node_id,
+        addresses=("198.18.0.10",),
+        http_port=1,
+        grpc_port=2,
+        memory_budget=1,
+        total_memory=1,
+        compute=1.0,
+        version="t",
+        cluster_id="c",
+        faults=tuple(faults),
+    )
 
 
 def test_faults_travel_in_node_info_bounded():
@@ -48,8 +57,11 @@ def test_faults_travel_in_node_info_bounded():
 
 
 def test_a_node_is_left_out_only_at_the_fault_limit_and_only_for_that_model():
-    alive = {"a": _info("a", [("m", FAULT_LIMIT - 1, "once")]), "b": _info("b", [("m", FAULT_LIMIT, "twice")]),
-             "c": _info("c", [("other", 9, "not this model")])}
+    alive = {
+        "a": _info("a", [("m", FAULT_LIMIT - 1, "once")]),
+        "b": _info("b", [("m", FAULT_LIMIT, "twice")]),
+        "c": _info("c", [("other", 9, "not this model")]),
+    }
     out = faulted(alive, "m")
     assert list(out) == ["b"] and "twice" in out["b"] and f"{FAULT_LIMIT} times" in out["b"]
 
@@ -60,8 +72,9 @@ STALL_TIMEOUT = 3.0
 def _mesh3(tmp_path, netns_mesh_stack):
     """3 nodes (any two hold the model) with a 2-stage plan: (model, cluster, view, the first
     stage's node, a host that is not it, that node's delay file)."""
-    model = build_model(tmp_path / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256,
-                        dtype="float32", seed=5)
+    model = build_model(
+        tmp_path / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256, dtype="float32", seed=5
+    )
     seed = tmp_path / "seed"
     seed.mkdir()
     seed_figures(model, profile_model(model).num_layers, seed, rounds=1)
@@ -71,8 +84,9 @@ def _mesh3(tmp_path, netns_mesh_stack):
     # A pipeline, pinned: on a fast enough machine the planner's estimate for a tensor pair came
     # out ahead (175 against 170 tok/s in a CI run) and the plan had one stage, not the two these
     # tests fault.
-    delays = cluster.start_all_delayable(int(total * 0.6), env={"MESHNODE_STALL_TIMEOUT": str(STALL_TIMEOUT),
-                                                                "MESHNODE_STRATEGY": "pipeline"})
+    delays = cluster.start_all_delayable(
+        int(total * 0.6), env={"MESHNODE_STALL_TIMEOUT": str(STALL_TIMEOUT), "MESHNODE_STRATEGY": "pipeline"}
+    )
     view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 90, "a plan over 3 nodes")[0]
     stages = view["plan"]["stages"]
     assert len(stages) == 2, view["plan"]
@@ -86,8 +100,8 @@ def _replanned_without(cluster, entry, view, bad):
         v = cluster.mesh_view(entry)
         plan = v.get("plan") or {}
         nodes = {n for s in plan.get("stages", ()) for n in s["nodes"]}
-        return v if (plan.get("epoch", 0) > view["epoch"] and v.get("healthy") and nodes
-                     and bad not in nodes) else None
+        return v if (plan.get("epoch", 0) > view["epoch"] and v.get("healthy") and nodes and bad not in nodes) else None
+
     return cluster.wait(check, 60, f"a plan without {bad}")
 
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from meshnode.model.compute import seed_figures
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from harness.cluster import HTTP, Cluster, mlx_reference, read_stream, stage_nodes
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.model.compute import seed_figures
+from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -25,8 +25,15 @@ MAX_TOKENS = 240
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("faults") / "llama", "llama", num_layers=8, hidden_size=128,
-                       intermediate_size=256, dtype="float32", seed=3)
+    return build_model(
+        tmp_path_factory.mktemp("faults") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+        seed=3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +68,9 @@ def test_stage_fault_mid_stream_output_identical(model, reference, seed, tmp_pat
         first, head = stage_nodes(view)  # two stages of the three hosts; the client talks to the head
         victim = cluster.host(first)
         proc = cluster.procs[first]
-        action = {"kill": lambda: mesh.kill(proc), "freeze": lambda: mesh.freeze(proc),
-                  "link_down": victim.link_down}[fault]
+        action = {"kill": lambda: mesh.kill(proc), "freeze": lambda: mesh.freeze(proc), "link_down": victim.link_down}[
+            fault
+        ]
         t0 = time.monotonic()
         text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS), fault=action)
         assert faulted
@@ -81,8 +89,10 @@ def test_seeded_sampling_continues_through_failover(model, seed, tmp_path):
         first, head = stage_nodes(view)
         unfaulted, _ = read_stream(cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS, **sampling))
         assert len(unfaulted) > 100, "too short to fault in the middle"
-        text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS, **sampling),
-                                    fault=lambda: mesh.kill(cluster.procs[first]))
+        text, faulted = read_stream(
+            cluster.stream(cluster.host(head), MESSAGES, MAX_TOKENS, **sampling),
+            fault=lambda: mesh.kill(cluster.procs[first]),
+        )
         assert faulted
         assert text == unfaulted, cluster.logs()
         assert first not in stage_nodes(cluster.mesh_view(cluster.host(head)))
@@ -95,17 +105,26 @@ def test_coordinator_killed_new_one_within_3s(model, reference, seed, tmp_path):
         mesh.kill(cluster.procs[coordinator])
         survivors = [h for h in cluster.hosts if h.name != coordinator]
         t0 = time.monotonic()
-        cluster.wait(lambda: (v := [cluster.mesh_view(h) for h in survivors]) and
-                             all(x["coordinator"] not in (coordinator, None) for x in v) and
-                             len({x["coordinator"] for x in v}) == 1 and v, 10, "a new coordinator")
+        cluster.wait(
+            lambda: (
+                (v := [cluster.mesh_view(h) for h in survivors])
+                and all(x["coordinator"] not in (coordinator, None) for x in v)
+                and len({x["coordinator"] for x in v}) == 1
+                and v
+            ),
+            10,
+            "a new coordinator",
+        )
         took = time.monotonic() - t0
         assert took <= 3.0 + 0.5, f"new coordinator after {took:.1f} s"  # + polling from the client host
         cluster.wait(lambda: cluster.converged(survivors, 2), 20, "re-plan")
         for h in survivors:
             body = {"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
             status, _, out = cluster.fetch(f"http://{h.ip}:{HTTP}/v1/chat/completions", body, timeout=60)
-            assert status == 200 and out["choices"][0]["message"]["content"] == reference[: len(
-                out["choices"][0]["message"]["content"])]
+            assert (
+                status == 200
+                and out["choices"][0]["message"]["content"] == reference[: len(out["choices"][0]["message"]["content"])]
+            )
 
 
 def test_capacity_gone_503_then_back(model, reference, seed, tmp_path):
@@ -132,8 +151,15 @@ def test_capacity_gone_503_then_back(model, reference, seed, tmp_path):
 def pipeline_only_model(tmp_path_factory):
     """gemma2: mlx-lm has no tensor sharding for it, so plans are single or pipeline only and the
     move a join causes is the memory one (tensor groups: tests/test_tensor_mesh.py)."""
-    return build_model(tmp_path_factory.mktemp("faults-gemma") / "gemma2", "gemma2", num_layers=8,
-                       hidden_size=128, intermediate_size=256, dtype="float32", seed=3)
+    return build_model(
+        tmp_path_factory.mktemp("faults-gemma") / "gemma2",
+        "gemma2",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+        seed=3,
+    )
 
 
 def test_join_during_load_rebalances_without_failing_a_request(pipeline_only_model, tmp_path):
@@ -166,8 +192,11 @@ def test_join_during_load_rebalances_without_failing_a_request(pipeline_only_mod
         assert results, err
         failed = [r for r in results if r[0] != "ok" or r[1] != want]
         assert not failed, (failed[:3], cluster.logs())
-        final = cluster.wait(lambda: (v := cluster.mesh_view(a)) and len(v["plan"]["stages"]) == 1 and v, 20,
-                             "rebalance onto the big node")
+        final = cluster.wait(
+            lambda: (v := cluster.mesh_view(a)) and len(v["plan"]["stages"]) == 1 and v,
+            20,
+            "rebalance onto the big node",
+        )
         assert final["plan"]["stages"][0]["nodes"] == [big.name]
         print(f"{len(results)} requests during the join, slowest {max(r[2] for r in results):.2f} s")
 
@@ -215,8 +244,10 @@ def test_bounded_chaos_nothing_lost_or_hung(model, seed, tmp_path):
         lost = [r for r in results if r[0] not in ("ok", 503, "hung") or (r[0] == 503 and not r[1])]
         hung = [r for r in results if r[0] == "hung"]
         print(f"chaos: {len(results)} requests, faults: {', '.join(faults)}")
-        print(f"identical {identical}, explicit 503 {len(refused)}, wrong {len(wrong)}, lost {len(lost)}, "
-              f"hung {len(hung)}")
+        print(
+            f"identical {identical}, explicit 503 {len(refused)}, wrong {len(wrong)}, lost {len(lost)}, "
+            f"hung {len(hung)}"
+        )
         assert results and not wrong and not lost and not hung, (wrong[:2], lost[:2], hung[:2], cluster.logs())
         assert identical > 0
 
@@ -230,8 +261,11 @@ def test_partition_minority_cannot_serve_then_heals_into_one_plan(model, referen
         lonely = cluster.host(stage_nodes(view)[0])
         majority = [h for h in hosts if h is not lonely]
         lonely.link_down()
-        after = cluster.wait(lambda: (v := cluster.converged(majority, 2)) and v[0]["epoch"] > view["epoch"] and v,
-                             20, "the majority re-plans")
+        after = cluster.wait(
+            lambda: (v := cluster.converged(majority, 2)) and v[0]["epoch"] > view["epoch"] and v,
+            20,
+            "the majority re-plans",
+        )
         body = {"model": model.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
         status, _, out = cluster.fetch(f"http://{majority[0].ip}:{HTTP}/v1/chat/completions", body, timeout=60)
         assert status == 200 and reference.startswith(out["choices"][0]["message"]["content"])
@@ -254,8 +288,11 @@ def test_nodes_that_planned_alone_under_one_epoch_meet_and_settle_on_one_plan(mo
         second.link_down()
         cluster.start(first, budget)
         cluster.start(second, budget)
-        cluster.wait(lambda: all("ready for epoch 1" in cluster.log(h) for h in cluster.hosts), 40,
-                     "each node serving its own plan as epoch 1")
+        cluster.wait(
+            lambda: all("ready for epoch 1" in cluster.log(h) for h in cluster.hosts),
+            40,
+            "each node serving its own plan as epoch 1",
+        )
         second.link_up()
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 40, "one plan for the mesh")
         assert views[0]["epoch"] >= 2

@@ -21,10 +21,14 @@ from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea and the rivers that run to it."}]
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-          "required": ["ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 
-CLIENTS = r'''
+CLIENTS = r"""
 import json, sys
 import anthropic, ollama
 from openai import OpenAI
@@ -48,14 +52,21 @@ print(json.dumps({
     "structured": structured, "plain": plain.choices[0].message.content,
     "ollama": olla.message.content, "anthropic": claude.content[0].text,
 }))
-'''
+"""
 
 
 @pytest.mark.netns
 @pytest.mark.timeout(400)
 def test_a_relayed_request_keeps_its_sampling_logprobs_and_grammar(tmp_path):
-    model = build_model(tmp_path / "llama-4bit", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
-                        dtype="bfloat16", quantize="4bit")
+    model = build_model(
+        tmp_path / "llama-4bit",
+        "llama",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="bfloat16",
+        quantize="4bit",
+    )
     total = profile_model(model).total_bytes(1024)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
@@ -65,13 +76,21 @@ def test_a_relayed_request_keeps_its_sampling_logprobs_and_grammar(tmp_path):
         assert len(views[0]["plan"]["stages"]) == 2, views[0]["plan"]
         head = cluster.host(views[0]["plan"]["stages"][-1]["nodes"][0])
         other = next(h for h in cluster.hosts if h is not head)
-        got = in_ns(cluster.client, CLIENTS, f"http://{other.ip}:{HTTP}", model.name, json.dumps(MESSAGES),
-                    json.dumps(SCHEMA), timeout=300)
+        got = in_ns(
+            cluster.client,
+            CLIENTS,
+            f"http://{other.ip}:{HTTP}",
+            model.name,
+            json.dumps(MESSAGES),
+            json.dumps(SCHEMA),
+            timeout=300,
+        )
 
     m, tok = load(str(model))
     prompt = mx.array(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
-    processors = make_logits_processors(logit_bias={40: 3.0}, repetition_penalty=1.3, presence_penalty=0.8,
-                                        frequency_penalty=0.4)
+    processors = make_logits_processors(
+        logit_bias={40: 3.0}, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.4
+    )
     ref = []
     for token, logprobs in generate_step(prompt, m, max_tokens=16, logits_processors=processors):
         if token in tok.eos_token_ids:

@@ -14,8 +14,8 @@ float32, bf16 and 4-bit.
 
 from __future__ import annotations
 
-from meshnode.serving.draft_length import NOISE, REMEASURE, WINDOW, DraftLength, PassCosts, filled_rate
 from harness.drafts import ReferenceDrafter
+from meshnode.serving.draft_length import NOISE, REMEASURE, WINDOW, DraftLength, PassCosts, filled_rate
 from meshnode.serving.sampling import SamplingParams
 from tests.speculation import TEXT, model_cases, plain, speculate, stages_of
 
@@ -129,9 +129,15 @@ def run(model_case, costs: Costs) -> tuple[list[int], list[int], list[tuple]]:
     prompt = tokenizer.encode(TEXT)
     want = plain(model, prompt, 32)
     passes: list = []
-    got = speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=32),
-                    lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 0, model.args.vocab_size), passes,
-                    depth=3, costs=costs)
+    got = speculate(
+        stages_of(path, [0, 2, 4]),
+        prompt,
+        SamplingParams(max_tokens=32),
+        lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 0, model.args.vocab_size),
+        passes,
+        depth=3,
+        costs=costs,
+    )
     return got, want, passes
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from harness.cluster import Cluster, mlx_reference
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(900)]
 
@@ -23,16 +23,33 @@ CTX = 256
 
 # float32: every family whose tiny build splits in-process (tests/test_families.py) also splits
 # between real nodes.
-FLOAT32 = ("llama", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "minimax",
-           "llama4", "hunyuan")
+FLOAT32 = (
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "minimax",
+    "llama4",
+    "hunyuan",
+)
 # (family, quantize, dtype): affine 4 and 8 bits for a dense, an MoE and an MLA family, mixed
 # precision, gpt-oss's mxfp4; bf16 for dense families.
 FORMATS = (
-    ("llama", "4bit", "bfloat16"), ("llama", "8bit", "bfloat16"),
-    ("qwen3_moe", "4bit", "bfloat16"), ("qwen3_moe", "8bit", "bfloat16"),
-    ("deepseek_v3", "4bit", "bfloat16"), ("deepseek_v3", "8bit", "bfloat16"),
-    ("qwen3", "mixed", "bfloat16"), ("gpt_oss", "mxfp4", "bfloat16"),
-    ("llama", None, "bfloat16"), ("qwen3", None, "bfloat16"), ("gemma3", None, "bfloat16"),
+    ("llama", "4bit", "bfloat16"),
+    ("llama", "8bit", "bfloat16"),
+    ("qwen3_moe", "4bit", "bfloat16"),
+    ("qwen3_moe", "8bit", "bfloat16"),
+    ("deepseek_v3", "4bit", "bfloat16"),
+    ("deepseek_v3", "8bit", "bfloat16"),
+    ("qwen3", "mixed", "bfloat16"),
+    ("gpt_oss", "mxfp4", "bfloat16"),
+    ("llama", None, "bfloat16"),
+    ("qwen3", None, "bfloat16"),
+    ("gemma3", None, "bfloat16"),
     ("llama", None, "float16"),
 )
 # MLX's CPU build has no bf16 / fp16 gather_mm: an MoE layer in bf16 fails even in plain mlx-lm
@@ -53,8 +70,9 @@ def cluster(mesh, tmp_path_factory):
 
 def _build(root, family, quantize=None, dtype="float32", **kw):
     name = f"{family}-{quantize or dtype}"
-    return build_model(root / name, family, num_layers=4, hidden_size=64, intermediate_size=128, dtype=dtype,
-                       quantize=quantize, **kw)
+    return build_model(
+        root / name, family, num_layers=4, hidden_size=64, intermediate_size=128, dtype=dtype, quantize=quantize, **kw
+    )
 
 
 def _serve(cluster, model, tmp, fractions, env=None):
@@ -133,8 +151,9 @@ def test_a_family_that_cannot_split_is_served_whole_or_refused_clearly(cluster, 
             cluster.start(h, int(total * 0.6))
         h = cluster.hosts[0]  # the coordinator (either host) logs why it has no plan
         cluster.wait(lambda: any(reason in cluster.log(x) for x in cluster.hosts), 60, "the planner's reason in a log")
-        status, _, body = cluster.fetch(f"http://{h.ip}:8470/v1/chat/completions",
-                                        {"model": model.name, "messages": MESSAGES, "max_tokens": 4})
+        status, _, body = cluster.fetch(
+            f"http://{h.ip}:8470/v1/chat/completions", {"model": model.name, "messages": MESSAGES, "max_tokens": 4}
+        )
         assert status == 503, body
         assert all(p.poll() is None for p in cluster.procs.values()), "a node exited"
     finally:

@@ -21,25 +21,27 @@ fuzzer only makes invalid or foreign ones.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 import http.client
 import json
 import logging
 import socket
 import threading
 import urllib.parse
+from collections import Counter
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from meshnode.trust.auth import ClusterAuth, SignedChannel
-from meshnode.transport.dataport import hello as data_hello, recv_frame, send_frame
-from meshnode.transport.refusals import StageRefusal
 from meshnode.model.build import build_model
 from meshnode.model.wire import RAW_REQUEST, is_raw
-from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.proto import mesh_pb2
+from meshnode.transport.dataport import hello as data_hello
+from meshnode.transport.dataport import recv_frame, send_frame
+from meshnode.transport.refusals import StageRefusal
+from meshnode.transport.service import MAX_GRPC_MESSAGE
+from meshnode.trust.auth import ClusterAuth, SignedChannel
 from tests.helpers import running_node
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,9 +55,18 @@ TIMEOUT = 15.0  # seconds any single request may take before it counts as a hang
 def fuzz(examples: int) -> settings:
     """No example database (nothing written into the working tree), no per-example deadline:
     the per-request TIMEOUT is the hang check."""
-    return settings(max_examples=examples, deadline=None, database=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                           HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+        ],
+    )
 
 
 class _Unhandled(logging.Handler):
@@ -84,9 +95,16 @@ def node(model, tmp_path_factory):
     root = logging.getLogger()
     root.addHandler(handler)
     try:
-        with running_node(model, tmp_path_factory.mktemp("node"), cluster_key=KEY, max_context=256,
-                          max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4, max_body_bytes=64 * 1024,
-                          max_concurrent_requests=4) as (n, base):
+        with running_node(
+            model,
+            tmp_path_factory.mktemp("node"),
+            cluster_key=KEY,
+            max_context=256,
+            max_tokens_limit=MAX_TOKENS_LIMIT,
+            default_max_tokens=4,
+            max_body_bytes=64 * 1024,
+            max_concurrent_requests=4,
+        ) as (n, base):
             yield n, base, handler
     finally:
         root.removeHandler(handler)
@@ -130,8 +148,7 @@ class Http:
 
 def _chat(http: Http, model_id: str, messages=MESSAGES, max_tokens: int = 8) -> str:
     body = json.dumps({"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
-    status, _, data = http.request("POST", "/v1/chat/completions", body.encode(),
-                                   {"Content-Type": "application/json"})
+    status, _, data = http.request("POST", "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
     assert status == 200, data
     return json.loads(data)["choices"][0]["message"]["content"]
 
@@ -175,16 +192,22 @@ def _check_generation(path: str, request: dict, headers: dict, data: bytes) -> N
 
 # ---------------------------------------------------------------------------- strategies
 json_leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
     st.sampled_from(["", "user", "assistant", "system", "tool", "\u0000", "\ud7ff\ue000", "🦀" * 10]),
 )
-json_values = st.recursive(json_leaf, lambda c: st.one_of(st.lists(c, max_size=4),
-                                                          st.dictionaries(st.text(max_size=12), c, max_size=4)),
-                           max_leaves=12)
+json_values = st.recursive(
+    json_leaf,
+    lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=12), c, max_size=4)),
+    max_leaves=12,
+)
 small_int = st.one_of(st.integers(min_value=-3, max_value=12), st.sampled_from([2**31, 2**63, -(2**63), 10**30]))
-valid_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]),
-                                       "content": st.text(max_size=60)})
+valid_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]), "content": st.text(max_size=60)}
+)
 message = st.one_of(
     valid_message,
     st.fixed_dictionaries({}, optional={"role": json_values, "content": json_values, "name": json_values}),
@@ -212,11 +235,14 @@ def generation_bodies(draw, model_id: str):
         "response_format": json_values,
     }
     if draw(st.booleans()):  # a valid request with one field wrong, absent or extreme
-        body = {"model": model_id, "max_tokens": draw(st.integers(1, MAX_TOKENS_LIMIT)),
-                "temperature": draw(st.sampled_from([0, 0.7, 2])), "stream": draw(st.booleans()),
-                "messages": draw(st.lists(valid_message, min_size=1, max_size=2)),
-                "prompt": draw(st.one_of(st.text(max_size=40), st.lists(st.integers(0, 100), min_size=1,
-                                                                        max_size=5)))}
+        body = {
+            "model": model_id,
+            "max_tokens": draw(st.integers(1, MAX_TOKENS_LIMIT)),
+            "temperature": draw(st.sampled_from([0, 0.7, 2])),
+            "stream": draw(st.booleans()),
+            "messages": draw(st.lists(valid_message, min_size=1, max_size=2)),
+            "prompt": draw(st.one_of(st.text(max_size=40), st.lists(st.integers(0, 100), min_size=1, max_size=5))),
+        }
         name = draw(st.sampled_from(sorted(fields)))
         if draw(st.booleans()):
             body[name] = draw(fields[name])
@@ -236,11 +262,34 @@ def _encode_json(value) -> bytes:
     return json.dumps(value, allow_nan=True, ensure_ascii=bool(hash(str(value)) & 1)).encode("utf-8", "surrogatepass")
 
 
-PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/mesh", "/health", "/metrics", "/",
-         "/static/index.html", "/static/../../etc/passwd", "/v1", "/v1/", "/v1/chat/completions/", "//health",
-         "/v1/chat/completions?stream=true", "/%00", "/static/%2e%2e/%2e%2e/x"]
-CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                 "application/json; charset=latin-1", "", "application/octet-stream", "\u00e9/\u00e9"]
+PATHS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/mesh",
+    "/health",
+    "/metrics",
+    "/",
+    "/static/index.html",
+    "/static/../../etc/passwd",
+    "/v1",
+    "/v1/",
+    "/v1/chat/completions/",
+    "//health",
+    "/v1/chat/completions?stream=true",
+    "/%00",
+    "/static/%2e%2e/%2e%2e/x",
+]
+CONTENT_TYPES = [
+    "application/json",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data",
+    "application/json; charset=latin-1",
+    "",
+    "application/octet-stream",
+    "\u00e9/\u00e9",
+]
 
 
 # ---------------------------------------------------------------------------- (d) before
@@ -264,12 +313,16 @@ OUTCOMES: Counter = Counter()  # what the fuzzing got back, printed at the end (
 def test_http_random_methods_paths_content_types_and_bodies(node):
     n, base, handler = node
     http = Http(n.http_port)
-    methods = st.one_of(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
-                        st.from_regex(r"[A-Z]{1,12}", fullmatch=True))
-    paths = st.one_of(st.sampled_from(PATHS),
-                      st.text(max_size=40).map(lambda t: "/" + urllib.parse.quote(t, safe="/?=&%.")))
-    bodies = st.one_of(st.none(), st.binary(max_size=300), json_values.map(_encode_json),
-                       st.just(b"{" * 5000), st.just(b"[" * 100_000))
+    methods = st.one_of(
+        st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+        st.from_regex(r"[A-Z]{1,12}", fullmatch=True),
+    )
+    paths = st.one_of(
+        st.sampled_from(PATHS), st.text(max_size=40).map(lambda t: "/" + urllib.parse.quote(t, safe="/?=&%."))
+    )
+    bodies = st.one_of(
+        st.none(), st.binary(max_size=300), json_values.map(_encode_json), st.just(b"{" * 5000), st.just(b"[" * 100_000)
+    )
 
     @fuzz(500)
     @given(method=methods, path=paths, ctype=st.sampled_from(CONTENT_TYPES), body=bodies)
@@ -327,10 +380,17 @@ def test_http_extreme_seeds_sample(node, stream):
     n, base, handler = node
     http = Http(n.http_port)
     for seed in (-1, -(2**63), 2**63 - 1, 2**32):
-        body = {"model": n.model_id, "messages": MESSAGES, "max_tokens": 3, "temperature": 0.9, "seed": seed,
-                "stream": stream}
-        status, got, data = http.request("POST", "/v1/chat/completions", _encode_json(body),
-                                         {"Content-Type": "application/json"})
+        body = {
+            "model": n.model_id,
+            "messages": MESSAGES,
+            "max_tokens": 3,
+            "temperature": 0.9,
+            "seed": seed,
+            "stream": stream,
+        }
+        status, got, data = http.request(
+            "POST", "/v1/chat/completions", _encode_json(body), {"Content-Type": "application/json"}
+        )
         assert status == 200, data
         _check_generation("/v1/chat/completions", body, got, data)
     http.close()
@@ -360,9 +420,13 @@ class GrpcClient:
 
         async def make():
             # the limits real peers use (a 4 MiB probe reply is over grpc's default)
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
-                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
-                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)])
+            channel = grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}",
+                options=[
+                    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                ],
+            )
             return SignedChannel(channel, auth, "fuzzer") if auth is not None else channel
 
         self.channel = self.run(make())
@@ -441,10 +505,12 @@ def test_grpc_random_bytes_to_every_method(node, grpc_client):
 
 
 def _tensors():
-    return st.builds(mesh_pb2.Tensor, dtype=st.sampled_from(["float32", "int32", "bfloat16", "float16", "int64", "",
-                                                            "\u00e9"]),
-                     shape=st.lists(st.one_of(st.integers(0, 5), st.sampled_from([64, 2**31, 2**32 - 1])), max_size=5),
-                     data=st.one_of(st.binary(max_size=64), st.integers(0, 2048).map(lambda k: b"\x01" * k)))
+    return st.builds(
+        mesh_pb2.Tensor,
+        dtype=st.sampled_from(["float32", "int32", "bfloat16", "float16", "int64", "", "\u00e9"]),
+        shape=st.lists(st.one_of(st.integers(0, 5), st.sampled_from([64, 2**31, 2**32 - 1])), max_size=5),
+        data=st.one_of(st.binary(max_size=64), st.integers(0, 2048).map(lambda k: b"\x01" * k)),
+    )
 
 
 def _messages(served_epoch: int):
@@ -452,31 +518,68 @@ def _messages(served_epoch: int):
     u32 = st.one_of(st.integers(0, 8), st.just(2**32 - 1))
     u64 = st.one_of(st.integers(0, served_epoch + 2), st.just(2**64 - 1))
     floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
-    node_info = st.builds(mesh_pb2.NodeInfo, node_id=text, addresses=st.lists(text, max_size=3), http_port=u32,
-                          grpc_port=u32, memory_budget=u64, cluster_id=text, models=st.lists(text, max_size=2),
-                          compute=st.floats(allow_nan=True), started_at=st.floats(allow_nan=True))
-    stage = st.builds(mesh_pb2.Stage, start_layer=u32, end_layer=u32, nodes=st.lists(text, max_size=3), bytes=u64,
-                      endpoints=st.lists(text, max_size=2))
-    plan = st.builds(mesh_pb2.Plan, epoch=u64, model=text, strategy=st.sampled_from(["single", "pipeline", "tensor",
-                                                                                     "hybrid", "x"]),
-                     stages=st.lists(stage, max_size=3), coordinator=text, max_context=u32, estimate_s=floats)
+    node_info = st.builds(
+        mesh_pb2.NodeInfo,
+        node_id=text,
+        addresses=st.lists(text, max_size=3),
+        http_port=u32,
+        grpc_port=u32,
+        memory_budget=u64,
+        cluster_id=text,
+        models=st.lists(text, max_size=2),
+        compute=st.floats(allow_nan=True),
+        started_at=st.floats(allow_nan=True),
+    )
+    stage = st.builds(
+        mesh_pb2.Stage,
+        start_layer=u32,
+        end_layer=u32,
+        nodes=st.lists(text, max_size=3),
+        bytes=u64,
+        endpoints=st.lists(text, max_size=2),
+    )
+    plan = st.builds(
+        mesh_pb2.Plan,
+        epoch=u64,
+        model=text,
+        strategy=st.sampled_from(["single", "pipeline", "tensor", "hybrid", "x"]),
+        stages=st.lists(stage, max_size=3),
+        coordinator=text,
+        max_context=u32,
+        estimate_s=floats,
+    )
     return {
-        "Heartbeat": st.builds(mesh_pb2.HeartbeatRequest, node=node_info, coordinator=text, epoch=u64,
-                               alive=st.lists(text, max_size=3), ready_epoch=u64, plan_error=text,
-                               **{"plan": plan}),
+        "Heartbeat": st.builds(
+            mesh_pb2.HeartbeatRequest,
+            node=node_info,
+            coordinator=text,
+            epoch=u64,
+            alive=st.lists(text, max_size=3),
+            ready_epoch=u64,
+            plan_error=text,
+            **{"plan": plan},
+        ),
         "Install": plan,
         "Leave": st.builds(mesh_pb2.Goodbye, node_id=text),
-        "Probe": st.builds(mesh_pb2.ProbeRequest, payload=st.binary(max_size=64),
-                           reply_bytes=st.one_of(u32, st.just(2**31 - 1))),
+        "Probe": st.builds(
+            mesh_pb2.ProbeRequest, payload=st.binary(max_size=64), reply_bytes=st.one_of(u32, st.just(2**31 - 1))
+        ),
         "Manifest": st.builds(mesh_pb2.ManifestRequest, model_id=text),
         "Fetch": st.builds(mesh_pb2.FetchRequest, model_id=text, path=text, offset=u64, length=u64),
-        "Generate": st.builds(mesh_pb2.GenerateRequest, request_id=text, epoch=u64,
-                              prompt=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**20), st.just(2**32 - 1)),
-                                             max_size=6),
-                              max_tokens=st.integers(-5, 20), temperature=floats, top_p=floats,
-                              has_seed=st.booleans(), seed=st.integers(-(2**63), 2**63 - 1)),
-        "Forward": st.builds(mesh_pb2.ForwardRequest, request_id=text, epoch=u64, start_layer=u32, end_layer=u32,
-                             input=_tensors()),
+        "Generate": st.builds(
+            mesh_pb2.GenerateRequest,
+            request_id=text,
+            epoch=u64,
+            prompt=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**20), st.just(2**32 - 1)), max_size=6),
+            max_tokens=st.integers(-5, 20),
+            temperature=floats,
+            top_p=floats,
+            has_seed=st.booleans(),
+            seed=st.integers(-(2**63), 2**63 - 1),
+        ),
+        "Forward": st.builds(
+            mesh_pb2.ForwardRequest, request_id=text, epoch=u64, start_layer=u32, end_layer=u32, input=_tensors()
+        ),
     }
 
 
@@ -517,6 +620,7 @@ def test_grpc_random_field_values_to_every_method(node, grpc_client):
 def test_grpc_without_the_key_is_refused(node):
     client = GrpcClient(node[0].grpc_port, ClusterAuth("not the key"))
     try:
+
         @fuzz(60)
         @given(method=st.sampled_from(sorted(METHODS)), payload=st.binary(max_size=100))
         def run(method, payload):
@@ -536,10 +640,16 @@ HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 def test_raw_garbage_on_the_ports(node, port_kind):
     n, base, handler = node
     port = {"http": n.http_port, "grpc": n.grpc_port, "data": n._data.port}[port_kind]
-    prefixes = st.sampled_from([b"", b"GET / HTTP/1.1\r\n",
-                                b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n",
-                                HTTP2_PREFACE, HTTP2_PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00",
-                                b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"])
+    prefixes = st.sampled_from(
+        [
+            b"",
+            b"GET / HTTP/1.1\r\n",
+            b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n",
+            HTTP2_PREFACE,
+            HTTP2_PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00",
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+        ]
+    )
 
     @fuzz(150)
     @given(prefix=prefixes, junk=st.binary(max_size=512), half_close=st.booleans())
@@ -572,9 +682,15 @@ def _data_stream(n, auth: ClusterAuth, hello: bytes | None = None, raw: bool = F
     """``raw``: the opening asks for raw replies (as every head does), so raw decode steps are read."""
     plan = n.serving_plan()
     stage = plan.stages[0]
-    opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-        request_id="fuzz", epoch=plan.epoch, start_layer=stage.start_layer, end_layer=stage.end_layer,
-        raw_replies=raw))
+    opening = mesh_pb2.DataOpen(
+        forward=mesh_pb2.ForwardRequest(
+            request_id="fuzz",
+            epoch=plan.epoch,
+            start_layer=stage.start_layer,
+            end_layer=stage.end_layer,
+            raw_replies=raw,
+        )
+    )
     s = socket.create_connection(("127.0.0.1", n._data.port), timeout=TIMEOUT)
     send_frame(s, hello if hello is not None else data_hello(auth, "fuzzer", opening))
     return s
@@ -592,16 +708,29 @@ def test_data_port_refuses_the_wrong_key_and_replays_and_logs_it(node, caplog):
     caplog.set_level(logging.WARNING)
     n.auth._logged.clear()  # refusals are logged once per peer per 10 s: start this test's count afresh
     with _data_stream(n, ClusterAuth("not the cluster key")) as s:
-        send_frame(s, mesh_pb2.ForwardRequest(input=mesh_pb2.Tensor(dtype="int32", shape=[1, 1],
-                                                                    data=b"\x01\x00\x00\x00")).SerializeToString())
+        send_frame(
+            s,
+            mesh_pb2.ForwardRequest(
+                input=mesh_pb2.Tensor(dtype="int32", shape=[1, 1], data=b"\x01\x00\x00\x00")
+            ).SerializeToString(),
+        )
         assert _closed_without_reply(s)
     assert any("refused data stream" in r.getMessage() and "bad mac" in r.getMessage() for r in caplog.records)
     assert KEY not in caplog.text
     # A hello captured off the wire and sent again is refused (the nonce was used).
     plan, auth = n.serving_plan(), ClusterAuth(KEY)
-    hello = data_hello(auth, "fuzzer", mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-        request_id="fuzz", epoch=plan.epoch, start_layer=plan.stages[0].start_layer,
-        end_layer=plan.stages[0].end_layer)))
+    hello = data_hello(
+        auth,
+        "fuzzer",
+        mesh_pb2.DataOpen(
+            forward=mesh_pb2.ForwardRequest(
+                request_id="fuzz",
+                epoch=plan.epoch,
+                start_layer=plan.stages[0].start_layer,
+                end_layer=plan.stages[0].end_layer,
+            )
+        ),
+    )
     tokens = mesh_pb2.ForwardRequest(input=mesh_pb2.Tensor(dtype="int32", shape=[1, 1], data=b"\x01\x00\x00\x00"))
     with _data_stream(n, auth, hello) as s:
         send_frame(s, tokens.SerializeToString())
@@ -620,12 +749,18 @@ def test_data_port_random_frames_after_a_valid_hello(node):
     closes or goes on; the node lives on."""
     n, base, handler = node
     auth = ClusterAuth(KEY)
-    tensor = st.builds(mesh_pb2.Tensor, dtype=st.sampled_from(["int32", "float32", "bfloat16", "int64", ""]),
-                       shape=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 3), max_size=5),
-                       data=st.binary(max_size=64))
-    frame = st.one_of(st.binary(max_size=256),
-                      st.builds(lambda x, ns: mesh_pb2.ForwardRequest(input=x, next_single=ns).SerializeToString(),
-                                tensor, st.booleans()))
+    tensor = st.builds(
+        mesh_pb2.Tensor,
+        dtype=st.sampled_from(["int32", "float32", "bfloat16", "int64", ""]),
+        shape=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 3), max_size=5),
+        data=st.binary(max_size=64),
+    )
+    frame = st.one_of(
+        st.binary(max_size=256),
+        st.builds(
+            lambda x, ns: mesh_pb2.ForwardRequest(input=x, next_single=ns).SerializeToString(), tensor, st.booleans()
+        ),
+    )
 
     @fuzz(120)
     @given(frames=st.lists(frame, min_size=1, max_size=3))
@@ -637,8 +772,16 @@ def test_data_port_random_frames_after_a_valid_hello(node):
                 if got is None:
                     return
                 reply = mesh_pb2.ForwardReply.FromString(bytes(got))
-                OUTCOMES["data:" + (grpc.StatusCode.INVALID_ARGUMENT.name if reply.code == 3 else
-                                    "ok" if not reply.error else str(reply.code))] += 1
+                OUTCOMES[
+                    "data:"
+                    + (
+                        grpc.StatusCode.INVALID_ARGUMENT.name
+                        if reply.code == 3
+                        else "ok"
+                        if not reply.error
+                        else str(reply.code)
+                    )
+                ] += 1
                 if reply.error:
                     assert _closed_without_reply(s)
                     return
@@ -653,11 +796,17 @@ def test_data_port_random_raw_decode_steps_after_a_valid_hello(node):
     the error, or answered with a raw reply; the node lives on."""
     n, base, handler = node
     auth = ClusterAuth(KEY)
-    header = st.builds(lambda code, flags, rewind, positions, width, body: RAW_REQUEST.pack(
-        0, code, flags, rewind, positions, width) + body,
-        st.integers(0, 255), st.integers(0, 255), st.integers(0, 3) | st.integers(0, 2**32 - 1),
-        st.integers(0, 3) | st.integers(0, 2**32 - 1), st.integers(0, 2) | st.integers(0, 2**32 - 1),
-        st.binary(max_size=16))
+    header = st.builds(
+        lambda code, flags, rewind, positions, width, body: (
+            RAW_REQUEST.pack(0, code, flags, rewind, positions, width) + body
+        ),
+        st.integers(0, 255),
+        st.integers(0, 255),
+        st.integers(0, 3) | st.integers(0, 2**32 - 1),
+        st.integers(0, 3) | st.integers(0, 2**32 - 1),
+        st.integers(0, 2) | st.integers(0, 2**32 - 1),
+        st.binary(max_size=16),
+    )
     frame = st.one_of(st.binary(max_size=64).map(lambda b: b"\x00" + b), header)
 
     @fuzz(120)
@@ -708,8 +857,9 @@ def test_an_epoch_not_switched_to_yet_is_pending_and_an_older_one_is_gone(node, 
         return code, details
 
     def forward(epoch):
-        msg = mesh_pb2.ForwardRequest(request_id="epochs", epoch=epoch, start_layer=stage.start_layer,
-                                      end_layer=stage.end_layer)
+        msg = mesh_pb2.ForwardRequest(
+            request_id="epochs", epoch=epoch, start_layer=stage.start_layer, end_layer=stage.end_layer
+        )
         with pytest.raises(StageRefusal) as info:
             n.stage_server.open(msg)
         return info.value.code

@@ -36,15 +36,24 @@ Q = gguf.GGMLQuantizationType
 PROMPT = [[3, 17, 42, 99, 7, 250, 31, 64, 128, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 # Families as llama.cpp names them in GGUF; gemma3 with Gemma 3's own window pattern (6), which
 # GGUF files do not store.
-FAMILIES = {"llama": {}, "mixtral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "gemma2": {},
-            "gemma3": {"num_layers": 6, "sliding_window_pattern": 6}, "phi3": {}}
+FAMILIES = {
+    "llama": {},
+    "mixtral": {},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": {},
+    "gemma2": {},
+    "gemma3": {"num_layers": 6, "sliding_window_pattern": 6},
+    "phi3": {},
+}
 
 
 def _family(tmp_path, family, dtype="float32"):
     extra = dict(FAMILIES[family])
     layers = extra.pop("num_layers", 4)
-    return build_model(tmp_path / family, family, num_layers=layers, hidden_size=64, intermediate_size=128,
-                       dtype=dtype, **extra)
+    return build_model(
+        tmp_path / family, family, num_layers=layers, hidden_size=64, intermediate_size=128, dtype=dtype, **extra
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -67,8 +76,10 @@ def test_q4_0_and_q8_0_are_kept_as_mlx_reads_them(tmp_path):
         _, folder = resolve_gguf(str(path), tmp_path / "cache")
         theirs, _ = mx.load(str(path), return_metadata=True)
         ours = mx.load(str(folder / "model.safetensors"))
-        pairs = (("blk.1.ffn_down", "model.layers.1.mlp.down_proj"),
-                 ("blk.0.attn_v", "model.layers.0.self_attn.v_proj"))
+        pairs = (
+            ("blk.1.ffn_down", "model.layers.1.mlp.down_proj"),
+            ("blk.0.attn_v", "model.layers.0.self_attn.v_proj"),
+        )
         for g, m in pairs:
             for part in ("weight", "scales", "biases"):
                 assert mx.array_equal(theirs[f"{g}.{part}"], ours[f"{m}.{part}"]), (kind.name, g, part)
@@ -85,10 +96,16 @@ def _raw_tensor(tmp_path, kind, rows=8, cols=512):
     rng = np.random.default_rng(7)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     scale = np.array([0.01], np.float16).view(np.uint8)
-    where = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (size - 2,), Q.Q5_0: (0,), Q.Q3_K: (size - 2,),
-             Q.Q2_K: (size - 4, size - 2)}[kind]
+    where = {
+        Q.Q4_K: (0, 2),
+        Q.Q5_K: (0, 2),
+        Q.Q6_K: (size - 2,),
+        Q.Q5_0: (0,),
+        Q.Q3_K: (size - 2,),
+        Q.Q2_K: (size - 4, size - 2),
+    }[kind]
     for offset in where:
-        raw[:, :, offset:offset + 2] = scale
+        raw[:, :, offset : offset + 2] = scale
     w = gguf.GGUFWriter(str(tmp_path / f"{kind.name}.gguf"), "llama")
     w.add_tensor("blk.0.ffn_down.weight", raw.reshape(rows, -1), raw_dtype=kind)
     w.write_header_to_file()
@@ -98,8 +115,7 @@ def _raw_tensor(tmp_path, kind, rows=8, cols=512):
     return open_gguf(tmp_path / f"{kind.name}.gguf").tensors[0]
 
 
-@pytest.mark.parametrize("kind,bits", [(Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6), (Q.Q5_0, 5), (Q.Q3_K, 3),
-                                       (Q.Q2_K, 3)])
+@pytest.mark.parametrize("kind,bits", [(Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6), (Q.Q5_0, 5), (Q.Q3_K, 3), (Q.Q2_K, 3)])
 def test_other_types_are_dequantized_and_quantized_again_at_the_nearest_width(tmp_path, kind, bits):
     t = _raw_tensor(tmp_path, kind)
     parts = plan_tensor(t, "model.layers.0.mlp.down_proj.weight")
@@ -107,8 +123,9 @@ def test_other_types_are_dequantized_and_quantized_again_at_the_nearest_width(tm
     assert [p.name.rsplit(".", 1)[1] for p in parts] == ["weight", "scales", "biases"]
     assert weight.shape == (8, 512 * bits // 32) and scales.dtype == mx.float16
     want = gguf.quants.dequantize(np.asarray(t.data), kind).astype(np.float32)
-    got = np.array(mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32),
-                                 group_size=GROUP_SIZE, bits=bits))
+    got = np.array(
+        mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP_SIZE, bits=bits)
+    )
     # Within one of MLX's steps of each group (its grid holds zero exactly, so a value can lie a
     # step from the nearest level), and float16's rounding of the scale and offset.
     step = np.repeat(np.abs(np.array(scales.astype(mx.float32))), GROUP_SIZE, axis=1)
@@ -131,8 +148,9 @@ def test_a_file_that_cannot_be_served_says_what_it_is(tmp_path):
     extra = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "llama")
     for name, field in reader.fields.items():  # the same file plus one tensor no llama has
         if not name.startswith("GGUF.") and name != "general.architecture":
-            extra.add_key_value(name, field.contents(), field.types[0],
-                                sub_type=field.types[-1] if len(field.types) > 1 else None)
+            extra.add_key_value(
+                name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
+            )
     for t in reader.tensors:
         extra.add_tensor(t.name, np.asarray(t.data))
     extra.add_tensor("blk.0.mystery.weight", np.zeros((4, 32), np.float32))
@@ -155,9 +173,20 @@ def test_a_node_whose_gguf_cannot_be_served_stays_up_and_says_why(tmp_path):
     from harness.cluster import node_argv
 
     port = _free_port()
-    proc = subprocess.Popen(node_argv(tmp_path / "mamba.gguf", host="127.0.0.1", http_port=port, grpc_port=_free_port(),
-                                      mdns=False, state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        node_argv(
+            tmp_path / "mamba.gguf",
+            host="127.0.0.1",
+            http_port=port,
+            grpc_port=_free_port(),
+            mdns=False,
+            state_dir=tmp_path / "state",
+            cache_dir=tmp_path / "cache",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline, answer = time.monotonic() + 120, None
         while answer is None and time.monotonic() < deadline:
@@ -192,9 +221,16 @@ def test_an_ollama_model_is_its_blob_and_gets_the_id_its_content_gives(tmp_path,
     shutil.copy(path, store / "blobs" / f"sha256-{sha}")
     manifest = store / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q8"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text(json.dumps({"layers": [
-        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64},
-        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{sha}"}]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "layers": [
+                    {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64},
+                    {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{sha}"},
+                ]
+            }
+        )
+    )
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
     assert ollama_blob("ollama:tiny:q8") == store / "blobs" / f"sha256-{sha}"
     with pytest.raises(FileNotFoundError, match="Ollama has no model tiny:latest"):
@@ -226,6 +262,7 @@ def test_an_interrupted_conversion_is_redone_never_used(tmp_path):
 
 
 def test_the_cli_takes_gguf_and_ollama_models():
-    out = subprocess.run([sys.executable, "-m", "meshnode.cli", "run", "--help"], capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "run", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     assert "GGUF file" in out and "ollama:NAME[:TAG]" in out

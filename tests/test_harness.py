@@ -17,23 +17,54 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_node_argv_names_only_flags_meshnode_run_has():
-    argv = node_argv(Path("/m"), http_port=1, grpc_port=2, node_id="n", budget="1GiB", state_dir=Path("/s"),
-                     max_context=64, cache_dir="/c", kv_requests=1, host="127.0.0.1", config="/f.toml",
-                     peers=["10.0.0.1:8471", "10.0.0.2:8471"], mdns=False, extra=["--encrypt"])
+    argv = node_argv(
+        Path("/m"),
+        http_port=1,
+        grpc_port=2,
+        node_id="n",
+        budget="1GiB",
+        state_dir=Path("/s"),
+        max_context=64,
+        cache_dir="/c",
+        kv_requests=1,
+        host="127.0.0.1",
+        config="/f.toml",
+        peers=["10.0.0.1:8471", "10.0.0.2:8471"],
+        mdns=False,
+        extra=["--encrypt"],
+    )
     assert argv[:4] == [sys.executable, "-m", "meshnode.cli", "run"]
     args = build_parser().parse_args(argv[3:])
-    assert (args.model, args.http_port, args.grpc_port, args.node_id, args.memory_budget) == (["/m"], "1", "2", "n",
-                                                                                                 "1GiB")
-    assert (args.state_dir, args.max_context, args.cache_dir, args.kv_requests, args.host) == ("/s", "64", "/c", "1",
-                                                                                               "127.0.0.1")
+    assert (args.model, args.http_port, args.grpc_port, args.node_id, args.memory_budget) == (
+        ["/m"],
+        "1",
+        "2",
+        "n",
+        "1GiB",
+    )
+    assert (args.state_dir, args.max_context, args.cache_dir, args.kv_requests, args.host) == (
+        "/s",
+        "64",
+        "/c",
+        "1",
+        "127.0.0.1",
+    )
     assert args.config == Path("/f.toml") and args.peers == ["10.0.0.1:8471", "10.0.0.2:8471"]
     assert args.mdns is False and args.encrypt is True
 
 
 def test_node_argv_leaves_out_what_is_not_given():
     assert node_argv() == [sys.executable, "-m", "meshnode.cli", "run"]
-    assert node_argv("m", grpc_port=0) == [sys.executable, "-m", "meshnode.cli", "run", "--model", "m",
-                                           "--grpc-port", "0"]
+    assert node_argv("m", grpc_port=0) == [
+        sys.executable,
+        "-m",
+        "meshnode.cli",
+        "run",
+        "--model",
+        "m",
+        "--grpc-port",
+        "0",
+    ]
 
 
 def test_in_ns_returns_the_last_json_line_or_raises_with_stderr():
@@ -83,11 +114,19 @@ def test_wait_mesh_polls_until_the_predicate_holds(mesh_file):
 
 
 def test_wait_mesh_times_out_with_the_last_view(mesh_file):
-    with pytest.raises(AssertionError, match=r"waiting for three stages in .*/v1/mesh: timed out after 1.5 s; "
-                                             r"last: .*\"stages\": \[1, 2\].*\nthe logs"):
-        wait_mesh(mesh_file, lambda v: len(v["plan"]["stages"]) == 3, timeout=1.5, interval=0.05, what="three stages",
-                  details=lambda: "the logs")
-
+    with pytest.raises(
+        AssertionError,
+        match=r"waiting for three stages in .*/v1/mesh: timed out after 1.5 s; "
+        r"last: .*\"stages\": \[1, 2\].*\nthe logs",
+    ):
+        wait_mesh(
+            mesh_file,
+            lambda v: len(v["plan"]["stages"]) == 3,
+            timeout=1.5,
+            interval=0.05,
+            what="three stages",
+            details=lambda: "the logs",
+        )
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("qwen3", "bfloat16")])
@@ -104,6 +143,7 @@ def test_a_scripted_model_says_its_table_whatever_came_before(tmp_path, family, 
     for before in ([], [17, 250, 499, 3], list(range(100, 180))):
         said = [r.token for r in stream_generate(model, tokenizer, before + chain[:1], max_tokens=len(chain) - 1)]
         assert said == chain[1:]
+
 
 def test_a_scripted_model_refuses_two_tokens_with_one_successor(tmp_path):
     from harness.scripted import script_successors

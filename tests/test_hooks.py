@@ -82,21 +82,26 @@ def test_scripted_drafts_reach_a_real_node_s_requests(tmp_path):
     """A `meshnode run` node given a drafts file guesses what it says, read for each request."""
     from mlx_lm import load, stream_generate
 
-    model = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
-                        dtype="float32", seed=4)
+    model = build_model(
+        tmp_path / "llama", "llama", num_layers=4, hidden_size=64, intermediate_size=128, dtype="float32", seed=4
+    )
     whole, tokenizer = load(str(model))
     prompt = list(range(40, 80))
     answer = [r.token for r in stream_generate(whole, tokenizer, prompt, max_tokens=24)]
     drafts = tmp_path / "drafts.json"
     drafts.write_text(json.dumps({"p": 1.0, "vocab": whole.args.vocab_size, "answers": [prompt + answer], "k": 4}))
     env = {**clean_env(), "MESHNODE_SPECULATIVE": "prompt_lookup"}
-    with meshnode_run(tmp_path, env, model=model, http_port=0, grpc_port=0, max_context=512, drafts=drafts) as \
-            (_, port, log):
+    with meshnode_run(tmp_path, env, model=model, http_port=0, grpc_port=0, max_context=512, drafts=drafts) as (
+        _,
+        port,
+        log,
+    ):
         base = f"http://127.0.0.1:{port}"
 
         def complete() -> list[int]:
-            body = json.dumps({"model": model.name, "prompt": prompt, "max_tokens": len(answer),
-                               "temperature": 0}).encode()
+            body = json.dumps(
+                {"model": model.name, "prompt": prompt, "max_tokens": len(answer), "temperature": 0}
+            ).encode()
             req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
                 return json.load(r)["choices"][0]["text"]

@@ -21,9 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from meshnode.model.build import build_model
 from meshnode.weights.manifest import build_manifest, tensors_for_layers
 from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from tests.hubstandin import HubStandIn, hub_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +57,14 @@ print(json.dumps(out))
 
 def hub_step(endpoint: str, home: Path, **args) -> dict:
     env = {**os.environ, **hub_env(endpoint, home / "hf"), "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
-    r = subprocess.run([sys.executable, "-c", _STEP, json.dumps({"model": REPO, "cache": str(home / "cache"), **args})],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _STEP, json.dumps({"model": REPO, "cache": str(home / "cache"), **args})],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return {**json.loads(r.stdout.strip().splitlines()[-1]), "log": r.stderr}
 
@@ -86,8 +92,16 @@ def sha256(path: Path) -> str:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """6 layers in 7 weight files of ~1 MB (layers straddle files)."""
-    return build_model(tmp_path_factory.mktemp("hub") / "tiny-llama", "llama", num_layers=6, hidden_size=128,
-                       intermediate_size=512, dtype="float32", seed=11, max_file_size_mb=1)
+    return build_model(
+        tmp_path_factory.mktemp("hub") / "tiny-llama",
+        "llama",
+        num_layers=6,
+        hidden_size=128,
+        intermediate_size=512,
+        dtype="float32",
+        seed=11,
+        max_file_size_mb=1,
+    )
 
 
 def _shard_out(folder: Path, start: int, end: int, x: mx.array) -> mx.array:
@@ -124,8 +138,11 @@ def test_small_files_first_then_only_a_stage_files(model, tmp_path):
             got = hub_step(hub.endpoint, home, layers=[start, end])
             want = stage_files(model, start, end)
             assert 0 < len(want) < len(whole_weights)
-            full = {r.path.rsplit("/", 1)[1] for r in hub.requests[n_before:]
-                    if r.method == "GET" and "/resolve/" in r.path and r.range is None and r.path.endswith(".safetensors")}
+            full = {
+                r.path.rsplit("/", 1)[1]
+                for r in hub.requests[n_before:]
+                if r.method == "GET" and "/resolve/" in r.path and r.range is None and r.path.endswith(".safetensors")
+            }
             assert full == want, (start, end, full, want)
             assert sorted(weight_blobs(home).values()) == sorted(sizes[f] for f in want)
             folder = Path(got["folder"])
@@ -152,9 +169,18 @@ def test_small_files_first_then_only_a_stage_files(model, tmp_path):
 def big_model(tmp_path_factory):
     """Two layers of ~27 MB, one file each: bigger than huggingface_hub's 10 MB read chunk, so a
     body cut off halfway leaves whole chunks on disk to resume after."""
-    return build_model(tmp_path_factory.mktemp("hub-big") / "big-llama", "llama", num_layers=2, hidden_size=512,
-                       intermediate_size=4096, num_heads=8, num_kv_heads=4, dtype="float32", seed=12,
-                       max_file_size_mb=30)
+    return build_model(
+        tmp_path_factory.mktemp("hub-big") / "big-llama",
+        "llama",
+        num_layers=2,
+        hidden_size=512,
+        intermediate_size=4096,
+        num_heads=8,
+        num_kv_heads=4,
+        dtype="float32",
+        seed=12,
+        max_file_size_mb=30,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -215,8 +241,22 @@ def test_two_hosts_each_download_only_their_stage(model, tmp_path):
         cluster = Cluster(mesh, model, tmp_path)
         hub_log = tmp_path / "hub.jsonl"
         standin = cluster.client.popen(
-            [sys.executable, "-m", "tests.hubstandin", "--host", cluster.client.ip, "--port", str(HUB_PORT),
-             "--log", str(hub_log), f"{REPO}={model}"], env={**os.environ}, log_path=tmp_path / "hub.out", cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "tests.hubstandin",
+                "--host",
+                cluster.client.ip,
+                "--port",
+                str(HUB_PORT),
+                "--log",
+                str(hub_log),
+                f"{REPO}={model}",
+            ],
+            env={**os.environ},
+            log_path=tmp_path / "hub.out",
+            cwd=ROOT,
+        )
         until = time.monotonic() + 30
         while "ready" not in ((tmp_path / "hub.out").read_text() if (tmp_path / "hub.out").exists() else ""):
             assert standin.poll() is None and time.monotonic() < until, (tmp_path / "hub.out").read_text()
@@ -224,8 +264,12 @@ def test_two_hosts_each_download_only_their_stage(model, tmp_path):
         endpoint = f"http://{cluster.client.ip}:{HUB_PORT}"
         for h in cluster.hosts:
             # Two stages, pinned: "auto" may estimate a tensor pair faster from links measured on a busy machine.
-            cluster.start(h, int(total * 0.6), model=REPO,
-                          env={**hub_env(endpoint, tmp_path / h.name / "hf"), "MESHNODE_STRATEGY": "pipeline"})
+            cluster.start(
+                h,
+                int(total * 0.6),
+                model=REPO,
+                env={**hub_env(endpoint, tmp_path / h.name / "hf"), "MESHNODE_STRATEGY": "pipeline"},
+            )
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 150, "convergence")
         stages = views[0]["plan"]["stages"]
         assert len(stages) == 2, views[0]["plan"]
@@ -244,8 +288,14 @@ def test_two_hosts_each_download_only_their_stage(model, tmp_path):
             # On its disk: the weight files of its own stage, nothing else.
             assert set(weight_blobs(tmp_path / h.name)) == {sha256(model / f) for f in want}, h.name
             # Over the wire: those files whole, the others' headers only.
-            full = {r["path"].rsplit("/", 1)[1] for r in requests if r["remote"] == h.ip and r["method"] == "GET"
-                    and r["path"].endswith(".safetensors") and not (r["range"] or "").startswith("bytes=0-65535")}
+            full = {
+                r["path"].rsplit("/", 1)[1]
+                for r in requests
+                if r["remote"] == h.ip
+                and r["method"] == "GET"
+                and r["path"].endswith(".safetensors")
+                and not (r["range"] or "").startswith("bytes=0-65535")
+            }
             assert full == want, (h.name, full, want)
             assert "downloading layers" in cluster.log(h), cluster.log(h)[-3000:]
             me = next(n for n in cluster.mesh_view(h)["nodes"] if n["node_id"] == h.name)

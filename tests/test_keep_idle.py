@@ -25,18 +25,21 @@ pytestmark = pytest.mark.timeout(60)
 def test_keeping_a_prefix_at_a_remote_stage_lets_go_of_the_baton_while_it_waits(monkeypatch):
     head_end, stage_end = socket.socketpair()
     monkeypatch.setattr(hop, "connect", lambda *args, **kwargs: head_end)  # the stream, already open
-    stage = SimpleNamespace(epoch=1, start=0, end=2, model="m", node_id="peer", hop_timeout=5.0, poll=0.05,
-                            check=lambda sent: None)
+    stage = SimpleNamespace(
+        epoch=1, start=0, end=2, model="m", node_id="peer", hop_timeout=5.0, poll=0.05, check=lambda sent: None
+    )
     session = hop.HopSession(stage, "request-1", "peer", 0, auth=None, node_id="me")
     baton = Baton()
     taken, in_time = threading.Event(), []
 
     def stage_side():
         assert recv_frame(stage_end) is not None  # the keep
+
         def take():
             baton.acquire()
             taken.set()
             baton.release()
+
         threading.Thread(target=take, daemon=True).start()
         in_time.append(taken.wait(5))  # serving it needs the baton the keeper held
         send_frame(stage_end, hop.KEPT_FRAME)

@@ -53,11 +53,27 @@ def test_the_bytes_counted_are_the_bytes_quantized_kv_cache_holds(bits, dtype):
 
 def _profile(**kw) -> ModelProfile:
     n = kw.pop("num_layers", 8)
-    base = dict(name="m", model_type="llama", num_layers=n, layer_bytes=(10 * 2**20,) * n, embed_bytes=20 * 2**20,
-                head_bytes=20 * 2**20, norm_bytes=4096, tied_embeddings=False,
-                kv_bytes_per_token=(2 * 8 * 128 * 2,) * n, sliding_window=(None,) * n, hidden_size=2048,
-                num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=8192, num_experts=0,
-                vocab_size=32000, dtype="bfloat16", trained_context=131072)
+    base = dict(
+        name="m",
+        model_type="llama",
+        num_layers=n,
+        layer_bytes=(10 * 2**20,) * n,
+        embed_bytes=20 * 2**20,
+        head_bytes=20 * 2**20,
+        norm_bytes=4096,
+        tied_embeddings=False,
+        kv_bytes_per_token=(2 * 8 * 128 * 2,) * n,
+        sliding_window=(None,) * n,
+        hidden_size=2048,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        num_experts=0,
+        vocab_size=32000,
+        dtype="bfloat16",
+        trained_context=131072,
+    )
     base.update(kw)
     return ModelProfile(**base)
 
@@ -67,8 +83,9 @@ def test_the_plan_counts_the_quantized_kv_and_fits_a_longer_context():
     nodes = [NodeSpec("a", 420 * 2**20)]  # 120 MiB of weights; KV per token: 64 KiB, 8 bits 34, 4 bits 18
 
     def longest(bits):
-        return plan_longest_context(lambda ctx: make_plan(profile, nodes, max_context=ctx, requests=2, kv_bits=bits),
-                                    profile.trained_context, 0)
+        return plan_longest_context(
+            lambda ctx: make_plan(profile, nodes, max_context=ctx, requests=2, kv_bits=bits), profile.trained_context, 0
+        )
 
     plain, four, eight = longest(0), longest(4), longest(8)
     assert plain.kv_bits == 0 and four.kv_bits == 4 and eight.kv_bits == 8
@@ -147,29 +164,50 @@ def test_meshnode_plan_and_run_take_kv_bits(tmp_path, capsys):
 # --------------------------------------------------------------------------- real models
 
 
-@pytest.fixture(scope="module", params=[("llama", "4bit", "bfloat16"), ("qwen3", None, "bfloat16"),
-                                        ("qwen3", "4bit", "bfloat16"), ("llama", None, "bfloat16")],
-                ids=lambda p: "-".join(str(x) for x in p if x))
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("llama", "4bit", "bfloat16"),
+        ("qwen3", None, "bfloat16"),
+        ("qwen3", "4bit", "bfloat16"),
+        ("llama", None, "bfloat16"),
+    ],
+    ids=lambda p: "-".join(str(x) for x in p if x),
+)
 def model(request, tmp_path_factory):
     family, quantize, dtype = request.param
     # head_dim 64: a multiple of the KV quantization group.
-    return build_model(tmp_path_factory.mktemp("kvq") / f"{family}-{quantize or dtype}", family, num_layers=4,
-                       hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, dtype=dtype,
-                       quantize=quantize)
+    return build_model(
+        tmp_path_factory.mktemp("kvq") / f"{family}-{quantize or dtype}",
+        family,
+        num_layers=4,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=256,
+        dtype=dtype,
+        quantize=quantize,
+    )
 
 
 def quantized_cache(model, bits: int) -> list:
     """mlx-lm's caches for ``model``, every plain KVCache a QuantizedKVCache from the start."""
-    return [QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits) if type(c) is KVCache else c
-            for c in make_prompt_cache(model)]
+    return [
+        QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits) if type(c) is KVCache else c
+        for c in make_prompt_cache(model)
+    ]
 
 
 def reference(path, prompt, bits: int, step: int = 512, max_tokens: int = MAX_TOKENS) -> list[int]:
     """mlx-lm's greedy tokens on the whole model with a quantized KV cache (0: a plain one)."""
     m, _ = load_model(path)
     cache = quantized_cache(m, bits) if bits else None
-    return [int(t) for t, _ in generate_step(mx.array(prompt), m, max_tokens=max_tokens, prefill_step_size=step,
-                                             prompt_cache=cache)]
+    return [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt), m, max_tokens=max_tokens, prefill_step_size=step, prompt_cache=cache
+        )
+    ]
 
 
 def as_text(tok, tokens: list[int]) -> str:
@@ -201,8 +239,9 @@ def test_two_stages_match_mlx_lm_with_the_same_quantized_cache(model, bits):
     for shard in shards:
         shard.kv_bits = bits
     stages = [LocalStage(s) for s in shards]
-    out = list(generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=MAX_TOKENS),
-                               prefill_step_size=8))
+    out = list(
+        generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=MAX_TOKENS), prefill_step_size=8)
+    )
     assert out == reference(model, PROMPT, bits)
     for shard in shards:  # the owned layers' caches are quantized, and so are the aliases mlx-lm reads masks from
         cache = shard.make_cache()
@@ -216,8 +255,16 @@ def test_a_tensor_group_matches_mlx_lm_with_the_same_quantized_cache(tmp_path, b
     """Two worker processes share every layer (float32: the split changes rounding); each rank
     quantizes its share of the heads in groups along head_dim, as mlx-lm's cache does the whole.
     Its prompt cache cuts such caches back and resumes from them too."""
-    path = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=2,
-                       intermediate_size=256, dtype="float32")
+    path = build_model(
+        tmp_path / "llama",
+        "llama",
+        num_layers=4,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=256,
+        dtype="float32",
+    )
     members = tensor_group(path, 0, 4, num_layers=4, kv_bits=bits)
 
     def greedy(lead, cache, x):
@@ -254,35 +301,54 @@ def test_one_node_over_http_matches_mlx_lm_and_is_not_batched(model, tmp_path):
         shard = next(iter(served.shards.values()))
         assert shard.kv_quant_bits == 4 and not batchable([LocalStage(shard)])
         c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        text = c.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS,
-                                         temperature=0).choices[0].message.content
+        text = (
+            c.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+            .choices[0]
+            .message.content
+        )
         assert not any(type(p._source).__name__ == "BatchedSource" for p in served._placements.values())
     assert text == as_text(tok, reference(model, prompt, 4))
 
 
 @pytest.mark.timeout(300)
 def test_a_second_turn_through_the_prompt_cache_answers_as_without_it(tmp_path):
-    model = build_model(tmp_path / "qwen3", "qwen3", num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=1,
-                        intermediate_size=256, dtype="bfloat16")
+    model = build_model(
+        tmp_path / "qwen3",
+        "qwen3",
+        num_layers=4,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=256,
+        dtype="bfloat16",
+    )
     _, tok = load(str(model))
-    turns = ["Tell me about rivers, tides and the sea, and why the water is salty. " * 3,
-             "And now about mountains, glaciers and why the snow stays on top. " * 2]
+    turns = [
+        "Tell me about rivers, tides and the sea, and why the water is salty. " * 3,
+        "And now about mountains, glaciers and why the snow stays on top. " * 2,
+    ]
     answers = []
     with running_node(model, tmp_path / "cached", max_context=1024, kv_bits=8) as (node, base):
         c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         messages = []
         for turn in turns:
             messages.append({"role": "user", "content": turn})
-            answers.append(c.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS,
-                                                     temperature=0).choices[0].message.content)
+            answers.append(
+                c.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+                .choices[0]
+                .message.content
+            )
             messages.append({"role": "assistant", "content": answers[-1]})
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             hits, reused = prompt_cache_reuse(r.read().decode())
     assert hits == 1 and reused > 50, (hits, reused)  # the second turn resumed the first's KV
     with running_node(model, tmp_path / "uncached", max_context=1024, kv_bits=8, prompt_cache=False) as (_, base):
         c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        again = c.chat.completions.create(model=model.name, messages=messages[:3], max_tokens=MAX_TOKENS,
-                                          temperature=0).choices[0].message.content
+        again = (
+            c.chat.completions.create(model=model.name, messages=messages[:3], max_tokens=MAX_TOKENS, temperature=0)
+            .choices[0]
+            .message.content
+        )
     assert answers[1] == again
     second = tok.apply_chat_template(messages[:3], add_generation_prompt=True)
     assert again == as_text(tok, reference(model, second, 8))
@@ -291,16 +357,29 @@ def test_a_second_turn_through_the_prompt_cache_answers_as_without_it(tmp_path):
 def test_sliding_window_layers_keep_their_rotating_cache(tmp_path):
     """Gemma 3: every third layer global (quantized), the others a 16-token window (as they were); two
     stages still give mlx-lm's tokens with the same caches (the prompt is longer than the window)."""
-    path = build_model(tmp_path / "gemma3", "gemma3", num_layers=4, hidden_size=128, num_heads=2,
-                       num_kv_heads=1, intermediate_size=256, dtype="bfloat16")
+    path = build_model(
+        tmp_path / "gemma3",
+        "gemma3",
+        num_layers=4,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=256,
+        dtype="bfloat16",
+    )
     shards = [Shard(path, 0, 3), Shard(path, 3, 4)]
     for shard in shards:
         shard.kv_bits = 4
     kinds = [type(c) for c in shards[0].make_cache()]
     assert kinds == [RotatingKVCache, RotatingKVCache, QuantizedKVCache, RotatingKVCache]
-    out = list(generate_tokens(PipelineModel([LocalStage(s) for s in shards], "t"), PROMPT,
-                               SamplingParams(max_tokens=MAX_TOKENS), prefill_step_size=8))
+    out = list(
+        generate_tokens(
+            PipelineModel([LocalStage(s) for s in shards], "t"),
+            PROMPT,
+            SamplingParams(max_tokens=MAX_TOKENS),
+            prefill_step_size=8,
+        )
+    )
     assert out == reference(path, PROMPT, 4, step=8)
     profile = profile_model(path).for_kv_bits(4)
-    assert [profile.kv_token_bytes(i) < profile.kv_bytes_per_token[i] for i in range(4)] == [False, False, True,
-                                                                                             False]
+    assert [profile.kv_token_bytes(i) < profile.kv_bytes_per_token[i] for i in range(4)] == [False, False, True, False]

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from meshnode.model.compute import free_ports
 from meshnode.model.build import build_model
+from meshnode.model.compute import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,8 +40,11 @@ def _alive(pid: int) -> bool:
 
 def _orphan_dies(child_argv: list[str], env: dict[str, str], settle: float) -> float:
     """Kill -9 a parent whose child is busy; seconds until the child is gone."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, json.dumps({**os.environ, **env}), *child_argv],
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, json.dumps({**os.environ, **env}), *child_argv],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(parent.stdout.readline())
     try:
         time.sleep(settle)  # the child is up, inside its ring set-up
@@ -59,16 +62,20 @@ def _orphan_dies(child_argv: list[str], env: dict[str, str], settle: float) -> f
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("lifeline") / "llama", "llama", num_layers=4, hidden_size=64,
-                       dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("lifeline") / "llama", "llama", num_layers=4, hidden_size=64, dtype="float32"
+    )
 
 
 def test_a_ring_measurement_dies_with_its_node(model, tmp_path):
     """Rank 0 of the split-layer timing waits for a rank 1 that never comes (a hung ring)."""
     hostfile = tmp_path / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-    took = _orphan_dies([sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model), "1", "2"],
-                        {"MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)}, settle=4)
+    took = _orphan_dies(
+        [sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model), "1", "2"],
+        {"MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)},
+        settle=4,
+    )
     assert took < 3, f"the ring process outlived its node by {took:.1f} s"
 
 
@@ -77,8 +84,21 @@ def test_a_tensor_worker_dies_with_its_node(model, tmp_path):
     hostfile = tmp_path / "ring.json"
     ring = free_ports(3)
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring[:2]]))
-    argv = [sys.executable, "-m", "meshnode.model.tensor_worker", "--model", str(model), "--start", "0", "--end", "4",
-            "--backend", "ring", "--control", f"127.0.0.1:{ring[2]}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "meshnode.model.tensor_worker",
+        "--model",
+        str(model),
+        "--start",
+        "0",
+        "--end",
+        "4",
+        "--backend",
+        "ring",
+        "--control",
+        f"127.0.0.1:{ring[2]}",
+    ]
     took = _orphan_dies(argv, {"MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}, settle=4)
     assert took < 3, f"the tensor worker outlived its node by {took:.1f} s"
 
@@ -86,8 +106,6 @@ def test_a_tensor_worker_dies_with_its_node(model, tmp_path):
 def test_a_child_whose_node_died_while_it_started_exits_at_once(tmp_path):
     """The node can die before the child asks for its parent's pid: the pid the node wrote into the
     environment is not the parent any more, and the child exits instead of watching init."""
-    code = ("import time; from meshnode.model.lifeline import die_with_parent; die_with_parent(); "
-            "time.sleep(30)")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MESHNODE_PARENT_PID": "1"},
-                          timeout=20)
+    code = "import time; from meshnode.model.lifeline import die_with_parent; die_with_parent(); time.sleep(30)"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MESHNODE_PARENT_PID": "1"}, timeout=20)
     assert proc.returncode == 3

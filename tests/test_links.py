@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import grpc
-
 import pytest
-
-import socket
 
 from harness.cluster import wait_mesh
 from meshnode.control.echo import FRAME, MAX_CONNECTIONS, EchoServer, echo_rtt
@@ -48,10 +46,18 @@ def test_link_stat_from_a_peer_is_checked():
 def test_two_nodes_measure_their_link(tmp_path):
     with contextlib.ExitStack() as stack:
         a, base_a = stack.enter_context(running_node(None, tmp_path / "a", node_id="node-a", link_probe_interval=1))
-        b, base_b = stack.enter_context(running_node(None, tmp_path / "b", node_id="node-b", link_probe_interval=1,
-                                                     peers=[f"127.0.0.1:{a.grpc_port}"]))
-        view = wait_mesh(base_a, lambda v: {n["node_id"]: bool(n["links"]) for n in v["nodes"]} ==
-                         {"node-a": True, "node-b": True}, timeout=30, request_timeout=5, what="link figures")
+        b, base_b = stack.enter_context(
+            running_node(
+                None, tmp_path / "b", node_id="node-b", link_probe_interval=1, peers=[f"127.0.0.1:{a.grpc_port}"]
+            )
+        )
+        view = wait_mesh(
+            base_a,
+            lambda v: {n["node_id"]: bool(n["links"]) for n in v["nodes"]} == {"node-a": True, "node-b": True},
+            timeout=30,
+            request_timeout=5,
+            what="link figures",
+        )
         nodes = {n["node_id"]: n for n in view["nodes"]}
         mine, theirs = nodes["node-a"]["links"][0], nodes["node-b"]["links"][0]
         assert mine["peer"] == "node-b" and theirs["peer"] == "node-a"  # b's figures reached a by heartbeat

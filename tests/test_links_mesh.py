@@ -3,13 +3,12 @@ per-token traffic takes the fast one, while discovery and heartbeats may use eit
 
 from __future__ import annotations
 
-
 import pytest
 
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from harness.cluster import HTTP, Cluster
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -24,14 +23,16 @@ def _bytes(host, dev: str) -> int:
 def test_data_takes_the_fast_link(tmp_path):
     from mlx_lm import generate, load
 
-    model = build_model(tmp_path / "llama", "llama", num_layers=8, hidden_size=256, intermediate_size=512,
-                        dtype="float32")
+    model = build_model(
+        tmp_path / "llama", "llama", num_layers=8, hidden_size=256, intermediate_size=512, dtype="float32"
+    )
     m, tok = load(str(model))
     # two different questions: the same one again would be resumed from the prompt cache, and its
     # prompt would not cross the link a second time
     chats = [MESSAGES, [{"role": "user", "content": "Tell me where the rivers go."}]]
-    references = [generate(m, tok, prompt=tok.apply_chat_template(c, add_generation_prompt=True), max_tokens=40)
-                  for c in chats]
+    references = [
+        generate(m, tok, prompt=tok.apply_chat_template(c, add_generation_prompt=True), max_tokens=40) for c in chats
+    ]
     total = profile_model(model).total_bytes(512)
     with netns_mesh(2) as mesh:
         a, b = mesh.hosts
@@ -43,8 +44,9 @@ def test_data_takes_the_fast_link(tmp_path):
             # Each path is probed once, on joining, and not again during the test: a periodic
             # bulk probe of the bridge falling inside the counted window would count as data there.
             # Pinned: "auto" may estimate a tensor pair faster from links measured on a busy machine.
-            cluster.start(h, int(total * 0.6),
-                          env={"MESHNODE_LINK_PROBE_INTERVAL": "600", "MESHNODE_STRATEGY": "pipeline"})
+            cluster.start(
+                h, int(total * 0.6), env={"MESHNODE_LINK_PROBE_INTERVAL": "600", "MESHNODE_STRATEGY": "pipeline"}
+            )
         cluster.wait(lambda: cluster.converged([a, b], 2), 60, "a two-node plan")
 
         def measured():

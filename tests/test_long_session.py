@@ -45,7 +45,7 @@ TAGS = [{"role": "user", "content": "### Task: 1-3 tags for this chat: fix the f
 
 # The first turn, as a chat client sends it: the answer streamed, and once it streams, a title
 # (openai, not streamed) and tags (anthropic, streamed) beside it. argv: base, model, messages.
-FIRST = r'''
+FIRST = r"""
 import json, sys, threading
 from anthropic import Anthropic
 from openai import OpenAI
@@ -76,32 +76,44 @@ for chunk in c.chat.completions.create(model=model, messages=messages, max_token
 [t.join(900) for t in threads]
 out.update(answer=text, prompt_tokens=usage)
 print(json.dumps(out))
-'''
+"""
 
 # The next turn through the Anthropic Messages API, not streamed. argv: base, model, system, messages.
-NEXT = r'''
+NEXT = r"""
 import json, sys
 from anthropic import Anthropic
 base, model, system, messages = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 a = Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=900)
 r = a.messages.create(model=model, max_tokens=16, system=system, messages=messages, extra_body={"temperature": 0})
 print(json.dumps([r.stop_reason, "".join(b.text for b in r.content if b.type == "text")]))
-'''
+"""
+
 
 def conversation(model: Path, salt: int, tokens: int = PROMPT_TOKENS) -> list[dict]:
     """A system message of tool definitions and a long history: about ``tokens`` tokens."""
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
-    tools = " ".join(f'{{"name": "tool_{i}", "description": "runs step {(i * 7 + salt) % 97} of the build"}}'
-                     for i in range(tokens // 160))
+    tools = " ".join(
+        f'{{"name": "tool_{i}", "description": "runs step {(i * 7 + salt) % 97} of the build"}}'
+        for i in range(tokens // 160)
+    )
     messages = [{"role": "system", "content": f"You are a coding agent (session {salt}). Tools: {tools}"}]
     turn = 0
     while len(tok.apply_chat_template(messages, add_generation_prompt=True)) < tokens - 1500:
-        messages.append({"role": "user", "content": f"Step {turn}: " + " ".join(
-            f"file{(turn * 13 + i + salt) % 211}.py line {i}" for i in range(60))})
-        messages.append({"role": "assistant", "content": f"Done step {turn}; " + " ".join(
-            f"w{(turn + i * salt) % 89}" for i in range(40))})
+        messages.append(
+            {
+                "role": "user",
+                "content": f"Step {turn}: "
+                + " ".join(f"file{(turn * 13 + i + salt) % 211}.py line {i}" for i in range(60)),
+            }
+        )
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"Done step {turn}; " + " ".join(f"w{(turn + i * salt) % 89}" for i in range(40)),
+            }
+        )
         turn += 1
     return [*messages, {"role": "user", "content": "Go on with the build."}]
 
@@ -117,9 +129,13 @@ class Reference:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(mlx_lm_server_argv(model, port),
-                                     env={**os.environ, **ENV}, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            mlx_lm_server_argv(model, port),
+            env={**os.environ, **ENV},
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -130,10 +146,12 @@ class Reference:
                 time.sleep(0.5)
 
     def answer(self, messages: list[dict], max_tokens: int) -> str:
-        body = json.dumps({"model": str(self.model), "messages": messages, "max_tokens": max_tokens,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": str(self.model), "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=900) as r:
             return json.loads(r.read())["choices"][0]["message"]["content"]
 
@@ -174,14 +192,24 @@ def read(proc: subprocess.Popen, fault, after_chunks: int) -> str:
 def prefill_hops(cluster: Cluster, head, peer: str) -> int:
     """Prefill chunks ``head`` has sent ``peer``'s stage so far (its /metrics)."""
     name = f'meshnode_hop_latency_seconds_count{{peer="{peer}",phase="prefill"}} '
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in node_metrics(cluster, head).splitlines()
-               if line.startswith(name))
+    return sum(
+        int(float(line.rsplit(" ", 1)[1])) for line in node_metrics(cluster, head).splitlines() if line.startswith(name)
+    )
 
 
 @pytest.mark.timeout(1200)
 def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
-    model = build_model(tmp_path / "long", "llama", num_layers=2, hidden_size=64, intermediate_size=128,
-                        num_heads=1, num_kv_heads=1, dtype="float32", max_position_embeddings=CONTEXT)
+    model = build_model(
+        tmp_path / "long",
+        "llama",
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=1,
+        num_kv_heads=1,
+        dtype="float32",
+        max_position_embeddings=CONTEXT,
+    )
     total = profile_model(model).total_bytes(CONTEXT, 1)  # the Cluster's nodes hold one request's KV
     first = conversation(model, 1)
     reference = Reference(model, tmp_path / "mlx_lm.server.log")
@@ -199,11 +227,28 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
 
             # 1. The long first turn, a title and tags asked beside it; the first stage's node is
             # killed mid-prefill, and the answer replays on the other two.
-            asking = subprocess.Popen(cluster.client.exec_args([
-                sys.executable, "-c", FIRST, f"http://{head.ip}:{HTTP}", model.name, json.dumps(first),
-                json.dumps(TITLE), json.dumps(TAGS)]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            cluster.wait(lambda: prefill_hops(cluster, head, stage0.name) >= 10 or asking.poll() is not None, 600,
-                         "the long prefill under way")
+            asking = subprocess.Popen(
+                cluster.client.exec_args(
+                    [
+                        sys.executable,
+                        "-c",
+                        FIRST,
+                        f"http://{head.ip}:{HTTP}",
+                        model.name,
+                        json.dumps(first),
+                        json.dumps(TITLE),
+                        json.dumps(TAGS),
+                    ]
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            cluster.wait(
+                lambda: prefill_hops(cluster, head, stage0.name) >= 10 or asking.poll() is not None,
+                600,
+                "the long prefill under way",
+            )
             assert asking.poll() is None, asking.communicate()
             mesh.kill(cluster.procs[stage0.name])
             out, err = asking.communicate(timeout=900)
@@ -221,10 +266,19 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
 
             stages = [cluster.host(n) for n in stage_nodes(cluster.wait(without_victim, 120, "a plan without it"))]
             before = {h.name: prompt_cache_reuse(node_metrics(cluster, h))[1] for h in stages}
-            history = first[1:] + [{"role": "assistant", "content": got["answer"]},
-                                   {"role": "user", "content": "Now run the tests and say what failed."}]
-            stop, answer = in_ns(cluster.client, NEXT, f"http://{stages[0].ip}:{HTTP}", model.name,
-                                 first[0]["content"], json.dumps(history), timeout=900)
+            history = first[1:] + [
+                {"role": "assistant", "content": got["answer"]},
+                {"role": "user", "content": "Now run the tests and say what failed."},
+            ]
+            stop, answer = in_ns(
+                cluster.client,
+                NEXT,
+                f"http://{stages[0].ip}:{HTTP}",
+                model.name,
+                first[0]["content"],
+                json.dumps(history),
+                timeout=900,
+            )
             assert stop in ("end_turn", "max_tokens") and answer == reference.answer([first[0], *history], 16)
             for h in stages:  # every stage resumed the long prefix
                 reused = prompt_cache_reuse(node_metrics(cluster, h))[1] - before[h.name]
@@ -235,11 +289,16 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
             cluster.start(stage0, int(total * 0.6), env=ENV)
             view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "the killed node back")
             stages = [cluster.host(n) for n in stage_nodes(view[0])]
-            following = [first[0], *history, {"role": "assistant", "content": answer},
-                         {"role": "user", "content": "Which file failed first?"}]
+            following = [
+                first[0],
+                *history,
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Which file failed first?"},
+            ]
             victim = cluster.procs[stages[0].name]
-            text = read(cluster.stream(stages[-1], following, 48, timeout=900), fault=lambda: mesh.kill(victim),
-                        after_chunks=4)
+            text = read(
+                cluster.stream(stages[-1], following, 48, timeout=900), fault=lambda: mesh.kill(victim), after_chunks=4
+            )
             assert text == reference.answer(following, 48), cluster.logs()
     finally:
         computing.join(900)
@@ -256,8 +315,17 @@ def test_two_agents_alternating_each_resume_their_own_prefix(tmp_path):
     KV for two requests: every turn after each agent's first resumes that agent's last turn, on
     every stage, and answers as mlx-lm does."""
     context = 32768
-    model = build_model(tmp_path / "agents", "llama", num_layers=2, hidden_size=64, intermediate_size=128,
-                        num_heads=1, num_kv_heads=1, dtype="float32", max_position_embeddings=context)
+    model = build_model(
+        tmp_path / "agents",
+        "llama",
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=1,
+        num_kv_heads=1,
+        dtype="float32",
+        max_position_embeddings=context,
+    )
     total = profile_model(model).total_bytes(context, 2)
     sessions = [conversation(model, salt, 20000) for salt in (3, 4)]
     reference = Reference(model, tmp_path / "mlx_lm.server.log")
@@ -273,15 +341,24 @@ def test_two_agents_alternating_each_resume_their_own_prefix(tmp_path):
             for turn in range(3):
                 for agent, messages in enumerate(sessions):
                     before = resumed_by(cluster)
-                    stop, answer = in_ns(cluster.client, NEXT, f"http://{entry.ip}:{HTTP}", model.name,
-                                         messages[0]["content"], json.dumps(messages[1:]), timeout=600)
+                    stop, answer = in_ns(
+                        cluster.client,
+                        NEXT,
+                        f"http://{entry.ip}:{HTTP}",
+                        model.name,
+                        messages[0]["content"],
+                        json.dumps(messages[1:]),
+                        timeout=600,
+                    )
                     assert answer == reference.answer(messages, 16), (turn, agent, cluster.logs())
                     after = resumed_by(cluster)
                     for name in after:  # both stages resumed this agent's own last turn
                         assert after[name] - before[name] >= kept[agent], (turn, agent, name, before, after)
                     prompt = len(reference.tokens(messages))
                     kept[agent] = prompt - 8  # (the template may tokenize the turn's end anew)
-                    messages += [{"role": "assistant", "content": answer},
-                                 {"role": "user", "content": f"Turn {turn}: go on with task {agent}."}]
+                    messages += [
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": f"Turn {turn}: go on with task {agent}."},
+                    ]
     finally:
         reference.close()

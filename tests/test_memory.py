@@ -8,16 +8,31 @@ import pytest
 from meshnode import sysinfo
 from meshnode.config import Settings
 from meshnode.control.planner import NodeSpec, PlanError, plan
-from meshnode.weights.profile import ModelProfile, profile_model
 from meshnode.model.build import build_model
+from meshnode.weights.profile import ModelProfile, profile_model
 
 
 def _profile(layers=8, layer_bytes=1000, kv_per_token=10) -> ModelProfile:
-    return ModelProfile(name="m", model_type="llama", num_layers=layers, layer_bytes=(layer_bytes,) * layers,
-                        embed_bytes=500, head_bytes=500, norm_bytes=10, tied_embeddings=False,
-                        kv_bytes_per_token=(kv_per_token,) * layers, sliding_window=(None,) * layers,
-                        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                        num_experts=0, vocab_size=512, dtype="float32")
+    return ModelProfile(
+        name="m",
+        model_type="llama",
+        num_layers=layers,
+        layer_bytes=(layer_bytes,) * layers,
+        embed_bytes=500,
+        head_bytes=500,
+        norm_bytes=10,
+        tied_embeddings=False,
+        kv_bytes_per_token=(kv_per_token,) * layers,
+        sliding_window=(None,) * layers,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=0,
+        vocab_size=512,
+        dtype="float32",
+    )
 
 
 def test_kv_counts_every_request_at_once():
@@ -74,8 +89,7 @@ def test_quantized_layer_bytes_are_what_mlx_lm_loads(tmp_path, bits):
     from mlx_lm import convert
     from mlx_lm.utils import load_model
 
-    src = build_model(tmp_path / "src", "llama", num_layers=3, hidden_size=64, intermediate_size=128,
-                      dtype="bfloat16")
+    src = build_model(tmp_path / "src", "llama", num_layers=3, hidden_size=64, intermediate_size=128, dtype="bfloat16")
     out = tmp_path / f"q{bits}"
     convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=32)
     prof = profile_model(out)
@@ -101,5 +115,7 @@ def test_a_model_that_cannot_be_split_is_planned_whole_or_refused_with_its_reaso
         plan(p, [NodeSpec("a", need + 1), NodeSpec("b", need + 1)], max_context=100, strategy="pipeline")
     assert why in str(err.value)
     # The same model that splits needs both nodes.
-    assert len(plan(_profile(), [NodeSpec("a", need // 2 + 200), NodeSpec("b", need // 2 + 200)],
-                    max_context=100).stages) == 2
+    assert (
+        len(plan(_profile(), [NodeSpec("a", need // 2 + 200), NodeSpec("b", need // 2 + 200)], max_context=100).stages)
+        == 2
+    )

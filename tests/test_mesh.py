@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from harness.cluster import GRPC, Cluster
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -24,8 +24,14 @@ MESSAGES = [{"role": "user", "content": "Where do rivers go?"}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("mesh") / "llama", "llama", num_layers=8, hidden_size=128,
-                       intermediate_size=256, dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("mesh") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +104,10 @@ def test_static_peers_without_multicast_and_other_key_ignored_and_stop_replans(m
         mesh.stop(cluster.procs[victim])
         # (45 s: the new plan may be a tensor pair, whose worker processes start from scratch; on this
         # 2-core machine under load that took over 15 s once)
-        after = cluster.wait(lambda: (v := cluster.converged(survivors, 2)) and v[0]["epoch"] > views[0]["epoch"]
-                             and v, 45, "re-plan after a graceful stop")
+        after = cluster.wait(
+            lambda: (v := cluster.converged(survivors, 2)) and v[0]["epoch"] > views[0]["epoch"] and v,
+            45,
+            "re-plan after a graceful stop",
+        )
         assert victim not in {n for s in after[0]["plan"]["stages"] for n in s["nodes"]}
         assert cluster.chat(survivors[0], MESSAGES, 16) == reference

@@ -4,17 +4,17 @@ files and the API key, and load progress (a bar on a terminal, ``progress`` in /
 from __future__ import annotations
 
 import io
-import time
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.model.shard import Shard
 from meshnode.metrics import NodeMetrics, Progress, outcome_for_status
 from meshnode.model.build import build_model
+from meshnode.model.shard import Shard
 from tests.helpers import running_node
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,8 +35,11 @@ def node(model_path, tmp_path_factory):
 
 def http(url, body=None, headers=None, timeout=60):
     """(status, headers, body bytes) of one request; 4xx/5xx are returned, not raised."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), r.read()
@@ -65,17 +68,23 @@ def test_chat_request_counts_in_metrics(node):
     before = scrape(base)
     assert before[("meshnode_plan_epoch", ())] >= 1
     assert before[("meshnode_plans_adopted_total", ())] >= 1
-    status, _, raw = http(f"{base}/v1/chat/completions",
-                          {"model": "llama", "messages": MESSAGES, "max_tokens": 12, "temperature": 0})
+    status, _, raw = http(
+        f"{base}/v1/chat/completions", {"model": "llama", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    )
     assert status == 200, raw
     usage = json.loads(raw)["usage"]
     after = scrape(base)
     assert ok(after) == ok(before) + 1
-    assert after[("meshnode_tokens_generated_total", ())] == \
-        before[("meshnode_tokens_generated_total", ())] + usage["completion_tokens"]
+    assert (
+        after[("meshnode_tokens_generated_total", ())]
+        == before[("meshnode_tokens_generated_total", ())] + usage["completion_tokens"]
+    )
     ttft = ("meshnode_time_to_first_token_seconds_count", ())
     assert after[ttft] == before[ttft] + 1
-    assert after[("meshnode_time_to_first_token_seconds_sum", ())] > before[("meshnode_time_to_first_token_seconds_sum", ())]
+    assert (
+        after[("meshnode_time_to_first_token_seconds_sum", ())]
+        > before[("meshnode_time_to_first_token_seconds_sum", ())]
+    )
     # every outcome and membership kind is exported from the start (0 until it happens)
     for outcome in ("client_error", "unavailable", "error", "cancelled"):
         assert ("meshnode_requests_total", (("outcome", outcome),)) in after
@@ -90,8 +99,9 @@ def test_outcomes_streaming_and_mesh_figures(node):
     before = scrape(base)
     status, _, _ = http(f"{base}/v1/chat/completions", {"model": "nope", "messages": MESSAGES})
     assert status == 404
-    status, _, raw = http(f"{base}/v1/chat/completions",
-                          {"model": "llama", "messages": MESSAGES, "max_tokens": 10, "stream": True})
+    status, _, raw = http(
+        f"{base}/v1/chat/completions", {"model": "llama", "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    )
     assert status == 200 and raw.decode().rstrip().endswith("data: [DONE]")
     after = scrape(base)
     client_error = ("meshnode_requests_total", (("outcome", "client_error"),))
@@ -154,8 +164,15 @@ def test_live_rate_and_outcomes():
     assert m.tokens_per_second() == pytest.approx(10.0)
     now[0] += 3.0  # idle: not decoding now
     assert m.tokens_per_second() == 0.0
-    assert [outcome_for_status(s) for s in (200, 400, 404, 413, 429, 503, 500)] == \
-        ["ok", "client_error", "client_error", "client_error", "unavailable", "unavailable", "error"]
+    assert [outcome_for_status(s) for s in (200, 400, 404, 413, 429, 503, 500)] == [
+        "ok",
+        "client_error",
+        "client_error",
+        "client_error",
+        "unavailable",
+        "unavailable",
+        "error",
+    ]
     m.event("plan", {"epoch": 7})
     m.event("loss", {"node_id": "x"})
     text = m.render().decode()

@@ -11,8 +11,15 @@ from mlx_lm.generate import generate_step
 from meshnode.demo import DEMO_ARGS, DEMO_MODEL_ID, default_models_dir, ensure_demo_model
 from meshnode.model.build import FAMILIES, _uniform, build_model, build_tokenizer, model_dir_for
 
-TEXTS = ["Hello, world!", "café naïve Straße", "東京 こんにちは Привет γειά", "emoji 🙂🚀👩‍👩‍👧 and \t tabs\n",
-         "rare: ǅ ﬁ ℵ 𝔘𝔫𝔦 \u200b \x00 \x7f", "  leading and trailing spaces  ", ""]
+TEXTS = [
+    "Hello, world!",
+    "café naïve Straße",
+    "東京 こんにちは Привет γειά",
+    "emoji 🙂🚀👩‍👩‍👧 and \t tabs\n",
+    "rare: ǅ ﬁ ℵ 𝔘𝔫𝔦 \u200b \x00 \x7f",
+    "  leading and trailing spaces  ",
+    "",
+]
 
 
 def digest(path):
@@ -44,8 +51,9 @@ def test_tokenizer_is_byte_level_with_chat_template(tmp_path):
 def test_family_loads_and_generates_varied_text(models, family):
     model, tok = load(str(models[family]))
     assert model.args.vocab_size == len(tok._tokenizer)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me a story about the sea."}],
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story about the sea."}], add_generation_prompt=True
+    )
     text = generate(model, tok, prompt, max_tokens=20)  # greedy by default; stops at <|end|>
     responses = list(stream_generate(model, tok, prompt, max_tokens=20))
     assert text.strip() and text == "".join(r.text for r in responses)
@@ -59,8 +67,11 @@ def test_family_specifics(models):
     assert config["gemma3"]["model_type"] == "gemma3_text"
     assert config["gemma3"]["sliding_window"] < config["gemma3"]["sliding_window_pattern"] * 8
     assert config["qwen3_moe"]["num_experts"] == 4 and config["mixtral"]["num_local_experts"] == 4
-    tied = {f for f in FAMILIES if "lm_head.weight" not in
-            json.loads((models[f] / "model.safetensors.index.json").read_text())["weight_map"]}
+    tied = {
+        f
+        for f in FAMILIES
+        if "lm_head.weight" not in json.loads((models[f] / "model.safetensors.index.json").read_text())["weight_map"]
+    }
     assert tied == {"qwen2", "qwen3", "gemma2"}
 
 
@@ -82,8 +93,9 @@ def test_dtype_and_split_with_index(tmp_path):
     assert all(p.stat().st_size < (1 << 20) + 4096 for p in path.glob("model-*.safetensors"))
     model, _ = load(str(path))
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
-    assert index["metadata"]["total_size"] == sum(p.stat().st_size for p in path.glob("model-*.safetensors")) - \
-        sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in path.glob("model-*.safetensors"))
+    assert index["metadata"]["total_size"] == sum(p.stat().st_size for p in path.glob("model-*.safetensors")) - sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in path.glob("model-*.safetensors")
+    )
 
 
 def test_builds_are_deterministic(tmp_path):
@@ -165,5 +177,6 @@ def test_quantized_builds_load_in_mlx_lm(tmp_path):
     model, _ = load(str(path))
     assert type(model.model.layers[0].mlp.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
     assert model.model.embed_tokens.scales.dtype == mx.bfloat16
-    assert digest(path) == digest(build_model(tmp_path / "r", "qwen3_moe", num_layers=2, quantize="4bit",
-                                              dtype="bfloat16"))
+    assert digest(path) == digest(
+        build_model(tmp_path / "r", "qwen3_moe", num_layers=2, quantize="4bit", dtype="bfloat16")
+    )

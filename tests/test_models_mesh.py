@@ -29,14 +29,28 @@ def _serving(view: dict, models: set[str]) -> bool:
 
 def test_nodes_with_different_model_lists_serve_the_union_each_as_mlx_lm(tmp_path):
     # About the same size (so the budget below makes each need two nodes): bf16, and 4-bit over float32.
-    a = build_model(tmp_path / "chat-llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
-                    dtype="bfloat16", seed=3)
-    b = build_model(tmp_path / "coder-qwen3", "qwen3", num_layers=6, hidden_size=64, intermediate_size=128,
-                    dtype="float32", quantize="4bit", seed=5)
-    prompts = {a.name: ["Tell me about the sea.", "Why is the sky blue?"],
-               b.name: ["Write a poem about autumn.", "How do rivers reach the ocean?"]}
-    references = {(m, p): mlx_reference(path, [{"role": "user", "content": p}], MAX_TOKENS)
-                  for m, path in ((a.name, a), (b.name, b)) for p in prompts[m]}
+    a = build_model(
+        tmp_path / "chat-llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128, dtype="bfloat16", seed=3
+    )
+    b = build_model(
+        tmp_path / "coder-qwen3",
+        "qwen3",
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+        quantize="4bit",
+        seed=5,
+    )
+    prompts = {
+        a.name: ["Tell me about the sea.", "Why is the sky blue?"],
+        b.name: ["Write a poem about autumn.", "How do rivers reach the ocean?"],
+    }
+    references = {
+        (m, p): mlx_reference(path, [{"role": "user", "content": p}], MAX_TOKENS)
+        for m, path in ((a.name, a), (b.name, b))
+        for p in prompts[m]
+    }
     sizes = [profile_model(m).total_bytes(512) for m in (a, b)]
     budget = int(max(sizes) * 0.8)  # neither model fits one node; both fit the three
     assert budget < min(sizes) and sum(sizes) < 3 * budget * 0.9, (sizes, budget)
@@ -48,9 +62,14 @@ def test_nodes_with_different_model_lists_serve_the_union_each_as_mlx_lm(tmp_pat
         cluster.start(h2, budget, env=env, model=b)  # b: the qwen3 only
         cluster.start(h3, budget, env={**env, "MESHNODE_MODELS": f"{a},{b}"}, model=a)  # c: both
         models = {a.name, b.name}
-        views = wait_until(lambda: (vs := [cluster.mesh_view(h) for h in cluster.hosts]) and
-                           all(_serving(v, models) for v in vs) and vs, 150, "both models served",
-                           details=cluster.logs)
+        views = wait_until(
+            lambda: (
+                (vs := [cluster.mesh_view(h) for h in cluster.hosts]) and all(_serving(v, models) for v in vs) and vs
+            ),
+            150,
+            "both models served",
+            details=cluster.logs,
+        )
         # Each model has its own plan; every node holds no more than its budget for both together.
         plans = {m["model"]: m["plan"] for m in views[0]["models"]}
         held: dict[str, int] = {}
@@ -59,13 +78,22 @@ def test_nodes_with_different_model_lists_serve_the_union_each_as_mlx_lm(tmp_pat
             for stage in plan["stages"]:
                 for node in stage["nodes"]:
                     held[node] = held.get(node, 0) + stage["bytes"]
-        print(json.dumps({m: [(s["start_layer"], s["end_layer"], s["nodes"]) for s in p["stages"]] for m, p in plans.items()}), held, budget)
+        print(
+            json.dumps(
+                {m: [(s["start_layer"], s["end_layer"], s["nodes"]) for s in p["stages"]] for m, p in plans.items()}
+            ),
+            held,
+            budget,
+        )
         assert all(held[n] <= budget for n in held), (held, budget)
         for view in views[1:]:  # every node follows the same plans
-            assert {m["model"]: m["plan"]["stages"] for m in view["models"]} == \
-                {m: p["stages"] for m, p in plans.items()}
+            assert {m["model"]: m["plan"]["stages"] for m in view["models"]} == {
+                m: p["stages"] for m, p in plans.items()
+            }
         asks = [(m, p) for m in sorted(prompts) for p in prompts[m]]
-        out = in_ns(cluster.client, CONCURRENT_CHATS, f"http://{h2.ip}:{HTTP}", json.dumps(asks), MAX_TOKENS, timeout=300)
+        out = in_ns(
+            cluster.client, CONCURRENT_CHATS, f"http://{h2.ip}:{HTTP}", json.dumps(asks), MAX_TOKENS, timeout=300
+        )
         assert out["models"] == sorted(models)
         assert out["answers"] == [references[ask] for ask in asks], cluster.logs()
 
@@ -79,8 +107,12 @@ def _plan_of(cluster, host, model: str) -> dict:
 
 
 def _ask(cluster, host, model: str, prompt: str) -> tuple[int, dict]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
-            "temperature": 0}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     status, _, out = cluster.fetch(f"http://{host.ip}:{HTTP}/v1/chat/completions", body, timeout=200)
     return status, out
 
@@ -90,13 +122,19 @@ def test_a_model_requested_on_demand_evicts_the_least_recently_used_idle_one(tmp
     asked (the idle one used longest ago makes room), the evicted one comes back when asked, and
     the one too big for the mesh is refused with a 503 that says so."""
     specs = {"a-llama": ("llama", 3), "b-qwen3": ("qwen3", 5), "c-llama": ("llama", 7)}
-    paths = {name: build_model(tmp_path / name, family, num_layers=6, hidden_size=64, intermediate_size=128,
-                               dtype="bfloat16", seed=seed) for name, (family, seed) in specs.items()}
-    big = build_model(tmp_path / "d-big", "llama", num_layers=8, hidden_size=256, intermediate_size=512,
-                      dtype="float32", seed=9)
+    paths = {
+        name: build_model(
+            tmp_path / name, family, num_layers=6, hidden_size=64, intermediate_size=128, dtype="bfloat16", seed=seed
+        )
+        for name, (family, seed) in specs.items()
+    }
+    big = build_model(
+        tmp_path / "d-big", "llama", num_layers=8, hidden_size=256, intermediate_size=512, dtype="float32", seed=9
+    )
     prompt = "Tell me about the sea."
-    references = {name: mlx_reference(path, [{"role": "user", "content": prompt}], MAX_TOKENS)
-                  for name, path in paths.items()}
+    references = {
+        name: mlx_reference(path, [{"role": "user", "content": prompt}], MAX_TOKENS) for name, path in paths.items()
+    }
     sizes = {name: profile_model(path).total_bytes(512) for name, path in paths.items()}
     budget = int(sum(sizes.values()) / 3 * 0.9)  # any two fit the three nodes, never all three
     assert profile_model(big).total_bytes(512) > 3 * budget
@@ -112,9 +150,12 @@ def test_a_model_requested_on_demand_evicts_the_least_recently_used_idle_one(tmp
         def settled():  # a-llama (the coordinator's first) placed; one of the others on demand
             states = [_states(cluster, h) for h in cluster.hosts]
             first = states[0]
-            ok = (all(s == first for s in states) and first.get("a-llama") == "ready"
-                  and first.get("d-big") == "does not fit"
-                  and sorted([first.get("b-qwen3"), first.get("c-llama")]) == ["on demand", "ready"])
+            ok = (
+                all(s == first for s in states)
+                and first.get("a-llama") == "ready"
+                and first.get("d-big") == "does not fit"
+                and sorted([first.get("b-qwen3"), first.get("c-llama")]) == ["on demand", "ready"]
+            )
             return ok and first
 
         first = cluster.wait(settled, 150, "a-llama ready, one of b-qwen3 and c-llama on demand")
@@ -149,8 +190,10 @@ def _models_cli(host, *args) -> str:
     an API key or this machine)."""
     import sys
 
-    out = host.run([sys.executable, "-m", "meshnode.cli", "models", *map(str, args), "--url",
-                    f"http://127.0.0.1:{HTTP}"], timeout=120)
+    out = host.run(
+        [sys.executable, "-m", "meshnode.cli", "models", *map(str, args), "--url", f"http://127.0.0.1:{HTTP}"],
+        timeout=120,
+    )
     return out.stdout
 
 
@@ -159,10 +202,25 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
     of only the second model's plan dies while it streams: the stream goes on to the same text, the
     first model keeps its plan (same epoch, never interrupted), the second re-plans on the
     survivors, and both still answer as mlx_lm.generate; `meshnode models remove` stops serving it."""
-    small = build_model(tmp_path / "small-llama", "llama", num_layers=4, hidden_size=64, intermediate_size=128,
-                        dtype="bfloat16", quantize="4bit", seed=11)
-    big = build_model(tmp_path / "big-qwen3", "qwen3_moe", num_layers=6, hidden_size=64, intermediate_size=128,
-                      dtype="float32", seed=12)  # (MLX's CPU GatherMM, for MoE experts, is float32 only)
+    small = build_model(
+        tmp_path / "small-llama",
+        "llama",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="bfloat16",
+        quantize="4bit",
+        seed=11,
+    )
+    big = build_model(
+        tmp_path / "big-qwen3",
+        "qwen3_moe",
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+        seed=12,
+    )  # (MLX's CPU GatherMM, for MoE experts, is float32 only)
     prompt = "Why is the sky blue?"
     references = {p.name: mlx_reference(p, [{"role": "user", "content": prompt}], MAX_TOKENS) for p in (small, big)}
     long_reference = mlx_reference(big, [{"role": "user", "content": prompt}], LONG)
@@ -177,14 +235,20 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
         cluster.wait(lambda: cluster.mesh_view(h1)["coordinator"], 90, "the first node up")  # h1 coordinates
         cluster.start(h2, budget, env=env)
         cluster.start(h3, budget, env=env)
-        cluster.wait(lambda: all(_states(cluster, h) == {small.name: "ready"} for h in cluster.hosts), 120,
-                     "the first model served")
+        cluster.wait(
+            lambda: all(_states(cluster, h) == {small.name: "ready"} for h in cluster.hosts),
+            120,
+            "the first model served",
+        )
         # Planned while h1 was alone, the small model is served whole there; once the others are in,
         # the coordinator moves it to the configured pipeline, rebalance_dwell after that first plan.
         # Waited for here: else that move could come while the victim dies, and look like a re-plan
         # the death caused (1 run in 3).
-        cluster.wait(lambda: all(_plan_of(cluster, h, small.name).get("strategy") == "pipeline"
-                                 for h in cluster.hosts), 60, "the small model on the configured pipeline")
+        cluster.wait(
+            lambda: all(_plan_of(cluster, h, small.name).get("strategy") == "pipeline" for h in cluster.hosts),
+            60,
+            "the small model on the configured pipeline",
+        )
         assert "offered by this node" in _models_cli(h1, "add", big)
         both = {small.name: "ready", big.name: "ready"}
         cluster.wait(lambda: all(_states(cluster, h) == both for h in cluster.hosts), 120, "both models served")
@@ -210,10 +274,16 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
 
         def replanned():
             views = [{m["model"]: m for m in cluster.mesh_view(h)["models"]} for h in alive]
-            return all(v[big.name]["epoch"] > plans[big.name]["epoch"] and v[big.name]["state"] == "ready"
-                       and v[small.name]["state"] == "ready"
-                       and (not small_hit or v[small.name]["epoch"] > plans[small.name]["epoch"])
-                       for v in views) and views
+            return (
+                all(
+                    v[big.name]["epoch"] > plans[big.name]["epoch"]
+                    and v[big.name]["state"] == "ready"
+                    and v[small.name]["state"] == "ready"
+                    and (not small_hit or v[small.name]["epoch"] > plans[small.name]["epoch"])
+                    for v in views
+                )
+                and views
+            )
 
         views = cluster.wait(replanned, 90, f"{big.name} re-planned without {victim}")
         for v in views:  # the small model moved only if it lost a node too
@@ -222,13 +292,22 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
             else:
                 assert v[small.name]["epoch"] == plans[small.name]["epoch"], v
             assert victim not in {n for s in v[big.name]["plan"]["stages"] for n in s["nodes"]}
-        print(f"victim {victim}: small model plan {sorted(small_nodes)}, big {big_nodes}, small re-planned: {small_hit}")
-        out = in_ns(cluster.client, CONCURRENT_CHATS, f"http://{alive[-1].ip}:{HTTP}",
-                    json.dumps([[small.name, prompt], [big.name, prompt]]), MAX_TOKENS, timeout=300)
+        print(
+            f"victim {victim}: small model plan {sorted(small_nodes)}, big {big_nodes}, small re-planned: {small_hit}"
+        )
+        out = in_ns(
+            cluster.client,
+            CONCURRENT_CHATS,
+            f"http://{alive[-1].ip}:{HTTP}",
+            json.dumps([[small.name, prompt], [big.name, prompt]]),
+            MAX_TOKENS,
+            timeout=300,
+        )
         assert out["answers"] == [references[small.name], references[big.name]], cluster.logs()
 
         assert "no longer offered" in _models_cli(h1, "remove", big.name)
-        cluster.wait(lambda: all(_states(cluster, h) == {small.name: "ready"} for h in alive), 60,
-                     f"{big.name} no longer served")
+        cluster.wait(
+            lambda: all(_states(cluster, h) == {small.name: "ready"} for h in alive), 60, f"{big.name} no longer served"
+        )
         big_now = {m["model"]: m for m in cluster.mesh_view(h1)["models"]}[big.name]
         assert big_now["plan"]["stages"] == [], big_now  # unloaded everywhere: its memory is free

@@ -34,8 +34,9 @@ class Clock:
 class Served:
     def __init__(self, model: str, loaded: bool):
         self.model_id = model
-        self.plan = Plan(model=model, strategy="single", stages=(Stage(0, 2, ("a",), bytes=10),), epoch=1) \
-            if loaded else None
+        self.plan = (
+            Plan(model=model, strategy="single", stages=(Stage(0, 2, ("a",), bytes=10),), epoch=1) if loaded else None
+        )
         self.use = Use()
 
     def use_now(self) -> Use:
@@ -52,8 +53,9 @@ class Coordinator:
         self.log.append(("coordinate", self.served.model_id))
         self.needs_room = not self.fits
         if self.fits:
-            self.served.plan = Plan(model=self.served.model_id, strategy="single", stages=(Stage(0, 2, ("a",)),),
-                                    epoch=9)
+            self.served.plan = Plan(
+                model=self.served.model_id, strategy="single", stages=(Stage(0, 2, ("a",)),), epoch=9
+            )
 
     def unload(self, reason: str) -> None:
         self.log.append(("unload", self.served.model_id, reason))
@@ -90,8 +92,18 @@ class Peers:
 
 
 def _node(node_id: str, models: tuple[str, ...]) -> NodeInfo:
-    return NodeInfo(node_id=node_id, addresses=("10.0.0.1",), http_port=1, grpc_port=2, memory_budget=100,
-                    total_memory=200, compute=1.0, version="t", cluster_id="cluster", models=models)
+    return NodeInfo(
+        node_id=node_id,
+        addresses=("10.0.0.1",),
+        http_port=1,
+        grpc_port=2,
+        memory_budget=100,
+        total_memory=200,
+        compute=1.0,
+        version="t",
+        cluster_id="cluster",
+        models=models,
+    )
 
 
 def _mesh(monkeypatch, loaded: dict[str, bool], keep_alive=None, nodes=("a", "b")):
@@ -117,7 +129,8 @@ def test_a_model_a_request_waits_for_makes_the_least_recently_used_idle_one_give
     cp._coordinate(alive, {"a", "b", "c"})
     assert ("coordinate", "c") in log
     assert [e for e in log if e[0] == "unload"] == [
-        ("unload", "b", "the least recently used idle model, unloaded to make room for c")]
+        ("unload", "b", "the least recently used idle model, unloaded to make room for c")
+    ]
     lanes.get("c").coordinator.fits = True  # the room b left
     log.clear()
     cp._coordinate(alive, {"a", "b", "c"})

@@ -15,8 +15,18 @@ from tests.helpers import LoneMesh
 
 def _served(tmp_path) -> ServedModel:
     settings = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache")
-    return ServedModel(ServingSettings.of(settings), "me", scheduler=None, metrics=None, progress=None, mesh=LoneMesh(), auth=None,
-                       group_secret=b"", event=lambda *a, **k: None, on_ready=lambda: None)
+    return ServedModel(
+        ServingSettings.of(settings),
+        "me",
+        scheduler=None,
+        metrics=None,
+        progress=None,
+        mesh=LoneMesh(),
+        auth=None,
+        group_secret=b"",
+        event=lambda *a, **k: None,
+        on_ready=lambda: None,
+    )
 
 
 def test_an_unloaded_model_is_on_demand_and_a_request_waits_instead_of_a_503(tmp_path):

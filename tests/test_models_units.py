@@ -50,8 +50,11 @@ def test_victim_is_the_least_recently_used_idle_model():
 
 
 def test_victim_skips_models_in_use_and_waited_for():
-    loaded = {"old-busy": Use(last_used=1.0, active=1), "old-waited": Use(last_used=2.0, waiting=1),
-              "newer": Use(last_used=50.0)}
+    loaded = {
+        "old-busy": Use(last_used=1.0, active=1),
+        "old-waited": Use(last_used=2.0, waiting=1),
+        "newer": Use(last_used=50.0),
+    }
     assert victim(loaded, {}) == "newer"
 
 
@@ -114,21 +117,23 @@ def test_keep_alive_of_own_entry_then_star_then_zero():
     assert keep_alive_of({}, "a") == 0.0
 
 
-
 # --------------------------------------------------------------------------- values
 
 
-@pytest.mark.parametrize("value, want", [
-    ("a,b", ("a", "b")),
-    ("a b\tc", ("a", "b", "c")),
-    (" a , b ", ("a", "b")),
-    ("org/m-1,/path/to/m2", ("org/m-1", "/path/to/m2")),
-    (["a", "b"], ("a", "b")),
-    (("x",), ("x",)),
-    ([" a "], ("a",)),
-    ("", ()),
-    ([], ()),
-])
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        ("a,b", ("a", "b")),
+        ("a b\tc", ("a", "b", "c")),
+        (" a , b ", ("a", "b")),
+        ("org/m-1,/path/to/m2", ("org/m-1", "/path/to/m2")),
+        (["a", "b"], ("a", "b")),
+        (("x",), ("x",)),
+        ([" a "], ("a",)),
+        ("", ()),
+        ([], ()),
+    ],
+)
 def test_model_list_accepts_lists_and_separated_strings(value, want):
     assert model_list(value) == want
 
@@ -144,10 +149,24 @@ def test_model_list_refuses_empty_entries_and_non_lists(bad):
         model_list(bad)
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("5m", 300.0), ("1h", 3600.0), ("1.5h", 5400.0), ("0m", 0.0), ("2M", 120.0), ("1H", 3600.0),
-    ("500ms", 0.5), ("2s", 2.0), ("2", 2.0), (" 2s ", 2.0), ("0.5", 0.5), (3, 3.0), (0.25, 0.25),
-])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("5m", 300.0),
+        ("1h", 3600.0),
+        ("1.5h", 5400.0),
+        ("0m", 0.0),
+        ("2M", 120.0),
+        ("1H", 3600.0),
+        ("500ms", 0.5),
+        ("2s", 2.0),
+        ("2", 2.0),
+        (" 2s ", 2.0),
+        ("0.5", 0.5),
+        (3, 3.0),
+        (0.25, 0.25),
+    ],
+)
 def test_parse_duration_units(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -171,9 +190,23 @@ def test_keep_alive_map_per_model():
     assert keep_alive_map({}) == {}
 
 
-@pytest.mark.parametrize("bad", [
-    "-5m", "a=-1s", {"a": "-1"}, "a=", "=5m", "a=1h,b", "a=soon", "soon", {"": "5m"}, {"a": True}, True, None,
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "-5m",
+        "a=-1s",
+        {"a": "-1"},
+        "a=",
+        "=5m",
+        "a=1h,b",
+        "a=soon",
+        "soon",
+        {"": "5m"},
+        {"a": True},
+        True,
+        None,
+    ],
+)
 def test_keep_alive_map_refuses_negative_and_malformed(bad):
     with pytest.raises(ValueError):
         keep_alive_map(bad)
@@ -272,8 +305,9 @@ def test_no_model_flag_leaves_model_and_models_as_configured():
 def test_model_states_one_pair_per_model_entry():
     a = mesh_pb2.ModelState(model="a", epoch=3, last_used=12.5, active=1)
     b = mesh_pb2.ModelState(model="b", epoch=7, waiting=2)
-    msg = mesh_pb2.HeartbeatRequest(coordinator="n1", epoch=9, plan=mesh_pb2.Plan(model="other", epoch=9),
-                                    models=[a, b])
+    msg = mesh_pb2.HeartbeatRequest(
+        coordinator="n1", epoch=9, plan=mesh_pb2.Plan(model="other", epoch=9), models=[a, b]
+    )
     got = model_states(msg)
     assert [m for m, _ in got] == ["a", "b"]  # the models entries, not the plan's model
     assert got[0][1] == a and got[1][1] == b
@@ -313,16 +347,23 @@ def test_plan_without_stages_and_another_strategy_is_refused(strategy):
 
 
 def test_unloaded_plan_with_a_partial_stage_is_refused():
-    msg = mesh_pb2.Plan(model="m", strategy=UNLOADED, epoch=1,
-                        stages=[mesh_pb2.Stage(start_layer=0, end_layer=10, nodes=["n1"])])
+    msg = mesh_pb2.Plan(
+        model="m", strategy=UNLOADED, epoch=1, stages=[mesh_pb2.Stage(start_layer=0, end_layer=10, nodes=["n1"])]
+    )
     with pytest.raises(ValueError):
         plan_from_pb(msg, num_layers=24)
 
 
 def test_loaded_plan_still_decodes():
-    msg = mesh_pb2.Plan(model="m", strategy="pipeline", epoch=2,
-                        stages=[mesh_pb2.Stage(start_layer=0, end_layer=10, nodes=["n1"], bytes=5),
-                                mesh_pb2.Stage(start_layer=10, end_layer=24, nodes=["n2"], bytes=7)])
+    msg = mesh_pb2.Plan(
+        model="m",
+        strategy="pipeline",
+        epoch=2,
+        stages=[
+            mesh_pb2.Stage(start_layer=0, end_layer=10, nodes=["n1"], bytes=5),
+            mesh_pb2.Stage(start_layer=10, end_layer=24, nodes=["n2"], bytes=7),
+        ],
+    )
     plan = plan_from_pb(msg, num_layers=24)
     assert not plan.unloaded
     assert plan.node_ids() == ["n1", "n2"]
@@ -491,8 +532,15 @@ class FakeSource:
 
 
 def counted(source, counter, *, on_demand=False, loaded=lambda: True, deadline=5.0):
-    return CountedSource(source, counter, on_demand=lambda: on_demand, loaded=loaded, deadline=lambda: deadline,
-                         give_up=lambda exc: RuntimeError(str(exc)), model="the-model")
+    return CountedSource(
+        source,
+        counter,
+        on_demand=lambda: on_demand,
+        loaded=loaded,
+        deadline=lambda: deadline,
+        give_up=lambda exc: RuntimeError(str(exc)),
+        model="the-model",
+    )
 
 
 class Clock:
@@ -530,8 +578,15 @@ async def test_counted_source_counts_active_during_the_generation():
 async def test_counted_source_not_on_demand_streams_without_asking_loaded():
     counter = UseCounter()
     asked = []
-    cs = CountedSource(FakeSource(), counter, on_demand=lambda: False, loaded=lambda: asked.append(1) or False,
-                       deadline=lambda: 0.1, give_up=lambda exc: RuntimeError(str(exc)), model="m")
+    cs = CountedSource(
+        FakeSource(),
+        counter,
+        on_demand=lambda: False,
+        loaded=lambda: asked.append(1) or False,
+        deadline=lambda: 0.1,
+        give_up=lambda exc: RuntimeError(str(exc)),
+        model="m",
+    )
     assert [t async for t in cs.tokens([1], None)] == [1, 2, 3]
     assert asked == [] and counter.active == 0
 

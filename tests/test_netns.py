@@ -27,7 +27,8 @@ while True:
     threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
 """
 # argv: timeout, then ip addresses; prints {ip: true/false}
-REACH = """
+REACH = (
+    """
 import json, socket, sys
 t, res = float(sys.argv[1]), {}
 for ip in sys.argv[2:]:
@@ -37,7 +38,9 @@ for ip in sys.argv[2:]:
     except OSError:
         res[ip] = False
 print(json.dumps(res))
-""" % PORT
+"""
+    % PORT
+)
 # argv: addresses outside the mesh; a UDP connect() only consults the routing table (sends nothing)
 NO_ROUTE = """
 import errno, json, socket, sys
@@ -85,9 +88,12 @@ def serve_echo(host: netns.NetHost) -> subprocess.Popen:
 
 
 def root_links() -> set[str]:
-    return {line.split(":")[1].strip().split("@")[0]
-            for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10,
-                                       check=True).stdout.splitlines()}
+    return {
+        line.split(":")[1].strip().split("@")[0]
+        for line in subprocess.run(
+            ["ip", "-o", "link"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.splitlines()
+    }
 
 
 def test_hosts_reach_each_other_and_nothing_else(netns_mesh_factory):
@@ -195,11 +201,13 @@ def test_extra_link_and_shaping(netns_mesh_factory):
     assert reach(a, [link.ip_b]) == {link.ip_b: True}
     assert reach(c, [link.ip_b], timeout=1) == {link.ip_b: False}  # c is not on that link
 
-    send = ("import socket,sys,time\n"
-            "s=socket.create_connection((sys.argv[1], %d), timeout=20); data=b'x'*(1<<20); t=time.monotonic()\n"
-            "s.sendall(data); got=0\n"
-            "while got < len(data): got += len(s.recv(1<<16))\n"
-            "print(time.monotonic()-t)" % PORT)
+    send = (
+        "import socket,sys,time\n"
+        "s=socket.create_connection((sys.argv[1], %d), timeout=20); data=b'x'*(1<<20); t=time.monotonic()\n"
+        "s.sendall(data); got=0\n"
+        "while got < len(data): got += len(s.recv(1<<16))\n"
+        "print(time.monotonic()-t)" % PORT
+    )
     fast = float(a.run([sys.executable, "-c", send, link.ip_b], timeout=30).stdout)
     mesh.shape(a, link.dev_a, rate="8mbit")  # 1 MiB one way at 1 MB/s: about a second
     slow = float(a.run([sys.executable, "-c", send, link.ip_b], timeout=30).stdout)

@@ -16,9 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 
-from meshnode.api import core
+from meshnode.api import core, ollama_schema
 from meshnode.api import ollama as surface
-from meshnode.api import ollama_schema
 from meshnode.api.app import ApiSettings, make_app
 from meshnode.api.validation import Limits
 from meshnode.errors import ApiError
@@ -36,8 +35,10 @@ FAMILIES = {"llama": dict(quantize="4bit", dtype="bfloat16"), "qwen3": dict(quan
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ollama")
-    return {family: build_model(root / family, family, num_layers=2, hidden_size=64, intermediate_size=128, **kw)
-            for family, kw in FAMILIES.items()}
+    return {
+        family: build_model(root / family, family, num_layers=2, hidden_size=64, intermediate_size=128, **kw)
+        for family, kw in FAMILIES.items()
+    }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -45,8 +46,10 @@ def served(request, models, tmp_path_factory):
     """(family, model path, node, base URL, headers); the qwen3 node asks for an API key."""
     family = request.param
     key = KEY if family == "qwen3" else None
-    with running_node(models[family], tmp_path_factory.mktemp(f"node-{family}"), max_context=512,
-                      api_key=key) as (node, base):
+    with running_node(models[family], tmp_path_factory.mktemp(f"node-{family}"), max_context=512, api_key=key) as (
+        node,
+        base,
+    ):
         yield family, models[family], node, base, ({"Authorization": f"Bearer {key}"} if key else {})
 
 
@@ -62,8 +65,12 @@ def post(served, path: str, body: dict) -> httpx.Response:
 
 def reference(path, messages=MESSAGES, max_tokens=12) -> str:
     model, tokenizer = mlx_load(str(path))
-    return mlx_generate(model, tokenizer, prompt=tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                        max_tokens=max_tokens)
+    return mlx_generate(
+        model,
+        tokenizer,
+        prompt=tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        max_tokens=max_tokens,
+    )
 
 
 def test_version_list_show_ps(served):
@@ -85,8 +92,11 @@ def test_version_list_show_ps(served):
 def test_greedy_chat_equals_openai_route_and_mlx_lm(served):
     family, path, node, base, headers = served
     out = client(served).chat(model=node.model_id, messages=MESSAGES, options=GREEDY, stream=False)
-    openai = post(served, "/v1/chat/completions", {"model": node.model_id, "messages": MESSAGES, "max_tokens": 12,
-                                                   "temperature": 0}).json()
+    openai = post(
+        served,
+        "/v1/chat/completions",
+        {"model": node.model_id, "messages": MESSAGES, "max_tokens": 12, "temperature": 0},
+    ).json()
     assert out.message.content == openai["choices"][0]["message"]["content"] == reference(path)
     assert out.message.role == "assistant" and out.done and out.done_reason in ("stop", "length")
     assert out.eval_count == openai["usage"]["completion_tokens"]
@@ -102,8 +112,13 @@ def test_streamed_chat_is_ndjson_ending_in_done(served):
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
     assert (parts[-1].done_reason, parts[-1].eval_count) == (whole.done_reason, whole.eval_count)
     # stream is Ollama's default: a body without it gets NDJSON
-    with httpx.stream("POST", f"{base}/api/chat", headers=headers, timeout=60,
-                      json={"model": node.model_id, "messages": MESSAGES, "options": GREEDY}) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/api/chat",
+        headers=headers,
+        timeout=60,
+        json={"model": node.model_id, "messages": MESSAGES, "options": GREEDY},
+    ) as r:
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert "".join(o["message"]["content"] for o in lines) == whole.message.content
@@ -114,15 +129,22 @@ def test_generate_streamed_and_not(served):
     family, path, node, base, headers = served
     c = client(served)
     chat = c.chat(model=node.model_id, messages=MESSAGES, options=GREEDY, stream=False)
-    out = c.generate(model=node.model_id, system=MESSAGES[0]["content"], prompt=MESSAGES[1]["content"],
-                     options=GREEDY)
+    out = c.generate(model=node.model_id, system=MESSAGES[0]["content"], prompt=MESSAGES[1]["content"], options=GREEDY)
     assert out.response == chat.message.content and out.done and out.eval_count == chat.eval_count
-    parts = list(c.generate(model=node.model_id, system=MESSAGES[0]["content"], prompt=MESSAGES[1]["content"],
-                            options=GREEDY, stream=True))
+    parts = list(
+        c.generate(
+            model=node.model_id,
+            system=MESSAGES[0]["content"],
+            prompt=MESSAGES[1]["content"],
+            options=GREEDY,
+            stream=True,
+        )
+    )
     assert "".join(p.response for p in parts) == out.response and parts[-1].done
     raw = c.generate(model=node.model_id, prompt="The sea is", raw=True, options=GREEDY)
-    completion = post(served, "/v1/completions", {"model": node.model_id, "prompt": "The sea is", "max_tokens": 12,
-                                                  "temperature": 0}).json()
+    completion = post(
+        served, "/v1/completions", {"model": node.model_id, "prompt": "The sea is", "max_tokens": 12, "temperature": 0}
+    ).json()
     assert raw.response == completion["choices"][0]["text"]
 
 
@@ -131,40 +153,57 @@ def test_options(served):
     c = client(served)
     short = c.chat(model=node.model_id, messages=MESSAGES, options={"temperature": 0, "num_predict": 3})
     assert short.eval_count <= 3 and short.done_reason == ("length" if short.eval_count == 3 else "stop")
-    seeded = [c.chat(model=node.model_id, messages=MESSAGES, options={"seed": 7, "num_predict": 8}).message.content
-              for _ in range(2)]
+    seeded = [
+        c.chat(model=node.model_id, messages=MESSAGES, options={"seed": 7, "num_predict": 8}).message.content
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     greedy = c.chat(model=node.model_id, messages=MESSAGES, options={**GREEDY, "num_predict": 20}).message.content
     if len(greedy) >= 6:
         stop = greedy[3:6]
         cut = c.chat(model=node.model_id, messages=MESSAGES, options={**GREEDY, "num_predict": 20, "stop": [stop]})
-        assert cut.message.content == greedy[:greedy.index(stop)] and cut.done_reason == "stop"
+        assert cut.message.content == greedy[: greedy.index(stop)] and cut.done_reason == "stop"
     # options that cannot change the answer are accepted and ignored
-    same = c.chat(model=node.model_id, messages=MESSAGES, keep_alive="5m",
-                  options={**GREEDY, "num_predict": 20, "num_ctx": 8192, "num_thread": 2, "mirostat": 0})
+    same = c.chat(
+        model=node.model_id,
+        messages=MESSAGES,
+        keep_alive="5m",
+        options={**GREEDY, "num_predict": 20, "num_ctx": 8192, "num_thread": 2, "mirostat": 0},
+    )
     assert same.message.content == greedy
 
 
 def test_format_constrains_the_answer_to_json(served):
     family, path, node, base, headers = served
     c = client(served)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-              "required": ["ok", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
     for seed in (1, 2):
-        r = c.chat(model=node.model_id, messages=MESSAGES, format=schema,
-                   options={"temperature": 1.0, "seed": seed, "num_predict": 60})
+        r = c.chat(
+            model=node.model_id,
+            messages=MESSAGES,
+            format=schema,
+            options={"temperature": 1.0, "seed": seed, "num_predict": 60},
+        )
         answer = json.loads(r.message.content)
         assert set(answer) == {"ok", "n"} and answer["n"] in (1, 2, 3) and r.done_reason == "stop"
     r = c.generate(model=node.model_id, prompt="hi", format="json", options={**GREEDY, "num_predict": 8})
     assert r.response.startswith("{")
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(messages=[{"role": "user", "content": "hi", "images": [b"\x89PNG"]}]), "messages[0].images"),
-    (dict(messages=MESSAGES, options={"mirostat": 2}), "options.mirostat"),
-    (dict(messages=MESSAGES, options={"num_predict": 0}), "options.num_predict"),
-    (dict(messages=MESSAGES, think="high"), "think"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(messages=[{"role": "user", "content": "hi", "images": [b"\x89PNG"]}]), "messages[0].images"),
+        (dict(messages=MESSAGES, options={"mirostat": 2}), "options.mirostat"),
+        (dict(messages=MESSAGES, options={"num_predict": 0}), "options.num_predict"),
+        (dict(messages=MESSAGES, think="high"), "think"),
+    ],
+)
 def test_refused_input_names_the_field(served, kwargs, field):
     family, path, node, base, headers = served
     with pytest.raises(ollama.ResponseError) as err:
@@ -174,9 +213,13 @@ def test_refused_input_names_the_field(served, kwargs, field):
 
 def test_refused_generate_input_and_ollama_error_shape(served):
     family, path, node, base, headers = served
-    for body, field in [({"images": ["aGk="]}, "images"), ({"suffix": "end"}, "suffix"),
-                        ({"context": [1, 2]}, "context"), ({"options": {"bogus": 1}}, "options.bogus"),
-                        ({"format": "yaml"}, "format")]:  # (the ollama package refuses it before sending)
+    for body, field in [
+        ({"images": ["aGk="]}, "images"),
+        ({"suffix": "end"}, "suffix"),
+        ({"context": [1, 2]}, "context"),
+        ({"options": {"bogus": 1}}, "options.bogus"),
+        ({"format": "yaml"}, "format"),
+    ]:  # (the ollama package refuses it before sending)
         r = post(served, "/api/generate", {"model": node.model_id, "prompt": "hi", **body})
         assert r.status_code == 400 and list(r.json()) == ["error"] and f"'{field}'" in r.json()["error"], r.text
     with pytest.raises(ollama.ResponseError) as err:
@@ -208,6 +251,7 @@ def test_api_key_applies_to_ollama_routes(served):
 
 
 # --------------------------------------------------------------------------- in-process
+
 
 class _Forming:
     """A backend whose mesh is still forming: the model is listed, but not ready."""
@@ -257,10 +301,19 @@ def test_deltas_map_to_ollama_messages():
     call = ToolCall("call_1", "get_weather", '{"city": "Oslo"}')
     lp = TokenLogprob("Hi", -0.5, (("Hi", -0.5), ("Yo", -1.5)))
     obj = surface.piece("chat", "m", Delta("Hi", 1, reasoning="hmm", tool_calls=(call,), logprobs=(lp,)))
-    assert obj["message"] == {"role": "assistant", "content": "Hi", "thinking": "hmm", "tool_calls": [
-        {"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
-    assert obj["logprobs"] == [{"token": "Hi", "logprob": -0.5, "top_logprobs": [
-        {"token": "Hi", "logprob": -0.5}, {"token": "Yo", "logprob": -1.5}]}]
+    assert obj["message"] == {
+        "role": "assistant",
+        "content": "Hi",
+        "thinking": "hmm",
+        "tool_calls": [{"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+    }
+    assert obj["logprobs"] == [
+        {
+            "token": "Hi",
+            "logprob": -0.5,
+            "top_logprobs": [{"token": "Hi", "logprob": -0.5}, {"token": "Yo", "logprob": -1.5}],
+        }
+    ]
     assert obj["done"] is False and obj["model"] == "m"
     gen = surface.piece("generate", "m", Delta("x", 1, reasoning="r"))
     assert (gen["response"], gen["thinking"]) == ("x", "r") and "message" not in gen
@@ -279,28 +332,53 @@ def test_deltas_map_to_ollama_messages():
     assert body["done"] and body["done_reason"] == "stop" and body["eval_count"] == 2
     assert body["prompt_eval_count"] == 7 and body["message"]["thinking"] == "thought"
     assert body["message"]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
-    assert all(isinstance(body[k], int) and body[k] >= 0 for k in
-               ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"))
+    assert all(
+        isinstance(body[k], int) and body[k] >= 0
+        for k in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
+    )
 
 
 def test_messages_become_template_messages():
-    req = ollama_schema.parse({"model": "m", "think": True, "tools": [
-        {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}], "messages": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "thinking": "call it", "tool_calls": [
-            {"function": {"name": "get", "arguments": {"city": "Oslo"}}},
-            {"function": {"name": "time", "arguments": {}}}]},
-        {"role": "tool", "content": "12:00", "tool_name": "time"},
-        {"role": "tool", "content": "sunny"}]}, "chat", Limits(), ["m"])
-    assert req.think is True and req.tools == [{"type": "function", "function": {"name": "get",
-                                                                                  "parameters": {"type": "object"}}}]
+    req = ollama_schema.parse(
+        {
+            "model": "m",
+            "think": True,
+            "tools": [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}],
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "thinking": "call it",
+                    "tool_calls": [
+                        {"function": {"name": "get", "arguments": {"city": "Oslo"}}},
+                        {"function": {"name": "time", "arguments": {}}},
+                    ],
+                },
+                {"role": "tool", "content": "12:00", "tool_name": "time"},
+                {"role": "tool", "content": "sunny"},
+            ],
+        },
+        "chat",
+        Limits(),
+        ["m"],
+    )
+    assert req.think is True and req.tools == [
+        {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+    ]
     assert req.messages == [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "reasoning_content": "call it", "tool_calls": [
-            {"id": "call_1_0", "type": "function", "function": {"name": "get", "arguments": {"city": "Oslo"}}},
-            {"id": "call_1_1", "type": "function", "function": {"name": "time", "arguments": {}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "call it",
+            "tool_calls": [
+                {"id": "call_1_0", "type": "function", "function": {"name": "get", "arguments": {"city": "Oslo"}}},
+                {"id": "call_1_1", "type": "function", "function": {"name": "time", "arguments": {}}},
+            ],
+        },
         {"role": "tool", "content": "12:00", "name": "time", "tool_call_id": "call_1_1"},
-        {"role": "tool", "content": "sunny", "name": "get", "tool_call_id": "call_1_0"}]
+        {"role": "tool", "content": "sunny", "name": "get", "tool_call_id": "call_1_0"},
+    ]
 
 
 def test_options_map_with_ollamas_defaults():
@@ -308,23 +386,70 @@ def test_options_map_with_ollamas_defaults():
     plain = ollama_schema.parse({"model": "m", "prompt": "hi"}, "generate", limits, ["m"])
     assert (plain.temperature, plain.top_k, plain.top_p, plain.max_tokens, plain.stream) == (0.8, 40, 0.9, None, True)
     assert plain.messages == [{"role": "user", "content": "hi"}] and plain.kind == "chat"
-    req = ollama_schema.parse({"model": "m", "prompt": "hi", "stream": False, "options": {
-        "temperature": 0.2, "top_p": 0.5, "top_k": 0, "min_p": 0.1, "seed": 3, "num_predict": 9, "stop": ["x", ""],
-        "repeat_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0, "num_ctx": 4096}},
-        "generate", limits, ["m"])
-    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.seed, req.max_tokens, req.stop) == \
-        (0.2, 0.5, None, 0.1, 3, 9, ("x",))
+    req = ollama_schema.parse(
+        {
+            "model": "m",
+            "prompt": "hi",
+            "stream": False,
+            "options": {
+                "temperature": 0.2,
+                "top_p": 0.5,
+                "top_k": 0,
+                "min_p": 0.1,
+                "seed": 3,
+                "num_predict": 9,
+                "stop": ["x", ""],
+                "repeat_penalty": 1.3,
+                "presence_penalty": 0.5,
+                "frequency_penalty": 0,
+                "num_ctx": 4096,
+            },
+        },
+        "generate",
+        limits,
+        ["m"],
+    )
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.seed, req.max_tokens, req.stop) == (
+        0.2,
+        0.5,
+        None,
+        0.1,
+        3,
+        9,
+        ("x",),
+    )
     assert (req.repetition_penalty, req.presence_penalty, req.frequency_penalty, req.stream) == (1.3, 0.5, None, False)
-    raw = ollama_schema.parse({"model": "m:latest", "prompt": "hi", "raw": True, "logprobs": True, "top_logprobs": 3,
-                               "options": {"num_predict": -1}}, "generate", limits, ["m"])
-    assert (raw.kind, raw.prompt, raw.model, raw.logprobs, raw.top_logprobs, raw.max_tokens) == \
-        ("completion", "hi", "m", True, 3, None)
+    raw = ollama_schema.parse(
+        {
+            "model": "m:latest",
+            "prompt": "hi",
+            "raw": True,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "options": {"num_predict": -1},
+        },
+        "generate",
+        limits,
+        ["m"],
+    )
+    assert (raw.kind, raw.prompt, raw.model, raw.logprobs, raw.top_logprobs, raw.max_tokens) == (
+        "completion",
+        "hi",
+        "m",
+        True,
+        3,
+        None,
+    )
     with pytest.raises(ApiError) as err:
         ollama_schema.parse({"model": "m", "prompt": "hi", "options": {"num_predict": 0}}, "generate", limits, ["m"])
     assert err.value.param == "options.num_predict"
     # More than the server's limit: capped at the room left when served, not refused.
-    assert ollama_schema.parse({"model": "m", "prompt": "hi", "options": {"num_predict": 10**6}}, "generate",
-                               limits, ["m"]).max_tokens == 10**6
+    assert (
+        ollama_schema.parse(
+            {"model": "m", "prompt": "hi", "options": {"num_predict": 10**6}}, "generate", limits, ["m"]
+        ).max_tokens
+        == 10**6
+    )
 
 
 def test_details_from_the_model_profile(models):

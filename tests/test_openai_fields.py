@@ -28,26 +28,37 @@ from meshnode.serving.placements import generate_request, received_params
 from meshnode.serving.sampling import Sampled, SamplingParams
 from tests.helpers import running_node
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 HI = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     """qwen3 in bf16 with a tool-calling, thinking chat template (build_model chat="agent")."""
-    return build_model(tmp_path_factory.mktemp("agent") / "qwen3", "qwen3", num_layers=2, dtype="bfloat16",
-                       chat="agent")
+    return build_model(
+        tmp_path_factory.mktemp("agent") / "qwen3", "qwen3", num_layers=2, dtype="bfloat16", chat="agent"
+    )
 
 
 @pytest.fixture(scope="module")
 def plain4(tmp_path_factory):
     """llama, 4-bit, with the plain template (no tool calling)."""
-    return build_model(tmp_path_factory.mktemp("plain") / "llama", "llama", num_layers=2, dtype="bfloat16",
-                       quantize="4bit")
+    return build_model(
+        tmp_path_factory.mktemp("plain") / "llama", "llama", num_layers=2, dtype="bfloat16", quantize="4bit"
+    )
 
 
 # --- the answer splitter (pure: scripted token ids of a real tokenizer) ---------------------------
+
 
 class _Script:
     def __init__(self, ids):
@@ -69,8 +80,12 @@ def _split(model_dir, said: str, prompt_text: str, tools=TOOLS, stop=(), forced=
         return [d async for d in engine.stream(prompt, SamplingParams(max_tokens=500), stop, shape)]
 
     deltas = asyncio.run(run())
-    return ("".join(d.text for d in deltas), "".join(d.reasoning for d in deltas),
-            [c for d in deltas for c in d.tool_calls], deltas[-1])
+    return (
+        "".join(d.text for d in deltas),
+        "".join(d.reasoning for d in deltas),
+        [c for d in deltas for c in d.tool_calls],
+        deltas[-1],
+    )
 
 
 def test_thinking_content_and_a_tool_call_are_told_apart(agent):
@@ -101,15 +116,26 @@ def test_a_forced_call_and_a_broken_one(agent, caplog):
 
 
 def test_sampling_params_cross_to_a_remote_head_unchanged():
-    params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, seed=-3, offset=2, top_k=40, min_p=0.05,
-                            presence_penalty=0.5, repetition_penalty=1.25, logit_bias=((3, -100.0), (7, 2.5)),
-                            top_logprobs=4)
+    params = SamplingParams(
+        max_tokens=9,
+        temperature=0.5,
+        top_p=0.75,
+        seed=-3,
+        offset=2,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        repetition_penalty=1.25,
+        logit_bias=((3, -100.0), (7, 2.5)),
+        top_logprobs=4,
+    )
     assert received_params(generate_request("r", 1, [1, 2], params)) == params
     plain = SamplingParams(max_tokens=3)
     assert received_params(generate_request("r", 1, [1], plain)) == plain
 
 
 # --- a real node through the openai package ------------------------------------------------------
+
 
 def _reasoning(completion):
     """The answer's reasoning_content (an extra field to the openai package: absent when not sent)."""
@@ -121,8 +147,7 @@ def _reference(model_dir, messages, max_tokens, *, temp=0.0, processors=None, **
     m, tok = load(str(model_dir))
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, **template)
     out = []
-    for token, logprobs in generate_step(mx.array(prompt), m, max_tokens=max_tokens,
-                                         logits_processors=processors):
+    for token, logprobs in generate_step(mx.array(prompt), m, max_tokens=max_tokens, logits_processors=processors):
         if token in tok.eos_token_ids:
             break
         out.append((int(token), logprobs))
@@ -134,24 +159,26 @@ def test_penalties_and_logit_bias_match_mlx_lm(which, request, tmp_path):
     model_dir = request.getfixturevalue(which)
     fields = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={"40": 3.0, "41": -100})
     extra = {"repetition_penalty": 1.3}
-    processors = make_logits_processors(logit_bias={40: 3.0, 41: -100.0}, repetition_penalty=1.3,
-                                        presence_penalty=0.8, frequency_penalty=0.4)
+    processors = make_logits_processors(
+        logit_bias={40: 3.0, 41: -100.0}, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.4
+    )
     tok, _, ref = _reference(model_dir, HI, 24, processors=processors)
     with running_node(model_dir, tmp_path) as (node, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
-        r = client.chat.completions.create(model=model, messages=HI, max_tokens=24, temperature=0, logprobs=True,
-                                           extra_body=extra, **fields)
+        r = client.chat.completions.create(
+            model=model, messages=HI, max_tokens=24, temperature=0, logprobs=True, extra_body=extra, **fields
+        )
         # With the penalties off the answer differs: they took effect.
         plain = client.chat.completions.create(model=model, messages=HI, max_tokens=24, temperature=0)
     got = [tok.encode(e.token, add_special_tokens=False) for e in r.choices[0].logprobs.content]
-    assert sum(got, []) == [t for t, _ in ref] or "".join(e.token for e in r.choices[0].logprobs.content) == \
-        tok.decode([t for t, _ in ref])
+    assert sum(got, []) == [t for t, _ in ref] or "".join(e.token for e in r.choices[0].logprobs.content) == tok.decode(
+        [t for t, _ in ref]
+    )
     text = (_reasoning(r) or "") + (r.choices[0].message.content or "")
     assert text.replace("</think>", "") == tok.decode([t for t, _ in ref]).replace("</think>", "")
     assert 41 not in [t for t, _ in ref]
-    assert (plain.choices[0].message.content, _reasoning(plain)) != \
-        (r.choices[0].message.content, _reasoning(r))
+    assert (plain.choices[0].message.content, _reasoning(plain)) != (r.choices[0].message.content, _reasoning(r))
 
 
 def test_logprobs_are_mlx_lms_and_top_k_one_is_greedy(plain4, tmp_path):
@@ -159,48 +186,83 @@ def test_logprobs_are_mlx_lms_and_top_k_one_is_greedy(plain4, tmp_path):
     with running_node(plain4, tmp_path) as (node, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
-        r = client.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0, logprobs=True,
-                                           top_logprobs=3)
+        r = client.chat.completions.create(
+            model=model, messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+        )
         entries = r.choices[0].logprobs.content
         assert len(entries) == len(ref) == r.usage.completion_tokens
         for entry, (token, logprobs) in zip(entries, ref):
             assert entry.token == tok.decode([token])
             assert entry.logprob == pytest.approx(logprobs[token].item(), abs=0.05)
             assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy: the best
-            assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
-                                                                     reverse=True)
+            assert [t.logprob for t in entry.top_logprobs] == sorted(
+                (t.logprob for t in entry.top_logprobs), reverse=True
+            )
         # top_k=1 leaves only the most likely token: greedy whatever the temperature.
-        one = client.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=1.5,
-                                             extra_body={"top_k": 1})
+        one = client.chat.completions.create(
+            model=model, messages=HI, max_tokens=8, temperature=1.5, extra_body={"top_k": 1}
+        )
         assert one.choices[0].message.content == r.choices[0].message.content
         # min_p and a seed: reproducible.
-        a, b = (client.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=1.0, seed=7,
-                                               extra_body={"min_p": 0.1}).choices[0].message.content for _ in "ab")
+        a, b = (
+            client.chat.completions.create(
+                model=model, messages=HI, max_tokens=8, temperature=1.0, seed=7, extra_body={"min_p": 0.1}
+            )
+            .choices[0]
+            .message.content
+            for _ in "ab"
+        )
         assert a == b
         # Streamed: the same logprobs, piece by piece.
-        stream = client.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0, stream=True,
-                                                logprobs=True)
-        streamed = [e.token for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                    for e in chunk.choices[0].logprobs.content]
+        stream = client.chat.completions.create(
+            model=model, messages=HI, max_tokens=8, temperature=0, stream=True, logprobs=True
+        )
+        streamed = [
+            e.token
+            for chunk in stream
+            if chunk.choices and chunk.choices[0].logprobs
+            for e in chunk.choices[0].logprobs.content
+        ]
         assert streamed == [e.token for e in entries]
         # The legacy completions form.
         c = client.completions.create(model=model, prompt="The sea was", max_tokens=4, temperature=0, logprobs=2)
         legacy = c.choices[0].logprobs
         assert len(legacy.tokens) == len(legacy.token_logprobs) == 4
         # {text: logprob}: two alternatives, fewer where both decode alike (a partial UTF-8 byte is "\ufffd")
-        assert all(1 <= len(top) <= 2 and max(top.values()) >= lp - 1e-6
-                   for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs))
+        assert all(
+            1 <= len(top) <= 2 and max(top.values()) >= lp - 1e-6
+            for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs)
+        )
 
 
 def test_tools_reach_the_template_and_the_reasoning_is_split(agent, tmp_path):
     history = HI + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
     ]
-    tok, prompt, ref = _reference(agent, [{**m, "tool_calls": [{**c, "function": {
-        **c["function"], "arguments": json.loads(c["function"]["arguments"])}} for c in m["tool_calls"]]}
-        if m.get("tool_calls") else m for m in history], 16, tools=TOOLS)
+    tok, prompt, ref = _reference(
+        agent,
+        [
+            {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in history
+        ],
+        16,
+        tools=TOOLS,
+    )
     with running_node(agent, tmp_path) as (node, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
@@ -212,18 +274,20 @@ def test_tools_reach_the_template_and_the_reasoning_is_split(agent, tmp_path):
         assert _reasoning(r) == (thought or None)
         assert (r.choices[0].message.content or "") == answer
         # Thinking off: the template closes the think block, and the answer is content.
-        off = client.chat.completions.create(model=model, messages=HI, max_tokens=6, temperature=0,
-                                             reasoning_effort="none")
+        off = client.chat.completions.create(
+            model=model, messages=HI, max_tokens=6, temperature=0, reasoning_effort="none"
+        )
         assert _reasoning(off) is None and off.choices[0].message.content
         # tool_choice "none": the tools stay out of the prompt.
-        none = client.chat.completions.create(model=model, messages=HI, tools=TOOLS, tool_choice="none",
-                                              max_tokens=1, temperature=0)
-        with_tools = client.chat.completions.create(model=model, messages=HI, tools=TOOLS, max_tokens=1,
-                                                    temperature=0)
+        none = client.chat.completions.create(
+            model=model, messages=HI, tools=TOOLS, tool_choice="none", max_tokens=1, temperature=0
+        )
+        with_tools = client.chat.completions.create(model=model, messages=HI, tools=TOOLS, max_tokens=1, temperature=0)
         assert none.usage.prompt_tokens < with_tools.usage.prompt_tokens
         # Streamed reasoning arrives as reasoning_content deltas.
-        stream = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=16,
-                                                temperature=0, stream=True)
+        stream = client.chat.completions.create(
+            model=model, messages=history, tools=TOOLS, max_tokens=16, temperature=0, stream=True
+        )
         parts = [c.choices[0].delta for c in stream if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in parts) == thought
 
@@ -244,14 +308,23 @@ def test_tools_are_always_accepted_and_max_tokens_is_the_room_left(plain4, tmp_p
             assert r.usage.prompt_tokens == plain.usage.prompt_tokens
         assert caplog.text.count("answered without them") == 1
         for asked in (None, 100000):
-            r = client.chat.completions.create(model=model, messages=HI, temperature=0, logit_bias=never_ends,
-                                               **({"max_tokens": asked} if asked else {}))
+            r = client.chat.completions.create(
+                model=model,
+                messages=HI,
+                temperature=0,
+                logit_bias=never_ends,
+                **({"max_tokens": asked} if asked else {}),
+            )
             assert r.choices[0].finish_reason == "length"
             assert r.usage.prompt_tokens + r.usage.completion_tokens == 48
 
 
-SCHEMA = {"type": "object", "properties": {"sunny": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
-          "required": ["sunny", "level"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"sunny": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
+    "required": ["sunny", "level"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("which", ["agent", "plain4"])
@@ -262,23 +335,31 @@ def test_structured_output_follows_the_schema(which, request, tmp_path):
         model = client.models.list().data[0].id
         fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
         for seed in (1, 2, 3):  # sampled, not greedy: whatever the model draws, the answer is valid
-            r = client.chat.completions.create(model=model, messages=HI, response_format=fmt, temperature=1.0,
-                                               seed=seed, max_tokens=60)
+            r = client.chat.completions.create(
+                model=model, messages=HI, response_format=fmt, temperature=1.0, seed=seed, max_tokens=60
+            )
             answer = json.loads(r.choices[0].message.content)
             assert r.choices[0].finish_reason == "stop" and set(answer) == {"sunny", "level"}
             assert isinstance(answer["sunny"], bool) and answer["level"] in (1, 2, 3)
         # Streamed as well.
-        stream = client.chat.completions.create(model=model, messages=HI, response_format=fmt, temperature=0,
-                                                max_tokens=60, stream=True)
-        assert json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)).keys() == \
-            {"sunny", "level"}
+        stream = client.chat.completions.create(
+            model=model, messages=HI, response_format=fmt, temperature=0, max_tokens=60, stream=True
+        )
+        assert json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)).keys() == {
+            "sunny",
+            "level",
+        }
         # json_object: a JSON object, whatever is in it.
-        r = client.chat.completions.create(model=model, messages=HI, response_format={"type": "json_object"},
-                                           temperature=0, max_tokens=12)
+        r = client.chat.completions.create(
+            model=model, messages=HI, response_format={"type": "json_object"}, temperature=0, max_tokens=12
+        )
         assert r.choices[0].message.content.startswith("{")
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=HI, response_format={
-                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}})
+            client.chat.completions.create(
+                model=model,
+                messages=HI,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}},
+            )
         assert e.value.body["param"] == "response_format" and "frob" in e.value.body["message"]
 
 
@@ -290,8 +371,9 @@ def test_the_last_piece_is_streamed_once(plain4, tmp_path):
         model = client.models.list().data[0].id
         args = dict(model=model, messages=HI, max_tokens=12, temperature=0, stop=["never said"])
         whole = client.chat.completions.create(**args).choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in
-                           client.chat.completions.create(**args, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True) if c.choices
+        )
         assert streamed == whole and len(whole) > len("never said")
 
 

@@ -25,7 +25,7 @@ from meshnode.weights.profile import profile_model
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea, the rivers and the lighthouse keeper."}]
 TITLE = [{"role": "user", "content": "### Task: a concise title for this chat: Tell me a story about the sea."}]
 
-ANSWER_AND_TITLE = r'''
+ANSWER_AND_TITLE = r"""
 import json, sys, threading
 from openai import OpenAI
 base, model, messages, title = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -47,9 +47,9 @@ for chunk in stream:
 t.join(120)
 out.update(answer=text, usage=usage)
 print(json.dumps(out))
-'''
+"""
 
-POLL = r'''
+POLL = r"""
 import json, sys, time, urllib.request
 url, seconds = sys.argv[1], float(sys.argv[2])
 seen, end = [], time.monotonic() + seconds
@@ -63,14 +63,15 @@ while time.monotonic() < end:
         seen.append([0, str(e)])
     time.sleep(0.2)
 print(json.dumps(seen))
-'''
+"""
 
 
 @pytest.mark.netns
 @pytest.mark.timeout(400)
 def test_open_webui_answer_title_and_model_list_through_a_re_plan(tmp_path):
-    model = build_model(tmp_path / "qwen3-bf16", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
-                        dtype="bfloat16")
+    model = build_model(
+        tmp_path / "qwen3-bf16", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128, dtype="bfloat16"
+    )
     total = profile_model(model).total_bytes(1024)
     env = {"MESHNODE_STRATEGY": "pipeline"}
     with netns_mesh(2) as mesh:
@@ -81,28 +82,34 @@ def test_open_webui_answer_title_and_model_list_through_a_re_plan(tmp_path):
         assert len(views[0]["plan"]["stages"]) == 2, views[0]["plan"]
         entry, other = cluster.hosts
         base = f"http://{entry.ip}:{HTTP}"
-        got = in_ns(cluster.client, ANSWER_AND_TITLE, base, model.name, json.dumps(MESSAGES), json.dumps(TITLE),
-                    timeout=300)
+        got = in_ns(
+            cluster.client, ANSWER_AND_TITLE, base, model.name, json.dumps(MESSAGES), json.dumps(TITLE), timeout=300
+        )
         assert got["answer"] == mlx_reference(model, MESSAGES, 24)
         assert got["title"] == mlx_reference(model, TITLE, 10)
         assert got["usage"] is not None and got["usage"][1] > 0
 
         # The UI polls the model list while one node leaves (no plan fits the other alone) and joins again.
         polled: dict = {}
-        poller = threading.Thread(target=lambda: polled.update(seen=in_ns(
-            cluster.client, POLL, f"{base}/v1/models", 60, timeout=120)))
+        poller = threading.Thread(
+            target=lambda: polled.update(seen=in_ns(cluster.client, POLL, f"{base}/v1/models", 60, timeout=120))
+        )
         poller.start()
         time.sleep(2)
         cluster.mesh.stop(cluster.procs.pop(other.name))
-        cluster.wait(lambda: cluster.mesh_view(entry).get("plan") is None
-                     or len(cluster.mesh_view(entry)["nodes"]) == 1, 60, "the mesh noticing the node left")
+        cluster.wait(
+            lambda: cluster.mesh_view(entry).get("plan") is None or len(cluster.mesh_view(entry)["nodes"]) == 1,
+            60,
+            "the mesh noticing the node left",
+        )
         time.sleep(3)
         cluster.start(other, int(total * 0.6), env=env)
         cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "the node back and a new plan")
         poller.join(120)
         seen = polled["seen"]
-        assert seen and all(status == 200 and [m for m, _ in listed] == [model.name] for status, listed in seen), \
-            [s for s in seen if s[0] != 200][:5]
+        assert seen and all(status == 200 and [m for m, _ in listed] == [model.name] for status, listed in seen), [
+            s for s in seen if s[0] != 200
+        ][:5]
         states = [listed[0][1] for _, listed in seen]
         # Ready, then not (no plan fits the one node left: "does not fit" on the coordinator, or
         # "loading" on a node that has not heard why yet), then ready again (the chat below).

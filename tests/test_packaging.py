@@ -28,9 +28,24 @@ def wheel(tmp_path_factory) -> Path:
     for folder in ("meshnode", "systemd_launchd"):
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
     out = tmp_path_factory.mktemp("wheel")
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                             "--no-index", "-q", "-w", str(out), str(src)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     (built,) = out.glob("meshnode-*.whl")
     return built
@@ -63,12 +78,19 @@ def test_installed_wheel_renders_the_service_from_its_own_templates(wheel, tmp_p
         "sys.exit(cli.main(['install', '--dry-run', '--platform', sys.argv[2], '--root', sys.argv[3],\n"
         "                   '--executable', '/opt/meshnode/bin/meshnode']))\n"
     )
-    for platform, marker in (("linux", "ExecStart=/opt/meshnode/bin/meshnode run --config"),
-                             ("macos", "<string>/opt/meshnode/bin/meshnode</string>")):
+    for platform, marker in (
+        ("linux", "ExecStart=/opt/meshnode/bin/meshnode run --config"),
+        ("macos", "<string>/opt/meshnode/bin/meshnode</string>"),
+    ):
         root = tmp_path / platform
         root.mkdir()
-        result = subprocess.run([sys.executable, "-S", "-c", code, str(site), platform, str(root)],
-                                capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        result = subprocess.run(
+            [sys.executable, "-S", "-c", code, str(site), platform, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
         assert result.returncode == 0, result.stderr
         assert f"TEMPLATES {site / 'meshnode' / 'service_templates'}\n" in result.stdout
         assert marker in result.stdout
@@ -78,11 +100,17 @@ def test_installed_wheel_renders_the_service_from_its_own_templates(wheel, tmp_p
 def test_templates_missing_is_a_clear_error(tmp_path):
     """A copy of the package with neither templates folder says so instead of a traceback."""
     shutil.copytree(ROOT / "meshnode", tmp_path / "meshnode", ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-            "from meshnode import cli\n"
-            "sys.exit(cli.main(['install', '--dry-run', '--platform', 'linux', '--root', sys.argv[2],\n"
-            "                   '--executable', '/x/meshnode']))\n")
-    result = subprocess.run([sys.executable, "-S", "-c", code, str(tmp_path), str(tmp_path / "root")],
-                            capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from meshnode import cli\n"
+        "sys.exit(cli.main(['install', '--dry-run', '--platform', 'linux', '--root', sys.argv[2],\n"
+        "                   '--executable', '/x/meshnode']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(tmp_path), str(tmp_path / "root")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "service templates are neither in" in result.stderr and "Traceback" not in result.stderr

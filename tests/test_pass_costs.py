@@ -16,8 +16,20 @@ from meshnode.serving.draft_length import REMEASURE, WINDOW, DraftLength, PassCo
 # (positions, ms) of lone passes in the order a head on OpenBLAS timed them (benchmarks.speculative
 # --p 0 0.8, traced): its first seconds under a load (a peer's start-up measurements), then what
 # each size costs.
-LOADED = [(1, 100), (1, 84), (2, 95), (2, 87), (1, 85), (2, 93), (3, 114), (3, 121), (1, 86), (3, 118),
-          (2, 98), (2, 90)]
+LOADED = [
+    (1, 100),
+    (1, 84),
+    (2, 95),
+    (2, 87),
+    (1, 85),
+    (2, 93),
+    (3, 114),
+    (3, 121),
+    (1, 86),
+    (3, 118),
+    (2, 98),
+    (2, 90),
+]
 STEADY = {1: [40, 40, 39, 41, 40], 2: [45, 45, 46, 45], 3: [55, 54, 55, 56], 4: [41, 43, 42, 42], 5: [53, 52, 54]}
 
 

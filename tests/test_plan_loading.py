@@ -26,16 +26,25 @@ async def _served(tmp_path, model) -> ServedModel:
     async def on_ready():
         return None
 
-    served = ServedModel(ServingSettings.of(settings), "me", scheduler=TokenScheduler(), metrics=NodeMetrics(), progress=Progress(),
-                         mesh=LoneMesh(), auth=None, group_secret=b"", event=lambda *a, **k: None, on_ready=on_ready,
-                         model=str(model))
+    served = ServedModel(
+        ServingSettings.of(settings),
+        "me",
+        scheduler=TokenScheduler(),
+        metrics=NodeMetrics(),
+        progress=Progress(),
+        mesh=LoneMesh(),
+        auth=None,
+        group_secret=b"",
+        event=lambda *a, **k: None,
+        on_ready=on_ready,
+        model=str(model),
+    )
     await served.load({})
     return served
 
 
 def _plan(served, epoch: int, *, kv_bits: int = 0) -> Plan:
-    return Plan(model=served.model_id, strategy="single", stages=(Stage(0, 4, ("me",)),), epoch=epoch,
-                kv_bits=kv_bits)
+    return Plan(model=served.model_id, strategy="single", stages=(Stage(0, 4, ("me",)),), epoch=epoch, kv_bits=kv_bits)
 
 
 async def _adopt_while_loading(served, first: Plan, second: Plan, caplog) -> None:

@@ -9,7 +9,8 @@ import time
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from meshnode.control.planner import NodeSpec, Plan, PlanError, Stage, plan
 from meshnode.weights.profile import ModelProfile
@@ -24,13 +25,29 @@ def profile(layer_bytes, embed=100, head=100, norm=1, tied=False, kv=1, windows=
     n = len(layer_bytes)
     kv = (kv,) * n if isinstance(kv, int) else tuple(kv)
     return ModelProfile(
-        name=name, model_type="llama", num_layers=n, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
-        head_bytes=0 if tied else head, norm_bytes=norm, tied_embeddings=tied, kv_bytes_per_token=kv,
-        sliding_window=tuple(windows) if windows else (None,) * n, hidden_size=8, num_heads=2, num_kv_heads=1,
-        head_dim=4, intermediate_size=16, num_experts=0, vocab_size=10, dtype="float32")
+        name=name,
+        model_type="llama",
+        num_layers=n,
+        layer_bytes=tuple(layer_bytes),
+        embed_bytes=embed,
+        head_bytes=0 if tied else head,
+        norm_bytes=norm,
+        tied_embeddings=tied,
+        kv_bytes_per_token=kv,
+        sliding_window=tuple(windows) if windows else (None,) * n,
+        hidden_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        num_experts=0,
+        vocab_size=10,
+        dtype="float32",
+    )
 
 
 # ---- an independent model of what a stage costs, and brute force over every placement ----
+
 
 def stage_cost(p: ModelProfile, start: int, end: int, ctx: int) -> int:
     """Written from the spec, not from the planner or ModelProfile.stage_bytes."""
@@ -102,11 +119,13 @@ def check_valid(p, nodes, result, ctx):
 
 def explains_failure(exc: PlanError) -> bool:
     text = str(exc)
-    return bool(exc.reasons) and any(s in text for s in ("short by", "alone needs", "no contiguous split",
-                                                         "at least two"))
+    return bool(exc.reasons) and any(
+        s in text for s in ("short by", "alone needs", "no contiguous split", "at least two")
+    )
 
 
 # ---- made-up models and clusters ----
+
 
 @st.composite
 def models(draw, max_layers=8):
@@ -114,9 +133,16 @@ def models(draw, max_layers=8):
     layers = draw(st.lists(st.integers(1, 400), min_size=n, max_size=n))
     kv = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
     windows = draw(st.lists(st.none() | st.integers(1, 16), min_size=n, max_size=n))
-    return profile(layers, embed=draw(st.integers(0, 300)), head=draw(st.integers(0, 300)),
-                   norm=draw(st.integers(0, 20)), tied=draw(st.booleans()), kv=kv, windows=windows,
-                   name=draw(st.sampled_from(["m", "llama-7b"])))
+    return profile(
+        layers,
+        embed=draw(st.integers(0, 300)),
+        head=draw(st.integers(0, 300)),
+        norm=draw(st.integers(0, 20)),
+        tied=draw(st.booleans()),
+        kv=kv,
+        windows=windows,
+        name=draw(st.sampled_from(["m", "llama-7b"])),
+    )
 
 
 @st.composite
@@ -126,8 +152,7 @@ def clusters(draw, p, ctx, max_nodes=5):
     m = draw(st.sampled_from(range(1, max_nodes + 1)))
     spread = draw(st.sampled_from(range(1, m + 1)))  # about how many nodes the model should need
     pct = draw(st.lists(st.integers(max(2, 50 // spread), 150 // spread + 20), min_size=m, max_size=m))
-    ids = draw(st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=len(pct), max_size=len(pct),
-                        unique=True))
+    ids = draw(st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=len(pct), max_size=len(pct), unique=True))
     return [NodeSpec(i, max(1, total * q // 100)) for i, q in zip(ids, pct)]
 
 
@@ -140,6 +165,7 @@ def cases(draw, max_nodes=5, max_layers=8):
 
 
 # ---- properties ----
+
 
 @PROPS
 @given(cases(), st.data())
@@ -190,8 +216,9 @@ def test_preferred_nodes_win_among_equally_small_placements(case, data):
     natural = [n for n in preferred if n in kept]
     if kept != natural:
         rest = [n for n in result.node_ids() if n not in preferred]
-        assert not order_fits(p, [by_id[n] for n in natural + sorted(
-            rest, key=lambda n: (-by_id[n].memory_budget, n))], ctx)
+        assert not order_fits(
+            p, [by_id[n] for n in natural + sorted(rest, key=lambda n: (-by_id[n].memory_budget, n))], ctx
+        )
     assert plan(p, data.draw(st.permutations(nodes)), max_context=ctx, preferred=preferred) == result
 
 
@@ -257,6 +284,7 @@ def test_uniform_layers_follow_budgets(n, layer, raw_budgets):
 
 # ---- examples ----
 
+
 def test_one_machine_beats_two():
     p = profile([100] * 8)
     result = plan(p, [NodeSpec("small", 10**6 - 1), NodeSpec("big", 10**6)], max_context=4)
@@ -275,8 +303,7 @@ def test_layers_follow_budgets():
     assert result.reason.startswith("needs 3 nodes (no 2 nodes hold")
 
     p = profile([GiB // 8] * 60, embed=0, head=0, norm=0, kv=0)
-    result = plan(p, [NodeSpec("s", 1 * GiB + 1), NodeSpec("m", 2 * GiB + 1), NodeSpec("l", 5 * GiB)],
-                  max_context=1)
+    result = plan(p, [NodeSpec("s", 1 * GiB + 1), NodeSpec("m", 2 * GiB + 1), NodeSpec("l", 5 * GiB)], max_context=1)
     assert {s.nodes[0]: s.num_layers for s in result.stages} == {"l": 38, "m": 15, "s": 7}
 
 
@@ -317,8 +344,9 @@ def test_preferred_nodes_keep_their_place():
     # ...but wins when it alone is enough: one machine beats two
     assert plan(p, nodes + [NodeSpec("e", 1000)], max_context=1, preferred=["c", "b"]).node_ids() == ["e"]
     # a preferred node that left is ignored; the survivor keeps its place and gets a partner
-    assert plan(p, [NodeSpec("b", 600), NodeSpec("a", 600), NodeSpec("z", 600)], max_context=1,
-                preferred=["c", "b"]).node_ids() == ["b", "a"]
+    assert plan(
+        p, [NodeSpec("b", 600), NodeSpec("a", 600), NodeSpec("z", 600)], max_context=1, preferred=["c", "b"]
+    ).node_ids() == ["b", "a"]
 
 
 def test_another_stage_order_when_the_natural_one_does_not_fit():
@@ -335,21 +363,28 @@ def test_error_messages_say_what_is_missing():
     p = profile([GiB] * 4, embed=0, head=0, norm=0, kv=0)
     with pytest.raises(PlanError) as info:
         plan(p, [NodeSpec("a", 2 * GiB), NodeSpec("b", GiB)], max_context=4096)
-    assert str(info.value) == ("model needs 4.0 GiB for 4096 tokens of context; the 2 nodes offer 3.0 GiB "
-                               "together (short by 1.0 GiB)")
+    assert str(info.value) == (
+        "model needs 4.0 GiB for 4096 tokens of context; the 2 nodes offer 3.0 GiB together (short by 1.0 GiB)"
+    )
     assert info.value.reasons == [str(info.value)]
 
     big = profile([GiB, 5 * GiB, GiB], embed=0, head=0, norm=0, kv=0)
-    with pytest.raises(PlanError, match=r"^layer 1 alone needs 5\.0 GiB for 1 token of context, more than any "
-                                        r"node's budget \(largest: a, 4\.0 GiB\)$"):
+    with pytest.raises(
+        PlanError,
+        match=r"^layer 1 alone needs 5\.0 GiB for 1 token of context, more than any "
+        r"node's budget \(largest: a, 4\.0 GiB\)$",
+    ):
         plan(big, [NodeSpec("a", 4 * GiB), NodeSpec("b", 4 * GiB)], max_context=1)
     with pytest.raises(PlanError, match="layer 0 with the embedding alone needs"):
         plan(profile([GiB, 1], embed=4 * GiB), [NodeSpec("a", 4 * GiB), NodeSpec("b", 4 * GiB)], max_context=1)
 
     # enough memory in total, but layers are whole: 3 layers of 1 GiB on nodes of 1.5 GiB
     with pytest.raises(PlanError, match="no contiguous split") as info:
-        plan(profile([GiB] * 3, embed=0, head=0, norm=0, kv=0),
-             [NodeSpec("a", 3 * GiB // 2), NodeSpec("b", 3 * GiB // 2)], max_context=1)
+        plan(
+            profile([GiB] * 3, embed=0, head=0, norm=0, kv=0),
+            [NodeSpec("a", 3 * GiB // 2), NodeSpec("b", 3 * GiB // 2)],
+            max_context=1,
+        )
     assert len(info.value.reasons) == 1
 
 
@@ -384,8 +419,7 @@ def test_forced_strategies_examples():
         plan(profile([100]), [NodeSpec("a", 10**6), NodeSpec("b", 10**6)], max_context=1, strategy="pipeline")
     with pytest.raises(PlanError, match=r"strategy 'single'.*largest node \(a\).*short by"):
         plan(p, [NodeSpec("a", 500), NodeSpec("b", 500)], max_context=1, strategy="single")
-    assert plan(p, [NodeSpec("a", 10**6), NodeSpec("b", 10**6)], max_context=1,
-                strategy="single").node_ids() == ["a"]
+    assert plan(p, [NodeSpec("a", 10**6), NodeSpec("b", 10**6)], max_context=1, strategy="single").node_ids() == ["a"]
 
 
 def test_plan_round_trips_through_json():
@@ -395,8 +429,12 @@ def test_plan_round_trips_through_json():
     again = Plan.from_dict(json.loads(json.dumps(result.to_dict())))
     assert again == result
     assert result.stage_of("b") == result.stages[1] and result.stage_of("zz") is None
-    assert result.to_dict()["stages"][0] == {"start_layer": 0, "end_layer": result.stages[0].end_layer,
-                                             "nodes": ["a"], "bytes": result.stages[0].bytes}
+    assert result.to_dict()["stages"][0] == {
+        "start_layer": 0,
+        "end_layer": result.stages[0].end_layer,
+        "nodes": ["a"],
+        "bytes": result.stages[0].bytes,
+    }
     with pytest.raises(ValueError):
         Plan("m", "pipeline", (Stage(0, 2, ("a",)), Stage(3, 6, ("b",)))).check(6)
     with pytest.raises(ValueError):
@@ -425,19 +463,50 @@ def test_big_clusters_and_models_plan_quickly():
 # ---- time per token: tensor, hybrid, links (the cost model in planner's docstring) ----
 
 from meshnode.control.messages import plan_from_pb, plan_to_pb  # noqa: E402
-from meshnode.control.planner import (FAST_RTT_S, LinkSpec, crossover_latency, group_size_problem,  # noqa: E402
-                                      supports_tensor)
+from meshnode.control.planner import (
+    FAST_RTT_S,
+    LinkSpec,
+    crossover_latency,
+    group_size_problem,  # noqa: E402
+    supports_tensor,
+)
 
 MiB = 2**20
 
 
-def shaped(n=32, layer=200 * MiB, heads=32, kv_heads=8, inter=14336, hidden=4096, experts=0, model_type="llama",
-           embed=500 * MiB, kv=4096, name="m"):
-    return ModelProfile(name=name, model_type=model_type, num_layers=n, layer_bytes=(layer,) * n,
-                        embed_bytes=embed, head_bytes=embed, norm_bytes=8192, tied_embeddings=False,
-                        kv_bytes_per_token=(kv,) * n, sliding_window=(None,) * n, hidden_size=hidden,
-                        num_heads=heads, num_kv_heads=kv_heads, head_dim=128, intermediate_size=inter,
-                        num_experts=experts, vocab_size=32000, dtype="bfloat16")
+def shaped(
+    n=32,
+    layer=200 * MiB,
+    heads=32,
+    kv_heads=8,
+    inter=14336,
+    hidden=4096,
+    experts=0,
+    model_type="llama",
+    embed=500 * MiB,
+    kv=4096,
+    name="m",
+):
+    return ModelProfile(
+        name=name,
+        model_type=model_type,
+        num_layers=n,
+        layer_bytes=(layer,) * n,
+        embed_bytes=embed,
+        head_bytes=embed,
+        norm_bytes=8192,
+        tied_embeddings=False,
+        kv_bytes_per_token=(kv,) * n,
+        sliding_window=(None,) * n,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=128,
+        intermediate_size=inter,
+        num_experts=experts,
+        vocab_size=32000,
+        dtype="bfloat16",
+    )
 
 
 def link_all(ids, rtt, bw=5e9):
@@ -452,23 +521,41 @@ def timed_cases(draw):
     experts = draw(st.sampled_from([0, 0, 4]))
     model_type = draw(st.sampled_from(["llama", "qwen3", "qwen3_moe", "mixtral", "gemma3_text"]))
     p = ModelProfile(
-        name="m", model_type=model_type, num_layers=n,
+        name="m",
+        model_type=model_type,
+        num_layers=n,
         layer_bytes=tuple(draw(st.lists(st.integers(100, 4000), min_size=n, max_size=n))),
-        embed_bytes=draw(st.integers(0, 2000)), head_bytes=draw(st.integers(0, 2000)), norm_bytes=8,
-        tied_embeddings=False, kv_bytes_per_token=(draw(st.integers(0, 4)),) * n, sliding_window=(None,) * n,
-        hidden_size=8, num_heads=heads, num_kv_heads=kv_heads, head_dim=2,
-        intermediate_size=draw(st.sampled_from([16, 24, 36])), num_experts=experts, vocab_size=10, dtype="float16")
+        embed_bytes=draw(st.integers(0, 2000)),
+        head_bytes=draw(st.integers(0, 2000)),
+        norm_bytes=8,
+        tied_embeddings=False,
+        kv_bytes_per_token=(draw(st.integers(0, 4)),) * n,
+        sliding_window=(None,) * n,
+        hidden_size=8,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=2,
+        intermediate_size=draw(st.sampled_from([16, 24, 36])),
+        num_experts=experts,
+        vocab_size=10,
+        dtype="float16",
+    )
     ctx = draw(st.integers(1, 16))
     m = draw(st.integers(2, 6))
     total = p.total_bytes(ctx)
     ids = [f"n{i}" for i in range(m)]
-    nodes = [NodeSpec(i, max(1, total * draw(st.integers(15, 130)) // 100),
-                      layer_seconds=draw(st.none() | st.floats(1e-5, 1e-2))) for i in ids]
+    nodes = [
+        NodeSpec(
+            i, max(1, total * draw(st.integers(15, 130)) // 100), layer_seconds=draw(st.none() | st.floats(1e-5, 1e-2))
+        )
+        for i in ids
+    ]
     links = {}
     for a, b in itertools.combinations(ids, 2):
         if draw(st.integers(0, 3)):
-            links[(a, b)] = LinkSpec(draw(st.sampled_from([5e-6, 30e-6, 150e-6, 400e-6, 2e-3])),
-                                     draw(st.sampled_from([1e8, 1e9, 1e10])))
+            links[(a, b)] = LinkSpec(
+                draw(st.sampled_from([5e-6, 30e-6, 150e-6, 400e-6, 2e-3])), draw(st.sampled_from([1e8, 1e9, 1e10]))
+            )
     return p, nodes, links, ctx
 
 
@@ -491,12 +578,12 @@ def check_grouped(p, nodes, links, ctx, result, fast_rtt=FAST_RTT_S):
                 assert spec is not None and spec.rtt_s < fast_rtt
         # each member holds at least its share of the weights and KV, plus the ends whole
         share = stage_cost(p, s.start_layer, s.end_layer, ctx) - sum(
-            p.layer_bytes[i] + p.kv_bytes(i, ctx) for i in range(s.start_layer, s.end_layer))
+            p.layer_bytes[i] + p.kv_bytes(i, ctx) for i in range(s.start_layer, s.end_layer)
+        )
         assert s.bytes >= share + p.layers_bytes(s.start_layer, s.end_layer, ctx) // g
     kinds = {1: "single"} if len(result.stages) == 1 else {}
     grouped = any(len(s.nodes) > 1 for s in result.stages)
-    expected = (("tensor" if grouped else "single") if len(result.stages) == 1
-                else ("hybrid" if grouped else "pipeline"))
+    expected = ("tensor" if grouped else "single") if len(result.stages) == 1 else ("hybrid" if grouped else "pipeline")
     assert result.strategy == expected, kinds
     assert result.estimate_s > 0 and result.reason
     for a in result.alternatives:  # the chosen one is the fastest feasible
@@ -590,8 +677,10 @@ def test_crossover_latency_is_where_the_planner_flips():
     assert below.strategy == "tensor" and above.strategy in ("single", "pipeline")
     # at the crossover both estimates agree
     at = plan(p, nodes, max_context=4096, links=links, link_latency_s=cross, strategy="tensor")
-    best_plain = min(plan(p, nodes, max_context=4096, links=links, link_latency_s=cross, strategy=s).estimate_s
-                     for s in ("single", "pipeline"))
+    best_plain = min(
+        plan(p, nodes, max_context=4096, links=links, link_latency_s=cross, strategy=s).estimate_s
+        for s in ("single", "pipeline")
+    )
     assert at.estimate_s == pytest.approx(best_plain, rel=1e-9)
     # slower compute moves the crossover out: more to save per token
     slower = [NodeSpec(x.node_id, x.memory_budget, layer_seconds=2e-3) for x in nodes]
@@ -628,8 +717,11 @@ def test_three_nodes_within_the_noise_split_evenly_and_a_slower_one_takes_fewer(
     p = shaped(n=24, embed=0, kv=0)
     budget = int(p.total_bytes(1) * 0.45)  # three are needed
     links = link_all(["a", "b", "c"], 300e-6)
-    nodes = [NodeSpec("a", budget, layer_seconds=5.0e-4), NodeSpec("b", budget, layer_seconds=5.2e-4),
-             NodeSpec("c", budget, layer_seconds=5.4e-4)]
+    nodes = [
+        NodeSpec("a", budget, layer_seconds=5.0e-4),
+        NodeSpec("b", budget, layer_seconds=5.2e-4),
+        NodeSpec("c", budget, layer_seconds=5.4e-4),
+    ]
     result = plan(p, nodes, max_context=1, links=links, strategy="pipeline")
     assert sorted(s.num_layers for s in result.stages) == [8, 8, 8], result.stages
     nodes[2] = NodeSpec("c", budget, layer_seconds=1.0e-3)
@@ -672,8 +764,11 @@ def test_a_lan_hop_outweighs_half_the_layers_only_by_the_newcomers_own_figure():
     links = {(x, y): lan for x in "abc" for y in "abc" if x != y}
     piped, alone = [Stage(0, 4, ("b",)), Stage(4, 8, ("a",))], [Stage(0, 8, ("c",))]
     for newcomer_s, moves in ((1.716e-3, True), (2.898e-3, False)):
-        nodes = [NodeSpec("a", 2 * GiB, layer_seconds=1.716e-3), NodeSpec("b", 2 * GiB, layer_seconds=1.716e-3),
-                 NodeSpec("c", 4 * GiB, layer_seconds=newcomer_s)]
+        nodes = [
+            NodeSpec("a", 2 * GiB, layer_seconds=1.716e-3),
+            NodeSpec("b", 2 * GiB, layer_seconds=1.716e-3),
+            NodeSpec("c", 4 * GiB, layer_seconds=newcomer_s),
+        ]
         now = estimate(p, nodes, piped, max_context=512, links=links)
         after = estimate(p, nodes, alone, max_context=512, links=links)
         assert (after < now * (1 - REPLAN_GAIN)) is moves, (newcomer_s, now, after)
@@ -684,8 +779,11 @@ def test_plan_endpoints_travel_and_bad_ones_are_refused():
     nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]
     chosen = plan(p, nodes, max_context=1024, strategy="tensor")
     stage = chosen.stages[0]
-    with_ep = Plan(chosen.model, chosen.strategy, (Stage(stage.start_layer, stage.end_layer, stage.nodes, stage.bytes,
-                                                         ("10.0.0.1", "fe80::1")),))
+    with_ep = Plan(
+        chosen.model,
+        chosen.strategy,
+        (Stage(stage.start_layer, stage.end_layer, stage.nodes, stage.bytes, ("10.0.0.1", "fe80::1")),),
+    )
     assert plan_from_pb(plan_to_pb(with_ep, "c"), p.num_layers) == with_ep
     assert Plan.from_dict(json.loads(json.dumps(with_ep.to_dict()))) == with_ep
     for endpoints in (("10.0.0.1",), ("10.0.0.1", "not-an-ip"), ("10.0.0.1", "10.0.0.2:80")):
@@ -711,11 +809,13 @@ def test_the_all_reduce_machinery_prices_tensor_out_of_small_layers_only():
         chosen = plan(p, nodes, max_context=1024, links=link)
         assert chosen.strategy == expected, chosen.reason
         grouped = plan(p, nodes, max_context=1024, links=link, strategy="tensor")
-        assert grouped.estimate_s - plan(p, free, max_context=1024, links=link, strategy="tensor").estimate_s == \
-            pytest.approx((2 * 8 + 1) * 200e-6)  # two per layer, and the step's hand-off
+        assert grouped.estimate_s - plan(
+            p, free, max_context=1024, links=link, strategy="tensor"
+        ).estimate_s == pytest.approx((2 * 8 + 1) * 200e-6)  # two per layer, and the step's hand-off
 
 
 # ---- models from peers: placements that reuse the layers nodes hold on disk ----
+
 
 @PROPS
 @given(cases(), st.data())
@@ -741,8 +841,10 @@ def test_a_replan_with_what_nodes_hold_fetches_nothing(case, data):
 def test_holdings_never_change_how_many_nodes_a_plan_uses(case, data):
     p, nodes, ctx = case
     ids = [x.node_id for x in nodes]
-    held = {i: frozenset(data.draw(st.lists(st.integers(0, p.num_layers - 1), max_size=p.num_layers)))
-            for i in data.draw(st.lists(st.sampled_from(ids), unique=True))}
+    held = {
+        i: frozenset(data.draw(st.lists(st.integers(0, p.num_layers - 1), max_size=p.num_layers)))
+        for i in data.draw(st.lists(st.sampled_from(ids), unique=True))
+    }
     try:
         base = plan(p, nodes, max_context=ctx, strategy="pipeline")
     except PlanError:
@@ -787,11 +889,28 @@ def test_quantized_tensor_groups_keep_whole_quantization_groups():
     from meshnode.control.planner import group_size_problem
     from meshnode.weights.profile import ModelProfile
 
-    base = ModelProfile(name="q", model_type="deepseek_v3", num_layers=4, layer_bytes=(1,) * 4, embed_bytes=1,
-                        head_bytes=1, norm_bytes=1, tied_embeddings=False, kv_bytes_per_token=(1,) * 4,
-                        sliding_window=(None,) * 4, hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=128,
-                        intermediate_size=11008, num_experts=64, vocab_size=1000, dtype="bfloat16",
-                        moe_intermediate_size=1408, quant_group_size=64)
+    base = ModelProfile(
+        name="q",
+        model_type="deepseek_v3",
+        num_layers=4,
+        layer_bytes=(1,) * 4,
+        embed_bytes=1,
+        head_bytes=1,
+        norm_bytes=1,
+        tied_embeddings=False,
+        kv_bytes_per_token=(1,) * 4,
+        sliding_window=(None,) * 4,
+        hidden_size=2048,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        intermediate_size=11008,
+        num_experts=64,
+        vocab_size=1000,
+        dtype="bfloat16",
+        moe_intermediate_size=1408,
+        quant_group_size=64,
+    )
     assert group_size_problem(base, 2) is None  # 5504 and 704 inputs: whole groups of 64
     problem = group_size_problem(base, 4)  # 1408 / 4 = 352 = 5.5 groups
     assert problem and "quantization groups" in problem and "expert size 1408 / 4" in problem

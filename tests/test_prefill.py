@@ -23,8 +23,9 @@ PROMPT = [(7 * i + 3) % 500 + 5 for i in range(300)]
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def model(request, tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("prefill") / request.param, request.param, num_layers=6,
-                       hidden_size=64, dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("prefill") / request.param, request.param, num_layers=6, hidden_size=64, dtype="float32"
+    )
 
 
 def test_chunks_fit_the_step_limit_and_fill_the_pipe():
@@ -46,10 +47,12 @@ def test_pipelined_prefill_gives_mlx_lm_tokens(model):
     m, _ = load(str(model))
     ref = [int(t) for t, _ in generate_step(mx.array(PROMPT, dtype=mx.uint32), m, max_tokens=16)]
     stages = [LocalStage(Shard(model, a, b)) for a, b in ((0, 2), (2, 3), (3, 6))]
-    for options in (PrefillOptions(max_step=0.5), PrefillOptions(max_step=1e-6, max_chunk=64),
-                    PrefillOptions(pipelined=False)):
-        got = list(generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=16),
-                                   prefill=options))
+    for options in (
+        PrefillOptions(max_step=0.5),
+        PrefillOptions(max_step=1e-6, max_chunk=64),
+        PrefillOptions(pipelined=False),
+    ):
+        got = list(generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=16), prefill=options))
         assert got == ref, options
 
 

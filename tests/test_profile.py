@@ -21,12 +21,20 @@ from mlx_lm.utils import load_model
 from meshnode.weights.profile import ModelProfile, profile_model, tensor_bytes
 from meshnode.weights.weightfiles import read_safetensors_header
 
-BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=100,
+)
 
 
-def build(path: Path, config: dict, *, files: int = 1, dtype=None, quantize: bool = False,
-          extra: dict | None = None) -> dict[str, mx.array]:
+def build(
+    path: Path, config: dict, *, files: int = 1, dtype=None, quantize: bool = False, extra: dict | None = None
+) -> dict[str, mx.array]:
     """Write an mlx-lm model directory; returns its weights by name (the ground truth)."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
@@ -91,8 +99,10 @@ def test_tied_embedding_goes_on_the_last_stage_too(tmp_path):
     assert p.layer_bytes == tuple(layer_nbytes(weights, i) for i in range(4))
     assert p.weight_bytes() == sum(v.nbytes for v in weights.values())
     # the last stage holds the embedding as its head, unless it is also the first
-    assert p.stage_bytes(2, 4, 8) == sum(p.layer_bytes[2:]) + 2 * 8 * p.kv_bytes_per_token[0] + p.norm_bytes \
-        + p.embed_bytes
+    assert (
+        p.stage_bytes(2, 4, 8)
+        == sum(p.layer_bytes[2:]) + 2 * 8 * p.kv_bytes_per_token[0] + p.norm_bytes + p.embed_bytes
+    )
     assert p.total_bytes(8) == p.weight_bytes() + 4 * 8 * p.kv_bytes_per_token[0]
     assert p.stage_bytes(0, 2, 8) + p.stage_bytes(2, 4, 8) == p.total_bytes(8) + p.embed_bytes
 
@@ -113,8 +123,14 @@ def test_quantized_weights_count_scales_and_biases(tmp_path):
 
 
 def test_sliding_window_layers_cap_their_kv(tmp_path):
-    cfg = {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 16,
-           "sliding_window_pattern": 3}
+    cfg = {
+        **BASE,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "head_dim": 16,
+        "sliding_window": 16,
+        "sliding_window_pattern": 3,
+    }
     weights = build(tmp_path / "g", cfg)
     p = profile_model(tmp_path / "g")
     assert p.sliding_window == (16, 16, None, 16, 16, None)
@@ -141,12 +157,21 @@ def test_windows_the_model_does_not_apply_are_ignored(tmp_path):
 
 
 def test_multimodal_checkpoint_counts_only_the_language_model(tmp_path):
-    text = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8}
-    vision = {"vision_tower.encoder.layers.0.mlp.fc1.weight": mx.zeros((64, 64)),
-              "multi_modal_projector.mm_input_projection_weight": mx.zeros((64, 64))}
-    weights = build(tmp_path / "mm", {"model_type": "gemma3", "vocab_size": 100, "text_config": text},
-                    extra=vision)
+    text = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+    }
+    vision = {
+        "vision_tower.encoder.layers.0.mlp.fc1.weight": mx.zeros((64, 64)),
+        "multi_modal_projector.mm_input_projection_weight": mx.zeros((64, 64)),
+    }
+    weights = build(tmp_path / "mm", {"model_type": "gemma3", "vocab_size": 100, "text_config": text}, extra=vision)
     p = profile_model(tmp_path / "mm")
     assert p.model_type == "gemma3" and p.num_layers == 2 and p.vocab_size == 100
     assert p.layer_bytes == tuple(layer_nbytes(weights, i, "language_model.model.layers.") for i in range(2))
@@ -194,15 +219,19 @@ def test_bad_headers_are_refused(tmp_path):
 
 
 def test_header_reader_skips_metadata(tmp_path):
-    mx.save_safetensors(str(tmp_path / "x.safetensors"), {"a": mx.zeros((2, 3), dtype=mx.float16)},
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(tmp_path / "x.safetensors"), {"a": mx.zeros((2, 3), dtype=mx.float16)}, metadata={"format": "mlx"}
+    )
     assert read_safetensors_header(tmp_path / "x.safetensors") == {
-        "a": {"dtype": "F16", "shape": [2, 3], "data_offsets": [0, 12]}}
+        "a": {"dtype": "F16", "shape": [2, 3], "data_offsets": [0, 12]}
+    }
 
 
 def test_profile_round_trips_through_json(tmp_path):
-    build(tmp_path / "g", {**BASE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8,
-                           "sliding_window_pattern": 2})
+    build(
+        tmp_path / "g",
+        {**BASE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2},
+    )
     p = profile_model(tmp_path / "g")
     again = ModelProfile.from_dict(json.loads(json.dumps(p.to_dict())))
     assert again == p and isinstance(again.layer_bytes, tuple) and again.sliding_window == (8, None, 8, None)
@@ -213,20 +242,48 @@ def test_profile_round_trips_through_json(tmp_path):
         ModelProfile.from_dict({**p.to_dict(), "layer_bytes": [1, 2]})
 
 
-LFM2 = {"model_type": "lfm2", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 128, "norm_eps": 1e-5, "conv_bias": False,
-        "conv_L_cache": 3, "block_dim": 64, "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0,
-        "block_auto_adjust_ff_dim": False, "intermediate_size": 128,
-        "layer_types": ["conv", "full_attention", "conv", "full_attention"]}
+LFM2 = {
+    "model_type": "lfm2",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "intermediate_size": 128,
+    "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+}
 
 
-@pytest.mark.parametrize("config", [
-    {**BASE, "model_type": "qwen2", "num_key_value_heads": 1},
-    {**BASE, "model_type": "llama", "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2},
-    {**BASE, "model_type": "gemma3_text", "head_dim": 8, "sliding_window": 8, "sliding_window_pattern": 3,
-     "num_hidden_layers": 6},
-    LFM2,  # hybrid: its convolution layers keep a fixed-size state, no KV
-], ids=["qwen2", "llama-swa", "gemma3", "lfm2"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {**BASE, "model_type": "qwen2", "num_key_value_heads": 1},
+        {
+            **BASE,
+            "model_type": "llama",
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+        {
+            **BASE,
+            "model_type": "gemma3_text",
+            "head_dim": 8,
+            "sliding_window": 8,
+            "sliding_window_pattern": 3,
+            "num_hidden_layers": 6,
+        },
+        LFM2,  # hybrid: its convolution layers keep a fixed-size state, no KV
+    ],
+    ids=["qwen2", "llama-swa", "gemma3", "lfm2"],
+)
 def test_kv_bytes_match_mlx_lm_caches(tmp_path, config):
     """After decoding T tokens one by one, each layer's mlx-lm cache holds what the profile says."""
     build(tmp_path / "m", config)

@@ -113,7 +113,7 @@ def test_the_head_resumes_from_the_longest_shared_start():
     assert index.match(long + [7, 8]) == (k2, len(long))
     assert index.match(short + [9] * 30) == (k1, len(short))
     assert index.match(long) == (k2, len(long) - 1)  # the last prompt token is always computed
-    assert index.match(short[:MIN_REUSE - 1] + [5] * 50) is None  # too short a shared start
+    assert index.match(short[: MIN_REUSE - 1] + [5] * 50) is None  # too short a shared start
     assert index.match(long[:50] + [1, 2, 3]) == (k2, 50)  # part of a kept prefix
     index.forget(k2, f"prefix {k2} of layers [0, 2): {CANNOT_CUT}")
     assert not index.partial  # whole kept prefixes only from now on:
@@ -123,12 +123,23 @@ def test_the_head_resumes_from_the_longest_shared_start():
 
 # --------------------------------------------------------------------------- real nodes
 
-@pytest.fixture(scope="module", params=[("llama", "4bit", "bfloat16"), ("qwen3_moe", None, "float32"),
-                                        ("qwen3", None, "bfloat16")], ids=lambda p: "-".join(str(x) for x in p))
+
+@pytest.fixture(
+    scope="module",
+    params=[("llama", "4bit", "bfloat16"), ("qwen3_moe", None, "float32"), ("qwen3", None, "bfloat16")],
+    ids=lambda p: "-".join(str(x) for x in p),
+)
 def model(request, tmp_path_factory):
     family, quantize, dtype = request.param
-    return build_model(tmp_path_factory.mktemp("pc") / f"{family}-{quantize or dtype}", family, num_layers=4,
-                       hidden_size=64, intermediate_size=128, dtype=dtype, quantize=quantize)
+    return build_model(
+        tmp_path_factory.mktemp("pc") / f"{family}-{quantize or dtype}",
+        family,
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype=dtype,
+        quantize=quantize,
+    )
 
 
 def _references(model, answers: list[str]) -> list[str]:
@@ -137,14 +148,17 @@ def _references(model, answers: list[str]) -> list[str]:
     messages, out = [], []
     for turn, answer in zip(TURNS, answers):
         messages.append({"role": "user", "content": turn})
-        out.append(generate(m, tok, prompt=tok.apply_chat_template(messages, add_generation_prompt=True),
-                            max_tokens=MAX_TOKENS))
+        out.append(
+            generate(
+                m, tok, prompt=tok.apply_chat_template(messages, add_generation_prompt=True), max_tokens=MAX_TOKENS
+            )
+        )
         messages.append({"role": "assistant", "content": answer})
     return out
 
 
 # A chat client: each turn re-sends the whole conversation (openai package); prints the answers.
-CHAT = r'''
+CHAT = r"""
 import json, sys
 from openai import OpenAI
 base, model, turns = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -161,7 +175,7 @@ for i, turn in enumerate(turns):
     answers.append(text)
     messages.append({"role": "assistant", "content": text})
 print(json.dumps(answers))
-'''.replace("MAX_TOKENS", str(MAX_TOKENS))
+""".replace("MAX_TOKENS", str(MAX_TOKENS))
 
 
 @pytest.mark.timeout(300)
@@ -169,8 +183,12 @@ def test_one_node_a_chat_resumes_every_turn_and_answers_as_mlx_lm(model, tmp_pat
     import subprocess
 
     with running_node(model, tmp_path, max_context=1024) as (node, base):
-        out = subprocess.run([sys.executable, "-c", CHAT, base, model.name, json.dumps(TURNS)], capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", CHAT, base, model.name, json.dumps(TURNS)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         answers = json.loads(out.stdout)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
@@ -186,8 +204,15 @@ def test_one_node_a_chat_resumes_every_turn_and_answers_as_mlx_lm(model, tmp_pat
 def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, transport):
     """``tcp``: activations (and the keep and resume) over the data port; ``grpc``: over gRPC
     streams (fast_hops = false, as in encrypted clusters)."""
-    model = build_model(tmp_path / "llama-8bit", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
-                        dtype="bfloat16", quantize="8bit")
+    model = build_model(
+        tmp_path / "llama-8bit",
+        "llama",
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="bfloat16",
+        quantize="8bit",
+    )
     total = profile_model(model).total_bytes(1024)
     env = {"MESHNODE_STRATEGY": "pipeline", "MESHNODE_FAST_HOPS": "true" if transport == "tcp" else "false"}
     with netns_mesh(2) as mesh:
@@ -199,8 +224,7 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
         head = cluster.host(views[0]["plan"]["stages"][-1]["nodes"][0])
         other = next(h for h in cluster.hosts if h is not head)
         # through the node that is not the head: it relays to the head, as any node does
-        answers = in_ns(cluster.client, CHAT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(TURNS),
-                        timeout=300)
+        answers = in_ns(cluster.client, CHAT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(TURNS), timeout=300)
         assert answers == _references(model, answers), cluster.logs()
         for h in cluster.hosts:  # the head's own layers and the other stage: each resumed every later turn
             hits, reused = prompt_cache_reuse(node_metrics(cluster, h))
@@ -212,8 +236,7 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
         cluster.mesh.stop(cluster.procs.pop(other.name))
         cluster.start(other, int(total * 0.6), env={**env, "MESHNODE_PROMPT_CACHE_DISK": "0"})
         cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "the restarted node back")
-        again = in_ns(cluster.client, CHAT, f"http://{head.ip}:{HTTP}", model.name, json.dumps(TURNS[:2]),
-                      timeout=300)
+        again = in_ns(cluster.client, CHAT, f"http://{head.ip}:{HTTP}", model.name, json.dumps(TURNS[:2]), timeout=300)
         assert again == _references(model, again)[:2], cluster.logs()
 
 
@@ -228,8 +251,13 @@ def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept
     from meshnode.serving.served import prompt_cache
     from meshnode.serving.settings import ServingSettings
 
-    store, index = prompt_cache(ServingSettings.of(Settings(kv_requests=1, prompt_cache_disk=0)),
-                                SimpleNamespace(prompt_cache_resumed=lambda n, source: None), 100, "m", Baton())
+    store, index = prompt_cache(
+        ServingSettings.of(Settings(kv_requests=1, prompt_cache_disk=0)),
+        SimpleNamespace(prompt_cache_resumed=lambda n, source: None),
+        100,
+        "m",
+        Baton(),
+    )
     layers, system = (0, 4), list(range(1000, 1030))
     turns = [system + list(range(k * 100, k * 100 + 10 * (k + 1))) for k in range(3)]  # 40, 50, 60 positions
     for tokens in turns:
@@ -264,8 +292,9 @@ def slow_keep(monkeypatch):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("source", ["pipeline", "batched"])
-@pytest.mark.parametrize("weights", [("llama", "4bit", "float16"), ("qwen3", None, "bfloat16")],
-                         ids=lambda w: "-".join(str(x) for x in w))
+@pytest.mark.parametrize(
+    "weights", [("llama", "4bit", "float16"), ("qwen3", None, "bfloat16")], ids=lambda w: "-".join(str(x) for x in w)
+)
 def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_path, source, weights, slow_keep):
     """The API closes a generation's tokens as soon as the answer is complete (EOS, a stop
     string, max_tokens) and the client sends its next turn as soon as it has the answer, while
@@ -273,8 +302,9 @@ def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_pat
     that keep: with keeping held back far longer than a next turn takes, the prefix is there the
     moment the tokens are closed (before, the next turn missed it and prefilled everything)."""
     family, quantize, dtype = weights
-    path = build_model(tmp_path / family, family, num_layers=4, hidden_size=64, intermediate_size=128,
-                       dtype=dtype, quantize=quantize)
+    path = build_model(
+        tmp_path / family, family, num_layers=4, hidden_size=64, intermediate_size=128, dtype=dtype, quantize=quantize
+    )
     store, index = PrefixStore(capacity=1024), PrefixIndex()
     scheduler = TokenScheduler("test-prompt-cache")
     try:
@@ -333,8 +363,9 @@ def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
     """Two hosts sharing every layer (a tensor group, float32 where the split changes rounding): the
     group's workers keep each turn's KV and resume the next turn from it, every answer still equal
     to mlx_lm.generate on the whole conversation."""
-    model = build_model(tmp_path / "qwen3-f32", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
-                        dtype="float32")
+    model = build_model(
+        tmp_path / "qwen3-f32", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128, dtype="float32"
+    )
     total = profile_model(model).total_bytes(1024)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
@@ -345,8 +376,7 @@ def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
         assert len(stages) == 1 and len(stages[0]["nodes"]) == 2, views[0]["plan"]
         lead = cluster.host(stages[0]["nodes"][0])  # rank 0 drives the group and keeps its prefixes
         other = next(h for h in cluster.hosts if h is not lead)
-        answers = in_ns(cluster.client, CHAT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(TURNS),
-                        timeout=300)
+        answers = in_ns(cluster.client, CHAT, f"http://{other.ip}:{HTTP}", model.name, json.dumps(TURNS), timeout=300)
         assert answers == _references(model, answers), cluster.logs()
         hits, reused = prompt_cache_reuse(node_metrics(cluster, lead))
         assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (hits, reused, cluster.logs())
@@ -361,8 +391,9 @@ def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, s
     that renders the last turn's generation prompt otherwise in the history), so nothing but the
     relay naming the generation it gave up makes the head wait for it. Every stage resumes the
     next turn, and the answer is mlx-lm's cut at the stop string."""
-    model = build_model(tmp_path / "qwen3-4bit", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
-                        quantize="4bit")
+    model = build_model(
+        tmp_path / "qwen3-4bit", "qwen3", num_layers=4, hidden_size=64, intermediate_size=128, quantize="4bit"
+    )
     prompt = list(range(40, 40 + 3 * MIN_REUSE))
     whole, tokenizer = load(str(model))
     reference = [int(t) for t, _ in generate_step(mx.array(prompt), whole, max_tokens=3)]
@@ -372,16 +403,24 @@ def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, s
     flags = dict(max_context=1024, memory_budget=budget, strategy="pipeline", kv_requests=1)
     with contextlib.ExitStack() as stack:
         a, base_a = stack.enter_context(running_node(model, tmp_path / "a", ready=False, node_id="node-a", **flags))
-        b, base_b = stack.enter_context(running_node(model, tmp_path / "b", ready=False, node_id="node-b",
-                                                     peers=[f"127.0.0.1:{a.grpc_port}"], **flags))
-        view = wait_mesh(base_a, lambda v: v["plan"] and len(v["plan"]["stages"]) == 2 and a.serving_ready()
-                         and b.serving_ready(), timeout=120, what="two stages serving")
+        b, base_b = stack.enter_context(
+            running_node(
+                model, tmp_path / "b", ready=False, node_id="node-b", peers=[f"127.0.0.1:{a.grpc_port}"], **flags
+            )
+        )
+        view = wait_mesh(
+            base_a,
+            lambda v: v["plan"] and len(v["plan"]["stages"]) == 2 and a.serving_ready() and b.serving_ready(),
+            timeout=120,
+            what="two stages serving",
+        )
         head = view["plan"]["stages"][-1]["nodes"][0]
         head_base, relay_base = (base_a, base_b) if head == "node-a" else (base_b, base_a)  # the relay is a stage
 
         def complete(tokens: list[int]) -> dict:
-            body = json.dumps({"model": model.name, "prompt": tokens, "max_tokens": 32, "temperature": 0,
-                               "stop": [stop]}).encode()
+            body = json.dumps(
+                {"model": model.name, "prompt": tokens, "max_tokens": 32, "temperature": 0, "stop": [stop]}
+            ).encode()
             req = urllib.request.Request(f"{relay_base}/v1/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
                 return json.load(r)

@@ -33,12 +33,22 @@ PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 250, 120)]
 NEXT = [int(t) for t in np.random.default_rng(8).integers(3, 250, 30)]
 
 
-@pytest.fixture(scope="module", params=[("llama", "4bit", "bfloat16"), ("qwen3", None, "float32")],
-                ids=lambda p: f"{p[0]}-{p[1] or p[2]}")
+@pytest.fixture(
+    scope="module",
+    params=[("llama", "4bit", "bfloat16"), ("qwen3", None, "float32")],
+    ids=lambda p: f"{p[0]}-{p[1] or p[2]}",
+)
 def model(request, tmp_path_factory):
     family, quantize, dtype = request.param
-    return build_model(tmp_path_factory.mktemp("pcd") / family, family, num_layers=4, hidden_size=64,
-                       intermediate_size=128, dtype=dtype, quantize=quantize)
+    return build_model(
+        tmp_path_factory.mktemp("pcd") / family,
+        family,
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype=dtype,
+        quantize=quantize,
+    )
 
 
 def reference(path, prompt: list[int], n: int) -> list[int]:
@@ -52,16 +62,16 @@ class Node:
     def __init__(self, path, root, split, limit=1 << 30, written=None, batched=False):
         self.disk = PrefixDisk(root, MODEL, limit, on_write=written)
         self.resumed: list[tuple[int, str]] = []
-        self.store = PrefixStore(4096, on_resume=lambda n, source: self.resumed.append((n, source)),
-                                 disk=self.disk)
+        self.store = PrefixStore(4096, on_resume=lambda n, source: self.resumed.append((n, source)), disk=self.disk)
         self.index = PrefixIndex(disk=self.disk)
         self.scheduler = TokenScheduler("test-prompt-disk")
         stages = [LocalStage(Shard(path, a, b), self.store) for a, b in split]
         if batched:  # one node holding the whole model batches its requests (meshnode.serving.batching)
             self.source = BatchedSource(self.scheduler, stages[0], prefixes=self.index)
         else:
-            self.source = PipelineSource(self.scheduler, lambda: stages, prefill=PrefillOptions(max_chunk=32),
-                                         prefixes=self.index)
+            self.source = PipelineSource(
+                self.scheduler, lambda: stages, prefill=PrefillOptions(max_chunk=32), prefixes=self.index
+            )
 
     def answer(self, prompt: list[int], n: int) -> list[int]:
         async def run() -> list[int]:
@@ -81,8 +91,9 @@ class Node:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("after", [[(0, 2), (2, 4)], [(0, 3), (3, 4)], [(0, 4)]],
-                         ids=["same-split", "re-planned", "one-stage"])
+@pytest.mark.parametrize(
+    "after", [[(0, 2), (2, 4)], [(0, 3), (3, 4)], [(0, 4)]], ids=["same-split", "re-planned", "one-stage"]
+)
 def test_a_restarted_node_resumes_the_next_turn_from_disk(model, tmp_path, after):
     """Turn 1 on stages [0, 2) and [2, 4); every node restarts (nothing in memory), maybe with
     another split; turn 2 reads the kept prefix back (composed from the entries whose layer

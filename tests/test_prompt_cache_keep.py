@@ -57,8 +57,14 @@ class ReleasingIndex(PrefixIndex):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("keep") / "llama", "llama", num_layers=4, hidden_size=64,
-                       intermediate_size=128, dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("keep") / "llama",
+        "llama",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+    )
 
 
 @pytest.mark.timeout(120)

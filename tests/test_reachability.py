@@ -16,10 +16,10 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.control.reachability import HINT, Reachability
-from meshnode.model.build import build_model
 from harness.cluster import GRPC, HTTP, KEY, Cluster
 from harness.netns import netns_mesh
+from meshnode.control.reachability import HINT, Reachability
+from meshnode.model.build import build_model
 
 UNREACHABLE_LINE = "is announced over mDNS but has not answered"
 
@@ -41,9 +41,10 @@ def test_unreachable_only_after_grace_and_said_once():
     r.failed("10.0.0.2:8471", "DEADLINE_EXCEEDED: Deadline Exceeded")
     assert r.report() == [] and r.check() == []
     clock.t += 0.1
-    assert r.report() == [{"node_id": "b", "address": "10.0.0.2:8471", "seconds": 10.0,
-                           "error": "DEADLINE_EXCEEDED: Deadline Exceeded"}]
-    (level, message, fields), = r.check()
+    assert r.report() == [
+        {"node_id": "b", "address": "10.0.0.2:8471", "seconds": 10.0, "error": "DEADLINE_EXCEEDED: Deadline Exceeded"}
+    ]
+    ((level, message, fields),) = r.check()
     assert level == logging.WARNING and "peer b " + UNREACHABLE_LINE in message and HINT in message
     assert fields == {"node_id": "b", "address": "10.0.0.2:8471", "error": "DEADLINE_EXCEEDED: Deadline Exceeded"}
     clock.t += 30
@@ -79,7 +80,7 @@ def test_an_answer_clears_it_and_is_said():
     assert len(r.check()) == 1
     r.answered("b:1")
     assert r.report() == []
-    (level, message, fields), = r.check()
+    ((level, message, fields),) = r.check()
     assert level == logging.INFO and "peer b answers at b:1 again" in message and fields == {"node_id": "b"}
     assert r.check() == []
     r.failed("b:1", "y")  # a new episode starts from its first failure
@@ -113,19 +114,27 @@ def test_only_announced_peers_count():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("reach") / "llama", "llama", num_layers=4, hidden_size=64,
-                       intermediate_size=128, dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("reach") / "llama",
+        "llama",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+    )
 
 
 def _status(cluster, host, *extra):
-    out = cluster.client.run([sys.executable, "-m", "meshnode.cli", "status", "--url", f"http://{host.ip}:{HTTP}",
-                              *extra], check=False, timeout=30)
+    out = cluster.client.run(
+        [sys.executable, "-m", "meshnode.cli", "status", "--url", f"http://{host.ip}:{HTTP}", *extra],
+        check=False,
+        timeout=30,
+    )
     return out.returncode, out.stdout, out.stderr
 
 
 def _unreachable_gauge(cluster, host) -> float:
-    code = ("import sys,urllib.request\n"
-            "print(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n")
+    code = "import sys,urllib.request\nprint(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n"
     raw = cluster.client.run([sys.executable, "-c", code, f"http://{host.ip}:{HTTP}/metrics"], timeout=30).stdout
     (family,) = [f for f in text_string_to_metric_families(raw) if f.name == "meshnode_unreachable_peers"]
     return family.samples[0].value
@@ -147,13 +156,32 @@ def test_blocked_and_dead_announced_peers_are_reported(model, tmp_path):
         budget = 8 * 2**30  # each node holds the model alone
         cluster.start(h0, budget)
         cluster.start(h1, budget)
-        ghost = h2.popen([sys.executable, "-m", "meshnode.control.discovery", "--node-id", "ghost",
-                          "--cluster-key", KEY, "--grpc-port", str(GRPC), "--address", h2.ip, "--seconds", "150"],
-                         log_path=tmp_path / "ghost.log")
+        ghost = h2.popen(
+            [
+                sys.executable,
+                "-m",
+                "meshnode.control.discovery",
+                "--node-id",
+                "ghost",
+                "--cluster-key",
+                KEY,
+                "--grpc-port",
+                str(GRPC),
+                "--address",
+                h2.ip,
+                "--seconds",
+                "150",
+            ],
+            log_path=tmp_path / "ghost.log",
+        )
 
-        views = cluster.wait(lambda: (set(_unreachable(cluster, h0)) == {"node-h1", "ghost"}
-                                      and set(_unreachable(cluster, h1)) == {"ghost"}), 60,
-                             "h0 to report node-h1 and ghost unreachable, h1 to report ghost")
+        views = cluster.wait(
+            lambda: (
+                set(_unreachable(cluster, h0)) == {"node-h1", "ghost"} and set(_unreachable(cluster, h1)) == {"ghost"}
+            ),
+            60,
+            "h0 to report node-h1 and ghost unreachable, h1 to report ghost",
+        )
         assert views
         bad = _unreachable(cluster, h0)
         assert bad["node-h1"]["address"] == f"{h1.ip}:{GRPC}" and bad["node-h1"]["seconds"] >= 10
@@ -181,8 +209,11 @@ def test_blocked_and_dead_announced_peers_are_reported(model, tmp_path):
         # fixed: traffic flows, the ghost says goodbye over mDNS; h0 is healthy again
         h0.allow_tcp_out()
         mesh.stop(ghost)
-        cluster.wait(lambda: not _unreachable(cluster, h0) and not _unreachable(cluster, h1), 30,
-                     "the unreachable peers to clear")
+        cluster.wait(
+            lambda: not _unreachable(cluster, h0) and not _unreachable(cluster, h1),
+            30,
+            "the unreachable peers to clear",
+        )
         cluster.wait(lambda: _status(cluster, h0)[0] == 0, 20, "status on h0 to exit 0")
         assert _unreachable_gauge(cluster, h0) == 0
         assert f"peer node-h1 answers at {h1.ip}:{GRPC} again" in cluster.log(h0)

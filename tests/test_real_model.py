@@ -30,8 +30,7 @@ CTX = 1024
 QUESTIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
-    [{"role": "system", "content": "You answer in one sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "system", "content": "You answer in one sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
 ]
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
 TEA = [{"role": "user", "content": "How do I make a good cup of tea?"}]
@@ -54,8 +53,12 @@ def test_conversion_keeps_mlxs_own_reading_of_the_file_bit_for_bit(gguf, model):
     ours = {}
     for f in folder.glob("*.safetensors"):
         ours.update(mx.load(str(f)))
-    pairs = {"token_embd": "model.embed_tokens", "blk.0.attn_v": "model.layers.0.self_attn.v_proj",
-             "blk.29.ffn_down": "model.layers.29.mlp.down_proj", "blk.7.ffn_gate": "model.layers.7.mlp.gate_proj"}
+    pairs = {
+        "token_embd": "model.embed_tokens",
+        "blk.0.attn_v": "model.layers.0.self_attn.v_proj",
+        "blk.29.ffn_down": "model.layers.29.mlp.down_proj",
+        "blk.7.ffn_gate": "model.layers.7.mlp.gate_proj",
+    }
     for g, m in pairs.items():
         for part in ("weight", "scales", "biases"):
             assert mx.array_equal(theirs[f"{g}.{part}"], ours[f"{m}.{part}"]), (g, part)
@@ -95,7 +98,7 @@ def _serve(cluster, spec, folder, tmp, fractions):
     tmp.mkdir(parents=True, exist_ok=True)
     cluster.model, cluster.tmp = folder, tmp
     total = profile_model(folder).total_bytes(CTX)
-    hosts = cluster.hosts[:len(fractions)]
+    hosts = cluster.hosts[: len(fractions)]
     for h, f in zip(hosts, fractions):
         cluster.start(h, int(total * f), env={"MESHNODE_STRATEGY": "pipeline"}, model=spec)
     return cluster.wait(lambda: cluster.converged(hosts, len(hosts)), 180, "convergence")[0]
@@ -139,8 +142,9 @@ def test_a_stage_killed_mid_answer_replays_to_the_same_answer(cluster, mesh, ggu
     try:
         first, head = stage_nodes(view)
         proc = cluster.procs[first]
-        text, faulted = read_stream(cluster.stream(cluster.host(head), STORY, 160),
-                                    fault=lambda: mesh.kill(proc), after_chunks=20, timeout=240)
+        text, faulted = read_stream(
+            cluster.stream(cluster.host(head), STORY, 160), fault=lambda: mesh.kill(proc), after_chunks=20, timeout=240
+        )
         assert faulted and text == want
         after = cluster.mesh_view(cluster.host(head))
         assert after["epoch"] > view["epoch"] and first not in stage_nodes(after)
@@ -156,8 +160,12 @@ def test_a_four_turn_chat_resumes_its_prefix_and_answers_as_uncached(cluster, gg
     try:
         head = cluster.host(stage_nodes(view)[-1])
         messages = [{"role": "system", "content": "You are a helpful assistant who knows geography."}]
-        for question in ("What is the capital of France?", "And of Italy?", "Which of the two is bigger?",
-                         "Name a river in each."):
+        for question in (
+            "What is the capital of France?",
+            "And of Italy?",
+            "Which of the two is bigger?",
+            "Name a river in each.",
+        ):
             messages.append({"role": "user", "content": question})
             answer = cluster.chat(head, messages, 24)
             assert answer == mlx_reference(folder, messages, 24), (question, messages)
@@ -185,7 +193,7 @@ def test_the_same_weights_in_bf16_and_8bit_split_as_mlx_lm(cluster, model, tmp_p
         _stop(cluster)
 
 
-ANSWER_AND_TITLE = r'''
+ANSWER_AND_TITLE = r"""
 import json, sys, threading
 from openai import OpenAI
 base, model, chat, title = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -202,9 +210,14 @@ for chunk in c.chat.completions.create(model=model, messages=chat, max_tokens=48
 t.join(240)
 out.update(answer=text)
 print(json.dumps(out))
-'''
-TITLE = [{"role": "user", "content": "Create a concise title of 3 to 5 words for this chat. Reply with the title "
-                                     "only.\n\nUSER: How do I make a good cup of tea?"}]
+"""
+TITLE = [
+    {
+        "role": "user",
+        "content": "Create a concise title of 3 to 5 words for this chat. Reply with the title "
+        "only.\n\nUSER: How do I make a good cup of tea?",
+    }
+]
 
 
 @pytest.mark.netns
@@ -215,8 +228,15 @@ def test_open_webuis_answer_and_title_at_once_give_real_words(cluster, gguf, mod
     try:
         head = cluster.host(stage_nodes(view)[-1])
         t0 = time.monotonic()
-        out = in_ns(cluster.client, ANSWER_AND_TITLE, f"http://{head.ip}:{HTTP}", model_id, json.dumps(TEA),
-                    json.dumps(TITLE), timeout=300)
+        out = in_ns(
+            cluster.client,
+            ANSWER_AND_TITLE,
+            f"http://{head.ip}:{HTTP}",
+            model_id,
+            json.dumps(TEA),
+            json.dumps(TITLE),
+            timeout=300,
+        )
         assert out["answer"] == mlx_reference(folder, TEA, 48)
         title = out["title"]
         assert title == mlx_reference(folder, TITLE, 24)

@@ -19,7 +19,7 @@ class Placement:
     async def tokens(self, prompt, params):
         self.prompts.append(list(prompt))
         done = len(prompt) - 3  # the original prompt has 3 tokens
-        for i, t in enumerate(TRUE[done: done + params.max_tokens]):
+        for i, t in enumerate(TRUE[done : done + params.max_tokens]):
             if self.fail_after is not None and i == self.fail_after:
                 raise PlacementLost("stage died")
             yield t
@@ -61,8 +61,11 @@ def test_several_failures_within_attempts():
 
 def test_gives_up_after_attempts_and_deadline():
     with pytest.raises(PlacementLost):
-        collect(FailoverSource(Mesh([Placement(1, fail_after=2), Placement(2, fail_after=2)]).current,
-                               poll=0.01, attempts=2))
+        collect(
+            FailoverSource(
+                Mesh([Placement(1, fail_after=2), Placement(2, fail_after=2)]).current, poll=0.01, attempts=2
+            )
+        )
     with pytest.raises(PlacementLost, match="no new plan"):
         collect(FailoverSource(Mesh([Placement(1, fail_after=2)]).current, poll=0.01, deadline=0.3))
 
@@ -87,10 +90,15 @@ def test_giving_up_raises_what_the_caller_maps_it_to():
     def unavailable(exc):
         return ApiError(503, f"lost: {exc}", headers={"Retry-After": "2"})
 
-    for source in (FailoverSource(Mesh([Placement(1, fail_after=2), Placement(2, fail_after=2)]).current,
-                                  poll=0.01, attempts=2, give_up=unavailable),
-                   FailoverSource(Mesh([Placement(1, fail_after=2)]).current, poll=0.01, deadline=0.3,
-                                  give_up=unavailable)):
+    for source in (
+        FailoverSource(
+            Mesh([Placement(1, fail_after=2), Placement(2, fail_after=2)]).current,
+            poll=0.01,
+            attempts=2,
+            give_up=unavailable,
+        ),
+        FailoverSource(Mesh([Placement(1, fail_after=2)]).current, poll=0.01, deadline=0.3, give_up=unavailable),
+    ):
         with pytest.raises(ApiError) as info:
             collect(source)
         assert info.value.status == 503 and isinstance(info.value.__cause__, PlacementLost)
@@ -108,7 +116,7 @@ class Switching:
         if len(self.tries) <= self.pending:
             raise EpochPending(f"epoch {self.epoch} is not served here yet")
         done = len(prompt) - 3
-        for i, t in enumerate(TRUE[done: done + params.max_tokens]):
+        for i, t in enumerate(TRUE[done : done + params.max_tokens]):
             if self.fail is not None and i == self.fail:
                 raise self.fail_with
             yield t
@@ -170,7 +178,7 @@ def test_a_replay_carries_how_many_tokens_were_produced():
         return [t async for t in source.tokens([1, 2, 3], params)]
 
     assert asyncio.run(go()) == TRUE
-    (_, replayed), = second.tries
+    ((_, replayed),) = second.tries
     assert (replayed.offset, replayed.max_tokens, replayed.seed) == (7, 13, 9)
 
 
@@ -186,6 +194,5 @@ def test_seeded_sampling_resumed_at_an_offset_draws_what_it_would_have_drawn():
     sampler = make_request_sampler(params)
     whole = [sampler(logits).item() for _ in range(40)]
     assert len(set(whole)) > 5, "the draws should vary"
-    resumed = make_request_sampler(SamplingParams(max_tokens=25, temperature=1.0, top_p=0.95, seed=-12345,
-                                                  offset=15))
+    resumed = make_request_sampler(SamplingParams(max_tokens=25, temperature=1.0, top_p=0.95, seed=-12345, offset=15))
     assert [resumed(logits).item() for _ in range(25)] == whole[15:]

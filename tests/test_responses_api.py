@@ -45,17 +45,28 @@ FUNCTION = {"type": "function", **TOOLS[0]["function"]}  # get_weather as a Resp
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("responses")
-    return {name: build_model(root / name, family, num_layers=2, hidden_size=64, intermediate_size=128,
-                              dtype=dtype, quantize=quantize, chat=chat)
-            for name, (family, quantize, dtype, chat) in FORMATS.items()}
+    return {
+        name: build_model(
+            root / name,
+            family,
+            num_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            dtype=dtype,
+            quantize=quantize,
+            chat=chat,
+        )
+        for name, (family, quantize, dtype, chat) in FORMATS.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def nodes(models, tmp_path_factory):
     with ExitStack() as stack:
-        yield {name: stack.enter_context(running_node(path, tmp_path_factory.mktemp(name), max_context=512,
-                                                      api_key=KEY))
-               for name, path in models.items()}
+        yield {
+            name: stack.enter_context(running_node(path, tmp_path_factory.mktemp(name), max_context=512, api_key=KEY))
+            for name, path in models.items()
+        }
 
 
 @pytest.fixture(params=list(FORMATS))
@@ -85,8 +96,9 @@ def client(base: str, key: str = KEY) -> openai.OpenAI:
 
 
 def create(base: str, model: str, **kw):
-    return client(base).responses.create(**{"model": model, "instructions": SYSTEM, "input": SEA,
-                                            "max_output_tokens": 20, "temperature": 0, **kw})
+    return client(base).responses.create(
+        **{"model": model, "instructions": SYSTEM, "input": SEA, "max_output_tokens": 20, "temperature": 0, **kw}
+    )
 
 
 def chat(base: str, model: str, messages: list[dict], **kw):
@@ -103,8 +115,9 @@ def comparable(response) -> dict:
 
 
 def post(url: str, body: dict, key: str = KEY) -> tuple[int, str]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
-                                                                  "Authorization": f"Bearer {key}"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read().decode()
@@ -114,11 +127,13 @@ def post(url: str, body: dict, key: str = KEY) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------- through a real node
 
+
 def test_greedy_answer_equals_chat_completions(node):
     n, base = node
     r = create(base, n.model_id)
-    ref = chat(base, n.model_id, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SEA}],
-               max_tokens=20)
+    ref = chat(
+        base, n.model_id, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SEA}], max_tokens=20
+    )
     said = ref.choices[0].message
     thought = (said.model_extra or {}).get("reasoning_content") or ""
     assert r.id.startswith("resp_") and r.object == "response" and r.model == n.model_id
@@ -136,8 +151,10 @@ def test_instructions_are_the_system_message(node):
     n, base = node
     given = create(base, n.model_id, max_output_tokens=8)
     for system in ("system", "developer"):  # developer is system for the chat template
-        items = [{"role": system, "content": SYSTEM}, {"type": "message", "role": "user",
-                                                        "content": [{"type": "input_text", "text": SEA}]}]
+        items = [
+            {"role": system, "content": SYSTEM},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": SEA}]},
+        ]
         same = create(base, n.model_id, instructions=None, input=items, max_output_tokens=8)
         assert (same.output_text, reasoning(same), same.usage) == (given.output_text, reasoning(given), given.usage)
     without = create(base, n.model_id, instructions=None, max_output_tokens=8)
@@ -148,12 +165,19 @@ def test_max_output_tokens_and_logprobs(llama):
     n, base = llama
     r = create(base, n.model_id, max_output_tokens=5, include=["message.output_text.logprobs"], top_logprobs=2)
     assert r.status == "incomplete" and r.usage.output_tokens == 5
-    ref = chat(base, n.model_id, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SEA}],
-               max_tokens=5, logprobs=True, top_logprobs=2)
+    ref = chat(
+        base,
+        n.model_id,
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SEA}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+    )
     got = r.output[0].content[0].logprobs
     want = ref.choices[0].logprobs.content
-    assert [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in got] == \
-        [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in want]
+    assert [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in got] == [
+        (lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in want
+    ]
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         create(base, n.model_id, top_logprobs=2)
 
@@ -168,8 +192,14 @@ def test_stream_events_come_in_order_and_end_in_the_same_response(node):
     expected = ["response.created", "response.in_progress"]
     for item in whole.output:
         text = "reasoning_text" if item.type == "reasoning" else "output_text"
-        expected += ["response.output_item.added", "response.content_part.added", f"response.{text}.delta",
-                     f"response.{text}.done", "response.content_part.done", "response.output_item.done"]
+        expected += [
+            "response.output_item.added",
+            "response.content_part.added",
+            f"response.{text}.delta",
+            f"response.{text}.done",
+            "response.content_part.done",
+            "response.output_item.done",
+        ]
     expected.append("response.incomplete")
     assert [k for i, k in enumerate(kinds) if k != kinds[i - 1] or not k.endswith(".delta")] == expected
     assert events[0].response.status == "in_progress" and events[0].response.output == []
@@ -177,8 +207,9 @@ def test_stream_events_come_in_order_and_end_in_the_same_response(node):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text
     # on the wire: each event named as its data's type
-    status, raw = post(f"{base}/v1/responses", {"model": n.model_id, "input": SEA, "max_output_tokens": 3,
-                                                "stream": True})
+    status, raw = post(
+        f"{base}/v1/responses", {"model": n.model_id, "input": SEA, "max_output_tokens": 3, "stream": True}
+    )
     assert status == 200
     frames = [f.split("\n") for f in raw.strip().split("\n\n")]
     assert all(json.loads(f[1].removeprefix("data: "))["type"] == f[0].removeprefix("event: ") for f in frames)
@@ -188,11 +219,20 @@ def test_previous_response_id_continues_the_conversation(node):
     n, base = node
     c = client(base)
     first = create(base, n.model_id, max_output_tokens=6)
-    follow = c.responses.create(model=n.model_id, previous_response_id=first.id, input="And the hills?",
-                                max_output_tokens=6, temperature=0)
+    follow = c.responses.create(
+        model=n.model_id, previous_response_id=first.id, input="And the hills?", max_output_tokens=6, temperature=0
+    )
     # the instructions are not carried over (as OpenAI documents); the earlier reasoning is left out
-    ref = chat(base, n.model_id, [{"role": "user", "content": SEA}, {"role": "assistant", "content": first.output_text},
-                                  {"role": "user", "content": "And the hills?"}], max_tokens=6)
+    ref = chat(
+        base,
+        n.model_id,
+        [
+            {"role": "user", "content": SEA},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And the hills?"},
+        ],
+        max_tokens=6,
+    )
     assert follow.output_text == (ref.choices[0].message.content or "")
     assert follow.usage.input_tokens == ref.usage.prompt_tokens and follow.previous_response_id == first.id
     assert comparable(c.responses.retrieve(first.id)) == comparable(first)
@@ -208,10 +248,19 @@ def test_previous_response_id_continues_the_conversation(node):
 
 def test_structured_output(node):
     n, base = node
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    r = create(base, n.model_id, max_output_tokens=60, temperature=1.0,
-               text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    r = create(
+        base,
+        n.model_id,
+        max_output_tokens=60,
+        temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+    )
     answer = json.loads(r.output_text)
     assert set(answer) == {"ok", "n"} and r.status == "completed" and r.text.format.type == "json_schema"
 
@@ -220,18 +269,42 @@ def test_hosted_tools_are_left_out_and_the_rest_refused(llama):
     n, base = llama
     c = client(base)
     plain = create(base, n.model_id, max_output_tokens=6)
-    searching = create(base, n.model_id, max_output_tokens=6, tools=[{"type": "web_search"}], store=False,
-                       parallel_tool_calls=True, reasoning={"summary": "auto"}, prompt_cache_key="k",
-                       include=["reasoning.encrypted_content"], extra_body={"client_metadata": {"a": "b"}})
+    searching = create(
+        base,
+        n.model_id,
+        max_output_tokens=6,
+        tools=[{"type": "web_search"}],
+        store=False,
+        parallel_tool_calls=True,
+        reasoning={"summary": "auto"},
+        prompt_cache_key="k",
+        include=["reasoning.encrypted_content"],
+        extra_body={"client_metadata": {"a": "b"}},
+    )
     assert searching.output_text == plain.output_text and searching.usage == plain.usage
     cases = [
         (dict(extra_body={"bogus": 1}), "bogus", "unsupported_parameter"),
         (dict(tools=[{"type": "local_shell"}]), "tools[0]", "invalid_value"),
-        (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
-                                                   {"type": "input_image", "image_url": "data:,"}]}]),
-         "input[0].content[1]", "invalid_value"),
-        (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]),
-         "input[0].arguments", "invalid_value"),
+        (
+            dict(
+                input=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "What is this?"},
+                            {"type": "input_image", "image_url": "data:,"},
+                        ],
+                    }
+                ]
+            ),
+            "input[0].content[1]",
+            "invalid_value",
+        ),
+        (
+            dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]),
+            "input[0].arguments",
+            "invalid_value",
+        ),
         (dict(tool_choice={"type": "function", "name": "nope"}), "tool_choice", "invalid_value"),
         (dict(truncation="auto"), "truncation", "invalid_value"),
     ]
@@ -250,28 +323,78 @@ def test_what_codex_sends_is_served(qwen):
     a namespaced call, reasoning with encrypted_content, developer messages)."""
     n, base = qwen
     body = {
-        "model": n.model_id, "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
-        "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
-        "prompt_cache_key": "0a1b", "client_metadata": {"session_id": "0a1b", "turn_id": "t"},
-        "tools": [{"type": "function", "name": "exec_command", "description": "Runs a command.", "strict": False,
-                   "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
-                                  "additionalProperties": False}},
-                  {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
-                   "tools": [{"type": "function", "name": "wait_agent", "strict": False, "description": "Wait.",
-                              "parameters": {"type": "object", "properties": {}}}]},
-                  {"type": "web_search", "external_web_access": False}],
+        "model": n.model_id,
+        "stream": True,
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "0a1b",
+        "client_metadata": {"session_id": "0a1b", "turn_id": "t"},
+        "tools": [
+            {
+                "type": "function",
+                "name": "exec_command",
+                "description": "Runs a command.",
+                "strict": False,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"cmd": {"type": "string"}},
+                    "required": ["cmd"],
+                    "additionalProperties": False,
+                },
+            },
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "Sub-agents.",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "wait_agent",
+                        "strict": False,
+                        "description": "Wait.",
+                        "parameters": {"type": "object", "properties": {}},
+                    }
+                ],
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
         "input": [
-            {"type": "message", "id": "msg_1", "role": "developer", "content": [{"type": "input_text",
-                                                                               "text": "You are Codex."}]},
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "You are Codex."}],
+            },
             {"type": "message", "id": "msg_2", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}],
-             "encrypted_content": None},
-            {"type": "function_call", "status": "completed", "id": "fc_1", "name": "wait_agent",
-             "namespace": "multi_agent_v1", "arguments": "{}", "call_id": "call_a"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Hm."}],
+                "encrypted_content": None,
+            },
+            {
+                "type": "function_call",
+                "status": "completed",
+                "id": "fc_1",
+                "name": "wait_agent",
+                "namespace": "multi_agent_v1",
+                "arguments": "{}",
+                "call_id": "call_a",
+            },
             {"type": "function_call_output", "id": "fco_1", "call_id": "call_a", "output": "no agents"},
-            {"type": "message", "role": "assistant", "id": "msg_3", "status": "completed",
-             "content": [{"type": "output_text", "text": "Done.", "annotations": []}]},
-            {"type": "message", "id": "msg_4", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]}],
+            {
+                "type": "message",
+                "role": "assistant",
+                "id": "msg_3",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Done.", "annotations": []}],
+            },
+            {"type": "message", "id": "msg_4", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]},
+        ],
     }
     status, raw = post(f"{base}/v1/responses", {**body, "max_output_tokens": 4})
     assert status == 200, raw
@@ -290,13 +413,17 @@ def test_a_function_call_and_its_output(agent):
     assert call.call_id and call.id.startswith("fc_") and call.status == "completed"
     output = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
     # The whole history, as an agent that keeps it sends it back...
-    whole = c.responses.create(model=n.model_id, tools=[FUNCTION], temperature=0,
-                               input=[{"role": "user", "content": ASK[0]["content"]},
-                                      call.model_dump(exclude_none=True), output])
+    whole = c.responses.create(
+        model=n.model_id,
+        tools=[FUNCTION],
+        temperature=0,
+        input=[{"role": "user", "content": ASK[0]["content"]}, call.model_dump(exclude_none=True), output],
+    )
     assert whole.output_text == FINAL and whole.status == "completed"
     # ...or only the output, continuing the stored response.
-    follow = c.responses.create(model=n.model_id, tools=[FUNCTION], temperature=0, previous_response_id=r.id,
-                                input=[output])
+    follow = c.responses.create(
+        model=n.model_id, tools=[FUNCTION], temperature=0, previous_response_id=r.id, input=[output]
+    )
     assert follow.output_text == FINAL and follow.usage.input_tokens == whole.usage.input_tokens
     # Streamed: the call's arguments as a delta and a done, and the SDK's final response equals r.
     with c.responses.stream(model=n.model_id, input=ASK[0]["content"], tools=[FUNCTION], temperature=0) as stream:
@@ -304,12 +431,18 @@ def test_a_function_call_and_its_output(agent):
         final = stream.get_final_response()
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
     assert kinds[-1] == "response.completed" and comparable(final) == comparable(r)
-    forced = c.responses.create(model=n.model_id, input=ASK[0]["content"], tools=[FUNCTION], temperature=0,
-                                tool_choice={"type": "function", "name": "get_weather"})
+    forced = c.responses.create(
+        model=n.model_id,
+        input=ASK[0]["content"],
+        tools=[FUNCTION],
+        temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     assert forced.output[-1].type == "function_call" and forced.output[-1].name == "get_weather"
 
 
 # --------------------------------------------------------------------------- framing, on constructed deltas
+
 
 def _gen() -> Generation:
     async def none():
@@ -328,17 +461,26 @@ def _same(response: dict) -> dict:
     """A Response as a dict without what differs between two answers alike: ids and times (and what
     the SDK's stream adds: parsed_arguments)."""
     out = {k: v for k, v in response.items() if k not in ("id", "created_at", "completed_at")}
-    return out | {"output": [{k: v for k, v in item.items() if k not in ("id", "call_id", "parsed_arguments")}
-                             for item in out["output"]]}
+    return out | {
+        "output": [
+            {k: v for k, v in item.items() if k not in ("id", "call_id", "parsed_arguments")} for item in out["output"]
+        ]
+    }
 
 
 def _request(tools: list[dict]):
     return parse({"model": "tiny", "input": "hi", "tools": tools}, Limits())
 
 
-NAMESPACED = [{"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [FUNCTION]},
-              {"type": "custom", "name": "apply_patch", "description": "Patch files.",
-               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
+NAMESPACED = [
+    {"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [FUNCTION]},
+    {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "Patch files.",
+        "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+    },
+]
 
 
 def test_reasoning_text_and_calls_stream_as_items_in_order():
@@ -346,10 +488,16 @@ def test_reasoning_text_and_calls_stream_as_items_in_order():
     assert [t["function"]["name"] for t in req.tools] == ["weather__get_weather", "apply_patch"]
     assert req.tools[0]["function"]["description"] == "Weather tools.: Weather"
     assert req.tools[1]["function"]["parameters"]["required"] == ["input"]
-    calls = (ToolCall("call_a", "weather__get_weather", '{"city": "Paris"}'),
-             ToolCall("call_b", "apply_patch", '{"input": "*** Begin Patch"}'))
-    deltas = [Delta("", 2, reasoning="Let me "), Delta("", 3, reasoning="think."), Delta("Calling.", 4),
-              Delta("", 9, "tool_calls", tool_calls=calls)]
+    calls = (
+        ToolCall("call_a", "weather__get_weather", '{"city": "Paris"}'),
+        ToolCall("call_b", "apply_patch", '{"input": "*** Begin Patch"}'),
+    )
+    deltas = [
+        Delta("", 2, reasoning="Let me "),
+        Delta("", 3, reasoning="think."),
+        Delta("Calling.", 4),
+        Delta("", 9, "tool_calls", tool_calls=calls),
+    ]
     whole = Output(_gen(), req, None, streaming=False)
     for d in deltas:
         whole.delta(d)
@@ -368,34 +516,64 @@ def test_reasoning_text_and_calls_stream_as_items_in_order():
     assert [i["type"] for i in out] == ["reasoning", "message", "function_call", "custom_tool_call"]
     assert out[0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}] and out[0]["summary"] == []
     assert out[2]["namespace"] == "weather" and out[2]["name"] == "get_weather" and out[2]["call_id"] == "call_a"
-    assert out[3] == {"id": out[3]["id"], "type": "custom_tool_call", "call_id": "call_b", "name": "apply_patch",
-                      "input": "*** Begin Patch"}
+    assert out[3] == {
+        "id": out[3]["id"],
+        "type": "custom_tool_call",
+        "call_id": "call_b",
+        "name": "apply_patch",
+        "input": "*** Begin Patch",
+    }
     assert [i["type"] for i in final["output"]] == [i["type"] for i in out]
     assert whole.final["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
     assert whole.final["status"] == "completed"
 
 
 def test_history_items_become_the_chat_templates_messages():
-    req = parse({"model": "tiny", "instructions": "Be brief.", "tools": NAMESPACED, "input": [
-        {"role": "developer", "content": "Project rules."},
-        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}, {"type": "input_text", "text": "Now."}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather", "namespace": "weather",
-         "arguments": '{"city": "Paris"}'},
-        {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "patch"},
-        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-        {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]}]},
-        Limits())
+    req = parse(
+        {
+            "model": "tiny",
+            "instructions": "Be brief.",
+            "tools": NAMESPACED,
+            "input": [
+                {"role": "developer", "content": "Project rules."},
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Weather?"}, {"type": "input_text", "text": "Now."}],
+                },
+                {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "get_weather",
+                    "namespace": "weather",
+                    "arguments": '{"city": "Paris"}',
+                },
+                {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "patch"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]},
+            ],
+        },
+        Limits(),
+    )
     assert req.messages == [
         {"role": "system", "content": "Be brief.\n\nProject rules."},
         {"role": "user", "content": "Weather?\n\nNow."},
-        {"role": "assistant", "content": "Looking.", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "weather__get_weather",
-                                                          "arguments": {"city": "Paris"}}},
-            {"id": "c2", "type": "function", "function": {"name": "apply_patch", "arguments": {"input": "patch"}}}]},
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "weather__get_weather", "arguments": {"city": "Paris"}},
+                },
+                {"id": "c2", "type": "function", "function": {"name": "apply_patch", "arguments": {"input": "patch"}}},
+            ],
+        },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "weather__get_weather"},
-        {"role": "tool", "content": "ok", "tool_call_id": "c2", "name": "apply_patch"}]
+        {"role": "tool", "content": "ok", "tool_call_id": "c2", "name": "apply_patch"},
+    ]
     # what a follow-up continues: the instructions left out, the developer message kept as it came
     assert req.history == ({"role": "system", "content": "Project rules."},) + tuple(req.messages[1:])
 
@@ -422,6 +600,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
 
 # --------------------------------------------------------------------------- Codex CLI itself
 
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_codex_cli_exec_against_a_node(tmp_path):
@@ -435,7 +614,8 @@ def test_codex_cli_exec_against_a_node(tmp_path):
     model = scripted_model(tmp_path, SAID)
     with running_node(model, tmp_path / "node", max_context=32768) as (n, base):
         work, env = codex_setup(tmp_path, n.model_id, f"{base}/v1")
-        status, out, err = run_group([str(codex), "exec", "--skip-git-repo-check", "Say hello."], timeout=420, cwd=work,
-                                env=env)
+        status, out, err = run_group(
+            [str(codex), "exec", "--skip-git-repo-check", "Say hello."], timeout=420, cwd=work, env=env
+        )
     assert status == 0, (out[-2000:], err[-3000:])
     assert out.strip() == SAID, (out[-2000:], err[-3000:])

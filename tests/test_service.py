@@ -81,8 +81,10 @@ def _verify(unit_text: str, tmp_path: Path, user: bool) -> subprocess.CompletedP
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is not installed (e.g. on a Mac); CI installs it (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed (e.g. on a Mac); CI installs it (apt-get install systemd)",
+)
 @pytest.mark.parametrize("system", [False, True])
 def test_unit_passes_systemd_analyze_verify(tmp_path, system):
     lay = service.layout("linux", system=system, root=tmp_path / "root with space")
@@ -147,11 +149,16 @@ def test_install_then_uninstall(tmp_path, platform, system):
     if platform == "macos":
         domain = "system" if system else "gui/501"
         expected_files = {config, unit} | ({"etc/newsyslog.d/meshnode.conf"} if system else set())
-        expected_cmds = [["launchctl", "enable", f"{domain}/org.meshnode.node"],
-                         ["launchctl", "bootstrap", domain, str(lay.service_file)]]
+        expected_cmds = [
+            ["launchctl", "enable", f"{domain}/org.meshnode.node"],
+            ["launchctl", "bootstrap", domain, str(lay.service_file)],
+        ]
         assert lay.log_file.parent.is_dir()  # launchd creates the log, not its folder
         assert plistlib.loads(lay.service_file.read_bytes())["ProgramArguments"][-3:] == [
-            "run", "--config", str(lay.config_file)]
+            "run",
+            "--config",
+            str(lay.config_file),
+        ]
     else:
         ctl = ["systemctl"] + ([] if system else ["--user"])
         expected_files = {config, unit}
@@ -232,7 +239,7 @@ def test_cli_dry_run_macos_prints_plist_and_changes_nothing(tmp_path, capsys):
     assert cli.main(["install", "--dry-run", "--platform", "macos", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     start = out.index("<?xml")
-    data = plistlib.loads(out[start:out.index("</plist>") + len("</plist>")].encode())
+    data = plistlib.loads(out[start : out.index("</plist>") + len("</plist>")].encode())
     assert data["ProgramArguments"][1:3] == ["run", "--config"] and data["KeepAlive"] is True
     assert "$ launchctl bootstrap gui/" in out and "$ launchctl enable gui/" in out
     assert "meshnode.toml (mode 0600)" in out

@@ -13,8 +13,48 @@ from meshnode.serving.generation import PipelineModel, SamplingParams, generate_
 from meshnode.serving.local_stage import LocalStage
 
 LAYERS = 6
-PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 128, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
-          21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35]  # longer than gemma's sliding window
+PROMPT = [
+    3,
+    17,
+    42,
+    99,
+    7,
+    250,
+    31,
+    64,
+    128,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+    14,
+    15,
+    16,
+    17,
+    18,
+    19,
+    20,
+    21,
+    22,
+    23,
+    24,
+    25,
+    26,
+    27,
+    28,
+    29,
+    30,
+    31,
+    32,
+    33,
+    34,
+    35,
+]  # longer than gemma's sliding window
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +65,7 @@ def models(tmp_path_factory):
 
 def reference(path, prompt, max_tokens, step):
     model, _ = load_model(path)
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                              prefill_step_size=step)]
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=step)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -47,8 +86,7 @@ def test_chained_shards_match_mlx_lm(models, family):
     path = models[family]
     want = reference(path, PROMPT, 24, step=8)
     stages = [LocalStage(Shard(path, a, b)) for a, b in [(0, 2), (2, 4), (4, LAYERS)]]
-    got = list(generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=24),
-                               prefill_step_size=8))
+    got = list(generate_tokens(PipelineModel(stages, "t"), PROMPT, SamplingParams(max_tokens=24), prefill_step_size=8))
     assert got == want
 
 
@@ -57,8 +95,9 @@ def test_single_layer_stages_and_uneven_split(models, family):
     path = models[family]
     want = reference(path, PROMPT[:12], 10, step=5)
     stages = [LocalStage(Shard(path, a, b)) for a, b in [(0, 1), (1, 5), (5, 6)]]
-    got = list(generate_tokens(PipelineModel(stages, "t"), PROMPT[:12], SamplingParams(max_tokens=10),
-                               prefill_step_size=5))
+    got = list(
+        generate_tokens(PipelineModel(stages, "t"), PROMPT[:12], SamplingParams(max_tokens=10), prefill_step_size=5)
+    )
     assert got == want
 
 
@@ -67,6 +106,7 @@ def test_shard_holds_only_its_layers(models, family):
     path = models[family]
     full, _ = load_model(path)
     from mlx.utils import tree_flatten
+
     all_names = {k for k, _ in tree_flatten(full.parameters())}
     layer_names = lambda i: {k for k in all_names if f"layers.{i}." in k}
     for start, end in [(0, 2), (2, 4), (4, LAYERS)]:
@@ -91,8 +131,9 @@ def _rchar() -> int:
 
 
 def test_middle_shard_reads_only_its_bytes(tmp_path):
-    path = build_model(tmp_path / "big", "llama", num_layers=8, hidden_size=256, intermediate_size=512,
-                       max_file_size_mb=2)
+    path = build_model(
+        tmp_path / "big", "llama", num_layers=8, hidden_size=256, intermediate_size=512, max_file_size_mb=2
+    )
     total = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     before = _rchar()
     shard = Shard(path, 3, 5)
@@ -115,7 +156,7 @@ def test_steps_built_ahead_equal_steps_built_on_their_input(models, family):
             prompt, steps = mx.array([PROMPT[:12]]), [mx.array([[t]]) for t in PROMPT[12:20]]
         else:
             hidden = Shard(path, 0, a).forward(mx.array([PROMPT[:20]]), Shard(path, 0, a).make_cache())
-            prompt, steps = hidden[:, :12], [hidden[:, i:i + 1] for i in range(12, 20)]
+            prompt, steps = hidden[:, :12], [hidden[:, i : i + 1] for i in range(12, 20)]
         mx.eval(prompt, *steps)
         mx.eval(shard.forward(prompt, plain), shard.forward(prompt, ahead))
         for x in steps:

@@ -16,6 +16,8 @@ def test_five_minutes_of_churn_lose_nothing():
     report = soak(5, seed=1)
     print({k: v for k, v in report.items() if k not in ("bad", "logs")})
     assert report["faults"] >= 15, report["fault_kinds"]
-    assert report["lost"] == 0 and report["hung"] == 0 and report["http_500"] == 0, \
-        (report["bad"], report.get("logs", "")[-15000:])
+    assert report["lost"] == 0 and report["hung"] == 0 and report["http_500"] == 0, (
+        report["bad"],
+        report.get("logs", "")[-15000:],
+    )
     assert report["identical"] >= report["requests"] // 3, report

@@ -8,19 +8,26 @@ and MoE families, float32, bf16 and 4-bit. Multi-host runs (2 stages over the da
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from harness.drafts import ReferenceDrafter
 from meshnode.model.build import model_dir_for
 from meshnode.model.rewind import CannotRewind, rewind_limit
-from harness.drafts import ReferenceDrafter
+from meshnode.serving.draft_length import (
+    DRY_RUN,
+    MIN_GAIN,
+    NOISE,
+    REMEASURE,
+    DraftLength,
+    PassCosts,
+    expected_tokens,
+    filled_rate,
+)
 from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineModel, generate_tokens
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.draft_length import (DRY_RUN, MIN_GAIN, NOISE, REMEASURE, DraftLength, PassCosts,
-                                           expected_tokens, filled_rate)
 from meshnode.serving.speculative import Speculation, why_not
 from tests.speculation import TEXT, Patchy, model_cases, plain, speculate, stages_of
 
@@ -45,15 +52,20 @@ def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p, depth):
     reference = prompt + want
     for cuts in ([0, 4], [0, 2, 4]):
         passes: list = []
-        got = speculate(stages_of(path, cuts), prompt, SamplingParams(max_tokens=24),
-                        lambda h: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size, 4), passes,
-                        depth)
+        got = speculate(
+            stages_of(path, cuts),
+            prompt,
+            SamplingParams(max_tokens=24),
+            lambda h: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size, 4),
+            passes,
+            depth,
+        )
         assert got == want, (name, cuts, p, depth)
         drafted = sum(d for d, _, _, _ in passes)
         accepted = sum(a for _, a, _, _ in passes)
         # A pass checks its 4 guesses, and with passes behind it (depth > 1) the first of the next
         # (fewer only near max_tokens, where no pass is sent that could yield more than it).
-        assert all(d == 4 + (depth > 1) for d, _, _, _ in passes[:len(passes) // 2]), str(passes)
+        assert all(d == 4 + (depth > 1) for d, _, _, _ in passes[: len(passes) // 2]), str(passes)
         if p == 1.0:
             assert accepted == drafted
         if p == 0.0:
@@ -85,13 +97,23 @@ def test_seeded_sampling_is_the_same_draws(model_case, depth):
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=1234)
     want = plain(model, prompt, 20, params)
     reference = prompt + want
-    got = speculate(stages_of(path, [0, 2, 4]), prompt, params,
-                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4), depth=depth)
+    got = speculate(
+        stages_of(path, [0, 2, 4]),
+        prompt,
+        params,
+        lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4),
+        depth=depth,
+    )
     assert got == want, name
     # A replay after failover: the prompt plus the 7 tokens already sent, the draws from offset 7 on.
     again = SamplingParams(max_tokens=13, temperature=0.8, seed=1234, offset=7)
-    got = speculate(stages_of(path, [0, 2, 4]), prompt + want[:7], again,
-                    lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4), depth=depth)
+    got = speculate(
+        stages_of(path, [0, 2, 4]),
+        prompt + want[:7],
+        again,
+        lambda h: ReferenceDrafter(h, [reference], 0.7, 0, model.args.vocab_size, 4),
+        depth=depth,
+    )
     assert got == want[7:], name
 
 
@@ -106,8 +128,9 @@ def test_caches_after_rejections_give_the_same_next_logits(model_case, depth):
     reference = prompt + want
     stages = stages_of(path, [0, 2, 4])
     pipeline = PipelineModel(stages, "t")
-    spec = Speculation(drafter=lambda h: ReferenceDrafter(h, [reference], 0.5, 3, model.args.vocab_size, 4), k_max=4,
-                       depth=depth)
+    spec = Speculation(
+        drafter=lambda h: ReferenceDrafter(h, [reference], 0.5, 3, model.args.vocab_size, 4), k_max=4, depth=depth
+    )
     tokens = generate_tokens(pipeline, prompt, SamplingParams(max_tokens=12), speculation=spec)
     got = [int(next(tokens)) for _ in range(12)]  # the generation stays open: its caches are live
     assert got == want
@@ -334,9 +357,15 @@ def test_in_a_filled_pipeline_a_new_placement_times_a_guess_first(model_case):
     want = plain(model, prompt, 32)
     passes: list = []
     costs = RecordedCosts(passes)
-    got = speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=32),
-                    lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 1, model.args.vocab_size), passes,
-                    depth=3, costs=costs)
+    got = speculate(
+        stages_of(path, [0, 2, 4]),
+        prompt,
+        SamplingParams(max_tokens=32),
+        lambda h: ReferenceDrafter(h, [prompt + want], 1.0, 1, model.args.vocab_size),
+        passes,
+        depth=3,
+        costs=costs,
+    )
     assert got == want, name
     # Plain steps, then passes with a guess, are timed (each alone; two of each, as a size's first
     # time is not kept) before any pass goes behind another. Before, each had a pass sent behind it,
@@ -421,8 +450,9 @@ def test_a_draft_model_guesses_and_the_answer_is_the_same(model_case, tmp_path_f
     assert speculate(stages_of(path, [0, 2, 4]), prompt, SamplingParams(max_tokens=24), same.drafter, passes) == want
     drafted, accepted = sum(p[0] for p in passes), sum(p[1] for p in passes)
     assert drafted > 0 and accepted == drafted, (name, passes)
-    other_path = model_dir_for(tmp_path_factory.getbasetemp() / "models", "llama", num_layers=2, hidden_size=32,
-                               dtype="float32", seed=9)
+    other_path = model_dir_for(
+        tmp_path_factory.getbasetemp() / "models", "llama", num_layers=2, hidden_size=32, dtype="float32", seed=9
+    )
     other = DraftModel.load(str(other_path))
     assert other.vocab_size == model.args.vocab_size and other.nbytes > 0
     passes = []
@@ -474,8 +504,9 @@ def test_passes_in_flight_drain_when_others_start_decoding(model_case):
     spec = Speculation(drafter=None, k_max=4, depth=3, on_pass=lambda *a: checked.append(len(got)))
     drafter = ReferenceDrafter(prompt, [reference], 0.6, 7, model.args.vocab_size, 2)
     busy = lambda: 8 <= len(got) < 24  # noqa: E731 - others decode while tokens 8 to 23 come
-    for token in speculative_tokens(pipeline, cache, prompt, SamplingParams(max_tokens=40), spec, drafter,
-                                    max_tokens=40, others=busy):
+    for token in speculative_tokens(
+        pipeline, cache, prompt, SamplingParams(max_tokens=40), spec, drafter, max_tokens=40, others=busy
+    ):
         got.append(int(token))
     assert got == want, name
     # At most 3 passes of 3 tokens were in flight at token 8: from token 17 on, plain steps only,
@@ -503,8 +534,15 @@ def test_the_next_pass_is_in_flight_while_a_pass_s_tokens_are_handed_on(model_ca
         mx.eval(pipeline(mx.array([prompt[:-1]], dtype=mx.uint32), cache))
         drafter = ReferenceDrafter(prompt, [prompt + want], 1.0, 7, model.args.vocab_size, 2, fixed_depth)
         got, in_flight = [], []
-        for token in speculative_tokens(pipeline, cache, prompt, SamplingParams(max_tokens=30),
-                                        Speculation(drafter=None, k_max=4, depth=depth), drafter, max_tokens=30):
+        for token in speculative_tokens(
+            pipeline,
+            cache,
+            prompt,
+            SamplingParams(max_tokens=30),
+            Speculation(drafter=None, k_max=4, depth=depth),
+            drafter,
+            max_tokens=30,
+        ):
             got.append(int(token))
             in_flight.append(len(pipes[0]))
         assert got == want, name
@@ -541,11 +579,13 @@ def test_greedy_tokens_are_mlx_lms_in_bfloat16_where_rounding_decides(tmp_path, 
     it is (found with speculation on for the whole suite: the answer differed from the 2nd token)."""
     from meshnode.model.build import build_model
 
-    path = build_model(tmp_path / "qwen3", "qwen3", num_layers=6, hidden_size=64, intermediate_size=128,
-                       dtype="bfloat16", seed=5)
+    path = build_model(
+        tmp_path / "qwen3", "qwen3", num_layers=6, hidden_size=64, intermediate_size=128, dtype="bfloat16", seed=5
+    )
     model, tokenizer = load(str(path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True
+    )
     want = plain(model, prompt, 24)
     reference = prompt + want
     for drafter in (PromptLookup, lambda h: ReferenceDrafter(h, [reference], 0.5, 2, model.args.vocab_size, 3)):
@@ -580,8 +620,9 @@ def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long
 
 @pytest.mark.parametrize("cuts", [[0, 4], [0, 2, 4]])
 @pytest.mark.parametrize("depth,costs", [(1, None), (3, None), (3, "dear")])
-def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_same_tokens(model_case, cuts, depth,
-                                                                                            costs, monkeypatch):
+def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_same_tokens(
+    model_case, cuts, depth, costs, monkeypatch
+):
     """Local stages in a pause run their plain steps built ahead (speculative._plain_run, as
     mlx-lm's generate_step): the same greedy tokens and the same seeded draws as without
     speculation, through drafts that stop and start again (the steps built ahead end where a
@@ -608,11 +649,18 @@ def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_
         # Nothing ever; guesses for 12 tokens from the 20th (the first pause ends there).
         for windows in ([], [(at + 20, at + 32)]):
             runs.clear()
-            got = speculate(stages_of(path, cuts), prompt, params, lambda h: Patchy(h, reference, windows),
-                            depth=depth, costs=FixedCosts(0.1, 0.1) if costs == "dear" else None)
+            got = speculate(
+                stages_of(path, cuts),
+                prompt,
+                params,
+                lambda h: Patchy(h, reference, windows),
+                depth=depth,
+                costs=FixedCosts(0.1, 0.1) if costs == "dear" else None,
+            )
             assert got == want, (name, windows, params)
             assert runs and sum(runs) >= n // 2, runs  # most steps were built ahead
         again = SamplingParams(max_tokens=n - 9, temperature=params.temperature, seed=params.seed, offset=9)
-        got = speculate(stages_of(path, cuts), prompt + want[:9], again, lambda h: Patchy(h, reference, []),
-                        depth=depth)
+        got = speculate(
+            stages_of(path, cuts), prompt + want[:9], again, lambda h: Patchy(h, reference, []), depth=depth
+        )
         assert got == want[9:], (name, params)

@@ -28,7 +28,7 @@ MAX_TOKENS = 64
 SEEDED = {"temperature": 0.8, "seed": 20261126}
 
 # Greedy (not streamed), greedy (streamed) and seeded (streamed), one after another.
-ASK = r'''
+ASK = r"""
 import json, sys
 from openai import OpenAI
 base, model, n, seeded = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
@@ -39,7 +39,7 @@ def streamed(**kw):
     return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=model, messages=messages, max_tokens=n, stream=True, **kw) if ch.choices)
 print(json.dumps({"greedy": plain, "greedy_stream": streamed(temperature=0), "seeded": streamed(**seeded)}))
-'''
+"""
 
 
 def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -53,8 +53,10 @@ def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
     m, tok = load(str(model))
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
     texts, answers = {}, []
-    for name, sampler in [("greedy", None),
-                          ("seeded", make_request_sampler(SamplingParams(max_tokens=max_tokens, **SEEDED)))]:
+    for name, sampler in [
+        ("greedy", None),
+        ("seeded", make_request_sampler(SamplingParams(max_tokens=max_tokens, **SEEDED))),
+    ]:
         text, ids = "", []
         for r in stream_generate(m, tok, prompt, max_tokens=max_tokens, sampler=sampler):
             text += r.text
@@ -73,8 +75,9 @@ def drafts_file(tmp_path, model, answers, p: float = 0.6, k: int | None = 4, mod
 
     path = tmp_path / "drafts.json"
     vocab = load_config(model)["vocab_size"]
-    path.write_text(json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers,
-                                **({"k": k} if k is not None else {})}))
+    path.write_text(
+        json.dumps({"p": p, "seed": 5, "vocab": vocab, "answers": answers, **({"k": k} if k is not None else {})})
+    )
     return ({"MESHNODE_SPECULATIVE": mode} if mode else {}), path
 
 
@@ -85,10 +88,12 @@ def counter(metrics: str, name: str) -> float:
 
 def ask_and_compare(cluster, head, model, texts: dict) -> None:
     """The three answers of ASK from the head: greedy ones mlx-lm's, the seeded one the one-at-a-time draws."""
-    got = in_ns(cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED),
-                timeout=300)
-    assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, \
+    got = in_ns(
+        cluster.client, ASK, f"http://{head.ip}:{HTTP}", model.name, MAX_TOKENS, json.dumps(SEEDED), timeout=300
+    )
+    assert got == {"greedy": texts["greedy"], "greedy_stream": texts["greedy"], "seeded": texts["seeded"]}, (
         cluster.logs()
+    )
 
 
 def check_speculated(cluster, heads, filled: bool) -> None:
@@ -96,10 +101,13 @@ def check_speculated(cluster, heads, filled: bool) -> None:
     of guesses behind the one in flight (remote stages), and a rejection cancelled some."""
     heads = heads if isinstance(heads, list) else [heads]
     metrics = [node_metrics(cluster, h) for h in heads]
-    drafted, accepted, passes, cancelled = (sum(counter(m, f"meshnode_speculative_{name}") for m in metrics)
-                                            for name in ("drafted_tokens", "accepted_tokens", "passes",
-                                                         "cancelled_passes"))
-    print(f"speculative passes {passes:.0f}, guesses {drafted:.0f}, confirmed {accepted:.0f}, cancelled {cancelled:.0f}")
+    drafted, accepted, passes, cancelled = (
+        sum(counter(m, f"meshnode_speculative_{name}") for m in metrics)
+        for name in ("drafted_tokens", "accepted_tokens", "passes", "cancelled_passes")
+    )
+    print(
+        f"speculative passes {passes:.0f}, guesses {drafted:.0f}, confirmed {accepted:.0f}, cancelled {cancelled:.0f}"
+    )
     assert passes > 0 and 0 < accepted < drafted, (passes, drafted, accepted)  # confirmed and rejected guesses
     assert (cancelled > 0) == filled, cancelled
     views = [cluster.mesh_view(h)["metrics"]["speculation"] for h in heads]
@@ -122,17 +130,28 @@ def check_filled_share(cluster, head, model, answers, texts, tmp_path) -> None:
     assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
     view = cluster.mesh_view(head)["metrics"]["speculation"]
     assert view["filled_share"] is not None and 0 < view["filled_share"] < 2, view
-    print(f"the head measured: a further position {view['position_cost']} of a step, "
-          f"a full pipeline's share of a traversal {view['filled_share']}")
+    print(
+        f"the head measured: a further position {view['position_cost']} of a step, "
+        f"a full pipeline's share of a traversal {view['filled_share']}"
+    )
 
 
-@pytest.mark.parametrize("family,quantize,fast_hops", [("llama", None, True), ("qwen3_moe", None, False),
-                                                       ("llama", "4bit", True)],
-                         ids=["llama-dataport", "qwen3_moe-grpc", "llama-4bit"])
-def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(family, quantize, fast_hops,
-                                                                                   tmp_path):
-    model = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
-                        dtype="float32", quantize=quantize, seed=4)
+@pytest.mark.parametrize(
+    "family,quantize,fast_hops",
+    [("llama", None, True), ("qwen3_moe", None, False), ("llama", "4bit", True)],
+    ids=["llama-dataport", "qwen3_moe-grpc", "llama-4bit"],
+)
+def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(family, quantize, fast_hops, tmp_path):
+    model = build_model(
+        tmp_path / family,
+        family,
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+        quantize=quantize,
+        seed=4,
+    )
     texts, answers = references(model, MAX_TOKENS)
     # The 4-bit case runs with the default setting ("auto": on, where the model is split).
     env, drafts = drafts_file(tmp_path, model, answers, mode=None if quantize else "prompt_lookup")
@@ -151,8 +170,17 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
 
 
 def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
-    model = build_model(tmp_path / "llama", "llama", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2,
-                        intermediate_size=256, dtype="float32", seed=5)
+    model = build_model(
+        tmp_path / "llama",
+        "llama",
+        num_layers=6,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        dtype="float32",
+        seed=5,
+    )
     texts, answers = references(model, MAX_TOKENS)
     env, drafts = drafts_file(tmp_path, model, answers)
     env["MESHNODE_STRATEGY"] = "tensor"
@@ -161,16 +189,20 @@ def test_tensor_pair_speculates_and_answers_as_mlx_lm(tmp_path):
         cluster = Cluster(mesh, model, tmp_path)
         for h in cluster.hosts:
             cluster.start(h, int(total * 2), env=env, drafts=drafts)
-        view = cluster.wait(lambda: (v := cluster.converged(cluster.hosts, 2)) and v[0]["plan"]["strategy"] == "tensor"
-                            and v, 90, "a tensor plan")[0]
+        view = cluster.wait(
+            lambda: (v := cluster.converged(cluster.hosts, 2)) and v[0]["plan"]["strategy"] == "tensor" and v,
+            90,
+            "a tensor plan",
+        )[0]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
         check_speculated(cluster, head, filled=False)  # one stage (both nodes in it): nothing to fill
 
 
 def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
-    model = build_model(tmp_path / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256,
-                        dtype="float32", seed=3)
+    model = build_model(
+        tmp_path / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256, dtype="float32", seed=3
+    )
     max_tokens = 200
     texts, answers = references(model, max_tokens)
     assert len(texts["greedy"]) > 100, "too short to fault in the middle"
@@ -187,8 +219,9 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, "convergence")[0]
         stages = stage_nodes(view)
         first, head = stages[0], stages[-1]
-        text, faulted = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens),
-                                    fault=lambda: mesh.kill(cluster.procs[first]))
+        text, faulted = read_stream(
+            cluster.stream(cluster.host(head), MESSAGES, max_tokens), fault=lambda: mesh.kill(cluster.procs[first])
+        )
         assert faulted
         assert text == texts["greedy"], cluster.logs()
         seeded, _ = read_stream(cluster.stream(cluster.host(head), MESSAGES, max_tokens, **SEEDED))
@@ -202,8 +235,9 @@ def test_a_stage_killed_mid_speculation_replays_to_the_same_output(tmp_path):
 def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
     """speculative = "draft_model": each node loads the draft whole (here the served model itself, so
     every guess is confirmed), offers that much less memory, and the answers are mlx-lm's."""
-    model = build_model(tmp_path / "llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
-                        dtype="float32", seed=4)
+    model = build_model(
+        tmp_path / "llama", "llama", num_layers=6, hidden_size=64, intermediate_size=128, dtype="float32", seed=4
+    )
     texts, _ = references(model, MAX_TOKENS)
     total = profile_model(model).total_bytes(1024)
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
@@ -220,8 +254,7 @@ def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         for node in view["nodes"]:  # the draft's weights (the file less its header) are off what each node offers
-            assert abs(node["memory_budget"] - (budget - weights)) < 64 << 10, \
-                (node["memory_budget"], budget, weights)
+            assert abs(node["memory_budget"] - (budget - weights)) < 64 << 10, (node["memory_budget"], budget, weights)
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
         # A greedy answer: the draft (the same model) guesses every token right. (A seeded draw is
@@ -229,6 +262,8 @@ def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
         before = node_metrics(cluster, head)
         assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]
         after = node_metrics(cluster, head)
-        drafted, accepted = (counter(after, f"meshnode_speculative_{k}_tokens") -
-                             counter(before, f"meshnode_speculative_{k}_tokens") for k in ("drafted", "accepted"))
+        drafted, accepted = (
+            counter(after, f"meshnode_speculative_{k}_tokens") - counter(before, f"meshnode_speculative_{k}_tokens")
+            for k in ("drafted", "accepted")
+        )
         assert drafted > 0 and accepted == drafted, (drafted, accepted)

@@ -58,14 +58,31 @@ def head_and_peer(path, cuts, closers):
     server = StageServer(scheduler, vocab_size=512, max_chunk=512, max_context=4096)
     server.serve(EPOCH, shards)
     auth = ClusterAuth(KEY)
-    data = DataServer("127.0.0.1", 0, auth=auth, verify=True,
-                      forward=lambda conn, opening, host: serve_forward(server, scheduler.run_here, conn, opening,
-                                                                        host))
+    data = DataServer(
+        "127.0.0.1",
+        0,
+        auth=auth,
+        verify=True,
+        forward=lambda conn, opening, host: serve_forward(server, scheduler.run_here, conn, opening, host),
+    )
     closers += [scheduler.stop, data.close]
-    return [RemoteStage(node_id="peer", channel=mock.MagicMock(), loop=None, start=a, end=b, epoch=EPOCH,
-                        hidden_size=shard.hidden_size, hop_timeout=5.0,
-                        data_port=("127.0.0.1", data.port), auth=auth, caller="head", data_session=HopSession)
-            for (a, b), shard in shards.items()] + [LocalStage(Shard(path, cuts[-2], cuts[-1]))]
+    return [
+        RemoteStage(
+            node_id="peer",
+            channel=mock.MagicMock(),
+            loop=None,
+            start=a,
+            end=b,
+            epoch=EPOCH,
+            hidden_size=shard.hidden_size,
+            hop_timeout=5.0,
+            data_port=("127.0.0.1", data.port),
+            auth=auth,
+            caller="head",
+            data_session=HopSession,
+        )
+        for (a, b), shard in shards.items()
+    ] + [LocalStage(Shard(path, cuts[-2], cuts[-1]))]
 
 
 def test_a_free_drafters_guess_ends_a_pause_for_finding_nothing_and_only_that_pause():
@@ -104,8 +121,15 @@ def test_a_quote_past_the_first_pause_is_speculated_from_where_it_begins(model_c
             for free in (True, False):
                 stages = stages_of(path, [0, 2, 4]) if where == "local" else head_and_peer(path, [0, 2, 4], closers)
                 passes: list = []
-                got = speculate(stages, prompt, params, lambda h: Patchy(h, reference, quote, free), passes,
-                                depth=None if where == "remote" else 1, costs=FixedCosts())
+                got = speculate(
+                    stages,
+                    prompt,
+                    params,
+                    lambda h: Patchy(h, reference, quote, free),
+                    passes,
+                    depth=None if where == "remote" else 1,
+                    costs=FixedCosts(),
+                )
                 assert got == want, (name, where, free, params)
                 confirmed[free] = sum(a for _, a, _, _ in passes)
             # Not free: asked again only where the second pause ends, past the quote. Free: asked
@@ -140,8 +164,9 @@ def test_where_a_free_drafter_finds_nothing_each_step_promises_the_next(model_ca
         want = plain(model, prompt, N, None)
         with mock.patch.object(ShardClass, "build_ahead", counting):
             stages = head_and_peer(path, [0, 2, 4], closers)
-            got = speculate(stages, prompt, params, lambda h: Patchy(h, prompt + want, [], free=True),
-                            costs=FixedCosts())
+            got = speculate(
+                stages, prompt, params, lambda h: Patchy(h, prompt + want, [], free=True), costs=FixedCosts()
+            )
         assert got == want, name
         assert len(built) >= N - DRY_RUN, (name, len(built))
     finally:

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from harness.cluster import HTTP, Cluster, in_ns
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -31,19 +31,21 @@ PROMPTS = [
 # Every stage's prefill step is limited to a tenth of a millisecond: chunks of the smallest size.
 FAST_CHUNKS = {"MESHNODE_MAX_STEP_MS": "0.1"}
 
-_CONCURRENT = ("import json,sys,threading,urllib.request\n"
-               "url,bodies=sys.argv[1],json.loads(sys.argv[2])\n"
-               "out=[None]*len(bodies)\n"
-               "def go(i):\n"
-               "  req=urllib.request.Request(url,data=json.dumps(bodies[i]).encode(),"
-               "headers={'Content-Type':'application/json'})\n"
-               "  try:\n"
-               "    out[i]=json.loads(urllib.request.urlopen(req,timeout=120).read())['choices'][0]['message']['content']\n"
-               "  except Exception as e:\n"
-               "    out[i]='ERROR '+repr(e)\n"
-               "ts=[threading.Thread(target=go,args=(i,)) for i in range(len(bodies))]\n"
-               "[t.start() for t in ts]; [t.join() for t in ts]\n"
-               "print(json.dumps(out))\n")
+_CONCURRENT = (
+    "import json,sys,threading,urllib.request\n"
+    "url,bodies=sys.argv[1],json.loads(sys.argv[2])\n"
+    "out=[None]*len(bodies)\n"
+    "def go(i):\n"
+    "  req=urllib.request.Request(url,data=json.dumps(bodies[i]).encode(),"
+    "headers={'Content-Type':'application/json'})\n"
+    "  try:\n"
+    "    out[i]=json.loads(urllib.request.urlopen(req,timeout=120).read())['choices'][0]['message']['content']\n"
+    "  except Exception as e:\n"
+    "    out[i]='ERROR '+repr(e)\n"
+    "ts=[threading.Thread(target=go,args=(i,)) for i in range(len(bodies))]\n"
+    "[t.start() for t in ts]; [t.join() for t in ts]\n"
+    "print(json.dumps(out))\n"
+)
 
 
 def _messages(text):
@@ -54,21 +56,30 @@ def _references(model):
     from mlx_lm import generate, load
 
     m, tok = load(str(model))
-    return [generate(m, tok, prompt=tok.apply_chat_template(_messages(p), add_generation_prompt=True),
-                     max_tokens=MAX_TOKENS) for p in PROMPTS]
+    return [
+        generate(
+            m, tok, prompt=tok.apply_chat_template(_messages(p), add_generation_prompt=True), max_tokens=MAX_TOKENS
+        )
+        for p in PROMPTS
+    ]
 
 
 def _concurrent_chats(cluster, host) -> list[str]:
-    bodies = [{"model": cluster.model.name, "messages": _messages(p), "max_tokens": MAX_TOKENS, "temperature": 0}
-              for p in PROMPTS]
-    return in_ns(cluster.client, _CONCURRENT, f"http://{host.ip}:{HTTP}/v1/chat/completions", json.dumps(bodies),
-                 timeout=180)
+    bodies = [
+        {"model": cluster.model.name, "messages": _messages(p), "max_tokens": MAX_TOKENS, "temperature": 0}
+        for p in PROMPTS
+    ]
+    return in_ns(
+        cluster.client, _CONCURRENT, f"http://{host.ip}:{HTTP}/v1/chat/completions", json.dumps(bodies), timeout=180
+    )
 
 
 def _decode_hops(cluster, host) -> dict[str, float]:
     """Decode hops the head timed, by transport (tcp: the data port; grpc), from its /metrics."""
-    code = (f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
-            ".read().decode())")
+    code = (
+        f"import urllib.request; print(urllib.request.urlopen('http://{host.ip}:{HTTP}/metrics', timeout=5)"
+        ".read().decode())"
+    )
     text = cluster.client.run([sys.executable, "-c", code], timeout=20).stdout
     counts = {"tcp": 0.0, "grpc": 0.0}
     for line in text.splitlines():
@@ -89,8 +100,11 @@ def _run(model, tmp_path, hosts: int, fraction: float, transport: str = "tcp"):
             fast = transport == "tcp" or (transport == "mixed" and i > 0)
             # pipeline pinned: these are tests of stages; with "auto" the planner may put two of the
             # three nodes in a tensor group (hybrid), whichever the measured links favour on the day.
-            cluster.start(h, budget, env={**FAST_CHUNKS, "MESHNODE_STRATEGY": "pipeline",
-                                          "MESHNODE_FAST_HOPS": "true" if fast else "false"})
+            cluster.start(
+                h,
+                budget,
+                env={**FAST_CHUNKS, "MESHNODE_STRATEGY": "pipeline", "MESHNODE_FAST_HOPS": "true" if fast else "false"},
+            )
         views = cluster.wait(lambda: cluster.converged(cluster.hosts, hosts), 60, "convergence")
         assert len(views[0]["plan"]["stages"]) == hosts, views[0]["plan"]
         head = next(h for h in cluster.hosts if h.name == views[0]["plan"]["stages"][-1]["nodes"][0])
@@ -109,12 +123,19 @@ def _run(model, tmp_path, hosts: int, fraction: float, transport: str = "tcp"):
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc", "mixed"])
 def test_dense_two_stages_pipelined_prefill_and_overlapped_decoding(tmp_path_factory, tmp_path, transport):
-    model = build_model(tmp_path_factory.mktemp("speed") / "llama", "llama", num_layers=8, hidden_size=128,
-                        intermediate_size=256, dtype="float32")
+    model = build_model(
+        tmp_path_factory.mktemp("speed") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+    )
     _run(model, tmp_path, hosts=2, fraction=0.6, transport=transport)
 
 
 def test_moe_three_stages_pipelined_prefill_and_overlapped_decoding(tmp_path_factory, tmp_path):
-    model = build_model(tmp_path_factory.mktemp("speed") / "qwen3_moe", "qwen3_moe", num_layers=6, hidden_size=64,
-                        dtype="float32")
+    model = build_model(
+        tmp_path_factory.mktemp("speed") / "qwen3_moe", "qwen3_moe", num_layers=6, hidden_size=64, dtype="float32"
+    )
     _run(model, tmp_path, hosts=3, fraction=0.4)

@@ -14,19 +14,32 @@ import pytest
 
 from harness.cluster import wait_until
 from meshnode.model.build import build_model
-from tests.helpers import clean_env as _env, meshnode_run
+from tests.helpers import clean_env as _env
+from tests.helpers import meshnode_run
 
 pytestmark = pytest.mark.timeout(120)
 
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("status") / "llama", "llama", num_layers=4, hidden_size=64,
-                       intermediate_size=128, dtype="float32")
+    return build_model(
+        tmp_path_factory.mktemp("status") / "llama",
+        "llama",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+    )
 
 
 def status(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    out = subprocess.run([sys.executable, "-m", "meshnode.cli", "status", *args], capture_output=True, text=True,
-                         timeout=30, env=env or _env())
+    out = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env or _env(),
+    )
     return out.returncode, out.stdout, out.stderr
 
 
@@ -43,24 +56,31 @@ def test_status_of_a_healthy_node(model, tmp_path):
         assert any(line.startswith("plan         single, epoch 1") for line in lines), out
         assert f"  layers 0–3 on node {node_id}" in lines
         assert "nodes        1" in lines
-        assert any(line.startswith(f"  {node_id}  127.0.0.1:{port}  offers 1.0 GiB of ") and
-                   line.endswith("[this node, coordinator]") for line in lines), out
+        assert any(
+            line.startswith(f"  {node_id}  127.0.0.1:{port}  offers 1.0 GiB of ")
+            and line.endswith("[this node, coordinator]")
+            for line in lines
+        ), out
         assert "hint" not in out and err == ""
 
         rc, out, _ = status("--url", url, "--json")
         data = json.loads(out)
         assert rc == 0
         assert data["node_id"] == node_id and data["healthy"] is True and data["unreachable"] == []
-        assert data["plan"]["stages"] == [{**data["plan"]["stages"][0], "start_layer": 0, "end_layer": 4,
-                                           "nodes": [node_id]}]
+        assert data["plan"]["stages"] == [
+            {**data["plan"]["stages"][0], "start_layer": 0, "end_layer": 4, "nodes": [node_id]}
+        ]
 
 
 def test_status_of_a_node_that_cannot_serve(model, tmp_path):
     """A budget the model does not fit in: the node runs and answers, but serves nothing."""
     with meshnode_run(tmp_path, model=model, http_port=0, grpc_port=0, budget="64KiB") as (node_id, port, _):
         url = f"http://127.0.0.1:{port}"
-        data = wait_until(lambda: (d := json.loads(status("--url", url, "--json")[1])).get("plan_error") and d, 30,
-                          "the node to find that the model does not fit")
+        data = wait_until(
+            lambda: (d := json.loads(status("--url", url, "--json")[1])).get("plan_error") and d,
+            30,
+            "the node to find that the model does not fit",
+        )
         assert data["healthy"] is False and data["plan"] is None
         assert status("--url", url, "--json")[0] == 1
         rc, out, _ = status("--url", url)
@@ -76,8 +96,10 @@ def test_status_finds_the_node_by_its_config_file(model, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = tmp_path / "meshnode.toml"
-    config.write_text(f'model = "{model}"\nhttp_port = {port}\napi_key = "status-test-key"\n'
-                      f'cluster_key = "a-cluster-key-for-this-test"\nmemory_budget = "1GiB"\n')
+    config.write_text(
+        f'model = "{model}"\nhttp_port = {port}\napi_key = "status-test-key"\n'
+        f'cluster_key = "a-cluster-key-for-this-test"\nmemory_budget = "1GiB"\n'
+    )
     config.chmod(0o600)
     with meshnode_run(tmp_path, config=config, grpc_port=0) as (node_id, up_port, _):
         assert up_port == port

@@ -25,8 +25,12 @@ from meshnode.serving.step_batch import StepBatcher, can_batch
 pytestmark = pytest.mark.timeout(300)
 
 LAYERS = 4
-PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 64], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [21, 22, 23],
-           [40, 41, 42, 43, 44, 45]]
+PROMPTS = [
+    [3, 17, 42, 99, 7, 250, 31, 64],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+    [21, 22, 23],
+    [40, 41, 42, 43, 44, 45],
+]
 # They end at different steps: the batch shrinks while others go on.
 LENGTHS = [96, 60, 120, 80]
 
@@ -39,8 +43,9 @@ def reference(path, prompt, n):
 @pytest.fixture(params=[("llama", None), ("qwen3_moe", None), ("llama", "4bit")], ids=["llama", "qwen3_moe", "4bit"])
 def pipeline(request, tmp_path):
     family, quantize = request.param
-    path = build_model(tmp_path / family, family, num_layers=LAYERS, hidden_size=128, dtype="float32",
-                       quantize=quantize, seed=9)
+    path = build_model(
+        tmp_path / family, family, num_layers=LAYERS, hidden_size=128, dtype="float32", quantize=quantize, seed=9
+    )
     handles = [LocalStage(Shard(path, 0, 2)), LocalStage(Shard(path, 2, LAYERS))]
     # Claims of the baton served in the order they come, so every generation takes its turn after
     # each token and they decode together. With the node's default (a decoder goes before a prompt
@@ -101,9 +106,15 @@ def test_a_cancelled_generation_leaves_the_batch_and_the_others_stay_correct(pip
     batcher = StepBatcher(handles)
     source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
 
-    first, cut, third, fourth = asyncio.run(_together(scheduler, _tokens(source, PROMPTS[0], 96),
-                                                      _tokens(source, PROMPTS[1], 96, stop_after=40),
-                                                      _tokens(source, PROMPTS[2], 80), _tokens(source, PROMPTS[3], 90)))
+    first, cut, third, fourth = asyncio.run(
+        _together(
+            scheduler,
+            _tokens(source, PROMPTS[0], 96),
+            _tokens(source, PROMPTS[1], 96, stop_after=40),
+            _tokens(source, PROMPTS[2], 80),
+            _tokens(source, PROMPTS[3], 90),
+        )
+    )
     assert first == reference(path, PROMPTS[0], 96) and third == reference(path, PROMPTS[2], 80)
     assert fourth == reference(path, PROMPTS[3], 90)
     assert cut == reference(path, PROMPTS[1], 40)

@@ -13,14 +13,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from harness.cluster import wait_until
+from meshnode.model.build import build_model
+from meshnode.model.compute import free_ports
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
-from meshnode.model.build import build_model
-from meshnode.model.compute import free_ports
-from harness.cluster import wait_until
-from tests.helpers import tensor_group
 from meshnode.proto import mesh_pb2
+from tests.helpers import tensor_group
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,8 +29,7 @@ PROMPT = [1, 5, 9, 22, 7, 3, 100, 45]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("tp") / "llama", "llama", num_layers=6, hidden_size=128,
-                       dtype="float32")
+    return build_model(tmp_path_factory.mktemp("tp") / "llama", "llama", num_layers=6, hidden_size=128, dtype="float32")
 
 
 def _greedy(step, n: int) -> list[int]:
@@ -182,8 +181,9 @@ def test_a_member_that_leaves_an_idle_group_stops_the_leader_so_the_group_forms_
 
 def test_a_group_that_cannot_form_gives_up(model):
     *ring, control = free_ports(3)
-    lonely = TensorShard(model, 0, 6, 6, rank=0, endpoints=[f"127.0.0.1:{p}" for p in ring],
-                         control=f"127.0.0.1:{control}")
+    lonely = TensorShard(
+        model, 0, 6, 6, rank=0, endpoints=[f"127.0.0.1:{p}" for p in ring], control=f"127.0.0.1:{control}"
+    )
     t0 = time.monotonic()
     with pytest.raises(TensorGroupError, match="no answer"):
         lonely.launch(3)
@@ -193,9 +193,20 @@ def test_a_group_that_cannot_form_gives_up(model):
 # Every family the planner forms tensor groups for (control.planner.TENSOR_FAMILIES), and quantized
 # weights: a whole-model group of two gives mlx-lm's greedy tokens. 4-bit models are quantized from
 # float32 (float32 scales, so activations stay float32: tensor parallelism changes bf16 rounding).
-GROUP_CASES = [("llama", "4bit"), ("qwen3_moe", "4bit"), ("qwen3_moe", "8bit"), ("qwen2", None), ("qwen3", None),
-               ("deepseek_v3", None), ("deepseek_v3", "4bit"), ("glm4_moe", None), ("gpt_oss", None),
-               ("deepseek_v32", None), ("glm4_moe_lite", None), ("kimi_k25", None)]
+GROUP_CASES = [
+    ("llama", "4bit"),
+    ("qwen3_moe", "4bit"),
+    ("qwen3_moe", "8bit"),
+    ("qwen2", None),
+    ("qwen3", None),
+    ("deepseek_v3", None),
+    ("deepseek_v3", "4bit"),
+    ("glm4_moe", None),
+    ("gpt_oss", None),
+    ("deepseek_v32", None),
+    ("glm4_moe_lite", None),
+    ("kimi_k25", None),
+]
 
 
 def test_every_tensor_family_is_checked_here():
@@ -206,8 +217,15 @@ def test_every_tensor_family_is_checked_here():
 
 @pytest.mark.parametrize("family,quantize", GROUP_CASES, ids=lambda v: str(v))
 def test_tensor_family_group_matches_mlx_lm(tmp_path, family, quantize):
-    path = build_model(tmp_path / family, family, num_layers=6, hidden_size=64, intermediate_size=128,
-                       dtype="float32", quantize=quantize)
+    path = build_model(
+        tmp_path / family,
+        family,
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        dtype="float32",
+        quantize=quantize,
+    )
     members = tensor_group(path, 0, 6)
     try:
         lead = members[0]
@@ -225,8 +243,7 @@ def test_a_slow_step_is_waited_for_while_every_member_heartbeats(model):
     """Liveness from the control plane: a step far slower than the group's per-step deadline (every
     collective delayed) completes while ``members_alive`` holds; once it does not, the step fails at once."""
     heartbeats = [True]
-    members = tensor_group(model, 0, 6, hop_timeout=0.05, inject_latency=0.05,
-                     members_alive=lambda: heartbeats[0])
+    members = tensor_group(model, 0, 6, hop_timeout=0.05, inject_latency=0.05, members_alive=lambda: heartbeats[0])
     try:
         lead = members[0]
         cache = lead.make_cache()
@@ -234,8 +251,9 @@ def test_a_slow_step_is_waited_for_while_every_member_heartbeats(model):
         got = _greedy(lambda x: lead.forward(x, cache), 3)
         assert time.monotonic() - t0 > 3 * 0.05 * 12  # 12 delayed collectives a step: far past 0.05 s
         m, _ = load(str(model))
-        assert got == [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=3)),
-                                                range(3))]
+        assert got == [
+            int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=3)), range(3))
+        ]
         heartbeats[0] = False
         with pytest.raises(TensorGroupError, match="stopped heartbeating"):
             _greedy(lambda x: lead.forward(x, cache), 1)

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from meshnode.model.compute import seed_figures
-from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
-from meshnode.control.coordinator import REPLAN_GAIN
 from harness.cluster import Cluster, mlx_reference, read_stream
 from harness.netns import netns_mesh
+from meshnode.control.coordinator import REPLAN_GAIN
+from meshnode.model.build import build_model
+from meshnode.model.compute import seed_figures
+from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -31,8 +31,17 @@ def _reference(path, max_tokens=MAX_TOKENS):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     # 6 heads, 2 kv heads: groups of 2 divide them, groups of 3 do not (kv heads).
-    return build_model(tmp_path_factory.mktemp("tpmesh") / "llama", "llama", num_layers=8, hidden_size=192,
-                       num_heads=6, num_kv_heads=2, intermediate_size=384, dtype="float32", seed=5)
+    return build_model(
+        tmp_path_factory.mktemp("tpmesh") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=192,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=384,
+        dtype="float32",
+        seed=5,
+    )
 
 
 def _settled(cluster, strategy):
@@ -54,7 +63,7 @@ def test_tensor_pair_answers_like_mlx_lm_and_survives_losing_a_member(llama, tmp
         views = cluster.wait(lambda: _settled(cluster, "tensor"), 90, "a tensor plan")
         plan = views[0]["plan"]
         assert plan["strategy"] == "tensor", plan
-        (start, end, nodes), = _stages(views[0])
+        ((start, end, nodes),) = _stages(views[0])
         assert (start, end) == (0, 8) and sorted(nodes) == sorted(h.name for h in cluster.hosts)
         for h in cluster.hosts:  # through the group's rank 0 and through the other member
             assert cluster.chat(h, MESSAGES, MAX_TOKENS) == reference, cluster.logs()
@@ -64,8 +73,9 @@ def test_tensor_pair_answers_like_mlx_lm_and_survives_losing_a_member(llama, tmp
         lead, other = cluster.host(nodes[0]), cluster.host(nodes[1])
         t0 = time.monotonic()
         try:
-            text, faulted = read_stream(cluster.stream(lead, MESSAGES, MAX_TOKENS),
-                                        fault=lambda: mesh.kill(cluster.procs[other.name]))
+            text, faulted = read_stream(
+                cluster.stream(lead, MESSAGES, MAX_TOKENS), fault=lambda: mesh.kill(cluster.procs[other.name])
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{cluster.logs()}") from None
         assert faulted and text == reference, (faulted, text, reference, cluster.logs())
@@ -93,8 +103,19 @@ def test_three_hosts_where_three_does_not_divide_the_heads_make_a_hybrid(llama, 
 def test_moe_hybrid_on_three_hosts_identical_tokens(tmp_path):
     """qwen3_moe where three does not divide the kv heads: a tensor pair (each layer's experts
     split over its fast link) plus a pipeline stage on the third host."""
-    path = build_model(tmp_path / "moe", "qwen3_moe", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2,
-                       intermediate_size=384, num_experts=4, experts_per_tok=2, dtype="float32", seed=11)
+    path = build_model(
+        tmp_path / "moe",
+        "qwen3_moe",
+        num_layers=6,
+        hidden_size=192,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=384,
+        num_experts=4,
+        experts_per_tok=2,
+        dtype="float32",
+        seed=11,
+    )
     reference = _reference(path, 60)
     total = profile_model(path).total_bytes(512)
     with netns_mesh(3) as mesh:
@@ -110,16 +131,26 @@ def test_moe_hybrid_on_three_hosts_identical_tokens(tmp_path):
 def test_moe_models_split_with_identical_tokens(family, tmp_path):
     """qwen3_moe has mlx-lm's tensor sharding: a group keeps each layer's experts on fast links
     (here all links are fast, namespaces on one bridge). mixtral has none: it gets a pipeline."""
-    path = build_model(tmp_path / family, family, num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
-                       intermediate_size=256, num_experts=4, experts_per_tok=2, dtype="float32", seed=7)
+    path = build_model(
+        tmp_path / family,
+        family,
+        num_layers=4,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        num_experts=4,
+        experts_per_tok=2,
+        dtype="float32",
+        seed=7,
+    )
     reference = _reference(path, 60)
     total = profile_model(path).total_bytes(512)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, path, tmp_path)
         strategy = "tensor" if family == "qwen3_moe" else "auto"
         for h in cluster.hosts:
-            cluster.start(h, int(total * 0.7), env={"MESHNODE_STRATEGY": strategy,
-                                                    "MESHNODE_LINK_PROBE_INTERVAL": "5"})
+            cluster.start(h, int(total * 0.7), env={"MESHNODE_STRATEGY": strategy, "MESHNODE_LINK_PROBE_INTERVAL": "5"})
         expected = "tensor" if family == "qwen3_moe" else "pipeline"
         views = cluster.wait(lambda: _settled(cluster, expected), 90, f"a {expected} plan for {family}")
         plan = views[0]["plan"]
@@ -130,19 +161,30 @@ def test_moe_models_split_with_identical_tokens(family, tmp_path):
 def _figures(view, profile):
     """The planner's inputs as the mesh reports them: nodes (budget, measured layer time) and the
     best measured link between the two (None until both ends have measured it)."""
+    from meshnode.control.coordinator import UNMEASURED_COLLECTIVE_S
     from meshnode.control.planner import LinkSpec, NodeSpec
 
-    from meshnode.control.coordinator import UNMEASURED_COLLECTIVE_S
-
-    nodes = [NodeSpec(n["node_id"], n["memory_budget"], layer_seconds=n["layer_seconds"] or None,
-                      collective_s=n["collective_seconds"] or UNMEASURED_COLLECTIVE_S) for n in view["nodes"]]
+    nodes = [
+        NodeSpec(
+            n["node_id"],
+            n["memory_budget"],
+            layer_seconds=n["layer_seconds"] or None,
+            collective_s=n["collective_seconds"] or UNMEASURED_COLLECTIVE_S,
+        )
+        for n in view["nodes"]
+    ]
     figures = [link for n in view["nodes"] for link in n["links"]]
     if len(figures) < 2:
         return nodes, None
     fast = min(figures, key=lambda link: link["rtt_us"])
     a, b = (n.node_id for n in nodes)
-    return nodes, {(a, b): LinkSpec(rtt_s=fast["rtt_us"] * 1e-6, bandwidth_Bps=fast["bandwidth"],
-                                    overhead_s=max(fast["rpc_rtt_us"] - fast["rtt_us"], 0) * 1e-6)}
+    return nodes, {
+        (a, b): LinkSpec(
+            rtt_s=fast["rtt_us"] * 1e-6,
+            bandwidth_Bps=fast["bandwidth"],
+            overhead_s=max(fast["rpc_rtt_us"] - fast["rtt_us"], 0) * 1e-6,
+        )
+    }
 
 
 def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tmp_path):
@@ -155,8 +197,17 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
     # Layers wide enough (~15 ms each here) that splitting one two ways clearly pays even on a busy
     # moment: at hidden 384 (3.8 ms a layer) the all-reduces' fixed cost sometimes ate the gain
     # (a fresh-clone CI run timed the split at 4.24 ms against 3.78 ms whole, three times over).
-    path = build_model(tmp_path / "wide", "llama", num_layers=4, hidden_size=768, num_heads=8, num_kv_heads=8,
-                       intermediate_size=3072, dtype="float32", seed=1)
+    path = build_model(
+        tmp_path / "wide",
+        "llama",
+        num_layers=4,
+        hidden_size=768,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=3072,
+        dtype="float32",
+        seed=1,
+    )
     profile = profile_model(path)
     budget = int(profile.total_bytes(512) * 0.7)
     fast_replan = {"MESHNODE_LINK_PROBE_INTERVAL": "2", "MESHNODE_REBALANCE_DWELL": "1"}
@@ -170,8 +221,10 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
         if 0 < two < one * (1 - REPLAN_GAIN) * 0.95:
             break
     else:
-        pytest.fail(f"a layer split two ways ({two * 1e3:.2f} ms) does not clearly beat it whole ({one * 1e3:.2f} ms) "
-                    "on this machine: a tensor pair cannot win here")
+        pytest.fail(
+            f"a layer split two ways ({two * 1e3:.2f} ms) does not clearly beat it whole ({one * 1e3:.2f} ms) "
+            "on this machine: a tensor pair cannot win here"
+        )
 
     def run(inject_us: float):
         with netns_mesh(2) as mesh:
@@ -199,12 +252,17 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
                 if views[0]["plan"]["strategy"] != predicted:
                     why[0] = f"mesh plan {views[0]['plan']['strategy']}, model predicts {predicted} for {nodes} {links}"
                     return None
-                return (views, predicted, crossover_latency(profile, nodes, max_context=512, links=links),
-                        next(iter(links.values())).rtt_s / 2)
+                return (
+                    views,
+                    predicted,
+                    crossover_latency(profile, nodes, max_context=512, links=links),
+                    next(iter(links.values())).rtt_s / 2,
+                )
 
             try:
-                settled, predicted, crossover, one_way = cluster.wait(agreed, 120,
-                                                                      "the plan the planner's model predicts")
+                settled, predicted, crossover, one_way = cluster.wait(
+                    agreed, 120, "the plan the planner's model predicts"
+                )
             except AssertionError as exc:
                 raise AssertionError(f"{why[0]}\n{exc}") from None
             time.sleep(5)  # a few more re-weighings: no flapping
@@ -218,15 +276,27 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
     # An echo's reply is delayed once per round trip: one way grows by half the injected delay.
     strategy, crossover_again, far = run(8 * crossover * 1e6)
     assert far > crossover_again and strategy == "pipeline", (strategy, crossover_again, far)
-    print(f"predicted crossover {crossover * 1e6:.0f} µs one way: tensor at {near * 1e6:.0f} µs, "
-          f"pipeline at {far * 1e6:.0f} µs (crossover then {crossover_again * 1e6:.0f} µs)")
+    print(
+        f"predicted crossover {crossover * 1e6:.0f} µs one way: tensor at {near * 1e6:.0f} µs, "
+        f"pipeline at {far * 1e6:.0f} µs (crossover then {crossover_again * 1e6:.0f} µs)"
+    )
 
 
 def test_tensor_pair_on_a_4bit_model(tmp_path):
     """A 4-bit llama (quantized from float32: float32 scales, so the all-reduce's rounding stays at
     float32's last bits) served by a tensor pair of real nodes answers like mlx-lm."""
-    path = build_model(tmp_path / "q4", "llama", num_layers=8, hidden_size=192, num_heads=6, num_kv_heads=2,
-                       intermediate_size=384, dtype="float32", seed=5, quantize="4bit")
+    path = build_model(
+        tmp_path / "q4",
+        "llama",
+        num_layers=8,
+        hidden_size=192,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=384,
+        dtype="float32",
+        seed=5,
+        quantize="4bit",
+    )
     reference = _reference(path, 60)
     total = profile_model(path).total_bytes(512)
     with netns_mesh(2) as mesh:
@@ -234,7 +304,7 @@ def test_tensor_pair_on_a_4bit_model(tmp_path):
         for h in cluster.hosts:
             cluster.start(h, int(total * 0.7), env={"MESHNODE_STRATEGY": "tensor"})
         views = cluster.wait(lambda: _settled(cluster, "tensor"), 90, "a tensor plan")
-        (start, end, nodes), = _stages(views[0])
+        ((start, end, nodes),) = _stages(views[0])
         assert (start, end) == (0, 8) and len(nodes) == 2, views[0]["plan"]
         for h in cluster.hosts:
             assert cluster.chat(h, MESSAGES, 60) == reference, cluster.logs()
@@ -243,8 +313,17 @@ def test_tensor_pair_on_a_4bit_model(tmp_path):
 def test_hybrid_on_a_family_with_shared_experts(tmp_path):
     """deepseek_v3 (MLA attention, routed and shared experts): a tensor pair holding some layers
     (each layer's experts on the pair's fast link) and a pipeline stage on the third host."""
-    path = build_model(tmp_path / "dsv3", "deepseek_v3", num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=4,
-                       intermediate_size=256, dtype="float32", seed=3)
+    path = build_model(
+        tmp_path / "dsv3",
+        "deepseek_v3",
+        num_layers=6,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=256,
+        dtype="float32",
+        seed=3,
+    )
     reference = _reference(path, 60)
     total = profile_model(path).total_bytes(512)
     with netns_mesh(3) as mesh:

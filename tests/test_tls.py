@@ -16,12 +16,12 @@ import pytest
 from cryptography import x509
 
 from meshnode.config import ConfigError, Settings, load_settings
+from meshnode.model.build import build_model
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth, SignedChannel
 from meshnode.weights.profile import profile_model
-from meshnode.model.build import build_model
 from tests.helpers import running_node
-from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,8 +36,9 @@ def test_same_key_same_certificate_bytes_other_key_other_certificate():
     b = tls.derive_identity(KEY)
     assert a is not b and a.cert_pem == b.cert_pem and a.key_pem == b.key_pem
     # another process derives the very same bytes (no randomness anywhere, signature included)
-    code = ("import sys; from meshnode.trust.tls import derive_identity as d; "
-            f"sys.stdout.buffer.write(d({KEY!r}).cert_pem)")
+    code = (
+        f"import sys; from meshnode.trust.tls import derive_identity as d; sys.stdout.buffer.write(d({KEY!r}).cert_pem)"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout == a.cert_pem
     other = tls.derive_identity(KEY + "!")
     assert other.cert_pem != a.cert_pem and other.key_pem != a.key_pem
@@ -90,8 +91,11 @@ def reference(model):
 
 async def _probe(target: str, credentials, auth: ClusterAuth | None):
     options = tls.channel_options() if credentials is not None else []
-    channel = (grpc.aio.secure_channel(target, credentials, options=options) if credentials is not None
-               else grpc.aio.insecure_channel(target))
+    channel = (
+        grpc.aio.secure_channel(target, credentials, options=options)
+        if credentials is not None
+        else grpc.aio.insecure_channel(target)
+    )
     if auth is not None:
         channel = SignedChannel(channel, auth, "intruder")
     async with channel:
@@ -110,8 +114,11 @@ def test_two_encrypted_nodes_form_a_pipeline_answer_like_mlx_lm_and_refuse_outsi
     budget = int(profile_model(model).total_bytes(256, requests=Settings().kv_requests) * 0.6)
     with ExitStack() as stack:
         a, base_a = stack.enter_context(node_thread(model, tmp_path / "a", node_id="node-a", memory_budget=budget))
-        b, base_b = stack.enter_context(node_thread(model, tmp_path / "b", node_id="node-b", memory_budget=budget,
-                                                    peers=[f"127.0.0.1:{a.grpc_port}"]))
+        b, base_b = stack.enter_context(
+            node_thread(
+                model, tmp_path / "b", node_id="node-b", memory_budget=budget, peers=[f"127.0.0.1:{a.grpc_port}"]
+            )
+        )
         deadline = time.monotonic() + 60
         while not (a.serving_ready() and b.serving_ready()):
             assert time.monotonic() < deadline, f"no encrypted mesh: {_get(base_a + '/v1/mesh')}"

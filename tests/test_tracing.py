@@ -14,11 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_marks_are_written_per_process_and_read_back_in_time_order(tmp_path):
-    code = ("from meshnode import tracing\n"
-            "tracing.mark('b.first'); tracing.mark('b.second')\n")
+    code = "from meshnode import tracing\ntracing.mark('b.first'); tracing.mark('b.second')\n"
     for _ in range(2):  # two processes, each its own file, read back together
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60,
-                       env={**os.environ, tracing.ENV: str(tmp_path), "PYTHONPATH": str(ROOT)})
+        subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            cwd=ROOT,
+            timeout=60,
+            env={**os.environ, tracing.ENV: str(tmp_path), "PYTHONPATH": str(ROOT)},
+        )
     traces = tracing.read(tmp_path)
     assert len(traces) == 2
     for rows in traces.values():
@@ -31,8 +35,15 @@ def test_marks_are_written_per_process_and_read_back_in_time_order(tmp_path):
 def test_off_by_default_writes_nothing(tmp_path):
     code = "from meshnode import tracing\ntracing.mark('x')\nprint(tracing._events)\n"
     env = {k: v for k, v in os.environ.items() if k != tracing.ENV}
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60, capture_output=True,
-                         text=True, env={**env, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        cwd=ROOT,
+        timeout=60,
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
     assert out.stdout.strip() == "None"
     assert not list(tmp_path.iterdir())
 

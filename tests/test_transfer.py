@@ -15,15 +15,21 @@ import grpc
 import mlx.core as mx
 import pytest
 
+from meshnode.model.build import build_model
+from meshnode.model.shard import Shard
+from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.trust.auth import ClusterAuth, client_interceptors
 from meshnode.weights import transfer
-from meshnode.weights.manifest import (CACHE_NAME, PARTIAL_MARKER, build_manifest, layers_held, tensors_for_layers,
-                                    validate_manifest)
-from meshnode.model.shard import Shard
+from meshnode.weights.manifest import (
+    CACHE_NAME,
+    PARTIAL_MARKER,
+    build_manifest,
+    layers_held,
+    tensors_for_layers,
+    validate_manifest,
+)
 from meshnode.weights.store import ModelStore
 from meshnode.weights.transfer import DiskSpaceError, fetch_layers
-from meshnode.model.build import build_model
-from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 KEY = "transfer tests key"
 LAYERS = 6
@@ -35,8 +41,10 @@ MODEL = "tiny"
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     kw = dict(num_layers=LAYERS, hidden_size=128, dtype="float32", max_file_size_mb=1)
-    return {"untied": build_model(root / "untied", "llama", tie_word_embeddings=False, **kw),
-            "tied": build_model(root / "tied", "llama", tie_word_embeddings=True, **kw)}
+    return {
+        "untied": build_model(root / "untied", "llama", tie_word_embeddings=False, **kw),
+        "tied": build_model(root / "tied", "llama", tie_word_embeddings=True, **kw),
+    }
 
 
 class StoreServicer(mesh_pb2_grpc.MeshServicer):
@@ -121,8 +129,9 @@ def test_manifest_is_cached_and_valid(models):
     assert "model.embed_tokens.weight" in {t.name for _, t in tensors_for_layers(tied, 4, 6, LAYERS)}
 
 
-@pytest.mark.parametrize("kind,start,end", [("untied", 2, 5), ("untied", 0, 2), ("untied", 4, 6),
-                                            ("tied", 4, 6), ("tied", 0, 3)])
+@pytest.mark.parametrize(
+    "kind,start,end", [("untied", 2, 5), ("untied", 0, 2), ("untied", 4, 6), ("tied", 4, 6), ("tied", 0, 3)]
+)
 async def test_fetch_only_the_stage_and_it_loads(models, tmp_path, kind, start, end):
     full = models[kind]
     dest = tmp_path / "stage"
@@ -175,8 +184,9 @@ async def test_interrupted_transfer_resumes(models, tmp_path):
             half.set()
 
     async with serving(StoreServicer(store(full))) as peers:
-        task = asyncio.create_task(fetch_layers(peers, MODEL, 0, LAYERS, dest, on_progress=progress,
-                                                streams_per_peer=1))
+        task = asyncio.create_task(
+            fetch_layers(peers, MODEL, 0, LAYERS, dest, on_progress=progress, streams_per_peer=1)
+        )
         await half.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.weights.profile import profile_model
-from meshnode.weights.weightfiles import read_safetensors_header
-from meshnode.model.build import build_model
 from harness.cluster import Cluster, mlx_reference, read_stream
 from harness.netns import netns_mesh
+from meshnode.model.build import build_model
+from meshnode.weights.profile import profile_model
+from meshnode.weights.weightfiles import read_safetensors_header
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -24,8 +24,15 @@ MAX_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("transfer") / "llama", "llama", num_layers=9, hidden_size=128,
-                       intermediate_size=512, dtype="float32", seed=5)
+    return build_model(
+        tmp_path_factory.mktemp("transfer") / "llama",
+        "llama",
+        num_layers=9,
+        hidden_size=128,
+        intermediate_size=512,
+        dtype="float32",
+        seed=5,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +79,17 @@ def test_three_hosts_one_holds_the_model(model, reference, tmp_path):
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory):
     """~100 MB of float32 weights, so that a throttled transfer takes seconds."""
-    return build_model(tmp_path_factory.mktemp("transfer-big") / "llama", "llama", num_layers=8, hidden_size=512,
-                       intermediate_size=1536, num_heads=8, num_kv_heads=4, dtype="float32", seed=6)
+    return build_model(
+        tmp_path_factory.mktemp("transfer-big") / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_heads=8,
+        num_kv_heads=4,
+        dtype="float32",
+        seed=6,
+    )
 
 
 def _fetching(cluster, host):
@@ -108,8 +124,7 @@ def test_source_killed_mid_transfer_completes_from_the_other(big_model, tmp_path
         assert "fetched layers" in log, cluster.logs()
         start, end = stage_of(views[0], c.name)
         assert f"layers [{start}, {end})" in log
-        text = cluster.chat(a if views[0]["plan"]["stages"][-1]["nodes"][0] == a.name else c,
-                            MESSAGES, 8)
+        text = cluster.chat(a if views[0]["plan"]["stages"][-1]["nodes"][0] == a.name else c, MESSAGES, 8)
         assert isinstance(text, str)
 
 
@@ -125,8 +140,11 @@ def test_restarted_node_resumes_its_transfer(big_model, tmp_path):
         cluster.start(c, int(total * 0.75), model=big_model.name)
         cluster.wait(lambda: cluster.converged([a, b, c], 3), 120, "the mesh serving again")
         log = cluster.log(c)
-        here = [float(line.split(" MiB already here")[0].rsplit(", ", 1)[-1]) for line in log.splitlines()
-                if "MiB already here" in line]
+        here = [
+            float(line.split(" MiB already here")[0].rsplit(", ", 1)[-1])
+            for line in log.splitlines()
+            if "MiB already here" in line
+        ]
         assert here and here[0] > 0, log[-3000:]  # the first fetch of the new process starts from the old one's
         assert "fetched layers" in log
 
@@ -186,11 +204,19 @@ LONG = [{"role": "user", "content": "Tell me a very long story about the sea and
 def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_path):
     from mlx_lm import generate, load
 
-    model = build_model(tmp_path / "models" / "llama", "llama", num_layers=8, hidden_size=128,
-                        intermediate_size=256, dtype="float32", seed=3)  # a long answer (as in test_faults)
+    model = build_model(
+        tmp_path / "models" / "llama",
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype="float32",
+        seed=3,
+    )  # a long answer (as in test_faults)
     m, tok = load(str(model))
-    reference = generate(m, tok, prompt=tok.apply_chat_template(LONG, add_generation_prompt=True),
-                         max_tokens=FAILOVER_TOKENS)
+    reference = generate(
+        m, tok, prompt=tok.apply_chat_template(LONG, add_generation_prompt=True), max_tokens=FAILOVER_TOKENS
+    )
     assert len(reference) > 100
     total = profile_model(model).total_bytes(512)
     with netns_mesh(3) as mesh:
@@ -212,8 +238,9 @@ def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_p
         assert len(stages) == 2, stages
         first, head = [s["nodes"][0] for s in stages]
         assert c.name not in (first, head)
-        text, faulted = read_stream(cluster.stream(cluster.host(head), LONG, FAILOVER_TOKENS),
-                                    fault=lambda: mesh.kill(cluster.procs[first]))
+        text, faulted = read_stream(
+            cluster.stream(cluster.host(head), LONG, FAILOVER_TOKENS), fault=lambda: mesh.kill(cluster.procs[first])
+        )
         assert faulted
         assert text == reference, cluster.logs()
         after = cluster.mesh_view(cluster.host(head))
@@ -227,8 +254,16 @@ def test_a_middle_stage_fetched_from_a_peer_runs_quantized_and_bf16(quantize, dt
     """The node holding only middle layers has no embedding on disk: its activation dtype comes
     from the whole model's manifest (bf16 here, also for 4-bit weights with bf16 scales), so the
     activations between stages are not refused and the mesh answers like mlx-lm."""
-    model = build_model(tmp_path / f"llama-{quantize or dtype}", "llama", num_layers=6, hidden_size=128,
-                        intermediate_size=256, dtype=dtype, quantize=quantize, seed=5)
+    model = build_model(
+        tmp_path / f"llama-{quantize or dtype}",
+        "llama",
+        num_layers=6,
+        hidden_size=128,
+        intermediate_size=256,
+        dtype=dtype,
+        quantize=quantize,
+        seed=5,
+    )
     reference = mlx_reference(model, MESSAGES, 24)
     total = profile_model(model).total_bytes(512)
     with netns_mesh(4) as mesh:

@@ -24,8 +24,14 @@ def test_a_developer_message_is_a_system_message_to_the_template():
 
 
 def test_content_parts_are_joined():
-    r = parse_request({"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, "chat", L)
+    r = parse_request(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        },
+        "chat",
+        L,
+    )
     assert r.messages[0]["content"] == "ab"
 
 
@@ -34,43 +40,58 @@ def test_completion_prompt_forms():
     assert parse_request({"model": "m", "prompt": [1, 2]}, "completion", L).prompt == [1, 2]
 
 
-@pytest.mark.parametrize("body,param,code", [
-    ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
-    ({"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens", "invalid_type"),
-    ({"model": "m", "messages": MSG, "max_completion_tokens": 2.0}, "max_completion_tokens", "invalid_type"),
-    ({"model": "m", "messages": MSG, "temperature": float("nan")}, "temperature", "invalid_value"),
-    ({"model": "m", "messages": MSG, "temperature": 10**400}, "temperature", "invalid_type"),
-    ({"model": "m", "messages": MSG, "top_p": 1.5}, "top_p", "invalid_value"),
-    ({"model": "m", "messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
-    ({"model": "m", "messages": MSG, "seed": "x"}, "seed", "invalid_type"),
-    ({"model": "m", "messages": MSG, "seed": 2**64}, "seed", "invalid_value"),
-    ({"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
-    ({"model": "m", "messages": MSG, "stop": [1]}, "stop", "invalid_type"),
-    ({"model": "m", "messages": MSG, "stream": "yes"}, "stream", "invalid_type"),
-    ({"model": "m", "messages": MSG, "stream_options": 3}, "stream_options", "invalid_type"),
-    ({"model": "m", "messages": MSG, "n": 3}, "n", "invalid_value"),
-    ({"model": 3, "messages": MSG}, "model", "invalid_type"),
-    ({"messages": MSG}, "model", "missing_required_parameter"),
-    ({"model": "m", "messages": []}, "messages", "invalid_value"),
-    ({"model": "m", "messages": [MSG[0], {"role": "wizard", "content": "x"}]}, "messages[1].role", "invalid_value"),
-    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
-     "invalid_type"),
-    ({"model": "m", "messages": MSG, "top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
-    ({"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
-    ({"model": "m", "messages": MSG, "logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
-    ({"model": "m", "messages": MSG, "logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
-    ({"model": "m", "messages": MSG, "presence_penalty": 3}, "presence_penalty", "invalid_value"),
-    ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
-    ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}},
-     "response_format.json_schema.schema", "missing_required_parameter"),
-    ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema.schema", "missing_required_parameter"),
-    ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "invalid_value"),
-    ({"model": "m", "messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-     "tool_choice", "invalid_value"),
-    ({"model": "m", "messages": MSG, "verbosity": "low"}, "verbosity", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "body,param,code",
+    [
+        ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"model": "m", "messages": MSG, "max_completion_tokens": 2.0}, "max_completion_tokens", "invalid_type"),
+        ({"model": "m", "messages": MSG, "temperature": float("nan")}, "temperature", "invalid_value"),
+        ({"model": "m", "messages": MSG, "temperature": 10**400}, "temperature", "invalid_type"),
+        ({"model": "m", "messages": MSG, "top_p": 1.5}, "top_p", "invalid_value"),
+        ({"model": "m", "messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": "x"}, "seed", "invalid_type"),
+        ({"model": "m", "messages": MSG, "seed": 2**64}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"model": "m", "messages": MSG, "stop": [1]}, "stop", "invalid_type"),
+        ({"model": "m", "messages": MSG, "stream": "yes"}, "stream", "invalid_type"),
+        ({"model": "m", "messages": MSG, "stream_options": 3}, "stream_options", "invalid_type"),
+        ({"model": "m", "messages": MSG, "n": 3}, "n", "invalid_value"),
+        ({"model": 3, "messages": MSG}, "model", "invalid_type"),
+        ({"messages": MSG}, "model", "missing_required_parameter"),
+        ({"model": "m", "messages": []}, "messages", "invalid_value"),
+        ({"model": "m", "messages": [MSG[0], {"role": "wizard", "content": "x"}]}, "messages[1].role", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "invalid_type",
+        ),
+        ({"model": "m", "messages": MSG, "top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
+        ({"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ({"model": "m", "messages": MSG, "logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
+        ({"model": "m", "messages": MSG, "logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
+        ({"model": "m", "messages": MSG, "presence_penalty": 3}, "presence_penalty", "invalid_value"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+        (
+            {"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}},
+            "response_format.json_schema.schema",
+            "missing_required_parameter",
+        ),
+        (
+            {"model": "m", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "missing_required_parameter",
+        ),
+        ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "invalid_value"),
+        (
+            {"model": "m", "messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+            "invalid_value",
+        ),
+        ({"model": "m", "messages": MSG, "verbosity": "low"}, "verbosity", "invalid_value"),
+    ],
+)
 def test_rejected(body, param, code):
     with pytest.raises(ApiError) as e:
         parse_request(body, "chat", L)
@@ -92,9 +113,13 @@ def test_an_unknown_field_is_refused_by_name():
 
 
 def test_a_wrong_type_names_the_field():
-    for body, param in (({"temperature": "hot"}, "temperature"), ({"tools": "all"}, "tools"),
-                        ({"tool_choice": 5}, "tool_choice"), ({"top_k": 1.5}, "top_k"),
-                        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content")):
+    for body, param in (
+        ({"temperature": "hot"}, "temperature"),
+        ({"tools": "all"}, "tools"),
+        ({"tool_choice": 5}, "tool_choice"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ):
         with pytest.raises(ApiError) as e:
             parse_request({"model": "m", "messages": MSG, **body}, "chat", L)
         assert (e.value.status, e.value.param, e.value.code) == (400, param, "invalid_type")
@@ -102,46 +127,99 @@ def test_a_wrong_type_names_the_field():
 
 
 def _open_webui_request():
-    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "a tool",
-                                               "parameters": {"type": "object", "properties": {}}}}
-             for i in range(36)]
-    return {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, *MSG], "stream": True,
-            "stream_options": {"include_usage": True}, "tools": tools, "tool_choice": "auto", "top_k": 40,
-            "min_p": 0.05, "repeat_penalty": 1.1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": 42,
-            "stop": ["<|im_end|>"], "temperature": 0.8, "top_p": 0.9, "max_tokens": 50}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": "a tool",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+        for i in range(36)
+    ]
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": "Be brief."}, *MSG],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tools": tools,
+        "tool_choice": "auto",
+        "top_k": 40,
+        "min_p": 0.05,
+        "repeat_penalty": 1.1,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "seed": 42,
+        "stop": ["<|im_end|>"],
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "max_tokens": 50,
+    }
 
 
 def test_open_webui_request_is_honoured_field_by_field():
     r = parse_request(_open_webui_request(), "chat", L)
-    assert (r.stream, r.include_usage, r.seed, r.stop, r.max_tokens, r.temperature, r.top_p) == \
-        (True, True, 42, ("<|im_end|>",), 50, 0.8, 0.9)
+    assert (r.stream, r.include_usage, r.seed, r.stop, r.max_tokens, r.temperature, r.top_p) == (
+        True,
+        True,
+        42,
+        ("<|im_end|>",),
+        50,
+        0.8,
+        0.9,
+    )
     assert (r.top_k, r.min_p, r.repetition_penalty, r.frequency_penalty, r.presence_penalty) == (40, 0.05, 1.1, 0, 0)
     assert [m["role"] for m in r.messages] == ["system", "user"]
     assert len(r.tools) == 36 and r.tools[0]["function"]["name"] == "tool_0" and r.tool_choice == "auto"
 
 
 def test_coding_agent_fields_reach_the_request():
-    history = [*MSG, {"role": "assistant", "content": None,
-                      "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 2}'}}]},
-               {"role": "tool", "content": "42", "tool_call_id": "1", "reasoning_content": "x"}]
+    history = [
+        *MSG,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 2}'}}],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "1", "reasoning_content": "x"},
+    ]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    body = {"model": "m", "messages": history, "reasoning_effort": "low", "response_format": {"type": "text"},
-            "logit_bias": {"50": -100}, "user": "u1", "metadata": {"k": "v"}, "store": False, "tools": tools,
-            "tool_choice": {"type": "function", "function": {"name": "f"}},
-            "parallel_tool_calls": True, "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 7, "n": 1}
+    body = {
+        "model": "m",
+        "messages": history,
+        "reasoning_effort": "low",
+        "response_format": {"type": "text"},
+        "logit_bias": {"50": -100},
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "parallel_tool_calls": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "max_completion_tokens": 7,
+        "n": 1,
+    }
     r = parse_request(body, "chat", L)
     assert r.max_tokens == 7 and r.logit_bias == {50: -100.0} and (r.logprobs, r.top_logprobs) == (True, 3)
-    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 2}}}]}
+    assert r.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 2}}}],
+    }
     assert r.messages[2] == {"role": "tool", "content": "42", "tool_call_id": "1"}
     assert r.tool_choice == {"type": "function", "function": {"name": "f"}}
     assert r.template_kwargs == {"reasoning_effort": "low"} and r.think is True
-    old = parse_request({"model": "m", "messages": MSG, "functions": [{"name": "g"}], "function_call": {"name": "g"}},
-                        "chat", L)
+    old = parse_request(
+        {"model": "m", "messages": MSG, "functions": [{"name": "g"}], "function_call": {"name": "g"}}, "chat", L
+    )
     assert old.tools == [{"type": "function", "function": {"name": "g"}}]
     assert old.tool_choice == {"type": "function", "function": {"name": "g"}}
-    r = parse_request({"model": "m", "prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logprobs": 2},
-                      "completion", L)
+    r = parse_request(
+        {"model": "m", "prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logprobs": 2}, "completion", L
+    )
     assert r.prompt == "x" and (r.logprobs, r.top_logprobs) == (True, 2)
     for field, value in (("echo", True), ("suffix", "tail"), ("best_of", 2)):
         with pytest.raises(ApiError) as e:

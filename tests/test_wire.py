@@ -2,10 +2,24 @@
 
 import mlx.core as mx
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from meshnode.model.wire import (RAW_REPLY, RAW_REQUEST, Placeholder, RawReply, RawRequest, WireError, check_tokens,
-                                 from_tensor, is_raw, raw_reply_into, raw_request_into, to_array, to_tensor)
+from meshnode.model.wire import (
+    RAW_REPLY,
+    RAW_REQUEST,
+    Placeholder,
+    RawReply,
+    RawRequest,
+    WireError,
+    check_tokens,
+    from_tensor,
+    is_raw,
+    raw_reply_into,
+    raw_request_into,
+    to_array,
+    to_tensor,
+)
 from meshnode.proto import mesh_pb2
 from meshnode.proto.generate import is_up_to_date
 
@@ -27,16 +41,19 @@ def good():
     return to_tensor(mx.ones((1, 2, 4), dtype=mx.float32))
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda t: setattr(t, "dtype", "float64"), None),
-    (lambda t: setattr(t, "dtype", "pickle"), None),
-    (lambda t: t.ClearField("shape"), None),
-    (lambda t: t.shape.append(0), None),
-    (lambda t: setattr(t, "data", t.data[:-1]), None),
-    (lambda t: setattr(t, "data", t.data + b"x"), None),
-    (lambda t: None, (1, 3, 4)),
-    (lambda t: None, (1, None)),
-])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda t: setattr(t, "dtype", "float64"), None),
+        (lambda t: setattr(t, "dtype", "pickle"), None),
+        (lambda t: t.ClearField("shape"), None),
+        (lambda t: t.shape.append(0), None),
+        (lambda t: setattr(t, "data", t.data[:-1]), None),
+        (lambda t: setattr(t, "data", t.data + b"x"), None),
+        (lambda t: None, (1, 3, 4)),
+        (lambda t: None, (1, None)),
+    ],
+)
 def test_malformed_refused(mutate, expect):
     t = good()
     mutate(t)
@@ -78,7 +95,7 @@ def test_generated_code_is_up_to_date():
 def _raw(array: mx.array, seconds: float = 0.25, offset: int = 0, buf: bytearray | None = None) -> memoryview:
     buf = bytearray() if buf is None else buf
     n = raw_reply_into(buf, offset, array, seconds)
-    return memoryview(buf)[offset:offset + n]
+    return memoryview(buf)[offset : offset + n]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -107,20 +124,26 @@ def test_raw_reply_reuses_its_buffer_and_fills_a_placeholder():
 
 
 def test_a_protobuf_reply_is_never_taken_for_a_raw_one():
-    for msg in (mesh_pb2.ForwardReply(output=good(), stage_seconds=0.1), mesh_pb2.ForwardReply(code=5, error="x"),
-                mesh_pb2.ForwardReply(stage_seconds=1.0)):
+    for msg in (
+        mesh_pb2.ForwardReply(output=good(), stage_seconds=0.1),
+        mesh_pb2.ForwardReply(code=5, error="x"),
+        mesh_pb2.ForwardReply(stage_seconds=1.0),
+    ):
         assert not is_raw(memoryview(msg.SerializeToString()))
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda b: b[:RAW_REPLY.size - 1], (2, 4)),  # shorter than its header
-    (lambda b: b[:1] + b"\x09" + b[2:], (2, 4)),  # unknown dtype code
-    (lambda b: b[:-1], (2, 4)),  # a byte short
-    (lambda b: b + b"x", (2, 4)),  # a byte over
-    (lambda b: b[:1] + b"\x04" + b[2:], (2, 4)),  # int32: not an activation
-    (lambda b: b, (1, 4)),  # not the positions expected
-    (lambda b: b, (2, 8)),  # not the width expected
-])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda b: b[: RAW_REPLY.size - 1], (2, 4)),  # shorter than its header
+        (lambda b: b[:1] + b"\x09" + b[2:], (2, 4)),  # unknown dtype code
+        (lambda b: b[:-1], (2, 4)),  # a byte short
+        (lambda b: b + b"x", (2, 4)),  # a byte over
+        (lambda b: b[:1] + b"\x04" + b[2:], (2, 4)),  # int32: not an activation
+        (lambda b: b, (1, 4)),  # not the positions expected
+        (lambda b: b, (2, 8)),  # not the width expected
+    ],
+)
 def test_malformed_raw_reply_refused(mutate, expect):
     frame = memoryview(bytearray(mutate(bytes(_raw(mx.ones((1, 2, 4)))))))
     with pytest.raises(WireError):
@@ -144,21 +167,30 @@ def test_random_raw_replies_never_crash(raw, positions, width):
 def _request(x: mx.array, next_single: bool = True, rewind: int = 0, offset: int = 4) -> memoryview:
     buf = bytearray()
     n = raw_request_into(buf, offset, x, next_single, rewind)
-    return memoryview(buf)[offset:offset + n]
+    return memoryview(buf)[offset : offset + n]
 
 
-@pytest.mark.parametrize("x,dtype,width", [
-    (mx.array([[7]], dtype=mx.uint32), "int32", 0),  # the sampled token, as generate_step gives it
-    (mx.array([[3, 4, 5]], dtype=mx.int32), "int32", 0),
-    (mx.random.normal((1, 1, 16)), "float32", 16),
-    ((mx.random.normal((1, 2, 8)) * 50).astype(mx.bfloat16), "bfloat16", 8),
-])
+@pytest.mark.parametrize(
+    "x,dtype,width",
+    [
+        (mx.array([[7]], dtype=mx.uint32), "int32", 0),  # the sampled token, as generate_step gives it
+        (mx.array([[3, 4, 5]], dtype=mx.int32), "int32", 0),
+        (mx.random.normal((1, 1, 16)), "float32", 16),
+        ((mx.random.normal((1, 2, 8)) * 50).astype(mx.bfloat16), "bfloat16", 8),
+    ],
+)
 def test_raw_request_round_trip_is_exact(x, dtype, width):
     frame = _request(x, next_single=True, rewind=3)
     assert is_raw(frame)
     req = RawRequest(frame)
-    assert (req.next_single, req.rewind, req.positions, req.width, req.work, req.keep) == (True, 3, x.shape[1],
-                                                                                          width, 0, "")
+    assert (req.next_single, req.rewind, req.positions, req.width, req.work, req.keep) == (
+        True,
+        3,
+        x.shape[1],
+        width,
+        0,
+        "",
+    )
     host = req.input.host((dtype,), width)
     want = x.astype(mx.int32) if width == 0 else x
     assert mx.array_equal(to_array(host, dtype), want).item()
@@ -177,15 +209,18 @@ def test_raw_decode_steps_are_checked_as_messages_are():
         check_tokens(RawRequest(_request(mx.zeros((1, 1, 4)))), 512, 8)
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda b: b[:RAW_REQUEST.size - 1], (("float32",), 4)),  # shorter than its header
-    (lambda b: b[:1] + b"\x09" + b[2:], (("float32",), 4)),  # unknown dtype code
-    (lambda b: b[:-1], (("float32",), 4)),  # a byte short
-    (lambda b: b + b"x", (("float32",), 4)),  # a byte over
-    (lambda b: b, (("float16", "bfloat16"), 4)),  # not a dtype expected
-    (lambda b: b, (("float32",), 8)),  # not the width expected
-    (lambda b: b[:12] + b"\x00\x00\x00\x00" + b[16:], (("float32",), 4)),  # no positions
-])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda b: b[: RAW_REQUEST.size - 1], (("float32",), 4)),  # shorter than its header
+        (lambda b: b[:1] + b"\x09" + b[2:], (("float32",), 4)),  # unknown dtype code
+        (lambda b: b[:-1], (("float32",), 4)),  # a byte short
+        (lambda b: b + b"x", (("float32",), 4)),  # a byte over
+        (lambda b: b, (("float16", "bfloat16"), 4)),  # not a dtype expected
+        (lambda b: b, (("float32",), 8)),  # not the width expected
+        (lambda b: b[:12] + b"\x00\x00\x00\x00" + b[16:], (("float32",), 4)),  # no positions
+    ],
+)
 def test_malformed_raw_request_refused(mutate, expect):
     frame = memoryview(bytearray(mutate(bytes(_request(mx.ones((1, 2, 4)))))))
     with pytest.raises(WireError):

@@ -18,8 +18,15 @@ from meshnode.serving.engine import Delta, ToolCall
 
 log = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def owns(path: str) -> bool:
@@ -48,8 +55,9 @@ def tool_input(call: ToolCall) -> dict[str, Any]:
     except json.JSONDecodeError:
         value = None
     if not isinstance(value, dict):
-        log.warning("tool call %s to %s has arguments that are not a JSON object: %.200s", call.id, call.name,
-                    call.arguments)
+        log.warning(
+            "tool call %s to %s has arguments that are not a JSON object: %.200s", call.id, call.name, call.arguments
+        )
         return {}
     return value
 
@@ -74,9 +82,16 @@ def content_blocks(answer: core.Answer, hide_thinking: bool = False) -> list[dic
 def message(gen: core.Generation, answer: core.Answer, hide_thinking: bool = False) -> dict[str, Any]:
     reason, sequence = stop_reason(answer.last, bool(answer.tool_calls))
     out_tokens = answer.last.completion_tokens if answer.last else 0
-    return {"id": gen.id, "type": "message", "role": "assistant", "model": gen.model,
-            "content": content_blocks(answer, hide_thinking), "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": out_tokens}}
+    return {
+        "id": gen.id,
+        "type": "message",
+        "role": "assistant",
+        "model": gen.model,
+        "content": content_blocks(answer, hide_thinking),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": out_tokens},
+    }
 
 
 class Events:
@@ -96,11 +111,19 @@ class Events:
 
     def opening(self) -> list[bytes]:
         start: dict[str, Any] = {
-            "id": self.gen.id, "type": "message", "role": "assistant", "model": self.gen.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
-        return [self.event("message_start", {"type": "message_start", "message": start}),
-                self.event("ping", {"type": "ping"})]
+            "id": self.gen.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.gen.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0},
+        }
+        return [
+            self.event("message_start", {"type": "message_start", "message": start}),
+            self.event("ping", {"type": "ping"}),
+        ]
 
     def _close(self) -> list[bytes]:
         if self.open is None:
@@ -113,8 +136,11 @@ class Events:
         self.index += 1
         self.open = block["type"]
         self.texts += block["type"] == "text"
-        return frames + [self.event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                            "content_block": block})]
+        return frames + [
+            self.event(
+                "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
+            )
+        ]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return self.event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
@@ -142,11 +168,21 @@ class Events:
         frames = self._start({"type": "text", "text": ""}) if not self.texts and not self.calls else []
         reason, sequence = stop_reason(last, self.calls > 0)
         usage = {"input_tokens": self.gen.prompt_tokens, "output_tokens": last.completion_tokens if last else 0}
-        return frames + self._close() + [
-            self.event("message_delta", {"type": "message_delta",
-                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                         "usage": usage}),
-            self.event("message_stop", {"type": "message_stop"})]
+        return (
+            frames
+            + self._close()
+            + [
+                self.event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": usage,
+                    },
+                ),
+                self.event("message_stop", {"type": "message_stop"}),
+            ]
+        )
 
     def failure(self, err: ApiError) -> list[bytes]:
         return [self.event("error", error_body(err))]

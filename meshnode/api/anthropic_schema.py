@@ -47,9 +47,10 @@ def _only(kinds: tuple[str, ...]) -> WrapValidator:
         kind = value.get("type") if isinstance(value, dict) else None
         if isinstance(value, dict) and kind not in kinds:
             raise PydanticCustomError(
-                "invalid_value", "is a block {kind}, which this server does not take (it serves a text model); "
-                "it takes {kinds} blocks", {"kind": f"of type '{kind}'" if isinstance(kind, str) else "without a type",
-                                            "kinds": ", ".join(kinds)})
+                "invalid_value",
+                "is a block {kind}, which this server does not take (it serves a text model); it takes {kinds} blocks",
+                {"kind": f"of type '{kind}'" if isinstance(kind, str) else "without a type", "kinds": ", ".join(kinds)},
+            )
         return handler(value)
 
     return WrapValidator(check)
@@ -90,8 +91,11 @@ class RedactedThinkingBlock(_Block):
     type: Literal["redacted_thinking"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                  Field(discriminator="type"), _only(BLOCKS)]
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+    _only(BLOCKS),
+]
 
 
 class Message(Strict):
@@ -113,8 +117,12 @@ class Tool(Strict):
 def _client_tool(value: Any, handler) -> Any:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in (None, "custom"):
-        raise PydanticCustomError("invalid_value", "is a server tool ('{kind}'); this server runs no tools, it "
-                                  "takes client tools (name, description, input_schema)", {"kind": str(kind)})
+        raise PydanticCustomError(
+            "invalid_value",
+            "is a server tool ('{kind}'); this server runs no tools, it "
+            "takes client tools (name, description, input_schema)",
+            {"kind": str(kind)},
+        )
     return handler(value)
 
 
@@ -199,10 +207,19 @@ def parse(body: Any, limits: Limits, count: bool = False) -> AnthropicRequest:
             log.warning("request field '%s' is accepted but not honoured", name)
     thinking = req.thinking
     if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is None:
-        raise ApiError(400, "'thinking.budget_tokens' is required when thinking is enabled",
-                       param="thinking.budget_tokens", code="missing_required_parameter")
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in req.tools or ()]
+        raise ApiError(
+            400,
+            "'thinking.budget_tokens' is required when thinking is enabled",
+            param="thinking.budget_tokens",
+            code="missing_required_parameter",
+        )
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in req.tools or ()
+    ]
     sampling: dict[str, Any] = {}
     if not count:
         sampling = dict(
@@ -214,11 +231,17 @@ def parse(body: Any, limits: Limits, count: bool = False) -> AnthropicRequest:
             stream=bool(req.stream),
         )
     return AnthropicRequest(
-        kind="chat", model=req.model, messages=template_messages(req), tools=tools or None,
+        kind="chat",
+        model=req.model,
+        messages=template_messages(req),
+        tools=tools or None,
         tool_choice=_tool_choice(req.tool_choice, tools),
         think=None if thinking is None or thinking.type == "adaptive" else thinking.type == "enabled",
-        hide_thinking=bool(thinking and thinking.display == "omitted"), json_schema=schema,
-        template_kwargs={"reasoning_effort": min(effort, "high", key=EFFORTS.index)} if effort else {}, **sampling)
+        hide_thinking=bool(thinking and thinking.display == "omitted"),
+        json_schema=schema,
+        template_kwargs={"reasoning_effort": min(effort, "high", key=EFFORTS.index)} if effort else {},
+        **sampling,
+    )
 
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -229,15 +252,27 @@ def _tool_choice(choice: ToolChoice | None, tools: list[dict[str, Any]]) -> str 
         return None
     if choice.type == "tool":
         if not choice.name:
-            raise ApiError(400, "'tool_choice.name' is required when tool_choice.type is 'tool'",
-                           param="tool_choice.name", code="missing_required_parameter")
+            raise ApiError(
+                400,
+                "'tool_choice.name' is required when tool_choice.type is 'tool'",
+                param="tool_choice.name",
+                code="missing_required_parameter",
+            )
         if choice.name not in {t["function"]["name"] for t in tools}:
-            raise ApiError(400, f"'tool_choice.name' names '{choice.name}', which is not one of 'tools'",
-                           param="tool_choice.name", code="invalid_value")
+            raise ApiError(
+                400,
+                f"'tool_choice.name' names '{choice.name}', which is not one of 'tools'",
+                param="tool_choice.name",
+                code="invalid_value",
+            )
         return {"type": "function", "function": {"name": choice.name}}
     if choice.name is not None:
-        raise ApiError(400, f"'tool_choice.name' is only taken with type 'tool', not '{choice.type}'",
-                       param="tool_choice.name", code="invalid_value")
+        raise ApiError(
+            400,
+            f"'tool_choice.name' is only taken with type 'tool', not '{choice.type}'",
+            param="tool_choice.name",
+            code="invalid_value",
+        )
     if choice.type == "any" and not tools:
         raise ApiError(400, "tool_choice 'any' needs 'tools'", param="tool_choice", code="invalid_value")
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
@@ -251,24 +286,32 @@ def template_messages(req: CountRequest) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": system})
     last = len(req.messages) - 1
     if req.messages[last].role == "assistant":
-        raise ApiError(400, f"the last message (messages[{last}]) is an assistant's: this server does not "
-                       "continue a prefilled answer; end with a user message", param=f"messages[{last}]",
-                       code="invalid_value")
+        raise ApiError(
+            400,
+            f"the last message (messages[{last}]) is an assistant's: this server does not "
+            "continue a prefilled answer; end with a user message",
+            param=f"messages[{last}]",
+            code="invalid_value",
+        )
     for i, message in enumerate(req.messages):
         texts, calls = [], []
         for j, block in enumerate(message.content):
             allowed = ("tool_result",) if message.role == "user" else ("tool_use", "thinking", "redacted_thinking")
             if block.type != "text" and block.type not in allowed:
-                raise ApiError(400, f"'messages[{i}].content[{j}]' is a {block.type} block, which a "
-                               f"{message.role} message cannot hold", param=f"messages[{i}].content[{j}]",
-                               code="invalid_value")
+                raise ApiError(
+                    400,
+                    f"'messages[{i}].content[{j}]' is a {block.type} block, which a {message.role} message cannot hold",
+                    param=f"messages[{i}].content[{j}]",
+                    code="invalid_value",
+                )
             if isinstance(block, TextBlock):
                 texts.append(block.text)
             elif isinstance(block, ToolResultBlock):
                 out.append({"role": "tool", "content": block.text(), "tool_call_id": block.tool_use_id})
             elif isinstance(block, ToolUseBlock):
-                calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": block.input}})
+                calls.append(
+                    {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+                )
         if texts or calls or not any(isinstance(b, ToolResultBlock) for b in message.content):
             turn: dict[str, Any] = {"role": message.role, "content": JOIN.join(texts)}
             if calls:

@@ -111,15 +111,23 @@ async def auth_middleware(request: web.Request, handler):
     # Open: /health, the dashboard's files (it sends the key itself), and CORS preflights (no
     # credentials by design, and they run nothing).
     preflight = request.method == "OPTIONS" and bool(request.app[SETTINGS].cors_origins)
-    if key and not preflight and request.path != "/health" and request.path != "/" \
-            and not request.path.startswith("/static/"):
+    if (
+        key
+        and not preflight
+        and request.path != "/health"
+        and request.path != "/"
+        and not request.path.startswith("/static/")
+    ):
         # Authorization: Bearer <key> (OpenAI clients), or x-api-key: <key> (Anthropic clients)
         bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
         x_api_key = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key.encode())
         if not (bearer or x_api_key):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key: ...)",
-                           type="authentication_error",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "missing or wrong API key (Authorization: Bearer ... or x-api-key: ...)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
     return await handler(request)
 
 
@@ -143,8 +151,9 @@ def _allow_origins(app: web.Application, origins: tuple[str, ...]) -> None:
     """CORS: pages of these origins may call the API with an Authorization header."""
     import aiohttp_cors
 
-    options = aiohttp_cors.ResourceOptions(allow_credentials=False, expose_headers="*", allow_headers="*",
-                                           allow_methods=["GET", "POST"], max_age=600)
+    options = aiohttp_cors.ResourceOptions(
+        allow_credentials=False, expose_headers="*", allow_headers="*", allow_methods=["GET", "POST"], max_age=600
+    )
     cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
     for route in list(app.router.routes()):
         if not isinstance(route.resource, web.StaticResource):

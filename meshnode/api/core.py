@@ -62,9 +62,14 @@ class ApiSettings:
 
     @classmethod
     def of(cls, s: Settings) -> ApiSettings:
-        return cls(limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
-                   max_body_bytes=s.max_body_bytes, max_concurrent_requests=s.max_concurrent_requests,
-                   api_key=s.api_key, cors_origins=s.cors_origins, access_log=s.access_log)
+        return cls(
+            limits=Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens),
+            max_body_bytes=s.max_body_bytes,
+            max_concurrent_requests=s.max_concurrent_requests,
+            api_key=s.api_key,
+            cors_origins=s.cors_origins,
+            access_log=s.access_log,
+        )
 
 
 BACKEND: web.AppKey[Backend] = web.AppKey("backend")
@@ -113,8 +118,9 @@ Req = TypeVar("Req", bound=GenerationRequest)  # a surface's own request
 Respond = Callable[[web.Request, Generation, Req], Awaitable[web.StreamResponse]]
 
 
-async def generate(request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req],
-                   id_prefix: str = "") -> web.StreamResponse:
+async def generate(
+    request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req], id_prefix: str = ""
+) -> web.StreamResponse:
     """Serve one generation request and count it by outcome."""
     outcome = "error"
     try:
@@ -134,8 +140,9 @@ async def generate(request: web.Request, parse: Callable[[Any, Limits], Req], re
         request.app[METRICS].request(outcome)
 
 
-async def _serve(request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req],
-                 id_prefix: str) -> web.StreamResponse:
+async def _serve(
+    request: web.Request, parse: Callable[[Any, Limits], Req], respond: Respond[Req], id_prefix: str
+) -> web.StreamResponse:
     app = request.app
     limits = app[SETTINGS].limits
     req = parse(await json_body(request), limits)
@@ -145,8 +152,12 @@ async def _serve(request: web.Request, parse: Callable[[Any, Limits], Req], resp
         prompt, shape = await _prompt_tokens(engine, req)
         max_tokens = _budget(engine, req, len(prompt), limits)
         params = sampling(engine, req, max_tokens, grammar)
-        gen = Generation(id_prefix + uuid.uuid4().hex[:24], engine.model_id, len(prompt),
-                         engine.stream(prompt, params, req.stop, shape))
+        gen = Generation(
+            id_prefix + uuid.uuid4().hex[:24],
+            engine.model_id,
+            len(prompt),
+            engine.stream(prompt, params, req.stop, shape),
+        )
         request[ACCESS] = gen.access
         return await respond(request, gen, req)
 
@@ -161,8 +172,12 @@ async def _grammar(engine: Engine, req: GenerationRequest) -> str:
     except ValueError as exc:
         why = str(exc)
     if why:
-        raise ApiError(400, f"response_format: this JSON schema cannot be followed: {why}",
-                       param="response_format", code="invalid_value")
+        raise ApiError(
+            400,
+            f"response_format: this JSON schema cannot be followed: {why}",
+            param="response_format",
+            code="invalid_value",
+        )
     return grammar
 
 
@@ -172,13 +187,24 @@ def sampling(engine: Engine, req: GenerationRequest, max_tokens: int, grammar: s
     bias = req.logit_bias or {}
     bad = next((t for t in bias if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias",
-                       code="invalid_value")
+        raise ApiError(
+            400,
+            f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
+            param="logit_bias",
+            code="invalid_value",
+        )
     return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-        top_k=min(req.top_k or 0, vocab), min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logit_bias=tuple(sorted(bias.items())), top_logprobs=req.top_logprobs if req.logprobs else -1,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        top_k=min(req.top_k or 0, vocab),
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=tuple(sorted(bias.items())),
+        top_logprobs=req.top_logprobs if req.logprobs else -1,
         grammar=grammar,
     )
 
@@ -192,8 +218,9 @@ async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> tuple[list[i
         vocab = engine.vocab_size
         bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
-                           code="invalid_value")
+            raise ApiError(
+                400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt", code="invalid_value"
+            )
         return list(req.prompt), None
     return list(await asyncio.to_thread(tokenizer.encode, req.prompt)), None
 
@@ -213,16 +240,22 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
         # a place for them answers without them.
         if engine.model_id not in _TOOLLESS:
             _TOOLLESS.add(engine.model_id)
-            log.warning("model %s has no tool-call format in its chat template: requests with tools are "
-                        "answered without them", engine.model_id)
+            log.warning(
+                "model %s has no tool-call format in its chat template: requests with tools are answered without them",
+                engine.model_id,
+            )
         tools = None
     if isinstance(choice, dict) and tools:
         tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     forced = bool(tools) and (choice == "required" or isinstance(choice, dict))
     if not getattr(tokenizer, "chat_template", None):
         if req.think is not None or req.template_kwargs:
-            raise ApiError(400, f"model {engine.model_id} has no chat template to take template options",
-                           param="chat_template_kwargs", code="unsupported_value")
+            raise ApiError(
+                400,
+                f"model {engine.model_id} has no chat template to take template options",
+                param="chat_template_kwargs",
+                code="unsupported_value",
+            )
         text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant: "
         return list(await asyncio.to_thread(tokenizer.encode, text)), AnswerShape()
     kwargs = dict(req.template_kwargs)
@@ -238,8 +271,9 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
         try:
             tokens = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a template that raises on this chat
-            raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages",
-                           code="invalid_value") from None
+            raise ApiError(
+                400, f"the model's chat template refused these messages: {exc}", param="messages", code="invalid_value"
+            ) from None
         if isinstance(tokens, dict):  # transformers may return a BatchEncoding
             tokens = tokens["input_ids"]
         tokens = list(tokens)
@@ -279,8 +313,13 @@ class _Slot:
 
     def __enter__(self):
         if len(self._active) >= self._limit:
-            raise ApiError(429, f"too many concurrent requests (limit {self._limit}); retry shortly",
-                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise ApiError(
+                429,
+                f"too many concurrent requests (limit {self._limit}); retry shortly",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
         self._active.append(self)
         return self
 

@@ -34,6 +34,7 @@ STARTED = _now()  # modified_at of every model
 
 # --------------------------------------------------------------------------- answers (pure)
 
+
 def tool_calls(calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[dict[str, Any]]:
     """Tool calls as Ollama sends them: the arguments as an object, not JSON text."""
     out = []
@@ -96,10 +97,15 @@ class Clock:
     def stats(self, prompt_tokens: int, last: Delta) -> dict[str, Any]:
         end = time.perf_counter_ns()
         first = self.first or end
-        return {"done_reason": done_reason(last.finish_reason), "total_duration": end - self.received,
-                "load_duration": 0,  # the model is loaded before any request is taken
-                "prompt_eval_count": prompt_tokens, "prompt_eval_duration": first - self.started,
-                "eval_count": last.completion_tokens, "eval_duration": (self.last or end) - first}
+        return {
+            "done_reason": done_reason(last.finish_reason),
+            "total_duration": end - self.received,
+            "load_duration": 0,  # the model is loaded before any request is taken
+            "prompt_eval_count": prompt_tokens,
+            "prompt_eval_duration": first - self.started,
+            "eval_count": last.completion_tokens,
+            "eval_duration": (self.last or end) - first,
+        }
 
 
 async def _timed(deltas: AsyncGenerator[Delta, None], clock: Clock) -> AsyncGenerator[Delta, None]:
@@ -140,8 +146,13 @@ class NdjsonStream:
 
 def whole(endpoint: str, gen: core.Generation, answer: core.Answer, clock: Clock) -> dict[str, Any]:
     """The one object of an answer that is not streamed."""
-    delta = Delta(answer.text, answer.last.completion_tokens, reasoning=answer.reasoning,
-                  tool_calls=tuple(answer.tool_calls), logprobs=tuple(answer.logprobs))
+    delta = Delta(
+        answer.text,
+        answer.last.completion_tokens,
+        reasoning=answer.reasoning,
+        tool_calls=tuple(answer.tool_calls),
+        logprobs=tuple(answer.logprobs),
+    )
     obj = piece(endpoint, gen.model, delta)
     obj.update(done=True, **clock.stats(gen.prompt_tokens, answer.last))
     return obj
@@ -149,8 +160,10 @@ def whole(endpoint: str, gen: core.Generation, answer: core.Answer, clock: Clock
 
 # --------------------------------------------------------------------------- generations
 
-async def _respond(endpoint: str, received: int, request: web.Request, gen: core.Generation,
-                   req: GenerationRequest) -> web.StreamResponse:
+
+async def _respond(
+    endpoint: str, received: int, request: web.Request, gen: core.Generation, req: GenerationRequest
+) -> web.StreamResponse:
     clock = Clock(received)
     gen.deltas = _timed(gen.deltas, clock)
     if req.stream:
@@ -175,8 +188,12 @@ async def _generation(request: web.Request, endpoint: str) -> web.StreamResponse
         obj = piece(endpoint, req.model, Delta("", 0))
         obj.update(done=True, done_reason="load")
         return web.json_response(obj)
-    return await core.generate(request, parse if req is None else (lambda _body, _limits: req),
-                               partial(_respond, endpoint, received), id_prefix="ollama-")
+    return await core.generate(
+        request,
+        parse if req is None else (lambda _body, _limits: req),
+        partial(_respond, endpoint, received),
+        id_prefix="ollama-",
+    )
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -188,6 +205,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 # --------------------------------------------------------------------------- models
+
 
 def _served(request: web.Request) -> list[str]:
     return [m["id"] for m in request.app[core.BACKEND].models()]
@@ -206,23 +224,40 @@ def parameter_count(p: Any) -> int:
 def details(p: Any) -> dict[str, Any]:
     """Ollama's ``details`` of a model."""
     if p is None:
-        return {"parent_model": "", "format": "mlx", "family": "", "families": [], "parameter_size": "",
-                "quantization_level": ""}
+        return {
+            "parent_model": "",
+            "format": "mlx",
+            "family": "",
+            "families": [],
+            "parameter_size": "",
+            "quantization_level": "",
+        }
     n = parameter_count(p)
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.2f}K"
     if p.quant_group_size:  # bits per weight, less the scales and biases (16 bits each per group)
         level = f"Q{round(p.weight_bytes() * 8 / max(n, 1) - 32 / p.quant_group_size)}"
     else:
         level = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(p.dtype, p.dtype.upper())
-    return {"parent_model": "", "format": "mlx", "family": p.model_type, "families": [p.model_type],
-            "parameter_size": size, "quantization_level": level}
+    return {
+        "parent_model": "",
+        "format": "mlx",
+        "family": p.model_type,
+        "families": [p.model_type],
+        "parameter_size": size,
+        "quantization_level": level,
+    }
 
 
 def _entry(backend: Any, model_id: str) -> dict[str, Any]:
     p = backend.model_profile(model_id)  # None: details stay empty
-    return {"name": model_id, "model": model_id, "modified_at": STARTED, "size": p.weight_bytes() if p else 0,
-            "digest": hashlib.sha256(model_id.encode()).hexdigest(),  # of the name: there is no manifest
-            "details": details(p)}
+    return {
+        "name": model_id,
+        "model": model_id,
+        "modified_at": STARTED,
+        "size": p.weight_bytes() if p else 0,
+        "digest": hashlib.sha256(model_id.encode()).hexdigest(),  # of the name: there is no manifest
+        "details": details(p),
+    }
 
 
 async def version(request: web.Request) -> web.Response:
@@ -246,8 +281,7 @@ async def ps(request: web.Request) -> web.Response:
         except ApiError:
             continue
         entry = _entry(backend, m["id"])
-        running.append({**entry, "expires_at": NEVER, "size_vram": entry["size"],
-                        "context_length": engine.max_context})
+        running.append({**entry, "expires_at": NEVER, "size_vram": entry["size"], "context_length": engine.max_context})
     return web.json_response({"models": running})
 
 
@@ -255,23 +289,42 @@ async def show(request: web.Request) -> web.Response:
     backend = request.app[core.BACKEND]
     engine = backend.engine(schema.show_model(await core.json_body(request), _served(request)))
     tokenizer, p = engine.tokenizer, backend.model_profile(engine.model_id)
-    capabilities = ["completion"] + (["tools"] if getattr(tokenizer, "has_tool_calling", False) else []) \
+    capabilities = (
+        ["completion"]
+        + (["tools"] if getattr(tokenizer, "has_tool_calling", False) else [])
         + (["thinking"] if getattr(tokenizer, "has_thinking", False) else [])
+    )
     template = getattr(tokenizer, "chat_template", None)
     parameters = "\n".join(f"{name} {value}" for name, value in schema.DEFAULTS.items())
     arch = p.model_type if p else "unknown"
-    info: dict[str, Any] = {"general.architecture": arch, "general.basename": engine.model_id,
-                            f"{arch}.context_length": engine.max_context}
+    info: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.basename": engine.model_id,
+        f"{arch}.context_length": engine.max_context,
+    }
     if p is not None:
-        info.update({"general.parameter_count": parameter_count(p), f"{arch}.block_count": p.num_layers,
-                     f"{arch}.embedding_length": p.hidden_size, f"{arch}.attention.head_count": p.num_heads,
-                     f"{arch}.attention.head_count_kv": p.num_kv_heads, f"{arch}.vocab_size": p.vocab_size})
-    return web.json_response({
-        "modelfile": f"# Modelfile of meshnode's model {engine.model_id}\nFROM {engine.model_id}\n"
-                     + "".join(f"PARAMETER {line}\n" for line in parameters.splitlines()),
-        "parameters": parameters, "template": template if isinstance(template, str) else "",
-        "details": details(p), "model_info": info, "capabilities": capabilities, "modified_at": STARTED,
-    })
+        info.update(
+            {
+                "general.parameter_count": parameter_count(p),
+                f"{arch}.block_count": p.num_layers,
+                f"{arch}.embedding_length": p.hidden_size,
+                f"{arch}.attention.head_count": p.num_heads,
+                f"{arch}.attention.head_count_kv": p.num_kv_heads,
+                f"{arch}.vocab_size": p.vocab_size,
+            }
+        )
+    return web.json_response(
+        {
+            "modelfile": f"# Modelfile of meshnode's model {engine.model_id}\nFROM {engine.model_id}\n"
+            + "".join(f"PARAMETER {line}\n" for line in parameters.splitlines()),
+            "parameters": parameters,
+            "template": template if isinstance(template, str) else "",
+            "details": details(p),
+            "model_info": info,
+            "capabilities": capabilities,
+            "modified_at": STARTED,
+        }
+    )
 
 
 def routes(app: web.Application) -> None:

@@ -16,19 +16,33 @@ from meshnode.errors import ApiError
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 
 IGNORED: tuple[tuple[str, Any], ...] = (
-    ("num_ctx", int), ("num_batch", int), ("num_gpu", int), ("main_gpu", int), ("num_thread", int),
-    ("num_keep", int), ("low_vram", bool), ("f16_kv", bool), ("logits_all", bool), ("vocab_only", bool),
-    ("use_mmap", bool), ("use_mlock", bool), ("numa", bool), ("embedding_only", bool),
-    ("mirostat_tau", Number), ("mirostat_eta", Number),
+    ("num_ctx", int),
+    ("num_batch", int),
+    ("num_gpu", int),
+    ("main_gpu", int),
+    ("num_thread", int),
+    ("num_keep", int),
+    ("low_vram", bool),
+    ("f16_kv", bool),
+    ("logits_all", bool),
+    ("vocab_only", bool),
+    ("use_mmap", bool),
+    ("use_mlock", bool),
+    ("numa", bool),
+    ("embedding_only", bool),
+    ("mirostat_tau", Number),
+    ("mirostat_eta", Number),
 )
 
 
 def _off(off: Any) -> AfterValidator:
     def check(value: Any) -> Any:
         if value is not None and value != off:
-            raise PydanticCustomError("invalid_value", "is not supported; only {off} (off) is accepted",
-                                      {"off": str(off).lower()})
+            raise PydanticCustomError(
+                "invalid_value", "is not supported; only {off} (off) is accepted", {"off": str(off).lower()}
+            )
         return value
+
     return AfterValidator(check)
 
 
@@ -68,9 +82,11 @@ class Options(_OptionsBase):
     @field_validator("repeat_last_n")
     @classmethod
     def _window(cls, value: int | None, info: ValidationInfo) -> int | None:
-        penalties = (info.data.get("repeat_penalty") not in (None, 1),
-                     info.data.get("presence_penalty") not in (None, 0),
-                     info.data.get("frequency_penalty") not in (None, 0))
+        penalties = (
+            info.data.get("repeat_penalty") not in (None, 1),
+            info.data.get("presence_penalty") not in (None, 0),
+            info.data.get("frequency_penalty") not in (None, 0),
+        )
         if value is not None and any(penalties):
             raise PydanticCustomError("invalid_value", "is not supported: penalties look back a fixed 20 tokens")
         return value
@@ -114,10 +130,12 @@ class Tool(Strict):
 
 def _refused(what: str) -> AfterValidator:
     """A field that is refused unless empty (how clients spell "not used")."""
+
     def check(value: Any) -> Any:
         if value:
             raise PydanticCustomError("invalid_value", "is not supported yet: {what}", {"what": what})
         return value
+
     return AfterValidator(check)
 
 
@@ -186,20 +204,33 @@ def parse(body: Any, endpoint: str, limits: Limits, served: list[str]) -> Genera
     if isinstance(body, dict) and isinstance(body.get("messages"), list):  # images: a clear message first
         for i, m in enumerate(body["messages"]):
             if isinstance(m, dict) and m.get("images"):
-                raise ApiError(400, f"'messages[{i}].images' is not supported yet: this server serves text "
-                                    "models only", param=f"messages[{i}].images", code="invalid_value")
+                raise ApiError(
+                    400,
+                    f"'messages[{i}].images' is not supported yet: this server serves text models only",
+                    param=f"messages[{i}].images",
+                    code="invalid_value",
+                )
     req = validate(ChatBody if endpoint == "chat" else GenerateBody, body, {"limits": limits})
-    common = dict(model=resolve(req.model, served), stream=req.stream is not False, think=req.think,
-                  logprobs=bool(req.logprobs), top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-                  json_schema={"type": "object"} if req.format == "json" else (req.format or None),
-                  **sampling(req.options))
+    common = dict(
+        model=resolve(req.model, served),
+        stream=req.stream is not False,
+        think=req.think,
+        logprobs=bool(req.logprobs),
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        json_schema={"type": "object"} if req.format == "json" else (req.format or None),
+        **sampling(req.options),
+    )
     if isinstance(req, ChatBody):
         tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] or None
         return GenerationRequest(kind="chat", messages=template_messages(req.messages or []), tools=tools, **common)
     if req.raw:
         if req.system:
-            raise ApiError(400, "'system' cannot be used with raw: a raw prompt is sent as it is", param="system",
-                           code="invalid_value")
+            raise ApiError(
+                400,
+                "'system' cannot be used with raw: a raw prompt is sent as it is",
+                param="system",
+                code="invalid_value",
+            )
         return GenerationRequest(kind="completion", prompt=req.prompt or "", **common)
     messages = [{"role": "system", "content": req.system}] if req.system else []
     if req.prompt:
@@ -243,16 +274,23 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
         if m.thinking:
             d["reasoning_content"] = m.thinking  # the key chat templates that keep thinking read
         if m.tool_calls:
-            calls: list[dict[str, Any]] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
-                      "function": {"name": c.function.name, "arguments": dict(c.function.arguments)}}
-                     for j, c in enumerate(m.tool_calls)]
+            calls: list[dict[str, Any]] = [
+                {
+                    "id": c.id or f"call_{i}_{j}",
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": dict(c.function.arguments)},
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
             d["tool_calls"], open_calls = calls, list(calls)
         if m.role == "tool":
             if m.tool_name:
                 d["name"] = m.tool_name
-            answered = next((c for c in open_calls if m.tool_call_id and c["id"] == m.tool_call_id), None) \
-                or next((c for c in open_calls if c["function"]["name"] == m.tool_name), None) \
+            answered = (
+                next((c for c in open_calls if m.tool_call_id and c["id"] == m.tool_call_id), None)
+                or next((c for c in open_calls if c["function"]["name"] == m.tool_name), None)
                 or (open_calls[0] if open_calls else None)
+            )
             if answered is not None:
                 open_calls.remove(answered)
                 d.setdefault("name", answered["function"]["name"])

@@ -24,8 +24,11 @@ class _Envelope:
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         prompt_tokens = self.gen.prompt_tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def wrap(self, choices: list, chunk: bool) -> dict[str, Any]:
         if self.kind == "completion":
@@ -61,8 +64,9 @@ class _ServerSentEvents(_Envelope):
             if piece is not None and piece.reasoning:
                 delta["reasoning_content"] = piece.reasoning
             if piece is not None and piece.tool_calls:
-                delta["tool_calls"] = [dict(_tool_call(c), index=self.calls + i)
-                                       for i, c in enumerate(piece.tool_calls)]
+                delta["tool_calls"] = [
+                    dict(_tool_call(c), index=self.calls + i) for i, c in enumerate(piece.tool_calls)
+                ]
                 self.calls += len(piece.tool_calls)
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
@@ -94,13 +98,18 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
 def _logprobs(kind: str, entries) -> dict[str, Any]:
     """OpenAI's logprobs object: chat's ``content`` list, or the legacy completions lists."""
     if kind == "chat":
+
         def one(token: str, logprob: float) -> dict[str, Any]:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-        return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
-                            for e in entries]}
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [_first_of_each(e.top) for e in entries]}
+        return {
+            "content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top]) for e in entries]
+        }
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [_first_of_each(e.top) for e in entries],
+    }
 
 
 def _first_of_each(top) -> dict[str, float]:
@@ -134,23 +143,42 @@ async def _respond(kind: str, request: web.Request, gen: core.Generation, req: G
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await core.generate(request, lambda body, limits: parse_request(body, "chat", limits),
-                               partial(_respond, "chat"), id_prefix="chatcmpl-")
+    return await core.generate(
+        request,
+        lambda body, limits: parse_request(body, "chat", limits),
+        partial(_respond, "chat"),
+        id_prefix="chatcmpl-",
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await core.generate(request, lambda body, limits: parse_request(body, "completion", limits),
-                               partial(_respond, "completion"), id_prefix="cmpl-")
+    return await core.generate(
+        request,
+        lambda body, limits: parse_request(body, "completion", limits),
+        partial(_respond, "completion"),
+        id_prefix="cmpl-",
+    )
 
 
 async def models(request: web.Request) -> web.Response:
     """Every served model, also while the mesh forms or re-plans (a client lists what it can ask
     for; a request made before the model is ready gets a 503 with Retry-After)."""
-    return web.json_response({"object": "list", "data": [
-        {"id": m["id"], "object": "model", "created": 0, "owned_by": "meshnode", "state": m["state"],
-         "context_length": m.get("context_length")}
-        for m in request.app[core.BACKEND].models()
-    ]})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": m["id"],
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "meshnode",
+                    "state": m["state"],
+                    "context_length": m.get("context_length"),
+                }
+                for m in request.app[core.BACKEND].models()
+            ],
+        }
+    )
 
 
 def routes(app: web.Application) -> None:

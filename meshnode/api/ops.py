@@ -36,11 +36,20 @@ async def admin_models(request: web.Request) -> web.Response:
     """``{"add": "<folder or id>"}`` or ``{"remove": "<model id>"}``, kept across restarts. Without
     an API key only this machine may ask (a model folder is a path on this disk)."""
     if not request.app[SETTINGS].api_key and request.remote not in LOOPBACK:
-        raise ApiError(403, "admin calls need an API key (the api_key setting) or must come from this machine",
-                       type="permission_error", code="admin_forbidden")
+        raise ApiError(
+            403,
+            "admin calls need an API key (the api_key setting) or must come from this machine",
+            type="permission_error",
+            code="admin_forbidden",
+        )
     body = await json_body(request)
-    if not isinstance(body, dict) or len(body) != 1 or not isinstance(next(iter(body.values())), str) \
-            or next(iter(body)) not in ("add", "remove") or not next(iter(body.values())).strip():
+    if (
+        not isinstance(body, dict)
+        or len(body) != 1
+        or not isinstance(next(iter(body.values())), str)
+        or next(iter(body)) not in ("add", "remove")
+        or not next(iter(body.values())).strip()
+    ):
         raise ApiError(400, 'expected {"add": "<model folder or id>"} or {"remove": "<model id>"}')
     backend = request.app[BACKEND]
     if "add" in body:

@@ -67,11 +67,25 @@ STORE = web.AppKey("responses_store", ResponseStore)
 
 # What a Response repeats of its request when the request left it out: OpenAI's defaults.
 DEFAULTS: dict[str, Any] = {
-    "instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
-    "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
-    "store": True, "temperature": 1.0, "text": {"format": {"type": "text"}, "verbosity": "medium"},
-    "tool_choice": "auto", "tools": [], "top_logprobs": 0, "top_p": 1.0, "truncation": "disabled", "user": None,
-    "background": False, "safety_identifier": None, "prompt_cache_key": None,
+    "instructions": None,
+    "max_output_tokens": None,
+    "metadata": {},
+    "parallel_tool_calls": True,
+    "previous_response_id": None,
+    "reasoning": {"effort": None, "summary": None},
+    "service_tier": "default",
+    "store": True,
+    "temperature": 1.0,
+    "text": {"format": {"type": "text"}, "verbosity": "medium"},
+    "tool_choice": "auto",
+    "tools": [],
+    "top_logprobs": 0,
+    "top_p": 1.0,
+    "truncation": "disabled",
+    "user": None,
+    "background": False,
+    "safety_identifier": None,
+    "prompt_cache_key": None,
 }
 
 
@@ -105,30 +119,51 @@ def parse(body: Any, limits: Limits, lookup: Lookup = lambda _id: None) -> Respo
     if req.previous_response_id is not None:
         before = lookup(req.previous_response_id)
         if before is None:
-            raise ApiError(400, f"Previous response with id '{req.previous_response_id}' not found: this node keeps "
-                           "the responses it made with store not false, for a while (see docs/api.md); send the "
-                           "whole conversation in 'input' instead", param="previous_response_id",
-                           code="previous_response_not_found")
+            raise ApiError(
+                400,
+                f"Previous response with id '{req.previous_response_id}' not found: this node keeps "
+                "the responses it made with store not false, for a while (see docs/api.md); send the "
+                "whole conversation in 'input' instead",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         history = list(before)
     history += template_messages(req.input, history)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     wanted = json_schema(req.text.format if req.text else None)
     if wanted is not None and tools and choice != "none":
-        raise ApiError(400, "text.format json and tools cannot both shape one answer here; send one",
-                       param="text.format", code="invalid_value")
+        raise ApiError(
+            400,
+            "text.format json and tools cannot both shape one answer here; send one",
+            param="text.format",
+            code="invalid_value",
+        )
     effort = req.reasoning.effort if req.reasoning else None
     logprobs = LOGPROBS in (req.include or ())
     if req.top_logprobs and not logprobs:
-        raise ApiError(400, f"'top_logprobs' needs include [\"{LOGPROBS}\"]", param="top_logprobs",
-                       code="invalid_value")
+        raise ApiError(
+            400, f"'top_logprobs' needs include [\"{LOGPROBS}\"]", param="top_logprobs", code="invalid_value"
+        )
     return ResponsesRequest(
-        kind="chat", model=req.model, messages=leading_system(messages), max_tokens=req.max_output_tokens,
+        kind="chat",
+        model=req.model,
+        messages=leading_system(messages),
+        max_tokens=req.max_output_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p), stream=bool(req.stream), logprobs=logprobs,
-        top_logprobs=req.top_logprobs or 0, tools=tools or None, tool_choice=choice, json_schema=wanted,
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        stream=bool(req.stream),
+        logprobs=logprobs,
+        top_logprobs=req.top_logprobs or 0,
+        tools=tools or None,
+        tool_choice=choice,
+        json_schema=wanted,
         think=None if effort is None else effort not in ("none", "minimal"),
         template_kwargs={"reasoning_effort": "high" if effort in ("xhigh", "max") else effort} if effort else {},
-        history=tuple(history), names=names, echo=dict(body), store=req.store is not False)
+        history=tuple(history),
+        names=names,
+        echo=dict(body),
+        store=req.store is not False,
+    )
 
 
 def _id(prefix: str) -> str:
@@ -178,9 +213,20 @@ class Output:
 
     def response(self, status: str, usage: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
         echo = {k: v for k, v in self.req.echo.items() if k in DEFAULTS}
-        return {"id": self.gen.id, "object": "response", "created_at": self.created_at, "status": status,
-                "error": None, "incomplete_details": None, "model": self.gen.model, "output": list(self.items),
-                "usage": usage, **DEFAULTS, **echo, **extra}
+        return {
+            "id": self.gen.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "model": self.gen.model,
+            "output": list(self.items),
+            "usage": usage,
+            **DEFAULTS,
+            **echo,
+            **extra,
+        }
 
     # ----------------------------------------------------------------- items
 
@@ -195,8 +241,13 @@ class Output:
             self.open = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            self.open = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                         "content": []}
+            self.open = {
+                "id": _id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._event("response.output_item.added", output_index=len(self.items), item=self.open)
         self._event("response.content_part.added", **self._where(), content_index=0, part=part)
@@ -209,8 +260,9 @@ class Output:
             self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
         else:
             self.written_logprobs += logprobs or []
-            self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                        logprobs=logprobs or [])
+            self._event(
+                "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=logprobs or []
+            )
 
     def _close(self, status: str) -> None:
         if self.open is None:
@@ -222,8 +274,9 @@ class Output:
             self._event("response.reasoning_text.done", **where, content_index=0, text=text)
         else:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self.written_logprobs}
-            self._event("response.output_text.done", **where, content_index=0, text=text,
-                        logprobs=self.written_logprobs)
+            self._event(
+                "response.output_text.done", **where, content_index=0, text=text, logprobs=self.written_logprobs
+            )
             self.said.append(text)
         self._event("response.content_part.done", **where, content_index=0, part=part)
         item = {**self.open, "status": status, "content": [part]}
@@ -242,8 +295,14 @@ class Output:
             events = ("response.custom_tool_call_input", "input")
         else:
             text = call.arguments
-            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
-                    "name": name, "arguments": ""}
+            item = {
+                "id": _id("fc"),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": call.id,
+                "name": name,
+                "arguments": "",
+            }
             arguments = _object(call.arguments)
             events = ("response.function_call_arguments", "arguments")
         if namespace:
@@ -280,9 +339,13 @@ class Output:
         cut = last is not None and last.finish_reason == "length"
         self._close("incomplete" if cut else "completed")
         out_tokens = last.completion_tokens if last is not None else 0
-        usage = {"input_tokens": self.gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                 "total_tokens": self.gen.prompt_tokens + out_tokens}
+        usage = {
+            "input_tokens": self.gen.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": out_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.gen.prompt_tokens + out_tokens,
+        }
         if cut:
             self.final = self.response("incomplete", usage, incomplete_details={"reason": "max_output_tokens"})
         else:
@@ -333,8 +396,7 @@ async def _respond(request: web.Request, gen: core.Generation, req: ResponsesReq
 async def create(request: web.Request) -> web.StreamResponse:
     store = request.app.get(STORE)
     lookup = store.history if store is not None else (lambda _id: None)
-    return await core.generate(request, lambda body, limits: parse(body, limits, lookup), _respond,
-                               id_prefix="resp_")
+    return await core.generate(request, lambda body, limits: parse(body, limits, lookup), _respond, id_prefix="resp_")
 
 
 async def retrieve(request: web.Request) -> web.Response:
@@ -342,8 +404,13 @@ async def retrieve(request: web.Request) -> web.Response:
     store = request.app.get(STORE)
     found = store.response(response_id) if store is not None else None
     if found is None:
-        raise ApiError(404, f"Response with id '{response_id}' not found (this node keeps the responses it made "
-                       "with store not false, for a while)", param="id", code="not_found")
+        raise ApiError(
+            404,
+            f"Response with id '{response_id}' not found (this node keeps the responses it made "
+            "with store not false, for a while)",
+            param="id",
+            code="not_found",
+        )
     return web.json_response(found)
 
 

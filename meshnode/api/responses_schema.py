@@ -18,17 +18,32 @@ log = logging.getLogger(__name__)
 
 JOIN = "\n\n"
 SEP = "__"  # between a namespace and the name of one of its tools, as the model sees it
-Hosted = Literal["web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
-                 "file_search", "code_interpreter", "image_generation", "mcp", "tool_search"]
+Hosted = Literal[
+    "web_search",
+    "web_search_preview",
+    "web_search_2025_08_26",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "tool_search",
+]
 HOSTED: tuple[str, ...] = get_args(Hosted)
 CLIENT_BUILTINS = ("local_shell", "shell", "apply_patch", "computer", "computer_use_preview")
-Includable = Literal["reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
-                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
-                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+Includable = Literal[
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
 LOGPROBS = "message.output_text.logprobs"
 PARTS = ("input_text", "output_text", "refusal")
-ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
-         "reasoning")
+ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output", "reasoning")
 
 
 def _only(kinds: tuple[str, ...], what: str, why: dict[str, str] | None = None) -> WrapValidator:
@@ -39,9 +54,16 @@ def _only(kinds: tuple[str, ...], what: str, why: dict[str, str] | None = None) 
         if isinstance(value, dict) and kind not in kinds:
             reason = (why or {}).get(kind, "") if isinstance(kind, str) else ""
             raise PydanticCustomError(
-                "invalid_value", "is {a} {what} {kind}, which this server does not take{reason}; it takes {kinds}",
-                {"a": "an" if what[0] in "aeiou" else "a", "what": what, "reason": reason, "kinds": ", ".join(kinds),
-                 "kind": f"of type '{kind}'" if isinstance(kind, str) else "without a type"})
+                "invalid_value",
+                "is {a} {what} {kind}, which this server does not take{reason}; it takes {kinds}",
+                {
+                    "a": "an" if what[0] in "aeiou" else "a",
+                    "what": what,
+                    "reason": reason,
+                    "kinds": ", ".join(kinds),
+                    "kind": f"of type '{kind}'" if isinstance(kind, str) else "without a type",
+                },
+            )
         return handler(value)
 
     return WrapValidator(check)
@@ -125,9 +147,12 @@ def _message_by_default(value: Any) -> Any:
 
 
 _REFERENCE = {"item_reference": " (send the item itself, or previous_response_id)"}
-Item = Annotated[MessageItem | FunctionCallItem | CustomCallItem | OutputItem | ReasoningItem,
-                 Field(discriminator="type"), _only(ITEMS, "input item", _REFERENCE),
-                 BeforeValidator(_message_by_default)]
+Item = Annotated[
+    MessageItem | FunctionCallItem | CustomCallItem | OutputItem | ReasoningItem,
+    Field(discriminator="type"),
+    _only(ITEMS, "input item", _REFERENCE),
+    BeforeValidator(_message_by_default),
+]
 
 
 class FunctionTool(Strict):
@@ -160,8 +185,9 @@ class HostedTool(BaseModel):
 
 
 _BUILTIN = {k: " (a model here cannot make its call items; send it as a function tool)" for k in CLIENT_BUILTINS}
-Inner = Annotated[FunctionTool | CustomTool, Field(discriminator="type"),
-                  _only(("function", "custom"), "tool", _BUILTIN)]
+Inner = Annotated[
+    FunctionTool | CustomTool, Field(discriminator="type"), _only(("function", "custom"), "tool", _BUILTIN)
+]
 
 
 class NamespaceTool(Strict):
@@ -171,8 +197,11 @@ class NamespaceTool(Strict):
     tools: list[Inner]
 
 
-Tool = Annotated[FunctionTool | CustomTool | NamespaceTool | HostedTool, Field(discriminator="type"),
-                 _only(("function", "custom", "namespace") + HOSTED, "tool", _BUILTIN)]
+Tool = Annotated[
+    FunctionTool | CustomTool | NamespaceTool | HostedTool,
+    Field(discriminator="type"),
+    _only(("function", "custom", "namespace") + HOSTED, "tool", _BUILTIN),
+]
 
 
 class NamedChoice(Strict):
@@ -208,8 +237,9 @@ class StreamOptions(Strict):
 
 class ResponsesBody(Strict):
     model: str = Field(min_length=1)
-    input: Annotated[list[Item], _listed(lambda text: {"type": "message", "role": "user", "content": text},
-                                         "input items")]
+    input: Annotated[
+        list[Item], _listed(lambda text: {"type": "message", "role": "user", "content": text}, "input items")
+    ]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1)
     store: bool | None = None
@@ -221,9 +251,13 @@ class ResponsesBody(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None
-    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedChoice,
-                           one_of("must be \"none\", \"auto\", \"required\" or "
-                                  "{\"type\": \"function\", \"name\": ...}")] | None = None
+    tool_choice: (
+        Annotated[
+            Literal["none", "auto", "required"] | NamedChoice,
+            one_of('must be "none", "auto", "required" or {"type": "function", "name": ...}'),
+        ]
+        | None
+    ) = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
@@ -256,11 +290,15 @@ def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[s
             note = "The input is free text"
             if fmt is not None and fmt.type == "grammar" and fmt.definition:
                 note += f" following this {fmt.syntax or 'lark'} grammar:\n{fmt.definition}"
-            parameters = {"type": "object", "properties": {"input": {"type": "string", "description": note}},
-                          "required": ["input"]}
+            parameters = {
+                "type": "object",
+                "properties": {"input": {"type": "string", "description": note}},
+                "required": ["input"],
+            }
         names[seen] = (tool.type, namespace, tool.name)
-        tools.append({"type": "function", "function": {"name": seen, "description": description,
-                                                       "parameters": parameters}})
+        tools.append(
+            {"type": "function", "function": {"name": seen, "description": description, "parameters": parameters}}
+        )
 
     for tool in given:
         if isinstance(tool, NamespaceTool):
@@ -277,11 +315,16 @@ def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[s
 
 def tool_choice(choice: Any, names: dict[str, tuple[str, str | None, str]]) -> str | dict[str, Any] | None:
     if isinstance(choice, NamedChoice):
-        seen = next((s for s, (kind, _ns, name) in names.items() if choice.name in (s, name) and kind == choice.type),
-                    None)
+        seen = next(
+            (s for s, (kind, _ns, name) in names.items() if choice.name in (s, name) and kind == choice.type), None
+        )
         if seen is None:
-            raise ApiError(400, f"tool_choice names '{choice.name}', which is not one of the request's {choice.type} "
-                           "tools", param="tool_choice", code="invalid_value")
+            raise ApiError(
+                400,
+                f"tool_choice names '{choice.name}', which is not one of the request's {choice.type} tools",
+                param="tool_choice",
+                code="invalid_value",
+            )
         return {"type": "function", "function": {"name": seen}}
     if choice == "required" and not names:
         raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice", code="invalid_value")
@@ -292,8 +335,9 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
     try:
         value = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError:
-        raise ApiError(400, f"'{where}.arguments' is not valid JSON", param=f"{where}.arguments",
-                       code="invalid_value") from None
+        raise ApiError(
+            400, f"'{where}.arguments' is not valid JSON", param=f"{where}.arguments", code="invalid_value"
+        ) from None
     return value if isinstance(value, dict) else {"value": value}
 
 
@@ -308,8 +352,11 @@ def template_messages(items: list, before: list[dict[str, Any]]) -> list[dict[st
             out.append({"role": role, "content": _text(item.content)})
         elif isinstance(item, (FunctionCallItem, CustomCallItem)):
             name = f"{item.namespace}{SEP}{item.name}" if item.namespace else item.name
-            arguments = (_arguments(item.arguments, f"input[{i}]") if isinstance(item, FunctionCallItem)
-                         else {"input": item.input})
+            arguments = (
+                _arguments(item.arguments, f"input[{i}]")
+                if isinstance(item, FunctionCallItem)
+                else {"input": item.input}
+            )
             called[item.call_id] = name
             call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":
@@ -337,6 +384,10 @@ def json_schema(fmt: TextFormat | None) -> dict[str, Any] | None:
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.schema_ is None:
-        raise ApiError(400, "'text.format.schema' is required for type json_schema", param="text.format.schema",
-                       code="missing_required_parameter")
+        raise ApiError(
+            400,
+            "'text.format.schema' is required for type json_schema",
+            param="text.format.schema",
+            code="missing_required_parameter",
+        )
     return fmt.schema_

@@ -49,10 +49,25 @@ def validate(model: type[BaseModel], body: Any, context: dict[str, Any] | None =
 
 
 # pydantic's error types that say the value is of the right type but not allowed
-_VALUE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
-                 "string_too_short", "string_too_long", "finite_number", "literal_error", "none_required"}
-_PLAIN_WORDS = {"model_type": "should be an object", "dict_type": "should be an object",
-                "too_short": "should not be empty", "string_too_short": "should not be empty"}
+_VALUE_ERRORS = {
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "too_short",
+    "too_long",
+    "string_too_short",
+    "string_too_long",
+    "finite_number",
+    "literal_error",
+    "none_required",
+}
+_PLAIN_WORDS = {
+    "model_type": "should be an object",
+    "dict_type": "should be an object",
+    "too_short": "should not be empty",
+    "string_too_short": "should not be empty",
+}
 
 
 def api_error(exc: ValidationError) -> ApiError:
@@ -70,7 +85,7 @@ def api_error(exc: ValidationError) -> ApiError:
         if kind in _PLAIN_WORDS:
             text = _PLAIN_WORDS[kind]
         elif msg.startswith("Input "):  # "Input should be a valid integer"
-            text = msg[len("Input "):]
+            text = msg[len("Input ") :]
         else:
             text = msg if kind in OUR_CODES else f"is invalid: {msg}"
         if kind in ("literal_error", "none_required"):  # pydantic says None, False; JSON says null, false

@@ -10,8 +10,14 @@ from aiohttp import web
 
 async def refuse_until(stop: asyncio.Event, host: str, port: int, reason: str) -> None:
     """Answers 503 naming ``reason`` until ``stop`` is set."""
-    body = {"error": {"message": f"this node cannot serve its model: {reason}", "type": "model_not_loadable",
-                      "param": "model", "code": "model_not_loadable"}}
+    body = {
+        "error": {
+            "message": f"this node cannot serve its model: {reason}",
+            "type": "model_not_loadable",
+            "param": "model",
+            "code": "model_not_loadable",
+        }
+    }
 
     async def refuse(_request: web.Request) -> web.Response:
         return web.json_response(body, status=503)

@@ -156,9 +156,9 @@ class Message(BaseModel):
     tool_calls: list[_ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None
-    content: Annotated[str | list[TextPart] | None, one_of("must be a string or a list of text parts "
-                                                            "{'type': 'text', 'text': ...}")] \
-        = Field(None, validate_default=True)
+    content: Annotated[
+        str | list[TextPart] | None, one_of("must be a string or a list of text parts {'type': 'text', 'text': ...}")
+    ] = Field(None, validate_default=True)
 
     @field_validator("content")
     @classmethod
@@ -174,8 +174,14 @@ class Message(BaseModel):
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": text or ""}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -189,8 +195,12 @@ def _arguments(value: str | dict) -> dict:
     try:
         parsed = json.loads(value or "{}")
     except json.JSONDecodeError:
-        raise ApiError(400, "a tool call's arguments in the chat history are not valid JSON",
-                       param="messages", code="invalid_value") from None
+        raise ApiError(
+            400,
+            "a tool call's arguments in the chat history are not valid JSON",
+            param="messages",
+            code="invalid_value",
+        ) from None
     return parsed if isinstance(parsed, dict) else {"value": parsed}
 
 
@@ -242,29 +252,40 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
-                           one_of("must be \"none\", \"auto\", \"required\" or "
-                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")] | None = None
+    tool_choice: (
+        Annotated[
+            Literal["none", "auto", "required"] | NamedToolChoice,
+            one_of('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+        ]
+        | None
+    ) = None
     functions: list[_Function] | None = None  # the older form of tools
-    function_call: Annotated[Literal["none", "auto"] | _Named,
-                             one_of("must be \"none\", \"auto\" or {\"name\": ...}")] | None = None
+    function_call: (
+        Annotated[Literal["none", "auto"] | _Named, one_of('must be "none", "auto" or {"name": ...}')] | None
+    ) = None
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: JsonObject | None = None  # vLLM's and mlx_lm.server's: {"enable_thinking": false}
 
 
 if TYPE_CHECKING:
+
     class _Completion(_Sampling):
         logprobs: int | None
 else:
-    _Completion = create_model("_Completion", __base__=_Sampling, **optional(HARMLESS_COMPLETION),
-                               logprobs=(Annotated[int, Field(ge=0, le=20)] | None, None))  # the legacy top-n
+    _Completion = create_model(
+        "_Completion",
+        __base__=_Sampling,
+        **optional(HARMLESS_COMPLETION),
+        logprobs=(Annotated[int, Field(ge=0, le=20)] | None, None),
+    )  # the legacy top-n
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Completion):
-    prompt: Annotated[Annotated[str, Field(min_length=1)] | TokenIds,
-                      one_of("must be a non-empty string or a list of token ids")]
+    prompt: Annotated[
+        Annotated[str, Field(min_length=1)] | TokenIds, one_of("must be a non-empty string or a list of token ids")
+    ]
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -294,8 +315,9 @@ def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
     )
     if isinstance(req, CompletionRequest):
         logprobs = req.logprobs is not None
-        return GenerationRequest(kind="completion", prompt=req.prompt, logprobs=logprobs,
-                                 top_logprobs=req.logprobs or 0, **common)
+        return GenerationRequest(
+            kind="completion", prompt=req.prompt, logprobs=logprobs, top_logprobs=req.logprobs or 0, **common
+        )
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
     tools, choice = _tools(req)
@@ -306,11 +328,24 @@ def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
         think = req.reasoning_effort not in ("none", "minimal")
     schema = _json_schema(req.response_format)
     if schema is not None and tools and choice != "none":
-        raise ApiError(400, "response_format json and tools cannot both shape one answer here; send one",
-                       param="response_format", code="invalid_value")
-    return GenerationRequest(kind="chat", messages=[m.plain() for m in req.messages], logprobs=bool(req.logprobs),
-                             top_logprobs=req.top_logprobs or 0, tools=tools, tool_choice=choice, think=think,
-                             template_kwargs=kwargs, json_schema=schema, **common)
+        raise ApiError(
+            400,
+            "response_format json and tools cannot both shape one answer here; send one",
+            param="response_format",
+            code="invalid_value",
+        )
+    return GenerationRequest(
+        kind="chat",
+        messages=[m.plain() for m in req.messages],
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+        tools=tools,
+        tool_choice=choice,
+        think=think,
+        template_kwargs=kwargs,
+        json_schema=schema,
+        **common,
+    )
 
 
 def _json_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -319,16 +354,19 @@ def _json_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise ApiError(400, "'response_format.json_schema.schema' is required for type json_schema",
-                       param="response_format.json_schema.schema", code="missing_required_parameter")
+        raise ApiError(
+            400,
+            "'response_format.json_schema.schema' is required for type json_schema",
+            param="response_format.json_schema.schema",
+            code="missing_required_parameter",
+        )
     return fmt.json_schema.schema_
 
 
 def _tools(req: ChatRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
     """The request's tools and tool_choice (older functions/function_call read as those)."""
     if req.functions is not None and req.tools is not None:
-        raise ApiError(400, "send 'tools' or the older 'functions', not both", param="functions",
-                       code="invalid_value")
+        raise ApiError(400, "send 'tools' or the older 'functions', not both", param="functions", code="invalid_value")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None else None
     if req.functions is not None:
         tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in req.functions]
@@ -337,8 +375,12 @@ def _tools(req: ChatRequest) -> tuple[list[dict[str, Any]] | None, str | dict[st
     if isinstance(asked, NamedToolChoice | _Named):
         name = asked.function.name if isinstance(asked, NamedToolChoice) else asked.name
         if not any(t["function"]["name"] == name for t in tools or ()):
-            raise ApiError(400, f"tool_choice names '{name}', which is not one of the request's tools",
-                           param="tool_choice", code="invalid_value")
+            raise ApiError(
+                400,
+                f"tool_choice names '{name}', which is not one of the request's tools",
+                param="tool_choice",
+                code="invalid_value",
+            )
         choice = {"type": "function", "function": {"name": name}}
     else:
         choice = asked

@@ -58,31 +58,51 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("--config", metavar="FILE", type=Path, help="TOML config file (default: $MESHNODE_CONFIG)")
-    run.add_argument("--model", metavar="M", action="append",
-                     help="local mlx-lm model directory, GGUF file, ollama:NAME[:TAG] or Hugging Face id "
-                          "(default: demo); repeatable: the first is `model`, the others `models` (several "
-                          "models on one mesh)")
+    run.add_argument(
+        "--model",
+        metavar="M",
+        action="append",
+        help="local mlx-lm model directory, GGUF file, ollama:NAME[:TAG] or Hugging Face id "
+        "(default: demo); repeatable: the first is `model`, the others `models` (several "
+        "models on one mesh)",
+    )
     run.add_argument("--host", metavar="ADDR", help="bind address for HTTP and gRPC (default 0.0.0.0)")
     run.add_argument("--http-port", metavar="N", help="HTTP API port (default 8470)")
     run.add_argument("--grpc-port", metavar="N", help="gRPC port for peers (default 8471)")
     run.add_argument("--node-id", metavar="ID", help="this node's id (default: generated once and kept)")
     run.add_argument(
-        "--cluster-key", metavar="KEY",
+        "--cluster-key",
+        metavar="KEY",
         help="shared secret of the mesh (prefer MESHNODE_CLUSTER_KEY: flags are visible in ps)",
     )
-    run.add_argument("--memory-budget", metavar="SIZE",
-                     help="memory to offer, e.g. 16GiB (default: a fraction of free)")
     run.add_argument(
-        "--peer", metavar="HOST:PORT", action="append", dest="peers",
+        "--memory-budget", metavar="SIZE", help="memory to offer, e.g. 16GiB (default: a fraction of free)"
+    )
+    run.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        action="append",
+        dest="peers",
         help="a static peer's gRPC address (repeatable; replaces peers from the config file and environment)",
     )
-    run.add_argument("--encrypt", action="store_const", const=True, dest="encrypt",
-                     help="encrypt gRPC between nodes (mutual TLS from the cluster key, so it needs one)")
+    run.add_argument(
+        "--encrypt",
+        action="store_const",
+        const=True,
+        dest="encrypt",
+        help="encrypt gRPC between nodes (mutual TLS from the cluster key, so it needs one)",
+    )
     run.add_argument("--no-mdns", action="store_const", const=False, dest="mdns", help="do not use mDNS")
-    run.add_argument("--strategy", choices=("auto", "single", "pipeline", "tensor", "hybrid"),
-                     help="how the coordinator splits the model (default auto: the least estimated time per token)")
-    run.add_argument("--max-context", metavar="N", help="tokens of context per request (default 0: the model's own, "
-                                                        "lowered only as far as memory requires)")
+    run.add_argument(
+        "--strategy",
+        choices=("auto", "single", "pipeline", "tensor", "hybrid"),
+        help="how the coordinator splits the model (default auto: the least estimated time per token)",
+    )
+    run.add_argument(
+        "--max-context",
+        metavar="N",
+        help="tokens of context per request (default 0: the model's own, lowered only as far as memory requires)",
+    )
     run.add_argument("--kv-requests", metavar="N", help="requests at once whose KV cache a plan reserves (default 2)")
     run.add_argument("--kv-bits", metavar="N", help="quantize the KV cache to 4 or 8 bits (default 0: off)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
@@ -99,38 +119,63 @@ def build_parser() -> argparse.ArgumentParser:
             "announces answers), 1 answered but not healthy (or refused), 2 no node answered."
         ),
     )
-    status.add_argument("--url", help=f"the node's HTTP address (default: from the node's config, else "
-                                      f"{DEFAULT_STATUS_URL})")
-    status.add_argument("--config", metavar="FILE", type=Path,
-                        help="the node's config file, for its port and API key (default: $MESHNODE_CONFIG, "
-                             "else the installed service's)")
+    status.add_argument(
+        "--url", help=f"the node's HTTP address (default: from the node's config, else {DEFAULT_STATUS_URL})"
+    )
+    status.add_argument(
+        "--config",
+        metavar="FILE",
+        type=Path,
+        help="the node's config file, for its port and API key (default: $MESHNODE_CONFIG, "
+        "else the installed service's)",
+    )
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait (default 3)")
-    status.add_argument("--api-key", metavar="KEY",
-                        help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
+    status.add_argument(
+        "--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)"
+    )
     status.set_defaults(handler=cmd_status)
 
     plan = sub.add_parser(
-        "plan", help="dry run: how a model would be placed on the mesh, the alternatives and why",
+        "plan",
+        help="dry run: how a model would be placed on the mesh, the alternatives and why",
         description="Plan a model on the live mesh (--url) or on a cluster described in a TOML file (--cluster, "
-                    "see configs/example-cluster.toml) without changing anything: the chosen plan, the "
-                    "alternatives with estimated tokens/s and memory per node, and why.")
+        "see configs/example-cluster.toml) without changing anything: the chosen plan, the "
+        "alternatives with estimated tokens/s and memory per node, and why.",
+    )
     plan.add_argument("--model", required=True, metavar="DIR", help="the model directory (config.json + safetensors)")
     where = plan.add_mutually_exclusive_group()
     where.add_argument("--cluster", metavar="FILE.toml", help="a described cluster: [[node]] and [[link]] tables")
     where.add_argument("--url", help=f"a live node whose /v1/mesh lists the nodes (default {DEFAULT_STATUS_URL})")
     plan.add_argument("--strategy", choices=("single", "pipeline", "tensor", "hybrid"), help="force a strategy")
-    plan.add_argument("--max-context", type=int, default=0, metavar="N",
-                      help="tokens of context (default 0: the model's own, lowered only as far as memory requires)")
-    plan.add_argument("--kv-requests", type=int, default=2, metavar="N",
-                      help="requests at once whose KV cache each stage holds (default 2, as a node)")
-    plan.add_argument("--kv-bits", type=int, default=0, choices=(0, 4, 8), metavar="N",
-                      help="quantize the KV cache to 4 or 8 bits (default 0: off)")
+    plan.add_argument(
+        "--max-context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens of context (default 0: the model's own, lowered only as far as memory requires)",
+    )
+    plan.add_argument(
+        "--kv-requests",
+        type=int,
+        default=2,
+        metavar="N",
+        help="requests at once whose KV cache each stage holds (default 2, as a node)",
+    )
+    plan.add_argument(
+        "--kv-bits",
+        type=int,
+        default=0,
+        choices=(0, 4, 8),
+        metavar="N",
+        help="quantize the KV cache to 4 or 8 bits (default 0: off)",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--timeout", type=float, default=3.0, metavar="S", help="seconds to wait for --url")
     plan.set_defaults(handler=cmd_plan)
     install = sub.add_parser(
-        "install", help="install meshnode as a launchd (macOS) or systemd (Linux) service and start it",
+        "install",
+        help="install meshnode as a launchd (macOS) or systemd (Linux) service and start it",
         description=(
             "Write the service (a per-user LaunchAgent / systemd user unit; --system: a LaunchDaemon / "
             "system unit) running `meshnode run --config FILE`, create FILE with a new cluster key unless "
@@ -139,22 +184,27 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     uninstall = sub.add_parser(
-        "uninstall", help="stop and remove the meshnode service",
+        "uninstall",
+        help="stop and remove the meshnode service",
         description="Stop the service and remove the files install wrote; the config (with the cluster key) "
-                    "and the logs stay unless --purge.",
+        "and the logs stay unless --purge.",
     )
     for service_cmd, handler in ((install, cmd_install), (uninstall, cmd_uninstall)):
-        service_cmd.add_argument("--system", action="store_true",
-                                 help="a system service (LaunchDaemon / system unit; needs root), not a per-user one")
-        service_cmd.add_argument("--dry-run", action="store_true",
-                                 help="print every file and command, change nothing")
-        service_cmd.add_argument("--platform", choices=("macos", "linux"),
-                                 help="the platform to show with --dry-run (default: this one)")
+        service_cmd.add_argument(
+            "--system",
+            action="store_true",
+            help="a system service (LaunchDaemon / system unit; needs root), not a per-user one",
+        )
+        service_cmd.add_argument("--dry-run", action="store_true", help="print every file and command, change nothing")
+        service_cmd.add_argument(
+            "--platform", choices=("macos", "linux"), help="the platform to show with --dry-run (default: this one)"
+        )
         service_cmd.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)  # tests
         service_cmd.add_argument("--home", type=Path, help=argparse.SUPPRESS)  # tests
         service_cmd.set_defaults(handler=handler)
-    install.add_argument("--executable", metavar="PATH", type=Path,
-                         help="the meshnode program the service runs (default: this one)")
+    install.add_argument(
+        "--executable", metavar="PATH", type=Path, help="the meshnode program the service runs (default: this one)"
+    )
     uninstall.add_argument("--purge", action="store_true", help="also remove the config (cluster key) and the logs")
     models_cli.add_parser(sub)
     return parser
@@ -200,8 +250,23 @@ def setup_logging(settings: Settings, stream=None) -> None:
 
 
 _RUN_FLAGS = (
-    "model", "host", "http_port", "grpc_port", "node_id", "cluster_key", "memory_budget", "peers", "mdns",
-    "encrypt", "strategy", "max_context", "kv_requests", "kv_bits", "state_dir", "cache_dir", "log_level",
+    "model",
+    "host",
+    "http_port",
+    "grpc_port",
+    "node_id",
+    "cluster_key",
+    "memory_budget",
+    "peers",
+    "mdns",
+    "encrypt",
+    "strategy",
+    "max_context",
+    "kv_requests",
+    "kv_bits",
+    "state_dir",
+    "cache_dir",
+    "log_level",
 )
 
 
@@ -297,9 +362,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     try:
         result = plan_longest_context(
-            lambda ctx: make_plan(profile, nodes, max_context=ctx, strategy=args.strategy, links=links,
-                                  requests=args.kv_requests, kv_bits=args.kv_bits),
-            profile.trained_context, args.max_context)
+            lambda ctx: make_plan(
+                profile,
+                nodes,
+                max_context=ctx,
+                strategy=args.strategy,
+                links=links,
+                requests=args.kv_requests,
+                kv_bits=args.kv_bits,
+            ),
+            profile.trained_context,
+            args.max_context,
+        )
     except PlanError as exc:
         if args.json:
             print(json.dumps({"model": profile.name, "error": exc.reasons}, indent=2))
@@ -361,8 +435,9 @@ def cmd_install(args: argparse.Namespace) -> int:
         print(f"meshnode install: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        act = service.plan_install(lay, executable, dry_run=args.dry_run,
-                                   cluster_key=os.environ.get("MESHNODE_CLUSTER_KEY") or None)
+        act = service.plan_install(
+            lay, executable, dry_run=args.dry_run, cluster_key=os.environ.get("MESHNODE_CLUSTER_KEY") or None
+        )
     except FileNotFoundError as exc:  # the templates are missing from this installation
         print(f"meshnode install: {exc}", file=sys.stderr)
         return EXIT_FAIL
@@ -397,4 +472,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-

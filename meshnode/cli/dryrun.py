@@ -34,14 +34,19 @@ def load_cluster(path: Path):
     for i, raw in enumerate(data.get("node") or []):
         try:
             layer_ms, coll_us = raw.get("layer_ms"), raw.get("collective_us")
-            nodes.append(NodeSpec(node_id=str(raw["id"]), memory_budget=parse_size(raw["memory"]),
-                                  compute=float(raw.get("compute", 1.0)),
-                                  layer_seconds=float(layer_ms) / 1e3 if layer_ms else None,
-                                  collective_s=float(coll_us) / 1e6 if coll_us else None))
+            nodes.append(
+                NodeSpec(
+                    node_id=str(raw["id"]),
+                    memory_budget=parse_size(raw["memory"]),
+                    compute=float(raw.get("compute", 1.0)),
+                    layer_seconds=float(layer_ms) / 1e3 if layer_ms else None,
+                    collective_s=float(coll_us) / 1e6 if coll_us else None,
+                )
+            )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: node {i + 1} needs id and memory (and numbers for layer_ms, collective_us, "
-                             f"compute): "
-                             f"{exc}") from None
+            raise ValueError(
+                f"{path}: node {i + 1} needs id and memory (and numbers for layer_ms, collective_us, compute): {exc}"
+            ) from None
     for i, raw in enumerate(data.get("link") or []):
         try:
             links[(str(raw["a"]), str(raw["b"]))] = LinkSpec(float(raw["rtt_us"]) / 1e6, _bandwidth(raw["bandwidth"]))
@@ -61,9 +66,15 @@ def cluster_from_mesh(data: dict[str, Any]):
     links: dict[tuple[str, ...], LinkSpec] = {}
     for raw in data.get("nodes") or []:
         layer, coll = float(raw.get("layer_seconds") or 0), float(raw.get("collective_seconds") or 0)
-        nodes.append(NodeSpec(node_id=str(raw["node_id"]), memory_budget=int(raw.get("memory_budget") or 0),
-                              compute=float(raw.get("compute") or 1.0), layer_seconds=layer if layer > 0 else None,
-                              collective_s=coll if coll > 0 else None))
+        nodes.append(
+            NodeSpec(
+                node_id=str(raw["node_id"]),
+                memory_budget=int(raw.get("memory_budget") or 0),
+                compute=float(raw.get("compute") or 1.0),
+                layer_seconds=layer if layer > 0 else None,
+                collective_s=coll if coll > 0 else None,
+            )
+        )
         for link in raw.get("links") or []:
             try:
                 key = tuple(sorted((str(raw["node_id"]), str(link["peer"]))))
@@ -85,18 +96,24 @@ def format_plan(result, nodes) -> str:
     lines = [f"plan         {result.strategy}, {est}, max context {result.max_context}{kv}"]
     for s in result.stages:
         each = " each" if len(s.nodes) > 1 else ""
-        lines.append(f"  layers {s.start_layer}-{s.end_layer - 1}  on {'+'.join(s.nodes)}  "
-                     f"{human_bytes(s.bytes)}{each}")
-    lines.append("memory       " + ", ".join(f"{n} {human_bytes(s.bytes)} of {human_bytes(budgets.get(n, 0))}"
-                                              for s in result.stages for n in s.nodes))
+        lines.append(
+            f"  layers {s.start_layer}-{s.end_layer - 1}  on {'+'.join(s.nodes)}  {human_bytes(s.bytes)}{each}"
+        )
+    lines.append(
+        "memory       "
+        + ", ".join(
+            f"{n} {human_bytes(s.bytes)} of {human_bytes(budgets.get(n, 0))}" for s in result.stages for n in s.nodes
+        )
+    )
     lines.append(f"why          {result.reason}")
     if result.alternatives:
         lines.append("alternatives")
         for a in result.alternatives:
             if a.get("feasible"):
                 memory = ", ".join(f"{n} {human_bytes(b)}" for n, b in (a.get("memory") or {}).items())
-                lines.append(f"  {a['strategy']:<9} {a['tokens_per_s']:.3g} tok/s  {a['stages']}  ({memory}): "
-                             f"{a['why']}")
+                lines.append(
+                    f"  {a['strategy']:<9} {a['tokens_per_s']:.3g} tok/s  {a['stages']}  ({memory}): {a['why']}"
+                )
             else:
                 lines.append(f"  {a['strategy']:<9} impossible: {a['why']}")
     return "\n".join(lines)

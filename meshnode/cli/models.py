@@ -16,20 +16,29 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 def add_parser(sub) -> None:
     models = sub.add_parser(
-        "models", help="list the mesh's models, or add or remove one this node offers",
+        "models",
+        help="list the mesh's models, or add or remove one this node offers",
         description="Several models on one mesh: `list` shows every model it serves and its state (ready, "
-                    "loading, on demand, does not fit); `add M` makes this node offer model M (a model folder, "
-                    "a GGUF file, ollama:NAME[:TAG] or a Hugging Face id) and `remove M` stops offering it. "
-                    "The change is kept across restarts.")
+        "loading, on demand, does not fit); `add M` makes this node offer model M (a model folder, "
+        "a GGUF file, ollama:NAME[:TAG] or a Hugging Face id) and `remove M` stops offering it. "
+        "The change is kept across restarts.",
+    )
     models.add_argument("action", choices=("list", "add", "remove"))
-    models.add_argument("model", nargs="?", help="the model (add: a folder, a GGUF file, ollama:NAME[:TAG] or an id; "
-                                                      "remove: its id)")
+    models.add_argument(
+        "model", nargs="?", help="the model (add: a folder, a GGUF file, ollama:NAME[:TAG] or an id; remove: its id)"
+    )
     models.add_argument("--url", help="the node's HTTP address (default: from the node's config)")
     models.add_argument("--config", metavar="FILE", help="the node's config file, for its port and API key")
-    models.add_argument("--api-key", metavar="KEY",
-                        help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)")
-    models.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                        help="seconds to wait (add may fetch the model's files from peers; default 600)")
+    models.add_argument(
+        "--api-key", metavar="KEY", help="Bearer key if the node needs one (default: $MESHNODE_API_KEY)"
+    )
+    models.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait (add may fetch the model's files from peers; default 600)",
+    )
     models.set_defaults(handler=cmd_models)
 
 
@@ -59,8 +68,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "list":
         print(format_models(data))
     else:
-        print(f"{data['model']}: {'offered' if data['offered'] else 'no longer offered'} by this node "
-              f"(it offers: {', '.join(data['offered_here']) or 'none'})")
+        print(
+            f"{data['model']}: {'offered' if data['offered'] else 'no longer offered'} by this node "
+            f"(it offers: {', '.join(data['offered_here']) or 'none'})"
+        )
     return EXIT_OK
 
 
@@ -69,8 +80,15 @@ def format_models(mesh: dict) -> str:
     lines = []
     for m in mesh.get("models", []):
         plan = m.get("plan") or {}
-        where = " | ".join(f"{s['start_layer']}-{s['end_layer'] - 1}@{'+'.join(s['nodes'])}"
-                           for s in plan.get("stages", [])) or plan.get("reason") or m.get("plan_error") or ""
-        lines.append(f"{m['model']:<28} {m.get('state', '?'):<13} {'offered here' if m.get('offered_here') else '':<13}"
-                     f"{where}")
+        where = (
+            " | ".join(
+                f"{s['start_layer']}-{s['end_layer'] - 1}@{'+'.join(s['nodes'])}" for s in plan.get("stages", [])
+            )
+            or plan.get("reason")
+            or m.get("plan_error")
+            or ""
+        )
+        lines.append(
+            f"{m['model']:<28} {m.get('state', '?'):<13} {'offered here' if m.get('offered_here') else '':<13}{where}"
+        )
     return "\n".join(lines) or "no models"

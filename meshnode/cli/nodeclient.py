@@ -20,8 +20,9 @@ DEFAULT_STATUS_URL = "http://127.0.0.1:8470"
 def fetch_json(url: str, timeout: float, api_key: str | None, body: Any = None) -> tuple[int, Any]:
     """(HTTP status, parsed JSON body or None); raises URLError/OSError when nothing answered."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Accept": "application/json",
-                                                              "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, headers={"Accept": "application/json", "Content-Type": "application/json"}
+    )
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:

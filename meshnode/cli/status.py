@@ -52,16 +52,19 @@ def health_problems(data: Any) -> list[str]:
         elif not data.get("plan"):
             problems.append("not serving: no plan yet (the mesh is forming)")
         elif isinstance(progress, dict) and progress.get("total"):
-            problems.append(f"not serving: {progress.get('task', 'loading')} "
-                            f"({progress.get('done', 0)}/{progress['total']})")
+            problems.append(
+                f"not serving: {progress.get('task', 'loading')} ({progress.get('done', 0)}/{progress['total']})"
+            )
         elif isinstance(epoch, int) and isinstance(ready, int) and ready < epoch:
             problems.append(f"not serving: loading this node's part of epoch {epoch}")
         else:
             problems.append("not serving: waiting for the other nodes of the plan to load it")
     for peer in data.get("unreachable") or []:
         if isinstance(peer, dict):
-            problems.append(f"peer {peer.get('node_id', '?')} is announced over mDNS but does not answer at "
-                            f"{peer.get('address', '?')} (for {peer.get('seconds', '?')} s: {peer.get('error', '')})")
+            problems.append(
+                f"peer {peer.get('node_id', '?')} is announced over mDNS but does not answer at "
+                f"{peer.get('address', '?')} (for {peer.get('seconds', '?')} s: {peer.get('error', '')})"
+            )
     return problems
 
 
@@ -75,8 +78,9 @@ def format_status(data: dict[str, Any]) -> str:
     lines: list[str] = []
     me = data.get("node_id", "?")
     problems = health_problems(data)
-    lines.append(f"node         {me}  (meshnode {data.get('version', '?')}, "
-                 f"{'NOT healthy' if problems else 'healthy'})")
+    lines.append(
+        f"node         {me}  (meshnode {data.get('version', '?')}, {'NOT healthy' if problems else 'healthy'})"
+    )
     lines.append("health       " + ("ok: serving, every peer answers" if not problems else problems[0]))
     lines += [f"             {p}" for p in problems[1:]]
     if data.get("model"):
@@ -99,10 +103,15 @@ def format_status(data: dict[str, Any]) -> str:
                 continue
             plan = m.get("plan")
             plan = plan if isinstance(plan, dict) else {}
-            where = " | ".join(f"{s.get('start_layer')}-{s.get('end_layer', 1) - 1}@{'+'.join(s.get('nodes', []))}"
-                               for s in plan.get("stages") or [] if isinstance(s, dict))
-            lines.append(f"{'models' if i == 0 else '':<13}{m.get('model')}: {m.get('state', '?')}"
-                         + (f", epoch {m.get('epoch')}: {where}" if where else ""))
+            where = " | ".join(
+                f"{s.get('start_layer')}-{s.get('end_layer', 1) - 1}@{'+'.join(s.get('nodes', []))}"
+                for s in plan.get("stages") or []
+                if isinstance(s, dict)
+            )
+            lines.append(
+                f"{'models' if i == 0 else '':<13}{m.get('model')}: {m.get('state', '?')}"
+                + (f", epoch {m.get('epoch')}: {where}" if where else "")
+            )
     lines += _node_lines(data, me, coordinator)
     lines += _link_lines(data, me)
     if data.get("unreachable"):
@@ -177,6 +186,7 @@ def _link_lines(data: dict[str, Any], me: str) -> list[str]:
             text += f" ± {_us(link['jitter_us'])}"
         if isinstance(link.get("rpc_rtt_us"), (int, float)) and link["rpc_rtt_us"] > 0:
             text += f" (a gRPC call {_us(link['rpc_rtt_us'])})"
-        lines.append(f"  to {link.get('peer', '?')} via {link.get('address', '?')}  {text}, "
-                     f"{_rate(link.get('bandwidth'))}")
+        lines.append(
+            f"  to {link.get('peer', '?')} via {link.get('address', '?')}  {text}, {_rate(link.get('bandwidth'))}"
+        )
     return lines

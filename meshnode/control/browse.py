@@ -12,8 +12,17 @@ class Browser(Discovery):
     """Discovery that browses only: ``peers()`` without a registration of our own."""
 
     def __init__(self, node_id: str, cluster_id: str):
-        me = NodeInfo(node_id=node_id, addresses=("0.0.0.0",), http_port=0, grpc_port=0, memory_budget=0,
-                      total_memory=0, compute=0.0, version="", cluster_id=cluster_id)
+        me = NodeInfo(
+            node_id=node_id,
+            addresses=("0.0.0.0",),
+            http_port=0,
+            grpc_port=0,
+            memory_budget=0,
+            total_memory=0,
+            compute=0.0,
+            version="",
+            cluster_id=cluster_id,
+        )
         super().__init__(me)
 
     async def start(self) -> None:

@@ -56,16 +56,22 @@ def layout(plan: Plan) -> list:
     return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in plan.stages]
 
 
-def node_specs(alive: dict[str, NodeInfo], model_id: str | None = None,
-               used: dict[str, int] | None = None) -> list[NodeSpec]:
+def node_specs(
+    alive: dict[str, NodeInfo], model_id: str | None = None, used: dict[str, int] | None = None
+) -> list[NodeSpec]:
     """Each live node as the planner sees it, less the memory ``used`` by other models' plans.
     Layer times are measured for a node's first model only."""
     used = used or {}
-    return [NodeSpec(node_id=n.node_id, memory_budget=max(0, n.memory_budget - used.get(n.node_id, 0)),
-                     compute=n.compute,
-                     layer_seconds=(n.layer_seconds or None) if model_id is None or n.models[:1] == (model_id,)
-                     else None,
-                     collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S) for n in alive.values()]
+    return [
+        NodeSpec(
+            node_id=n.node_id,
+            memory_budget=max(0, n.memory_budget - used.get(n.node_id, 0)),
+            compute=n.compute,
+            layer_seconds=(n.layer_seconds or None) if model_id is None or n.models[:1] == (model_id,) else None,
+            collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S,
+        )
+        for n in alive.values()
+    ]
 
 
 class Coordinator:
@@ -73,8 +79,16 @@ class Coordinator:
     A working plan is replaced only by one ``REPLAN_GAIN`` faster at two weighings in a row, and
     not within ``rebalance_dwell`` of the last change, so plans do not flap."""
 
-    def __init__(self, settings: PlanSettings, node_id: str, peers: Peers, adoption: Adoption, *,
-                 event: Callable[..., None], used_by_others: Callable[[], dict[str, int]] = dict):
+    def __init__(
+        self,
+        settings: PlanSettings,
+        node_id: str,
+        peers: Peers,
+        adoption: Adoption,
+        *,
+        event: Callable[..., None],
+        used_by_others: Callable[[], dict[str, int]] = dict,
+    ):
         """``used_by_others``: bytes each node holds for the other models' plans."""
         self.settings, self.node_id, self.peers, self.adoption = settings, node_id, peers, adoption
         self._event, self._used_by_others = event, used_by_others
@@ -98,25 +112,35 @@ class Coordinator:
             current_plan = None
         members = frozenset(alive)
         if self.node_id in alive:  # this node's own stall is newer than its announcement
-            alive = {**alive, self.node_id: dataclasses.replace(alive[self.node_id],
-                                                                 stalled_for=self.peers.stalled_for())}
+            alive = {
+                **alive,
+                self.node_id: dataclasses.replace(alive[self.node_id], stalled_for=self.peers.stalled_for()),
+            }
         excluded = faulted(alive, model_id)
         plan_ok = current_plan is not None and set(current_plan.node_ids()) <= members - set(excluded)
-        if current_plan is not None and excluded.keys() & set(current_plan.node_ids()) and \
-                excluded != self._excluded:
-            log.warning("epoch %d: planning again without %s: %s", current_plan.epoch, ", ".join(sorted(excluded)),
-                        "; ".join(excluded.values()))
+        if current_plan is not None and excluded.keys() & set(current_plan.node_ids()) and excluded != self._excluded:
+            log.warning(
+                "epoch %d: planning again without %s: %s",
+                current_plan.epoch,
+                ", ".join(sorted(excluded)),
+                "; ".join(excluded.values()),
+            )
         self._excluded = excluded
         restarted = sorted(n for n, t in self._incarnations.items() if n in alive and alive[n].started_at != t)
         if current_plan is not None and plan_ok and restarted:
-            log.info("%s restarted since epoch %d was planned: planning again", ", ".join(restarted),
-                     current_plan.epoch)
+            log.info(
+                "%s restarted since epoch %d was planned: planning again", ", ".join(restarted), current_plan.epoch
+            )
             plan_ok = False
         contested = plan_ok and adoption.epochs.must_republish()
         now = time.monotonic()
         # Re-plan on a membership change, and now and then with fresh link and compute figures.
-        if (plan_ok and not contested and members == self._planned_for
-                and now - self._planned_at < s.link_probe_interval):
+        if (
+            plan_ok
+            and not contested
+            and members == self._planned_for
+            and now - self._planned_at < s.link_probe_interval
+        ):
             return
         candidates = {nid: info for nid, info in alive.items() if nid not in excluded}
         nodes = node_specs(candidates, served.model_id, self._used_by_others())
@@ -133,8 +157,12 @@ class Coordinator:
                 # A configured strategy is a preference: serving another way beats not serving.
                 desired = self._longest(nodes, preferred=preferred, links=links, held=held)
                 if self._forced_note != str(forced):
-                    log.warning("strategy %s is impossible on this mesh (%s); using %s instead", strategy, forced,
-                                desired.strategy)
+                    log.warning(
+                        "strategy %s is impossible on this mesh (%s); using %s instead",
+                        strategy,
+                        forced,
+                        desired.strategy,
+                    )
                     self._forced_note = str(forced)
         except PlanError as exc:
             if self._fits_alone(candidates, links, held):
@@ -155,16 +183,24 @@ class Coordinator:
             return
         served.plan_error = ""
         if excluded:
-            desired = dataclasses.replace(desired, reason=f"{desired.reason}; not on {', '.join(sorted(excluded))}: "
-                                                          f"{'; '.join(excluded.values())}")
+            desired = dataclasses.replace(
+                desired,
+                reason=f"{desired.reason}; not on {', '.join(sorted(excluded))}: {'; '.join(excluded.values())}",
+            )
         desired = self._with_endpoints(desired, alive)
         if current_plan is not None and plan_ok and not contested:
             # The current plan works: move only for a real gain, not within rebalance_dwell.
-            current = plan_estimate(served.profile, nodes, current_plan.stages,
-                                    max_context=current_plan.max_context or desired.max_context, links=links)
+            current = plan_estimate(
+                served.profile,
+                nodes,
+                current_plan.stages,
+                max_context=current_plan.max_context or desired.max_context,
+                links=links,
+            )
             preferred_now = strategy is not None and desired.strategy == strategy != current_plan.strategy
             if layout(desired) == layout(current_plan) or not (
-                    preferred_now or desired.estimate_s < current * (1 - REPLAN_GAIN)):
+                preferred_now or desired.estimate_s < current * (1 - REPLAN_GAIN)
+            ):
                 self._planned_for, self._planned_at, self._pending = members, now, None
                 return
             if members == self._planned_for and not preferred_now and self._pending != layout(desired):
@@ -173,11 +209,20 @@ class Coordinator:
                 return
             if now - adoption.changed_at < s.rebalance_dwell:
                 return  # look again on a later tick
-            log.info("rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s", describe(current_plan),
-                     current * 1e3, describe(desired), desired.estimate_s * 1e3, desired.reason)
+            log.info(
+                "rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s",
+                describe(current_plan),
+                current * 1e3,
+                describe(desired),
+                desired.estimate_s * 1e3,
+                desired.reason,
+            )
         if contested:
-            log.info("another node published a different plan as epoch %d: publishing this mesh's plan again "
-                     "under a new epoch", adoption.epoch)
+            log.info(
+                "another node published a different plan as epoch %d: publishing this mesh's plan again "
+                "under a new epoch",
+                adoption.epoch,
+            )
         self._planned_for, self._planned_at, self._pending = members, now, None
         self._incarnations = {n: alive[n].started_at for n in desired.node_ids()}
         self._publish(desired)
@@ -195,8 +240,12 @@ class Coordinator:
         adoption = self.adoption
         epoch = adoption.epochs.next_epoch()
         desired = desired.with_epoch(epoch)
-        log.info("publishing plan epoch %d of %s: %s", epoch, desired.model,
-                 describe(desired) if desired.unloaded else f"{describe(desired)} ({desired.reason})")
+        log.info(
+            "publishing plan epoch %d of %s: %s",
+            epoch,
+            desired.model,
+            describe(desired) if desired.unloaded else f"{describe(desired)} ({desired.reason})",
+        )
         adoption.adopt(desired, coordinator=self.node_id, source="self")
         msg = plan_to_pb(desired, self.node_id)
         for peer in self.peers.members.alive_peers().values():
@@ -206,9 +255,12 @@ class Coordinator:
         """The plan on ``nodes`` for the longest context worth serving (planner.context)."""
         served, s = self.adoption.served, self.settings
         return plan_longest_context(
-            lambda ctx: make_plan(served.profile, nodes, max_context=ctx, requests=s.kv_requests, kv_bits=s.kv_bits,
-                                  **kw),
-            served.profile.trained_context, s.max_context)
+            lambda ctx: make_plan(
+                served.profile, nodes, max_context=ctx, requests=s.kv_requests, kv_bits=s.kv_bits, **kw
+            ),
+            served.profile.trained_context,
+            s.max_context,
+        )
 
     def _fits_alone(self, candidates: dict[str, NodeInfo], links, held) -> bool:
         """The model would fit ``candidates`` if the other models' plans did not hold memory."""
@@ -229,9 +281,13 @@ class Coordinator:
         if not set(served.plan.node_ids()) <= set(alive):
             return None
         try:
-            return plan_estimate(served.profile, node_specs(alive, served.model_id), served.plan.stages,
-                                 max_context=served.plan.max_context or served.context,
-                                 links=self.peers.link_specs(frozenset(alive)))
+            return plan_estimate(
+                served.profile,
+                node_specs(alive, served.model_id),
+                served.plan.stages,
+                max_context=served.plan.max_context or served.context,
+                links=self.peers.link_specs(frozenset(alive)),
+            )
         except (PlanError, ValueError, KeyError):
             return None
 
@@ -253,8 +309,9 @@ class Coordinator:
         try:
             reply = await stub.Install(msg, timeout=self.settings.failure_timeout)
         except grpc.aio.AioRpcError as exc:
-            log.info("installing epoch %d at %s failed (%s); heartbeats will carry it", msg.epoch, target,
-                     exc.code().name)
+            log.info(
+                "installing epoch %d at %s failed (%s); heartbeats will carry it", msg.epoch, target, exc.code().name
+            )
             return
         if not reply.accepted:
             log.info("%s refused epoch %d: %s", target, msg.epoch, reply.error)

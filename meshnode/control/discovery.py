@@ -22,12 +22,18 @@ log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_meshnode._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000
+
+
 def local_addresses() -> tuple[str, ...]:
     """This host's non-loopback IPv4 addresses (link-local ones only if there is nothing else)."""
     import ifaddr  # zeroconf's own dependency
 
-    found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
-             if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback]
+    found = [
+        ip.ip
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback
+    ]
     routable = [a for a in found if not ipaddress.ip_address(a).is_link_local]
     return tuple(dict.fromkeys(routable or found))
 
@@ -36,8 +42,9 @@ class Discovery:
     """Announce ``me`` and track the cluster's peers; ``on_change(node_id, info)`` hears of each
     peer added, changed or gone (``info=None``)."""
 
-    def __init__(self, me: NodeInfo, *, interfaces=None,
-                 on_change: Callable[[str, NodeInfo | None], None] | None = None):
+    def __init__(
+        self, me: NodeInfo, *, interfaces=None, on_change: Callable[[str, NodeInfo | None], None] | None = None
+    ):
         self._interfaces = interfaces if interfaces is not None else InterfaceChoice.All
         self.me = self._with_addresses(me)
         self.on_change = on_change or (lambda *_: None)
@@ -75,8 +82,12 @@ class Discovery:
 
     def _service_info(self, name: str | None = None) -> AsyncServiceInfo:
         return AsyncServiceInfo(
-            SERVICE_TYPE, name or f"{self.me.node_id}.{SERVICE_TYPE}", port=self.me.grpc_port,
-            properties=self.me.to_properties(), parsed_addresses=list(self.me.addresses), server=self._server,
+            SERVICE_TYPE,
+            name or f"{self.me.node_id}.{SERVICE_TYPE}",
+            port=self.me.grpc_port,
+            properties=self.me.to_properties(),
+            parsed_addresses=list(self.me.addresses),
+            server=self._server,
         )
 
     async def start(self) -> None:
@@ -137,8 +148,7 @@ class Discovery:
             return
         task = asyncio.ensure_future(self._resolve(service_type, name))
         self._resolving[name] = task
-        task.add_done_callback(lambda t: self._resolving.pop(name, None) if self._resolving.get(name) is t
-                               else None)
+        task.add_done_callback(lambda t: self._resolving.pop(name, None) if self._resolving.get(name) is t else None)
 
     async def _resolve(self, service_type: str, name: str) -> None:
         try:
@@ -156,9 +166,11 @@ class Discovery:
         """A resolved announcement (separate from the network for tests)."""
         node = NodeInfo.from_service_info(info, quiet=name in self._quiet)
         if name == self.name:  # our own records: someone else claims them if they differ from ours
-            if node is not None and (not set(node.addresses) <= set(self.me.addresses)
-                                     or node.grpc_port != self.me.grpc_port
-                                     or f"{node.started_at:.6f}" != f"{self.me.started_at:.6f}"):
+            if node is not None and (
+                not set(node.addresses) <= set(self.me.addresses)
+                or node.grpc_port != self.me.grpc_port
+                or f"{node.started_at:.6f}" != f"{self.me.started_at:.6f}"
+            ):
                 self._duplicate(self.me.node_id, f"{name} also answers from " + _endpoint(node))
             return
         if node is None:
@@ -224,8 +236,10 @@ def _main(argv: list[str] | None = None) -> int:
     from meshnode import __version__
     from meshnode.identity import cluster_id
 
-    p = argparse.ArgumentParser(prog="python -m meshnode.control.discovery",
-                                description="Announce a meshnode over mDNS and print the peers seen (JSON lines).")
+    p = argparse.ArgumentParser(
+        prog="python -m meshnode.control.discovery",
+        description="Announce a meshnode over mDNS and print the peers seen (JSON lines).",
+    )
     p.add_argument("--node-id", required=True)
     p.add_argument("--cluster-key", default=os.environ.get("MESHNODE_CLUSTER_KEY"))
     p.add_argument("--seconds", type=float, default=30.0, help="exit after this long")
@@ -235,17 +249,26 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", action="append", default=[], help="address to announce (default: all IPv4)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     def emit(event: str, **fields) -> None:
         print(json.dumps({"event": event, "t": round(time.time(), 3), **fields}), flush=True)
 
     async def run() -> None:
-        me = NodeInfo(node_id=args.node_id, addresses=tuple(args.address), http_port=args.http_port,
-                      grpc_port=args.grpc_port, memory_budget=args.memory_budget,
-                      total_memory=args.memory_budget, compute=1.0, version=__version__,
-                      cluster_id=cluster_id(args.cluster_key), started_at=time.time())
+        me = NodeInfo(
+            node_id=args.node_id,
+            addresses=tuple(args.address),
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            memory_budget=args.memory_budget,
+            total_memory=args.memory_budget,
+            compute=1.0,
+            version=__version__,
+            cluster_id=cluster_id(args.cluster_key),
+            started_at=time.time(),
+        )
         loop = asyncio.get_running_loop()
         done = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -264,15 +287,18 @@ def _main(argv: list[str] | None = None) -> int:
         disc: Discovery
 
         def changed(node_id: str, info: NodeInfo | None) -> None:
-            emit("peers", change=node_id, gone=info is None,
-                 peers={k: asdict(v) for k, v in sorted(disc.peers().items())},
-                 duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
+            emit(
+                "peers",
+                change=node_id,
+                gone=info is None,
+                peers={k: asdict(v) for k, v in sorted(disc.peers().items())},
+                duplicates={k: sorted(v) for k, v in disc.duplicates.items()},
+            )
 
         disc = Discovery(me, on_change=changed)
         await disc.start()
         threading.Thread(target=read_stdin, daemon=True).start()
-        emit("up", node=asdict(disc.me), name=disc.name,
-             duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
+        emit("up", node=asdict(disc.me), name=disc.name, duplicates={k: sorted(v) for k, v in disc.duplicates.items()})
         try:
             await asyncio.wait_for(done.wait(), args.seconds)
         except TimeoutError:

@@ -21,8 +21,9 @@ IDLE_S = 5.0
 class EchoServer:
     def __init__(self, host: str, port: int, delay: float = 0.0):
         self.delay = delay  # seconds per answer: injected link latency for tests
-        self._listener = ThreadedListener(host, port, self._serve, name="meshnode-echo",
-                                          max_connections=MAX_CONNECTIONS)
+        self._listener = ThreadedListener(
+            host, port, self._serve, name="meshnode-echo", max_connections=MAX_CONNECTIONS
+        )
         self.port = self._listener.port
 
     def _serve(self, conn: socket.socket, _host: str) -> None:

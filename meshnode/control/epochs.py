@@ -57,8 +57,13 @@ class EpochState:
             return True  # from its coordinator itself, not a minority's peer
         if self.held is not None and epoch == self.held.epoch and coordinator != self.held.coordinator:
             if self.contested != epoch:
-                log.warning("epoch %d names two plans: %s's (held here) and %s's (held by %s)", epoch,
-                            self.held.coordinator, coordinator, seen_at)
+                log.warning(
+                    "epoch %d names two plans: %s's (held here) and %s's (held by %s)",
+                    epoch,
+                    self.held.coordinator,
+                    coordinator,
+                    seen_at,
+                )
             self.contested = epoch
         return False
 

@@ -29,8 +29,9 @@ class Heartbeats:
     known peers (gossip). A plan seen either way goes to adoption, so a missed Install still
     arrives. A peer refusing the connection is dropped at once, a silent one after ``failure_timeout``."""
 
-    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
-                 lanes: Lanes):
+    def __init__(
+        self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers, lanes: Lanes
+    ):
         self.settings, self.node_id, self.cluster_id, self.started_at = settings, node_id, cluster_id, started_at
         self.peers, self.lanes = peers, lanes
         self.coordinator: str | None = None  # set by the control loop
@@ -47,9 +48,15 @@ class Heartbeats:
                 continue  # still loading
             a = lane.adoption
             use = lane.served.use_now()
-            state = msg.models.add(model=lane.model_id, epoch=a.epoch, ready_epoch=a.ready_epoch,
-                                   plan_error=a.plan_error, last_used=use.last_used, active=use.active,
-                                   waiting=use.waiting)
+            state = msg.models.add(
+                model=lane.model_id,
+                epoch=a.epoch,
+                ready_epoch=a.ready_epoch,
+                plan_error=a.plan_error,
+                last_used=use.last_used,
+                active=use.active,
+                waiting=use.waiting,
+            )
             if a.plan is not None:
                 state.plan.CopyFrom(plan_to_pb(a.plan, a.plan_coordinator))
             if lane is self.lanes.primary:  # a single-model heartbeat's fields
@@ -96,8 +103,7 @@ class Heartbeats:
                 k = node_from_pb(known)
             except ValueError:
                 continue
-            if (k.cluster_id == self.cluster_id and k.node_id != self.node_id
-                    and k.node_id not in peers.members.peers):
+            if k.cluster_id == self.cluster_id and k.node_id != self.node_id and k.node_id not in peers.members.peers:
                 peers.members.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
 
     async def say_goodbye(self, target: str) -> None:
@@ -120,8 +126,9 @@ class Heartbeats:
         target = f"{info.addresses[0]}:{info.grpc_port}" if info.addresses else _peer_host(context, info.grpc_port)
         if info.node_id == self.node_id:
             if info.started_at != self.started_at:
-                log.error("two nodes use node id %s (the other at %s); give one a different --node-id",
-                          info.node_id, target)
+                log.error(
+                    "two nodes use node id %s (the other at %s); give one a different --node-id", info.node_id, target
+                )
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"node id {info.node_id} is already in use")
         self._observe(info, target, request)
         reply = mesh_pb2.HeartbeatReply()
@@ -142,14 +149,18 @@ class Heartbeats:
             peers.peer_links[info.node_id] = tuple(LinkStat.from_pb(link) for link in msg.node.links[:256])
         except ValueError as exc:
             log.warning("ignoring bad link figures from %s: %s", info.node_id, exc)
-        peers.members.observe(info, target=target, coordinator=msg.coordinator, epoch=msg.epoch,
-                              alive_view=frozenset(msg.alive))
+        peers.members.observe(
+            info, target=target, coordinator=msg.coordinator, epoch=msg.epoch, alive_view=frozenset(msg.alive)
+        )
         peer = peers.members.peers[info.node_id]
         states = model_states(msg)
         peer.ready_epochs = {model: state.ready_epoch for model, state in states}
         peer.plan_errors = {model: state.plan_error[:1000] for model, state in states if state.plan_error}
-        peer.uses = {model: Use(state.last_used if math.isfinite(state.last_used) else 0.0, state.active,
-                                state.waiting) for model, state in states if state is not msg}
+        peer.uses = {
+            model: Use(state.last_used if math.isfinite(state.last_used) else 0.0, state.active, state.waiting)
+            for model, state in states
+            if state is not msg
+        }
         for model, state in states:
             lane = self.lanes.get(model)
             if lane is not None:  # else the control loop loads it (Lanes.learn)

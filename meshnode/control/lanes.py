@@ -40,8 +40,12 @@ class Lane:
 class Lanes:
     """This node's lanes: the models it offers, and those it learns of from peers."""
 
-    def __init__(self, make: Callable[[str | None, bool], Lane], offered: tuple[str | None, ...],
-                 withdrawn: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        make: Callable[[str | None, bool], Lane],
+        offered: tuple[str | None, ...],
+        withdrawn: frozenset[str] = frozenset(),
+    ):
         """``offered``: the first is the primary; ``withdrawn``: ids no longer offered."""
         self._make = make
         self._offered, self._withdrawn = offered, withdrawn
@@ -93,11 +97,16 @@ class Lanes:
         """Start loading each model peers announce that has no lane here yet."""
         for model_id in model_ids:
             failed_at = self._failed.get(model_id)
-            if not model_id or model_id in self._lanes or model_id in self._loading or \
-                    (failed_at is not None and time.monotonic() - failed_at < RETRY_S):
+            if (
+                not model_id
+                or model_id in self._lanes
+                or model_id in self._loading
+                or (failed_at is not None and time.monotonic() - failed_at < RETRY_S)
+            ):
                 continue
-            self._loading[model_id] = asyncio.create_task(self._load(model_id, holders),
-                                                          name=f"meshnode-lane-{model_id}")
+            self._loading[model_id] = asyncio.create_task(
+                self._load(model_id, holders), name=f"meshnode-lane-{model_id}"
+            )
 
     async def _load(self, model_id: str, holders) -> None:
         lane = self._make(model_id, False)
@@ -106,8 +115,12 @@ class Lanes:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - logged; peers serve it without this node
-            log.error("model %s (offered by a peer) cannot be served here (trying again in %.0f s): %s", model_id,
-                      RETRY_S, exc)
+            log.error(
+                "model %s (offered by a peer) cannot be served here (trying again in %.0f s): %s",
+                model_id,
+                RETRY_S,
+                exc,
+            )
             self._failed[model_id] = time.monotonic()
             return
         finally:

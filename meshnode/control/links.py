@@ -32,8 +32,15 @@ class LinkStat:
     rpc_rtt_us: float = 0.0  # a small gRPC call: the network plus the RPC stack
 
     def to_pb(self) -> mesh_pb2.Link:
-        return mesh_pb2.Link(peer=self.peer, address=self.address, rtt_us=self.rtt_us, jitter_us=self.jitter_us,
-                             bandwidth=self.bandwidth, measured_at=self.measured_at, rpc_rtt_us=self.rpc_rtt_us)
+        return mesh_pb2.Link(
+            peer=self.peer,
+            address=self.address,
+            rtt_us=self.rtt_us,
+            jitter_us=self.jitter_us,
+            bandwidth=self.bandwidth,
+            measured_at=self.measured_at,
+            rpc_rtt_us=self.rpc_rtt_us,
+        )
 
     @classmethod
     def from_pb(cls, msg: mesh_pb2.Link) -> LinkStat:
@@ -43,10 +50,15 @@ class LinkStat:
         return cls(msg.peer, msg.address, msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.measured_at, msg.rpc_rtt_us)
 
     def to_dict(self) -> dict:
-        return {"peer": self.peer, "address": self.address, "rtt_us": round(self.rtt_us, 1),
-                "rpc_rtt_us": round(self.rpc_rtt_us, 1),
-                "jitter_us": round(self.jitter_us, 1), "bandwidth": round(self.bandwidth),
-                "measured_at": self.measured_at}
+        return {
+            "peer": self.peer,
+            "address": self.address,
+            "rtt_us": round(self.rtt_us, 1),
+            "rpc_rtt_us": round(self.rpc_rtt_us, 1),
+            "jitter_us": round(self.jitter_us, 1),
+            "bandwidth": round(self.bandwidth),
+            "measured_at": self.measured_at,
+        }
 
 
 def probe_reply(request: mesh_pb2.ProbeRequest) -> mesh_pb2.ProbeReply:
@@ -149,8 +161,9 @@ class LinkProber:
         return stat.address if stat else None
 
 
-def best_paths(measured: Iterable[tuple[str, LinkStat]],
-               members: Iterable[str]) -> dict[frozenset, tuple[str, LinkStat]]:
+def best_paths(
+    measured: Iterable[tuple[str, LinkStat]], members: Iterable[str]
+) -> dict[frozenset, tuple[str, LinkStat]]:
     """The fastest path between each pair of ``members`` by either end: {frozenset({a, b}): (measurer, stat)}."""
     members = set(members)
     out: dict[frozenset, tuple[str, LinkStat]] = {}

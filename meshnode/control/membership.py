@@ -48,8 +48,9 @@ class Membership:
         else:
             peer.info, peer.target = info, target
 
-    def observe(self, info: NodeInfo, *, target: str, coordinator: str, epoch: int,
-                alive_view: frozenset[str] = frozenset()) -> None:
+    def observe(
+        self, info: NodeInfo, *, target: str, coordinator: str, epoch: int, alive_view: frozenset[str] = frozenset()
+    ) -> None:
         """We heard from a peer directly."""
         if info.node_id == self.me.node_id:
             return

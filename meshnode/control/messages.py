@@ -60,8 +60,11 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         layer_seconds=msg.layer_seconds if 0 <= msg.layer_seconds < 3600 else 0.0,
         collective_seconds=msg.collective_seconds if 0 <= msg.collective_seconds < 60 else 0.0,
         holdings=holdings_from_pb(msg.holdings),
-        faults=tuple((f.model_id, f.count, f.error[:MAX_FAULT_TEXT]) for f in msg.faults[:MAX_FAULTS]
-                     if f.model_id and len(f.model_id) <= MAX_ID_LEN),
+        faults=tuple(
+            (f.model_id, f.count, f.error[:MAX_FAULT_TEXT])
+            for f in msg.faults[:MAX_FAULTS]
+            if f.model_id and len(f.model_id) <= MAX_ID_LEN
+        ),
         stalled_for=msg.stalled_for if 0 <= msg.stalled_for < 1e9 else 0.0,
     )
 
@@ -71,9 +74,16 @@ def plan_to_pb(plan: Plan, coordinator: str) -> mesh_pb2.Plan:
         epoch=plan.epoch,
         model=plan.model,
         strategy=plan.strategy,
-        stages=[mesh_pb2.Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=list(s.nodes), bytes=s.bytes,
-                               endpoints=list(s.endpoints))
-                for s in plan.stages],
+        stages=[
+            mesh_pb2.Stage(
+                start_layer=s.start_layer,
+                end_layer=s.end_layer,
+                nodes=list(s.nodes),
+                bytes=s.bytes,
+                endpoints=list(s.endpoints),
+            )
+            for s in plan.stages
+        ],
         reason=plan.reason,
         coordinator=coordinator,
         max_context=plan.max_context,
@@ -109,9 +119,16 @@ def _is_address(text: str) -> bool:
 
 def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
     """Decode and check a plan: stages must tile [0, num_layers) with one node each."""
-    stages = tuple(Stage(start_layer=s.start_layer, end_layer=s.end_layer, nodes=tuple(s.nodes), bytes=s.bytes,
-                         endpoints=tuple(s.endpoints))
-                   for s in msg.stages)
+    stages = tuple(
+        Stage(
+            start_layer=s.start_layer,
+            end_layer=s.end_layer,
+            nodes=tuple(s.nodes),
+            bytes=s.bytes,
+            endpoints=tuple(s.endpoints),
+        )
+        for s in msg.stages
+    )
     edge = 0
     for s in stages:
         if s.start_layer != edge or s.end_layer <= s.start_layer or not s.nodes:
@@ -128,6 +145,14 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
     if msg.kv_bits and msg.kv_bits not in KV_BITS:
         raise ValueError(f"plan epoch {msg.epoch}: kv_bits {msg.kv_bits} is not 0 or one of {KV_BITS}")
     estimate = msg.estimate_s if math.isfinite(msg.estimate_s) and msg.estimate_s >= 0 else 0.0
-    return Plan(model=msg.model, strategy=msg.strategy, stages=stages, epoch=msg.epoch,
-                reason=msg.reason, max_context=msg.max_context, kv_bits=msg.kv_bits, estimate_s=estimate,
-                alternatives=_alternatives_from_json(msg.alternatives))
+    return Plan(
+        model=msg.model,
+        strategy=msg.strategy,
+        stages=stages,
+        epoch=msg.epoch,
+        reason=msg.reason,
+        max_context=msg.max_context,
+        kv_bits=msg.kv_bits,
+        estimate_s=estimate,
+        alternatives=_alternatives_from_json(msg.alternatives),
+    )

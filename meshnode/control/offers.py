@@ -46,5 +46,7 @@ def read_offers(state_dir: Path) -> Offers:
 
 def write_offers(state_dir: Path, offers: Offers) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(state_dir / FILE, json.dumps({"added": list(offers.added), "withdrawn": list(offers.withdrawn)},
-                                                  indent=2) + "\n")
+    write_atomically(
+        state_dir / FILE,
+        json.dumps({"added": list(offers.added), "withdrawn": list(offers.withdrawn)}, indent=2) + "\n",
+    )

@@ -1,6 +1,4 @@
-"""The other nodes and how to reach them.
-
-"""
+"""The other nodes and how to reach them."""
 
 from __future__ import annotations
 
@@ -77,8 +75,11 @@ class Peers:
         if bool(stalled) != self._said_stalled:
             self._said_stalled = bool(stalled)
             if stalled:
-                log.warning("a model step here has run for %.0f s (stall_timeout %.0f s): telling peers this node "
-                            "is stalled", stalled, self.settings.stall_timeout)
+                log.warning(
+                    "a model step here has run for %.0f s (stall_timeout %.0f s): telling peers this node is stalled",
+                    stalled,
+                    self.settings.stall_timeout,
+                )
             else:
                 log.info("the stalled model step ended: this node serves again")
         return msg
@@ -92,8 +93,7 @@ class Peers:
         return self.membership is not None and self.membership.heard_within(node_id) and not self.stalled(node_id)
 
     def heard_since(self, node_id: str, since: float) -> bool:
-        return self.membership is not None and self.membership.heard_since(node_id, since) \
-            and not self.stalled(node_id)
+        return self.membership is not None and self.membership.heard_since(node_id, since) and not self.stalled(node_id)
 
     def stalled(self, node_id: str) -> bool:
         """The node says one of its model steps has run past stall_timeout."""
@@ -112,9 +112,11 @@ class Peers:
         def candidates():
             found = [(t, self.channel_to(t)) for t in self.static_targets]
             if self.membership is not None:  # a running node: its live peers
-                found[:0] = [(nid, self.channel_to(p.target))
-                             for nid, p in sorted(self.membership.alive_peers().items())
-                             if model_id in p.info.models or any(h[0] == model_id for h in p.info.holdings)]
+                found[:0] = [
+                    (nid, self.channel_to(p.target))
+                    for nid, p in sorted(self.membership.alive_peers().items())
+                    if model_id in p.info.models or any(h[0] == model_id for h in p.info.holdings)
+                ]
             for nid, info in (browser.peers() if browser is not None else {}).items():
                 if model_id in info.models and info.addresses:
                     found.append((nid, self.channel_to(f"{info.addresses[0]}:{info.grpc_port}")))
@@ -154,14 +156,18 @@ class Peers:
             target = peer.target
         channel = self._channels.get(target)
         if channel is None:
-            options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
-                       ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
-                       # Retry an unreachable peer within a second, not gRPC's default of up to two minutes.
-                       ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                       ("grpc.max_reconnect_backoff_ms", 1000)]
+            options = [
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                # Retry an unreachable peer within a second, not gRPC's default of up to two minutes.
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ]
             if self.tls:
-                channel = grpc.aio.secure_channel(target, tls.channel_credentials(self.tls),
-                                                  options=options + tls.channel_options())
+                channel = grpc.aio.secure_channel(
+                    target, tls.channel_credentials(self.tls), options=options + tls.channel_options()
+                )
             else:
                 channel = grpc.aio.insecure_channel(target, options=options)
             if self.settings.authenticate:  # signed when each call opens; nothing per message
@@ -188,9 +194,14 @@ class Peers:
     def probe_targets(self) -> dict[str, tuple[tuple[str, ...], int, int]]:
         if self.membership is None:
             return {}
-        return {p.info.node_id: (p.info.addresses, p.info.grpc_port,
-                                 p.info.tensor_port + ECHO_OFFSET if p.info.tensor_port else 0)
-                for p in self.membership.alive_peers().values()}
+        return {
+            p.info.node_id: (
+                p.info.addresses,
+                p.info.grpc_port,
+                p.info.tensor_port + ECHO_OFFSET if p.info.tensor_port else 0,
+            )
+            for p in self.membership.alive_peers().values()
+        }
 
     # ------------------------------------------------------------------ what the links measure
     def measured(self) -> list[tuple[str, LinkStat]]:
@@ -201,9 +212,14 @@ class Peers:
 
     def link_specs(self, members) -> dict[tuple[str, str], LinkSpec]:
         """The planner's links: each pair's fastest path."""
-        return {tuple(sorted(pair)): LinkSpec(rtt_s=stat.rtt_us * 1e-6, bandwidth_Bps=stat.bandwidth,
-                                              overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6)
-                for pair, (_, stat) in best_paths(self.measured(), members).items()}
+        return {
+            tuple(sorted(pair)): LinkSpec(
+                rtt_s=stat.rtt_us * 1e-6,
+                bandwidth_Bps=stat.bandwidth,
+                overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6,
+            )
+            for pair, (_, stat) in best_paths(self.measured(), members).items()
+        }
 
     def links_of(self, node_id: str) -> list[dict]:
         stats = self.links.links() if node_id == self.node_id else self.peer_links.get(node_id, ())

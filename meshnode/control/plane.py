@@ -28,8 +28,18 @@ class ControlPlane:
     model's lane and load or unload models on demand; then each served model keeps its part of
     the plan loaded and retires older epochs."""
 
-    def __init__(self, settings: ControlSettings, node_id: str, cluster_id: str, started_at: float, peers: Peers,
-                 lanes: Lanes, *, event: Callable[..., None], holders=None):
+    def __init__(
+        self,
+        settings: ControlSettings,
+        node_id: str,
+        cluster_id: str,
+        started_at: float,
+        peers: Peers,
+        lanes: Lanes,
+        *,
+        event: Callable[..., None],
+        holders=None,
+    ):
         """``holders``: opens a search for the peers holding a model."""
         self.settings, self.node_id, self.peers, self.lanes = settings, node_id, peers, lanes
         self._event, self._holders = event, holders
@@ -81,8 +91,9 @@ class ControlPlane:
             log.info("peer %s joined (epoch %d)", nid, epoch)
             self._event("join", node_id=nid)
         for nid in sorted(left):
-            log.warning("peer %s is gone (no heartbeat for %.1f s; epoch %d)", nid, self.settings.failure_timeout,
-                        epoch)
+            log.warning(
+                "peer %s is gone (no heartbeat for %.1f s; epoch %d)", nid, self.settings.failure_timeout, epoch
+            )
             self._event("leave" if nid in self.heartbeats.goodbyes else "loss", node_id=nid)
         self.heartbeats.goodbyes -= joined | left
         for level, message, fields in reach.check():
@@ -135,8 +146,9 @@ class ControlPlane:
                         self._no_room[model] = frozenset(alive)
                 continue
             self._no_room.pop(model, None)
-            if plan is not None and expired(use, keep_alive_of(self.settings.keep_alive, model),
-                                            self._loaded_at.get(model, wall), wall):
+            if plan is not None and expired(
+                use, keep_alive_of(self.settings.keep_alive, model), self._loaded_at.get(model, wall), wall
+            ):
                 lane.coordinator.unload("idle for longer than its keep_alive")
                 continue
             lane.coordinator.coordinate(alive)
@@ -146,15 +158,17 @@ class ControlPlane:
                 self._no_room[model] = frozenset(alive)
 
     def _make_room(self, wanted, lanes, uses) -> None:
-        loaded = {lane.model_id: uses[lane.model_id] for lane in lanes
-                  if lane is not wanted and lane.served.plan is not None and not lane.served.plan.unloaded}
+        loaded = {
+            lane.model_id: uses[lane.model_id]
+            for lane in lanes
+            if lane is not wanted and lane.served.plan is not None and not lane.served.plan.unloaded
+        }
         model = victim(loaded, self._loaded_at)
         if model is None:
             return  # every loaded model is in use: the request waits for one to be idle
         lane = self.lanes.get(model)
         assert lane is not None, "victim() names a loaded model"
-        lane.coordinator.unload(
-            f"the least recently used idle model, unloaded to make room for {wanted.model_id}")
+        lane.coordinator.unload(f"the least recently used idle model, unloaded to make room for {wanted.model_id}")
 
     def use_of(self, lane) -> Use:
         """The requests for the lane's model over the mesh."""

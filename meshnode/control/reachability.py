@@ -70,8 +70,11 @@ class Reachability:
     # -- what to say
     def unreachable(self) -> dict[str, _Announced]:
         now = self.clock()
-        return {nid: p for nid, p in self._peers.items()
-                if p.failing_since is not None and now - p.failing_since >= self.grace}
+        return {
+            nid: p
+            for nid, p in self._peers.items()
+            if p.failing_since is not None and now - p.failing_since >= self.grace
+        }
 
     def check(self) -> list[tuple[int, str, dict]]:
         """Log lines due now, as (level, message, event fields)."""
@@ -82,8 +85,10 @@ class Reachability:
             if peer.reported:
                 continue
             peer.reported = True
-            message = (f"peer {nid} is announced over mDNS but has not answered at {peer.target} for "
-                       f"{peer.failing_for(now):.0f} s ({peer.error})")
+            message = (
+                f"peer {nid} is announced over mDNS but has not answered at {peer.target} for "
+                f"{peer.failing_for(now):.0f} s ({peer.error})"
+            )
             if now - self._hinted_at >= self.hint_every:
                 self._hinted_at = now
                 message += ". " + HINT
@@ -97,5 +102,7 @@ class Reachability:
     def report(self) -> list[dict]:
         """Each unreachable peer for /v1/mesh."""
         now = self.clock()
-        return [{"node_id": nid, "address": p.target, "seconds": round(p.failing_for(now), 1), "error": p.error}
-                for nid, p in sorted(self.unreachable().items())]
+        return [
+            {"node_id": nid, "address": p.target, "seconds": round(p.failing_for(now), 1), "error": p.error}
+            for nid, p in sorted(self.unreachable().items())
+        ]

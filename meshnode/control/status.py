@@ -27,11 +27,17 @@ def model_state(served: ServedModel) -> str:
 def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: bool) -> dict[str, Any]:
     """One node of ``nodes``, as ``peers`` (this node's Peers) know it."""
     return {
-        "node_id": nid, "address": info.addresses[0] if info.addresses else "",
-        "addresses": list(info.addresses), "http_port": info.http_port, "grpc_port": info.grpc_port,
-        "memory_budget": info.memory_budget, "total_memory": info.total_memory,
-        "compute": info.compute, "version": info.version,
-        "tensor_port": info.tensor_port, "layer_seconds": info.layer_seconds,
+        "node_id": nid,
+        "address": info.addresses[0] if info.addresses else "",
+        "addresses": list(info.addresses),
+        "http_port": info.http_port,
+        "grpc_port": info.grpc_port,
+        "memory_budget": info.memory_budget,
+        "total_memory": info.total_memory,
+        "compute": info.compute,
+        "version": info.version,
+        "tensor_port": info.tensor_port,
+        "layer_seconds": info.layer_seconds,
         "collective_seconds": info.collective_seconds,
         "holdings": holdings_to_json(info.holdings),
         "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
@@ -42,25 +48,46 @@ def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: boo
     }
 
 
-def mesh_status(control: ControlPlane, events: EventLog, progress: Progress, metrics: NodeMetrics,
-                measuring: str | None) -> dict[str, Any]:
+def mesh_status(
+    control: ControlPlane, events: EventLog, progress: Progress, metrics: NodeMetrics, measuring: str | None
+) -> dict[str, Any]:
     """The ``/v1/mesh`` document; ``measuring``: what the node times now (requests run slower meanwhile)."""
     peers, coordinator, node_id = control.peers, control.coordinator_id, control.node_id
-    nodes = [peer_view(peers, nid, info, nid == node_id, nid == coordinator)
-             for nid, info in sorted(peers.alive_infos().items())]
+    nodes = [
+        peer_view(peers, nid, info, nid == node_id, nid == coordinator)
+        for nid, info in sorted(peers.alive_infos().items())
+    ]
     served = control.lanes.primary.served
     return {
-        "node_id": node_id, "version": __version__, "blas": blas.in_use(), "model": served.model_id,
-        "coordinator": coordinator, "epoch": control.adoption.epoch, "ready_epoch": served.ready_epoch,
-        "healthy": served.serving_ready(), "plan_error": served.plan_error or None,
+        "node_id": node_id,
+        "version": __version__,
+        "blas": blas.in_use(),
+        "model": served.model_id,
+        "coordinator": coordinator,
+        "epoch": control.adoption.epoch,
+        "ready_epoch": served.ready_epoch,
+        "healthy": served.serving_ready(),
+        "plan_error": served.plan_error or None,
         "unreachable": peers.reach.report(),
-        "nodes": nodes, "plan": plan_status(served.plan, control.coordinator.estimate_now()),
-        "models": [{"model": lane.model_id, "state": model_state(lane.served), "offered_here": lane.offered,
-                    "epoch": lane.adoption.epoch, "use": dataclasses.asdict(control.use_of(lane)),
-                    "ready_epoch": lane.served.ready_epoch, "healthy": lane.served.serving_ready(),
-                    "plan_error": lane.served.plan_error or None,
-                    "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now())}
-                   for lane in control.lanes if lane.model_id is not None],
-        "events": events.recent(), "progress": progress.current, "measuring": measuring,
+        "nodes": nodes,
+        "plan": plan_status(served.plan, control.coordinator.estimate_now()),
+        "models": [
+            {
+                "model": lane.model_id,
+                "state": model_state(lane.served),
+                "offered_here": lane.offered,
+                "epoch": lane.adoption.epoch,
+                "use": dataclasses.asdict(control.use_of(lane)),
+                "ready_epoch": lane.served.ready_epoch,
+                "healthy": lane.served.serving_ready(),
+                "plan_error": lane.served.plan_error or None,
+                "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now()),
+            }
+            for lane in control.lanes
+            if lane.model_id is not None
+        ],
+        "events": events.recent(),
+        "progress": progress.current,
+        "measuring": measuring,
         "metrics": metrics.summary(),
     }

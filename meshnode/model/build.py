@@ -15,27 +15,76 @@ from typing import Any
 
 from meshnode.model.tinyconfig import NOT_BUILDABLE, family_config, generic_config, is_mlx_family
 
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3",
-                             "phi3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3")
 
 # Every family build_model builds that splits as a pipeline token-identical to mlx-lm in float32
 # (tests/test_families.py); hunyuan only between groups of cla_share_factor layers.
 SPLIT_FAMILIES: tuple[str, ...] = FAMILIES + (
     # asked for by name
-    "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "minimax", "llama4", "gemma4_text", "hunyuan", "olmo2",
-    "granite", "cohere2", "glm4", "exaone4", "ernie4_5_moe", "smollm3", "qwen3_5",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "minimax",
+    "llama4",
+    "gemma4_text",
+    "hunyuan",
+    "olmo2",
+    "granite",
+    "cohere2",
+    "glm4",
+    "exaone4",
+    "ernie4_5_moe",
+    "smollm3",
+    "qwen3_5",
     # the rest of mlx-lm's models/ that the generic path builds
-    "Klear", "cohere", "deepseek", "deepseek_v32", "dots1", "ernie4_5", "falcon_h1", "gemma", "glm", "glm4_moe_lite",
-    "granitemoe", "helium", "hunyuan_v1_dense", "internlm3", "kimi_k25", "kimi_vl", "laguna", "mimo", "minicpm",
-    "nanbeige", "nemotron", "olmo3", "olmo_hybrid", "olmoe", "phimoe", "qwen2_moe", "seed_oss", "solar_open",
-    "stablelm", "starcoder2", "telechat3", "youtu_llm",
+    "Klear",
+    "cohere",
+    "deepseek",
+    "deepseek_v32",
+    "dots1",
+    "ernie4_5",
+    "falcon_h1",
+    "gemma",
+    "glm",
+    "glm4_moe_lite",
+    "granitemoe",
+    "helium",
+    "hunyuan_v1_dense",
+    "internlm3",
+    "kimi_k25",
+    "kimi_vl",
+    "laguna",
+    "mimo",
+    "minicpm",
+    "nanbeige",
+    "nemotron",
+    "olmo3",
+    "olmo_hybrid",
+    "olmoe",
+    "phimoe",
+    "qwen2_moe",
+    "seed_oss",
+    "solar_open",
+    "stablelm",
+    "starcoder2",
+    "telechat3",
+    "youtu_llm",
 )
 
 # Bump when the same arguments would build different files (model_dir_for's cache key).
 BUILD_VERSION = 2
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
-                  "<|endoftext|>"]  # the last: some tokenizer classes (qwen2) add it if missing
+SPECIAL_TOKENS = [
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|endoftext|>",
+]  # the last: some tokenizer classes (qwen2) add it if missing
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -52,12 +101,12 @@ AGENT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if tools %}<|system|>You may call these functions:"
     "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|end|>{%- endif %}"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|end|>{%- endif %}'
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' and message.tool_calls %}<|assistant|>{{ message.content or '' }}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
     "{%- endfor %}<|end|>"
     "{%- else %}{{ '<|' + message.role + '|>' + message.content + '<|end|>' }}{%- endif %}"
     "{%- endfor %}"
@@ -139,21 +188,31 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512, chat: str = "plain") -
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
         additional_special_tokens=specials[3:],
     )
     fast.chat_template = AGENT_TEMPLATE if chat == "agent" else CHAT_TEMPLATE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
-    gen = {"bos_token_id": fast.bos_token_id, "eos_token_id": [fast.eos_token_id,
-                                                                fast.convert_tokens_to_ids("<|end|>")]}
+    gen = {
+        "bos_token_id": fast.bos_token_id,
+        "eos_token_id": [fast.eos_token_id, fast.convert_tokens_to_ids("<|end|>")],
+    }
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return len(fast)
 
 
-_GAINS = (("gate_proj.weight", 3.0), ("up_proj.weight", 3.0), ("q_proj.weight", 2.0), ("k_proj.weight", 2.0),
-          ("lm_head.weight", 4.0))
+_GAINS = (
+    ("gate_proj.weight", 3.0),
+    ("up_proj.weight", 3.0),
+    ("q_proj.weight", 2.0),
+    ("k_proj.weight", 2.0),
+    ("lm_head.weight", 4.0),
+)
 
 
 def _hash32(x):
@@ -174,7 +233,7 @@ def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
     salt = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
     i = mx.arange(math.prod(shape), dtype=mx.uint32)
     h = _hash32(_hash32(i ^ mx.array(salt & 0xFFFFFFFF, mx.uint32)) ^ mx.array(salt >> 32, mx.uint32))
-    u = (h >> 8).astype(mx.float32) * (2.0 ** -23) - 1.0
+    u = (h >> 8).astype(mx.float32) * (2.0**-23) - 1.0
     return (u * bound).reshape(shape)
 
 
@@ -225,9 +284,13 @@ def _save_weights(out_dir: Path, weights: dict, max_bytes: int) -> None:
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
         mx.save_safetensors(str(out_dir / file), shard, metadata={"format": "mlx"})
         weight_map.update({k: file for k in shard})
-    index = {"metadata": {"total_size": sum(w.nbytes for w in weights.values()),
-                          "total_parameters": sum(w.size for w in weights.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {
+            "total_size": sum(w.nbytes for w in weights.values()),
+            "total_parameters": sum(w.size for w in weights.values()),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
 
 
@@ -270,9 +333,15 @@ def build_model(
     out_dir = Path(out_dir)
     vocab = build_tokenizer(out_dir, vocab_size, chat)
     sizes: dict[str, Any] = dict(
-        num_layers=num_layers, hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        vocab_size=vocab, tie=tie_word_embeddings, num_experts=num_experts, experts_per_tok=experts_per_tok,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        vocab_size=vocab,
+        tie=tie_word_embeddings,
+        num_experts=num_experts,
+        experts_per_tok=experts_per_tok,
         max_position_embeddings=max_position_embeddings,
     )
     legacy = family in FAMILIES
@@ -286,8 +355,9 @@ def build_model(
     target = getattr(mx, dtype)
     # mlx-lm's convert keeps some parameters (routing biases, ...) in float32: its cast_predicate.
     keep = (lambda _: True) if legacy else getattr(model, "cast_predicate", lambda _: True)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and keep(k) else v
-               for k, v in weights.items()}
+    weights = {
+        k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and keep(k) else v for k, v in weights.items()
+    }
     config["torch_dtype"] = dtype
     if quantize is not None:
         model.load_weights(list(weights.items()), strict=False)
@@ -322,8 +392,7 @@ def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | No
     elif quantize == "mixed":
         predicate = mixed_quant_predicate_builder("mixed_4_6", model, group_size or 32)
     with contextlib.redirect_stdout(io.StringIO()):  # it prints the bits per weight
-        _, config = quantize_model(model, config, group_size or 32, bits, mode=mode,
-                                   quant_predicate=predicate)  # type: ignore[arg-type]  # mlx-lm's own annotations disagree
+        _, config = quantize_model(model, config, group_size or 32, bits, mode=mode, quant_predicate=predicate)  # type: ignore[arg-type]  # mlx-lm's own annotations disagree
     return config
 
 

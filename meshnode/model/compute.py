@@ -32,8 +32,15 @@ CACHE_FILE = "compute.json"  # in the node's state folder
 
 def _cache_key(model_path: Path) -> str:
     config = (model_path / "config.json").read_bytes()
-    ident = [hashlib.sha256(config).hexdigest(), platform.machine(), platform.system(), mx.__version__,  # type: ignore[attr-defined]  # mlx's stubs omit it
-             str(mx.default_device()), blas.in_use(), VERSION]
+    ident = [
+        hashlib.sha256(config).hexdigest(),
+        platform.machine(),
+        platform.system(),
+        mx.__version__,  # type: ignore[attr-defined]  # mlx's stubs omit it
+        str(mx.default_device()),
+        blas.in_use(),
+        VERSION,
+    ]
     return hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
 
 
@@ -55,9 +62,12 @@ def measure_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 
 
 def layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0) -> float:
     """The cached figure for this model on this machine, measuring it the first time."""
-    return _cached(state_dir, _cache_key(model_path),
-                   lambda: measure_layer_seconds(model_path, num_layers, layer_bytes),
-                   f"one layer of {model_path.name} decodes in %.3f ms here")
+    return _cached(
+        state_dir,
+        _cache_key(model_path),
+        lambda: measure_layer_seconds(model_path, num_layers, layer_bytes),
+        f"one layer of {model_path.name} decodes in %.3f ms here",
+    )
 
 
 def _cached(state_dir: Path, key: str, measure, what: str) -> float:
@@ -140,17 +150,31 @@ def step_seconds(wall: float, cpu: float, on_cpu: bool) -> float:
     return min(wall, cpu) if on_cpu and cpu > 0 else wall
 
 
-def measure_tensor_layer_seconds(model_path: Path, num_layers: int, layer_bytes: int = 0, timeout: float = 120.0,
-                                 tries: int = 2, cancel: threading.Event | None = None) -> float:
+def measure_tensor_layer_seconds(
+    model_path: Path,
+    num_layers: int,
+    layer_bytes: int = 0,
+    timeout: float = 120.0,
+    tries: int = 2,
+    cancel: threading.Event | None = None,
+) -> float:
     """Seconds of one layer's decode step split two ways by mlx-lm's ``shard()`` over a loopback
     ring, all-reduces included; best of ``tries``. Blocking; 0.0 when unmeasurable or cancelled."""
-    times = [t for t in (_ring_probe(model_path, num_layers, layer_bytes, timeout, cancel) for _ in range(tries)
-                         if cancel is None or not cancel.is_set()) if t > 0]
+    times = [
+        t
+        for t in (
+            _ring_probe(model_path, num_layers, layer_bytes, timeout, cancel)
+            for _ in range(tries)
+            if cancel is None or not cancel.is_set()
+        )
+        if t > 0
+    ]
     return min(times, default=0.0)
 
 
-def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: float,
-                cancel: threading.Event | None = None) -> float:
+def _ring_probe(
+    model_path: Path, num_layers: int, layer_bytes: int, timeout: float, cancel: threading.Event | None = None
+) -> float:
     import subprocess
     import sys
     import tempfile
@@ -159,12 +183,27 @@ def _ring_probe(model_path: Path, num_layers: int, layer_bytes: int, timeout: fl
     with tempfile.TemporaryDirectory(prefix="meshnode-tensor-probe-") as tmp:
         hostfile = Path(tmp) / "ring.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-        cmd = [sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model_path), str(start),
-               str(count)]
-        procs = [subprocess.Popen(cmd, env=child_env({**os.environ, "MLX_RANK": str(rank),
-                                                      "MLX_HOSTFILE": str(hostfile), **_half_the_threads()}),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                 for rank in (1, 0)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshnode.model.compute",
+            "--tensor-layers",
+            str(model_path),
+            str(start),
+            str(count),
+        ]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=child_env(
+                    {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **_half_the_threads()}
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for rank in (1, 0)
+        ]
         try:
             end = time.monotonic() + timeout
             while procs[1].poll() is None:  # rank 0 prints the figure and exits
@@ -191,19 +230,24 @@ def _half_the_threads() -> dict[str, str]:
     return {blas.THREADS_ENV: str(max(1, int(threads) // 2))} if threads and threads.isdigit() else {}
 
 
-def tensor_layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
-                         cancel: threading.Event | None = None) -> float:
+def tensor_layer_seconds(
+    model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0, cancel: threading.Event | None = None
+) -> float:
     """The cached two-way tensor-parallel figure (0.0: unmeasurable, or cancelled)."""
-    value = _cached(state_dir, _split_key(model_path),
-                    lambda: measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, cancel=cancel),
-                    f"one layer of {model_path.name} split two ways decodes in %.3f ms here, all-reduces included")
+    value = _cached(
+        state_dir,
+        _split_key(model_path),
+        lambda: measure_tensor_layer_seconds(model_path, num_layers, layer_bytes, cancel=cancel),
+        f"one layer of {model_path.name} split two ways decodes in %.3f ms here, all-reduces included",
+    )
     if value <= 0:
         log.warning("compute: could not time a layer split over a ring here; the planner assumes a default")
     return value
 
 
-def seed_figures(model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0,
-                 rounds: int = 3, tensor: bool = True) -> tuple[float, float]:
+def seed_figures(
+    model_path: Path, num_layers: int, state_dir: Path, layer_bytes: int = 0, rounds: int = 3, tensor: bool = True
+) -> tuple[float, float]:
     """Measure and cache both figures afresh, alternating so a burst of load skews neither.
     Returns (layer seconds, split layer seconds or 0.0)."""
     one, two = [], []

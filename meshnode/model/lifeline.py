@@ -31,7 +31,13 @@ def die_with_parent(exit_code: int = 3) -> None:
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     # $1 the node, $2 this worker: kills the worker when the node is gone.
-    script = f'while kill -0 "$1" 2>/dev/null; do kill -0 "$2" 2>/dev/null || exit 0; sleep {POLL_S}; done; ' \
-             'kill -9 "$2" 2>/dev/null'
-    subprocess.Popen(["/bin/sh", "-c", script, "meshnode-lifeline", str(parent), str(os.getpid())],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    script = (
+        f'while kill -0 "$1" 2>/dev/null; do kill -0 "$2" 2>/dev/null || exit 0; sleep {POLL_S}; done; '
+        'kill -9 "$2" 2>/dev/null'
+    )
+    subprocess.Popen(
+        ["/bin/sh", "-c", script, "meshnode-lifeline", str(parent), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -39,8 +39,7 @@ def model_folder(model: str) -> str:
 class PrefixDisk:
     """One model's kept prefixes on this node's disk; writes are queued, reads synchronous."""
 
-    def __init__(self, root: Path, model: str, limit: int,
-                 on_write: Callable[[int], None] | None = None):
+    def __init__(self, root: Path, model: str, limit: int, on_write: Callable[[int], None] | None = None):
         """``root``: shared by every model; ``limit`` bytes bound all of it."""
         self.root = Path(root)
         self.folder = self.root / model_folder(model)
@@ -53,13 +52,18 @@ class PrefixDisk:
         self._thread.start()
 
     # -- writing
-    def keep(self, key: str, layers: Layers, caches: list[Any], positions: int,
-             parent: tuple[str, int] | None = None) -> None:
+    def keep(
+        self, key: str, layers: Layers, caches: list[Any], positions: int, parent: tuple[str, int] | None = None
+    ) -> None:
         """Queue the write of ``layers``' evaluated caches. With ``parent`` (key, positions) on disk,
         only the positions after it are written, as an entry naming it."""
         metadata = {"format": FORMAT, "key": key, "layers": f"{layers[0]},{layers[1]}", "positions": str(positions)}
-        if parent is not None and 0 < parent[1] < positions and self.holds(parent[0], layers) \
-                and all(type(c) in SEGMENTS for c in caches):
+        if (
+            parent is not None
+            and 0 < parent[1] < positions
+            and self.holds(parent[0], layers)
+            and all(type(c) in SEGMENTS for c in caches)
+        ):
             caches = [_after(c, parent[1]) for c in caches]  # on the caller's (MLX) thread
             mx.eval([c.state for c in caches])
             metadata.update(parent=parent[0], start=str(parent[1]))
@@ -218,8 +222,10 @@ class PrefixDisk:
         if len(segments) == 1:
             return segments[0][0], ""
         ends = [start for _, start in segments[1:]]
-        return [_joined([caches[i] for caches, _ in segments], [s for _, s in segments], ends)
-                for i in range(len(segments[0][0]))], ""
+        return [
+            _joined([caches[i] for caches, _ in segments], [s for _, s in segments], ends)
+            for i in range(len(segments[0][0]))
+        ], ""
 
     def _read_one(self, path: Path, key: str, layers: Layers) -> tuple[list[Any] | None, dict[str, str], str]:
         try:
@@ -231,8 +237,12 @@ class PrefixDisk:
             path.unlink(missing_ok=True)
             return None, {}, f"{path.name} could not be read"
         expected = {"format": FORMAT, "key": key, "layers": f"{layers[0]},{layers[1]}"}
-        if any(metadata.get(k) != v for k, v in expected.items()) or len(caches) != layers[1] - layers[0] \
-                or not 0 <= start < held or any(getattr(c, "offset", held - start) != held - start for c in caches):
+        if (
+            any(metadata.get(k) != v for k, v in expected.items())
+            or len(caches) != layers[1] - layers[0]
+            or not 0 <= start < held
+            or any(getattr(c, "offset", held - start) != held - start for c in caches)
+        ):
             log.warning("prompt cache: deleted %s, whose metadata does not match its name", path)
             path.unlink(missing_ok=True)
             return None, {}, f"{path.name} is not the entry its name says"

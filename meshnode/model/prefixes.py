@@ -101,9 +101,14 @@ def cache_positions(cache: list[Any]) -> int:
 class PrefixStore:
     """This node's kept prefixes, per layer range; thread-safe."""
 
-    def __init__(self, capacity: int, on_resume: Callable[[int, str], None] | None = None,
-                 on_drop: Callable[[str], None] | None = None, disk: PrefixDisk | None = None,
-                 mlx_turn: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        on_resume: Callable[[int, str], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
+        disk: PrefixDisk | None = None,
+        mlx_turn: Callable[[], Any] | None = None,
+    ):
         """``capacity``: positions one layer range may hold, kept and in use; ``mlx_turn``: a context
         holding the node's MLX baton, for reading from disk."""
         self.capacity = max(0, int(capacity))
@@ -126,8 +131,9 @@ class PrefixStore:
         self._dropped(dropped)
 
     # -- keeping and resuming
-    def keep(self, layers: Layers, key: str, cache: list[Any], positions: int,
-             parent: tuple[str, int] | None = None) -> bool:
+    def keep(
+        self, layers: Layers, key: str, cache: list[Any], positions: int, parent: tuple[str, int] | None = None
+    ) -> bool:
         """Keep ``cache`` (a finished request's) cut to ``positions``; ``parent``: the kept prefix
         it started from, if not marked on it (:class:`Resumed`)."""
         if positions <= 0 or positions > self.capacity:
@@ -164,8 +170,9 @@ class PrefixStore:
         if entry is None or positions > entry[1]:
             return self._from_disk(layers, key, positions, shard)
         cache = entry[0]
-        if shard is not None and (cache.owner is not shard if isinstance(cache, KeptElsewhere) else
-                                  getattr(shard, "owned", None) is None):
+        if shard is not None and (
+            cache.owner is not shard if isinstance(cache, KeptElsewhere) else getattr(shard, "owned", None) is None
+        ):
             return None, "kept for these layers as another shard ran them"
         mine, why = cache.resume(positions) if isinstance(cache, KeptElsewhere) else copy_cut(cache, positions)
         if mine is None:
@@ -200,8 +207,11 @@ class PrefixStore:
     def forget(self, layers: Layers | None = None) -> None:
         """Drop every prefix kept for ``layers`` (or all)."""
         with self._lock:
-            dropped = [(lr, key) for lr in ([layers] if layers is not None else list(self._kept))
-                       for key in self._kept.pop(lr, {})]
+            dropped = [
+                (lr, key)
+                for lr in ([layers] if layers is not None else list(self._kept))
+                for key in self._kept.pop(lr, {})
+            ]
         self._dropped(dropped)
 
     def held(self, layers: Layers) -> int:
@@ -236,6 +246,13 @@ class PrefixStore:
             key, (_, positions) = kept.popitem(last=False)
             dropped.append((layers, key))
             total -= positions
-            log.debug("prompt cache: gave up prefix %s (%d positions) of layers %s: %d kept + %d in use > %d",
-                      key, positions, layers, total + positions, self._in_use.get(layers, 0), self.capacity)
+            log.debug(
+                "prompt cache: gave up prefix %s (%d positions) of layers %s: %d kept + %d in use > %d",
+                key,
+                positions,
+                layers,
+                total + positions,
+                self._in_use.get(layers, 0),
+                self.capacity,
+            )
         return dropped

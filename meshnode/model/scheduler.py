@@ -310,8 +310,12 @@ class TokenScheduler:
                     job.end()
                     return
                 except Exception as exc:  # this request's failure only; its caller handles it
-                    log.log(logging.INFO if getattr(exc, "quiet", False) else logging.WARNING, "generation failed: %s",
-                            exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                    log.log(
+                        logging.INFO if getattr(exc, "quiet", False) else logging.WARNING,
+                        "generation failed: %s",
+                        exc,
+                        exc_info=log.isEnabledFor(logging.DEBUG),
+                    )
                     flush()
                     job.end(exc)
                     return

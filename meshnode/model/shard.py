@@ -164,8 +164,9 @@ def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, grou
     """Tensor-parallel: split layers [start, end) over ``group`` with the family's own ``shard()``;
     embedding, norm and head stay whole, as in mlx-lm."""
     if not callable(getattr(model, "shard", None)):
-        raise ValueError(f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx-lm has no tensor-parallel shard() "
-                         "for this model family")
+        raise ValueError(
+            f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx-lm has no tensor-parallel shard() for this model family"
+        )
     full = inner.layers
     inner.layers = full[start:end]
     try:
@@ -185,8 +186,10 @@ def _check_split(config: dict[str, Any], start: int, end: int, num_layers: int) 
     allowed = set(split_boundaries(config)) | {0, num_layers}
     bad = [i for i in (start, end) if i not in allowed]
     if bad:
-        raise ValueError(f"{config.get('model_type')}: a stage cannot start or end at layer {bad[0]}; "
-                         f"allowed boundaries: {sorted(allowed)}")
+        raise ValueError(
+            f"{config.get('model_type')}: a stage cannot start or end at layer {bad[0]}; "
+            f"allowed boundaries: {sorted(allowed)}"
+        )
 
 
 # --- Folders holding only some layers' tensors ---
@@ -213,8 +216,10 @@ def _check_partial(model: nn.Module, model_path: Path, start: int, end: int) -> 
     missing = sorted(k for k, _ in _flat(model.parameters()) if k not in weights)
     if missing:
         shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
-        raise ValueError(f"{model_path} holds only some layers and lacks {len(missing)} tensor(s) that layers "
-                         f"[{start}, {end}) need: {shown}")
+        raise ValueError(
+            f"{model_path} holds only some layers and lacks {len(missing)} tensor(s) that layers "
+            f"[{start}, {end}) need: {shown}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,8 +264,14 @@ class ShardSpec:
 class Shard:
     """Layers [start, end) of a model, ready to run one request's slice of the forward pass."""
 
-    def __init__(self, model_path: str | Path, start: int, end: int, group: mx.distributed.Group | None = None,
-                 progress: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        start: int,
+        end: int,
+        group: mx.distributed.Group | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ):
         model_path = Path(model_path)
         partial = _is_partial(model_path)
         model, config = load_model(model_path, lazy=True, strict=not partial)
@@ -276,8 +287,10 @@ class Shard:
             raise ValueError(f"invalid layer range [{start}, {end}) for a {num_layers}-layer model")
         _check_split(config, start, end, num_layers)
         if inner is None and (group is not None and group.size() > 1 or not (start == 0 and end == num_layers)):
-            raise ValueError(f"{config.get('model_type')}: unsupported model layout for a stage or a tensor group "
-                             f"({type(model).__name__} has no embed_tokens); it runs whole on one node")
+            raise ValueError(
+                f"{config.get('model_type')}: unsupported model layout for a stage or a tensor group "
+                f"({type(model).__name__} has no embed_tokens); it runs whole on one node"
+            )
         self.path = model_path
         self.config = config
         self.spec = ShardSpec(start, end, num_layers)
@@ -337,7 +350,11 @@ class Shard:
         self.nbytes = sum(v.nbytes for _, v in _flat(model.parameters()))
         log.info(
             "loaded layers [%d, %d) of %s (%d layers): %.1f MiB",
-            start, end, model_path.name, num_layers, self.nbytes / 2**20,
+            start,
+            end,
+            model_path.name,
+            num_layers,
+            self.nbytes / 2**20,
         )
 
     @property
@@ -366,8 +383,10 @@ class Shard:
         bits = self.kv_quant_bits
         if not bits:
             return self._cache_template
-        return [QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits) if type(c) is KVCache else c
-                for c in self._cache_template]
+        return [
+            QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits) if type(c) is KVCache else c
+            for c in self._cache_template
+        ]
 
     @property
     def rewind_limit(self) -> tuple[int | None, str]:
@@ -401,11 +420,10 @@ class Shard:
             return None
         first = self.spec.is_first
         with mx.stream(any_thread_stream()):  # the placeholder's bfloat16 view is a lazy op too
-            placeholder = Placeholder("int32" if first else dtype_name(self.input_dtype),
-                                      (1, 1) if first else (1, 1, self.hidden_size))
+            placeholder = Placeholder(
+                "int32" if first else dtype_name(self.input_dtype), (1, 1) if first else (1, 1, self.hidden_size)
+            )
             return placeholder, self.forward(placeholder.array, cache)
-
-
 
     def forward(self, x: mx.array, cache: list[Any], all_positions: bool = True) -> mx.array:
         """Run this shard's layers: a lazy hidden state or logits."""

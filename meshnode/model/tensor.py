@@ -126,17 +126,33 @@ class TensorShard:
         fd, self._hostfile = tempfile.mkstemp(prefix="meshnode-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[e] for e in self.endpoints], f)
-        env = {**os.environ, "MLX_RANK": str(self.rank), "MLX_HOSTFILE": self._hostfile,
-               SECRET_ENV: self._secret.hex()}
-        cmd = [sys.executable, "-m", "meshnode.model.tensor_worker", "--model", str(self.path),
-               "--start", str(self.start), "--end", str(self.end), "--backend", self.backend,
-               "--control", self.control]
+        env = {**os.environ, "MLX_RANK": str(self.rank), "MLX_HOSTFILE": self._hostfile, SECRET_ENV: self._secret.hex()}
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshnode.model.tensor_worker",
+            "--model",
+            str(self.path),
+            "--start",
+            str(self.start),
+            "--end",
+            str(self.end),
+            "--backend",
+            self.backend,
+            "--control",
+            self.control,
+        ]
         if self.kv_bits:
             cmd += ["--kv-bits", str(self.kv_bits)]
         if self.inject_latency > 0:
             cmd += ["--inject-latency-us", str(self.inject_latency * 1e6)]
-        log.info("starting tensor worker rank %d of %s for layers [%d, %d)", self.rank,
-                 ",".join(self.endpoints), self.start, self.end)
+        log.info(
+            "starting tensor worker rank %d of %s for layers [%d, %d)",
+            self.rank,
+            ",".join(self.endpoints),
+            self.start,
+            self.end,
+        )
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(env), bufsize=0)
         try:
             reply = self._read(ready_timeout, "forming the group and loading its layers")
@@ -149,8 +165,13 @@ class TensorShard:
         self.nbytes = int(info["nbytes"])
         limit = info.get("rewind_limit")
         self.rewind_limit = (None if limit is None else int(limit), str(info.get("rewind_problem", "")))
-        log.info("tensor worker rank %d ready: layers [%d, %d), %.1f MiB", self.rank, self.start, self.end,
-                 self.nbytes / 2**20)
+        log.info(
+            "tensor worker rank %d ready: layers [%d, %d), %.1f MiB",
+            self.rank,
+            self.start,
+            self.end,
+            self.nbytes / 2**20,
+        )
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self._failed is None
@@ -211,15 +232,21 @@ class TensorShard:
         with self._lock:
             self._next_kept += 1
             kept = _Kept(self, self._next_kept)
-            why = self._prefix_command(mesh_pb2.WorkerCommand(op=mesh_pb2.WorkerCommand.KEEP, slot=cache.slot,
-                                                              kept=kept.number, positions=positions))
+            why = self._prefix_command(
+                mesh_pb2.WorkerCommand(
+                    op=mesh_pb2.WorkerCommand.KEEP, slot=cache.slot, kept=kept.number, positions=positions
+                )
+            )
         return (None, why) if why else (kept, "")
 
     def resume(self, kept: _Kept, positions: int) -> tuple[_Slot | None, str]:
         slot = self.make_cache()
         with self._lock:
-            why = self._prefix_command(mesh_pb2.WorkerCommand(op=mesh_pb2.WorkerCommand.RESUME, slot=slot.slot,
-                                                              kept=kept.number, positions=positions))
+            why = self._prefix_command(
+                mesh_pb2.WorkerCommand(
+                    op=mesh_pb2.WorkerCommand.RESUME, slot=slot.slot, kept=kept.number, positions=positions
+                )
+            )
         return (None, why) if why else (slot, "")
 
     def _prefix_command(self, cmd: mesh_pb2.WorkerCommand) -> str:
@@ -277,16 +304,20 @@ class TensorShard:
                 raise TensorGroupError(f"tensor group [{self.start}, {self.end}) is down: {self._failed or 'stopped'}")
             try:
                 self._send_closed()
-                write_frame(self._stdin(), mesh_pb2.WorkerCommand(slot=cache.slot, input=to_tensor(x),
-                                                                     rewind=cache.rewind, all_positions=all_positions))
+                write_frame(
+                    self._stdin(),
+                    mesh_pb2.WorkerCommand(
+                        slot=cache.slot, input=to_tensor(x), rewind=cache.rewind, all_positions=all_positions
+                    ),
+                )
                 cache.rewind = 0
             except OSError as exc:
                 raise self._fail(f"worker pipe broke ({exc})") from None
-            reply = self._read(self.hop_timeout + self.prefill_allowance * positions, "running a step",
-                               self.members_alive)
+            reply = self._read(
+                self.hop_timeout + self.prefill_allowance * positions, "running a step", self.members_alive
+            )
         expect = (1, 1 if self.spec.is_last and not all_positions else positions, None)
         try:
             return from_tensor(reply.output, expect=expect)
         except WireError as exc:
             raise self._fail(f"bad output from the worker: {exc}") from None
-

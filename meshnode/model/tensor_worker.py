@@ -37,8 +37,11 @@ MAX_FRAME = 512 * 2**20
 _OP_FORWARD, _OP_CLOSE, _OP_KEEP, _OP_RESUME, _OP_FORGET, _OP_REWIND = 1, 2, 3, 4, 5, 6
 _ALL_POSITIONS = 1  # a FORWARD's flag: the last stage answers every position
 # The prompt cache's commands: (proto op, control op); dims[0] carries the prefix, dims[1] positions.
-_PREFIX_OPS = {mesh_pb2.WorkerCommand.KEEP: _OP_KEEP, mesh_pb2.WorkerCommand.RESUME: _OP_RESUME,
-               mesh_pb2.WorkerCommand.FORGET: _OP_FORGET}
+_PREFIX_OPS = {
+    mesh_pb2.WorkerCommand.KEEP: _OP_KEEP,
+    mesh_pb2.WorkerCommand.RESUME: _OP_RESUME,
+    mesh_pb2.WorkerCommand.FORGET: _OP_FORGET,
+}
 # Rank 0 -> other ranks, per command: op, dtype code, ndim, flags, slot, three dims; then the input.
 _CONTROL = struct.Struct("<BBBBI3I")
 _WIRE_CODES = {"int32": 1, "float32": 2, "float16": 3, "bfloat16": 4}
@@ -141,8 +144,9 @@ class _Worker:
         mx.eval(out)
         return out
 
-    def _tell(self, op: int, slot: int, tensor: mesh_pb2.Tensor | None = None, dims: Sequence[int] = (),
-              flags: int = 0) -> None:
+    def _tell(
+        self, op: int, slot: int, tensor: mesh_pb2.Tensor | None = None, dims: Sequence[int] = (), flags: int = 0
+    ) -> None:
         if tensor is None:
             frame = _CONTROL.pack(op, 0, 0, 0, slot, *(list(dims) + [0] * (3 - len(dims))))
         else:
@@ -281,8 +285,12 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", default="ring")
     parser.add_argument("--control", required=True, help="HOST:PORT where rank 0 takes the other ranks' commands")
     parser.add_argument("--kv-bits", type=int, default=0, help="the plan's quantized KV cache (0: not quantized)")
-    parser.add_argument("--inject-latency-us", type=float, default=0.0,
-                        help="tests and benchmarks: every collective waits this long, as over a slower link")
+    parser.add_argument(
+        "--inject-latency-us",
+        type=float,
+        default=0.0,
+        help="tests and benchmarks: every collective waits this long, as over a slower link",
+    )
     args = parser.parse_args(argv)
     die_with_parent()
     rank = int(os.environ.get("MLX_RANK", "0"))
@@ -317,8 +325,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         log.error("tensor group could not connect its control channel: %s", exc)
         return 1
     limit, why = rewind_limit(shard.cache_template())
-    info = {"rank": group.rank(), "size": group.size(), "dtype": _name(shard.dtype),
-            "hidden_size": shard.hidden_size, "nbytes": shard.nbytes, "rewind_limit": limit, "rewind_problem": why}
+    info = {
+        "rank": group.rank(),
+        "size": group.size(),
+        "dtype": _name(shard.dtype),
+        "hidden_size": shard.hidden_size,
+        "nbytes": shard.nbytes,
+        "rewind_limit": limit,
+        "rewind_problem": why,
+    }
     write_frame(out, mesh_pb2.WorkerReply(info=json.dumps(info)))
     try:
         if rank == 0:

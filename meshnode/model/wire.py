@@ -119,16 +119,20 @@ def raw_request_into(buf: bytearray, offset: int, x: mx.array, next_single: bool
     width = x.shape[2] if x.ndim == 3 else 0
     head = offset + RAW_REQUEST.size
     scalar = x.ndim == 2 and x.size == 1  # a token id: one scalar, not an array, after a step
-    host = None if scalar else \
-        np.asarray(x.view(mx.uint16) if name == "bfloat16" else x.astype(mx.int32) if width == 0 else x)
+    host = (
+        None
+        if scalar
+        else np.asarray(x.view(mx.uint16) if name == "bfloat16" else x.astype(mx.int32) if width == 0 else x)
+    )
     n = RAW_REQUEST.size + (4 if host is None else host.nbytes)
     _fit(buf, offset + n)
     if host is None:
         struct.pack_into("<i", buf, head, x.item())
     else:
         np.copyto(np.frombuffer(buf, dtype=host.dtype, count=host.size, offset=head), host.reshape(-1))
-    RAW_REQUEST.pack_into(buf, offset, 0, _RAW_CODES[name], RAW_NEXT_SINGLE if next_single else 0, rewind,
-                          x.shape[1], width)
+    RAW_REQUEST.pack_into(
+        buf, offset, 0, _RAW_CODES[name], RAW_NEXT_SINGLE if next_single else 0, rewind, x.shape[1], width
+    )
     return n
 
 
@@ -151,7 +155,7 @@ class RawRequest:
         self.dtype: str = dtype
         if self.positions <= 0:
             raise WireError(f"raw request of {self.positions} positions")
-        self.data = frame[RAW_REQUEST.size:]
+        self.data = frame[RAW_REQUEST.size :]
 
     @property
     def input(self) -> RawRequest:  # where a ForwardRequest has its Tensor
@@ -160,8 +164,9 @@ class RawRequest:
     def host(self, dtypes: Sequence[str], width: int) -> np.ndarray:
         """A numpy view of the input, checked: ``dtypes`` (1, positions, ``width``); ``width`` 0: token ids."""
         if self.dtype not in dtypes or self.width != width:
-            raise WireError(f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} "
-                            "was expected")
+            raise WireError(
+                f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} was expected"
+            )
         dtype_name = self.dtype
         _, np_dtype, itemsize = _DTYPES[dtype_name]
         shape = (1, self.positions, width) if width else (1, self.positions)
@@ -184,13 +189,15 @@ class RawReply:
         if dtype is None:
             raise WireError(f"raw reply with unknown dtype code {code}")
         self.dtype: str = dtype
-        self.data = frame[RAW_REPLY.size:]
+        self.data = frame[RAW_REPLY.size :]
 
     def host(self, positions: int, width: int) -> np.ndarray:
         """A numpy view of the bytes, checked: an ACTIVATIONS dtype, (1, ``positions``, ``width``)."""
         if self.dtype not in ACTIVATIONS or self.positions != positions or self.width != width:
-            raise WireError(f"{self.dtype} (1, {self.positions}, {self.width}) where an activation "
-                            f"(1, {positions}, {width}) was expected")
+            raise WireError(
+                f"{self.dtype} (1, {self.positions}, {self.width}) where an activation "
+                f"(1, {positions}, {width}) was expected"
+            )
         dtype_name = self.dtype
         _, np_dtype, itemsize = _DTYPES[dtype_name]
         if len(self.data) != itemsize * positions * width:
@@ -258,8 +265,7 @@ def placeholders_work() -> bool:
 _PLACEHOLDERS_WORK: bool | None = None
 
 
-def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chunk: int,
-                 expect=(1, None)) -> np.ndarray:
+def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chunk: int, expect=(1, None)) -> np.ndarray:
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
     if isinstance(tensor, RawRequest):
         ids = tensor.host(("int32",), 0)

@@ -53,8 +53,9 @@ def initial_state(tokenizer, prompt: Sequence[int], forced_tool: bool = False) -
     prompt opened a think block it did not close (as mlx_lm.server decides), else "normal"."""
     if forced_tool:
         return "tool"
-    if getattr(tokenizer, "has_thinking", False) and \
-            tokenizer.rfind_think_start(list(prompt)) > tokenizer.rfind_think_end(list(prompt)):
+    if getattr(tokenizer, "has_thinking", False) and tokenizer.rfind_think_start(
+        list(prompt)
+    ) > tokenizer.rfind_think_end(list(prompt)):
         return "reasoning"
     return getattr(tokenizer, "response_initial_state", None) or "normal"
 
@@ -110,8 +111,12 @@ class AnswerSplitter:
         try:
             parsed = self._tokenizer.tool_parser(text, self._tools)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # json errors are ValueErrors
-            log.warning("a tool call the model wrote could not be parsed (%s: %s); %d characters dropped",
-                        type(exc).__name__, exc, len(text))
+            log.warning(
+                "a tool call the model wrote could not be parsed (%s: %s); %d characters dropped",
+                type(exc).__name__,
+                exc,
+                len(text),
+            )
             return []
         calls = []
         for call in parsed if isinstance(parsed, list) else [parsed]:
@@ -119,7 +124,12 @@ class AnswerSplitter:
                 log.warning("a tool call the model wrote has no function name; dropped")
                 continue
             args = call.get("arguments", {})
-            calls.append(ToolCall(id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}", name=call["name"],
-                                  arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+            calls.append(
+                ToolCall(
+                    id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                    name=call["name"],
+                    arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                )
+            )
         self.made_calls = self.made_calls or bool(calls)
         return calls

@@ -43,8 +43,11 @@ def batchable(handles: Sequence[Any]) -> bool:
     if shard.kv_quant_bits:
         global _TOLD_QUANTIZED
         if not _TOLD_QUANTIZED:
-            log.info("kv_bits %d: continuous batching is off (mlx-lm's BatchGenerator cannot hold a quantized KV "
-                     "cache); concurrent requests take turns", shard.kv_quant_bits)
+            log.info(
+                "kv_bits %d: continuous batching is off (mlx-lm's BatchGenerator cannot hold a quantized KV "
+                "cache); concurrent requests take turns",
+                shard.kv_quant_bits,
+            )
             _TOLD_QUANTIZED = True
         return False
     return True
@@ -68,8 +71,14 @@ class ShardModel(nn.Module):
 class _Request:
     __slots__ = ("prompt", "params", "resume", "ended", "job", "produced", "grown", "error", "resumed_from")
 
-    def __init__(self, prompt: list[int], params: SamplingParams, resume: tuple[str, int] | None,
-                 ended: threading.Event, job: TokenJob):
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        resume: tuple[str, int] | None,
+        ended: threading.Event,
+        job: TokenJob,
+    ):
         self.prompt, self.params, self.resume, self.ended, self.job = prompt, params, resume, ended, job
         self.produced = self.grown = 0
         self.error: BaseException | None = None
@@ -99,8 +108,15 @@ def _no_tokens() -> Generator[int, None, None]:
 class BatchLoop:
     """One BatchGenerator over a whole-model shard, driven by a thread that exists while requests run."""
 
-    def __init__(self, scheduler: TokenScheduler, stage: LocalStage, *, prefill_step_size: int = 512,
-                 prefixes: PrefixIndex | None = None, tokenizer=None):
+    def __init__(
+        self,
+        scheduler: TokenScheduler,
+        stage: LocalStage,
+        *,
+        prefill_step_size: int = 512,
+        prefixes: PrefixIndex | None = None,
+        tokenizer=None,
+    ):
         self._scheduler = scheduler
         self._shard: Shard = stage.shard
         self._store: PrefixStore | None = stage.prefixes  # the node's kept prefixes
@@ -119,8 +135,9 @@ class BatchLoop:
     def running(self) -> int:
         return len(self._running)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, resume: tuple[str, int] | None,
-               ended: threading.Event) -> TokenJob:
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, resume: tuple[str, int] | None, ended: threading.Event
+    ) -> TokenJob:
         job = TokenJob(_no_tokens(), asyncio.get_running_loop())
         request = _Request(list(prompt), params, resume, ended, job)
         self._scheduler.track(job)
@@ -159,8 +176,12 @@ class BatchLoop:
 
     def _batch(self) -> BatchGenerator:
         if self._generator is None:
-            self._generator = BatchGenerator(ShardModel(self._shard), max_tokens=1,
-                                             prefill_step_size=self._prefill_step_size, stream=any_thread_stream())
+            self._generator = BatchGenerator(
+                ShardModel(self._shard),
+                max_tokens=1,
+                prefill_step_size=self._prefill_step_size,
+                stream=any_thread_stream(),
+            )
         return self._generator
 
     def _grow(self, request: _Request, positions: int) -> None:
@@ -184,9 +205,13 @@ class BatchLoop:
                 # the batch's own sampler: greedy requests share one batched argmax
                 sampler = make_request_sampler(params) if params.temperature > 0 else batch.sampler
                 (uid,) = batch.insert(
-                    [prompt[skip:]], max_tokens=[params.max_tokens], caches=[cache] if cache is not None else None,
-                    all_tokens=[prompt[:skip]], samplers=[sampler],
-                    logits_processors=[[_guarded(request, p) for p in processors]])
+                    [prompt[skip:]],
+                    max_tokens=[params.max_tokens],
+                    caches=[cache] if cache is not None else None,
+                    all_tokens=[prompt[:skip]],
+                    samplers=[sampler],
+                    logits_processors=[[_guarded(request, p) for p in processors]],
+                )
             except Exception as exc:  # noqa: BLE001 - this request's own parameters (a bad grammar)
                 self._finish(request, exc)
                 continue
@@ -223,8 +248,9 @@ class BatchLoop:
             del self._running[uid]
             self._finish(request, request.error)
 
-    def _resume(self, store: PrefixStore, index: PrefixIndex, prompt: list[int], key: str,
-                positions: int) -> tuple[Any, int]:
+    def _resume(
+        self, store: PrefixStore, index: PrefixIndex, prompt: list[int], key: str, positions: int
+    ) -> tuple[Any, int]:
         """A copy of the kept prefix the head chose, else the best one still kept; (None, 0): none."""
         for _ in range(2):
             cache, why = store.resume(self._layers, key, positions, self._shard)
@@ -253,8 +279,14 @@ class BatchLoop:
             self._finish(request)
 
     def _keep(self, cache, tokens, parent: tuple[str, int] | None = None) -> None:
-        if self._store is None or self._index is None or cache is None or not tokens or len(tokens) < MIN_REUSE \
-                or cache_positions(cache) != len(tokens):
+        if (
+            self._store is None
+            or self._index is None
+            or cache is None
+            or not tokens
+            or len(tokens) < MIN_REUSE
+            or cache_positions(cache) != len(tokens)
+        ):
             return
         tokens = list(tokens)
         key = prefix_key(tokens)
@@ -280,11 +312,19 @@ class BatchLoop:
 class BatchedSource:
     """Token ids of generations run by a :class:`BatchLoop`, as PipelineSource gives them."""
 
-    def __init__(self, scheduler: TokenScheduler, stage: LocalStage, *, prefill_step_size: int = 512,
-                 prefixes: PrefixIndex | None = None, tokenizer=None):
+    def __init__(
+        self,
+        scheduler: TokenScheduler,
+        stage: LocalStage,
+        *,
+        prefill_step_size: int = 512,
+        prefixes: PrefixIndex | None = None,
+        tokenizer=None,
+    ):
         self._prefixes = prefixes if stage.prefixes is not None else None
-        self.loop = BatchLoop(scheduler, stage, prefill_step_size=prefill_step_size, prefixes=self._prefixes,
-                              tokenizer=tokenizer)
+        self.loop = BatchLoop(
+            scheduler, stage, prefill_step_size=prefill_step_size, prefixes=self._prefixes, tokenizer=tokenizer
+        )
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         index = self._prefixes

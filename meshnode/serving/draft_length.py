@@ -65,8 +65,9 @@ class PassCosts:
         self._relative: dict[int, deque[float]] = {}  # positions -> recent passes' times in steps
         self._times: dict[int, deque[float]] = {}  # positions -> recent passes' seconds (from the second)
         # (passes counted when measured, share)
-        self._shares: deque[tuple[int, float]] = deque([(0, share)] * WINDOW if share is not None else (),
-                                                       maxlen=WINDOW)
+        self._shares: deque[tuple[int, float]] = deque(
+            [(0, share)] * WINDOW if share is not None else (), maxlen=WINDOW
+        )
         self._passes = 0  # passes chosen
         if one is not None:
             self._keep(1, one)

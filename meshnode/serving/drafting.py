@@ -60,7 +60,7 @@ class PromptLookup:
         for end in range(self._indexed + 1, last_end + 1):
             for n, ends in self._ends.items():
                 if end >= n:
-                    ends[tuple(t[end - n:end])] = end
+                    ends[tuple(t[end - n : end])] = end
         self._indexed = max(self._indexed, last_end)
 
     def propose(self, k: int) -> list[int]:
@@ -70,9 +70,9 @@ class PromptLookup:
             return []
         self._index(size - 1)  # every n-gram with a token after it (not the request's last one)
         for n in range(min(self.longest, size - 1), self.shortest - 1, -1):
-            end = self._ends[n].get(tuple(t[size - n:]))
+            end = self._ends[n].get(tuple(t[size - n :]))
             if end is not None:
-                return t[end:end + k]
+                return t[end : end + k]
         return []
 
 
@@ -113,11 +113,17 @@ async def load_draft(
         log.error("draft model %s could not be loaded (%s: %s); speculation is off", name, type(exc).__name__, exc)
         return None
     if vocab_size and draft.vocab_size != vocab_size:
-        log.error("draft model %s has a vocabulary of %d, %s has %d; speculation is off", name, draft.vocab_size,
-                  model_id, vocab_size)
+        log.error(
+            "draft model %s has a vocabulary of %d, %s has %d; speculation is off",
+            name,
+            draft.vocab_size,
+            model_id,
+            vocab_size,
+        )
         return None
-    log.info("draft model %s loaded for %s: %.1f MiB, taken off the memory offered", name, model_id,
-             draft.nbytes / 2**20)
+    log.info(
+        "draft model %s loaded for %s: %.1f MiB, taken off the memory offered", name, model_id, draft.nbytes / 2**20
+    )
     return draft
 
 
@@ -161,7 +167,7 @@ class ModelDrafter:
         guesses: list[int] = []
         with mx.stream(any_thread_stream()):
             for i in range(0, len(feed) - 1, self.PREFILL):
-                self._model(mx.array([feed[i:min(i + self.PREFILL, len(feed) - 1)]]), cache=self._cache)
+                self._model(mx.array([feed[i : min(i + self.PREFILL, len(feed) - 1)]]), cache=self._cache)
                 mx.eval([c.state for c in self._cache])
             step = feed[-1:]
             for _ in range(k):

@@ -54,7 +54,13 @@ class Engine:
     :class:`TokenSource`, so a generation moved to another placement still reads as one stream."""
 
     def __init__(
-        self, model_id: str, tokenizer: TokenizerWrapper, source: TokenSource, *, max_context: int, vocab_size: int,
+        self,
+        model_id: str,
+        tokenizer: TokenizerWrapper,
+        source: TokenSource,
+        *,
+        max_context: int,
+        vocab_size: int,
         metrics: NodeMetrics | None = None,
     ):
         self.metrics = metrics
@@ -65,7 +71,10 @@ class Engine:
         self.max_context = max_context
 
     async def stream(
-        self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = (),
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        stop: Sequence[str] = (),
         shape: AnswerShape | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """The answer to ``prompt`` in pieces. ``shape``: how a chat answer splits (None: all text)."""
@@ -102,8 +111,9 @@ class Engine:
             parts = splitter.feed(segment) if splitter is not None else Pieces(content=segment)
             if final and splitter is not None:
                 rest = splitter.finish()
-                parts = Pieces(parts.content + rest.content, parts.reasoning + rest.reasoning,
-                               parts.tool_calls + rest.tool_calls)
+                parts = Pieces(
+                    parts.content + rest.content, parts.reasoning + rest.reasoning, parts.tool_calls + rest.tool_calls
+                )
             text += parts.content
             out, stopped = cut()
             if final and not stopped:
@@ -111,8 +121,15 @@ class Engine:
             reason = "stop" if stopped else (finish if final else None)
             if reason == "stop" and splitter is not None and splitter.made_calls:
                 reason = "tool_calls"
-            delta = Delta(out, count, reason, reasoning=parts.reasoning, tool_calls=tuple(parts.tool_calls),
-                          logprobs=tuple(logprobs), stop_sequence=stopped)
+            delta = Delta(
+                out,
+                count,
+                reason,
+                reasoning=parts.reasoning,
+                tool_calls=tuple(parts.tool_calls),
+                logprobs=tuple(logprobs),
+                stop_sequence=stopped,
+            )
             logprobs.clear()
             return delta
 

@@ -82,8 +82,13 @@ class _RequestState:
 class PipelineModel:
     """An mlx-lm-callable model made of stages covering layers [0, L) in order."""
 
-    def __init__(self, stages: Sequence[StageHandle], request_id: str, resume: tuple[str, int] | None = None,
-                 batcher: StepBatcher | None = None):
+    def __init__(
+        self,
+        stages: Sequence[StageHandle],
+        request_id: str,
+        resume: tuple[str, int] | None = None,
+        batcher: StepBatcher | None = None,
+    ):
         """``resume``: (key, positions) of a kept prefix to start from."""
         ends = [0] + [s.end for s in stages]
         if [s.start for s in stages] != ends[:-1]:
@@ -102,8 +107,9 @@ class PipelineModel:
         sessions: list[StageSession] = []
         try:
             for stage in self._stages:
-                sessions.append(stage.open(self.request_id, self.resume) if self.resume else
-                                stage.open(self.request_id))
+                sessions.append(
+                    stage.open(self.request_id, self.resume) if self.resume else stage.open(self.request_id)
+                )
         except BaseException:
             _RequestState(sessions).close()
             raise
@@ -180,18 +186,23 @@ class PipelineModel:
         """Run ``tokens`` through every stage, chunks pipelined; the number of chunks."""
         sessions = self.sessions
         seed = [stage.prefill_rate for stage in self._stages]
-        sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed,
-                           busy=busy)
+        sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed, busy=busy)
         try:
-            chunks = pipelined_prefill(sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield,
-                                       on_cut=set_priority)
+            chunks = pipelined_prefill(
+                sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield, on_cut=set_priority
+            )
         finally:
             set_priority(0)  # decoding from here: a step at a time
             for stage, rate in zip(self._stages, sizer.per_position):
                 if rate:
                     stage.prefill_rate = rate
-        log.debug("%s: prefilled %d tokens in %d chunks through %d stages", self.request_id, len(tokens), chunks,
-                  len(sessions))
+        log.debug(
+            "%s: prefilled %d tokens in %d chunks through %d stages",
+            self.request_id,
+            len(tokens),
+            chunks,
+            len(sessions),
+        )
         return chunks
 
     def keep(self, key: str, positions: int) -> bool:
@@ -242,8 +253,11 @@ def generate_tokens(
         cache = None
         skip = model.resume[1] if model.resume else 0  # positions every stage resumes
         pipelined = prefill if prefill is not None and prefill.pipelined else None
-        drafter = speculation.drafter(prompt) if speculation is not None and \
-            not why_not(params, model.rewind_limit()) else None
+        drafter = (
+            speculation.drafter(prompt)
+            if speculation is not None and not why_not(params, model.rewind_limit())
+            else None
+        )
         if skip or (pipelined is not None and len(ids) > 1) or drafter is not None:
             cache = model.make_cache()
             ids = ids[skip:]
@@ -252,9 +266,19 @@ def generate_tokens(
                 ids = ids[-1:]
             if speculation is not None and drafter is not None:  # (a drafter comes from speculation)
                 for i in range(0, len(ids) - 1, prefill_step_size):  # not pipelined: chunk by chunk, as mlx-lm
-                    mx.eval(model(mx.array([ids[i:min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache))
-                for token in speculative_tokens(model, cache, list(prompt), params, speculation, drafter,
-                                                max_tokens=params.max_tokens, others=model.others_decoding):
+                    mx.eval(
+                        model(mx.array([ids[i : min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache)
+                    )
+                for token in speculative_tokens(
+                    model,
+                    cache,
+                    list(prompt),
+                    params,
+                    speculation,
+                    drafter,
+                    max_tokens=params.max_tokens,
+                    others=model.others_decoding,
+                ):
                     produced.append(int(token))
                     yield token
                 finished = True
@@ -357,10 +381,21 @@ class PipelineSource:
             model = PipelineModel(self._stages(), new_request_id(), resume, self._batcher)
             ended = threading.Event()
             job = scheduler.submit(
-                Ending(generate_tokens(model, prompt, params, prefill_step_size=self._prefill_step_size,
-                                       prefill=self._prefill, busy=scheduler.others_waiting, keep=index,
-                                       ended=ended, tokenizer=self._tokenizer, speculation=self.speculation),
-                       ended),
+                Ending(
+                    generate_tokens(
+                        model,
+                        prompt,
+                        params,
+                        prefill_step_size=self._prefill_step_size,
+                        prefill=self._prefill,
+                        busy=scheduler.others_waiting,
+                        keep=index,
+                        ended=ended,
+                        tokenizer=self._tokenizer,
+                        speculation=self.speculation,
+                    ),
+                    ended,
+                ),
                 work=len(prompt) - (resume[1] if resume else 0),
             )
             produced: list[int] = []
@@ -375,8 +410,11 @@ class PipelineSource:
                 index.forget(resume[0], str(miss))
                 resume = index.match(prompt) if not missed else None
                 missed = True
-                log.info("prompt cache: %s; %s", miss, f"resuming from {resume[0]} instead" if resume else
-                         f"prefilling all {len(prompt)} tokens")
+                log.info(
+                    "prompt cache: %s; %s",
+                    miss,
+                    f"resuming from {resume[0]} instead" if resume else f"prefilling all {len(prompt)} tokens",
+                )
             finally:
                 # Closed by the API, the generation may still be keeping its prefix.
                 job.cancelled.set()

@@ -60,7 +60,7 @@ class GrammarProcessor:
         if self._seen is None:
             self._seen = tokens.shape[0]
         elif tokens.shape[0] > self._seen:
-            new, self._seen = cast(list[int], tokens[self._seen:].tolist()), tokens.shape[0]
+            new, self._seen = cast(list[int], tokens[self._seen :].tolist()), tokens.shape[0]
             for token in new:
                 if matcher.is_stopped():  # only EOS may follow; generate_step runs a step past it,
                     break  # which the engine throws away

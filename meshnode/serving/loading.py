@@ -34,8 +34,18 @@ def close_shard(shard) -> None:
         shard.close()
 
 
-def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, settings: ServingSettings, secret: bytes,
-                  kv_bits: int = 0, model: str = "") -> TensorShard:
+def tensor_member(
+    stage,
+    path: Path,
+    *,
+    node_id: str,
+    mesh,
+    num_layers: int,
+    settings: ServingSettings,
+    secret: bytes,
+    kv_bits: int = 0,
+    model: str = "",
+) -> TensorShard:
     """This node's member of the stage's tensor group; every member derives the endpoints alike."""
     alive = mesh.alive_infos()
     # The model too: two models' groups on the same nodes and layers need rings of their own.
@@ -51,11 +61,20 @@ def tensor_member(stage, path: Path, *, node_id: str, mesh, num_layers: int, set
         host = chosen[stage.nodes.index(member)] if chosen else info.addresses[0]
         endpoints.append(f"{host}:{info.tensor_port + offset}")
         controls.append(f"{host}:{info.tensor_port + TENSOR_PORTS + offset}")
-    return TensorShard(path, stage.start_layer, stage.end_layer, num_layers,
-                       rank=stage.nodes.index(node_id), endpoints=endpoints, control=controls[0],
-                       secret=secret, hop_timeout=settings.failure_timeout,
-                       inject_latency=settings.inject_latency_us * 1e-6, kv_bits=kv_bits,
-                       members_alive=lambda: all(mesh.heard_within(n) for n in stage.nodes))
+    return TensorShard(
+        path,
+        stage.start_layer,
+        stage.end_layer,
+        num_layers,
+        rank=stage.nodes.index(node_id),
+        endpoints=endpoints,
+        control=controls[0],
+        secret=secret,
+        hop_timeout=settings.failure_timeout,
+        inject_latency=settings.inject_latency_us * 1e-6,
+        kv_bits=kv_bits,
+        members_alive=lambda: all(mesh.heard_within(n) for n in stage.nodes),
+    )
 
 
 async def load_part(served, plan) -> None:
@@ -72,8 +91,14 @@ async def load_part(served, plan) -> None:
                 shard = None  # its worker died: start the group again
             elif isinstance(shard, TensorShard) and shard.kv_bits != plan.kv_bits:
                 # Its worker builds the other cache kind: close it (freeing its ports), start anew.
-                log.info("epoch %d: kv_bits %d (was %d): starting the tensor group for layers [%d, %d) again",
-                         plan.epoch, plan.kv_bits, shard.kv_bits, key[0], key[1])
+                log.info(
+                    "epoch %d: kv_bits %d (was %d): starting the tensor group for layers [%d, %d) again",
+                    plan.epoch,
+                    plan.kv_bits,
+                    shard.kv_bits,
+                    key[0],
+                    key[1],
+                )
                 shard.close()
                 shard = None
             if shard is None and len(stage.nodes) == 1:
@@ -82,22 +107,36 @@ async def load_part(served, plan) -> None:
                 task = f"loading layers {key[0]}-{key[1] - 1} of {served.model_id}"
                 path = await layers_folder(served, key[0], key[1])
                 try:
-                    shard = await served.scheduler.call(lambda k=key, t=task, p=path: Shard(
-                        p, k[0], k[1], progress=lambda d, n: served.progress.update(t, d, n)))
+                    shard = await served.scheduler.call(
+                        lambda k=key, t=task, p=path: Shard(
+                            p, k[0], k[1], progress=lambda d, n: served.progress.update(t, d, n)
+                        )
+                    )
                 finally:
                     served.progress.finish()
                 log.info("layers [%d, %d) loaded in %.2f s", key[0], key[1], time.monotonic() - t0)
             elif shard is None:
-                shard = tensor_member(stage, await layers_folder(served, key[0], key[1]), node_id=served.node_id,
-                                      mesh=served.mesh, num_layers=served.profile.num_layers,
-                                      settings=served.settings, secret=served.group_secret, kv_bits=plan.kv_bits,
-                                      model=served.model_id)
+                shard = tensor_member(
+                    stage,
+                    await layers_folder(served, key[0], key[1]),
+                    node_id=served.node_id,
+                    mesh=served.mesh,
+                    num_layers=served.profile.num_layers,
+                    settings=served.settings,
+                    secret=served.group_secret,
+                    kv_bits=plan.kv_bits,
+                    model=served.model_id,
+                )
                 launching.append(shard)
                 t0 = time.monotonic()
                 await asyncio.to_thread(shard.launch, served.settings.group_ready_timeout)
                 launching.remove(shard)
-                served.event("group-ready", layers=[key[0], key[1]], nodes=list(stage.nodes),
-                             seconds=round(time.monotonic() - t0, 2))
+                served.event(
+                    "group-ready",
+                    layers=[key[0], key[1]],
+                    nodes=list(stage.nodes),
+                    seconds=round(time.monotonic() - t0, 2),
+                )
             if isinstance(shard, Shard):  # its requests' caches from now on: the plan's
                 shard.kv_bits = plan.kv_bits
             wanted[key] = shard
@@ -163,8 +202,11 @@ async def layers_folder(served, start: int, end: int) -> Path:
     if (local := served.files.local_layers(start, end)) is not None:
         return local
     alive = served.mesh.alive_infos()
-    peers = [(nid, served.mesh.channel_to(nid)) for nid, info in sorted(alive.items())
-             if nid != served.node_id and any(m == served.model_id for m, _, _ in info.holdings)]
+    peers = [
+        (nid, served.mesh.channel_to(nid))
+        for nid, info in sorted(alive.items())
+        if nid != served.node_id and any(m == served.model_id for m, _, _ in info.holdings)
+    ]
     path = await served.files.fetch_layers(start, end, peers)
     served.mesh.update_me(holdings=served.files.holdings())
     return path

@@ -47,8 +47,11 @@ class LocalSession:
         take_back(self)
         cache, self.cache, self._prepared = self.cache, None, None
         self.close()  # its positions are the kept prefix's now
-        return self._prefixes is not None and cache is not None and \
-            self._prefixes.keep(self._layers, key, cache, positions)
+        return (
+            self._prefixes is not None
+            and cache is not None
+            and self._prefixes.keep(self._layers, key, cache, positions)
+        )
 
     def prepare(self) -> bool:
         """Build the next step on a placeholder while a remote stage before it works; False if not."""

@@ -37,8 +37,16 @@ Holders = Callable[[str], AbstractAsyncContextManager[Callable[[], list[tuple[st
 class ModelFiles:
     """Resolves the served model and brings this node its metadata and its stages' layers."""
 
-    def __init__(self, settings, progress, event: Callable[..., None], *, model: str | None = None,
-                 store: ModelStore | None = None, learned: bool = False):
+    def __init__(
+        self,
+        settings,
+        progress,
+        event: Callable[..., None],
+        *,
+        model: str | None = None,
+        store: ModelStore | None = None,
+        learned: bool = False,
+    ):
         """``model``: a folder or an id (None: the demo); ``learned``: a peer's model, from peers."""
         self.settings, self.progress, self._event = settings, progress, event
         self.spec, self._shared_store, self._learned = model, store, learned
@@ -63,8 +71,9 @@ class ModelFiles:
             finally:
                 self.progress.finish()
         except ModelNotFound as exc:  # from a folder fetched earlier, or from peers
-            if not self.spec or (not self._learned and (is_gguf_spec(self.spec)
-                                                        or Path(self.spec).expanduser().is_absolute())):
+            if not self.spec or (
+                not self._learned and (is_gguf_spec(self.spec) or Path(self.spec).expanduser().is_absolute())
+            ):
                 raise
             model_id = self.spec
             path = cached_metadata(peer_models, model_id) or await self._from_peers(exc, model_id, holders, peer_models)
@@ -128,7 +137,8 @@ class ModelFiles:
         t0 = time.monotonic()
         try:
             path = await self._loaded(self._source).folder(
-                start, end, peers, on_progress=lambda d, n: self.progress.update(task, d, n))
+                start, end, peers, on_progress=lambda d, n: self.progress.update(task, d, n)
+            )
         finally:
             self.progress.finish()
         self._event("fetched", layers=[start, end], seconds=round(time.monotonic() - t0, 2))

@@ -43,8 +43,9 @@ def gave_up(exc: BaseException) -> ApiError:
     """The client's error for a generation that cannot go on (an error event mid-stream)."""
     if isinstance(exc, GenerationFault):
         return unavailable(f"a stage of the mesh failed on this request: {exc}", 5, "stage_fault")
-    return unavailable(f"the mesh lost this generation's placement and had no new plan ready in time ({exc})",
-                       2, "placement_lost")
+    return unavailable(
+        f"the mesh lost this generation's placement and had no new plan ready in time ({exc})", 2, "placement_lost"
+    )
 
 
 def head_of(plan) -> str:
@@ -55,16 +56,28 @@ def head_of(plan) -> str:
 class HeadPlacement:
     """This node is the head of the plan: generate here, calling the other stages."""
 
-    def __init__(self, epoch: int, scheduler, handles: list, settings: PlacementSettings,
-                 on_fault: Callable[[str], None], *, prefixes=None, tokenizer=None,
-                 on_batched_step: Callable[[int], None] | None = None,
-                 batch_steps: bool = True, on_speculated: Callable[[int, int, int, int], None] | None = None,
-                 on_spec_costs: Callable[[float, float | None], None] | None = None, draft=None):
+    def __init__(
+        self,
+        epoch: int,
+        scheduler,
+        handles: list,
+        settings: PlacementSettings,
+        on_fault: Callable[[str], None],
+        *,
+        prefixes=None,
+        tokenizer=None,
+        on_batched_step: Callable[[int], None] | None = None,
+        batch_steps: bool = True,
+        on_speculated: Callable[[int, int, int, int], None] | None = None,
+        on_spec_costs: Callable[[float, float | None], None] | None = None,
+        draft=None,
+    ):
         """``batch_steps``: concurrent decode steps may go through the stages together."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
-        prefill = PrefillOptions(pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000,
-                                 max_chunk=s.prefill_step_size)
+        prefill = PrefillOptions(
+            pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000, max_chunk=s.prefill_step_size
+        )
         batched = s.batching and batchable(handles)  # the whole model here: one batch
         speculation = speculation_for(s, on_speculated, draft, on_spec_costs, batched=batched)
         limit = getattr(getattr(handles[-1], "shard", None), "rewind_limit", (None, ""))
@@ -76,17 +89,34 @@ class HeadPlacement:
         # Bound now: a later plan swapping shards cannot pull them away.
         if batched:
             self._source: BatchedSource | PipelineSource = BatchedSource(
-                scheduler, handles[0], prefill_step_size=s.prefill_step_size, prefixes=prefixes, tokenizer=tokenizer)
+                scheduler, handles[0], prefill_step_size=s.prefill_step_size, prefixes=prefixes, tokenizer=tokenizer
+            )
             if speculation is not None:  # alone it speculates; with others it joins their batch
-                self._alone = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
-                                             prefill=prefill, prefixes=prefixes, tokenizer=tokenizer,
-                                             speculation=speculation)
+                self._alone = PipelineSource(
+                    scheduler,
+                    lambda: handles,
+                    prefill_step_size=s.prefill_step_size,
+                    prefill=prefill,
+                    prefixes=prefixes,
+                    tokenizer=tokenizer,
+                    speculation=speculation,
+                )
             return
-        batcher = StepBatcher(handles, on_batched_step) \
-            if batch_steps and stages_batch(s.batch_stages) and can_batch(handles) else None
-        self._source = PipelineSource(scheduler, lambda: handles, prefill_step_size=s.prefill_step_size,
-                                      prefill=prefill, prefixes=prefixes, tokenizer=tokenizer, batcher=batcher,
-                                      speculation=speculation)
+        batcher = (
+            StepBatcher(handles, on_batched_step)
+            if batch_steps and stages_batch(s.batch_stages) and can_batch(handles)
+            else None
+        )
+        self._source = PipelineSource(
+            scheduler,
+            lambda: handles,
+            prefill_step_size=s.prefill_step_size,
+            prefill=prefill,
+            prefixes=prefixes,
+            tokenizer=tokenizer,
+            batcher=batcher,
+            speculation=speculation,
+        )
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams):
         source = self._source
@@ -111,9 +141,14 @@ class HeadPlacement:
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None
 
 
-def speculation_for(settings: PlacementSettings, on_pass: Callable[[int, int, int, int], None] | None, draft=None,
-                    on_costs: Callable[[float, float | None], None] | None = None, *,
-                    batched: bool = False) -> Speculation | None:
+def speculation_for(
+    settings: PlacementSettings,
+    on_pass: Callable[[int, int, int, int], None] | None,
+    draft=None,
+    on_costs: Callable[[float, float | None], None] | None = None,
+    *,
+    batched: bool = False,
+) -> Speculation | None:
     """A placement's speculative decoding (None: off). ``"auto"``: prompt lookup, unless requests batch."""
     mode = settings.speculative
     if mode == "draft_model" and draft is not None:
@@ -133,8 +168,15 @@ AFTER_MAX = 16  # given-up generations one request asks its head to wait for
 class RemoteHeadPlacement:
     """Another node is the head: ask it for tokens over a gRPC Generate stream."""
 
-    def __init__(self, epoch: int, head: str, caller: str, channel: Callable[[str], grpc.aio.Channel],
-                 alive: Callable[[str], bool], model: str = ""):
+    def __init__(
+        self,
+        epoch: int,
+        head: str,
+        caller: str,
+        channel: Callable[[str], grpc.aio.Channel],
+        alive: Callable[[str], bool],
+        model: str = "",
+    ):
         self.epoch, self.head, self._caller, self.model = epoch, head, caller, model
         self._channel, self._alive = channel, alive
         # Given up since the last request: the next asks the head to wait for them.
@@ -160,8 +202,11 @@ class RemoteHeadPlacement:
                     if code != grpc.StatusCode.OK:
                         raise head_failure(self.head, code, await call.details())
                     return
-                yield Sampled(reply.token, reply.logprob, tuple(zip(reply.top_ids, reply.top_logprobs))) \
-                    if reply.has_logprob else reply.token
+                yield (
+                    Sampled(reply.token, reply.logprob, tuple(zip(reply.top_ids, reply.top_logprobs)))
+                    if reply.has_logprob
+                    else reply.token
+                )
         except grpc.aio.AioRpcError as exc:
             over = True
             raise head_failure(self.head, exc.code(), exc.details()) from None
@@ -173,14 +218,27 @@ class RemoteHeadPlacement:
 
 def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params: SamplingParams):
     """The GenerateRequest asking a remote head for this generation."""
-    penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                 if (value := getattr(params, name)) is not None}
+    penalties = {
+        name: value
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+        if (value := getattr(params, name)) is not None
+    }
     return mesh_pb2.GenerateRequest(
-        request_id=request_id, epoch=epoch, prompt=list(prompt),
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        has_seed=params.seed is not None, seed=params.seed or 0, offset=params.offset,
-        top_k=params.top_k, min_p=params.min_p, logit_bias=dict(params.logit_bias),
-        logprobs=params.wants_logprobs, top_logprobs=max(params.top_logprobs, 0), grammar=params.grammar,
+        request_id=request_id,
+        epoch=epoch,
+        prompt=list(prompt),
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        has_seed=params.seed is not None,
+        seed=params.seed or 0,
+        offset=params.offset,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
+        logprobs=params.wants_logprobs,
+        top_logprobs=max(params.top_logprobs, 0),
+        grammar=params.grammar,
         **penalties,
     )
 
@@ -188,14 +246,19 @@ def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params:
 def received_params(request) -> SamplingParams:
     """The SamplingParams of a peer's GenerateRequest (the caller checks ranges)."""
     return SamplingParams(
-        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-        seed=request.seed if request.has_seed else None, offset=request.offset,
-        top_k=request.top_k, min_p=request.min_p,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed if request.has_seed else None,
+        offset=request.offset,
+        top_k=request.top_k,
+        min_p=request.min_p,
         presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
         frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
         repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
         logit_bias=tuple(sorted(request.logit_bias.items())),
-        top_logprobs=request.top_logprobs if request.logprobs else -1, grammar=request.grammar,
+        top_logprobs=request.top_logprobs if request.logprobs else -1,
+        grammar=request.grammar,
     )
 
 
@@ -212,18 +275,25 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
     if serving is None or serving.epoch != request.epoch:
         # Not switched yet: the caller retries shortly. Older than this node's plan: superseded.
         pending = request.epoch > epoch_now or (request.epoch == epoch_now and served.plan is not None)
-        await context.abort(EPOCH_PENDING if pending else grpc.StatusCode.FAILED_PRECONDITION,
-                            f"epoch {request.epoch} is not the epoch served here "
-                            f"({serving.epoch if serving else 'none'}{' yet' if pending else ''})")
+        await context.abort(
+            EPOCH_PENDING if pending else grpc.StatusCode.FAILED_PRECONDITION,
+            f"epoch {request.epoch} is not the epoch served here "
+            f"({serving.epoch if serving else 'none'}{' yet' if pending else ''})",
+        )
     if head_of(serving) != served.node_id:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
     prompt = list(request.prompt)
     if not prompt or len(prompt) >= serving.max_context or max(prompt) >= served.files.vocab_size:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty, too long or out of vocabulary")
     vocab = served.files.vocab_size
-    if not (1 <= request.max_tokens <= served.settings.max_tokens_limit) or not (0 <= request.temperature <= 2) \
-            or not (0 < request.top_p <= 1) or not (0 <= request.min_p <= 1) or request.top_logprobs > 20 \
-            or any(not 0 <= t < vocab for t in request.logit_bias):
+    if (
+        not (1 <= request.max_tokens <= served.settings.max_tokens_limit)
+        or not (0 <= request.temperature <= 2)
+        or not (0 < request.top_p <= 1)
+        or not (0 <= request.min_p <= 1)
+        or request.top_logprobs > 20
+        or any(not 0 <= t < vocab for t in request.logit_bias)
+    ):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
     params = received_params(request)
     if params.grammar and (why := await asyncio.to_thread(grammar_error, params.grammar, served.files.tokenizer)):
@@ -238,8 +308,9 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
             async for token in tokens:
                 if isinstance(token, Sampled):
                     top_ids, top_logprobs = zip(*token.top) if token.top else ((), ())
-                    yield mesh_pb2.GenerateReply(token=token, has_logprob=True, logprob=token.logprob,
-                                                 top_ids=top_ids, top_logprobs=top_logprobs)
+                    yield mesh_pb2.GenerateReply(
+                        token=token, has_logprob=True, logprob=token.logprob, top_ids=top_ids, top_logprobs=top_logprobs
+                    )
                 else:
                     yield mesh_pb2.GenerateReply(token=token)
     except EpochPending as exc:

@@ -71,8 +71,16 @@ class ChunkSizer:
     """Chunk sizes from each stage's seconds per position: under ``max_step`` (Apple's GPU kills long
     commands) and ``TURN``, several per stage, about ``SHARED_STEP`` while others run."""
 
-    def __init__(self, stages: int, *, max_step: float, max_chunk: int, min_chunk: int = MIN_CHUNK,
-                 seed: Sequence[float | None] | None = None, busy=None):
+    def __init__(
+        self,
+        stages: int,
+        *,
+        max_step: float,
+        max_chunk: int,
+        min_chunk: int = MIN_CHUNK,
+        seed: Sequence[float | None] | None = None,
+        busy=None,
+    ):
         """``seed``: seconds per position from earlier requests; ``busy()``: others run now."""
         self.stages = stages
         self.max_step = max_step
@@ -137,7 +145,7 @@ def pipelined_prefill(
                     ready[i + 1].append((out, work))
         if sent < total and len(ready[0]) + len(running[0]) < IN_FLIGHT:
             size = sizer.next(total - sent, total)
-            ready[0].append((mx.array(list(tokens[sent:sent + size]), dtype=mx.int32)[None], total - sent))
+            ready[0].append((mx.array(list(tokens[sent : sent + size]), dtype=mx.int32)[None], total - sent))
             sent += size
             chunks += 1
             if on_cut is not None:

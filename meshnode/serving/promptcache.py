@@ -74,8 +74,9 @@ class PrefixIndex:
                 log.warning("prompt cache: deleted prefix %s from disk: its tokens do not hash to its name", key)
                 disk.discard(key)
 
-    async def until_kept(self, ended: threading.Event, tokens: Sequence[int] | None = None,
-                         timeout: float | None = None) -> bool:
+    async def until_kept(
+        self, ended: threading.Event, tokens: Sequence[int] | None = None, timeout: float | None = None
+    ) -> bool:
         """Waits up to ``timeout`` for ``ended``; meanwhile a request that would resume more of
         ``tokens`` waits too."""
         if ended.is_set():
@@ -96,12 +97,17 @@ class PrefixIndex:
                 closed = list(self._closed)
             best = self.match(prompt)
             have = best[1] if best is not None else 0
-            pending = [ended for tokens, ended in closed
-                       if max(have + 1, MIN_REUSE) <= min(common_start(tokens, want), len(want) - 1)]
+            pending = [
+                ended
+                for tokens, ended in closed
+                if max(have + 1, MIN_REUSE) <= min(common_start(tokens, want), len(want) - 1)
+            ]
             if not pending:
                 if waited:
-                    log.debug("prompt cache: waited %.3f s for closed generations to keep their prefixes",
-                              time.monotonic() - t0)
+                    log.debug(
+                        "prompt cache: waited %.3f s for closed generations to keep their prefixes",
+                        time.monotonic() - t0,
+                    )
                 return best
             await _wait_all(pending, None)
             waited = True
@@ -121,8 +127,12 @@ class PrefixIndex:
         if pending:
             t0 = time.monotonic()
             over = await _wait_all(pending, SETTLE_WAIT if timeout is None else timeout)
-            log.debug("prompt cache: waited %.3f s for %d generation(s) given up by their relay%s",
-                      time.monotonic() - t0, len(pending), "" if over else " (gave up)")
+            log.debug(
+                "prompt cache: waited %.3f s for %d generation(s) given up by their relay%s",
+                time.monotonic() - t0,
+                len(pending),
+                "" if over else " (gave up)",
+            )
 
     def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
         """(key, positions) to resume ``prompt`` from, or None; the last prompt token is always

@@ -34,8 +34,9 @@ class GenerationFault(RuntimeError):
     """A stage raised on the generation's input: deterministic, so the generation ends at once."""
 
 
-async def await_while_alive(awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str],
-                            poll: float = 0.25):
+async def await_while_alive(
+    awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str], poll: float = 0.25
+):
     """``awaitable``'s result, waited for while ``alive()``; else :class:`PlacementLost`. Never
     cancelled for slowness (that would end a gRPC call)."""
     task = asyncio.ensure_future(awaitable)
@@ -101,12 +102,16 @@ class FailoverSource:
                         again = self._same_epoch(after_epoch, lost_at) if self._same_epoch is not None else None
                         if again is None:
                             raise
-                        log.info("no new plan is coming and every node of epoch %d answered since; retrying "
-                                 "on the same epoch", after_epoch)
+                        log.info(
+                            "no new plan is coming and every node of epoch %d answered since; retrying "
+                            "on the same epoch",
+                            after_epoch,
+                        )
                         return again
         except RetryError:
-            raise PlacementLost(f"no new plan was ready within {self._deadline:.0f} s of losing epoch "
-                                f"{after_epoch}") from None
+            raise PlacementLost(
+                f"no new plan was ready within {self._deadline:.0f} s of losing epoch {after_epoch}"
+            ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _newer(self, epoch: int) -> Placement | None:
@@ -152,28 +157,53 @@ class FailoverSource:
                     placement = newer
                     continue
                 if now - pending_since >= self._deadline:
-                    log.error("generation failed: epoch %d was not ready on every node of it within %.0f s: %s",
-                              placement.epoch, self._deadline, exc)
-                    raise PlacementLost(f"epoch {placement.epoch} did not become ready within "
-                                        f"{self._deadline:.0f} s ({exc})") from None
-                log.info("epoch %d is not ready everywhere yet (%s); trying it again in %.2f s", placement.epoch,
-                         exc, pending_wait)
+                    log.error(
+                        "generation failed: epoch %d was not ready on every node of it within %.0f s: %s",
+                        placement.epoch,
+                        self._deadline,
+                        exc,
+                    )
+                    raise PlacementLost(
+                        f"epoch {placement.epoch} did not become ready within {self._deadline:.0f} s ({exc})"
+                    ) from None
+                log.info(
+                    "epoch %d is not ready everywhere yet (%s); trying it again in %.2f s",
+                    placement.epoch,
+                    exc,
+                    pending_wait,
+                )
                 await asyncio.sleep(pending_wait)
                 pending_wait = min(1.0, pending_wait * 2)
             except self._retryable as exc:
                 lost, lost_at = placement.epoch, time.monotonic()
                 pending_since, pending_wait = None, self._poll
                 if attempt == self._attempts:
-                    log.error("generation failed for good on epoch %d after %d tokens (%d attempts): %s",
-                              lost, len(produced), attempt, exc)
+                    log.error(
+                        "generation failed for good on epoch %d after %d tokens (%d attempts): %s",
+                        lost,
+                        len(produced),
+                        attempt,
+                        exc,
+                    )
                     raise
-                log.warning("generation lost epoch %d after %d tokens: %s; waiting for a new plan, or for "
-                            "every node to answer (retry %d/%d)", lost, len(produced), exc, attempt,
-                            self._attempts - 1)
+                log.warning(
+                    "generation lost epoch %d after %d tokens: %s; waiting for a new plan, or for "
+                    "every node to answer (retry %d/%d)",
+                    lost,
+                    len(produced),
+                    exc,
+                    attempt,
+                    self._attempts - 1,
+                )
                 if self._on_retry is not None:
                     self._on_retry()
                 # The wait for a new plan counts from the loss, not from the generation's start.
                 placement = await self._next_placement(lost, lost_at + self._deadline, lost_at)
                 attempt += 1
-                log.info("retry %d: replaying %d prompt + %d produced tokens on epoch %d", attempt - 1,
-                         len(prompt), len(produced), placement.epoch)
+                log.info(
+                    "retry %d: replaying %d prompt + %d produced tokens on epoch %d",
+                    attempt - 1,
+                    len(prompt),
+                    len(produced),
+                    placement.epoch,
+                )

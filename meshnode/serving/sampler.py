@@ -75,9 +75,12 @@ def make_request_processors(params: SamplingParams, before: Sequence[int], token
         grammar = [GrammarProcessor(params.grammar, tokenizer)]
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
-        repetition_penalty=params.repetition_penalty, repetition_context_size=PENALTY_CONTEXT,
-        presence_penalty=params.presence_penalty, presence_context_size=PENALTY_CONTEXT,
-        frequency_penalty=params.frequency_penalty, frequency_context_size=PENALTY_CONTEXT,
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty,
+        frequency_context_size=PENALTY_CONTEXT,
     )
     tail = list(before)[-PENALTY_CONTEXT:]
     if not tail:

@@ -30,8 +30,11 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether any logits processor runs (penalties, a bias, a grammar)."""
-        return bool(self.logit_bias) or bool(self.grammar) or any(
-            p for p in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
+        return (
+            bool(self.logit_bias)
+            or bool(self.grammar)
+            or any(p for p in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
+        )
 
     @property
     def wants_logprobs(self) -> bool:

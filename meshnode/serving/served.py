@@ -43,9 +43,23 @@ class ServedModel:
     (make before break: the previous plan serves until the new one is ready everywhere), serves its
     stages to peers, and finds a request's placement. It decides nothing about plans."""
 
-    def __init__(self, settings: ServingSettings, node_id: str, *, scheduler, metrics, progress, mesh, auth,
-                 group_secret: bytes, event: Callable[..., None], on_ready: Callable[[], Any], model: str | None = None,
-                 store=None, learned: bool = False):
+    def __init__(
+        self,
+        settings: ServingSettings,
+        node_id: str,
+        *,
+        scheduler,
+        metrics,
+        progress,
+        mesh,
+        auth,
+        group_secret: bytes,
+        event: Callable[..., None],
+        on_ready: Callable[[], Any],
+        model: str | None = None,
+        store=None,
+        learned: bool = False,
+    ):
         """``model``: a folder or an id (None: the demo); ``learned``: a peer's model."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
         self.progress, self.mesh, self.auth, self.group_secret = progress, mesh, auth, group_secret
@@ -77,19 +91,36 @@ class ServedModel:
         s, f = self.settings, self.files
         model_id, tokenizer = f.model_id, f.tokenizer
         assert model_id is not None and tokenizer is not None, "the files' load() reads them"
-        failover = FailoverSource(self.placement, deadline=s.failover_deadline, on_retry=self.metrics.retry,
-                                  give_up=gave_up, same_epoch=self.placement_again)
-        source = CountedSource(failover, self.use, on_demand=self.on_demand, loaded=self.loaded, model=model_id,
-                               deadline=lambda: s.load_timeout,
-                               give_up=lambda exc: unavailable(str(exc), 5, "model_not_loaded"))
-        self.engine = Engine(model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size,
-                             metrics=self.metrics)
+        failover = FailoverSource(
+            self.placement,
+            deadline=s.failover_deadline,
+            on_retry=self.metrics.retry,
+            give_up=gave_up,
+            same_epoch=self.placement_again,
+        )
+        source = CountedSource(
+            failover,
+            self.use,
+            on_demand=self.on_demand,
+            loaded=self.loaded,
+            model=model_id,
+            deadline=lambda: s.load_timeout,
+            give_up=lambda exc: unavailable(str(exc), 5, "model_not_loaded"),
+        )
+        self.engine = Engine(
+            model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size, metrics=self.metrics
+        )
         # What this node's stages keep, and as a head what it asked them to keep.
         weights = f"{model_id}-{weights_identity(f.path)[:12]}"
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context, weights, self.scheduler.baton)
-        self.stage_server = StageServer(self.scheduler, vocab_size=f.vocab_size,
-                                        max_chunk=s.placement.prefill_step_size, max_context=self.context,
-                                        inject_latency=s.inject_latency_us * 1e-6, prefixes=self.prefixes)
+        self.stage_server = StageServer(
+            self.scheduler,
+            vocab_size=f.vocab_size,
+            max_chunk=s.placement.prefill_step_size,
+            max_context=self.context,
+            inject_latency=s.inject_latency_us * 1e-6,
+            prefixes=self.prefixes,
+        )
         loop = self.loop
 
         def on_fault(error: str) -> None:  # called on the MLX thread
@@ -136,8 +167,12 @@ class ServedModel:
 
     def apply_soon(self, plan) -> None:
         task, loading = self._apply_task, self._applying
-        if task is not None and not task.done() and loading is not None and \
-                part_of(loading, self.node_id) == part_of(plan, self.node_id):
+        if (
+            task is not None
+            and not task.done()
+            and loading is not None
+            and part_of(loading, self.node_id) == part_of(plan, self.node_id)
+        ):
             # The newer plan wants what is loading: let it finish rather than drop a tensor group's
             # worker the other members may have formed their ring with.
             self._apply_task, self._applying = asyncio.create_task(self._load_after(task, plan)), plan
@@ -257,8 +292,7 @@ class ServedModel:
         waiting = after_epoch is not None
         if plan is None:
             if error := self.unplaced_because():
-                raise unavailable(f"the model does not fit on the nodes available: {error}", 5,
-                                  "insufficient_capacity")
+                raise unavailable(f"the model does not fit on the nodes available: {error}", 5, "insufficient_capacity")
             if waiting:
                 raise NotReady("no plan yet")
             raise unavailable("the mesh is still forming; no plan yet")
@@ -297,14 +331,29 @@ def new_placement(served: ServedModel, plan) -> HeadPlacement | RemoteHeadPlacem
     """Where ``plan``'s requests run from this node: here, where it holds the plan's head, else on the head."""
     if head_of(plan) != served.node_id:
         assert served.model_id is not None, "load() named the model"
-        return RemoteHeadPlacement(plan.epoch, head_of(plan), served.node_id, served.mesh.data_channel,
-                                   served.mesh.heard_within, model=served.model_id)
+        return RemoteHeadPlacement(
+            plan.epoch,
+            head_of(plan),
+            served.node_id,
+            served.mesh.data_channel,
+            served.mesh.heard_within,
+            model=served.model_id,
+        )
     metrics = served.metrics
-    return HeadPlacement(plan.epoch, served.scheduler, stage_handles(served, plan), served.settings.placement,
-                         prefixes=served.prefix_index, tokenizer=served.files.tokenizer, on_fault=served.fault,
-                         on_batched_step=metrics.batched_step, on_speculated=metrics.speculated,
-                         on_spec_costs=metrics.pass_costs, draft=served.draft,
-                         batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages))
+    return HeadPlacement(
+        plan.epoch,
+        served.scheduler,
+        stage_handles(served, plan),
+        served.settings.placement,
+        prefixes=served.prefix_index,
+        tokenizer=served.files.tokenizer,
+        on_fault=served.fault,
+        on_batched_step=metrics.batched_step,
+        on_speculated=metrics.speculated,
+        on_spec_costs=metrics.pass_costs,
+        draft=served.draft,
+        batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages),
+    )
 
 
 def stage_handles(served: ServedModel, plan) -> list:
@@ -322,15 +371,25 @@ def stage_handles(served: ServedModel, plan) -> list:
             # A tensor group's member runs its layers as a Shard does.
             handles.append(LocalStage(cast(Shard, shard), served.prefixes if keeps_prefixes(shard) else None))
         else:
-            handles.append(RemoteStage(
-                node_id=node_id, channel=served.mesh.data_channel(node_id), loop=loop,
-                start=stage.start_layer, end=stage.end_layer, epoch=plan.epoch,
-                hidden_size=served.profile.hidden_size,
-                hop_timeout=served.settings.failure_timeout, observe=served.metrics.hop_observer(node_id),
-                data_port=served.mesh.data_port_of(node_id), auth=served.auth, caller=served.node_id,
-                alive=functools.partial(served.mesh.heard_within, node_id),
-                data_session=HopSession, model=model_id,
-            ))
+            handles.append(
+                RemoteStage(
+                    node_id=node_id,
+                    channel=served.mesh.data_channel(node_id),
+                    loop=loop,
+                    start=stage.start_layer,
+                    end=stage.end_layer,
+                    epoch=plan.epoch,
+                    hidden_size=served.profile.hidden_size,
+                    hop_timeout=served.settings.failure_timeout,
+                    observe=served.metrics.hop_observer(node_id),
+                    data_port=served.mesh.data_port_of(node_id),
+                    auth=served.auth,
+                    caller=served.node_id,
+                    alive=functools.partial(served.mesh.heard_within, node_id),
+                    data_session=HopSession,
+                    model=model_id,
+                )
+            )
     return handles
 
 
@@ -340,21 +399,30 @@ def request_context(plan, settings: ServingSettings, profile) -> int:
     return settings.max_context or (profile.trained_context if profile is not None else 0) or UNKNOWN
 
 
-def prompt_cache(settings: ServingSettings, metrics, context: int, model: str,
-                 baton: Baton) -> tuple[PrefixStore | None, PrefixIndex | None]:
+def prompt_cache(
+    settings: ServingSettings, metrics, context: int, model: str, baton: Baton
+) -> tuple[PrefixStore | None, PrefixIndex | None]:
     """A node's prompt cache (off: None, None), sized to the KV the plan reserves, and on disk
     when ``prompt_cache_disk`` allows."""
     if not settings.prompt_cache:
         return None, None
     disk = None  # ``model``: the model id and its weights' identity, which names the folder
     if settings.prompt_cache_disk > 0:
-        disk = PrefixDisk(settings.cache_dir / "prompt-cache", model, settings.prompt_cache_disk,
-                          on_write=metrics.prompt_cache_written)
+        disk = PrefixDisk(
+            settings.cache_dir / "prompt-cache",
+            model,
+            settings.prompt_cache_disk,
+            on_write=metrics.prompt_cache_written,
+        )
     index = PrefixIndex(disk=disk)
     # A prefix gone from this node is gone from at least this stage: the head stops offering it.
-    store = PrefixStore(settings.kv_requests * context, on_resume=metrics.prompt_cache_resumed,
-                        on_drop=lambda key: index.forget(key, "given up for room"), disk=disk,
-                        mlx_turn=baton.turn)
+    store = PrefixStore(
+        settings.kv_requests * context,
+        on_resume=metrics.prompt_cache_resumed,
+        on_drop=lambda key: index.forget(key, "given up for room"),
+        disk=disk,
+        mlx_turn=baton.turn,
+    )
     return store, index
 
 
@@ -362,11 +430,25 @@ def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:
     """The plan as ``/v1/mesh`` shows it."""
     if plan is None:
         return None
-    return {"epoch": plan.epoch, "model": plan.model, "strategy": plan.strategy,
-            "reason": plan.reason, "max_context": plan.max_context, "kv_bits": plan.kv_bits,
-            "estimate_s": plan.estimate_s or None, "tokens_per_s": plan.tokens_per_s or None,
-            "tokens_per_s_now": round(1 / estimate_now, 3) if estimate_now else None,
-            "alternatives": list(plan.alternatives),
-            "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
-                        "bytes": s.bytes, "endpoints": list(s.endpoints)}
-                       for s in plan.stages]}
+    return {
+        "epoch": plan.epoch,
+        "model": plan.model,
+        "strategy": plan.strategy,
+        "reason": plan.reason,
+        "max_context": plan.max_context,
+        "kv_bits": plan.kv_bits,
+        "estimate_s": plan.estimate_s or None,
+        "tokens_per_s": plan.tokens_per_s or None,
+        "tokens_per_s_now": round(1 / estimate_now, 3) if estimate_now else None,
+        "alternatives": list(plan.alternatives),
+        "stages": [
+            {
+                "start_layer": s.start_layer,
+                "end_layer": s.end_layer,
+                "nodes": list(s.nodes),
+                "bytes": s.bytes,
+                "endpoints": list(s.endpoints),
+            }
+            for s in plan.stages
+        ],
+    }

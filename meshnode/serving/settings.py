@@ -28,9 +28,15 @@ class PlacementSettings:
 
     @classmethod
     def of(cls, s: Settings) -> PlacementSettings:
-        return cls(prefill_step_size=s.prefill_step_size, pipelined_prefill=s.pipelined_prefill,
-                   max_step_ms=s.max_step_ms, batching=s.batching, batch_stages=s.batch_stages,
-                   speculative=s.speculative, draft_max=s.draft_max)
+        return cls(
+            prefill_step_size=s.prefill_step_size,
+            pipelined_prefill=s.pipelined_prefill,
+            max_step_ms=s.max_step_ms,
+            batching=s.batching,
+            batch_stages=s.batch_stages,
+            speculative=s.speculative,
+            draft_max=s.draft_max,
+        )
 
 
 @dataclass(frozen=True)
@@ -53,13 +59,21 @@ class ServingSettings:
 
     @classmethod
     def of(cls, s: Settings) -> ServingSettings:
-        return cls(cache_dir=s.resolved_cache_dir(), max_context=s.max_context, kv_requests=s.kv_requests,
-                   prompt_cache=s.prompt_cache,
-                   prompt_cache_disk=s.prompt_cache_disk, max_tokens_limit=s.max_tokens_limit,
-                   inject_latency_us=s.inject_latency_us, heartbeat_interval=s.heartbeat_interval,
-                   failure_timeout=s.failure_timeout, failover_deadline=s.failover_deadline,
-                   load_timeout=s.load_timeout, group_ready_timeout=s.group_ready_timeout,
-                   placement=PlacementSettings.of(s))
+        return cls(
+            cache_dir=s.resolved_cache_dir(),
+            max_context=s.max_context,
+            kv_requests=s.kv_requests,
+            prompt_cache=s.prompt_cache,
+            prompt_cache_disk=s.prompt_cache_disk,
+            max_tokens_limit=s.max_tokens_limit,
+            inject_latency_us=s.inject_latency_us,
+            heartbeat_interval=s.heartbeat_interval,
+            failure_timeout=s.failure_timeout,
+            failover_deadline=s.failover_deadline,
+            load_timeout=s.load_timeout,
+            group_ready_timeout=s.group_ready_timeout,
+            placement=PlacementSettings.of(s),
+        )
 
     def resolved_cache_dir(self) -> Path:
         """Where models are cached."""

@@ -48,8 +48,17 @@ def why_not(params: SamplingParams, limit: tuple[int | None, str]) -> str:
     return ""
 
 
-def speculative_tokens(model, cache, history: list[int], params: SamplingParams, spec: Speculation,
-                       drafter: Drafter, *, max_tokens: int, others: Callable[[], bool] = lambda: False) -> Iterator:
+def speculative_tokens(
+    model,
+    cache,
+    history: list[int],
+    params: SamplingParams,
+    spec: Speculation,
+    drafter: Drafter,
+    *,
+    max_tokens: int,
+    others: Callable[[], bool] = lambda: False,
+) -> Iterator:
     """Token ids (or Sampled) of a request whose stages hold all of ``history`` but the last, with up
     to ``depth`` passes in flight (:class:`~meshnode.serving.passes.PassPipe`); ``others()``: other
     requests decode on the placement now (steps stay plain to batch)."""
@@ -65,6 +74,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
         """In a dry pause, a free drafter's guess ends the pause."""
         if free and length.dry_paused and drafter.propose(1):
             length.found()
+
     fixed = drafter.fixed_k
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # confirmed positions in the stages' caches
@@ -97,9 +107,16 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                     if local and length.paused() and not others():
                         # A pause: steps built ahead (as generate_step) until its last or others decode.
                         last = y
-                        for y, logprobs in _plain_run(model, cache, last, min(length.plain_left, max_tokens - n),
-                                                      greedy, sample, params.offset + n,
-                                                      lambda: others() or length.plain_left <= 1):
+                        for y, logprobs in _plain_run(
+                            model,
+                            cache,
+                            last,
+                            min(length.plain_left, max_tokens - n),
+                            greedy,
+                            sample,
+                            params.offset + n,
+                            lambda: others() or length.plain_left <= 1,
+                        ):
                             length.observe(0, 0)
                             held += 1
                             n += 1
@@ -130,12 +147,12 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
                 if len(ahead) + 1 + size > room or not (fixed is not None or length.fill_ok(len(ahead), len(pipe))):
                     break
                 guesses = drafter.propose(len(ahead) + size)
-                if guesses[:len(ahead)] != ahead or len(guesses) <= len(ahead):
+                if guesses[: len(ahead)] != ahead or len(guesses) <= len(ahead):
                     if not ahead and not guesses and not dry:
                         length.dry()
                     break  # the drafter has nothing more (or changed its mind)
                 model.alone()
-                pipe.send(guesses[len(ahead):])
+                pipe.send(guesses[len(ahead) :])
             yield from drawn
             drawn = []
             mark("spec.wait")
@@ -161,7 +178,7 @@ def speculative_tokens(model, cache, history: list[int], params: SamplingParams,
             if checks and spec.on_pass is not None:
                 spec.on_pass(len(checks), accepted, len(out), cancelled)
             y = out[-1]
-            out = out[:max_tokens - n]
+            out = out[: max_tokens - n]
             drawn = [sampled(token, logprobs[j], top) if top >= 0 else token for j, token in enumerate(out)]
             n += len(out)
             drafter.extend(out)
@@ -188,14 +205,15 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
         return out, logprobs
     for j in range(logits.shape[0]):
         # (1, vocab), as generate_step samples: MLX draws differently from a (vocab,) row
-        out.append(sample(logprobs[j:j + 1], offset + j).item())
+        out.append(sample(logprobs[j : j + 1], offset + j).item())
         if j >= len(checks) or out[-1] != checks[j]:
             break
     return out, logprobs
 
 
-def _plain_run(model, cache, y: int, steps: int, greedy: bool, sample, offset: int,
-               stop: Callable[[], bool]) -> Iterator[tuple[int, mx.array]]:
+def _plain_run(
+    model, cache, y: int, steps: int, greedy: bool, sample, offset: int, stop: Callable[[], bool]
+) -> Iterator[tuple[int, mx.array]]:
     """Up to ``steps`` plain steps from ``y`` on all-local stages, each built while the one before
     computes (as mlx-lm's ``generate_step``); yields (token, log probabilities). Builds no further
     once ``stop()``."""

@@ -56,8 +56,9 @@ class _Group:
         self.running = False
         self.free_since = 0.0  # when its last round ended (monotonic)
         self.hops: dict[int, BatchHop] = {}  # by stage index
-        self.batches = {i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(handles)
-                        if getattr(h, "shard", None) is not None}
+        self.batches = {
+            i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(handles) if getattr(h, "shard", None) is not None
+        }
 
 
 class StepBatcher:
@@ -194,8 +195,9 @@ class StepBatcher:
             try:
                 hop = group.hops[i] = BatchHop(stage, host, port, auth=stage.auth, node_id=stage.caller)
             except OSError as exc:
-                raise StageError(f"stage [{stage.start}, {stage.end}) on {stage.node_id}: batch stream not "
-                                 f"opened ({exc})") from None
+                raise StageError(
+                    f"stage [{stage.start}, {stage.end}) on {stage.node_id}: batch stream not opened ({exc})"
+                ) from None
         try:
             return hop.step([m.request_id for m in models], h)
         except StageError as exc:

@@ -48,8 +48,17 @@ class UseCounter:
 class CountedSource:
     """A model's token source with each generation counted, and held while the model is not loaded."""
 
-    def __init__(self, source, counter: UseCounter, *, on_demand: Callable[[], bool], loaded: Callable[[], bool],
-                 deadline: Callable[[], float], give_up: Callable[[BaseException], BaseException], model: str):
+    def __init__(
+        self,
+        source,
+        counter: UseCounter,
+        *,
+        on_demand: Callable[[], bool],
+        loaded: Callable[[], bool],
+        deadline: Callable[[], float],
+        give_up: Callable[[BaseException], BaseException],
+        model: str,
+    ):
         self._source, self.counter = source, counter
         self._on_demand, self._loaded, self._deadline, self._give_up = on_demand, loaded, deadline, give_up
         self._model = model
@@ -76,9 +85,12 @@ class CountedSource:
         try:
             while not self._loaded():
                 if time.monotonic() - started > deadline:
-                    raise self._give_up(PlacementLost(
-                        f"model {self._model} was not loaded within {deadline:.0f} s (the models loaded "
-                        "now are all in use, or the load failed)"))
+                    raise self._give_up(
+                        PlacementLost(
+                            f"model {self._model} was not loaded within {deadline:.0f} s (the models loaded "
+                            "now are all in use, or the load failed)"
+                        )
+                    )
                 await asyncio.sleep(POLL_S)
         finally:
             c.waiting -= 1

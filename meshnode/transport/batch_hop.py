@@ -48,8 +48,7 @@ MAX_ROWS = 256  # requests in one step
 # --------------------------------------------------------------------------- serving side
 
 
-def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
-                host: str) -> None:
+def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str) -> None:
     """Serve one head's batched decode steps to one stage until the head closes the stream."""
     try:
         shard = server.shard_for(opening.forward)
@@ -67,8 +66,9 @@ def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mes
             run_here(batch.release_all)
 
 
-def _serve_steps(server: StageServer, run_here, conn: socket.socket, shard: Shard, batch: DecodeBatch,
-                 host: str) -> None:
+def _serve_steps(
+    server: StageServer, run_here, conn: socket.socket, shard: Shard, batch: DecodeBatch, host: str
+) -> None:
     out = bytearray()  # raw replies are written here, step after step
     while True:
         try:
@@ -98,21 +98,26 @@ def _serve_steps(server: StageServer, run_here, conn: socket.socket, shard: Shar
 def _check_batchable(shard) -> None:
     if not batchable_shard(shard):
         spec = shard.spec
-        raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
+        raise StageRefusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here",
+        )
 
 
 def _members(server: StageServer, shard: Shard, msg: mesh_pb2.ForwardRequest) -> list[OpenStage]:
     ids = list(msg.members)
     if not ids or len(ids) > MAX_ROWS or len(set(ids)) != len(ids):
-        raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"a batched step names 1 to {MAX_ROWS} distinct requests, not {len(ids)}")
+        raise StageRefusal(
+            grpc.StatusCode.INVALID_ARGUMENT, f"a batched step names 1 to {MAX_ROWS} distinct requests, not {len(ids)}"
+        )
     spec, members = shard.spec, []
     for rid in ids:
         stage = server.streams.get(stream_key(rid, spec.start, spec.end))
         if stage is None or stage.shard is not shard:
-            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"request {rid[:64]} has no open stream to layers [{spec.start}, {spec.end}) here")
+            raise StageRefusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {rid[:64]} has no open stream to layers [{spec.start}, {spec.end}) here",
+            )
         members.append(stage)
     return members
 
@@ -126,14 +131,23 @@ def _rows(server: StageServer, shard: Shard, tensor: mesh_pb2.Tensor, n: int) ->
         raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
-def _step(server: StageServer, shard: Shard, batch: DecodeBatch, members: list[OpenStage], rows: np.ndarray,
-          dtype: str, buf: bytearray) -> int:
+def _step(
+    server: StageServer,
+    shard: Shard,
+    batch: DecodeBatch,
+    members: list[OpenStage],
+    rows: np.ndarray,
+    dtype: str,
+    buf: bytearray,
+) -> int:
     """Run one batched step (on the MLX thread); its raw reply's length, written into ``buf``."""
     started = time.perf_counter()
     with server.steps.step(), batch.lock:
         if any(stage.prepared is not None for stage in members):
-            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               "a request that promised its next step on its own stream joined a batch")
+            raise StageRefusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a request that promised its next step on its own stream joined a batch",
+            )
         for stage in members:
             stage.admit(1)
         try:
@@ -153,9 +167,16 @@ class BatchHop:
 
     def __init__(self, stage: RemoteStage, host: str, port: int, *, auth: ClusterAuth, node_id: str):
         self._stage = stage
-        opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-            epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end, raw_replies=True, batch=True,
-            model=stage.model))
+        opening = mesh_pb2.DataOpen(
+            forward=mesh_pb2.ForwardRequest(
+                epoch=stage.epoch,
+                start_layer=stage.start,
+                end_layer=stage.end,
+                raw_replies=True,
+                batch=True,
+                model=stage.model,
+            )
+        )
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
         self._sock.settimeout(FRAME_STALL)  # a frame once started must go on
         self._closed = False
@@ -180,15 +201,18 @@ class BatchHop:
         try:
             host = reply.host(rows, st.hidden_size)
         except WireError as exc:
-            raise StageFault(f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad batched activation: {exc}") \
-                from None
+            raise StageFault(
+                f"stage [{st.start}, {st.end}) on {st.node_id} sent a bad batched activation: {exc}"
+            ) from None
         return to_array(host.reshape(rows, 1, st.hidden_size), reply.dtype)
 
     def _read(self, sent: float) -> RawReply:
         reply = read_reply(self._sock, self._stage, sent, stream="batch stream")
         if type(reply) is not RawReply:  # a step is always answered raw, or refused
-            raise StageError(f"stage [{self._stage.start}, {self._stage.end}) on {self._stage.node_id} answered a "
-                             "batched step without an activation")
+            raise StageError(
+                f"stage [{self._stage.start}, {self._stage.end}) on {self._stage.node_id} answered a "
+                "batched step without an activation"
+            )
         return reply
 
     def _lost(self, exc: BaseException) -> StageError:

@@ -66,11 +66,12 @@ def send_prepared(sock: socket.socket, buf: bytearray, n: int) -> None:
         raise FrameError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME}")
     LENGTH.pack_into(buf, 0, n)
     with memoryview(buf) as view:
-        sock.sendall(view[:HEADER + n])
+        sock.sendall(view[: HEADER + n])
 
 
-def recv_frame_into(sock: socket.socket, spare: bytearray | None,
-                    max_bytes: int = MAX_FRAME) -> tuple[memoryview, bytearray] | None:
+def recv_frame_into(
+    sock: socket.socket, spare: bytearray | None, max_bytes: int = MAX_FRAME
+) -> tuple[memoryview, bytearray] | None:
     """As :func:`recv_frame`, into ``spare`` when large enough: (payload, buffer)."""
     header = recv_exact(sock, HEADER)
     if header is None:
@@ -92,12 +93,14 @@ def recv_frame_into(sock: socket.socket, spare: bytearray | None,
 def hello(auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen) -> bytes:
     body = opening.SerializeToString()
     fields = dict(auth.sign(HELLO_METHOD, node_id, body))
-    return mesh_pb2.DataHello(open=body, ts=fields[HEADER_TS], nonce=fields[HEADER_NONCE], node=fields[HEADER_NODE],
-                              mac=fields[HEADER_MAC]).SerializeToString()
+    return mesh_pb2.DataHello(
+        open=body, ts=fields[HEADER_TS], nonce=fields[HEADER_NONCE], node=fields[HEADER_NODE], mac=fields[HEADER_MAC]
+    ).SerializeToString()
 
 
-def connect(host: str, port: int, *, auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen,
-            timeout: float) -> socket.socket:
+def connect(
+    host: str, port: int, *, auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen, timeout: float
+) -> socket.socket:
     """A stream to a peer's data port, hello sent (the verdict comes with the first reply)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
@@ -113,8 +116,12 @@ def connect(host: str, port: int, *, auth: ClusterAuth, node_id: str, opening: m
 def keepalive(sock: socket.socket, idle: int = 10, interval: int = 5, probes: int = 3) -> None:
     """TCP keepalive, so a vanished peer's KV cache is freed within seconds, not at the idle timeout."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPALIVE", idle),  # Linux / macOS spelling
-                        ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes)):
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPALIVE", idle),  # Linux / macOS spelling
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", probes),
+    ):
         option = getattr(socket, name, None)
         if option is not None:
             try:
@@ -132,8 +139,9 @@ class DataServer:
     def __init__(self, host: str, port: int, *, auth: ClusterAuth, verify: bool, forward: Handler):
         self._auth, self._verify = auth, verify
         self._forward = forward
-        self._listener = ThreadedListener(host, port, self._serve, name="meshnode-data",
-                                          max_connections=MAX_CONNECTIONS)
+        self._listener = ThreadedListener(
+            host, port, self._serve, name="meshnode-data", max_connections=MAX_CONNECTIONS
+        )
         self.port = self._listener.port
 
     def _serve(self, conn: socket.socket, host: str) -> None:
@@ -148,8 +156,11 @@ class DataServer:
             self._auth.log_refusal(host, "data stream", f"bad hello ({exc or type(exc).__name__})")
             return
         if self._verify:
-            reason = self._auth.check(HELLO_METHOD, [(HEADER_TS, msg.ts), (HEADER_NONCE, msg.nonce),
-                                                     (HEADER_NODE, msg.node), (HEADER_MAC, msg.mac)], msg.open)
+            reason = self._auth.check(
+                HELLO_METHOD,
+                [(HEADER_TS, msg.ts), (HEADER_NONCE, msg.nonce), (HEADER_NODE, msg.node), (HEADER_MAC, msg.mac)],
+                msg.open,
+            )
             if reason is not None:
                 self._auth.log_refusal(host, "data stream", reason)
                 return

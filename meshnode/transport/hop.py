@@ -73,8 +73,14 @@ WRITE_INLINE = 64 * 1024  # larger frames go out from the writer thread, never b
 StreamHook = Callable[[str], Callable[[int], "Callable[[], None] | None"]]
 
 
-def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen,
-                  host: str, hook: StreamHook | None = None) -> None:
+def serve_forward(
+    server: StageServer,
+    run_here,
+    conn: socket.socket,
+    opening: mesh_pb2.DataOpen,
+    host: str,
+    hook: StreamHook | None = None,
+) -> None:
     """Serve one request's stream to one stage until the head closes it.
 
     ``run_here(fn)`` runs ``fn`` on this thread holding the node's MLX baton.
@@ -100,8 +106,7 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
                 if frame is None:
                     return  # the head is done with this request
                 mark("stage.arrived")
-                msg = RawRequest(frame) if raw and is_raw(frame) else \
-                    mesh_pb2.ForwardRequest.FromString(bytes(frame))
+                msg = RawRequest(frame) if raw and is_raw(frame) else mesh_pb2.ForwardRequest.FromString(bytes(frame))
             except (FrameError, DecodeError, WireError) as exc:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
                 refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
@@ -111,8 +116,9 @@ def serve_forward(server: StageServer, run_here, conn: socket.socket, opening: m
                 run_here(partial(stage.keep, msg))
                 send_frame(conn, KEPT_FRAME)
                 continue
-            positions = msg.positions if isinstance(msg, RawRequest) else \
-                msg.input.shape[1] if len(msg.input.shape) > 1 else 0
+            positions = (
+                msg.positions if isinstance(msg, RawRequest) else msg.input.shape[1] if len(msg.input.shape) > 1 else 0
+            )
             inside = before(positions) if before is not None else None
             # A prefill chunk claims the baton with its prompt left; without work, its own positions count.
             set_priority(msg.work or (positions if positions > 1 else 0))
@@ -197,12 +203,28 @@ class HopSession:
 
     remote: Literal[True] = True
 
-    def __init__(self, stage: RemoteStage, request_id: str, host: str, port: int, *, auth: ClusterAuth,
-                 node_id: str, resume: tuple[str, int] | None = None):
+    def __init__(
+        self,
+        stage: RemoteStage,
+        request_id: str,
+        host: str,
+        port: int,
+        *,
+        auth: ClusterAuth,
+        node_id: str,
+        resume: tuple[str, int] | None = None,
+    ):
         self._stage = stage
-        opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(
-            request_id=request_id, epoch=stage.epoch, start_layer=stage.start, end_layer=stage.end,
-            raw_replies=True, model=stage.model))
+        opening = mesh_pb2.DataOpen(
+            forward=mesh_pb2.ForwardRequest(
+                request_id=request_id,
+                epoch=stage.epoch,
+                start_layer=stage.start,
+                end_layer=stage.end,
+                raw_replies=True,
+                model=stage.model,
+            )
+        )
         if resume is not None:  # start from a prefix the stage kept
             opening.forward.resume, opening.forward.resume_length = resume
         self._sock = connect(host, port, auth=auth, node_id=node_id, opening=opening, timeout=stage.hop_timeout)
@@ -238,8 +260,9 @@ class HopSession:
         else:
             if x.dtype == mx.uint32:
                 x = x.astype(mx.int32)
-            payload = mesh_pb2.ForwardRequest(input=to_tensor(x), next_single=next_single, work=work,
-                                              rewind=self._rewind).SerializeToString()
+            payload = mesh_pb2.ForwardRequest(
+                input=to_tensor(x), next_single=next_single, work=work, rewind=self._rewind
+            ).SerializeToString()
         mark("head.serialized")
         self._rewind = 0
         self._queued += positions
@@ -250,7 +273,7 @@ class HopSession:
                 later = self._writing > 0 or (payload is not None and len(payload) > WRITE_INLINE)
                 self._writing += later
             if later:
-                self._write_later(payload if payload is not None else bytes(self._out[HEADER:HEADER + n]))
+                self._write_later(payload if payload is not None else bytes(self._out[HEADER : HEADER + n]))
             else:
                 if payload is None:
                     send_prepared(self._sock, self._out, n)
@@ -267,8 +290,7 @@ class HopSession:
             raise self._lost(self._write_error)
         if self._writes is None:
             self._writes = queue.Queue()
-            threading.Thread(target=self._writer, args=(self._writes,), name="meshnode-hop-writer",
-                             daemon=True).start()
+            threading.Thread(target=self._writer, args=(self._writes,), name="meshnode-hop-writer", daemon=True).start()
         self._writes.put(payload)
 
     def _writer(self, writes: queue.Queue[bytes | None]) -> None:
@@ -351,8 +373,9 @@ class HopSession:
         self._sock.close()
 
 
-def read_reply(sock: socket.socket, st: RemoteStage, sent: float, spare: bytearray | None = None,
-               stream: str = "data stream") -> mesh_pb2.ForwardReply | RawReply:
+def read_reply(
+    sock: socket.socket, st: RemoteStage, sent: float, spare: bytearray | None = None, stream: str = "data stream"
+) -> mesh_pb2.ForwardReply | RawReply:
     """The next reply from stage ``st``, waited for while it is alive; failures raise :class:`StageError`."""
     try:
         while not select.select([sock], [], [], st.poll)[0]:
@@ -360,8 +383,10 @@ def read_reply(sock: socket.socket, st: RemoteStage, sent: float, spare: bytearr
         mark("head.readable")
         got = recv_frame_into(sock, spare)
     except TimeoutError:
-        raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
-                         f"a reply ({FRAME_STALL:.0f} s)") from None
+        raise StageError(
+            f"stage [{st.start}, {st.end}) on {st.node_id} stopped sending in the middle of "
+            f"a reply ({FRAME_STALL:.0f} s)"
+        ) from None
     except (OSError, FrameError, ValueError) as exc:
         raise lost(st, exc, stream) from None
     if got is None:
@@ -370,8 +395,7 @@ def read_reply(sock: socket.socket, st: RemoteStage, sent: float, spare: bytearr
     try:
         reply = RawReply(frame, buf) if is_raw(frame) else mesh_pb2.ForwardReply.FromString(bytes(frame))
     except (WireError, DecodeError):
-        raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") \
-            from None
+        raise StageError(f"stage [{st.start}, {st.end}) on {st.node_id} sent a reply that does not parse") from None
     if not isinstance(reply, RawReply) and (reply.error or reply.code):
         raise stage_error(st, None, _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
     return reply

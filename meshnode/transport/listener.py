@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 class ThreadedListener:
     """Runs ``serve`` for each connection on its own thread, at most ``max_connections`` at once."""
 
-    def __init__(self, host: str, port: int, serve: Callable[[socket.socket, str], None], *, name: str,
-                 max_connections: int):
+    def __init__(
+        self, host: str, port: int, serve: Callable[[socket.socket, str], None], *, name: str, max_connections: int
+    ):
         self._serve = serve
         self._name = name
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -47,8 +48,9 @@ class ThreadedListener:
                 continue
             with self._lock:
                 self._open.add(conn)
-            threading.Thread(target=self._run, args=(conn, str(addr[0])), name=f"{self._name}-conn",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._run, args=(conn, str(addr[0])), name=f"{self._name}-conn", daemon=True
+            ).start()
 
     def _run(self, conn: socket.socket, host: str) -> None:
         try:

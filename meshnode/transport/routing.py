@@ -32,13 +32,15 @@ def not_served(model: str) -> StageRefusal:
 class StageRouter:
     """The node's stage servers by model, for gRPC Forward streams and data-port streams."""
 
-    def __init__(self, server_of: Callable[[str], StageServer | None], run_here, *,
-                 stream_hook: StreamHook | None = None):
+    def __init__(
+        self, server_of: Callable[[str], StageServer | None], run_here, *, stream_hook: StreamHook | None = None
+    ):
         """``stream_hook``: a test harness's, on every request's data-port stream."""
         self._server_of, self._run_here, self._stream_hook = server_of, run_here, stream_hook
 
-    async def forward(self, requests: AsyncIterator[mesh_pb2.ForwardRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[mesh_pb2.ForwardReply]:
+    async def forward(
+        self, requests: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.ForwardReply]:
         """A gRPC Forward stream: its first message names the model; the rest follow it there."""
         stream = requests.__aiter__()
         try:

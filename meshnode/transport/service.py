@@ -70,16 +70,22 @@ class MeshServicer(mesh_pb2_grpc.MeshServicer):
             yield chunk
 
 
-async def start_server(handlers: Handlers, host: str, port: int, *, interceptors=(), identity=None
-                       ) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    handlers: Handlers, host: str, port: int, *, interceptors=(), identity=None
+) -> tuple[grpc.aio.Server, int]:
     """Listen on ``host:port`` (0: any free port); returns the server and the port it got."""
-    options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
-               ("grpc.max_send_message_length", MAX_GRPC_MESSAGE)]
+    options = [
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+    ]
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
     mesh_pb2_grpc.add_MeshServicer_to_server(MeshServicer(handlers), server)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, tls.server_credentials(identity)) if identity
-             else server.add_insecure_port(address))
+    bound = (
+        server.add_secure_port(address, tls.server_credentials(identity))
+        if identity
+        else server.add_insecure_port(address)
+    )
     if not bound:
         raise OSError(f"cannot listen for gRPC on {host}:{port}")
     await server.start()

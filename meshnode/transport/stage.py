@@ -68,8 +68,16 @@ KEPT = mesh_pb2.ForwardReply(output=mesh_pb2.Tensor())
 class StageServer:
     """Serves ``Forward`` streams for the shards this node holds in the current plan."""
 
-    def __init__(self, scheduler: TokenScheduler, *, vocab_size: int, max_chunk: int, max_context: int,
-                 inject_latency: float = 0.0, prefixes: PrefixStore | None = None):
+    def __init__(
+        self,
+        scheduler: TokenScheduler,
+        *,
+        vocab_size: int,
+        max_chunk: int,
+        max_context: int,
+        inject_latency: float = 0.0,
+        prefixes: PrefixStore | None = None,
+    ):
         self.scheduler = scheduler
         self.prefixes = prefixes  # the prompt cache's kept prefixes (None: off)
         self.inject_latency = inject_latency  # seconds added to every reply (tests)
@@ -112,11 +120,16 @@ class StageServer:
         shard = self.shard_for(msg)
         cache = None
         if msg.resume:
-            cache, why = (self.prefixes.resume(key, msg.resume, msg.resume_length, shard)
-                          if self.prefixes is not None and keeps_prefixes(shard) else (None, "no prompt cache here"))
+            cache, why = (
+                self.prefixes.resume(key, msg.resume, msg.resume_length, shard)
+                if self.prefixes is not None and keeps_prefixes(shard)
+                else (None, "no prompt cache here")
+            )
             if cache is None:
-                raise StageRefusal(PREFIX_MISS, f"prefix {msg.resume} ({msg.resume_length} positions) of layers "
-                                                f"[{key[0]}, {key[1]}): {why}")
+                raise StageRefusal(
+                    PREFIX_MISS,
+                    f"prefix {msg.resume} ({msg.resume_length} positions) of layers [{key[0]}, {key[1]}): {why}",
+                )
         return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
 
     def shard_for(self, msg: mesh_pb2.ForwardRequest) -> Shard:
@@ -126,8 +139,9 @@ class StageServer:
             serving = sorted(self.epochs) or "none"
             if msg.epoch > max(self.epochs, default=0):  # a plan this node is still adopting or loading
                 raise StageRefusal(EPOCH_PENDING, f"epoch {msg.epoch} is not served here yet (serving {serving})")
-            raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"epoch {msg.epoch} is not served here (serving {serving})")
+            raise StageRefusal(
+                grpc.StatusCode.FAILED_PRECONDITION, f"epoch {msg.epoch} is not served here (serving {serving})"
+            )
         shard = self.epochs[msg.epoch].get(key)
         if shard is None:
             raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
@@ -184,8 +198,9 @@ class OpenStage:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"rewind of {rewind} positions, {self.seen} held")
         self.seen += positions - rewind
         if self.seen > self.server.max_context:
-            raise StageRefusal(grpc.StatusCode.OUT_OF_RANGE,
-                               f"request exceeds the context of {self.server.max_context} tokens")
+            raise StageRefusal(
+                grpc.StatusCode.OUT_OF_RANGE, f"request exceeds the context of {self.server.max_context} tokens"
+            )
         if self.server.prefixes is not None:  # kept prefixes make room for this request's KV
             self.server.prefixes.grow(self.layers, positions - rewind)
 
@@ -396,7 +411,8 @@ class RemoteStage:
         auth: ClusterAuth | None = None,
         caller: str = "",
         alive: Callable[[], bool] | None = None,
-        data_session: Callable[..., StageStream] | None = None, model: str = "",
+        data_session: Callable[..., StageStream] | None = None,
+        model: str = "",
     ):
         # Opens a stream over the peer's data port; None: all go over gRPC.
         self.data_session = data_session
@@ -417,8 +433,14 @@ class RemoteStage:
         self.request_timeout = request_timeout
         self.prefill_rate: float | None = None  # seconds a position took here in the last prefill
 
-    def accept(self, reply: mesh_pb2.ForwardReply | RawReply, positions: int, sent: float, transport: str,
-               into: Placeholder | None = None) -> mx.array:
+    def accept(
+        self,
+        reply: mesh_pb2.ForwardReply | RawReply,
+        positions: int,
+        sent: float,
+        transport: str,
+        into: Placeholder | None = None,
+    ) -> mx.array:
         """A reply's activation, checked against the plan; written into ``into`` when given."""
         if self.observe is not None:
             self.observe(time.perf_counter() - sent, positions, reply.stage_seconds, transport)
@@ -433,29 +455,35 @@ class RemoteStage:
                 return into.array
             return to_array(array, dtype)
         except WireError as exc:
-            raise StageFault(f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}") \
-                from None
+            raise StageFault(
+                f"stage [{self.start}, {self.end}) on {self.node_id} sent a bad activation: {exc}"
+            ) from None
 
     def check(self, waiting_since: float) -> None:
         """Raise :class:`StageError` if this stage's node stopped heartbeating or reports a step past
         stall_timeout; an alive stage is busy, not lost."""
         waited = time.perf_counter() - waiting_since
         if self.alive is not None and not self.alive():
-            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating or is "
-                             f"stalled (its reply awaited {waited:.1f} s)")
+            raise StageError(
+                f"stage [{self.start}, {self.end}) on {self.node_id} stopped heartbeating or is "
+                f"stalled (its reply awaited {waited:.1f} s)"
+            )
         if waited > self.request_timeout:
-            raise StageError(f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within "
-                             f"{self.request_timeout:.0f} s")
+            raise StageError(
+                f"stage [{self.start}, {self.end}) on {self.node_id} did not answer within {self.request_timeout:.0f} s"
+            )
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageStream:
         """The request's stream to this stage: the data port where it has one, else gRPC."""
         if self.data_port is not None and self.auth is not None and self.data_session is not None:
             host, port = self.data_port
             try:
-                return self.data_session(self, request_id, host, port, auth=self.auth, node_id=self.caller,
-                                         resume=resume)
+                return self.data_session(
+                    self, request_id, host, port, auth=self.auth, node_id=self.caller, resume=resume
+                )
             except OSError as exc:  # an older peer, or its data port blocked: gRPC still works
-                log.info("data port of %s at %s:%d unreachable (%s); activations go over gRPC", self.node_id,
-                         host, port, exc)
+                log.info(
+                    "data port of %s at %s:%d unreachable (%s); activations go over gRPC", self.node_id, host, port, exc
+                )
                 self.data_port = None
         return RemoteSession(self, request_id, resume)

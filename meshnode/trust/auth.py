@@ -30,8 +30,14 @@ from typing import Any
 import grpc
 
 __all__ = [
-    "ClusterAuth", "AuthServerInterceptor", "client_interceptors", "SignedChannel",
-    "HEADER_TS", "HEADER_NONCE", "HEADER_NODE", "HEADER_MAC",
+    "ClusterAuth",
+    "AuthServerInterceptor",
+    "client_interceptors",
+    "SignedChannel",
+    "HEADER_TS",
+    "HEADER_NONCE",
+    "HEADER_NODE",
+    "HEADER_MAC",
 ]
 
 log = logging.getLogger(__name__)
@@ -107,8 +113,14 @@ class ClusterAuth:
     """The MAC key of a cluster and the checks both ends run. ``cluster_key`` None or "": the open
     cluster, a fixed public key that protects nothing. ``window``: accepted clock difference (s)."""
 
-    def __init__(self, cluster_key: str | None, *, window: float = 30.0, max_nonces: int = 100_000,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        cluster_key: str | None,
+        *,
+        window: float = 30.0,
+        max_nonces: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ):
         self.open = not cluster_key
         self._mac_key = _hkdf((cluster_key or OPEN_KEY).encode("utf-8"), LABEL)
         self.window = float(window)
@@ -123,9 +135,16 @@ class ClusterAuth:
 
     # ------------------------------------------------------------------ MACs
     def mac(self, method: str | bytes, ts: str, nonce: str, caller: str, body_digest: bytes) -> str:
-        msg = b"".join(_field(x) for x in (
-            _method_str(method).encode("utf-8"), ts.encode("utf-8"), nonce.encode("utf-8"),
-            caller.encode("utf-8"), body_digest))
+        msg = b"".join(
+            _field(x)
+            for x in (
+                _method_str(method).encode("utf-8"),
+                ts.encode("utf-8"),
+                nonce.encode("utf-8"),
+                caller.encode("utf-8"),
+                body_digest,
+            )
+        )
         return hmac.new(self._mac_key, msg, hashlib.sha256).hexdigest()
 
     def sign(self, method: str | bytes, caller: str, body: bytes | None) -> list[tuple[str, str]]:
@@ -133,8 +152,12 @@ class ClusterAuth:
         ts = str(int(self._clock() * 1000))
         nonce = os.urandom(16).hex()
         digest = hashlib.sha256(body).digest() if body is not None else b""
-        return [(HEADER_TS, ts), (HEADER_NONCE, nonce), (HEADER_NODE, caller),
-                (HEADER_MAC, self.mac(method, ts, nonce, caller, digest))]
+        return [
+            (HEADER_TS, ts),
+            (HEADER_NONCE, nonce),
+            (HEADER_NODE, caller),
+            (HEADER_MAC, self.mac(method, ts, nonce, caller, digest)),
+        ]
 
     # ------------------------------------------------------------------ checks
     def _parse(self, metadata: Iterable[Any] | None) -> tuple[str, str, str, str]:
@@ -217,13 +240,14 @@ class _ClientBase:
 
     def _details(self, details: grpc.aio.ClientCallDetails, body: bytes | None) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata()
-        for key, value in (details.metadata or ()):
+        for key, value in details.metadata or ():
             if key not in _HEADERS:
                 metadata.add(key, value)
         for key, value in self._auth.sign(details.method, self._node_id, body):
             metadata.add(key, value)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 class _UnaryUnary(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
@@ -265,7 +289,7 @@ class _SignedMultiCallable:
         if self._unary:
             body = self._serializer(request) if self._serializer is not None else _serialize(request)
         signed = grpc.aio.Metadata()
-        for key, value in (metadata or ()):
+        for key, value in metadata or ():
             if key not in _HEADERS:
                 signed.add(key, value)
         for key, value in self._auth.sign(self._method, self._node_id, body):
@@ -279,12 +303,11 @@ class SignedChannel:
     def __init__(self, channel: grpc.aio.Channel, auth: ClusterAuth, node_id: str):
         self._channel, self._auth, self._node_id = channel, auth, node_id
 
-    def _wrap(self, kind: str, unary: bool, method, request_serializer=None, response_deserializer=None,
-              **kwargs):
-        inner = getattr(self._channel, kind)(method, request_serializer=request_serializer,
-                                             response_deserializer=response_deserializer, **kwargs)
-        return _SignedMultiCallable(inner, self._auth, self._node_id, _method_str(method), request_serializer,
-                                    unary)
+    def _wrap(self, kind: str, unary: bool, method, request_serializer=None, response_deserializer=None, **kwargs):
+        inner = getattr(self._channel, kind)(
+            method, request_serializer=request_serializer, response_deserializer=response_deserializer, **kwargs
+        )
+        return _SignedMultiCallable(inner, self._auth, self._node_id, _method_str(method), request_serializer, unary)
 
     def unary_unary(self, method, request_serializer=None, response_deserializer=None, **kwargs):
         return self._wrap("unary_unary", True, method, request_serializer, response_deserializer, **kwargs)

@@ -18,8 +18,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["TlsIdentity", "derive_identity", "server_credentials", "channel_credentials", "channel_options",
-           "SERVER_NAME"]
+__all__ = [
+    "TlsIdentity",
+    "derive_identity",
+    "server_credentials",
+    "channel_credentials",
+    "channel_options",
+    "SERVER_NAME",
+]
 
 LABEL = b"meshnode grpc tls v1"
 SERVER_NAME = "mesh.meshnode.invalid"  # the certificate's only name; never resolved
@@ -54,8 +60,12 @@ def derive_identity(cluster_key: str) -> TlsIdentity:
     scalar = int.from_bytes(_hkdf(secret, b"private key", 48), "big") % (_P256_N - 1) + 1
     private = ec.derive_private_key(scalar, ec.SECP256R1())
     serial = int.from_bytes(_hkdf(secret, b"serial", 19), "big") >> 1 or 1  # positive, < 2^152
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME),
-                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshnode cluster")])
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshnode cluster"),
+        ]
+    )
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -66,15 +76,28 @@ def derive_identity(cluster_key: str) -> TlsIdentity:
         .not_valid_after(_NOT_AFTER)
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .sign(private, hashes.SHA256(), ecdsa_deterministic=True)
     )
-    key_pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+    key_pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return TlsIdentity(cert.public_bytes(serialization.Encoding.PEM), key_pem)
 
 
@@ -82,16 +105,18 @@ def server_credentials(identity: TlsIdentity):
     """For ``server.add_secure_port``: present the cluster certificate, require it from clients."""
     import grpc
 
-    return grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)],
-                                       root_certificates=identity.cert_pem, require_client_auth=True)
+    return grpc.ssl_server_credentials(
+        [(identity.key_pem, identity.cert_pem)], root_certificates=identity.cert_pem, require_client_auth=True
+    )
 
 
 def channel_credentials(identity: TlsIdentity):
     """For ``grpc.aio.secure_channel``: trust only the cluster certificate and present it."""
     import grpc
 
-    return grpc.ssl_channel_credentials(root_certificates=identity.cert_pem, private_key=identity.key_pem,
-                                        certificate_chain=identity.cert_pem)
+    return grpc.ssl_channel_credentials(
+        root_certificates=identity.cert_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+    )
 
 
 def channel_options() -> list[tuple[str, str]]:

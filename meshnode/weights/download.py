@@ -73,9 +73,20 @@ def _absorb(h, f, data: bytes) -> None:
 class Download:
     """One fetch: the work queue, the per-peer workers and the journal."""
 
-    def __init__(self, peers: dict[str, grpc.aio.Channel], model_id: str, partial: Path, items: list[DownloadItem],
-                 total: int, done_bytes: int, on_progress, streams_per_peer: int, chunk_timeout: float,
-                 max_peer_failures: int, metadata):
+    def __init__(
+        self,
+        peers: dict[str, grpc.aio.Channel],
+        model_id: str,
+        partial: Path,
+        items: list[DownloadItem],
+        total: int,
+        done_bytes: int,
+        on_progress,
+        streams_per_peer: int,
+        chunk_timeout: float,
+        max_peer_failures: int,
+        metadata,
+    ):
         self.peers = peers
         self.model_id = model_id
         self.partial = partial
@@ -124,8 +135,14 @@ class Download:
                 ok = True
             except ItemFailed as e:
                 what = "tensor" if not item.key.startswith("file:") else "file"
-                log.warning("peer %s: %s %s of %s: %s; refetching elsewhere", peer, what,
-                            item.key.removeprefix("file:"), self.model_id, e)
+                log.warning(
+                    "peer %s: %s %s of %s: %s; refetching elsewhere",
+                    peer,
+                    what,
+                    item.key.removeprefix("file:"),
+                    self.model_id,
+                    e,
+                )
                 item.bad.add(peer)
                 self.failures[peer] = self.failures.get(peer, 0) + 1
                 if e.peer_dead or self.failures[peer] >= self.max_failures:
@@ -166,8 +183,10 @@ class Download:
                         n = len(chunk.data)
                         self.fetched += n
                         if chunk.offset != item.offset + got or n == 0 or got + n > item.length:
-                            raise ItemFailed(f"chunk at {chunk.offset} with {n} bytes, expected offset "
-                                          f"{item.offset + got} and at most {item.length - got} bytes")
+                            raise ItemFailed(
+                                f"chunk at {chunk.offset} with {n} bytes, expected offset "
+                                f"{item.offset + got} and at most {item.length - got} bytes"
+                            )
                         # hashlib and file writes release the GIL: off the loop, they overlap the network
                         absorbing = asyncio.ensure_future(asyncio.to_thread(_absorb, h, f, chunk.data))
                         got += n
@@ -181,8 +200,12 @@ class Download:
                     raise ItemFailed(f"sha256 mismatch ({h.hexdigest()[:12]}… != {item.sha256[:12]}…)")
         except grpc.aio.AioRpcError as e:
             self._progress(-got)
-            dead = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED)
+            dead = e.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAUTHENTICATED,
+            )
             raise ItemFailed(f"{e.code().name}: {e.details()}", peer_dead=dead) from None
         except ItemFailed:
             self._progress(-got)
@@ -241,5 +264,7 @@ class Download:
             self.journal.close()
         if self.pending:
             missing = ", ".join(it.key.removeprefix("file:") for it in self.pending[:5])
-            raise FetchError(f"no peer could supply {len(self.pending)} item(s) of {self.model_id} "
-                             f"({missing}{', …' if len(self.pending) > 5 else ''})")
+            raise FetchError(
+                f"no peer could supply {len(self.pending)} item(s) of {self.model_id} "
+                f"({missing}{', …' if len(self.pending) > 5 else ''})"
+            )

@@ -12,8 +12,13 @@ from meshnode.weights.gguf_tensors import UnsupportedGGUF
 
 # GGUF architecture -> mlx-lm model_type (llama files with experts are mixtral: see family()).
 FAMILIES = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-    "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
 }
 # Families whose norms llama.cpp stores as 1 + weight (the model adds the 1 itself).
 NORM_PLUS_ONE = {"gemma2", "gemma3"}
@@ -86,27 +91,39 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         if model_type == "mixtral":
             cfg.update(num_local_experts=experts, num_experts_per_tok=used)
         else:
-            cfg.update(num_experts=experts, num_experts_per_tok=used, decoder_sparse_step=1, mlp_only_layers=[],
-                       moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True)
+            cfg.update(
+                num_experts=experts,
+                num_experts_per_tok=used,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                moe_intermediate_size=int(get("expert_feed_forward_length")),
+                norm_topk_prob=True,
+            )
     if model_type == "gemma2":
         # Gemma 2 27B (46 layers) scales its queries by hidden / heads, the others by the head's width
         scalar = hidden // heads if cfg["num_hidden_layers"] == 46 else cfg["head_dim"]
-        cfg.update(attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
-                   final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
-                   query_pre_attn_scalar=float(scalar))
+        cfg.update(
+            attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
+            final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+            query_pre_attn_scalar=float(scalar),
+        )
         window = get("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
     if model_type == "gemma3_text":
-        cfg.update(query_pre_attn_scalar=float(cfg["head_dim"]),
-                   rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)),
-                   sliding_window=int(get("attention.sliding_window", 512)), sliding_window_pattern=6)
+        cfg.update(
+            query_pre_attn_scalar=float(cfg["head_dim"]),
+            rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)),
+            sliding_window=int(get("attention.sliding_window", 512)),
+            sliding_window_pattern=6,
+        )
     if model_type == "phi3":
         rot = get("rope.dimension_count")
         if rot:
             cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
-        cfg["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length",
-                                                          cfg["max_position_embeddings"]))
+        cfg["original_max_position_embeddings"] = int(
+            get("rope.scaling.original_context_length", cfg["max_position_embeddings"])
+        )
     return cfg
 
 
@@ -123,8 +140,11 @@ def _rope_scaling(get) -> dict[str, Any] | None:
     if kind == "linear":
         return {"type": "linear", "factor": float(factor)}
     if kind == "yarn":
-        return {"type": "yarn", "factor": float(factor),
-                "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
+        return {
+            "type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        }
     raise UnsupportedGGUF(f"rope scaling {kind!r} is not supported")
 
 
@@ -155,11 +175,17 @@ def save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     tokenizer = set_split_regex(tokenizer, spec)
     if spec.get("pre_tokenizer_type") == "smollm":  # digits one by one, then GPT-2's byte-level split
         from tokenizers import pre_tokenizers
+
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     tokens = spec["tokens"]
-    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for attr, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         index = meta.get(f"tokenizer.ggml.{key}")
         if index is not None and 0 <= int(index) < len(tokens):
             setattr(tokenizer, attr, tokens[int(index)])

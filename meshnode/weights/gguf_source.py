@@ -52,7 +52,7 @@ def ollama_models_dir() -> Path:
 
 def ollama_blob(spec: str, root: Path | None = None) -> Path:
     """The GGUF blob of ``ollama:<name>[:<tag>]`` in Ollama's model store."""
-    name = spec[len(OLLAMA_PREFIX):]
+    name = spec[len(OLLAMA_PREFIX) :]
     name, _, tag = name.partition(":")
     if not name or not re.fullmatch(r"[\w.\-/]+", name) or (tag and not re.fullmatch(r"[\w.\-]+", tag)):
         raise FileNotFoundError(f"{spec!r} is not an Ollama model name (ollama:<name>[:<tag>])")
@@ -176,8 +176,9 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
     arch, model_type = family(meta)
     tensors = {t.name: t for t in reader.tensors}
     cfg = model_config(meta, set(tensors))
-    meta["_tensor_types"] = [t.tensor_type.name for t in reader.tensors if t.name.endswith(".weight")
-                             and t.name.startswith("blk.")]
+    meta["_tensor_types"] = [
+        t.tensor_type.name for t in reader.tensors if t.name.endswith(".weight") and t.name.startswith("blk.")
+    ]
     ident = model_id(meta, sha)
     names = gguf_names(_parameter_names(cfg), arch, cfg["num_hidden_layers"])
     _check_rope_factors(tensors, cfg)
@@ -217,8 +218,9 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
             told = done * 10 // total
             log.info("converting %s: %d%%", path.name, 10 * told)
 
-    log.info("converting %s (%s, %d tensors) into %s: %s", path.name, model_type, len(planned), out,
-             cfg["gguf"]["weights"])
+    log.info(
+        "converting %s (%s, %d tensors) into %s: %s", path.name, model_type, len(planned), out, cfg["gguf"]["weights"]
+    )
     save_tokenizer(meta, out)
     _write_shards(out, planned, advance)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -253,8 +255,9 @@ def _quantization(bits_of: dict[str, int]) -> dict:
 def weights_note(tensors) -> str:
     """What the conversion does to the file's weights, for ``meshnode status`` and the plan."""
     kept = Counter(t.tensor_type.name for t in tensors if t.tensor_type in KEPT)
-    redone = Counter(f"{t.tensor_type.name} as {REQUANTIZED[t.tensor_type]}-bit"
-                     for t in tensors if t.tensor_type in REQUANTIZED)
+    redone = Counter(
+        f"{t.tensor_type.name} as {REQUANTIZED[t.tensor_type]}-bit" for t in tensors if t.tensor_type in REQUANTIZED
+    )
     parts = []
     if kept:
         parts.append(f"{'/'.join(sorted(kept))} kept bit for bit")
@@ -267,7 +270,7 @@ def _write_shards(out: Path, planned: list[tuple[int, Planned]], advance: Callab
     """Safetensors files of whole layers (about SHARD_BYTES each) and mlx-lm's index of them."""
     groups: list[list[Planned]] = [[]]
     size, last_layer = 0, None
-    for layer, p in sorted(planned, key=lambda lp: (lp[0] if lp[0] >= 0 else math.inf)):
+    for layer, p in sorted(planned, key=lambda lp: lp[0] if lp[0] >= 0 else math.inf):
         if size >= SHARD_BYTES and layer != last_layer and groups[-1]:
             groups.append([])
             size = 0
@@ -281,7 +284,8 @@ def _write_shards(out: Path, planned: list[tuple[int, Planned]], advance: Callab
         weight_map.update({p.name: name for p in group})
     total = sum(p.nbytes for _, p in planned)
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
 
 
 def _check_rope_factors(tensors: dict, cfg: dict) -> None:
@@ -296,10 +300,18 @@ def _check_rope_factors(tensors: dict, cfg: dict) -> None:
     factor = float(factors.max())
     for low, high, original in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 16384)):
         smooth = (original / wavelen - low) / (high - low)
-        want = np.where(wavelen < original / high, 1.0,
-                        np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+        want = np.where(
+            wavelen < original / high,
+            1.0,
+            np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
         if np.allclose(want, factors, rtol=1e-3):
-            cfg["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                                   "high_freq_factor": high, "original_max_position_embeddings": original}
+            cfg["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
             return
     raise UnsupportedGGUF("rope_freqs.weight: rope frequency factors that are not llama 3's are not supported")

@@ -22,9 +22,26 @@ Q = GGMLQuantizationType
 KEPT = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
 # Dequantized and quantized again with MLX at this many bits.
 REQUANTIZED = {
-    Q.Q2_K: 3, Q.Q3_K: 3, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_K: 8, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_1: 8,
-    Q.IQ1_S: 2, Q.IQ1_M: 2, Q.IQ2_XXS: 2, Q.IQ2_XS: 2, Q.IQ2_S: 2, Q.IQ3_XXS: 3, Q.IQ3_S: 3,
-    Q.IQ4_NL: 4, Q.IQ4_XS: 4, Q.TQ1_0: 2, Q.TQ2_0: 2,
+    Q.Q2_K: 3,
+    Q.Q3_K: 3,
+    Q.Q4_K: 4,
+    Q.Q5_K: 5,
+    Q.Q6_K: 6,
+    Q.Q8_K: 8,
+    Q.Q5_0: 5,
+    Q.Q5_1: 5,
+    Q.Q8_1: 8,
+    Q.IQ1_S: 2,
+    Q.IQ1_M: 2,
+    Q.IQ2_XXS: 2,
+    Q.IQ2_XS: 2,
+    Q.IQ2_S: 2,
+    Q.IQ3_XXS: 3,
+    Q.IQ3_S: 3,
+    Q.IQ4_NL: 4,
+    Q.IQ4_XS: 4,
+    Q.TQ1_0: 2,
+    Q.TQ2_0: 2,
 }
 FLOATS = {Q.F32: mx.float32, Q.F16: mx.float16, Q.BF16: mx.bfloat16}
 # Tensors llama.cpp writes that mlx-lm computes itself.
@@ -109,9 +126,12 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np
         return _pack(q.reshape(rows, -1), 8), scale, offset
     # w = d * q + m (Q4_1), or d * (q - 8) (Q4_0); q in 16 bytes, low nibbles first
     start = 4 if qtype == Q.Q4_1 else 2
-    offset = (blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if qtype == Q.Q4_1
-              else (scale.astype(np.float32) * -8).astype(np.float16))
-    qs = blocks[:, :, start:start + 16]
+    offset = (
+        blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
+        if qtype == Q.Q4_1
+        else (scale.astype(np.float32) * -8).astype(np.float16)
+    )
+    qs = blocks[:, :, start : start + 16]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
     return _pack(q.reshape(rows, -1), 4), scale, offset
 
@@ -126,8 +146,9 @@ def requantize(raw: np.ndarray, qtype: GGMLQuantizationType, bits: int) -> tuple
 ROWS_AT_ONCE = 1024  # bounds what the conversion holds beyond its output tensor
 
 
-def by_rows(t: ReaderTensor, convert: Callable[[np.ndarray], tuple[np.ndarray, ...]],
-            fix: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, ...]:
+def by_rows(
+    t: ReaderTensor, convert: Callable[[np.ndarray], tuple[np.ndarray, ...]], fix: Callable[[np.ndarray], np.ndarray]
+) -> tuple[np.ndarray, ...]:
     """``convert`` applied to ``t``'s rows a block at a time, then ``fix``ed: memory holds the output
     and one block."""
     raw = np.asarray(t.data)
@@ -135,11 +156,11 @@ def by_rows(t: ReaderTensor, convert: Callable[[np.ndarray], tuple[np.ndarray, .
     rows = raw.reshape(-1, raw.shape[-1])
     out: list[np.ndarray] = []
     for start in range(0, rows.shape[0], ROWS_AT_ONCE):
-        parts = convert(rows[start:start + ROWS_AT_ONCE])
+        parts = convert(rows[start : start + ROWS_AT_ONCE])
         if not out:
             out = [np.empty((rows.shape[0], *p.shape[1:]), p.dtype) for p in parts]
         for whole, part in zip(out, parts):
-            whole[start:start + part.shape[0]] = part
+            whole[start : start + part.shape[0]] = part
     return tuple(fix(a.reshape(*lead, -1)) for a in out)
 
 
@@ -158,12 +179,19 @@ def plan_tensor(t: ReaderTensor, name: str, unpermute: int = 0) -> list[Planned]
             if qtype == Q.BF16:
                 return mx.array(fix(data.view(np.uint16).reshape(shape))).view(mx.bfloat16)
             return mx.array(fix(data.reshape(shape)))
+
         return [Planned(name, dtype, shape, make_float)]
     if base is None or shape[-1] % GROUP_SIZE:
         if qtype not in REQUANTIZED and qtype not in KEPT:
             raise UnsupportedGGUF(f"tensor {t.name}: GGUF type {qtype.name} is not supported")
-        return [Planned(name, mx.float16, shape,
-                        lambda: mx.array(fix(quants.dequantize(np.asarray(t.data), qtype)).astype(np.float16)))]
+        return [
+            Planned(
+                name,
+                mx.float16,
+                shape,
+                lambda: mx.array(fix(quants.dequantize(np.asarray(t.data), qtype)).astype(np.float16)),
+            )
+        ]
     if qtype in KEPT:
         bits = KEPT[qtype]
 
@@ -183,13 +211,17 @@ def plan_tensor(t: ReaderTensor, name: str, unpermute: int = 0) -> list[Planned]
             if "v" not in parts:
                 parts["v"] = by_rows(t, convert, fix)
             return mx.array(parts["v"][i] if i < 2 else parts.pop("v")[i])
+
         return make
+
     lead, cols = shape[:-1], shape[-1]
     packed = (*lead, cols * bits // 32)
     grouped = (*lead, cols // GROUP_SIZE)
-    return [Planned(f"{base}.weight", mx.uint32, packed, part(0)),
-            Planned(f"{base}.scales", mx.float16, grouped, part(1)),
-            Planned(f"{base}.biases", mx.float16, grouped, part(2))]
+    return [
+        Planned(f"{base}.weight", mx.uint32, packed, part(0)),
+        Planned(f"{base}.scales", mx.float16, grouped, part(1)),
+        Planned(f"{base}.biases", mx.float16, grouped, part(2)),
+    ]
 
 
 def quantized_bits(t: ReaderTensor) -> int | None:
@@ -200,14 +232,18 @@ def quantized_bits(t: ReaderTensor) -> int | None:
     return KEPT.get(t.tensor_type) or REQUANTIZED.get(t.tensor_type)
 
 
-def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, str],
-                      done: Callable[[int], None] | None = None) -> None:
+def write_safetensors(
+    path: Path, tensors: list[Planned], metadata: dict[str, str], done: Callable[[int], None] | None = None
+) -> None:
     """Write ``tensors`` one at a time (header first), so memory holds one tensor."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for p in tensors:
-        header[p.name] = {"dtype": _SAFE_DTYPES[p.dtype], "shape": list(p.shape),
-                          "data_offsets": [offset, offset + p.nbytes]}
+        header[p.name] = {
+            "dtype": _SAFE_DTYPES[p.dtype],
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + p.nbytes],
+        }
         offset += p.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -217,8 +253,9 @@ def write_safetensors(path: Path, tensors: list[Planned], metadata: dict[str, st
         for p in tensors:
             array = p.make()
             if array.dtype != p.dtype or tuple(array.shape) != p.shape:
-                raise UnsupportedGGUF(f"{p.name}: computed {array.dtype} {tuple(array.shape)}, "
-                                      f"planned {p.dtype} {p.shape}")
+                raise UnsupportedGGUF(
+                    f"{p.name}: computed {array.dtype} {tuple(array.shape)}, planned {p.dtype} {p.shape}"
+                )
             view = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
             f.write(np.ascontiguousarray(np.asarray(view)).data)
             if done is not None:

@@ -24,8 +24,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def holdings_to_pb(holdings: tuple[Holding, ...]) -> list[mesh_pb2.ModelHolding]:
-    return [mesh_pb2.ModelHolding(model_id=m, complete=c, layers=[f"{a}-{b}" for a, b in r])
-            for m, c, r in holdings]
+    return [mesh_pb2.ModelHolding(model_id=m, complete=c, layers=[f"{a}-{b}" for a, b in r]) for m, c, r in holdings]
 
 
 def holdings_from_pb(items) -> tuple[Holding, ...]:

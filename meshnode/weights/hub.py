@@ -30,8 +30,11 @@ _HUB_TRIES = 5  # per weight file, each resuming from the bytes on disk
 
 def is_hub_id(model_id: str) -> bool:
     """Whether ``model_id`` reads as a Hugging Face repository id (owner/name)."""
-    return model_id.count("/") == 1 and not model_id.startswith(("/", ".", "~")) and \
-        all(part and not part.startswith(".") for part in model_id.split("/"))
+    return (
+        model_id.count("/") == 1
+        and not model_id.startswith(("/", ".", "~"))
+        and all(part and not part.startswith(".") for part in model_id.split("/"))
+    )
 
 
 # The files mlx-lm downloads for a model; weight files come per stage, the rest at start-up.
@@ -53,12 +56,16 @@ def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, di
     headers = build_hf_headers()
 
     def get(first: int, last: int) -> bytes:
-        r = get_session().get(url, headers={**headers, "Range": f"bytes={first}-{last}",
-                                            "Accept-Encoding": "identity"}, follow_redirects=True, timeout=30)
+        r = get_session().get(
+            url,
+            headers={**headers, "Range": f"bytes={first}-{last}", "Accept-Encoding": "identity"},
+            follow_redirects=True,
+            timeout=30,
+        )
         hf_raise_for_status(r)
         body = r.content
         if r.status_code == 200:  # the server ignored the range: cut the whole body down
-            body = body[first:last + 1]
+            body = body[first : last + 1]
         return body
 
     return decode_safetensors_header(get(0, 64 * 1024 - 1), get, f"{model_id}/{filename}")
@@ -72,9 +79,15 @@ def _remote_entry(model_id: str, revision: str, path: str, size: int, sha256: st
         s, e = (int(x) for x in info["data_offsets"])
         if e < s or header_length + e > size:
             raise ValueError(f"{model_id}/{path}: tensor {name} lies outside the file")
-        entry.tensors.append(mesh_pb2.TensorEntry(name=name, dtype=str(info["dtype"]),
-                                                  shape=[int(d) for d in info["shape"]],
-                                                  offset=header_length + s, length=e - s))
+        entry.tensors.append(
+            mesh_pb2.TensorEntry(
+                name=name,
+                dtype=str(info["dtype"]),
+                shape=[int(d) for d in info["shape"]],
+                offset=header_length + s,
+                length=e - s,
+            )
+        )
     return entry
 
 
@@ -112,8 +125,12 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
     dest = Path(cache_root) / (folder_name(model_id, 0, 0)[:-4] + "-hub")
     try:
         old = read_marker(dest)
-        if old and old.get("source") == HUB_SOURCE and old.get("revision") == commit and \
-                all((dest / rel).is_file() for rel in old.get("links", ())):
+        if (
+            old
+            and old.get("source") == HUB_SOURCE
+            and old.get("revision") == commit
+            and all((dest / rel).is_file() for rel in old.get("links", ()))
+        ):
             return dest
     except (OSError, ValueError):
         pass
@@ -130,22 +147,48 @@ def hub_metadata(model_id: str, cache_root: Path, *, revision: str | None = None
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(8, len(weights))) as pool:
-        remote = list(pool.map(lambda f: _remote_entry(model_id, commit, f.path, int(f.size),
-                                                       f.lfs.sha256 if f.lfs is not None else None), weights))
+        remote = list(
+            pool.map(
+                lambda f: _remote_entry(
+                    model_id, commit, f.path, int(f.size), f.lfs.sha256 if f.lfs is not None else None
+                ),
+                weights,
+            )
+        )
     manifest = mesh_pb2.ModelManifest(model_id=model_id)
     entries = [hash_file(snap / rel, rel) for rel in small] + remote
     for e in sorted(entries, key=lambda e: e.path):
         manifest.files.append(e)
     manifest.digest = model_digest([(f.path, f.sha256) for f in manifest.files])
-    log.info("%s: profiled from config and %d weight headers (%.1f MiB of weights on the Hub, none downloaded)",
-             model_id, len(remote), sum(e.size for e in remote) / 2**20)
-    marker = {"model_id": model_id, "digest": manifest.digest, "start": 0, "end": 0, "num_layers": n_layers,
-              "source": HUB_SOURCE, "revision": commit, "links": small, "manifest": manifest_to_dict(manifest)}
+    log.info(
+        "%s: profiled from config and %d weight headers (%.1f MiB of weights on the Hub, none downloaded)",
+        model_id,
+        len(remote),
+        sum(e.size for e in remote) / 2**20,
+    )
+    marker = {
+        "model_id": model_id,
+        "digest": manifest.digest,
+        "start": 0,
+        "end": 0,
+        "num_layers": n_layers,
+        "source": HUB_SOURCE,
+        "revision": commit,
+        "links": small,
+        "manifest": manifest_to_dict(manifest),
+    }
     return _link_folder(dest, {rel: snap / rel for rel in small}, marker)
 
 
-def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadata: Path | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> Path:
+def hub_layers(
+    model_id: str,
+    start: int,
+    end: int,
+    cache_root: Path,
+    *,
+    metadata: Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Download only the Hub weight files a stage of layers [start, end) needs, and return a
     partial folder linking them whose marker lets peers fetch them from here. Every file is checked
     against the Hub's sha256 before use."""
@@ -168,8 +211,15 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
     files = {f.path: f for f in manifest.files}
     needed = sorted({path for path, _ in tensors_for_layers(manifest, start, end, n_layers)})
     total = sum(files[p].size for p in needed)
-    log.info("downloading layers [%d, %d) of %s from Hugging Face: %d of %d weight files, %.1f MiB",
-             start, end, model_id, len(needed), sum(1 for f in manifest.files if f.tensors), total / 2**20)
+    log.info(
+        "downloading layers [%d, %d) of %s from Hugging Face: %d of %d weight files, %.1f MiB",
+        start,
+        end,
+        model_id,
+        len(needed),
+        sum(1 for f in manifest.files if f.tensors),
+        total / 2**20,
+    )
     _check_hub_space(model_id, needed, files, cache_root.parent / "hub-blobs")
     done = 0
     local: dict[str, Path] = {}
@@ -181,33 +231,55 @@ def hub_layers(model_id: str, start: int, end: int, cache_root: Path, *, metadat
             if on_progress is not None:
                 on_progress(base + in_file, total)
 
-        local[path] = _download(model_id, path, commit, entry.size, entry.sha256, cache_root.parent / "hub-blobs",
-                                report)
+        local[path] = _download(
+            model_id, path, commit, entry.size, entry.sha256, cache_root.parent / "hub-blobs", report
+        )
         got = hash_file(local[path], path)  # also each tensor's digest, for peers fetching from here
-        if got.size != entry.size or (entry.sha256 and got.sha256 != entry.sha256) or \
-                [(t.name, t.offset, t.length) for t in got.tensors] != \
-                [(t.name, t.offset, t.length) for t in sorted(entry.tensors, key=lambda t: t.offset)]:
+        if (
+            got.size != entry.size
+            or (entry.sha256 and got.sha256 != entry.sha256)
+            or [(t.name, t.offset, t.length) for t in got.tensors]
+            != [(t.name, t.offset, t.length) for t in sorted(entry.tensors, key=lambda t: t.offset)]
+        ):
             local[path].unlink(missing_ok=True)
             raise FetchError(f"{model_id}/{path} from Hugging Face does not match its sha256 or headers; removed it")
         entry.CopyFrom(got)
         done += entry.size
         if on_progress is not None:
             on_progress(done, total)
-        log.info("downloaded %s/%s (%.1f MiB, %d/%d files, %.1f of %.1f MiB)", model_id, path, entry.size / 2**20,
-                 needed.index(path) + 1, len(needed), done / 2**20, total / 2**20)
+        log.info(
+            "downloaded %s/%s (%.1f MiB, %d/%d files, %.1f of %.1f MiB)",
+            model_id,
+            path,
+            entry.size / 2**20,
+            needed.index(path) + 1,
+            len(needed),
+            done / 2**20,
+            total / 2**20,
+        )
     if not manifest.digest:
         manifest.digest = model_digest([(f.path, f.sha256) for f in manifest.files])
     links = {rel: metadata / rel for rel in marker.get("links", ())}
     links.update(local)
-    out = {"model_id": model_id, "digest": manifest.digest, "start": start, "end": end, "num_layers": n_layers,
-           "source": HUB_SOURCE, "revision": commit, "links": sorted(links), "manifest": manifest_to_dict(manifest)}
+    out = {
+        "model_id": model_id,
+        "digest": manifest.digest,
+        "start": start,
+        "end": end,
+        "num_layers": n_layers,
+        "source": HUB_SOURCE,
+        "revision": commit,
+        "links": sorted(links),
+        "manifest": manifest_to_dict(manifest),
+    }
     dest = _link_folder(cache_root / folder_name(model_id, start, end), links, out)
     log.info("%s layers [%d, %d) ready in %s", model_id, start, end, dest)
     return dest
 
 
-def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blobs: Path,
-              report: Callable[[int], None]) -> Path:
+def _download(
+    model_id: str, path: str, commit: str, size: int, sha256: str, blobs: Path, report: Callable[[int], None]
+) -> Path:
     """``<blobs>/<sha256>``, via a ``.part`` kept when cut off so the next attempt asks only for the
     rest (huggingface_hub would drop it)."""
     from huggingface_hub import hf_hub_url
@@ -254,8 +326,14 @@ def _download(model_id: str, path: str, commit: str, size: int, sha256: str, blo
             if err is not None or part.stat().st_size != size:
                 if attempt == _HUB_TRIES:
                     raise FetchError(f"downloading {model_id}/{path} failed {attempt} times: {err}")
-                log.warning("downloading %s/%s stopped at %.1f of %.1f MiB (%s); resuming", model_id, path,
-                            (part.stat().st_size if part.is_file() else 0) / 2**20, size / 2**20, err or "short body")
+                log.warning(
+                    "downloading %s/%s stopped at %.1f of %.1f MiB (%s); resuming",
+                    model_id,
+                    path,
+                    (part.stat().st_size if part.is_file() else 0) / 2**20,
+                    size / 2**20,
+                    err or "short body",
+                )
                 time.sleep(min(2 ** (attempt - 1), 10))
                 continue
         os.replace(part, final)
@@ -275,5 +353,7 @@ def _check_hub_space(model_id: str, needed: list[str], files: dict, blobs: Path,
         need += entry.size - (part.stat().st_size if entry.sha256 and part.is_file() else 0)
     free = free_bytes(blobs)
     if need + reserve > free:
-        raise DiskSpaceError(f"downloading {len(needed)} weight files of {model_id} needs {need / 2**20:,.1f} MiB "
-                             f"(+{reserve / 2**20:,.0f} MiB reserve) in {blobs}, only {free / 2**20:,.1f} MiB free")
+        raise DiskSpaceError(
+            f"downloading {len(needed)} weight files of {model_id} needs {need / 2**20:,.1f} MiB "
+            f"(+{reserve / 2**20:,.0f} MiB reserve) in {blobs}, only {free / 2**20:,.1f} MiB free"
+        )

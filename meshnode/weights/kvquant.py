@@ -35,8 +35,10 @@ def kv_quant_problem(config: dict[str, Any], bits: int = KV_BITS[0]) -> str:
     head_dim = config_value(cfg, "head_dim", default=int(hidden) // int(heads) if heads and hidden else 0)
     dims = {int(head_dim or 0), int(cfg.get("v_head_dim") or head_dim or 0)}
     if any(d <= 0 or d % KV_GROUP_SIZE for d in dims):
-        return (f"{family}: its head dimension ({', '.join(map(str, sorted(dims)))}) is not a multiple of the "
-                f"KV quantization group size {KV_GROUP_SIZE}")
+        return (
+            f"{family}: its head dimension ({', '.join(map(str, sorted(dims)))}) is not a multiple of the "
+            f"KV quantization group size {KV_GROUP_SIZE}"
+        )
     return ""
 
 

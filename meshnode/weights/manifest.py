@@ -25,9 +25,23 @@ from meshnode.weights.weightfiles import (
     weight_files,
 )
 
-__all__ = ["CACHE_NAME", "PARTIAL_MARKER", "INDEX_NAME", "build_manifest", "tensors_for_layers", "layers_held",
-           "validate_manifest", "model_digest", "safe_relpath", "is_weight_file", "num_layers_of",
-           "manifest_to_dict", "manifest_from_dict", "read_marker", "weights_identity"]
+__all__ = [
+    "CACHE_NAME",
+    "PARTIAL_MARKER",
+    "INDEX_NAME",
+    "build_manifest",
+    "tensors_for_layers",
+    "layers_held",
+    "validate_manifest",
+    "model_digest",
+    "safe_relpath",
+    "is_weight_file",
+    "num_layers_of",
+    "manifest_to_dict",
+    "manifest_from_dict",
+    "read_marker",
+    "weights_identity",
+]
 
 CACHE_NAME = ".meshnode-manifest.json"
 PARTIAL_MARKER = "meshnode-partial.json"
@@ -36,8 +50,20 @@ _CACHE_VERSION = 1
 _READ = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 # Never copied as "small files": mlx-lm loads only model*.safetensors; the index is rewritten.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".ckpt", ".h5", ".msgpack",
-                    ".pkl", ".onnx", ".ot")
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".npz",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".pkl",
+    ".onnx",
+    ".ot",
+)
 MAX_FILES = 100_000
 MAX_TENSORS = 1_000_000
 MAX_SIZE = 1 << 50
@@ -94,8 +120,13 @@ def hash_file(path: Path, rel: str) -> mesh_pb2.FileEntry:
         entry.header_length = 8 + n
         for name, info in header.items():
             s, e = (int(x) for x in info["data_offsets"])
-            t = mesh_pb2.TensorEntry(name=name, dtype=str(info["dtype"]), shape=[int(d) for d in info["shape"]],
-                                     offset=entry.header_length + s, length=e - s)
+            t = mesh_pb2.TensorEntry(
+                name=name,
+                dtype=str(info["dtype"]),
+                shape=[int(d) for d in info["shape"]],
+                offset=entry.header_length + s,
+                length=e - s,
+            )
             if e < s or t.offset + t.length > size:
                 raise ValueError(f"{path}: tensor {name} lies outside the file")
             spans.append((t.offset, t.offset + t.length, hashlib.sha256(), t))
@@ -118,7 +149,7 @@ def hash_file(path: Path, rel: str) -> mesh_pb2.FileEntry:
             j = k
             while j < len(spans) and spans[j][0] < end:
                 s, e, h, _ = spans[j]
-                h.update(data[max(s, pos) - pos: min(e, end) - pos])
+                h.update(data[max(s, pos) - pos : min(e, end) - pos])
                 j += 1
             pos = end
     if pos != size:
@@ -195,8 +226,9 @@ def _kind(name: str, num_layers: int) -> tuple[str, int]:
     return "other", -1
 
 
-def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, num_layers: int,
-                       tied: bool | None = None) -> list[tuple[str, mesh_pb2.TensorEntry]]:
+def tensors_for_layers(
+    manifest: mesh_pb2.ModelManifest, start: int, end: int, num_layers: int, tied: bool | None = None
+) -> list[tuple[str, mesh_pb2.TensorEntry]]:
     """(file path, tensor) of exactly what a stage of layers [start, end) needs (``tied=None``:
     tied when there is no head tensor)."""
     if not 0 <= start < end <= num_layers:
@@ -208,8 +240,11 @@ def tensors_for_layers(manifest: mesh_pb2.ModelManifest, start: int, end: int, n
     first, last = start == 0, end == num_layers
     out = []
     for (kind, i), path, t in kinds:
-        if (kind == "layer" and start <= i < end) or (kind == "embed" and (first or (last and tied))) \
-                or (kind in ("head", "other") and last):
+        if (
+            (kind == "layer" and start <= i < end)
+            or (kind == "embed" and (first or (last and tied)))
+            or (kind in ("head", "other") and last)
+        ):
             out.append((path, t))
     return out
 

@@ -16,8 +16,9 @@ class ModelNotFound(RuntimeError):
     pass
 
 
-def resolve_model(spec: str | None, cache_dir: Path | None = None,
-                  progress: Callable[[str, int, int], None] | None = None) -> tuple[str, Path]:
+def resolve_model(
+    spec: str | None, cache_dir: Path | None = None, progress: Callable[[str, int, int], None] | None = None
+) -> tuple[str, Path]:
     """(model id, local directory) for a configured model; ``None``: the demo. A GGUF file is
     converted once into a cached folder; a Hub id gives metadata only (stages download weights later)."""
     if spec is None:

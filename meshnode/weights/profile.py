@@ -28,8 +28,6 @@ _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "
 _ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-
-
 @dataclass(frozen=True)
 class ModelProfile:
     """A model's shape and byte sizes: what the planner places."""
@@ -97,8 +95,9 @@ class ModelProfile:
 
     def layers_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
         """Weights plus KV of layers [start, end), without embedding, norm or head."""
-        return sum(self.layer_bytes[start:end]) + sum(self.kv_bytes(i, max_context, requests)
-                                                      for i in range(start, end))
+        return sum(self.layer_bytes[start:end]) + sum(
+            self.kv_bytes(i, max_context, requests) for i in range(start, end)
+        )
 
     def stage_bytes(self, start: int, end: int, max_context: int, requests: int | None = None) -> int:
         """Weights and KV of layers [start, end), plus embedding on the first stage and head on the last."""
@@ -131,8 +130,16 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
         """Inverse of :meth:`to_dict`; unknown keys (a newer peer's) are ignored."""
         known = {f.name for f in fields(cls)}
-        optional = {"kv_requests", "split_problem", "moe_intermediate_size", "quant_group_size",
-                    "trained_context", "kv_bits", "kv_quant_problem", "weights_note"}  # newer fields
+        optional = {
+            "kv_requests",
+            "split_problem",
+            "moe_intermediate_size",
+            "quant_group_size",
+            "trained_context",
+            "kv_bits",
+            "kv_quant_problem",
+            "weights_note",
+        }  # newer fields
         missing = known - set(d) - optional
         if missing:
             raise ValueError(f"model profile lacks {', '.join(sorted(missing))}")
@@ -143,9 +150,24 @@ class ModelProfile:
         for key in ("split_problem", "kv_quant_problem", "weights_note"):
             if key in kw:
                 kw[key] = str(kw[key] or "")
-        for key in ("num_layers", "embed_bytes", "head_bytes", "norm_bytes", "hidden_size", "num_heads",
-                    "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "vocab_size", "kv_requests",
-                    "moe_intermediate_size", "quant_group_size", "trained_context", "kv_bits"):
+        for key in (
+            "num_layers",
+            "embed_bytes",
+            "head_bytes",
+            "norm_bytes",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "num_experts",
+            "vocab_size",
+            "kv_requests",
+            "moe_intermediate_size",
+            "quant_group_size",
+            "trained_context",
+            "kv_bits",
+        ):
             if key in kw:
                 kw[key] = int(kw[key])
         for key in ("name", "model_type", "dtype"):
@@ -189,8 +211,9 @@ def _tensors(model_dir: Path) -> dict[str, _Tensor]:
         return out
     for file in weight_files(model_dir):
         for name, info in read_safetensors_header(file).items():
-            out[name] = _Tensor(_entry_bytes(file, name, info), str(info.get("dtype", "")),
-                                tuple(int(d) for d in info.get("shape", ())))
+            out[name] = _Tensor(
+                _entry_bytes(file, name, info), str(info.get("dtype", "")), tuple(int(d) for d in info.get("shape", ()))
+            )
     return out
 
 
@@ -229,8 +252,15 @@ def _sliding(cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
 def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
     """The dtype of activations and KV: the embedding's, promoted by the first block's norms."""
     embeds = sorted(k for k in tensors if EMBED_KEY.search(k) and not SKIP_KEY.search(k))
-    dtype = next((_DTYPE_NAMES[tensors[k].dtype] for suffix in (".scales", ".weight") for k in embeds
-                  if k.endswith(suffix) and tensors[k].dtype in _DTYPE_NAMES), None)
+    dtype = next(
+        (
+            _DTYPE_NAMES[tensors[k].dtype]
+            for suffix in (".scales", ".weight")
+            for k in embeds
+            if k.endswith(suffix) and tensors[k].dtype in _DTYPE_NAMES
+        ),
+        None,
+    )
     if dtype is None:
         dtype = str(config_value(cfg, "torch_dtype", "dtype", default="float16"))
         dtype = dtype if dtype in _ITEM else "float16"
@@ -270,8 +300,9 @@ def hidden_size(config: dict[str, Any]) -> int:
 _FUSED_QKV = re.compile(r"\.(?:qkv_proj|c_attn|query_key_value|Wqkv|qkv)\.weight$")
 
 
-def _kv_per_token(layer_keys: list[list[str]], tensors: dict[str, _Tensor], cfg: dict[str, Any], item: int,
-                  default: int) -> tuple[int, ...]:
+def _kv_per_token(
+    layer_keys: list[list[str]], tensors: dict[str, _Tensor], cfg: dict[str, Any], item: int, default: int
+) -> tuple[int, ...]:
     """KV bytes per token of each layer, from k_proj/v_proj or the config; 0 without attention."""
     if cfg.get("kv_lora_rank"):  # multi-head latent attention: one compressed latent per token
         return ((int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)) * item,) * len(layer_keys)
@@ -294,8 +325,11 @@ def trained_context(config: dict[str, Any]) -> int:
     scaling = config.get("rope_scaling") or {}
     original = scaling.get("original_max_position_embeddings") if isinstance(scaling, dict) else None
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
-    if original and factor and scaling.get("rope_type", scaling.get("type")) in ("yarn", "dynamic", "longrope",
-                                                                               "linear", "llama3"):
+    if (
+        original
+        and factor
+        and scaling.get("rope_type", scaling.get("type")) in ("yarn", "dynamic", "longrope", "linear", "llama3")
+    ):
         scaled = int(float(original) * float(factor))
     else:
         scaled = 0
@@ -346,8 +380,10 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     problem = split_support(raw_cfg) or ""
     if not problem and split_boundaries(raw_cfg) != list(range(1, n)):
         # Layers sharing caches in groups (hunyuan's cross-layer attention) cannot split anywhere.
-        problem = (f"{raw_cfg.get('model_type')}: its layers share keys and values in groups, and stages "
-                   f"may start only at layers {split_boundaries(raw_cfg)}, which the planner does not place yet")
+        problem = (
+            f"{raw_cfg.get('model_type')}: its layers share keys and values in groups, and stages "
+            f"may start only at layers {split_boundaries(raw_cfg)}, which the planner does not place yet"
+        )
     return ModelProfile(
         name=name or model_dir.name,
         model_type=str(raw_cfg.get("model_type") or cfg.get("model_type", "")),

@@ -42,8 +42,13 @@ def cached_metadata(cache_root: Path, model_id: str) -> Path | None:
     return best
 
 
-async def metadata_from_peers(model_id: str, cache_root: Path, candidates: Callable[[], Sequence[tuple[str, object]]],
-                              deadline_s: float, poll_s: float = 1.0) -> Path:
+async def metadata_from_peers(
+    model_id: str,
+    cache_root: Path,
+    candidates: Callable[[], Sequence[tuple[str, object]]],
+    deadline_s: float,
+    poll_s: float = 1.0,
+) -> Path:
     """Fetch ``model_id``'s small files from a peer, waiting up to ``deadline_s``; else FetchError."""
     import asyncio
 
@@ -61,8 +66,9 @@ async def metadata_from_peers(model_id: str, cache_root: Path, candidates: Calla
         else:
             reason = "no peer known yet"
         if time.monotonic() > end:
-            raise FetchError(f"model {model_id!r} is not on this disk and no peer supplied it in "
-                             f"{deadline_s:.0f} s ({reason})")
+            raise FetchError(
+                f"model {model_id!r} is not on this disk and no peer supplied it in {deadline_s:.0f} s ({reason})"
+            )
         if time.monotonic() - said > 15:
             log.info("model %s is not on this disk; waiting for a peer that holds it (%s)", model_id, reason)
             said = time.monotonic()
@@ -112,8 +118,13 @@ class LayerSource:
                 return d
         return None
 
-    async def folder(self, start: int, end: int, peers: Sequence[tuple[str, object]],
-                     on_progress: Callable[[int, int], None] | None = None) -> Path:
+    async def folder(
+        self,
+        start: int,
+        end: int,
+        peers: Sequence[tuple[str, object]],
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Path:
         """A folder holding layers [start, end): local, else from ``peers``, else from the Hub."""
         path = self.local(start, end)
         if path is not None:
@@ -122,21 +133,33 @@ class LayerSource:
         self.cache_root.mkdir(parents=True, exist_ok=True)
         if peers:
             try:
-                result = await fetch_layers(peers, self.model_id, start, end, dest, num_layers=self.num_layers,
-                                            on_progress=on_progress)
+                result = await fetch_layers(
+                    peers, self.model_id, start, end, dest, num_layers=self.num_layers, on_progress=on_progress
+                )
             except DiskSpaceError:
                 raise
             except FetchError as exc:
                 if not is_hub_id(self.model_id):
                     raise
-                log.info("peers cannot supply layers [%d, %d) of %s (%s); downloading them from Hugging Face",
-                         start, end, self.model_id, exc)
+                log.info(
+                    "peers cannot supply layers [%d, %d) of %s (%s); downloading them from Hugging Face",
+                    start,
+                    end,
+                    self.model_id,
+                    exc,
+                )
                 dest = await self._from_hub(start, end, on_progress)
             else:
-                log.info("fetched layers [%d, %d) of %s: %.1f MiB from peers %s, %.1f MiB resumed, %d refetched",
-                         start, end, self.model_id, result.fetched_bytes / 2**20,
-                         {k: round(v / 2**20, 1) for k, v in result.by_peer.items()}, result.reused_bytes / 2**20,
-                         result.refetched)
+                log.info(
+                    "fetched layers [%d, %d) of %s: %.1f MiB from peers %s, %.1f MiB resumed, %d refetched",
+                    start,
+                    end,
+                    self.model_id,
+                    result.fetched_bytes / 2**20,
+                    {k: round(v / 2**20, 1) for k, v in result.by_peer.items()},
+                    result.reused_bytes / 2**20,
+                    result.refetched,
+                )
         elif not is_hub_id(self.model_id):  # wait for a peer (the caller tries again)
             raise FetchError(f"no live peer announces layers of {self.model_id} yet")
         else:
@@ -148,5 +171,6 @@ class LayerSource:
     async def _from_hub(self, start: int, end: int, on_progress: Callable[[int, int], None] | None) -> Path:
         loop = asyncio.get_running_loop()
         report = None if on_progress is None else _on_loop(loop, on_progress)
-        return await asyncio.to_thread(hub_layers, self.model_id, start, end, self.cache_root,
-                                       metadata=self.model_path, on_progress=report)
+        return await asyncio.to_thread(
+            hub_layers, self.model_id, start, end, self.cache_root, metadata=self.model_path, on_progress=report
+        )

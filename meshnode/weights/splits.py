@@ -21,9 +21,30 @@ def _layer_count(config: dict[str, Any]) -> int | None:
 
 
 # Families with no ``embed_tokens`` or no list of layers: Shard finds no place to cut them.
-_OTHER_LAYOUTS = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "internlm2", "bailing_moe", "bailing_moe_linear",
-                            "bailing_moe_v3", "bailing_hybrid", "exaone", "mamba", "mamba2", "nanochat", "phixtral",
-                            "lille-130m", "talkie", "rwkv7", "phi", "dbrx", "openelm"})
+_OTHER_LAYOUTS = frozenset(
+    {
+        "gpt2",
+        "gpt_neox",
+        "gptj",
+        "gpt_bigcode",
+        "internlm2",
+        "bailing_moe",
+        "bailing_moe_linear",
+        "bailing_moe_v3",
+        "bailing_hybrid",
+        "exaone",
+        "mamba",
+        "mamba2",
+        "nanochat",
+        "phixtral",
+        "lille-130m",
+        "talkie",
+        "rwkv7",
+        "phi",
+        "dbrx",
+        "openelm",
+    }
+)
 
 
 def split_support(config: dict[str, Any]) -> str | None:
@@ -31,14 +52,20 @@ def split_support(config: dict[str, Any]) -> str | None:
     cfg = text_config(config)
     family = config.get("model_type")
     if int(cfg.get("num_kv_shared_layers") or 0) > 0:
-        return (f"{family}: its last {cfg['num_kv_shared_layers']} layers reuse the keys and values computed by "
-                "earlier layers (num_kv_shared_layers), which a later stage would not have")
+        return (
+            f"{family}: its last {cfg['num_kv_shared_layers']} layers reuse the keys and values computed by "
+            "earlier layers (num_kv_shared_layers), which a later stage would not have"
+        )
     if int(cfg.get("hidden_size_per_layer_input") or 0) > 0:
-        return (f"{family}: every layer takes its own embedding of the input tokens (hidden_size_per_layer_input), "
-                "but a later stage receives only the hidden state")
+        return (
+            f"{family}: every layer takes its own embedding of the input tokens (hidden_size_per_layer_input), "
+            "but a later stage receives only the hidden state"
+        )
     if family in _OTHER_LAYOUTS:
-        return (f"{family}: its embedding and layers are not laid out as embed_tokens / layers / norm, which "
-                "the stage runner splits; splitting it is not implemented")
+        return (
+            f"{family}: its embedding and layers are not laid out as embed_tokens / layers / norm, which "
+            "the stage runner splits; splitting it is not implemented"
+        )
     if family in ("iquestloopcoder",):
         return f"{family}: it runs its layers more than once per token (loops), so no layer range is a stage"
     if (_layer_count(config) or 0) < 2:

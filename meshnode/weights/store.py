@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20  # bytes per Fetch message
 
 
-
 @dataclass
 class _Held:
     """One local model folder served to peers."""
@@ -61,8 +60,13 @@ class ModelStore:
     """The models this node can serve to peers: ``local_models`` (id -> complete folder) and the
     folders under ``cache_root``. Manifests are hashed once, in a thread, on first request."""
 
-    def __init__(self, cache_root: Path | str | None = None, local_models: Mapping[str, Path | str] | None = None,
-                 *, chunk_size: int = CHUNK):
+    def __init__(
+        self,
+        cache_root: Path | str | None = None,
+        local_models: Mapping[str, Path | str] | None = None,
+        *,
+        chunk_size: int = CHUNK,
+    ):
         self.cache_root = Path(cache_root) if cache_root else None
         self.chunk_size = int(chunk_size)
         self._paths: dict[str, Path] = {k: Path(v) for k, v in (local_models or {}).items()}
@@ -152,12 +156,14 @@ class ModelStore:
         offset = request.offset
         length = request.length or max(entry.size - offset, 0)
         if offset > entry.size or offset + length > entry.size:
-            await abort(context, grpc.StatusCode.OUT_OF_RANGE,
-                                f"{rel}: bytes [{offset}, {offset + length}) outside its {entry.size} bytes")
+            await abort(
+                context,
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"{rel}: bytes [{offset}, {offset + length}) outside its {entry.size} bytes",
+            )
         where = held.locate(rel, offset, length)
         if where is None:
-            await abort(context, grpc.StatusCode.NOT_FOUND,
-                                f"{rel}: bytes [{offset}, {offset + length}) not held here")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"{rel}: bytes [{offset}, {offset + length}) not held here")
         local, local_off, expect = where
         try:
             f = open(local, "rb")

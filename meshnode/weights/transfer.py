@@ -40,7 +40,6 @@ _MAX_SMALL = 256 << 20  # a "small file" bigger than this is not a config or tok
 _OUT_FILE_BYTES = 4 << 30
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Client side
 
@@ -79,8 +78,9 @@ def tty_progress(label: str = "fetch") -> Callable[[int, int], None] | None:
 async def _manifests(peers, model_id: str, timeout: float, metadata) -> list[tuple[str, mesh_pb2.ModelManifest]]:
     async def one(name, channel):
         try:
-            m = await mesh_pb2_grpc.MeshStub(channel).Manifest(mesh_pb2.ManifestRequest(model_id=model_id),
-                                                               timeout=timeout, metadata=metadata)
+            m = await mesh_pb2_grpc.MeshStub(channel).Manifest(
+                mesh_pb2.ManifestRequest(model_id=model_id), timeout=timeout, metadata=metadata
+            )
             validate_manifest(m, model_id)
             return name, m
         except grpc.aio.AioRpcError as e:
@@ -161,8 +161,11 @@ def _layout(tensors: list[tuple[str, mesh_pb2.TensorEntry]], max_bytes: int) -> 
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         base = 8 + len(raw)
-        out[name] = {"header": raw.decode(), "size": base + pos,
-                     "tensors": [(t.name, base + header[t.name]["data_offsets"][0]) for t in group]}
+        out[name] = {
+            "header": raw.decode(),
+            "size": base + pos,
+            "tensors": [(t.name, base + header[t.name]["data_offsets"][0]) for t in group],
+        }
     return out
 
 
@@ -171,7 +174,6 @@ def free_bytes(path: Path) -> int:
     while not p.exists():
         p = p.parent
     return shutil.disk_usage(p).free
-
 
 
 async def _small_file(ref: mesh_pb2.ModelManifest, path: str, peers, holders, metadata, timeout) -> bytes:
@@ -184,7 +186,9 @@ async def _small_file(ref: mesh_pb2.ModelManifest, path: str, peers, holders, me
             data = bytearray()
             call = mesh_pb2_grpc.MeshStub(peers[name]).Fetch(
                 mesh_pb2.FetchRequest(model_id=ref.model_id, path=path, offset=0, length=entry.size),
-                metadata=metadata, timeout=timeout)
+                metadata=metadata,
+                timeout=timeout,
+            )
             async for chunk in call:
                 if chunk.offset != len(data) or len(data) + len(chunk.data) > entry.size:
                     raise ValueError("chunk out of place")
@@ -206,8 +210,14 @@ async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path,
     return json.loads(await _small_file(ref, "config.json", peers, holders, metadata, timeout))
 
 
-async def fetch_metadata(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, dest_dir: Path | str, *,
-                         timeout: float = 30.0, metadata=None) -> Path:
+async def fetch_metadata(
+    peers: Sequence[tuple[str, grpc.aio.Channel]],
+    model_id: str,
+    dest_dir: Path | str,
+    *,
+    timeout: float = 30.0,
+    metadata=None,
+) -> Path:
     """Only the small files, with the whole manifest in the marker, so the model can be profiled
     before any weight arrives."""
     dest = Path(dest_dir)
@@ -229,11 +239,22 @@ async def fetch_metadata(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id
     return dest
 
 
-async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, start: int, end: int,
-                       dest_dir: Path | str, *, num_layers: int | None = None,
-                       on_progress: Callable[[int, int], None] | None = None, streams_per_peer: int = 2,
-                       chunk_timeout: float = 30.0, max_peer_failures: int = 3, reserve_bytes: int = 64 << 20,
-                       max_file_bytes: int = _OUT_FILE_BYTES, metadata=None) -> FetchResult:
+async def fetch_layers(
+    peers: Sequence[tuple[str, grpc.aio.Channel]],
+    model_id: str,
+    start: int,
+    end: int,
+    dest_dir: Path | str,
+    *,
+    num_layers: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    streams_per_peer: int = 2,
+    chunk_timeout: float = 30.0,
+    max_peer_failures: int = 3,
+    reserve_bytes: int = 64 << 20,
+    max_file_bytes: int = _OUT_FILE_BYTES,
+    metadata=None,
+) -> FetchResult:
     """Fetch layers [start, end) of ``model_id`` and its small files from ``peers`` ((name, channel)
     pairs) into ``dest_dir``. Raises :class:`DiskSpaceError` before downloading, :class:`FetchError`
     when no peer can supply something; cancelling leaves ``<dest>.partial`` to resume from."""
@@ -246,8 +267,11 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
     ref = _choose(manifests, model_id)
     agree = [(n, m) for n, m in manifests if m.digest == ref.digest]
     full_peers = [n for n, m in agree if m.complete]
-    n_layers = num_layers if num_layers is not None else \
-        num_layers_of(await _config_of(ref, channels, [n for n, _ in agree], partial, metadata, chunk_timeout))
+    n_layers = (
+        num_layers
+        if num_layers is not None
+        else num_layers_of(await _config_of(ref, channels, [n for n, _ in agree], partial, metadata, chunk_timeout))
+    )
     needed = tensors_for_layers(ref, start, end, n_layers)
     if not full_peers:  # partial holders only: their tensor lists say nothing about layers none holds
         covered = set().union(*(_held_layers(m) for _, m in agree))
@@ -259,9 +283,15 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
         if f.size > _MAX_SMALL:
             raise FetchError(f"{model_id}: {f.path} ({f.size} bytes) is too big for a config or tokenizer file")
     layout = _layout(needed, max_file_bytes)
-    plan = {"model_id": model_id, "digest": ref.digest, "start": start, "end": end, "num_layers": n_layers,
-            "files": {k: {"header": v["header"], "size": v["size"]} for k, v in layout.items()},
-            "small": sorted(f.path for f in small)}
+    plan = {
+        "model_id": model_id,
+        "digest": ref.digest,
+        "start": start,
+        "end": end,
+        "num_layers": n_layers,
+        "files": {k: {"header": v["header"], "size": v["size"]} for k, v in layout.items()},
+        "small": sorted(f.path for f in small),
+    }
 
     marker = None
     try:
@@ -290,8 +320,9 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
         items.append(DownloadItem(f"file:{f.path}", f.path, 0, f.size, f.sha256, f.path, 0, [n for n, _ in agree]))
     lacking = [it.key for it in items if not it.peers]
     if lacking:
-        raise FetchError(f"no peer holds {len(lacking)} tensor(s) of {model_id} layers [{start}, {end}): "
-                         f"{', '.join(lacking[:5])}")
+        raise FetchError(
+            f"no peer holds {len(lacking)} tensor(s) of {model_id} layers [{start}, {end}): {', '.join(lacking[:5])}"
+        )
 
     # Resume: the same plan keeps what an earlier call verified (checked again on disk).
     reused = 0
@@ -316,8 +347,10 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line from a crash
         for it in items:
-            if journaled.get(it.key) == it.sha256 and \
-                    await asyncio.to_thread(hash_range, partial / it.out, it.out_offset, it.length) == it.sha256:
+            if (
+                journaled.get(it.key) == it.sha256
+                and await asyncio.to_thread(hash_range, partial / it.out, it.out_offset, it.length) == it.sha256
+            ):
                 done_keys.add(it.key)
                 reused += it.length
     todo = [it for it in items if it.key not in done_keys]
@@ -326,9 +359,11 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
     need = sum(it.length for it in todo) + headers
     free = free_bytes(dest.parent)
     if need + reserve_bytes > free:
-        raise DiskSpaceError(f"fetching layers [{start}, {end}) of {model_id} needs {need / 2**20:,.1f} MiB "
-                             f"(+{reserve_bytes / 2**20:,.0f} MiB reserve) in {dest.parent}, only "
-                             f"{free / 2**20:,.1f} MiB free")
+        raise DiskSpaceError(
+            f"fetching layers [{start}, {end}) of {model_id} needs {need / 2**20:,.1f} MiB "
+            f"(+{reserve_bytes / 2**20:,.0f} MiB reserve) in {dest.parent}, only "
+            f"{free / 2**20:,.1f} MiB free"
+        )
 
     partial.mkdir(parents=True, exist_ok=True)
     if old_plan != plan:
@@ -341,12 +376,30 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
         (partial / _PLAN).write_text(json.dumps(plan))
         fsync_dir(partial)
 
-    log.info("fetching %s layers [%d, %d): %.1f MiB to fetch, %.1f MiB already here, from %d peer(s) "
-             "(%d complete)", model_id, start, end, sum(it.length for it in todo) / 2**20, reused / 2**20,
-             len(agree), len(full_peers))
+    log.info(
+        "fetching %s layers [%d, %d): %.1f MiB to fetch, %.1f MiB already here, from %d peer(s) (%d complete)",
+        model_id,
+        start,
+        end,
+        sum(it.length for it in todo) / 2**20,
+        reused / 2**20,
+        len(agree),
+        len(full_peers),
+    )
     active = {n: channels[n] for n, _ in agree}
-    transfer = Download(active, model_id, partial, todo, total, reused, on_progress, streams_per_peer,
-                         chunk_timeout, max_peer_failures, metadata)
+    transfer = Download(
+        active,
+        model_id,
+        partial,
+        todo,
+        total,
+        reused,
+        on_progress,
+        streams_per_peer,
+        chunk_timeout,
+        max_peer_failures,
+        metadata,
+    )
     if on_progress is not None:
         on_progress(reused, total)
     await transfer.run()
@@ -354,16 +407,31 @@ async def fetch_layers(peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: 
     return FetchResult(dest, total, transfer.fetched, reused, transfer.by_peer, transfer.refetched)
 
 
-def _finish(partial: Path, dest: Path, layout: dict, ref: mesh_pb2.ModelManifest, model_id: str, start: int,
-            end: int, n_layers: int) -> None:
+def _finish(
+    partial: Path,
+    dest: Path,
+    layout: dict,
+    ref: mesh_pb2.ModelManifest,
+    model_id: str,
+    start: int,
+    end: int,
+    n_layers: int,
+) -> None:
     """Index, marker, then one rename: ``dest`` appears only complete."""
     weight_map = {name: out for out, spec in layout.items() for name, _ in spec["tensors"]}
-    index = {"metadata": {"total_size": sum(spec["size"] for spec in layout.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(spec["size"] for spec in layout.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (partial / INDEX_NAME).write_text(json.dumps(index, indent=2))
-    marker = {"model_id": model_id, "digest": ref.digest, "start": start, "end": end, "num_layers": n_layers,
-              "manifest": manifest_to_dict(mesh_pb2.ModelManifest(model_id=ref.model_id, digest=ref.digest,
-                                                                  files=ref.files))}
+    marker = {
+        "model_id": model_id,
+        "digest": ref.digest,
+        "start": start,
+        "end": end,
+        "num_layers": n_layers,
+        "manifest": manifest_to_dict(mesh_pb2.ModelManifest(model_id=ref.model_id, digest=ref.digest, files=ref.files)),
+    }
     (partial / PARTIAL_MARKER).write_text(json.dumps(marker))
     for out in layout:
         with open(partial / out, "rb") as f:

@@ -7,16 +7,32 @@ the current plan's first, contiguous layers split by memory.
 """
 
 from meshnode.control.planner.cost import (
-                                           DEFAULT_LINK,
-                                           FAST_RTT_S,
-                                           TENSOR_FAMILIES,
-                                           group_size_problem,
-                                           supports_tensor,
-                                           tensor_parallel_problem,
+    DEFAULT_LINK,
+    FAST_RTT_S,
+    TENSOR_FAMILIES,
+    group_size_problem,
+    supports_tensor,
+    tensor_parallel_problem,
 )
 from meshnode.control.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, human_bytes
 from meshnode.control.planner.search import bytes_to_fetch, crossover_latency, estimate, plan
 
-__all__ = ["DEFAULT_LINK", "FAST_RTT_S", "STRATEGIES", "TENSOR_FAMILIES", "LinkSpec", "NodeSpec", "Plan", "PlanError",
-           "Stage", "bytes_to_fetch", "crossover_latency", "estimate", "group_size_problem", "human_bytes", "plan",
-           "supports_tensor", "tensor_parallel_problem"]
+__all__ = [
+    "DEFAULT_LINK",
+    "FAST_RTT_S",
+    "STRATEGIES",
+    "TENSOR_FAMILIES",
+    "LinkSpec",
+    "NodeSpec",
+    "Plan",
+    "PlanError",
+    "Stage",
+    "bytes_to_fetch",
+    "crossover_latency",
+    "estimate",
+    "group_size_problem",
+    "human_bytes",
+    "plan",
+    "supports_tensor",
+    "tensor_parallel_problem",
+]

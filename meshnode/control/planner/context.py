@@ -56,10 +56,12 @@ def plan_longest_context(make: Callable[[int], Plan], trained: int, setting: int
     elif context == longest:
         why = f"context {context} tokens of the {top} the model was trained for: the longest this mesh's memory holds"
     else:
-        why = (f"context {context} tokens of the {top} the model was trained for: {longest} would take "
-               f"{_nodes(longest_plan)} node(s) instead of {_nodes(plan)} and about "
-               f"{longest_plan.estimate_s / plan.estimate_s:.2f}x the time per token, and {ENOUGH} already serve "
-               f"coding agents")
+        why = (
+            f"context {context} tokens of the {top} the model was trained for: {longest} would take "
+            f"{_nodes(longest_plan)} node(s) instead of {_nodes(plan)} and about "
+            f"{longest_plan.estimate_s / plan.estimate_s:.2f}x the time per token, and {ENOUGH} already serve "
+            f"coding agents"
+        )
     return replace(plan, reason=f"{plan.reason}; {why}" if plan.reason else why)
 
 

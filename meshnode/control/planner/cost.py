@@ -18,8 +18,20 @@ TOKEN_BYTES = 8  # the sampled token the last stage returns to the first
 SAME_SPEED = 0.10
 # Families whose mlx-lm ``shard(group)`` needs only heads, kv heads and intermediate sizes divisible
 # by the group size (checked against mlx-lm in tests/test_tensor.py).
-TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_k25",
-                             "glm4_moe", "glm4_moe_lite", "gpt_oss"})
+TENSOR_FAMILIES = frozenset(
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "deepseek_v3",
+        "deepseek_v32",
+        "kimi_k25",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "gpt_oss",
+    }
+)
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -41,9 +53,11 @@ def group_size_problem(profile: ModelProfile, g: int) -> str | None:
     family = tensor_parallel_problem(profile)
     if family:
         return family
-    dims = [(profile.num_heads, f"{profile.num_heads} heads"),
-            (profile.num_kv_heads, f"{profile.num_kv_heads} kv heads"),
-            (profile.intermediate_size, f"the intermediate size {profile.intermediate_size}")]
+    dims = [
+        (profile.num_heads, f"{profile.num_heads} heads"),
+        (profile.num_kv_heads, f"{profile.num_kv_heads} kv heads"),
+        (profile.intermediate_size, f"the intermediate size {profile.intermediate_size}"),
+    ]
     if profile.moe_intermediate_size:
         dims.append((profile.moe_intermediate_size, f"the expert intermediate size {profile.moe_intermediate_size}"))
     bad = [text for v, text in dims if v > 0 and v % g]
@@ -53,8 +67,11 @@ def group_size_problem(profile: ModelProfile, g: int) -> str | None:
         return f"tensor: {g} does not divide {', '.join(bad)}"
     q = profile.quant_group_size
     # A quantized layer split by its inputs (o_proj, down_proj) keeps whole quantization groups per member.
-    inputs = [(profile.num_heads * profile.head_dim, "the attention output"),
-              (profile.intermediate_size, "the intermediate size"), (profile.moe_intermediate_size, "the expert size")]
+    inputs = [
+        (profile.num_heads * profile.head_dim, "the attention output"),
+        (profile.intermediate_size, "the intermediate size"),
+        (profile.moe_intermediate_size, "the expert size"),
+    ]
     split = [f"{what} {v} / {g}" for v, what in inputs if q and v and (v // g) % q]
     if split:
         return f"tensor: {', '.join(split)} is not a whole number of {q}-weight quantization groups"
@@ -86,8 +103,15 @@ class CostModel:
     slowest member's ``s/B * bytes / g`` plus two ring all-reduces per layer, each
     ``2 (g - 1) (one-way + M / (g * bandwidth)) + collective_s``; k pipeline units add k one-way trips."""
 
-    def __init__(self, profile: ModelProfile, nodes: Sequence[NodeSpec], max_context: int,
-                 links: Mapping[tuple[str, str], LinkSpec] | None, link_latency_s: float | None, fast_rtt_s: float):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        nodes: Sequence[NodeSpec],
+        max_context: int,
+        links: Mapping[tuple[str, str], LinkSpec] | None,
+        link_latency_s: float | None,
+        fast_rtt_s: float,
+    ):
         p = self.p = profile
         self.n = n = p.num_layers
         self.ctx = max_context

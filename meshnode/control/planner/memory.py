@@ -115,15 +115,20 @@ def fitting_order(costs: LayerCosts, nodes: Sequence[NodeSpec]) -> tuple[NodeSpe
     done[full] = True
     for mask in range(full - 1, -1, -1):
         if f[mask] >= 0:
-            done[mask] = any(not mask & (1 << i) and done[mask | 1 << i] and f[mask] < step(mask, i) == f[mask | 1 << i]
-                             for i in range(k))
+            done[mask] = any(
+                not mask & (1 << i) and done[mask | 1 << i] and f[mask] < step(mask, i) == f[mask | 1 << i]
+                for i in range(k)
+            )
     if not done[0]:  # cannot happen: f[full] == n is itself such a chain
         return None
     order: list[NodeSpec] = []
     mask = 0
     while mask != full:
-        i = next(i for i in range(k) if not mask & (1 << i) and done[mask | 1 << i]
-                 and f[mask] < step(mask, i) == f[mask | 1 << i])
+        i = next(
+            i
+            for i in range(k)
+            if not mask & (1 << i) and done[mask | 1 << i] and f[mask] < step(mask, i) == f[mask | 1 << i]
+        )
         order.append(base[i])
         mask |= 1 << i
     return tuple(order)
@@ -194,8 +199,11 @@ def _candidates(ranked: list[NodeSpec], k: int, preferred: dict[str, int]):
     for j in range(min(k, len(pref_idx)), top_pref, -1):
         if k - j > len(other_idx):
             continue
-        combos = sorted(tuple(sorted(p + q)) for p in itertools.combinations(pref_idx, j)
-                        for q in itertools.combinations(other_idx, k - j))
+        combos = sorted(
+            tuple(sorted(p + q))
+            for p in itertools.combinations(pref_idx, j)
+            for q in itertools.combinations(other_idx, k - j)
+        )
         for combo in combos:
             if tried >= limit:
                 break
@@ -210,8 +218,15 @@ def _stage_order(subset: Sequence[NodeSpec], preferred: dict[str, int]) -> list[
     return pref + rest
 
 
-def memory_plan(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ids: list[str], max_context: int,
-                 strategy: str | None, pref: dict[str, int]) -> Plan | None:
+def memory_plan(
+    profile: ModelProfile,
+    costs: LayerCosts,
+    ranked: list[NodeSpec],
+    ids: list[str],
+    max_context: int,
+    strategy: str | None,
+    pref: dict[str, int],
+) -> Plan | None:
     """The memory-driven plan: the fewest nodes, split by memory. It comes first among the
     candidates, so it wins every tie."""
     n = profile.num_layers
@@ -234,11 +249,17 @@ def memory_plan(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec]
             edges = split_layers(costs, [x.memory_budget for x in order])
             if edges is None:  # cannot happen: the order fits
                 continue
-            stages = tuple(Stage(edges[i], edges[i + 1], (order[i].node_id,), costs.stage(edges[i], edges[i + 1]))
-                           for i in range(k))
-            return Plan(model=profile.name, strategy="single" if k == 1 else "pipeline", stages=stages,
-                        reason=_reason(profile, costs, stages, order, ranked, max_context, strategy, pref),
-                        max_context=max_context)
+            stages = tuple(
+                Stage(edges[i], edges[i + 1], (order[i].node_id,), costs.stage(edges[i], edges[i + 1]))
+                for i in range(k)
+            )
+            return Plan(
+                model=profile.name,
+                strategy="single" if k == 1 else "pipeline",
+                stages=stages,
+                reason=_reason(profile, costs, stages, order, ranked, max_context, strategy, pref),
+                max_context=max_context,
+            )
     return None
 
 
@@ -247,8 +268,10 @@ def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strateg
     context = describe_context(ctx, profile.kv_requests, profile.kv_bits)
     if len(stages) == 1:
         node = order[0]
-        return (f"fits on {node.node_id} alone: {human_bytes(need)} of its {human_bytes(node.memory_budget)} "
-                f"{context} (one machine beats two)")
+        return (
+            f"fits on {node.node_id} alone: {human_bytes(need)} of its {human_bytes(node.memory_budget)} "
+            f"{context} (one machine beats two)"
+        )
     k = len(stages)
     if strategy == "pipeline" and ranked[0].memory_budget >= need:
         why = "pipeline forced"
@@ -258,8 +281,11 @@ def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strateg
         why = f"no {k - 1} nodes hold {human_bytes(need)} {context}"
     kept = [x.node_id for x in order if x.node_id in pref]
     keep = f"; keeps {', '.join(kept)} from the current plan" if kept else ""
-    parts = ", ".join(f"{s.nodes[0]} layers {s.start_layer}-{s.end_layer - 1} ({human_bytes(s.bytes)} of "
-                      f"{human_bytes(x.memory_budget)})" for s, x in zip(stages, order))
+    parts = ", ".join(
+        f"{s.nodes[0]} layers {s.start_layer}-{s.end_layer - 1} ({human_bytes(s.bytes)} of "
+        f"{human_bytes(x.memory_budget)})"
+        for s, x in zip(stages, order)
+    )
     return f"needs {k} nodes ({why}); layers split by memory: {parts}{keep}"
 
 
@@ -273,8 +299,10 @@ def why_not(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ct
     together = "" if len(ranked) == 1 else " together"
     context = describe_context(ctx, profile.kv_requests, profile.kv_bits)
     if strategy == "single":
-        return [f"strategy 'single': model needs {human_bytes(need)} {context}; the largest node ({largest.node_id}) "
-                f"offers {human_bytes(largest.memory_budget)} (short by {human_bytes(need - largest.memory_budget)})"]
+        return [
+            f"strategy 'single': model needs {human_bytes(need)} {context}; the largest node ({largest.node_id}) "
+            f"offers {human_bytes(largest.memory_budget)} (short by {human_bytes(need - largest.memory_budget)})"
+        ]
     reasons: list[str] = []
     if strategy == "pipeline" and len(ranked) < 2:
         reasons.append(f"a pipeline needs at least two nodes; there is only {largest.node_id}")
@@ -282,13 +310,18 @@ def why_not(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ct
         reasons.append(f"a pipeline needs at least two layers; model {profile.name!r} has {n}")
     split_need = need + costs.tied
     if need > offered:
-        reasons.append(f"model needs {human_bytes(need)} {context}; {offer} {human_bytes(offered)}{together} "
-                       f"(short by {human_bytes(need - offered)})")
-    elif split_need > offered and len(ranked) > 1 and n > 1 and (strategy == "pipeline"
-                                                                 or largest.memory_budget < need):
-        reasons.append(f"model needs {human_bytes(split_need)} {context} when split over nodes (its tied embedding "
-                       f"is held by the first and the last stage); {offer} {human_bytes(offered)}{together} "
-                       f"(short by {human_bytes(split_need - offered)})")
+        reasons.append(
+            f"model needs {human_bytes(need)} {context}; {offer} {human_bytes(offered)}{together} "
+            f"(short by {human_bytes(need - offered)})"
+        )
+    elif (
+        split_need > offered and len(ranked) > 1 and n > 1 and (strategy == "pipeline" or largest.memory_budget < need)
+    ):
+        reasons.append(
+            f"model needs {human_bytes(split_need)} {context} when split over nodes (its tied embedding "
+            f"is held by the first and the last stage); {offer} {human_bytes(offered)}{together} "
+            f"(short by {human_bytes(split_need - offered)})"
+        )
     # The stage holding layer i needs at least stage(i, i + 1) (embedding, head at the ends).
     alone = [costs.stage(i, i + 1) for i in range(n)]
     too_big = [i for i in range(n) if alone[i] > largest.memory_budget]
@@ -300,14 +333,23 @@ def why_not(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ct
         elif n > 1 and worst == n - 1:
             what += " with the final norm and head"
         others = [i for i in too_big if i != worst]
-        more = ("" if not others else f" (so does layer {others[0]})" if len(others) == 1
-                else f" (so do layers {_ranges(others)})")
-        reasons.append(f"{what} alone needs {human_bytes(alone[worst])} {context}, more than any node's budget "
-                       f"(largest: {largest.node_id}, {human_bytes(largest.memory_budget)}){more}")
+        more = (
+            ""
+            if not others
+            else f" (so does layer {others[0]})"
+            if len(others) == 1
+            else f" (so do layers {_ranges(others)})"
+        )
+        reasons.append(
+            f"{what} alone needs {human_bytes(alone[worst])} {context}, more than any node's budget "
+            f"(largest: {largest.node_id}, {human_bytes(largest.memory_budget)}){more}"
+        )
     if not reasons:
-        reasons.append(f"model needs {human_bytes(need)} {context} and {offer} {human_bytes(offered)}{together}, but "
-                       f"layers are placed whole and no contiguous split of its {n} layers fits their budgets "
-                       f"(largest: {largest.node_id}, {human_bytes(largest.memory_budget)})")
+        reasons.append(
+            f"model needs {human_bytes(need)} {context} and {offer} {human_bytes(offered)}{together}, but "
+            f"layers are placed whole and no contiguous split of its {n} layers fits their budgets "
+            f"(largest: {largest.node_id}, {human_bytes(largest.memory_budget)})"
+        )
     if strategy is None:
         fit = _max_context_that_fits(profile, ranked, ctx)
         if fit:
@@ -333,8 +375,11 @@ def _max_context_that_fits(profile: ModelProfile, ranked: list[NodeSpec], ctx: i
     def fits(c: int) -> bool:
         costs = LayerCosts(profile, c)
         need = costs.stage(0, n)
-        return any(_fits(costs, ranked[:k]) for k in range(1, min(len(ranked), n) + 1)
-                   if sum(x.memory_budget for x in ranked[:k]) >= (need if k == 1 else need + costs.tied))
+        return any(
+            _fits(costs, ranked[:k])
+            for k in range(1, min(len(ranked), n) + 1)
+            if sum(x.memory_budget for x in ranked[:k]) >= (need if k == 1 else need + costs.tied)
+        )
 
     if not fits(1):
         return 0

@@ -89,23 +89,50 @@ class Plan:
             raise ValueError(f"plan epoch {self.epoch} names a node twice")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "strategy": self.strategy, "epoch": self.epoch, "reason": self.reason,
-                "max_context": self.max_context, "kv_bits": self.kv_bits, "estimate_s": self.estimate_s,
-                "alternatives": [dict(a) for a in self.alternatives],
-                "stages": [{"start_layer": s.start_layer, "end_layer": s.end_layer, "nodes": list(s.nodes),
-                            "bytes": s.bytes, **({"endpoints": list(s.endpoints)} if s.endpoints else {})}
-                           for s in self.stages]}
+        return {
+            "model": self.model,
+            "strategy": self.strategy,
+            "epoch": self.epoch,
+            "reason": self.reason,
+            "max_context": self.max_context,
+            "kv_bits": self.kv_bits,
+            "estimate_s": self.estimate_s,
+            "alternatives": [dict(a) for a in self.alternatives],
+            "stages": [
+                {
+                    "start_layer": s.start_layer,
+                    "end_layer": s.end_layer,
+                    "nodes": list(s.nodes),
+                    "bytes": s.bytes,
+                    **({"endpoints": list(s.endpoints)} if s.endpoints else {}),
+                }
+                for s in self.stages
+            ],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        stages = tuple(Stage(int(s["start_layer"]), int(s["end_layer"]), tuple(str(n) for n in s["nodes"]),
-                             int(s.get("bytes", 0)), tuple(str(a) for a in s.get("endpoints") or ()))
-                       for s in d["stages"])
-        return cls(model=str(d["model"]), strategy=str(d["strategy"]), stages=stages, epoch=int(d.get("epoch", 0)),
-                   reason=str(d.get("reason", "")), max_context=int(d.get("max_context", 0)),
-                   kv_bits=int(d.get("kv_bits", 0) or 0),
-                   estimate_s=float(d.get("estimate_s", 0.0) or 0.0),
-                   alternatives=tuple(dict(a) for a in d.get("alternatives") or () if isinstance(a, dict)))
+        stages = tuple(
+            Stage(
+                int(s["start_layer"]),
+                int(s["end_layer"]),
+                tuple(str(n) for n in s["nodes"]),
+                int(s.get("bytes", 0)),
+                tuple(str(a) for a in s.get("endpoints") or ()),
+            )
+            for s in d["stages"]
+        )
+        return cls(
+            model=str(d["model"]),
+            strategy=str(d["strategy"]),
+            stages=stages,
+            epoch=int(d.get("epoch", 0)),
+            reason=str(d.get("reason", "")),
+            max_context=int(d.get("max_context", 0)),
+            kv_bits=int(d.get("kv_bits", 0) or 0),
+            estimate_s=float(d.get("estimate_s", 0.0) or 0.0),
+            alternatives=tuple(dict(a) for a in d.get("alternatives") or () if isinstance(a, dict)),
+        )
 
 
 class PlanError(Exception):

@@ -120,8 +120,11 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], legacy:
         return out
     if "tensor" in allowed:
         for g in sorted(sizes):
-            combos = (itertools.combinations(ids, g) if N <= EXACT_SUBSET_NODES
-                      else [tuple(ids[:g]), tuple(sorted(by_speed[:g], key=ids.index))])
+            combos = (
+                itertools.combinations(ids, g)
+                if N <= EXACT_SUBSET_NODES
+                else [tuple(ids[:g]), tuple(sorted(by_speed[:g], key=ids.index))]
+            )
             for combo in combos:
                 add([combo])
     if "hybrid" in allowed and N >= 3 and n >= 2:
@@ -138,8 +141,8 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], legacy:
                 if g >= N:
                     continue
                 for base in (ids, by_speed):
-                    blocks = [tuple(base[i:i + g]) for i in range(0, N - N % g, g)]
-                    blocks += [(x,) for x in base[N - N % g:]]
+                    blocks = [tuple(base[i : i + g]) for i in range(0, N - N % g, g)]
+                    blocks += [(x,) for x in base[N - N % g :]]
                     blocks = [b for blk in blocks for b in ([blk] if cx.group_ok(blk) else [(x,) for x in blk])]
                     if len(blocks) >= 2 and any(len(b) > 1 for b in blocks):
                         add(blocks)
@@ -161,12 +164,19 @@ def _grouped_problems(cx: CostModel, ranked: list[NodeSpec], strategy: str) -> l
             return [f"hybrid: needs at least two layers; model {p.name!r} has {n}"]
         sizes = [g for g in range(2, N) if group_size_problem(p, g) is None]
         if not sizes:
-            return [f"hybrid: no group size from 2 to {N - 1} is possible: "
-                    + "; ".join(group_size_problem(p, g) or "" for g in range(2, N)).replace("tensor: ", "")]
-        moe = (f" ({p.name!r} is a mixture of experts: its groups need links under {us_text(cx.fast_rtt)} RTT)"
-               if cx.moe else "")
-        return [f"hybrid: no pipeline of tensor groups of {', '.join(map(str, sizes))} nodes fits the nodes' "
-                f"memory {describe_context(cx.ctx, p.kv_requests, p.kv_bits)}{moe}"]
+            return [
+                f"hybrid: no group size from 2 to {N - 1} is possible: "
+                + "; ".join(group_size_problem(p, g) or "" for g in range(2, N)).replace("tensor: ", "")
+            ]
+        moe = (
+            f" ({p.name!r} is a mixture of experts: its groups need links under {us_text(cx.fast_rtt)} RTT)"
+            if cx.moe
+            else ""
+        )
+        return [
+            f"hybrid: no pipeline of tensor groups of {', '.join(map(str, sizes))} nodes fits the nodes' "
+            f"memory {describe_context(cx.ctx, p.kv_requests, p.kv_bits)}{moe}"
+        ]
     if N < 2:
         return [f"tensor: needs at least two nodes; there is only {ids[0]}"]
     out = []
@@ -176,15 +186,19 @@ def _grouped_problems(cx: CostModel, ranked: list[NodeSpec], strategy: str) -> l
             out.append(problem)
             continue
         if cx.moe and not any(cx.fast(c) for c in itertools.combinations(ids, g)):
-            out.append(f"tensor over {g} nodes: {p.name!r} is a mixture of experts and no {g} nodes are joined by "
-                       f"links under {us_text(cx.fast_rtt)} RTT")
+            out.append(
+                f"tensor over {g} nodes: {p.name!r} is a mixture of experts and no {g} nodes are joined by "
+                f"links under {us_text(cx.fast_rtt)} RTT"
+            )
             continue
         need, weakest = cx.mem(0, n, g), ranked[g - 1]
         if need > weakest.memory_budget:
-            out.append(f"tensor over {g} nodes: each member needs {human_bytes(need)} "
-                       f"{describe_context(cx.ctx, p.kv_requests, p.kv_bits)}; the "
-                       f"{g} largest budgets include {weakest.node_id} with {human_bytes(weakest.memory_budget)} "
-                       f"(short by {human_bytes(need - weakest.memory_budget)})")
+            out.append(
+                f"tensor over {g} nodes: each member needs {human_bytes(need)} "
+                f"{describe_context(cx.ctx, p.kv_requests, p.kv_bits)}; the "
+                f"{g} largest budgets include {weakest.node_id} with {human_bytes(weakest.memory_budget)} "
+                f"(short by {human_bytes(need - weakest.memory_budget)})"
+            )
         else:
             out.append(f"tensor over {g} nodes: no group of {g} fits")
     return out
@@ -246,22 +260,29 @@ def plan(
         allowed -= {"pipeline", "hybrid"}
     legacy = None
     if allowed & {"single", "pipeline"}:
-        legacy = memory_plan(profile, cx.costs, ranked, ids, max_context,
-                              "single" if "pipeline" not in allowed else strategy, pref)
+        legacy = memory_plan(
+            profile, cx.costs, ranked, ids, max_context, "single" if "pipeline" not in allowed else strategy, pref
+        )
     cands = _enumerate(cx, ranked, allowed, legacy)
     if not cands:
         if strategy in ("tensor", "hybrid"):
             raise PlanError(_grouped_problems(cx, ranked, strategy))
         if profile.split_problem:
             need, largest = cx.costs.stage(0, profile.num_layers), ranked[0]
-            reasons = [f"it cannot be split across nodes ({profile.split_problem}), and no single node holds its "
-                       f"{human_bytes(need)} {describe_context(max_context, profile.kv_requests, profile.kv_bits)}: "
-                       f"the largest, "
-                       f"{largest.node_id}, offers {human_bytes(largest.memory_budget)}"]
+            reasons = [
+                f"it cannot be split across nodes ({profile.split_problem}), and no single node holds its "
+                f"{human_bytes(need)} {describe_context(max_context, profile.kv_requests, profile.kv_bits)}: "
+                f"the largest, "
+                f"{largest.node_id}, offers {human_bytes(largest.memory_budget)}"
+            ]
         else:
             reasons = why_not(profile, cx.costs, ranked, max_context, strategy)
-        if strategy is None and not profile.kv_bits and supports_tensor(profile) and any(
-                group_size_problem(profile, g) is None for g in range(2, len(ranked) + 1)):
+        if (
+            strategy is None
+            and not profile.kv_bits
+            and supports_tensor(profile)
+            and any(group_size_problem(profile, g) is None for g in range(2, len(ranked) + 1))
+        ):
             reasons += _grouped_problems(cx, ranked, "tensor")
         raise PlanError(reasons)
     estimates = [cx.estimate(c.units) for c in cands]
@@ -269,14 +290,24 @@ def plan(
     pick = next(i for i, t in enumerate(estimates) if t <= low * (1 + _TIE))
     chosen, est = cands[pick], estimates[pick]
     alternatives = _alternatives(cx, ranked, cands, estimates, pick, allowed)
-    reason = _why_chosen(cx, chosen, est, alternatives) + kv_note(profile, kv_bits) + \
-        (f"; {profile.weights_note}" if profile.weights_note else "")
+    reason = (
+        _why_chosen(cx, chosen, est, alternatives)
+        + kv_note(profile, kv_bits)
+        + (f"; {profile.weights_note}" if profile.weights_note else "")
+    )
     if chosen.legacy is not None:
-        return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives,
-                       kv_bits=profile.kv_bits)
+        return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives, kv_bits=profile.kv_bits)
     stages = tuple(Stage(s, e, ids_, cx.mem(s, e, len(ids_))) for ids_, s, e in chosen.units)
-    return Plan(model=profile.name, strategy=chosen.strategy, stages=stages, reason=reason,
-                max_context=max_context, estimate_s=est, alternatives=alternatives, kv_bits=profile.kv_bits)
+    return Plan(
+        model=profile.name,
+        strategy=chosen.strategy,
+        stages=stages,
+        reason=reason,
+        max_context=max_context,
+        estimate_s=est,
+        alternatives=alternatives,
+        kv_bits=profile.kv_bits,
+    )
 
 
 def kv_note(profile: ModelProfile, asked: int) -> str:
@@ -285,15 +316,18 @@ def kv_note(profile: ModelProfile, asked: int) -> str:
         n = profile.num_layers
         plain = sum(profile.kv_bytes_per_token[i] for i in range(n)) * profile.kv_requests
         quant = sum(profile.kv_token_bytes(i) for i in range(n)) * profile.kv_requests
-        return (f"; KV cache quantized to {profile.kv_bits} bits in groups of {KV_GROUP_SIZE} (mlx-lm's "
-                f"QuantizedKVCache): {human_bytes(quant)} per token instead of {human_bytes(plain)}")
+        return (
+            f"; KV cache quantized to {profile.kv_bits} bits in groups of {KV_GROUP_SIZE} (mlx-lm's "
+            f"QuantizedKVCache): {human_bytes(quant)} per token instead of {human_bytes(plain)}"
+        )
     if asked:
         return f"; KV cache not quantized: {profile.kv_quant_problem}"
     return ""
 
 
-def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int,
-                  allowed: set[str]) -> tuple[dict, ...]:
+def _alternatives(
+    cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int, allowed: set[str]
+) -> tuple[dict, ...]:
     """Each other strategy's best plan (or why none), and the chosen one's runner-up."""
     chosen, est = cands[pick], estimates[pick]
     out = []
@@ -303,11 +337,22 @@ def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[flo
             i = min(idx, key=lambda j: (estimates[j], j))
             units, t = cands[i].units, estimates[i]
             memory = {node: cx.mem(s, e, len(ids_)) for ids_, s, e in units for node in ids_}
-            why = (f"slower: {tps_text(t)} vs {tps_text(est)}" if t > est * (1 + _TIE)
-                   else "as fast by the estimate; the chosen one came first (fewer nodes, current plan, budgets)")
-            out.append({"strategy": strategy, "stages": units_summary(units), "estimate_s": t,
-                        "tokens_per_s": 1.0 / t if t > 0 else 0.0, "memory": memory, "feasible": True,
-                        "why": why})
+            why = (
+                f"slower: {tps_text(t)} vs {tps_text(est)}"
+                if t > est * (1 + _TIE)
+                else "as fast by the estimate; the chosen one came first (fewer nodes, current plan, budgets)"
+            )
+            out.append(
+                {
+                    "strategy": strategy,
+                    "stages": units_summary(units),
+                    "estimate_s": t,
+                    "tokens_per_s": 1.0 / t if t > 0 else 0.0,
+                    "memory": memory,
+                    "feasible": True,
+                    "why": why,
+                }
+            )
         elif strategy != chosen.strategy:
             if strategy not in allowed:
                 why = "not considered: another strategy was forced"
@@ -317,14 +362,26 @@ def _alternatives(cx: CostModel, ranked, cands: list[_Cand], estimates: list[flo
                 why = "; ".join(why_not(cx.p, cx.costs, ranked, cx.ctx, "pipeline"))
             else:
                 why = "; ".join(_grouped_problems(cx, ranked, strategy))
-            out.append({"strategy": strategy, "stages": "", "estimate_s": None, "tokens_per_s": None,
-                        "memory": {}, "feasible": False, "why": why})
+            out.append(
+                {
+                    "strategy": strategy,
+                    "stages": "",
+                    "estimate_s": None,
+                    "tokens_per_s": None,
+                    "memory": {},
+                    "feasible": False,
+                    "why": why,
+                }
+            )
     return tuple(out)
 
 
 def _why_chosen(cx: CostModel, chosen: _Cand, est: float, alternatives: tuple[dict, ...]) -> str:
-    rivals = [f"{a['strategy']} {tps_text(a['estimate_s'])}" for a in alternatives
-              if a["feasible"] and a["strategy"] != chosen.strategy]
+    rivals = [
+        f"{a['strategy']} {tps_text(a['estimate_s'])}"
+        for a in alternatives
+        if a["feasible"] and a["strategy"] != chosen.strategy
+    ]
     versus = f" vs {', '.join(rivals)}" if rivals else ""
     notes = []
     grouped = [ids for ids, _, _ in chosen.units if len(ids) > 1]
@@ -333,8 +390,10 @@ def _why_chosen(cx: CostModel, chosen: _Cand, est: float, alternatives: tuple[di
         notes.append(f"group {'+'.join(ids)} link {us_text(2 * one_way)} RTT, {bw / 1e6:.0f} MB/s")
     unknown = cx.unknown_links(chosen.units)
     if unknown and cx.lat is None:
-        notes.append(f"unmeasured link{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} assumed "
-                     f"{us_text(DEFAULT_LINK.rtt_s)} RTT, {DEFAULT_LINK.bandwidth_Bps / 1e6:.0f} MB/s")
+        notes.append(
+            f"unmeasured link{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} assumed "
+            f"{us_text(DEFAULT_LINK.rtt_s)} RTT, {DEFAULT_LINK.bandwidth_Bps / 1e6:.0f} MB/s"
+        )
     if cx.lat is not None:
         notes.append(f"link latency set to {us_text(cx.lat)} one way")
     tail = "".join(f"; {x}" for x in notes)
@@ -349,9 +408,9 @@ def bytes_to_fetch(profile: ModelProfile, plan_: Plan, held: Mapping[str, frozen
     for st in plan_.stages:
         for node_id in st.nodes:
             have = held.get(node_id, frozenset())
-            out[node_id] = out.get(node_id, 0) + sum(profile.layer_bytes[i] for i in range(st.start_layer,
-                                                                                           st.end_layer)
-                                                     if i not in have)
+            out[node_id] = out.get(node_id, 0) + sum(
+                profile.layer_bytes[i] for i in range(st.start_layer, st.end_layer) if i not in have
+            )
     return out
 
 
@@ -394,11 +453,17 @@ def crossover_latency(
 
     if envelope(grouped, 0.0) >= envelope(plain, 0.0):
         return 0.0
-    points = sorted({(ao - at) / (bt - bo) for at, bt in grouped for ao, bo in plain
-                     if bt != bo and (ao - at) / (bt - bo) > 0})
-    cross = next((lam for lam in points
-                  if envelope(grouped, lam) >= envelope(plain, lam) - 1e-12 * max(1.0, envelope(plain, lam))),
-                 float("inf"))
+    points = sorted(
+        {(ao - at) / (bt - bo) for at, bt in grouped for ao, bo in plain if bt != bo and (ao - at) / (bt - bo) > 0}
+    )
+    cross = next(
+        (
+            lam
+            for lam in points
+            if envelope(grouped, lam) >= envelope(plain, lam) - 1e-12 * max(1.0, envelope(plain, lam))
+        ),
+        float("inf"),
+    )
     return min(cross, fast_rtt_s / 2) if profile.num_experts else cross
 
 
