@@ -49,7 +49,8 @@ def TITLE_NOW():
     # every new chat's title prompt is another conversation: none starts like another (which the
     # prompt cache would resume; the chat's own turns are benchmarks/chat.py's)
     ROUND[0] += 1
-    return [{"role": "user", "content": "Chat %%d. ### Task: generate a concise title for the chat below.\n" %% ROUND[0] +
+    return [{"role": "user",
+             "content": "Chat %%d. ### Task: generate a concise title for the chat below.\n" %% ROUND[0] +
              " ".join("word%%d" %% ((i * 7 + ROUND[0] * 13) %% 97) for i in range(words))}]
 
 def post(messages, max_tokens, stream):
@@ -101,7 +102,7 @@ else:
         a = threading.Thread(target=ask, args=(texts,)); b = threading.Thread(target=name, args=([],))
         a.start(); b.start(); a.join(); b.join()
     print(json.dumps({"texts": texts, "lost": lost, "ttft_median": statistics.median(ttfts) if ttfts else None}))
-"""
+"""  # noqa: UP031 (a script template full of %% and braces: % is its least error-prone form)
     % {"answer": repr(ANSWER), "answer_tokens": ANSWER_TOKENS, "title_tokens": TITLE_TOKENS}
 )
 
@@ -186,7 +187,8 @@ def main() -> int:
         r, owui = two_stages(model, words, args.rounds, args.openwebui, pin=args.pin)
         result["two_stages"] = r
         print(
-            f"2 stages{' (a core each)' if args.pin else ''}:  answer TTFT alone {r['alone'] * 1000:.0f} ms, beside a 1k-token title "
+            f"2 stages{' (a core each)' if args.pin else ''}:  answer TTFT alone {r['alone'] * 1000:.0f} ms, "
+            "beside a 1k-token title "
             f"{r['beside'] * 1000:.0f} ms: {r['beside'] / r['alone']:.2f}x (target <= 1.5x); "
             f"title {r['title']:.2f} s"
         )

@@ -107,7 +107,7 @@ def mlx_lm_decoder(path: Path, text: str = PROMPT):
         figures = []
         for _ in range(repeats):
             times = []
-            for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            for _r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
                 times.append(time.perf_counter())
             figures.append((len(times) - 1) / (times[-1] - times[0]))
         return max(figures)

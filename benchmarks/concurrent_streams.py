@@ -35,11 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (
+from benchmarks.common import (  # noqa: E402
     bench_model_dir,
     http_decode_tps,
     local_node,
-    mlx_lm_server,  # noqa: E402
+    mlx_lm_server,
     sse_events,
     two_stage_mesh,
 )

@@ -142,7 +142,7 @@ def two_nodes(offers: list[list[Path]], budget: int, ctx: int, env: dict, logs: 
                 with on_core(core):
                     cluster.start(h, budget, env={**env, **more}, model=offered[0])
                 if h is cluster.hosts[0]:
-                    cluster.wait(lambda: cluster.mesh_view(h)["coordinator"], 120, "the first node up")
+                    cluster.wait(lambda h=h: cluster.mesh_view(h)["coordinator"], 120, "the first node up")
             yield cluster
         finally:
             if logs[0] is not None:

@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (
+from benchmarks.common import (  # noqa: E402
     BENCH_MODEL,
     bench_model_dir,
     mlx_lm_decode_tps,
-    param_count,  # noqa: E402
+    param_count,
     parse_args,
 )
 from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402

@@ -54,7 +54,8 @@ TIMEOUT = 120.0  # a request with no answer by then is hung
 # {"t0", "t1", "node", "kind", "stream", "outcome", "detail", "text"}.
 CLIENT = r"""
 import json, random, socket, sys, time, urllib.error, urllib.request
-ips, model, until, seed, timeout = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+ips, model, until, seed, timeout = (json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]),
+                                    float(sys.argv[5]))
 kinds, max_tokens, messages = json.loads(sys.argv[6]), int(sys.argv[7]), json.loads(sys.argv[8])
 rng = random.Random(seed)
 while time.time() < until:

@@ -47,12 +47,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (
+from benchmarks.common import (  # noqa: E402
     PROMPT,
     STREAM_CHAT,
     bench_model_dir,
     exact_backend,
-    first_difference,  # noqa: E402
+    first_difference,
     mlx_device,
     two_stage_mesh,
 )

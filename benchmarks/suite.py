@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import BENCH_MODEL, PROMPT, bench_model_dir, mlx_lm_decoder, param_count  # noqa: E402
 from benchmarks.failover import MODEL as PREFILL_MODEL  # noqa: E402
 from benchmarks.floor import Split, hop_after_compute_us  # noqa: E402
-from benchmarks.floor import tps as tps_of
+from benchmarks.floor import tps as tps_of  # noqa: E402
 from benchmarks.pipeline import counters  # noqa: E402
 from benchmarks.tensor import measure_compute  # noqa: E402
 from harness.cluster import in_ns, node_argv, wait_mesh  # noqa: E402

@@ -9,9 +9,10 @@ client namespace streams from the head. Prints, per latency: decode tokens/s of 
 the planner's estimate for each, and what the planner picks on its own (``auto``) from the
 figures it measured. Every node starts with the compute figures this machine measured once,
 quietly, before the runs (as an installed node has them cached), rather than timing its layers
-while the other host does the same on this 2-core machine. Then mlx-lm's sharded model (``model.shard()`` over an ``mx.distributed``
-ring between the same two hosts, ``stream_generate`` on both ranks) against meshnode's tensor
-pair at no injected latency (target: within 1.2x). Needs root (network namespaces).
+while the other host does the same on this 2-core machine. Then mlx-lm's sharded model
+(``model.shard()`` over an ``mx.distributed`` ring between the same two hosts, ``stream_generate``
+on both ranks) against meshnode's tensor pair at no injected latency (target: within 1.2x). Needs
+root (network namespaces).
 
     sudo .venv/bin/python benchmarks/tensor.py [--tokens 64] [--latencies 0,50,300]
 

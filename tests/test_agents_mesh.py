@@ -70,7 +70,8 @@ def test_codex_exec_against_a_two_stage_mesh(tmp_path):
 AGENT = r"""
 import json, sys
 from openai import OpenAI
-base, model, ask, tools, result = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+base, model, ask, tools, result = (sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]),
+                                   sys.argv[5])
 c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 r = c.chat.completions.create(model=model, messages=ask, tools=tools, temperature=0)
 choice = r.choices[0]

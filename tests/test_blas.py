@@ -129,7 +129,8 @@ from meshnode import blas
 from mlx_lm import generate, load
 model, tokenizer = load(sys.argv[1])
 answers = [generate(model, tokenizer, tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                                    add_generation_prompt=True), max_tokens=int(sys.argv[3]))
+                                                                    add_generation_prompt=True),
+                    max_tokens=int(sys.argv[3]))
            for p in json.loads(sys.argv[2])]
 print(json.dumps({"in_use": blas.in_use(), "answers": answers}))
 """

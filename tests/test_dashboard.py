@@ -38,27 +38,30 @@ pytestmark = [
 
 # Starts headless Chromium through chromedriver (both children of the script that runs this, so both
 # in its namespace), with a throw-away profile.
-CHROME = r"""
+CHROME = rf"""
 profile = tempfile.mkdtemp(prefix="meshnode-chromium-")
 opts = webdriver.ChromeOptions()
-opts.binary_location = %(chromium)r
+opts.binary_location = {CHROMIUM!r}
 for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--disable-dev-shm-usage", "--window-size=1280,1500", "--user-data-dir=" + profile):
     opts.add_argument(flag)
-driver = webdriver.Chrome(service=Service(%(chromedriver)r), options=opts)
-""" % {"chromium": CHROMIUM, "chromedriver": CHROMEDRIVER}
+driver = webdriver.Chrome(service=Service({CHROMEDRIVER!r}), options=opts)
+"""
 
 # Runs inside the client namespace: drives Chromium through chromedriver (both its children, so
 # both in the namespace) and prints what the page showed as one JSON object.
-DRIVER = r"""
+DRIVER = (
+    r"""
 import json, shutil, sys, tempfile, time
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 url, shot, prompt, nodes, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
-%(chrome)sout = {}
+"""
+    + CHROME
+    + r"""out = {}
 
 def wait(check, timeout, what):
     deadline = time.time() + timeout
@@ -103,7 +106,8 @@ try:
         box.send_keys(value)
     driver.find_element(By.ID, "chat-input").send_keys(prompt)
     driver.find_element(By.ID, "chat-send").click()
-    wait(lambda: driver.find_elements(By.CSS_SELECTOR, '.turn.assistant[data-state="done"], .turn.assistant[data-state="failed"]'),
+    wait(lambda: driver.find_elements(By.CSS_SELECTOR,
+                                      '.turn.assistant[data-state="done"], .turn.assistant[data-state="failed"]'),
          90, "the chat answer")
     out["state"] = driver.find_element(By.CSS_SELECTOR, ".turn.assistant").get_attribute("data-state")
     out["answer"] = driver.execute_script("return document.querySelector('.turn.assistant .text').textContent")
@@ -123,7 +127,8 @@ finally:
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
 print(json.dumps(out))
-""" % {"chrome": CHROME}
+"""
+)
 
 SCRAPE = "import sys,urllib.request\nprint(urllib.request.urlopen(sys.argv[1],timeout=10).read().decode())\n"
 
@@ -213,14 +218,17 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
 
 
 # Loads the page in the client namespace, waits for the unreachable-peer warning, prints it as JSON.
-WARNING_DRIVER = r"""
+WARNING_DRIVER = (
+    r"""
 import json, shutil, sys, tempfile, time
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 url, shot = sys.argv[1], sys.argv[2]
-%(chrome)s
+"""
+    + CHROME
+    + r"""
 try:
     driver.get(url)
     box = driver.find_element(By.ID, "unreachable")
@@ -229,13 +237,15 @@ try:
         time.sleep(0.1)
     driver.save_screenshot(shot)
     print(json.dumps({"shown": box.is_displayed(), "text": box.text,
-                      "peers": [e.get_attribute("data-node") for e in box.find_elements(By.CSS_SELECTOR, "[data-node]")],
+                      "peers": [e.get_attribute("data-node")
+                                for e in box.find_elements(By.CSS_SELECTOR, "[data-node]")],
                       "health": driver.find_element(By.ID, "health").text,
                       "health_class": driver.find_element(By.ID, "health").get_attribute("class")}))
 finally:
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
-""" % {"chrome": CHROME}
+"""
+)
 
 
 def test_dashboard_warns_of_a_peer_announced_but_unreachable(model, tmp_path):

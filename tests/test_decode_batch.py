@@ -128,7 +128,7 @@ def test_batched_steps_equal_each_requests_own_steps(family, dtype, quantize, to
             )
             assert int(mx.argmax(logits).item()) == int(mx.argmax(want).item()) or tol > 1e-3
             last[r] = int(mx.argmax(want).item())
-        for k, batch in enumerate(batches):
+        for _k, batch in enumerate(batches):
             assert len(batch) == len(names)
 
     for batch in batches:

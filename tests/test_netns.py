@@ -27,20 +27,17 @@ while True:
     threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
 """
 # argv: timeout, then ip addresses; prints {ip: true/false}
-REACH = (
-    """
+REACH = f"""
 import json, socket, sys
-t, res = float(sys.argv[1]), {}
+t, res = float(sys.argv[1]), {{}}
 for ip in sys.argv[2:]:
     try:
-        with socket.create_connection((ip, %d), timeout=t) as s:
+        with socket.create_connection((ip, {PORT}), timeout=t) as s:
             s.sendall(b'hi'); res[ip] = s.recv(2) == b'hi'
     except OSError:
         res[ip] = False
 print(json.dumps(res))
 """
-    % PORT
-)
 # argv: addresses outside the mesh; a UDP connect() only consults the routing table (sends nothing)
 NO_ROUTE = """
 import errno, json, socket, sys
@@ -203,10 +200,10 @@ def test_extra_link_and_shaping(netns_mesh_factory):
 
     send = (
         "import socket,sys,time\n"
-        "s=socket.create_connection((sys.argv[1], %d), timeout=20); data=b'x'*(1<<20); t=time.monotonic()\n"
+        f"s=socket.create_connection((sys.argv[1], {PORT}), timeout=20); data=b'x'*(1<<20); t=time.monotonic()\n"
         "s.sendall(data); got=0\n"
         "while got < len(data): got += len(s.recv(1<<16))\n"
-        "print(time.monotonic()-t)" % PORT
+        "print(time.monotonic()-t)"
     )
     fast = float(a.run([sys.executable, "-c", send, link.ip_b], timeout=30).stdout)
     mesh.shape(a, link.dev_a, rate="8mbit")  # 1 MiB one way at 1 MB/s: about a second

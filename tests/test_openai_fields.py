@@ -89,7 +89,10 @@ def _split(model_dir, said: str, prompt_text: str, tools=TOOLS, stop=(), forced=
 
 
 def test_thinking_content_and_a_tool_call_are_told_apart(agent):
-    said = 'I should look it up.</think>Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    said = (
+        "I should look it up.</think>Let me check."
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    )
     text, reasoning, calls, last = _split(agent, said, "<|assistant|><think>")
     assert (text, reasoning) == ("Let me check.", "I should look it up.")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]

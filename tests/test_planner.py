@@ -272,7 +272,7 @@ def test_uniform_layers_follow_budgets(n, layer, raw_budgets):
     counts = [(s.num_layers, by_id[s.nodes[0]]) for s in result.stages]
     peak = max(Fraction(c * layer, b) for c, b in counts)
     cap = {i: int(peak * b / layer) for i, (_, b) in enumerate(counts)}
-    for (i, (li, bi)), (j, (lj, bj)) in itertools.permutations(enumerate(counts), 2):
+    for (_i, (li, bi)), (j, (lj, bj)) in itertools.permutations(enumerate(counts), 2):
         if li >= 2 and lj + 1 <= cap[j]:
             assert (2 * li - 1) * bj <= (2 * lj + 1) * bi, counts  # moving one from i to j is no better
     # the peak load cannot drop by moving one layer from a fullest stage to any other
@@ -463,11 +463,11 @@ def test_big_clusters_and_models_plan_quickly():
 # ---- time per token: tensor, hybrid, links (the cost model in planner's docstring) ----
 
 from meshnode.control.messages import plan_from_pb, plan_to_pb  # noqa: E402
-from meshnode.control.planner import (
+from meshnode.control.planner import (  # noqa: E402
     FAST_RTT_S,
     LinkSpec,
     crossover_latency,
-    group_size_problem,  # noqa: E402
+    group_size_problem,
     supports_tensor,
 )
 

@@ -196,7 +196,7 @@ def test_reads_headers_only(tmp_path):
         n = int.from_bytes(raw[:8], "little")
         f.write_bytes(raw[: 8 + n] + b"\xff" * 16)  # tensor data gone (and garbage): only headers remain
     assert profile_model(tmp_path / "m") == before
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError):
         load_model(tmp_path / "m")  # the files really are unloadable now
 
 

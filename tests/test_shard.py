@@ -108,7 +108,10 @@ def test_shard_holds_only_its_layers(models, family):
     from mlx.utils import tree_flatten
 
     all_names = {k for k, _ in tree_flatten(full.parameters())}
-    layer_names = lambda i: {k for k in all_names if f"layers.{i}." in k}
+
+    def layer_names(i):
+        return {k for k in all_names if f"layers.{i}." in k}
+
     for start, end in [(0, 2), (2, 4), (4, LAYERS)]:
         shard = Shard(path, start, end)
         names = set(shard.parameter_names())

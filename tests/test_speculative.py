@@ -3,7 +3,8 @@
 The drafters here are real (prompt lookup) or the test drafter that proposes the reference
 continuation right with a chosen probability, 4 guesses every pass whatever they cost
 (ReferenceDrafter, the benchmark's), so passes with rejections at every position happen, on dense
-and MoE families, float32, bf16 and 4-bit. Multi-host runs (2 stages over the data port, a tensor pair) are in test_speculative_mesh.py.
+and MoE families, float32, bf16 and 4-bit. Multi-host runs (2 stages over the data port, a tensor
+pair) are in test_speculative_mesh.py.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def test_greedy_tokens_identical_with_rejections_anywhere(model_case, p, depth):
             stages_of(path, cuts),
             prompt,
             SamplingParams(max_tokens=24),
-            lambda h: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size, 4),
+            lambda h, cuts=cuts: ReferenceDrafter(h, [reference], p, len(cuts), model.args.vocab_size, 4),
             passes,
             depth,
         )
@@ -653,7 +654,7 @@ def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_
                 stages_of(path, cuts),
                 prompt,
                 params,
-                lambda h: Patchy(h, reference, windows),
+                lambda h, reference=reference, windows=windows: Patchy(h, reference, windows),
                 depth=depth,
                 costs=FixedCosts(0.1, 0.1) if costs == "dear" else None,
             )
@@ -661,6 +662,10 @@ def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_
             assert runs and sum(runs) >= n // 2, runs  # most steps were built ahead
         again = SamplingParams(max_tokens=n - 9, temperature=params.temperature, seed=params.seed, offset=9)
         got = speculate(
-            stages_of(path, cuts), prompt + want[:9], again, lambda h: Patchy(h, reference, []), depth=depth
+            stages_of(path, cuts),
+            prompt + want[:9],
+            again,
+            lambda h, reference=reference: Patchy(h, reference, []),
+            depth=depth,
         )
         assert got == want[9:], (name, params)

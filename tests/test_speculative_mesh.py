@@ -34,7 +34,8 @@ from openai import OpenAI
 base, model, n, seeded = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 c = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
 messages = [{"role": "user", "content": "Tell me a very long story about the sea and the rivers."}]
-plain = c.chat.completions.create(model=model, messages=messages, max_tokens=n, temperature=0).choices[0].message.content
+plain = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                  temperature=0).choices[0].message.content
 def streamed(**kw):
     return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=model, messages=messages, max_tokens=n, stream=True, **kw) if ch.choices)

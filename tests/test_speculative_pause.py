@@ -125,7 +125,7 @@ def test_a_quote_past_the_first_pause_is_speculated_from_where_it_begins(model_c
                     stages,
                     prompt,
                     params,
-                    lambda h: Patchy(h, reference, quote, free),
+                    lambda h, reference=reference, quote=quote, free=free: Patchy(h, reference, quote, free),
                     passes,
                     depth=None if where == "remote" else 1,
                     costs=FixedCosts(),

@@ -3,6 +3,7 @@ backend on loopback. Multi-host groups inside real meshes are in test_tensor_mes
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import signal
@@ -47,7 +48,7 @@ def test_whole_model_group_matches_mlx_lm(model):
         lead = members[0]
         assert lead.hidden_size == 128 and lead.dtype == mx.float32 and lead.alive()
         cache = lead.make_cache()
-        got = _greedy(lambda x: lead.forward(x, cache), 16)
+        got = _greedy(functools.partial(lead.forward, cache=cache), 16)
         m, _ = load(str(model))
         want = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=16)), range(16))]
         assert got == want
@@ -167,13 +168,13 @@ def test_a_member_that_leaves_an_idle_group_stops_the_leader_so_the_group_forms_
     members = tensor_group(model, 0, 6)
     lead, other = members
     try:
-        want = _greedy(lambda x, c=lead.make_cache(): lead.forward(x, c), 4)
+        want = _greedy(functools.partial(lead.forward, cache=lead.make_cache()), 4)
         other.close()
         wait_until(lambda: not lead.alive(), 10, "the leader's worker to stop")
         lead.close()
         again = tensor_group(model, 0, 6)
         members += again
-        assert _greedy(lambda x, c=again[0].make_cache(): again[0].forward(x, c), 4) == want
+        assert _greedy(functools.partial(again[0].forward, cache=again[0].make_cache()), 4) == want
     finally:
         for m in members:
             m.close()
