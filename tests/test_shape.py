@@ -1,17 +1,22 @@
-"""The shape the code keeps: no module under meshnode/ over 500 lines, no class over 300, and no
+"""The shape the code keeps: no module under meshnode/ over 500 lines, no class over 300, no
 import cycle between its modules (imports under ``if TYPE_CHECKING:`` and inside functions count
-too). The generated protobuf modules are left out. The layers themselves are import-linter's
-contracts in pyproject.toml (``lint-imports``)."""
+too), and short comments (words of comments and docstrings per line of code). The generated protobuf
+modules are left out. The layers themselves are import-linter's contracts in pyproject.toml
+(``lint-imports``)."""
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "meshnode"
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
+# Words of comments and docstrings per line of code, over the whole package: a line where a line serves.
+MAX_COMMENT_DENSITY = 1.5
 
 
 def _module_name(path: Path) -> str:
@@ -116,3 +121,48 @@ def test_no_import_cycle():
 def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _prose_and_code(source: str) -> tuple[int, int]:
+    """(words of docstrings and comments, lines of code) of a module."""
+    words, prose_lines = 0, set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                words += len(first.value.value.split())
+                prose_lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            words += len(token.string.lstrip("#").split())
+    code = sum(
+        1
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in prose_lines
+    )
+    return words, code
+
+
+def test_comments_stay_short():
+    words = code = 0
+    for path in _modules().values():
+        w, c = _prose_and_code(path.read_text())
+        words, code = words + w, code + c
+    assert words / code <= MAX_COMMENT_DENSITY, f"{words} words of comments for {code} lines of code"
+
+
+def test_prose_is_counted_apart_from_code():
+    source = '''"""Two words."""
+x = 1  # three more words
+# four words stand alone
+
+
+def f():
+    """Five words, said in five."""
+    return x
+'''
+    assert _prose_and_code(source) == (2 + 3 + 4 + 5, 3)
