@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from meshnode import __version__, blas
+from meshnode.control.lanes import Lane
 from meshnode.control.peers import Peers
 from meshnode.control.plane import ControlPlane
 from meshnode.metrics import EventLog, NodeMetrics, Progress
@@ -48,6 +49,18 @@ def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: boo
     }
 
 
+def plan_view(lane: Lane) -> dict[str, Any]:
+    """A lane's plan and readiness: the first model's at the top of the document, each model's in ``models``."""
+    served = lane.served
+    return {
+        "epoch": lane.adoption.epoch,
+        "ready_epoch": served.ready_epoch,
+        "healthy": served.serving_ready(),
+        "plan_error": served.plan_error or None,
+        "plan": plan_status(served.plan, lane.coordinator.estimate_now()),
+    }
+
+
 def mesh_status(
     control: ControlPlane, events: EventLog, progress: Progress, metrics: NodeMetrics, measuring: str | None
 ) -> dict[str, Any]:
@@ -57,31 +70,23 @@ def mesh_status(
         peer_view(peers, nid, info, nid == node_id, nid == coordinator)
         for nid, info in sorted(peers.alive_infos().items())
     ]
-    served = control.lanes.primary.served
+    primary = control.lanes.primary
     return {
         "node_id": node_id,
         "version": __version__,
         "blas": blas.in_use(),
-        "model": served.model_id,
+        "model": primary.served.model_id,
         "coordinator": coordinator,
-        "epoch": control.adoption.epoch,
-        "ready_epoch": served.ready_epoch,
-        "healthy": served.serving_ready(),
-        "plan_error": served.plan_error or None,
         "unreachable": peers.reach.report(),
         "nodes": nodes,
-        "plan": plan_status(served.plan, control.coordinator.estimate_now()),
+        **plan_view(primary),
         "models": [
             {
                 "model": lane.model_id,
                 "state": model_state(lane.served),
                 "offered_here": lane.offered,
-                "epoch": lane.adoption.epoch,
                 "use": dataclasses.asdict(control.use_of(lane)),
-                "ready_epoch": lane.served.ready_epoch,
-                "healthy": lane.served.serving_ready(),
-                "plan_error": lane.served.plan_error or None,
-                "plan": plan_status(lane.served.plan, lane.coordinator.estimate_now()),
+                **plan_view(lane),
             }
             for lane in control.lanes
             if lane.model_id is not None
