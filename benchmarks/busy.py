@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import STREAM_CHAT, local_node, two_stage_mesh  # noqa: E402
 from harness.cluster import in_ns  # noqa: E402
 
-# A small float32 llama: on these 2-core boxes (reference BLAS, ~1 GFLOP/s) its 1k-token prefill takes
+# A small float32 llama: on these 2-core boxes (reference BLAS) its 1k-token prefill takes
 # a few seconds, long enough to starve an answer that waits behind it, short enough for 20 rounds.
 MODEL = dict(
     family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2, dtype="float32"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import STREAM_CHAT, local_node, mlx_lm_server, two_stage_mesh  # noqa: E402
 from harness.cluster import in_ns  # noqa: E402
 
-# The model of benchmarks.busy: on these 2-core boxes (~1 GFLOP/s) a 1k-token prefill takes seconds.
+# The model of benchmarks.busy: on these 2-core boxes a 1k-token prefill takes seconds.
 MODEL = dict(
     family="llama", num_layers=8, hidden_size=192, intermediate_size=512, num_heads=4, num_kv_heads=2, dtype="float32"
 )

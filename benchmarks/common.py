@@ -302,12 +302,11 @@ def two_stage_mesh(
     the nodes' scripted guesses for speculative decoding (harness/drafts.py), a test hook.
 
     Both nodes are given one speed figure, measured here once (the best of 3, as the tests'
-    ``seed_figures``): they stand for two identical machines, and on a VM whose timings drift
-    (one core's step measured 148 to 179 ms in five medians of ten) each node's own measure at
-    start came out more than SAME_SPEED apart, and the planner split 7 and 9 layers. It is yielded
-    once both have also timed a layer split two ways (`measuring` in /v1/mesh, about 7 s after a
-    start here): two processes on each node's core, its first requests ran at 15-18 tok/s against
-    24, and the head's pricing of speculative passes measured a slowed machine."""
+    ``seed_figures``): they stand for two identical machines, and on a VM whose timings drift each
+    node's own measure at start can differ by more than SAME_SPEED, so that the planner splits the
+    layers unevenly. It is yielded once both have also timed a layer split two ways (`measuring` in
+    /v1/mesh): until then two processes share each node's core, so the first requests run slower
+    and the head prices its speculative passes on a slowed machine."""
     from harness.cluster import node_argv, wait_mesh
     from meshnode.model.compute import CACHE_FILE, seed_figures
     from meshnode.weights.profile import profile_model

@@ -45,7 +45,7 @@ def trial(path: Path, which: str) -> float:
         *hosts, client = mesh.hosts
         procs = {}
         # This machine's compute figures measured once, with nothing else running: a node that
-        # measures them itself runs timing subprocesses for ~20 s after it is up, inside the trial.
+        # measures them itself runs timing subprocesses for a while after it is up, inside the trial.
         measure_compute(hosts[0], path, Path(tmp) / "seed")
         for h in hosts:
             (Path(tmp) / h.name).mkdir()

@@ -12,7 +12,8 @@ mlx-lm's own speculative decoding with the model drafting for itself (every step
 positions, all accepted). It prints, for each, where its answer first leaves the default's and the
 gap between the default's top two logits there. No way changes what is computed, only how it
 is rounded, so an answer that leaves the default's was flipped at such a close call by rounding.
-On this machine's CPU every way gives the same answer.
+On MLX's CPU build with its own reference BLAS, which computes a row's result whatever the shape it
+is part of, every way gives the same answer.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ Decode tokens/s are measured interleaved (a, b, c in a rotating order, --rounds 
 streamed generation each) so that drift of this shared machine hits all three alike; prints the
 median and best of each and the ratios of medians to (a) (target for (b): >= 0.98).
 
-Then, to see per-message costs below the noise of a ~100 ms token: the round trip of one 3 KiB
+Then, to see per-message costs below the noise of a whole token: the round trip of one 3 KiB
 message on a bidirectional gRPC stream on loopback (what a pipeline hop is), with no auth, with
-the auth client interceptors (the previous implementation), with SignedChannel (the current
-one: signs once per call) and with SignedChannel over TLS.
+the auth client interceptors (meshnode.trust.auth.client_interceptors), with SignedChannel (what
+the nodes use: signs once per call) and with SignedChannel over TLS.
 Needs root (network namespaces).
 
     sudo .venv/bin/python benchmarks/security.py [--tokens 64] [--rounds 5]

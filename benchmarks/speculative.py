@@ -64,7 +64,7 @@ PS = (0.0, 0.5, 0.8, 1.0)
 SIZES = {
     "bench": {},
     "1b": dict(num_layers=24, hidden_size=2048, intermediate_size=5632, num_heads=16, num_kv_heads=8),
-    # a step of about a millisecond on a CPU, as a GPU's: what the machinery adds per step shows
+    # a step as short on a CPU as a GPU's: what the machinery adds per step shows
     "tiny": dict(num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2),
 }
 SEED = 11
@@ -252,8 +252,8 @@ def main() -> int:
             for _, entry in entries:  # the nodes' first request (kernels compiled) takes core time
                 mesh("warm-up", {"off": True}, entry)
                 # ...and their first passes of several positions, and cuts of the caches, compile theirs
-                # (on a GPU this cost 0.74x where a later round's same request ran at 0.98x). The costs
-                # of a pass are then measured, as on a node that has served a while.
+                # (which would otherwise slow the first measured round). The costs of a pass are then
+                # measured, as on a node that has served a while.
                 mesh("warm-up speculating", {"p": 0.5, "seed": SEED, "vocab": vocab, "answers": [answer]}, entry)
             print(
                 f"the client asks {' and '.join(name for name in ('relay', 'head') if args.entry in (name, 'both'))}"

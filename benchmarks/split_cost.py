@@ -27,8 +27,8 @@ With ``--llamacpp`` (the folder of a llama.cpp build with ``llama-bench`` and ``
 llama.cpp on one host and split over the same two namespace hosts (``rpc-server`` holding the
 second half), and prints its added time per token beside meshnode's.
 
-``--size small`` (default): llama, hidden 512, 8 layers, float32 (24.6M parameters, ~20 ms a token
-here), where what the split adds is a large part of a token and so measured most precisely;
+``--size small`` (default): llama, hidden 512, 8 layers, float32 (24.6M parameters), where what
+the split adds is a large part of a token and so measured most precisely;
 ``--size bench``: the 101M-parameter model of the other benchmarks. Needs root.
 """
 
@@ -293,7 +293,7 @@ class LlamaCpp:
         self.netns, self.host, self.remote = mesh, mesh.hosts[0], mesh.hosts[1]
         # Both of its processes the same kind of memory, as ../shared/peers/llamacpp-rpc.md measures
         # it (with llama-bench -lm none); MLX's processes keep glibc's default: with huge pages,
-        # mlx-lm's one process ran 34-53 ms a token from one generation to the next, without 50-55.
+        # mlx-lm's time per token varies widely from one generation to the next.
         self.env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
         server = next(
             (bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()), bin_dir / "rpc-server"

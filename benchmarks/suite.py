@@ -3,17 +3,17 @@
     sudo .venv/bin/python -m benchmarks.suite [--tokens 64] [--skip failover,tensor] [--out benchmarks/results]
 
 Decode figures use the ~100M-parameter float32 llama of the other benchmarks (hidden 768, 16
-layers, built locally and cached): its compute per token (~90 ms here) dominates a hop's cost, as
-a real model's does on a Mac, so what pipelining saves or costs is visible. Prefill figures (TTFT)
+layers, built locally and cached): its compute per token dominates a hop's cost, as a real
+model's does on a Mac, so what pipelining saves or costs is visible. Prefill figures (TTFT)
 use the smaller llama of benchmarks/failover.py (hidden 256, 8 layers): MLX's CPU build multiplies
 matrices with a reference BLAS on one core, so a 1,024-token prefill of the 100M model takes
-minutes, while this one takes ~4.5 s in mlx-lm, compute still dominating. Real `meshnode run`
+minutes, while this one's takes seconds in mlx-lm, compute still dominating. Real `meshnode run`
 processes on network-namespace hosts of this machine, a client in its own namespace; mlx-lm runs
 in this process. Figures:
 
 - decode tokens/s of 1-, 2- and 3-stage pipelines / mlx-lm's (stream_generate): five rounds, each
   a generation of mlx-lm then one of the mesh, the ratio the median of the rounds' ratios (this
-  machine's speed drifts by tens of percent over minutes);
+  machine's speed drifts over minutes);
 - at 2 stages, each round also times the bare split of benchmarks/floor.py (mlx-lm's modules for
   the two halves in two processes, a loopback socket between, nothing else): the floor any split
   reaches here, and the mesh's ratio to it; and one hop between two bare processes right after
@@ -68,8 +68,8 @@ TTFT_PROMPTS = (128, 1024)
 STREAMS = (1, 2, 4)
 ROUNDS = 5  # decode measurements of the mesh, each right after one of mlx-lm
 QUANTIZED = dict(dtype="bfloat16", quantize="4bit", group_size=64)  # the 4-bit rows' model: BENCH_MODEL so made
-# The 4-bit rows' prompt: MLX's CPU build prefills 4-bit weights at ~1 token/s here (the long PROMPT
-# took ~2 min a request, 60 min for the three rows); decode speed does not depend on it.
+# The 4-bit rows' prompt: MLX's CPU build prefills 4-bit weights so slowly that the long PROMPT would
+# take minutes a request; decode speed does not depend on it.
 SHORT_PROMPT = "Write a story about the sea."
 TARGETS = {"decode_ratio_2": 0.95, "added_us_per_hop": 150, "ttft_1024_ratio": 0.6, "aggregate_2_over_1": 1.6}
 
@@ -476,8 +476,8 @@ def main() -> int:
     def decode(
         nodes: Nodes, decoder=mlx_lm_decode, into: dict | None = None, text: str = PROMPT, rounds: int = ROUNDS
     ) -> None:
-        """Decode tokens/s of the mesh and of mlx-lm, measured in turns (this machine's speed drifts by
-        tens of percent over minutes, so a reference taken once, earlier, skews the ratio): the ratio
+        """Decode tokens/s of the mesh and of mlx-lm, measured in turns (this machine's speed drifts
+        over minutes, so a reference taken once, earlier, skews the ratio): the ratio
         is the median of the rounds' ratios. At 2 stages each round also times the bare split
         (benchmarks/floor.py): the floor any 2-stage split reaches on this machine."""
         split = Split(path) if nodes.stages == 2 and decoder is mlx_lm_decode else None

@@ -252,7 +252,7 @@ class Cluster:
     def __init__(self, mesh, model: Path, tmp: Path, budgets=(), *, max_context: int = 512, seed: Path | None = None):
         """``seed``: a folder whose compute.json every node starts with (the same figures on every
         host, as installed nodes of one machine type have them cached, instead of each timing them
-        while the others do: on shared cores those differ by 2x and plans follow them)."""
+        while the others do: on shared cores those differ widely and plans follow them)."""
         self.mesh, self.model, self.tmp, self.max_context, self.seed = mesh, model, tmp, max_context, seed
         self.hosts = list(mesh.hosts)
         self.client = mesh.add_host("client")

@@ -37,7 +37,7 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     }
 ]
-GREEDY = {"temperature": 0}  # the anthropic package no longer has sampling arguments; the API takes them
+GREEDY = {"temperature": 0}  # the anthropic package has no sampling arguments; the API takes them
 FORMATS = {"llama-4bit": ("llama", "4bit", "bfloat16", "plain"), "qwen3-bf16": ("qwen3", None, "bfloat16", "agent")}
 NO_THINKING = {"type": "disabled"}
 

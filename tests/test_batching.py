@@ -219,9 +219,9 @@ def test_a_next_turn_resumes_its_kept_prefix_in_the_batch(node, model_path):
 
 
 def test_a_kept_prefix_counts_its_positions_once(node):
-    """When a generation ends its positions become a kept prefix: counted as in use and as kept at
-    once, they gave up the previous turn's prefix for room that was there (found with
-    benchmarks.chat --sessions: an agent's next task then prefilled its whole system prompt)."""
+    """When a generation ends its positions become a kept prefix, counted once: counted as in use
+    and as kept at once, they would give up the previous turn's prefix for room that is there, and
+    an agent's next task would prefill its whole system prompt again."""
     n, base = node
     store, layers = n.served.prefixes, (0, 2)
     capacity = store.capacity

@@ -35,9 +35,9 @@ def _counter(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-# Seeds whose random weights answer every prompt to MAX_TOKENS (mlx-lm, greedy). With seed 4 for all
-# three, some answers ended at 25-56 tokens (end of sequence), and under load the four sometimes
-# never decoded three at a time: no round of two rows (CI), or none batched at all.
+# Seeds whose random weights answer every prompt to MAX_TOKENS (mlx-lm, greedy): answers that end
+# early (end of sequence) can leave fewer than three decoding at a time, so that no round carries two
+# rows, or none is batched at all.
 @pytest.mark.parametrize(
     "family,quantize,seed",
     [("llama", None, 6), ("qwen3_moe", None, 5), ("llama", "4bit", 5)],

@@ -4,11 +4,10 @@ Two nodes hold two stages of one model; the client talks to the first stage (not
 both waits are exercised: the head waiting on the first stage's data port, and the first stage
 waiting on the head's Generate stream. Delays are injected deterministically into the first
 stage's steps (harness/faults.py, through the nodes' test hooks) while the node stays
-alive (it keeps heartbeating): before this issue, any step past 2 s (decode) or past
-2 s + 0.05 s per queued position (prefill) counted as a lost stage, and the request waited 30 s
-for a re-plan that nobody made, then failed (503 or placement_lost).
+alive (it keeps heartbeating): a slow step is not a lost stage, so the request does not wait out
+the failover deadline for a re-plan that nobody makes, then fail (503 or placement_lost).
 
-One mesh serves every test of the module (forming it costs ~15 s); each test sets the delays it
+One mesh serves every test of the module (forming one is slow); each test sets the delays it
 needs and clears them.
 """
 
@@ -69,7 +68,7 @@ def mesh2(model, tmp_path_factory):
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp, max_context=CTX, seed=seed)
         # A pipeline, pinned: two nodes that each hold 0.6 of the model also make a tensor pair, which
-        # the planner may estimate faster on a fast machine (as it did in tests/test_fault_placement.py)
+        # the planner may estimate faster on a fast machine
         delays = cluster.start_all_delayable(int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 60, "a 2-stage plan")[0]
         first, head = (s["nodes"][0] for s in view["plan"]["stages"])
@@ -91,7 +90,7 @@ def assert_no_loss(cluster, view):
 
 def test_stage_stalled_in_prefill_and_decode_is_not_lost(model, mesh2):
     """The first stage stalls 5 s on the prompt's first chunk and 5 s on a decode step (well past
-    the old 3.5 s / 2 s deadlines) while it heartbeats: the stream completes identical to mlx-lm
+    failure_timeout) while it heartbeats: the stream completes identical to mlx-lm
     in the same epoch, with no re-plan and no retry."""
     cluster, view, entry, head, delay = mesh2
     want = mlx_reference(model, MESSAGES, 24)
@@ -109,8 +108,8 @@ def test_stage_stalled_in_prefill_and_decode_is_not_lost(model, mesh2):
 
 
 def test_slow_stage_serves_a_1k_token_prompt_without_503(model, mesh2):
-    """A stage slowed as a machine with another job is (every decode step 2.5 s, past the old 2 s
-    allowance; prefill 4 ms per position) serves a ~1k-token prompt with default settings:
+    """A stage slowed as a machine with another job is (every decode step 2.5 s, past
+    failure_timeout; prefill 4 ms per position) serves a ~1k-token prompt with default settings:
     slowly, no 503, the answer identical to mlx-lm."""
     cluster, view, entry, head, delay = mesh2
     messages = long_messages(chat=101)  # its own: a prompt the mesh kept would not be prefilled
@@ -156,8 +155,7 @@ for i in range(rounds):
 print(json.dumps({"texts": texts, "lost": lost}))
 """
 
-# 20 rounds (the issue's figure) take ~2 minutes on a shared 2-core CI box; 6 rounds keep this
-# test near 30 s. The 20-round version: benchmarks/busy.py --openwebui 20.
+# 6 rounds keep this test short; the issue's 20 rounds: benchmarks/busy.py --openwebui 20.
 ROUNDS = 6
 
 

@@ -80,7 +80,7 @@ def test_false_suspicion_retries_on_the_same_epoch_at_once():
 
 def test_a_lost_node_still_waits_for_the_new_plan():
     """A node never heard from again: no same-epoch retry; without a new plan the generation fails
-    at the deadline, as before."""
+    at the deadline."""
     global placement
     placement = Flaky(2, fail_after=5)
     src = FailoverSource(never_newer, poll=0.01, deadline=0.3, same_epoch=lambda epoch, since: None)
@@ -122,7 +122,7 @@ def _remote_stage(alive):
 
 
 def test_a_reply_is_awaited_while_the_stage_heartbeats():
-    """A stage's reply 1.5 s late (past the old 2 x hop_timeout rule) is waited for while the stage
+    """A stage's reply 1.5 s late (far past 2 x hop_timeout) is waited for while the stage
     is alive; once it stops heartbeating, the wait ends within a poll."""
     alive = {"v": True}
     stage = _remote_stage(lambda: alive["v"])
@@ -240,8 +240,8 @@ def test_the_head_and_the_stages_error_codes_mean_what_the_generation_does_next(
 def test_every_stage_learns_how_much_prompt_its_request_has_left():
     """A stage gives its MLX thread to the request with the least prompt left (a short answer's
     chunk before a long title's), so each chunk reaches every stage with its request's remaining
-    work as the head cut it, not the chunk's own size (a title's small chunks once went before an
-    answer's whole prompt at the stages, and the answer waited for all of them)."""
+    work as the head cut it, not the chunk's own size (else a title's small chunks go before an
+    answer's whole prompt at the stages, and the answer waits for all of them)."""
     import mlx.core as mx
 
     from meshnode.serving.prefill import DoneTicket, pipelined_prefill

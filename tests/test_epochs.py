@@ -220,7 +220,8 @@ def test_partitions_that_heal_settle_on_one_plan(seed):
 
 def test_nodes_started_together_publish_one_first_plan():
     """Rule 4: nodes that start together and hear each other within the grace period never
-    publish two epoch-1 plans (before it, each published one for itself, and they had to settle)."""
+    publish two epoch-1 plans (without it, each would publish one for itself, and they would have
+    to settle)."""
     sim = Sim({"a": 0.0, "b": 0.0, "c": 0.05}, grace=1.0)
     for _ in range(3):  # 0.3 s alone: nobody publishes
         for nid in "abc":
@@ -244,7 +245,7 @@ def test_a_stable_mesh_publishes_once_whatever_the_order_of_heartbeats_and_insta
     """Nothing contested, nothing changed: the coordinator's plan reaches some nodes by heartbeats
     (relayed by other nodes) before its Install does. The Install of a plan a node already holds is
     accepted; were it refused, the coordinator would take its own plan for a contested one and
-    publish again and again (seen on namespace hosts: epochs 3 to 8 with one layout, a second apart)."""
+    publish again and again, one epoch after another with one layout."""
     rng = random.Random(seed)
     sim = Sim({"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0})
     sim.now = 4.0
@@ -280,8 +281,8 @@ def test_a_refused_install_of_the_same_epoch_marks_it_contested():
 
 
 def test_an_invalid_plans_epoch_is_not_taken_before_the_plan_is_adopted():
-    """Found by tests/test_fuzz.py: an Install of an invalid plan numbered 2**64 - 1 made the next
-    epoch overflow the wire's uint64 (an exception in the handler)."""
+    """An Install of an invalid plan numbered 2**64 - 1 (as tests/test_fuzz.py sends) does not count
+    toward the next epoch, which would overflow the wire's uint64 (an exception in the handler)."""
     state = EpochState()
     state.adopted(3, "a")
     assert not state.offered(2**64 - 1, "fuzzer", "fuzzer")  # too large to be real
@@ -291,10 +292,10 @@ def test_an_invalid_plans_epoch_is_not_taken_before_the_plan_is_adopted():
 
 
 def test_a_node_that_withdrew_the_plan_alone_takes_it_back_from_its_coordinator():
-    """Found by the 5-minute soak in CI: a node cut off alone became coordinator, found that no plan
-    fits on it and withdrew epoch 23; when its link came back the mesh still held epoch 23 (no
-    one had to re-plan: the node was not in it), so by rule 1 alone the node never adopted it
-    again and answered 503 until the next epoch."""
+    """A node cut off alone becomes coordinator, finds that no plan fits on it and withdraws epoch
+    23; when its link comes back the mesh still holds epoch 23 (no one had to re-plan: the node was
+    not in it), so by rule 1 alone the node would never adopt it again and would answer 503 until
+    the next epoch."""
     state = EpochState()
     state.adopted(23, "h2")
     state.withdraw()

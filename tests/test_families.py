@@ -21,7 +21,7 @@ LAYERS = 4
 TOKENS = 10
 # 20 positions: past every tiny sliding window and attention chunk (8), prefilled in steps of 8.
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 128, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
-NEW_FAMILIES = [f for f in SPLIT_FAMILIES if f not in FAMILIES]  # the nine old ones: tests/test_shard.py
+NEW_FAMILIES = [f for f in SPLIT_FAMILIES if f not in FAMILIES]  # beyond the nine of tests/test_shard.py
 
 
 class Models:
@@ -206,8 +206,8 @@ def test_step_built_ahead_in_one_thread_evaluates_in_another(models, family):
 @pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_a_shard_loaded_on_one_thread_runs_on_another(models, family):
     """A node loads a stage on its MLX thread and a data connection's thread runs it. Arrays a family
-    keeps outside its parameters (hunyuan's rope frequencies) were lazy graphs on the loading
-    thread's stream: 'There is no Stream(cpu, 0) in current thread' on the first request."""
+    keeps outside its parameters (hunyuan's rope frequencies) must not stay lazy graphs on the loading
+    thread's stream: the first request would fail with 'There is no Stream(cpu, 0) in current thread'."""
     path = models(family)
     loaded: dict = {}
     errors: list = []

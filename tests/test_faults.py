@@ -166,9 +166,9 @@ def test_join_during_load_rebalances_without_failing_a_request(pipeline_only_mod
     model = pipeline_only_model
     want = mlx_reference(model, MESSAGES, 20)
     # The three hosts stand for three like machines, so they share one figure measured with nothing
-    # running: left to time its own layers, the newcomer did so while the other two served the load on
-    # the same two cores, measured 1.7x slower than they had, and the planner then rightly found the
-    # move not worth making (tests/test_planner.py: ...only_by_the_newcomers_own_figure).
+    # running: left to time its own layers, the newcomer would do so while the other two serve the
+    # load on the same two cores, measure itself much slower than they are, and the planner would
+    # then rightly find the move not worth making (tests/test_planner.py: ...only_by_the_newcomers_own_figure).
     seed = tmp_path / "seed"
     seed_figures(model, profile_model(model).num_layers, seed, rounds=1, tensor=False)
     with netns_mesh(3) as mesh:

@@ -2,12 +2,10 @@
 against one pass's whole traversal (PassCosts.filled_share).
 
 Stages on machines of their own compute at once, and a full pipeline yields a pass every
-1 / stages of a traversal. Two nodes on one device need not: on the lent H200 of issue 14 (both
-stages over loopback) the head, which assumed 1 / stages, chose one-position passes where passes
-of four guesses gave 1.29x plain mlx-lm against its 1.01x (benchmarks.speculative --loopback
---size 1b --fixed 4,2). Measured there since, the share came out 0.45-0.69 (a 1.1B model's step
-leaves most of an H200 idle) and the head's own choice reached 0.84-0.97 of the fixed one's
-speed; a device that one stage's work fills measures near 1. Pure logic first, then
+1 / stages of a traversal. Two nodes on one device need not: where both stages share a GPU (over
+loopback) and one stage's step leaves much of it idle, the share lies between 1 / stages and 1, and
+a head that assumed 1 / stages would choose one-position passes where passes of several guesses
+are faster; a device that one stage's work fills measures near 1. Pure logic first, then
 the real loop on local stages (which share one thread: a device shared, in effect), dense and MoE,
 float32, bf16 and 4-bit.
 """
@@ -61,7 +59,7 @@ def test_where_stages_share_a_device_guesses_go_inside_the_pass_not_behind_it():
     assert k >= 2 and not shared.fill_ok(0)  # one device: longer passes, nothing behind
     assert apart.choose() >= 1 and apart.fill_ok(0)  # machines of their own: passes fill the pipeline
     # This CPU's costs (a further position at 0.9 of a step), machines of their own: one-position
-    # passes fill the pipeline, as before the share was measured.
+    # passes fill the pipeline.
     cpu = confirmed(DraftLength(PassCosts(one=0.1, extra=0.09, share=0.55), k_max=8, fills=True, stages=2))
     assert cpu.choose() == 0 and cpu.fill_ok(0) and not cpu.paused()
     # The same CPU costs on one device: no pass behind pays, nor guesses inside: plain steps, then a
@@ -186,9 +184,9 @@ def test_the_node_metrics_show_what_the_head_measured():
 
 
 def test_a_stall_or_two_does_not_rule_filling_out_but_a_shared_device_does():
-    # Traced on OpenBLAS (benchmarks.speculative --p 0.8): shares of 0.55, then two passes at 2.0
-    # and 1.81 (a passing load: the traversal they are measured against was timed without it). A
-    # running average went to 1.03 and ruled filling out for some hundred passes.
+    # What a head on OpenBLAS times (benchmarks.speculative --p 0.8): shares of 0.55, then two
+    # passes at 2.0 and 1.81 (a passing load: the traversal they are measured against was timed
+    # without it). A running average would rise to about 1 and rule filling out for hundreds of passes.
     costs = PassCosts(one=0.1, extra=0.005)
     for seconds in (0.055, 0.055, 0.2, 0.181, 0.055):
         costs.observe_filled(1, seconds)

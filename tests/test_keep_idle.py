@@ -1,11 +1,11 @@
 """Keeping a request's prefix at a remote stage (the prompt cache) waits on the network only, so
 the node's MLX baton goes to others meanwhile.
 
-Found in CI (tests/test_models_mesh.py, two models whose heads were on different nodes, each with
-a first stage on the other): each head kept its finished request's prefix holding its node's
-baton; each stage, to serve the other head's stream, waited for that baton; neither keep's answer
-ever came, and the next chats hung. Here the stage side takes the keeper's own baton before it
-answers: before the fix it could not until the keep gave up."""
+With two models whose heads are on different nodes, each with a first stage on the other (as in
+tests/test_models_mesh.py), a head that kept its finished request's prefix holding its node's baton
+would deadlock the two: each stage, to serve the other head's stream, would wait for that baton,
+neither keep's answer would come, and the next chats would hang. Here the stage side takes the
+keeper's own baton before it answers, which it gets at once: the keep waits without it."""
 
 from __future__ import annotations
 

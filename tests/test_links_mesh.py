@@ -76,5 +76,5 @@ def test_data_takes_the_fast_link(tmp_path):
         activations = positions * 256 * 4  # a hidden state of 256 float32 per position, at least
         # Nothing but the data plane crosses the direct link meanwhile (each path was probed once,
         # on joining). The bridge is not compared: its own traffic during the chats (heartbeats,
-        # HTTP, relayed requests) varied between runs by more than the lean activation frames.
+        # HTTP, relayed requests) varies between runs by more than the lean activation frames.
         assert sent[link.dev_a] > activations, sent

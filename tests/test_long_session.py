@@ -11,8 +11,8 @@ replays to the uninterrupted one.
 The reference is ``mlx_lm.server`` on the whole model, sent the same conversations. A 64k-token
 prefill with MLX's reference BLAS takes many minutes on a 2-core machine, so the nodes and the
 reference run on OpenBLAS (meshnode.blas), whose rounding depends on a step's shape: the mesh's
-chunks differ from mlx-lm's, which moves log-probabilities by about 1e-5, far below the gaps between
-this model's top two tokens.
+chunks differ from mlx-lm's, which moves log-probabilities far less than the gaps between this
+model's top two tokens.
 """
 
 from __future__ import annotations

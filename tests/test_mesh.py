@@ -102,8 +102,8 @@ def test_static_peers_without_multicast_and_other_key_ignored_and_stop_replans(m
         victim = plan["stages"][-1]["nodes"][0]
         survivors = [h for h in (a, b, d) if h.name != victim]
         mesh.stop(cluster.procs[victim])
-        # (45 s: the new plan may be a tensor pair, whose worker processes start from scratch; on this
-        # 2-core machine under load that took over 15 s once)
+        # (45 s: the new plan may be a tensor pair, whose worker processes start from scratch, slowly
+        # on a loaded machine)
         after = cluster.wait(
             lambda: (v := cluster.converged(survivors, 2)) and v[0]["epoch"] > views[0]["epoch"] and v,
             45,

@@ -182,8 +182,8 @@ def test_live_rate_and_outcomes():
 
 def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path, monkeypatch):
     """A node's first start on a machine times a layer split two ways (two short-lived processes)
-    while it already serves: its first requests run slower (in the benchmarks' two nodes of a core
-    each, 15-18 tok/s for the first 4 s against 24). /v1/mesh says so, and when it ends."""
+    while it already serves: its first requests run slower (the processes share its cores). /v1/mesh
+    says so, and when it ends."""
     import threading
 
     import meshnode.node as node_module

@@ -243,7 +243,7 @@ def test_a_model_added_at_run_time_is_served_and_each_model_replans_on_its_own_w
         # Planned while h1 was alone, the small model is served whole there; once the others are in,
         # the coordinator moves it to the configured pipeline, rebalance_dwell after that first plan.
         # Waited for here: else that move could come while the victim dies, and look like a re-plan
-        # the death caused (1 run in 3).
+        # the death caused.
         cluster.wait(
             lambda: all(_plan_of(cluster, h, small.name).get("strategy") == "pipeline" for h in cluster.hosts),
             60,

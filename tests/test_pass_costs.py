@@ -1,12 +1,12 @@
 """What the head prices a pass at (meshnode.serving.draft_length.PassCosts), and when it times one.
 
-Measured on this CPU with OpenBLAS (benchmarks.speculative, a 2-stage mesh): the first passes of
-a placement took 2-2.5x their later time (MLX building kernels for new shapes, a peer's start),
-and a further position's cost is not a line (lone passes of 1/2/3/4/5 positions: 40/45/55/42/53
-ms). A least-squares line over every pass seen, older ones fading, priced a further position at
-0.22-1.15 of a step where it costs 0.06-0.09, so the head guessed too little at p = 0.8; and
-where a pass was priced below a plain step, it guessed at every step where nothing was right.
-Pure logic: the timings go in by hand.
+The timings are a head's on a CPU with OpenBLAS (benchmarks.speculative, a 2-stage mesh): the
+first passes of a placement take a multiple of their later time (MLX building kernels for new
+shapes, a peer's start), and a further position's cost is not a line in the positions (STEADY). A
+least-squares line over every pass seen, older ones fading, would price a further position far
+above what it costs, so that the head guesses too little where guesses pay; and a pass priced below
+a plain step would have it guess at every step where nothing is right. Pure logic: the timings go
+in by hand.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_a_pass_is_priced_against_the_steps_of_its_time_so_a_load_since_gone_doe
     assert abs(costs.cost(1) - 0.040) < 0.001  # the steps of now
     # Passes timed under the load, against the steps timed with them: 1.1 and 1.4 steps (three
     # positions, timed twice, priced by the line through every pass: 1.2). Their seconds against
-    # today's steps said 2.3 and 3.0, and the head stopped guessing.
+    # the steps of now would say 2.3 and 3.0, and the head would stop guessing.
     assert 1.05 < costs.relative(2) < 1.15 and 1.1 < costs.relative(3) < 1.5
 
 
@@ -76,8 +76,8 @@ def test_a_sizes_first_pass_is_not_kept_and_only_recent_ones_count():
 
 def test_a_pass_is_never_priced_below_a_step_so_wrong_guesses_never_seem_to_pay():
     # Passes of five timed at 0.95 of a step (their noise, or steps timed under a little load):
-    # priced below a step, k = 4 paid at every acceptance, and at p = 0 the head sent a pass of
-    # four wrong guesses for every token (18.7 tok/s against 22.7 without speculation).
+    # priced below a step, k = 4 would pay at every acceptance, and at p = 0 the head would send a
+    # pass of four wrong guesses for every token.
     costs = timed(PassCosts(), [(1, 56), (1, 56)] + [(5, 53)] * 9)
     assert costs.relative(5) == 1.0
     length = DraftLength(costs, k_max=4)
@@ -104,8 +104,8 @@ def test_where_passes_fill_the_pipeline_some_go_alone_to_be_timed_one_guess_long
 
 def test_a_pass_faster_than_the_steps_timed_has_them_timed_again():
     # A loaded start: steps at 89 ms; then the load goes while passes fill the pipeline (no step
-    # timed). Against the old steps its passes came out at 0.5-0.7 of a step, priced at 1 (never
-    # below) every size looked free, and at p = 0 the head guessed six tokens a pass.
+    # timed). Against the old steps its passes come out at 0.5-0.7 of a step; priced at 1 (never
+    # below) every size would look free, and at p = 0 the head would guess six tokens a pass.
     costs = timed(PassCosts(), [(1, 102), (1, 89), (2, 97), (2, 96), (3, 57), (3, 57)])
     assert costs.fit()[0] is None  # the step is to be timed again ...
     costs.observe_filled(3, 0.06)  # (meanwhile the old steps still time a traversal for the share)
@@ -119,8 +119,8 @@ def test_a_pass_faster_than_the_steps_timed_has_them_timed_again():
 def test_one_slow_pass_does_not_price_every_guess():
     # A head on OpenBLAS (benchmarks.speculative --p 0.8, traced): steps at 40 ms, then passes of
     # two positions at 1.05 and 2.03 steps (the second slowed by something else on the machine).
-    # A least-squares line through them priced a further position at 0.54 of a step; k stayed 0
-    # for the rest of the run (34 tok/s against 62 in the runs without such a pass).
+    # A least-squares line through them would price a further position at 0.54 of a step, and k
+    # would stay 0 for the rest of the run.
     costs = timed(PassCosts(), [(1, 40), (1, 40), (1, 41), (1, 40), (2, 42), (2, 42), (2, 81)])
     assert costs.ratio() < 0.1  # the faster of two: noise only ever slows a pass
     length = DraftLength(costs, k_max=8, fills=True, stages=2)
@@ -133,10 +133,10 @@ def test_one_slow_pass_does_not_price_every_guess():
 
 
 def test_passes_are_timed_again_across_a_placements_requests_not_only_within_one():
-    # A request of 48 tokens at p = 0.8 chooses about 14 passes where they fill the pipeline; the
-    # count toward REMEASURE started again with each request, so no pass was ever timed after
-    # the first, and one pass of two positions timed at 1.28 steps priced every guess for the rest
-    # of the run. The placement's requests count together.
+    # A request of 48 tokens at p = 0.8 chooses about 14 passes where they fill the pipeline; were
+    # the count toward REMEASURE started again with each request, no pass would be timed after the
+    # first, and one slow pass would price every guess for the rest of the run. The placement's
+    # requests count together.
     costs = PassCosts(one=0.04, extra=0.004, share=0.5)
     timed_at = []
     for request in range(4):
@@ -151,8 +151,8 @@ def test_passes_are_timed_again_across_a_placements_requests_not_only_within_one
 
 
 def test_where_the_size_in_use_is_a_plain_step_it_and_one_guess_are_timed_in_turn():
-    # Guesses priced dear by one slow pass: k = 0, one-position passes filling the pipeline. Its
-    # turns were (k, a step, k + 1): two plain steps, and a pass with a guess only every 48th.
+    # Guesses priced dear by one slow pass: k = 0, one-position passes filling the pipeline. Turns of
+    # (k, a step, k + 1) would time two plain steps for every pass with a guess: here the two alternate.
     costs = timed(PassCosts(share=0.5), [(1, 40), (1, 40), (1, 40), (2, 64), (2, 64), (2, 64)])
     length = DraftLength(costs, k_max=8, fills=True, stages=2)
     for i in range(30):

@@ -97,7 +97,7 @@ class Pending(Ticket):
 def test_a_pass_sent_while_a_cancelled_one_still_computes_at_a_remote_stage_is_not_timed():
     """After a rejection, the pass behind it is cancelled but its remote stage is still computing
     it; the next pass waits behind it there, so its time is not what its positions cost. Timed as
-    alone, such passes priced a further position at 1.15 of a step on OpenBLAS (0.06-0.09 truly)."""
+    alone, such passes would price a further position far above what it costs."""
     first, last = Stage(True), Stage(False)
     tickets: list[Pending] = []
 

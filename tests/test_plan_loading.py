@@ -64,7 +64,7 @@ async def test_a_newer_plan_for_the_same_part_keeps_the_load_in_flight(tmp_path,
     """Another node came or went while this one loaded, and the new plan gives this node the same
     layers: the load goes on and serves the new epoch, instead of being thrown away and started
     again. For a tensor group that is what keeps its ring: the other members may already have
-    formed it with the worker this load started (stop 40's CI)."""
+    formed it with the worker this load started."""
     caplog.set_level(logging.INFO, logger="meshnode.serving.loading")
     served = await _served(tmp_path, build_model(tmp_path / "llama", "llama", num_layers=4))
     try:

@@ -698,9 +698,9 @@ def test_faster_nodes_hold_more_layers_in_a_pipeline():
 
 
 def test_nodes_measured_a_few_percent_apart_split_the_layers_evenly():
-    # Two identical machines measure a few percent apart; the least-time split took that at face
-    # value and put every layer it could on the one that measured faster (7 and 9 of 16: the head's
-    # stage then took 1.27x the other's, and a filled pipeline waited on it).
+    # Two identical machines measure a few percent apart; a least-time split that took that at face
+    # value would put every layer it could on the one that measured faster, and a filled pipeline
+    # would wait on the other's longer stage.
     p = shaped(n=16, embed=0, kv=0)
     budget = int(p.total_bytes(1) * 0.6)
     for a_s, b_s in ((5.0e-4, 5.2e-4), (5.2e-4, 5.0e-4), (5.0e-4, 5.45e-4)):
@@ -753,9 +753,9 @@ def test_estimate_of_a_placement_matches_the_plan_and_rpc_overhead_costs_only_ho
 def test_a_lan_hop_outweighs_half_the_layers_only_by_the_newcomers_own_figure():
     """What tests/test_faults.py's join-during-load test rests on: on a 5 ms link a node holding
     the whole model beats a two-stage pipeline by more than REPLAN_GAIN when all three nodes'
-    figures are the machine's; with the newcomer's figure 1.7x slower (CI measured 2.898 against
-    1.716 ms, timing its layers while the other two served the load on the same two cores) the
-    move is no longer worth it, and the mesh rightly stays put."""
+    figures are the machine's; with the newcomer's figure 1.7x slower (2.898 against 1.716 ms, as a
+    node timing its layers while the other two serve the load on the same two cores may measure) the
+    move is not worth it, and the mesh rightly stays put."""
     from meshnode.control.coordinator import REPLAN_GAIN
     from meshnode.control.planner import estimate
 

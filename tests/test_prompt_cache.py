@@ -242,9 +242,8 @@ def test_two_stages_every_stage_resumes_and_a_miss_costs_nothing(tmp_path, trans
 
 def test_a_new_chat_with_the_same_system_prompt_resumes_from_a_prefix_still_kept():
     """An agent's next task: the same long system prompt, a new first message. Every kept prefix
-    shares that start; the head must offer one the stages still hold (found with benchmarks.chat
-    --sessions: the oldest was offered, the stage had given it up for room, and the whole 6000-token
-    prompt was prefilled again)."""
+    shares that start; the head must offer one the stages still hold (the oldest may have been given
+    up for room, and offering it would prefill the whole prompt again)."""
     from types import SimpleNamespace
 
     from meshnode.config import Settings
@@ -300,7 +299,7 @@ def test_an_answer_closed_early_is_complete_only_once_its_prefix_is_kept(tmp_pat
     string, max_tokens) and the client sends its next turn as soon as it has the answer, while
     the generation still runs the step built ahead and then keeps its prefix. Closing waits for
     that keep: with keeping held back far longer than a next turn takes, the prefix is there the
-    moment the tokens are closed (before, the next turn missed it and prefilled everything)."""
+    moment the tokens are closed (else the next turn misses it and prefills everything)."""
     family, quantize, dtype = weights
     path = build_model(
         tmp_path / family, family, num_layers=4, hidden_size=64, intermediate_size=128, dtype=dtype, quantize=quantize

@@ -123,7 +123,7 @@ class Switching:
 
 
 def test_a_not_yet_switched_epoch_is_retried_on_the_same_placement_without_spending_attempts():
-    """The log of issue 10: the new head had not switched to epoch 2 when the replay reached it.
+    """As in issue 10's log: the new head has not switched to epoch 2 when the replay reaches it.
     Six refusals in a row with attempts=2: the same placement is tried until it serves."""
     lost, switching = Placement(1, fail_after=5), Switching(2, pending=6)
     mesh = Mesh([lost, switching])

@@ -97,7 +97,7 @@ def test_held_tokens_come_before_a_failure(monkeypatch):
 
 class _SlowToClose:
     """Tokens whose close() waits for ``release``: the generation's thread has handed on its end but
-    is not yet done with it, the moment stop() can come (found in CI: the end was handed twice)."""
+    is not yet done with it, the moment stop() can come (the end must still be handed on once only)."""
 
     def __init__(self, tokens, release):
         self._tokens = iter(tokens)

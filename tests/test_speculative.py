@@ -224,10 +224,10 @@ def test_where_passes_fill_the_pipeline_the_probe_is_a_pass_behind_the_plain_one
 def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_request():
     """One stage with passes in flight behind it (a single remote stage; the tests' depth 3 on one
     local stage): every pass behind is beyond one per stage. Where guesses do not pay
-    inside a pass and a pass behind would not be sent either, choose() pauses; it once answered 0
-    with no pause, so the drafter was never asked again (no guess, no dry run, no pause) and every
-    step went through the pass pipe, not built ahead (seen in CI: a loaded CPU measured a further
-    position at a whole step's cost)."""
+    inside a pass and a pass behind would not be sent either, choose() pauses: answering 0 with no
+    pause, it would never ask the drafter again (no guess, no dry run, no pause) and every step would
+    go through the pass pipe, not built ahead (as where a loaded CPU measures a further position at a
+    whole step's cost)."""
     dear = PassCosts(one=0.1, extra=0.1)  # a further position costs a step: guesses inside a pass never pay
     length = DraftLength(dear, k_max=4, fills=True, stages=1)
     for _ in range(30):
@@ -246,9 +246,9 @@ def test_with_one_stage_and_passes_behind_guesses_that_do_not_pay_pause_the_requ
 
 def test_the_pass_beyond_one_per_stage_goes_only_where_nearly_every_guess_comes_right():
     """It saves the first stage a wait of a few percent of a step and costs a whole step when
-    cancelled. Sent from an estimate of 0.85 (two guesses ahead: 0.92), it went after any five right
-    guesses in a row at p = 0.8 (a third of the time), and p = 0.8 ran at 1.46x the mesh without
-    speculation against 1.66x with at most one pass per stage (benchmarks.speculative --fixed)."""
+    cancelled. Sent from an estimate of 0.85 (two guesses ahead: 0.92), it would go after any five
+    right guesses in a row at p = 0.8 (a third of the time) and cost more than it saves against at
+    most one pass per stage (benchmarks.speculative --fixed compares the two)."""
     length = DraftLength(PassCosts(one=0.1, extra=0.09), k_max=8, fills=True, stages=2)
     for _ in range(30):
         length.observe(1, 1)
@@ -264,10 +264,10 @@ def test_the_pass_beyond_one_per_stage_goes_only_where_nearly_every_guess_comes_
 
 
 def test_at_half_the_guesses_confirmed_a_run_of_misses_does_not_stop_the_filling():
-    # One guess two deep, cancelled every time (p = 0), cost 2 % of the speed in the benchmark;
-    # kept half the time (p = 0.5) it gave 1.31x. At the old threshold (0.4) three misses in a row
-    # paused the request 16 steps, then 32, ...: the benchmark's 48 tokens at p = 0.5 begin with
-    # three misses (its seed), and p = 0.5 ran at 0.97-1.03x the mesh without speculation.
+    # One guess two deep costs little where it is cancelled every time (p = 0) and pays where it is
+    # kept half the time (p = 0.5). A threshold of 0.4 would let three misses in a row pause the
+    # request 16 steps, then 32, ...: the benchmark's 48 tokens at p = 0.5 begin with three misses
+    # (its seed), and the pauses would take the gain away.
     fresh = DraftLength(PassCosts(one=0.1, extra=0.09), k_max=8, fills=True, stages=2)
     for _ in range(3):  # the benchmark's start
         fresh.observe(1, 0)
@@ -285,10 +285,9 @@ def test_at_half_the_guesses_confirmed_a_run_of_misses_does_not_stop_the_filling
 
 
 def test_where_passes_fill_the_pipeline_k_is_chosen_against_a_full_pipeline_not_a_plain_step():
-    # Measured on this CPU: a further position costs 0.67 of a step. At 0.8 acceptance a pass of
-    # two positions beats a plain step (1.8 tokens for 1.67 steps), which is what choose() asked
-    # before; a pipeline kept full of one-position passes does better still, and the benchmark's
-    # p = 0.8 ran 12.0 tok/s in the round that chose k = 1 against 15.0-15.6 in those that filled.
+    # A CPU's costs: a further position at 0.67 of a step. At 0.8 acceptance a pass of two
+    # positions beats a plain step (1.8 tokens for 1.67 steps), but a pipeline kept full of
+    # one-position passes does better still.
     costs = PassCosts(one=0.1, extra=0.067)
     alone, filled = DraftLength(costs, k_max=8), DraftLength(costs, k_max=8, fills=True, stages=2)
     for length in (alone, filled):
@@ -324,9 +323,9 @@ def test_a_new_placement_measures_what_a_guess_costs_before_guessing_more():
 
 def test_where_passes_fill_the_pipeline_the_passes_that_measure_the_costs_go_alone():
     """Only a pass alone in the stages times what its positions cost. Where passes fill the
-    pipeline, the pass of one guess that measures a further position once had a pass sent behind
-    it, so it was never measured, and every pass after it guessed one token for good (the
-    benchmark's p = 0.8 ran passes of 1.74 tokens where k = 0 was the choice)."""
+    pipeline, the pass of one guess that measures a further position goes with nothing behind it:
+    with a pass sent behind it, it would never be measured, and every pass after it would guess one
+    token for good."""
     costs = PassCosts()
     length = DraftLength(costs, k_max=8, fills=True, stages=2)
     assert length.choose() == 0 and not length.fill_ok(0)  # nothing measured: a plain step, alone
@@ -369,8 +368,8 @@ def test_in_a_filled_pipeline_a_new_placement_times_a_guess_first(model_case):
     )
     assert got == want, name
     # Plain steps, then passes with a guess, are timed (each alone; two of each, as a size's first
-    # time is not kept) before any pass goes behind another. Before, each had a pass sent behind it,
-    # and nothing in the whole request was timed.
+    # time is not kept) before any pass goes behind another: were a pass sent behind each, nothing in
+    # the whole request would be timed.
     assert [n for n, _ in costs.timed[:4]] == [1, 1, 2, 2] and costs.timed[3][1] == 1, (name, costs.timed)
 
 
@@ -558,7 +557,7 @@ def test_the_next_pass_is_in_flight_while_a_pass_s_tokens_are_handed_on(model_ca
 def test_a_request_sending_passes_counts_as_decoding_so_another_batches_with_it(model_case):
     """A speculating request whose first steps are passes (never a plain step) is still one that
     decodes: a request that starts beside it sees it and batches, and it then stops sending passes
-    (found with speculation on for the whole suite: two speculating chats never batched)."""
+    (else two speculating chats never batch)."""
     name, path, model, tokenizer = model_case
     from meshnode.serving.step_batch import StepBatcher
 
@@ -577,7 +576,7 @@ def test_a_request_sending_passes_counts_as_decoding_so_another_batches_with_it(
 def test_greedy_tokens_are_mlx_lms_in_bfloat16_where_rounding_decides(tmp_path, depth):
     """mlx-lm picks the argmax of the log probabilities; in bfloat16 subtracting the log-sum-exp
     rounds, so the argmax of the raw logits may be another token. This model and prompt are where
-    it is (found with speculation on for the whole suite: the answer differed from the 2nd token)."""
+    it is, from the answer's 2nd token on."""
     from meshnode.model.build import build_model
 
     path = build_model(
@@ -628,8 +627,8 @@ def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_
     mlx-lm's generate_step): the same greedy tokens and the same seeded draws as without
     speculation, through drafts that stop and start again (the steps built ahead end where a
     pause ends), also where a failover replay starts at an offset. ``dear``: a further position
-    costs a whole step (a loaded CPU measured that in CI; one stage with passes behind it then
-    stopped asking the drafter after the guesses, and built nothing ahead)."""
+    costs a whole step (as a loaded CPU may measure; one stage with passes behind it must still ask
+    the drafter after the guesses, and build its steps ahead)."""
     from meshnode.serving import speculative
 
     runs: list[int] = []

@@ -124,8 +124,8 @@ def check_filled_share(cluster, head, model, answers, texts, tmp_path) -> None:
     """A greedy request with every guess right, two a pass: passes go behind the one in flight, and
     the head shows their time apart against a traversal of their size (PassCosts.filled_share,
     priced from the steps and passes it timed before). Two a pass, not the head's own k: where it
-    measures guesses nearly free it guesses eight, and this model's short answer then leaves no
-    room for a pass behind (1 run in 4). The nodes' drafts file (drafts_file's, in ``tmp_path``) is
+    measures guesses nearly free it guesses eight, and this model's short answer may then leave no
+    room for a pass behind. The nodes' drafts file (drafts_file's, in ``tmp_path``) is
     written again for it."""
     drafts_file(tmp_path, model, answers, p=1.0, k=2)
     assert cluster.chat(head, MESSAGES, MAX_TOKENS) == texts["greedy"]

@@ -143,9 +143,9 @@ def test_a_quote_past_the_first_pause_is_speculated_from_where_it_begins(model_c
 
 
 def test_where_a_free_drafter_finds_nothing_each_step_promises_the_next(model_case):
-    """A chat answer prompt lookup finds nothing in: every step but the first few promises the
-    peer's stage that the next is plain too, so it builds each step ahead, as without speculation
-    (where the drafter finds nothing only DRY_RUN times in a row, steps went unpromised)."""
+    """A chat answer prompt lookup finds nothing in: every step but the first few (the DRY_RUN
+    misses before the pause) promises the peer's stage that the next is plain too, so it builds
+    each step ahead, as without speculation."""
     from meshnode.model.shard import Shard as ShardClass
 
     name, path, model, tokenizer = model_case

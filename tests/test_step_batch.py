@@ -144,12 +144,11 @@ class _SlowRounds(StepBatcher):
 
 
 def test_members_out_of_step_batch_again_when_rounds_outlast_the_gather_wait(monkeypatch):
-    """Found in CI (test_batching_mesh, 1 run in 12 under load: every round one row). With rounds
-    longer than GATHER_S (a loaded machine, a slow stage), a step that came during a round went alone
-    right after it, its own wait spent; the other member came back during that round, and so on:
-    two members taking turns for good. Here both start together: the first one's first round goes
-    before the other is a member, so they start out of step; from the next round on they step
-    together (before the fix: [1, 1, 1, 1, ...])."""
+    """With rounds longer than GATHER_S (a loaded machine, a slow stage), a step that comes during a
+    round must not go alone right after it, its own wait spent: the other member would come back
+    during that round, and so on, two members taking turns for good (every round one row). Here both
+    start together: the first one's first round goes before the other is a member, so they start
+    out of step; from the next round on they step together (not [1, 1, 1, 1, ...])."""
     monkeypatch.setattr(step_batch, "GATHER_S", 0.2)
     batcher = _SlowRounds(round_s=0.3)
     a, b = object(), object()

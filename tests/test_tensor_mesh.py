@@ -194,9 +194,8 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
     latency the model predicts, it says pipeline, and the mesh stays there."""
     from meshnode.control.planner import crossover_latency, plan
 
-    # Layers wide enough (~15 ms each here) that splitting one two ways clearly pays even on a busy
-    # moment: at hidden 384 (3.8 ms a layer) the all-reduces' fixed cost sometimes ate the gain
-    # (a fresh-clone CI run timed the split at 4.24 ms against 3.78 ms whole, three times over).
+    # Layers wide enough that splitting one two ways clearly pays even on a busy moment: on narrower
+    # layers (hidden 384) the all-reduces' fixed cost can eat the gain.
     path = build_model(
         tmp_path / "wide",
         "llama",

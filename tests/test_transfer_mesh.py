@@ -227,7 +227,7 @@ def test_failover_to_layers_it_lacks_fetches_them_and_generation_continues(tmp_p
         # the weights cannot time a layer, and the default speed it is assumed may beat what a and
         # b measured on shared cores.)
         # Two pipeline stages are the premise: "auto" may pair a and b into one tensor group when their
-        # measured link and layer times favour it (seen in CI), leaving no first stage to kill.
+        # measured link and layer times favour it, leaving no first stage to kill.
         stay = {"MESHNODE_REBALANCE_DWELL": "600", "MESHNODE_STRATEGY": "pipeline"}
         cluster.start(a, int(total * 0.55), env=stay)
         cluster.start(b, int(total * 0.55), env=stay)
@@ -272,7 +272,7 @@ def test_a_middle_stage_fetched_from_a_peer_runs_quantized_and_bf16(quantize, dt
         # The holder only supplies the weights (its budget holds no stage); the three others, each
         # with 0.4 of the model's footprint, are the plan's three stages and fetch their layers.
         # A pipeline is asked for: llama also splits into tensor groups, and with measured links the
-        # planner may pair two nodes into a hybrid stage (seen under load), leaving no middle stage.
+        # planner may pair two nodes into a hybrid stage, leaving no middle stage.
         pipeline = {"MESHNODE_STRATEGY": "pipeline"}
         cluster.start(holder, int(total * 0.05), env=pipeline)
         for h in others:
