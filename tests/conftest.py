@@ -17,12 +17,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.*`, `h
 
 from harness import netns  # noqa: E402
 
+SLOW = 2.0  # seconds a test's own call takes on two cores past which it is marked slow
+
+_seconds: dict[str, float] = {}  # unmarked tests' calls, by node id
+
 
 def pytest_collection_modifyitems(config, items):
     marked = [item for item in items if item.get_closest_marker("netns")]
     if marked and (reason := netns.available()):
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report):
+    # A module's fixtures are set up once, by whichever of its tests comes first: not counted.
+    if report.when == "call" and "slow" not in report.keywords and "netns" not in report.keywords:
+        _seconds[report.nodeid] = report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Lists the unmarked tests that took over SLOW: the fast loop (``-m "not slow"``) stays fast
+    only while they are marked."""
+    over = sorted(((s, n) for n, s in _seconds.items() if s > SLOW), reverse=True)
+    if over:
+        terminalreporter.section(f"unmarked tests over {SLOW:g} s: mark them @pytest.mark.slow")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.2f}s {nodeid}")
 
 
 @pytest.fixture

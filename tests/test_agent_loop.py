@@ -21,6 +21,8 @@ import pytest
 from tests.agent_model import ASK, FINAL, RESULT, TOOLS, taught_agent
 from tests.helpers import running_node
 
+pytestmark = pytest.mark.slow  # every test asks a model taught when the module starts
+
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):

@@ -90,6 +90,7 @@ def _together(fn, args_list):
         return list(pool.map(lambda a: fn(*a), args_list))
 
 
+@pytest.mark.slow
 def test_concurrent_greedy_chats_answer_as_alone_and_as_mlx_lm(node, model_path):
     n, base = node
     alone = [_chat(base, n.model_id, p) for p in PROMPTS]
@@ -113,6 +114,7 @@ def test_concurrent_greedy_chats_answer_as_alone_and_as_mlx_lm(node, model_path)
     assert alone == reference
 
 
+@pytest.mark.slow
 def test_a_request_joins_while_others_decode(node):
     n, base = node
     long_kw = dict(max_tokens=96)
@@ -129,6 +131,7 @@ def test_a_request_joins_while_others_decode(node):
         assert [f.result() for f in first] + [late.result()] == alone
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_leaves_the_others_correct(node):
     n, base = node
     alone = [_stream(base, n.model_id, p, max_tokens=64) for p in PROMPTS]
@@ -145,6 +148,7 @@ def test_a_cancelled_stream_leaves_the_others_correct(node):
     assert _stream(base, n.model_id, PROMPTS[1], max_tokens=64) == alone[1]  # and the node serves on
 
 
+@pytest.mark.slow
 def test_seeded_sampled_requests_reproduce_their_alone_output(node, model_path, tmp_path):
     n, base = node
     kws = [
@@ -247,6 +251,7 @@ def test_a_prefix_given_up_after_the_head_chose_it_resumes_from_another(node, mo
     _resumes_from_another(node, model_path)
 
 
+@pytest.mark.slow
 def test_unbatched_a_prefix_given_up_after_the_head_chose_it_resumes_from_another(model_path, tmp_path):
     """The same on the unbatched path (a stage refuses the resume; the head asks again)."""
     with running_node(model_path, tmp_path, max_context=1024, batching=False) as node:
@@ -284,10 +289,12 @@ def speculating_node(model_path, tmp_path_factory):
         yield node, base
 
 
+@pytest.mark.slow
 def test_a_long_prompt_joining_does_not_stall_the_decoders(node, monkeypatch):
     _joins_a_decoder_chunk_by_chunk(node, monkeypatch)
 
 
+@pytest.mark.slow
 def test_with_prompt_lookup_a_lone_request_that_cannot_speculate_still_batches_with_one_that_joins(
     speculating_node, monkeypatch
 ):

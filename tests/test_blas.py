@@ -77,6 +77,7 @@ def test_choose():
         blas.choose("openblas", "linux", found)
 
 
+@pytest.mark.slow
 @linux_only
 def test_by_default_mlx_multiplies_with_openblas_and_reference_keeps_its_own():
     auto, bound = _probe(None)
@@ -109,6 +110,7 @@ def test_batch_stages_setting():
     assert not stages_batch("auto")  # this process: the suite's reference BLAS (conftest)
 
 
+@pytest.mark.slow
 @linux_only
 def test_a_setting_that_names_no_library_is_an_error_the_node_logs_and_it_serves_on(tmp_path):
     model = model_dir_for(tmp_path / "models", "llama", num_layers=2, hidden_size=64, dtype="float32")
@@ -164,6 +166,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @linux_only
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_node_on_openblas_answers_as_mlx_lm_does_on_it(case, tmp_path_factory, tmp_path):

@@ -157,6 +157,7 @@ def model_path(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("busy-api") / "llama", "llama", num_layers=2, dtype="float32")
 
 
+@pytest.mark.slow
 def test_access_log_and_quiet_client_disconnect(model_path, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     with running_node(model_path, tmp_path, max_context=512) as (node, base):

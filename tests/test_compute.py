@@ -36,6 +36,7 @@ def test_a_corrupt_cache_is_remeasured(tmp_path):
     assert compute.layer_seconds(model, 2, tmp_path / "state") > 0
 
 
+@pytest.mark.slow
 def test_a_two_way_split_layer_is_timed_for_real_and_cached(tmp_path, monkeypatch):
     model = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, dtype="float32")
     whole = compute.layer_seconds(model, 4, tmp_path / "state")
@@ -53,6 +54,7 @@ def test_collective_overhead_is_what_the_split_adds_beyond_half():
     assert compute.collective_overhead(0.0, 0.004) == 0.0 and compute.collective_overhead(0.01, 0.0) == 0.0
 
 
+@pytest.mark.slow
 def test_seeded_figures_are_what_a_node_then_reads(tmp_path, monkeypatch):
     model = build_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, dtype="float32")
     one, two = compute.seed_figures(model, 4, tmp_path / "seed", rounds=2)

@@ -98,6 +98,7 @@ def test_one_more_node_for_more_than_enough_context_is_the_cost_models_call():
     assert plan_longest_context(make(two), p.trained_context, 131072).max_context == 131072
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_long_context_model_serves_a_long_prompt_with_default_settings(tmp_path):
     model = build_model(

@@ -35,6 +35,7 @@ def test_no_cors_headers_unless_configured(tmp_path):
         assert "Access-Control-Allow-Origin" not in headers
 
 
+@pytest.mark.slow
 def test_listed_origins_only_and_the_key_still_guards_the_calls(tmp_path):
     with running_node(None, tmp_path, cors_origins=[ALLOWED], api_key="s3cret") as (_, base):
         status, headers = _call(

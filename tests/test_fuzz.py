@@ -310,6 +310,7 @@ OUTCOMES: Counter = Counter()  # what the fuzzing got back, printed at the end (
 
 
 # ---------------------------------------------------------------------------- (a) HTTP
+@pytest.mark.slow
 def test_http_random_methods_paths_content_types_and_bodies(node):
     n, base, handler = node
     http = Http(n.http_port)
@@ -348,6 +349,7 @@ def test_http_random_methods_paths_content_types_and_bodies(node):
     _no_unhandled(handler)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_http_generation_bodies(node, path):
     n, base, handler = node
@@ -492,6 +494,7 @@ def grpc_client(node):
     client.close()
 
 
+@pytest.mark.slow
 def test_grpc_random_bytes_to_every_method(node, grpc_client):
     n, base, handler = node
 
@@ -583,6 +586,7 @@ def _messages(served_epoch: int):
     }
 
 
+@pytest.mark.slow
 def test_grpc_random_field_values_to_every_method(node, grpc_client):
     n, base, handler = node
     served = n.serving_plan()
@@ -636,6 +640,7 @@ def test_grpc_without_the_key_is_refused(node):
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port_kind", ["http", "grpc", "data"])
 def test_raw_garbage_on_the_ports(node, port_kind):
     n, base, handler = node

@@ -163,6 +163,7 @@ def test_a_file_that_cannot_be_served_says_what_it_is(tmp_path):
     assert not list((tmp_path / "cache" / "gguf").glob("*.partial-*")), "a failed conversion left a partial folder"
 
 
+@pytest.mark.slow
 def test_a_node_whose_gguf_cannot_be_served_stays_up_and_says_why(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
     w.add_block_count(1)

@@ -77,6 +77,7 @@ def test_a_hook_raising_inside_a_step_is_the_stage_s_fault():
     assert faults and "layers [2, 4) failed on this input" in faults[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_scripted_drafts_reach_a_real_node_s_requests(tmp_path):
     """A `meshnode run` node given a drafts file guesses what it says, read for each request."""

@@ -113,6 +113,7 @@ def _shard_out(folder: Path, start: int, end: int, x: mx.array) -> mx.array:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_small_files_first_then_only_a_stage_files(model, tmp_path):
     whole_weights = sorted(p.name for p in model.glob("model*.safetensors"))
@@ -183,6 +184,7 @@ def big_model(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cut_off_download_resumes(big_model, tmp_path):
     want = stage_files(big_model, 1, 2)

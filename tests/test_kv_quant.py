@@ -223,6 +223,7 @@ def as_text(tok, tokens: list[int]) -> str:
     return detok.text
 
 
+@pytest.mark.slow
 def test_prefill_chunks_do_not_change_mlx_lms_tokens(model):
     """A key is quantized on its own (groups run along its head dimension), so where a prefill's
     chunks end does not change what the cache holds: any chunking is the reference."""
@@ -249,6 +250,7 @@ def test_two_stages_match_mlx_lm_with_the_same_quantized_cache(model, bits):
     assert profile_model(model).kv_quant_problem == ""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_tensor_group_matches_mlx_lm_with_the_same_quantized_cache(tmp_path, bits):
@@ -291,6 +293,7 @@ def test_a_tensor_group_matches_mlx_lm_with_the_same_quantized_cache(tmp_path, b
         assert out != reference(path, PROMPT, 0)
 
 
+@pytest.mark.slow
 def test_one_node_over_http_matches_mlx_lm_and_is_not_batched(model, tmp_path):
     _, tok = load(str(model))
     messages = [{"role": "user", "content": "Tell me about rivers, tides and the sea, and why it is salty."}]
@@ -310,6 +313,7 @@ def test_one_node_over_http_matches_mlx_lm_and_is_not_batched(model, tmp_path):
     assert text == as_text(tok, reference(model, prompt, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_second_turn_through_the_prompt_cache_answers_as_without_it(tmp_path):
     model = build_model(

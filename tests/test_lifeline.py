@@ -67,6 +67,7 @@ def model(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_a_ring_measurement_dies_with_its_node(model, tmp_path):
     """Rank 0 of the split-layer timing waits for a rank 1 that never comes (a hung ring)."""
     hostfile = tmp_path / "ring.json"
@@ -79,6 +80,7 @@ def test_a_ring_measurement_dies_with_its_node(model, tmp_path):
     assert took < 3, f"the ring process outlived its node by {took:.1f} s"
 
 
+@pytest.mark.slow
 def test_a_tensor_worker_dies_with_its_node(model, tmp_path):
     """A follower (rank 1) of a tensor group that never forms: its leader is not there."""
     hostfile = tmp_path / "ring.json"

@@ -43,6 +43,7 @@ def test_link_stat_from_a_peer_is_checked():
         LinkStat.from_pb(mesh_pb2.Link(peer="x" * 500, address="1.2.3.4", rtt_us=1))
 
 
+@pytest.mark.slow
 def test_two_nodes_measure_their_link(tmp_path):
     with contextlib.ExitStack() as stack:
         a, base_a = stack.enter_context(running_node(None, tmp_path / "a", node_id="node-a", link_probe_interval=1))
@@ -81,6 +82,7 @@ class _SlowProbe(mesh_pb2_grpc.MeshServicer):
         return probe_reply(request)
 
 
+@pytest.mark.slow
 def test_rtt_is_the_echo_not_the_rpc():
     """The RTT a link reports is the echo's (the network alone), the RPC round trip is kept apart.
     The RPC here takes >= 250 ms by construction, so the ordering below does not depend on load."""

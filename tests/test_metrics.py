@@ -119,6 +119,7 @@ def test_outcomes_streaming_and_mesh_figures(node):
     assert any(e["event"] == "plan" for e in mesh["events"])
 
 
+@pytest.mark.slow
 def test_dashboard_files_and_api_key(model_path, tmp_path):
     with running_node(model_path, tmp_path, max_context=256, api_key="sekret") as (_, base):
         status, hdrs, raw = http(f"{base}/")
@@ -180,6 +181,7 @@ def test_live_rate_and_outcomes():
     assert 'meshnode_membership_changes_total{kind="loss"} 1.0' in text
 
 
+@pytest.mark.slow
 def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path, monkeypatch):
     """A node's first start on a machine times a layer split two ways (two short-lived processes)
     while it already serves: its first requests run slower (the processes share its cores). /v1/mesh

@@ -157,6 +157,7 @@ def _reference(model_dir, messages, max_tokens, *, temp=0.0, processors=None, **
     return tok, prompt, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["agent", "plain4"])
 def test_penalties_and_logit_bias_match_mlx_lm(which, request, tmp_path):
     model_dir = request.getfixturevalue(which)
@@ -184,6 +185,7 @@ def test_penalties_and_logit_bias_match_mlx_lm(which, request, tmp_path):
     assert (plain.choices[0].message.content, _reasoning(plain)) != (r.choices[0].message.content, _reasoning(r))
 
 
+@pytest.mark.slow
 def test_logprobs_are_mlx_lms_and_top_k_one_is_greedy(plain4, tmp_path):
     tok, _, ref = _reference(plain4, HI, 8)
     with running_node(plain4, tmp_path) as (node, base):
@@ -238,6 +240,7 @@ def test_logprobs_are_mlx_lms_and_top_k_one_is_greedy(plain4, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_tools_reach_the_template_and_the_reasoning_is_split(agent, tmp_path):
     history = HI + [
         {
@@ -295,6 +298,7 @@ def test_tools_reach_the_template_and_the_reasoning_is_split(agent, tmp_path):
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in parts) == thought
 
 
+@pytest.mark.slow
 def test_tools_are_always_accepted_and_max_tokens_is_the_room_left(plain4, tmp_path, caplog, monkeypatch):
     """A model whose template has no tool-call format answers without the tools (Open WebUI sends
     its built-in tools with every chat) and says so once; max_tokens left out, or more than the
@@ -330,6 +334,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["agent", "plain4"])
 def test_structured_output_follows_the_schema(which, request, tmp_path):
     model_dir = request.getfixturevalue(which)
@@ -366,6 +371,7 @@ def test_structured_output_follows_the_schema(which, request, tmp_path):
         assert e.value.body["param"] == "response_format" and "frob" in e.value.body["message"]
 
 
+@pytest.mark.slow
 def test_the_last_piece_is_streamed_once(plain4, tmp_path):
     """A stop string that never comes holds the answer's tail back until the last piece (as does a
     token cut mid-character); the stream sends that piece once, as the whole answer has it."""

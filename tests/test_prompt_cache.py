@@ -178,6 +178,7 @@ print(json.dumps(answers))
 """.replace("MAX_TOKENS", str(MAX_TOKENS))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_node_a_chat_resumes_every_turn_and_answers_as_mlx_lm(model, tmp_path):
     import subprocess
@@ -381,6 +382,7 @@ def test_a_tensor_pair_keeps_prefixes_in_its_workers(tmp_path):
         assert hits == len(TURNS) - 1 and reused > 100 * (len(TURNS) - 1), (hits, reused, cluster.logs())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_relay_s_next_turn_resumes_what_the_head_was_still_keeping(tmp_path, slow_keep):
     """Two nodes (in this process), two stages; the client asks the node that is not the head,

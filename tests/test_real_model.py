@@ -68,12 +68,14 @@ def test_conversion_keeps_mlxs_own_reading_of_the_file_bit_for_bit(gguf, model):
     assert config["quantization"]["bits"] == 4 and config["quantization"]["model.embed_tokens"]["bits"] == 8
 
 
+@pytest.mark.slow
 def test_the_converted_model_answers_real_questions(model):
     _, folder = model
     assert "Paris" in mlx_reference(folder, QUESTIONS[0], 20)
     assert "def " in mlx_reference(folder, QUESTIONS[1], 40)
 
 
+@pytest.mark.slow
 def test_the_same_file_gives_the_same_id_and_folder(gguf, model, tmp_path):
     model_id, folder = model
     again_id, again = converted(gguf, tmp_path)

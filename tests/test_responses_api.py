@@ -128,6 +128,7 @@ def post(url: str, body: dict, key: str = KEY) -> tuple[int, str]:
 # --------------------------------------------------------------------------- through a real node
 
 
+@pytest.mark.slow
 def test_greedy_answer_equals_chat_completions(node):
     n, base = node
     r = create(base, n.model_id)
@@ -147,6 +148,7 @@ def test_greedy_answer_equals_chat_completions(node):
     assert (r.instructions, r.temperature, r.max_output_tokens, r.tool_choice, r.tools) == (SYSTEM, 0, 20, "auto", [])
 
 
+@pytest.mark.slow
 def test_instructions_are_the_system_message(node):
     n, base = node
     given = create(base, n.model_id, max_output_tokens=8)
@@ -161,6 +163,7 @@ def test_instructions_are_the_system_message(node):
     assert without.usage.input_tokens < given.usage.input_tokens
 
 
+@pytest.mark.slow
 def test_max_output_tokens_and_logprobs(llama):
     n, base = llama
     r = create(base, n.model_id, max_output_tokens=5, include=["message.output_text.logprobs"], top_logprobs=2)
@@ -403,6 +406,7 @@ def test_what_codex_sends_is_served(qwen):
     assert 0 < last["response"]["usage"]["output_tokens"] <= 4 and last["response"]["store"] is False
 
 
+@pytest.mark.slow
 def test_a_function_call_and_its_output(agent):
     n, base = agent
     c = client(base)
@@ -588,6 +592,7 @@ def test_the_store_keeps_the_last_responses_for_a_while():
     assert store.response("r1") is None and store.response("r2") is None
 
 
+@pytest.mark.slow
 def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
     out = Output(_gen(), _request([]), None, streaming=True)
     out.opening()

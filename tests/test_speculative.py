@@ -618,6 +618,7 @@ def test_a_drafter_that_finds_nothing_pauses_the_request_each_time_twice_as_long
     assert length.plain_left == REMEASURE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cuts", [[0, 4], [0, 2, 4]])
 @pytest.mark.parametrize("depth,costs", [(1, None), (3, None), (3, "dear")])
 def test_paused_for_a_drafter_that_finds_nothing_the_steps_built_ahead_give_the_same_tokens(

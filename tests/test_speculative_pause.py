@@ -107,6 +107,7 @@ def test_a_free_drafters_guess_ends_a_pause_for_finding_nothing_and_only_that_pa
     assert dear.plain_left == REMEASURE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "remote"])
 def test_a_quote_past_the_first_pause_is_speculated_from_where_it_begins(model_case, where):
     name, path, model, tokenizer = model_case

@@ -17,7 +17,7 @@ from meshnode.model.build import build_model
 from tests.helpers import clean_env as _env
 from tests.helpers import meshnode_run
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

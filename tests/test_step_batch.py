@@ -88,6 +88,7 @@ async def _together(scheduler, *coros):
         holder.join(10)
 
 
+@pytest.mark.slow
 def test_concurrent_generations_step_together_and_answer_as_alone(pipeline):
     path, handles, scheduler = pipeline
     assert can_batch(handles)
@@ -101,6 +102,7 @@ def test_concurrent_generations_step_together_and_answer_as_alone(pipeline):
     assert all(len(b) == 0 for g in batcher._groups for b in g.batches.values())  # every cache back to its request
 
 
+@pytest.mark.slow
 def test_a_cancelled_generation_leaves_the_batch_and_the_others_stay_correct(pipeline):
     path, handles, scheduler = pipeline
     batcher = StepBatcher(handles)
@@ -143,6 +145,7 @@ class _SlowRounds(StepBatcher):
         return mx.zeros((len(round_), 1, 4))
 
 
+@pytest.mark.slow
 def test_members_out_of_step_batch_again_when_rounds_outlast_the_gather_wait(monkeypatch):
     """With rounds longer than GATHER_S (a loaded machine, a slow stage), a step that comes during a
     round must not go alone right after it, its own wait spent: the other member would come back

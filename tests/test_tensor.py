@@ -42,6 +42,7 @@ def _greedy(step, n: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_whole_model_group_matches_mlx_lm(model):
     members = tensor_group(model, 0, 6)
     try:
@@ -63,6 +64,7 @@ def test_whole_model_group_matches_mlx_lm(model):
             m.close()
 
 
+@pytest.mark.slow
 def test_prompt_cache_prefixes_are_kept_and_resumed_in_the_workers(model):
     """The prompt cache on a tensor group: rank 0's node keeps a request's KV as a prefix inside the
     workers (every rank its share) and resumes a later request from a copy cut to what it shares;
@@ -103,11 +105,13 @@ def test_prompt_cache_prefixes_are_kept_and_resumed_in_the_workers(model):
             m.close()
 
 
+@pytest.mark.slow
 def test_a_member_without_the_key_is_refused(model):
     with pytest.raises(TensorGroupError):
         tensor_group(model, 0, 6, secrets=[b"k" * 32, b"x" * 32], ready_timeout_s=8)
 
 
+@pytest.mark.slow
 def test_an_idle_follower_does_not_spin(model):
     members = tensor_group(model, 0, 6)
     try:
@@ -121,6 +125,7 @@ def test_an_idle_follower_does_not_spin(model):
             m.close()
 
 
+@pytest.mark.slow
 def test_middle_stage_group_matches_a_plain_shard(model):
     first = Shard(model, 0, 2)
     plain = Shard(model, 2, 5)
@@ -137,6 +142,7 @@ def test_middle_stage_group_matches_a_plain_shard(model):
             m.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
     members = tensor_group(model, 0, 6, hop_timeout=2.0)
@@ -161,6 +167,7 @@ def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
     assert lead._proc is None and other._proc is None
 
 
+@pytest.mark.slow
 def test_a_member_that_leaves_an_idle_group_stops_the_leader_so_the_group_forms_again(model):
     """A member's node replaces its worker (a newer plan came while it loaded) while the leader's
     node keeps its own, with no request running: the leader must notice by itself, or the new
@@ -180,6 +187,7 @@ def test_a_member_that_leaves_an_idle_group_stops_the_leader_so_the_group_forms_
             m.close()
 
 
+@pytest.mark.slow
 def test_a_group_that_cannot_form_gives_up(model):
     *ring, control = free_ports(3)
     lonely = TensorShard(
@@ -216,6 +224,7 @@ def test_every_tensor_family_is_checked_here():
     assert set(TENSOR_FAMILIES) <= {f for f, _ in GROUP_CASES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,quantize", GROUP_CASES, ids=lambda v: str(v))
 def test_tensor_family_group_matches_mlx_lm(tmp_path, family, quantize):
     path = build_model(
@@ -240,6 +249,7 @@ def test_tensor_family_group_matches_mlx_lm(tmp_path, family, quantize):
             member.close()
 
 
+@pytest.mark.slow
 def test_a_slow_step_is_waited_for_while_every_member_heartbeats(model):
     """Liveness from the control plane: a step far slower than the group's per-step deadline (every
     collective delayed) completes while ``members_alive`` holds; once it does not, the step fails at once."""

@@ -109,6 +109,7 @@ def _refusal(target: str, credentials, auth) -> grpc.StatusCode:
     return err.value.code()
 
 
+@pytest.mark.slow
 def test_two_encrypted_nodes_form_a_pipeline_answer_like_mlx_lm_and_refuse_outsiders(model, reference, tmp_path):
     # both nodes needed: a 2-stage pipeline (a node reserves KV for kv_requests requests by default)
     budget = int(profile_model(model).total_bytes(256, requests=Settings().kv_requests) * 0.6)
