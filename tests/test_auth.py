@@ -19,6 +19,7 @@ from meshnode.trust.auth import (
     HEADER_NONCE,
     HEADER_TS,
     ClusterAuth,
+    _call_stream_response,
     client_interceptors,
 )
 
@@ -330,3 +331,22 @@ async def test_random_metadata_always_unauthenticated(server, metadata, body, st
         else:
             await assert_unauthenticated(raw_unary(channel)(body, metadata=metadata, timeout=5))
     assert server.servicer.calls == 0
+
+
+class _Pending:
+    """An await that never resumes: a stream whose next item has not come."""
+
+    def __await__(self):
+        yield
+
+
+def test_a_stream_handler_closed_mid_stream_awaits_nothing():
+    # A server shutting down closes the coroutines of streams still open; a closed coroutine that
+    # awaits (the servicer's aclose() while its __anext__ runs) raises instead of closing.
+    async def servicer(request, context):
+        await _Pending()
+        yield b"never"
+
+    handler = _call_stream_response(servicer, None, None)
+    handler.send(None)
+    handler.close()

@@ -359,10 +359,13 @@ async def _call_stream_response(behavior, request, context):
         try:
             async for item in result:
                 await context.write(item)
-        finally:  # close the servicer's generator now (its cleanup runs) even when cancelled
+        except GeneratorExit:  # this coroutine is closed (a server stopping): it may await nothing
+            raise
+        except BaseException:  # cancelled or failed: close the servicer's generator now (its cleanup runs)
             aclose = getattr(result, "aclose", None)
             if aclose is not None:
                 await aclose()
+            raise
     elif inspect.isawaitable(result):
         await result
     elif result is not None:
