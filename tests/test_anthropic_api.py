@@ -3,8 +3,9 @@ OpenAI route's for the same conversation (and mlx_lm.generate's), the stream's e
 order, stop reasons and usage are Anthropic's, bad input gets Anthropic-shaped 4xx errors, and the
 key is taken as x-api-key. Two families, weight formats and chat templates: llama 4-bit with the
 plain template, and qwen3 bfloat16 with the "agent" template (tools, <think>: its answers are
-thinking blocks). The framing of text, thinking and tool calls together is tested on constructed
-deltas too, through the SDK's own stream accumulator.
+thinking blocks). A first request as Claude Code sends it (a system turn in messages, a deferred
+tool, adaptive thinking, context_management) is served. The framing of text, thinking and tool
+calls together is tested on constructed deltas too, through the SDK's own stream accumulator.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from mlx_lm import load as mlx_load
 from openai import OpenAI
 
 from meshnode.api import anthropic as surface
+from meshnode.api.anthropic_schema import parse
 from meshnode.api.core import Answer, Generation
+from meshnode.api.validation import Limits
 from meshnode.errors import ApiError
 from meshnode.model.build import build_model
 from meshnode.serving.engine import Delta, ToolCall
@@ -65,10 +68,17 @@ def nodes(models, tmp_path_factory):
     from contextlib import ExitStack
 
     with ExitStack() as stack:
-        yield {
+        out = {
             name: stack.enter_context(running_node(path, tmp_path_factory.mktemp(name), max_context=512, api_key=KEY))
             for name, path in models.items()
         }
+        # Claude Code's tools need a longer context; its max_tokens (32000) is capped at a few tokens
+        out["claude-code"] = stack.enter_context(
+            running_node(
+                models["qwen3-bf16"], tmp_path_factory.mktemp("cc"), max_context=4096, max_tokens_limit=4, api_key=KEY
+            )
+        )
+        yield out
 
 
 @pytest.fixture(params=list(FORMATS))
@@ -380,6 +390,128 @@ def test_the_key_is_taken_as_x_api_key(llama):
     assert post(f"{base}/v1/messages", body, {"Authorization": f"Bearer {KEY}"})[0] == 200
     status, text = post(f"{base}/v1/chat/completions", body, {"x-api-key": "wrong"})
     assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+
+
+def _cc_tool(name: str, properties: dict, **extra) -> dict:
+    return {"name": name, "description": name, "input_schema": {"type": "object", "properties": properties}, **extra}
+
+
+TEXT = {"type": "string"}
+BASH_SCHEMA = {
+    "type": "object",
+    "properties": {"command": TEXT},
+    "required": ["command"],
+    "additionalProperties": False,
+    "$schema": "http://json-schema.org/draft-07/schema#",
+}
+# Claude Code's tools, in short: the last is an MCP tool it defers (for its tool search tool)
+CC_TOOLS = (
+    [{"name": "Bash", "description": "Runs a command.", "input_schema": BASH_SCHEMA}]
+    + [_cc_tool(name, {"path": TEXT}) for name in ("Glob", "Grep", "Read", "Edit", "Write", "NotebookEdit")]
+    + [_cc_tool(name, {"q": TEXT}) for name in ("Task", "WebFetch", "TodoWrite", "WebSearch")]
+    + [_cc_tool("mcp__ide__getDiagnostics", {"uri": TEXT}, defer_loading=True, cache_control={"type": "ephemeral"})]
+)
+ENVIRONMENT = "# Environment\n - Primary working directory: /home/user/project\n - Platform: linux"
+
+
+def claude_code_body(model: str, environment: str = ENVIRONMENT) -> dict:
+    """A first request as Claude Code sends it: a system turn inside messages besides the system
+    prompt, a deferred tool, adaptive thinking, output_config, context_management, metadata."""
+    return {
+        "model": model,
+        "max_tokens": 32000,
+        "stream": True,
+        "temperature": 1,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"}]},
+            {"role": "system", "content": environment},
+            {"role": "user", "content": [{"type": "text", "text": "Say hi.", "cache_control": {"type": "ephemeral"}}]},
+        ],
+        "tools": CC_TOOLS,
+        "metadata": {"user_id": "user_0a1b_account__session_2c3d"},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+
+
+def claude_code_prompt(tokenizer, environment: str = ENVIRONMENT) -> list[int]:
+    """The prompt that body makes: the system turn's text joins the system prompt, every tool goes to
+    the template, the effort is its reasoning_effort."""
+    messages = [
+        {"role": "system", "content": "You are Claude Code.\n\n" + environment},
+        {"role": "user", "content": "<system-reminder>Be brief.</system-reminder>"},
+        {"role": "user", "content": "Say hi."},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
+        }
+        for t in CC_TOOLS
+    ]
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, reasoning_effort="medium")
+
+
+def test_what_claude_code_sends_is_served(nodes, models):
+    n, base = nodes["claude-code"]
+    _, tokenizer = mlx_load(str(models["qwen3-bf16"]))
+    status, raw = post(f"{base}/v1/messages?beta=true", claude_code_body(n.model_id), {"x-api-key": KEY})
+    assert status == 200, raw
+    frames = [f.split("\n") for f in raw.strip().split("\n\n")]
+    names = [f[0].removeprefix("event: ") for f in frames]
+    events = [json.loads(f[1].removeprefix("data: ")) for f in frames]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert "content_block_start" in names and names[-3] == "content_block_stop"
+    assert events[0]["message"]["usage"]["input_tokens"] == len(claude_code_prompt(tokenizer))
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens" and events[-2]["usage"]["output_tokens"] == 4
+    assert not [e for e in events if e.get("delta", {}).get("type") == "thinking_delta"]  # display: omitted
+    # Claude Code's own system turn is some 9 kB ("# Environment", git status, recent commits)
+    environment = ENVIRONMENT + "".join(f"\n M src/module_{i:03d}/handler.py" for i in range(300))
+    counting = {
+        k: v
+        for k, v in claude_code_body(n.model_id, environment).items()
+        if k not in ("max_tokens", "stream", "temperature", "metadata")
+    }
+    status, counted = post(f"{base}/v1/messages/count_tokens?beta=true", counting, {"x-api-key": KEY})
+    assert status == 200, counted
+    assert json.loads(counted)["input_tokens"] == len(claude_code_prompt(tokenizer, environment))
+
+
+def test_system_messages_join_the_system_prompt_in_order():
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": "First.",
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Second."}, {"type": "text", "text": "Third."}]},
+            {"role": "user", "content": "Hi"},
+            {"role": "system", "content": "Fourth."},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
+    }
+    assert parse(body, Limits()).messages == [
+        {"role": "system", "content": "First.\n\nSecond.\n\nThird.\n\nFourth."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    without = dict(body, system=None, messages=[{"role": "system", "content": "Rules."}, *body["messages"][1:2]])
+    assert parse(without, Limits()).messages[0] == {"role": "system", "content": "Rules."}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": "x"}
+    for messages, param in (
+        ([{"role": "system", "content": [result]}, {"role": "user", "content": "Hi"}], "messages[0].content[0]"),
+        ([{"role": "system", "content": "Rules."}], "messages"),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}, body["messages"][2]],
+            "messages[1]",
+        ),
+    ):
+        with pytest.raises(ApiError) as refused:
+            parse(dict(body, messages=messages), Limits())
+        assert refused.value.status == 400 and refused.value.param == param, refused.value.message
 
 
 # --------------------------------------------------------------------------- framing, on constructed deltas

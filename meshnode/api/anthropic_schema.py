@@ -99,7 +99,7 @@ Block = Annotated[
 
 
 class Message(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's turn of context, joins the system prompt
     content: Annotated[list[Block], _text_or("content blocks")]
 
 
@@ -111,7 +111,7 @@ class Tool(Strict):
     cache_control: JsonObject | None = None  # harmless
     eager_input_streaming: bool | None = None  # harmless: how the input streams, not what it is
     strict: Literal[False] | None = None  # true asks for a guarantee this server does not give
-    defer_loading: Literal[False] | None = None  # true needs the tool search tool
+    defer_loading: bool | None = None  # true: offered to the template like any other (no tool search here)
 
 
 def _client_tool(value: Any, handler) -> Any:
@@ -279,13 +279,20 @@ def _tool_choice(choice: ToolChoice | None, tools: list[dict[str, Any]]) -> str 
 
 
 def template_messages(req: CountRequest) -> list[dict[str, Any]]:
-    """The conversation as the chat template takes it; thinking blocks are history, left out."""
-    out: list[dict[str, Any]] = []
-    system = JOIN.join(b.text for b in req.system or ())
-    if system:
-        out.append({"role": "system", "content": system})
-    last = len(req.messages) - 1
-    if req.messages[last].role == "assistant":
+    """The conversation as the chat template takes it; thinking blocks are history, left out. The
+    text of system messages joins the system prompt, after ``system``, in their order: templates
+    take one system message, first."""
+    system = [JOIN.join(b.text for b in req.system or ())]
+    turns = [(i, m) for i, m in enumerate(req.messages) if m.role != "system"]
+    for i, message in enumerate(req.messages):
+        if message.role == "system":
+            system.append(JOIN.join(_system_text(i, j, block) for j, block in enumerate(message.content)))
+    if not turns:
+        raise ApiError(
+            400, "'messages' holds only system messages; send a user message", param="messages", code="invalid_value"
+        )
+    last, final = turns[-1]
+    if final.role == "assistant":
         raise ApiError(
             400,
             f"the last message (messages[{last}]) is an assistant's: this server does not "
@@ -293,7 +300,10 @@ def template_messages(req: CountRequest) -> list[dict[str, Any]]:
             param=f"messages[{last}]",
             code="invalid_value",
         )
-    for i, message in enumerate(req.messages):
+    out: list[dict[str, Any]] = []
+    if any(system):
+        out.append({"role": "system", "content": JOIN.join(t for t in system if t)})
+    for i, message in turns:
         texts, calls = [], []
         for j, block in enumerate(message.content):
             allowed = ("tool_result",) if message.role == "user" else ("tool_use", "thinking", "redacted_thinking")
@@ -318,3 +328,15 @@ def template_messages(req: CountRequest) -> list[dict[str, Any]]:
                 turn["tool_calls"] = calls
             out.append(turn)
     return out
+
+
+def _system_text(i: int, j: int, block: Any) -> str:
+    """A system message's block: text only."""
+    if not isinstance(block, TextBlock):
+        raise ApiError(
+            400,
+            f"'messages[{i}].content[{j}]' is a {block.type} block, which a system message cannot hold; it takes text",
+            param=f"messages[{i}].content[{j}]",
+            code="invalid_value",
+        )
+    return block.text
