@@ -104,6 +104,26 @@ def test_completions_match_mlx_lm(node, reference):
     assert streamed == out.choices[0].text
 
 
+def test_completion_text_continues_the_prompt(node, model_path):
+    """A completion's text is what follows the prompt when both are decoded together: the first
+    token's leading space is kept (logit_bias makes every token one that starts with a space)."""
+    n, base = node
+    _, tokenizer = mlx_load(str(model_path))
+    prompt = "The sky is"
+    spaced = next(t for t in range(len(tokenizer)) if (w := tokenizer.decode([t]))[:1] == " " and w[1:].isalpha())
+    said = [spaced] * 3
+    kw = dict(model=n.model_id, prompt=prompt, max_tokens=3, temperature=0, logit_bias={str(spaced): 100})
+    c = client(base)
+    out = c.completions.create(**kw, logprobs=1).choices[0]
+    ids = tokenizer.encode(prompt)
+    assert tokenizer.decode(ids) + out.text == tokenizer.decode(ids + said) and out.text.startswith(" ")
+    assert "".join(out.logprobs.tokens) == out.text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices)
+    assert streamed == out.text
+    chat = c.chat.completions.create(**{k: v for k, v in kw.items() if k != "prompt"}, messages=MESSAGES)
+    assert chat.choices[0].message.content == tokenizer.decode(said).removeprefix(" ")  # an answer, not a continuation
+
+
 async def test_raw_sse_format(node):
     n, base = node
     async with aiohttp.ClientSession() as s:

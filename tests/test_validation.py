@@ -6,6 +6,7 @@ import pytest
 
 from meshnode.api import validation
 from meshnode.api.validation import HARMLESS, ApiError, Limits, parse_request
+from meshnode.serving.answer import AnswerShape
 from meshnode.serving.engine import Engine
 from meshnode.serving.generation import SamplingParams
 
@@ -234,11 +235,16 @@ def test_the_honoured_fields_and_the_harmless_ones_do_not_overlap():
 
 
 class _Detok:
+    """Trims the first text's leading space, as mlx-lm's streaming detokenizers do."""
+
     def __init__(self, table):
-        self.table, self.last_segment = table, ""
+        self.table, self.last_segment, self.tokens = table, "", []
 
     def add_token(self, t):
         self.last_segment = self.table[t]
+        if not self.tokens:
+            self.last_segment = self.last_segment.removeprefix(" ")
+        self.tokens.append(t)
 
     def finalize(self):
         self.last_segment = ""
@@ -254,6 +260,9 @@ class _Tok:
     def detokenizer(self):
         return _Detok(self.table)
 
+    def decode(self, ids):
+        return "".join(self.table.get(t, "") for t in ids)
+
 
 class _Source:
     def __init__(self, tokens):
@@ -264,11 +273,11 @@ class _Source:
             yield t
 
 
-def run(tokens, table, stop=(), max_tokens=50):
+def run(tokens, table, stop=(), max_tokens=50, shape=None):
     engine = Engine("m", _Tok(table), _Source(tokens), max_context=100, vocab_size=10)
 
     async def go():
-        return [d async for d in engine.stream([1], SamplingParams(max_tokens=max_tokens), stop)]
+        return [d async for d in engine.stream([1], SamplingParams(max_tokens=max_tokens), stop, shape)]
 
     return asyncio.run(go())
 
@@ -292,3 +301,13 @@ def test_stop_string_split_across_tokens_is_cut_and_never_leaked():
 def test_stop_string_not_hit_emits_everything():
     out = run([1, 2, 3, 4, 5], TABLE, stop=["xyz"])
     assert "".join(d.text for d in out) == "Hello world!" and out[-1].finish_reason == "length"
+
+
+def test_a_completion_keeps_its_first_space_and_a_chat_answer_does_not():
+    spaced = {1: "The sky is", 2: " a", 3: " canvas", 4: " of"}
+    out = run([2, 3, 4], spaced, max_tokens=3)
+    assert "".join(d.text for d in out) == " a canvas of"  # "The sky is" + it: the prompt and answer decoded
+    out = run([2, 3, 4], spaced, max_tokens=3, shape=AnswerShape())
+    assert "".join(d.text for d in out) == "a canvas of"
+    out = run([2, 3], spaced, stop=["a c"], max_tokens=3)
+    assert "".join(d.text for d in out) == " " and out[-1].stop_sequence == "a c"

@@ -77,9 +77,11 @@ class Engine:
         stop: Sequence[str] = (),
         shape: AnswerShape | None = None,
     ) -> AsyncGenerator[Delta, None]:
-        """The answer to ``prompt`` in pieces. ``shape``: how a chat answer splits (None: all text)."""
+        """The answer to ``prompt`` in pieces. ``shape``: how a chat answer splits (None: all text,
+        a completion that continues the prompt)."""
         tokenizer = self.tokenizer
         detokenizer = tokenizer.detokenizer
+        lead = Continuation(tokenizer, prompt) if shape is None else None
         eos = tokenizer.eos_token_ids
         splitter = None
         if shape is not None:
@@ -152,7 +154,8 @@ class Engine:
                 if isinstance(token, Sampled):
                     logprobs.append(self._logprob(token))
                 detokenizer.add_token(int(token))
-                delta = piece(detokenizer.last_segment)
+                segment = detokenizer.last_segment
+                delta = piece(lead.first(segment, detokenizer.tokens) if lead else segment)
                 if delta.finish_reason is not None:  # a stop string: the last piece
                     stopped_at = delta
                     break
@@ -164,8 +167,32 @@ class Engine:
             yield stopped_at
             return
         detokenizer.finalize()
-        yield piece(detokenizer.last_segment, final=True)
+        segment = detokenizer.last_segment
+        yield piece(lead.first(segment, detokenizer.tokens) if lead else segment, final=True)
 
     def _logprob(self, token: Sampled) -> TokenLogprob:
         decode = self.tokenizer.decode
         return TokenLogprob(decode([int(token)]), token.logprob, tuple((decode([t]), lp) for t, lp in token.top))
+
+
+class Continuation:
+    """A completion's text is what follows the prompt when both are decoded together. mlx-lm's
+    streaming detokenizers read an answer as the start of a text and trim its first space; this
+    puts it back where decoding the answer after the prompt's last tokens keeps it."""
+
+    CONTEXT = 16  # prompt tokens decoded before the answer
+
+    def __init__(self, tokenizer: TokenizerWrapper, prompt: Sequence[int]):
+        self.decode = tokenizer.decode
+        self.context = [int(t) for t in prompt[-self.CONTEXT :]]
+        self.started = False
+
+    def first(self, segment: str, tokens: Sequence[int]) -> str:
+        """``segment`` as sent; the first non-empty one with the space the detokenizer trimmed."""
+        if self.started or not segment:
+            return segment
+        self.started = True
+        before = self.decode(self.context)
+        after = self.decode(self.context + [int(t) for t in tokens])
+        text = after[len(before) :] if after.startswith(before) else ""
+        return " " + segment if text.startswith(" " + segment) and not text.startswith(segment) else segment
