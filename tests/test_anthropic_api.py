@@ -343,11 +343,17 @@ def test_output_config_format_constrains_the_answer(node):
 
 
 def test_tools_for_a_model_that_cannot_call_them(llama):
-    """Tools are always accepted; a model whose template has no place for them answers without them."""
+    """Tools are always accepted; a model whose template has no place for them answers without them,
+    and a tool_choice that promises a call (any, tool) is refused."""
     n, base = llama
     with_tools = create(base, n.model_id, tools=TOOLS)
     without = create(base, n.model_id)
     assert with_tools.content == without.content and with_tools.usage == without.usage
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            create(base, n.model_id, tools=TOOLS, tool_choice=choice)
+        assert refused.value.body["error"]["type"] == "invalid_request_error"
+        assert "no tool-call format" in refused.value.body["error"]["message"]
 
 
 def test_errors_have_anthropics_shape(llama):

@@ -124,6 +124,36 @@ def test_completion_text_continues_the_prompt(node, model_path):
     assert chat.choices[0].message.content == tokenizer.decode(said).removeprefix(" ")  # an answer, not a continuation
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_a_required_tool_call_from_a_model_that_cannot_make_one_is_a_400(node):
+    """This model's template has no tool-call format: tool_choice "required" or a named function,
+    which promise a call, are refused; "auto" answers without the tools."""
+    import openai
+
+    n, base = node
+    c = client(base)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(
+                model=n.model_id, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=2
+            )
+        err = refused.value.body
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "tool_choice", "unsupported_value")
+        assert "no tool-call format" in err["message"] and n.model_id in err["message"]
+    auto = c.chat.completions.create(model=n.model_id, messages=MESSAGES, tools=TOOLS, max_tokens=2, temperature=0)
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content is not None
+
+
 async def test_raw_sse_format(node):
     n, base = node
     async with aiohttp.ClientSession() as s:

@@ -321,6 +321,19 @@ def test_hosted_tools_are_left_out_and_the_rest_refused(llama):
         client(base, "wrong").responses.create(model=n.model_id, input=SEA)
 
 
+def test_a_required_call_from_a_model_that_cannot_make_one_is_a_400(llama):
+    """llama's plain template has no tool-call format: a tool_choice that promises a call is
+    refused; "auto" answers without the tools."""
+    n, base = llama
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(base, n.model_id, tools=[FUNCTION], tool_choice=choice, max_output_tokens=2)
+        assert (refused.value.param, refused.value.code) == ("tool_choice", "unsupported_value")
+        assert "no tool-call format" in refused.value.message
+    auto = create(base, n.model_id, tools=[FUNCTION], tool_choice="auto", max_output_tokens=2)
+    assert [i.type for i in auto.output] == ["message"]
+
+
 def test_what_codex_sends_is_served(qwen):
     """A body shaped as Codex CLI 0.169 sends it, history included (items with ids and statuses,
     a namespaced call, reasoning with encrypted_content, developer messages)."""

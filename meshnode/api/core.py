@@ -236,6 +236,14 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
     if choice == "none":
         tools = None
     if tools and not (getattr(tokenizer, "has_tool_calling", False) and getattr(tokenizer, "chat_template", None)):
+        if choice == "required" or isinstance(choice, dict):  # a call must come: the model cannot make one
+            raise ApiError(
+                400,
+                f"tool_choice asks for a tool call, and model {engine.model_id} cannot make one: its chat "
+                "template has no tool-call format; send tool_choice auto or none",
+                param="tool_choice",
+                code="unsupported_value",
+            )
         # Tools are always accepted (Open WebUI sends some with every chat); a template without
         # a place for them answers without them.
         if engine.model_id not in _TOOLLESS:
