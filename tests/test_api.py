@@ -6,8 +6,11 @@ import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import aiohttp
+import anthropic
+import openai
 import pytest
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
@@ -56,6 +59,29 @@ def test_models_and_health(node):
     n, base = node
     c = client(base)
     assert [m.id for m in c.models.list().data] == [n.model_id]
+
+
+def test_a_model_by_id_through_both_sdks_strictly(node):
+    """/v1/models and /v1/models/{id} as the openai and anthropic packages read them, each
+    validating the whole answer against its own types; an unknown id is each SDK's 404."""
+    n, base = node
+    strict = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, _strict_response_validation=True)
+    got = strict.models.retrieve(n.model_id)
+    assert (got.id, got.object, got.created, got.owned_by) == (n.model_id, "model", 0, "meshnode")
+    assert (got.model_extra["state"], got.model_extra["context_length"]) == ("ready", 512)
+    assert [m.model_dump() for m in strict.models.list().data] == [got.model_dump()]
+    with pytest.raises(openai.NotFoundError) as missing:
+        strict.models.retrieve("no-such-model")
+    assert (missing.value.body["code"], missing.value.body["param"]) == ("model_not_found", "model")
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, _strict_response_validation=True)
+    [info] = list(claude.models.list())
+    assert (info.id, info.type, info.display_name, info.lifecycle) == (n.model_id, "model", n.model_id, "active")
+    assert info.created_at == datetime(1970, 1, 1, tzinfo=UTC)
+    assert (info.max_input_tokens, info.max_tokens) == (512, 512)  # the context served; max_tokens_limit is above
+    assert claude.models.retrieve(n.model_id) == info
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        claude.models.retrieve("no-such-model")
+    assert unknown.value.body["type"] == "error" and unknown.value.body["error"]["type"] == "not_found_error"
 
 
 def test_chat_matches_mlx_lm(node, reference):
@@ -138,8 +164,6 @@ TOOLS = [
 def test_a_required_tool_call_from_a_model_that_cannot_make_one_is_a_400(node):
     """This model's template has no tool-call format: tool_choice "required" or a named function,
     which promise a call, are refused; "auto" answers without the tools."""
-    import openai
-
     n, base = node
     c = client(base)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):

@@ -29,8 +29,12 @@ ERROR_TYPES = {
 }
 
 
-def owns(path: str) -> bool:
-    """Whether ``path`` is this surface's (its errors take Anthropic's shape)."""
+def owns(request: web.Request) -> bool:
+    """Whether ``request`` is this surface's (its errors take Anthropic's shape): its routes, and
+    the models routes asked by an Anthropic client (it sends anthropic-version)."""
+    path = request.path
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return "anthropic-version" in request.headers
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 

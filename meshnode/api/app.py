@@ -51,8 +51,8 @@ class _MalformedHttpFilter(logging.Filter):
 logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
 
 
-def _error_response(err: ApiError, path: str = "") -> web.Response:
-    shaped = next((s for s in (anthropic, ollama) if s.owns(path)), None)
+def _error_response(err: ApiError, request: web.Request) -> web.Response:
+    shaped = next((s for s in (anthropic, ollama) if s.owns(request)), None)
     body = shaped.error_body(err) if shaped else err.body()
     return web.json_response(body, status=err.status, headers=err.headers)
 
@@ -87,7 +87,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
-        return _error_response(err, request.path)
+        return _error_response(err, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -97,12 +97,12 @@ async def errors_middleware(request: web.Request, handler):
             limit = request.app[SETTINGS].max_body_bytes
             message = f"request body too large (limit {limit} bytes)"
         keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-        return _error_response(ApiError(exc.status, message, type=kind, headers=keep), request.path)
+        return _error_response(ApiError(exc.status, message, type=kind, headers=keep), request)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return _error_response(ApiError(500, "internal error", type="server_error"), request.path)
+        return _error_response(ApiError(500, "internal error", type="server_error"), request)
 
 
 @web.middleware

@@ -336,9 +336,9 @@ def routes(app: web.Application) -> None:
     app.router.add_post("/api/generate", generate)
 
 
-def owns(path: str) -> bool:
-    """Whether ``path`` is this surface's (its errors take Ollama's shape)."""
-    return path.startswith("/api/")
+def owns(request: web.Request) -> bool:
+    """Whether ``request`` is this surface's (its errors take Ollama's shape)."""
+    return request.path.startswith("/api/")
 
 
 def error_body(err: ApiError) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/models, and their envelopes."""
+"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/models (which Anthropic's
+clients read too), and their envelopes."""
 
 from __future__ import annotations
 
@@ -160,28 +161,62 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
 
 
+EPOCH = "1970-01-01T00:00:00Z"  # Anthropic's created_at when the release date is unknown (created: 0)
+
+
+def _model(m: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
+    """One served model in OpenAI's shape, with the fields Anthropic's ModelInfo reads too."""
+    context = m.get("context_length")
+    return {
+        "id": m["id"],
+        "object": "model",
+        "created": 0,
+        "owned_by": "meshnode",
+        "type": "model",
+        "display_name": m["id"],
+        "created_at": EPOCH,
+        "lifecycle": "active",
+        "max_input_tokens": context,
+        "max_tokens": min(context, max_tokens_limit) if context else None,  # the most one answer gets
+        "state": m["state"],
+        "context_length": context,
+    }
+
+
 async def models(request: web.Request) -> web.Response:
     """Every served model, also while the mesh forms or re-plans (a client lists what it can ask
     for; a request made before the model is ready gets a 503 with Retry-After)."""
+    limit = request.app[core.SETTINGS].limits.max_tokens_limit
+    data = [_model(m, limit) for m in request.app[core.BACKEND].models()]
     return web.json_response(
         {
             "object": "list",
-            "data": [
-                {
-                    "id": m["id"],
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "meshnode",
-                    "state": m["state"],
-                    "context_length": m.get("context_length"),
-                }
-                for m in request.app[core.BACKEND].models()
-            ],
+            "data": data,
+            "has_more": False,  # Anthropic's page
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
         }
     )
+
+
+async def model(request: web.Request) -> web.Response:
+    """One served model, as /v1/models lists it."""
+    model_id = request.match_info["id"]
+    served = request.app[core.BACKEND].models()
+    found = next((m for m in served if m["id"] == model_id), None)
+    if found is None:
+        raise ApiError(
+            404,
+            f"model '{model_id}' is not served here; this mesh serves "
+            f"{', '.join(repr(m['id']) for m in served) or 'no model yet'}",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_model(found, request.app[core.SETTINGS].limits.max_tokens_limit))
 
 
 def routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{id:.+}", model)
