@@ -151,6 +151,7 @@ def test_greedy_answer_equals_the_openai_route(node):
     assert parts(msg) == (said.content, thought)
     assert msg.usage.input_tokens == ref.usage.prompt_tokens
     assert msg.usage.output_tokens == ref.usage.completion_tokens
+    assert (msg.usage.cache_creation_input_tokens, msg.usage.cache_read_input_tokens) == (0, 0)
     assert msg.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref.choices[0].finish_reason]
     assert msg.stop_sequence is None
 
@@ -194,6 +195,8 @@ def test_stream_events_come_in_order(llama):
     assert events[1].index == 0 and events[1].content_block.type == "text"
     assert all(e.delta.type == "text_delta" for e in events[2:-3])
     assert events[-2].usage.output_tokens == 8 and events[-2].delta.stop_reason == "max_tokens"
+    for counted in (events[0].message.usage, events[-2].usage):  # integers, as Anthropic sends them
+        assert (counted.cache_creation_input_tokens, counted.cache_read_input_tokens) == (0, 0)
     # on the wire: a ping after message_start, and each event named as its data's type
     status, raw = post(
         f"{base}/v1/messages",

@@ -24,7 +24,7 @@ import openai
 import pytest
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
-from openai.types.responses import ResponseStreamEvent
+from openai.types.responses import ResponseIncompleteEvent, ResponseStreamEvent
 
 from meshnode.api.core import Generation
 from meshnode.api.responses import Output, ResponseStore, parse
@@ -247,6 +247,34 @@ def test_previous_response_id_continues_the_conversation(node):
         assert gone in refused.value.message
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(unstored.id)
+
+
+def test_usage_as_the_sdk_requires_and_a_deleted_response(llama):
+    """The SDK's strict validation of the Response and of the stream's last event (every usage field
+    its types require); DELETE forgets a stored response, as OpenAI answers it."""
+    n, base = llama
+    strict = openai.OpenAI(
+        base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60, _strict_response_validation=True
+    )
+    r = strict.responses.create(model=n.model_id, input=SEA, max_output_tokens=3, temperature=0)
+    assert r.usage.input_tokens_details.model_dump() == {
+        "cached_tokens": 0,
+        "cache_write_tokens": 0,
+        "cache_write_tokens_details": None,
+    }
+    body = {"model": n.model_id, "input": SEA, "max_output_tokens": 3, "temperature": 0, "stream": True}
+    status, raw = post(f"{base}/v1/responses", body)
+    last = json.loads(raw.strip().split("\n\n")[-1].split("\n")[1].removeprefix("data: "))
+    assert status == 200 and ResponseIncompleteEvent.model_validate(last).response.usage == r.usage
+    req = urllib.request.Request(f"{base}/v1/responses/{r.id}", headers={"Authorization": f"Bearer {KEY}"})
+    req.method = "DELETE"
+    with urllib.request.urlopen(req, timeout=60) as deleted:
+        assert json.loads(deleted.read()) == {"id": r.id, "object": "response", "deleted": True}
+    for gone in (strict.responses.retrieve, strict.responses.delete):
+        with pytest.raises(openai.NotFoundError):
+            gone(r.id)
+    with pytest.raises(openai.BadRequestError, match="previous_response_not_found|not found"):
+        strict.responses.create(model=n.model_id, input="And?", previous_response_id=r.id)
 
 
 def test_structured_output(node):

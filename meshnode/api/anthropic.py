@@ -83,6 +83,16 @@ def content_blocks(answer: core.Answer, hide_thinking: bool = False) -> list[dic
     return blocks + [tool_use(call, tool_input(call)) for call in answer.tool_calls]
 
 
+def usage(gen: core.Generation, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage; no prompt cache counts per request, so none read from it or written."""
+    return {
+        "input_tokens": gen.prompt_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": output_tokens,
+    }
+
+
 def message(gen: core.Generation, answer: core.Answer, hide_thinking: bool = False) -> dict[str, Any]:
     reason, sequence = stop_reason(answer.last, bool(answer.tool_calls))
     out_tokens = answer.last.completion_tokens if answer.last else 0
@@ -94,7 +104,7 @@ def message(gen: core.Generation, answer: core.Answer, hide_thinking: bool = Fal
         "content": content_blocks(answer, hide_thinking),
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": out_tokens},
+        "usage": usage(gen, out_tokens),
     }
 
 
@@ -122,7 +132,7 @@ class Events:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0},
+            "usage": usage(self.gen, 0),
         }
         return [
             self.event("message_start", {"type": "message_start", "message": start}),
@@ -171,7 +181,7 @@ class Events:
     def closing(self, last: Delta | None) -> list[bytes]:
         frames = self._start({"type": "text", "text": ""}) if not self.texts and not self.calls else []
         reason, sequence = stop_reason(last, self.calls > 0)
-        usage = {"input_tokens": self.gen.prompt_tokens, "output_tokens": last.completion_tokens if last else 0}
+        counted = usage(self.gen, last.completion_tokens if last else 0)
         return (
             frames
             + self._close()
@@ -181,7 +191,7 @@ class Events:
                     {
                         "type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": usage,
+                        "usage": counted,
                     },
                 ),
                 self.event("message_stop", {"type": "message_stop"}),

@@ -62,6 +62,11 @@ class ResponseStore:
         kept = self._kept.get(response_id)
         return kept[1] if kept else None
 
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; whether it was kept."""
+        self._expire()
+        return self._kept.pop(response_id, None) is not None
+
 
 STORE = web.AppKey("responses_store", ResponseStore)
 
@@ -341,7 +346,7 @@ class Output:
         out_tokens = last.completion_tokens if last is not None else 0
         usage = {
             "input_tokens": self.gen.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # no per-request count of either
             "output_tokens": out_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.gen.prompt_tokens + out_tokens,
@@ -399,22 +404,36 @@ async def create(request: web.Request) -> web.StreamResponse:
     return await core.generate(request, lambda body, limits: parse(body, limits, lookup), _respond, id_prefix="resp_")
 
 
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"Response with id '{response_id}' not found (this node keeps the responses it made "
+        "with store not false, for a while)",
+        param="id",
+        code="not_found",
+    )
+
+
 async def retrieve(request: web.Request) -> web.Response:
     response_id = request.match_info["id"]
     store = request.app.get(STORE)
     found = store.response(response_id) if store is not None else None
     if found is None:
-        raise ApiError(
-            404,
-            f"Response with id '{response_id}' not found (this node keeps the responses it made "
-            "with store not false, for a while)",
-            param="id",
-            code="not_found",
-        )
+        raise _not_found(response_id)
     return web.json_response(found)
+
+
+async def delete(request: web.Request) -> web.Response:
+    """Forget a stored response (a later GET or previous_response_id does not find it)."""
+    response_id = request.match_info["id"]
+    store = request.app.get(STORE)
+    if store is None or not store.delete(response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 def routes(app: web.Application) -> None:
     app[STORE] = ResponseStore()
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", retrieve)
+    app.router.add_delete("/v1/responses/{id}", delete)
