@@ -33,9 +33,16 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf(folder: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+def write_gguf(
+    folder: Path,
+    out: Path,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    kinds: dict[str, gguf.GGMLQuantizationType] | None = None,
+    file_type: gguf.LlamaFileType | None = None,
+) -> Path:
     """``folder`` (an unquantized float32 mlx-lm model) as a GGUF file at ``out``; 2-D weights whose
-    width allows it stored as ``qtype``."""
+    width allows it stored as ``qtype``, or as ``kinds`` names them by GGUF tensor (``token_embd``);
+    ``file_type``: the general.file_type llama.cpp writes."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
@@ -50,6 +57,8 @@ def write_gguf(folder: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     w = gguf.GGUFWriter(str(out), arch)
     _metadata(w, cfg, arch)
+    if file_type is not None:
+        w.add_file_type(file_type.value)
     _tokenizer(w, folder, cfg)
     for name in names:
         if name not in weights:
@@ -64,7 +73,7 @@ def write_gguf(folder: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
         kind = (
-            qtype
+            (kinds or {}).get(target, qtype)
             if data.ndim >= 2 and data.shape[-1] % 32 == 0 and suffix == "weight"
             else gguf.GGMLQuantizationType.F32
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import gguf
 import httpx
 import ollama
 import pytest
@@ -23,7 +24,9 @@ from meshnode.api.validation import Limits
 from meshnode.errors import ApiError
 from meshnode.model.build import build_model
 from meshnode.serving.engine import Delta, TokenLogprob, ToolCall
+from meshnode.weights.gguf_source import resolve_gguf
 from meshnode.weights.profile import profile_model
+from tests.ggufwrite import write_gguf
 from tests.helpers import running_node
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
@@ -457,3 +460,20 @@ def test_details_from_the_model_profile(models):
     assert surface.details(llama)["quantization_level"] == "Q4" and surface.details(llama)["family"] == "llama"
     assert surface.details(qwen)["quantization_level"] == "BF16"
     assert surface.details(qwen)["parameter_size"].endswith(("K", "M"))
+
+
+def test_a_gguf_files_quantization_level_is_its_type(tmp_path):
+    """A Q4_1 file keeps its embedding at Q8_0, as llama.cpp writes it (SmolLM2's does): the level
+    is the file's type, not a width averaged over all weights (which read 5 bits)."""
+    q = gguf.GGMLQuantizationType
+    source = build_model(tmp_path / "f32", "llama", num_layers=2, hidden_size=64, intermediate_size=128)
+    for file_type in (gguf.LlamaFileType.MOSTLY_Q4_1, None):  # None: the blocks' commonest type
+        path = write_gguf(source, tmp_path / f"{file_type}.gguf", q.Q4_1, {"token_embd": q.Q8_0}, file_type)
+        _, folder = resolve_gguf(str(path), tmp_path / f"cache-{file_type}")
+        assert surface.details(profile_model(folder))["quantization_level"] == "Q4_1"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["model.embed_tokens"]["bits"] == 8
+    # an MLX folder of those weights without the file's name: its modules' common width
+    del config["gguf"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert surface.details(profile_model(folder))["quantization_level"] == "Q4"

@@ -66,6 +66,7 @@ def test_conversion_keeps_mlxs_own_reading_of_the_file_bit_for_bit(gguf, model):
     config = json.loads((folder / "config.json").read_text())
     assert config["gguf"]["weights"] == "GGUF weights: Q4_1/Q8_0 kept bit for bit"
     assert config["quantization"]["bits"] == 4 and config["quantization"]["model.embed_tokens"]["bits"] == 8
+    assert config["gguf"]["type"] == "Q4_1" and profile_model(folder).quantization == "Q4_1"  # Ollama's level
 
 
 @pytest.mark.slow

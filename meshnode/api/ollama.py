@@ -234,8 +234,8 @@ def details(p: Any) -> dict[str, Any]:
         }
     n = parameter_count(p)
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.2f}K"
-    if p.quant_group_size:  # bits per weight, less the scales and biases (16 bits each per group)
-        level = f"Q{round(p.weight_bytes() * 8 / max(n, 1) - 32 / p.quant_group_size)}"
+    if p.quantization or p.quant_group_size:  # a GGUF file's type, or Q<bits> ("" from an older peer)
+        level = p.quantization
     else:
         level = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(p.dtype, p.dtype.upper())
     return {

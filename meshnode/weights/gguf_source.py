@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+from gguf import LlamaFileType
 
 from meshnode.weights.gguf_config import NORM_PLUS_ONE, eos_ids, family, metadata, model_config, save_tokenizer
 from meshnode.weights.gguf_tensors import (
@@ -39,6 +40,8 @@ OLLAMA_PREFIX = "ollama:"
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
 SHARD_BYTES = 2 * 2**30  # safetensors files of about this size, whole layers each
 _CHUNK = 8 * 2**20
+GUESSED = LlamaFileType.GUESSED.value  # a flag on general.file_type: llama.cpp guessed it
+FILE_TYPES = {t.value: t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in LlamaFileType if t.value < GUESSED}
 Progress = Callable[[str, int, int], None]
 
 
@@ -119,6 +122,16 @@ def model_id(meta: dict, sha: str) -> str:
         words.append(kinds.most_common(1)[0][0])
     slug = re.sub(r"[^a-z0-9.]+", "-", " ".join(words).lower()).strip("-")[:48] or "gguf"
     return f"{slug}-{sha[:12]}"
+
+
+def file_type(meta: dict) -> str:
+    """The file's type as llama.cpp names it (Q4_1, Q4_K_M, F16): general.file_type, else the
+    commonest type of the blocks' weights."""
+    value = meta.get("general.file_type")
+    if isinstance(value, int) and (value & ~GUESSED) in FILE_TYPES:
+        return FILE_TYPES[value & ~GUESSED]
+    kinds = Counter(meta.get("_tensor_types", []))
+    return kinds.most_common(1)[0][0] if kinds else ""
 
 
 def resolve_gguf(spec: str, cache_dir: Path, progress: Progress | None = None) -> tuple[str, Path]:
@@ -205,7 +218,13 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
     if not cfg["quantization"]:
         del cfg["quantization"]
     cfg["eos_token_id"] = eos_ids(meta) or None
-    cfg["gguf"] = {"model_id": ident, "sha256": sha, "file": path.name, "weights": weights_note(reader.tensors)}
+    cfg["gguf"] = {
+        "model_id": ident,
+        "sha256": sha,
+        "file": path.name,
+        "type": file_type(meta),
+        "weights": weights_note(reader.tensors),
+    }
     total = sum(p.nbytes for _, p in planned)
     done = told = 0
 

@@ -62,6 +62,8 @@ class ModelProfile:
     kv_quant_problem: str = ""
     # What a conversion did to the weights (GGUF), "" when nothing.
     weights_note: str = ""
+    # The weights' quantization as Ollama names it (Q4_1, Q4_K_M, Q4), "" when they are floats.
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -139,6 +141,7 @@ class ModelProfile:
             "kv_bits",
             "kv_quant_problem",
             "weights_note",
+            "quantization",
         }  # newer fields
         missing = known - set(d) - optional
         if missing:
@@ -147,7 +150,7 @@ class ModelProfile:
         for key in ("layer_bytes", "kv_bytes_per_token"):
             kw[key] = tuple(int(x) for x in kw[key])
         kw["sliding_window"] = tuple(None if w is None else int(w) for w in kw["sliding_window"])
-        for key in ("split_problem", "kv_quant_problem", "weights_note"):
+        for key in ("split_problem", "kv_quant_problem", "weights_note", "quantization"):
             if key in kw:
                 kw[key] = str(kw[key] or "")
         for key in (
@@ -409,4 +412,16 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         trained_context=trained_context(cfg),
         kv_quant_problem=kv_quant_problem(raw_cfg),
         weights_note=str((raw_cfg.get("gguf") or {}).get("weights") or ""),
+        quantization=quantization_level(raw_cfg),
     )
+
+
+def quantization_level(raw_cfg: dict[str, Any]) -> str:
+    """A GGUF file's type (what Ollama shows), else Q<bits> of the MLX quantization every module has
+    but those named apart; "" for float weights. A mean over all weights would count an embedding
+    kept at 8 bits (as GGUF files keep it) into a 4-bit model's width."""
+    kind = (raw_cfg.get("gguf") or {}).get("type")
+    if kind:
+        return str(kind)
+    bits = (raw_cfg.get("quantization") or {}).get("bits")
+    return f"Q{bits}" if bits else ""
