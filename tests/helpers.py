@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import re
 import shutil
@@ -100,20 +101,33 @@ def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True
         loop.close()
 
 
+def npm_tool(package: str, binary: Path) -> Path:
+    """``binary`` of the npm ``package``, installed from the npm registry into NPM_DIR the first time.
+    An exclusive lock on NPM_DIR serialises installs, so parallel test workers never run two npm
+    installs into one prefix."""
+    if binary.exists():
+        return binary
+    if shutil.which("npm") is None:
+        pytest.skip(f"npm is not installed: {package} cannot be installed (.ci/run installs npm)")
+    NPM_DIR.mkdir(parents=True, exist_ok=True)
+    with open(NPM_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            status, _, err = run_group(
+                ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), package], timeout=600
+            )
+            if status != 0:
+                pytest.skip(f"npm could not install {package}: {err[-500:]}")
+    assert binary.exists(), f"npm installed {package} but {binary} is missing"
+    return binary
+
+
 def codex_cli() -> Path:
-    """Codex CLI, installed from the npm registry into NPM_DIR once."""
-    if not CODEX.exists():
-        if shutil.which("npm") is None:
-            pytest.skip("npm is not installed: Codex CLI (npm @openai/codex) cannot be installed")
-        NPM_DIR.mkdir(parents=True, exist_ok=True)
-        status, _, err = run_group(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), "@openai/codex"], timeout=400
-        )
-        if status != 0:
-            pytest.skip(f"npm could not install @openai/codex: {err[-500:]}")
-    if run_group([str(CODEX), "--version"], timeout=60)[0] != 0:
+    """Codex CLI (npm ``@openai/codex``), installed once into NPM_DIR."""
+    codex = npm_tool("@openai/codex", CODEX)
+    if run_group([str(codex), "--version"], timeout=60)[0] != 0:
         pytest.skip("the Codex CLI binary does not run on this machine")
-    return CODEX
+    return codex
 
 
 def codex_setup(tmp_path: Path, model: str, base_url: str) -> tuple[Path, dict]:

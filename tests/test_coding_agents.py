@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -26,26 +23,9 @@ from harness.cluster import HTTP, Cluster
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.weights.profile import profile_model
-from tests.helpers import NPM_DIR
+from tests.helpers import NPM_DIR, npm_tool
 
 OPENCODE = NPM_DIR / "node_modules" / ".bin" / "opencode"
-
-
-def npm_tool(package: str, binary: Path) -> Path:
-    """``binary`` of the npm ``package``, installed into NPM_DIR if it is not there yet."""
-    if binary.exists():
-        return binary
-    if shutil.which("npm") is None:
-        pytest.skip("npm is not installed (.ci/run installs it)")
-    NPM_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), package],
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
-    assert binary.exists(), f"npm installed {package} but {binary} is missing"
-    return binary
 
 
 @pytest.mark.netns
