@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,8 +24,14 @@ LISTED = 3.0
 
 _unmarked_over: list[tuple[float, str]] = []  # (seconds, node id) of unmarked calls over LISTED
 
+# Seconds each module took in a whole run (scripts/suite_durations.py writes it): the slowest run first.
+DURATIONS: dict[str, float] = json.loads((Path(__file__).resolve().parent / "durations.json").read_text())
+
 
 def pytest_collection_modifyitems(config, items):
+    # Slowest modules first, each in its own order (a stable sort): parallel workers (scripts/test.sh)
+    # take whole modules, and the longest ones start at once instead of meeting the end alone.
+    items.sort(key=lambda item: -DURATIONS.get(item.nodeid.split("::")[0], 0.0))
     marked = [item for item in items if item.get_closest_marker("netns")]
     if marked and (reason := netns.available()):
         for item in marked:
@@ -63,3 +70,28 @@ def netns_mesh_factory():
     finally:
         for mesh in reversed(meshes):
             mesh.close()
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """A folder shared by every worker of this run (pytest-xdist), for what a run makes once."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real model's GGUF file (tests/realmodel.py), or a skip that says why it cannot be had."""
+    from tests.realmodel import smollm2
+
+    return smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf, run_dir) -> tuple[str, Path]:
+    """(model id, folder) of the real model converted as a node converts it, once per run."""
+    from tests.realmodel import converted
+
+    return converted(smollm2_gguf, run_dir / "smollm2")

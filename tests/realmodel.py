@@ -70,9 +70,46 @@ def converted(gguf: Path, cache_dir: Path) -> tuple[str, Path]:
 
     model_id, folder = resolve_gguf(str(gguf), cache_dir)
     link = cache_dir / model_id
-    if not link.exists():
+    try:
         link.symlink_to(folder, target_is_directory=True)
+    except FileExistsError:  # linked already, by this run's other worker too
+        pass
     return model_id, link
+
+
+def seed_cache(cache_dir: Path, folder: Path) -> None:
+    """Give a node's ``cache_dir`` the conversion in ``folder`` (from ``converted``), hard-linked, as
+    if that node had converted the file itself: a node started on the GGUF then finds it done."""
+    source = folder.resolve()
+    root = Path(cache_dir) / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / source.name).exists():
+        shutil.copytree(source, root / source.name, copy_function=os.link)
+    shutil.copy(source.parent / "hashes.json", root / "hashes.json")
+
+
+def serve(cluster, spec: Path, folder: Path, tmp: Path, fractions, *, convert: bool = False) -> dict:
+    """One pipeline node per fraction of the model's memory, each on ``spec`` (the GGUF file, or a
+    model folder); the first view of the converged mesh. On the GGUF file a node finds ``folder``'s
+    conversion in its cache (``seed_cache``) unless ``convert``: then it converts the file itself."""
+    from meshnode.weights.profile import profile_model
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    cluster.model, cluster.tmp = folder, tmp
+    total = profile_model(folder).total_bytes(cluster.max_context)
+    hosts = cluster.hosts[: len(fractions)]
+    for h, f in zip(hosts, fractions):
+        if not convert and Path(spec).suffix == ".gguf":
+            seed_cache(tmp / h.name / "cache", folder)
+        cluster.start(h, int(total * f), env={"MESHNODE_STRATEGY": "pipeline"}, model=spec)
+    return cluster.wait(lambda: cluster.converged(hosts, len(hosts)), 180, "convergence")[0]
+
+
+def stop_all(cluster) -> None:
+    """Stop every node ``cluster`` started."""
+    for proc in cluster.procs.values():
+        cluster.mesh.stop(proc)
+    cluster.procs.clear()
 
 
 def variant(folder: Path, out: Path, *, bits: int | None = None, dtype: str = "bfloat16") -> Path:
