@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.requester import request
+
 HTTP, GRPC = 8470, 8471
 KEY = "test-cluster-key"
 HOOKED_NODE = Path(__file__).resolve().parent / "hooked_node.py"  # `meshnode run` with test hooks
@@ -97,26 +99,10 @@ def in_ns(host, code: str, *args, timeout: float = 600, env: dict | None = None)
     return json.loads(lines[-1])
 
 
-_FETCH = (
-    "import json,sys,urllib.request,urllib.error\n"
-    "url,body,t=sys.argv[1],sys.argv[2],float(sys.argv[3])\n"
-    "req=urllib.request.Request(url,data=body.encode() if body else None,"
-    "headers={'Content-Type':'application/json'})\n"
-    "try:\n"
-    "  r=urllib.request.urlopen(req,timeout=t); print(json.dumps([r.status,dict(r.headers),"
-    "json.loads(r.read())]))\n"
-    "except urllib.error.HTTPError as e:\n"
-    "  print(json.dumps([e.code,dict(e.headers),json.loads(e.read())]))\n"
-)
-
-
 def fetch(client, url: str, body=None, timeout: float = 10.0) -> list:
     """One HTTP request made from ``client`` (a ``NetHost``; None: from here): ``[status, headers,
     JSON body]``, an HTTP error status included; OSError if no answer came (refused, timed out)."""
-    try:
-        return in_ns(client, _FETCH, url, json.dumps(body) if body else "", timeout, timeout=timeout + 10)
-    except RuntimeError as exc:
-        raise OSError((str(exc).strip().splitlines() or ["request failed"])[-1]) from None
+    return request(client, url, json.dumps(body) if body else "", timeout)
 
 
 def mesh_view(url: str, client=None, timeout: float = 3.0) -> dict:
