@@ -31,7 +31,7 @@ from collections import Counter
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from meshnode.model.build import build_model
@@ -607,10 +607,12 @@ def test_grpc_random_field_values_to_every_method(node, grpc_client):
         if method == "Forward" and data.draw(st.booleans()):  # aim at the stage actually served
             msgs[0].epoch = served.epoch
             msgs[0].start_layer, msgs[0].end_layer = data.draw(st.sampled_from(layers))
+        # A foreign cluster's heartbeat never joins; an Install names a model not served here.
+        # Hypothesis also draws the test's own string constants ("llama"), so these are assumed.
         if method == "Heartbeat":
-            assert msgs[0].node.cluster_id != n.cluster_id  # foreign or invalid: never joins
+            assume(msgs[0].node.cluster_id != n.cluster_id)
         if method == "Install":
-            assert msgs[0].model != n.model_id
+            assume(msgs[0].model != n.model_id)
         code, replies, details = grpc_client.call(method, [m.SerializeToString() for m in msgs])
         OUTCOMES[f"{method} {code.name}"] += 1
         if code == grpc.StatusCode.INTERNAL:
