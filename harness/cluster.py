@@ -319,12 +319,14 @@ class Cluster:
     def wait(self, predicate, timeout, what):
         return wait_until(predicate, timeout, what, details=self.logs)
 
-    def converged(self, hosts, nodes):
+    def converged(self, hosts, nodes, stages: int | None = None):
         """The views of ``hosts`` when all see ``nodes`` nodes, one coordinator, one epoch and one
-        plan under it, and are healthy; else None."""
+        plan under it (of ``stages`` stages, if given), and are healthy; else None. ``stages`` waits
+        out a plan made before the last node joined (a join rebalances a moment later)."""
         views = [self.mesh_view(h) for h in hosts]
         ok = (
-            len({v["epoch"] for v in views}) == 1
+            (stages is None or bool(views[0]["plan"]) and len(views[0]["plan"]["stages"]) == stages)
+            and len({v["epoch"] for v in views}) == 1
             and len({v["coordinator"] for v in views}) == 1
             and len({json.dumps(v["plan"] and v["plan"]["stages"]) for v in views}) == 1
             and all(v["healthy"] for v in views)

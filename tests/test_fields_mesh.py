@@ -72,7 +72,7 @@ def test_a_relayed_request_keeps_its_sampling_logprobs_and_grammar(tmp_path):
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:  # neither holds it alone: two stages
             cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
-        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")
         assert len(views[0]["plan"]["stages"]) == 2, views[0]["plan"]
         head = cluster.host(views[0]["plan"]["stages"][-1]["nodes"][0])
         other = next(h for h in cluster.hosts if h is not head)

@@ -334,7 +334,7 @@ def test_two_agents_alternating_each_resume_their_own_prefix(tmp_path):
             cluster = Cluster(mesh, model, tmp_path, max_context=None)
             for h in cluster.hosts:
                 cluster.start(h, int(total * 0.6), env=ENV, kv_requests=2)
-            view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 120, "convergence")
+            view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 120, "convergence")
             assert len(view[0]["plan"]["stages"]) == 2, view[0]["plan"]
             entry = cluster.hosts[0]
             kept = [0, 0]  # each agent's positions its stages can resume next turn (at least)

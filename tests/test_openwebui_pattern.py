@@ -78,7 +78,7 @@ def test_open_webui_answer_title_and_model_list_through_a_re_plan(tmp_path):
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:  # neither holds it alone: two stages
             cluster.start(h, int(total * 0.6), env=env)
-        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")
         assert len(views[0]["plan"]["stages"]) == 2, views[0]["plan"]
         entry, other = cluster.hosts
         base = f"http://{entry.ip}:{HTTP}"

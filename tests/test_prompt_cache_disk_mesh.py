@@ -66,7 +66,7 @@ def test_every_node_restarted_the_next_turn_reads_its_prefix_from_disk(tmp_path)
         def start_all() -> dict:
             for h in cluster.hosts:  # neither holds it alone: two stages
                 cluster.start(h, int(total * 0.6), env=env)
-            views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")
+            views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")
             assert len(views[0]["plan"]["stages"]) == 2, views[0]["plan"]
             return views[0]["plan"]
 
