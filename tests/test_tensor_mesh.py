@@ -187,6 +187,7 @@ def _figures(view, profile):
     }
 
 
+@pytest.mark.quiet
 def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tmp_path):
     """Two hosts, neither holding the model alone: pipeline or a tensor pair. With the link as it
     is, the planner's model says tensor and the mesh moves to it once the link is measured; with
