@@ -43,7 +43,7 @@ def model_cases():
 
 def plain(model, prompt: list[int], n: int, params: SamplingParams | None = None) -> list[int]:
     """mlx-lm's own tokens (the whole model, one process, no speculation)."""
-    from meshnode.serving.sampler import make_request_sampler
+    from meshnode.serving.sampling import make_request_sampler
 
     sampler = make_request_sampler(params) if params is not None else None
     return [

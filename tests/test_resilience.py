@@ -187,7 +187,7 @@ def test_seeded_sampling_resumed_at_an_offset_draws_what_it_would_have_drawn():
     offset k (failover) continues the draws of the run it replaces."""
     import mlx.core as mx
 
-    from meshnode.serving.sampler import make_request_sampler
+    from meshnode.serving.sampling import make_request_sampler
 
     logits = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(3)), axis=-1))
     params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=-12345)

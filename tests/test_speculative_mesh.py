@@ -48,8 +48,7 @@ def references(model, max_tokens: int) -> tuple[dict, list[list[int]]]:
     over mlx-lm's generate_step on the whole model), and each as prompt + answer token ids."""
     from mlx_lm import load, stream_generate
 
-    from meshnode.serving.sampler import make_request_sampler
-    from meshnode.serving.sampling import SamplingParams
+    from meshnode.serving.sampling import SamplingParams, make_request_sampler
 
     m, tok = load(str(model))
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)

@@ -21,8 +21,7 @@ from meshnode.model.scheduler import TokenJob, TokenScheduler, _settle_generatio
 from meshnode.model.shard import Shard, any_thread_stream
 from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
-from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
-from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.sampling import SamplingParams, make_request_processors, make_request_sampler, sampled
 
 log = logging.getLogger(__name__)
 

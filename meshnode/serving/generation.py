@@ -24,8 +24,7 @@ from meshnode.serving.local_stage import LocalSession, LocalStage
 from meshnode.serving.passes import PassPipe
 from meshnode.serving.prefill import ChunkSizer, pipelined_prefill, wait_first
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
-from meshnode.serving.sampler import make_request_processors, make_request_sampler, sampled
-from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.sampling import SamplingParams, make_request_processors, make_request_sampler, sampled
 from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
 from meshnode.tracing import mark
 from meshnode.transport.refusals import PrefixMiss

@@ -19,8 +19,7 @@ import mlx.core as mx
 from meshnode.model.shard import any_thread_stream
 from meshnode.serving.draft_length import DraftLength, PassCosts
 from meshnode.serving.drafting import Drafter
-from meshnode.serving.sampler import make_indexed_sampler, sampled
-from meshnode.serving.sampling import SamplingParams
+from meshnode.serving.sampling import SamplingParams, make_indexed_sampler, sampled
 from meshnode.tracing import mark
 
 
