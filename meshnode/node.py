@@ -61,7 +61,7 @@ from meshnode.weights.store import ModelStore
 log = logging.getLogger(__name__)
 
 
-class Backend:
+class NodeBackend:
     """What the HTTP API asks of the node."""
 
     def __init__(self, node: Node):
@@ -400,7 +400,7 @@ class Node:
 
     async def _start_http(self) -> None:
         s = self.settings
-        app = make_app(Backend(self), ApiSettings.of(s))
+        app = make_app(NodeBackend(self), ApiSettings.of(s))
         self._http = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._http.setup()
         site = web.TCPSite(self._http, s.host, s.http_port)

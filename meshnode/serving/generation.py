@@ -46,7 +46,7 @@ class StageHandle(Protocol):
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession: ...
 
 
-class StepBatcher(Protocol):
+class StepBatching(Protocol):
     """A placement's batched decode steps."""
 
     def decoding(self, model: PipelineModel) -> None: ...
@@ -86,7 +86,7 @@ class PipelineModel:
         stages: Sequence[StageHandle],
         request_id: str,
         resume: tuple[str, int] | None = None,
-        batcher: StepBatcher | None = None,
+        batcher: StepBatching | None = None,
     ):
         """``resume``: (key, positions) of a kept prefix to start from."""
         ends = [0] + [s.end for s in stages]
@@ -359,7 +359,7 @@ class PipelineSource:
         prefill: PrefillOptions | None = None,
         prefixes: PrefixIndex | None = None,
         tokenizer=None,
-        batcher: StepBatcher | None = None,
+        batcher: StepBatching | None = None,
         speculation: Speculation | None = None,
     ):
         """``prefixes``, ``batcher``, ``speculation``: None when off."""

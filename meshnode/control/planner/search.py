@@ -42,7 +42,7 @@ _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate 
 class _Cand:
     strategy: str
     units: tuple  # ((node ids, start, end), ...)
-    legacy: Plan | None = None
+    by_memory: Plan | None = None  # the memory-driven plan (memory_plan), kept whole with its reason
 
 
 def _partitions(items: Sequence[str], sizes: set[int]):
@@ -60,7 +60,7 @@ def _partitions(items: Sequence[str], sizes: set[int]):
                 yield [(first, *combo), *tail]
 
 
-def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], legacy: Plan | None) -> list[_Cand]:
+def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], by_memory: Plan | None) -> list[_Cand]:
     """Every candidate placement, the memory-driven plan first (it wins ties)."""
     n, N = cx.n, len(ranked)
     ids = [x.node_id for x in ranked]  # by budget, largest first, then id
@@ -68,7 +68,7 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], legacy:
     seen: set = set()  # placements (units) listed
     tried: set = set()  # group sequences split
 
-    def add(groups: Sequence[Sequence[str]], legacy_plan: Plan | None = None) -> None:
+    def add(groups: Sequence[Sequence[str]], by_memory_plan: Plan | None = None) -> None:
         groups = [tuple(g) for g in groups]
         key = tuple(groups)
         if key in tried or not all(cx.group_ok(g) for g in groups):
@@ -83,10 +83,10 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], legacy:
             seen.add(units)
             out.append(_Cand(strategy, units))
 
-    if legacy is not None:
-        units = tuple((s.nodes, s.start_layer, s.end_layer) for s in legacy.stages)
+    if by_memory is not None:
+        units = tuple((s.nodes, s.start_layer, s.end_layer) for s in by_memory.stages)
         seen.add(units)
-        out.append(_Cand(legacy.strategy, units, legacy))
+        out.append(_Cand(by_memory.strategy, units, by_memory))
     by_speed = sorted(ids, key=lambda i: (cx.spb(i), -cx.by_id[i].memory_budget, i))
     if "single" in allowed:
         for i in ids:
@@ -258,12 +258,12 @@ def plan(
         if strategy in ("pipeline", "hybrid"):
             raise PlanError([f"{strategy}: {profile.split_problem}"])
         allowed -= {"pipeline", "hybrid"}
-    legacy = None
+    by_memory = None
     if allowed & {"single", "pipeline"}:
-        legacy = memory_plan(
+        by_memory = memory_plan(
             profile, cx.costs, ranked, ids, max_context, "single" if "pipeline" not in allowed else strategy, pref
         )
-    cands = _enumerate(cx, ranked, allowed, legacy)
+    cands = _enumerate(cx, ranked, allowed, by_memory)
     if not cands:
         if strategy in ("tensor", "hybrid"):
             raise PlanError(_grouped_problems(cx, ranked, strategy))
@@ -295,8 +295,10 @@ def plan(
         + kv_note(profile, kv_bits)
         + (f"; {profile.weights_note}" if profile.weights_note else "")
     )
-    if chosen.legacy is not None:
-        return replace(chosen.legacy, reason=reason, estimate_s=est, alternatives=alternatives, kv_bits=profile.kv_bits)
+    if chosen.by_memory is not None:
+        return replace(
+            chosen.by_memory, reason=reason, estimate_s=est, alternatives=alternatives, kv_bits=profile.kv_bits
+        )
     stages = tuple(Stage(s, e, ids_, cx.mem(s, e, len(ids_))) for ids_, s, e in chosen.units)
     return Plan(
         model=profile.name,
@@ -397,8 +399,8 @@ def _why_chosen(cx: CostModel, chosen: _Cand, est: float, alternatives: tuple[di
     if cx.lat is not None:
         notes.append(f"link latency set to {us_text(cx.lat)} one way")
     tail = "".join(f"; {x}" for x in notes)
-    if chosen.legacy is not None:
-        return f"{chosen.legacy.reason}; est. {tps_text(est)}{versus}{tail}"
+    if chosen.by_memory is not None:
+        return f"{chosen.by_memory.reason}; est. {tps_text(est)}{versus}{tail}"
     return f"{chosen.strategy} over {units_summary(chosen.units)}: {tps_text(est)} est.{versus}{tail}"
 
 
@@ -473,11 +475,11 @@ def _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, allowed) -> l
     at1 = CostModel(profile, nodes, max_context, links, 1.0, fast_rtt_s)
     ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
     ids = [x.node_id for x in nodes]
-    legacy = None
+    by_memory = None
     if allowed & {"single", "pipeline"}:
-        legacy = memory_plan(profile, at0.costs, ranked, ids, max_context, None, {})
+        by_memory = memory_plan(profile, at0.costs, ranked, ids, max_context, None, {})
     out = []
-    for c in _enumerate(at0, ranked, allowed, legacy):
+    for c in _enumerate(at0, ranked, allowed, by_memory):
         if c.strategy in allowed:
             a = at0.estimate(c.units)
             out.append((a, at1.estimate(c.units) - a))
