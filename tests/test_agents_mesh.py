@@ -31,7 +31,7 @@ def _two_stages(cluster: Cluster, budget: int) -> dict:
     pipeline strategy; the converged plan, which has two stages."""
     for h in cluster.hosts:
         cluster.start(h, budget, env={"MESHNODE_STRATEGY": "pipeline"})
-    views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 120, "convergence")
+    views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 120, "convergence")
     plan = views[0]["plan"]
     assert len(plan["stages"]) == 2, plan
     return plan

@@ -60,7 +60,7 @@ def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(fam
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:  # neither holds it alone: two stages
             cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline", "MESHNODE_BATCH_STAGES": "true"})
-        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         answers = in_ns(

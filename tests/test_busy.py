@@ -70,7 +70,7 @@ def mesh2(model, tmp_path_factory):
         # A pipeline, pinned: two nodes that each hold 0.6 of the model also make a tensor pair, which
         # the planner may estimate faster on a fast machine
         delays = cluster.start_all_delayable(int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
-        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 60, "a 2-stage plan")[0]
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 60, "a 2-stage plan")[0]
         first, head = (s["nodes"][0] for s in view["plan"]["stages"])
         entry = cluster.host(first)
         yield cluster, view, entry, cluster.host(head), delays[first]

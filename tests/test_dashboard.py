@@ -167,7 +167,7 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(model, tmp_path):
             # neither holds the model alone: both are stages (pipeline pinned: "auto" may pick a tensor pair);
             # speculation off, so the figures of guesses show their empty state whatever the answer repeats
             cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline", "MESHNODE_SPECULATIVE": "off"})
-        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 40, "convergence")
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 40, "convergence")
         plan = views[0]["plan"]
         assert len(plan["stages"]) == 2
         names = [h.name for h in cluster.hosts]

@@ -272,7 +272,7 @@ def test_two_hosts_each_download_only_their_stage(model, tmp_path):
                 model=REPO,
                 env={**hub_env(endpoint, tmp_path / h.name / "hf"), "MESHNODE_STRATEGY": "pipeline"},
             )
-        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 150, "convergence")
+        views = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 150, "convergence")
         stages = views[0]["plan"]["stages"]
         assert len(stages) == 2, views[0]["plan"]
         from harness.cluster import HTTP

@@ -161,7 +161,7 @@ def test_two_stages_speculate_with_rejections_and_answer_as_one_token_at_a_time(
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:  # neither holds it alone: two stages
             cluster.start(h, int(total * 0.6), env=env, drafts=drafts)
-        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
         ask_and_compare(cluster, head, model, texts)
@@ -251,7 +251,7 @@ def test_a_draft_model_on_the_head_guesses_for_two_stages(tmp_path):
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:
             cluster.start(h, budget, env=env, drafts=fixed)
-        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2), 90, "convergence")[0]
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         for node in view["nodes"]:  # the draft's weights (the file less its header) are off what each node offers
             assert abs(node["memory_budget"] - (budget - weights)) < 64 << 10, (node["memory_budget"], budget, weights)
