@@ -37,6 +37,13 @@ def answer(url: str, body: str, timeout: float) -> list:
         return ["error", traceback.format_exception_only(exc)[-1].strip()]
 
 
+def _value(kind: str, value):
+    """The answer's value from ``answer``'s ``[kind, value]``; OSError when it is an error."""
+    if kind != "ok":
+        raise OSError(value)
+    return value
+
+
 # The requester: reads [id, url, body, timeout] lines; writes [id, kind, value] lines.
 _REQUESTER = (
     "import json,sys,threading\n"
@@ -102,9 +109,7 @@ class Requester:
             kind, value = future.result(timeout + 10)
         except FutureTimeout:
             raise OSError(f"no answer from {url} within {timeout + 10} s") from None
-        if kind != "ok":
-            raise OSError(value)
-        return value
+        return _value(kind, value)
 
 
 _requesters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -115,10 +120,7 @@ def request(client, url: str, body: str, timeout: float) -> list:
     """``[status, headers, JSON body]`` of one request from ``client`` (a ``NetHost``; None: from
     here); OSError if no answer came."""
     if client is None:
-        kind, value = answer(url, body, timeout)
-        if kind != "ok":
-            raise OSError(value)
-        return value
+        return _value(*answer(url, body, timeout))
     with _made:
         requester = _requesters.get(client)
         if requester is None:
