@@ -2,9 +2,8 @@
 # Set everything up (a venv in .venv with meshnode and its test extra), run the checks (lint, format,
 # types, import layers), then the whole suite.
 # Multi-host tests need root (network namespaces); without root they are skipped with a reason.
-# MESHNODE_TEST_WORKERS=3 runs the suite in three parallel workers (pytest-xdist), a whole test
-# module to a worker so that a module's fixtures are made once; by default it runs in one process
-# (0) until the races that load brings out are fixed (CONTRIBUTING.md).
+# The suite runs in three parallel workers (pytest-xdist), a whole test module to a worker so that
+# a module's fixtures are made once; MESHNODE_TEST_WORKERS=0 runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup-venv.sh "[test]"
@@ -16,7 +15,7 @@ export TMPDIR=${TMPDIR:-/tmp}
 # Tests marked quiet time the machine itself: they run afterwards, with nothing beside them.
 # pytest's exit status 5 (nothing selected, e.g. a file without quiet tests) counts as a pass.
 status=0
-.venv/bin/python -m pytest -q -ra -n "${MESHNODE_TEST_WORKERS:-0}" --dist loadscope --no-loadscope-reorder \
+.venv/bin/python -m pytest -q -ra -n "${MESHNODE_TEST_WORKERS:-3}" --dist loadscope --no-loadscope-reorder \
   -m "not quiet" "$@" || status=$?
 [ "$status" -eq 5 ] && status=0
 quiet=0
