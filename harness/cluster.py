@@ -414,6 +414,8 @@ def read_stream(proc, fault=None, after_chunks=10, timeout=90):
         if line == "data: [DONE]":
             done = True
             break
+        if line.startswith(":"):  # a keep-alive comment
+            continue
         event = json.loads(line[6:])
         if "error" in event:
             error = event["error"]

@@ -186,7 +186,7 @@ async def test_raw_sse_format(node):
             assert r.status == 200
             assert r.headers["Content-Type"].startswith("text/event-stream")
             raw = (await r.read()).decode()
-    events = [e for e in raw.split("\n\n") if e]
+    events = [e for e in raw.split("\n\n") if e and not e.startswith(":")]  # keep-alives
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     first = json.loads(events[0][6:])

@@ -246,3 +246,105 @@ def test_a_stage_limited_to_a_quarter_core_serves_a_1k_token_prompt(model, mesh2
     assert out["usage"]["prompt_tokens"] >= 900, out["usage"]
     assert out["choices"][0]["message"]["content"] == want
     assert_no_loss(cluster, view)
+
+
+# Four streams at once from the client namespace, one per API surface, on raw sockets: for each,
+# the seconds it took, the longest gap between any two bytes, and whether it ended as it should.
+SILENCES = r"""
+import json, socket, sys, threading, time
+host, port, bodies = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+out = {}
+def run(name, path, body):
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, port), timeout=120)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    t0 = last = time.monotonic(); gap = 0.0; raw = b""
+    while chunk := s.recv(65536):
+        now = time.monotonic(); gap = max(gap, now - last); last = now; raw += chunk
+    out[name] = {"took": last - t0, "gap": gap, "raw": raw.decode(errors="replace")[-3000:]}
+threads = [threading.Thread(target=run, args=b) for b in bodies]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(json.dumps(out))
+"""
+
+
+def test_a_long_prefill_keeps_every_surfaces_stream_alive(model, mesh2):
+    """A ~1k-token prompt the first stage prefills for ~14 s, on each surface at once (OpenAI chat,
+    Anthropic, Responses, Ollama): no stream is silent for more than a few seconds (SSE comments,
+    Anthropic pings, empty NDJSON pieces), so no client's idle timeout fires; each ends whole."""
+    from meshnode.api.core import KEEPALIVE_S
+
+    cluster, view, entry, head, delay = mesh2
+    m = model.name
+    prompts = [long_messages(chat=300 + i) for i in range(4)]
+    bodies = [
+        ("openai", "/v1/chat/completions", {"model": m, "messages": prompts[0], "max_tokens": 2, "stream": True}),
+        ("anthropic", "/v1/messages", {"model": m, "messages": prompts[1], "max_tokens": 2, "stream": True}),
+        (
+            "responses",
+            "/v1/responses",
+            {"model": m, "input": prompts[2][0]["content"], "max_output_tokens": 2, "stream": True},
+        ),
+        ("ollama", "/api/chat", {"model": m, "messages": prompts[3], "stream": True, "options": {"num_predict": 2}}),
+    ]
+    set_delay(delay, {"prefill_per_position": 0.014})
+    try:
+        out = in_ns(cluster.client, SILENCES, entry.ip, HTTP, json.dumps(bodies), timeout=150)
+    finally:
+        set_delay(delay, {})
+    for name, got in out.items():
+        assert got["took"] >= 2.2 * KEEPALIVE_S, (name, got["took"], "the prefill was not slow enough to tell")
+        assert got["gap"] < KEEPALIVE_S + 2.5, (name, got, cluster.logs())
+    assert "data: [DONE]" in out["openai"]["raw"]  # (the body is chunked: sizes between frames)
+    assert "event: message_stop" in out["anthropic"]["raw"]
+    assert "response.incomplete" in out["responses"]["raw"] or "response.completed" in out["responses"]["raw"]
+    assert '"done":true' in out["ollama"]["raw"]
+    assert_no_loss(cluster, view)
+
+
+ABANDON = r"""
+import json, socket, sys, time
+host, port, path, body, after = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].encode(), float(sys.argv[5])
+s = socket.create_connection((host, port))
+s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+time.sleep(after)
+s.close()  # a client that gave up (a timeout, a chat UI's Stop)
+print(json.dumps({"left": True}))
+"""
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_mid_prefill_stops_the_work_on_every_stage(model, mesh2, streamed):
+    """A ~1k-token prompt the first stage would prefill for ~20 s, whose client leaves after 2 s
+    (a whole answer or a stream): within a few seconds the first stage runs no more of its steps,
+    the head logs the generation cancelled, the access line says so, and the next request is
+    answered as mlx-lm answers it."""
+    import re
+
+    cluster, view, entry, head, delay = mesh2
+    messages = long_messages(chat=400 + streamed)
+    body = {"model": model.name, "messages": messages, "max_tokens": 4, "temperature": 0, "stream": streamed}
+    set_delay(delay, {"prefill_per_position": 0.02})
+    try:
+        mark = len(cluster.log(entry))
+        in_ns(cluster.client, ABANDON, entry.ip, HTTP, "/v1/chat/completions", json.dumps(body), 2.0, timeout=30)
+        cluster.wait(lambda: "client disconnected" in cluster.log(entry)[mark:], 10, "the disconnect noticed")
+        time.sleep(3.0)  # a step already running when the client left may end
+        settled = len(cluster.log(entry))
+        time.sleep(5.0)
+    finally:
+        set_delay(delay, {})
+    log = cluster.log(entry)
+    steps = re.findall(r"test delay: \S+ s before a (\d+)-position step of (\S+)", log[mark:])
+    assert steps, cluster.logs()
+    assert sum(int(n) for n, _ in steps) < 900, ("the whole prompt was prefilled", steps)
+    late = re.findall(r"test delay: .* of (\S+)", log[settled:])
+    assert not late, ("the first stage went on with the abandoned request", late)
+    assert "Traceback" not in log[mark:], log[mark:][-3000:]
+    (line,) = [x for x in log[mark:].splitlines() if "client-disconnected" in x]
+    assert f"POST /v1/chat/completions {200 if streamed else 499} " in line, line  # a stream's status went out
+    assert "the request was cancelled" in cluster.log(head) + cluster.log(entry), cluster.logs()
+    assert cluster.chat(entry, MESSAGES, 6) == mlx_reference(model, MESSAGES, 6)
+    assert_no_loss(cluster, view)

@@ -172,6 +172,8 @@ def read(proc: subprocess.Popen, fault, after_chunks: int) -> str:
         assert time.monotonic() < deadline, "stream hung"
         if line.strip() == "data: [DONE]":
             break
+        if line.startswith(":"):  # a keep-alive comment
+            continue
         event = json.loads(line.strip()[6:])
         assert "error" not in event, event
         for choice in event["choices"]:

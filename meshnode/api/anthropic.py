@@ -198,6 +198,9 @@ class Events:
             ]
         )
 
+    def keepalive(self) -> list[bytes]:
+        return [self.event("ping", {"type": "ping"})]
+
     def failure(self, err: ApiError) -> list[bytes]:
         return [self.event("error", error_body(err))]
 
@@ -205,7 +208,7 @@ class Events:
 async def _respond(request: web.Request, gen: core.Generation, req: AnthropicRequest) -> web.StreamResponse:
     if req.stream:
         return await core.stream(request, gen, Events(gen, req.hide_thinking))
-    return web.json_response(message(gen, await core.collect(gen), req.hide_thinking))
+    return web.json_response(message(gen, await core.collect(request, gen), req.hide_thinking))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

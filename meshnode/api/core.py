@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from meshnode.weights.profile import ModelProfile
 
 log = logging.getLogger(__name__)
+
+WATCH_S = 0.5  # how often a generation with nothing new looks whether its client is still there
+KEEPALIVE_S = 5.0  # the longest a stream stays silent: clients' idle timeouts read silence as a dead server
 
 
 class Backend(Protocol):
@@ -159,7 +163,15 @@ async def _serve(
             engine.stream(prompt, params, req.stop, shape),
         )
         request[ACCESS] = gen.access
-        return await respond(request, gen, req)
+        try:
+            return await respond(request, gen, req)
+        except ConnectionResetError:  # a client that stopped waiting for a whole answer
+            gone(gen)
+            response = web.Response(status=499)  # nginx's "client closed request": never sent
+            response[OUTCOME] = "cancelled"
+            return response
+        finally:
+            await gen.deltas.aclose()
 
 
 async def _grammar(engine: Engine, req: GenerationRequest) -> str:
@@ -346,20 +358,62 @@ class Answer:
     last: Delta
 
 
-async def collect(gen: Generation) -> Answer:
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def gone(gen: Generation) -> None:
+    """Note a client that left ``gen``: one line, no traceback."""
+    log.info("client disconnected from %s after %d tokens; generation stopped", gen.id, gen.completion_tokens)
+    gen.access["disconnected"] = True
+
+
+async def watched(request: web.Request, gen: Generation) -> AsyncGenerator[Delta | None, None]:
+    """``gen``'s deltas, and None after each WATCH_S that brings none (a prefill, a queue); raises
+    ConnectionResetError once the client has gone, which closes the generation on every stage."""
+    step: asyncio.Future[Delta] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(gen.deltas))
+            while not (await asyncio.wait({step}, timeout=WATCH_S))[0]:
+                if _gone(request):
+                    raise ConnectionResetError("client went away")
+                yield None
+            try:
+                delta = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            gen.advance(delta)
+            yield delta
+    finally:
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)  # the generation has let go of its stages
+
+
+async def answered(request: web.Request, gen: Generation) -> AsyncGenerator[Delta, None]:
+    """``gen``'s deltas, for a surface that does not stream; ConnectionResetError once the client has gone."""
+    async with contextlib.aclosing(watched(request, gen)) as pieces:
+        async for delta in pieces:
+            if delta is not None:
+                yield delta
+
+
+async def collect(request: web.Request, gen: Generation) -> Answer:
     """The whole answer, for a surface that does not stream."""
     text: list[str] = []
     reasoning: list[str] = []
     calls: list[ToolCall] = []
     logprobs: list[TokenLogprob] = []
     last: Delta | None = None
-    async for delta in gen.deltas:
-        text.append(delta.text)
-        reasoning.append(delta.reasoning)
-        calls.extend(delta.tool_calls)
-        logprobs.extend(delta.logprobs)
-        last = delta
-        gen.advance(delta)
+    async with contextlib.aclosing(answered(request, gen)) as deltas:
+        async for delta in deltas:
+            text.append(delta.text)
+            reasoning.append(delta.reasoning)
+            calls.extend(delta.tool_calls)
+            logprobs.extend(delta.logprobs)
+            last = delta
     assert last is not None, "a generation ends with its final delta"
     return Answer("".join(text), "".join(reasoning), calls, logprobs, last)
 
@@ -376,6 +430,9 @@ class StreamFormat(Protocol):
 
     def closing(self, last: Delta) -> list[bytes]: ...
 
+    def keepalive(self) -> list[bytes]:
+        """Frames that carry nothing, sent while a long prompt is prefilled or queued."""
+
     def failure(self, err: ApiError) -> list[bytes]:
         """After the headers are sent an error can only be framed into the stream."""
 
@@ -383,34 +440,36 @@ class StreamFormat(Protocol):
 async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
     await response.prepare(request)
+    written = asyncio.get_running_loop().time()
 
     async def send(frames: list[bytes]) -> None:
+        nonlocal written
         for frame in frames:
-            if request.transport is None or request.transport.is_closing():
+            if _gone(request):
                 raise ConnectionResetError("client went away")
             await response.write(frame)
+        written = asyncio.get_running_loop().time()
         mark("api.written")
-
-    def gone() -> None:
-        log.info("client disconnected from %s after %d tokens; generation stopped", gen.id, gen.completion_tokens)
-        gen.access["disconnected"] = True
 
     try:
         await send(fmt.opening())
         last: Delta | None = None
-        async for delta in gen.deltas:
-            last = delta
-            gen.advance(delta)
-            if delta.carries:
-                await send(fmt.delta(delta))
+        async with contextlib.aclosing(watched(request, gen)) as pieces:
+            async for delta in pieces:
+                if delta is None:
+                    if asyncio.get_running_loop().time() - written >= KEEPALIVE_S:
+                        await send(fmt.keepalive())
+                    continue
+                last = delta
+                if delta.carries:
+                    await send(fmt.delta(delta))
         assert last is not None, "a generation ends with its final delta"
         await send(fmt.closing(last))
     except ConnectionResetError:  # a client leaving is normal: one line, no traceback
-        gone()
+        gone(gen)
         response[OUTCOME] = "cancelled"  # counted by generate
     except asyncio.CancelledError:
-        gone()
-        await gen.deltas.aclose()
+        gone(gen)
         raise
     except ApiError as err:
         response[OUTCOME] = outcome_for_status(err.status)  # counted by generate
@@ -419,6 +478,4 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
         log.exception("generation %s failed mid-stream", gen.id)
         response[OUTCOME] = "error"
         await send(fmt.failure(ApiError(500, "internal error", type="server_error")))
-    finally:
-        await gen.deltas.aclose()
     return response

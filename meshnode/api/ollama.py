@@ -140,6 +140,10 @@ class NdjsonStream:
         obj.update(done=True, **self.clock.stats(self.gen.prompt_tokens, last))
         return [_line(obj)]
 
+    def keepalive(self) -> list[bytes]:
+        # NDJSON has no comment: a piece with nothing in it, as a client reads any other
+        return [_line(piece(self.endpoint, self.gen.model, Delta("", self.gen.completion_tokens)))]
+
     def failure(self, err: ApiError) -> list[bytes]:
         return [_line({"error": err.message})]
 
@@ -168,7 +172,7 @@ async def _respond(
     gen.deltas = _timed(gen.deltas, clock)
     if req.stream:
         return await core.stream(request, gen, NdjsonStream(endpoint, gen, clock))
-    return web.json_response(whole(endpoint, gen, await core.collect(gen), clock))
+    return web.json_response(whole(endpoint, gen, await core.collect(request, gen), clock))
 
 
 async def _generation(request: web.Request, endpoint: str) -> web.StreamResponse:

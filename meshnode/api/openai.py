@@ -88,6 +88,9 @@ class _ServerSentEvents(_Envelope):
             frames.append(self.event(usage))
         return frames + [self.event("[DONE]")]
 
+    def keepalive(self) -> list[bytes]:
+        return [b": keep-alive\n\n"]  # an SSE comment: clients skip it
+
     def failure(self, err: ApiError) -> list[bytes]:
         return [self.event(err.body()), self.event("[DONE]")]
 
@@ -125,7 +128,7 @@ async def _respond(kind: str, request: web.Request, gen: core.Generation, req: G
     if req.stream:
         return await core.stream(request, gen, _ServerSentEvents(gen, kind, req.include_usage))
     envelope = _Envelope(gen, kind)
-    answer = await core.collect(gen)
+    answer = await core.collect(request, gen)
     last = answer.last
     logprobs = _logprobs(kind, answer.logprobs) if req.logprobs else None
     if kind == "chat":

@@ -3,6 +3,7 @@ with ``store`` not false are kept in memory (bounded) for ``previous_response_id
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -363,6 +364,9 @@ class Output:
         self._event("response.incomplete" if cut else "response.completed", response=self.final)
         return self._take()
 
+    def keepalive(self) -> list[bytes]:
+        return [b": keep-alive\n\n"]  # an SSE comment: clients skip it
+
     def failure(self, err: ApiError) -> list[bytes]:
         code = "rate_limit_exceeded" if err.status == 429 else "server_error"
         self._event("error", code=err.code or code, message=err.message, param=err.param)
@@ -390,10 +394,10 @@ async def _respond(request: web.Request, gen: core.Generation, req: ResponsesReq
     if req.stream:
         return await core.stream(request, gen, out)
     last = None
-    async for delta in gen.deltas:
-        gen.advance(delta)
-        out.delta(delta)
-        last = delta
+    async with contextlib.aclosing(core.answered(request, gen)) as deltas:
+        async for delta in deltas:
+            out.delta(delta)
+            last = delta
     out.closing(last)
     return web.json_response(out.final)
 

@@ -190,6 +190,19 @@ def mlx_turn():
         baton.release()
 
 
+class GenerationCancelled(Exception):
+    """The generation's consumer has gone: raised on its own thread between steps of a long prefill."""
+
+    quiet = True  # a client leaving is normal (TokenScheduler._drive logs it at INFO)
+
+
+def raise_if_cancelled() -> None:
+    """On a generation's thread, raise GenerationCancelled once its consumer has gone; elsewhere nothing."""
+    cancelled = getattr(_held, "cancelled", None)
+    if cancelled is not None and cancelled.is_set():
+        raise GenerationCancelled("the request was cancelled")
+
+
 def mlx_yield() -> None:
     """Let generations that are waiting for the MLX thread take a turn."""
     baton = getattr(_held, "baton", None)
@@ -299,6 +312,7 @@ class TokenScheduler:
                 job._put(held.pop(0))
 
         _held.flush = flush
+        _held.cancelled = job.cancelled
         set_priority(work)
         self._baton.acquire()
         try:
@@ -330,7 +344,7 @@ class TokenScheduler:
                     self._baton.pass_on(_settle_generation)
         finally:
             flush()
-            _held.flush = None
+            _held.flush = _held.cancelled = None
             try:
                 job.tokens.close()
             except Exception:  # closing must not mask the outcome already sent

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from meshnode.model.prefixes import prefix_key
-from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, set_priority
+from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, raise_if_cancelled, set_priority
 from meshnode.serving.local_stage import LocalSession, LocalStage
 from meshnode.serving.passes import PassPipe
 from meshnode.serving.prefill import ChunkSizer, pipelined_prefill, wait_first
@@ -188,7 +188,7 @@ class PipelineModel:
         sizer = ChunkSizer(len(sessions), max_step=options.max_step, max_chunk=options.max_chunk, seed=seed, busy=busy)
         try:
             chunks = pipelined_prefill(
-                sessions, tokens, sizer, wait=_wait_idle, between_steps=mlx_yield, on_cut=set_priority
+                sessions, tokens, sizer, wait=_wait_idle, between_steps=_between_steps, on_cut=set_priority
             )
         finally:
             set_priority(0)  # decoding from here: a step at a time
@@ -265,6 +265,7 @@ def generate_tokens(
                 ids = ids[-1:]
             if speculation is not None and drafter is not None:  # (a drafter comes from speculation)
                 for i in range(0, len(ids) - 1, prefill_step_size):  # not pipelined: chunk by chunk, as mlx-lm
+                    raise_if_cancelled()
                     mx.eval(
                         model(mx.array([ids[i : min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache)
                     )
@@ -313,9 +314,16 @@ def generate_tokens(
                 ended.set()
 
 
+# A prefill looks between its steps whether its client has gone, so a long prompt stops mid-way.
 def _wait_idle(handles: list, timeout: float) -> None:
+    raise_if_cancelled()
     with mlx_idle():
         wait_first(handles, timeout)
+
+
+def _between_steps() -> None:
+    raise_if_cancelled()
+    mlx_yield()
 
 
 class Ending(Generator[int, None, None]):
