@@ -122,6 +122,26 @@ def npm_tool(package: str, binary: Path) -> Path:
     return binary
 
 
+CLAUDE_CODE = "2.1.332"  # the version the test holds the node to
+
+
+def claude_code() -> Path:
+    """Claude Code (npm ``@anthropic-ai/claude-code``), installed once into NPM_DIR. Its binary is in
+    the optional package for the platform; the main package's postinstall, which npm may not run,
+    only links it."""
+    import platform
+
+    arch = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine(), platform.machine())
+    system = {"Linux": "linux", "Darwin": "darwin"}.get(platform.system(), platform.system().lower())
+    binary = NPM_DIR / "node_modules" / "@anthropic-ai" / f"claude-code-{system}-{arch}" / "claude"
+    claude = npm_tool(f"@anthropic-ai/claude-code@{CLAUDE_CODE}", binary)
+    status, out, _ = run_group([str(claude), "--version"], timeout=60)
+    if status != 0:
+        pytest.skip("the Claude Code binary does not run on this machine")
+    assert out.startswith(CLAUDE_CODE), out
+    return claude
+
+
 def codex_cli() -> Path:
     """Codex CLI (npm ``@openai/codex``), installed once into NPM_DIR."""
     codex = npm_tool("@openai/codex", CODEX)
