@@ -401,3 +401,13 @@ def test_format_status_tolerates_sparse_json():
     text = cli.format_status({"node_id": "x"})
     assert "x" in text and "(none" in text
     assert cli.status_exit_code([]) == 1
+
+
+def test_run_takes_speculative_decoding_from_flags():
+    args = cli.build_parser().parse_args(
+        ["run", "--speculative", "draft-model", "--draft-model", "/models/small", "--draft-max", "4"]
+    )
+    s = cli.settings_from_args(args, env={"MESHNODE_SPECULATIVE": "off"})
+    assert (s.speculative, s.draft_model, s.draft_max) == ("draft_model", "/models/small", 4)  # a flag beats env
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--speculative", "sometimes"])

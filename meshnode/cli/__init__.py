@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--kv-requests", metavar="N", help="requests at once whose KV cache a plan reserves (default 2)")
     run.add_argument("--kv-bits", metavar="N", help="quantize the KV cache to 4 or 8 bits (default 0: off)")
+    run.add_argument(
+        "--speculative",
+        choices=("auto", "off", "prompt-lookup", "draft-model"),
+        help="guess tokens ahead and check them in one pass (default auto: prompt lookup where the model is split)",
+    )
+    run.add_argument(
+        "--draft-model", metavar="M", help="a small model with the served model's tokenizer, for draft-model"
+    )
+    run.add_argument("--draft-max", metavar="N", help="the most tokens guessed per pass (default 8)")
     run.add_argument("--state-dir", metavar="DIR", help="folder for the node's state (node id)")
     run.add_argument("--cache-dir", metavar="DIR", help="folder for cached models")
     run.add_argument("--log-level", metavar="L", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
@@ -264,6 +273,9 @@ _RUN_FLAGS = (
     "max_context",
     "kv_requests",
     "kv_bits",
+    "speculative",
+    "draft_model",
+    "draft_max",
     "state_dir",
     "cache_dir",
     "log_level",
