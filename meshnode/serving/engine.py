@@ -108,6 +108,11 @@ class Engine:
             out, emitted = text[emitted:safe], safe
             return out, None
 
+        def newest() -> str:
+            """The detokenizer's newest text, a completion's first with the space it trimmed."""
+            text = detokenizer.last_segment
+            return lead.first(text, detokenizer.tokens) if lead is not None else text
+
         def piece(segment: str, final: bool = False) -> Delta:
             nonlocal text
             parts = splitter.feed(segment) if splitter is not None else Pieces(content=segment)
@@ -154,8 +159,7 @@ class Engine:
                 if isinstance(token, Sampled):
                     logprobs.append(self._logprob(token))
                 detokenizer.add_token(int(token))
-                segment = detokenizer.last_segment
-                delta = piece(lead.first(segment, detokenizer.tokens) if lead else segment)
+                delta = piece(newest())
                 if delta.finish_reason is not None:  # a stop string: the last piece
                     stopped_at = delta
                     break
@@ -167,8 +171,7 @@ class Engine:
             yield stopped_at
             return
         detokenizer.finalize()
-        segment = detokenizer.last_segment
-        yield piece(lead.first(segment, detokenizer.tokens) if lead else segment, final=True)
+        yield piece(newest(), final=True)
 
     def _logprob(self, token: Sampled) -> TokenLogprob:
         decode = self.tokenizer.decode
