@@ -122,9 +122,18 @@ def test_live_mesh(model, capsys):
         url = f"http://127.0.0.1:{server.server_address[1]}"
         assert cli.main(["plan", "--model", str(model), "--url", url]) == 0
         out = capsys.readouterr().out
-        # neither node holds it alone; the fastest path between them (15 µs) makes a tensor pair pay
-        assert "plan         tensor" in out and "15 µs RTT" in out
+        # neither node holds it alone; the fastest path between them (15 µs, 16 at p95) makes a tensor pair pay
+        assert "plan         tensor" in out and "16 µs RTT at p95" in out
         assert "single" in out and "impossible" in out
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_links_spread_is_shown_and_costed(model, tmp_path, capsys):
+    """A link's p90 - p10 spread (``jitter_us``) is costed at the p95 round trip, shown beside the median."""
+    jittery = FAST_PAIR.replace("rtt_us = 20", "rtt_us = 20\njitter_us = 5000")
+    assert cli.main(["plan", "--model", str(model), "--cluster", write(tmp_path, jittery)]) == 0
+    out = capsys.readouterr().out
+    assert "links (costed at p95)\n  a-b  round trip 0.02 ms, p95 3.22 ms, 2,000 MB/s" in out, out
+    assert "plan         single" in out  # a wandering link makes splitting not pay, as a slow one does

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -917,3 +918,28 @@ def test_quantized_tensor_groups_keep_whole_quantization_groups():
     assert group_size_problem(_replace(base, quant_group_size=0), 4) is None
     assert "expert intermediate size 1408" in group_size_problem(_replace(base, moe_intermediate_size=1408), 3)
     assert "no tensor-parallel" in group_size_problem(_replace(base, model_type="minimax"), 2)
+
+
+def test_a_jittery_link_loses_to_a_steadier_one_with_a_worse_median():
+    """The home lab's case: peer b is 4 ms +- 4 ms away (median 4 ms; p10-p90 0.8-7.2 ms, as a
+    uniform 0-8 ms wanders), c a steady 5 ms. A token waits for each hop at its slow moments, so
+    the plan that takes c wins, though b's median is lower; with b steady, b wins."""
+    p = shaped(n=8)
+    nodes = [NodeSpec(x, int(1.6 * GiB), layer_seconds=5e-4) for x in "abc"]  # a and one peer hold it
+    steady_c = LinkSpec(rtt_s=5e-3, bandwidth_Bps=100e6)
+    for jitter_b, partner in ((6.4e-3, "c"), (0.0, "b")):
+        b = LinkSpec(rtt_s=4e-3, bandwidth_Bps=100e6, jitter_s=jitter_b)
+        links = {("a", "b"): b, ("a", "c"): steady_c, ("b", "c"): LinkSpec(rtt_s=9e-3, bandwidth_Bps=100e6)}
+        chosen = plan(p, nodes, max_context=512, links=links, strategy="pipeline", preferred=("a",))
+        assert sorted(n for s in chosen.stages for n in s.nodes) == sorted(["a", partner]), (jitter_b, chosen)
+    assert b.tail_rtt_s == b.rtt_s and LinkSpec(4e-3, 1e8, jitter_s=6.4e-3).tail_rtt_s == pytest.approx(8.096e-3)
+
+
+def test_the_steadier_address_of_a_peer_is_its_best():
+    """Ethernet and Wi-Fi to one Mac: the Wi-Fi address with the lower median but a wide spread loses."""
+    from meshnode.control.links import LinkStat, best
+
+    wifi = LinkStat("b", "192.168.1.20", rtt_us=3000, jitter_us=9000, bandwidth=50e6, measured_at=0)
+    wired = LinkStat("b", "10.0.0.20", rtt_us=4000, jitter_us=200, bandwidth=50e6, measured_at=0)
+    assert best([wifi, wired]) is wired
+    assert best([dataclasses.replace(wifi, jitter_us=200), wired]).address == "192.168.1.20"

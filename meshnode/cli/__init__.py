@@ -398,7 +398,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(f"model        {profile.name} ({profile.num_layers} layers, {profile.model_type})")
-        print(format_plan(result, nodes))
+        print(format_plan(result, nodes, links))
     return EXIT_OK
 
 

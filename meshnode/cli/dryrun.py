@@ -20,7 +20,8 @@ def _bandwidth(value: Any) -> float:
 
 def load_cluster(path: Path):
     """(nodes, links) from a cluster file: ``[[node]]`` id, memory, layer_ms?, collective_us?, compute?;
-    ``[[link]]`` a, b, rtt_us, bandwidth. Raises ValueError saying what is wrong."""
+    ``[[link]]`` a, b, rtt_us, bandwidth, jitter_us? (p90 - p10 of its round trips). Raises
+    ValueError saying what is wrong."""
     import tomllib
 
     from meshnode.config import parse_size
@@ -49,7 +50,9 @@ def load_cluster(path: Path):
             ) from None
     for i, raw in enumerate(data.get("link") or []):
         try:
-            links[(str(raw["a"]), str(raw["b"]))] = LinkSpec(float(raw["rtt_us"]) / 1e6, _bandwidth(raw["bandwidth"]))
+            links[(str(raw["a"]), str(raw["b"]))] = LinkSpec(
+                float(raw["rtt_us"]) / 1e6, _bandwidth(raw["bandwidth"]), jitter_s=float(raw.get("jitter_us", 0)) / 1e6
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: link {i + 1} needs a, b, rtt_us and bandwidth: {exc}") from None
     if not nodes:
@@ -59,7 +62,7 @@ def load_cluster(path: Path):
 
 def cluster_from_mesh(data: dict[str, Any]):
     """(nodes, links) from a node's GET /v1/mesh: each node's budget and measured layer time, and
-    for each pair its fastest measured path (least RTT)."""
+    for each pair its fastest measured path (least p95 round trip)."""
     from meshnode.control.planner import LinkSpec, NodeSpec
 
     nodes: list[NodeSpec] = []
@@ -79,15 +82,25 @@ def cluster_from_mesh(data: dict[str, Any]):
             try:
                 key = tuple(sorted((str(raw["node_id"]), str(link["peer"]))))
                 rtt, rpc = float(link["rtt_us"]) / 1e6, float(link.get("rpc_rtt_us") or 0) / 1e6
-                spec = LinkSpec(rtt, float(link["bandwidth"]), max(rpc - rtt, 0.0))
+                jitter = float(link.get("jitter_us") or 0) / 1e6
+                spec = LinkSpec(rtt, float(link["bandwidth"]), max(rpc - rtt, 0.0), jitter)
             except (KeyError, TypeError, ValueError):
                 continue
-            if key not in links or spec.rtt_s < links[key].rtt_s:
+            if key not in links or spec.tail_rtt_s < links[key].tail_rtt_s:
                 links[key] = spec
     return nodes, links
 
 
-def format_plan(result, nodes) -> str:
+def format_links(links) -> list[str]:
+    """One line per link the plan was costed with: median and p95 round trip, bandwidth."""
+    return [
+        f"  {a}-{b}  round trip {spec.rtt_s * 1e3:.2f} ms, p95 {spec.tail_rtt_s * 1e3:.2f} ms, "
+        f"{spec.bandwidth_Bps / 1e6:,.0f} MB/s"
+        for (a, b), spec in sorted(links.items())
+    ]
+
+
+def format_plan(result, nodes, links=None) -> str:
     from meshnode.control.planner import human_bytes
 
     budgets = {x.node_id: x.memory_budget for x in nodes}
@@ -106,6 +119,8 @@ def format_plan(result, nodes) -> str:
         )
     )
     lines.append(f"why          {result.reason}")
+    if links:
+        lines += ["links (costed at p95)", *format_links(links)]
     if result.alternatives:
         lines.append("alternatives")
         for a in result.alternatives:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshnode.control.echo import echo_rtt
+from meshnode.control.planner.plans import TAIL_SPREADS
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,13 @@ TYPICAL_MESSAGE = 16 * 2**10  # bytes, the order of a prefill chunk's activation
 
 
 def transfer_seconds(link: LinkStat, nbytes: int = TYPICAL_MESSAGE) -> float:
-    """A one-way trip plus serialisation of ``nbytes``."""
-    return link.rtt_us * 0.5e-6 + nbytes / max(link.bandwidth, 1.0)
+    """A one-way trip at the link's slow moments (as the planner costs it) plus serialisation of ``nbytes``."""
+    return (link.rtt_us + TAIL_SPREADS * link.jitter_us) * 0.5e-6 + nbytes / max(link.bandwidth, 1.0)
 
 
 def best(links: Iterable[LinkStat]) -> LinkStat | None:
-    """The path that carries a typical message fastest, so a low-latency but throttled path loses."""
+    """The path that carries a typical message fastest, so a low-latency but throttled path loses,
+    and so does one that wanders (Wi-Fi beside Ethernet to the same machine)."""
     ranked = sorted(links, key=lambda s: (transfer_seconds(s), s.address))
     return ranked[0] if ranked else None
 

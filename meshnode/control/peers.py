@@ -217,6 +217,7 @@ class Peers:
                 rtt_s=stat.rtt_us * 1e-6,
                 bandwidth_Bps=stat.bandwidth,
                 overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6,
+                jitter_s=stat.jitter_us * 1e-6,
             )
             for pair, (_, stat) in best_paths(self.measured(), members).items()
         }

@@ -144,7 +144,7 @@ class CostModel:
         spec = self.links.get((a, b))
         known = spec is not None
         spec = spec or DEFAULT_LINK
-        one_way = self.lat if self.lat is not None else spec.rtt_s / 2
+        one_way = self.lat if self.lat is not None else spec.tail_rtt_s / 2
         return max(one_way, 0.0), max(spec.bandwidth_Bps, 1.0), known
 
     def hop(self, a: str, b: str) -> tuple[float, float]:
@@ -158,7 +158,14 @@ class CostModel:
         return max(p[0] for p in pairs), min(p[1] for p in pairs)
 
     def fast(self, ids: Sequence[str]) -> bool:
-        return all(2 * self.link(a, b)[0] < self.fast_rtt for a, b in itertools.combinations(ids, 2))
+        """Whether every link of the group is of the kind that may carry expert traffic: by its
+        median, since this asks what the link is, not what its slow moments cost."""
+        return all(self._median_rtt(a, b) < self.fast_rtt for a, b in itertools.combinations(ids, 2))
+
+    def _median_rtt(self, a: str, b: str) -> float:
+        if self.lat is not None:
+            return 2 * self.lat
+        return (self.links.get((a, b)) or DEFAULT_LINK).rtt_s
 
     def group_ok(self, ids: Sequence[str]) -> bool:
         g = len(ids)

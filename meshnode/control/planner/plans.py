@@ -9,6 +9,8 @@ from typing import Any
 STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
 # A model served but held nowhere now (no room, or idle): loaded when a request asks.
 UNLOADED = "unloaded"
+# A normal round trip's p95 is its median plus 0.64 of its p90 - p10 spread.
+TAIL_SPREADS = 0.64
 
 
 @dataclass(frozen=True)
@@ -25,9 +27,16 @@ class NodeSpec:
 class LinkSpec:
     """A measured link between two nodes (symmetric)."""
 
-    rtt_s: float  # network round trip of a small message (what a ring collective pays)
+    rtt_s: float  # network round trip of a small message, median (what a ring collective pays)
     bandwidth_Bps: float
     overhead_s: float = 0.0  # what the RPC stack adds to a round trip (pipeline hops pay it)
+    jitter_s: float = 0.0  # spread of its round trips, p90 - p10
+
+    @property
+    def tail_rtt_s(self) -> float:
+        """The round trip at the link's slow moments (p95), which the plans are costed with: every
+        token waits for each hop, so a link that wanders slows decoding more than its median says."""
+        return self.rtt_s + TAIL_SPREADS * self.jitter_s
 
 
 @dataclass(frozen=True)

@@ -389,7 +389,7 @@ def _why_chosen(cx: CostModel, chosen: _Cand, est: float, alternatives: tuple[di
     grouped = [ids for ids, _, _ in chosen.units if len(ids) > 1]
     for ids in grouped:
         one_way, bw = cx.worst(ids)
-        notes.append(f"group {'+'.join(ids)} link {us_text(2 * one_way)} RTT, {bw / 1e6:.0f} MB/s")
+        notes.append(f"group {'+'.join(ids)} link {us_text(2 * one_way)} RTT at p95, {bw / 1e6:.0f} MB/s")
     unknown = cx.unknown_links(chosen.units)
     if unknown and cx.lat is None:
         notes.append(
