@@ -69,6 +69,12 @@ class NodeBackend:
         self.metrics = node.metrics
 
     def engine(self, model: str) -> Engine:
+        return self._served(model).engine_for_request()
+
+    async def ready_engine(self, model: str) -> Engine:
+        return await self._served(model).engine_when_ready()
+
+    def _served(self, model: str) -> ServedModel:
         offered = self.node.offered_models()
         served = self.node.models.get(model) if model in offered else None
         if served is None:
@@ -79,7 +85,7 @@ class NodeBackend:
                 param="model",
                 code="model_not_found",
             )
-        return served.engine_for_request()
+        return served
 
     def models(self) -> list[dict[str, Any]]:
         """Every model the mesh serves: ready, loading, on demand or does not fit."""

@@ -201,6 +201,32 @@ def test_join_during_load_rebalances_without_failing_a_request(pipeline_only_mod
         print(f"{len(results)} requests during the join, slowest {max(r[2] for r in results):.2f} s")
 
 
+def test_a_rolling_restart_loses_no_request(model, seed, tmp_path):
+    """Three hosts where two hold the model; a client sends through the first one while each of the
+    others in turn is stopped and started again (an upgrade, one machine at a time). A request that
+    arrives while the mesh re-plans and loads waits for the new plan instead of a 503: every answer
+    comes, identical to mlx-lm."""
+    want = mlx_reference(model, MESSAGES, 20)
+    total = profile_model(model).total_bytes(512)
+    with netns_mesh(3) as mesh:
+        cluster, view = setup(mesh, model, tmp_path, seed)
+        gateway, *others = cluster.hosts
+        client = cluster.load(gateway, MESSAGES, 20, seconds=10 + 30 * len(others))
+        time.sleep(3)
+        for h in others:
+            cluster.mesh.stop(cluster.procs[h.name])
+            gone = lambda h=h: h.name not in [n["node_id"] for n in cluster.mesh_view(gateway)["nodes"]]  # noqa: E731
+            cluster.wait(gone, 30, f"{h.name} gone")
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
+            cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, f"{h.name} back")
+        out, err = client.communicate(timeout=150)
+        results = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert len(results) > 10, (results, err)
+    failed = [r for r in results if r[0] != "ok" or r[1] != want]
+    assert not failed, (failed[:3], cluster.logs())
+    print(f"{len(results)} requests through a rolling restart, slowest {max(r[2] for r in results):.2f} s")
+
+
 def test_bounded_chaos_nothing_lost_or_hung(model, seed, tmp_path):
     """Requests stream through one gateway while random faults hit the other nodes of 4 hosts."""
     import random

@@ -273,6 +273,9 @@ class _Forming:
             raise ApiError(404, f"model '{model}' is not served here")
         raise ApiError(503, "the mesh is still forming; no plan yet", headers={"Retry-After": "2"})
 
+    async def ready_engine(self, model):
+        return self.engine(model)
+
     def health(self):
         return False, {}
 

@@ -38,6 +38,9 @@ class Backend(Protocol):
     def engine(self, model: str) -> Engine:
         """The engine serving ``model`` now, or ApiError: 404 if not served here, 503 while it cannot be."""
 
+    async def ready_engine(self, model: str) -> Engine:
+        """As :meth:`engine`, for a generation: a re-plan that is loading is waited out (bounded)."""
+
     def models(self) -> list[dict[str, Any]]:
         """Every model this mesh serves, ready or not: ``id`` and ``state``."""
 
@@ -150,7 +153,7 @@ async def _serve(
     app = request.app
     limits = app[SETTINGS].limits
     req = parse(await json_body(request), limits)
-    engine = app[BACKEND].engine(req.model)
+    engine = await app[BACKEND].ready_engine(req.model)
     with _Slot(app):
         grammar = await _grammar(engine, req)
         prompt, shape = await _prompt_tokens(engine, req)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from meshnode.control.planner.context import UNKNOWN
+from meshnode.errors import ApiError
 from meshnode.model.prefix_disk import PrefixDisk
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
+READY_POLL_S = 0.1  # how often a request waiting for a plan to load looks again
 
 
 class ServedModel:
@@ -262,6 +264,19 @@ class ServedModel:
             self.placement(None)
         assert self.engine is not None, "load() made the engine"
         return self.engine
+
+    async def engine_when_ready(self) -> Engine:
+        """The engine once the current plan can serve. A plan loading or a mesh forming (a node
+        restarted, a re-plan) is waited out for up to failover_deadline, as a generation in flight
+        waits for its new placement; then, or for a model that does not fit, the 503."""
+        until = time.monotonic() + self.settings.failover_deadline
+        while True:
+            try:
+                return self.engine_for_request()
+            except ApiError as err:
+                if err.code != "mesh_unavailable" or time.monotonic() >= until:
+                    raise
+            await asyncio.sleep(READY_POLL_S)
 
     def on_demand(self) -> bool:
         """Requests wait for the mesh to load the model (unloaded, or reloading)."""
