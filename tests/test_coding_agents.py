@@ -107,7 +107,7 @@ def test_claude_code_runs_a_task_against_a_two_stage_mesh_through_a_long_prefill
     claude = claude_code()
     model = _chat_model(tmp_path / "llama-32k")
     total = profile_model(model).total_bytes(32768, 1)
-    idle_s = 12  # Claude Code's stream idle timeout, lowered from 300 s
+    idle_s = 20  # Claude Code's stream idle timeout, lowered from 300 s
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=None)
         delays = cluster.start_all_delayable(int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
@@ -136,9 +136,8 @@ def test_claude_code_runs_a_task_against_a_two_stage_mesh_through_a_long_prefill
             [str(claude), "-p", "Write a haiku about the sea.", "--model", model.name],
             cwd=work,
             env=env,
-            capture_output=True,
-            text=True,
             timeout=400,
+            check=False,
         )
         took = time.monotonic() - t0
         log = cluster.log(entry)
