@@ -33,7 +33,7 @@ class Speculation:
     costs: PassCosts = field(default_factory=PassCosts)
     # Told of every pass that checked guesses: (guessed, confirmed, yielded, passes cancelled).
     on_pass: Callable[[int, int, int, int], None] | None = None
-    # Told at the request's end: (PassCosts.ratio, filled share or None).
+    # Told after every pass and at the request's end: (PassCosts.ratio, filled share or None).
     on_costs: Callable[[float, float | None], None] | None = None
     depth: int | None = None  # passes in flight at once (None: meshnode.serving.speculative.pipe_depth)
 
@@ -168,6 +168,8 @@ def speculative_tokens(
             accepted = next((j for j, (a, b) in enumerate(zip(out, checks)) if a != b), min(len(out), len(checks)))
             if p.alone:
                 spec.costs.observe(len(p.tokens), came - p.sent)
+            if spec.on_costs is not None:  # told as they change: the answer may reach its client first
+                spec.on_costs(spec.costs.ratio(), spec.costs.measured_share)
             length.observe(len(checks), accepted)
             held = p.start + len(out)
             cancelled = 0
