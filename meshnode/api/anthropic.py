@@ -136,7 +136,7 @@ class Events:
         }
         return [
             self.event("message_start", {"type": "message_start", "message": start}),
-            self.event("ping", {"type": "ping"}),
+            *self.keepalive(),
         ]
 
     def _close(self) -> list[bytes]:

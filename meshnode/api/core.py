@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 WATCH_S = 0.5  # how often a generation with nothing new looks whether its client is still there
 KEEPALIVE_S = 5.0  # the longest a stream stays silent: clients' idle timeouts read silence as a dead server
+SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
 class Backend(Protocol):
@@ -169,7 +170,7 @@ async def _serve(
         try:
             return await respond(request, gen, req)
         except ConnectionResetError:  # a client that stopped waiting for a whole answer
-            gone(gen)
+            _note_left(gen)
             response = web.Response(status=499)  # nginx's "client closed request": never sent
             response[OUTCOME] = "cancelled"
             return response
@@ -361,11 +362,11 @@ class Answer:
     last: Delta
 
 
-def _gone(request: web.Request) -> bool:
+def _client_left(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
 
-def gone(gen: Generation) -> None:
+def _note_left(gen: Generation) -> None:
     """Note a client that left ``gen``: one line, no traceback."""
     log.info("client disconnected from %s after %d tokens; generation stopped", gen.id, gen.completion_tokens)
     gen.access["disconnected"] = True
@@ -379,7 +380,7 @@ async def watched(request: web.Request, gen: Generation) -> AsyncGenerator[Delta
         while True:
             step = asyncio.ensure_future(anext(gen.deltas))
             while not (await asyncio.wait({step}, timeout=WATCH_S))[0]:
-                if _gone(request):
+                if _client_left(request):
                     raise ConnectionResetError("client went away")
                 yield None
             try:
@@ -448,7 +449,7 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
     async def send(frames: list[bytes]) -> None:
         nonlocal written
         for frame in frames:
-            if _gone(request):
+            if _client_left(request):
                 raise ConnectionResetError("client went away")
             await response.write(frame)
         written = asyncio.get_running_loop().time()
@@ -469,10 +470,10 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
         assert last is not None, "a generation ends with its final delta"
         await send(fmt.closing(last))
     except ConnectionResetError:  # a client leaving is normal: one line, no traceback
-        gone(gen)
+        _note_left(gen)
         response[OUTCOME] = "cancelled"  # counted by generate
     except asyncio.CancelledError:
-        gone(gen)
+        _note_left(gen)
         raise
     except ApiError as err:
         response[OUTCOME] = outcome_for_status(err.status)  # counted by generate

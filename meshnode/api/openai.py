@@ -89,7 +89,7 @@ class _ServerSentEvents(_Envelope):
         return frames + [self.event("[DONE]")]
 
     def keepalive(self) -> list[bytes]:
-        return [b": keep-alive\n\n"]  # an SSE comment: clients skip it
+        return [core.SSE_KEEPALIVE]
 
     def failure(self, err: ApiError) -> list[bytes]:
         return [self.event(err.body()), self.event("[DONE]")]

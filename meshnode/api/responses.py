@@ -365,7 +365,7 @@ class Output:
         return self._take()
 
     def keepalive(self) -> list[bytes]:
-        return [b": keep-alive\n\n"]  # an SSE comment: clients skip it
+        return [core.SSE_KEEPALIVE]
 
     def failure(self, err: ApiError) -> list[bytes]:
         code = "rate_limit_exceeded" if err.status == 429 else "server_error"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshnode.control.echo import echo_rtt
-from meshnode.control.planner.plans import TAIL_SPREADS
+from meshnode.control.planner.plans import tail_round_trip
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ TYPICAL_MESSAGE = 16 * 2**10  # bytes, the order of a prefill chunk's activation
 
 def transfer_seconds(link: LinkStat, nbytes: int = TYPICAL_MESSAGE) -> float:
     """A one-way trip at the link's slow moments (as the planner costs it) plus serialisation of ``nbytes``."""
-    return (link.rtt_us + TAIL_SPREADS * link.jitter_us) * 0.5e-6 + nbytes / max(link.bandwidth, 1.0)
+    return tail_round_trip(link.rtt_us, link.jitter_us) * 0.5e-6 + nbytes / max(link.bandwidth, 1.0)
 
 
 def best(links: Iterable[LinkStat]) -> LinkStat | None:

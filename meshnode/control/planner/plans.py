@@ -13,6 +13,11 @@ UNLOADED = "unloaded"
 TAIL_SPREADS = 0.64
 
 
+def tail_round_trip(median: float, spread: float) -> float:
+    """A round trip at the link's slow moments (p95), from its median and p90 - p10 spread."""
+    return median + TAIL_SPREADS * spread
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     node_id: str
@@ -36,7 +41,7 @@ class LinkSpec:
     def tail_rtt_s(self) -> float:
         """The round trip at the link's slow moments (p95), which the plans are costed with: every
         token waits for each hop, so a link that wanders slows decoding more than its median says."""
-        return self.rtt_s + TAIL_SPREADS * self.jitter_s
+        return tail_round_trip(self.rtt_s, self.jitter_s)
 
 
 @dataclass(frozen=True)
