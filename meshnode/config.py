@@ -111,6 +111,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "failover_deadline": positive_duration,
     "stall_timeout": positive_duration,
     "rebalance_dwell": positive_duration,
+    "slow_factor": checked(as_float, lambda f: f == 0 or f > 1, "0 (off) or a factor above 1"),
+    "slow_dwell": positive_duration,
     "strategy": checked(
         lambda v: as_text(v).strip().lower(), lambda v: v in STRATEGY_CHOICES, "one of " + ", ".join(STRATEGY_CHOICES)
     ),
@@ -233,6 +235,10 @@ class Settings:
     stall_timeout: float = 60.0
     #: Seconds a plan stays before the coordinator moves to a better one.
     rebalance_dwell: float = 5.0
+    #: A node whose steps take this many times the measured figure is planned as that slow; 0: off.
+    slow_factor: float = 3.0
+    #: Seconds a slowdown (or a recovery) must last before the mesh plans around it.
+    slow_dwell: float = 10.0
     #: auto, or prefer single, pipeline, tensor or hybrid where possible.
     strategy: str = "auto"
     #: First of 34 TCP ports (tensor groups, echo +32, data port +33); 0 = grpc_port + 1.

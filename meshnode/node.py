@@ -25,6 +25,7 @@ from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
 from meshnode.api.unservable import refuse_until
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
+from meshnode.control import pacing
 from meshnode.control.adoption import Adoption
 from meshnode.control.coordinator import Coordinator
 from meshnode.control.discovery import Discovery, local_addresses
@@ -42,6 +43,7 @@ from meshnode.identity import cluster_id as derive_cluster_id
 from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import EventLog, NodeMetrics, Progress
 from meshnode.model.compute import collective_overhead, layer_seconds, tensor_layer_seconds
+from meshnode.model.pace import Pace
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
 from meshnode.serving.drafting import DrafterFactory, load_draft
@@ -178,6 +180,7 @@ def _lane(
         model=model,
         store=store,
         learned=not offered,
+        pace=node.pace,
     )
     adoption = Adoption(served, grace=max(1.0, 2 * node.settings.heartbeat_interval), event=node.events)
     coordinator = Coordinator(
@@ -220,6 +223,8 @@ class Node:
         )
         self.progress = Progress()  # model loading
         self.measuring: str | None = None  # what it times now (requests run slower)
+        # How fast this node computes now against its measured figure (None: slow_factor = 0).
+        self.pace = Pace(settings.slow_factor, settings.slow_dwell) if settings.slow_factor else None
         self.events = EventLog(self.metrics)
         self.peers = Peers(PeerSettings.of(settings), self.node_id, self.auth, self.tls)
         # Every model this node serves is a lane, sharing one store of held models.
@@ -353,6 +358,8 @@ class Node:
             holdings=files.holdings(),
         )
         self.peers.start(me)
+        if self.pace is not None:
+            self._tasks.append(pacing.start(self.pace, self.scheduler, self.peers, self.lanes, self.events))
         if supports_tensor(profile) and files.weights_local:
             self._tasks.append(asyncio.create_task(self._measure_collectives(me), name="meshnode-collective"))
         if s.mdns:

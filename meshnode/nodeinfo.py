@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -52,6 +53,12 @@ def ordered_addresses(addresses: Iterable[str]) -> tuple[str, ...]:
     return tuple(str(ip) for ip in sorted(parsed, key=lambda ip: ip.version))
 
 
+def speed_note(node_id: str, slowdown: float, since: float) -> str:
+    """How ``meshnode status`` and a plan's reason say a node is slower than it measured."""
+    when = time.strftime("%H:%M", time.localtime(since)) if since > 0 else "now"
+    return f"{node_id} runs at {1 / slowdown:.2g}x its measured speed since {when}"
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """A node's identity, addresses, ports, memory, measured speed, models and holdings, as it announces them."""
@@ -76,6 +83,10 @@ class NodeInfo:
     faults: tuple[tuple[str, int, str], ...] = ()
     # Seconds a model step here has run past stall_timeout (0 = none): stalled, not busy; heartbeats only.
     stalled_for: float = 0.0
+    # Its steps' measured time over its plans' estimate while that has held (1.0 = as measured), and
+    # the wall-clock time the slowdown began (meshnode.model.pace); heartbeats only.
+    slowdown: float = 1.0
+    slow_since: float = 0.0
 
     def to_properties(self) -> dict[str, str]:
         props = {

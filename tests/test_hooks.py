@@ -60,9 +60,8 @@ def test_injected_delays_count_each_stream_s_messages(tmp_path):
 def test_a_hook_raising_inside_a_step_is_the_stage_s_fault():
     """What a stream hook runs inside a step is a step of the stage (a stalled one shows in its
     StepWatch), and what it raises is reported as the stage's computation raising."""
-    server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64)
     faults = []
-    server.on_fault = faults.append
+    server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64, on_fault=faults.append)
     stage = SimpleNamespace(server=server, shard=SimpleNamespace(spec=SimpleNamespace(start=2, end=4)))
     seen = []
     _run_hook(stage, lambda: seen.append(server.steps.longest() >= 0 and len(server.steps._running)), "r")

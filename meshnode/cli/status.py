@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshnode.control.reachability import HINT
+from meshnode.nodeinfo import speed_note
 
 __all__ = ["format_status", "status_exit_code", "health_problems"]
 
@@ -163,6 +164,9 @@ def _node_lines(data: dict[str, Any], me: str, coordinator: Any) -> list[str]:
         compute_text = f", {compute:.0f} GFLOP/s" if isinstance(compute, (int, float)) else ""
         extra = f"  [{', '.join(marks)}]" if marks else ""
         lines.append(f"  {nid}  {address}  {memory}{compute_text}{extra}".rstrip())
+        slowdown = node.get("slowdown")
+        if isinstance(slowdown, (int, float)) and slowdown > 1:
+            lines.append(f"    {speed_note(nid, slowdown, float(node.get('slow_since') or 0))}")
     return lines
 
 

@@ -20,7 +20,7 @@ from meshnode.control.planner import plan as make_plan
 from meshnode.control.planner.context import plan_longest_context
 from meshnode.control.planner.plans import UNLOADED
 from meshnode.control.settings import PlanSettings
-from meshnode.nodeinfo import NodeInfo
+from meshnode.nodeinfo import NodeInfo, speed_note
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
 
@@ -66,12 +66,19 @@ def node_specs(
         NodeSpec(
             node_id=n.node_id,
             memory_budget=max(0, n.memory_budget - used.get(n.node_id, 0)),
-            compute=n.compute,
-            layer_seconds=(n.layer_seconds or None) if model_id is None or n.models[:1] == (model_id,) else None,
+            compute=n.compute / n.slowdown,
+            layer_seconds=(n.layer_seconds * n.slowdown or None)
+            if model_id is None or n.models[:1] == (model_id,)
+            else None,
             collective_s=n.collective_seconds or UNMEASURED_COLLECTIVE_S,
         )
         for n in alive.values()
     ]
+
+
+def slow_notes(alive: dict[str, NodeInfo]) -> str:
+    """The nodes planned slower than they measured, said as ``meshnode status`` says them."""
+    return "; ".join(speed_note(n, i.slowdown, i.slow_since) for n, i in sorted(alive.items()) if i.slowdown > 1)
 
 
 class Coordinator:
@@ -101,6 +108,7 @@ class Coordinator:
         self._excluded: dict[str, str] = {}  # nodes left out for their faults
         # The model fits only if other models' plans make room.
         self.needs_room = False
+        self._paces: dict[str, float] = {}  # the slowdowns the last weighing used
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
         served, adoption, s = self.adoption.served, self.adoption, self.settings
@@ -134,10 +142,15 @@ class Coordinator:
             plan_ok = False
         contested = plan_ok and adoption.epochs.must_republish()
         now = time.monotonic()
+        # A node that announces a new slowdown has held it for slow_dwell: weigh it now, once.
+        paces = {nid: info.slowdown for nid, info in alive.items()}
+        repaced = any(pace != self._paces.get(nid, 1.0) for nid, pace in paces.items())
+        self._paces = paces
         # Re-plan on a membership change, and now and then with fresh link and compute figures.
         if (
             plan_ok
             and not contested
+            and not repaced
             and members == self._planned_for
             and now - self._planned_at < s.link_probe_interval
         ):
@@ -187,6 +200,8 @@ class Coordinator:
                 desired,
                 reason=f"{desired.reason}; not on {', '.join(sorted(excluded))}: {'; '.join(excluded.values())}",
             )
+        if slow := slow_notes(candidates):
+            desired = dataclasses.replace(desired, reason=f"{desired.reason}; {slow}")
         desired = self._with_endpoints(desired, alive)
         if current_plan is not None and plan_ok and not contested:
             # The current plan works: move only for a real gain, not within rebalance_dwell.
@@ -203,12 +218,14 @@ class Coordinator:
             ):
                 self._planned_for, self._planned_at, self._pending = members, now, None
                 return
-            if members == self._planned_for and not preferred_now and self._pending != layout(desired):
+            if members == self._planned_for and not preferred_now and not repaced and self._pending != layout(desired):
                 # Must win twice in a row: one noisy figure cannot tear down a group.
                 self._pending, self._planned_at = layout(desired), now
                 return
             if now - adoption.changed_at < s.rebalance_dwell:
-                return  # look again on a later tick
+                if repaced:  # weigh the new slowdown again at the next tick
+                    self._paces = {}
+                return  # else at the next regular weighing
             log.info(
                 "rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s",
                 describe(current_plan),

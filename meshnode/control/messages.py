@@ -15,6 +15,7 @@ from meshnode.weights.kvquant import KV_BITS
 MAX_ID_LEN = 128
 MAX_FAULTS = 64  # model faults read from one node's info
 MAX_FAULT_TEXT = 1000  # characters of a fault's error kept
+MAX_SLOWDOWN = 1000.0  # a node announcing more is read as not slowed (a bad figure)
 
 
 def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
@@ -36,6 +37,8 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         holdings=holdings_to_pb(info.holdings),
         faults=[mesh_pb2.ModelFault(model_id=m, count=n, error=e) for m, n, e in info.faults],
         stalled_for=info.stalled_for,
+        slowdown=info.slowdown,
+        slow_since=info.slow_since,
     )
 
 
@@ -66,6 +69,8 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
             if f.model_id and len(f.model_id) <= MAX_ID_LEN
         ),
         stalled_for=msg.stalled_for if 0 <= msg.stalled_for < 1e9 else 0.0,
+        slowdown=msg.slowdown if 1 <= msg.slowdown <= MAX_SLOWDOWN else 1.0,
+        slow_since=msg.slow_since if msg.slowdown > 1 and 0 <= msg.slow_since < 1e11 else 0.0,
     )
 
 

@@ -43,6 +43,8 @@ def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: boo
         "holdings": holdings_to_json(info.holdings),
         "faults": [{"model": m, "count": n, "error": e} for m, n, e in info.faults],
         "stalled_for": round(peers.stalled_for() if me else info.stalled_for, 1),
+        "slowdown": info.slowdown,
+        "slow_since": info.slow_since or None,
         "data_address": None if me else peers.links.best_address(nid),
         "links": peers.links_of(nid),
         "role": "coordinator" if coordinator else "member",

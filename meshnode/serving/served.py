@@ -31,6 +31,7 @@ from meshnode.weights.manifest import weights_identity
 
 if TYPE_CHECKING:
     from meshnode.control.planner.plans import Plan
+    from meshnode.model.pace import Pace
     from meshnode.model.scheduler import Baton
     from meshnode.serving.drafting import DraftModel
 
@@ -61,11 +62,12 @@ class ServedModel:
         model: str | None = None,
         store=None,
         learned: bool = False,
+        pace: Pace | None = None,
     ):
         """``model``: a folder or an id (None: the demo); ``learned``: a peer's model."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
         self.progress, self.mesh, self.auth, self.group_secret = progress, mesh, auth, group_secret
-        self.event, self.on_ready = event, on_ready
+        self.event, self.on_ready, self.pace = event, on_ready, pace
         self.files = ModelFiles(settings, progress, event, model=model, store=store, learned=learned)
         self.engine: Engine | None = None
         self.stage_server: StageServer | None = None
@@ -88,7 +90,7 @@ class ServedModel:
 
     async def load(self, holders) -> None:
         """The model's metadata and tokenizer (from peers if need be), engine and stage server."""
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         await self.files.load(holders)
         s, f = self.settings, self.files
         model_id, tokenizer = f.model_id, f.tokenizer
@@ -122,13 +124,10 @@ class ServedModel:
             max_context=self.context,
             inject_latency=s.inject_latency_us * 1e-6,
             prefixes=self.prefixes,
+            pace=self.pace,
+            model=model_id,
+            on_fault=lambda error: loop.call_soon_threadsafe(self.fault, error),  # from the MLX thread
         )
-        loop = self.loop
-
-        def on_fault(error: str) -> None:  # called on the MLX thread
-            loop.call_soon_threadsafe(self.fault, error)
-
-        self.stage_server.on_fault = on_fault
 
     @property
     def model_id(self) -> str | None:

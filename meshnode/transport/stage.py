@@ -51,6 +51,7 @@ from meshnode.transport.refusals import (
 
 if TYPE_CHECKING:
     from meshnode.model.decode_batch import DecodeBatch
+    from meshnode.model.pace import Pace
     from meshnode.model.prefixes import PrefixStore
     from meshnode.model.scheduler import TokenScheduler
     from meshnode.model.shard import Shard
@@ -77,8 +78,12 @@ class StageServer:
         max_context: int,
         inject_latency: float = 0.0,
         prefixes: PrefixStore | None = None,
+        pace: Pace | None = None,
+        model: str = "",
+        on_fault: Callable[[str], object] | None = None,
     ):
         self.scheduler = scheduler
+        self.pace, self.model = pace, model  # the pace is told the time of every one-position step
         self.prefixes = prefixes  # the prompt cache's kept prefixes (None: off)
         self.inject_latency = inject_latency  # seconds added to every reply (tests)
         self.vocab_size = vocab_size
@@ -87,7 +92,7 @@ class StageServer:
         # epoch -> its shards; two epochs while a new plan loads (make before break).
         self.epochs: dict[int, dict[tuple[int, int], Shard]] = {}
         # Told of every fault of a served stage, from whichever thread ran it.
-        self.on_fault: Callable[[str], None] | None = None
+        self.on_fault = on_fault
         self.steps = StepWatch()  # a step that never ends is a stalled node
         # Batched decode steps: open data-port streams, by stream_key.
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
@@ -233,8 +238,13 @@ class OpenStage:
 
     def run_array(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> mx.array:
         """Run one message on the MLX thread: the output, evaluated."""
+        started, cpu = time.perf_counter(), time.process_time()
         with self.server.steps.step():
-            return self._run_array(msg)
+            out = self._run_array(msg)
+        if self.server.pace is not None and out.shape[1] == 1 and not self.shard.spec.is_last:
+            kind = (self.server.model, self.layers)
+            self.server.pace.observe(kind, time.perf_counter() - started, time.process_time() - cpu)
+        return out
 
     def _run_array(self, msg: mesh_pb2.ForwardRequest | RawRequest) -> mx.array:
         take_back(self)
