@@ -285,7 +285,14 @@ class Cluster:
         )
         # Planning around slow nodes is off unless a test turns it on: the suite's nodes share two
         # cores with each other and with other tests, so each of them is slow now and then.
-        env = {**os.environ, "MESHNODE_CLUSTER_KEY": key, "MESHNODE_SLOW_FACTOR": "0", **(env or {})}
+        # So is watching the machine's free memory: their budgets stand for machines other than this one.
+        env = {
+            **os.environ,
+            "MESHNODE_CLUSTER_KEY": key,
+            "MESHNODE_SLOW_FACTOR": "0",
+            "MESHNODE_MEMORY_MARGIN": "0",
+            **(env or {}),
+        }
         self.procs[host.name] = host.popen(args, env=env, log_path=self.log_path(host))
 
     def start_all_delayable(self, budget, env=None) -> dict[str, Path]:

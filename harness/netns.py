@@ -152,8 +152,13 @@ class NetHost:
     switch_ns: str = ""
     switch_port: str = ""  # the bridge-side end of this host's veth (in switch_ns)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    # Enter only the network namespace, keeping the machine's /sys: `ip netns exec` mounts a sysfs
+    # of its own, which hides /sys/fs/cgroup, so a node could not read its cgroup's memory limit.
+    machine_sysfs: bool = False
 
     def exec_args(self, cmd: list[str]) -> list[str]:
+        if self.machine_sysfs:
+            return ["nsenter", f"--net={NETNS_DIR / self.ns}", "--", *cmd]
         return ["ip", "netns", "exec", self.ns, *cmd]
 
     def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:

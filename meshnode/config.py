@@ -82,6 +82,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "authenticate": parse_bool,
     "memory_budget": optional(checked(parse_size, lambda n: n > 0, "a positive size"), empty=("", "auto")),
     "memory_fraction": checked(as_float, lambda f: 0 < f <= 1, "a fraction 0 < f <= 1"),
+    "memory_margin": checked(parse_size, lambda n: n >= 0, "0 (off) or a size"),
+    "memory_dwell": positive_duration,
     "max_context": checked(as_int, lambda n: n >= 0, "0 (the model's own context) or a number of tokens"),
     "kv_requests": positive_int,
     "kv_bits": checked(as_int, lambda n: n == 0 or n in KV_BITS, "0 (off) or " + " or ".join(map(str, KV_BITS))),
@@ -187,6 +189,10 @@ class Settings:
     #: Bytes for weights + KV; None = memory_fraction x available memory.
     memory_budget: int | None = None
     memory_fraction: float = 0.75
+    #: Memory the machine keeps free beyond what the node holds; less, and it offers less. 0: off.
+    memory_margin: int = 1 << 30
+    #: Seconds memory must stay free before a lowered offer is raised again.
+    memory_dwell: float = 30.0
     #: Tokens of context per request; 0: as much as memory allows.
     max_context: int = 0
     #: Requests whose KV cache every stage reserves memory for.

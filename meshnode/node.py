@@ -20,15 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
-from meshnode import __version__, blas, sysinfo
+from meshnode import blas, sysinfo
 from meshnode.api.app import make_app
 from meshnode.api.core import ApiSettings
 from meshnode.api.unservable import refuse_until
 from meshnode.config import DATA_OFFSET, ECHO_OFFSET, Settings
-from meshnode.control import pacing
+from meshnode.control import budget, pacing
 from meshnode.control.adoption import Adoption
+from meshnode.control.budget import Budget
 from meshnode.control.coordinator import Coordinator
-from meshnode.control.discovery import Discovery, local_addresses
+from meshnode.control.discovery import Discovery, announced_addresses
 from meshnode.control.echo import EchoServer
 from meshnode.control.lanes import Lane, Lanes
 from meshnode.control.links import probe_reply
@@ -57,6 +58,7 @@ from meshnode.transport.routing import StageRouter, not_served
 from meshnode.transport.service import Handlers, start_server
 from meshnode.trust import tls
 from meshnode.trust.auth import ClusterAuth
+from meshnode.version import PROTOCOL, describe
 from meshnode.weights.modelsource import ModelNotFound
 from meshnode.weights.store import ModelStore
 
@@ -139,7 +141,7 @@ class NodeBackend:
         return ok, {
             "status": "ok" if ok else "unavailable",
             "node_id": self.node.node_id,
-            "version": __version__,
+            "version": describe(),
             "epoch": self.node.epoch,
         }
 
@@ -299,9 +301,6 @@ class Node:
         lane = self.lanes.get(model)
         return lane.served.stage_server if lane is not None else None
 
-    def serving_plan(self):
-        return self.served.serving_plan()
-
     def serving_ready(self) -> bool:
         return self.served.serving_ready()
 
@@ -337,13 +336,14 @@ class Node:
         files, profile = served.files, served.files.loaded_profile
         me = NodeInfo(
             node_id=self.node_id,
-            addresses=self._announced_addresses(),
+            addresses=announced_addresses(s.host),
             http_port=self.http_port,
             grpc_port=self.grpc_port,
             memory_budget=self.memory_budget,
             total_memory=sysinfo.total_memory(),
             compute=await asyncio.to_thread(sysinfo.compute_figure),
-            version=__version__,
+            version=describe(),
+            protocol=PROTOCOL,
             cluster_id=self.cluster_id,
             models=self.lanes.offered_ids(),
             started_at=self.started_at,
@@ -360,6 +360,9 @@ class Node:
         self.peers.start(me)
         if self.pace is not None:
             self._tasks.append(pacing.start(self.pace, self.scheduler, self.peers, self.lanes, self.events))
+        if s.memory_margin:
+            offer = Budget(self.memory_budget, s.memory_margin, s.memory_dwell)
+            self._tasks.append(budget.start(offer, self.peers, self.events))
         if supports_tensor(profile) and files.weights_local:
             self._tasks.append(asyncio.create_task(self._measure_collectives(me), name="meshnode-collective"))
         if s.mdns:
@@ -404,12 +407,6 @@ class Node:
         self.peers.data_port_open = self._data is not None
         limit, lanes = s.stall_timeout, self.lanes
         self.peers.stalled_for = lambda: longest if (longest := lanes.longest_step()) >= limit else 0.0
-
-    def _announced_addresses(self) -> tuple[str, ...]:
-        """Where peers can reach this node: a specific bind address, else every address of the machine."""
-        if self.settings.host not in ("0.0.0.0", "::", ""):
-            return (self.settings.host,)
-        return local_addresses() or ("127.0.0.1",)
 
     async def _start_http(self) -> None:
         s = self.settings

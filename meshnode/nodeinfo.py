@@ -87,6 +87,7 @@ class NodeInfo:
     # the wall-clock time the slowdown began (meshnode.model.pace); heartbeats only.
     slowdown: float = 1.0
     slow_since: float = 0.0
+    protocol: int = 0  # the wire protocol version it speaks (meshnode.version); heartbeats only
 
     def to_properties(self) -> dict[str, str]:
         props = {

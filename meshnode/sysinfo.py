@@ -26,6 +26,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+NO_CGROUP_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
+
 
 def platform_name() -> str:
     """``"macos"``, ``"linux"``, or ``sys.platform`` elsewhere."""
@@ -61,20 +63,28 @@ def _meminfo() -> dict[str, int]:
 
 
 def _cgroup_limit() -> tuple[int, int] | None:
-    """(limit, usage) of this process's cgroup v2 memory controller, if it has a limit."""
+    """(limit, usage) of this process's memory cgroup (v2, else v1), if it has a limit."""
     try:
         with open("/proc/self/cgroup", encoding="ascii") as fh:
-            rel = next((line.strip()[3:] for line in fh if line.startswith("0::")), None)
-        if rel is None:
-            return None
-        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (base / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        usage = int((base / "memory.current").read_text().strip())
-        return int(limit), usage
-    except (OSError, ValueError):
+            lines = [line.strip().split(":", 2) for line in fh if line.count(":") >= 2]
+    except OSError:
         return None
+    for _, controllers, rel in lines:
+        if controllers == "":  # v2
+            base, names = Path("/sys/fs/cgroup") / rel.lstrip("/"), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit = (base / names[0]).read_text().strip()
+            if limit == "max" or int(limit) >= NO_CGROUP_LIMIT:
+                continue
+            return int(limit), int((base / names[1]).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _sysconf_total() -> int:
@@ -150,6 +160,13 @@ def available_memory() -> int:
     if not avail:
         avail = total_memory() // 2
     return avail
+
+
+def mlx_memory() -> int:
+    """Bytes MLX holds in this process: arrays in use and its cache of freed buffers."""
+    import mlx.core as mx
+
+    return mx.get_active_memory() + mx.get_cache_memory()
 
 
 def working_set_limit() -> int | None:

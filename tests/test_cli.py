@@ -403,6 +403,21 @@ def test_format_status_tolerates_sparse_json():
     assert cli.status_exit_code([]) == 1
 
 
+def test_format_status_marks_a_node_of_another_build_and_a_slow_one():
+    view = {
+        "node_id": "a",
+        "version": "0.1.0+g1111111",
+        "nodes": [
+            {"node_id": "a", "version": "0.1.0+g1111111", "slowdown": 1.0},
+            {"node_id": "b", "version": "0.1.0+g2222222", "slowdown": 8.0, "slow_since": 1_700_000_000.0},
+        ],
+    }
+    lines = cli.format_status(view).splitlines()
+    a, b = (next(line for line in lines if line.strip().startswith(n)) for n in ("a ", "b "))
+    assert "meshnode" not in a and "[meshnode 0.1.0+g2222222]" in b
+    assert any(line.strip().startswith("b runs at 0.12x its measured speed since ") for line in lines), lines
+
+
 def test_run_takes_speculative_decoding_from_flags():
     args = cli.build_parser().parse_args(
         ["run", "--speculative", "draft-model", "--draft-model", "/models/small", "--draft-max", "4"]

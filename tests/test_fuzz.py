@@ -27,6 +27,7 @@ import logging
 import socket
 import threading
 import urllib.parse
+import urllib.request
 from collections import Counter
 
 import grpc
@@ -42,6 +43,7 @@ from meshnode.transport.dataport import recv_frame, send_frame
 from meshnode.transport.refusals import StageRefusal
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.version import OLDEST_PROTOCOL, PROTOCOL, describe
 from tests.helpers import running_node
 
 pytestmark = pytest.mark.timeout(240)
@@ -589,7 +591,7 @@ def _messages(served_epoch: int):
 @pytest.mark.slow
 def test_grpc_random_field_values_to_every_method(node, grpc_client):
     n, base, handler = node
-    served = n.serving_plan()
+    served = n.served.serving_plan()
     assert served is not None
     strategies = _messages(served.epoch)
     layers = [(s.start_layer, s.end_layer) for s in served.stages]
@@ -620,6 +622,35 @@ def test_grpc_random_field_values_to_every_method(node, grpc_client):
         _check_grpc(method, code, replies, details)
 
     run()
+    _no_unhandled(handler)
+
+
+def test_a_peer_of_an_incompatible_protocol_is_refused_naming_both_and_never_joins(node, grpc_client, caplog):
+    """A heartbeat from a build speaking another wire protocol is refused with a reason naming both
+    builds, logged once, and the peer is not taken into the mesh; the node keeps serving."""
+    n, base, handler = node
+    peer = mesh_pb2.NodeInfo(
+        node_id="node-future",
+        addresses=["127.0.0.9"],
+        grpc_port=9,
+        cluster_id=n.cluster_id,
+        version="9.0.0",
+        protocol=PROTOCOL + 7,
+    )
+    msg = mesh_pb2.HeartbeatRequest(node=peer).SerializeToString()
+    with caplog.at_level(logging.WARNING, logger="meshnode.control.heartbeats"):
+        for _ in range(3):
+            code, replies, details = grpc_client.call("Heartbeat", [msg])
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and not replies, (code, details)
+    assert f"speaks wire protocol {PROTOCOL + 7}" in details and "meshnode 9.0.0" in details, details
+    assert describe() in details and f"speaks {OLDEST_PROTOCOL} to {PROTOCOL}" in details, details
+    assert [r.getMessage() for r in caplog.records].count(f"refusing node-future: {details}") == 1
+    assert "node-future" not in n.peers.alive_infos()
+    # the node's own build and protocol, as /v1/mesh shows them
+    with urllib.request.urlopen(f"{base}/v1/mesh", timeout=TIMEOUT) as r:
+        mesh = json.loads(r.read())
+    assert mesh["version"] == describe() and mesh["protocol"] == PROTOCOL, mesh
+    assert mesh["nodes"][0]["protocol"] == PROTOCOL and mesh["nodes"][0]["version"] == describe()
     _no_unhandled(handler)
 
 
@@ -687,7 +718,7 @@ def test_raw_garbage_on_the_ports(node, port_kind):
 # ---------------------------------------------------------------------------- (c') the data port
 def _data_stream(n, auth: ClusterAuth, hello: bytes | None = None, raw: bool = False) -> socket.socket:
     """``raw``: the opening asks for raw replies (as every head does), so raw decode steps are read."""
-    plan = n.serving_plan()
+    plan = n.served.serving_plan()
     stage = plan.stages[0]
     opening = mesh_pb2.DataOpen(
         forward=mesh_pb2.ForwardRequest(
@@ -725,7 +756,7 @@ def test_data_port_refuses_the_wrong_key_and_replays_and_logs_it(node, caplog):
     assert any("refused data stream" in r.getMessage() and "bad mac" in r.getMessage() for r in caplog.records)
     assert KEY not in caplog.text
     # A hello captured off the wire and sent again is refused (the nonce was used).
-    plan, auth = n.serving_plan(), ClusterAuth(KEY)
+    plan, auth = n.served.serving_plan(), ClusterAuth(KEY)
     hello = data_hello(
         auth,
         "fuzzer",
@@ -855,7 +886,7 @@ def test_an_epoch_not_switched_to_yet_is_pending_and_an_older_one_is_gone(node, 
     older than this node's plan FAILED_PRECONDITION (the caller waits for the newer plan); the same
     on the data path's stage server. Neither is a lost node."""
     n, base, handler = node
-    plan = n.serving_plan()
+    plan = n.served.serving_plan()
     stage = plan.stages[0]
 
     def generate(epoch):

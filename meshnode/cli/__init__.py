@@ -16,12 +16,12 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshnode import __version__
 from meshnode.cli import models as models_cli
 from meshnode.cli.dryrun import cluster_from_mesh, format_plan, load_cluster
 from meshnode.cli.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetch_json
 from meshnode.cli.status import format_status, status_exit_code
 from meshnode.config import ConfigError, Settings, load_settings
+from meshnode.version import PROTOCOL, describe
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshnode",
         description="Run one large language model across the machines of a home lab.",
     )
-    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    parser.add_argument("--version", action="version", version=f"meshnode {describe()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser(
@@ -293,7 +293,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
 def cmd_run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)  # ConfigError is handled in main()
     setup_logging(settings)
-    log.info("meshnode %s starting", __version__)
+    log.info("meshnode %s (wire protocol %d) starting", describe(), PROTOCOL)
     log.debug("settings: %s", json.dumps(settings.redacted(), sort_keys=True))
     from meshnode.node import run_node  # lazy: pulls in mlx, grpc, aiohttp
 

@@ -162,6 +162,8 @@ def _node_lines(data: dict[str, Any], me: str, coordinator: Any) -> list[str]:
         memory = f"offers {_gib(node.get('memory_budget'))} of {_gib(node.get('total_memory'))}"
         compute = node.get("compute")
         compute_text = f", {compute:.0f} GFLOP/s" if isinstance(compute, (int, float)) else ""
+        if node.get("version") and node.get("version") != data.get("version"):
+            marks.append(f"meshnode {node['version']}")  # a mixed mesh: mid-upgrade
         extra = f"  [{', '.join(marks)}]" if marks else ""
         lines.append(f"  {nid}  {address}  {memory}{compute_text}{extra}".rstrip())
         slowdown = node.get("slowdown")

@@ -76,6 +76,15 @@ def node_specs(
     ]
 
 
+def squeezed(plan: Plan, alive: dict[str, NodeInfo], used: dict[str, int]) -> list[str]:
+    """The nodes of ``plan`` that offer less memory now than it and the other models' plans put on them."""
+    return sorted(
+        nid
+        for nid in set(plan.node_ids()) & alive.keys()
+        if alive[nid].memory_budget < used.get(nid, 0) + sum(s.bytes for s in plan.stages if nid in s.nodes)
+    )
+
+
 def slow_notes(alive: dict[str, NodeInfo]) -> str:
     """The nodes planned slower than they measured, said as ``meshnode status`` says them."""
     return "; ".join(speed_note(n, i.slowdown, i.slow_since) for n, i in sorted(alive.items()) if i.slowdown > 1)
@@ -134,6 +143,13 @@ class Coordinator:
                 "; ".join(excluded.values()),
             )
         self._excluded = excluded
+        if plan_ok and current_plan is not None and (short := squeezed(current_plan, alive, self._used_by_others())):
+            log.warning(
+                "epoch %d puts more memory on %s than offered now: planning again",
+                current_plan.epoch,
+                ", ".join(short),
+            )
+            plan_ok = False
         restarted = sorted(n for n, t in self._incarnations.items() if n in alive and alive[n].started_at != t)
         if current_plan is not None and plan_ok and restarted:
             log.info(
@@ -155,7 +171,8 @@ class Coordinator:
             and now - self._planned_at < s.link_probe_interval
         ):
             return
-        candidates = {nid: info for nid, info in alive.items() if nid not in excluded}
+        # (a node whose machine took all its memory back offers none: no part of a plan)
+        candidates = {nid: info for nid, info in alive.items() if nid not in excluded and info.memory_budget > 0}
         nodes = node_specs(candidates, served.model_id, self._used_by_others())
         links = self.peers.link_specs(members)
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()

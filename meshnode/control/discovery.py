@@ -24,6 +24,13 @@ SERVICE_TYPE = "_meshnode._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000
 
 
+def announced_addresses(host: str) -> tuple[str, ...]:
+    """Where peers can reach a node bound to ``host``: that address, else every address of the machine."""
+    if host not in ("0.0.0.0", "::", ""):
+        return (host,)
+    return local_addresses() or ("127.0.0.1",)
+
+
 def local_addresses() -> tuple[str, ...]:
     """This host's non-loopback IPv4 addresses (link-local ones only if there is nothing else)."""
     import ifaddr  # zeroconf's own dependency

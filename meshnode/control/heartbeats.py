@@ -16,6 +16,7 @@ from meshnode.errors import abort
 from meshnode.nodeinfo import NodeInfo
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.usage import Use
+from meshnode.version import describe, incompatible
 
 if TYPE_CHECKING:
     from meshnode.control.lanes import Lanes
@@ -36,6 +37,7 @@ class Heartbeats:
         self.peers, self.lanes = peers, lanes
         self.coordinator: str | None = None  # set by the control loop
         self.goodbyes: set[str] = set()  # peers that left, as opposed to lost
+        self._versions: dict[str, tuple[str, int]] = {}  # each peer's last (version, protocol) logged
 
     # ------------------------------------------------------------------ out
     def _fill(self, msg) -> None:
@@ -97,13 +99,21 @@ class Heartbeats:
         if info.cluster_id != self.cluster_id:
             log.warning("peer at %s belongs to another cluster; ignoring it", target)
             return
+        if why := incompatible(info.node_id, info.version, info.protocol):
+            self._refuse(info, why)
+            return
         self._observe(info, target, reply)
         for known in reply.known:
             try:
                 k = node_from_pb(known)
             except ValueError:
                 continue
-            if k.cluster_id == self.cluster_id and k.node_id != self.node_id and k.node_id not in peers.members.peers:
+            if (
+                k.cluster_id == self.cluster_id
+                and k.node_id != self.node_id
+                and k.node_id not in peers.members.peers
+                and not incompatible(k.node_id, k.version, k.protocol)
+            ):
                 peers.members.add_target(k, f"{k.addresses[0]}:{k.grpc_port}" if k.addresses else target)
 
     async def say_goodbye(self, target: str) -> None:
@@ -120,6 +130,9 @@ class Heartbeats:
         if info.cluster_id != self.cluster_id:
             log.warning("refused a heartbeat from %s (%s): other cluster", info.node_id, context.peer())
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this cluster")
+        if why := incompatible(info.node_id, info.version, info.protocol):
+            self._refuse(info, why)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         membership = self.peers.membership
         if membership is None:
             await abort(context, grpc.StatusCode.UNAVAILABLE, "starting")
@@ -143,8 +156,18 @@ class Heartbeats:
             self.goodbyes.add(node_id)
             membership.goodbye(node_id)
 
+    def _refuse(self, info: NodeInfo, why: str) -> None:
+        """Log once per peer and version why it cannot join this node's mesh."""
+        if self._versions.get(info.node_id) != (info.version, info.protocol):
+            self._versions[info.node_id] = (info.version, info.protocol)
+            log.warning("refusing %s: %s", info.node_id, why)
+
     def _observe(self, info: NodeInfo, target: str, msg) -> None:
         peers = self.peers
+        if self._versions.get(info.node_id) != (info.version, info.protocol):
+            self._versions[info.node_id] = (info.version, info.protocol)
+            if info.version != describe():
+                log.info("%s runs meshnode %s; this node runs %s", info.node_id, info.version, describe())
         try:
             peers.peer_links[info.node_id] = tuple(LinkStat.from_pb(link) for link in msg.node.links[:256])
         except ValueError as exc:

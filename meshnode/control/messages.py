@@ -39,6 +39,7 @@ def node_to_pb(info: NodeInfo) -> mesh_pb2.NodeInfo:
         stalled_for=info.stalled_for,
         slowdown=info.slowdown,
         slow_since=info.slow_since,
+        protocol=info.protocol,
     )
 
 
@@ -71,6 +72,7 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
         stalled_for=msg.stalled_for if 0 <= msg.stalled_for < 1e9 else 0.0,
         slowdown=msg.slowdown if 1 <= msg.slowdown <= MAX_SLOWDOWN else 1.0,
         slow_since=msg.slow_since if msg.slowdown > 1 and 0 <= msg.slow_since < 1e11 else 0.0,
+        protocol=msg.protocol,
     )
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from meshnode import __version__, blas
+from meshnode import blas
 from meshnode.control.lanes import Lane
 from meshnode.control.peers import Peers
 from meshnode.control.plane import ControlPlane
 from meshnode.metrics import EventLog, NodeMetrics, Progress
 from meshnode.nodeinfo import NodeInfo
 from meshnode.serving.served import ServedModel, plan_status
+from meshnode.version import PROTOCOL, describe
 from meshnode.weights.holdings import holdings_to_json
 
 
@@ -37,6 +38,7 @@ def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: boo
         "total_memory": info.total_memory,
         "compute": info.compute,
         "version": info.version,
+        "protocol": info.protocol,
         "tensor_port": info.tensor_port,
         "layer_seconds": info.layer_seconds,
         "collective_seconds": info.collective_seconds,
@@ -75,7 +77,8 @@ def mesh_status(
     primary = control.lanes.primary
     return {
         "node_id": node_id,
-        "version": __version__,
+        "version": describe(),
+        "protocol": PROTOCOL,
         "blas": blas.in_use(),
         "model": primary.served.model_id,
         "coordinator": coordinator,

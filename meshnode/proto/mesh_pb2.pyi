@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds", "collective_seconds", "holdings", "faults", "stalled_for", "slowdown", "slow_since")
+    __slots__ = ("node_id", "addresses", "http_port", "grpc_port", "memory_budget", "total_memory", "compute", "version", "cluster_id", "models", "started_at", "tensor_port", "links", "layer_seconds", "collective_seconds", "holdings", "faults", "stalled_for", "slowdown", "slow_since", "protocol")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class NodeInfo(_message.Message):
     STALLED_FOR_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     SLOW_SINCE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     http_port: int
@@ -49,7 +50,8 @@ class NodeInfo(_message.Message):
     stalled_for: float
     slowdown: float
     slow_since: float
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ..., collective_seconds: _Optional[float] = ..., holdings: _Optional[_Iterable[_Union[ModelHolding, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[ModelFault, _Mapping]]] = ..., stalled_for: _Optional[float] = ..., slowdown: _Optional[float] = ..., slow_since: _Optional[float] = ...) -> None: ...
+    protocol: int
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., http_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., memory_budget: _Optional[int] = ..., total_memory: _Optional[int] = ..., compute: _Optional[float] = ..., version: _Optional[str] = ..., cluster_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., started_at: _Optional[float] = ..., tensor_port: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., layer_seconds: _Optional[float] = ..., collective_seconds: _Optional[float] = ..., holdings: _Optional[_Iterable[_Union[ModelHolding, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[ModelFault, _Mapping]]] = ..., stalled_for: _Optional[float] = ..., slowdown: _Optional[float] = ..., slow_since: _Optional[float] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class ModelFault(_message.Message):
     __slots__ = ("model_id", "count", "error")

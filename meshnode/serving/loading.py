@@ -9,6 +9,8 @@ import time
 import zlib
 from pathlib import Path
 
+import mlx.core as mx
+
 from meshnode.config import TENSOR_PORTS
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
@@ -173,8 +175,11 @@ def retire_previous(served) -> None:
     for key, shard in served.shards.items():
         if key not in keep:
             close_shard(shard)
+    closed = len(served.shards) > len(keep & served.shards.keys())
     served.shards = {k: v for k, v in served.shards.items() if k in keep}
     served.stage_server_now().retire_before(plan.epoch)
+    if closed:
+        mx.clear_cache()  # the machine gets the memory back, not only MLX's buffer cache
     if served.previous is not None:
         log.info("epoch %d is ready everywhere; epoch %d retired", plan.epoch, served.previous.epoch)
     served.previous = None
