@@ -148,3 +148,28 @@ def test_best_paths_take_the_faster_end_and_ring_addresses_the_fastest_path():
     assert ring_address(measured, "a", ("a", "b")) == "169.254.0.1"
     assert ring_address(measured, "c", ("a", "c")) == "10.0.0.3"
     assert ring_address(measured, "a", ("a", "c")) is None  # c has measured nobody yet
+
+
+async def test_a_remote_stage_opens_each_stream_on_the_peer_s_fastest_address_now():
+    """A placement made before the links were measured must not keep the first address found:
+    each request's stream looks up the data port again (tests/test_links_mesh.py lost the fast
+    path this way under load)."""
+    from meshnode.transport.stage import RemoteStage
+
+    addresses = iter([("198.18.0.2", 9), ("10.9.0.2", 9)])  # the bridge, then the measured direct link
+    opened = []
+    stage = RemoteStage(
+        node_id="b",
+        channel=grpc.aio.insecure_channel("127.0.0.1:9"),
+        loop=asyncio.get_running_loop(),
+        start=0,
+        end=4,
+        epoch=1,
+        hidden_size=8,
+        hop_timeout=1.0,
+        data_port=lambda: next(addresses),
+        auth=object(),
+        data_session=lambda stage, request_id, host, port, **kw: opened.append(host) or host,
+    )
+    assert stage.open("r1") == "198.18.0.2" and stage.open("r2") == "10.9.0.2"
+    assert opened == ["198.18.0.2", "10.9.0.2"]

@@ -76,7 +76,7 @@ def head_and_peer(path, cuts, closers):
             epoch=EPOCH,
             hidden_size=shard.hidden_size,
             hop_timeout=5.0,
-            data_port=("127.0.0.1", data.port),
+            data_port=lambda: ("127.0.0.1", data.port),
             auth=auth,
             caller="head",
             data_session=HopSession,

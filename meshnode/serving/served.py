@@ -396,7 +396,7 @@ def stage_handles(served: ServedModel, plan) -> list:
                     hidden_size=served.profile.hidden_size,
                     hop_timeout=served.settings.failure_timeout,
                     observe=served.metrics.hop_observer(node_id),
-                    data_port=served.mesh.data_port_of(node_id),
+                    data_port=functools.partial(served.mesh.data_port_of, node_id),
                     auth=served.auth,
                     caller=served.node_id,
                     alive=functools.partial(served.mesh.heard_within, node_id),

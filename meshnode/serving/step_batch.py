@@ -41,8 +41,10 @@ def can_batch(handles) -> bool:
         if shard is not None:
             if not batchable_shard(shard):
                 return False
-        elif getattr(stage, "data_port", None) is None or getattr(stage, "auth", None) is None:
-            return False
+        else:
+            address = getattr(stage, "data_port", None)
+            if getattr(stage, "auth", None) is None or address is None or address() is None:
+                return False
     return True
 
 
@@ -191,7 +193,10 @@ class StepBatcher:
     def _remote(self, group: _Group, i: int, stage, models: list, h: mx.array) -> mx.array:
         hop = group.hops.get(i)
         if hop is None:
-            host, port = stage.data_port
+            address = stage.data_port()
+            if address is None:
+                raise StageError(f"stage [{stage.start}, {stage.end}) on {stage.node_id}: its data port closed")
+            host, port = address
             try:
                 hop = group.hops[i] = BatchHop(stage, host, port, auth=stage.auth, node_id=stage.caller)
             except OSError as exc:

@@ -417,7 +417,7 @@ class RemoteStage:
         hop_timeout: float,
         request_timeout: float = 3600.0,
         observe: Callable[[float, int, float, str], None] | None = None,
-        data_port: tuple[str, int] | None = None,
+        data_port: Callable[[], tuple[str, int] | None] | None = None,
         auth: ClusterAuth | None = None,
         caller: str = "",
         alive: Callable[[], bool] | None = None,
@@ -430,8 +430,8 @@ class RemoteStage:
         self.observe = observe
         # Whether the stage's node heartbeats now (None: request_timeout alone bounds the wait).
         self.alive = alive
-        # The peer's data port, when activations may go there.
-        self.data_port = data_port
+        # The peer's data port on its fastest address now (None: gRPC), asked at each stream's opening.
+        self.data_port = data_port or (lambda: None)
         self.auth, self.caller = auth, caller
         self.node_id = node_id
         self.stub = mesh_pb2_grpc.MeshStub(channel)
@@ -485,8 +485,9 @@ class RemoteStage:
 
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageStream:
         """The request's stream to this stage: the data port where it has one, else gRPC."""
-        if self.data_port is not None and self.auth is not None and self.data_session is not None:
-            host, port = self.data_port
+        found = self.data_port()
+        if found is not None and self.auth is not None and self.data_session is not None:
+            host, port = found
             try:
                 return self.data_session(
                     self, request_id, host, port, auth=self.auth, node_id=self.caller, resume=resume
@@ -495,5 +496,5 @@ class RemoteStage:
                 log.info(
                     "data port of %s at %s:%d unreachable (%s); activations go over gRPC", self.node_id, host, port, exc
                 )
-                self.data_port = None
+                self.data_port = lambda: None
         return RemoteSession(self, request_id, resume)
