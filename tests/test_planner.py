@@ -943,3 +943,14 @@ def test_the_steadier_address_of_a_peer_is_its_best():
     wired = LinkStat("b", "10.0.0.20", rtt_us=4000, jitter_us=200, bandwidth=50e6, measured_at=0)
     assert best([wifi, wired]) is wired
     assert best([dataclasses.replace(wifi, jitter_us=200), wired]).address == "192.168.1.20"
+
+
+def test_a_plan_to_resume_on_forms_no_tensor_group():
+    """After a loss the coordinator asks for a plan that loads without forming a group
+    (``grouped=False``); the faster tensor plan is weighed again after the dwell."""
+    p = shaped(model_type="qwen3_moe", experts=8)
+    nodes = [NodeSpec(x, 16 * GiB, layer_seconds=5e-4) for x in "ab"]
+    links = link_all("ab", 20e-6)
+    assert plan(p, nodes, max_context=1024, links=links).strategy == "tensor"
+    resumed = plan(p, nodes, max_context=1024, links=links, grouped=False)
+    assert resumed.strategy in ("single", "pipeline")

@@ -178,15 +178,25 @@ class Coordinator:
         preferred = tuple(current_plan.node_ids()) if current_plan is not None else ()
         strategy = None if s.strategy == "auto" else s.strategy
         held = {nid: layers_of(info.holdings, model_id) for nid, info in alive.items()}
+        # After a loss, resume on a plan that forms no new tensor group (one loads every layer on
+        # each member before the replay can start); a faster plan follows, make before break.
+        resume = (
+            strategy is None
+            and current_plan is not None
+            and current_plan.strategy in ("single", "pipeline")
+            and not set(current_plan.node_ids()) <= members
+        )
         try:
             try:
-                desired = self._longest(nodes, preferred=preferred, strategy=strategy, links=links, held=held)
+                desired = self._longest(
+                    nodes, preferred=preferred, strategy=strategy, links=links, held=held, grouped=not resume
+                )
             except PlanError as forced:
-                if strategy is None:
+                if strategy is None and not resume:
                     raise
                 # A configured strategy is a preference: serving another way beats not serving.
                 desired = self._longest(nodes, preferred=preferred, links=links, held=held)
-                if self._forced_note != str(forced):
+                if strategy is not None and self._forced_note != str(forced):
                     log.warning(
                         "strategy %s is impossible on this mesh (%s); using %s instead",
                         strategy,
@@ -258,6 +268,8 @@ class Coordinator:
                 adoption.epoch,
             )
         self._planned_for, self._planned_at, self._pending = members, now, None
+        if resume:  # weigh the fastest plan once the dwell has passed, not a link probe later
+            self._planned_at -= s.link_probe_interval - s.rebalance_dwell
         self._incarnations = {n: alive[n].started_at for n in desired.node_ids()}
         self._publish(desired)
 

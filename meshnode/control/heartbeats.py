@@ -38,6 +38,7 @@ class Heartbeats:
         self.coordinator: str | None = None  # set by the control loop
         self.goodbyes: set[str] = set()  # peers that left, as opposed to lost
         self._versions: dict[str, tuple[str, int]] = {}  # each peer's last (version, protocol) logged
+        self.sent_bytes = self.received_bytes = 0  # heartbeats and their replies, serialized
 
     # ------------------------------------------------------------------ out
     def _fill(self, msg) -> None:
@@ -77,6 +78,7 @@ class Heartbeats:
         msg = mesh_pb2.HeartbeatRequest()
         self._fill(msg)
         stub = mesh_pb2_grpc.MeshStub(peers.channel_to(target))
+        self.sent_bytes += msg.ByteSize()
         try:
             reply = await stub.Heartbeat(msg, timeout=self.settings.failure_timeout / 2)
         except grpc.aio.AioRpcError as exc:
@@ -91,6 +93,7 @@ class Heartbeats:
                         peers.members.goodbye(peer.info.node_id)
             return
         peers.reach.answered(target)
+        self.received_bytes += reply.ByteSize()
         try:
             info = node_from_pb(reply.node)
         except ValueError as exc:
@@ -146,7 +149,12 @@ class Heartbeats:
         self._observe(info, target, request)
         reply = mesh_pb2.HeartbeatReply()
         self._fill(reply)
-        reply.known.extend(node_to_pb(p.info) for p in membership.alive_peers().values())
+        # Gossip only the peers the caller does not list as alive: a steady mesh sends none, so
+        # what a node sends grows with the peers it beats, not with their square.
+        told = set(request.alive) | {info.node_id}
+        reply.known.extend(node_to_pb(p.info) for nid, p in membership.alive_peers().items() if nid not in told)
+        self.received_bytes += request.ByteSize()
+        self.sent_bytes += reply.ByteSize()
         return reply
 
     def on_goodbye(self, node_id: str) -> None:

@@ -83,6 +83,7 @@ def mesh_status(
         "model": primary.served.model_id,
         "coordinator": coordinator,
         "unreachable": peers.reach.report(),
+        "heartbeat_bytes": {"sent": control.heartbeats.sent_bytes, "received": control.heartbeats.received_bytes},
         "nodes": nodes,
         **plan_view(primary),
         "models": [

@@ -217,10 +217,12 @@ def plan(
     held: Mapping[str, frozenset[int]] | None = None,
     requests: int = 1,
     kv_bits: int = 0,
+    grouped: bool = True,
 ) -> Plan:
     """The placement with the least estimated time per token for ``max_context`` tokens of KV.
     ``preferred``: the current plan's nodes; ``held``: each node's layers on disk, so stages land
-    where their bytes are."""
+    where their bytes are; ``grouped`` False: no tensor group (one forms and loads every layer on
+    each member before it serves, too slow to resume on after a loss)."""
     if requests != profile.kv_requests:
         profile = profile.for_requests(requests)
     if kv_bits != profile.kv_bits:
@@ -254,6 +256,8 @@ def plan(
         if node_id not in pref:
             pref[node_id] = len(pref)
     allowed = set(STRATEGIES) if strategy is None else {strategy}
+    if not grouped:
+        allowed -= {"tensor", "hybrid"}
     if profile.split_problem:  # no stages: one node, or a tensor group over all layers
         if strategy in ("pipeline", "hybrid"):
             raise PlanError([f"{strategy}: {profile.split_problem}"])
