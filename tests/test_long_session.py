@@ -39,9 +39,9 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 CONTEXT = 65536
 PROMPT_TOKENS = 63000  # each long conversation, as the chat template gives it
-# The plan pinned: a rebalance on fresh link figures after the test read the stages would move the
-# prefill away from the node it kills (seen under load in CI: the kill never came).
-ENV = {"MESHNODE_BLAS": "auto", "MESHNODE_STRATEGY": "pipeline", "MESHNODE_REBALANCE_DWELL": "600"}
+# Links probed on joining, not again: a plan weighed again on fresh link figures after the test read
+# its stages moved the prefill away from the node it kills (seen in CI under load: no kill came).
+ENV = {"MESHNODE_BLAS": "auto", "MESHNODE_STRATEGY": "pipeline", "MESHNODE_LINK_PROBE_INTERVAL": "600"}
 TITLE = [{"role": "user", "content": "### Task: a concise title for this chat: fix the failing build."}]
 TAGS = [{"role": "user", "content": "### Task: 1-3 tags for this chat: fix the failing build."}]
 
@@ -225,7 +225,15 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
             cluster = Cluster(mesh, model, tmp_path, max_context=None)
             for h in cluster.hosts:  # any two hold the model, none alone: 2 stages and a spare
                 cluster.start(h, int(total * 0.6), env=ENV)
-            view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "convergence")
+            view = cluster.wait(
+                lambda: (
+                    (v := cluster.converged(cluster.hosts, 3, stages=2))
+                    and v[0]["plan"]["max_context"] == CONTEXT
+                    and v
+                ),
+                120,
+                "convergence",
+            )
             assert view[0]["plan"]["max_context"] == CONTEXT and len(view[0]["plan"]["stages"]) == 2, view[0]
             stage0, head = (cluster.host(n) for n in stage_nodes(view[0]))
 
@@ -288,8 +296,8 @@ def test_a_64k_session_on_two_stages_answers_as_mlx_lm_through_faults(tmp_path):
                 reused = prompt_cache_reuse(node_metrics(cluster, h))[1] - before[h.name]
                 assert reused > PROMPT_TOKENS - 2000, (h.name, reused, cluster.logs())
 
-            # 3. Back to three nodes (the pinned plan stays on the two that kept the prefix); the
-            # first stage's node killed mid-decode of the turn after, which replays on the spare.
+            # 3. Back to three nodes (a re-plan may give a stage to the node that never kept the
+            # prefix: it prefills it); the first stage's node killed mid-decode of the turn after.
             cluster.start(stage0, int(total * 0.6), env=ENV)
             view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 120, "the killed node back")
             stages = [cluster.host(n) for n in stage_nodes(view[0])]
