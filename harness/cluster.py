@@ -407,6 +407,11 @@ class Cluster:
         return "\n".join(f"--- {p}\n{tail(p)}" for p in sorted(self.tmp.glob("*/node.log")))
 
 
+def node_view(view: dict, node_id: str) -> dict:
+    """One node's entry in a /v1/mesh view's ``nodes``."""
+    return next(n for n in view["nodes"] if n["node_id"] == node_id)
+
+
 def stage_nodes(view: dict) -> list[str]:
     """The first node of each stage of a /v1/mesh view's plan, in stage order (the last: the head)."""
     return [s["nodes"][0] for s in view["plan"]["stages"]]

@@ -30,6 +30,15 @@ def available() -> str | None:
     return "no cgroup cpu controller on this machine"
 
 
+def remove_group(group: Path, root: Path) -> None:
+    """Move what ``group`` holds back to ``root`` (a cgroup is removed only empty), then remove it."""
+    for task in (group / "cgroup.procs").read_text().split() if group.exists() else ():
+        with contextlib.suppress(OSError):
+            (root / "cgroup.procs").write_text(task)
+    with contextlib.suppress(OSError):
+        group.rmdir()
+
+
 @contextlib.contextmanager
 def cpu_limited(pid: int, fraction: float):
     """While open, process ``pid`` (all its threads) gets at most ``fraction`` of one core; yields
@@ -56,8 +65,4 @@ def cpu_limited(pid: int, fraction: float):
 
         yield throttled
     finally:
-        for task in (group / "cgroup.procs").read_text().split() if group.exists() else ():
-            with contextlib.suppress(OSError):
-                (root / "cgroup.procs").write_text(task)
-        with contextlib.suppress(OSError):
-            group.rmdir()
+        remove_group(group, root)

@@ -11,6 +11,8 @@ import os
 import secrets
 from pathlib import Path
 
+from harness.cpulimit import remove_group
+
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
 
@@ -72,8 +74,4 @@ def memory_cgroup(pid: int):
         (group / "cgroup.procs").write_text(str(pid))
         yield Limit(group, v1)
     finally:
-        for task in (group / "cgroup.procs").read_text().split() if group.exists() else ():
-            with contextlib.suppress(OSError):
-                (root / "cgroup.procs").write_text(task)
-        with contextlib.suppress(OSError):
-            group.rmdir()
+        remove_group(group, root)

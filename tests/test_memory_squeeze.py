@@ -20,7 +20,7 @@ import time
 import pytest
 
 from harness import memlimit
-from harness.cluster import Cluster, mlx_reference, stage_nodes
+from harness.cluster import Cluster, mlx_reference, node_view, stage_nodes
 from harness.netns import netns_mesh
 from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
@@ -57,10 +57,6 @@ def model(tmp_path_factory):
         dtype="float32",
         seed=11,
     )
-
-
-def node_view(view: dict, node_id: str) -> dict:
-    return next(n for n in view["nodes"] if n["node_id"] == node_id)
 
 
 def test_memory_taken_back_moves_a_stage_off_without_an_oom_and_is_offered_again(model, tmp_path):

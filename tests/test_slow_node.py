@@ -20,7 +20,7 @@ import time
 import pytest
 
 from harness import cpulimit
-from harness.cluster import Cluster, mlx_reference, stage_nodes
+from harness.cluster import Cluster, mlx_reference, node_view, stage_nodes
 from harness.netns import netns_mesh
 from meshnode.cli.status import format_status
 from meshnode.model.build import build_model
@@ -70,10 +70,6 @@ def timed_chat(cluster, host, want: str) -> float:
     t0 = time.monotonic()
     assert cluster.chat(host, MESSAGES, TOKENS, timeout=90) == want, cluster.logs()
     return TOKENS / (time.monotonic() - t0)
-
-
-def node_view(view: dict, node_id: str) -> dict:
-    return next(n for n in view["nodes"] if n["node_id"] == node_id)
 
 
 @pytest.mark.parametrize("slowed", ["first-stage", "head"])
