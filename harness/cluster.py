@@ -259,10 +259,13 @@ class Cluster:
         stage_delays: Path | None = None,
         drafts: Path | None = None,
         kv_requests: int = 1,
+        build: Path | None = None,
     ):
         """``model``: what ``--model`` names (default: the model folder); a node's own
         ``--cache-dir`` is ``<tmp>/<host>/cache``; ``stage_delays``, ``drafts``: files of test
-        hooks (``node_argv``); ``kv_requests``: the requests whose KV each node reserves."""
+        hooks (``node_argv``); ``kv_requests``: the requests whose KV each node reserves;
+        ``build``: a source tree of another meshnode to run (harness/builds.py), with this one's
+        dependencies."""
         state = self.tmp / host.name
         state.mkdir(exist_ok=True)
         if self.seed is not None and not (state / "compute.json").exists():
@@ -293,7 +296,9 @@ class Cluster:
             "MESHNODE_MEMORY_MARGIN": "0",
             **(env or {}),
         }
-        self.procs[host.name] = host.popen(args, env=env, log_path=self.log_path(host))
+        if build is not None:  # `python -m` puts its working folder first on the path
+            env["PYTHONPATH"] = str(build)
+        self.procs[host.name] = host.popen(args, env=env, log_path=self.log_path(host), cwd=build)
 
     def start_all_delayable(self, budget, env=None) -> dict[str, Path]:
         """Start a node on every host, each reading its injected stage delays and faults from its

@@ -11,16 +11,21 @@ import time
 
 import pytest
 
-from harness.cluster import HTTP, Cluster, mlx_reference, read_stream, stage_nodes
+from harness import builds
+from harness.cluster import HTTP, Cluster, mlx_reference, node_view, read_stream, stage_nodes
 from harness.netns import netns_mesh
+from meshnode import __version__
+from meshnode.cli.status import format_status
 from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
+from meshnode.version import describe
 from meshnode.weights.profile import profile_model
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
 MESSAGES = [{"role": "user", "content": "Tell me a very long story about the sea and the rivers."}]
 MAX_TOKENS = 240
+PIPELINE = {"MESHNODE_STRATEGY": "pipeline"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,7 @@ def setup(mesh, model, tmp, seed):
     total = profile_model(model).total_bytes(512)
     cluster = Cluster(mesh, model, tmp, seed=seed)
     for h in cluster.hosts:
-        cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
+        cluster.start(h, int(total * 0.6), env=PIPELINE)
     views = cluster.wait(lambda: cluster.converged(cluster.hosts, len(cluster.hosts)), 40, "convergence")
     return cluster, views[0]
 
@@ -201,30 +206,48 @@ def test_join_during_load_rebalances_without_failing_a_request(pipeline_only_mod
         print(f"{len(results)} requests during the join, slowest {max(r[2] for r in results):.2f} s")
 
 
-def test_a_rolling_restart_loses_no_request(model, seed, tmp_path):
-    """Three hosts where two hold the model; a client sends through the first one while each of the
-    others in turn is stopped and started again (an upgrade, one machine at a time). A request that
+# The last build without a commit in its version or a wire protocol ("Plan around a node that slows down").
+OLD = "2869ad1"
+
+
+@pytest.mark.skipif(builds.missing(OLD) is not None, reason=str(builds.missing(OLD)))
+def test_a_rolling_upgrade_from_an_earlier_build_loses_no_request(model, seed, tmp_path):
+    """Three hosts where two hold the model. The gateway the client talks to runs this build; the
+    others start on an earlier commit of this repository, from its own history, and then, one at a
+    time, are stopped and started again on this build while the client keeps asking. A request that
     arrives while the mesh re-plans and loads waits for the new plan instead of a 503: every answer
-    comes, identical to mlx-lm."""
+    comes, identical to mlx-lm; the mixed mesh says who runs what."""
+    old = builds.checkout(OLD, tmp_path / "old")
     want = mlx_reference(model, MESSAGES, 20)
-    total = profile_model(model).total_bytes(512)
+    budget = int(profile_model(model).total_bytes(512) * 0.6)
     with netns_mesh(3) as mesh:
-        cluster, view = setup(mesh, model, tmp_path, seed)
+        cluster = Cluster(mesh, model, tmp_path, seed=seed)
         gateway, *others = cluster.hosts
+        cluster.start(gateway, budget, env=PIPELINE)
+        for h in others:
+            cluster.start(h, budget, env=PIPELINE, build=old)
+        view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3, stages=2), 60, "a mixed mesh")[0]
+        assert view["version"] == describe()
+        for h in others:  # an old build calls itself by its release alone and sends protocol 0
+            assert (node_view(view, h.name)["version"], node_view(view, h.name)["protocol"]) == (__version__, 0)
+            assert f"{h.name} runs meshnode {__version__}; this node runs {describe()}" in cluster.log(gateway)
+        assert f"meshnode {__version__}]" in format_status(view), format_status(view)
+
         client = cluster.load(gateway, MESSAGES, 20, seconds=10 + 30 * len(others))
         time.sleep(3)
         for h in others:
             cluster.mesh.stop(cluster.procs[h.name])
             gone = lambda h=h: h.name not in [n["node_id"] for n in cluster.mesh_view(gateway)["nodes"]]  # noqa: E731
             cluster.wait(gone, 30, f"{h.name} gone")
-            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline"})
-            cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, f"{h.name} back")
+            cluster.start(h, budget, env=PIPELINE)
+            cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 60, f"{h.name} back on this build")
         out, err = client.communicate(timeout=150)
         results = [json.loads(line) for line in out.splitlines() if line.strip()]
+        assert {n["version"] for n in cluster.mesh_view(gateway)["nodes"]} == {describe()}
     assert len(results) > 10, (results, err)
     failed = [r for r in results if r[0] != "ok" or r[1] != want]
     assert not failed, (failed[:3], cluster.logs())
-    print(f"{len(results)} requests through a rolling restart, slowest {max(r[2] for r in results):.2f} s")
+    print(f"{len(results)} requests through an upgrade from {OLD}, slowest {max(r[2] for r in results):.2f} s")
 
 
 def test_bounded_chaos_nothing_lost_or_hung(model, seed, tmp_path):
