@@ -23,6 +23,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -337,6 +338,7 @@ class Mesh:
         self.switch = f"{self.tag}-sw"
         self.hosts: list[NetHost] = []
         self.links: list[Link] = []
+        self._relays: list[subprocess.Popen] = []  # harness/jitter.py, one per delayed host
         self.names: list[str] = []
         self._closed = False
         _open.add(self)
@@ -423,6 +425,30 @@ class Mesh:
             ]
         )
 
+    def delay(self, host: NetHost, delay_ms: float, jitter_ms: float = 0.0, every_ms: float = 0.0) -> subprocess.Popen:
+        """Hold every frame to and from ``host`` for ``delay_ms`` +- ``jitter_ms`` (uniform, drawn anew
+        every ``every_ms``) each way, in a relay between its bridge port and the bridge
+        (harness/jitter.py); FIFO, so no reordering."""
+        port, k = host.switch_port, len(self._relays)
+        inner, outer = f"j{k}", f"k{k}"  # outer joins the bridge in the host's place; the relay joins inner to its port
+        self._sw("ip", "link", "set", port, "nomaster")
+        self._sw("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
+        self._sw("ip", "link", "set", outer, "master", "br0")
+        for dev in (port, inner, outer):
+            self._sw("ip", "link", "set", dev, "promisc", "on", "up")
+        shape = (delay_ms, jitter_ms, every_ms)
+        args = [sys.executable, "-m", "harness.jitter", port, inner, *map(str, shape)]
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, *args],
+            cwd=Path(__file__).resolve().parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._relays.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"relaying", "the relay did not start"
+        return proc
+
     # -- processes
     def stop(self, proc: subprocess.Popen, timeout: float = 10) -> None:
         """SIGTERM its process group, then SIGKILL if it does not exit in time."""
@@ -460,6 +486,11 @@ class Mesh:
             return
         self._closed = True
         try:
+            for proc in self._relays:
+                if proc.poll() is None:
+                    self.kill(proc)
+                if proc.stdout is not None:
+                    proc.stdout.close()
             for host in self.hosts:
                 for proc in host.procs:
                     if proc.poll() is None:
