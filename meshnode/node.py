@@ -36,7 +36,6 @@ from meshnode.control.links import probe_reply
 from meshnode.control.offers import Offers, read_offers, write_offers
 from meshnode.control.peers import Peers
 from meshnode.control.plane import ControlPlane
-from meshnode.control.planner import supports_tensor
 from meshnode.control.settings import ControlSettings, PeerSettings, PlanSettings
 from meshnode.control.status import mesh_status, model_state
 from meshnode.errors import ApiError
@@ -47,6 +46,7 @@ from meshnode.model.compute import collective_overhead, layer_seconds, tensor_la
 from meshnode.model.pace import Pace
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
+from meshnode.planner import supports_tensor
 from meshnode.serving.drafting import DrafterFactory, load_draft
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate

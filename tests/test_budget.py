@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from meshnode.control.budget import LOWER_TO, Budget
 from meshnode.control.coordinator import squeezed
-from meshnode.control.planner.plans import Plan, Stage
 from meshnode.nodeinfo import NodeInfo
+from meshnode.planner.plans import Plan, Stage
 
 GIB = 2**30
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from meshnode.control.planner import NodeSpec, PlanError
-from meshnode.control.planner import plan as make_plan
-from meshnode.control.planner.context import ENOUGH, SLOWER, contexts_to_try, plan_longest_context
 from meshnode.model.build import build_model
+from meshnode.planner import NodeSpec, PlanError
+from meshnode.planner import plan as make_plan
+from meshnode.planner.context import ENOUGH, SLOWER, contexts_to_try, plan_longest_context
 from meshnode.weights.profile import ModelProfile, profile_model, trained_context
 from tests.helpers import running_node
 

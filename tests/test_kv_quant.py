@@ -19,11 +19,11 @@ from openai import OpenAI
 
 from meshnode.config import ConfigError, load_settings
 from meshnode.control.messages import plan_from_pb, plan_to_pb
-from meshnode.control.planner import NodeSpec, Plan
-from meshnode.control.planner import plan as make_plan
-from meshnode.control.planner.context import plan_longest_context
 from meshnode.model.build import build_model
 from meshnode.model.shard import Shard
+from meshnode.planner import NodeSpec, Plan
+from meshnode.planner import plan as make_plan
+from meshnode.planner.context import plan_longest_context
 from meshnode.serving.batching import batchable
 from meshnode.serving.generation import PipelineModel, SamplingParams, generate_tokens
 from meshnode.serving.local_stage import LocalStage

@@ -7,8 +7,8 @@ import pytest
 
 from meshnode import sysinfo
 from meshnode.config import Settings
-from meshnode.control.planner import NodeSpec, PlanError, plan
 from meshnode.model.build import build_model
+from meshnode.planner import NodeSpec, PlanError, plan
 from meshnode.weights.profile import ModelProfile, profile_model
 
 

@@ -10,9 +10,9 @@ import pytest
 from meshnode.config import Settings
 from meshnode.control import plane as plane_module
 from meshnode.control.plane import ControlPlane
-from meshnode.control.planner.plans import UNLOADED, Plan, Stage
 from meshnode.control.settings import ControlSettings
 from meshnode.nodeinfo import NodeInfo
+from meshnode.planner.plans import UNLOADED, Plan, Stage
 from meshnode.serving.usage import Use
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from meshnode.config import Settings
-from meshnode.control.planner.plans import UNLOADED, Plan, Stage
 from meshnode.errors import ApiError
+from meshnode.planner.plans import UNLOADED, Plan, Stage
 from meshnode.serving.served import ServedModel
 from meshnode.serving.settings import ServingSettings
 from tests.helpers import LoneMesh

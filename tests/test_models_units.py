@@ -20,7 +20,7 @@ from meshnode.control.demand import expired, keep_alive_of, total, victim
 from meshnode.control.heartbeats import model_states
 from meshnode.control.lanes import Lane, Lanes
 from meshnode.control.messages import plan_from_pb
-from meshnode.control.planner.plans import UNLOADED, Plan, Stage
+from meshnode.planner.plans import UNLOADED, Plan, Stage
 from meshnode.proto import mesh_pb2
 from meshnode.serving.usage import CountedSource, Use, UseCounter
 from meshnode.transport import routing

@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from meshnode.config import Settings
-from meshnode.control.planner.plans import Plan, Stage
 from meshnode.metrics import NodeMetrics, Progress
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
+from meshnode.planner.plans import Plan, Stage
 from meshnode.serving.served import ServedModel
 from meshnode.serving.settings import ServingSettings
 from tests.helpers import LoneMesh

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshnode.control.planner import NodeSpec, Plan, PlanError, Stage, plan
+from meshnode.planner import NodeSpec, Plan, PlanError, Stage, plan
 from meshnode.weights.profile import ModelProfile
 
 GiB = 2**30
@@ -464,7 +464,7 @@ def test_big_clusters_and_models_plan_quickly():
 # ---- time per token: tensor, hybrid, links (the cost model in planner's docstring) ----
 
 from meshnode.control.messages import plan_from_pb, plan_to_pb  # noqa: E402
-from meshnode.control.planner import (  # noqa: E402
+from meshnode.planner import (  # noqa: E402
     FAST_RTT_S,
     LinkSpec,
     crossover_latency,
@@ -732,7 +732,7 @@ def test_three_nodes_within_the_noise_split_evenly_and_a_slower_one_takes_fewer(
 
 
 def test_estimate_of_a_placement_matches_the_plan_and_rpc_overhead_costs_only_hops():
-    from meshnode.control.planner import estimate
+    from meshnode.planner import estimate
 
     p = shaped(n=8)
     nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]
@@ -758,7 +758,7 @@ def test_a_lan_hop_outweighs_half_the_layers_only_by_the_newcomers_own_figure():
     node timing its layers while the other two serve the load on the same two cores may measure) the
     move is not worth it, and the mesh rightly stays put."""
     from meshnode.control.coordinator import REPLAN_GAIN
-    from meshnode.control.planner import estimate
+    from meshnode.planner import estimate
 
     p = shaped(n=8)
     lan = LinkSpec(rtt_s=5e-3, bandwidth_Bps=100e6, overhead_s=500e-6)
@@ -823,7 +823,7 @@ def test_the_all_reduce_machinery_prices_tensor_out_of_small_layers_only():
 def test_a_replan_with_what_nodes_hold_fetches_nothing(case, data):
     """Where the nodes of a previous plan hold exactly its stages on disk, planning again with
     those holdings (no current plan to prefer, nodes listed in any order) reuses them all."""
-    from meshnode.control.planner import bytes_to_fetch
+    from meshnode.planner import bytes_to_fetch
 
     p, nodes, ctx = case
     try:
@@ -858,7 +858,7 @@ def test_holdings_never_change_how_many_nodes_a_plan_uses(case, data):
 
 
 def test_the_node_holding_the_first_layers_gets_the_first_stage():
-    from meshnode.control.planner import bytes_to_fetch
+    from meshnode.planner import bytes_to_fetch
 
     p = profile([100] * 6, embed=10, head=10)
     nodes = [NodeSpec("a", 500), NodeSpec("b", 500), NodeSpec("c", 500)]
@@ -887,7 +887,7 @@ def test_holdings_alike_on_every_node_change_nothing(case):
 def test_quantized_tensor_groups_keep_whole_quantization_groups():
     from dataclasses import replace as _replace
 
-    from meshnode.control.planner import group_size_problem
+    from meshnode.planner import group_size_problem
     from meshnode.weights.profile import ModelProfile
 
     base = ModelProfile(

@@ -199,7 +199,7 @@ def test_a_group_that_cannot_form_gives_up(model):
     assert time.monotonic() - t0 < 10 and not lonely.alive()
 
 
-# Every family the planner forms tensor groups for (control.planner.TENSOR_FAMILIES), and quantized
+# Every family the planner forms tensor groups for (planner.TENSOR_FAMILIES), and quantized
 # weights: a whole-model group of two gives mlx-lm's greedy tokens. 4-bit models are quantized from
 # float32 (float32 scales, so activations stay float32: tensor parallelism changes bf16 rounding).
 GROUP_CASES = [
@@ -219,7 +219,7 @@ GROUP_CASES = [
 
 
 def test_every_tensor_family_is_checked_here():
-    from meshnode.control.planner import TENSOR_FAMILIES
+    from meshnode.planner import TENSOR_FAMILIES
 
     assert set(TENSOR_FAMILIES) <= {f for f, _ in GROUP_CASES}
 

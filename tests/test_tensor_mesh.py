@@ -162,7 +162,7 @@ def _figures(view, profile):
     """The planner's inputs as the mesh reports them: nodes (budget, measured layer time) and the
     best measured link between the two (None until both ends have measured it)."""
     from meshnode.control.coordinator import UNMEASURED_COLLECTIVE_S
-    from meshnode.control.planner import LinkSpec, NodeSpec
+    from meshnode.planner import LinkSpec, NodeSpec
 
     nodes = [
         NodeSpec(
@@ -195,7 +195,7 @@ def test_injected_latency_flips_tensor_to_pipeline_at_the_predicted_crossover(tm
     is, the planner's model says tensor and the mesh moves to it once the link is measured; with
     latency injected (replies, echoes and every collective delayed) to four times the crossover one-way
     latency the model predicts, it says pipeline, and the mesh stays there."""
-    from meshnode.control.planner import crossover_latency, plan
+    from meshnode.planner import crossover_latency, plan
 
     # Layers wide enough that splitting one two ways clearly pays even on a busy moment: on narrower
     # layers (hidden 384) the all-reduces' fixed cost can eat the gain.

@@ -346,9 +346,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from meshnode.control.planner import PlanError
-    from meshnode.control.planner import plan as make_plan
-    from meshnode.control.planner.context import plan_longest_context
+    from meshnode.planner import PlanError
+    from meshnode.planner import plan as make_plan
+    from meshnode.planner.context import plan_longest_context
     from meshnode.weights.profile import profile_model
 
     try:

@@ -25,7 +25,7 @@ def load_cluster(path: Path):
     import tomllib
 
     from meshnode.config import parse_size
-    from meshnode.control.planner import LinkSpec, NodeSpec
+    from meshnode.planner import LinkSpec, NodeSpec
 
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -63,7 +63,7 @@ def load_cluster(path: Path):
 def cluster_from_mesh(data: dict[str, Any]):
     """(nodes, links) from a node's GET /v1/mesh: each node's budget and measured layer time, and
     for each pair its fastest measured path (least p95 round trip)."""
-    from meshnode.control.planner import LinkSpec, NodeSpec
+    from meshnode.planner import LinkSpec, NodeSpec
 
     nodes: list[NodeSpec] = []
     links: dict[tuple[str, ...], LinkSpec] = {}
@@ -101,7 +101,7 @@ def format_links(links) -> list[str]:
 
 
 def format_plan(result, nodes, links=None) -> str:
-    from meshnode.control.planner import human_bytes
+    from meshnode.planner import human_bytes
 
     budgets = {x.node_id: x.memory_budget for x in nodes}
     est = f"est. {result.tokens_per_s:.3g} tok/s ({result.estimate_s * 1e3:.3g} ms/token)" if result.estimate_s else ""

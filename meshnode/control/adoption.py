@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from meshnode.control.epochs import EpochState
 from meshnode.control.messages import plan_from_pb
-from meshnode.control.planner import Plan
+from meshnode.planner import Plan
 from meshnode.proto import mesh_pb2
 
 if TYPE_CHECKING:

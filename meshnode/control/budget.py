@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshnode import sysinfo
-from meshnode.control.planner.plans import human_bytes
+from meshnode.planner.plans import human_bytes
 
 if TYPE_CHECKING:
     from meshnode.control.peers import Peers

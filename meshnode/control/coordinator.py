@@ -14,13 +14,13 @@ import grpc
 from meshnode.control.adoption import describe
 from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
-from meshnode.control.planner import NodeSpec, Plan, PlanError
-from meshnode.control.planner import estimate as plan_estimate
-from meshnode.control.planner import plan as make_plan
-from meshnode.control.planner.context import plan_longest_context
-from meshnode.control.planner.plans import UNLOADED
 from meshnode.control.settings import PlanSettings
 from meshnode.nodeinfo import NodeInfo, speed_note
+from meshnode.planner import NodeSpec, Plan, PlanError
+from meshnode.planner import estimate as plan_estimate
+from meshnode.planner import plan as make_plan
+from meshnode.planner.context import plan_longest_context
+from meshnode.planner.plans import UNLOADED
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
 

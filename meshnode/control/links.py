@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshnode.control.echo import echo_rtt
-from meshnode.control.planner.plans import tail_round_trip
+from meshnode.planner.plans import tail_round_trip
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)

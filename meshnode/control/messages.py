@@ -6,8 +6,8 @@ import ipaddress
 import json
 import math
 
-from meshnode.control.planner.plans import UNLOADED, Plan, Stage
 from meshnode.nodeinfo import NodeInfo
+from meshnode.planner.plans import UNLOADED, Plan, Stage
 from meshnode.proto import mesh_pb2
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.weights.kvquant import KV_BITS

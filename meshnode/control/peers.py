@@ -14,10 +14,10 @@ from meshnode.control.browse import Browser
 from meshnode.control.links import LinkProber, LinkStat, best_paths
 from meshnode.control.membership import Membership
 from meshnode.control.messages import node_to_pb
-from meshnode.control.planner import LinkSpec
 from meshnode.control.reachability import Reachability
 from meshnode.control.settings import PeerSettings
 from meshnode.nodeinfo import NodeInfo
+from meshnode.planner import LinkSpec
 from meshnode.proto import mesh_pb2
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.trust import tls

@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from meshnode.control.planner.context import UNKNOWN
 from meshnode.errors import ApiError
 from meshnode.model.prefix_disk import PrefixDisk
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
+from meshnode.planner.context import UNKNOWN
 from meshnode.serving.engine import Engine
 from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
 from meshnode.serving.local_stage import LocalStage
@@ -30,9 +30,9 @@ from meshnode.transport.stage import RemoteStage, StageServer
 from meshnode.weights.manifest import weights_identity
 
 if TYPE_CHECKING:
-    from meshnode.control.planner.plans import Plan
     from meshnode.model.pace import Pace
     from meshnode.model.scheduler import Baton
+    from meshnode.planner.plans import Plan
     from meshnode.serving.drafting import DraftModel
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from meshnode.control.planner.cost import (
+from meshnode.planner.cost import (
     DEFAULT_LINK,
     FAST_RTT_S,
     CostModel,
@@ -19,8 +19,8 @@ from meshnode.control.planner.cost import (
     units_summary,
     us_text,
 )
-from meshnode.control.planner.memory import fitting_order, memory_plan, why_not
-from meshnode.control.planner.plans import (
+from meshnode.planner.memory import fitting_order, memory_plan, why_not
+from meshnode.planner.plans import (
     STRATEGIES,
     LinkSpec,
     NodeSpec,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from meshnode.control.planner.plans import NodeSpec, Plan, Stage, describe_context, human_bytes
+from meshnode.planner.plans import NodeSpec, Plan, Stage, describe_context, human_bytes
 from meshnode.weights.profile import ModelProfile
 
 EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from meshnode.control.planner.plans import Plan, PlanError
+from meshnode.planner.plans import Plan, PlanError
 
 FLOOR = 4096  # the least context "auto" settles for
 UNKNOWN = 4096  # a model whose config names no context length

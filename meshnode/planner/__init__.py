@@ -6,7 +6,7 @@ Ties go to the memory-driven plan: the fewest nodes that fit (each hop costs a r
 the current plan's first, contiguous layers split by memory.
 """
 
-from meshnode.control.planner.cost import (
+from meshnode.planner.cost import (
     DEFAULT_LINK,
     FAST_RTT_S,
     TENSOR_FAMILIES,
@@ -14,8 +14,8 @@ from meshnode.control.planner.cost import (
     supports_tensor,
     tensor_parallel_problem,
 )
-from meshnode.control.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, human_bytes
-from meshnode.control.planner.search import bytes_to_fetch, crossover_latency, estimate, plan
+from meshnode.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, human_bytes
+from meshnode.planner.search import bytes_to_fetch, crossover_latency, estimate, plan
 
 __all__ = [
     "DEFAULT_LINK",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
-from meshnode.control.planner.memory import LayerCosts, split_layers
-from meshnode.control.planner.plans import LinkSpec, NodeSpec
+from meshnode.planner.memory import LayerCosts, split_layers
+from meshnode.planner.plans import LinkSpec, NodeSpec
 from meshnode.weights.profile import ModelProfile
 
 DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: a conservative LAN
