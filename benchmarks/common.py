@@ -83,9 +83,10 @@ def exact_backend() -> bool:
 
 def param_count(path: Path) -> int:
     from meshnode.weights.profile import profile_model
+    from meshnode.weights.weightfiles import ITEMSIZE
 
     p = profile_model(path)
-    bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}.get(p.dtype, 4)
+    bytes_per = ITEMSIZE.get(p.dtype, 4)
     return (sum(p.layer_bytes) + p.embed_bytes + p.head_bytes + p.norm_bytes) // bytes_per
 
 

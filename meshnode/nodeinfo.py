@@ -18,6 +18,8 @@ from meshnode.identity import VALID_ID  # a node id fits one DNS label
 
 log = logging.getLogger(__name__)
 
+MAX_FAULT_TEXT = 1000  # characters of a fault's error a node announces and its peers keep
+
 _MAX_TXT_ENTRY = 255  # bytes per "key=value" (RFC 6763)
 _MAX_TEXT = 128
 
@@ -79,7 +81,8 @@ class NodeInfo:
     collective_seconds: float = 0.0  # measured time of one ring all-reduce of an activation (0 = unknown)
     # Models on disk, in full or in part: (model id, complete, layer ranges); heartbeats only, not TXT.
     holdings: tuple = ()
-    # Served models whose computation raised here: (model id, count, last error); heartbeats only.
+    # Served models whose computation raised here: (model id, count, last error, MAX_FAULT_TEXT at most);
+    # heartbeats only.
     faults: tuple[tuple[str, int, str], ...] = ()
     # Seconds a model step here has run past stall_timeout (0 = none): stalled, not busy; heartbeats only.
     stalled_for: float = 0.0

@@ -24,9 +24,10 @@ from harness.cluster import HTTP, Cluster, mlx_reference, read_stream
 from harness.netns import netns_mesh
 from meshnode.control.coordinator import FAULT_LIMIT, faulted
 from meshnode.control.discovery import NodeInfo
-from meshnode.control.messages import MAX_FAULT_TEXT, MAX_FAULTS, node_from_pb, node_to_pb
+from meshnode.control.messages import MAX_FAULTS, node_from_pb, node_to_pb
 from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
+from meshnode.nodeinfo import MAX_FAULT_TEXT
 from meshnode.weights.profile import profile_model
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea and the rivers."}]

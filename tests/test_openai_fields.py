@@ -21,6 +21,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from meshnode.api import core
+from meshnode.logonce import Once
 from meshnode.model.build import build_model
 from meshnode.serving.answer import AnswerShape
 from meshnode.serving.engine import Engine
@@ -304,7 +305,7 @@ def test_tools_are_always_accepted_and_max_tokens_is_the_room_left(plain4, tmp_p
     its built-in tools with every chat) and says so once; max_tokens left out, or more than the
     context holds (agents ask for 32000), is the room left: the answer ends with "length"."""
     never_ends = {str(t): -100 for t in load(str(plain4))[1].eos_token_ids}
-    monkeypatch.setattr(core, "_TOOLLESS", set())  # said once per model and process: this test's process
+    monkeypatch.setattr(core, "_TOOLLESS", Once())  # said once per model and process: this test's process
     with running_node(plain4, tmp_path, max_context=48) as (node, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id

@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 from meshnode.api.schema import JsonObject, Number, Strict, validate
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
+from meshnode.logonce import Once
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class AnthropicRequest(GenerationRequest):
 
 
 _TAG = re.compile(r"(content\[\d+\])\.(?:" + "|".join(BLOCKS) + r")\b")
-_warned: set[str] = set()
+_warned = Once()  # request fields accepted but not honoured
 
 
 def parse(body: Any, limits: Limits, count: bool = False) -> AnthropicRequest:
@@ -202,8 +203,7 @@ def parse(body: Any, limits: Limits, count: bool = False) -> AnthropicRequest:
     schema = out.format.schema_ if out is not None and out.format is not None else None
     effort = out.effort if out is not None else None
     for name, given in (("context_management", req.context_management),):
-        if given is not None and name not in _warned:
-            _warned.add(name)
+        if given is not None and _warned.first(name):
             log.warning("request field '%s' is accepted but not honoured", name)
     thinking = req.thinking
     if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is None:

@@ -18,6 +18,7 @@ from aiohttp import web
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.config import Settings
 from meshnode.errors import ApiError
+from meshnode.logonce import Once
 from meshnode.metrics import NodeMetrics, outcome_for_status
 from meshnode.serving.answer import AnswerShape, ToolCall, initial_state
 from meshnode.serving.engine import Delta, Engine, TokenLogprob
@@ -241,7 +242,7 @@ async def _prompt_tokens(engine: Engine, req: GenerationRequest) -> tuple[list[i
     return list(await asyncio.to_thread(tokenizer.encode, req.prompt)), None
 
 
-_TOOLLESS: set[str] = set()  # models whose template has no place for tools (logged once)
+_TOOLLESS = Once()  # models whose template has no place for tools
 
 
 async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int], AnswerShape]:
@@ -262,8 +263,7 @@ async def chat_prompt(engine: Engine, req: GenerationRequest) -> tuple[list[int]
             )
         # Tools are always accepted (Open WebUI sends some with every chat); a template without
         # a place for them answers without them.
-        if engine.model_id not in _TOOLLESS:
-            _TOOLLESS.add(engine.model_id)
+        if _TOOLLESS.first(engine.model_id):
             log.warning(
                 "model %s has no tool-call format in its chat template: requests with tools are answered without them",
                 engine.model_id,

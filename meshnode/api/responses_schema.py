@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from meshnode.api.schema import JsonObject, Number, Strict, one_of
 from meshnode.errors import ApiError
+from meshnode.logonce import Once
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ class ResponsesBody(Strict):
     prompt_cache_retention: str | None = None
 
 
-_warned: set[str] = set()
+_warned = Once()  # hosted tool types left out of a request
 
 
 def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str | None, str]]]:
@@ -305,8 +306,7 @@ def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[s
             for inner in tool.tools:
                 add(inner, tool.name, tool.description)
         elif isinstance(tool, HostedTool):
-            if tool.type not in _warned:
-                _warned.add(tool.type)
+            if _warned.first(tool.type):
                 log.warning("the request's '%s' tool is left out: this server runs no hosted tools", tool.type)
         else:
             add(tool, None, None)

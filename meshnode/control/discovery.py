@@ -14,6 +14,7 @@ from dataclasses import replace
 from zeroconf import BadTypeInNameException, InterfaceChoice, NonUniqueNameException, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from meshnode.logonce import Once
 from meshnode.nodeinfo import VALID_ID, NodeInfo, ordered_addresses
 
 __all__ = ["SERVICE_TYPE", "NodeInfo", "Discovery", "local_addresses"]  # NodeInfo: meshnode.nodeinfo
@@ -62,7 +63,7 @@ class Discovery:
         self._by_name: dict[str, NodeInfo] = {}  # service name -> node (our cluster, not us)
         self._peers: dict[str, NodeInfo] = {}
         self._resolving: dict[str, asyncio.Task] = {}
-        self._quiet: set[str] = set()  # names already logged as foreign or malformed
+        self._quiet = Once()  # names logged as foreign or malformed
         self._server = f"{self.me.node_id}.local."
 
     def _with_addresses(self, me: NodeInfo) -> NodeInfo:
@@ -180,14 +181,13 @@ class Discovery:
             ):
                 self._duplicate(self.me.node_id, f"{name} also answers from " + _endpoint(node))
             return
-        if node is None:
-            self._quiet.add(name)
+        if node is None:  # from_service_info said why: at warning level the first time only
+            self._quiet.first(name)
             self._forget(name)
             return
         if node.cluster_id != self.me.cluster_id:
-            if name not in self._quiet:
+            if self._quiet.first(name):
                 log.debug("ignoring %s (%s): another cluster", name, node.node_id)
-                self._quiet.add(name)
             self._forget(name)
             return
         if node.node_id == self.me.node_id:

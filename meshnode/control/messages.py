@@ -6,7 +6,7 @@ import ipaddress
 import json
 import math
 
-from meshnode.nodeinfo import NodeInfo
+from meshnode.nodeinfo import MAX_FAULT_TEXT, NodeInfo
 from meshnode.planner.plans import UNLOADED, Plan, Stage
 from meshnode.proto import mesh_pb2
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
@@ -14,7 +14,6 @@ from meshnode.weights.kvquant import KV_BITS
 
 MAX_ID_LEN = 128
 MAX_FAULTS = 64  # model faults read from one node's info
-MAX_FAULT_TEXT = 1000  # characters of a fault's error kept
 MAX_SLOWDOWN = 1000.0  # a node announcing more is read as not slowed (a bad figure)
 
 

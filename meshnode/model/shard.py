@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
+from meshnode.logonce import Once
 from meshnode.model.rewind import rewind_limit
 from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
 from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem
@@ -30,6 +31,7 @@ from meshnode.weights.profile import activation_dtype, hidden_size
 from meshnode.weights.splits import split_boundaries, split_support
 
 log = logging.getLogger(__name__)
+_KV_TOLD = Once()  # (kv_bits, why not) warned of: every shard of the model has the same problem
 
 
 class _StageOutput(Exception):
@@ -372,9 +374,8 @@ class Shard:
     def kv_quant_bits(self) -> int:
         """Bits the KV caches this shard makes are quantized to (0: not quantized)."""
         if self.kv_bits and self.kv_problem:
-            if not getattr(self, "_told_kv", False):
+            if _KV_TOLD.first((self.kv_bits, self.kv_problem)):
                 log.warning("kv_bits %d: the KV cache stays unquantized: %s", self.kv_bits, self.kv_problem)
-                self._told_kv = True
             return 0
         return self.kv_bits
 

@@ -30,6 +30,7 @@ from meshnode.model.prefixes import copy_cut, cut_to, distinct
 from meshnode.model.rewind import CannotRewind, rewind_limit, rewind_owned
 from meshnode.model.wire import ACTIVATIONS, LENGTH, WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
+from meshnode.weights.weightfiles import ITEMSIZE
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ _PREFIX_OPS = {
 _CONTROL = struct.Struct("<BBBBI3I")
 _WIRE_CODES = {"int32": 1, "float32": 2, "float16": 3, "bfloat16": 4}
 _CODE_WIRE = {code: name for name, code in _WIRE_CODES.items()}
-_ITEMSIZE = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
 _HELLO = struct.Struct("<I32s")  # rank, HMAC-SHA256 proving the cluster key
 SECRET_ENV = "MESHNODE_GROUP_SECRET"
 
@@ -222,7 +222,7 @@ class _Worker:
                 raise TensorGroupError(f"unexpected command {(op, code, ndim, slot, *dims)}")
             name = _CODE_WIRE[code]
             tensor = mesh_pb2.Tensor(dtype=name, shape=dims[:ndim])
-            nbytes = _ITEMSIZE[name] * math.prod(dims[:ndim])
+            nbytes = ITEMSIZE[name] * math.prod(dims[:ndim])
             if nbytes > MAX_FRAME:
                 raise TensorGroupError(f"command of {nbytes} bytes exceeds {MAX_FRAME}")
             tensor.data = _read_exact(stream, nbytes)

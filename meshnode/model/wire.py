@@ -13,14 +13,14 @@ import numpy as np
 
 from meshnode.proto import mesh_pb2
 
-# Wire name -> (mlx dtype, numpy view dtype, itemsize); bfloat16 travels as uint16.
-_DTYPES: dict[str, tuple[mx.Dtype, np.dtype, int]] = {
-    "float32": (mx.float32, np.dtype("<f4"), 4),
-    "float16": (mx.float16, np.dtype("<f2"), 2),
-    "bfloat16": (mx.bfloat16, np.dtype("<u2"), 2),
-    "int32": (mx.int32, np.dtype("<i4"), 4),
+# Wire name -> (mlx dtype, numpy view dtype: its itemsize is the wire's); bfloat16 travels as uint16.
+_DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
+    "float32": (mx.float32, np.dtype("<f4")),
+    "float16": (mx.float16, np.dtype("<f2")),
+    "bfloat16": (mx.bfloat16, np.dtype("<u2")),
+    "int32": (mx.int32, np.dtype("<i4")),
 }
-_NAMES = {mx_dtype: name for name, (mx_dtype, _, _) in _DTYPES.items()}
+_NAMES = {mx_dtype: name for name, (mx_dtype, _) in _DTYPES.items()}
 # A stage's activations: whatever dtype its layers produce.
 ACTIVATIONS = ("float32", "float16", "bfloat16")
 
@@ -45,7 +45,7 @@ def to_tensor(array: mx.array) -> mesh_pb2.Tensor:
     name = _NAMES.get(array.dtype)
     if name is None:
         raise WireError(f"dtype {array.dtype} cannot be sent")
-    _, np_dtype, _ = _DTYPES[name]
+    _, np_dtype = _DTYPES[name]
     if name == "bfloat16":
         array = array.view(mx.uint16)
     data = np.asarray(array, dtype=np_dtype).tobytes()
@@ -62,14 +62,14 @@ def host_array(
     """Validates a received tensor; a read-only numpy view of its bytes (bfloat16 as uint16)."""
     if tensor.dtype not in _DTYPES or tensor.dtype not in dtypes:
         raise WireError(f"dtype {tensor.dtype!r} not allowed (allowed: {', '.join(dtypes)})")
-    _, np_dtype, itemsize = _DTYPES[tensor.dtype]
+    _, np_dtype = _DTYPES[tensor.dtype]
     shape = tuple(int(d) for d in tensor.shape)
     if not shape or len(shape) > 4 or any(d <= 0 for d in shape):
         raise WireError(f"bad shape {shape}")
     if expect is not None:
         if len(expect) != len(shape) or any(e is not None and e != d for e, d in zip(expect, shape)):
             raise WireError(f"shape {shape} does not match expected {tuple(expect)}")
-    nbytes = itemsize * int(np.prod(shape, dtype=np.int64))
+    nbytes = np_dtype.itemsize * int(np.prod(shape, dtype=np.int64))
     if nbytes > max_bytes:
         raise WireError(f"tensor of {nbytes} bytes exceeds the limit of {max_bytes}")
     if len(tensor.data) != nbytes:
@@ -168,9 +168,9 @@ class RawRequest:
                 f"{self.dtype} of width {self.width} where {'/'.join(dtypes)} of width {width} was expected"
             )
         dtype_name = self.dtype
-        _, np_dtype, itemsize = _DTYPES[dtype_name]
+        _, np_dtype = _DTYPES[dtype_name]
         shape = (1, self.positions, width) if width else (1, self.positions)
-        if len(self.data) != itemsize * self.positions * max(width, 1):
+        if len(self.data) != np_dtype.itemsize * self.positions * max(width, 1):
             raise WireError(f"{len(self.data)} bytes for {shape} {dtype_name}")
         return np.frombuffer(self.data, dtype=np_dtype).reshape(shape)
 
@@ -199,8 +199,8 @@ class RawReply:
                 f"(1, {positions}, {width}) was expected"
             )
         dtype_name = self.dtype
-        _, np_dtype, itemsize = _DTYPES[dtype_name]
-        if len(self.data) != itemsize * positions * width:
+        _, np_dtype = _DTYPES[dtype_name]
+        if len(self.data) != np_dtype.itemsize * positions * width:
             raise WireError(f"{len(self.data)} bytes for (1, {positions}, {width}) {dtype_name}")
         return np.frombuffer(self.data, dtype=np_dtype).reshape(1, positions, width)
 
@@ -230,7 +230,7 @@ class Placeholder:
     base array is held so MLX never donates the buffer to another op."""
 
     def __init__(self, dtype_name: str, shape: tuple[int, ...]):
-        _, np_dtype, _ = _DTYPES[dtype_name]
+        _, np_dtype = _DTYPES[dtype_name]
         self.dtype_name, self.shape = dtype_name, tuple(shape)
         self._base = mx.array(np.zeros(shape, dtype=np_dtype))  # owns its buffer
         self._host = np.asarray(self._base)  # a writable view of that buffer

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from meshnode.planner.memory import LayerCosts, split_layers
 from meshnode.planner.plans import LinkSpec, NodeSpec
 from meshnode.weights.profile import ModelProfile
+from meshnode.weights.weightfiles import ITEMSIZE
 
 DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: a conservative LAN
 DEFAULT_BYTES_PER_S = 100e9  # weight bytes/s of a compute-1.0 node (decode is memory-bound)
@@ -32,7 +33,6 @@ TENSOR_FAMILIES = frozenset(
         "gpt_oss",
     }
 )
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def tensor_parallel_problem(profile: ModelProfile) -> str | None:
@@ -120,7 +120,7 @@ class CostModel:
         self.W = [0, *itertools.accumulate(p.layer_bytes)]
         self.avg = max(self.W[-1] / n, 1.0) if n else 1.0
         self.head_w = p.head_bytes or (p.embed_bytes if p.tied_embeddings else 0)
-        item = _ITEMSIZE.get(p.dtype, 2)
+        item = ITEMSIZE.get(p.dtype, 2)
         self.msg = max(p.hidden_size, 1) * item  # one token's activation
         per_layer_repl = 2 * p.hidden_size * item + (p.hidden_size * p.num_experts * item if p.num_experts else 0)
         self.R = [0, *itertools.accumulate(min(b, per_layer_repl) for b in p.layer_bytes)]

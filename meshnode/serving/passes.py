@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from meshnode.serving.prefill import POLL, WaitFn, wait_first
+from meshnode.serving.prefill import WaitFn, wait_first
 from meshnode.tracing import mark
+from meshnode.transport.stage import POLL
 
 
 @dataclass(eq=False)

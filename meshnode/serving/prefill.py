@@ -14,6 +14,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from meshnode.transport.stage import POLL
+
 # Chunks per stage: a pipe of S stages fed n chunks loses (S - 1) / n of the ideal time.
 CHUNKS_PER_STAGE = 4
 MIN_CHUNK = 16  # positions: smaller chunks cost more in overhead than they save
@@ -23,7 +25,6 @@ SHARED_STEP = 0.010  # seconds a chunk may take at the slowest stage while other
 TURN = 0.05
 BUSY_MIN_CHUNK = 4  # positions
 BUSY_FIRST_CHUNK = 16  # FIRST_CHUNK while other generations run
-POLL = 0.25  # seconds between liveness checks of awaited stages
 IN_FLIGHT = 2  # chunks queued at one stage: one running, one waiting behind it
 
 

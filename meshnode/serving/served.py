@@ -15,6 +15,7 @@ from meshnode.model.prefix_disk import PrefixDisk
 from meshnode.model.prefixes import PrefixStore, keeps_prefixes
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
+from meshnode.nodeinfo import MAX_FAULT_TEXT
 from meshnode.planner.context import UNKNOWN
 from meshnode.serving.engine import Engine
 from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_FAULT_TEXT = 1000  # characters of a fault's error announced to the mesh
 READY_POLL_S = 0.1  # how often a request waiting for a plan to load looks again
 
 

@@ -14,8 +14,10 @@ from meshnode.weights.manifest import loaded_weights, manifest_from_dict, read_m
 from meshnode.weights.splits import config_value, split_boundaries, split_support, text_config
 from meshnode.weights.weightfiles import (
     DTYPE_BYTES,
+    DTYPE_CODES,
     EMBED_KEY,
     HEAD_KEY,
+    ITEMSIZE,
     LAYER_KEY,
     SKIP_KEY,
     read_safetensors_header,
@@ -24,8 +26,8 @@ from meshnode.weights.weightfiles import (
 
 __all__ = ["ModelProfile", "activation_dtype", "hidden_size", "profile_model", "tensor_bytes"]
 
-_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-_ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# Safetensors codes -> names of the float dtypes an activation can take.
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items() if "float" in name}
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class ModelProfile:
         """KV bytes per token of one layer as its cache stores them (0 for a recurrent layer)."""
         plain = self.kv_bytes_per_token[layer]
         if self.kv_bits and self.sliding_window[layer] is None:
-            return quantized_kv_bytes(plain, _ITEM.get(self.dtype, 2), self.kv_bits)
+            return quantized_kv_bytes(plain, ITEMSIZE.get(self.dtype, 2), self.kv_bits)
         return plain
 
     def kv_bytes(self, layer: int, context: int, requests: int | None = None) -> int:
@@ -266,7 +268,7 @@ def _activation_dtype(tensors: dict[str, _Tensor], cfg: dict[str, Any]) -> str:
     )
     if dtype is None:
         dtype = str(config_value(cfg, "torch_dtype", "dtype", default="float16"))
-        dtype = dtype if dtype in _ITEM else "float16"
+        dtype = dtype if dtype in _DTYPE_NAMES.values() else "float16"
     for key, t in tensors.items():
         m = LAYER_KEY.search(key)
         if m and m.group(1) == "0" and _NORM_KEY.search(key) and t.dtype in _DTYPE_NAMES:
@@ -377,7 +379,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     hidden = hidden_size(raw_cfg)
     head_dim = int(config_value(cfg, "head_dim", default=hidden // heads))
     dtype = _activation_dtype(tensors, cfg)
-    item = _ITEM[dtype]
+    item = ITEMSIZE[dtype]
     kv = _kv_per_token(layer_keys, tensors, cfg, item, 2 * kv_heads * head_dim * item)
     experts = int(config_value(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
     problem = split_support(raw_cfg) or ""

@@ -28,6 +28,10 @@ DTYPE_BYTES = {
     "F8_E5M2": 1,
     "F8_E8M0": 1,
 }
+# Array dtype names (MLX's, numpy's) -> safetensors codes, and bytes per element by name: activations,
+# KV caches and the wire count in these.
+DTYPE_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int32": "I32"}
+ITEMSIZE = {name: DTYPE_BYTES[code] for name, code in DTYPE_CODES.items()}
 MAX_HEADER = 100 * 2**20
 
 # A transformer block: "model.layers.3.", gpt2's "model.h.3.", olmo's "model.transformer.blocks.3.".
