@@ -226,16 +226,16 @@ class NodeMetrics:
         self._spec_costs = (position_cost, filled_share)
 
     def speculation(self) -> dict[str, Any]:
-        passes, drafted = self.spec_passes._value.get(), self.spec_drafted._value.get()
+        passes, drafted = total(self.spec_passes), total(self.spec_drafted)
         costs = self._spec_costs
         return {
             "passes": int(passes),
             "drafted": int(drafted),
-            "accepted": int(self.spec_accepted._value.get()),
-            "tokens": int(self.spec_tokens._value.get()),
-            "cancelled": int(self.spec_cancelled._value.get()),
-            "acceptance_rate": round(self.spec_accepted._value.get() / drafted, 3) if drafted else None,
-            "tokens_per_pass": round(self.spec_tokens._value.get() / passes, 3) if passes else None,
+            "accepted": int(total(self.spec_accepted)),
+            "tokens": int(total(self.spec_tokens)),
+            "cancelled": int(total(self.spec_cancelled)),
+            "acceptance_rate": round(total(self.spec_accepted) / drafted, 3) if drafted else None,
+            "tokens_per_pass": round(total(self.spec_tokens) / passes, 3) if passes else None,
             "position_cost": round(costs[0], 3) if costs else None,
             "filled_share": round(costs[1], 3) if costs and costs[1] is not None else None,
         }
@@ -265,21 +265,31 @@ class NodeMetrics:
 
     def summary(self) -> dict[str, Any]:
         """The figures the dashboard shows (from the same metrics /metrics exports)."""
-        requests = {o: int(self.requests.labels(outcome=o)._value.get()) for o in OUTCOMES}
+        requests = {o: int(total(self.requests, outcome=o)) for o in OUTCOMES}
         ttft_sum = sum(s.value for m in self.ttft.collect() for s in m.samples if s.name.endswith("_sum"))
         ttft_count = sum(s.value for m in self.ttft.collect() for s in m.samples if s.name.endswith("_count"))
         return {
-            "tokens_generated": int(self.tokens._value.get()),
+            "tokens_generated": int(total(self.tokens)),
             "tokens_per_second": round(self.tokens_per_second(), 2),
             "last_request_tokens_per_second": round(self.last_request_tps, 2),
             "mean_time_to_first_token": round(ttft_sum / ttft_count, 4) if ttft_count else None,
             "requests": requests,
-            "retries": int(self.failovers._value.get()),
+            "retries": int(total(self.failovers)),
             "speculation": self.speculation(),
         }
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def total(counter: Counter, **labels: str) -> float:
+    """A counter's count (``labels``: its child's with those labels), read through the public collect()."""
+    return sum(
+        sample.value
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total") and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 class Progress:

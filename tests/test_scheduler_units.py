@@ -16,13 +16,13 @@ def _run(steps, monkeypatch) -> tuple[list, list]:
     """Drive the generator ``steps(put)`` on a TokenScheduler; (what the event loop received, what
     was handed to it in order, with the generator's own notes between)."""
     handed: list = []
-    original = TokenJob._put
+    original = TokenJob.put
 
     def put(self, item):
         handed.append(item)
         original(self, item)
 
-    monkeypatch.setattr(TokenJob, "_put", put)
+    monkeypatch.setattr(TokenJob, "put", put)
 
     async def main():
         scheduler = TokenScheduler("test-scheduler")

@@ -41,9 +41,10 @@ class TokenJob:
             if self._ended:
                 return
             self._ended = True
-        self._put(error if error is not None else _END)
+        self.put(error if error is not None else _END)
 
-    def _put(self, item: Any) -> None:
+    def put(self, item: Any) -> None:
+        """Hand the consumer ``item`` (a token) from any thread."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is gone
@@ -309,7 +310,7 @@ class TokenScheduler:
 
         def flush() -> None:
             while held:
-                job._put(held.pop(0))
+                job.put(held.pop(0))
 
         _held.flush = flush
         _held.cancelled = job.cancelled
@@ -339,7 +340,7 @@ class TokenScheduler:
                     held.append(token)
                 else:
                     flush()
-                    job._put(token)
+                    job.put(token)
                     # All stages local: the others' turn, after this request's running step ends.
                     self._baton.pass_on(_settle_generation)
         finally:

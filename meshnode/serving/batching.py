@@ -236,7 +236,7 @@ class BatchLoop:
             self._grow(request, 1)
             top = request.params.top_logprobs
             token = int(response.token)
-            request.job._put(sampled(token, response.logprobs, top) if top >= 0 else token)
+            request.job.put(sampled(token, response.logprobs, top) if top >= 0 else token)
             if response.finish_reason is not None:
                 del self._running[response.uid]
                 self._release(request)  # its positions are the kept prefix's now

@@ -160,7 +160,8 @@ class ClusterAuth:
         ]
 
     # ------------------------------------------------------------------ checks
-    def _parse(self, metadata: Iterable[Any] | None) -> tuple[str, str, str, str]:
+    def parse_signature(self, metadata: Iterable[Any] | None) -> tuple[str, str, str, str]:
+        """A call's signature fields (timestamp, nonce, node, MAC), well formed and in time; else _Refused."""
         found: dict[str, str] = {}
         for item in metadata or ():
             key, value = item[0], item[1]
@@ -183,7 +184,8 @@ class ClusterAuth:
             raise _Refused("timestamp outside the accepted window (clocks out of sync?)")
         return ts, nonce, node, mac
 
-    def _verify(self, method: str, fields: tuple[str, str, str, str], body: bytes | None) -> None:
+    def verify(self, method: str, fields: tuple[str, str, str, str], body: bytes | None) -> None:
+        """The MAC over ``method`` and ``body`` matches and its nonce is new; else _Refused."""
         ts, nonce, node, mac = fields
         digest = hashlib.sha256(body).digest() if body is not None else b""
         if not hmac.compare_digest(self.mac(method, ts, nonce, node, digest), mac.lower()):
@@ -194,12 +196,13 @@ class ClusterAuth:
     def check(self, method: str, metadata: Iterable[Any], body: bytes | None) -> str | None:
         """Verify a :meth:`sign` signature outside gRPC (the data port's hello); None, or why refused."""
         try:
-            self._verify(method, self._parse(metadata), body)
+            self.verify(method, self.parse_signature(metadata), body)
         except _Refused as exc:
             return str(exc)
         return None
 
-    def _log_refusal(self, context: Any, method: str, reason: str) -> None:
+    def log_call_refusal(self, context: Any, method: str, reason: str) -> None:
+        """:meth:`log_refusal` of a refused gRPC call, naming the peer ``context`` came from."""
         try:
             peer = context.peer() or "?"
         except Exception:  # noqa: BLE001 - logging must never fail a call
@@ -383,9 +386,9 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
         method = _method_str(handler_call_details.method)
         handler = await continuation(handler_call_details)
         try:
-            fields = self._auth._parse(handler_call_details.invocation_metadata)
+            fields = self._auth.parse_signature(handler_call_details.invocation_metadata)
             if handler is not None and handler.request_streaming:
-                self._auth._verify(method, fields, None)
+                self._auth.verify(method, fields, None)
         except _Refused as exc:
             return self._refusing(handler, method, str(exc))
         if handler is None or handler.request_streaming:
@@ -396,7 +399,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
         auth = self._auth
 
         async def refuse(_request, context):
-            auth._log_refusal(context, method, reason)
+            auth.log_call_refusal(context, method, reason)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
         async def refuse_stream(_requests, context):
@@ -423,7 +426,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
 
         def checked_deserializer(raw: bytes) -> _Checked:
             try:
-                auth._verify(method, fields, bytes(raw))
+                auth.verify(method, fields, bytes(raw))
             except _Refused as exc:
                 return _Checked(None, str(exc))
             if deserialize is None:
@@ -436,7 +439,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
         async def refuse(checked: _Checked, context) -> bool:
             if checked.refusal is None:
                 return False
-            auth._log_refusal(context, method, checked.refusal)
+            auth.log_call_refusal(context, method, checked.refusal)
             await context.abort(checked.code, checked.refusal)
             return True
 
