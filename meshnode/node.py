@@ -47,7 +47,7 @@ from meshnode.model.pace import Pace
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
 from meshnode.planner import supports_tensor
-from meshnode.serving.drafting import DrafterFactory, load_draft
+from meshnode.serving.drafting import DrafterFactory
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel
@@ -228,7 +228,7 @@ class Node:
         # How fast this node computes now against its measured figure (None: slow_factor = 0).
         self.pace = Pace(settings.slow_factor, settings.slow_dwell) if settings.slow_factor else None
         self.events = EventLog(self.metrics)
-        self.peers = Peers(PeerSettings.of(settings), self.node_id, self.auth, self.tls)
+        self.peers = Peers(PeerSettings.of(settings), self.node_id, self.auth, self.tls, stalled_for=self._stalled_for)
         # Every model this node serves is a lane, sharing one store of held models.
         store = ModelStore(settings.resolved_cache_dir() / "peer-models")
         serving, planning = ServingSettings.of(settings), PlanSettings.of(settings)
@@ -309,10 +309,7 @@ class Node:
         s, served = self.settings, self.served
         await self.lanes.start(self.holders)
         if s.speculative == "draft_model":
-            draft = await load_draft(s.draft_model, self.scheduler, served.model_id, served.files.vocab_size)
-            if draft is not None:
-                served.draft = draft
-                self.memory_budget = max(0, self.memory_budget - draft.nbytes)
+            self.memory_budget = max(0, self.memory_budget - await served.load_draft(s.draft_model))
         handlers = Handlers(
             heartbeat=self.control.heartbeats.on_heartbeat,
             install=self.control.on_install,
@@ -405,8 +402,11 @@ class Node:
                     "data port not started on %d: %s; activations come over gRPC", tensor_port + DATA_OFFSET, exc
                 )
         self.peers.data_port_open = self._data is not None
-        limit, lanes = s.stall_timeout, self.lanes
-        self.peers.stalled_for = lambda: longest if (longest := lanes.longest_step()) >= limit else 0.0
+
+    def _stalled_for(self) -> float:
+        """Seconds the longest model step here has run, once past stall_timeout (0: none is stalled)."""
+        longest = self.lanes.longest_step()
+        return longest if longest >= self.settings.stall_timeout else 0.0
 
     async def _start_http(self) -> None:
         s = self.settings

@@ -209,19 +209,18 @@ class Coordinator:
                 # Fits, but not beside the other models: unloaded until a request asks for it.
                 self.needs_room = True
                 self._planned_for, self._planned_at = members, now
-                served.plan_error = ""
+                served.planned()
                 return
             if excluded:
                 exc = PlanError(f"{exc}; not placed on {', '.join(sorted(excluded))}: {'; '.join(excluded.values())}")
-            if served.plan_error != str(exc):
+            if served.planned(why_not=str(exc)):
                 log.error("no plan of %s fits (epoch %d): %s", served.model_id, adoption.epoch, exc)
                 self._event("no-plan", reason=str(exc))
-            served.plan_error = str(exc)
             self._planned_for, self._planned_at = members, now
             if current_plan is not None and not plan_ok:
                 adoption.drop()
             return
-        served.plan_error = ""
+        served.planned()
         if excluded:
             desired = dataclasses.replace(
                 desired,

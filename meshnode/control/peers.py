@@ -30,7 +30,15 @@ class Peers:
     """What this node knows of the mesh: who is alive, which peers never answer, what each link measures,
     and one signed gRPC channel per address, which everything that talks to a peer asks for."""
 
-    def __init__(self, settings: PeerSettings, node_id: str, auth: ClusterAuth, identity=None):
+    def __init__(
+        self,
+        settings: PeerSettings,
+        node_id: str,
+        auth: ClusterAuth,
+        identity=None,
+        stalled_for: Callable[[], float] = lambda: 0.0,
+    ):
+        """``stalled_for``: seconds this node's own longest model step has run past stall_timeout (0: none)."""
         self.settings, self.node_id, self.auth, self.tls = settings, node_id, auth, identity
         self.me: NodeInfo | None = None
         self.membership: Membership | None = None  # from start()
@@ -40,7 +48,7 @@ class Peers:
         self.links = LinkProber(self.channel_to, interval=settings.link_probe_interval)
         self.peer_links: dict[str, tuple[LinkStat, ...]] = {}  # what each peer measured
         self.data_port_open = False
-        self.stalled_for: Callable[[], float] = lambda: 0.0  # this node's own stall (announced)
+        self.stalled_for = stalled_for  # this node's own stall (announced)
         self._said_stalled = False
         self._channels: dict[str, grpc.aio.Channel] = {}
 

@@ -17,6 +17,7 @@ from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
 from meshnode.nodeinfo import MAX_FAULT_TEXT
 from meshnode.planner.context import UNKNOWN
+from meshnode.serving.drafting import load_draft
 from meshnode.serving.engine import Engine
 from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
 from meshnode.serving.local_stage import LocalStage
@@ -129,6 +130,11 @@ class ServedModel:
             on_fault=lambda error: loop.call_soon_threadsafe(self.fault, error),  # from the MLX thread
         )
 
+    async def load_draft(self, name: str | None) -> int:
+        """The draft model ``name`` this model's requests guess with; the bytes it holds (0: none loaded)."""
+        self.draft = await load_draft(name, self.scheduler, self.model_id, self.files.vocab_size)
+        return self.draft.nbytes if self.draft is not None else 0
+
     @property
     def model_id(self) -> str | None:
         return self.files.model_id
@@ -203,7 +209,7 @@ class ServedModel:
         if plan is None:
             return
         ready = self.ready_epoch >= plan.epoch
-        if ready and self._groups_alive(plan):
+        if ready and _groups_alive(self.node_id, self.shards, plan):
             return
         if time.monotonic() - self._group_restart_at < 2 * self.settings.heartbeat_interval:
             return
@@ -229,19 +235,11 @@ class ServedModel:
             if node_id == self.node_id:
                 if self.ready_epoch < plan.epoch or plan.epoch not in self.stage_server_now().epochs:
                     return False
-                if not self._groups_alive(plan):
+                if not _groups_alive(self.node_id, self.shards, plan):
                     return False
             else:
                 peer = alive.get(node_id)
                 if peer is None or peer.ready_epochs.get(self.model_id, 0) < plan.epoch:
-                    return False
-        return True
-
-    def _groups_alive(self, plan) -> bool:
-        for stage in plan.stages:
-            if self.node_id in stage.nodes and len(stage.nodes) > 1:
-                shard = self.shards.get(stage_key(stage))
-                if not isinstance(shard, TensorShard) or not shard.alive():
                     return False
         return True
 
@@ -283,6 +281,11 @@ class ServedModel:
             return False
         serving = self.serving_plan()
         return self.plan.unloaded or (serving is not None and serving.unloaded)
+
+    def planned(self, why_not: str = "") -> bool:
+        """The coordinator's verdict: a plan fits (""), or why none does; True when that is news."""
+        news, self.plan_error = why_not != self.plan_error, why_not
+        return news
 
     def unplaced_because(self) -> str:
         """Why no plan fits, as the coordinator said; "" if none is known."""
@@ -339,6 +342,16 @@ class ServedModel:
             for epoch in [e for e in self._placements if e < plan.epoch - 1]:
                 del self._placements[epoch]
         return placement
+
+
+def _groups_alive(node_id: str, shards: dict, plan) -> bool:
+    """Every tensor group of ``plan`` that ``node_id`` is a member of has its worker up."""
+    for stage in plan.stages:
+        if node_id in stage.nodes and len(stage.nodes) > 1:
+            shard = shards.get(stage_key(stage))
+            if not isinstance(shard, TensorShard) or not shard.alive():
+                return False
+    return True
 
 
 def new_placement(served: ServedModel, plan) -> HeadPlacement | RemoteHeadPlacement:
