@@ -21,7 +21,13 @@ OLDEST_PROTOCOL = 0
 @functools.cache
 def commit() -> str:
     """The checkout's commit, abbreviated ("" outside a git checkout)."""
-    git = Path(__file__).resolve().parent.parent / ".git"
+    return checkout_commit(Path(__file__).resolve().parent.parent)
+
+
+def checkout_commit(root: Path) -> str:
+    """The commit checked out at ``root``, abbreviated, read from its git folder without running git
+    (a clone, a worktree, a detached head; "" where there is none)."""
+    git = root / ".git"
     try:
         if git.is_file():  # a worktree or submodule: "gitdir: <path>"
             git = (git.parent / git.read_text().strip().removeprefix("gitdir: ")).resolve()
@@ -29,6 +35,8 @@ def commit() -> str:
         if not head.startswith("ref: "):
             return head[:9]
         ref = head[5:]
+        if (git / "commondir").is_file():  # a worktree's branches live in the main repository's folder
+            git = (git / (git / "commondir").read_text().strip()).resolve()
         loose = git / ref
         if loose.exists():
             return loose.read_text().strip()[:9]

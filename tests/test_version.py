@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 from meshnode import __version__
-from meshnode.version import OLDEST_PROTOCOL, PROTOCOL, commit, describe, incompatible
+from meshnode.version import OLDEST_PROTOCOL, PROTOCOL, checkout_commit, commit, describe, incompatible
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,6 +18,27 @@ def test_a_checkout_names_its_commit_beside_the_release():
         return
     assert commit() and head.stdout.startswith(commit())
     assert describe() == f"{__version__}+g{commit()}"
+
+
+def test_a_worktree_a_packed_ref_and_a_detached_head_name_their_commit(tmp_path):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo, tree = tmp_path / "repo", tmp_path / "tree"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "refs" / "heads" / "main").write_text(sha + "\n")
+    assert checkout_commit(repo) == sha[:9]
+    # git worktree add: the worktree's own folder has HEAD; its branch is in the main repository's
+    linked = repo / ".git" / "worktrees" / "tree"
+    linked.mkdir(parents=True)
+    (linked / "HEAD").write_text("ref: refs/heads/side\n")
+    (linked / "commondir").write_text("../..\n")
+    (repo / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha[::-1]} refs/heads/side\n")
+    tree.mkdir()
+    (tree / ".git").write_text(f"gitdir: {linked}\n")
+    assert checkout_commit(tree) == sha[::-1][:9]
+    (linked / "HEAD").write_text(sha + "\n")  # detached
+    assert checkout_commit(tree) == sha[:9]
+    assert checkout_commit(tmp_path) == ""  # no checkout
 
 
 def test_every_protocol_in_the_range_is_accepted_and_builds_before_versions_too():
