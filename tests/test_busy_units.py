@@ -205,7 +205,7 @@ def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
     import grpc
 
     from meshnode.proto import mesh_pb2
-    from meshnode.transport.refusals import StageRefusal
+    from meshnode.transport.refusals import StageRefused
     from meshnode.transport.stage import StageServer
 
     server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64)
@@ -213,7 +213,7 @@ def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
     server.serve(4, {})
 
     def refusal(epoch):
-        with pytest.raises(StageRefusal) as info:
+        with pytest.raises(StageRefused) as info:
             server.open(mesh_pb2.ForwardRequest(epoch=epoch, start_layer=0, end_layer=2))
         return info.value.code
 
@@ -225,7 +225,7 @@ def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
 def test_the_head_and_the_stages_error_codes_mean_what_the_generation_does_next():
     import grpc
 
-    from meshnode.transport.refusals import FAULT, StageFault, StagePending, StageRefused, stage_error
+    from meshnode.transport.refusals import FAULT, StageFault, StagePending, StageRefused, StageUnavailable, stage_error
 
     class St:
         start, end, node_id = 0, 4, "n1"
@@ -235,7 +235,7 @@ def test_the_head_and_the_stages_error_codes_mean_what_the_generation_does_next(
     # gRPC's own INTERNAL (a stream ended while the client wrote) is not a fault: retried as lost
     own = stage_error(St, None, grpc.StatusCode.INTERNAL, "Internal error from Core")
     assert not isinstance(own, StageFault) and not isinstance(own, StageRefused)
-    assert type(stage_error(St, None, grpc.StatusCode.UNAVAILABLE, "connection refused")) is StageRefused
+    assert type(stage_error(St, None, grpc.StatusCode.UNAVAILABLE, "connection refused")) is StageUnavailable
 
 
 def test_every_stage_learns_how_much_prompt_its_request_has_left():

@@ -40,7 +40,7 @@ from meshnode.model.wire import RAW_REQUEST, is_raw
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import hello as data_hello
 from meshnode.transport.dataport import recv_frame, send_frame
-from meshnode.transport.refusals import StageRefusal
+from meshnode.transport.refusals import StageRefused
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.trust.auth import ClusterAuth, SignedChannel
 from meshnode.version import OLDEST_PROTOCOL, PROTOCOL, describe
@@ -898,7 +898,7 @@ def test_an_epoch_not_switched_to_yet_is_pending_and_an_older_one_is_gone(node, 
         msg = mesh_pb2.ForwardRequest(
             request_id="epochs", epoch=epoch, start_layer=stage.start_layer, end_layer=stage.end_layer
         )
-        with pytest.raises(StageRefusal) as info:
+        with pytest.raises(StageRefused) as info:
             n.stage_server.open(msg)
         return info.value.code
 

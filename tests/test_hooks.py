@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from harness.cluster import HOOKED_NODE, mesh_view, node_argv, wait_until
@@ -23,7 +24,7 @@ from harness.hooked_node import split_argv
 from meshnode.cli import build_parser
 from meshnode.model.build import build_model
 from meshnode.transport.hop import _run_hook
-from meshnode.transport.refusals import STAGE_FAULT
+from meshnode.transport.refusals import FAULT, StageFault
 from meshnode.transport.stage import StageServer
 from tests.helpers import clean_env, meshnode_run
 
@@ -70,9 +71,10 @@ def test_a_hook_raising_inside_a_step_is_the_stage_s_fault():
     def fail():
         raise RuntimeError("injected fault at decode step 3")
 
-    with pytest.raises(Exception) as info:
+    with pytest.raises(StageFault) as info:
         _run_hook(stage, fail, "r")
-    assert info.value.code == STAGE_FAULT and "injected fault at decode step 3" in str(info.value)
+    assert info.value.code == grpc.StatusCode.INTERNAL and str(info.value).startswith(FAULT)
+    assert "injected fault at decode step 3" in str(info.value)
     assert faults and "layers [2, 4) failed on this input" in faults[0]
 
 

@@ -23,12 +23,14 @@ from meshnode.serving.settings import PlacementSettings
 from meshnode.serving.speculative import Speculation, why_not
 from meshnode.serving.step_batch import StepBatcher, can_batch, stages_batch
 from meshnode.transport.refusals import (
-    EPOCH_PENDING,
     FAULT,
-    STAGE_FAULT,
+    STATUS,
+    InvalidInput,
     StageError,
     StageFault,
     StagePending,
+    StageRefused,
+    StageUnavailable,
     refusal_kind,
 )
 
@@ -264,9 +266,10 @@ def received_params(request) -> SamplingParams:
 
 def head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
     """What a remote head's error status means for the generation."""
-    kind = refusal_kind(code, details)
-    as_generation = {StagePending: EpochPending, StageFault: GenerationFault}.get(kind, PlacementLost)
-    return as_generation(f"head {head}: {code.name}: {details}")
+    kind, message = refusal_kind(code, details), f"head {head}: {code.name}: {details}"
+    if issubclass(kind, StagePending):
+        return EpochPending(message)
+    return GenerationFault(message) if issubclass(kind, StageFault) else PlacementLost(message)
 
 
 async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epoch_now: int):
@@ -276,15 +279,15 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
         # Not switched yet: the caller retries shortly. Older than this node's plan: superseded.
         pending = request.epoch > epoch_now or (request.epoch == epoch_now and served.plan is not None)
         await context.abort(
-            EPOCH_PENDING if pending else grpc.StatusCode.FAILED_PRECONDITION,
+            STATUS[StagePending if pending else StageRefused],
             f"epoch {request.epoch} is not the epoch served here "
             f"({serving.epoch if serving else 'none'}{' yet' if pending else ''})",
         )
     if head_of(serving) != served.node_id:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is not the head of the plan")
+        await context.abort(STATUS[StageRefused], "this node is not the head of the plan")
     prompt = list(request.prompt)
     if not prompt or len(prompt) >= serving.max_context or max(prompt) >= served.files.vocab_size:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty, too long or out of vocabulary")
+        await context.abort(STATUS[InvalidInput], "prompt is empty, too long or out of vocabulary")
     vocab = served.files.vocab_size
     if (
         not (1 <= request.max_tokens <= served.settings.max_tokens_limit)
@@ -294,10 +297,10 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
         or request.top_logprobs > 20
         or any(not 0 <= t < vocab for t in request.logit_bias)
     ):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling parameters out of range")
+        await context.abort(STATUS[InvalidInput], "sampling parameters out of range")
     params = received_params(request)
     if params.grammar and (why := await asyncio.to_thread(grammar_error, params.grammar, served.files.tokenizer)):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"grammar: {why}")
+        await context.abort(STATUS[InvalidInput], f"grammar: {why}")
     index = served.prefix_index
     if index is not None:  # the caller's previous turn may still be keeping its prefix here
         await index.after(request.after[:AFTER_MAX])
@@ -314,11 +317,11 @@ async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epo
                 else:
                     yield mesh_pb2.GenerateReply(token=token)
     except EpochPending as exc:
-        await context.abort(EPOCH_PENDING, str(exc))
+        await context.abort(STATUS[StagePending], str(exc))
     except PlacementLost as exc:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        await context.abort(STATUS[StageUnavailable], str(exc))
     except GenerationFault as exc:
-        await context.abort(STAGE_FAULT, f"{FAULT}{exc}")
+        await context.abort(STATUS[StageFault], f"{FAULT}{exc}")
     finally:
         if over is not None:
             over.set()

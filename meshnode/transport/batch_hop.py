@@ -13,7 +13,6 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-import grpc
 import mlx.core as mx
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -33,7 +32,7 @@ from meshnode.model.wire import (
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
 from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read_reply, refuse, stream_key
-from meshnode.transport.refusals import StageError, StageFault, StageRefusal
+from meshnode.transport.refusals import InvalidInput, StageError, StageFault, StageRefused
 
 if TYPE_CHECKING:
     from meshnode.model.shard import Shard
@@ -53,7 +52,7 @@ def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mes
     try:
         shard = server.shard_for(opening.forward)
         _check_batchable(shard)
-    except StageRefusal as refusal:
+    except StageError as refusal:
         refuse(conn, refusal)
         return
     batch = server.batches[id(conn)] = DecodeBatch(shard.make_cache)  # this stream's micro-batch
@@ -78,14 +77,14 @@ def _serve_steps(
             msg = mesh_pb2.ForwardRequest.FromString(bytes(frame))
         except (FrameError, DecodeError) as exc:
             log.warning("refused a malformed batch frame from %s: %s", host, exc)
-            refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
+            refuse(conn, InvalidInput("malformed ForwardRequest"))
             return
         try:
             members = _members(server, shard, msg)
             rows = _rows(server, shard, msg.input, len(members))
             n = run_here(partial(_step, server, shard, batch, members, rows, msg.input.dtype, out))
-        except StageRefusal as refusal:
-            if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
+        except StageError as refusal:
+            if isinstance(refusal, InvalidInput):
                 log.warning("refused a batched step from %s: %s", host, refusal)
             refuse(conn, refusal)
             return
@@ -98,26 +97,18 @@ def _serve_steps(
 def _check_batchable(shard) -> None:
     if not batchable_shard(shard):
         spec = shard.spec
-        raise StageRefusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here",
-        )
+        raise StageRefused(f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
 
 
 def _members(server: StageServer, shard: Shard, msg: mesh_pb2.ForwardRequest) -> list[OpenStage]:
     ids = list(msg.members)
     if not ids or len(ids) > MAX_ROWS or len(set(ids)) != len(ids):
-        raise StageRefusal(
-            grpc.StatusCode.INVALID_ARGUMENT, f"a batched step names 1 to {MAX_ROWS} distinct requests, not {len(ids)}"
-        )
+        raise InvalidInput(f"a batched step names 1 to {MAX_ROWS} distinct requests, not {len(ids)}")
     spec, members = shard.spec, []
     for rid in ids:
         stage = server.streams.get(stream_key(rid, spec.start, spec.end))
         if stage is None or stage.shard is not shard:
-            raise StageRefusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"request {rid[:64]} has no open stream to layers [{spec.start}, {spec.end}) here",
-            )
+            raise StageRefused(f"request {rid[:64]} has no open stream to layers [{spec.start}, {spec.end}) here")
         members.append(stage)
     return members
 
@@ -128,7 +119,7 @@ def _rows(server: StageServer, shard: Shard, tensor: mesh_pb2.Tensor, n: int) ->
             return check_tokens(tensor, server.vocab_size, server.max_chunk, expect=(n, 1))
         return host_array(tensor, dtypes=ACTIVATIONS, expect=(n, 1, shard.hidden_size))
     except WireError as exc:
-        raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        raise InvalidInput(str(exc)) from None
 
 
 def _step(
@@ -144,10 +135,7 @@ def _step(
     started = time.perf_counter()
     with server.steps.step(), batch.lock:
         if any(stage.prepared is not None for stage in members):
-            raise StageRefusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "a request that promised its next step on its own stream joined a batch",
-            )
+            raise StageRefused("a request that promised its next step on its own stream joined a batch")
         for stage in members:
             stage.admit(1)
         try:

@@ -46,7 +46,7 @@ from meshnode.transport.dataport import (
     send_frame,
     send_prepared,
 )
-from meshnode.transport.refusals import StageError, StageRefusal, stage_error
+from meshnode.transport.refusals import InvalidInput, StageError, stage_error
 from meshnode.transport.stage import KEPT
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def serve_forward(
     out = bytearray()  # raw replies are written here, token after token
     try:
         stage = server.open(opening.forward)
-    except StageRefusal as refusal:
+    except StageError as refusal:
         refuse(conn, refusal)
         return
     conn.settimeout(IDLE_TIMEOUT)
@@ -109,7 +109,7 @@ def serve_forward(
                 msg = RawRequest(frame) if raw and is_raw(frame) else mesh_pb2.ForwardRequest.FromString(bytes(frame))
             except (FrameError, DecodeError, WireError) as exc:
                 log.warning("refused a malformed frame from %s for %s: %s", host, request_id, exc)
-                refuse(conn, StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest"))
+                refuse(conn, InvalidInput("malformed ForwardRequest"))
                 return
             # The request's last message: keep its KV, then say so.
             if not isinstance(msg, RawRequest) and msg.keep:
@@ -130,8 +130,8 @@ def serve_forward(
                     n = run_here(partial(_run_raw, stage, msg, out))
                 else:
                     payload = run_here(partial(_run_message, stage, msg))
-            except StageRefusal as refusal:
-                if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
+            except StageError as refusal:
+                if isinstance(refusal, InvalidInput):
                     log.warning("refused a malformed activation from %s for %s: %s", host, request_id, refusal)
                 refuse(conn, refusal)
                 return
@@ -184,7 +184,8 @@ def _run_raw(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest, buf: b
     return raw_reply_into(buf, HEADER, out, time.perf_counter() - started, TAKES_RAW)
 
 
-def refuse(conn: socket.socket, refusal: StageRefusal) -> None:
+def refuse(conn: socket.socket, refusal: StageError) -> None:
+    """Send ``refusal`` as a reply's status and details: the head reads it as the gRPC status."""
     try:
         send_frame(conn, mesh_pb2.ForwardReply(code=refusal.code.value[0], error=str(refusal)).SerializeToString())
     except OSError:

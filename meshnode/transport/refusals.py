@@ -1,4 +1,9 @@
-"""A remote stage's gRPC status codes, mapped to errors that say what to do next."""
+"""A stage's refusals: one vocabulary for both ends of a stream.
+
+The serving side raises a :class:`StageError` kind, which goes out as its gRPC status (:data:`STATUS`)
+and its message as the details; the calling side maps the status back to the kind (:func:`refusal_kind`)
+and says what to do next.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,18 @@ import grpc
 class StageError(RuntimeError):
     """A remote stage failed, refused, or did not answer in time."""
 
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The gRPC status this error goes out as."""
+        return next(STATUS[kind] for kind in type(self).__mro__ if kind in STATUS)
+
 
 class StageRefused(StageError):
     """The stage said no (stale epoch, not loaded): a new plan may help."""
+
+
+class StageUnavailable(StageRefused):
+    """The stage's layers are not loaded there, its tensor group broke, or it cannot be reached."""
 
 
 class StagePending(StageRefused):
@@ -23,46 +37,46 @@ class PrefixMiss(StageError):
     quiet = True  # the head reruns the request at once
 
 
+class ContextExceeded(StageError):
+    """The request's positions outgrew the stage's context: lost, as any other stage error."""
+
+
 class StageFault(StageError):
     """The stage raised on its input: deterministic, so the generation ends."""
 
 
-# Not yet. gRPC never makes ABORTED, NOT_FOUND or INVALID_ARGUMENT itself, so a lost connection is none of them.
-EPOCH_PENDING = grpc.StatusCode.ABORTED
-# The stage raised: INTERNAL, details starting FAULT (gRPC makes INTERNAL of its own too).
-STAGE_FAULT, FAULT = grpc.StatusCode.INTERNAL, "stage fault: "
+class InvalidInput(StageFault):
+    """The stage's input is malformed (a bad tensor, a rewind past its start): refused again if resent."""
 
 
-# Bad input: refused again if resent.
-INVALID_INPUT = grpc.StatusCode.INVALID_ARGUMENT
+# Each kind's status on the wire, both ways. gRPC never makes ABORTED, NOT_FOUND or INVALID_ARGUMENT
+# itself, so a lost connection is none of them; it does make UNAVAILABLE and INTERNAL.
+STATUS: dict[type[StageError], grpc.StatusCode] = {
+    StageError: grpc.StatusCode.UNKNOWN,
+    StageRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    StageUnavailable: grpc.StatusCode.UNAVAILABLE,
+    StagePending: grpc.StatusCode.ABORTED,
+    PrefixMiss: grpc.StatusCode.NOT_FOUND,
+    ContextExceeded: grpc.StatusCode.OUT_OF_RANGE,
+    StageFault: grpc.StatusCode.INTERNAL,
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+}
+KINDS = {code: kind for kind, code in STATUS.items()}
 
-# The prefix to resume from is not held.
-PREFIX_MISS = grpc.StatusCode.NOT_FOUND
+# A fault's details start with FAULT: gRPC's own INTERNAL does not.
+FAULT = "stage fault: "
 
 
 def is_fault(code: grpc.StatusCode | None, details: str | None) -> bool:
-    return code == STAGE_FAULT and (details or "").startswith(FAULT)
-
-
-class StageRefusal(Exception):
-    """Why a stage will not run a message, as the caller's gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+    return code == STATUS[StageFault] and (details or "").startswith(FAULT)
 
 
 def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[StageError]:
     """What a stage's (or a head's) error status means."""
-    if code == EPOCH_PENDING:
-        return StagePending
-    if code == PREFIX_MISS:
-        return PrefixMiss
-    if is_fault(code, details) or code == INVALID_INPUT:
-        return StageFault
-    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
-        return StageRefused
-    return StageError
+    kind = KINDS.get(code, StageError) if code is not None else StageError
+    if kind is StageFault and not is_fault(code, details):
+        return StageError  # gRPC's own INTERNAL: a stream that broke, lost like any other
+    return kind
 
 
 def stage_error(st, exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:

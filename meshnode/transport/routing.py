@@ -17,7 +17,7 @@ from meshnode.errors import abort
 from meshnode.proto import mesh_pb2
 from meshnode.transport.batch_hop import serve_batch
 from meshnode.transport.hop import StreamHook, refuse, serve_forward
-from meshnode.transport.refusals import EPOCH_PENDING, StageRefusal
+from meshnode.transport.refusals import STATUS, InvalidInput, StagePending
 
 if TYPE_CHECKING:
     from meshnode.transport.stage import StageServer
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def not_served(model: str) -> StageRefusal:
-    return StageRefusal(EPOCH_PENDING, f"model {model!r} is not served here (yet)")
+def not_served(model: str) -> StagePending:
+    return StagePending(f"model {model!r} is not served here (yet)")
 
 
 class StageRouter:
@@ -48,7 +48,7 @@ class StageRouter:
         except StopAsyncIteration:
             return
         except DecodeError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
+            await context.abort(STATUS[InvalidInput], "malformed ForwardRequest")
         server = self._server_of(first.model)
         if server is None:
             refusal = not_served(first.model)

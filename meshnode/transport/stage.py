@@ -39,13 +39,16 @@ from meshnode.model.wire import (
 )
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.transport.refusals import (
-    EPOCH_PENDING,
     FAULT,
-    PREFIX_MISS,
-    STAGE_FAULT,
+    STATUS,
+    ContextExceeded,
+    InvalidInput,
+    PrefixMiss,
     StageError,
     StageFault,
-    StageRefusal,
+    StagePending,
+    StageRefused,
+    StageUnavailable,
     stage_error,
 )
 
@@ -98,14 +101,14 @@ class StageServer:
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
         self.batches: dict[int, DecodeBatch] = {}  # by batch stream
 
-    def fault(self, shard: Shard, what: str, whose: str, exc: BaseException) -> StageRefusal:
+    def fault(self, shard: Shard, what: str, whose: str, exc: BaseException) -> StageFault:
         """The refusal for ``shard`` raising on ``what``, logged and told to on_fault."""
         spec = shard.spec
         log.exception("layers [%d, %d) failed on %s", spec.start, spec.end, whose)
         error = f"layers [{spec.start}, {spec.end}) failed on {what}: {type(exc).__name__}: {exc}"
         if self.on_fault is not None:
             self.on_fault(error)
-        return StageRefusal(STAGE_FAULT, f"{FAULT}{error}")
+        return StageFault(f"{FAULT}{error}")
 
     def serve(self, epoch: int, shards: dict[tuple[int, int], Shard]) -> None:
         self.epochs[epoch] = dict(shards)
@@ -120,7 +123,7 @@ class StageServer:
                     self.prefixes.forget(layers)
 
     def open(self, msg: mesh_pb2.ForwardRequest) -> OpenStage:
-        """One request's use of a stage served here (raises :class:`StageRefusal`)."""
+        """One request's use of a stage served here (raises a :class:`StageError` kind)."""
         key = (msg.start_layer, msg.end_layer)
         shard = self.shard_for(msg)
         cache = None
@@ -131,25 +134,22 @@ class StageServer:
                 else (None, "no prompt cache here")
             )
             if cache is None:
-                raise StageRefusal(
-                    PREFIX_MISS,
+                raise PrefixMiss(
                     f"prefix {msg.resume} ({msg.resume_length} positions) of layers [{key[0]}, {key[1]}): {why}",
                 )
         return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
 
     def shard_for(self, msg: mesh_pb2.ForwardRequest) -> Shard:
-        """The shard a stream's opening names, or :class:`StageRefusal`."""
+        """The shard a stream's opening names, or a :class:`StageError` kind."""
         key = (msg.start_layer, msg.end_layer)
         if msg.epoch not in self.epochs:
             serving = sorted(self.epochs) or "none"
             if msg.epoch > max(self.epochs, default=0):  # a plan this node is still adopting or loading
-                raise StageRefusal(EPOCH_PENDING, f"epoch {msg.epoch} is not served here yet (serving {serving})")
-            raise StageRefusal(
-                grpc.StatusCode.FAILED_PRECONDITION, f"epoch {msg.epoch} is not served here (serving {serving})"
-            )
+                raise StagePending(f"epoch {msg.epoch} is not served here yet (serving {serving})")
+            raise StageRefused(f"epoch {msg.epoch} is not served here (serving {serving})")
         shard = self.epochs[msg.epoch].get(key)
         if shard is None:
-            raise StageRefusal(grpc.StatusCode.UNAVAILABLE, f"layers [{key[0]}, {key[1]}) are not loaded here")
+            raise StageUnavailable(f"layers [{key[0]}, {key[1]}) are not loaded here")
         return shard
 
     async def forward(
@@ -167,8 +167,8 @@ class StageServer:
                         continue
                     stage.admit(msg.input.shape[1] if len(msg.input.shape) > 1 else 0, msg.rewind)
                     output, seconds = await self.scheduler.call(partial(stage.run, msg))
-                except StageRefusal as refusal:
-                    if refusal.code == grpc.StatusCode.INVALID_ARGUMENT:
+                except StageError as refusal:
+                    if isinstance(refusal, InvalidInput):
                         log.warning("refused a malformed activation for %s: %s", msg.request_id or "?", refusal)
                     await context.abort(refusal.code, str(refusal))
                 if self.inject_latency:
@@ -176,7 +176,7 @@ class StageServer:
                 yield mesh_pb2.ForwardReply(output=output, stage_seconds=seconds)
         except DecodeError:
             # A corrupt message is the caller's error, not UNKNOWN and a traceback.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ForwardRequest")
+            await context.abort(STATUS[InvalidInput], "malformed ForwardRequest")
         finally:
             if stage is not None:
                 stage.close()
@@ -200,12 +200,10 @@ class OpenStage:
     def admit(self, positions: int, rewind: int = 0) -> None:
         """Count ``positions`` more of this request's KV here, ``rewind`` fewer (rejected drafts)."""
         if rewind > self.seen:
-            raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"rewind of {rewind} positions, {self.seen} held")
+            raise InvalidInput(f"rewind of {rewind} positions, {self.seen} held")
         self.seen += positions - rewind
         if self.seen > self.server.max_context:
-            raise StageRefusal(
-                grpc.StatusCode.OUT_OF_RANGE, f"request exceeds the context of {self.server.max_context} tokens"
-            )
+            raise ContextExceeded(f"request exceeds the context of {self.server.max_context} tokens")
         if self.server.prefixes is not None:  # kept prefixes make room for this request's KV
             self.server.prefixes.grow(self.layers, positions - rewind)
 
@@ -263,9 +261,9 @@ class OpenStage:
             mx.eval(out)
             return out
         except (WireError, CannotRewind) as exc:
-            raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise InvalidInput(str(exc)) from None
         except TensorGroupError as exc:  # the group's ring broke: the caller re-plans
-            raise StageRefusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            raise StageUnavailable(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the model raised on this input: report it, keep serving
             raise self.server.fault(self.shard, "this input", f"{msg.request_id or '?'}'s input", exc) from None
 
