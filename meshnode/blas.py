@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
+from meshnode.errors import MeshnodeError
+
 ENV = "MESHNODE_BLAS"
 THREADS_ENV = "OPENBLAS_NUM_THREADS"
 # What Debian's, Ubuntu's and Fedora's OpenBLAS packages put on the loader's path.
@@ -21,7 +23,7 @@ _loaded: str | None = None
 problem: str | None = None  # why MESHNODE_BLAS could not be followed (logged at start)
 
 
-class BlasError(ValueError):
+class BlasError(MeshnodeError, ValueError):
     """``MESHNODE_BLAS`` names something that cannot be used."""
 
 

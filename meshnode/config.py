@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from meshnode.errors import MeshnodeError
 from meshnode.values import (
     as_float,
     as_int,
@@ -57,7 +58,7 @@ CONFIG_ENV = "MESHNODE_CONFIG"
 SECRET_FIELDS = ("cluster_key", "api_key")
 
 
-class ConfigError(ValueError):
+class ConfigError(MeshnodeError, ValueError):
     """An unknown setting or a bad value; the message names the key and its source."""
 
 

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from meshnode.durable import fsync_dir
+from meshnode.errors import MeshnodeError
 
 __all__ = ["IdentityError", "NODE_ID_FILE", "OPEN_CLUSTER", "cluster_id", "load_or_create_node_id", "new_node_id"]
 
@@ -25,7 +26,7 @@ _CLUSTER_ID_INFO = b"meshnode cluster id v1"
 VALID_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # also fits one DNS label (mDNS)
 
 
-class IdentityError(OSError):
+class IdentityError(MeshnodeError, OSError):
     """The node id could not be read or stored (e.g. the state folder is not writable)."""
 
 

@@ -16,6 +16,8 @@ from string import Template
 from typing import TextIO
 from xml.sax.saxutils import escape
 
+from meshnode.errors import MeshnodeError
+
 __all__ = [
     "LABEL",
     "UNIT",
@@ -354,8 +356,8 @@ def _write_private_or_plain(path: Path, text: str, mode: int) -> None:
     os.replace(tmp, path)
 
 
-class CommandFailed(RuntimeError):
-    pass
+class CommandFailed(MeshnodeError, RuntimeError):
+    """A service manager's command exited non-zero; the message names it and its status."""
 
 
 def apply(act: Action, runner: Runner = run_command, uninstall: bool = False, out: TextIO | None = None) -> None:

@@ -7,10 +7,11 @@ from typing import Any
 
 from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from meshnode.errors import MeshnodeError
 from meshnode.model.prefixes import distinct
 
 
-class CannotRewind(RuntimeError):
+class CannotRewind(MeshnodeError, RuntimeError):
     """The cache cannot be cut back (a wrapped sliding window, a recurrent state)."""
 
 

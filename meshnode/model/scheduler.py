@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from meshnode.errors import MeshnodeError
 from meshnode.model.shard import any_thread_stream
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ def mlx_turn():
         baton.release()
 
 
-class GenerationCancelled(Exception):
+class GenerationCancelled(MeshnodeError):
     """The generation's consumer has gone: raised on its own thread between steps of a long prefill."""
 
     quiet = True  # a client leaving is normal (TokenScheduler._drive logs it at INFO)

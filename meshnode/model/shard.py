@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
+from meshnode.errors import MeshnodeError
 from meshnode.logonce import Once
 from meshnode.model.rewind import rewind_limit
 from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 _KV_TOLD = Once()  # (kv_bits, why not) warned of: every shard of the model has the same problem
 
 
-class _StageOutput(Exception):
+class _StageOutput(MeshnodeError):
     """Carries the hidden state out of the family's forward pass at the shard's end."""
 
     def __init__(self, hidden: mx.array):

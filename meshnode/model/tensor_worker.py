@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import mlx.core as mx
 
+from meshnode.errors import MeshnodeError
 from meshnode.model.lifeline import die_with_parent
 from meshnode.model.prefixes import copy_cut, cut_to, distinct
 from meshnode.model.rewind import CannotRewind, rewind_limit, rewind_owned
@@ -51,7 +52,7 @@ _HELLO = struct.Struct("<I32s")  # rank, HMAC-SHA256 proving the cluster key
 SECRET_ENV = "MESHNODE_GROUP_SECRET"
 
 
-class TensorGroupError(RuntimeError):
+class TensorGroupError(MeshnodeError, RuntimeError):
     """The group's worker failed, exited or missed its deadline."""
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from meshnode.errors import MeshnodeError
 from meshnode.proto import mesh_pb2
 
 # Wire name -> (mlx dtype, numpy view dtype: its itemsize is the wire's); bfloat16 travels as uint16.
@@ -37,7 +38,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return name
 
 
-class WireError(ValueError):
+class WireError(MeshnodeError, ValueError):
     """A tensor from a peer that does not match what was expected."""
 
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from meshnode.errors import MeshnodeError
+
 STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
 # A model served but held nowhere now (no room, or idle): loaded when a request asks.
 UNLOADED = "unloaded"
@@ -149,7 +151,7 @@ class Plan:
         )
 
 
-class PlanError(Exception):
+class PlanError(MeshnodeError):
     """No plan fits; ``reasons`` says why, one sentence each."""
 
     def __init__(self, reasons: Sequence[str] | str):

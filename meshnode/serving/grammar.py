@@ -11,6 +11,8 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
+from meshnode.errors import MeshnodeError
+
 # Any JSON object, as OpenAI's json_object asks for.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -75,5 +77,5 @@ class GrammarProcessor:
         return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
-class GrammarError(RuntimeError):
+class GrammarError(MeshnodeError, RuntimeError):
     """The answer left its grammar."""

@@ -13,16 +13,17 @@ from typing import Protocol
 
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from meshnode.errors import MeshnodeError
 from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class PlacementLost(RuntimeError):
+class PlacementLost(MeshnodeError, RuntimeError):
     """The placement serving a generation failed; a new plan may carry it on."""
 
 
-class NotReady(RuntimeError):
+class NotReady(MeshnodeError, RuntimeError):
     """No placement newer than the failed one is ready yet."""
 
 
@@ -30,7 +31,7 @@ class EpochPending(PlacementLost):
     """A node is still switching to the placement's epoch: retried shortly, costing no attempt."""
 
 
-class GenerationFault(RuntimeError):
+class GenerationFault(MeshnodeError, RuntimeError):
     """A stage raised on the generation's input: deterministic, so the generation ends at once."""
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
+from meshnode.errors import MeshnodeError
 from meshnode.model.wire import LENGTH, MAX_TENSOR_BYTES
 from meshnode.proto import mesh_pb2
 from meshnode.transport.listener import ThreadedListener, recv_exact
@@ -29,7 +30,7 @@ MAX_CONNECTIONS = 256
 _INLINE = 64 * 1024  # frames up to this size go out in one send
 
 
-class FrameError(ValueError):
+class FrameError(MeshnodeError, ValueError):
     """A frame that breaks the protocol: too long, cut short, or not the message it must be."""
 
 

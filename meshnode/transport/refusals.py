@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import grpc
 
+from meshnode.errors import MeshnodeError
 
-class StageError(RuntimeError):
+
+class StageError(MeshnodeError, RuntimeError):
     """A remote stage failed, refused, or did not answer in time."""
 
     @property

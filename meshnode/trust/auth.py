@@ -29,6 +29,8 @@ from typing import Any
 
 import grpc
 
+from meshnode.errors import MeshnodeError
+
 __all__ = [
     "ClusterAuth",
     "AuthServerInterceptor",
@@ -105,8 +107,8 @@ class _ReplayCache:
         return len(self._seen)
 
 
-class _Refused(Exception):
-    pass
+class _Refused(MeshnodeError):
+    """Why a call's authentication is refused; caught where it is checked."""
 
 
 class ClusterAuth:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from meshnode.errors import MeshnodeError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.store import CHUNK
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 JOURNAL = ".meshnode-journal"
 
 
-class FetchError(RuntimeError):
+class FetchError(MeshnodeError, RuntimeError):
     """A model's layers could not be fetched (no peer holds them, all failed, ...)."""
 
 
@@ -45,7 +46,9 @@ class DownloadItem:
     bad: set[str] = field(default_factory=set)
 
 
-class ItemFailed(Exception):
+class ItemFailed(MeshnodeError):
+    """One item from one peer failed (``peer_dead``: the peer stopped answering): asked of another."""
+
     def __init__(self, reason: str, peer_dead: bool = False):
         super().__init__(reason)
         self.peer_dead = peer_dead

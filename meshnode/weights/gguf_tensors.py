@@ -16,6 +16,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor, get_tensor_name_map, quants
 from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
 
+from meshnode.errors import MeshnodeError
+
 GROUP_SIZE = 32
 Q = GGMLQuantizationType
 # Kept bit for bit: (bits, bytes per 32-value block).
@@ -49,7 +51,7 @@ DERIVED = re.compile(r"^rope_freqs\.weight$|\.attn_rot_embd$")
 _SAFE_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 
 
-class UnsupportedGGUF(ValueError):
+class UnsupportedGGUF(MeshnodeError, ValueError):
     """A GGUF this node cannot serve; the message names the architecture, tensor or type."""
 
 

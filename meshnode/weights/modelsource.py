@@ -7,13 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshnode.config import default_cache_dir
+from meshnode.errors import MeshnodeError
 from meshnode.weights.gguf_source import converted_id, is_gguf_spec, resolve_gguf
 
 log = logging.getLogger(__name__)
 
 
-class ModelNotFound(RuntimeError):
-    pass
+class ModelNotFound(MeshnodeError, RuntimeError):
+    """No model folder, GGUF file or Hugging Face repository by that name (or it cannot be read)."""
 
 
 def resolve_model(
