@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,7 +143,7 @@ def run_mesh(
         for p in procs:
             try:
                 p.wait(20)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 p.kill()
 
 

@@ -175,7 +175,7 @@ def working_set_limit() -> int | None:
         import mlx.core as mx
 
         size = mx.device_info().get("max_recommended_working_set_size")
-    except Exception:  # no MLX device information: no limit beyond memory itself
+    except Exception:  # noqa: BLE001 - no MLX device information: no limit beyond memory itself
         return None
     return int(size) if size else None
 
@@ -212,7 +212,7 @@ def compute_figure() -> float:
         if _compute_cache is None:
             try:
                 _compute_cache = _measure_matmul()
-            except Exception as exc:  # pragma: no cover - only when MLX is broken
+            except Exception as exc:  # noqa: BLE001  # pragma: no cover - only when MLX is broken
                 log.warning("could not measure compute speed (%s); assuming 1 GFLOP/s", exc)
                 _compute_cache = 1.0
         return _compute_cache

@@ -75,7 +75,7 @@ def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True
     async def main():
         try:
             await node.start()
-        except BaseException as exc:  # surfaced to the test
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the test
             errors.append(exc)
             started.set()
             return

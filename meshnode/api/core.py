@@ -478,7 +478,7 @@ async def stream(request: web.Request, gen: Generation, fmt: StreamFormat) -> we
     except ApiError as err:
         response[OUTCOME] = outcome_for_status(err.status)  # counted by generate
         await send(fmt.failure(err))
-    except Exception:  # noqa: BLE001 - headers are sent: a 500 now would corrupt the stream
+    except Exception:  # headers are sent: a 500 now would corrupt the stream
         log.exception("generation %s failed mid-stream", gen.id)
         response[OUTCOME] = "error"
         await send(fmt.failure(ApiError(500, "internal error", type="server_error")))

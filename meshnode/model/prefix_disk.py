@@ -232,7 +232,7 @@ class PrefixDisk:
             caches, metadata = load_prompt_cache(str(path), return_metadata=True)
             mx.eval([c.state for c in caches])
             start, held = int(metadata.get("start", 0)), int(metadata.get("positions", 0))
-        except Exception as exc:  # truncated, corrupt, or not an entry at all
+        except Exception as exc:  # noqa: BLE001 - truncated, corrupt, or not an entry at all: deleted
             log.warning("prompt cache: deleted %s, which could not be read: %s", path, exc)
             path.unlink(missing_ok=True)
             return None, {}, f"{path.name} could not be read"
@@ -265,7 +265,7 @@ class PrefixDisk:
                 tokens = np.load(path, allow_pickle=False)
                 if tokens.ndim != 1 or tokens.dtype.kind != "i":
                     raise ValueError(f"{tokens.dtype} tokens of shape {tokens.shape}")
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is deleted, never the node's end
                 log.warning("prompt cache: deleted %s, which could not be read: %s", path, exc)
                 path.unlink(missing_ok=True)
                 continue

@@ -367,7 +367,7 @@ class _Call:
     def run(self) -> None:
         try:
             result, exc = self.fn(), None
-        except BaseException as e:  # handed to the awaiting coroutine
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             result, exc = None, e
         try:
             self.loop.call_soon_threadsafe(_settle, self.future, result, exc)

@@ -163,7 +163,7 @@ class BatchLoop:
                     self._leave({uid: r for uid, r in self._running.items() if r.job.cancelled.is_set()})
                     if self._running:
                         self._step()
-                except Exception as exc:  # noqa: BLE001 - the step failed: every request in it
+                except Exception as exc:  # the step failed: every request in it
                     log.warning("batched generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
                     for request in list(self._running.values()):
                         self._finish(request, exc)
@@ -292,7 +292,7 @@ class BatchLoop:
         try:
             if self._store.keep(self._layers, key, cache, len(tokens), parent):
                 self._index.add(tokens, key)
-        except Exception:  # noqa: BLE001 - the answer is complete; only the cache is lost
+        except Exception:  # the answer is complete; only the cache is lost
             log.debug("keeping a prefix failed", exc_info=True)
 
     def _release(self, request: _Request) -> None:

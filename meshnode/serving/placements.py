@@ -137,7 +137,7 @@ class HeadPlacement:
             raise PlacementLost(str(exc)) from None
         except GrammarError as exc:  # the request's grammar, not this node's layers
             raise GenerationFault(str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - this node's own layers raised on the input
+        except Exception as exc:  # this node's own layers raised on the input
             log.exception("epoch %d: the generation failed here", self.epoch)
             self._on_fault(f"the head's layers failed on this input: {type(exc).__name__}: {exc}")
             raise GenerationFault(f"{type(exc).__name__}: {exc}") from None

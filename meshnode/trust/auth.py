@@ -409,7 +409,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
             # UNAUTHENTICATED, not INTERNAL (grpc/grpc#36066).
             try:
                 await asyncio.wait_for(context.read(), _STREAM_REFUSAL_READ_TIMEOUT)
-            except Exception:  # noqa: BLE001 - timeout, cancelled or broken stream: refuse anyway
+            except Exception:  # noqa: BLE001 - a timeout or a broken stream: refuse anyway
                 pass
             await refuse(None, context)
 

@@ -319,7 +319,7 @@ def _download(
                 if exc.response is not None and exc.response.status_code in (401, 403, 404):
                     raise
                 err: Exception | None = exc
-            except Exception as exc:  # a cut connection, a timeout: keep the part, ask for the rest
+            except Exception as exc:  # noqa: BLE001 - the client's cut connection or timeout: keep the part
                 err = exc
             else:
                 err = None
