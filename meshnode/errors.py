@@ -12,7 +12,7 @@ The tree (module, and the builtin kept as a base where callers catch it); each s
   * CannotRewind (model.rewind, RuntimeError) - this cache cannot be cut back: it never will
   * GenerationCancelled (model.scheduler) - the generation's consumer has gone: nothing to retry
   * TensorGroupError (model.tensor_worker, RuntimeError) - a group's worker failed: a new plan may help
-  * WireError (model.wire, ValueError) - a peer's tensor is not what was expected: so is a resend
+  * WireError (model.wire, ValueError) - a peer's tensor is not what was expected: refused again if resent
   * FrameError (transport.dataport, ValueError) - a data-port frame breaks the protocol: the stream ends
   * StageError (transport.refusals, RuntimeError) - a remote stage failed or went silent: re-plan, retry
     * StageRefused - FAILED_PRECONDITION, the stage said no (a superseded epoch): a new plan may help
@@ -32,7 +32,7 @@ The tree (module, and the builtin kept as a base where callers catch it); each s
   * ItemFailed (weights.download) - one piece from one peer failed: asked of another peer
   * UnsupportedGGUF (weights.gguf_tensors, ValueError) - a GGUF this node cannot serve: never will
   * ModelNotFound (weights.modelsource, RuntimeError) - no such model folder or Hub id: fix the name
-  * _StageOutput (model.shard), _Refused (trust.auth) - control flow inside one function: never escape
+  * _StageOutput (model.shard), _Refused (trust.auth) - control flow, caught in their own modules
 
 A stage's refusal is one of the StageError kinds on both sides of a stream: the serving side raises
 it, :mod:`meshnode.transport.refusals` maps it to its gRPC status and back. This module imports
