@@ -100,7 +100,7 @@ async def errors_middleware(request: web.Request, handler):
         return _error_response(ApiError(exc.status, message, type=kind, headers=keep), request)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception:
+    except Exception:  # a bug in a handler is a 500 for its request, never the server's end
         log.exception("unhandled error serving %s %s", request.method, request.path)
         return _error_response(ApiError(500, "internal error", type="server_error"), request)
 

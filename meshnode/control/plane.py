@@ -80,7 +80,7 @@ class ControlPlane:
         await self.heartbeats.beat_all()
         try:
             self.tick()
-        except Exception:
+        except Exception:  # one failed tick must not stop the control loop
             log.exception("control loop tick failed")
 
     def tick(self) -> None:
