@@ -8,7 +8,7 @@ The tree (module, and the builtin kept as a base where callers catch it); each s
   * BlasError (blas, ValueError) - ``MESHNODE_BLAS`` names something unusable: MLX's own BLAS runs
   * IdentityError (identity, OSError) - the node id cannot be read or stored: fix the state folder
   * CommandFailed (service, RuntimeError) - a service manager's command exited non-zero
-  * PlanError (control.planner.plans) - no plan fits: the next change of the mesh plans again
+  * PlanError (planner.plans) - no plan fits: the next change of the mesh plans again
   * CannotRewind (model.rewind, RuntimeError) - this cache cannot be cut back: it never will
   * GenerationCancelled (model.scheduler) - the generation's consumer has gone: nothing to retry
   * TensorGroupError (model.tensor_worker, RuntimeError) - a group's worker failed: a new plan may help
