@@ -12,10 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from meshnode.errors import MeshnodeError
 from meshnode.values import (
+    STRATEGIES,
+    Strategy,
     as_float,
     as_int,
     as_path,
@@ -62,8 +64,14 @@ class ConfigError(MeshnodeError, ValueError):
     """An unknown setting or a bad value; the message names the key and its source."""
 
 
-STRATEGY_CHOICES = ("auto", "single", "pipeline", "tensor", "hybrid")
-SPECULATIVE_CHOICES = ("auto", "off", "prompt_lookup", "draft_model")
+# The strategy setting: "auto" (the least estimated time per token) or one the coordinator prefers.
+StrategySetting = Literal["auto"] | Strategy
+STRATEGY_CHOICES: tuple[StrategySetting, ...] = ("auto", *STRATEGIES)
+# How tokens are guessed ahead: "auto" (prompt lookup where the model is split), or as named.
+Speculative = Literal["auto", "off", "prompt_lookup", "draft_model"]
+SPECULATIVE_CHOICES: tuple[Speculative, ...] = get_args(Speculative)
+# Whether concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
+BatchStages = bool | Literal["auto"]
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; group control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # the link echo
 # The data port: activations in bare TCP frames.
@@ -210,9 +218,9 @@ class Settings:
     #: Batch concurrent generations where one node holds the whole model.
     batching: bool = True
     #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
-    batch_stages: bool | str = "auto"
+    batch_stages: BatchStages = "auto"
     #: "prompt_lookup", "draft_model" or "off"; "auto": prompt lookup where the model is split.
-    speculative: str = "auto"
+    speculative: Speculative = "auto"
     #: The most tokens guessed per pass.
     draft_max: int = 8
     #: A small model with the served model's tokenizer, for speculative = "draft_model".
@@ -247,7 +255,7 @@ class Settings:
     #: Seconds a slowdown (or a recovery) must last before the mesh plans around it.
     slow_dwell: float = 10.0
     #: auto, or prefer single, pipeline, tensor or hybrid where possible.
-    strategy: str = "auto"
+    strategy: StrategySetting = "auto"
     #: First of 34 TCP ports (tensor groups, echo +32, data port +33); 0 = grpc_port + 1.
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load.

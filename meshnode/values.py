@@ -9,11 +9,15 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from meshnode.identity import VALID_ID
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# How a plan splits a model: one node, a pipeline of stages, one tensor group, or stages of groups
+# (the planner's word; here, below both, so the strategy setting can name it too).
+Strategy = Literal["single", "pipeline", "tensor", "hybrid"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
@@ -98,7 +102,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def bool_or_auto(text: str | bool | int) -> bool | str:
+def bool_or_auto(text: str | bool | int) -> bool | Literal["auto"]:
     """``"auto"``, or a boolean as :func:`parse_bool` reads it."""
     if isinstance(text, str) and text.strip().lower() == "auto":
         return "auto"

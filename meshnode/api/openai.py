@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from meshnode.api import core
-from meshnode.api.validation import GenerationRequest, parse_request
+from meshnode.api.validation import GenerationRequest, RequestKind, parse_request
 from meshnode.errors import ApiError
 from meshnode.serving.answer import ToolCall
 from meshnode.serving.engine import Delta
@@ -20,7 +20,7 @@ from meshnode.serving.engine import Delta
 class _Envelope:
     """The parts every OpenAI answer object repeats: id, object, created, model, usage."""
 
-    def __init__(self, gen: core.Generation, kind: str):
+    def __init__(self, gen: core.Generation, kind: RequestKind):
         self.gen, self.kind, self.created = gen, kind, int(time.time())
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -49,7 +49,7 @@ class _ServerSentEvents(_Envelope):
         payload = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         return f"data: {payload}\n\n".encode()
 
-    def __init__(self, gen: core.Generation, kind: str, include_usage: bool):
+    def __init__(self, gen: core.Generation, kind: RequestKind, include_usage: bool):
         super().__init__(gen, kind)
         self.include_usage = include_usage
         self.calls = 0  # tool calls streamed so far: each one's index
@@ -99,7 +99,7 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _logprobs(kind: str, entries) -> dict[str, Any]:
+def _logprobs(kind: RequestKind, entries) -> dict[str, Any]:
     """OpenAI's logprobs object: chat's ``content`` list, or the legacy completions lists."""
     if kind == "chat":
 
@@ -124,7 +124,7 @@ def _first_of_each(top) -> dict[str, float]:
     return out
 
 
-async def _respond(kind: str, request: web.Request, gen: core.Generation, req: GenerationRequest):
+async def _respond(kind: RequestKind, request: web.Request, gen: core.Generation, req: GenerationRequest):
     if req.stream:
         return await core.stream(request, gen, _ServerSentEvents(gen, kind, req.include_usage))
     envelope = _Envelope(gen, kind)

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP = 4
+# What a request asks for: a chat turn from messages, or a completion of a prompt.
+RequestKind = Literal["chat", "completion"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Limits:
 class GenerationRequest:
     """A checked request, the same whichever API it came through."""
 
-    kind: str  # "chat" | "completion"
+    kind: RequestKind
     model: str
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str | list[int] | None = None
@@ -293,7 +295,7 @@ class CompletionRequest(_Completion):
         return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) else value
 
 
-def parse_request(body: Any, kind: str, limits: Limits) -> GenerationRequest:
+def parse_request(body: Any, kind: RequestKind, limits: Limits) -> GenerationRequest:
     req = validate(ChatRequest if kind == "chat" else CompletionRequest, body, {"limits": limits})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     repetition = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty

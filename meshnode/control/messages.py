@@ -7,7 +7,7 @@ import json
 import math
 
 from meshnode.nodeinfo import MAX_FAULT_TEXT, NodeInfo
-from meshnode.planner.plans import UNLOADED, Plan, Stage
+from meshnode.planner.plans import UNLOADED, Plan, Stage, as_plan_strategy
 from meshnode.proto import mesh_pb2
 from meshnode.weights.holdings import holdings_from_pb, holdings_to_pb
 from meshnode.weights.kvquant import KV_BITS
@@ -150,10 +150,14 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
         raise ValueError(f"plan epoch {msg.epoch} covers {edge} of {num_layers} layers")
     if msg.kv_bits and msg.kv_bits not in KV_BITS:
         raise ValueError(f"plan epoch {msg.epoch}: kv_bits {msg.kv_bits} is not 0 or one of {KV_BITS}")
+    try:
+        strategy = as_plan_strategy(msg.strategy)
+    except ValueError as exc:
+        raise ValueError(f"plan epoch {msg.epoch}: {exc}") from None
     estimate = msg.estimate_s if math.isfinite(msg.estimate_s) and msg.estimate_s >= 0 else 0.0
     return Plan(
         model=msg.model,
-        strategy=msg.strategy,
+        strategy=strategy,
         stages=stages,
         epoch=msg.epoch,
         reason=msg.reason,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshnode.config import Settings
+    from meshnode.config import Settings, StrategySetting
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class PeerSettings:
 class PlanSettings:
     """What a model's coordinator reads."""
 
-    strategy: str
+    strategy: StrategySetting
     rebalance_dwell: float
     link_probe_interval: float
     failure_timeout: float

@@ -14,13 +14,14 @@ from meshnode.planner.cost import (
     supports_tensor,
     tensor_parallel_problem,
 )
-from meshnode.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, human_bytes
+from meshnode.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, Strategy, human_bytes
 from meshnode.planner.search import bytes_to_fetch, crossover_latency, estimate, plan
 
 __all__ = [
     "DEFAULT_LINK",
     "FAST_RTT_S",
     "STRATEGIES",
+    "Strategy",
     "TENSOR_FAMILIES",
     "LinkSpec",
     "NodeSpec",

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from meshnode.planner.memory import LayerCosts, split_layers
-from meshnode.planner.plans import LinkSpec, NodeSpec
+from meshnode.planner.plans import LinkSpec, NodeSpec, Strategy
 from meshnode.weights.profile import ModelProfile
 from meshnode.weights.weightfiles import ITEMSIZE
 
@@ -91,7 +91,7 @@ def units_summary(units) -> str:
     return " | ".join(f"{s}-{e - 1}@{'+'.join(ids)}" for ids, s, e in units)
 
 
-def kind_of(units) -> str:
+def kind_of(units) -> Strategy:
     grouped = any(len(ids) > 1 for ids, _, _ in units)
     if len(units) == 1:
         return "tensor" if grouped else "single"

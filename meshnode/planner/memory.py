@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from meshnode.planner.plans import NodeSpec, Plan, Stage, describe_context, human_bytes
+from meshnode.planner.plans import NodeSpec, Plan, Stage, Strategy, describe_context, human_bytes
 from meshnode.weights.profile import ModelProfile
 
 EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here
@@ -224,7 +224,7 @@ def memory_plan(
     ranked: list[NodeSpec],
     ids: list[str],
     max_context: int,
-    strategy: str | None,
+    strategy: Strategy | None,
     pref: dict[str, int],
 ) -> Plan | None:
     """The memory-driven plan: the fewest nodes, split by memory. It comes first among the
@@ -263,7 +263,7 @@ def memory_plan(
     return None
 
 
-def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strategy, pref) -> str:
+def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strategy: Strategy | None, pref) -> str:
     need = costs.stage(0, costs.n)
     context = describe_context(ctx, profile.kv_requests, profile.kv_bits)
     if len(stages) == 1:
@@ -289,7 +289,9 @@ def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strateg
     return f"needs {k} nodes ({why}); layers split by memory: {parts}{keep}"
 
 
-def why_not(profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ctx: int, strategy) -> list[str]:
+def why_not(
+    profile: ModelProfile, costs: LayerCosts, ranked: list[NodeSpec], ctx: int, strategy: Strategy | None
+) -> list[str]:
     n = costs.n
     need = costs.stage(0, n)
     offered = sum(x.memory_budget for x in ranked)

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final, Literal
 
 from meshnode.errors import MeshnodeError
+from meshnode.values import STRATEGIES, Strategy
 
-STRATEGIES = ("single", "pipeline", "tensor", "hybrid")
 # A model served but held nowhere now (no room, or idle): loaded when a request asks.
-UNLOADED = "unloaded"
+UNLOADED: Final = "unloaded"
+# A plan's strategy: how it splits the model, or that it holds it nowhere.
+PlanStrategy = Strategy | Literal["unloaded"]
+_PLAN_STRATEGIES: dict[str, PlanStrategy] = {**{s: s for s in STRATEGIES}, UNLOADED: UNLOADED}
+
+
+def as_plan_strategy(text: str) -> PlanStrategy:
+    """``text`` as a plan's strategy; ValueError where it names none."""
+    try:
+        return _PLAN_STRATEGIES[text]
+    except KeyError:
+        raise ValueError(f"unknown plan strategy {text!r}") from None
+
+
 # A normal round trip's p95 is its median plus 0.64 of its p90 - p10 spread.
 TAIL_SPREADS = 0.64
 
@@ -64,7 +77,7 @@ class Plan:
     """Which nodes hold which layers of a model, by stage, with its estimate and reasons."""
 
     model: str
-    strategy: str  # "single" | "pipeline" | "tensor" | "hybrid"
+    strategy: PlanStrategy
     stages: tuple[Stage, ...]
     epoch: int = 0
     reason: str = ""
@@ -140,7 +153,7 @@ class Plan:
         )
         return cls(
             model=str(d["model"]),
-            strategy=str(d["strategy"]),
+            strategy=as_plan_strategy(str(d["strategy"])),
             stages=stages,
             epoch=int(d.get("epoch", 0)),
             reason=str(d.get("reason", "")),

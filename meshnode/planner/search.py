@@ -27,6 +27,7 @@ from meshnode.planner.plans import (
     Plan,
     PlanError,
     Stage,
+    Strategy,
     describe_context,
     human_bytes,
 )
@@ -40,7 +41,7 @@ _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate 
 
 @dataclass(frozen=True)
 class _Cand:
-    strategy: str
+    strategy: Strategy
     units: tuple  # ((node ids, start, end), ...)
     by_memory: Plan | None = None  # the memory-driven plan (memory_plan), kept whole with its reason
 
@@ -60,7 +61,7 @@ def _partitions(items: Sequence[str], sizes: set[int]):
                 yield [(first, *combo), *tail]
 
 
-def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], by_memory: Plan | None) -> list[_Cand]:
+def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by_memory: Plan | None) -> list[_Cand]:
     """Every candidate placement, the memory-driven plan first (it wins ties)."""
     n, N = cx.n, len(ranked)
     ids = [x.node_id for x in ranked]  # by budget, largest first, then id
@@ -86,7 +87,7 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], by_memo
     if by_memory is not None:
         units = tuple((s.nodes, s.start_layer, s.end_layer) for s in by_memory.stages)
         seen.add(units)
-        out.append(_Cand(by_memory.strategy, units, by_memory))
+        out.append(_Cand(kind_of(units), units, by_memory))
     by_speed = sorted(ids, key=lambda i: (cx.spb(i), -cx.by_id[i].memory_budget, i))
     if "single" in allowed:
         for i in ids:
@@ -150,7 +151,7 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[str], by_memo
     return out
 
 
-def _grouped_problems(cx: CostModel, ranked: list[NodeSpec], strategy: str) -> list[str]:
+def _grouped_problems(cx: CostModel, ranked: list[NodeSpec], strategy: Strategy) -> list[str]:
     """Why no tensor (or hybrid) plan: one sentence per obstacle."""
     p, N, n = cx.p, len(ranked), cx.n
     family = tensor_parallel_problem(p)
@@ -209,7 +210,7 @@ def plan(
     nodes: Sequence[NodeSpec],
     *,
     max_context: int,
-    strategy: str | None = None,
+    strategy: Strategy | None = None,
     preferred: Sequence[str] = (),
     links: Mapping[tuple[str, str], LinkSpec] | None = None,
     link_latency_s: float | None = None,
@@ -332,7 +333,7 @@ def kv_note(profile: ModelProfile, asked: int) -> str:
 
 
 def _alternatives(
-    cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int, allowed: set[str]
+    cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int, allowed: set[Strategy]
 ) -> tuple[dict, ...]:
     """Each other strategy's best plan (or why none), and the chosen one's runner-up."""
     chosen, est = cands[pick], estimates[pick]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
+from typing import Final, Literal
 
 from meshnode.tracing import mark
 
@@ -50,9 +51,10 @@ NOISE = 0.1  # how far a measure strays, as a share, with nothing changed
 MIN_GAIN = 0.02  # the least gain, as a share of a step, worth a risk
 
 # What the next pass is for:
-PROBE = "probe"  # a pause ended: measure the acceptance
-ALONE = "alone"  # timed alone: nothing goes behind it
-BEHIND = "behind"  # a probe with a pass behind it, until a guess is checked
+NextPass = Literal["probe", "alone", "behind"]
+PROBE: Final = "probe"  # a pause ended: measure the acceptance
+ALONE: Final = "alone"  # timed alone: nothing goes behind it
+BEHIND: Final = "behind"  # a probe with a pass behind it, until a guess is checked
 
 
 class PassCosts:
@@ -196,7 +198,7 @@ class DraftLength:
         self._plain_left = 0  # plain steps left in the pause
         self._pause = REMEASURE  # plain steps of the next pause
         self._dry = 0  # drafter misses in a row (DRY_RUN: their pause is under way)
-        self._next: str | None = None  # PROBE, ALONE or BEHIND
+        self._next: NextPass | None = None  # None: an ordinary pass
 
     @property
     def alpha(self) -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshnode.config import Settings
+    from meshnode.config import BatchStages, Settings, Speculative
     from meshnode.serving.drafting import DrafterFactory
 
 
@@ -20,8 +20,8 @@ class PlacementSettings:
     pipelined_prefill: bool
     max_step_ms: float
     batching: bool
-    batch_stages: bool | str
-    speculative: str
+    batch_stages: BatchStages
+    speculative: Speculative
     draft_max: int
     # A test harness's drafter factory replacing the options' own (None: the options').
     drafters: Callable[[DrafterFactory], DrafterFactory] | None = None

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -20,13 +20,16 @@ from meshnode.model.shard import any_thread_stream
 from meshnode.transport.batch_hop import BatchHop
 from meshnode.transport.refusals import StageError
 
+if TYPE_CHECKING:
+    from meshnode.config import BatchStages
+
 log = logging.getLogger(__name__)
 
 # The longest a round waits for its group's other steps; a late one steps in the next round.
 GATHER_S = 0.05
 
 
-def stages_batch(setting: bool | str) -> bool:
+def stages_batch(setting: BatchStages) -> bool:
     """The ``batch_stages`` setting. "auto": only on the CPU with a BLAS meshnode.blas loaded, whose
     batched rows cost a fraction of a row each; with the reference BLAS steps in turn overlap better."""
     if setting == "auto":
