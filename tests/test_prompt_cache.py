@@ -66,10 +66,14 @@ def test_a_prefix_kept_by_one_kind_of_shard_is_not_resumed_by_another():
     group's workers): a prefix kept one way is a miss the other way, not a cache it cannot use."""
 
     class Plain:
-        owned = (0, 2)
+        def owned(self, cache):
+            return cache
 
     class Group:  # a tensor group's shard: its prefixes live in its workers
         keeps_prefixes = True
+
+        def owned(self, cache):
+            return None
 
     store = PrefixStore(capacity=1000)
     assert store.keep((0, 2), "k", _kv(20), 20)

@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from harness.cluster import wait_until
 from meshnode.model.build import build_model
 from meshnode.model.compute import free_ports
-from meshnode.model.prefixes import PrefixStore, keeps_prefixes
+from meshnode.model.prefixes import PrefixStore
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
 from meshnode.proto import mesh_pb2
@@ -72,7 +72,7 @@ def test_prompt_cache_prefixes_are_kept_and_resumed_in_the_workers(model):
     members = tensor_group(model, 0, 6)
     try:
         lead, layers = members[0], (0, 6)
-        assert keeps_prefixes(lead) and not keeps_prefixes(members[1])
+        assert lead.keeps_prefixes and not members[1].keeps_prefixes
         store = PrefixStore(capacity=1000)
         turn1 = PROMPT + [11, 12, 13, 14]
         cache = lead.make_cache()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import mlx.core as mx
 
+from meshnode.model.layer_shard import LayerShard
 from meshnode.model.shard import Shard, any_thread_stream
 
 
@@ -48,7 +49,7 @@ def batchable_cache(cache: list[Any]) -> bool:
     return all(_mergeable(c) for c in cache)
 
 
-def batchable_shard(shard: Any) -> bool:
+def batchable_shard(shard: LayerShard) -> TypeGuard[Shard]:
     """Whether a stage's requests can step in a batch here."""
     return isinstance(shard, Shard) and shard.group_size == 1 and batchable_cache(shard.make_cache())
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 if TYPE_CHECKING:
+    from meshnode.model.layer_shard import LayerShard
     from meshnode.model.prefix_disk import PrefixDisk
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,6 @@ CANNOT_CUT = "this model's cache cannot be cut back"
 def prefix_key(tokens: Sequence[int]) -> str:
     """The name of a kept prefix: a hash of exactly the tokens its KV holds."""
     return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=12).hexdigest()
-
-
-def keeps_prefixes(shard: Any) -> bool:
-    """Whether a shard's per-request cache can be kept (here or in a tensor group's workers)."""
-    return getattr(shard, "owned", None) is not None or bool(getattr(shard, "keeps_prefixes", False))
 
 
 @runtime_checkable
@@ -160,7 +156,9 @@ class PrefixStore:
         self._dropped(dropped)
         return held or self.disk is not None
 
-    def resume(self, layers: Layers, key: str, positions: int, shard: Any = None) -> tuple[list[Any] | None, str]:
+    def resume(
+        self, layers: Layers, key: str, positions: int, shard: LayerShard | None = None
+    ) -> tuple[list[Any] | None, str]:
         """A copy of the cache kept under ``key``, cut to ``positions``; or (None, why not)."""
         with self._lock:
             kept = self._kept.get(layers)
@@ -171,7 +169,7 @@ class PrefixStore:
             return self._from_disk(layers, key, positions, shard)
         cache = entry[0]
         if shard is not None and (
-            cache.owner is not shard if isinstance(cache, KeptElsewhere) else getattr(shard, "owned", None) is None
+            cache.owner is not shard if isinstance(cache, KeptElsewhere) else shard.owned(cache) is None
         ):
             return None, "kept for these layers as another shard ran them"
         mine, why = cache.resume(positions) if isinstance(cache, KeptElsewhere) else copy_cut(cache, positions)
@@ -180,12 +178,17 @@ class PrefixStore:
         self._resumed(positions, "memory")
         return Resumed(mine, key, positions) if isinstance(mine, list) else mine, ""
 
-    def _from_disk(self, layers: Layers, key: str, positions: int, shard: Any) -> tuple[list[Any] | None, str]:
+    def _from_disk(
+        self, layers: Layers, key: str, positions: int, shard: LayerShard | None
+    ) -> tuple[list[Any] | None, str]:
         """A prefix read back from disk; or (None, why not)."""
-        if self.disk is None or shard is None or getattr(shard, "owned", None) is None:
+        if self.disk is None or shard is None:
             return None, "not kept here"
         with self._mlx_turn():
-            owned, why = self.disk.load(key, layers, positions, shard.owned(shard.cache_template()))
+            template = shard.disk_template()
+            if template is None:
+                return None, "not kept here"
+            owned, why = self.disk.load(key, layers, positions, template)
             if owned is None:
                 log.debug("prompt cache: %s of layers %s not read from disk: %s", key, layers, why)
                 return None, f"not kept here ({why})"

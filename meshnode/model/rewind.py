@@ -27,20 +27,6 @@ def rewind_limit(template: list[Any]) -> tuple[int | None, str]:
     return limit, ""
 
 
-def rewind(shard: Any, cache: Any, positions: int) -> None:
-    """Drops the last ``positions`` of ``cache`` on ``shard``; raises :class:`CannotRewind`."""
-    if positions <= 0:
-        return
-    own = getattr(shard, "rewind", None)
-    if own is not None:  # a tensor group: its worker cuts every rank's share
-        own(cache, positions)
-        return
-    try:
-        rewind_owned(shard.owned(cache), positions)
-    except CannotRewind as exc:
-        raise CannotRewind(f"layers [{shard.spec.start}, {shard.spec.end}): {exc}") from None
-
-
 def rewind_owned(caches: list[Any], positions: int) -> None:
     """Drops the last ``positions`` of a shard's own layers' caches."""
     owned = distinct(caches)

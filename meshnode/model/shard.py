@@ -12,7 +12,6 @@ import copy
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -25,7 +24,8 @@ from mlx_lm.utils import load_model
 
 from meshnode.errors import MeshnodeError
 from meshnode.logonce import Once
-from meshnode.model.rewind import rewind_limit
+from meshnode.model.layer_shard import ShardSpec
+from meshnode.model.rewind import CannotRewind, rewind_limit, rewind_owned
 from meshnode.model.wire import Placeholder, dtype_name, placeholders_work
 from meshnode.weights.kvquant import KV_GROUP_SIZE, kv_quant_problem
 from meshnode.weights.profile import activation_dtype, hidden_size
@@ -249,21 +249,6 @@ def _cache_kind(c: Any) -> tuple:
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    start: int
-    end: int
-    num_layers: int
-
-    @property
-    def is_first(self) -> bool:
-        return self.start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.end == self.num_layers
-
-
 class Shard:
     """Layers [start, end) of a model, ready to run one request's slice of the forward pass."""
 
@@ -412,9 +397,24 @@ class Shard:
                 caches[i] = by_kind.get(_cache_kind(template)) or copy.deepcopy(template)
         return caches
 
+    @property
+    def keeps_prefixes(self) -> bool:
+        return True
+
     def owned(self, cache: list[Any]) -> list[Any]:
         """The caches of this shard's own layers."""
         return cache[self.spec.start : self.spec.end]
+
+    def disk_template(self) -> list[Any]:
+        return self.owned(self.cache_template())
+
+    def rewind(self, cache: list[Any], positions: int) -> None:
+        if positions <= 0:
+            return
+        try:
+            rewind_owned(self.owned(cache), positions)
+        except CannotRewind as exc:
+            raise CannotRewind(f"layers [{self.spec.start}, {self.spec.end}): {exc}") from None
 
     def build_ahead(self, cache: list[Any]) -> tuple[Placeholder, mx.array] | None:
         """The next one-position step, built on a Placeholder before its input exists (None: unsupported)."""

@@ -22,12 +22,12 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 
+from meshnode.model.layer_shard import ShardSpec
 from meshnode.model.lifeline import child_env
-from meshnode.model.shard import ShardSpec
 from meshnode.model.tensor_worker import SECRET_ENV, TensorGroupError, read_frame, write_frame
 from meshnode.model.wire import WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
@@ -101,7 +101,7 @@ class TensorShard:
         # Whether every member heartbeats: a step is waited for while they do (None: a fixed deadline).
         self.members_alive = members_alive
         self.dtype: mx.Dtype = mx.float32
-        self.hidden_size: int | None = None
+        self.hidden_size = 0  # known once launched
         self.nbytes = 0
         self.rewind_limit: tuple[int | None, str] = (0, "the group's worker has not started")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -282,14 +282,25 @@ class TensorShard:
             write_frame(self._stdin(), cmd)
 
     # ---------------------------------------------------------------- Shard interface
-    def make_cache(self) -> _Slot:
+    def make_cache(self, owned: list[Any] | None = None) -> _Slot:
+        if owned is not None:
+            raise ValueError("a tensor group's caches live in its workers")  # disk_template() is None
         with self._lock:
             self._next_slot += 1
             return _Slot(self, self._next_slot)
 
     def rewind(self, cache: _Slot, positions: int) -> None:
         """Drop the last ``positions`` of the slot's KV on every rank, with its next step."""
-        cache.rewind += positions
+        cache.rewind += max(positions, 0)
+
+    def owned(self, cache: _Slot) -> None:
+        return None  # its workers hold the caches
+
+    def disk_template(self) -> None:
+        return None  # each worker holds its share of a kept cache
+
+    def build_ahead(self, cache: _Slot) -> None:
+        return None  # its workers run the step, so nothing is built here
 
     def forward(self, x: mx.array, cache: _Slot, all_positions: bool = False) -> mx.array:
         """``all_positions``: the last stage answers with every position's logits."""

@@ -117,7 +117,8 @@ class BatchLoop:
         tokenizer=None,
     ):
         self._scheduler = scheduler
-        self._shard: Shard = stage.shard
+        assert isinstance(stage.shard, Shard), "batchable() ran on a local whole-model Shard"
+        self._shard = stage.shard
         self._store: PrefixStore | None = stage.prefixes  # the node's kept prefixes
         self._index = prefixes if self._store is not None else None
         self._layers = (self._shard.start, self._shard.end)

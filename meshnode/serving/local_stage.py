@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import mlx.core as mx
 
 from meshnode.model.decode_batch import cache_of, take_back
-from meshnode.model.rewind import rewind
-from meshnode.model.shard import Shard
+from meshnode.model.layer_shard import LayerShard
 from meshnode.model.wire import Placeholder
 from meshnode.serving.prefill import DoneTicket
 from meshnode.transport.refusals import PrefixMiss
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
 class LocalSession:
     remote: Literal[False] = False
 
-    def __init__(self, shard: Shard, prefixes: PrefixStore | None = None, resume: tuple[str, int] | None = None):
+    def __init__(self, shard: LayerShard, prefixes: PrefixStore | None = None, resume: tuple[str, int] | None = None):
         self._shard = shard
         self._prefixes = prefixes
         self._layers = (shard.start, shard.end)
@@ -55,9 +54,8 @@ class LocalSession:
 
     def prepare(self) -> bool:
         """Build the next step on a placeholder while a remote stage before it works; False if not."""
-        build_ahead = getattr(self._shard, "build_ahead", None)  # None: a tensor group's shard
         take_back(self)
-        self._prepared = build_ahead(self.cache) if build_ahead is not None else None
+        self._prepared = self._shard.build_ahead(self.cache)
         if self._prepared is None:
             return False
         if self._shard.spec.is_last:
@@ -83,9 +81,9 @@ class LocalSession:
         self.grow(x.shape[1])
         out = self._shard.forward(x, cache)
         if self._shard.spec.is_last:
-            owned = getattr(self._shard, "owned", None)
+            owned = self._shard.owned(cache)
             # As mlx-lm's own prefill: evaluate the cache, never the chunk's logits.
-            mx.eval([c.state for c in owned(cache)] if owned is not None else out)
+            mx.eval([c.state for c in owned] if owned is not None else out)
         else:
             mx.eval(out)
         return DoneTicket(out, x.shape[1])
@@ -103,7 +101,7 @@ class LocalSession:
     def rewind(self, positions: int) -> None:
         """Drop the last ``positions`` of this request's KV here (rejected drafts)."""
         take_back(self)
-        rewind(self._shard, self.cache, positions)
+        self._shard.rewind(self.cache, positions)
         self.grow(-positions)
 
     def close(self) -> None:
@@ -116,7 +114,7 @@ class LocalSession:
 class LocalStage:
     """A shard held by this process; ``prefixes``: this node's kept prefixes."""
 
-    def __init__(self, shard: Shard, prefixes: PrefixStore | None = None):
+    def __init__(self, shard: LayerShard, prefixes: PrefixStore | None = None):
         self.shard, self.prefixes = shard, prefixes
         self.start, self.end = shard.start, shard.end
         self.prefill_rate: float | None = None

@@ -8,11 +8,11 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from meshnode.errors import ApiError
 from meshnode.model.prefix_disk import PrefixDisk
-from meshnode.model.prefixes import PrefixStore, keeps_prefixes
+from meshnode.model.prefixes import PrefixStore
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorShard
 from meshnode.nodeinfo import MAX_FAULT_TEXT
@@ -396,7 +396,7 @@ def stage_handles(served: ServedModel, plan) -> list:
             if shard is None:
                 raise RuntimeError(f"layers [{key[0]}, {key[1]}) are not loaded here")
             # A tensor group's member runs its layers as a Shard does.
-            handles.append(LocalStage(cast(Shard, shard), served.prefixes if keeps_prefixes(shard) else None))
+            handles.append(LocalStage(shard, served.prefixes if shard.keeps_prefixes else None))
         else:
             handles.append(
                 RemoteStage(

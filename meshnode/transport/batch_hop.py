@@ -35,6 +35,7 @@ from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read
 from meshnode.transport.refusals import InvalidInput, StageError, StageFault, StageRefused
 
 if TYPE_CHECKING:
+    from meshnode.model.layer_shard import LayerShard
     from meshnode.model.shard import Shard
     from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
     from meshnode.trust.auth import ClusterAuth
@@ -50,8 +51,7 @@ MAX_ROWS = 256  # requests in one step
 def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str) -> None:
     """Serve one head's batched decode steps to one stage until the head closes the stream."""
     try:
-        shard = server.shard_for(opening.forward)
-        _check_batchable(shard)
+        shard = _batchable(server.shard_for(opening.forward))
     except StageError as refusal:
         refuse(conn, refusal)
         return
@@ -94,10 +94,12 @@ def _serve_steps(
         _yield()
 
 
-def _check_batchable(shard) -> None:
+def _batchable(shard: LayerShard) -> Shard:
+    """``shard``, where its requests can step in a batch here; else a refusal."""
     if not batchable_shard(shard):
         spec = shard.spec
         raise StageRefused(f"layers [{spec.start}, {spec.end}) hold caches that cannot be batched here")
+    return shard
 
 
 def _members(server: StageServer, shard: Shard, msg: mesh_pb2.ForwardRequest) -> list[OpenStage]:

@@ -21,8 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from meshnode.model.decode_batch import cache_of, take_back
-from meshnode.model.prefixes import keeps_prefixes
-from meshnode.model.rewind import CannotRewind, rewind
+from meshnode.model.rewind import CannotRewind
 from meshnode.model.scheduler import StepWatch, mlx_idle
 from meshnode.model.tensor import TensorGroupError
 from meshnode.model.wire import (
@@ -54,10 +53,10 @@ from meshnode.transport.refusals import (
 
 if TYPE_CHECKING:
     from meshnode.model.decode_batch import DecodeBatch
+    from meshnode.model.layer_shard import LayerShard
     from meshnode.model.pace import Pace
     from meshnode.model.prefixes import PrefixStore
     from meshnode.model.scheduler import TokenScheduler
-    from meshnode.model.shard import Shard
     from meshnode.transport.streams import StageStream, StreamTicket
     from meshnode.trust.auth import ClusterAuth
 
@@ -93,7 +92,7 @@ class StageServer:
         self.max_chunk = max_chunk
         self.max_context = max_context
         # epoch -> its shards; two epochs while a new plan loads (make before break).
-        self.epochs: dict[int, dict[tuple[int, int], Shard]] = {}
+        self.epochs: dict[int, dict[tuple[int, int], LayerShard]] = {}
         # Told of every fault of a served stage, from whichever thread ran it.
         self.on_fault = on_fault
         self.steps = StepWatch()  # a step that never ends is a stalled node
@@ -101,7 +100,7 @@ class StageServer:
         self.streams: dict[tuple[str, int, int], OpenStage] = {}
         self.batches: dict[int, DecodeBatch] = {}  # by batch stream
 
-    def fault(self, shard: Shard, what: str, whose: str, exc: BaseException) -> StageFault:
+    def fault(self, shard: LayerShard, what: str, whose: str, exc: BaseException) -> StageFault:
         """The refusal for ``shard`` raising on ``what``, logged and told to on_fault."""
         spec = shard.spec
         log.exception("layers [%d, %d) failed on %s", spec.start, spec.end, whose)
@@ -110,7 +109,7 @@ class StageServer:
             self.on_fault(error)
         return StageFault(f"{FAULT}{error}")
 
-    def serve(self, epoch: int, shards: dict[tuple[int, int], Shard]) -> None:
+    def serve(self, epoch: int, shards: dict[tuple[int, int], LayerShard]) -> None:
         self.epochs[epoch] = dict(shards)
 
     def retire_before(self, epoch: int) -> None:
@@ -130,7 +129,7 @@ class StageServer:
         if msg.resume:
             cache, why = (
                 self.prefixes.resume(key, msg.resume, msg.resume_length, shard)
-                if self.prefixes is not None and keeps_prefixes(shard)
+                if self.prefixes is not None and shard.keeps_prefixes
                 else (None, "no prompt cache here")
             )
             if cache is None:
@@ -139,7 +138,7 @@ class StageServer:
                 )
         return OpenStage(self, shard, cache, msg.resume_length if cache is not None else 0)
 
-    def shard_for(self, msg: mesh_pb2.ForwardRequest) -> Shard:
+    def shard_for(self, msg: mesh_pb2.ForwardRequest) -> LayerShard:
         """The shard a stream's opening names, or a :class:`StageError` kind."""
         key = (msg.start_layer, msg.end_layer)
         if msg.epoch not in self.epochs:
@@ -186,7 +185,7 @@ class StageServer:
 class OpenStage:
     """One request's use of one stage on the serving side: its KV cache and what it has seen."""
 
-    def __init__(self, server: StageServer, shard: Shard, cache: list | None = None, resumed: int = 0):
+    def __init__(self, server: StageServer, shard: LayerShard, cache: list | None = None, resumed: int = 0):
         """``cache``: a kept prefix's KV holding ``resumed`` positions."""
         self.server, self.shard = server, shard
         self.layers = (shard.spec.start, shard.spec.end)
@@ -212,7 +211,7 @@ class OpenStage:
         take_back(self)
         cache, self.cache, self.prepared = self.cache, None, None
         self.close()  # its positions are the kept prefix's now
-        if self.server.prefixes is not None and cache is not None and keeps_prefixes(self.shard):
+        if self.server.prefixes is not None and cache is not None and self.shard.keeps_prefixes:
             self.server.prefixes.keep(self.layers, msg.keep, cache, msg.keep_length)
 
     def close(self) -> None:
@@ -256,7 +255,7 @@ class OpenStage:
                 placeholder.fill(host, msg.input.dtype)
             else:
                 cache = cache_of(self)
-                rewind(self.shard, cache, msg.rewind)
+                self.shard.rewind(cache, msg.rewind)
                 out = self.shard.forward(to_array(host, msg.input.dtype), cache)
             mx.eval(out)
             return out
@@ -269,10 +268,9 @@ class OpenStage:
 
     def prepare(self) -> None:
         """Build the next one-position step on a placeholder, ready before its input arrives."""
-        build_ahead = getattr(self.shard, "build_ahead", None)  # a tensor group's shard runs elsewhere
         take_back(self)
-        if self.prepared is None and build_ahead is not None:
-            self.prepared = build_ahead(self.cache)
+        if self.prepared is None:
+            self.prepared = self.shard.build_ahead(self.cache)
 
 
 class RemoteSession:
