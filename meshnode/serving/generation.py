@@ -269,7 +269,7 @@ def generate_tokens(
                     mx.eval(
                         model(mx.array([ids[i : min(i + prefill_step_size, len(ids) - 1)]], dtype=mx.uint32), cache)
                     )
-                for token in speculative_tokens(
+                for confirmed in speculative_tokens(
                     model,
                     cache,
                     list(prompt),
@@ -279,8 +279,8 @@ def generate_tokens(
                     max_tokens=params.max_tokens,
                     others=model.others_decoding,
                 ):
-                    produced.append(int(token))
-                    yield token
+                    produced.append(int(confirmed))
+                    yield confirmed
                 finished = True
                 return
         top = params.top_logprobs

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
@@ -23,6 +23,10 @@ from meshnode.weights.profile import ModelProfile, profile_model
 from meshnode.weights.sourcing import LayerSource, cached_metadata, holdings_of, metadata_from_peers
 from meshnode.weights.store import ModelStore
 from meshnode.weights.transfer import FetchError
+
+if TYPE_CHECKING:
+    from meshnode.metrics import Progress
+    from meshnode.serving.settings import ServingSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,14 +43,14 @@ class ModelFiles:
 
     def __init__(
         self,
-        settings,
-        progress,
+        settings: ServingSettings,
+        progress: Progress,
         event: Callable[..., None],
         *,
         model: str | None = None,
         store: ModelStore | None = None,
         learned: bool = False,
-    ):
+    ) -> None:
         """``model``: a folder or an id (None: the demo); ``learned``: a peer's model, from peers."""
         self.settings, self.progress, self._event = settings, progress, event
         self.spec, self._shared_store, self._learned = model, store, learned

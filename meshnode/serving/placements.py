@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,6 +18,7 @@ from meshnode.serving.batching import BatchedSource, batchable
 from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.grammar import GrammarError, grammar_error
+from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.settings import PlacementSettings
@@ -34,6 +36,15 @@ from meshnode.transport.refusals import (
     refusal_kind,
 )
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from meshnode.model.scheduler import TokenScheduler
+    from meshnode.planner.plans import Plan
+    from meshnode.serving.drafting import DrafterFactory, DraftModel
+    from meshnode.serving.promptcache import PrefixIndex
+    from meshnode.transport.stage import RemoteStage
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +61,7 @@ def gave_up(exc: BaseException) -> ApiError:
     )
 
 
-def head_of(plan) -> str:
+def head_of(plan: Plan) -> str:
     """The node holding the last layers: it runs each generation of the plan."""
     return plan.stages[-1].nodes[0]
 
@@ -61,19 +72,19 @@ class HeadPlacement:
     def __init__(
         self,
         epoch: int,
-        scheduler,
-        handles: list,
+        scheduler: TokenScheduler,
+        handles: list[LocalStage | RemoteStage],
         settings: PlacementSettings,
         on_fault: Callable[[str], None],
         *,
-        prefixes=None,
-        tokenizer=None,
+        prefixes: PrefixIndex | None = None,
+        tokenizer: TokenizerWrapper | None = None,
         on_batched_step: Callable[[int], None] | None = None,
         batch_steps: bool = True,
         on_speculated: Callable[[int, int, int, int], None] | None = None,
         on_spec_costs: Callable[[float, float | None], None] | None = None,
-        draft=None,
-    ):
+        draft: DraftModel | None = None,
+    ) -> None:
         """``batch_steps``: concurrent decode steps may go through the stages together."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
@@ -82,7 +93,8 @@ class HeadPlacement:
         )
         batched = s.batching and batchable(handles)  # the whole model here: one batch
         speculation = speculation_for(s, on_speculated, draft, on_spec_costs, batched=batched)
-        limit = getattr(getattr(handles[-1], "shard", None), "rewind_limit", (None, ""))
+        head = handles[-1]
+        limit = head.shard.rewind_limit if isinstance(head, LocalStage) else (None, "")
         if speculation is not None and limit[0] == 0:
             log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
             speculation = None
@@ -90,6 +102,7 @@ class HeadPlacement:
         self._limit = limit  # how far the caches can be cut back
         # Bound now: a later plan swapping shards cannot pull them away.
         if batched:
+            assert isinstance(handles[0], LocalStage), "batchable() found the whole model here"
             self._source: BatchedSource | PipelineSource = BatchedSource(
                 scheduler, handles[0], prefill_step_size=s.prefill_step_size, prefixes=prefixes, tokenizer=tokenizer
             )
@@ -146,13 +159,14 @@ class HeadPlacement:
 def speculation_for(
     settings: PlacementSettings,
     on_pass: Callable[[int, int, int, int], None] | None,
-    draft=None,
+    draft: DraftModel | None = None,
     on_costs: Callable[[float, float | None], None] | None = None,
     *,
     batched: bool = False,
 ) -> Speculation | None:
     """A placement's speculative decoding (None: off). ``"auto"``: prompt lookup, unless requests batch."""
     mode = settings.speculative
+    drafter: DrafterFactory
     if mode == "draft_model" and draft is not None:
         drafter = draft.drafter
     elif mode == "prompt_lookup" or (mode == "auto" and not batched):

@@ -32,10 +32,14 @@ from meshnode.transport.stage import RemoteStage, StageServer
 from meshnode.weights.manifest import weights_identity
 
 if TYPE_CHECKING:
+    from meshnode.metrics import NodeMetrics, Progress
     from meshnode.model.pace import Pace
-    from meshnode.model.scheduler import Baton
+    from meshnode.model.scheduler import Baton, TokenScheduler
     from meshnode.planner.plans import Plan
     from meshnode.serving.drafting import DraftModel
+    from meshnode.serving.mesh import Mesh
+    from meshnode.trust.auth import ClusterAuth
+    from meshnode.weights.store import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +56,19 @@ class ServedModel:
         settings: ServingSettings,
         node_id: str,
         *,
-        scheduler,
-        metrics,
-        progress,
-        mesh,
-        auth,
+        scheduler: TokenScheduler,
+        metrics: NodeMetrics,
+        progress: Progress,
+        mesh: Mesh,
+        auth: ClusterAuth | None,
         group_secret: bytes,
         event: Callable[..., None],
-        on_ready: Callable[[], Any],
+        on_ready: Callable[[], object],
         model: str | None = None,
-        store=None,
+        store: ModelStore | None = None,
         learned: bool = False,
         pace: Pace | None = None,
-    ):
+    ) -> None:
         """``model``: a folder or an id (None: the demo); ``learned``: a peer's model."""
         self.settings, self.node_id, self.scheduler, self.metrics = settings, node_id, scheduler, metrics
         self.progress, self.mesh, self.auth, self.group_secret = progress, mesh, auth, group_secret
@@ -159,7 +163,7 @@ class ServedModel:
         """This node's computation raised: announced, so the coordinator stops placing the model here
         after ``FAULT_LIMIT``. A restart clears it."""
         self.faults, self.last_fault = self.faults + 1, error[:MAX_FAULT_TEXT]
-        others = tuple(f for f in self.mesh.me.faults if f[0] != self.model_id)
+        others = tuple(f for f in me.faults if f[0] != self.model_id) if (me := self.mesh.me) is not None else ()
         self.mesh.update_me(faults=(*others, (self.model_id, self.faults, self.last_fault)))
         self.event("fault", model=self.model_id, count=self.faults, error=self.last_fault)
 
@@ -239,7 +243,7 @@ class ServedModel:
                     return False
             else:
                 peer = alive.get(node_id)
-                if peer is None or peer.ready_epochs.get(self.model_id, 0) < plan.epoch:
+                if peer is None or self.model_id is None or peer.ready_epochs.get(self.model_id, 0) < plan.epoch:
                     return False
         return True
 
@@ -289,7 +293,7 @@ class ServedModel:
 
     def unplaced_because(self) -> str:
         """Why no plan fits, as the coordinator said; "" if none is known."""
-        return self.plan_error or self.mesh.plan_error_of(self.model_id)
+        return self.plan_error or (self.mesh.plan_error_of(self.model_id) if self.model_id is not None else "")
 
     def use_now(self):
         """This node's requests; one whose model was unloaded under it counts as waiting, so the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import mlx.core as mx
 
@@ -21,6 +21,9 @@ from meshnode.serving.draft_length import DraftLength, PassCosts
 from meshnode.serving.drafting import Drafter
 from meshnode.serving.sampling import SamplingParams, make_indexed_sampler, sampled
 from meshnode.tracing import mark
+
+if TYPE_CHECKING:
+    from meshnode.serving.passes import PassPipe
 
 
 @dataclass
@@ -47,9 +50,36 @@ def why_not(params: SamplingParams, limit: tuple[int | None, str]) -> str:
     return ""
 
 
+Cache = TypeVar("Cache", contravariant=True)
+
+
+class Session(Protocol):
+    @property
+    def remote(self) -> bool:
+        """Whether the stage runs on another node."""
+        ...
+
+
+class PassModel(Protocol[Cache]):
+    """A request's stages as its passes drive them (meshnode.serving.generation.PipelineModel)."""
+
+    may_promise: bool  # the next step may be promised plain to the stages
+
+    @property
+    def sessions(self) -> Sequence[Session]: ...
+
+    def __call__(self, inputs: mx.array, cache: Cache) -> mx.array: ...
+
+    def passes(self, held: int) -> PassPipe: ...
+
+    def alone(self) -> None: ...
+
+    def rewind_limit(self) -> tuple[int | None, str]: ...
+
+
 def speculative_tokens(
-    model,
-    cache,
+    model: PassModel[Cache],
+    cache: Cache,
     history: list[int],
     params: SamplingParams,
     spec: Speculation,
@@ -57,14 +87,14 @@ def speculative_tokens(
     *,
     max_tokens: int,
     others: Callable[[], bool] = lambda: False,
-) -> Iterator:
+) -> Iterator[int]:
     """Token ids (or Sampled) of a request whose stages hold all of ``history`` but the last, with up
     to ``depth`` passes in flight (:class:`~meshnode.serving.passes.PassPipe`); ``others()``: other
     requests decode on the placement now (steps stay plain to batch)."""
     sample = make_indexed_sampler(params)
     greedy, top = params.temperature == 0, params.top_logprobs
-    stages = len(model.state.sessions)
-    depth = spec.depth if spec.depth is not None else pipe_depth(model.state.sessions)
+    stages = len(model.sessions)
+    depth = spec.depth if spec.depth is not None else pipe_depth(model.sessions)
     depth = max(1, drafter.fixed_depth or depth)
     length = DraftLength(spec.costs, spec.k_max, fills=depth > 1, stages=stages)
     free = drafter.free
@@ -77,7 +107,7 @@ def speculative_tokens(
     fixed = drafter.fixed_k
     window = model.rewind_limit()[0]  # a sliding window: guesses only while the cut stays inside it
     held = len(history) - 1  # confirmed positions in the stages' caches
-    local = not any(s.remote for s in model.state.sessions)
+    local = not any(s.remote for s in model.sessions)
     pipe = model.passes(held)
     y, n = history[-1], 0
     # Yielded once the next passes are out, so the stages compute while these stream.
@@ -213,7 +243,14 @@ def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: in
 
 
 def _plain_run(
-    model, cache, y: int, steps: int, greedy: bool, sample, offset: int, stop: Callable[[], bool]
+    model: PassModel[Cache],
+    cache: Cache,
+    y: int,
+    steps: int,
+    greedy: bool,
+    sample: Callable[[mx.array, int], mx.array],
+    offset: int,
+    stop: Callable[[], bool],
 ) -> Iterator[tuple[int, mx.array]]:
     """Up to ``steps`` plain steps from ``y`` on all-local stages, each built while the one before
     computes (as mlx-lm's ``generate_step``); yields (token, log probabilities). Builds no further
@@ -240,7 +277,7 @@ def _plain_run(
         current = after
 
 
-def pipe_depth(sessions) -> int:
+def pipe_depth(sessions: Sequence[Session]) -> int:
     """Passes in flight: one per stage plus one waiting at the first, so it never idles for a hop;
     one where all stages are local (they share this thread)."""
     return len(sessions) + 1 if any(s.remote for s in sessions) else 1
