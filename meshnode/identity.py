@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshnode.durable import fsync_dir
 from meshnode.errors import MeshnodeError
+from meshnode.ids import NodeId
 
 __all__ = ["IdentityError", "NODE_ID_FILE", "OPEN_CLUSTER", "cluster_id", "load_or_create_node_id", "new_node_id"]
 
@@ -57,18 +58,18 @@ def _read_id(path: Path) -> str | None:
     return None
 
 
-def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
+def load_or_create_node_id(state_dir: Path, configured: str | None) -> NodeId:
     """The node id: ``configured``, else the one stored in ``state_dir/node_id``, else a new one
     stored there atomically (racing processes agree on one)."""
     if configured:
         if not VALID_ID.match(configured):
             raise ValueError(f"invalid node id {configured!r}")
-        return configured
+        return NodeId(configured)
     state_dir = Path(state_dir).expanduser()
     path = state_dir / NODE_ID_FILE
     existing = _read_id(path)
     if existing is not None:
-        return existing
+        return NodeId(existing)
     node_id = new_node_id()
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
             except FileExistsError:
                 winner = _read_id(path)
                 if winner is not None:
-                    return winner
+                    return NodeId(winner)
                 os.replace(tmp, path)  # an invalid or unreadable file: replace it
             except OSError:
                 # file systems without hard links: fall back to an atomic rename
@@ -101,7 +102,7 @@ def load_or_create_node_id(state_dir: Path, configured: str | None) -> str:
             "(set state_dir / MESHNODE_STATE_DIR to a writable folder, or give --node-id)"
         ) from exc
     log.info("new node id %s (stored in %s)", node_id, path)
-    return node_id
+    return NodeId(node_id)
 
 
 def cluster_id(cluster_key: str | None) -> str:

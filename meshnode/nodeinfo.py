@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from meshnode.identity import VALID_ID  # a node id fits one DNS label
+from meshnode.ids import NodeId
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def speed_note(node_id: str, slowdown: float, since: float) -> str:
 class NodeInfo:
     """A node's identity, addresses, ports, memory, measured speed, models and holdings, as it announces them."""
 
-    node_id: str
+    node_id: NodeId
     addresses: tuple[str, ...]
     http_port: int
     grpc_port: int
@@ -136,7 +137,7 @@ class NodeInfo:
             if not addrs:
                 raise ValueError("no addresses")
             return cls(
-                node_id=node_id,
+                node_id=NodeId(node_id),
                 addresses=addrs,
                 http_port=_int(text, "http", 1, 65535),
                 grpc_port=_int(text, "grpc", 1, 65535),

@@ -18,6 +18,7 @@ from aiohttp import web
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.config import Settings
 from meshnode.errors import ApiError
+from meshnode.ids import ModelId, RequestId
 from meshnode.logonce import Once
 from meshnode.metrics import NodeMetrics, outcome_for_status
 from meshnode.serving.answer import AnswerShape, ToolCall, initial_state
@@ -106,8 +107,8 @@ async def json_body(request: web.Request) -> Any:
 class Generation:
     """One running generation, for the surface to frame."""
 
-    id: str
-    model: str
+    id: RequestId
+    model: ModelId
     prompt_tokens: int
     deltas: AsyncGenerator[Delta, None]
     access: dict[str, Any] = field(default_factory=dict)
@@ -162,7 +163,7 @@ async def _serve(
         max_tokens = _budget(engine, req, len(prompt), limits)
         params = sampling(engine, req, max_tokens, grammar)
         gen = Generation(
-            id_prefix + uuid.uuid4().hex[:24],
+            RequestId(id_prefix + uuid.uuid4().hex[:24]),
             engine.model_id,
             len(prompt),
             engine.stream(prompt, params, req.stop, shape),

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from meshnode.ids import NodeId
+
 
 def _bandwidth(value: Any) -> float:
     """Bytes per second from 1e9, "1GB/s", "800MiB/s"."""
@@ -37,7 +39,7 @@ def load_cluster(path: Path):
             layer_ms, coll_us = raw.get("layer_ms"), raw.get("collective_us")
             nodes.append(
                 NodeSpec(
-                    node_id=str(raw["id"]),
+                    node_id=NodeId(str(raw["id"])),
                     memory_budget=parse_size(raw["memory"]),
                     compute=float(raw.get("compute", 1.0)),
                     layer_seconds=float(layer_ms) / 1e3 if layer_ms else None,
@@ -71,7 +73,7 @@ def cluster_from_mesh(data: dict[str, Any]):
         layer, coll = float(raw.get("layer_seconds") or 0), float(raw.get("collective_seconds") or 0)
         nodes.append(
             NodeSpec(
-                node_id=str(raw["node_id"]),
+                node_id=NodeId(str(raw["node_id"])),
                 memory_budget=int(raw.get("memory_budget") or 0),
                 compute=float(raw.get("compute") or 1.0),
                 layer_seconds=layer if layer > 0 else None,

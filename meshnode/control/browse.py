@@ -5,13 +5,14 @@ from __future__ import annotations
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncZeroconf
 
 from meshnode.control.discovery import SERVICE_TYPE, Discovery
+from meshnode.ids import NodeId
 from meshnode.nodeinfo import NodeInfo
 
 
 class Browser(Discovery):
     """Discovery that browses only: ``peers()`` without a registration of our own."""
 
-    def __init__(self, node_id: str, cluster_id: str):
+    def __init__(self, node_id: NodeId, cluster_id: str):
         me = NodeInfo(
             node_id=node_id,
             addresses=("0.0.0.0",),

@@ -6,6 +6,7 @@ import ipaddress
 import json
 import math
 
+from meshnode.ids import NodeId
 from meshnode.nodeinfo import MAX_FAULT_TEXT, NodeInfo
 from meshnode.planner.plans import UNLOADED, Plan, Stage, as_plan_strategy
 from meshnode.proto import mesh_pb2
@@ -48,7 +49,7 @@ def node_from_pb(msg: mesh_pb2.NodeInfo) -> NodeInfo:
     if not (0 < msg.grpc_port < 65536) or msg.http_port >= 65536:
         raise ValueError(f"node {msg.node_id!r} announces invalid ports")
     return NodeInfo(
-        node_id=msg.node_id,
+        node_id=NodeId(msg.node_id),
         addresses=tuple(msg.addresses),
         http_port=msg.http_port,
         grpc_port=msg.grpc_port,
@@ -129,7 +130,7 @@ def plan_from_pb(msg: mesh_pb2.Plan, num_layers: int) -> Plan:
         Stage(
             start_layer=s.start_layer,
             end_layer=s.end_layer,
-            nodes=tuple(s.nodes),
+            nodes=tuple(NodeId(n) for n in s.nodes),
             bytes=s.bytes,
             endpoints=tuple(s.endpoints),
         )

@@ -16,6 +16,7 @@ from meshnode.control.membership import Membership
 from meshnode.control.messages import node_to_pb
 from meshnode.control.reachability import Reachability
 from meshnode.control.settings import PeerSettings
+from meshnode.ids import NodeId
 from meshnode.nodeinfo import NodeInfo
 from meshnode.planner import LinkSpec
 from meshnode.proto import mesh_pb2
@@ -33,7 +34,7 @@ class Peers:
     def __init__(
         self,
         settings: PeerSettings,
-        node_id: str,
+        node_id: NodeId,
         auth: ClusterAuth,
         identity=None,
         stalled_for: Callable[[], float] = lambda: 0.0,
@@ -214,7 +215,7 @@ class Peers:
     # ------------------------------------------------------------------ what the links measure
     def measured(self) -> list[tuple[str, LinkStat]]:
         """Every link figure this node knows: its own probes and what peers reported."""
-        out = [(self.node_id, stat) for stat in self.links.links()]
+        out: list[tuple[str, LinkStat]] = [(self.node_id, stat) for stat in self.links.links()]
         out += [(nid, stat) for nid, stats in self.peer_links.items() for stat in stats]
         return out
 

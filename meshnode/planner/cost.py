@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+from meshnode.ids import NodeId
 from meshnode.planner.memory import LayerCosts, split_layers
 from meshnode.planner.plans import LinkSpec, NodeSpec, Strategy
 from meshnode.weights.profile import ModelProfile
@@ -132,7 +133,7 @@ class CostModel:
         self.fast_rtt = fast_rtt_s
         self.moe = p.num_experts > 0
 
-    def spb(self, node_id: str) -> float:
+    def spb(self, node_id: NodeId) -> float:
         """Seconds per byte of layer weights on this node in a decode step."""
         x = self.by_id[node_id]
         if x.layer_seconds and x.layer_seconds > 0:
@@ -153,11 +154,11 @@ class CostModel:
         spec = self.links.get((a, b))
         return one_way + (spec.overhead_s / 2 if spec is not None else 0.0), bw
 
-    def worst(self, ids: Sequence[str]) -> tuple[float, float]:
+    def worst(self, ids: Sequence[NodeId]) -> tuple[float, float]:
         pairs = [self.link(a, b) for a, b in itertools.combinations(ids, 2)]
         return max(p[0] for p in pairs), min(p[1] for p in pairs)
 
-    def fast(self, ids: Sequence[str]) -> bool:
+    def fast(self, ids: Sequence[NodeId]) -> bool:
         """Whether every link of the group is of the kind that may carry expert traffic: by its
         median, since this asks what the link is, not what its slow moments cost."""
         return all(self._median_rtt(a, b) < self.fast_rtt for a, b in itertools.combinations(ids, 2))
@@ -167,7 +168,7 @@ class CostModel:
             return 2 * self.lat
         return (self.links.get((a, b)) or DEFAULT_LINK).rtt_s
 
-    def group_ok(self, ids: Sequence[str]) -> bool:
+    def group_ok(self, ids: Sequence[NodeId]) -> bool:
         g = len(ids)
         return g == 1 or (group_size_problem(self.p, g) is None and (not self.moe or self.fast(ids)))
 
@@ -182,11 +183,11 @@ class CostModel:
         kv = self.KV[e] - self.KV[s]
         return -(-sharded // g) + repl + -(-kv // g) + ends
 
-    def machinery(self, ids: Sequence[str]) -> float:
+    def machinery(self, ids: Sequence[NodeId]) -> float:
         """One all-reduce's own cost in this group (its slowest member's measurement)."""
         return max(self.by_id[i].collective_s or 0.0 for i in ids)
 
-    def coll(self, ids: Sequence[str]) -> float:
+    def coll(self, ids: Sequence[NodeId]) -> float:
         """Collectives per layer per token in a group: 2 ring all-reduces of one activation."""
         g = len(ids)
         if g == 1:
@@ -194,7 +195,7 @@ class CostModel:
         one_way, bw = self.worst(ids)
         return 2 * (2 * (g - 1) * (one_way + self.msg / (g * bw)) + self.machinery(ids))
 
-    def unit_spec(self, ids: Sequence[str]):
+    def unit_spec(self, ids: Sequence[NodeId]):
         slowest = max(self.spb(i) for i in ids)
         return len(ids), min(self.by_id[i].memory_budget for i in ids), slowest / len(ids), self.coll(ids), slowest
 
@@ -228,7 +229,7 @@ class CostModel:
             pairs.add((heads[-1], heads[0]))
         return sorted(f"{a}-{b}" for a, b in pairs if not self.link(a, b)[2])
 
-    def split(self, groups: Sequence[Sequence[str]]) -> list[int] | None:
+    def split(self, groups: Sequence[Sequence[NodeId]]) -> list[int] | None:
         """Layer boundaries for these units in order: least estimated time within budgets, then the
         least largest fraction of a budget; equal speeds split by memory."""
         n, k = self.n, len(groups)

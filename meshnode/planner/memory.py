@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from meshnode.ids import NodeId
 from meshnode.planner.plans import NodeSpec, Plan, Stage, Strategy, describe_context, human_bytes
 from meshnode.weights.profile import ModelProfile
 
@@ -222,7 +223,7 @@ def memory_plan(
     profile: ModelProfile,
     costs: LayerCosts,
     ranked: list[NodeSpec],
-    ids: list[str],
+    ids: list[NodeId],
     max_context: int,
     strategy: Strategy | None,
     pref: dict[str, int],

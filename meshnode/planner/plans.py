@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from meshnode.errors import MeshnodeError
+from meshnode.ids import NodeId
 from meshnode.values import STRATEGIES, Strategy
 
 # A model served but held nowhere now (no room, or idle): loaded when a request asks.
@@ -35,7 +36,7 @@ def tail_round_trip(median: float, spread: float) -> float:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    node_id: str
+    node_id: NodeId
     memory_budget: int  # bytes offered for weights + KV cache
     compute: float = 1.0  # relative speed; used only when layer_seconds is unknown
     address: str = ""
@@ -63,7 +64,7 @@ class LinkSpec:
 class Stage:
     start_layer: int
     end_layer: int  # exclusive
-    nodes: tuple[str, ...]  # one node for a pipeline stage
+    nodes: tuple[NodeId, ...]  # one node for a pipeline stage
     bytes: int = 0
     endpoints: tuple[str, ...] = ()  # tensor group: ring address by rank
 
@@ -145,7 +146,7 @@ class Plan:
             Stage(
                 int(s["start_layer"]),
                 int(s["end_layer"]),
-                tuple(str(n) for n in s["nodes"]),
+                tuple(NodeId(str(n)) for n in s["nodes"]),
                 int(s.get("bytes", 0)),
                 tuple(str(a) for a in s.get("endpoints") or ()),
             )

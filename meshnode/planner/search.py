@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from meshnode.ids import NodeId
 from meshnode.planner.cost import (
     DEFAULT_LINK,
     FAST_RTT_S,
@@ -46,7 +47,7 @@ class _Cand:
     by_memory: Plan | None = None  # the memory-driven plan (memory_plan), kept whole with its reason
 
 
-def _partitions(items: Sequence[str], sizes: set[int]):
+def _partitions(items: Sequence[NodeId], sizes: set[int]):
     """Every partition of items into blocks whose sizes are in ``sizes`` (blocks keep item order)."""
     if not items:
         yield []
@@ -69,7 +70,7 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by
     seen: set = set()  # placements (units) listed
     tried: set = set()  # group sequences split
 
-    def add(groups: Sequence[Sequence[str]], by_memory_plan: Plan | None = None) -> None:
+    def add(groups: Sequence[Sequence[NodeId]], by_memory_plan: Plan | None = None) -> None:
         groups = [tuple(g) for g in groups]
         key = tuple(groups)
         if key in tried or not all(cx.group_ok(g) for g in groups):
@@ -102,7 +103,7 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by
             members = [cx.by_id[i] for i in subset]
             if sum(x.memory_budget for x in members) < split_need:
                 continue
-            orders: list[Sequence[str]] = []
+            orders: list[Sequence[NodeId]] = []
             if len(subset) <= 3:
                 orders = list(itertools.permutations(subset))
             else:

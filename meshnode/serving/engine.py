@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from meshnode.ids import ModelId
 from meshnode.serving.answer import AnswerShape, AnswerSplitter, Pieces, ToolCall, initial_state
 from meshnode.serving.sampling import Sampled, SamplingParams
 
@@ -55,7 +56,7 @@ class Engine:
 
     def __init__(
         self,
-        model_id: str,
+        model_id: ModelId,
         tokenizer: TokenizerWrapper,
         source: TokenSource,
         *,

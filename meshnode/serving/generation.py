@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
+from meshnode.ids import RequestId
 from meshnode.model.prefixes import prefix_key
 from meshnode.model.scheduler import TokenScheduler, mlx_idle, mlx_yield, raise_if_cancelled, set_priority
 from meshnode.serving.local_stage import LocalSession, LocalStage
@@ -351,8 +352,8 @@ class Ending(Generator[int, None, None]):
 _ids = itertools.count(1)
 
 
-def new_request_id(prefix: str = "req") -> str:
-    return f"{prefix}-{secrets.token_hex(6)}-{next(_ids)}"
+def new_request_id(prefix: str = "req") -> RequestId:
+    return RequestId(f"{prefix}-{secrets.token_hex(6)}-{next(_ids)}")
 
 
 class PipelineSource:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
 
+from meshnode.ids import ModelId
 from meshnode.weights.gguf_source import is_gguf_spec
 from meshnode.weights.holdings import Holding
 from meshnode.weights.manifest import read_marker
@@ -55,7 +56,7 @@ class ModelFiles:
         self.settings, self.progress, self._event = settings, progress, event
         self.spec, self._shared_store, self._learned = model, store, learned
         # None until load() reads them
-        self.model_id: str | None = None
+        self.model_id: ModelId | None = None
         self.profile: ModelProfile | None = None
         self.tokenizer: TokenizerWrapper | None = None
         self.vocab_size = 0
@@ -81,7 +82,7 @@ class ModelFiles:
                 raise
             model_id = self.spec
             path = cached_metadata(peer_models, model_id) or await self._from_peers(exc, model_id, holders, peer_models)
-        self.model_id, self._path = model_id, path
+        self.model_id, self._path = ModelId(model_id), path
         # What this node serves to peers, and where missing layers come from.
         store = self._store = self._shared_store or ModelStore(peer_models)
         store.add(model_id, path if self.weights_local else cached_metadata(peer_models, model_id) or path)

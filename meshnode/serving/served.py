@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from meshnode.errors import ApiError
+from meshnode.ids import ModelId
 from meshnode.model.prefix_disk import PrefixDisk
 from meshnode.model.prefixes import PrefixStore
 from meshnode.model.shard import Shard
@@ -140,7 +141,7 @@ class ServedModel:
         return self.draft.nbytes if self.draft is not None else 0
 
     @property
-    def model_id(self) -> str | None:
+    def model_id(self) -> ModelId | None:
         return self.files.model_id
 
     @property
