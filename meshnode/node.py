@@ -446,6 +446,7 @@ class Node:
         if lane is None:
             refusal = not_served(request.model)
             await context.abort(refusal.code, str(refusal))
+            return  # abort raises; the checker cannot see it in grpc's untyped API
         async with contextlib.aclosing(serve_generate(lane.served, request, context, lane.adoption.epoch)) as replies:
             async for reply in replies:  # closed in turn when this stream is
                 yield reply
