@@ -13,11 +13,22 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from meshnode.identity import VALID_ID  # a node id fits one DNS label
 from meshnode.ids import NodeId
 
 log = logging.getLogger(__name__)
+
+
+class Announcement(Protocol):
+    """An mDNS record as zeroconf's ServiceInfo gives it: TXT properties and addresses."""
+
+    @property
+    def properties(self) -> Mapping[bytes | str, bytes | str | None] | None: ...
+
+    def parsed_addresses(self) -> list[str]: ...
+
 
 MAX_FAULT_TEXT = 1000  # characters of a fault's error a node announces and its peers keep
 
@@ -155,7 +166,7 @@ class NodeInfo:
             raise ValueError(f"missing property {exc.args[0]!r}") from None
 
     @classmethod
-    def from_service_info(cls, info, *, quiet: bool = False) -> NodeInfo | None:
+    def from_service_info(cls, info: Announcement, *, quiet: bool = False) -> NodeInfo | None:
         """The node an mDNS announcement describes, or None (logged unless ``quiet``) if malformed."""
         try:
             return cls.from_properties(info.properties or {}, info.parsed_addresses())  # IPv4 first: _ordered

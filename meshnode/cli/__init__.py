@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from meshnode.cli import models as models_cli
 from meshnode.cli.dryrun import cluster_from_mesh, format_plan, load_cluster
@@ -22,6 +23,9 @@ from meshnode.cli.nodeclient import DEFAULT_STATUS_URL, default_status_url, fetc
 from meshnode.cli.status import format_status, status_exit_code
 from meshnode.config import ConfigError, Settings, load_settings
 from meshnode.version import PROTOCOL, describe
+
+if TYPE_CHECKING:
+    from meshnode import service
 
 __all__ = ["build_parser", "main", "setup_logging", "format_status", "status_exit_code"]
 
@@ -36,7 +40,7 @@ LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage errors: exit 2 with a short message
+    def error(self, message: str) -> NoReturn:  # argparse's usage errors: exit 2 with a short message
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
@@ -240,7 +244,7 @@ class _SecretFilter(logging.Filter):
         return True
 
 
-def setup_logging(settings: Settings, stream=None) -> None:
+def setup_logging(settings: Settings, stream: TextIO | None = None) -> None:
     """Root logging: ``time level logger: message`` on stderr, at settings.log_level."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
@@ -405,7 +409,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- install, uninstall
 
 
-def _service_layout(args: argparse.Namespace):
+def _service_layout(args: argparse.Namespace) -> service.Layout | None:
     """The service Layout for the arguments, or None after printing why they cannot be used."""
     from meshnode import service  # lazy: only these commands need it
 
@@ -416,7 +420,7 @@ def _service_layout(args: argparse.Namespace):
     return service.layout(platform, system=args.system, root=args.root, home=args.home)
 
 
-def _service_apply(args: argparse.Namespace, act, uninstall: bool) -> int:
+def _service_apply(args: argparse.Namespace, act: service.Action, uninstall: bool) -> int:
     from meshnode import service
 
     if args.dry_run:

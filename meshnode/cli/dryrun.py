@@ -4,10 +4,14 @@ live node's ``/v1/mesh``, and the plan as a person reads it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnode.ids import NodeId
+
+if TYPE_CHECKING:
+    from meshnode.planner import LinkSpec, NodeSpec, Plan
 
 
 def _bandwidth(value: Any) -> float:
@@ -20,7 +24,7 @@ def _bandwidth(value: Any) -> float:
     return float(parse_size(value))
 
 
-def load_cluster(path: Path):
+def load_cluster(path: Path) -> tuple[list[NodeSpec], dict[tuple[str, str], LinkSpec]]:
     """(nodes, links) from a cluster file: ``[[node]]`` id, memory, layer_ms?, collective_us?, compute?;
     ``[[link]]`` a, b, rtt_us, bandwidth, jitter_us? (p90 - p10 of its round trips). Raises
     ValueError saying what is wrong."""
@@ -62,13 +66,13 @@ def load_cluster(path: Path):
     return nodes, links
 
 
-def cluster_from_mesh(data: dict[str, Any]):
+def cluster_from_mesh(data: dict[str, Any]) -> tuple[list[NodeSpec], dict[tuple[str, str], LinkSpec]]:
     """(nodes, links) from a node's GET /v1/mesh: each node's budget and measured layer time, and
     for each pair its fastest measured path (least p95 round trip)."""
     from meshnode.planner import LinkSpec, NodeSpec
 
     nodes: list[NodeSpec] = []
-    links: dict[tuple[str, ...], LinkSpec] = {}
+    links: dict[tuple[str, str], LinkSpec] = {}
     for raw in data.get("nodes") or []:
         layer, coll = float(raw.get("layer_seconds") or 0), float(raw.get("collective_seconds") or 0)
         nodes.append(
@@ -82,7 +86,8 @@ def cluster_from_mesh(data: dict[str, Any]):
         )
         for link in raw.get("links") or []:
             try:
-                key = tuple(sorted((str(raw["node_id"]), str(link["peer"]))))
+                a, b = sorted((str(raw["node_id"]), str(link["peer"])))
+                key = (a, b)
                 rtt, rpc = float(link["rtt_us"]) / 1e6, float(link.get("rpc_rtt_us") or 0) / 1e6
                 jitter = float(link.get("jitter_us") or 0) / 1e6
                 spec = LinkSpec(rtt, float(link["bandwidth"]), max(rpc - rtt, 0.0), jitter)
@@ -93,7 +98,7 @@ def cluster_from_mesh(data: dict[str, Any]):
     return nodes, links
 
 
-def format_links(links) -> list[str]:
+def format_links(links: Mapping[tuple[str, str], LinkSpec]) -> list[str]:
     """One line per link the plan was costed with: median and p95 round trip, bandwidth."""
     return [
         f"  {a}-{b}  round trip {spec.rtt_s * 1e3:.2f} ms, p95 {spec.tail_rtt_s * 1e3:.2f} ms, "
@@ -102,7 +107,9 @@ def format_links(links) -> list[str]:
     ]
 
 
-def format_plan(result, nodes, links=None) -> str:
+def format_plan(
+    result: Plan, nodes: Sequence[NodeSpec], links: Mapping[tuple[str, str], LinkSpec] | None = None
+) -> str:
     from meshnode.planner import human_bytes
 
     budgets = {x.node_id: x.memory_budget for x in nodes}

@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 import urllib.error
+from typing import Any
 
 from meshnode.cli.nodeclient import default_status_url, fetch_json
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[Any]) -> None:  # of the caller's parser class
     models = sub.add_parser(
         "models",
         help="list the mesh's models, or add or remove one this node offers",

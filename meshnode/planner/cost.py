@@ -11,6 +11,9 @@ from meshnode.planner.plans import LinkSpec, NodeSpec, Strategy
 from meshnode.weights.profile import ModelProfile
 from meshnode.weights.weightfiles import ITEMSIZE
 
+# A plan as the estimates see it: each unit's node ids (several: a tensor group) and its layers [start, end).
+Units = tuple[tuple[tuple[NodeId, ...], int, int], ...]
+
 DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: a conservative LAN
 DEFAULT_BYTES_PER_S = 100e9  # weight bytes/s of a compute-1.0 node (decode is memory-bound)
 FAST_RTT_S = 200e-6  # a link below this RTT may carry MoE expert traffic (Thunderbolt, not TCP)
@@ -87,12 +90,12 @@ def tps_text(estimate: float) -> str:
     return f"{1.0 / estimate:.3g} tok/s" if estimate > 0 else "∞ tok/s"
 
 
-def units_summary(units) -> str:
+def units_summary(units: Units) -> str:
     """'0-11@a+b | 12-23@c'."""
     return " | ".join(f"{s}-{e - 1}@{'+'.join(ids)}" for ids, s, e in units)
 
 
-def kind_of(units) -> Strategy:
+def kind_of(units: Units) -> Strategy:
     grouped = any(len(ids) > 1 for ids, _, _ in units)
     if len(units) == 1:
         return "tensor" if grouped else "single"
@@ -195,11 +198,11 @@ class CostModel:
         one_way, bw = self.worst(ids)
         return 2 * (2 * (g - 1) * (one_way + self.msg / (g * bw)) + self.machinery(ids))
 
-    def unit_spec(self, ids: Sequence[NodeId]):
+    def unit_spec(self, ids: Sequence[NodeId]) -> tuple[int, int, float, float, float]:
         slowest = max(self.spb(i) for i in ids)
         return len(ids), min(self.by_id[i].memory_budget for i in ids), slowest / len(ids), self.coll(ids), slowest
 
-    def estimate(self, units) -> float:
+    def estimate(self, units: Units) -> float:
         """Seconds per decoded token of a plan given as ((node ids, start, end), ...)."""
         total = 0.0
         for ids, s, e in units:
@@ -218,7 +221,7 @@ class CostModel:
             total += one_way + TOKEN_BYTES / bw
         return total
 
-    def unknown_links(self, units) -> list[str]:
+    def unknown_links(self, units: Units) -> list[str]:
         """Links the estimate of this plan assumed (unmeasured)."""
         pairs: set[tuple[str, str]] = set()
         for ids, _, _ in units:
@@ -242,7 +245,7 @@ class CostModel:
         inf = (float("inf"), float("inf"))
         W, head_w = self.W, self.head_w
 
-        def cost(i: int, s: int, e: int):
+        def cost(i: int, s: int, e: int) -> tuple[float, float] | None:
             g, budget, rate, coll, slowest = specs[i]
             m = self.mem(s, e, g)
             if m > budget:

@@ -4,7 +4,7 @@ budgets do), their order, and the layer split. Exact dynamic programmes; pure.""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from meshnode.ids import NodeId
 from meshnode.planner.plans import NodeSpec, Plan, Stage, Strategy, describe_context, human_bytes
@@ -190,7 +190,7 @@ def split_layers(costs: LayerCosts, budgets: Sequence[int]) -> list[int] | None:
     return [0, *reversed(edges)]
 
 
-def _candidates(ranked: list[NodeSpec], k: int, preferred: dict[str, int]):
+def _candidates(ranked: list[NodeSpec], k: int, preferred: dict[str, int]) -> Iterator[list[NodeSpec]]:
     """k-subsets, most preferred nodes first, then the top k by budget; each in stage order."""
     top = ranked[:k]
     top_pref = sum(1 for x in top if x.node_id in preferred)
@@ -264,7 +264,16 @@ def memory_plan(
     return None
 
 
-def _reason(profile, costs: LayerCosts, stages, order, ranked, ctx: int, strategy: Strategy | None, pref) -> str:
+def _reason(
+    profile: ModelProfile,
+    costs: LayerCosts,
+    stages: tuple[Stage, ...],
+    order: Sequence[NodeSpec],
+    ranked: list[NodeSpec],
+    ctx: int,
+    strategy: Strategy | None,
+    pref: dict[str, int],
+) -> str:
     need = costs.stage(0, costs.n)
     context = describe_context(ctx, profile.kv_requests, profile.kv_bits)
     if len(stages) == 1:

@@ -4,7 +4,7 @@ its alternatives."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from meshnode.ids import NodeId
@@ -12,6 +12,7 @@ from meshnode.planner.cost import (
     DEFAULT_LINK,
     FAST_RTT_S,
     CostModel,
+    Units,
     group_size_problem,
     kind_of,
     supports_tensor,
@@ -43,11 +44,11 @@ _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate 
 @dataclass(frozen=True)
 class _Cand:
     strategy: Strategy
-    units: tuple  # ((node ids, start, end), ...)
+    units: Units
     by_memory: Plan | None = None  # the memory-driven plan (memory_plan), kept whole with its reason
 
 
-def _partitions(items: Sequence[NodeId], sizes: set[int]):
+def _partitions(items: Sequence[NodeId], sizes: set[int]) -> Iterator[list[tuple[NodeId, ...]]]:
     """Every partition of items into blocks whose sizes are in ``sizes`` (blocks keep item order)."""
     if not items:
         yield []
@@ -71,15 +72,14 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by
     tried: set = set()  # group sequences split
 
     def add(groups: Sequence[Sequence[NodeId]], by_memory_plan: Plan | None = None) -> None:
-        groups = [tuple(g) for g in groups]
-        key = tuple(groups)
-        if key in tried or not all(cx.group_ok(g) for g in groups):
+        key = tuple(tuple(g) for g in groups)
+        if key in tried or not all(cx.group_ok(g) for g in key):
             return
         tried.add(key)
-        edges = cx.split(groups)
+        edges = cx.split(key)
         if edges is None:
             return
-        units = tuple((g, edges[i], edges[i + 1]) for i, g in enumerate(groups))
+        units = tuple((g, edges[i], edges[i + 1]) for i, g in enumerate(key))
         strategy = kind_of(units)
         if strategy in allowed and units not in seen:
             seen.add(units)
@@ -136,8 +136,8 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by
                     for blocks in _partitions(subset, sizes | {1}):
                         if len(blocks) < 2 or all(len(b) == 1 for b in blocks) or len(blocks) > n:
                             continue
-                        for order in itertools.permutations(blocks):
-                            add(order)
+                        for grouping in itertools.permutations(blocks):
+                            add(grouping)
         else:  # beyond the exact search: consecutive chunks of g of the nodes by budget and by speed
             for g in sorted(sizes):
                 if g >= N:
@@ -334,7 +334,7 @@ def kv_note(profile: ModelProfile, asked: int) -> str:
 
 
 def _alternatives(
-    cx: CostModel, ranked, cands: list[_Cand], estimates: list[float], pick: int, allowed: set[Strategy]
+    cx: CostModel, ranked: list[NodeSpec], cands: list[_Cand], estimates: list[float], pick: int, allowed: set[Strategy]
 ) -> tuple[dict, ...]:
     """Each other strategy's best plan (or why none), and the chosen one's runner-up."""
     chosen, est = cands[pick], estimates[pick]
@@ -456,7 +456,7 @@ def crossover_latency(
     if not plain:
         return fast_rtt_s / 2 if profile.num_experts else float("inf")
 
-    def envelope(lines, lam):
+    def envelope(lines: list[tuple[float, float]], lam: float) -> float:
         return min(a + b * lam for a, b in lines)
 
     if envelope(grouped, 0.0) >= envelope(plain, 0.0):
@@ -475,7 +475,14 @@ def crossover_latency(
     return min(cross, fast_rtt_s / 2) if profile.num_experts else cross
 
 
-def _enumerate_for(profile, nodes, max_context, links, fast_rtt_s, allowed) -> list[tuple[float, float]]:
+def _enumerate_for(
+    profile: ModelProfile,
+    nodes: Sequence[NodeSpec],
+    max_context: int,
+    links: Mapping[tuple[str, str], LinkSpec] | None,
+    fast_rtt_s: float,
+    allowed: set[Strategy],
+) -> list[tuple[float, float]]:
     """(a, b) of estimate = a + b * one-way latency for every candidate of these strategies."""
     at0 = CostModel(profile, nodes, max_context, links, 0.0, fast_rtt_s)  # all links fast: MoE groups allowed
     at1 = CostModel(profile, nodes, max_context, links, 1.0, fast_rtt_s)
