@@ -9,14 +9,19 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import grpc
 
 from meshnode.errors import MeshnodeError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.store import CHUNK
+
+# A call's gRPC metadata: (key, value) pairs, as ClusterAuth.sign makes them.
+Metadata = Sequence[tuple[str, str]]
 
 __all__ = ["DiskSpaceError", "Download", "DownloadItem", "FetchError", "ItemFailed", "JOURNAL", "hash_range"]
 
@@ -68,7 +73,7 @@ def hash_range(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def _absorb(h, f, data: bytes) -> None:
+def _absorb(h: hashlib._Hash, f: IO[bytes], data: bytes) -> None:
     h.update(data)
     f.write(data)
 
@@ -84,12 +89,12 @@ class Download:
         items: list[DownloadItem],
         total: int,
         done_bytes: int,
-        on_progress,
+        on_progress: Callable[[int, int], None] | None,
         streams_per_peer: int,
         chunk_timeout: float,
         max_peer_failures: int,
-        metadata,
-    ):
+        metadata: Metadata | None,
+    ) -> None:
         self.peers = peers
         self.model_id = model_id
         self.partial = partial
@@ -159,7 +164,7 @@ class Download:
                         self.pending.append(item)
                     self.cond.notify_all()
 
-    async def _fetch(self, stub, peer: str, item: DownloadItem) -> None:
+    async def _fetch(self, stub: mesh_pb2_grpc.MeshStub, peer: str, item: DownloadItem) -> None:
         req = mesh_pb2.FetchRequest(model_id=self.model_id, path=item.path, offset=item.offset, length=item.length)
         call = stub.Fetch(req, metadata=self.metadata)
         h = hashlib.sha256()

@@ -3,6 +3,7 @@ GGUF converter, with the file's chat template)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def _float32(value: float) -> float:
     return float(f"{float(value):.7g}")
 
 
-def _rope_scaling(get) -> dict[str, Any] | None:
+def _rope_scaling(get: Callable[[str], Any]) -> dict[str, Any] | None:
     kind = get("rope.scaling.type")
     factor = get("rope.scaling.factor")
     if kind in (None, "none") or not factor:

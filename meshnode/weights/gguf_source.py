@@ -13,11 +13,11 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from gguf import LlamaFileType
+from gguf import LlamaFileType, ReaderTensor
 
 from meshnode.weights.gguf_config import NORM_PLUS_ONE, eos_ids, family, metadata, model_config, save_tokenizer
 from meshnode.weights.gguf_tensors import (
@@ -271,7 +271,7 @@ def _quantization(bits_of: dict[str, int]) -> dict:
     return q
 
 
-def weights_note(tensors) -> str:
+def weights_note(tensors: Sequence[ReaderTensor]) -> str:
     """What the conversion does to the file's weights, for ``meshnode status`` and the plan."""
     kept = Counter(t.tensor_type.name for t in tensors if t.tensor_type in KEPT)
     redone = Counter(

@@ -3,6 +3,8 @@ placed where their layers are. Peer input is checked."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from meshnode.proto import mesh_pb2
 
 MAX_MODELS = 16
@@ -27,7 +29,7 @@ def holdings_to_pb(holdings: tuple[Holding, ...]) -> list[mesh_pb2.ModelHolding]
     return [mesh_pb2.ModelHolding(model_id=m, complete=c, layers=[f"{a}-{b}" for a, b in r]) for m, c, r in holdings]
 
 
-def holdings_from_pb(items) -> tuple[Holding, ...]:
+def holdings_from_pb(items: Sequence[mesh_pb2.ModelHolding]) -> tuple[Holding, ...]:
     """A peer's holdings; raises ValueError on anything malformed or oversized."""
     if len(items) > MAX_MODELS:
         raise ValueError(f"{len(items)} model holdings announced (at most {MAX_MODELS})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,13 +136,17 @@ class ModelStore:
         m.layers_held.extend(f"{a}-{b}" for a, b in layers_held(path))
         return _Held(path, m, files, spans)
 
-    async def Manifest(self, request: mesh_pb2.ManifestRequest, context) -> mesh_pb2.ModelManifest:
+    async def Manifest(
+        self, request: mesh_pb2.ManifestRequest, context: grpc.aio.ServicerContext
+    ) -> mesh_pb2.ModelManifest:
         held = await self.held(request.model_id)
         if held is None:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"model {request.model_id!r} is not held here")
         return held.manifest
 
-    async def Fetch(self, request: mesh_pb2.FetchRequest, context):
+    async def Fetch(
+        self, request: mesh_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.Chunk]:
         """Stream bytes [offset, offset + length) of one listed file (length 0: to its end)."""
         held = await self.held(request.model_id)
         if held is None:

@@ -19,7 +19,15 @@ import grpc
 
 from meshnode.durable import fsync_dir
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
-from meshnode.weights.download import JOURNAL, DiskSpaceError, Download, DownloadItem, FetchError, hash_range
+from meshnode.weights.download import (
+    JOURNAL,
+    DiskSpaceError,
+    Download,
+    DownloadItem,
+    FetchError,
+    Metadata,
+    hash_range,
+)
 from meshnode.weights.manifest import (
     INDEX_NAME,
     PARTIAL_MARKER,
@@ -75,8 +83,10 @@ def tty_progress(label: str = "fetch") -> Callable[[int, int], None] | None:
     return show
 
 
-async def _manifests(peers, model_id: str, timeout: float, metadata) -> list[tuple[str, mesh_pb2.ModelManifest]]:
-    async def one(name, channel):
+async def _manifests(
+    peers: Sequence[tuple[str, grpc.aio.Channel]], model_id: str, timeout: float, metadata: Metadata | None
+) -> list[tuple[str, mesh_pb2.ModelManifest]]:
+    async def one(name: str, channel: grpc.aio.Channel) -> tuple[str, mesh_pb2.ModelManifest] | None:
         try:
             m = await mesh_pb2_grpc.MeshStub(channel).Manifest(
                 mesh_pb2.ManifestRequest(model_id=model_id), timeout=timeout, metadata=metadata
@@ -176,7 +186,14 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-async def _small_file(ref: mesh_pb2.ModelManifest, path: str, peers, holders, metadata, timeout) -> bytes:
+async def _small_file(
+    ref: mesh_pb2.ModelManifest,
+    path: str,
+    peers: dict[str, grpc.aio.Channel],
+    holders: list[str],
+    metadata: Metadata | None,
+    timeout: float,
+) -> bytes:
     """One small (non-weight) file of the model, fetched into memory and verified."""
     entry = next((f for f in ref.files if f.path == path), None)
     if entry is None or entry.size > _MAX_SMALL:
@@ -201,7 +218,14 @@ async def _small_file(ref: mesh_pb2.ModelManifest, path: str, peers, holders, me
     raise FetchError(f"no peer supplied a valid {path} of {ref.model_id}")
 
 
-async def _config_of(ref: mesh_pb2.ModelManifest, peers, holders, partial: Path, metadata, timeout) -> dict:
+async def _config_of(
+    ref: mesh_pb2.ModelManifest,
+    peers: dict[str, grpc.aio.Channel],
+    holders: list[str],
+    partial: Path,
+    metadata: Metadata | None,
+    timeout: float,
+) -> dict:
     """config.json, read from an earlier partial folder or fetched into memory (verified)."""
     entry = next((f for f in ref.files if f.path == "config.json"), None)
     local = partial / "config.json"
@@ -216,7 +240,7 @@ async def fetch_metadata(
     dest_dir: Path | str,
     *,
     timeout: float = 30.0,
-    metadata=None,
+    metadata: Metadata | None = None,
 ) -> Path:
     """Only the small files, with the whole manifest in the marker, so the model can be profiled
     before any weight arrives."""
@@ -253,7 +277,7 @@ async def fetch_layers(
     max_peer_failures: int = 3,
     reserve_bytes: int = 64 << 20,
     max_file_bytes: int = _OUT_FILE_BYTES,
-    metadata=None,
+    metadata: Metadata | None = None,
 ) -> FetchResult:
     """Fetch layers [start, end) of ``model_id`` and its small files from ``peers`` ((name, channel)
     pairs) into ``dest_dir``. Raises :class:`DiskSpaceError` before downloading, :class:`FetchError`
