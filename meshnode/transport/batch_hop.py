@@ -31,7 +31,7 @@ from meshnode.model.wire import (
 )
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import HEADER, FrameError, connect, recv_frame, send_frame, send_prepared
-from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, _yield, lost, read_reply, refuse, stream_key
+from meshnode.transport.hop import FRAME_STALL, IDLE_TIMEOUT, RunHere, _yield, lost, read_reply, refuse, stream_key
 from meshnode.transport.refusals import InvalidInput, StageError, StageFault, StageRefused
 
 if TYPE_CHECKING:
@@ -48,7 +48,9 @@ MAX_ROWS = 256  # requests in one step
 # --------------------------------------------------------------------------- serving side
 
 
-def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str) -> None:
+def serve_batch(
+    server: StageServer, run_here: RunHere, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str
+) -> None:
     """Serve one head's batched decode steps to one stage until the head closes the stream."""
     try:
         shard = _batchable(server.shard_for(opening.forward))
@@ -66,7 +68,7 @@ def serve_batch(server: StageServer, run_here, conn: socket.socket, opening: mes
 
 
 def _serve_steps(
-    server: StageServer, run_here, conn: socket.socket, shard: Shard, batch: DecodeBatch, host: str
+    server: StageServer, run_here: RunHere, conn: socket.socket, shard: Shard, batch: DecodeBatch, host: str
 ) -> None:
     out = bytearray()  # raw replies are written here, step after step
     while True:

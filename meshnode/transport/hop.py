@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 import mlx.core as mx
@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Runs ``fn`` on this thread holding the node's MLX baton (TokenScheduler.run_here).
+RunHere = Callable[[Callable[[], Any]], Any]
 IDLE_TIMEOUT = 3600.0  # seconds without a message before a stream is dropped
 FRAME_STALL = 30.0  # seconds a started reply may stop arriving before the stream is lost
 # Linux wakes a socket's reader on the waker's CPU, so a local peer would wait for this thread's
@@ -75,7 +77,7 @@ StreamHook = Callable[[str], Callable[[int], "Callable[[], None] | None"]]
 
 def serve_forward(
     server: StageServer,
-    run_here,
+    run_here: RunHere,
     conn: socket.socket,
     opening: mesh_pb2.DataOpen,
     host: str,

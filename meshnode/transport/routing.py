@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from meshnode.errors import abort
 from meshnode.proto import mesh_pb2
 from meshnode.transport.batch_hop import serve_batch
-from meshnode.transport.hop import StreamHook, refuse, serve_forward
+from meshnode.transport.hop import RunHere, StreamHook, refuse, serve_forward
 from meshnode.transport.refusals import STATUS, InvalidInput, StagePending
 
 if TYPE_CHECKING:
@@ -33,8 +33,12 @@ class StageRouter:
     """The node's stage servers by model, for gRPC Forward streams and data-port streams."""
 
     def __init__(
-        self, server_of: Callable[[str], StageServer | None], run_here, *, stream_hook: StreamHook | None = None
-    ):
+        self,
+        server_of: Callable[[str], StageServer | None],
+        run_here: RunHere,
+        *,
+        stream_hook: StreamHook | None = None,
+    ) -> None:
         """``stream_hook``: a test harness's, on every request's data-port stream."""
         self._server_of, self._run_here, self._stream_hook = server_of, run_here, stream_hook
 
@@ -54,7 +58,7 @@ class StageRouter:
             refusal = not_served(first.model)
             await abort(context, refusal.code, str(refusal))
 
-        async def again():
+        async def again() -> AsyncIterator[mesh_pb2.ForwardRequest]:
             yield first
             async for msg in stream:
                 yield msg

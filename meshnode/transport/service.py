@@ -7,7 +7,7 @@ handlers only route each call to the part that owns it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,42 +36,57 @@ class Handlers:
 class MeshServicer(mesh_pb2_grpc.MeshServicer):
     """The Mesh gRPC service: routes each call to the part named in :class:`Handlers`."""
 
-    def __init__(self, handlers: Handlers):
+    def __init__(self, handlers: Handlers) -> None:
         self.h = handlers
 
-    async def Heartbeat(self, request, context):
+    async def Heartbeat(
+        self, request: mesh_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> mesh_pb2.HeartbeatReply:
         return await self.h.heartbeat(request, context)
 
-    async def Install(self, request, context):
+    async def Install(self, request: mesh_pb2.Plan, context: grpc.aio.ServicerContext) -> mesh_pb2.InstallReply:
         return self.h.install(request)
 
-    async def Leave(self, request, context):
+    async def Leave(self, request: mesh_pb2.Goodbye, context: grpc.aio.ServicerContext) -> mesh_pb2.Ack:
         self.h.goodbye(request.node_id)
         return mesh_pb2.Ack()
 
-    async def Forward(self, request_iterator, context):
+    async def Forward(
+        self, request_iterator: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.ForwardReply]:
         async for reply in self.h.stage_server.forward(request_iterator, context):
             yield reply
 
-    async def Probe(self, request, context):
+    async def Probe(self, request: mesh_pb2.ProbeRequest, context: grpc.aio.ServicerContext) -> mesh_pb2.ProbeReply:
         if self.h.probe_delay_s:
             await asyncio.sleep(self.h.probe_delay_s)
         return self.h.probe(request)
 
-    async def Generate(self, request, context):
+    async def Generate(
+        self, request: mesh_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.GenerateReply]:
         async for reply in self.h.generate(request, context):
             yield reply
 
-    async def Manifest(self, request, context):
+    async def Manifest(
+        self, request: mesh_pb2.ManifestRequest, context: grpc.aio.ServicerContext
+    ) -> mesh_pb2.ModelManifest:
         return await self.h.store.Manifest(request, context)
 
-    async def Fetch(self, request, context):
+    async def Fetch(
+        self, request: mesh_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.Chunk]:
         async for chunk in self.h.store.Fetch(request, context):
             yield chunk
 
 
 async def start_server(
-    handlers: Handlers, host: str, port: int, *, interceptors=(), identity=None
+    handlers: Handlers,
+    host: str,
+    port: int,
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    identity: tls.TlsIdentity | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Listen on ``host:port`` (0: any free port); returns the server and the port it got."""
     options = [
