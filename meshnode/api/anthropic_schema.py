@@ -10,7 +10,7 @@ import logging
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from meshnode.api.schema import JsonObject, Number, Strict, validate
@@ -44,7 +44,7 @@ class ToolUseBlock(_Block):
 def _only(kinds: tuple[str, ...]) -> WrapValidator:
     """A block of another type (image, document, a server tool's result...) is refused by name."""
 
-    def check(value: Any, handler) -> Any:
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         kind = value.get("type") if isinstance(value, dict) else None
         if isinstance(value, dict) and kind not in kinds:
             raise PydanticCustomError(
@@ -115,7 +115,7 @@ class Tool(Strict):
     defer_loading: bool | None = None  # true: offered to the template like any other (no tool search here)
 
 
-def _client_tool(value: Any, handler) -> Any:
+def _client_tool(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in (None, "custom"):
         raise PydanticCustomError(

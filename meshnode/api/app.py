@@ -9,6 +9,7 @@ import logging
 import time
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from meshnode.api import anthropic, ollama, openai, ops, responses
 from meshnode.api.core import ACCESS, ACTIVE, BACKEND, METRICS, SETTINGS, ApiSettings, Backend
@@ -27,7 +28,7 @@ class _MalformedHttpFilter(logging.Filter):
     """aiohttp logs each rejected request with a traceback, so anyone could fill the log: one line
     per peer every 10 s instead."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self._last: dict[str, float] = {}
 
@@ -58,7 +59,7 @@ def _error_response(err: ApiError, request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def access_middleware(request: web.Request, handler):
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """One line per request: method, path, status, seconds, model and tokens (generations)."""
     started = time.perf_counter()
     status: int | str = 500
@@ -83,7 +84,7 @@ async def access_middleware(request: web.Request, handler):
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler):
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
@@ -106,7 +107,7 @@ async def errors_middleware(request: web.Request, handler):
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler):
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[SETTINGS].api_key
     # Open: /health, the dashboard's files (it sends the key itself), and CORS preflights (no
     # credentials by design, and they run nothing).

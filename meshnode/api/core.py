@@ -113,7 +113,7 @@ class Generation:
     deltas: AsyncGenerator[Delta, None]
     access: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.access.update(model=self.model, prompt_tokens=self.prompt_tokens, completion_tokens=0)
 
     @property
@@ -336,7 +336,7 @@ class _Slot:
         self._active = app[ACTIVE]
         self._limit = app[SETTINGS].max_concurrent_requests
 
-    def __enter__(self):
+    def __enter__(self) -> _Slot:
         if len(self._active) >= self._limit:
             raise ApiError(
                 429,
@@ -348,7 +348,7 @@ class _Slot:
         self._active.append(self)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self._active.remove(self)
 
 

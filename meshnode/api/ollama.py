@@ -16,7 +16,7 @@ from aiohttp import web
 
 from meshnode.api import core
 from meshnode.api import ollama_schema as schema
-from meshnode.api.validation import GenerationRequest
+from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
 from meshnode.serving.engine import Delta, TokenLogprob, ToolCall
 
@@ -179,7 +179,7 @@ async def _generation(request: web.Request, endpoint: str) -> web.StreamResponse
     received = time.perf_counter_ns()
     served = _served(request)
 
-    def parse(body: Any, limits) -> GenerationRequest:
+    def parse(body: Any, limits: Limits) -> GenerationRequest:
         return schema.parse(body, endpoint, limits, served)
 
     # Parsed first for Ollama's "load the model" call; a bad body is left to core.generate.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -14,7 +15,7 @@ from meshnode.api import core
 from meshnode.api.validation import GenerationRequest, RequestKind, parse_request
 from meshnode.errors import ApiError
 from meshnode.serving.answer import ToolCall
-from meshnode.serving.engine import Delta
+from meshnode.serving.engine import Delta, TokenLogprob
 
 
 class _Envelope:
@@ -99,7 +100,7 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _logprobs(kind: RequestKind, entries) -> dict[str, Any]:
+def _logprobs(kind: RequestKind, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     """OpenAI's logprobs object: chat's ``content`` list, or the legacy completions lists."""
     if kind == "chat":
 
@@ -116,7 +117,7 @@ def _logprobs(kind: RequestKind, entries) -> dict[str, Any]:
     }
 
 
-def _first_of_each(top) -> dict[str, float]:
+def _first_of_each(top: Iterable[tuple[str, float]]) -> dict[str, float]:
     """{text: logprob}, most likely first; tokens that decode alike (partial UTF-8) keep the best."""
     out: dict[str, float] = {}
     for text, logprob in top:
@@ -124,7 +125,9 @@ def _first_of_each(top) -> dict[str, float]:
     return out
 
 
-async def _respond(kind: RequestKind, request: web.Request, gen: core.Generation, req: GenerationRequest):
+async def _respond(
+    kind: RequestKind, request: web.Request, gen: core.Generation, req: GenerationRequest
+) -> web.StreamResponse:
     if req.stream:
         return await core.stream(request, gen, _ServerSentEvents(gen, kind, req.include_usage))
     envelope = _Envelope(gen, kind)

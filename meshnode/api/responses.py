@@ -40,7 +40,9 @@ STORE_SECONDS = 30 * 60.0
 class ResponseStore:
     """The recent stored responses of this node: each one's Response and conversation."""
 
-    def __init__(self, size: int = STORE_SIZE, seconds: float = STORE_SECONDS, clock=time.monotonic):
+    def __init__(
+        self, size: int = STORE_SIZE, seconds: float = STORE_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.size, self.seconds, self.clock = size, seconds, clock
         self._kept: OrderedDict[str, tuple[float, dict[str, Any], tuple[dict[str, Any], ...]]] = OrderedDict()
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from meshnode.api.schema import JsonObject, Number, Strict, one_of
@@ -50,7 +50,7 @@ ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call",
 def _only(kinds: tuple[str, ...], what: str, why: dict[str, str] | None = None) -> WrapValidator:
     """An object of another type is refused by name, with the reason if there is a known one."""
 
-    def check(value: Any, handler) -> Any:
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         kind = value.get("type") if isinstance(value, dict) else None
         if isinstance(value, dict) and kind not in kinds:
             reason = (why or {}).get(kind, "") if isinstance(kind, str) else ""

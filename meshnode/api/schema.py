@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from meshnode.errors import ApiError
@@ -25,7 +25,7 @@ class Strict(BaseModel):
 def one_of(message: str) -> WrapValidator:
     """A union's errors (one per member) read as one: the field and what it takes."""
 
-    def check(value: Any, handler) -> Any:
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
             return handler(value)
         except ValidationError:
