@@ -25,7 +25,7 @@ class Announcement(Protocol):
     """An mDNS record as zeroconf's ServiceInfo gives it: TXT properties and addresses."""
 
     @property
-    def properties(self) -> Mapping[bytes | str, bytes | str | None] | None: ...
+    def properties(self) -> Mapping[bytes, bytes | None] | None: ...
 
     def parsed_addresses(self) -> list[str]: ...
 
@@ -130,7 +130,9 @@ class NodeInfo:
         return props
 
     @classmethod
-    def from_properties(cls, props: Mapping[bytes | str, bytes | str | None], addresses: Iterable[str]) -> NodeInfo:
+    def from_properties(
+        cls, props: Mapping[bytes, bytes | None] | Mapping[str, str | None], addresses: Iterable[str]
+    ) -> NodeInfo:
         """Parse TXT properties; raises ValueError (or TypeError) for anything malformed."""
         text: dict[str, str] = {}
         for k, v in props.items():

@@ -58,7 +58,9 @@ class Adoption:
         return self.epochs.held.coordinator if self.epochs.held is not None else ""
 
     # ------------------------------------------------------------------ plans arriving
-    def heard_of(self, msg, sender: str) -> None:
+    def heard_of(
+        self, msg: mesh_pb2.HeartbeatRequest | mesh_pb2.HeartbeatReply | mesh_pb2.ModelState, sender: str
+    ) -> None:
         """A heartbeat or reply from ``sender``."""
         self.epochs.saw(msg.epoch)
         if msg.HasField("plan") and self.epochs.offered(msg.plan.epoch, msg.plan.coordinator, sender):

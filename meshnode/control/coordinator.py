@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -16,7 +16,7 @@ from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
 from meshnode.control.settings import PlanSettings
 from meshnode.nodeinfo import NodeInfo, speed_note
-from meshnode.planner import NodeSpec, Plan, PlanError
+from meshnode.planner import LinkSpec, NodeSpec, Plan, PlanError
 from meshnode.planner import estimate as plan_estimate
 from meshnode.planner import plan as make_plan
 from meshnode.planner.context import plan_longest_context
@@ -296,7 +296,7 @@ class Coordinator:
         for peer in self.peers.members.alive_peers().values():
             asyncio.create_task(self._install(peer.target, msg))
 
-    def _longest(self, nodes: list[NodeSpec], **kw) -> Plan:
+    def _longest(self, nodes: list[NodeSpec], **kw: Any) -> Plan:
         """The plan on ``nodes`` for the longest context worth serving (planner.context)."""
         served, s = self.adoption.served, self.settings
         return plan_longest_context(
@@ -307,7 +307,12 @@ class Coordinator:
             s.max_context,
         )
 
-    def _fits_alone(self, candidates: dict[str, NodeInfo], links, held) -> bool:
+    def _fits_alone(
+        self,
+        candidates: dict[str, NodeInfo],
+        links: dict[tuple[str, str], LinkSpec],
+        held: dict[str, frozenset[int]],
+    ) -> bool:
         """The model would fit ``candidates`` if the other models' plans did not hold memory."""
         if not any(self._used_by_others().values()):
             return False

@@ -11,11 +11,11 @@ import secrets
 from collections.abc import Callable
 from dataclasses import replace
 
-from zeroconf import BadTypeInNameException, InterfaceChoice, NonUniqueNameException, ServiceStateChange
+from zeroconf import BadTypeInNameException, InterfaceChoice, NonUniqueNameException, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from meshnode.logonce import Once
-from meshnode.nodeinfo import VALID_ID, NodeInfo, ordered_addresses
+from meshnode.nodeinfo import VALID_ID, Announcement, NodeInfo, ordered_addresses
 
 __all__ = ["SERVICE_TYPE", "NodeInfo", "Discovery", "local_addresses"]  # NodeInfo: meshnode.nodeinfo
 
@@ -51,8 +51,12 @@ class Discovery:
     peer added, changed or gone (``info=None``)."""
 
     def __init__(
-        self, me: NodeInfo, *, interfaces=None, on_change: Callable[[str, NodeInfo | None], None] | None = None
-    ):
+        self,
+        me: NodeInfo,
+        *,
+        interfaces: InterfaceChoice | list[str] | None = None,
+        on_change: Callable[[str, NodeInfo | None], None] | None = None,
+    ) -> None:
         self._interfaces = interfaces if interfaces is not None else InterfaceChoice.All
         self.me = self._with_addresses(me)
         self.on_change = on_change or (lambda *_: None)
@@ -148,7 +152,7 @@ class Discovery:
         return dict(self._peers)
 
     # -- browsing
-    def _on_state(self, zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+    def _on_state(self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         if (task := self._resolving.pop(name, None)) is not None:
             task.cancel()
         if state_change is ServiceStateChange.Removed:
@@ -170,7 +174,7 @@ class Discovery:
             return
         self._accept(name, info)
 
-    def _accept(self, name: str, info) -> None:
+    def _accept(self, name: str, info: Announcement) -> None:
         """A resolved announcement (separate from the network for tests)."""
         node = NodeInfo.from_service_info(info, quiet=name in self._quiet)
         if name == self.name:  # our own records: someone else claims them if they differ from ours
@@ -260,7 +264,7 @@ def _main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    def emit(event: str, **fields) -> None:
+    def emit(event: str, **fields: object) -> None:
         print(json.dumps({"event": event, "t": round(time.time(), 3), **fields}), flush=True)
 
     async def run() -> None:

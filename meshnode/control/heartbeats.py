@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -41,7 +41,7 @@ class Heartbeats:
         self.sent_bytes = self.received_bytes = 0  # heartbeats and their replies, serialized
 
     # ------------------------------------------------------------------ out
-    def _fill(self, msg) -> None:
+    def _fill(self, msg: mesh_pb2.HeartbeatRequest | mesh_pb2.HeartbeatReply) -> None:
         """What this node says of itself in a heartbeat or a reply."""
         msg.node.CopyFrom(self.peers.me_pb())
         msg.coordinator = self.coordinator or ""
@@ -124,7 +124,9 @@ class Heartbeats:
         await stub.Leave(mesh_pb2.Goodbye(node_id=self.node_id), timeout=1.0)
 
     # ------------------------------------------------------------------ in
-    async def on_heartbeat(self, request: mesh_pb2.HeartbeatRequest, context) -> mesh_pb2.HeartbeatReply:
+    async def on_heartbeat(
+        self, request: mesh_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> mesh_pb2.HeartbeatReply:
         try:
             info = node_from_pb(request.node)
         except ValueError as exc:
@@ -170,7 +172,7 @@ class Heartbeats:
             self._versions[info.node_id] = (info.version, info.protocol)
             log.warning("refusing %s: %s", info.node_id, why)
 
-    def _observe(self, info: NodeInfo, target: str, msg) -> None:
+    def _observe(self, info: NodeInfo, target: str, msg: mesh_pb2.HeartbeatRequest | mesh_pb2.HeartbeatReply) -> None:
         peers = self.peers
         if self._versions.get(info.node_id) != (info.version, info.protocol):
             self._versions[info.node_id] = (info.version, info.protocol)
@@ -198,14 +200,16 @@ class Heartbeats:
                 lane.adoption.heard_of(state, info.node_id)
 
 
-def model_states(msg) -> list[tuple[str, Any]]:
+def model_states(
+    msg: mesh_pb2.HeartbeatRequest | mesh_pb2.HeartbeatReply,
+) -> list[tuple[str, mesh_pb2.HeartbeatRequest | mesh_pb2.HeartbeatReply | mesh_pb2.ModelState]]:
     """(model, state) pairs a heartbeat tells of (without ``models``: its plan's, else "")."""
     if msg.models:
         return [(state.model, state) for state in msg.models[:64]]
     return [(msg.plan.model if msg.HasField("plan") else "", msg)]
 
 
-def _peer_host(context, port: int) -> str:
+def _peer_host(context: grpc.aio.ServicerContext, port: int) -> str:
     peer = context.peer()  # "ipv4:1.2.3.4:5678"
     host = peer.split(":")[1] if peer.startswith("ipv4:") else "127.0.0.1"
     return f"{host}:{port}"

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshnode.control.adoption import Adoption
     from meshnode.control.coordinator import Coordinator
+    from meshnode.serving.modelfiles import Holders
     from meshnode.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Lanes:
         self._loading: dict[str, asyncio.Task] = {}
         self._failed: dict[str, float] = {}  # model -> when its metadata failed to load
 
-    async def start(self, holders) -> None:
+    async def start(self, holders: Holders) -> None:
         """Load the offered models: the first must load; others that cannot are left out."""
         await self.primary.served.load(holders)
         self._lanes[self.primary.model_id] = self.primary
@@ -67,7 +68,7 @@ class Lanes:
         for lane in self:
             lane.offered = lane.model_id not in self._withdrawn
 
-    async def offer(self, spec: str, holders) -> Lane:
+    async def offer(self, spec: str, holders: Holders) -> Lane:
         """Offer one more model (a folder or an id); raises if it cannot load."""
         lane = self._lanes.get(spec)
         if lane is None:
@@ -93,7 +94,7 @@ class Lanes:
     def offered_ids(self) -> tuple[str, ...]:
         return tuple(lane.model_id for lane in self if lane.offered)
 
-    def learn(self, model_ids, holders) -> None:
+    def learn(self, model_ids: Iterable[str], holders: Holders) -> None:
         """Start loading each model peers announce that has no lane here yet."""
         for model_id in model_ids:
             failed_at = self._failed.get(model_id)
@@ -108,7 +109,7 @@ class Lanes:
                 self._load(model_id, holders), name=f"meshnode-lane-{model_id}"
             )
 
-    async def _load(self, model_id: str, holders) -> None:
+    async def _load(self, model_id: str, holders: Holders) -> None:
         lane = self._make(model_id, False)
         try:
             await lane.served.load(holders)

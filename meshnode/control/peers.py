@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any
 
 import grpc
 
@@ -36,9 +37,9 @@ class Peers:
         settings: PeerSettings,
         node_id: NodeId,
         auth: ClusterAuth,
-        identity=None,
+        identity: tls.TlsIdentity | None = None,
         stalled_for: Callable[[], float] = lambda: 0.0,
-    ):
+    ) -> None:
         """``stalled_for``: seconds this node's own longest model step has run past stall_timeout (0: none)."""
         self.settings, self.node_id, self.auth, self.tls = settings, node_id, auth, identity
         self.me: NodeInfo | None = None
@@ -68,7 +69,7 @@ class Peers:
         for channel in self._channels.values():
             await channel.close()
 
-    def update_me(self, **changes) -> NodeInfo:
+    def update_me(self, **changes: Any) -> NodeInfo:
         """Change what this node announces with the next heartbeats; returns it, changed."""
         assert self.me is not None, "the peers are started"
         self.me = dataclasses.replace(self.me, **changes)
@@ -112,13 +113,15 @@ class Peers:
         return peer is not None and peer.info.stalled_for > 0
 
     @contextlib.asynccontextmanager
-    async def holders_of(self, model_id: str, cluster_id: str):
+    async def holders_of(
+        self, model_id: str, cluster_id: str
+    ) -> AsyncIterator[Callable[[], list[tuple[str, grpc.aio.Channel]]]]:
         """While open: a function listing (node id, channel) of the peers that may hold ``model_id``."""
         browser = Browser(self.node_id, cluster_id) if self.settings.mdns and self.membership is None else None
         if browser is not None:
             await browser.start()
 
-        def candidates():
+        def candidates() -> list[tuple[str, grpc.aio.Channel]]:
             found = [(t, self.channel_to(t)) for t in self.static_targets]
             if self.membership is not None:  # a running node: its live peers
                 found[:0] = [
@@ -219,7 +222,7 @@ class Peers:
         out += [(nid, stat) for nid, stats in self.peer_links.items() for stat in stats]
         return out
 
-    def link_specs(self, members) -> dict[tuple[str, str], LinkSpec]:
+    def link_specs(self, members: Collection[str]) -> dict[tuple[str, str], LinkSpec]:
         """The planner's links: each pair's fastest path."""
         return {
             tuple(sorted(pair)): LinkSpec(

@@ -17,8 +17,11 @@ from meshnode.serving.loading import retire_previous
 from meshnode.serving.usage import Use
 
 if TYPE_CHECKING:
-    from meshnode.control.lanes import Lanes
+    from meshnode.control.adoption import Adoption
+    from meshnode.control.coordinator import Coordinator
+    from meshnode.control.lanes import Lane, Lanes
     from meshnode.control.peers import Peers
+    from meshnode.serving.modelfiles import Holders
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,8 @@ class ControlPlane:
         lanes: Lanes,
         *,
         event: Callable[..., None],
-        holders=None,
-    ):
+        holders: Holders | None = None,
+    ) -> None:
         """``holders``: opens a search for the peers holding a model."""
         self.settings, self.node_id, self.peers, self.lanes = settings, node_id, peers, lanes
         self._event, self._holders = event, holders
@@ -54,12 +57,12 @@ class ControlPlane:
         return self.heartbeats.coordinator
 
     @property
-    def adoption(self):
+    def adoption(self) -> Adoption:
         """The first model's plan adoption."""
         return self.lanes.primary.adoption
 
     @property
-    def coordinator(self):
+    def coordinator(self) -> Coordinator:
         return self.lanes.primary.coordinator
 
     def on_install(self, msg: mesh_pb2.Plan) -> mesh_pb2.InstallReply:
@@ -157,7 +160,7 @@ class ControlPlane:
                 lane.coordinator.unload(f"does not fit beside {others}; loaded when a request asks for it")
                 self._no_room[model] = frozenset(alive)
 
-    def _make_room(self, wanted, lanes, uses) -> None:
+    def _make_room(self, wanted: Lane, lanes: list[Lane], uses: dict[str, Use]) -> None:
         loaded = {
             lane.model_id: uses[lane.model_id]
             for lane in lanes
@@ -170,7 +173,7 @@ class ControlPlane:
         assert lane is not None, "victim() names a loaded model"
         lane.coordinator.unload(f"the least recently used idle model, unloaded to make room for {wanted.model_id}")
 
-    def use_of(self, lane) -> Use:
+    def use_of(self, lane: Lane) -> Use:
         """The requests for the lane's model over the mesh."""
         peers = self.peers.membership.alive_peers().values() if self.peers.membership is not None else ()
         return total([lane.served.use_now(), *(p.uses[lane.model_id] for p in peers if lane.model_id in p.uses)])
