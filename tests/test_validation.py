@@ -113,6 +113,12 @@ def test_an_unknown_field_is_refused_by_name():
     assert e.value.param == "stream_options.x"
 
 
+def test_a_logit_bias_key_that_is_no_token_id_is_quoted_in_the_message():
+    with pytest.raises(ApiError) as e:
+        parse_request({"model": "m", "messages": MSG, "logit_bias": {"foo": 0}}, "chat", L)
+    assert e.value.message == "'logit_bias' takes token ids as keys, got \"foo\""
+
+
 def test_a_wrong_type_names_the_field():
     for body, param in (
         ({"temperature": "hot"}, "temperature"),

@@ -120,7 +120,7 @@ class _Sampling(_Accepted):
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         bad = next((k for k in value or () if not k.isdigit()), None)
         if bad is not None:
-            raise PydanticCustomError("invalid_value", "takes token ids as keys, got {key!r}", {"key": bad})
+            raise PydanticCustomError("invalid_value", "takes token ids as keys, got {key}", {"key": json.dumps(bad)})
         return value
 
     @field_validator("stop")
