@@ -488,6 +488,12 @@ def test_what_claude_code_sends_is_served(nodes, models):
     assert json.loads(counted)["input_tokens"] == len(claude_code_prompt(tokenizer, environment))
 
 
+def test_count_tokens_takes_what_the_sdk_sends_it():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speed": "standard"}
+    req = parse(body, Limits(), count=True)
+    assert req.messages == [{"role": "user", "content": "hi"}]
+
+
 def test_system_messages_join_the_system_prompt_in_order():
     body = {
         "model": "m",

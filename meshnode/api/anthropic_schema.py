@@ -166,6 +166,7 @@ class CountRequest(Strict):
     cache_control: JsonObject | None = None  # harmless: there is no prompt cache to mark
     context_management: JsonObject | None = None  # not honoured (Claude Code sends it)
     output_config: OutputConfig | None = None
+    speed: Literal["standard", "fast"] | None = None  # harmless: it changes no prompt
 
 
 class MessagesRequest(CountRequest):
@@ -178,7 +179,6 @@ class MessagesRequest(CountRequest):
     metadata: Metadata | None = None  # harmless
     service_tier: Literal["auto", "standard_only"] | None = None  # harmless
     inference_geo: str | None = None  # harmless
-    speed: Literal["standard", "fast"] | None = None  # harmless
 
 
 @dataclasses.dataclass(frozen=True)
