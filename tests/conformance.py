@@ -99,9 +99,10 @@ class Run:
         return [case for case, outcome in self.outcomes.items() if outcome == "failed"]
 
 
-def run(suite: Suite, folder: Path, base_url: str, model: str, report: Path, timeout: float = 1800) -> Run:
+def run(suite: Suite, folder: Path, base_url: str, model: str, report: Path, *, host=None, timeout=1800.0) -> Run:
     """The suite's cases in ``files`` run against ``base_url`` (the node's ``/v1`` for openai, its
-    root for anthropic), each request naming ``model``; one process, no workers of its own."""
+    root for anthropic), each request naming ``model``; one process, no workers of its own, inside
+    ``host`` (a namespace host, harness/netns.py) if given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "PYTEST_"))}
     env.update(
         TEST_API_BASE_URL=base_url,
@@ -111,6 +112,8 @@ def run(suite: Suite, folder: Path, base_url: str, model: str, report: Path, tim
     )
     argv = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
     argv += ["-p", "meshnode_suite", *suite.options, "--tb=line", *suite.files]
+    if host is not None:
+        argv = host.exec_args(argv)
     report.unlink(missing_ok=True)
     done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [json.loads(line) for line in report.read_text().splitlines()] if report.is_file() else []

@@ -88,10 +88,11 @@ def seed_cache(cache_dir: Path, folder: Path) -> None:
     shutil.copy(source.parent / "hashes.json", root / "hashes.json")
 
 
-def serve(cluster, spec: Path, folder: Path, tmp: Path, fractions, *, convert: bool = False) -> dict:
+def serve(cluster, spec: Path, folder: Path, tmp: Path, fractions, *, convert: bool = False, env=None) -> dict:
     """One pipeline node per fraction of the model's memory, each on ``spec`` (the GGUF file, or a
-    model folder); the first view of the converged mesh. On the GGUF file a node finds ``folder``'s
-    conversion in its cache (``seed_cache``) unless ``convert``: then it converts the file itself."""
+    model folder) with ``env`` added to its environment; the first view of the converged mesh. On
+    the GGUF file a node finds ``folder``'s conversion in its cache (``seed_cache``) unless
+    ``convert``: then it converts the file itself."""
     from meshnode.weights.profile import profile_model
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def serve(cluster, spec: Path, folder: Path, tmp: Path, fractions, *, convert: b
     for h, f in zip(hosts, fractions):
         if not convert and Path(spec).suffix == ".gguf":
             seed_cache(tmp / h.name / "cache", folder)
-        cluster.start(h, int(total * f), env={"MESHNODE_STRATEGY": "pipeline"}, model=spec)
+        cluster.start(h, int(total * f), env={"MESHNODE_STRATEGY": "pipeline", **(env or {})}, model=spec)
     return cluster.wait(lambda: cluster.converged(hosts, len(hosts)), 180, "convergence")[0]
 
 

@@ -1,6 +1,7 @@
 """The openai and anthropic SDKs' own resource tests (tests/conformance.py) against one node serving
 the real model (tests/realmodel.py): every case of the routes meshnode serves passes, but those
-tests/conformance_excluded.toml names with their reasons.
+tests/conformance_excluded.toml names with their reasons; and the same through 2 pipeline stages on
+namespace hosts, the suite run from the client host.
 
 The node caps max_tokens at 16: the generated tests check only an answer's shape, and leave
 max_tokens unset or ask for 1,024 tokens.
@@ -50,5 +51,39 @@ def test_the_sdks_own_suite_passes_against_one_node(name, node, tmp_path):
     base, model = node
     url = base + "/v1" if name == "openai" else base
     result = run(suite, folder, url, model, tmp_path / "report.jsonl")
+    found = problems(name, suite, folder, result)
+    assert not found, "\n".join(found)
+
+
+@pytest.fixture(scope="module")
+def stages(smollm2_gguf, smollm2, tmp_path_factory):
+    """(client host, base URL, served model id) of 2 pipeline stages on namespace hosts."""
+    from harness.cluster import HTTP, Cluster
+    from harness.netns import netns_mesh
+    from tests.realmodel import serve, stop_all
+
+    _, folder = smollm2
+    limits = {"MESHNODE_MAX_TOKENS_LIMIT": str(MAX_TOKENS), "MESHNODE_DEFAULT_MAX_TOKENS": str(MAX_TOKENS)}
+    with netns_mesh(2) as mesh:
+        cluster = Cluster(mesh, folder, tmp_path_factory.mktemp("cluster"), max_context=1024)
+        try:
+            view = serve(cluster, smollm2_gguf, folder, tmp_path_factory.mktemp("stages"), (0.75, 0.75), env=limits)
+            assert len(view["plan"]["stages"]) == 2, view["plan"]
+            base = f"http://{cluster.hosts[0].ip}:{HTTP}"
+            status, _, models = cluster.fetch(f"{base}/v1/models")
+            assert status == 200, models
+            (model,) = [m["id"] for m in models["data"]]
+            yield cluster.client, base, model
+        finally:
+            stop_all(cluster)
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("name", SUITES)
+def test_the_sdks_own_suite_passes_against_two_stages(name, stages, tmp_path):
+    suite, folder = SUITES[name], suite_folder(SUITES[name])
+    client, base, model = stages
+    url = base + "/v1" if name == "openai" else base
+    result = run(suite, folder, url, model, tmp_path / "report.jsonl", host=client)
     found = problems(name, suite, folder, result)
     assert not found, "\n".join(found)
