@@ -3,7 +3,7 @@ the real model (tests/realmodel.py): every case of the routes meshnode serves pa
 tests/conformance_excluded.toml names with their reasons; and the same through 2 pipeline stages on
 namespace hosts, the suite run from the client host.
 
-The node caps max_tokens at 16: the generated tests check only an answer's shape, and leave
+The node caps max_tokens at 4: the generated tests check only an answer's shape, and leave
 max_tokens unset or ask for 1,024 tokens.
 """
 
@@ -22,7 +22,7 @@ from tests.helpers import running_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-MAX_TOKENS = 16
+MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
