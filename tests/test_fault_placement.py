@@ -83,10 +83,15 @@ def _mesh3(tmp_path, netns_mesh_stack):
     mesh = netns_mesh_stack.enter_context(netns_mesh(3))
     cluster = Cluster(mesh, model, tmp_path, max_context=CTX, seed=seed)
     # A pipeline, pinned: on a fast enough machine the planner's estimate for a tensor pair can come
-    # out ahead, and the plan then has one stage, not the two these tests fault.
-    delays = cluster.start_all_delayable(
-        int(total * 0.6), env={"MESHNODE_STALL_TIMEOUT": str(STALL_TIMEOUT), "MESHNODE_STRATEGY": "pipeline"}
-    )
+    # out ahead, and the plan then has one stage, not the two these tests fault. No rebalance after
+    # a join either: the first plan may be made before the third node is heard, and a move for speed
+    # in the middle of the fault would be a re-plan for another reason than the one under test.
+    env = {
+        "MESHNODE_STALL_TIMEOUT": str(STALL_TIMEOUT),
+        "MESHNODE_STRATEGY": "pipeline",
+        "MESHNODE_REBALANCE_DWELL": "600",
+    }
+    delays = cluster.start_all_delayable(int(total * 0.6), env=env)
     view = cluster.wait(lambda: cluster.converged(cluster.hosts, 3), 90, "a plan over 3 nodes")[0]
     stages = view["plan"]["stages"]
     assert len(stages) == 2, view["plan"]
