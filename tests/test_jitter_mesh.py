@@ -23,7 +23,9 @@ from meshnode.model.build import build_model
 from meshnode.model.compute import seed_figures
 from meshnode.weights.profile import profile_model
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+# quiet: the probes time round trips of a few ms in userspace, which three busy workers beside them
+# stretch by tens (seen in CI: the jittery link's median measured above the steady one's)
+pytestmark = [pytest.mark.netns, pytest.mark.quiet, pytest.mark.timeout(240)]
 
 MESSAGES = [{"role": "user", "content": "Which way does the river run?"}]
 TOKENS = 16
