@@ -9,7 +9,7 @@ import pytest
 
 from meshnode.proto import mesh_pb2
 from meshnode.transport.dataport import recv_frame
-from meshnode.transport.hop import _CODES, refuse
+from meshnode.transport.hop import read_reply, refuse
 from meshnode.transport.refusals import (
     FAULT,
     KINDS,
@@ -21,7 +21,6 @@ from meshnode.transport.refusals import (
     StageRefused,
     StageUnavailable,
     refusal_kind,
-    stage_error,
 )
 
 
@@ -50,15 +49,20 @@ def test_statuses_outside_the_table_and_grpc_s_own_internal_are_a_lost_stage():
 
 
 def test_a_refusal_frame_carries_the_status_and_details_the_head_maps_back():
+    class St:  # what read_reply asks of a remote stage
+        start, end, node_id, poll = 0, 4, "n1", 0.1
+
+        def check(self, sent: float) -> None:
+            pass
+
     a, b = socket.socketpair()
     with a, b:
         refuse(a, StagePending("epoch 7 is not served here yet (serving [6])"))
         reply = mesh_pb2.ForwardReply.FromString(bytes(recv_frame(b)))
-    assert reply.code == grpc.StatusCode.ABORTED.value[0]
-    assert reply.error == "epoch 7 is not served here yet (serving [6])"
-
-    class St:
-        start, end, node_id = 0, 4, "n1"
-
-    again = stage_error(St, None, _CODES[reply.code], reply.error)
-    assert type(again) is StagePending and str(again).endswith("ABORTED: epoch 7 is not served here yet (serving [6])")
+        assert reply.code == grpc.StatusCode.ABORTED.value[0]
+        assert reply.error == "epoch 7 is not served here yet (serving [6])"
+        refuse(a, StagePending("epoch 7 is not served here yet (serving [6])"))
+        with pytest.raises(StageError) as again:  # the head's own reading of the same frame
+            read_reply(b, St(), 0.0)
+    assert type(again.value) is StagePending
+    assert str(again.value).endswith("ABORTED: epoch 7 is not served here yet (serving [6])")
