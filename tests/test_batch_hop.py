@@ -18,7 +18,8 @@ from meshnode.transport.batch_hop import BatchHop, serve_batch
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import HopSession, serve_forward
 from meshnode.transport.refusals import StageError
-from meshnode.transport.stage import RemoteStage, StageServer
+from meshnode.transport.remote_stage import RemoteStage
+from meshnode.transport.stage_server import StageServer
 from meshnode.trust.auth import ClusterAuth
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from meshnode.serving.generation import SamplingParams
 from meshnode.serving.prefill import BUSY_MIN_CHUNK, SHARED_STEP, TURN, ChunkSizer
 from meshnode.serving.resilience import FailoverSource, NotReady, PlacementLost, await_while_alive
 from meshnode.transport.refusals import StageError
-from meshnode.transport.stage import RemoteSession, RemoteStage, RemoteTicket
+from meshnode.transport.remote_stage import RemoteSession, RemoteStage, RemoteTicket
 from tests.helpers import running_node
 
 TRUE = list(range(100, 120))
@@ -206,7 +206,7 @@ def test_a_stage_server_tells_a_pending_epoch_from_a_superseded_one():
 
     from meshnode.proto import mesh_pb2
     from meshnode.transport.refusals import StageRefused
-    from meshnode.transport.stage import StageServer
+    from meshnode.transport.stage_server import StageServer
 
     server = StageServer(None, vocab_size=10, max_chunk=8, max_context=64)
     server.serve(3, {})

@@ -25,7 +25,7 @@ from meshnode.cli import build_parser
 from meshnode.model.build import build_model
 from meshnode.transport.hop import _run_hook
 from meshnode.transport.refusals import FAULT, StageFault
-from meshnode.transport.stage import StageServer
+from meshnode.transport.stage_server import StageServer
 from tests.helpers import clean_env, meshnode_run
 
 pytestmark = pytest.mark.timeout(120)

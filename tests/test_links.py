@@ -154,7 +154,7 @@ async def test_a_remote_stage_opens_each_stream_on_the_peer_s_fastest_address_no
     """A placement made before the links were measured must not keep the first address found:
     each request's stream looks up the data port again (tests/test_links_mesh.py lost the fast
     path this way under load)."""
-    from meshnode.transport.stage import RemoteStage
+    from meshnode.transport.remote_stage import RemoteStage
 
     addresses = iter([("198.18.0.2", 9), ("10.9.0.2", 9)])  # the bridge, then the measured direct link
     opened = []

@@ -22,7 +22,8 @@ from meshnode.serving.draft_length import DRY_RUN, REMEASURE, DraftLength, PassC
 from meshnode.serving.sampling import SamplingParams
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import HopSession, serve_forward
-from meshnode.transport.stage import RemoteStage, StageServer
+from meshnode.transport.remote_stage import RemoteStage
+from meshnode.transport.stage_server import StageServer
 from meshnode.trust.auth import ClusterAuth
 from tests.speculation import TEXT, Patchy, model_cases, plain, speculate, stages_of
 

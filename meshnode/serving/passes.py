@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from meshnode.serving.prefill import WaitFn, wait_first
 from meshnode.tracing import mark
-from meshnode.transport.stage import POLL
+from meshnode.transport.remote_stage import POLL
 
 
 @dataclass(eq=False)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from meshnode.planner.plans import Plan
     from meshnode.serving.drafting import DrafterFactory, DraftModel
     from meshnode.serving.promptcache import PrefixIndex
-    from meshnode.transport.stage import RemoteStage
+    from meshnode.transport.remote_stage import RemoteStage
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from meshnode.transport.stage import POLL
+from meshnode.transport.remote_stage import POLL
 
 # Chunks per stage: a pipe of S stages fed n chunks loses (S - 1) / n of the ideal time.
 CHUNKS_PER_STAGE = 4

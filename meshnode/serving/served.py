@@ -29,7 +29,8 @@ from meshnode.serving.resilience import FailoverSource, NotReady
 from meshnode.serving.settings import ServingSettings
 from meshnode.serving.usage import CountedSource, UseCounter
 from meshnode.transport.hop import HopSession
-from meshnode.transport.stage import RemoteStage, StageServer
+from meshnode.transport.remote_stage import RemoteStage
+from meshnode.transport.stage_server import StageServer
 from meshnode.weights.manifest import weights_identity
 
 if TYPE_CHECKING:

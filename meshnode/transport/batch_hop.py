@@ -37,7 +37,8 @@ from meshnode.transport.refusals import InvalidInput, StageError, StageFault, St
 if TYPE_CHECKING:
     from meshnode.model.layer_shard import LayerShard
     from meshnode.model.shard import Shard
-    from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.transport.remote_stage import RemoteStage
+    from meshnode.transport.stage_server import OpenStage, StageServer
     from meshnode.trust.auth import ClusterAuth
 
 log = logging.getLogger(__name__)

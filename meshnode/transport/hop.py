@@ -47,11 +47,12 @@ from meshnode.transport.dataport import (
     send_prepared,
 )
 from meshnode.transport.refusals import InvalidInput, StageError, stage_error
-from meshnode.transport.stage import KEPT
+from meshnode.transport.stage_server import KEPT
 
 if TYPE_CHECKING:
     from meshnode.model.wire import Placeholder
-    from meshnode.transport.stage import OpenStage, RemoteStage, StageServer
+    from meshnode.transport.remote_stage import RemoteStage
+    from meshnode.transport.stage_server import OpenStage, StageServer
     from meshnode.transport.streams import StreamTicket
     from meshnode.trust.auth import ClusterAuth
 

@@ -20,7 +20,7 @@ from meshnode.transport.hop import RunHere, StreamHook, refuse, serve_forward
 from meshnode.transport.refusals import STATUS, InvalidInput, StagePending
 
 if TYPE_CHECKING:
-    from meshnode.transport.stage import StageServer
+    from meshnode.transport.stage_server import StageServer
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ class Handlers:
     install: Callable[..., Any]  # (Plan) -> InstallReply
     goodbye: Callable[[str], None]
     generate: Callable[..., Any]  # async generator (request, context) -> GenerateReply
-    stage_server: Any  # meshnode.transport.stage.StageServer
+    stage_server: Any  # meshnode.transport.stage_server.StageServer
     store: Any  # meshnode.weights.store.ModelStore
     probe: Callable[[mesh_pb2.ProbeRequest], mesh_pb2.ProbeReply]  # meshnode.control.links.probe_reply
     probe_delay_s: float = 0.0  # injected latency (tests)
