@@ -73,7 +73,7 @@ def test_a_ring_measurement_dies_with_its_node(model, tmp_path):
     hostfile = tmp_path / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     took = _orphan_dies(
-        [sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model), "1", "2"],
+        [sys.executable, "-m", "meshnode.model.compute", "--tensor-layers", str(model), "1", "2", "1"],
         {"MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)},
         settle=4,
     )
