@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -203,7 +203,7 @@ class ClusterAuth:
             return str(exc)
         return None
 
-    def log_call_refusal(self, context: Any, method: str, reason: str) -> None:
+    def log_call_refusal(self, context: grpc.aio.ServicerContext, method: str, reason: str) -> None:
         """:meth:`log_refusal` of a refused gRPC call, naming the peer ``context`` came from."""
         try:
             peer = context.peer() or "?"
@@ -229,7 +229,7 @@ class ClusterAuth:
     def server_interceptor(self) -> AuthServerInterceptor:
         return AuthServerInterceptor(self)
 
-    def client_interceptors(self, node_id: str) -> list:
+    def client_interceptors(self, node_id: str) -> list[grpc.aio.ClientInterceptor]:
         return client_interceptors(self, node_id)
 
 
@@ -256,26 +256,50 @@ class _ClientBase:
 
 
 class _UnaryUnary(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, object], Awaitable[grpc.aio.UnaryUnaryCall]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: object,
+    ) -> grpc.aio.UnaryUnaryCall:
         return await continuation(self._details(client_call_details, _serialize(request)), request)
 
 
 class _UnaryStream(_ClientBase, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, object], Awaitable[grpc.aio.UnaryStreamCall]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: object,
+    ) -> grpc.aio.UnaryStreamCall:
         return await continuation(self._details(client_call_details, _serialize(request)), request)
 
 
 class _StreamUnary(_ClientBase, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_unary(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, AsyncIterable[object] | Iterable[object]], Awaitable[grpc.aio.StreamUnaryCall]
+        ],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: AsyncIterable[object] | Iterable[object],
+    ) -> grpc.aio.StreamUnaryCall:
         return await continuation(self._details(client_call_details, None), request_iterator)
 
 
 class _StreamStream(_ClientBase, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_stream(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, AsyncIterable[object] | Iterable[object]], Awaitable[grpc.aio.StreamStreamCall]
+        ],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: AsyncIterable[object] | Iterable[object],
+    ) -> grpc.aio.StreamStreamCall:
         return await continuation(self._details(client_call_details, None), request_iterator)
 
 
-def client_interceptors(auth: ClusterAuth, node_id: str) -> list:
+def client_interceptors(auth: ClusterAuth, node_id: str) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors that sign every call as ``node_id``; prefer :class:`SignedChannel` for streams."""
     return [cls(auth, node_id) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
@@ -285,11 +309,21 @@ class _SignedMultiCallable:
 
     __slots__ = ("_inner", "_auth", "_node_id", "_method", "_serializer", "_unary")
 
-    def __init__(self, inner, auth: ClusterAuth, node_id: str, method: str, serializer, unary: bool):
+    def __init__(
+        self,
+        inner: Callable[..., grpc.aio.Call],
+        auth: ClusterAuth,
+        node_id: str,
+        method: str,
+        serializer: Callable[[Any], bytes] | None,
+        unary: bool,
+    ):
         self._inner, self._auth, self._node_id = inner, auth, node_id
         self._method, self._serializer, self._unary = method, serializer, unary
 
-    def __call__(self, request=None, *, metadata=None, **kwargs):
+    def __call__(
+        self, request: object = None, *, metadata: Iterable[tuple[str, str | bytes]] | None = None, **kwargs: Any
+    ) -> grpc.aio.Call:
         body = None
         if self._unary:
             body = self._serializer(request) if self._serializer is not None else _serialize(request)
@@ -308,22 +342,54 @@ class SignedChannel:
     def __init__(self, channel: grpc.aio.Channel, auth: ClusterAuth, node_id: str):
         self._channel, self._auth, self._node_id = channel, auth, node_id
 
-    def _wrap(self, kind: str, unary: bool, method, request_serializer=None, response_deserializer=None, **kwargs):
+    def _wrap(
+        self,
+        kind: str,
+        unary: bool,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        **kwargs: Any,
+    ) -> _SignedMultiCallable:
         inner = getattr(self._channel, kind)(
             method, request_serializer=request_serializer, response_deserializer=response_deserializer, **kwargs
         )
         return _SignedMultiCallable(inner, self._auth, self._node_id, _method_str(method), request_serializer, unary)
 
-    def unary_unary(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        **kwargs: Any,
+    ) -> _SignedMultiCallable:
         return self._wrap("unary_unary", True, method, request_serializer, response_deserializer, **kwargs)
 
-    def unary_stream(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        **kwargs: Any,
+    ) -> _SignedMultiCallable:
         return self._wrap("unary_stream", True, method, request_serializer, response_deserializer, **kwargs)
 
-    def stream_unary(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        **kwargs: Any,
+    ) -> _SignedMultiCallable:
         return self._wrap("stream_unary", False, method, request_serializer, response_deserializer, **kwargs)
 
-    def stream_stream(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        **kwargs: Any,
+    ) -> _SignedMultiCallable:
         return self._wrap("stream_stream", False, method, request_serializer, response_deserializer, **kwargs)
 
     async def close(self, grace: float | None = None) -> None:
@@ -332,10 +398,10 @@ class SignedChannel:
     async def __aenter__(self) -> SignedChannel:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def __getattr__(self, name: str):  # get_state, channel_ready, wait_for_state_change ...
+    def __getattr__(self, name: str) -> Any:  # get_state, channel_ready, wait_for_state_change ...
         return getattr(self._channel, name)
 
 
@@ -351,14 +417,20 @@ class _Checked:
         self.code = code
 
 
-async def _call_unary_response(behavior, request, context):
+async def _call_unary_response(
+    behavior: Callable[[Any, grpc.aio.ServicerContext], object], request: object, context: grpc.aio.ServicerContext
+) -> object:
     result = behavior(request, context)
     if inspect.isawaitable(result):
         result = await result
     return result
 
 
-async def _call_stream_response(behavior, request, context):
+async def _call_stream_response(
+    behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
+    request: object,
+    context: grpc.aio.ServicerContext,
+) -> None:
     result = behavior(request, context)
     if hasattr(result, "__aiter__"):
         try:
@@ -384,7 +456,11 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth: ClusterAuth):
         self._auth = auth
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         method = _method_str(handler_call_details.method)
         handler = await continuation(handler_call_details)
         try:
@@ -397,14 +473,14 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return self._checking(handler, method, fields)
 
-    def _refusing(self, handler, method: str, reason: str):
+    def _refusing(self, handler: grpc.RpcMethodHandler | None, method: str, reason: str) -> grpc.RpcMethodHandler:
         auth = self._auth
 
-        async def refuse(_request, context):
+        async def refuse(_request: object, context: grpc.aio.ServicerContext) -> None:
             auth.log_call_refusal(context, method, reason)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-        async def refuse_stream(_requests, context):
+        async def refuse_stream(_requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
             # Take the first message (raw, never parsed) first, so a writing client sees
             # UNAUTHENTICATED, not INTERNAL (grpc/grpc#36066).
             try:
@@ -422,7 +498,9 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(refuse_stream)
         return grpc.stream_stream_rpc_method_handler(refuse_stream)
 
-    def _checking(self, handler, method: str, fields):
+    def _checking(
+        self, handler: grpc.RpcMethodHandler, method: str, fields: tuple[str, str, str, str]
+    ) -> grpc.RpcMethodHandler:
         auth = self._auth
         deserialize = handler.request_deserializer
 
@@ -438,7 +516,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
             except Exception:  # noqa: BLE001 - signed but corrupt: the caller's error, not UNKNOWN
                 return _Checked(None, "malformed request message", grpc.StatusCode.INVALID_ARGUMENT)
 
-        async def refuse(checked: _Checked, context) -> bool:
+        async def refuse(checked: _Checked, context: grpc.aio.ServicerContext) -> bool:
             if checked.refusal is None:
                 return False
             auth.log_call_refusal(context, method, checked.refusal)
@@ -448,7 +526,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             behavior = handler.unary_stream
 
-            async def unary_stream(checked: _Checked, context):
+            async def unary_stream(checked: _Checked, context: grpc.aio.ServicerContext) -> None:
                 if not await refuse(checked, context):
                     await _call_stream_response(behavior, checked.message, context)
 
@@ -456,7 +534,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
 
         behavior = handler.unary_unary
 
-        async def unary_unary(checked: _Checked, context):
+        async def unary_unary(checked: _Checked, context: grpc.aio.ServicerContext) -> Any:
             if not await refuse(checked, context):
                 return await _call_unary_response(behavior, checked.message, context)
 

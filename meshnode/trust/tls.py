@@ -11,12 +11,16 @@ from __future__ import annotations
 import datetime
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+if TYPE_CHECKING:
+    import grpc
 
 __all__ = [
     "TlsIdentity",
@@ -101,7 +105,7 @@ def derive_identity(cluster_key: str) -> TlsIdentity:
     return TlsIdentity(cert.public_bytes(serialization.Encoding.PEM), key_pem)
 
 
-def server_credentials(identity: TlsIdentity):
+def server_credentials(identity: TlsIdentity) -> grpc.ServerCredentials:
     """For ``server.add_secure_port``: present the cluster certificate, require it from clients."""
     import grpc
 
@@ -110,7 +114,7 @@ def server_credentials(identity: TlsIdentity):
     )
 
 
-def channel_credentials(identity: TlsIdentity):
+def channel_credentials(identity: TlsIdentity) -> grpc.ChannelCredentials:
     """For ``grpc.aio.secure_channel``: trust only the cluster certificate and present it."""
     import grpc
 
