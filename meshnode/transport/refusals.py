@@ -7,9 +7,14 @@ and says what to do next.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
 from meshnode.errors import MeshnodeError
+
+if TYPE_CHECKING:
+    from meshnode.transport.remote_stage import RemoteStage
 
 
 class StageError(MeshnodeError, RuntimeError):
@@ -81,7 +86,12 @@ def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[Stag
     return kind
 
 
-def stage_error(st, exc: grpc.aio.AioRpcError | None, code=None, details=None) -> StageError:
+def stage_error(
+    st: RemoteStage,
+    exc: grpc.aio.AioRpcError | None,
+    code: grpc.StatusCode | None = None,
+    details: str | None = None,
+) -> StageError:
     """The error for a refusal by stage ``st``."""
     code = exc.code() if exc is not None else code
     details = exc.details() if exc is not None else details
