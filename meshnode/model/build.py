@@ -11,9 +11,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnode.model.tinyconfig import NOT_BUILDABLE, family_config, generic_config, is_mlx_family
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3")
 
@@ -215,7 +219,7 @@ _GAINS = (
 )
 
 
-def _hash32(x):
+def _hash32(x: mx.array) -> mx.array:
     """Wellons' lowbias32 integer hash, elementwise on uint32 (exact everywhere)."""
     import mlx.core as mx
 
@@ -226,7 +230,7 @@ def _hash32(x):
     return x ^ (x >> 16)
 
 
-def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
+def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float) -> mx.array:
     """Uniform values in [-bound, bound) from (seed, name, position) alone; bit-identical on any CPU."""
     import mlx.core as mx
 
@@ -237,7 +241,7 @@ def _uniform(shape: tuple[int, ...], seed: int, name: str, bound: float):
     return (u * bound).reshape(shape)
 
 
-def _init_weights(model, seed: int) -> dict[str, Any]:
+def _init_weights(model: nn.Module, seed: int) -> dict[str, Any]:
     """Deterministic float32 values for every parameter: uniform with bound gain / sqrt(fan_in), as
     mlx's Linear init; norm scales keep the class's init."""
     import mlx.core as mx
@@ -375,7 +379,7 @@ def build_model(
 QUANTIZATIONS: tuple[str | None, ...] = (None, "4bit", "8bit", "mixed", "mxfp4")
 
 
-def _quantize(model, config: dict[str, Any], quantize: str, group_size: int | None) -> dict[str, Any]:
+def _quantize(model: nn.Module, config: dict[str, Any], quantize: str, group_size: int | None) -> dict[str, Any]:
     """Quantize ``model`` in place with mlx-lm's ``quantize_model``; returns the config it writes.
     Layers narrower than a group stay unquantized, hence a default group size of 32."""
     import contextlib

@@ -12,7 +12,9 @@ import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -70,7 +72,7 @@ def layer_seconds(model_path: Path, num_layers: int, state_dir: Path, layer_byte
     )
 
 
-def _cached(state_dir: Path, key: str, measure, what: str) -> float:
+def _cached(state_dir: Path, key: str, measure: Callable[[], float], what: str) -> float:
     """``known[key]`` from compute.json, else ``measure()``, cached when > 0 and logged as ``what``."""
     cache_file = state_dir / CACHE_FILE
     known = _load(cache_file)
@@ -127,7 +129,7 @@ def _layer_range(num_layers: int, layer_bytes: int) -> tuple[int, int]:
     return start, max(1, min(LAYERS, wanted, num_layers - start))
 
 
-def _time_steps(shard, cache, own_work: bool = True) -> float:
+def _time_steps(shard: Shard, cache: list[Any], own_work: bool = True) -> float:
     """Median seconds of a single-token step through ``shard``. ``own_work`` False: waiting counts
     (a ring's all-reduces)."""
     if shard.spec.is_first:

@@ -8,7 +8,7 @@ runs alone or its KV is kept or dropped, :func:`take_back` returns its cache.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeGuard
 
 import mlx.core as mx
@@ -67,7 +67,7 @@ class DecodeBatch:
     ``lock`` is held by whoever steps the batch (from :meth:`follow` until the step is evaluated);
     :meth:`release` takes it too, so a member's stream may end on any thread."""
 
-    def __init__(self, make_cache):
+    def __init__(self, make_cache: Callable[[], list[Any]]):
         """``make_cache()``: a fresh per-request cache list of the stage."""
         self.lock = threading.RLock()
         self._make_cache = make_cache
@@ -139,7 +139,7 @@ class DecodeBatch:
     def _distinct(self) -> list[int]:
         return sorted(set(self._held()[1]))
 
-    def _each(self, fn) -> None:
+    def _each(self, fn: Callable[[Any], object]) -> None:
         cache = self._held()[0]
         for i in self._distinct():
             fn(cache[i])

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -51,7 +51,7 @@ class TokenJob:
         except RuntimeError:  # the consumer's loop is gone
             self.cancelled.set()
 
-    async def __aiter__(self):
+    async def __aiter__(self) -> AsyncIterator[int]:
         try:
             while True:
                 item = await self.queue.get()
@@ -146,7 +146,7 @@ class Baton:
             self.acquire()
 
     @contextlib.contextmanager
-    def holding(self):
+    def holding(self) -> Iterator[None]:
         self.acquire()
         try:
             yield
@@ -159,7 +159,7 @@ class Baton:
 
 
 @contextlib.contextmanager
-def mlx_idle():
+def mlx_idle() -> Iterator[None]:
     """While waiting (on the network), let other generations run MLX work."""
     flush = getattr(_held, "flush", None)
     if flush is not None:  # tokens held back until this wait (TokenScheduler._drive)
@@ -179,7 +179,7 @@ def mlx_idle():
 
 
 @contextlib.contextmanager
-def mlx_turn():
+def mlx_turn() -> Iterator[None]:
     """Inside :func:`mlx_idle`: hold the baton for one piece of MLX work; elsewhere nothing."""
     baton = getattr(_held, "idle", None)
     if baton is None:
@@ -395,7 +395,7 @@ class StepWatch:
         self._ids = itertools.count()
 
     @contextlib.contextmanager
-    def step(self):
+    def step(self) -> Iterator[None]:
         key = next(self._ids)
         with self._lock:
             self._running[key] = self._clock()

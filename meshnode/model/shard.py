@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,10 +53,10 @@ class _Skip(nn.Module):
         super().__init__()
         self._arity = arity
 
-    def _out(self, h):
+    def _out(self, h: mx.array) -> mx.array | tuple[mx.array | None, ...]:
         return h if self._arity == 1 else (h,) + (None,) * (self._arity - 1)
 
-    def __call__(self, h, *args, **kwargs):
+    def __call__(self, h: mx.array, *args: object, **kwargs: object) -> mx.array | tuple[mx.array | None, ...]:
         return self._out(h)
 
 
@@ -67,14 +67,14 @@ class _Inject(_Skip):
         super().__init__(arity)
         self._slot = slot
 
-    def __call__(self, h, *args, **kwargs):
+    def __call__(self, h: mx.array, *args: object, **kwargs: object) -> mx.array | tuple[mx.array | None, ...]:
         return self._out(self._slot.hidden)
 
 
 class _Exit(nn.Module):
     """Stands in for layer ``end``: stops the forward pass and hands out the hidden state."""
 
-    def __call__(self, h, *args, **kwargs):
+    def __call__(self, h: mx.array, *args: object, **kwargs: object) -> NoReturn:
         raise _StageOutput(h)
 
 
@@ -86,14 +86,14 @@ class _NoEmbedding(nn.Module):
         self._hidden_size = hidden_size
         self._dtype = dtype
 
-    def __call__(self, inputs):
+    def __call__(self, inputs: mx.array) -> mx.array:
         return mx.zeros((*inputs.shape, self._hidden_size), dtype=self._dtype)
 
 
 class _Absent(nn.Module):
     """Replaces the final norm / head on stages that never reach them."""
 
-    def __call__(self, *args, **kwargs):  # pragma: no cover - unreachable by construction
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:  # pragma: no cover - unreachable by construction
         raise RuntimeError("this shard does not hold the model's final norm or head")
 
 
@@ -139,7 +139,7 @@ def _return_arity(layer: nn.Module) -> int:
     func = ast.parse(source).body[0]
     arities = set()
 
-    def visit(node):
+    def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
                 continue
@@ -163,7 +163,7 @@ def _private_arrays(module: nn.Module) -> list[mx.array]:
     return found
 
 
-def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, group) -> None:
+def _shard_layers(model: nn.Module, inner: nn.Module, start: int, end: int, group: mx.distributed.Group) -> None:
     """Tensor-parallel: split layers [start, end) over ``group`` with the family's own ``shard()``;
     embedding, norm and head stay whole, as in mlx-lm."""
     if not callable(getattr(model, "shard", None)):

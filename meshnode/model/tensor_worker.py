@@ -19,9 +19,9 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import mlx.core as mx
 
@@ -32,6 +32,11 @@ from meshnode.model.rewind import CannotRewind, rewind_limit, rewind_owned
 from meshnode.model.wire import ACTIVATIONS, LENGTH, WireError, from_tensor, to_tensor
 from meshnode.proto import mesh_pb2
 from meshnode.weights.weightfiles import ITEMSIZE
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+    from meshnode.model.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,10 @@ class TensorGroupError(MeshnodeError, RuntimeError):
 # --------------------------------------------------------------------------- framing
 
 
-def write_frame(stream: BinaryIO, msg) -> None:
+_Msg = TypeVar("_Msg", bound="Message")
+
+
+def write_frame(stream: BinaryIO, msg: Message) -> None:
     data = msg.SerializeToString()
     stream.write(LENGTH.pack(len(data)) + data)
     stream.flush()
@@ -76,7 +84,7 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(stream: BinaryIO, cls):
+def read_frame(stream: BinaryIO, cls: type[_Msg]) -> _Msg:
     (n,) = LENGTH.unpack(_read_exact(stream, LENGTH.size))
     if n > MAX_FRAME:
         raise TensorGroupError(f"frame of {n} bytes exceeds {MAX_FRAME}")
@@ -91,7 +99,7 @@ def read_frame(stream: BinaryIO, cls):
 class _Worker:
     """Runs the shard on every rank in lockstep; rank 0 relays its node's commands to the other ranks."""
 
-    def __init__(self, shard, group, peers: list[socket.socket]):
+    def __init__(self, shard: Shard, group: mx.distributed.Group, peers: list[socket.socket]):
         self.shard = shard
         self.group = group
         self.peers = peers  # rank 0: one control connection per other rank
@@ -353,7 +361,7 @@ def _delay_collectives(seconds: float) -> None:
     for name in ("all_sum", "all_gather"):
         original = getattr(mx.distributed, name)
 
-        def delayed(x, *args, _original=original, **kwargs):
+        def delayed(x: mx.array, *args: Any, _original: Callable[..., mx.array] = original, **kwargs: Any) -> mx.array:
             out = _original(x, *args, **kwargs)
             mx.eval(out)
             time.sleep(seconds)

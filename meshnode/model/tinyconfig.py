@@ -8,7 +8,10 @@ overrides where a field has no default or must agree with others.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def family_config(
@@ -222,7 +225,7 @@ def _tiny_sizes(
     return table
 
 
-def _args_classes(family: str):
+def _args_classes(family: str) -> tuple[type[DataclassInstance], type[DataclassInstance] | None]:
     """(ModelArgs, text-config args class or None) of an mlx-lm module."""
     import importlib
 
@@ -246,7 +249,7 @@ def _args_classes(family: str):
     return args, text
 
 
-def _fill(args_class, table: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def _fill(args_class: type[DataclassInstance], table: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """A config for ``args_class``: the table's tiny sizes, neutral values for other required fields."""
     import typing
 

@@ -266,7 +266,9 @@ def placeholders_work() -> bool:
 _PLACEHOLDERS_WORK: bool | None = None
 
 
-def check_tokens(tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chunk: int, expect=(1, None)) -> np.ndarray:
+def check_tokens(
+    tensor: mesh_pb2.Tensor | RawRequest, vocab_size: int, max_chunk: int, expect: Sequence[int | None] = (1, None)
+) -> np.ndarray:
     """A message's token ids, checked: int32, at most ``max_chunk`` positions, inside the vocabulary."""
     if isinstance(tensor, RawRequest):
         ids = tensor.host(("int32",), 0)
