@@ -44,13 +44,48 @@ def pytest_runtest_logreport(report):
         _unmarked_over.append((report.duration, report.nodeid))
 
 
+def _cpu_seconds() -> float:
+    """CPU this process and its reaped children (nodes, servers, clients: theirs too) have used."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+_cpu_mark = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Each phase's report carries the CPU used since the last one: a node is counted when the
+    # phase that stops it reaps it (a module's fixtures, in its last test's teardown).
+    global _cpu_mark
+    outcome = yield
+    now = _cpu_seconds()
+    outcome.get_result().user_properties.append(("cpu_s", now - _cpu_mark))
+    _cpu_mark = now
+
+
 def pytest_terminal_summary(terminalreporter):
     """Lists the unmarked tests over LISTED: the fast loop (``-m "not slow"``) stays fast while they
-    are marked."""
+    are marked. Then where the run's time and CPU went, by module: the suite is CPU-bound on two
+    cores, so CPU is what a faster suite must cut."""
     if _unmarked_over:
         terminalreporter.section(f"unmarked tests over {LISTED:g} s: mark them @pytest.mark.slow")
         for seconds, nodeid in sorted(_unmarked_over, reverse=True):
             terminalreporter.write_line(f"{seconds:6.2f}s {nodeid}")
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if not isinstance(r, pytest.TestReport):
+                continue
+            module = r.nodeid.split("::")[0]
+            wall[module] = wall.get(module, 0.0) + r.duration
+            cpu[module] = cpu.get(module, 0.0) + dict(r.user_properties).get("cpu_s", 0.0)
+    if cpu:
+        terminalreporter.section("CPU by module (this process and the processes it reaped)")
+        terminalreporter.write_line(f"{'cpu s':>8} {'wall s':>8}  module  (all: {sum(cpu.values()):.0f} s CPU)")
+        for module in sorted(cpu, key=cpu.__getitem__, reverse=True)[:25]:
+            terminalreporter.write_line(f"{cpu[module]:8.1f} {wall[module]:8.1f}  {module}")
 
 
 @pytest.fixture
