@@ -427,7 +427,7 @@ class Shard:
             )
             return placeholder, self.forward(placeholder.array, cache)
 
-    def forward(self, x: mx.array, cache: list[Any], all_positions: bool = True) -> mx.array:
+    def forward(self, x: mx.array, cache: list[Any] | None, all_positions: bool = True) -> mx.array:
         """Run this shard's layers: a lazy hidden state or logits."""
         # On any_thread_stream: a step may be evaluated on another thread than the one that built it.
         with self._lock, mx.stream(any_thread_stream()):

@@ -13,9 +13,12 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.generate import TextStateMachine
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class AnswerShape:
     forced_tool: bool = False  # the prompt ends with the tool-call start marker (tool_choice required)
 
 
-def initial_state(tokenizer, prompt: Sequence[int], forced_tool: bool = False) -> str:
+def initial_state(tokenizer: TokenizerWrapper, prompt: Sequence[int], forced_tool: bool = False) -> str:
     """Where the answer starts: "tool" after a forced tool-call marker, "reasoning" where the
     prompt opened a think block it did not close (as mlx_lm.server decides), else "normal"."""
     if forced_tool:
@@ -63,7 +66,7 @@ def initial_state(tokenizer, prompt: Sequence[int], forced_tool: bool = False) -
 class AnswerSplitter:
     """Feed it the answer's decoded text piece by piece; it returns each piece split by kind."""
 
-    def __init__(self, tokenizer, shape: AnswerShape, start: str = "normal"):
+    def __init__(self, tokenizer: TokenizerWrapper, shape: AnswerShape, start: str = "normal"):
         self._tokenizer, self._tools = tokenizer, shape.tools
         transitions: dict[str, list[tuple[str, str]]] = {"normal": [], "reasoning": [], "tool": []}
         if getattr(tokenizer, "has_thinking", False):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Generator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
@@ -22,6 +22,11 @@ from meshnode.model.shard import Shard, any_thread_stream
 from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
 from meshnode.serving.sampling import SamplingParams, make_request_processors, make_request_sampler, sampled
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import LogitsProcessor
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,7 @@ class ShardModel(nn.Module):
     def make_cache(self) -> list[Any]:
         return self.shard.make_cache()
 
-    def __call__(self, inputs, cache=None):
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.shard.forward(inputs, cache)
 
 
@@ -84,10 +89,10 @@ class _Request:
         self.resumed_from: tuple[str, int] | None = None  # the kept prefix its cache started from
 
 
-def _guarded(request: _Request, processor):
+def _guarded(request: _Request, processor: LogitsProcessor) -> LogitsProcessor:
     """A processor whose failure fails its own request only; the batch step goes on."""
 
-    def process(tokens, logits):
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
         if request.error is not None:
             return logits
         try:
@@ -114,7 +119,7 @@ class BatchLoop:
         *,
         prefill_step_size: int = 512,
         prefixes: PrefixIndex | None = None,
-        tokenizer=None,
+        tokenizer: TokenizerWrapper | None = None,
     ):
         self._scheduler = scheduler
         assert isinstance(stage.shard, Shard), "batchable() ran on a local whole-model Shard"
@@ -278,7 +283,7 @@ class BatchLoop:
                 self._keep(cache, tokens, request.resumed_from)
             self._finish(request)
 
-    def _keep(self, cache, tokens, parent: tuple[str, int] | None = None) -> None:
+    def _keep(self, cache: list[Any] | None, tokens: Sequence[int], parent: tuple[str, int] | None = None) -> None:
         if (
             self._store is None
             or self._index is None
@@ -319,14 +324,14 @@ class BatchedSource:
         *,
         prefill_step_size: int = 512,
         prefixes: PrefixIndex | None = None,
-        tokenizer=None,
+        tokenizer: TokenizerWrapper | None = None,
     ):
         self._prefixes = prefixes if stage.prefixes is not None else None
         self.loop = BatchLoop(
             scheduler, stage, prefill_step_size=prefill_step_size, prefixes=self._prefixes, tokenizer=tokenizer
         )
 
-    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         index = self._prefixes
         resume = await index.settled_match(prompt) if index is not None else None
         ended = threading.Event()

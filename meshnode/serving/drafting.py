@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
+    import mlx.nn as nn
+
     from meshnode.model.scheduler import TokenScheduler
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ class PromptLookup:
 class DraftModel:
     """The ``draft_model`` setting's model, loaded whole and shared by the node's requests."""
 
-    def __init__(self, model, name: str):
+    def __init__(self, model: nn.Module, name: str):
         from mlx.utils import tree_flatten
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
@@ -135,7 +137,7 @@ class ModelDrafter:
     fixed_k: int | None = None
     fixed_depth: int | None = None
 
-    def __init__(self, model, tokens: Sequence[int]):
+    def __init__(self, model: nn.Module, tokens: Sequence[int]):
         from mlx_lm.models.cache import make_prompt_cache
 
         self._model = model

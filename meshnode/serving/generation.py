@@ -10,9 +10,9 @@ import itertools
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,9 @@ from meshnode.serving.speculative import Speculation, speculative_tokens, why_no
 from meshnode.tracing import mark
 from meshnode.transport.refusals import PrefixMiss
 from meshnode.transport.streams import StageStream
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +240,7 @@ def generate_tokens(
     busy: Callable[[], bool] | None = None,
     keep: PrefixIndex | None = None,
     ended: threading.Event | None = None,
-    tokenizer=None,
+    tokenizer: TokenizerWrapper | None = None,
     speculation: Speculation | None = None,
 ) -> Generator[int, None, None]:
     """Token ids from mlx-lm's generate_step over the pipeline; closes the stages at the end.
@@ -339,7 +342,7 @@ class Ending(Generator[int, None, None]):
     def send(self, value: None) -> int:
         return self._tokens.send(value)
 
-    def throw(self, *exc):  # as the tokens' own (their signature's overloads)
+    def throw(self, *exc: Any) -> int:  # as the tokens' own (their signature's overloads)
         return self._tokens.throw(*exc)
 
     def close(self) -> None:
@@ -367,7 +370,7 @@ class PipelineSource:
         prefill_step_size: int = 512,
         prefill: PrefillOptions | None = None,
         prefixes: PrefixIndex | None = None,
-        tokenizer=None,
+        tokenizer: TokenizerWrapper | None = None,
         batcher: StepBatching | None = None,
         speculation: Speculation | None = None,
     ):
@@ -379,7 +382,7 @@ class PipelineSource:
         self._prefill_step_size = prefill_step_size
         self._prefill = prefill
 
-    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         index = self._prefixes
         # A previous turn may still be keeping the prefix this one resumes.
         resume = await index.settled_match(prompt) if index is not None else None

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
 
 from meshnode.errors import MeshnodeError
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Any JSON object, as OpenAI's json_object asks for.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -27,7 +31,7 @@ def grammar_from_schema(schema: dict[str, Any]) -> str:
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
 
 
-def grammar_error(grammar: str, tokenizer) -> str:
+def grammar_error(grammar: str, tokenizer: TokenizerWrapper) -> str:
     """Why ``grammar`` cannot constrain this tokenizer's answers ("" if it can)."""
     from llguidance import LLMatcher
 
@@ -35,11 +39,11 @@ def grammar_error(grammar: str, tokenizer) -> str:
     return messages[0] if is_error else ""
 
 
-def _lltokenizer(tokenizer):
+def _lltokenizer(tokenizer: TokenizerWrapper) -> LLTokenizer:
     """llguidance's view of an mlx-lm TokenizerWrapper's tokenizer (cached per tokenizer)."""
     from llguidance.hf import from_tokenizer
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf: Any = getattr(tokenizer, "_tokenizer", tokenizer)  # the Hugging Face tokenizer it wraps
     with _lock:
         built = _tokenizers.get(hf)
         if built is None:
@@ -51,7 +55,7 @@ def _lltokenizer(tokenizer):
 class GrammarProcessor:
     """An mlx-lm logits processor letting through only tokens that keep the answer valid."""
 
-    def __init__(self, grammar: str, tokenizer):
+    def __init__(self, grammar: str, tokenizer: TokenizerWrapper):
         from llguidance import LLMatcher
 
         self._matcher = LLMatcher(_lltokenizer(tokenizer), grammar, log_level=0)

@@ -8,6 +8,7 @@ import logging
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -16,32 +17,37 @@ from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
 from meshnode.serving.settings import ServingSettings
 
+if TYPE_CHECKING:
+    from meshnode.planner.plans import Plan, Stage
+    from meshnode.serving.mesh import Mesh
+    from meshnode.serving.served import ServedModel
+
 log = logging.getLogger(__name__)
 
 
-def stage_key(stage) -> tuple:
+def stage_key(stage: Stage) -> tuple:
     """What a node holds for a stage: its layers, and for a tensor group its members."""
     if len(stage.nodes) == 1:
         return (stage.start_layer, stage.end_layer)
     return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
 
 
-def part_of(plan, node_id: str) -> tuple:
+def part_of(plan: Plan, node_id: str) -> tuple:
     """This node's stage keys in the plan, and the KV cache kind its groups' workers build."""
     return plan.kv_bits, frozenset(stage_key(s) for s in plan.stages if node_id in s.nodes)
 
 
-def close_shard(shard) -> None:
+def close_shard(shard: Shard | TensorShard) -> None:
     if isinstance(shard, TensorShard):
         shard.close()
 
 
 def tensor_member(
-    stage,
+    stage: Stage,
     path: Path,
     *,
     node_id: str,
-    mesh,
+    mesh: Mesh,
     num_layers: int,
     settings: ServingSettings,
     secret: bytes,
@@ -79,7 +85,7 @@ def tensor_member(
     )
 
 
-async def load_part(served, plan) -> None:
+async def load_part(served: Any, plan: Plan) -> None:
     """Load this node's shards for the plan (make before break), then serve them."""
     wanted: dict[tuple, Shard | TensorShard] = {}
     launching: list[TensorShard] = []
@@ -164,7 +170,7 @@ async def load_part(served, plan) -> None:
     asyncio.create_task(served.on_ready())  # tell the mesh now, not at the next beat
 
 
-def retire_previous(served) -> None:
+def retire_previous(served: ServedModel) -> None:
     """Once ``served``'s current plan is ready everywhere, free its older epochs' shards."""
     plan = served.plan
     if plan is None or not served.ready(plan):
@@ -185,7 +191,7 @@ def retire_previous(served) -> None:
     served.previous = None
 
 
-def keep_for_newer(served, loaded: dict) -> None:
+def keep_for_newer(served: ServedModel, loaded: dict) -> None:
     """A newer plan came while this load ran: keep what it wants too, close the rest."""
     newer = part_of(served.plan, served.node_id)[1] if served.plan is not None else frozenset()
     held = dict(served.shards)
@@ -202,7 +208,7 @@ def keep_for_newer(served, loaded: dict) -> None:
     served.shards = held
 
 
-async def layers_folder(served, start: int, end: int) -> Path:
+async def layers_folder(served: ServedModel, start: int, end: int) -> Path:
     """The layers' folder, fetched from peers if missing, then announced as held."""
     if (local := served.files.local_layers(start, end)) is not None:
         return local
@@ -217,7 +223,7 @@ async def layers_folder(served, start: int, end: int) -> Path:
     return path
 
 
-def use_context(served, context: int) -> None:
+def use_context(served: Any, context: int) -> None:
     """Apply the plan's context to the API, the stages and the kept prefixes."""
     served.engine.max_context = served.stage_server.max_context = context
     if served.prefixes is not None:

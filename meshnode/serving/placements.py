@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -133,7 +133,7 @@ class HeadPlacement:
             speculation=speculation,
         )
 
-    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         source = self._source
         # A request that cannot speculate goes into the batch, so later requests batch with it.
         if self._alone is not None and self._scheduler.active == 0 and not why_not(params, self._limit):
@@ -198,7 +198,7 @@ class RemoteHeadPlacement:
         # Given up since the last request: the next asks the head to wait for them.
         self._given_up: list[str] = []
 
-    async def tokens(self, prompt: Sequence[int], params: SamplingParams):
+    async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
         stub = mesh_pb2_grpc.MeshStub(self._channel(self.head))
         request = generate_request(new_request_id(self._caller), self.epoch, prompt, params)
         request.model = self.model
@@ -232,7 +232,9 @@ class RemoteHeadPlacement:
                 self._given_up.append(request.request_id)
 
 
-def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params: SamplingParams):
+def generate_request(
+    request_id: str, epoch: int, prompt: Sequence[int], params: SamplingParams
+) -> mesh_pb2.GenerateRequest:
     """The GenerateRequest asking a remote head for this generation."""
     penalties = {
         name: value
@@ -259,7 +261,7 @@ def generate_request(request_id: str, epoch: int, prompt: Sequence[int], params:
     )
 
 
-def received_params(request) -> SamplingParams:
+def received_params(request: mesh_pb2.GenerateRequest) -> SamplingParams:
     """The SamplingParams of a peer's GenerateRequest (the caller checks ranges)."""
     return SamplingParams(
         max_tokens=request.max_tokens,
@@ -286,7 +288,9 @@ def head_failure(head: str, code: grpc.StatusCode, details: str) -> Exception:
     return GenerationFault(message) if issubclass(kind, StageFault) else PlacementLost(message)
 
 
-async def serve_generate(served, request: mesh_pb2.GenerateRequest, context, epoch_now: int):
+async def serve_generate(
+    served: Any, request: mesh_pb2.GenerateRequest, context: grpc.aio.ServicerContext, epoch_now: int
+) -> AsyncGenerator[mesh_pb2.GenerateReply, None]:
     """A peer's Generate, where this node is the head of ``request.epoch``."""
     serving = served.serving_plan()
     if serving is None or serving.epoch != request.epoch:

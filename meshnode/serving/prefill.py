@@ -80,7 +80,7 @@ class ChunkSizer:
         max_chunk: int,
         min_chunk: int = MIN_CHUNK,
         seed: Sequence[float | None] | None = None,
-        busy=None,
+        busy: Callable[[], bool] | None = None,
     ):
         """``seed``: seconds per position from earlier requests; ``busy()``: others run now."""
         self.stages = stages
@@ -115,7 +115,7 @@ def pipelined_prefill(
     sizer: ChunkSizer,
     *,
     wait: WaitFn | None = None,
-    between_steps=None,
+    between_steps: Callable[[], None] | None = None,
     on_cut: Callable[[int], None] | None = None,
 ) -> int:
     """Fills every stage's cache with ``tokens``; returns the chunks sent.

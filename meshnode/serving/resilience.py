@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_delay, wait_fixed
 
@@ -17,6 +17,8 @@ from meshnode.errors import MeshnodeError
 from meshnode.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class PlacementLost(MeshnodeError, RuntimeError):
@@ -36,8 +38,8 @@ class GenerationFault(MeshnodeError, RuntimeError):
 
 
 async def await_while_alive(
-    awaitable: Awaitable, alive: Callable[[], bool], lost: Callable[[float], str], poll: float = 0.25
-):
+    awaitable: Awaitable[T], alive: Callable[[], bool], lost: Callable[[float], str], poll: float = 0.25
+) -> T:
     """``awaitable``'s result, waited for while ``alive()``; else :class:`PlacementLost`. Never
     cancelled for slowness (that would end a gRPC call)."""
     task = asyncio.ensure_future(awaitable)

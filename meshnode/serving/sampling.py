@@ -12,12 +12,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from meshnode.serving.grammar import GrammarProcessor
+
+if TYPE_CHECKING:
+    from mlx_lm.sample_utils import LogitsProcessor
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Sampled(int):
     logprob: float
     top: tuple[tuple[int, float], ...]
 
-    def __new__(cls, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()):
+    def __new__(cls, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()) -> Sampled:
         self = super().__new__(cls, token)
         self.logprob, self.top = logprob, top
         return self
@@ -115,7 +119,9 @@ def draw_key(seed: int, index: int) -> mx.array:
     return mx.random.key(int.from_bytes(digest, "little"))
 
 
-def make_request_processors(params: SamplingParams, before: Sequence[int], tokenizer=None) -> list | None:
+def make_request_processors(
+    params: SamplingParams, before: Sequence[int], tokenizer: TokenizerWrapper | None = None
+) -> list[LogitsProcessor] | None:
     """mlx-lm's logits processors for ``params``, the grammar last; ``before``: prompt tokens
     generate_step is not fed, whose tail the penalties see."""
     if not params.processed:
@@ -139,7 +145,7 @@ def make_request_processors(params: SamplingParams, before: Sequence[int], token
         return processors + grammar
     head = mx.array(tail, dtype=mx.uint32)
 
-    def with_tail(processor):
+    def with_tail(processor: LogitsProcessor) -> LogitsProcessor:
         return lambda tokens, logits: processor(mx.concat([head, tokens.astype(mx.uint32)]), logits)
 
     return [with_tail(p) for p in processors] + grammar

@@ -40,7 +40,10 @@ if TYPE_CHECKING:
     from meshnode.planner.plans import Plan
     from meshnode.serving.drafting import DraftModel
     from meshnode.serving.mesh import Mesh
+    from meshnode.serving.modelfiles import Holders
+    from meshnode.serving.usage import Use
     from meshnode.trust.auth import ClusterAuth
+    from meshnode.weights.profile import ModelProfile
     from meshnode.weights.store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -95,7 +98,7 @@ class ServedModel:
         self.use = UseCounter()  # requests for the model that came to this node
         self.draft: DraftModel | None = None
 
-    async def load(self, holders) -> None:
+    async def load(self, holders: Holders) -> None:
         """The model's metadata and tokenizer (from peers if need be), engine and stage server."""
         self.loop = loop = asyncio.get_running_loop()
         await self.files.load(holders)
@@ -146,7 +149,7 @@ class ServedModel:
         return self.files.model_id
 
     @property
-    def profile(self):
+    def profile(self) -> Any:
         return self.files.profile
 
     @property
@@ -170,7 +173,7 @@ class ServedModel:
         self.event("fault", model=self.model_id, count=self.faults, error=self.last_fault)
 
     # ------------------------------------------------------------------ plans
-    def take(self, plan) -> None:
+    def take(self, plan: Plan) -> None:
         """A newer plan from adoption (loaded by :meth:`apply_soon`)."""
         if self.plan is not None and self.ready(self.plan):
             # Make before break.
@@ -178,7 +181,7 @@ class ServedModel:
         self.plan = plan
         self.plan_error = ""
 
-    def apply_soon(self, plan) -> None:
+    def apply_soon(self, plan: Plan) -> None:
         task, loading = self._apply_task, self._applying
         if (
             task is not None
@@ -194,7 +197,7 @@ class ServedModel:
             task.cancel()
         self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
 
-    async def _load_after(self, task: asyncio.Task, plan) -> None:
+    async def _load_after(self, task: asyncio.Task, plan: Plan) -> None:
         # gather: cancelling this cancels the load too.
         await asyncio.gather(task, return_exceptions=True)  # a failure was logged; this plan tries anew
         await load_part(self, plan)
@@ -233,7 +236,7 @@ class ServedModel:
         return self.stage_server
 
     # ------------------------------------------------------------------ readiness
-    def ready(self, plan) -> bool:
+    def ready(self, plan: Plan) -> bool:
         """Every node of the plan is alive and has loaded its shard for it."""
         membership = self.mesh.membership
         alive = membership.alive_peers() if membership is not None else {}
@@ -249,7 +252,7 @@ class ServedModel:
                     return False
         return True
 
-    def serving_plan(self):
+    def serving_plan(self) -> Plan | None:
         """The plan requests use now: the current one once ready, else the previous one still up."""
         if self.plan is not None and self.ready(self.plan):
             return self.plan
@@ -297,7 +300,7 @@ class ServedModel:
         """Why no plan fits, as the coordinator said; "" if none is known."""
         return self.plan_error or (self.mesh.plan_error_of(self.model_id) if self.model_id is not None else "")
 
-    def use_now(self):
+    def use_now(self) -> Use:
         """This node's requests; one whose model was unloaded under it counts as waiting, so the
         coordinator loads it again."""
         use = self.use.now()
@@ -309,7 +312,7 @@ class ServedModel:
         serving = self.serving_plan()
         return serving is not None and not serving.unloaded
 
-    def placement(self, after_epoch: int | None):
+    def placement(self, after_epoch: int | None) -> HeadPlacement | RemoteHeadPlacement:
         """The placement of the current plan; with ``after_epoch``, only a newer, ready one."""
         plan = self.plan
         waiting = after_epoch is not None
@@ -319,7 +322,7 @@ class ServedModel:
             if waiting:
                 raise NotReady("no plan yet")
             raise unavailable("the mesh is still forming; no plan yet")
-        serving = self.serving_plan()
+        serving: Any = self.serving_plan()  # Any: below, `waiting` means after_epoch is an int; mypy cannot tell
         if serving is not None and serving.unloaded:
             if waiting:
                 raise NotReady(f"model {self.model_id} is not loaded")
@@ -330,7 +333,7 @@ class ServedModel:
             raise unavailable(f"loading the model's shards for epoch {plan.epoch}")
         return self.placement_for(serving)
 
-    def placement_again(self, epoch: int, since: float):
+    def placement_again(self, epoch: int, since: float) -> HeadPlacement | RemoteHeadPlacement | None:
         """``epoch``'s placement again after a generation lost it at ``since``, if no newer plan is
         known and every node was heard from since; else None."""
         plan = self.serving_plan()
@@ -340,7 +343,7 @@ class ServedModel:
             return None
         return self.placement_for(plan)
 
-    def placement_for(self, plan):
+    def placement_for(self, plan: Plan) -> HeadPlacement | RemoteHeadPlacement:
         """``plan``'s placement, made once per epoch (the two newest epochs' are kept)."""
         placement = self._placements.get(plan.epoch)
         if placement is None:
@@ -350,7 +353,7 @@ class ServedModel:
         return placement
 
 
-def _groups_alive(node_id: str, shards: dict, plan) -> bool:
+def _groups_alive(node_id: str, shards: dict[tuple, Shard | TensorShard], plan: Plan) -> bool:
     """Every tensor group of ``plan`` that ``node_id`` is a member of has its worker up."""
     for stage in plan.stages:
         if node_id in stage.nodes and len(stage.nodes) > 1:
@@ -360,7 +363,7 @@ def _groups_alive(node_id: str, shards: dict, plan) -> bool:
     return True
 
 
-def new_placement(served: ServedModel, plan) -> HeadPlacement | RemoteHeadPlacement:
+def new_placement(served: ServedModel, plan: Plan) -> HeadPlacement | RemoteHeadPlacement:
     """Where ``plan``'s requests run from this node: here, where it holds the plan's head, else on the head."""
     if head_of(plan) != served.node_id:
         assert served.model_id is not None, "load() named the model"
@@ -389,7 +392,7 @@ def new_placement(served: ServedModel, plan) -> HeadPlacement | RemoteHeadPlacem
     )
 
 
-def stage_handles(served: ServedModel, plan) -> list:
+def stage_handles(served: ServedModel, plan: Plan) -> list[LocalStage | RemoteStage]:
     """Each stage of ``plan`` as this node reaches it: its own shard, or a peer."""
     handles: list[LocalStage | RemoteStage] = []
     loop, model_id = served.loop, served.model_id
@@ -426,14 +429,14 @@ def stage_handles(served: ServedModel, plan) -> list:
     return handles
 
 
-def request_context(plan, settings: ServingSettings, profile) -> int:
+def request_context(plan: Plan | None, settings: ServingSettings, profile: ModelProfile | None) -> int:
     if plan is not None and plan.max_context:
         return plan.max_context
     return settings.max_context or (profile.trained_context if profile is not None else 0) or UNKNOWN
 
 
 def prompt_cache(
-    settings: ServingSettings, metrics, context: int, model: str, baton: Baton
+    settings: ServingSettings, metrics: NodeMetrics, context: int, model: str, baton: Baton
 ) -> tuple[PrefixStore | None, PrefixIndex | None]:
     """A node's prompt cache (off: None, None), sized to the KV the plan reserves, and on disk
     when ``prompt_cache_disk`` allows."""
@@ -459,7 +462,7 @@ def prompt_cache(
     return store, index
 
 
-def plan_status(plan, estimate_now: float | None) -> dict[str, Any] | None:
+def plan_status(plan: Plan | None, estimate_now: float | None) -> dict[str, Any] | None:
     """The plan as ``/v1/mesh`` shows it."""
     if plan is None:
         return None

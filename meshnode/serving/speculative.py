@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import mlx.core as mx
 
@@ -221,7 +221,9 @@ def speculative_tokens(
             spec.on_costs(spec.costs.ratio(), spec.costs.measured_share)
 
 
-def _draws(logits: mx.array, checks: list[int], greedy: bool, sample, offset: int) -> tuple[list[int], mx.array]:
+def _draws(
+    logits: mx.array, checks: list[int], greedy: bool, sample: Callable[[mx.array, int], Any], offset: int
+) -> tuple[list[int], mx.array]:
     """The model's tokens at a pass's positions, drawn as one-at-a-time decoding would (``offset + j``
     at j) up to the first that differs from ``checks[j]``, and the log probabilities. Greedy takes
     their argmax, as mlx-lm does: in bfloat16 the raw logits' can differ."""

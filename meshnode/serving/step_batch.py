@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -22,6 +22,9 @@ from meshnode.transport.refusals import StageError
 
 if TYPE_CHECKING:
     from meshnode.config import BatchStages
+    from meshnode.serving.generation import PipelineModel
+    from meshnode.serving.local_stage import LocalStage
+    from meshnode.transport.remote_stage import RemoteStage
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ def stages_batch(setting: BatchStages) -> bool:
     return bool(setting)
 
 
-def can_batch(handles) -> bool:
+def can_batch(handles: Sequence[LocalStage | RemoteStage]) -> bool:
     """Whether every stage takes batched decode steps (a batchable local shard, or a data port)."""
     for stage in handles:
         shard = getattr(stage, "shard", None)
@@ -54,7 +57,7 @@ def can_batch(handles) -> bool:
 class _Group:
     """One micro-batch: requests that step together, with their own caches merged at each stage."""
 
-    def __init__(self, handles):
+    def __init__(self, handles: Sequence[Any]):
         self.members: set[Any] = set()
         self.pending: dict[Any, mx.array] = {}  # steps waiting for the next round
         self.results: dict[Any, Any] = {}  # a round's rows (or its error), by request
@@ -70,7 +73,7 @@ class StepBatcher:
     """The decode steps of one placement's concurrent requests, run as batches: requests are dealt
     into one group per stage, so every stage stays busy; a request stays in its group."""
 
-    def __init__(self, handles, on_round: Callable[[int], None] | None = None):
+    def __init__(self, handles: Sequence[LocalStage | RemoteStage], on_round: Callable[[int], None] | None = None):
         """``on_round(rows)``: told of every round run."""
         self._handles = list(handles)
         self._on_round = on_round
@@ -82,23 +85,23 @@ class StepBatcher:
         self.widest = 0  # the most requests one round has stepped
 
     # -- what a request's PipelineModel asks
-    def decoding(self, model) -> None:
+    def decoding(self, model: PipelineModel) -> None:
         with self._cond:
             self._decoding.add(model)
 
-    def others_decoding(self, model) -> bool:
+    def others_decoding(self, model: PipelineModel) -> bool:
         """Whether another request of this placement decodes now."""
         if self.off is not None:
             return False
         with self._cond:
             return any(m is not model for m in self._decoding)
 
-    def alone(self, model) -> None:
+    def alone(self, model: PipelineModel) -> None:
         """``model`` steps on its own from here (no other request decodes)."""
         with self._cond:
             self._ungroup(model)
 
-    def leave(self, model) -> None:
+    def leave(self, model: PipelineModel) -> None:
         """``model``'s generation ended."""
         with self._cond:
             self._decoding.discard(model)
@@ -107,28 +110,28 @@ class StepBatcher:
         if idle:
             self._close_hops()
 
-    def _ungroup(self, model) -> None:
+    def _ungroup(self, model: PipelineModel) -> None:
         group = self._group_of.pop(model, None)
         if group is not None:
             group.members.discard(model)
             group.pending.pop(model, None)
             self._cond.notify_all()
 
-    def _group(self, model) -> _Group:
+    def _group(self, model: PipelineModel) -> _Group:
         group = self._group_of.get(model)
         if group is None:
             group = self._group_of[model] = min(self._groups, key=lambda g: len(g.members))
             group.members.add(model)
         return group
 
-    def step(self, model, x: mx.array) -> mx.array:
+    def step(self, model: PipelineModel, x: mx.array) -> mx.array:
         """``model``'s next step, run with its group's; its logits ([1, 1, vocab])."""
         mx.eval(x)  # built on this thread's stream: another thread may run the round
         # The leader takes the baton only for the local stage, so other groups run meanwhile.
         with mlx_idle():
             return self._step(model, x)
 
-    def _step(self, model, x: mx.array) -> mx.array:
+    def _step(self, model: PipelineModel, x: mx.array) -> mx.array:
         with self._cond:
             group = self._group(model)
             group.pending[model] = x
@@ -163,7 +166,7 @@ class StepBatcher:
             return self._take(group, model)
 
     @staticmethod
-    def _take(group: _Group, model) -> mx.array:
+    def _take(group: _Group, model: PipelineModel) -> mx.array:
         out = group.results.pop(model)
         if isinstance(out, BaseException):
             raise out
@@ -185,7 +188,7 @@ class StepBatcher:
         return h
 
     @staticmethod
-    def _local(batch: DecodeBatch, i: int, stage, models: list, h: mx.array) -> mx.array:
+    def _local(batch: DecodeBatch, i: int, stage: Any, models: list, h: mx.array) -> mx.array:
         sessions = [m.state.sessions[i] for m in models]
         # The batch's lock: the step is evaluated before a member's close takes its cache back.
         with mlx_turn(), mx.stream(any_thread_stream()), batch.lock:
@@ -193,7 +196,7 @@ class StepBatcher:
             mx.eval(out)
         return out
 
-    def _remote(self, group: _Group, i: int, stage, models: list, h: mx.array) -> mx.array:
+    def _remote(self, group: _Group, i: int, stage: Any, models: list, h: mx.array) -> mx.array:
         hop = group.hops.get(i)
         if hop is None:
             address = stage.data_port()

@@ -8,9 +8,13 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshnode.serving.resilience import PlacementLost
 from meshnode.serving.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from meshnode.serving.engine import TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ class CountedSource:
 
     def __init__(
         self,
-        source,
+        source: TokenSource,
         counter: UseCounter,
         *,
         on_demand: Callable[[], bool],
