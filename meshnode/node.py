@@ -360,7 +360,8 @@ class Node:
         if s.memory_margin:
             offer = Budget(self.memory_budget, s.memory_margin, s.memory_dwell)
             self._tasks.append(budget.start(offer, self.peers, self.events))
-        if supports_tensor(profile) and files.weights_local:
+        # a node set to plan single or pipeline only makes no tensor group: it times none
+        if supports_tensor(profile) and files.weights_local and s.strategy not in ("single", "pipeline"):
             self._tasks.append(asyncio.create_task(self._measure_collectives(me), name="meshnode-collective"))
         if s.mdns:
             self.discovery = Discovery(

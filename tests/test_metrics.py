@@ -209,3 +209,22 @@ def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path
         while json.loads(http(f"{base}/v1/mesh")[2])["measuring"] is not None:
             assert time.monotonic() < deadline, "still measuring"
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("strategy", ["single", "pipeline", "auto"])
+def test_a_node_that_makes_no_tensor_group_times_none(model_path, tmp_path, monkeypatch, strategy):
+    """The split figure prices tensor groups only: a node set to plan without them starts no ring
+    processes; one that may plan them times it at its first start."""
+    import threading
+
+    import meshnode.node as node_module
+
+    timed = threading.Event()
+
+    def measure(*args):
+        timed.set()
+        return 0.001
+
+    monkeypatch.setattr(node_module, "tensor_layer_seconds", measure)
+    with running_node(model_path, tmp_path, max_context=512, strategy=strategy):
+        assert timed.wait(5) == (strategy == "auto"), strategy
