@@ -15,8 +15,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -61,6 +61,13 @@ from meshnode.trust.auth import ClusterAuth
 from meshnode.version import PROTOCOL, describe
 from meshnode.weights.modelsource import ModelNotFound
 from meshnode.weights.store import ModelStore
+
+if TYPE_CHECKING:
+    import grpc
+
+    from meshnode.proto import mesh_pb2
+    from meshnode.transport.stage_server import StageServer
+    from meshnode.weights.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +138,7 @@ class NodeBackend:
         await node.announce_models(offers, f"no longer offering model {model_id}")
         return {"model": model_id, "offered": False, "offered_here": list(node.lanes.offered_ids())}
 
-    def model_profile(self, model: str):
+    def model_profile(self, model: str) -> ModelProfile | None:
         """The served model's shape and sizes (the Ollama surface's details), None before they are known."""
         served = self.node.models.get(model)
         return served.profile if served is not None else None
@@ -267,7 +274,7 @@ class Node:
         return self.served.model_id
 
     @property
-    def stage_server(self):
+    def stage_server(self) -> StageServer | None:
         return self.served.stage_server
 
     @property
@@ -294,10 +301,12 @@ class Node:
         """The models the mesh serves: those its live nodes offer (this node's before it has peers)."""
         return self.peers.offered_models() if self.peers.membership is not None else set(self.models)
 
-    def holders(self, model_id: str):
+    def holders(
+        self, model_id: str
+    ) -> contextlib.AbstractAsyncContextManager[Callable[[], list[tuple[str, grpc.aio.Channel]]]]:
         return self.peers.holders_of(model_id, self.cluster_id)
 
-    def _stage_server_of(self, model: str):
+    def _stage_server_of(self, model: str) -> StageServer | None:
         lane = self.lanes.get(model)
         return lane.served.stage_server if lane is not None else None
 
@@ -442,7 +451,9 @@ class Node:
             self._data.close()
         self.scheduler.stop()
 
-    async def _on_generate(self, request, context):
+    async def _on_generate(
+        self, request: mesh_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[mesh_pb2.GenerateReply, None]:
         lane = self.lanes.get(request.model)
         if lane is None:
             refusal = not_served(request.model)
