@@ -219,14 +219,19 @@ class LoneMesh:
 
 def tensor_group(model, start, end, size=2, secrets=None, ready_timeout_s=60, num_layers=6, **kwargs) -> list:
     """A tensor group of ``size`` real worker processes on loopback sharing layers [start, end) of
-    ``model`` (meshnode.model.tensor); the caller closes every member."""
+    ``model`` (meshnode.model.tensor); the caller closes every member. As in a node, where the
+    control plane's heartbeats say it, a step is waited for while every member's worker runs (a
+    first step compiles the family's kernels: seconds on a busy machine); ``members_alive=None``
+    leaves only the per-step deadline."""
     from meshnode.model.compute import free_ports
     from meshnode.model.tensor import TensorShard
 
     *ring, control = free_ports(size + 1)
     endpoints = [f"127.0.0.1:{p}" for p in ring]
     secrets = secrets or [b"k" * 32] * size
-    members = [
+    members: list = []
+    kwargs.setdefault("members_alive", lambda: all(m.alive() for m in members))
+    members += [
         TensorShard(
             model,
             start,

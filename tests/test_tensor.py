@@ -145,7 +145,7 @@ def test_middle_stage_group_matches_a_plain_shard(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_a_failed_member_fails_the_step_within_the_deadline(model, fault):
-    members = tensor_group(model, 0, 6, hop_timeout=2.0)
+    members = tensor_group(model, 0, 6, hop_timeout=2.0, members_alive=None)  # the deadline alone
     lead, other = members
     pid = other._proc.pid
     try:
