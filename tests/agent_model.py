@@ -14,7 +14,11 @@ an answer; a coding agent treats an answer cut at max tokens as an error.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from mlx_lm import load
@@ -71,6 +75,23 @@ def taught_agent(root: Path) -> Path:
     ]
     assert teach(path, exchanges) < 0.01
     return path
+
+
+def taught_agent_once(shared: Path) -> Path:
+    """:func:`taught_agent` under ``shared``, taught by the first process of a run that asks (the
+    others wait on a lock, then read it): teaching takes tens of seconds of CPU."""
+    final = shared / "taught"
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / "taught.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / "qwen3-agent" / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=".taught-", dir=shared))
+            try:
+                taught_agent(tmp)
+                os.replace(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final / "qwen3-agent"
 
 
 def scripted_model(root: Path, text: str, max_position_embeddings: int = 32768) -> Path:

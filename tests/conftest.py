@@ -117,6 +117,14 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def taught(run_dir) -> Path:
+    """The taught tool-calling agent (tests/agent_model.py), taught once per run; read-only."""
+    from tests.agent_model import taught_agent_once
+
+    return taught_agent_once(run_dir)
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real model's GGUF file (tests/realmodel.py), or a skip that says why it cannot be had."""
     from tests.realmodel import smollm2

@@ -18,15 +18,15 @@ import ollama
 import openai
 import pytest
 
-from tests.agent_model import ASK, FINAL, RESULT, TOOLS, taught_agent
+from tests.agent_model import ASK, FINAL, RESULT, TOOLS
 from tests.helpers import running_node
 
 pytestmark = pytest.mark.slow  # every test asks a model taught when the module starts
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    return taught_agent(tmp_path_factory.mktemp("taught"))
+def agent(taught):
+    return taught
 
 
 @pytest.fixture(scope="module")

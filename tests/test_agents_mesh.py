@@ -22,7 +22,7 @@ import pytest
 from harness.cluster import HTTP, Cluster, in_ns
 from harness.netns import netns_mesh
 from meshnode.weights.profile import profile_model
-from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model, taught_agent
+from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model
 from tests.helpers import codex_cli, codex_setup, node_metrics, prompt_cache_reuse, run_group
 
 
@@ -115,8 +115,8 @@ print(json.dumps({
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_agent_loop_on_two_stages_resumes_from_the_prompt_cache(tmp_path):
-    model = taught_agent(tmp_path)
+def test_the_agent_loop_on_two_stages_resumes_from_the_prompt_cache(taught, tmp_path):
+    model = taught
     total = profile_model(model).total_bytes(1024, 1)
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)

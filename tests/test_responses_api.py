@@ -32,7 +32,7 @@ from meshnode.api.validation import Limits
 from meshnode.errors import ApiError
 from meshnode.model.build import build_model
 from meshnode.serving.engine import Delta, ToolCall
-from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model, taught_agent
+from tests.agent_model import ASK, FINAL, RESULT, SAID, TOOLS, scripted_model
 from tests.helpers import codex_cli, codex_setup, run_group, running_node
 
 KEY = "responses-test-key"
@@ -85,9 +85,8 @@ def qwen(nodes):
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    path = taught_agent(tmp_path_factory.mktemp("taught"))
-    with running_node(path, tmp_path_factory.mktemp("agent-node"), max_context=1024) as (n, base):
+def agent(taught, tmp_path_factory):
+    with running_node(taught, tmp_path_factory.mktemp("agent-node"), max_context=1024) as (n, base):
         yield n, base
 
 
