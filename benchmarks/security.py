@@ -12,7 +12,7 @@ median and best of each and the ratios of medians to (a) (target for (b): >= 0.9
 
 Then, to see per-message costs below the noise of a whole token: the round trip of one 3 KiB
 message on a bidirectional gRPC stream on loopback (what a pipeline hop is), with no auth, with
-the auth client interceptors (meshnode.trust.auth.client_interceptors), with SignedChannel (what
+the auth client interceptors (meshnode.trust.signed.client_interceptors), with SignedChannel (what
 the nodes use: signs once per call) and with SignedChannel over TLS.
 Needs root (network namespaces).
 
@@ -73,7 +73,8 @@ async def _echo_rtt(kind: str, n: int) -> float:
 
     from meshnode.proto import mesh_pb2, mesh_pb2_grpc
     from meshnode.trust import tls
-    from meshnode.trust.auth import ClusterAuth, SignedChannel, client_interceptors
+    from meshnode.trust.auth import ClusterAuth
+    from meshnode.trust.signed import SignedChannel, client_interceptors
 
     class Echo(mesh_pb2_grpc.MeshServicer):
         async def Forward(self, requests, context):

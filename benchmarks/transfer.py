@@ -61,7 +61,8 @@ asyncio.run(main())
 
 FETCH = """
 import asyncio, json, sys, time, grpc
-from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.trust.auth import ClusterAuth
+from meshnode.trust.signed import SignedChannel
 from meshnode.weights.transfer import fetch_layers
 async def main():
     ch = SignedChannel(grpc.aio.insecure_channel(sys.argv[1], options=[("grpc.max_receive_message_length", 64 << 20)]),

@@ -20,8 +20,8 @@ from meshnode.trust.auth import (
     HEADER_TS,
     ClusterAuth,
     _call_stream_response,
-    client_interceptors,
 )
+from meshnode.trust.signed import client_interceptors
 
 KEY = "a long shared secret for the tests"
 HEARTBEAT = "/meshnode.v1.Mesh/Heartbeat"

@@ -42,7 +42,8 @@ from meshnode.transport.dataport import hello as data_hello
 from meshnode.transport.dataport import recv_frame, send_frame
 from meshnode.transport.refusals import StageRefused
 from meshnode.transport.service import MAX_GRPC_MESSAGE
-from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.trust.auth import ClusterAuth
+from meshnode.trust.signed import SignedChannel
 from meshnode.version import OLDEST_PROTOCOL, PROTOCOL, describe
 from tests.helpers import running_node
 

@@ -19,7 +19,8 @@ from meshnode.config import ConfigError, Settings, load_settings
 from meshnode.model.build import build_model
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.trust import tls
-from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.trust.auth import ClusterAuth
+from meshnode.trust.signed import SignedChannel
 from meshnode.weights.profile import profile_model
 from tests.helpers import running_node
 

@@ -18,7 +18,8 @@ import pytest
 from meshnode.model.build import build_model
 from meshnode.model.shard import Shard
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
-from meshnode.trust.auth import ClusterAuth, client_interceptors
+from meshnode.trust.auth import ClusterAuth
+from meshnode.trust.signed import client_interceptors
 from meshnode.weights import transfer
 from meshnode.weights.manifest import (
     CACHE_NAME,

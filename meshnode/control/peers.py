@@ -23,7 +23,8 @@ from meshnode.planner import LinkSpec
 from meshnode.proto import mesh_pb2
 from meshnode.transport.service import MAX_GRPC_MESSAGE
 from meshnode.trust import tls
-from meshnode.trust.auth import ClusterAuth, SignedChannel
+from meshnode.trust.auth import ClusterAuth
+from meshnode.trust.signed import SignedChannel
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -34,8 +34,6 @@ from meshnode.errors import MeshnodeError
 __all__ = [
     "ClusterAuth",
     "AuthServerInterceptor",
-    "client_interceptors",
-    "SignedChannel",
     "HEADER_TS",
     "HEADER_NONCE",
     "HEADER_NODE",
@@ -51,7 +49,7 @@ HEADER_TS = "x-mesh-ts"
 HEADER_NONCE = "x-mesh-nonce"
 HEADER_NODE = "x-mesh-node"
 HEADER_MAC = "x-mesh-mac"
-_HEADERS = (HEADER_TS, HEADER_NONCE, HEADER_NODE, HEADER_MAC)
+HEADERS = (HEADER_TS, HEADER_NONCE, HEADER_NODE, HEADER_MAC)
 
 _MAX_NODE_LEN = 256
 _LOG_INTERVAL = 10.0
@@ -69,14 +67,9 @@ def _field(value: bytes) -> bytes:
     return len(value).to_bytes(4, "big") + value
 
 
-def _method_str(method: str | bytes) -> str:
+def method_name(method: str | bytes) -> str:
+    """A gRPC method's name as text (the server side gets bytes)."""
     return method.decode("utf-8", "replace") if isinstance(method, (bytes, bytearray)) else str(method)
-
-
-def _serialize(request: Any) -> bytes:
-    if isinstance(request, (bytes, bytearray, memoryview)):
-        return bytes(request)
-    return request.SerializeToString()
 
 
 class _ReplayCache:
@@ -140,7 +133,7 @@ class ClusterAuth:
         msg = b"".join(
             _field(x)
             for x in (
-                _method_str(method).encode("utf-8"),
+                method_name(method).encode("utf-8"),
                 ts.encode("utf-8"),
                 nonce.encode("utf-8"),
                 caller.encode("utf-8"),
@@ -167,13 +160,13 @@ class ClusterAuth:
         found: dict[str, str] = {}
         for item in metadata or ():
             key, value = item[0], item[1]
-            if key in _HEADERS:
+            if key in HEADERS:
                 if key in found or not isinstance(value, str):
                     raise _Refused("malformed authentication metadata")
                 found[key] = value
-        if len(found) != len(_HEADERS):
+        if len(found) != len(HEADERS):
             raise _Refused("missing authentication metadata")
-        ts, nonce, node, mac = (found[h] for h in _HEADERS)
+        ts, nonce, node, mac = (found[h] for h in HEADERS)
         if not (ts.isascii() and ts.isdigit() and 0 < len(ts) <= 15):
             raise _Refused("malformed timestamp")
         if len(nonce) != 32 or not _is_hex(nonce):
@@ -229,180 +222,16 @@ class ClusterAuth:
     def server_interceptor(self) -> AuthServerInterceptor:
         return AuthServerInterceptor(self)
 
-    def client_interceptors(self, node_id: str) -> list[grpc.aio.ClientInterceptor]:
-        return client_interceptors(self, node_id)
+
+def tensor_group_secret(cluster_key: str | None) -> bytes:
+    """What a tensor group's members prove the cluster key to each other with (never the key itself)."""
+    if not cluster_key:
+        return b""
+    return hmac.new(cluster_key.encode(), b"meshnode tensor group v1", hashlib.sha256).digest()
 
 
 def _is_hex(value: str) -> bool:
     return all(c in "0123456789abcdefABCDEF" for c in value)
-
-
-# ---------------------------------------------------------------------------- client side
-class _ClientBase:
-    def __init__(self, auth: ClusterAuth, node_id: str):
-        self._auth = auth
-        self._node_id = node_id
-
-    def _details(self, details: grpc.aio.ClientCallDetails, body: bytes | None) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata()
-        for key, value in details.metadata or ():
-            if key not in _HEADERS:
-                metadata.add(key, value)
-        for key, value in self._auth.sign(details.method, self._node_id, body):
-            metadata.add(key, value)
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
-        )
-
-
-class _UnaryUnary(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(
-        self,
-        continuation: Callable[[grpc.aio.ClientCallDetails, object], Awaitable[grpc.aio.UnaryUnaryCall]],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request: object,
-    ) -> grpc.aio.UnaryUnaryCall:
-        return await continuation(self._details(client_call_details, _serialize(request)), request)
-
-
-class _UnaryStream(_ClientBase, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(
-        self,
-        continuation: Callable[[grpc.aio.ClientCallDetails, object], Awaitable[grpc.aio.UnaryStreamCall]],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request: object,
-    ) -> grpc.aio.UnaryStreamCall:
-        return await continuation(self._details(client_call_details, _serialize(request)), request)
-
-
-class _StreamUnary(_ClientBase, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(
-        self,
-        continuation: Callable[
-            [grpc.aio.ClientCallDetails, AsyncIterable[object] | Iterable[object]], Awaitable[grpc.aio.StreamUnaryCall]
-        ],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: AsyncIterable[object] | Iterable[object],
-    ) -> grpc.aio.StreamUnaryCall:
-        return await continuation(self._details(client_call_details, None), request_iterator)
-
-
-class _StreamStream(_ClientBase, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(
-        self,
-        continuation: Callable[
-            [grpc.aio.ClientCallDetails, AsyncIterable[object] | Iterable[object]], Awaitable[grpc.aio.StreamStreamCall]
-        ],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: AsyncIterable[object] | Iterable[object],
-    ) -> grpc.aio.StreamStreamCall:
-        return await continuation(self._details(client_call_details, None), request_iterator)
-
-
-def client_interceptors(auth: ClusterAuth, node_id: str) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that sign every call as ``node_id``; prefer :class:`SignedChannel` for streams."""
-    return [cls(auth, node_id) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
-
-
-class _SignedMultiCallable:
-    """Adds the signed metadata when a call opens; the call itself is grpc.aio's plain one."""
-
-    __slots__ = ("_inner", "_auth", "_node_id", "_method", "_serializer", "_unary")
-
-    def __init__(
-        self,
-        inner: Callable[..., grpc.aio.Call],
-        auth: ClusterAuth,
-        node_id: str,
-        method: str,
-        serializer: Callable[[Any], bytes] | None,
-        unary: bool,
-    ):
-        self._inner, self._auth, self._node_id = inner, auth, node_id
-        self._method, self._serializer, self._unary = method, serializer, unary
-
-    def __call__(
-        self, request: object = None, *, metadata: Iterable[tuple[str, str | bytes]] | None = None, **kwargs: Any
-    ) -> grpc.aio.Call:
-        body = None
-        if self._unary:
-            body = self._serializer(request) if self._serializer is not None else _serialize(request)
-        signed = grpc.aio.Metadata()
-        for key, value in metadata or ():
-            if key not in _HEADERS:
-                signed.add(key, value)
-        for key, value in self._auth.sign(self._method, self._node_id, body):
-            signed.add(key, value)
-        return self._inner(request, metadata=signed, **kwargs)
-
-
-class SignedChannel:
-    """A ``grpc.aio`` channel whose every call is signed as ``node_id`` when it opens (one HMAC per call)."""
-
-    def __init__(self, channel: grpc.aio.Channel, auth: ClusterAuth, node_id: str):
-        self._channel, self._auth, self._node_id = channel, auth, node_id
-
-    def _wrap(
-        self,
-        kind: str,
-        unary: bool,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        **kwargs: Any,
-    ) -> _SignedMultiCallable:
-        inner = getattr(self._channel, kind)(
-            method, request_serializer=request_serializer, response_deserializer=response_deserializer, **kwargs
-        )
-        return _SignedMultiCallable(inner, self._auth, self._node_id, _method_str(method), request_serializer, unary)
-
-    def unary_unary(
-        self,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        **kwargs: Any,
-    ) -> _SignedMultiCallable:
-        return self._wrap("unary_unary", True, method, request_serializer, response_deserializer, **kwargs)
-
-    def unary_stream(
-        self,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        **kwargs: Any,
-    ) -> _SignedMultiCallable:
-        return self._wrap("unary_stream", True, method, request_serializer, response_deserializer, **kwargs)
-
-    def stream_unary(
-        self,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        **kwargs: Any,
-    ) -> _SignedMultiCallable:
-        return self._wrap("stream_unary", False, method, request_serializer, response_deserializer, **kwargs)
-
-    def stream_stream(
-        self,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        **kwargs: Any,
-    ) -> _SignedMultiCallable:
-        return self._wrap("stream_stream", False, method, request_serializer, response_deserializer, **kwargs)
-
-    async def close(self, grace: float | None = None) -> None:
-        await self._channel.close(grace)
-
-    async def __aenter__(self) -> SignedChannel:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def __getattr__(self, name: str) -> Any:  # get_state, channel_ready, wait_for_state_change ...
-        return getattr(self._channel, name)
 
 
 # ---------------------------------------------------------------------------- server side
@@ -461,7 +290,7 @@ class AuthServerInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        method = _method_str(handler_call_details.method)
+        method = method_name(handler_call_details.method)
         handler = await continuation(handler_call_details)
         try:
             fields = self._auth.parse_signature(handler_call_details.invocation_metadata)
