@@ -9,15 +9,14 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import hmac
 import logging
 import signal
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import grpc
 from aiohttp import web
 
 from meshnode import blas, sysinfo
@@ -47,6 +46,7 @@ from meshnode.model.pace import Pace
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
 from meshnode.planner import supports_tensor
+from meshnode.proto import mesh_pb2
 from meshnode.serving.drafting import DrafterFactory
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
@@ -56,18 +56,13 @@ from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import StreamHook
 from meshnode.transport.routing import StageRouter, not_served
 from meshnode.transport.service import Handlers, start_server
+from meshnode.transport.stage_server import StageServer
 from meshnode.trust import tls
-from meshnode.trust.auth import ClusterAuth
+from meshnode.trust.auth import ClusterAuth, tensor_group_secret
 from meshnode.version import PROTOCOL, describe
 from meshnode.weights.modelsource import ModelNotFound
+from meshnode.weights.profile import ModelProfile
 from meshnode.weights.store import ModelStore
-
-if TYPE_CHECKING:
-    import grpc
-
-    from meshnode.proto import mesh_pb2
-    from meshnode.transport.stage_server import StageServer
-    from meshnode.weights.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -217,12 +212,7 @@ class Node:
         self.tls = tls.derive_identity(settings.cluster_key) if settings.encrypt else None
         if not settings.authenticate:
             log.warning("authenticate = false: gRPC calls are not signed (tests and benchmarks only)")
-        # Tensor-group members prove the key to each other with this (never the key itself).
-        group_secret = (
-            hmac.new(settings.cluster_key.encode(), b"meshnode tensor group v1", hashlib.sha256).digest()
-            if settings.cluster_key
-            else b""
-        )
+        group_secret = tensor_group_secret(settings.cluster_key)
         self.memory_budget = sysinfo.memory_budget(settings)
         sysinfo.use_recommended_wired_limit()
         self.scheduler = TokenScheduler()
