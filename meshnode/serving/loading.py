@@ -20,9 +20,12 @@ from meshnode.serving.settings import ServingSettings
 if TYPE_CHECKING:
     from meshnode.planner.plans import Plan, Stage
     from meshnode.serving.mesh import Mesh
-    from meshnode.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
+
+# The ServedModel (serving/served.py) whose part these functions load: that module imports this
+# one, and its parts are optional until loaded, which its callers here take as given.
+Served = Any
 
 
 def stage_key(stage: Stage) -> tuple:
@@ -85,7 +88,7 @@ def tensor_member(
     )
 
 
-async def load_part(served: Any, plan: Plan) -> None:
+async def load_part(served: Served, plan: Plan) -> None:
     """Load this node's shards for the plan (make before break), then serve them."""
     wanted: dict[tuple, Shard | TensorShard] = {}
     launching: list[TensorShard] = []
@@ -170,7 +173,7 @@ async def load_part(served: Any, plan: Plan) -> None:
     asyncio.create_task(served.on_ready())  # tell the mesh now, not at the next beat
 
 
-def retire_previous(served: ServedModel) -> None:
+def retire_previous(served: Served) -> None:
     """Once ``served``'s current plan is ready everywhere, free its older epochs' shards."""
     plan = served.plan
     if plan is None or not served.ready(plan):
@@ -191,7 +194,7 @@ def retire_previous(served: ServedModel) -> None:
     served.previous = None
 
 
-def keep_for_newer(served: ServedModel, loaded: dict) -> None:
+def keep_for_newer(served: Served, loaded: dict) -> None:
     """A newer plan came while this load ran: keep what it wants too, close the rest."""
     newer = part_of(served.plan, served.node_id)[1] if served.plan is not None else frozenset()
     held = dict(served.shards)
@@ -208,7 +211,7 @@ def keep_for_newer(served: ServedModel, loaded: dict) -> None:
     served.shards = held
 
 
-async def layers_folder(served: ServedModel, start: int, end: int) -> Path:
+async def layers_folder(served: Served, start: int, end: int) -> Path:
     """The layers' folder, fetched from peers if missing, then announced as held."""
     if (local := served.files.local_layers(start, end)) is not None:
         return local
@@ -223,7 +226,7 @@ async def layers_folder(served: ServedModel, start: int, end: int) -> Path:
     return path
 
 
-def use_context(served: Any, context: int) -> None:
+def use_context(served: Served, context: int) -> None:
     """Apply the plan's context to the API, the stages and the kept prefixes."""
     served.engine.max_context = served.stage_server.max_context = context
     if served.prefixes is not None:

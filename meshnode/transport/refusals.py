@@ -7,14 +7,11 @@ and says what to do next.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from meshnode.errors import MeshnodeError
-
-if TYPE_CHECKING:
-    from meshnode.transport.remote_stage import RemoteStage
 
 
 class StageError(MeshnodeError, RuntimeError):
@@ -86,8 +83,19 @@ def refusal_kind(code: grpc.StatusCode | None, details: str | None) -> type[Stag
     return kind
 
 
+class RefusingStage(Protocol):
+    """What a refusal's message names of the stage that refused."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def node_id(self) -> str: ...
+
+
 def stage_error(
-    st: RemoteStage,
+    st: RefusingStage,
     exc: grpc.aio.AioRpcError | None,
     code: grpc.StatusCode | None = None,
     details: str | None = None,
