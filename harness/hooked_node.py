@@ -5,7 +5,7 @@
 ``--stage-delays``: delays and faults in this node's stages' steps (harness/faults.py);
 ``--drafts``: scripted guesses for speculative decoding (harness/drafts.py). Both files are read
 again as they change, so a test steers a running node by writing them. The hooks go in through the
-node's constructor (meshnode.node.NodeHooks); the rest is meshnode's own command line, unchanged.
+node's constructor (meshnode.hooks.NodeHooks); the rest is meshnode's own command line, unchanged.
 ``harness.cluster.node_argv`` builds this command line when a test asks for either.
 """
 
@@ -34,9 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from harness.drafts import drafters_from_file
     from harness.faults import InjectedDelay
     from meshnode.cli import main as meshnode_main
+    from meshnode.hooks import NodeHooks
 
     hooks, rest = split_argv(sys.argv[1:] if argv is None else argv)
-    node_hooks = meshnode.node.NodeHooks(
+    node_hooks = NodeHooks(
         stream_hook=InjectedDelay(hooks["stage_delays"]).stream if "stage_delays" in hooks else None,
         drafters=drafters_from_file(hooks["drafts"]) if "drafts" in hooks else None,
     )

@@ -38,6 +38,7 @@ from meshnode.control.plane import ControlPlane
 from meshnode.control.settings import ControlSettings, PeerSettings, PlanSettings
 from meshnode.control.status import mesh_status, model_state
 from meshnode.errors import ApiError
+from meshnode.hooks import NodeHooks
 from meshnode.identity import cluster_id as derive_cluster_id
 from meshnode.identity import load_or_create_node_id
 from meshnode.metrics import EventLog, NodeMetrics, Progress
@@ -47,13 +48,11 @@ from meshnode.model.scheduler import TokenScheduler
 from meshnode.nodeinfo import NodeInfo
 from meshnode.planner import supports_tensor
 from meshnode.proto import mesh_pb2
-from meshnode.serving.drafting import DrafterFactory
 from meshnode.serving.engine import Engine
 from meshnode.serving.placements import serve_generate
 from meshnode.serving.served import ServedModel
 from meshnode.serving.settings import ServingSettings
 from meshnode.transport.dataport import DataServer
-from meshnode.transport.hop import StreamHook
 from meshnode.transport.routing import StageRouter, not_served
 from meshnode.transport.service import Handlers, start_server
 from meshnode.transport.stage_server import StageServer
@@ -150,14 +149,6 @@ class NodeBackend:
     def mesh_status(self) -> dict[str, Any]:
         node = self.node
         return mesh_status(node.control, node.events, node.progress, node.metrics, node.measuring)
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeHooks:
-    """What a test harness puts into a node (harness/hooked_node.py); a node run as a service has none."""
-
-    stream_hook: StreamHook | None = None  # every data-port stream to a stage here
-    drafters: Callable[[DrafterFactory], DrafterFactory] | None = None  # PlacementSettings.drafters
 
 
 def _lane(

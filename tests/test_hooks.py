@@ -1,7 +1,7 @@
 """Test hooks reach a node through its constructor, never through the environment (issue 47).
 
 harness/hooked_node.py starts ``meshnode run`` with stage delays and faults (harness/faults.py)
-and scripted drafts (harness/drafts.py) as meshnode.node.NodeHooks; ``harness.cluster.node_argv``
+and scripted drafts (harness/drafts.py) as meshnode.hooks.NodeHooks; ``harness.cluster.node_argv``
 launches it only when a test asks for either. The multi-host tests that use them (test_busy,
 test_fault_placement, test_speculative_mesh) prove the delays, faults and drafts on real meshes;
 here: the command line, each hook on its own, and scripted drafts through one real node.
