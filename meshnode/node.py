@@ -445,7 +445,10 @@ class Node:
                 yield reply
 
     async def _measure_collectives(self, me: NodeInfo) -> None:
-        """Time a layer split two ways over a loopback ring here (cached), so the planner prices tensor groups."""
+        """Once a peer is there to group with (not for a node alone), time a layer split two ways over
+        a loopback ring here (cached), so the planner prices tensor groups."""
+        while self.peers.membership is None or not self.peers.membership.alive_peers():
+            await asyncio.sleep(1.0)
         files, profile = self.served.files, self.served.files.loaded_profile
         self.measuring = "a layer split two ways (what tensor parallelism costs here)"
         try:

@@ -3,6 +3,7 @@ files and the API key, and load progress (a bar on a terminal, ``progress`` in /
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
@@ -183,9 +184,9 @@ def test_live_rate_and_outcomes():
 
 @pytest.mark.slow
 def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path, monkeypatch):
-    """A node's first start on a machine times a layer split two ways (two short-lived processes)
-    while it already serves: its first requests run slower (the processes share its cores). /v1/mesh
-    says so, and when it ends."""
+    """Once a peer is there to group with, a node's first start on a machine times a layer split two
+    ways (two short-lived processes) while it already serves: its requests meanwhile run slower (the
+    processes share its cores). /v1/mesh says so, and when it ends; alone, it times nothing."""
     import threading
 
     import meshnode.node as node_module
@@ -198,11 +199,19 @@ def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path
         return 0.001
 
     monkeypatch.setattr(node_module, "tensor_layer_seconds", slow_measure)
-    with running_node(model_path, tmp_path, max_context=512) as (_, base):
+    with contextlib.ExitStack() as stack:
+        a, base = stack.enter_context(running_node(model_path, tmp_path / "a", node_id="node-a", max_context=512))
+        assert not started.wait(3), "a node alone timed a split layer"
+        assert json.loads(http(f"{base}/v1/mesh")[2])["measuring"] is None
+        peer = [f"127.0.0.1:{a.grpc_port}"]
+        stack.enter_context(running_node(model_path, tmp_path / "b", node_id="node-b", max_context=512, peers=peer))
         try:
             assert started.wait(60)
-            _, _, raw = http(f"{base}/v1/mesh")
-            assert "split two ways" in json.loads(raw)["measuring"]
+            deadline = time.monotonic() + 30
+            while not json.loads(http(f"{base}/v1/mesh")[2])["measuring"]:  # either node may time it first
+                assert time.monotonic() < deadline, "a's measuring never shown"
+                time.sleep(0.05)
+            assert "split two ways" in json.loads(http(f"{base}/v1/mesh")[2])["measuring"]
         finally:
             release.set()
         deadline = time.monotonic() + 30
@@ -213,8 +222,8 @@ def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path
 
 @pytest.mark.parametrize("strategy", ["single", "pipeline", "auto"])
 def test_a_node_that_makes_no_tensor_group_times_none(model_path, tmp_path, monkeypatch, strategy):
-    """The split figure prices tensor groups only: a node set to plan without them starts no ring
-    processes; one that may plan them times it at its first start."""
+    """The split figure prices tensor groups only: nodes set to plan without them start no ring
+    processes; nodes that may plan them time it once they have a peer."""
     import threading
 
     import meshnode.node as node_module
@@ -226,5 +235,8 @@ def test_a_node_that_makes_no_tensor_group_times_none(model_path, tmp_path, monk
         return 0.001
 
     monkeypatch.setattr(node_module, "tensor_layer_seconds", measure)
-    with running_node(model_path, tmp_path, max_context=512, strategy=strategy):
-        assert timed.wait(5) == (strategy == "auto"), strategy
+    with contextlib.ExitStack() as stack:
+        a, _ = stack.enter_context(running_node(model_path, tmp_path / "a", max_context=512, strategy=strategy))
+        peer = [f"127.0.0.1:{a.grpc_port}"]
+        stack.enter_context(running_node(model_path, tmp_path / "b", max_context=512, strategy=strategy, peers=peer))
+        assert timed.wait(10) == (strategy == "auto"), strategy
