@@ -83,7 +83,11 @@ def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True
         await done.wait()
         await node.stop()
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    # As asyncio.run does, the runner cancels and awaits what is still pending when main() ends (a
+    # stream in flight): a task left in a closed loop is destroyed by a later garbage collection,
+    # whose error would land in whatever test runs then.
+    runner = asyncio.Runner(loop_factory=lambda: loop)
+    thread = threading.Thread(target=runner.run, args=(main(),), daemon=True)
     thread.start()
     assert started.wait(120), "node did not start"
     if errors:
@@ -98,7 +102,7 @@ def running_node(model: Path | str | None, tmp_path: Path, *, ready: bool = True
     finally:
         loop.call_soon_threadsafe(done.set)
         thread.join(30)
-        loop.close()
+        runner.close()
 
 
 def npm_tool(package: str, binary: Path) -> Path:

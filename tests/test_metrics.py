@@ -220,6 +220,7 @@ def test_mesh_view_says_while_the_node_measures_its_machine(model_path, tmp_path
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["single", "pipeline", "auto"])
 def test_a_node_that_makes_no_tensor_group_times_none(model_path, tmp_path, monkeypatch, strategy):
     """The split figure prices tensor groups only: nodes set to plan without them start no ring
@@ -239,4 +240,4 @@ def test_a_node_that_makes_no_tensor_group_times_none(model_path, tmp_path, monk
         a, _ = stack.enter_context(running_node(model_path, tmp_path / "a", max_context=512, strategy=strategy))
         peer = [f"127.0.0.1:{a.grpc_port}"]
         stack.enter_context(running_node(model_path, tmp_path / "b", max_context=512, strategy=strategy, peers=peer))
-        assert timed.wait(10) == (strategy == "auto"), strategy
+        assert timed.wait(6) == (strategy == "auto"), strategy  # it times within a beat of the peer's
