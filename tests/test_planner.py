@@ -775,6 +775,24 @@ def test_a_lan_hop_outweighs_half_the_layers_only_by_the_newcomers_own_figure():
         assert (after < now * (1 - REPLAN_GAIN)) is moves, (newcomer_s, now, after)
 
 
+def test_a_plan_on_fewer_nodes_needs_only_to_be_no_slower_and_the_way_back_the_full_gain():
+    """A node back from a restart: the two-stage plan on it is estimated 12 % faster than the
+    three-stage plan that served without it, under REPLAN_GAIN, and still wins because it holds one
+    node fewer; the three-stage plan would need the full gain to win back, so the two never flap."""
+    from meshnode.control.coordinator import REPLAN_GAIN, pays_to_move
+
+    three = Plan("m", "pipeline", (Stage(0, 3, ("b",)), Stage(3, 6, ("c",)), Stage(6, 8, ("d",))), estimate_s=5.57e-3)
+    two = Plan("m", "pipeline", (Stage(0, 4, ("b",)), Stage(4, 8, ("a",))), estimate_s=4.91e-3)
+    assert two.estimate_s > three.estimate_s * (1 - REPLAN_GAIN)
+    assert pays_to_move(three, three.estimate_s, two)
+    assert not pays_to_move(two, two.estimate_s, three)
+    assert pays_to_move(two, 0.5e-3 + three.estimate_s / (1 - REPLAN_GAIN), three)  # the full gain
+    assert not pays_to_move(three, 4.9e-3, two)  # fewer nodes, but slower
+    assert not pays_to_move(two, two.estimate_s, dataclasses.replace(two, estimate_s=1e-3))  # same layout
+    other = Plan("m", "pipeline", (Stage(0, 4, ("c",)), Stage(4, 8, ("d",))), estimate_s=4.5e-3)
+    assert not pays_to_move(two, two.estimate_s, other)  # as many nodes, 8 % faster
+
+
 def test_plan_endpoints_travel_and_bad_ones_are_refused():
     p = shaped(n=8)
     nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A working plan is replaced only by one estimated this much faster per token (hysteresis).
+# A working plan is replaced only by one estimated this much faster per token (hysteresis), or
+# by one on fewer nodes that is no slower.
 REPLAN_GAIN = 0.15
 # Assumed all-reduce cost of an unmeasured node, so tensor groups form on measurements.
 UNMEASURED_COLLECTIVE_S = 250e-6
@@ -76,6 +77,18 @@ def node_specs(
     ]
 
 
+def pays_to_move(current: Plan, current_s: float, desired: Plan) -> bool:
+    """Whether a working plan (estimated ``current_s`` per token now) gives way to ``desired``: one
+    ``REPLAN_GAIN`` faster, or one on fewer nodes and no slower (each node a plan holds is one more
+    to lose, and a machine its owner wants back). The way back to more nodes needs the full gain,
+    so the two never flap."""
+    if layout(desired) == layout(current):
+        return False
+    if desired.estimate_s < current_s * (1 - REPLAN_GAIN):
+        return True
+    return len(set(desired.node_ids())) < len(set(current.node_ids())) and desired.estimate_s <= current_s
+
+
 def squeezed(plan: Plan, alive: dict[str, NodeInfo], used: dict[str, int]) -> list[str]:
     """The nodes of ``plan`` that offer less memory now than it and the other models' plans put on them."""
     return sorted(
@@ -92,8 +105,8 @@ def slow_notes(alive: dict[str, NodeInfo]) -> str:
 
 class Coordinator:
     """Plans one model for the mesh; only the elected node calls :meth:`coordinate`, once a tick.
-    A working plan is replaced only by one ``REPLAN_GAIN`` faster at two weighings in a row, and
-    not within ``rebalance_dwell`` of the last change, so plans do not flap."""
+    A working plan is replaced only by one that pays (:func:`pays_to_move`) at two weighings in a
+    row, and not within ``rebalance_dwell`` of the last change, so plans do not flap."""
 
     def __init__(
         self,
@@ -118,6 +131,7 @@ class Coordinator:
         # The model fits only if other models' plans make room.
         self.needs_room = False
         self._paces: dict[str, float] = {}  # the slowdowns the last weighing used
+        self._held: list | None = None  # the last layout the mesh stayed put over, said once
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
         served, adoption, s = self.adoption.served, self.adoption, self.settings
@@ -240,8 +254,10 @@ class Coordinator:
             )
             preferred_now = strategy is not None and desired.strategy == strategy != current_plan.strategy
             if layout(desired) == layout(current_plan) or not (
-                preferred_now or desired.estimate_s < current * (1 - REPLAN_GAIN)
+                preferred_now or pays_to_move(current_plan, current, desired)
             ):
+                if layout(desired) != layout(current_plan):
+                    self._held_over(current_plan, current, desired)
                 self._planned_for, self._planned_at, self._pending = members, now, None
                 return
             if members == self._planned_for and not preferred_now and not repaced and self._pending != layout(desired):
@@ -271,6 +287,23 @@ class Coordinator:
             self._planned_at -= s.link_probe_interval - s.rebalance_dwell
         self._incarnations = {n: alive[n].started_at for n in desired.node_ids()}
         self._publish(desired)
+
+    def _held_over(self, current_plan: Plan, current: float, desired: Plan) -> None:
+        """Say once per candidate layout why the mesh stays on its plan: the candidate does not pay."""
+        if self._held == layout(desired):
+            return
+        self._held = layout(desired)
+        log.info(
+            "keeping epoch %d: %s (est. %.2f ms/token) over %s (est. %.2f ms/token; "
+            "a move needs %d%% or fewer nodes): %s",
+            current_plan.epoch,
+            describe(current_plan),
+            current * 1e3,
+            describe(desired),
+            desired.estimate_s * 1e3,
+            REPLAN_GAIN * 100,
+            desired.reason,
+        )
 
     def unload(self, reason: str) -> None:
         """Hold the model nowhere; a request then waits while the mesh loads it again."""
