@@ -338,7 +338,8 @@ class Mesh:
         self.switch = f"{self.tag}-sw"
         self.hosts: list[NetHost] = []
         self.links: list[Link] = []
-        self._relays: list[subprocess.Popen] = []  # harness/jitter.py, one per delayed host
+        self._relays: dict[str, tuple[subprocess.Popen, str]] = {}  # host -> (harness/jitter.py, its inner veth)
+        self._relay_seq = itertools.count()
         self.names: list[str] = []
         self._closed = False
         _open.add(self)
@@ -429,7 +430,8 @@ class Mesh:
         """Hold every frame to and from ``host`` for ``delay_ms`` +- ``jitter_ms`` (uniform, drawn anew
         every ``every_ms``) each way, in a relay between its bridge port and the bridge
         (harness/jitter.py); FIFO, so no reordering."""
-        port, k = host.switch_port, len(self._relays)
+        assert host.name not in self._relays, f"{host.name}'s link is delayed already"
+        port, k = host.switch_port, next(self._relay_seq)
         inner, outer = f"j{k}", f"k{k}"  # outer joins the bridge in the host's place; the relay joins inner to its port
         self._sw("ip", "link", "set", port, "nomaster")
         self._sw("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
@@ -445,9 +447,19 @@ class Mesh:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._relays.append(proc)
+        self._relays[host.name] = (proc, inner)
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"relaying", "the relay did not start"
         return proc
+
+    def undelay(self, host: NetHost) -> None:
+        """Take ``delay``'s relay away: the host's port joins the bridge again directly."""
+        proc, inner = self._relays.pop(host.name)
+        self.stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        self._sw("ip", "link", "del", inner)  # and its peer, the bridge's end
+        self._sw("ip", "link", "set", host.switch_port, "promisc", "off")
+        self._sw("ip", "link", "set", host.switch_port, "master", "br0")
 
     # -- processes
     def stop(self, proc: subprocess.Popen, timeout: float = 10) -> None:
@@ -486,7 +498,7 @@ class Mesh:
             return
         self._closed = True
         try:
-            for proc in self._relays:
+            for proc, _ in self._relays.values():
                 if proc.poll() is None:
                     self.kill(proc)
                 if proc.stdout is not None:

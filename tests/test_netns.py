@@ -214,6 +214,26 @@ def test_extra_link_and_shaping(netns_mesh_factory):
     assert fast_bridge < slow / 5, (fast_bridge, slow)
 
 
+def test_a_delayed_link_is_slow_until_the_relay_is_taken_away(netns_mesh_factory):
+    mesh = netns_mesh_factory(2, "delay")
+    a, b = mesh.hosts
+    serve_echo(b)
+    rtt = (
+        "import socket,sys,time\n"
+        f"s=socket.create_connection((sys.argv[1], {PORT}), timeout=10); best=9.0\n"
+        "for _ in range(5):\n"
+        "    t=time.monotonic(); s.sendall(b'x'); s.recv(1); best=min(best, time.monotonic()-t)\n"
+        "print(best)"
+    )
+    mesh.delay(b, 25.0)
+    delayed = float(a.run([sys.executable, "-c", rtt, b.ip], timeout=30).stdout)
+    mesh.undelay(b)
+    direct = float(a.run([sys.executable, "-c", rtt, b.ip], timeout=30).stdout)
+    assert delayed >= 0.045 and direct < 0.02, (delayed, direct)
+    mesh.delay(b, 25.0)  # and again, as a soak's faults come and go
+    assert float(a.run([sys.executable, "-c", rtt, b.ip], timeout=30).stdout) >= 0.045
+
+
 def test_leftovers_of_dead_runs_are_removed_and_live_ones_kept():
     netns.prepare()
     dead = subprocess.Popen(["true"])
