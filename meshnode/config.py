@@ -35,6 +35,7 @@ from meshnode.values import (
     parse_peer,
     parse_size,
     peer_list,
+    plan_layout,
     port,
     positive_duration,
     positive_int,
@@ -127,6 +128,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "strategy": checked(
         lambda v: as_text(v).strip().lower(), lambda v: v in STRATEGY_CHOICES, "one of " + ", ".join(STRATEGY_CHOICES)
     ),
+    "plan_layout": optional(plan_layout),
     "group_ready_timeout": positive_duration,
     "link_probe_interval": positive_duration,
     "inject_latency_us": checked(as_float, lambda f: 0 <= f <= 1e6, "microseconds from 0 to 1000000"),
@@ -256,6 +258,8 @@ class Settings:
     slow_dwell: float = 10.0
     #: auto, or prefer single, pipeline, tensor or hybrid where possible.
     strategy: StrategySetting = "auto"
+    #: None, or pin the plan to these stages ("0-3@a | 4-7@b+c", as plan alternatives list them).
+    plan_layout: str | None = None
     #: First of 34 TCP ports (tensor groups, echo +32, data port +33); 0 = grpc_port + 1.
     tensor_port: int = 0
     #: Seconds a tensor group may take to form and load.

@@ -302,3 +302,26 @@ def positive_int(value: Any) -> int:
 
 def positive_duration(value: Any) -> float:
     return checked(parse_duration, lambda s: s > 0, "a positive number of seconds")(value)
+
+
+# A plan's layout as the planner writes it: "0-3@a | 4-7@b+c" (stages by first-last layer, their nodes).
+Layout = tuple[tuple[tuple[str, ...], int, int], ...]
+
+
+def layout_units(text: str) -> Layout:
+    """``"0-3@a | 4-7@b+c"`` as ((("a",), 0, 4), (("b", "c"), 4, 8)): each stage's nodes and its
+    layers [start, end). ValueError where the text is not such a layout."""
+    out = []
+    for part in text.split("|"):
+        span, at, members = part.strip().partition("@")
+        first, dash, last = span.partition("-")
+        ids = tuple(m.strip() for m in members.split("+"))
+        if not (at and dash and first.strip().isdigit() and last.strip().isdigit() and all(ids)):
+            raise ValueError(f"expected stages as 'FIRST-LAST@NODE[+NODE...]' joined by ' | ', got {text!r}")
+        out.append((ids, int(first), int(last) + 1))
+    return tuple(out)
+
+
+def plan_layout(value: Any) -> str:
+    """A layout (:func:`layout_units`) in the planner's own spelling."""
+    return " | ".join(f"{s}-{e - 1}@{'+'.join(ids)}" for ids, s, e in layout_units(as_text(value)))

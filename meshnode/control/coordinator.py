@@ -15,11 +15,13 @@ from meshnode.control.adoption import describe
 from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
 from meshnode.control.settings import PlanSettings
+from meshnode.logonce import Once
 from meshnode.nodeinfo import NodeInfo, speed_note
 from meshnode.planner import LinkSpec, NodeSpec, Plan, PlanError
 from meshnode.planner import estimate as plan_estimate
 from meshnode.planner import plan as make_plan
 from meshnode.planner.context import plan_longest_context
+from meshnode.planner.pinned import pinned_plan
 from meshnode.planner.plans import UNLOADED
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.weights.holdings import layers_of
@@ -101,6 +103,30 @@ def squeezed(plan: Plan, alive: dict[str, NodeInfo], used: dict[str, int]) -> li
 def slow_notes(alive: dict[str, NodeInfo]) -> str:
     """The nodes planned slower than they measured, said as ``meshnode status`` says them."""
     return "; ".join(speed_note(n, i.slowdown, i.slow_since) for n, i in sorted(alive.items()) if i.slowdown > 1)
+
+
+_PIN_REFUSED = Once()  # (layout, why) pairs logged: a coordinator weighs its plan every tick
+
+
+def pinned_by_setting(
+    served: Any, s: PlanSettings, nodes: list[NodeSpec], links: dict[tuple[str, str], LinkSpec]
+) -> Plan | None:
+    """The plan the plan_layout setting pins, or None (unset, or impossible now: said once)."""
+    if not s.plan_layout:
+        return None
+    layout = s.plan_layout
+    try:
+        return plan_longest_context(
+            lambda ctx: pinned_plan(
+                served.profile, nodes, layout, max_context=ctx, links=links, requests=s.kv_requests, kv_bits=s.kv_bits
+            ),
+            served.profile.trained_context,
+            s.max_context,
+        )
+    except PlanError as exc:
+        if _PIN_REFUSED.first((layout, str(exc))):
+            log.warning("plan_layout %r cannot be used now (%s): planning as usual", layout, exc)
+        return None
 
 
 class Coordinator:
@@ -200,9 +226,10 @@ class Coordinator:
             and current_plan.strategy in ("single", "pipeline")
             and not set(current_plan.node_ids()) <= members
         )
+        pinned = pinned_by_setting(served, s, nodes, links)
         try:
             try:
-                desired = self._longest(
+                desired = pinned or self._longest(
                     nodes, preferred=preferred, strategy=strategy, links=links, held=held, grouped=not resume
                 )
             except PlanError as forced:
@@ -252,7 +279,9 @@ class Coordinator:
                 max_context=current_plan.max_context or desired.max_context,
                 links=links,
             )
-            preferred_now = strategy is not None and desired.strategy == strategy != current_plan.strategy
+            preferred_now = pinned is not None or (
+                strategy is not None and desired.strategy == strategy != current_plan.strategy
+            )
             if layout(desired) == layout(current_plan) or not (
                 preferred_now or pays_to_move(current_plan, current, desired)
             ):

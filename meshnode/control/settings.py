@@ -52,6 +52,7 @@ class PlanSettings:
     """What a model's coordinator reads."""
 
     strategy: StrategySetting
+    plan_layout: str | None
     rebalance_dwell: float
     link_probe_interval: float
     failure_timeout: float
@@ -63,6 +64,7 @@ class PlanSettings:
     def of(cls, s: Settings) -> PlanSettings:
         return cls(
             strategy=s.strategy,
+            plan_layout=s.plan_layout,
             rebalance_dwell=s.rebalance_dwell,
             link_probe_interval=s.link_probe_interval,
             failure_timeout=s.failure_timeout,
