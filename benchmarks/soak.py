@@ -1,11 +1,17 @@
-"""Issue 10 soak: nothing lost while nodes die, freeze, drop off the network and restart.
+"""Issues 10 and 19 soak: nothing lost while nodes die, freeze, drop off the network, restart,
+slow down, sit on a jittery link and have their memory taken back.
 
-Five `meshnode run` processes on namespace hosts serve one model that needs two of them (each
-node's budget holds 60% of it); three clients in their own namespace send requests for the whole
-run, each to a node picked at random, greedy or seeded sampling, streamed or not. Meanwhile one
-fault at a time hits a node picked at random (the coordinator a third of the time): kill -9 and a
-restart 1-4 s later as launchd or systemd would do it, SIGSTOP then SIGCONT, link down then up, a
-partition of two nodes from three then healed, and a restart (SIGTERM, start again).
+Five `meshnode run` processes (``--hosts``) on namespace hosts serve one model that needs two of
+them (each node's budget holds 60% of it): a random-weight llama, or the real SmolLM2-135M
+(``--model smollm2``); three clients in their own namespace send requests for the whole run, each
+to a node picked at random, greedy or seeded sampling, streamed or not. Meanwhile one fault at a
+time hits a node picked at random (the coordinator a third of the time): kill -9 and a restart
+1-4 s later as launchd or systemd would do it, SIGSTOP then SIGCONT, link down then up, a
+partition of two nodes from the rest then healed, a restart (SIGTERM, start again), 10 % of one
+core for 12-20 s (a cgroup CPU quota: its owner's build), a Wi-Fi-like link of 4 +- 4 ms for
+8-15 s (harness/jitter.py), and its memory cgroup limited to what it uses plus 256 MiB for
+5-10 s (a browser taking memory back). Nodes plan around slow nodes and watch their memory here,
+as installed ones do; the last two kinds run where the cgroup controllers exist.
 
 Every request ends as one of:
 - identical: 200 and exactly the text of the reference (mlx_lm.generate for greedy requests; the
@@ -18,7 +24,8 @@ Every request ends as one of:
   event, or a wrong text), hung (no answer within 120 s), HTTP 500.
 Lost, hung and 500 must be 0; the script exits 1 otherwise.
 
-    sudo .venv/bin/python -m benchmarks.soak [--minutes 60] [--seed 1] [--out benchmarks/results]
+    sudo .venv/bin/python -m benchmarks.soak [--minutes 60] [--seed 1] [--hosts 6] [--model smollm2]
+                                             [--out benchmarks/results]
 
 tests/test_soak.py runs it for 5 minutes in CI.
 """
@@ -37,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness import cpulimit, memlimit  # noqa: E402
 from harness.cluster import HTTP, Cluster, mlx_reference  # noqa: E402
 from harness.netns import netns_mesh  # noqa: E402
 from meshnode.model.build import build_model  # noqa: E402
@@ -49,6 +57,18 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about the sea and the r
 MAX_TOKENS = 24
 SEEDS = (7, 20261125)  # the seeded-sampling requests
 TIMEOUT = 120.0  # a request with no answer by then is hung
+MIB = 2**20
+SLOW = 0.1  # of one core, while a slowdown lasts
+WIFI = (4.0, 4.0)  # ms each way, and its jitter, while a jitter fault lasts
+HEADROOM = 256 * MIB  # what a squeezed node may still allocate: under its margin
+# Slow-node planning and the memory watch on, with dwells short enough for a fault to reach them.
+ENV = {
+    "MESHNODE_SLOW_FACTOR": "3",
+    "MESHNODE_SLOW_DWELL": "5",
+    "MESHNODE_MEMORY_MARGIN": str(384 * MIB),
+    "MESHNODE_MEMORY_DWELL": "5",
+}
+KINDS = ("kill", "freeze", "link", "partition", "restart", "slow", "jitter", "squeeze")
 
 # One client: requests until the deadline, each to a random node; one JSON line per request:
 # {"t0", "t1", "node", "kind", "stream", "outcome", "detail", "text"}.
@@ -98,18 +118,41 @@ while time.time() < until:
 """
 
 
+def soak_model(name: str, tmp: Path) -> Path:
+    """The model folder: a random-weight llama, or SmolLM2-135M converted as a node converts it."""
+    if name == "smollm2":
+        from tests.realmodel import converted, fetch_smollm2
+
+        return converted(fetch_smollm2(), Path.home() / ".cache" / "meshnode" / "soak")[1]
+    return build_model(
+        tmp / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256, dtype="float32", seed=3
+    )
+
+
+def fault_kinds() -> tuple[str, ...]:
+    """The kinds this machine can inject: CPU quotas and memory limits need their cgroup controllers."""
+    missing = {"slow": cpulimit.available(), "squeeze": memlimit.available()}
+    return tuple(k for k in KINDS if missing.get(k) is None)
+
+
 class Soak:
-    def __init__(self, mesh, tmp: Path, rng: random.Random):
+    def __init__(self, mesh, tmp: Path, rng: random.Random, model: str = "llama"):
         self.mesh, self.tmp, self.rng = mesh, tmp, rng
-        self.model = build_model(
-            tmp / "llama", "llama", num_layers=8, hidden_size=128, intermediate_size=256, dtype="float32", seed=3
-        )
+        self.model = soak_model(model, tmp)
         seed = tmp / "seed"
         seed.mkdir()
         seed_figures(self.model, profile_model(self.model).num_layers, seed, rounds=1)
         self.budget = int(profile_model(self.model).total_bytes(512) * 0.6)
-        self.cluster = Cluster(mesh, self.model, tmp, [self.budget] * HOSTS, seed=seed)
+        for h in mesh.hosts:  # a node reads its own memory cgroup's limit, as on a real machine
+            h.machine_sysfs = True
+        self.cluster = Cluster(mesh, self.model, tmp, seed=seed)
+        for h in self.cluster.hosts:
+            self.start(h)
+        self.kinds = fault_kinds()
         self.faults: list[dict] = []  # {"kind", "node", "t0", "t1"}
+
+    def start(self, host) -> None:
+        self.cluster.start(host, self.budget, env=ENV)
 
     def converge(self, timeout: float = 90) -> dict:
         hosts = self.cluster.hosts
@@ -172,7 +215,7 @@ class Soak:
     def fault(self) -> None:
         """One fault on one node (the coordinator a third of the time), undone after a while."""
         rng, cluster, mesh = self.rng, self.cluster, self.mesh
-        kind = rng.choice(["kill", "freeze", "link", "partition", "restart"])
+        kind = rng.choice(self.kinds)
         coordinator = self.coordinator() if rng.random() < 1 / 3 else None
         victim = cluster.host(coordinator) if coordinator else rng.choice(cluster.hosts)
         record = {"kind": kind, "node": victim.name, "t0": time.time()}
@@ -180,12 +223,26 @@ class Soak:
         if kind == "kill":
             mesh.kill(cluster.procs[victim.name])
             time.sleep(hold)
-            cluster.start(victim, self.budget)  # the service manager restarts it
+            self.start(victim)  # the service manager restarts it
             record["listening"] = self.listening(victim)
         elif kind == "restart":
             mesh.stop(cluster.procs[victim.name])
-            cluster.start(victim, self.budget)
+            self.start(victim)
             record["listening"] = self.listening(victim)
+        elif kind == "slow":
+            with cpulimit.cpu_limited(cluster.procs[victim.name].pid, SLOW):
+                time.sleep(rng.uniform(12, 20))
+        elif kind == "jitter":
+            mesh.delay(victim, *WIFI)
+            time.sleep(rng.uniform(8, 15))
+            mesh.undelay(victim)
+        elif kind == "squeeze":
+            proc = cluster.procs[victim.name]
+            with memlimit.memory_cgroup(proc.pid) as cgroup:
+                cgroup.squeeze(HEADROOM)
+                time.sleep(rng.uniform(5, 10))
+                record["oom_kills"] = cgroup.oom_kills()
+                cgroup.lift()
         elif kind == "freeze":
             mesh.freeze(cluster.procs[victim.name])
             time.sleep(hold)
@@ -239,6 +296,7 @@ def classify(results: list[dict], refs: dict[str, str], soak: Soak) -> dict:
         "lost": 0,
         "hung": 0,
         "http_500": 0,
+        "oom_kills": sum(f.get("oom_kills", 0) for f in soak.faults),
     }
     bad = []
     for r in results:
@@ -263,17 +321,17 @@ def classify(results: list[dict], refs: dict[str, str], soak: Soak) -> dict:
     return {**counts, "bad": bad[:10]}
 
 
-def soak(minutes: float, seed: int, log=print) -> dict:
+def soak(minutes: float, seed: int, log=print, *, hosts: int = HOSTS, model: str = "llama") -> dict:
     """Run the soak; its report (counts, faults, the first bad requests)."""
     rng = random.Random(seed)
     seconds = minutes * 60
-    with tempfile.TemporaryDirectory(prefix="meshnode-soak-") as tmp, netns_mesh(HOSTS, "soak") as mesh:
-        run = Soak(mesh, Path(tmp), rng)
-        start_view = run.converge()
+    with tempfile.TemporaryDirectory(prefix="meshnode-soak-") as tmp, netns_mesh(hosts, "soak") as mesh:
+        run = Soak(mesh, Path(tmp), rng, model)
+        start_view = run.converge(180)
         refs = run.references()
         log(
-            f"{HOSTS} hosts, plan {[s['nodes'] for s in start_view['plan']['stages']]}, {CLIENTS} clients, "
-            f"{minutes:g} min, seed {seed}"
+            f"{hosts} hosts, {run.model.name}, plan {[s['nodes'] for s in start_view['plan']['stages']]}, "
+            f"{CLIENTS} clients, {minutes:g} min, seed {seed}, faults {', '.join(run.kinds)}"
         )
         started = time.time()
         clients = run.clients(seconds)
@@ -290,20 +348,20 @@ def soak(minutes: float, seed: int, log=print) -> dict:
             results += [json.loads(line) for line in out.splitlines() if line.strip()]
             if c.returncode:
                 log(err[-2000:])
-        final = run.converge()
+        final = run.converge(180)
         report = classify(results, refs, run)
         report.update(
             minutes=minutes,
             seed=seed,
+            hosts=hosts,
+            model=run.model.name,
             faults=len(run.faults),
-            fault_kinds={
-                k: sum(f["kind"] == k for f in run.faults) for k in ("kill", "freeze", "link", "partition", "restart")
-            },
+            fault_kinds={k: sum(f["kind"] == k for f in run.faults) for k in KINDS},
             epochs=[start_view["epoch"], final["epoch"]],
         )
         line = ", ".join(
             f"{k} {report[k]}"
-            for k in ("requests", "identical", "explicit_503", "node_down", "lost", "hung", "http_500")
+            for k in ("requests", "identical", "explicit_503", "node_down", "lost", "hung", "http_500", "oom_kills")
         )
         log(f"soak: {line}; {report['faults']} faults {report['fault_kinds']}; epochs {report['epochs']}")
         for r in report["bad"]:
@@ -317,15 +375,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hosts", type=int, default=HOSTS)
+    ap.add_argument("--model", choices=("llama", "smollm2"), default="llama", help="random weights, or the real model")
     ap.add_argument("--out", type=Path, default=None, help="write soak.json here")
     args = ap.parse_args()
-    report = soak(args.minutes, args.seed, log=lambda line: print(line, flush=True))
+    report = soak(args.minutes, args.seed, log=lambda line: print(line, flush=True), hosts=args.hosts, model=args.model)
     if report.get("logs"):
         print(report["logs"])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "soak.json").write_text(json.dumps(report, indent=1))
-    return 0 if report["lost"] == report["hung"] == report["http_500"] == 0 and report["identical"] > 0 else 1
+    clean = report["lost"] == report["hung"] == report["http_500"] == report["oom_kills"] == 0
+    return 0 if clean and report["identical"] > 0 else 1
 
 
 if __name__ == "__main__":
