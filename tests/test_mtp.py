@@ -82,6 +82,18 @@ def test_qwen_layout_file_and_folder(tmp_path: Path):
     _same_logits(load_mtp(folder, model), head)
 
 
+def test_qwen_checkpoints_zero_centered_norms_are_shifted_back(tmp_path: Path):
+    model = _backbone()
+    head = _head(model)
+    save_qwen(head, tmp_path / "plain.safetensors")
+    plain = mx.load(str(tmp_path / "plain.safetensors"))
+    stored = {k: v - 1.0 if "norm" in k else v for k, v in plain.items()}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), stored)
+    (tmp_path / "plain.safetensors").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(CFG | {"model_type": "qwen3_next"}))
+    _same_logits(load_mtp(tmp_path, model), head)
+
+
 def test_deepseek_layout_with_its_own_embedding_and_head(tmp_path: Path):
     model = _backbone()
     head = _head(model, own_embed=True, own_head=True)

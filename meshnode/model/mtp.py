@@ -8,7 +8,9 @@ its own output it drafts k tokens. Layouts on disk: ``meshnode.weights.mtp_layou
 
 The cache holds one entry per position: entries built from the backbone's hidden states are true,
 those a draft chains on its own guesses are not, and ``settle`` cuts them off once the backbone has
-verified (the next ``draft`` feeds the verified positions' hidden states first).
+verified (the next ``draft`` feeds the verified positions' hidden states first). A decode loop:
+``extend`` the prompt's positions but the last; each round ``draft(hidden states of the positions
+not yet fed, the token after each, k)``, verify the guesses in one pass, ``settle()``.
 """
 
 from __future__ import annotations

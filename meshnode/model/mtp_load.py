@@ -75,11 +75,16 @@ def _config(source: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def from_qwen(weights: Mapping[str, mx.array], args: Any, shared: Shared | None, layer: int = 0) -> MTPHead:
-    """The head in Qwen3-Next / Qwen3.5 ``mtp.*`` tensors (layer ``layer`` of ``mtp.layers``)."""
+def from_qwen(
+    weights: Mapping[str, mx.array], args: Any, shared: Shared | None, layer: int = 0, *, zero_centered: bool = False
+) -> MTPHead:
+    """The head in Qwen3-Next / Qwen3.5 ``mtp.*`` tensors (layer ``layer`` of ``mtp.layers``);
+    ``zero_centered``: the checkpoint stores norms as w - 1, as those families' checkpoints do."""
     mine = {n: w for k, w in weights.items() if (n := mtp_layout.qwen_name(k, layer)) is not None}
     if not mine:
         raise NoMTPHead("no mtp.* tensors")
+    if zero_centered:
+        mine = {n: w + 1.0 if n.endswith("norm.weight") else w for n, w in mine.items()}
     return build_head(mine, args, shared, "mtp.*")
 
 
@@ -105,7 +110,8 @@ def load_safetensors(source: Path, backbone: nn.Module | None, *, args: Any = No
     shared = shared_from(backbone) if backbone is not None else None
     kind = mtp_layout.detect(weights, config)
     if kind == mtp_layout.QWEN:
-        return from_qwen(weights, args, shared, layer)
+        centered = config.get("model_type") in mtp_layout.ZERO_CENTERED_NORMS
+        return from_qwen(weights, args, shared, layer, zero_centered=centered)
     if kind == mtp_layout.DEEPSEEK:
         return from_deepseek(weights, config, args, shared, layer)
     raise NoMTPHead(f"{source}: no MTP head (no mtp.* tensors, no layers past num_hidden_layers)")

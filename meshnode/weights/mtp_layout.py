@@ -56,6 +56,8 @@ GGUF_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Families whose checkpoints store RMSNorm weights as w - 1 (the model computes x * (1 + w)).
+ZERO_CENTERED_NORMS = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # The parts of a quantized weight beside it (mlx-lm's affine quantization).
 _PARTS = ("weight", "scales", "biases", "bias")
 
