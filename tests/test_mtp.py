@@ -94,7 +94,8 @@ def test_qwen_checkpoints_zero_centered_norms_are_shifted_back(tmp_path: Path):
     _same_logits(load_mtp(tmp_path, model), head)
 
 
-def test_deepseek_layout_with_its_own_embedding_and_head(tmp_path: Path):
+@pytest.mark.parametrize("base,nested", [("model.layers", False), ("model.language_model.layers", True)])
+def test_deepseek_layout_with_its_own_embedding_and_head(tmp_path: Path, base: str, nested: bool):
     model = _backbone()
     head = _head(model, own_embed=True, own_head=True)
     n = CFG["num_hidden_layers"]
@@ -103,9 +104,10 @@ def test_deepseek_layout_with_its_own_embedding_and_head(tmp_path: Path):
     weights = dict(tree_flatten(model.parameters()))
     for name, a in tree_flatten(head.parameters()):
         module, _, rest = name.partition(".")
-        weights[f"model.layers.{n}." + (rest if module == "block" else f"{ours[module]}.{rest}")] = a
+        weights[f"{base}.{n}." + (rest if module == "block" else f"{ours[module]}.{rest}")] = a
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
-    (tmp_path / "config.json").write_text(json.dumps(CFG | {"num_nextn_predict_layers": 1}))
+    config = CFG | {"num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": config} if nested else config))
     loaded = load_mtp(tmp_path, None, args=model.args)
     assert "embed" in loaded and "head" in loaded and loaded.shared is None
     _same_logits(loaded, head)

@@ -105,7 +105,7 @@ def from_deepseek(
 def load_safetensors(source: Path, backbone: nn.Module | None, *, args: Any = None, layer: int = 0) -> MTPHead:
     """The head in a model folder or a safetensors file (Qwen3.5 or DeepSeek layout, told apart
     by names; DeepSeek needs config.json's ``num_nextn_predict_layers``)."""
-    weights, config = _safetensors(source), _config(source)
+    weights, config = _safetensors(source), dict(mtp_layout.text_config(_config(source)))
     args = args if args is not None else backbone.args  # type: ignore[union-attr]
     shared = shared_from(backbone) if backbone is not None else None
     kind = mtp_layout.detect(weights, config)

@@ -79,8 +79,12 @@ def qwen_name(name: str, layer: int = 0) -> str | None:
 
 def deepseek_name(name: str, num_hidden_layers: int, layer: int = 0) -> str | None:
     """The head's name for a DeepSeek-V3 checkpoint tensor (None: not MTP layer ``layer``)."""
-    prefix = f"model.layers.{num_hidden_layers + layer}."
-    if not name.startswith(prefix):
+    index = num_hidden_layers + layer
+    # multimodal checkpoints keep the text model under model.language_model
+    prefix = next(
+        (p for p in (f"model.layers.{index}.", f"model.language_model.layers.{index}.") if name.startswith(p)), None
+    )
+    if prefix is None:
         return None
     rest = name[len(prefix) :]
     module, _, part = rest.rpartition(".")
@@ -114,10 +118,17 @@ def detect(names: Iterable[str], config: Mapping[str, object]) -> str | None:
         return QWEN
     if any(".nextn." in n for n in names):
         return GGUF
+    config = text_config(config)
     extra = int(str(config.get("num_nextn_predict_layers") or 0))
-    if extra and any(n.startswith(f"model.layers.{config.get('num_hidden_layers')}.") for n in names):
+    if extra and any(deepseek_name(n, int(str(config.get("num_hidden_layers") or 0))) for n in names):
         return DEEPSEEK
     return None
+
+
+def text_config(config: Mapping[str, object]) -> Mapping[str, object]:
+    """The text model's part of a config.json (multimodal checkpoints nest it as ``text_config``)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, Mapping) else config
 
 
 @dataclass(frozen=True)
