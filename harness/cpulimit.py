@@ -40,20 +40,21 @@ def remove_group(group: Path, root: Path) -> None:
 
 
 @contextlib.contextmanager
-def cpu_limited(pid: int, fraction: float):
-    """While open, process ``pid`` (all its threads) gets at most ``fraction`` of one core; yields
-    a function returning how many CFS periods throttled it so far."""
+def cpu_limited(pid: int, fraction: float, period_us: int = PERIOD_US):
+    """While open, process ``pid`` (all its threads, and the children it starts) gets at most
+    ``fraction`` of one core in each ``period_us`` (a shorter period: shorter stalls when it is
+    throttled); yields a function returning how many CFS periods throttled it so far."""
     v1 = (V1 / "cpu.cfs_quota_us").exists()
     root = V1 if v1 else V2
     group = root / f"mn-test-{os.getpid()}-{secrets.token_hex(3)}"
     group.mkdir()
     try:
-        quota = max(1000, int(PERIOD_US * fraction))
+        quota = max(1000, int(period_us * fraction))
         if v1:
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_period_us").write_text(str(period_us))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (group / "cpu.max").write_text(f"{quota} {period_us}")
         (group / "cgroup.procs").write_text(str(pid))
 
         def throttled() -> int:
