@@ -74,14 +74,16 @@ ENV = {
     "MESHNODE_LINK_PROBE_INTERVAL": str(PROBE_S),
     "MESHNODE_REBALANCE_DWELL": "3",
 }
-# Prints [time, text] for each content event of a streamed answer.
+# Prints [time, text] for each content event of a streamed answer, ["error", what] for an error event.
 STREAM = (
     "import json,sys,time,urllib.request\n"
     "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),headers={'Content-Type':'application/json'})\n"
     "for line in urllib.request.urlopen(req,timeout=300):\n"
     "  line=line.strip()\n"
     "  if not line.startswith(b'data: {'): continue\n"
-    "  for c in json.loads(line[6:]).get('choices',()):\n"
+    "  event=json.loads(line[6:])\n"
+    "  if 'error' in event: print(json.dumps(['error',event['error']]),flush=True)\n"
+    "  for c in event.get('choices',()):\n"
     "    t=(c.get('delta') or {}).get('content')\n"
     "    if t: print(json.dumps([time.time(),t]),flush=True)\n"
 )
@@ -152,6 +154,8 @@ def stream(lab_: Lab, entry, tokens: int) -> tuple[list[float], str]:
     cmd = [sys.executable, "-c", STREAM, f"http://{entry.ip}:{HTTP}/v1/chat/completions", body]
     out = subprocess.run(lab_.cluster.client.exec_args(cmd), capture_output=True, text=True, timeout=300, check=True)
     events = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    if errors := [what for t, what in events if t == "error"]:
+        raise AssertionError(f"the stream ended in an error: {errors}")
     return [t for t, _ in events], "".join(text for _, text in events)
 
 
