@@ -972,3 +972,24 @@ def test_a_plan_to_resume_on_forms_no_tensor_group():
     assert plan(p, nodes, max_context=1024, links=links).strategy == "tensor"
     resumed = plan(p, nodes, max_context=1024, links=links, grouped=False)
     assert resumed.strategy in ("single", "pipeline")
+
+
+def test_beyond_the_exact_search_a_wired_pair_beats_the_biggest_nodes_on_wifi():
+    """Ten machines, the model on any two of the four big ones: the biggest and the fastest is on
+    Wi-Fi (6 ms round trips), the other three are wired. Past the exact search the planner still
+    weighs every pair, so it serves two wired nodes, not the first two by budget or by speed."""
+    p = shaped(n=8)
+    need = p.total_bytes(1024)
+    wired = LinkSpec(rtt_s=300e-6, bandwidth_Bps=100e6)
+    wifi = LinkSpec(rtt_s=6e-3, bandwidth_Bps=20e6, jitter_s=3e-3)
+    big = [NodeSpec("wifi", need, layer_seconds=1.0e-3)] + [
+        NodeSpec(f"wired{i}", need * 6 // 10, layer_seconds=1.1e-3) for i in range(3)
+    ]
+    small = [NodeSpec(f"small{i}", need // 10, layer_seconds=1.2e-3) for i in range(6)]
+    nodes = big + small
+    links = {
+        (a.node_id, b.node_id): wifi if "wifi" in (a.node_id, b.node_id) else wired
+        for a, b in itertools.combinations(nodes, 2)
+    }
+    chosen = plan(p, nodes, max_context=1024, strategy="pipeline", links=links)
+    assert "wifi" not in chosen.node_ids() and len(chosen.node_ids()) == 2, chosen.stages

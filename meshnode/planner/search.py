@@ -4,6 +4,7 @@ its alternatives."""
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -36,7 +37,7 @@ from meshnode.planner.plans import (
 from meshnode.weights.kvquant import KV_GROUP_SIZE
 from meshnode.weights.profile import ModelProfile
 
-EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; a few natural ones beyond
+EXACT_SUBSET_NODES = 5  # every subset (pipelines, tensor groups) up to here; every pair and a few natural ones beyond
 EXACT_GROUP_NODES = 4  # every partition into groups (hybrid) up to here; chunked orders beyond
 _TIE = 1e-9  # estimates this close (relative) are equal: the earlier candidate wins
 
@@ -96,8 +97,10 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by
     if "pipeline" in allowed and N >= 2 and n >= 2:
         if N <= EXACT_SUBSET_NODES:
             subsets = [c for k in range(2, min(N, n) + 1) for c in itertools.combinations(ids, k)]
-        else:
-            subsets = [tuple(base[:k]) for k in range(2, min(N, n) + 1) for base in (ids, by_speed)]
+        else:  # every pair, and the first k by budget, by speed and by their links
+            by_link = sorted(ids, key=lambda i: (statistics.median(cx.hop(i, j)[0] for j in ids if j != i), i))
+            subsets = list(itertools.combinations(ids, 2))
+            subsets += [tuple(base[:k]) for k in range(3, min(N, n) + 1) for base in (ids, by_speed, by_link)]
         split_need = cx.costs.stage(0, n) + cx.costs.tied
         for subset in subsets:
             members = [cx.by_id[i] for i in subset]
