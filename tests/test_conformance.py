@@ -1,10 +1,11 @@
-"""The openai and anthropic SDKs' own resource tests (tests/conformance.py) against one node serving
-the real model (tests/realmodel.py): every case of the routes meshnode serves passes, but those
-tests/conformance_excluded.toml names with their reasons; and the same through 2 pipeline stages on
-namespace hosts, the suite run from the client host.
+"""The openai and anthropic SDKs' own resource tests and llama.cpp's server tests (tests/conformance.py)
+against one node serving the real model (tests/realmodel.py): every case of the routes meshnode
+serves passes, but those tests/conformance_excluded.toml names with their reasons; and the same
+through 2 pipeline stages on namespace hosts, the suite run from the client host.
 
 The node caps max_tokens at 4: the generated tests check only an answer's shape, and leave
-max_tokens unset or ask for 1,024 tokens.
+max_tokens unset or ask for 1,024 tokens; llama.cpp's cases that count the tokens of an answer
+check stories260K's text too, and are left out.
 """
 
 from __future__ import annotations
