@@ -491,12 +491,7 @@ def _enumerate_for(
     at1 = CostModel(profile, nodes, max_context, links, 1.0, fast_rtt_s)
     ranked = sorted(nodes, key=lambda x: (-x.memory_budget, x.node_id))
     ids = [x.node_id for x in nodes]
-    by_memory = None
-    if allowed & {"single", "pipeline"}:
-        by_memory = memory_plan(profile, at0.costs, ranked, ids, max_context, None, {})
-    out = []
-    for c in _enumerate(at0, ranked, allowed, by_memory):
-        if c.strategy in allowed:
-            a = at0.estimate(c.units)
-            out.append((a, at1.estimate(c.units) - a))
-    return out
+    piped = allowed & {"single", "pipeline"}
+    by_memory = memory_plan(profile, at0.costs, ranked, ids, max_context, None, {}) if piped else None
+    estimates = [(at0.estimate(c.units), c) for c in _enumerate(at0, ranked, allowed, by_memory)]
+    return [(a, at1.estimate(c.units) - a) for a, c in estimates if c.strategy in allowed]
