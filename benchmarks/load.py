@@ -298,7 +298,8 @@ def main() -> int:
     exe = aiperf_exe()
     work = Path(tempfile.mkdtemp(prefix="load-"))
     gguf = fetch_smollm2()
-    model_id, model_dir = converted(gguf, work / "models")
+    # converted once, under the cache, so that a run leaves only aiperf's exports in ``work``
+    model_id, model_dir = converted(gguf, Path.home() / ".cache" / "meshnode" / "bench" / "load")
     args.eos = sorted(load_tokenizer(model_dir).eos_token_ids)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     header = [
