@@ -31,6 +31,7 @@ The tree (module, and the builtin kept as a base where callers catch it); each s
     * DiskSpaceError - not enough free disk for a transfer, found before it starts: free some
   * ItemFailed (weights.download) - one piece from one peer failed: asked of another peer
   * UnsupportedGGUF (weights.gguf_tensors, ValueError) - a GGUF this node cannot serve: never will
+  * NoMTPHead (model.mtp_load, ValueError) - the model's files hold no MTP head: draft another way
   * ModelNotFound (weights.modelsource, RuntimeError) - no such model folder or Hub id: fix the name
   * _StageOutput (model.shard), _Refused (trust.auth) - control flow, caught in their own modules
 

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from meshnode.errors import MeshnodeError
 from meshnode.model.mtp import MTPHead, Shared, shared_from
 from meshnode.weights import mtp_layout
 from meshnode.weights.gguf_config import metadata
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 POOR_BITS = 4
 
 
-class NoMTPHead(ValueError):
+class NoMTPHead(MeshnodeError, ValueError):
     """The files hold no MTP head (the message says where it looked)."""
 
 
