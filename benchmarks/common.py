@@ -213,16 +213,14 @@ MESH_HTTP, MESH_GRPC = 8470, 8471
 
 
 @contextlib.contextmanager
-def mlx_lm_server(model: Path):
-    """One ``mlx_lm.server`` process on loopback serving ``model`` (the baseline); yields its base URL."""
+def mlx_lm_server(model: Path, launch: tuple[str, ...] = ("-m", "mlx_lm.server")):
+    """One ``mlx_lm.server`` process on loopback serving ``model`` (the baseline); yields its base URL.
+    ``launch``: what follows the interpreter to start it (``-c`` code that loads a node's BLAS first)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
-            stdout=open(Path(tmp) / "server.log", "wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        argv = [sys.executable, *launch, "--model", str(model), "--port", str(port)]
+        with open(Path(tmp) / "server.log", "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", 300)
             yield f"http://127.0.0.1:{port}"

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.common import free_port, local_node, mlx_device, stop, two_stage_mesh, wait_healthy
+from benchmarks.common import local_node, mlx_device, mlx_lm_server, two_stage_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF = "aiperf==0.13.0"
@@ -163,21 +163,6 @@ def summarize(export: dict, tokens: int) -> dict:
 
 
 @contextlib.contextmanager
-def mlx_lm_server(model: Path) -> Iterator[str]:
-    """``mlx_lm.server`` on loopback serving ``model``, with a node's BLAS; yields its base URL."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-c", MLX_LM_SERVER, "--model", str(model), "--port", str(port)]
-        with open(Path(tmp) / "server.log", "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", 300)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            stop(proc)
-
-
-@contextlib.contextmanager
 def servers_up(names: list[str], model_dir: Path, model_id: str, args) -> Iterator[dict]:
     """The servers in ``names``, all started (an idle one takes next to no CPU) and stopped after;
     yields name -> (aiperf's host, None for here; base URL; the model name a request gives)."""
@@ -189,7 +174,7 @@ def servers_up(names: list[str], model_dir: Path, model_id: str, args) -> Iterat
         for name in names:
             if name == "mlx_lm.server":
                 # any other name mlx_lm.server loads as a path or a hub repository
-                up[name] = (None, stack.enter_context(mlx_lm_server(model_dir)), "default_model")
+                up[name] = (None, stack.enter_context(mlx_lm_server(model_dir, ("-c", MLX_LM_SERVER))), "default_model")
             elif name == "one node":
                 up[name] = (None, stack.enter_context(local_node(model_dir, context, env=env)), model_id)
             else:
