@@ -321,6 +321,29 @@ def test_embedding_and_head_weigh_on_the_end_stages():
         plan(p, [NodeSpec("a", 700), NodeSpec("b", 701)], max_context=1)
 
 
+def test_an_mtp_head_and_its_embedding_copy_weigh_on_the_last_stage():
+    plain = profile([100] * 10, embed=400, head=400, norm=0, kv=0)
+    p = dataclasses.replace(plain, mtp_bytes=150, mtp_embed_bytes=400)
+    # one node holds the embedding already: the head alone is added
+    assert p.total_bytes(1) == plain.total_bytes(1) + 150 == 1950
+    # split, the last stage also needs the embedding for the head: 1000 + 400 + 400 + 150 + 400
+    with pytest.raises(PlanError, match=r"needs 2\.3 KiB .*embedding, for its MTP head.*short by 302 B"):
+        plan(p, [NodeSpec("a", 1000), NodeSpec("b", 1048)], max_context=1)
+    assert [s.bytes for s in plan(plain, [NodeSpec("a", 1000), NodeSpec("b", 1048)], max_context=1).stages] == [
+        900,
+        900,
+    ]
+    # a holds 6 layers at most; b's 4, the head 400, the MTP head 150 and the embedding copy 400: 1350
+    result = plan(p, [NodeSpec("a", 1000), NodeSpec("b", 1350)], max_context=1)
+    assert [(s.nodes[0], s.num_layers, s.bytes) for s in result.stages] == [("a", 6, 1000), ("b", 4, 1350)]
+    with pytest.raises(PlanError):
+        plan(p, [NodeSpec("a", 1000), NodeSpec("b", 1349)], max_context=1)
+    # tied: the last stage's embedding serves the head too
+    tied = dataclasses.replace(profile([100] * 10, embed=400, tied=True, norm=0, kv=0), mtp_bytes=150)
+    assert tied.stage_bytes(5, 10, 1) == 500 + 400 + 150
+    assert p.without_mtp() == plain
+
+
 def test_sliding_windows_cap_the_kv_cache():
     full = profile([100] * 4, embed=0, head=0, norm=0, kv=10)
     windowed = profile([100] * 4, embed=0, head=0, norm=0, kv=10, windows=[8, 8, 8, None])

@@ -305,3 +305,58 @@ def test_kv_bytes_match_mlx_lm_caches(tmp_path, config):
         held.append(keys[..., :n, :].nbytes + values[..., :n, :].nbytes)
     assert held == [p.kv_bytes(i, steps) for i in range(p.num_layers)]
     assert any(held)
+
+
+def _mtp_head(model_dir: Path, *, bits: int = 0, own_embed: bool = False):
+    """A random MTP head for the model in ``model_dir``, quantized to ``bits`` (0: as built)."""
+    from meshnode.model.mtp import MTPHead, shared_from
+
+    model, _ = load_model(model_dir)
+    head = MTPHead(model.args, shared_from(model), own_embed=own_embed)
+    if bits:
+        nn.quantize(head, group_size=32, bits=bits)
+    mx.eval(head.parameters())
+    return head
+
+
+def test_a_qwen_style_mtp_head_is_counted_on_the_last_stage_at_its_stored_precision(tmp_path):
+    from meshnode.model.mtp_load import save_qwen
+
+    cfg = {**BASE, "model_type": "llama", "tie_word_embeddings": False}
+    build(tmp_path / "m", cfg)
+    plain = profile_model(tmp_path / "m")
+    head = _mtp_head(tmp_path / "m", bits=4)
+    own = sum(head.own_bytes().values())
+    assert own < sum(_mtp_head(tmp_path / "m").own_bytes().values())  # 4-bit, counted as stored
+    save_qwen(head, tmp_path / "m" / "model-mtp.safetensors")
+    p = profile_model(tmp_path / "m")
+    # mtp.layers.0.* is no backbone layer, mtp.norm no backbone norm
+    assert (p.layer_bytes, p.norm_bytes, p.embed_bytes) == (plain.layer_bytes, plain.norm_bytes, plain.embed_bytes)
+    assert p.mtp_bytes == own and p.mtp_embed_bytes == p.embed_bytes == 100 * 64 * 4
+    # the head and, where the last stage lacks the embedding, its copy go on the last stage only
+    assert p.stage_bytes(2, 4, 10) == plain.stage_bytes(2, 4, 10) + own + p.embed_bytes
+    assert p.stage_bytes(0, 4, 10) == plain.total_bytes(10) + own
+    assert p.stage_bytes(0, 2, 10) == plain.stage_bytes(0, 2, 10)
+    assert p.without_mtp() == plain and plain.without_mtp() == plain
+    assert ModelProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+@pytest.mark.parametrize("tied,own_embed", [(False, True), (True, False)])
+def test_a_deepseek_style_mtp_layer_is_counted_on_the_last_stage(tmp_path, tied, own_embed):
+    cfg = {**BASE, "model_type": "llama", "tie_word_embeddings": tied, "num_nextn_predict_layers": 1}
+    build(tmp_path / "d", cfg)
+    plain = profile_model(tmp_path / "d")
+    head = _mtp_head(tmp_path / "d", own_embed=own_embed)
+    names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+    names["embed"] = "embed_tokens"
+    extra = {}
+    for name, a in tree_flatten(head.parameters()):
+        module, _, rest = name.partition(".")
+        extra["model.layers.4." + (rest if module == "block" else f"{names[module]}.{rest}")] = a
+    mx.save_safetensors(str(tmp_path / "d" / "model-mtp.safetensors"), extra)
+    p = profile_model(tmp_path / "d")
+    own = sum(head.own_bytes().values())
+    assert p.num_layers == 4 and p.layer_bytes == plain.layer_bytes and p.mtp_bytes == own
+    # a head with its own embedding needs no copy; a tied model's last stage holds the embedding already
+    assert p.mtp_embed_bytes == (0 if own_embed else p.embed_bytes)
+    assert p.stage_bytes(2, 4, 10) == plain.stage_bytes(2, 4, 10) + own

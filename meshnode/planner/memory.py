@@ -22,8 +22,9 @@ class LayerCosts:
         self.n = n = p.num_layers
         self.prefix = [0, *itertools.accumulate(p.layer_bytes[i] + p.kv_bytes(i, max_context) for i in range(n))]
         self.head = p.embed_bytes  # added when start == 0
-        self.tail = p.norm_bytes + p.head_bytes  # added when end == n
-        self.tied = p.embed_bytes if p.tied_embeddings else 0  # added when end == n and start != 0
+        self.tail = p.norm_bytes + p.head_bytes + p.mtp_bytes  # added when end == n
+        # the embedding the last stage needs when it does not start at 0: the tied LM head, or the MTP head's copy
+        self.tied = p.embed_bytes if p.tied_embeddings else p.mtp_embed_bytes  # added when end == n and start != 0
 
     def stage(self, start: int, end: int) -> int:
         total = self.prefix[end] - self.prefix[start]
@@ -330,7 +331,8 @@ def why_not(
         split_need > offered and len(ranked) > 1 and n > 1 and (strategy == "pipeline" or largest.memory_budget < need)
     ):
         reasons.append(
-            f"model needs {human_bytes(split_need)} {context} when split over nodes (its tied embedding "
+            f"model needs {human_bytes(split_need)} {context} when split over nodes (its "
+            f"{'tied embedding' if profile.tied_embeddings else 'embedding, for its MTP head,'} "
             f"is held by the first and the last stage); {offer} {human_bytes(offered)}{together} "
             f"(short by {human_bytes(split_need - offered)})"
         )

@@ -86,7 +86,10 @@ class ModelFiles:
         # What this node serves to peers, and where missing layers come from.
         store = self._store = self._shared_store or ModelStore(peer_models)
         store.add(model_id, path if self.weights_local else cached_metadata(peer_models, model_id) or path)
-        profile = self.profile = await asyncio.to_thread(profile_model, path, model_id)
+        profile = await asyncio.to_thread(profile_model, path, model_id)
+        if not self.settings.placement.may_use_mtp:  # the head's memory is planned only where it may draft
+            profile = profile.without_mtp()
+        self.profile = profile
         self._source = LayerSource(model_id, path, peer_models, store, profile.num_layers)
         # As mlx_lm.load does: the model's own end-of-sequence ids.
         eos = (await asyncio.to_thread(load_config, path)).get("eos_token_id")

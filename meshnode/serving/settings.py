@@ -26,6 +26,11 @@ class PlacementSettings:
     # A test harness's drafter factory replacing the options' own (None: the options').
     drafters: Callable[[DrafterFactory], DrafterFactory] | None = None
 
+    @property
+    def may_use_mtp(self) -> bool:
+        """Whether speculation may draft with a model's MTP head (its memory is then planned)."""
+        return self.speculative not in ("off", "prompt_lookup", "draft_model")
+
     @classmethod
     def of(cls, s: Settings) -> PlacementSettings:
         return cls(

@@ -125,6 +125,31 @@ def detect(names: Iterable[str], config: Mapping[str, object]) -> str | None:
     return None
 
 
+def is_qwen_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a Qwen3.5-style ``mtp.*`` head (no backbone layer)."""
+    return name.removeprefix("model.").startswith("mtp.")
+
+
+def head_tensor_bytes(tensor_bytes: Mapping[str, int], config: Mapping[str, object]) -> dict[str, int]:
+    """MTP layer 0's tensors (the head's names -> bytes, at their stored precision) in a checkpoint's
+    tensors (names -> bytes) and config.json, or what a GGUF conversion recorded of the file's
+    nextn block; {} where the model has no head."""
+    gguf = config.get("gguf")
+    recorded = gguf.get("mtp") if isinstance(gguf, Mapping) else None
+    if isinstance(recorded, Mapping):
+        sizes = recorded.get("bytes")
+        return {str(k): int(str(v)) for k, v in sizes.items()} if isinstance(sizes, Mapping) else {}
+    kind = detect(tensor_bytes, config)
+    if kind == QWEN:
+        named = ((qwen_name(k), b) for k, b in tensor_bytes.items())
+    elif kind == DEEPSEEK:
+        n = int(str(text_config(config).get("num_hidden_layers") or 0))
+        named = ((deepseek_name(k, n), b) for k, b in tensor_bytes.items())
+    else:
+        return {}
+    return {name: b for name, b in named if name is not None}
+
+
 def text_config(config: Mapping[str, object]) -> Mapping[str, object]:
     """The text model's part of a config.json (multimodal checkpoints nest it as ``text_config``)."""
     inner = config.get("text_config")

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from meshnode.weights import mtp_layout
 from meshnode.weights.kvquant import kv_quant_problem, quantized_kv_bytes
 from meshnode.weights.manifest import loaded_weights, manifest_from_dict, read_marker
 from meshnode.weights.splits import config_value, split_boundaries, split_support, text_config
@@ -66,6 +67,11 @@ class ModelProfile:
     weights_note: str = ""
     # The weights' quantization as Ollama names it (Q4_1, Q4_K_M, Q4), "" when they are floats.
     quantization: str = ""
+    # The MTP head's own tensors at their stored precision, on the last stage (0: no head, or
+    # speculation will not draft with it), and the embedding copy it needs where the last stage
+    # holds no embedding (an untied model split over stages).
+    mtp_bytes: int = 0
+    mtp_embed_bytes: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -83,6 +89,10 @@ class ModelProfile:
         if bits and self.kv_quant_problem:
             bits = 0
         return replace(self, kv_bits=int(bits))
+
+    def without_mtp(self) -> ModelProfile:
+        """This profile with no MTP head counted (speculation will not draft with it)."""
+        return replace(self, mtp_bytes=0, mtp_embed_bytes=0)
 
     def kv_token_bytes(self, layer: int) -> int:
         """KV bytes per token of one layer as its cache stores them (0 for a recurrent layer)."""
@@ -111,9 +121,9 @@ class ModelProfile:
         if start == 0:
             total += self.embed_bytes
         if end == self.num_layers:
-            total += self.norm_bytes + self.head_bytes
-            if self.tied_embeddings and start != 0:
-                total += self.embed_bytes
+            total += self.norm_bytes + self.head_bytes + self.mtp_bytes
+            if start != 0:
+                total += self.embed_bytes if self.tied_embeddings else self.mtp_embed_bytes
         return total
 
     def total_bytes(self, max_context: int, requests: int | None = None) -> int:
@@ -122,7 +132,7 @@ class ModelProfile:
 
     def weight_bytes(self) -> int:
         """Bytes of all tensors counted."""
-        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes + self.mtp_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -144,6 +154,8 @@ class ModelProfile:
             "kv_quant_problem",
             "weights_note",
             "quantization",
+            "mtp_bytes",
+            "mtp_embed_bytes",
         }  # newer fields
         missing = known - set(d) - optional
         if missing:
@@ -172,6 +184,8 @@ class ModelProfile:
             "quant_group_size",
             "trained_context",
             "kv_bits",
+            "mtp_bytes",
+            "mtp_embed_bytes",
         ):
             if key in kw:
                 kw[key] = int(kw[key])
@@ -359,7 +373,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     embed = head = other = 0
     for key in sorted(tensors):
         size = tensors[key].bytes
-        if SKIP_KEY.search(key):
+        if SKIP_KEY.search(key) or mtp_layout.is_qwen_tensor(key):
             continue
         m = LAYER_KEY.search(key)
         if m:
@@ -389,6 +403,12 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
             f"{raw_cfg.get('model_type')}: its layers share keys and values in groups, and stages "
             f"may start only at layers {split_boundaries(raw_cfg)}, which the planner does not place yet"
         )
+    mtp = mtp_layout.mtp_footprint(
+        mtp_layout.head_tensor_bytes({k: t.bytes for k, t in tensors.items()}, raw_cfg),
+        embedding_bytes=embed,
+        shares_embedding=False,
+        shares_lm_head=True,
+    )
     return ModelProfile(
         name=name or model_dir.name,
         model_type=str(raw_cfg.get("model_type") or cfg.get("model_type", "")),
@@ -415,6 +435,8 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
         kv_quant_problem=kv_quant_problem(raw_cfg),
         weights_note=str((raw_cfg.get("gguf") or {}).get("weights") or ""),
         quantization=quantization_level(raw_cfg),
+        mtp_bytes=mtp.head_bytes,
+        mtp_embed_bytes=mtp.embedding_bytes if mtp.head_bytes else 0,
     )
 
 
