@@ -245,7 +245,7 @@ class Settings:
     #: Seconds a failed-over generation may wait for a new plan.
     failover_deadline: float = 30.0
     #: Seconds an idle model stays loaded ({"*": s} or per model); 0: until its room is needed.
-    keep_alive: dict = field(default_factory=lambda: {"*": 0.0})
+    keep_alive: dict[str, float] = field(default_factory=lambda: {"*": 0.0})
     #: Seconds a request may wait for its model to load (then 503).
     load_timeout: float = 600.0
     #: Seconds one model step may run before the node reports itself stalled.

@@ -246,7 +246,7 @@ class Node:
         self._http: web.AppRunner | None = None
         self._echo: EchoServer | None = None  # lets peers time the network without the RPC stack
         self._data: DataServer | None = None  # activations in bare TCP frames
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._stopping = threading.Event()  # set by stop(): work in threads ends early
 
     # ------------------------------------------------------------------ what tests and the API read

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from meshnode.identity import VALID_ID  # a node id fits one DNS label
 from meshnode.ids import NodeId
+from meshnode.weights.holdings import Holding
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class NodeInfo:
     layer_seconds: float = 0.0  # measured decode time of one layer of the served model (0 = unknown)
     collective_seconds: float = 0.0  # measured time of one ring all-reduce of an activation (0 = unknown)
     # Models on disk, in full or in part: (model id, complete, layer ranges); heartbeats only, not TXT.
-    holdings: tuple = ()
+    holdings: tuple[Holding, ...] = ()
     # Served models whose computation raised here: (model id, count, last error, MAX_FAULT_TEXT at most);
     # heartbeats only.
     faults: tuple[tuple[str, int, str], ...] = ()

@@ -21,7 +21,7 @@ _path: Path | None = None
 _lock = threading.Lock()
 
 
-def enable(folder: str | os.PathLike) -> None:
+def enable(folder: str | os.PathLike[str]) -> None:
     """Record events of this process into ``folder`` (made if missing)."""
     global _events, _path
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -53,7 +53,7 @@ def flush() -> None:
             del events[:n]
 
 
-def read(folder: str | os.PathLike) -> dict[int, list[tuple[int, str, str]]]:
+def read(folder: str | os.PathLike[str]) -> dict[int, list[tuple[int, str, str]]]:
     """Every process's events in ``folder``: pid -> [(ns, event, thread)] in time order."""
     out: dict[int, list[tuple[int, str, str]]] = {}
     for f in sorted(Path(folder).glob("*.trace")):

@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from meshnode.identity import VALID_ID
 
@@ -282,8 +282,11 @@ def node_id(value: Any) -> str:
     return s
 
 
-def checked(parse: Callable[[Any], Any], check: Callable[[Any], bool], what: str) -> Callable[[Any], Any]:
-    def parse_checked(value: Any) -> Any:
+_T = TypeVar("_T")
+
+
+def checked(parse: Callable[[Any], _T], check: Callable[[_T], bool], what: str) -> Callable[[Any], _T]:
+    def parse_checked(value: Any) -> _T:
         result = parse(value)
         if result is not None and not check(result):
             raise ValueError(f"must be {what}, got {value!r}")

@@ -76,7 +76,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def format_models(mesh: dict) -> str:
+def format_models(mesh: dict[str, Any]) -> str:
     """One line per model of a node's /v1/mesh: its state and where its layers are."""
     lines = []
     for m in mesh.get("models", []):

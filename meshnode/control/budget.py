@@ -73,7 +73,7 @@ async def watch(
             announce(new, old)
 
 
-def start(budget: Budget, peers: Peers, event: Callable[..., None]) -> asyncio.Task:
+def start(budget: Budget, peers: Peers, event: Callable[..., None]) -> asyncio.Task[None]:
     """Watch ``budget`` against what MLX holds here and the machine has free, telling the mesh each
     new offer with the next heartbeats."""
 

@@ -15,6 +15,7 @@ from meshnode.control.adoption import describe
 from meshnode.control.links import ring_address
 from meshnode.control.messages import plan_to_pb
 from meshnode.control.settings import PlanSettings
+from meshnode.ids import NodeId
 from meshnode.logonce import Once
 from meshnode.nodeinfo import NodeInfo, speed_note
 from meshnode.planner import LinkSpec, NodeSpec, Plan, PlanError
@@ -55,7 +56,10 @@ def faulted(alive: dict[str, NodeInfo], model_id: str) -> dict[str, str]:
     return out
 
 
-def layout(plan: Plan) -> list:
+Layout = list[tuple[int, int, tuple[NodeId, ...]]]  # each stage: (start layer, end layer, its nodes)
+
+
+def layout(plan: Plan) -> Layout:
     return [(s.start_layer, s.end_layer, tuple(s.nodes)) for s in plan.stages]
 
 
@@ -151,13 +155,13 @@ class Coordinator:
         # started_at of each plan member: a restarted node comes back empty, so republish.
         self._incarnations: dict[str, float] = {}
         self._planned_at = 0.0
-        self._pending: list | None = None  # a better layout, to confirm at the next weighing
+        self._pending: Layout | None = None  # a better layout, to confirm at the next weighing
         self._forced_note = ""  # why the configured strategy could not be used
         self._excluded: dict[str, str] = {}  # nodes left out for their faults
         # The model fits only if other models' plans make room.
         self.needs_room = False
         self._paces: dict[str, float] = {}  # the slowdowns the last weighing used
-        self._held: list | None = None  # the last layout the mesh stayed put over, said once
+        self._held: Layout | None = None  # the last layout the mesh stayed put over, said once
 
     def coordinate(self, alive: dict[str, NodeInfo]) -> None:
         served, adoption, s = self.adoption.served, self.adoption, self.settings

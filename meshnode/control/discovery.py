@@ -14,8 +14,9 @@ from dataclasses import replace
 from zeroconf import BadTypeInNameException, InterfaceChoice, NonUniqueNameException, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from meshnode.identity import VALID_ID
 from meshnode.logonce import Once
-from meshnode.nodeinfo import VALID_ID, Announcement, NodeInfo, ordered_addresses
+from meshnode.nodeinfo import Announcement, NodeInfo, ordered_addresses
 
 __all__ = ["SERVICE_TYPE", "NodeInfo", "Discovery", "local_addresses"]  # NodeInfo: meshnode.nodeinfo
 
@@ -66,7 +67,7 @@ class Discovery:
         self._info: AsyncServiceInfo | None = None
         self._by_name: dict[str, NodeInfo] = {}  # service name -> node (our cluster, not us)
         self._peers: dict[str, NodeInfo] = {}
-        self._resolving: dict[str, asyncio.Task] = {}
+        self._resolving: dict[str, asyncio.Task[None]] = {}
         self._quiet = Once()  # names logged as foreign or malformed
         self._server = f"{self.me.node_id}.local."
 

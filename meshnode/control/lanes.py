@@ -52,7 +52,7 @@ class Lanes:
         self._offered, self._withdrawn = offered, withdrawn
         self.primary: Lane = make(offered[0], True)  # "" names it on the wire
         self._lanes: dict[str, Lane] = {}
-        self._loading: dict[str, asyncio.Task] = {}
+        self._loading: dict[str, asyncio.Task[None]] = {}
         self._failed: dict[str, float] = {}  # model -> when its metadata failed to load
 
     async def start(self, holders: Holders) -> None:

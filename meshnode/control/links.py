@@ -50,7 +50,7 @@ class LinkStat:
             raise ValueError("link figures out of range")
         return cls(msg.peer, msg.address, msg.rtt_us, msg.jitter_us, msg.bandwidth, msg.measured_at, msg.rpc_rtt_us)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return {
             "peer": self.peer,
             "address": self.address,
@@ -165,10 +165,10 @@ class LinkProber:
 
 def best_paths(
     measured: Iterable[tuple[str, LinkStat]], members: Iterable[str]
-) -> dict[frozenset, tuple[str, LinkStat]]:
+) -> dict[frozenset[str], tuple[str, LinkStat]]:
     """The fastest path between each pair of ``members`` by either end: {frozenset({a, b}): (measurer, stat)}."""
     members = set(members)
-    out: dict[frozenset, tuple[str, LinkStat]] = {}
+    out: dict[frozenset[str], tuple[str, LinkStat]] = {}
     for src, stat in measured:
         if src not in members or stat.peer not in members or src == stat.peer or stat.bandwidth <= 0:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+from typing import Any
 
 from meshnode.ids import NodeId
 from meshnode.nodeinfo import MAX_FAULT_TEXT, NodeInfo
@@ -103,7 +104,7 @@ def plan_to_pb(plan: Plan, coordinator: str) -> mesh_pb2.Plan:
 MAX_ALTERNATIVES_JSON = 64 * 1024
 
 
-def _alternatives_from_json(text: str) -> tuple[dict, ...]:
+def _alternatives_from_json(text: str) -> tuple[dict[str, Any], ...]:
     """The plan's alternatives as a peer sent them: informational, so anything malformed is dropped."""
     if not text or len(text) > MAX_ALTERNATIVES_JSON:
         return ()

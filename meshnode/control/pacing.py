@@ -25,7 +25,7 @@ def start(
     peers: Peers,
     lanes: Iterable[Lane],
     event: Callable[..., None],
-) -> asyncio.Task:
+) -> asyncio.Task[None]:
     """Watch ``pace`` (probing on the MLX thread) and announce each change; ``lanes``: the node's
     served models, whose plans tell whether it holds layers."""
     probe = Probe()

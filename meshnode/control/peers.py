@@ -226,7 +226,7 @@ class Peers:
     def link_specs(self, members: Collection[str]) -> dict[tuple[str, str], LinkSpec]:
         """The planner's links: each pair's fastest path."""
         return {
-            tuple(sorted(pair)): LinkSpec(
+            (min(pair), max(pair)): LinkSpec(
                 rtt_s=stat.rtt_us * 1e-6,
                 bandwidth_Bps=stat.bandwidth,
                 overhead_s=max(stat.rpc_rtt_us - stat.rtt_us, 0.0) * 1e-6,
@@ -235,6 +235,6 @@ class Peers:
             for pair, (_, stat) in best_paths(self.measured(), members).items()
         }
 
-    def links_of(self, node_id: str) -> list[dict]:
+    def links_of(self, node_id: str) -> list[dict[str, object]]:
         stats = self.links.links() if node_id == self.node_id else self.peer_links.get(node_id, ())
         return [link.to_dict() for link in stats]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from meshnode.control.coordinator import Coordinator
     from meshnode.control.lanes import Lane, Lanes
     from meshnode.control.peers import Peers
+    from meshnode.nodeinfo import NodeInfo
     from meshnode.serving.modelfiles import Holders
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class ControlPlane:
         self._since = 0.0
         self._lane_since: dict[str, float] = {}  # when each lane was first loaded (epochs rule 4)
         self._loaded_at: dict[str, float] = {}  # unix time each model's plan was first loaded here
-        self._no_room: dict[str, frozenset] = {}  # models unloaded for want of room -> members then
+        self._no_room: dict[str, frozenset[str]] = {}  # models unloaded for want of room -> members then
 
     @property
     def coordinator_id(self) -> str | None:
@@ -118,7 +119,7 @@ class ControlPlane:
                 lane.served.ensure_applied()
                 retire_previous(lane.served)
 
-    def _coordinate(self, alive: dict, offered: set[str]) -> None:
+    def _coordinate(self, alive: dict[str, NodeInfo], offered: set[str]) -> None:
         """Plan each model into the memory the others leave; load and unload on demand."""
         now, wall = time.monotonic(), time.time()
         lanes = [lane for lane in self.lanes if lane.model_id is not None]

@@ -76,10 +76,10 @@ class Reachability:
             if p.failing_since is not None and now - p.failing_since >= self.grace
         }
 
-    def check(self) -> list[tuple[int, str, dict]]:
+    def check(self) -> list[tuple[int, str, dict[str, object]]]:
         """Log lines due now, as (level, message, event fields)."""
         now = self.clock()
-        out: list[tuple[int, str, dict]] = []
+        out: list[tuple[int, str, dict[str, object]]] = []
         bad = self.unreachable()
         for nid, peer in sorted(bad.items()):
             if peer.reported:
@@ -99,7 +99,7 @@ class Reachability:
                 out.append((logging.INFO, f"peer {nid} answers at {peer.target} again", {"node_id": nid}))
         return out
 
-    def report(self) -> list[dict]:
+    def report(self) -> list[dict[str, object]]:
         """Each unreachable peer for /v1/mesh."""
         now = self.clock()
         return [

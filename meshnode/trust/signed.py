@@ -5,7 +5,7 @@ calls are signed once each, without interceptors' per-call overhead)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import grpc
 
@@ -14,10 +14,16 @@ from meshnode.trust.auth import HEADERS, ClusterAuth, method_name
 __all__ = ["client_interceptors", "SignedChannel"]
 
 
-def _serialize(request: Any) -> bytes:
+class _Message(Protocol):
+    """A protobuf message, as far as signing it goes."""
+
+    def SerializeToString(self) -> bytes: ...
+
+
+def _serialize(request: object) -> bytes:
     if isinstance(request, (bytes, bytearray, memoryview)):
         return bytes(request)
-    return request.SerializeToString()
+    return cast(_Message, request).SerializeToString()  # the generated stubs send protobuf messages
 
 
 class _ClientBase:
