@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import mlx.core as mx
@@ -39,10 +40,12 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     kinds: dict[str, gguf.GGMLQuantizationType] | None = None,
     file_type: gguf.LlamaFileType | None = None,
+    mtp: Any = None,
 ) -> Path:
     """``folder`` (an unquantized float32 mlx-lm model) as a GGUF file at ``out``; 2-D weights whose
     width allows it stored as ``qtype``, or as ``kinds`` names them by GGUF tensor (``token_embd``);
-    ``file_type``: the general.file_type llama.cpp writes."""
+    ``file_type``: the general.file_type llama.cpp writes; ``mtp``: an MTP head (llama only) written
+    as llama.cpp writes one, an extra block counted in block_count with its ``nextn.*`` tensors."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
@@ -56,7 +59,9 @@ def write_gguf(
     names = [k for k, _ in tree_flatten(model_class(args_class.from_dict(cfg)).parameters())]
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     w = gguf.GGUFWriter(str(out), arch)
-    _metadata(w, cfg, arch)
+    _metadata(w, cfg | {"num_hidden_layers": layers + (1 if mtp is not None else 0)}, arch)
+    if mtp is not None:
+        w.add_nextn_predict_layers(1)
     if file_type is not None:
         w.add_file_type(file_type.value)
     _tokenizer(w, folder, cfg)
@@ -80,11 +85,33 @@ def write_gguf(
         if kind != gguf.GGMLQuantizationType.F32:
             data = gguf.quants.quantize(data, kind)
         w.add_tensor(f"{target}.{suffix}", data, raw_dtype=kind)
+    if mtp is not None:
+        _nextn(w, mtp, layers, cfg, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _nextn(w: gguf.GGUFWriter, head: Any, block: int, cfg: dict, qtype: gguf.GGMLQuantizationType) -> None:
+    """A llama MTP head's tensors as block ``block``'s usual ones and its ``nextn.*``."""
+    from mlx.utils import tree_flatten
+
+    from meshnode.weights.mtp_layout import GGUF_BLOCK, NEXTN
+
+    names = {f"block.{v}": f"blk.{block}.{k}" for k, v in GGUF_BLOCK.items()}
+    names |= {v: f"blk.{block}.nextn.{k}" for k, v in NEXTN.items()}
+    for name, a in tree_flatten(head.parameters()):
+        module, _, part = name.rpartition(".")
+        target = names[module]
+        data = np.array(a.astype(mx.float32))
+        if target.endswith(("attn_q", "attn_k")):
+            data = permute(data, cfg["num_attention_heads" if target.endswith("q") else "num_key_value_heads"])
+        kind = qtype if data.ndim == 2 and data.shape[-1] % 32 == 0 else gguf.GGMLQuantizationType.F32
+        if kind != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(data, kind)
+        w.add_tensor(f"{target}.{part}", data, raw_dtype=kind)
 
 
 def _metadata(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:

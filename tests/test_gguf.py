@@ -132,6 +132,36 @@ def test_other_types_are_dequantized_and_quantized_again_at_the_nearest_width(tm
     assert np.all(np.abs(got - want) <= 1.01 * step + 2e-3 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("kind", [Q.F32, Q.Q8_0])
+def test_an_mtp_layer_counted_in_block_count_stays_out_of_the_backbone(tmp_path, kind):
+    from mlx_lm.generate import generate_step
+
+    from meshnode.model.mtp import MTPHead, shared_from
+    from meshnode.model.mtp_load import load_mtp
+    from meshnode.weights.profile import profile_model
+
+    source = _family(tmp_path, "llama")
+    want, _ = load_model(source)
+    head = MTPHead(want.args, shared_from(want))
+    path = write_gguf(source, tmp_path / "mtp.gguf", kind, mtp=head)
+    meta = gguf.GGUFReader(str(path)).fields
+    assert meta["llama.block_count"].contents() == 5 and meta["llama.nextn_predict_layers"].contents() == 1
+    _, folder = resolve_gguf(str(path), tmp_path / "cache")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and config["gguf"]["mtp"]["layers"] == 1
+    assert not [k for k in mx.load(str(folder / "model.safetensors")) if k.startswith("model.layers.4.")]
+    got, _ = load_model(folder)  # strict: every tensor has its place, none is missing
+    if kind == Q.F32:  # the backbone answers as mlx-lm does on the model it came from
+        prompt = mx.array(PROMPT[0])
+        ours = [int(t) for t, _ in generate_step(prompt, got, max_tokens=12)]
+        assert ours == [int(t) for t, _ in generate_step(prompt, want, max_tokens=12)]
+    # the head stays in the file for its loader; the profile counts it at its stored precision
+    loaded = load_mtp(path, got)
+    assert loaded.quantized_bits() == (8 if kind == Q.Q8_0 else None)
+    profile = profile_model(folder)
+    assert profile.num_layers == 4 and profile.mtp_bytes == sum(loaded.own_bytes().values()) > 0
+
+
 def test_a_file_that_cannot_be_served_says_what_it_is(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
     w.add_block_count(1)

@@ -71,7 +71,8 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
     cfg: dict[str, Any] = {
         "model_type": model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
+        # llama.cpp counts the MTP (nextn) layers as blocks; the backbone ends before them
+        "num_hidden_layers": int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0),
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from gguf import LlamaFileType, ReaderTensor
 
+from meshnode.weights import mtp_layout
 from meshnode.weights.gguf_config import NORM_PLUS_ONE, eos_ids, family, metadata, model_config, save_tokenizer
 from meshnode.weights.gguf_tensors import (
     DERIVED,
@@ -197,8 +198,16 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
     _check_rope_factors(tensors, cfg)
     planned: list[tuple[int, Planned]] = []
     bits_of: dict[str, int] = {}
+    backbone = cfg["num_hidden_layers"]
+    mtp_bytes: dict[str, int] = {}  # MTP layer 0's tensors by the head's names, as its loader makes them
     for t in reader.tensors:
         if DERIVED.search(t.name):
+            continue
+        layer = re.match(r"blk\.(\d+)\.", t.name)
+        if layer and int(layer.group(1)) >= backbone:  # an MTP layer: the MTP loader reads it from the file
+            head_name = mtp_layout.gguf_name(t.name, backbone)
+            if head_name is not None:
+                mtp_bytes.update((p.name, p.nbytes) for p in plan_tensor(t, head_name))
             continue
         name = names.get(t.name)
         if name is None:
@@ -212,7 +221,6 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
         bits = quantized_bits(t)
         if bits is not None and len(parts) == 3:
             bits_of[name.rsplit(".", 1)[0]] = bits
-        layer = re.match(r"blk\.(\d+)\.", t.name)
         planned.extend((int(layer.group(1)) if layer else -1, p) for p in parts)
     cfg["quantization"] = _quantization(bits_of)
     if not cfg["quantization"]:
@@ -225,6 +233,9 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
         "type": file_type(meta),
         "weights": weights_note(reader.tensors),
     }
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers") or 0)
+    if nextn:
+        cfg["gguf"]["mtp"] = {"layers": nextn, "bytes": mtp_bytes}
     total = sum(p.nbytes for _, p in planned)
     done = told = 0
 
