@@ -3,17 +3,24 @@ requests decode together in one mlx-lm BatchGenerator and each gets what it woul
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import mlx.core as mx
 import pytest
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
 from openai import OpenAI
 
 from meshnode.model.build import build_model
+from meshnode.model.scheduler import TokenScheduler
+from meshnode.model.shard import Shard
 from meshnode.serving.batching import BatchedSource
+from meshnode.serving.local_stage import LocalStage
+from meshnode.serving.sampling import SamplingParams
 from tests.helpers import running_node
 
 PROMPTS = [
@@ -112,6 +119,54 @@ def test_concurrent_greedy_chats_answer_as_alone_and_as_mlx_lm(node, model_path)
         for p in PROMPTS
     ]
     assert alone == reference
+    assert n.scheduler.arrivals.pending == 0  # each request counted until its generation took it
+
+
+@pytest.mark.timeout(120)
+def test_requests_that_arrive_together_are_prefilled_in_one_step(model_path):
+    """Requests still on their way (their prompts being rendered) when the first reaches the loop
+    are taken in with it: one insert, one prefill, every first token on the same step, so
+    streams sent together end together and a next request's prefill falls between no one's
+    tokens. Each answer is still mlx-lm's own."""
+    model, tokenizer = mlx_load(str(model_path))
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS[:3]
+    ]
+    reference = [[int(t) for (t, _), _ in zip(generate_step(mx.array(p), model), range(12))] for p in prompts]
+    scheduler = TokenScheduler("test-batch-arrivals")
+    try:
+        source = BatchedSource(scheduler, LocalStage(Shard(str(model_path), 0, 2)))
+        loop = source.loop
+
+        taken = False
+
+        async def first_taken() -> None:
+            # the first request is submitted and the loop has taken it, the others not yet submitted
+            nonlocal taken
+            deadline = time.monotonic() + 30
+            while not taken:
+                taken = scheduler.active == 1 and not loop.queued
+                assert time.monotonic() < deadline, "the first request was never taken"
+                await asyncio.sleep(0)
+
+        async def answer(prompt, later: bool) -> list[int]:
+            with scheduler.arrivals.arriving():  # it has reached the node
+                if later:
+                    await first_taken()
+                return [int(t) async for t in source.tokens(prompt, SamplingParams(max_tokens=12))]
+
+        async def together() -> list[list[int]]:
+            # (the later ones arrive first, so they are on their way when the first is submitted)
+            later = [asyncio.create_task(answer(p, True)) for p in prompts[1:]]
+            first = asyncio.create_task(answer(prompts[0], False))
+            return await asyncio.gather(first, *later)
+
+        answers = asyncio.run(together())
+        assert (loop.admissions, loop.admitted) == (1, 3)
+        assert answers == reference
+        assert scheduler.arrivals.pending == 0
+    finally:
+        scheduler.stop()
 
 
 @pytest.mark.slow

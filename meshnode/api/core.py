@@ -157,7 +157,7 @@ async def _serve(
     limits = app[SETTINGS].limits
     req = parse(await json_body(request), limits)
     engine = await app[BACKEND].ready_engine(req.model)
-    with _Slot(app):
+    with _Slot(app), engine.arriving():
         grammar = await _grammar(engine, req)
         prompt, shape = await _prompt_tokens(engine, req)
         max_tokens = _budget(engine, req, len(prompt), limits)

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from meshnode.errors import MeshnodeError
+from meshnode.model.arrivals import Arrivals
 from meshnode.model.shard import any_thread_stream
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ class TokenScheduler:
         self._jobs_lock = threading.Lock()
         self._left: dict[int, int] = {}  # thread -> prompt positions still to prefill
         self._stopped = False
+        self.arrivals = Arrivals()  # generation requests on their way here
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
+from meshnode.model.arrivals import taken_in
 from meshnode.model.prefixes import PrefixStore, cache_positions, prefix_key
-from meshnode.model.scheduler import TokenJob, TokenScheduler, _settle_generation
+from meshnode.model.scheduler import Baton, TokenJob, TokenScheduler, _settle_generation
 from meshnode.model.shard import Shard, any_thread_stream
 from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.promptcache import MIN_REUSE, PrefixIndex
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # Prompt positions a joining request prefills per step while others decode.
 DECODING_CHUNK = 128
+
+# The longest a loop with nothing running waits for requests still on their way before it prefills
+# the ones it has: requests sent together are prefilled together and decode in step.
+GATHER_S = 0.25
 
 
 _TOLD_QUANTIZED = False  # the log said once that kv_bits turns batching off
@@ -135,10 +140,17 @@ class BatchLoop:
         self._thread: threading.Thread | None = None
         self._generator: BatchGenerator | None = None
         self.widest = 0  # the most requests one step has decoded for
+        self.admissions = 0  # times requests were taken into the batch (one prefill batch each)
+        self.admitted = 0  # requests taken in
 
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted that the loop has not yet taken."""
+        return len(self._incoming)
 
     def submit(
         self, prompt: Sequence[int], params: SamplingParams, resume: tuple[str, int] | None, ended: threading.Event
@@ -148,6 +160,7 @@ class BatchLoop:
         self._scheduler.track(job)
         with self._lock:
             self._incoming.append(request)
+            taken_in()  # (once in: a loop waiting for it takes it)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="meshnode-batch", daemon=True)
                 self._thread.start()
@@ -164,6 +177,8 @@ class BatchLoop:
                     if not incoming and not self._running:
                         self._thread = None
                         return
+                if not self._running:
+                    incoming += self._gather(baton)
                 try:
                     self._admit(incoming)
                     self._leave({uid: r for uid, r in self._running.items() if r.job.cancelled.is_set()})
@@ -178,6 +193,21 @@ class BatchLoop:
                 baton.pass_on(_settle_generation)
         finally:
             baton.release()
+
+    def _gather(self, baton: Baton) -> list[_Request]:
+        """With nothing running, the requests still on their way (waited for, the baton let go), so
+        those sent together are prefilled in one batch and decode in step, as mlx_lm.server takes in
+        every queued request before its next step."""
+        arrivals = self._scheduler.arrivals
+        if arrivals.pending:
+            baton.release()
+            try:
+                arrivals.settled(GATHER_S)
+            finally:
+                baton.acquire()
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        return incoming
 
     def _batch(self) -> BatchGenerator:
         if self._generator is None:
@@ -195,33 +225,57 @@ class BatchLoop:
             self._store.grow(self._layers, positions)
 
     def _admit(self, incoming: list[_Request]) -> None:
+        """Takes every request that came since the last step into the batch at once: one insert,
+        so the next step prefills their prompts together."""
+        entries: list[tuple[_Request, dict[str, Any]]] = []
         for request in incoming:
             if request.job.cancelled.is_set():
                 self._finish(request)
                 continue
             try:
-                params, prompt, skip, cache = request.params, request.prompt, 0, None
-                # (a request resumes only where the head matched its prompt)
-                if request.resume is not None and self._store is not None and self._index is not None:
-                    cache, skip = self._resume(self._store, self._index, prompt, *request.resume)
-                    request.resumed_from = getattr(cache, "resumed_from", None)
-                processors = make_request_processors(params, (), self._tokenizer) or []
-                batch = self._batch()
-                # the batch's own sampler: greedy requests share one batched argmax
-                sampler = make_request_sampler(params) if params.temperature > 0 else batch.sampler
-                (uid,) = batch.insert(
-                    [prompt[skip:]],
-                    max_tokens=[params.max_tokens],
-                    caches=[cache] if cache is not None else None,
-                    all_tokens=[prompt[:skip]],
-                    samplers=[sampler],
-                    logits_processors=[[_guarded(request, p) for p in processors]],
-                )
+                entries.append((request, self._entry(request)))
             except Exception as exc:  # noqa: BLE001 - this request's own parameters (a bad grammar)
                 self._finish(request, exc)
-                continue
-            self._running[uid] = request
-            self._grow(request, len(prompt))
+        if not entries:
+            return
+        batch = self._batch()
+        try:
+            uids: list[int | None] = list(batch.insert(**{k: [e[k] for _, e in entries] for k in entries[0][1]}))
+        except ValueError:  # one request's own (insert checks all before it takes any): each alone
+            uids = [self._insert_alone(request, entry) for request, entry in entries]
+        for (request, _), uid in zip(entries, uids):
+            if uid is not None:
+                self._running[uid] = request
+                self._grow(request, len(request.prompt))
+        self.admissions += 1
+        self.admitted += sum(uid is not None for uid in uids)
+
+    def _entry(self, request: _Request) -> dict[str, Any]:
+        """The request's arguments to BatchGenerator.insert, its prompt cache resumed if it can be."""
+        params, prompt, skip, cache = request.params, request.prompt, 0, None
+        # (a request resumes only where the head matched its prompt)
+        if request.resume is not None and self._store is not None and self._index is not None:
+            cache, skip = self._resume(self._store, self._index, prompt, *request.resume)
+            request.resumed_from = getattr(cache, "resumed_from", None)
+        processors = make_request_processors(params, (), self._tokenizer) or []
+        # the batch's own sampler: greedy requests share one batched argmax
+        sampler = make_request_sampler(params) if params.temperature > 0 else self._batch().sampler
+        return {
+            "prompts": prompt[skip:],
+            "max_tokens": params.max_tokens,
+            "caches": cache,
+            "all_tokens": prompt[:skip],
+            "samplers": sampler,
+            "logits_processors": [_guarded(request, p) for p in processors],
+        }
+
+    def _insert_alone(self, request: _Request, entry: dict[str, Any]) -> int | None:
+        try:
+            (uid,) = self._batch().insert(**{k: [v] for k, v in entry.items()})
+        except ValueError as exc:
+            self._finish(request, exc)
+            return None
+        return int(uid)
 
     def _step(self) -> None:
         batch = self._batch()

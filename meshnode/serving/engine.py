@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from meshnode.ids import ModelId
+from meshnode.model.arrivals import Arrivals
 from meshnode.serving.answer import AnswerShape, AnswerSplitter, Pieces, ToolCall, initial_state
 from meshnode.serving.sampling import Sampled, SamplingParams
 
@@ -65,11 +66,16 @@ class Engine:
         metrics: NodeMetrics | None = None,
     ):
         self.metrics = metrics
+        self.arrivals: Arrivals | None = None  # this node's requests on their way to a generation
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.source = source
         self.max_context = max_context
+
+    def arriving(self) -> contextlib.AbstractContextManager[None]:
+        """Counts a request from its arrival until a generation takes it in (see Arrivals)."""
+        return self.arrivals.arriving() if self.arrivals is not None else contextlib.nullcontext()
 
     async def stream(
         self,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from meshnode.errors import ApiError
+from meshnode.model.arrivals import taken_in
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.batching import BatchedSource, batchable
@@ -199,6 +200,7 @@ class RemoteHeadPlacement:
         self._given_up: list[str] = []
 
     async def tokens(self, prompt: Sequence[int], params: SamplingParams) -> AsyncGenerator[int, None]:
+        taken_in()  # generated on the head: no batch loop here waits for it
         stub = mesh_pb2_grpc.MeshStub(self._channel(self.head))
         request = generate_request(new_request_id(self._caller), self.epoch, prompt, params)
         request.model = self.model

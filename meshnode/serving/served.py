@@ -124,6 +124,7 @@ class ServedModel:
         self.engine = Engine(
             model_id, tokenizer, source, max_context=self.context, vocab_size=f.vocab_size, metrics=self.metrics
         )
+        self.engine.arrivals = self.scheduler.arrivals
         # What this node's stages keep, and as a head what it asked them to keep.
         weights = f"{model_id}-{weights_identity(f.path)[:12]}"
         self.prefixes, self.prefix_index = prompt_cache(s, self.metrics, self.context, weights, self.scheduler.baton)
