@@ -255,6 +255,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt tokens (default 64)")
     ap.add_argument("--tokens", type=int, default=32, help="output tokens of every answer (default 32)")
     ap.add_argument("--requests", type=int, default=2, help="requests per stream at each concurrency (default 2)")
+    ap.add_argument(
+        "--streams", default=",".join(map(str, CONCURRENCY)), help="the concurrencies, comma-separated (default 1,2,4)"
+    )
     ap.add_argument("--context", type=int, default=2048, help="the nodes' max_context (default 2048)")
     ap.add_argument(
         "--failure-timeout",
@@ -268,7 +271,7 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "load", help="PREFIX.{json,txt}")
     args = ap.parse_args()
-    args.concurrency = (1, 4) if args.quick else CONCURRENCY
+    args.concurrency = (1, 4) if args.quick else tuple(int(c) for c in args.streams.split(","))
     if args.quick:
         args.tokens, args.requests = min(args.tokens, 16), 1
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
