@@ -25,7 +25,8 @@ class Drafter(Protocol):
     fixed_depth: int | None
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Tokens now part of the request (confirmed by the model)."""
+        """Tokens now part of the request: those one forward pass confirmed, one call per pass
+        (an MTP drafter pairs them with that pass's hidden states)."""
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that may follow the request's tokens."""

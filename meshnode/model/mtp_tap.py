@@ -1,0 +1,55 @@
+"""The last layer's hidden states a model computes, handed to the requests that listen for them:
+an MTP head drafts from them (meshnode.serving.mtp_drafting).
+
+The tap sits on the model's final norm, whose input is that hidden state at every position of a
+forward pass. Each listener is one request on its own thread; a forward pass on another thread, or
+after the listener is gone, is not recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class Captures:
+    """One request's hidden states, oldest first: (B, L, D) lazy arrays, one per forward pass."""
+
+    def __init__(self) -> None:
+        self.taken: deque[mx.array] = deque()
+
+
+class HiddenTap:
+    """Records the input of ``model.model.norm`` (an mlx-lm llama-like model) for this thread's
+    listener; the norm keeps its class's behaviour and parameters."""
+
+    def __init__(self, model: nn.Module):
+        self._local = threading.local()
+        norm = model.model.norm
+        base = type(norm)
+        tap = self
+
+        class Tapped(base):  # type: ignore[misc, valid-type]  # the norm's own class, whichever it is
+            def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+                tap.record(x)
+                return base.__call__(self, x, *args, **kwargs)
+
+        Tapped.__name__ = Tapped.__qualname__ = base.__name__
+        norm.__class__ = Tapped
+
+    def listen(self) -> Captures:
+        """This thread's forward passes from now on, while the returned Captures lives."""
+        captures = Captures()
+        self._local.listener = weakref.ref(captures)
+        return captures
+
+    def record(self, hidden: mx.array) -> None:
+        ref = getattr(self._local, "listener", None)
+        captures = ref() if ref is not None else None
+        if captures is not None:
+            captures.taken.append(hidden)
