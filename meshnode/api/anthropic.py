@@ -14,7 +14,8 @@ from aiohttp import web
 from meshnode.api import core
 from meshnode.api.anthropic_schema import AnthropicRequest, parse
 from meshnode.errors import ApiError
-from meshnode.serving.engine import Delta, ToolCall
+from meshnode.serving.answer import ToolCall
+from meshnode.serving.engine import Delta
 
 log = logging.getLogger(__name__)
 

@@ -118,7 +118,8 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return self.access["completion_tokens"]
+        count: int = self.access["completion_tokens"]
+        return count
 
     def advance(self, delta: Delta) -> None:
         self.access["completion_tokens"] = delta.completion_tokens

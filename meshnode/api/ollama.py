@@ -18,7 +18,9 @@ from meshnode.api import core
 from meshnode.api import ollama_schema as schema
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
-from meshnode.serving.engine import Delta, TokenLogprob, ToolCall
+from meshnode.serving.answer import ToolCall
+from meshnode.serving.engine import Delta, TokenLogprob
+from meshnode.weights.profile import ModelProfile
 
 # The Ollama release whose request fields this surface implements (some clients refuse older).
 OLLAMA_VERSION = "0.9.0"
@@ -215,7 +217,7 @@ def _served(request: web.Request) -> list[str]:
     return [m["id"] for m in request.app[core.BACKEND].models()]
 
 
-def parameter_count(p: Any) -> int:
+def parameter_count(p: ModelProfile) -> int:
     """The model's parameters, from its shape."""
     attention = p.hidden_size * p.head_dim * 2 * (p.num_heads + p.num_kv_heads)
     if p.num_experts:
@@ -225,7 +227,7 @@ def parameter_count(p: Any) -> int:
     return p.num_layers * (attention + mlp) + p.vocab_size * p.hidden_size * (1 if p.tied_embeddings else 2)
 
 
-def details(p: Any) -> dict[str, Any]:
+def details(p: ModelProfile | None) -> dict[str, Any]:
     """Ollama's ``details`` of a model."""
     if p is None:
         return {

@@ -32,7 +32,7 @@ class _Envelope:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    def wrap(self, choices: list, chunk: bool) -> dict[str, Any]:
+    def wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         if self.kind == "completion":
             obj = "text_completion"
         else:

@@ -31,7 +31,8 @@ from meshnode.api.responses_schema import (
 from meshnode.api.schema import validate
 from meshnode.api.validation import GenerationRequest, Limits
 from meshnode.errors import ApiError
-from meshnode.serving.engine import Delta, ToolCall
+from meshnode.serving.answer import ToolCall
+from meshnode.serving.engine import Delta
 
 STORE_SIZE = 256
 STORE_SECONDS = 30 * 60.0

@@ -276,7 +276,7 @@ class ResponsesBody(Strict):
 _warned = Once()  # hosted tool types left out of a request
 
 
-def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str | None, str]]]:
+def template_tools(given: list[Tool]) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str | None, str]]]:
     """The tools as the chat template takes them, and what each name the model sees stands for."""
     tools: list[dict[str, Any]] = []
     names: dict[str, tuple[str, str | None, str]] = {}
@@ -313,7 +313,9 @@ def template_tools(given: list) -> tuple[list[dict[str, Any]], dict[str, tuple[s
     return tools, names
 
 
-def tool_choice(choice: Any, names: dict[str, tuple[str, str | None, str]]) -> str | dict[str, Any] | None:
+def tool_choice(
+    choice: Literal["none", "auto", "required"] | NamedChoice | None, names: dict[str, tuple[str, str | None, str]]
+) -> str | dict[str, Any] | None:
     if isinstance(choice, NamedChoice):
         seen = next(
             (s for s, (kind, _ns, name) in names.items() if choice.name in (s, name) and kind == choice.type), None
@@ -341,7 +343,7 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def template_messages(items: list, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(items: list[Item], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input items as the chat template's messages: developer is system, function calls join
     the assistant turn before them. ``before``: the conversation they continue."""
     out: list[dict[str, Any]] = []

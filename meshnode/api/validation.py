@@ -191,7 +191,7 @@ class Message(BaseModel):
         return out
 
 
-def _arguments(value: str | dict) -> dict:
+def _arguments(value: str | dict[str, Any]) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     try:

@@ -94,9 +94,10 @@ def recv_frame_into(
 def hello(auth: ClusterAuth, node_id: str, opening: mesh_pb2.DataOpen) -> bytes:
     body = opening.SerializeToString()
     fields = dict(auth.sign(HELLO_METHOD, node_id, body))
-    return mesh_pb2.DataHello(
+    data: bytes = mesh_pb2.DataHello(
         open=body, ts=fields[HEADER_TS], nonce=fields[HEADER_NONCE], node=fields[HEADER_NODE], mac=fields[HEADER_MAC]
     ).SerializeToString()
+    return data
 
 
 def connect(

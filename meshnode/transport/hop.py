@@ -176,7 +176,8 @@ def _run_hook(stage: OpenStage, inside: Callable[[], None], request_id: str) -> 
 
 def _run_message(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest) -> bytes:
     output, seconds = stage.run(msg)
-    return mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString()
+    reply: bytes = mesh_pb2.ForwardReply(output=output, stage_seconds=seconds).SerializeToString()
+    return reply
 
 
 def _run_raw(stage: OpenStage, msg: mesh_pb2.ForwardRequest | RawRequest, buf: bytearray) -> int:

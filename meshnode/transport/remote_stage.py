@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import grpc
 import mlx.core as mx
@@ -80,7 +80,7 @@ class RemoteSession:
             code = await self._call.code()
             details = await self._call.details()
             raise stage_error(st, None, code, details)
-        return reply
+        return cast(mesh_pb2.ForwardReply, reply)  # the Forward stream's replies (mesh.proto)
 
     def submit(self, x: mx.array, *, next_single: bool = False, work: int = 0) -> RemoteTicket:
         """Send ``x`` without waiting for the reply (``next_single``, ``work``: data port only)."""
@@ -131,14 +131,16 @@ class RemoteSession:
 class RemoteTicket:
     """One message sent to a remote stage; ``result`` checks and decodes its reply."""
 
-    def __init__(self, session: RemoteSession, future: concurrent.futures.Future, positions: int):
+    def __init__(
+        self, session: RemoteSession, future: concurrent.futures.Future[mesh_pb2.ForwardReply], positions: int
+    ):
         self.session, self.future, self.positions = session, future, positions
         self.sent = time.perf_counter()
 
     def done(self) -> bool:
         return self.future.done()
 
-    def wait_handle(self) -> concurrent.futures.Future:
+    def wait_handle(self) -> concurrent.futures.Future[mesh_pb2.ForwardReply]:
         return self.future
 
     def check(self) -> None:

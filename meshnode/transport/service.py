@@ -7,9 +7,9 @@ handlers only route each call to the part that owns it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import grpc
 
@@ -19,16 +19,36 @@ from meshnode.trust import tls
 MAX_GRPC_MESSAGE = 64 * 2**20
 
 
+class StageCalls(Protocol):
+    """The serving side of the Forward stream (meshnode.transport.routing.StageRouter)."""
+
+    def forward(
+        self, requests: AsyncIterator[mesh_pb2.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.ForwardReply]: ...
+
+
+class FileCalls(Protocol):
+    """The serving side of Manifest and Fetch (meshnode.weights.store.ModelStore)."""
+
+    async def Manifest(
+        self, request: mesh_pb2.ManifestRequest, context: grpc.aio.ServicerContext
+    ) -> mesh_pb2.ModelManifest: ...
+
+    def Fetch(
+        self, request: mesh_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mesh_pb2.Chunk]: ...
+
+
 @dataclass
 class Handlers:
     """Who answers which call (each a method of the part that owns it)."""
 
-    heartbeat: Callable[..., Any]  # async (request, context) -> HeartbeatReply
-    install: Callable[..., Any]  # (Plan) -> InstallReply
+    heartbeat: Callable[[mesh_pb2.HeartbeatRequest, grpc.aio.ServicerContext], Awaitable[mesh_pb2.HeartbeatReply]]
+    install: Callable[[mesh_pb2.Plan], mesh_pb2.InstallReply]
     goodbye: Callable[[str], None]
-    generate: Callable[..., Any]  # async generator (request, context) -> GenerateReply
-    stage_server: Any  # meshnode.transport.stage_server.StageServer
-    store: Any  # meshnode.weights.store.ModelStore
+    generate: Callable[[mesh_pb2.GenerateRequest, grpc.aio.ServicerContext], AsyncIterator[mesh_pb2.GenerateReply]]
+    stage_server: StageCalls
+    store: FileCalls
     probe: Callable[[mesh_pb2.ProbeRequest], mesh_pb2.ProbeReply]  # meshnode.control.links.probe_reply
     probe_delay_s: float = 0.0  # injected latency (tests)
 

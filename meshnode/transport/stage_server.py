@@ -173,7 +173,7 @@ class StageServer:
 class OpenStage:
     """One request's use of one stage on the serving side: its KV cache and what it has seen."""
 
-    def __init__(self, server: StageServer, shard: LayerShard, cache: list | None = None, resumed: int = 0):
+    def __init__(self, server: StageServer, shard: LayerShard, cache: list[Any] | None = None, resumed: int = 0):
         """``cache``: a kept prefix's KV holding ``resumed`` positions."""
         self.server, self.shard = server, shard
         self.layers = (shard.spec.start, shard.spec.end)
