@@ -28,9 +28,17 @@ class HiddenTap:
     """Records the input of ``model.model.norm`` (an mlx-lm llama-like model) for this thread's
     listener; the norm keeps its class's behaviour and parameters."""
 
+    @classmethod
+    def on(cls, model: nn.Module) -> HiddenTap:
+        """The tap on ``model``'s final norm, installed once (each placement on a shard asks again)."""
+        norm = model.model.norm
+        tap = getattr(norm, "_meshnode_tap", None)
+        return tap if isinstance(tap, HiddenTap) else cls(model)
+
     def __init__(self, model: nn.Module):
         self._local = threading.local()
         norm = model.model.norm
+        object.__setattr__(norm, "_meshnode_tap", self)  # a plain attribute, not a parameter
         base = type(norm)
         tap = self
 

@@ -104,6 +104,6 @@ class MTPDrafter:
 def mtp_drafters(head: MTPHead, model: object) -> Callable[[Sequence[int]], MTPDrafter]:
     """A drafter factory (meshnode.serving.speculative.Speculation.drafter) for ``head`` on the whole
     ``model`` this node runs (an mlx-lm model; its final norm gets a HiddenTap)."""
-    tap = HiddenTap(model)  # type: ignore[arg-type]
+    tap = HiddenTap.on(model)  # type: ignore[arg-type]
     lock = threading.Lock()
     return lambda tokens: MTPDrafter(head, tap, tokens, lock)
