@@ -84,3 +84,14 @@ def test_greedy_tokens_are_mlx_lms_and_each_draft_is_the_heads_on_mlx_lms_hidden
     assert drafted and (fixed is None or any(a == fixed for _, a, _, _ in passes)), passes
     for tokens, guesses in drafted:
         assert _reference_draft(head, model, tokens, len(guesses)) == guesses, len(tokens)
+
+
+def test_seeded_sampling_draws_what_plain_decoding_draws(case):
+    path, model, prompt, _ = case
+    params = SamplingParams(max_tokens=N, temperature=0.8, seed=1234)
+    want = plain(model, prompt, N, params)
+    stages = stages_of(path, [0, 4])
+    made = mtp_drafters(_head(stages[0].shard.model), stages[0].shard.model)
+    passes: list = []
+    assert speculate(stages, prompt, params, made, passes) == want
+    assert sum(d for d, _, _, _ in passes) > 0
