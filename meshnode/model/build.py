@@ -271,11 +271,11 @@ def _init_weights(model: nn.Module, seed: int) -> dict[str, Any]:
     return out
 
 
-def _save_weights(out_dir: Path, weights: dict, max_bytes: int) -> None:
+def _save_weights(out_dir: Path, weights: dict[str, mx.array], max_bytes: int) -> None:
     """mlx-lm's save_model layout (shards, names, index) with any shard size, not whole gigabytes."""
     import mlx.core as mx
 
-    shards: list[dict] = []
+    shards: list[dict[str, mx.array]] = []
     size = 0
     for name, w in weights.items():
         if not shards or size + w.nbytes > max_bytes:

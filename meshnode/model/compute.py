@@ -20,7 +20,8 @@ import mlx.core as mx
 
 from meshnode import blas
 from meshnode.model.lifeline import child_env
-from meshnode.model.shard import Shard, split_boundaries, split_support
+from meshnode.model.shard import Shard
+from meshnode.weights.splits import split_boundaries, split_support
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _cached(state_dir: Path, key: str, measure: Callable[[], float], what: str) 
     return value
 
 
-def _load(cache_file: Path) -> dict:
+def _load(cache_file: Path) -> dict[str, object]:
     try:
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):
@@ -97,7 +98,7 @@ def _load(cache_file: Path) -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _save(cache_file: Path, known: dict) -> None:
+def _save(cache_file: Path, known: dict[str, object]) -> None:
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(".tmp")
@@ -132,6 +133,7 @@ def _layer_range(num_layers: int, layer_bytes: int) -> tuple[int, int]:
 def _time_steps(shard: Shard, cache: list[Any], own_work: bool = True) -> float:
     """Median seconds of a single-token step through ``shard``. ``own_work`` False: waiting counts
     (a ring's all-reduces)."""
+    step: Callable[[], mx.array]
     if shard.spec.is_first:
         step = lambda: shard.forward(mx.zeros((1, 1), dtype=mx.int32), cache)  # noqa: E731
         mx.eval(shard.forward(mx.zeros((1, CONTEXT), dtype=mx.int32), cache))

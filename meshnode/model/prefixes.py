@@ -42,7 +42,7 @@ class KeptElsewhere(Protocol):
         """A new request's cache, a copy of this prefix cut to ``positions``; or (None, why not)."""
 
 
-class Resumed(list):
+class Resumed(list[Any]):
     """A cache resumed from a kept prefix: ``resumed_from`` (key, positions) lets the disk write
     only the positions after it."""
 

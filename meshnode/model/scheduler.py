@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -24,6 +24,7 @@ from meshnode.model.shard import any_thread_stream
 log = logging.getLogger(__name__)
 
 _END = object()
+_T = TypeVar("_T")
 
 
 class TokenJob:
@@ -32,7 +33,8 @@ class TokenJob:
     def __init__(self, tokens: Generator[int, None, None], loop: asyncio.AbstractEventLoop):
         self.tokens = tokens
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # tokens (an int, or one with its logprobs), then _END or the error that ended the generation
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.cancelled = threading.Event()
         self._ended = False
         self._end_lock = threading.Lock()
@@ -274,10 +276,10 @@ class TokenScheduler:
         with self._jobs_lock:
             self._jobs.discard(job)
 
-    def call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    def call(self, fn: Callable[[], _T]) -> asyncio.Future[_T]:
         """Run ``fn`` on the MLX thread (between tokens) and await its result."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        future: asyncio.Future[_T] = loop.create_future()
         self._inbox.put(_Call(fn, loop, future))
         return future
 
@@ -363,7 +365,7 @@ class TokenScheduler:
 class _Call:
     """A one-off function for the MLX thread (loading a shard, a remote stage's forward)."""
 
-    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]):
         self.fn, self.loop, self.future = fn, loop, future
 
     def run(self) -> None:
@@ -377,7 +379,7 @@ class _Call:
             pass
 
 
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if future.done():
         return
     if exc is not None:

@@ -229,7 +229,7 @@ def _check_partial(model: nn.Module, model_path: Path, start: int, end: int) -> 
 
 
 _STREAM_LOCK = threading.Lock()
-_STREAMS: dict[str, Any] = {}
+_STREAMS: dict[str, mx.Stream] = {}
 
 
 def any_thread_stream() -> mx.Stream:
@@ -245,7 +245,7 @@ def any_thread_stream() -> mx.Stream:
         return _STREAMS[device]
 
 
-def _cache_kind(c: Any) -> tuple:
+def _cache_kind(c: Any) -> tuple[str, object, object]:
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
 
 
@@ -387,7 +387,7 @@ class Shard:
         if start == 0 and end == self.spec.num_layers:  # the whole model: the family's own caches
             return list(owned) if owned is not None else copy.deepcopy(templates)
         caches: list[Any] = [None] * self.spec.num_layers
-        by_kind: dict[tuple, Any] = {}
+        by_kind: dict[tuple[str, object, object], Any] = {}
         for i in range(start, end):
             caches[i] = owned[i - start] if owned is not None else copy.deepcopy(templates[i])
             by_kind.setdefault(_cache_kind(caches[i]), caches[i])
@@ -437,6 +437,7 @@ class Shard:
                 self._slot.hidden = x
                 self.input_dtype = x.dtype
                 tokens = mx.zeros(x.shape[:2], dtype=mx.int32)
+            out: mx.array
             try:
                 out = self.model(tokens, cache=cache)
             except _StageOutput as stop:

@@ -88,7 +88,7 @@ def read_frame(stream: BinaryIO, cls: type[_Msg]) -> _Msg:
     (n,) = LENGTH.unpack(_read_exact(stream, LENGTH.size))
     if n > MAX_FRAME:
         raise TensorGroupError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    msg = cls()
+    msg: _Msg = cls()
     msg.ParseFromString(_read_exact(stream, n))
     return msg
 
