@@ -138,3 +138,13 @@ def smollm2(smollm2_gguf, run_dir) -> tuple[str, Path]:
     from tests.realmodel import converted
 
     return converted(smollm2_gguf, run_dir / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_float32(smollm2, run_dir) -> Path:
+    """The real model's weights dequantized to float32 (an mlx-lm folder), once per run: on OpenBLAS
+    (``MESHNODE_BLAS=auto``) it computes many times faster than the Q4_1 file on this CPU, for tests
+    that hold a node to an API's shapes rather than to mlx-lm's tokens."""
+    from tests.realmodel import variant_once
+
+    return variant_once(smollm2[1], run_dir, dtype="float32")

@@ -8,6 +8,7 @@ does that ahead (``.ci/run``). Tests that need the model skip with the reason wh
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -133,6 +134,23 @@ def variant(folder: Path, out: Path, *, bits: int | None = None, dtype: str = "b
         model, config = quantize_model(model, config, group_size=64, bits=bits)
     config.pop("gguf", None)
     save(str(out), str(folder), model, tokenizer, config)
+    return out
+
+
+def variant_once(folder: Path, shared: Path, *, dtype: str) -> Path:
+    """:func:`variant` under ``shared``, made by the first process of a run that asks (the others
+    wait on a lock, then read it)."""
+    out = shared / f"smollm2-{dtype}"
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / f"smollm2-{dtype}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=f".smollm2-{dtype}-", dir=shared))
+            try:
+                variant(folder, tmp / "model", dtype=dtype)
+                os.replace(tmp / "model", out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
