@@ -30,7 +30,7 @@ from meshnode.serving.sampling import SamplingParams, make_request_processors, m
 from meshnode.serving.speculative import Speculation, speculative_tokens, why_not
 from meshnode.tracing import mark
 from meshnode.transport.refusals import PrefixMiss
-from meshnode.transport.streams import StageStream
+from meshnode.transport.streams import StageStream, WaitHandle
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -320,7 +320,7 @@ def generate_tokens(
 
 
 # A prefill looks between its steps whether its client has gone, so a long prompt stops mid-way.
-def _wait_idle(handles: list, timeout: float) -> None:
+def _wait_idle(handles: Sequence[WaitHandle], timeout: float) -> None:
     raise_if_cancelled()
     with mlx_idle():
         wait_first(handles, timeout)

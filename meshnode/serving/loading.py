@@ -8,7 +8,7 @@ import logging
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import mlx.core as mx
 
@@ -20,6 +20,7 @@ from meshnode.serving.settings import ServingSettings
 if TYPE_CHECKING:
     from meshnode.planner.plans import Plan, Stage
     from meshnode.serving.mesh import Mesh
+    from meshnode.serving.modelfiles import ModelFiles
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +28,18 @@ log = logging.getLogger(__name__)
 # one, and its parts are optional until loaded, which its callers here take as given.
 Served = Any
 
+# What a node holds for a stage: (start, end) layers, and for a tensor group its members too.
+StageKey: TypeAlias = "tuple[int, int] | tuple[int, int, tuple[str, ...]]"
 
-def stage_key(stage: Stage) -> tuple:
+
+def stage_key(stage: Stage) -> StageKey:
     """What a node holds for a stage: its layers, and for a tensor group its members."""
     if len(stage.nodes) == 1:
         return (stage.start_layer, stage.end_layer)
     return (stage.start_layer, stage.end_layer, tuple(stage.nodes))
 
 
-def part_of(plan: Plan, node_id: str) -> tuple:
+def part_of(plan: Plan, node_id: str) -> tuple[int, frozenset[StageKey]]:
     """This node's stage keys in the plan, and the KV cache kind its groups' workers build."""
     return plan.kv_bits, frozenset(stage_key(s) for s in plan.stages if node_id in s.nodes)
 
@@ -90,7 +94,7 @@ def tensor_member(
 
 async def load_part(served: Served, plan: Plan) -> None:
     """Load this node's shards for the plan (make before break), then serve them."""
-    wanted: dict[tuple, Shard | TensorShard] = {}
+    wanted: dict[StageKey, Shard | TensorShard] = {}
     launching: list[TensorShard] = []
     try:
         for stage in plan.stages:
@@ -194,7 +198,7 @@ def retire_previous(served: Served) -> None:
     served.previous = None
 
 
-def keep_for_newer(served: Served, loaded: dict) -> None:
+def keep_for_newer(served: Served, loaded: dict[StageKey, Shard | TensorShard]) -> None:
     """A newer plan came while this load ran: keep what it wants too, close the rest."""
     newer = part_of(served.plan, served.node_id)[1] if served.plan is not None else frozenset()
     held = dict(served.shards)
@@ -213,7 +217,8 @@ def keep_for_newer(served: Served, loaded: dict) -> None:
 
 async def layers_folder(served: Served, start: int, end: int) -> Path:
     """The layers' folder, fetched from peers if missing, then announced as held."""
-    if (local := served.files.local_layers(start, end)) is not None:
+    files: ModelFiles = served.files
+    if (local := files.local_layers(start, end)) is not None:
         return local
     alive = served.mesh.alive_infos()
     peers = [
@@ -221,8 +226,8 @@ async def layers_folder(served: Served, start: int, end: int) -> Path:
         for nid, info in sorted(alive.items())
         if nid != served.node_id and any(m == served.model_id for m, _, _ in info.holdings)
     ]
-    path = await served.files.fetch_layers(start, end, peers)
-    served.mesh.update_me(holdings=served.files.holdings())
+    path = await files.fetch_layers(start, end, peers)
+    served.mesh.update_me(holdings=files.holdings())
     return path
 
 

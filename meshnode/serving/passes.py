@@ -9,12 +9,17 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from meshnode.serving.prefill import WaitFn, wait_first
 from meshnode.tracing import mark
 from meshnode.transport.remote_stage import POLL
+
+if TYPE_CHECKING:
+    from meshnode.serving.local_stage import LocalSession
+    from meshnode.transport.streams import StageStream, StreamTicket
 
 
 @dataclass(eq=False)
@@ -32,13 +37,15 @@ class PassPipe:
     """One request's passes in flight through its stage sessions, oldest first; ``held``: the
     positions every stage holds now."""
 
-    def __init__(self, sessions: Sequence, held: int, wait: WaitFn | None = None):
+    def __init__(self, sessions: Sequence[LocalSession | StageStream], held: int, wait: WaitFn | None = None):
         self._sessions = list(sessions)
         n = len(self._sessions)
         self._held = [held] * n  # positions given to each stage, passes in flight included
-        self._ready: list[deque] = [deque() for _ in range(n)]  # (pass, input) for stage i
-        self._running: list[deque] = [deque() for _ in range(n)]  # (pass, ticket) at remote stage i
-        self._done: deque = deque()  # (pass, logits) through every stage
+        self._ready: list[deque[tuple[Pass, mx.array]]] = [deque() for _ in range(n)]  # (pass, input) for stage i
+        self._running: list[deque[tuple[Pass, StreamTicket]]] = [
+            deque() for _ in range(n)
+        ]  # (pass, ticket) at remote stage i
+        self._done: deque[tuple[Pass, mx.array]] = deque()  # (pass, logits) through every stage
         self._passes: deque[Pass] = deque()  # in flight, oldest first
         self._wait = wait or wait_first
         self.end = held  # the position after the last token sent
@@ -117,6 +124,7 @@ class PassPipe:
             mark("pass.local")
             self._held[i] += len(p.tokens)
             session = self._sessions[i]
+            assert not session.remote  # local: only local sessions run on this thread
             last = i + 1 == len(self._sessions)
             self._advance(i, p, session.forward(x, all_positions=True) if last else session.forward(x))
             return
@@ -125,7 +133,7 @@ class PassPipe:
         heads = [q[0][1] for q in self._running if q]
         if not heads:
             raise RuntimeError("no pass in flight")  # pragma: no cover - result() waits for a pass sent
-        self._wait([t.wait_handle() for t in heads if t.wait_handle() is not None], POLL)
+        self._wait([h for t in heads if (h := t.wait_handle()) is not None], POLL)
         for t in heads:
             if not t.done():
                 t.check()  # raises if the stage is lost (no heartbeat), not if busy

@@ -15,6 +15,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from meshnode.transport.remote_stage import POLL
+from meshnode.transport.streams import WaitHandle
 
 # Chunks per stage: a pipe of S stages fed n chunks loses (S - 1) / n of the ideal time.
 CHUNKS_PER_STAGE = 4
@@ -39,7 +40,7 @@ class Ticket(Protocol):
 
     def result(self) -> mx.array: ...
 
-    def wait_handle(self) -> object | None: ...  # see wait_first
+    def wait_handle(self) -> WaitHandle | None: ...  # see wait_first
 
 
 class PipelinedSession(Protocol):
@@ -125,8 +126,10 @@ def pipelined_prefill(
     """
     n = len(sessions)
     total = len(tokens)
-    ready: list[deque] = [deque() for _ in range(n)]  # (input, work) that can go into stage i
-    running: list[deque] = [deque() for _ in range(n)]  # (ticket, started, work) in order, per stage
+    ready: list[deque[tuple[mx.array, int]]] = [deque() for _ in range(n)]  # (input, work) that can go into stage i
+    running: list[deque[tuple[Ticket, float, int]]] = [
+        deque() for _ in range(n)
+    ]  # (ticket, started, work) in order, per stage
     sent = chunks = 0
     wait = wait or wait_first
 
@@ -170,7 +173,7 @@ def pipelined_prefill(
             continue
         heads = [q[0][0] for q in running if q and q[0][0].wait_handle() is not None]
         if heads:
-            wait([t.wait_handle() for t in heads], POLL)
+            wait([h for t in heads if (h := t.wait_handle()) is not None], POLL)
             for t in heads:
                 if not t.done():
                     t.check()  # raises if the stage is lost, not merely busy
@@ -183,10 +186,10 @@ def pipelined_prefill(
 
 
 class WaitFn(Protocol):
-    def __call__(self, handles: list, timeout: float) -> None: ...
+    def __call__(self, handles: Sequence[WaitHandle], timeout: float) -> None: ...
 
 
-def wait_first(handles: list, timeout: float) -> None:
+def wait_first(handles: Sequence[WaitHandle], timeout: float) -> None:
     """Blocks until one of ``handles`` (Futures, or objects with ``fileno()``) is ready, or ``timeout``."""
     futures = [h for h in handles if isinstance(h, concurrent.futures.Future)]
     streams = [h for h in handles if not isinstance(h, concurrent.futures.Future)]

@@ -20,7 +20,7 @@ from meshnode.nodeinfo import MAX_FAULT_TEXT
 from meshnode.planner.context import UNKNOWN
 from meshnode.serving.drafting import load_draft
 from meshnode.serving.engine import Engine
-from meshnode.serving.loading import close_shard, load_part, part_of, stage_key
+from meshnode.serving.loading import StageKey, close_shard, load_part, part_of, stage_key
 from meshnode.serving.local_stage import LocalStage
 from meshnode.serving.modelfiles import ModelFiles
 from meshnode.serving.placements import HeadPlacement, RemoteHeadPlacement, gave_up, head_of, unavailable
@@ -88,8 +88,8 @@ class ServedModel:
         self.plan_error = ""
         self.ready_epoch = 0
         # By stage key: Shards and TensorShards.
-        self.shards: dict[tuple, Shard | TensorShard] = {}
-        self._apply_task: asyncio.Task | None = None
+        self.shards: dict[StageKey, Shard | TensorShard] = {}
+        self._apply_task: asyncio.Task[None] | None = None
         self._applying: Plan | None = None  # the plan _apply_task loads
         self._group_restart_at = 0.0
         self._placements: dict[int, Any] = {}
@@ -198,7 +198,7 @@ class ServedModel:
             task.cancel()
         self._apply_task, self._applying = asyncio.create_task(load_part(self, plan)), plan
 
-    async def _load_after(self, task: asyncio.Task, plan: Plan) -> None:
+    async def _load_after(self, task: asyncio.Task[None], plan: Plan) -> None:
         # gather: cancelling this cancels the load too.
         await asyncio.gather(task, return_exceptions=True)  # a failure was logged; this plan tries anew
         await load_part(self, plan)
@@ -354,7 +354,7 @@ class ServedModel:
         return placement
 
 
-def _groups_alive(node_id: str, shards: dict[tuple, Shard | TensorShard], plan: Plan) -> bool:
+def _groups_alive(node_id: str, shards: dict[StageKey, Shard | TensorShard], plan: Plan) -> bool:
     """Every tensor group of ``plan`` that ``node_id`` is a member of has its worker up."""
     for stage in plan.stages:
         if node_id in stage.nodes and len(stage.nodes) > 1:

@@ -60,7 +60,7 @@ class _Group:
     def __init__(self, handles: Sequence[Any]):
         self.members: set[Any] = set()
         self.pending: dict[Any, mx.array] = {}  # steps waiting for the next round
-        self.results: dict[Any, Any] = {}  # a round's rows (or its error), by request
+        self.results: dict[Any, mx.array | BaseException] = {}  # a round's rows (or its error), by request
         self.running = False
         self.free_since = 0.0  # when its last round ended (monotonic)
         self.hops: dict[int, BatchHop] = {}  # by stage index
@@ -188,15 +188,15 @@ class StepBatcher:
         return h
 
     @staticmethod
-    def _local(batch: DecodeBatch, i: int, stage: Any, models: list, h: mx.array) -> mx.array:
+    def _local(batch: DecodeBatch, i: int, stage: Any, models: list[Any], h: mx.array) -> mx.array:
         sessions = [m.state.sessions[i] for m in models]
         # The batch's lock: the step is evaluated before a member's close takes its cache back.
         with mlx_turn(), mx.stream(any_thread_stream()), batch.lock:
-            out = stage.shard.forward(h, batch.follow(sessions))
+            out: mx.array = stage.shard.forward(h, batch.follow(sessions))
             mx.eval(out)
         return out
 
-    def _remote(self, group: _Group, i: int, stage: Any, models: list, h: mx.array) -> mx.array:
+    def _remote(self, group: _Group, i: int, stage: Any, models: list[Any], h: mx.array) -> mx.array:
         hop = group.hops.get(i)
         if hop is None:
             address = stage.data_port()

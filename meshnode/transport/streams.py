@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+import concurrent.futures
+from typing import Any, Literal, Protocol, TypeAlias
 
 import mlx.core as mx
 
 from meshnode.model.wire import Placeholder
+
+
+class Readable(Protocol):
+    """A socket-like handle: select() tells when its reply can be read."""
+
+    def fileno(self) -> int: ...
+
+
+# What a ticket waits on: its reply's future, or a handle to select() on.
+WaitHandle: TypeAlias = "concurrent.futures.Future[Any] | Readable"
 
 
 class StreamTicket(Protocol):
@@ -20,7 +31,7 @@ class StreamTicket(Protocol):
 
     def wait(self) -> None: ...
 
-    def wait_handle(self) -> object | None: ...  # see meshnode.serving.prefill.wait_first
+    def wait_handle(self) -> WaitHandle | None: ...  # see meshnode.serving.prefill.wait_first
 
     def result(self, into: Placeholder | None = None) -> mx.array:
         """The reply's activation, written into ``into`` when given."""
