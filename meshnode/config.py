@@ -68,8 +68,9 @@ class ConfigError(MeshnodeError, ValueError):
 # The strategy setting: "auto" (the least estimated time per token) or one the coordinator prefers.
 StrategySetting = Literal["auto"] | Strategy
 STRATEGY_CHOICES: tuple[StrategySetting, ...] = ("auto", *STRATEGIES)
-# How tokens are guessed ahead: "auto" (prompt lookup where the model is split), or as named.
-Speculative = Literal["auto", "off", "prompt_lookup", "draft_model"]
+# How tokens are guessed ahead: "auto" (the model's MTP head where it can draft, else prompt lookup
+# where the model is split), or as named.
+Speculative = Literal["auto", "off", "prompt_lookup", "draft_model", "mtp"]
 SPECULATIVE_CHOICES: tuple[Speculative, ...] = get_args(Speculative)
 # Whether concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
 BatchStages = bool | Literal["auto"]
@@ -221,7 +222,8 @@ class Settings:
     batching: bool = True
     #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
     batch_stages: BatchStages = "auto"
-    #: "prompt_lookup", "draft_model" or "off"; "auto": prompt lookup where the model is split.
+    #: "prompt_lookup", "draft_model", "mtp" (the model's own head) or "off"; "auto": the model's
+    #: MTP head where one node holds it whole, else prompt lookup where the model is split.
     speculative: Speculative = "auto"
     #: The most tokens guessed per pass.
     draft_max: int = 8

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,10 +18,12 @@ from meshnode.model.arrivals import taken_in
 from meshnode.model.tensor import TensorGroupError
 from meshnode.proto import mesh_pb2, mesh_pb2_grpc
 from meshnode.serving.batching import BatchedSource, batchable
+from meshnode.serving.drafter_choice import DRAFT_MODEL, MTP, PROMPT_LOOKUP, DrafterChoice, MTPState, choose_drafter
 from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.local_stage import LocalStage
+from meshnode.serving.mtp_heads import ServedHead, whole_model
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.settings import PlacementSettings
@@ -85,20 +89,28 @@ class HeadPlacement:
         on_speculated: Callable[[int, int, int, int], None] | None = None,
         on_spec_costs: Callable[[float, float | None], None] | None = None,
         draft: DraftModel | None = None,
+        mtp: ServedHead | None = None,
     ) -> None:
-        """``batch_steps``: concurrent decode steps may go through the stages together."""
+        """``batch_steps``: concurrent decode steps may go through the stages together; ``mtp``: the
+        model's MTP head on this node."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
         prefill = PrefillOptions(
             pipelined=s.pipelined_prefill, max_step=s.max_step_ms / 1000, max_chunk=s.prefill_step_size
         )
         batched = s.batching and batchable(handles)  # the whole model here: one batch
-        speculation = speculation_for(s, on_speculated, draft, on_spec_costs, batched=batched)
+        model = whole_model(handles)
+        state = mtp.state(model) if mtp is not None else MTPState()
+        drafts = mtp.drafters if mtp is not None else None
+        spec_for = functools.partial(
+            speculation_for, s, on_speculated, draft, on_spec_costs, batched=batched, drafts=drafts, model=model
+        )
+        speculation, self.drafter = spec_for(mtp=state)
         head = handles[-1]
         limit = head.shard.rewind_limit if isinstance(head, LocalStage) else (None, "")
         if speculation is not None and limit[0] == 0:
             log.info("epoch %d: speculative decoding is off for this model: %s", epoch, limit[1])
-            speculation = None
+            speculation, self.drafter = None, DrafterChoice("off", limit[1])
         self._alone: PipelineSource | None = None  # a lone request's source where concurrent ones batch
         self._limit = limit  # how far the caches can be cut back
         # Bound now: a later plan swapping shards cannot pull them away.
@@ -123,6 +135,8 @@ class HeadPlacement:
             if batch_steps and stages_batch(s.batch_stages) and can_batch(handles)
             else None
         )
+        if batcher is not None and self.drafter.kind == MTP:  # a batched step is not recorded for its drafter
+            speculation, self.drafter = spec_for(mtp=dataclasses.replace(state, steps_batched=True))
         self._source = PipelineSource(
             scheduler,
             lambda: handles,
@@ -164,19 +178,28 @@ def speculation_for(
     on_costs: Callable[[float, float | None], None] | None = None,
     *,
     batched: bool = False,
-) -> Speculation | None:
-    """A placement's speculative decoding (None: off). ``"auto"``: prompt lookup, unless requests batch."""
+    mtp: MTPState | None = None,
+    drafts: Callable[[Any], DrafterFactory] | None = None,
+    model: Any = None,
+) -> tuple[Speculation | None, DrafterChoice]:
+    """A placement's speculative decoding (None: off) and its drafter's choice (drafter_choice);
+    ``drafts(model)``: the MTP head's drafter factory on ``model``, the whole model here."""
     mode = settings.speculative
+    choice = choose_drafter(mode, mtp or MTPState(), batched=batched, draft=draft.name if draft is not None else "")
+    if mode == MTP and choice.kind != MTP:
+        log.warning('speculative = "mtp": %s; drafting with %s instead', choice.why, choice.kind)
     drafter: DrafterFactory
-    if mode == "draft_model" and draft is not None:
+    if choice.kind == DRAFT_MODEL and draft is not None:
         drafter = draft.drafter
-    elif mode == "prompt_lookup" or (mode == "auto" and not batched):
+    elif choice.kind == PROMPT_LOOKUP:
         drafter = PromptLookup
+    elif choice.kind == MTP and drafts is not None:
+        drafter = drafts(model)
     else:
-        return None
+        return None, choice
     if settings.drafters is not None:  # a test harness's drafter
         drafter = settings.drafters(drafter)
-    return Speculation(drafter=drafter, on_pass=on_pass, on_costs=on_costs, k_max=settings.draft_max)
+    return Speculation(drafter=drafter, on_pass=on_pass, on_costs=on_costs, k_max=settings.draft_max), choice
 
 
 AFTER_MAX = 16  # given-up generations one request asks its head to wait for
