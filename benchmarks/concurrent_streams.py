@@ -12,7 +12,7 @@ checked to be the same text (greedy).
 
 ``--two-stages`` (root): also a 2-stage mesh (two ``meshnode run`` processes on namespace hosts, the
 client on a third; ``--pin``: a core each), with concurrent decode steps taking turns (the default)
-and with ``batch_stages`` (micro-batches through both stages, meshnode.serving.step_batch); target:
+and with ``lockstep`` (micro-batches through both stages, meshnode.serving.lockstep); target:
 4 streams' aggregate >= 2.5x one stream, here taken while all four decode (prefill left out), on
 chats whose greedy answers run to ``--tokens`` (:func:`long_prompts`).
 ``--small``: a model a third as wide, whose per-token costs (hops, Python) weigh as a bigger model's
@@ -182,10 +182,10 @@ print(json.dumps(measure(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(
 
 def two_stages(model: Path, texts: list[str], max_tokens: int, repeats: int, pin: bool, batching: bool = True) -> dict:
     """The same on a 2-stage mesh (benchmarks.common.two_stage_mesh), the client on a third host;
-    ``batching``: the nodes' ``batch_stages`` on (else requests take turns a step each, the default)."""
+    ``batching``: the nodes' ``lockstep`` on (else requests take turns a step each, the default)."""
     from harness.cluster import in_ns
 
-    env = {"MESHNODE_BATCH_STAGES": "true"} if batching else None
+    env = {"MESHNODE_LOCKSTEP": "true"} if batching else None
     with two_stage_mesh(model, CTX, pin=pin, env=env) as (client, url, _):
         return in_ns(client, MEASURE, ROOT, url, model.name, json.dumps(texts), max_tokens, repeats, timeout=3600)
 
@@ -232,7 +232,7 @@ def main() -> int:
     )
     if args.two_stages or args.only_two:
         long = long_prompts(model, args.streams, args.tokens)
-        for name, batching in (("2 stages, batch_stages", True), ("meshnode, 2 stages", False)):
+        for name, batching in (("2 stages, lockstep", True), ("meshnode, 2 stages", False)):
             two = runs[name] = two_stages(model, long, args.tokens, args.repeats, args.pin, batching)
             print(
                 f"{name}: {args.streams} streams {two['aggregate_tps']:.1f} tok/s with their prefill, "

@@ -169,6 +169,9 @@ def servers_up(names: list[str], model_dir: Path, model_id: str, args) -> Iterat
     context = args.context
     # a node whose peer misses heartbeats for failure_timeout takes it for dead and plans without it
     env = {"MESHNODE_FAILURE_TIMEOUT": str(args.failure_timeout)}
+    # prompt caches in memory only, as mlx_lm.server's: one kept on disk by an earlier run would
+    # hand the nodes this run's prompts (the seeds repeat) already prefilled
+    env["MESHNODE_PROMPT_CACHE_DISK"] = "0"
     with contextlib.ExitStack() as stack:
         up: dict = {}
         for name in names:

@@ -108,14 +108,14 @@ class NodeMetrics:
         self.prompt_cache_disk_written = Counter(
             "meshnode_prompt_cache_disk_written_bytes", "Bytes of kept prefixes written to disk", registry=r
         )
-        self.batched_steps = Counter(
-            "meshnode_batched_decode_steps",
-            "Decode steps of several requests run through the stages as one batch",
+        self.lockstep_rounds = Counter(
+            "meshnode_lockstep_rounds",
+            "Rounds of several requests' decode steps run through the stages in lockstep",
             registry=r,
         )
-        self.batched_rows = Counter(
-            "meshnode_batched_decode_rows",
-            "Requests' steps in those batches (rows / steps: the mean batch)",
+        self.lockstep_rows = Counter(
+            "meshnode_lockstep_rows",
+            "Requests' steps in those rounds (rows / rounds: the mean micro-batch)",
             registry=r,
         )
         self.spec_passes = Counter(
@@ -132,6 +132,18 @@ class NodeMetrics:
         )
         self.spec_tokens = Counter(
             "meshnode_speculative_pass_tokens", "Tokens those passes yielded (/ passes: tokens per pass)", registry=r
+        )
+        self.spec_position_drafted = Counter(
+            "meshnode_speculative_position_drafted",
+            "Passes whose drafter guessed this many tokens or more (position: 1 is the first guess)",
+            ["position"],
+            registry=r,
+        )
+        self.spec_position_accepted = Counter(
+            "meshnode_speculative_position_accepted",
+            "Passes whose guess at this position was confirmed (/ drafted: the acceptance at the position)",
+            ["position"],
+            registry=r,
         )
         self.spec_cancelled = Counter(
             "meshnode_speculative_cancelled_passes",
@@ -209,9 +221,9 @@ class NodeMetrics:
     def prompt_cache_written(self, nbytes: int) -> None:
         self.prompt_cache_disk_written.inc(nbytes)
 
-    def batched_step(self, rows: int) -> None:
-        self.batched_steps.inc()
-        self.batched_rows.inc(rows)
+    def lockstep_round(self, rows: int) -> None:
+        self.lockstep_rounds.inc()
+        self.lockstep_rows.inc(rows)
 
     def speculated(self, drafted: int, accepted: int, tokens: int, cancelled: int = 0) -> None:
         """A speculative pass (meshnode.serving.speculative) and the passes behind it its rejection cancelled."""
@@ -220,6 +232,10 @@ class NodeMetrics:
         self.spec_drafted.inc(drafted)
         self.spec_accepted.inc(accepted)
         self.spec_tokens.inc(tokens)
+        for position in range(1, drafted + 1):  # the guesses confirmed are the first ``accepted``
+            self.spec_position_drafted.labels(position=str(position)).inc()
+            if position <= accepted:
+                self.spec_position_accepted.labels(position=str(position)).inc()
 
     def pass_costs(self, position_cost: float, filled_share: float | None) -> None:
         """What a speculating request measured of its passes (meshnode.serving.draft_length.PassCosts)."""

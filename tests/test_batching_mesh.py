@@ -59,7 +59,7 @@ def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(fam
     with netns_mesh(2) as mesh:
         cluster = Cluster(mesh, model, tmp_path, max_context=1024)
         for h in cluster.hosts:  # neither holds it alone: two stages
-            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline", "MESHNODE_BATCH_STAGES": "true"})
+            cluster.start(h, int(total * 0.6), env={"MESHNODE_STRATEGY": "pipeline", "MESHNODE_LOCKSTEP": "true"})
         view = cluster.wait(lambda: cluster.converged(cluster.hosts, 2, stages=2), 90, "convergence")[0]
         assert len(view["plan"]["stages"]) == 2, view["plan"]
         head = cluster.host(view["plan"]["stages"][-1]["nodes"][0])
@@ -73,10 +73,10 @@ def test_concurrent_chats_on_two_stages_decode_together_and_answer_as_mlx_lm(fam
         )["answers"]
         assert answers == references, cluster.logs()
         metrics = node_metrics(cluster, head)
-        steps = _counter(metrics, "meshnode_batched_decode_steps")
-        rows = _counter(metrics, "meshnode_batched_decode_rows")
+        steps = _counter(metrics, "meshnode_lockstep_rounds")
+        rows = _counter(metrics, "meshnode_lockstep_rows")
         print(f"batched decode steps {steps:.0f}, rows {rows:.0f}")
         assert steps > 0 and rows > steps, (steps, rows)  # steps that carried several requests
         # Alone again: one chat steps on its own (no batch), and still answers the same.
         assert cluster.chat(head, [{"role": "user", "content": PROMPTS[0]}], MAX_TOKENS) == references[0]
-        assert _counter(node_metrics(cluster, head), "meshnode_batched_decode_steps") == steps
+        assert _counter(node_metrics(cluster, head), "meshnode_lockstep_rounds") == steps

@@ -36,9 +36,9 @@ w, x = mx.random.normal((256, 192)), mx.random.normal((24, 192))
 got = np.array(x @ w.T)
 exact = np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T
 from meshnode.config import Settings
-from meshnode.serving.step_batch import stages_batch
+from meshnode.serving.lockstep import lockstep_wanted
 print(json.dumps({"in_use": blas.in_use(), "error": float(np.abs(got - exact).max()),
-                  "stages_batch": stages_batch(Settings().batch_stages)}))
+                  "lockstep_wanted": lockstep_wanted(Settings().lockstep)}))
 """
 
 
@@ -86,28 +86,28 @@ def test_by_default_mlx_multiplies_with_openblas_and_reference_keeps_its_own():
     )
     assert re.search(r"libmlx\.so .* to \S*openblas\S* \[\d+\]: normal symbol `cblas_sgemm'", bound), bound
     assert auto["error"] < 1e-4  # and it multiplies correctly
-    assert auto["stages_batch"]  # batch_stages = "auto": batched rows are cheap here
+    assert auto["lockstep_wanted"]  # lockstep = "auto": batched rows are cheap here
 
     ref, bound = _probe("reference")
     assert ref["in_use"] == "MLX's own BLAS"
     assert re.search(r"libmlx\.so .* to \S*libblas\S* \[\d+\]: normal symbol `cblas_sgemm'", bound), bound
     assert "openblas" not in bound
     assert ref["error"] < 1e-4
-    assert not ref["stages_batch"]  # a batch costs what its rows do: steps in turn
+    assert not ref["lockstep_wanted"]  # a batch costs what its rows do: steps in turn
 
 
-def test_batch_stages_setting():
+def test_the_lockstep_setting():
     from meshnode.config import Settings, load_settings
-    from meshnode.serving.step_batch import stages_batch
+    from meshnode.serving.lockstep import lockstep_wanted
 
-    assert Settings().batch_stages == "auto"
-    assert load_settings(None, env={"MESHNODE_BATCH_STAGES": "true"}).batch_stages is True
-    assert load_settings(None, env={"MESHNODE_BATCH_STAGES": "off"}).batch_stages is False
-    assert load_settings(None, env={"MESHNODE_BATCH_STAGES": " Auto"}).batch_stages == "auto"
+    assert Settings().lockstep == "auto"
+    assert load_settings(None, env={"MESHNODE_LOCKSTEP": "true"}).lockstep is True
+    assert load_settings(None, env={"MESHNODE_LOCKSTEP": "off"}).lockstep is False
+    assert load_settings(None, env={"MESHNODE_LOCKSTEP": " Auto"}).lockstep == "auto"
     with pytest.raises(Exception, match="expected auto, true or false"):
-        load_settings(None, env={"MESHNODE_BATCH_STAGES": "sometimes"})
-    assert stages_batch(True) and not stages_batch(False)
-    assert not stages_batch("auto")  # this process: the suite's reference BLAS (conftest)
+        load_settings(None, env={"MESHNODE_LOCKSTEP": "sometimes"})
+    assert lockstep_wanted(True) and not lockstep_wanted(False)
+    assert not lockstep_wanted("auto")  # this process: the suite's reference BLAS (conftest)
 
 
 @pytest.mark.slow

@@ -412,3 +412,19 @@ def test_compute_figure_measurement_is_fast():
     value = sysinfo._measure_matmul()
     assert time.perf_counter() - t0 < 0.3
     assert value > 0
+
+
+def test_a_renamed_setting_is_read_under_its_old_name_with_a_warning(tmp_path, caplog):
+    cfg = tmp_path / "meshnode.toml"
+    cfg.write_text("batch_stages = true\n")
+    with caplog.at_level("WARNING", logger="meshnode.config"):
+        assert load_settings(cfg, env={}).lockstep is True
+        assert load_settings(None, env={"MESHNODE_BATCH_STAGES": "false"}).lockstep is False
+        # the new name wins where both are set
+        assert load_settings(None, env={"MESHNODE_BATCH_STAGES": "false", "MESHNODE_LOCKSTEP": "true"}).lockstep
+    said = [r.getMessage() for r in caplog.records]
+    assert any("'batch_stages' is now called 'lockstep'" in m for m in said), said
+    assert any("MESHNODE_BATCH_STAGES is now MESHNODE_LOCKSTEP" in m for m in said), said
+    cfg.write_text("batch_stages = true\nlockstep = false\n")
+    with pytest.raises(ConfigError, match="old name of 'lockstep': keep one"):
+        load_settings(cfg, env={})

@@ -414,7 +414,7 @@ def test_data_stream_goes_to_its_models_server(pair, monkeypatch, batch):
     conn, peer = pair
     calls = []
     monkeypatch.setattr(routing, "serve_forward", lambda *a, hook=None: calls.append(("forward", a)))
-    monkeypatch.setattr(routing, "serve_batch", lambda *a: calls.append(("batch", a)))
+    monkeypatch.setattr(routing, "serve_lockstep", lambda *a: calls.append(("batch", a)))
     first, second = object(), object()
     run_here = object()
     router = StageRouter(Lookup({"": first, "m2": second}), run_here)

@@ -559,10 +559,10 @@ def test_a_request_sending_passes_counts_as_decoding_so_another_batches_with_it(
     decodes: a request that starts beside it sees it and batches, and it then stops sending passes
     (else two speculating chats never batch)."""
     name, path, model, tokenizer = model_case
-    from meshnode.serving.step_batch import StepBatcher
+    from meshnode.serving.lockstep import LockstepGroups
 
     stages = stages_of(path, [0, 2, 4])
-    batcher = StepBatcher(stages)
+    batcher = LockstepGroups(stages)
     first, second = PipelineModel(stages, "a", batcher=batcher), PipelineModel(stages, "b", batcher=batcher)
     first.make_cache()
     assert not second.others_decoding()

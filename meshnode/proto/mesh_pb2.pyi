@@ -222,7 +222,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length", "batch", "members", "model", "rewind")
+    __slots__ = ("request_id", "epoch", "start_layer", "end_layer", "input", "next_single", "raw_replies", "work", "resume", "resume_length", "keep", "keep_length", "lockstep", "members", "model", "rewind")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -235,7 +235,7 @@ class ForwardRequest(_message.Message):
     RESUME_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     KEEP_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
@@ -251,11 +251,11 @@ class ForwardRequest(_message.Message):
     resume_length: int
     keep: str
     keep_length: int
-    batch: bool
+    lockstep: bool
     members: _containers.RepeatedScalarFieldContainer[str]
     model: str
     rewind: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ..., batch: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., rewind: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., next_single: _Optional[bool] = ..., raw_replies: _Optional[bool] = ..., work: _Optional[int] = ..., resume: _Optional[str] = ..., resume_length: _Optional[int] = ..., keep: _Optional[str] = ..., keep_length: _Optional[int] = ..., lockstep: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., rewind: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("output", "code", "error", "stage_seconds")

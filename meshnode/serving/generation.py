@@ -51,7 +51,7 @@ class StageHandle(Protocol):
     def open(self, request_id: str, resume: tuple[str, int] | None = None) -> StageSession: ...
 
 
-class StepBatching(Protocol):
+class Lockstep(Protocol):
     """A placement's batched decode steps."""
 
     def decoding(self, model: PipelineModel) -> None: ...
@@ -91,7 +91,7 @@ class PipelineModel:
         stages: Sequence[StageHandle],
         request_id: str,
         resume: tuple[str, int] | None = None,
-        batcher: StepBatching | None = None,
+        batcher: Lockstep | None = None,
     ):
         """``resume``: (key, positions) of a kept prefix to start from."""
         ends = [0] + [s.end for s in stages]
@@ -372,7 +372,7 @@ class PipelineSource:
         prefill: PrefillOptions | None = None,
         prefixes: PrefixIndex | None = None,
         tokenizer: TokenizerWrapper | None = None,
-        batcher: StepBatching | None = None,
+        batcher: Lockstep | None = None,
         speculation: Speculation | None = None,
     ):
         """``prefixes``, ``batcher``, ``speculation``: None when off."""

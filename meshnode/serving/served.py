@@ -385,11 +385,11 @@ def new_placement(served: ServedModel, plan: Plan) -> HeadPlacement | RemoteHead
         prefixes=served.prefix_index,
         tokenizer=served.files.tokenizer,
         on_fault=served.fault,
-        on_batched_step=metrics.batched_step,
+        on_lockstep_round=metrics.lockstep_round,
         on_speculated=metrics.speculated,
         on_spec_costs=metrics.pass_costs,
         draft=served.draft,
-        batch_steps=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages),
+        lockstep=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages),
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshnode.config import BatchStages, Settings, Speculative
+    from meshnode.config import LockstepSetting, Settings, Speculative
     from meshnode.serving.drafting import DrafterFactory
 
 
@@ -20,7 +20,7 @@ class PlacementSettings:
     pipelined_prefill: bool
     max_step_ms: float
     batching: bool
-    batch_stages: BatchStages
+    lockstep: LockstepSetting
     speculative: Speculative
     draft_max: int
     # A test harness's drafter factory replacing the options' own (None: the options').
@@ -38,7 +38,7 @@ class PlacementSettings:
             pipelined_prefill=s.pipelined_prefill,
             max_step_ms=s.max_step_ms,
             batching=s.batching,
-            batch_stages=s.batch_stages,
+            lockstep=s.lockstep,
             speculative=s.speculative,
             draft_max=s.draft_max,
         )

@@ -15,8 +15,8 @@ from google.protobuf.message import DecodeError
 
 from meshnode.errors import abort
 from meshnode.proto import mesh_pb2
-from meshnode.transport.batch_hop import serve_batch
 from meshnode.transport.hop import RunHere, StreamHook, refuse, serve_forward
+from meshnode.transport.lockstep_hop import serve_lockstep
 from meshnode.transport.refusals import STATUS, InvalidInput, StagePending
 
 if TYPE_CHECKING:
@@ -67,12 +67,12 @@ class StageRouter:
             yield reply
 
     def data(self, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str) -> None:
-        """A data-port stream (one request's, or a batch of requests' decode steps)."""
+        """A data-port stream (one request's, or several requests' decode steps in lockstep)."""
         server = self._server_of(opening.forward.model)
         if server is None:
             refuse(conn, not_served(opening.forward.model))
             return
-        if opening.forward.batch:
-            serve_batch(server, self._run_here, conn, opening, host)
+        if opening.forward.lockstep:
+            serve_lockstep(server, self._run_here, conn, opening, host)
         else:
             serve_forward(server, self._run_here, conn, opening, host, hook=self._stream_hook)

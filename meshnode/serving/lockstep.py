@@ -1,5 +1,6 @@
-"""Continuous batching across stages: concurrent requests' decode steps go through the pipeline
-together, one batched forward per stage and one frame per hop. A request switches in and out at
+"""Lockstep: concurrent requests' decode steps go through the pipeline together, one batched
+forward per stage and one frame per hop (continuous batching is the whole-model node's, in
+meshnode.serving.batching). A request switches in and out at
 step boundaries; a failed batched step raises in each of its requests."""
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from meshnode import blas
 from meshnode.model.decode_batch import DecodeBatch, batchable_shard
 from meshnode.model.scheduler import mlx_idle, mlx_turn
 from meshnode.model.shard import any_thread_stream
-from meshnode.transport.batch_hop import BatchHop
+from meshnode.transport.lockstep_hop import LockstepHop
 from meshnode.transport.refusals import StageError
 
 if TYPE_CHECKING:
-    from meshnode.config import BatchStages
+    from meshnode.config import LockstepSetting
     from meshnode.serving.generation import PipelineModel
     from meshnode.serving.local_stage import LocalStage
     from meshnode.transport.remote_stage import RemoteStage
@@ -32,15 +33,15 @@ log = logging.getLogger(__name__)
 GATHER_S = 0.05
 
 
-def stages_batch(setting: BatchStages) -> bool:
-    """The ``batch_stages`` setting. "auto": only on the CPU with a BLAS meshnode.blas loaded, whose
+def lockstep_wanted(setting: LockstepSetting) -> bool:
+    """The ``lockstep`` setting. "auto": only on the CPU with a BLAS meshnode.blas loaded, whose
     batched rows cost a fraction of a row each; with the reference BLAS steps in turn overlap better."""
     if setting == "auto":
         return mx.default_device().type == mx.DeviceType.cpu and blas.loaded() is not None
     return bool(setting)
 
 
-def can_batch(handles: Sequence[LocalStage | RemoteStage]) -> bool:
+def can_lockstep(handles: Sequence[LocalStage | RemoteStage]) -> bool:
     """Whether every stage takes batched decode steps (a batchable local shard, or a data port)."""
     for stage in handles:
         shard = getattr(stage, "shard", None)
@@ -63,13 +64,13 @@ class _Group:
         self.results: dict[Any, mx.array | BaseException] = {}  # a round's rows (or its error), by request
         self.running = False
         self.free_since = 0.0  # when its last round ended (monotonic)
-        self.hops: dict[int, BatchHop] = {}  # by stage index
+        self.hops: dict[int, LockstepHop] = {}  # by stage index
         self.batches = {
             i: DecodeBatch(h.shard.make_cache) for i, h in enumerate(handles) if getattr(h, "shard", None) is not None
         }
 
 
-class StepBatcher:
+class LockstepGroups:
     """The decode steps of one placement's concurrent requests, run as batches: requests are dealt
     into one group per stage, so every stage stays busy; a request stays in its group."""
 
@@ -204,7 +205,7 @@ class StepBatcher:
                 raise StageError(f"stage [{stage.start}, {stage.end}) on {stage.node_id}: its data port closed")
             host, port = address
             try:
-                hop = group.hops[i] = BatchHop(stage, host, port, auth=stage.auth, node_id=stage.caller)
+                hop = group.hops[i] = LockstepHop(stage, host, port, auth=stage.auth, node_id=stage.caller)
             except OSError as exc:
                 raise StageError(
                     f"stage [{stage.start}, {stage.end}) on {stage.node_id}: batch stream not opened ({exc})"

@@ -1,4 +1,4 @@
-"""Batched decode steps over a real data port (meshnode.transport.batch_hop): a node serving two
+"""Batched decode steps over a real data port (meshnode.transport.lockstep_hop): a node serving two
 stages answers steps of several requests at once with each request's own logits, while requests
 join, leave, change order and run a step on their own stream; bad steps are refused and the node
 keeps serving."""
@@ -14,9 +14,9 @@ import pytest
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.model.shard import Shard
-from meshnode.transport.batch_hop import BatchHop, serve_batch
 from meshnode.transport.dataport import DataServer
 from meshnode.transport.hop import HopSession, serve_forward
+from meshnode.transport.lockstep_hop import LockstepHop, serve_lockstep
 from meshnode.transport.refusals import StageError
 from meshnode.transport.remote_stage import RemoteStage
 from meshnode.transport.stage_server import StageServer
@@ -55,7 +55,7 @@ def served(request, tmp_path):
         0,
         auth=auth,
         verify=True,
-        forward=lambda conn, opening, host: (serve_batch if opening.forward.batch else serve_forward)(
+        forward=lambda conn, opening, host: (serve_lockstep if opening.forward.lockstep else serve_forward)(
             server, scheduler.run_here, conn, opening, host
         ),
     )
@@ -111,7 +111,7 @@ def test_batched_steps_over_the_data_port_equal_each_requests_own(served):
     own = {r: _open(stages, data, auth, r, p) for r, p in PROMPTS.items()}
     reference = {r: _reference(path, p) for r, p in PROMPTS.items()}
     last = {r: p[-1] for r, p in PROMPTS.items()}
-    hops = [BatchHop(s, "127.0.0.1", data.port, auth=auth, node_id="head") for s in stages]
+    hops = [LockstepHop(s, "127.0.0.1", data.port, auth=auth, node_id="head") for s in stages]
     try:
         for names, solo in SCHEDULE:
             h = mx.array([[last[r]] for r in names])
@@ -143,17 +143,17 @@ def test_a_bad_batched_step_is_refused_and_the_stage_keeps_serving(served):
     path, server, data, auth, stages = served
     own = _open(stages[:1], data, auth, "r1", PROMPTS["r1"])
     try:
-        hop = BatchHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
+        hop = LockstepHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
         with pytest.raises(StageError, match="no open stream"):
             hop.step(["r1", "nobody"], mx.array([[1], [2]]))
         hop.close()
-        hop = BatchHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
+        hop = LockstepHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
         with pytest.raises(StageError, match="vocabulary"):
             hop.step(["r1"], mx.array([[100000]]))
         hop.close()
         # A request that promised its next step on its own stream (built ahead there) cannot join.
         own[0].finish(own[0].submit(mx.array([[PROMPTS["r1"][-1]]]), next_single=True))
-        hop = BatchHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
+        hop = LockstepHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
         opened = server.streams[("r1", 0, SPLIT)]
         deadline = time.monotonic() + 20
         while opened.prepared is None:  # the stage builds that step after its reply went out
@@ -164,7 +164,7 @@ def test_a_bad_batched_step_is_refused_and_the_stage_keeps_serving(served):
         hop.close()
         # The request's own stream still works, and a good step on a new batch stream too.
         own[0].forward(mx.array([[7]]))
-        hop = BatchHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
+        hop = LockstepHop(stages[0], "127.0.0.1", data.port, auth=auth, node_id="head")
         out = hop.step(["r1"], mx.array([[9]]))
         assert out.shape == (1, 1, stages[0].hidden_size)
         hop.close()

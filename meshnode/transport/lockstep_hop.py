@@ -1,4 +1,4 @@
-"""Batched decode steps over the data port: one frame carries a token's step for several requests.
+"""Lockstep decode steps over the data port: one frame carries a token's step for several requests.
 
 Each frame's ``members`` name the step's requests, one row each; every member keeps its own
 data-port stream, where its cache lives. The rows run as one forward over the merged caches and
@@ -49,7 +49,7 @@ MAX_ROWS = 256  # requests in one step
 # --------------------------------------------------------------------------- serving side
 
 
-def serve_batch(
+def serve_lockstep(
     server: StageServer, run_here: RunHere, conn: socket.socket, opening: mesh_pb2.DataOpen, host: str
 ) -> None:
     """Serve one head's batched decode steps to one stage until the head closes the stream."""
@@ -155,7 +155,7 @@ def _step(
 # --------------------------------------------------------------------------- head side
 
 
-class BatchHop:
+class LockstepHop:
     """The head's stream of batched decode steps to one remote stage, over its data port."""
 
     def __init__(self, stage: RemoteStage, host: str, port: int, *, auth: ClusterAuth, node_id: str):
@@ -166,7 +166,7 @@ class BatchHop:
                 start_layer=stage.start,
                 end_layer=stage.end,
                 raw_replies=True,
-                batch=True,
+                lockstep=True,
                 model=stage.model,
             )
         )

@@ -1,4 +1,4 @@
-"""Continuous batching across stages, the head's side (meshnode.serving.step_batch): concurrent
+"""Lockstep across stages, the head's side (meshnode.serving.lockstep): concurrent
 generations over a chain of stages step together and each answers exactly as mlx-lm alone; one
 that ends or is cancelled leaves the others correct; a lone one steps on its own."""
 
@@ -16,11 +16,11 @@ from mlx_lm.utils import load_model
 from meshnode.model.build import build_model
 from meshnode.model.scheduler import TokenScheduler
 from meshnode.model.shard import Shard, any_thread_stream
-from meshnode.serving import step_batch
+from meshnode.serving import lockstep
 from meshnode.serving.generation import PipelineSource, PrefillOptions
 from meshnode.serving.local_stage import LocalStage
+from meshnode.serving.lockstep import LockstepGroups, can_lockstep
 from meshnode.serving.sampling import SamplingParams
-from meshnode.serving.step_batch import StepBatcher, can_batch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,8 +91,8 @@ async def _together(scheduler, *coros):
 @pytest.mark.slow
 def test_concurrent_generations_step_together_and_answer_as_alone(pipeline):
     path, handles, scheduler = pipeline
-    assert can_batch(handles)
-    batcher = StepBatcher(handles)
+    assert can_lockstep(handles)
+    batcher = LockstepGroups(handles)
     source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
 
     got = asyncio.run(_together(scheduler, *(_tokens(source, p, n) for p, n in zip(PROMPTS, LENGTHS))))
@@ -105,7 +105,7 @@ def test_concurrent_generations_step_together_and_answer_as_alone(pipeline):
 @pytest.mark.slow
 def test_a_cancelled_generation_leaves_the_batch_and_the_others_stay_correct(pipeline):
     path, handles, scheduler = pipeline
-    batcher = StepBatcher(handles)
+    batcher = LockstepGroups(handles)
     source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
 
     first, cut, third, fourth = asyncio.run(
@@ -125,13 +125,13 @@ def test_a_cancelled_generation_leaves_the_batch_and_the_others_stay_correct(pip
 
 def test_a_lone_generation_steps_on_its_own(pipeline):
     path, handles, scheduler = pipeline
-    batcher = StepBatcher(handles)
+    batcher = LockstepGroups(handles)
     source = PipelineSource(scheduler, lambda: handles, prefill=PrefillOptions(), batcher=batcher)
     assert asyncio.run(_tokens(source, PROMPTS[0], 16)) == reference(path, PROMPTS[0], 16)
     assert batcher.widest == 0
 
 
-class _SlowRounds(StepBatcher):
+class _SlowRounds(LockstepGroups):
     """A batcher whose rounds take ``round_s`` (a loaded machine, a slow stage) and return zeros:
     when the group's members step is the question here, not what a round computes."""
 
@@ -152,7 +152,7 @@ def test_members_out_of_step_batch_again_when_rounds_outlast_the_gather_wait(mon
     during that round, and so on, two members taking turns for good (every round one row). Here both
     start together: the first one's first round goes before the other is a member, so they start
     out of step; from the next round on they step together (not [1, 1, 1, 1, ...])."""
-    monkeypatch.setattr(step_batch, "GATHER_S", 0.2)
+    monkeypatch.setattr(lockstep, "GATHER_S", 0.2)
     batcher = _SlowRounds(round_s=0.3)
     a, b = object(), object()
     for m in (a, b):
