@@ -5,6 +5,7 @@ documents every key. Values parse alike in every source; an empty string means "
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import tomllib
@@ -60,6 +61,8 @@ ENV_PREFIX = "MESHNODE_"
 CONFIG_ENV = "MESHNODE_CONFIG"
 SECRET_FIELDS = ("cluster_key", "api_key")
 
+log = logging.getLogger(__name__)
+
 
 class ConfigError(MeshnodeError, ValueError):
     """An unknown setting or a bad value; the message names the key and its source."""
@@ -72,8 +75,10 @@ STRATEGY_CHOICES: tuple[StrategySetting, ...] = ("auto", *STRATEGIES)
 # where the model is split), or as named.
 Speculative = Literal["auto", "off", "prompt_lookup", "draft_model", "mtp"]
 SPECULATIVE_CHOICES: tuple[Speculative, ...] = get_args(Speculative)
-# Whether concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
-BatchStages = bool | Literal["auto"]
+# Whether concurrent decode steps travel through the stages in lockstep; "auto": with OpenBLAS only.
+LockstepSetting = bool | Literal["auto"]
+# Settings' earlier names -> their names now: read, with a warning, from a config file or the environment.
+RENAMED = {"batch_stages": "lockstep"}
 TENSOR_PORTS = 16  # ring endpoints: tensor_port + 0..15; group control channels: + 16..31
 ECHO_OFFSET = 2 * TENSOR_PORTS  # the link echo
 # The data port: activations in bare TCP frames.
@@ -103,7 +108,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prompt_cache": parse_bool,
     "prompt_cache_disk": checked(parse_size, lambda n: n >= 0, "0 (off) or a size"),
     "batching": parse_bool,
-    "batch_stages": bool_or_auto,
+    "lockstep": bool_or_auto,
     "speculative": checked(
         lambda v: as_text(v).strip().lower().replace("-", "_"),
         lambda v: v in SPECULATIVE_CHOICES,
@@ -220,8 +225,8 @@ class Settings:
     prompt_cache_disk: int = 32 * 10**9
     #: Batch concurrent generations where one node holds the whole model.
     batching: bool = True
-    #: Concurrent decode steps travel through the stages together; "auto": with OpenBLAS only.
-    batch_stages: BatchStages = "auto"
+    #: Concurrent decode steps travel through the stages in lockstep; "auto": with OpenBLAS only.
+    lockstep: LockstepSetting = "auto"
     #: "prompt_lookup", "draft_model", "mtp" (the model's own head) or "off"; "auto": the model's
     #: MTP head where one node holds it whole, else prompt lookup where the model is split.
     speculative: Speculative = "auto"
@@ -375,6 +380,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    for was, now in RENAMED.items():
+        if was in data:
+            if now in data:
+                raise ConfigError(f"config file {path}: {was!r} is the old name of {now!r}: keep one")
+            log.warning("config file %s: %r is now called %r; the old name still works", path, was, now)
+            data[now] = data.pop(was)
     unknown = [k for k in data if k not in _PARSERS]
     if unknown:
         k = unknown[0]
@@ -423,6 +434,10 @@ def load_settings(
                 raw = p if p.is_absolute() else (config_file.parent / p)
             put(name, raw, f"config file {config_file}: key {name!r}")
 
+    for was, now in RENAMED.items():
+        if env_var(was) in env and env_var(now) not in env:
+            log.warning("environment %s is now %s; the old name still works", env_var(was), env_var(now))
+            put(now, env[env_var(was)], f"environment {env_var(was)}")
     for name in FIELD_NAMES:
         var = env_var(name)
         if var in env:

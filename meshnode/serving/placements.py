@@ -23,12 +23,12 @@ from meshnode.serving.drafting import PromptLookup
 from meshnode.serving.generation import PipelineSource, PrefillOptions, new_request_id
 from meshnode.serving.grammar import GrammarError, grammar_error
 from meshnode.serving.local_stage import LocalStage
+from meshnode.serving.lockstep import LockstepGroups, can_lockstep, lockstep_wanted
 from meshnode.serving.mtp_heads import ServedHead, whole_model
 from meshnode.serving.resilience import EpochPending, GenerationFault, PlacementLost, await_while_alive
 from meshnode.serving.sampling import Sampled, SamplingParams
 from meshnode.serving.settings import PlacementSettings
 from meshnode.serving.speculative import Speculation, why_not
-from meshnode.serving.step_batch import StepBatcher, can_batch, stages_batch
 from meshnode.transport.refusals import (
     FAULT,
     STATUS,
@@ -84,14 +84,14 @@ class HeadPlacement:
         *,
         prefixes: PrefixIndex | None = None,
         tokenizer: TokenizerWrapper | None = None,
-        on_batched_step: Callable[[int], None] | None = None,
-        batch_steps: bool = True,
+        on_lockstep_round: Callable[[int], None] | None = None,
+        lockstep: bool = True,
         on_speculated: Callable[[int, int, int, int], None] | None = None,
         on_spec_costs: Callable[[float, float | None], None] | None = None,
         draft: DraftModel | None = None,
         mtp: ServedHead | None = None,
     ) -> None:
-        """``batch_steps``: concurrent decode steps may go through the stages together; ``mtp``: the
+        """``lockstep``: concurrent decode steps may go through the stages together; ``mtp``: the
         model's MTP head on this node."""
         self.epoch, self._on_fault, self._scheduler = epoch, on_fault, scheduler
         s = settings
@@ -131,8 +131,8 @@ class HeadPlacement:
                 )
             return
         batcher = (
-            StepBatcher(handles, on_batched_step)
-            if batch_steps and stages_batch(s.batch_stages) and can_batch(handles)
+            LockstepGroups(handles, on_lockstep_round)
+            if lockstep and lockstep_wanted(s.lockstep) and can_lockstep(handles)
             else None
         )
         if batcher is not None and self.drafter.kind == MTP:  # a batched step is not recorded for its drafter
