@@ -15,6 +15,7 @@ import mlx.core as mx
 from meshnode.config import TENSOR_PORTS
 from meshnode.model.shard import Shard
 from meshnode.model.tensor import TensorGroupError, TensorShard
+from meshnode.serving.mtp_heads import load_for_plan
 from meshnode.serving.settings import ServingSettings
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ async def load_part(served: Served, plan: Plan) -> None:
             log.error("epoch %d: could not load this node's part: %s", plan.epoch, exc)
             served.event("load-failed", epoch=plan.epoch, error=str(exc))
         raise
+    await load_for_plan(served, plan, wanted)  # before the plan serves: its placement drafts with the head
     if served.plan is not plan:
         keep_for_newer(served, wanted)
         return

@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
 
 from meshnode.ids import ModelId
+from meshnode.serving.mtp_heads import ServedHead, head_source
 from meshnode.weights.gguf_source import is_gguf_spec
 from meshnode.weights.holdings import Holding
 from meshnode.weights.manifest import read_marker
@@ -63,6 +64,7 @@ class ModelFiles:
         self._path: Path | None = None
         self._store: ModelStore | None = None  # serves held models to peers
         self._source: LayerSource | None = None  # folders holding layer ranges
+        self.mtp: ServedHead | None = None  # the model's MTP head on this node
 
     async def load(self, holders: Holders) -> None:
         """Resolves the model, profiles it and loads its tokenizer (from peers if this disk lacks it)."""
@@ -90,6 +92,7 @@ class ModelFiles:
         if not self.settings.placement.may_use_mtp:  # the head's memory is planned only where it may draft
             profile = profile.without_mtp()
         self.profile = profile
+        self.mtp = ServedHead(profile.mtp_bytes > 0, head_source(self.spec, path))
         self._source = LayerSource(model_id, path, peer_models, store, profile.num_layers)
         # As mlx_lm.load does: the model's own end-of-sequence ids.
         eos = (await asyncio.to_thread(load_config, path)).get("eos_token_id")

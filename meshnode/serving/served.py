@@ -389,6 +389,7 @@ def new_placement(served: ServedModel, plan: Plan) -> HeadPlacement | RemoteHead
         on_speculated=metrics.speculated,
         on_spec_costs=metrics.pass_costs,
         draft=served.draft,
+        mtp=served.files.mtp,
         lockstep=not plan.kv_bits and all(len(s.nodes) == 1 for s in plan.stages),
     )
 

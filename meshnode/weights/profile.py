@@ -359,6 +359,19 @@ def trained_context(config: dict[str, Any]) -> int:
     return scaled
 
 
+def _side_bytes(model_dir: Path) -> dict[str, int]:
+    """The tensors of safetensors files beside mlx-lm's (an MTP head kept where mlx-lm does not load it)."""
+    if read_marker(model_dir) is not None:
+        return {}
+    loaded = set(weight_files(model_dir))
+    return {
+        name: _entry_bytes(file, name, info)
+        for file in sorted(model_dir.glob("*.safetensors"))
+        if file not in loaded
+        for name, info in read_safetensors_header(file).items()
+    }
+
+
 def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
     """Profile an mlx-lm model directory, reading headers only."""
     model_dir = Path(model_dir)
@@ -404,7 +417,7 @@ def profile_model(model_dir: Path, name: str | None = None) -> ModelProfile:
             f"may start only at layers {split_boundaries(raw_cfg)}, which the planner does not place yet"
         )
     mtp = mtp_layout.mtp_footprint(
-        mtp_layout.head_tensor_bytes({k: t.bytes for k, t in tensors.items()}, raw_cfg),
+        mtp_layout.head_tensor_bytes({k: t.bytes for k, t in tensors.items()} | _side_bytes(model_dir), raw_cfg),
         embedding_bytes=embed,
         shares_embedding=False,
         shares_lm_head=True,
