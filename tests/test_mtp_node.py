@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
+from meshnode.cli.status import format_status
 from meshnode.model.build import build_model
 from meshnode.model.mtp import MTPHead, shared_from
 from meshnode.model.mtp_load import save_qwen
@@ -98,6 +99,7 @@ def test_greedy_answers_are_mlx_lms_and_the_head_drafts(kind, backbone, tmp_path
             timeout=120,
         ).json()
         assert served.placement(None).drafter.kind == "mtp", served.placement(None).drafter
+        mesh = requests.get(f"{base}/v1/mesh", timeout=30).json()
         drafted = _counters(base, "meshnode_speculative_position_drafted")
         accepted = _counters(base, "meshnode_speculative_position_accepted")
     got = reply["choices"][0]["text"]
@@ -105,3 +107,21 @@ def test_greedy_answers_are_mlx_lms_and_the_head_drafts(kind, backbone, tmp_path
     assert got == tokenizer.decode(want)
     assert drafted.get("1", 0) > 0 and accepted.get("1", 0) > 0, (drafted, accepted)
     assert all(accepted.get(p, 0) <= drafted[p] for p in drafted)
+    said = "mtp: the model's own head (1 layer, float32)"
+    assert mesh["drafter"] == mesh["models"][0]["drafter"] == said
+    assert f"drafter      {said}" in format_status(mesh).splitlines()
+
+
+def test_a_model_without_a_head_under_mtp_drafts_as_auto_would_and_says_why(backbone, tmp_path, caplog):
+    path, _, prompt, want = backbone
+    with running_node(path, tmp_path, max_context=1024, speculative="mtp", batching=False) as (node, base):
+        reply = requests.post(
+            f"{base}/v1/completions",
+            json={"model": node.model_id, "prompt": prompt, "max_tokens": N, "temperature": 0},
+            timeout=120,
+        ).json()
+        mesh = requests.get(f"{base}/v1/mesh", timeout=30).json()
+    assert reply["choices"][0]["text"] == mlx_load(str(path))[1].decode(want)
+    assert mesh["models"][0]["drafter"] == "prompt_lookup: no MTP head"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith('speculative = "mtp"')]
+    assert said == ['speculative = "mtp": no MTP head; drafting with prompt_lookup instead'], said

@@ -95,6 +95,8 @@ def format_status(data: dict[str, Any]) -> str:
         epoch_text += f" (ready: {ready})"
     lines.append(f"epoch        {epoch_text}")
     lines += _plan_lines(data)
+    if data.get("drafter"):
+        lines.append(f"drafter      {data['drafter']}")
     if data.get("plan_error"):
         lines.append(f"plan error   {data['plan_error']}")
     models = data.get("models") or []
@@ -112,6 +114,7 @@ def format_status(data: dict[str, Any]) -> str:
             lines.append(
                 f"{'models' if i == 0 else '':<13}{m.get('model')}: {m.get('state', '?')}"
                 + (f", epoch {m.get('epoch')}: {where}" if where else "")
+                + (f"; drafter {m['drafter']}" if m.get("drafter") else "")
             )
     lines += _node_lines(data, me, coordinator)
     lines += _link_lines(data, me)

@@ -53,6 +53,16 @@ def peer_view(peers: Peers, nid: str, info: NodeInfo, me: bool, coordinator: boo
     }
 
 
+def drafter_view(served: ServedModel) -> str | None:
+    """Which drafter serves the model's requests from this node, and why (None: no plan serves)."""
+    plan = served.serving_plan()
+    if plan is None or plan.unloaded:
+        return None
+    placement = served.placement_for(plan)
+    choice = getattr(placement, "drafter", None)
+    return choice.describe() if choice is not None else f"chosen by the head, {getattr(placement, 'head', '?')}"
+
+
 def plan_view(lane: Lane) -> dict[str, Any]:
     """A lane's plan and readiness: the first model's at the top of the document, each model's in ``models``."""
     served = lane.served
@@ -62,6 +72,7 @@ def plan_view(lane: Lane) -> dict[str, Any]:
         "healthy": served.serving_ready(),
         "plan_error": served.plan_error or None,
         "plan": plan_status(served.plan, lane.coordinator.estimate_now()),
+        "drafter": drafter_view(served),
     }
 
 
