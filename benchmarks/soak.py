@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -321,8 +322,11 @@ def classify(results: list[dict], refs: dict[str, str], soak: Soak) -> dict:
     return {**counts, "bad": bad[:10]}
 
 
-def soak(minutes: float, seed: int, log=print, *, hosts: int = HOSTS, model: str = "llama") -> dict:
-    """Run the soak; its report (counts, faults, the first bad requests)."""
+def soak(
+    minutes: float, seed: int, log=print, *, hosts: int = HOSTS, model: str = "llama", keep_logs: Path | None = None
+) -> dict:
+    """Run the soak; its report (counts, faults, the first bad requests). ``keep_logs``: a folder
+    that gets every node's whole log and the clients' request lines."""
     rng = random.Random(seed)
     seconds = minutes * 60
     with tempfile.TemporaryDirectory(prefix="meshnode-soak-") as tmp, netns_mesh(hosts, "soak") as mesh:
@@ -349,6 +353,12 @@ def soak(minutes: float, seed: int, log=print, *, hosts: int = HOSTS, model: str
             if c.returncode:
                 log(err[-2000:])
         final = run.converge(180)
+        if keep_logs is not None:
+            keep_logs.mkdir(parents=True, exist_ok=True)
+            for h in run.cluster.hosts:
+                if run.cluster.log_path(h).exists():
+                    shutil.copy(run.cluster.log_path(h), keep_logs / f"{h.name}.log")
+            (keep_logs / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
         report = classify(results, refs, run)
         report.update(
             minutes=minutes,
@@ -377,9 +387,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--hosts", type=int, default=HOSTS)
     ap.add_argument("--model", choices=("llama", "smollm2"), default="llama", help="random weights, or the real model")
-    ap.add_argument("--out", type=Path, default=None, help="write soak.json here")
+    ap.add_argument("--out", type=Path, default=None, help="write soak.json, and the nodes' logs under logs/, here")
     args = ap.parse_args()
-    report = soak(args.minutes, args.seed, log=lambda line: print(line, flush=True), hosts=args.hosts, model=args.model)
+    report = soak(
+        args.minutes,
+        args.seed,
+        log=lambda line: print(line, flush=True),
+        hosts=args.hosts,
+        model=args.model,
+        keep_logs=args.out / "logs" if args.out else None,
+    )
     if report.get("logs"):
         print(report["logs"])
     if args.out:
