@@ -816,6 +816,20 @@ def test_a_plan_on_fewer_nodes_needs_only_to_be_no_slower_and_the_way_back_the_f
     assert not pays_to_move(two, two.estimate_s, other)  # as many nodes, 8 % faster
 
 
+def test_each_recent_plan_change_doubles_the_wait_before_an_optional_move():
+    """The soak's busy machine: a slow node left the plan, looked fast again once idle, and came back,
+    a new epoch every 5-7 s. Each plan change in the last five minutes doubles the wait, up to a cap;
+    older ones count for nothing."""
+    from meshnode.control.coordinator import MOVES_BACKOFF_MAX, MOVES_WINDOW_S, rebalance_wait
+
+    now = 1000.0
+    assert rebalance_wait(5.0, [], now) == 5.0
+    assert rebalance_wait(5.0, [now - 10], now) == 10.0
+    assert rebalance_wait(5.0, [now - 30, now - 20, now - 10], now) == 40.0
+    assert rebalance_wait(5.0, [now - MOVES_WINDOW_S - 1, now - 10], now) == 10.0  # one is too old to count
+    assert rebalance_wait(5.0, [now - i for i in range(1, 9)], now) == 5.0 * MOVES_BACKOFF_MAX
+
+
 def test_plan_endpoints_travel_and_bad_ones_are_refused():
     p = shaped(n=8)
     nodes = [NodeSpec("a", 2 * GiB, layer_seconds=5e-4), NodeSpec("b", 2 * GiB, layer_seconds=5e-4)]

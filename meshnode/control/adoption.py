@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,9 @@ class Adoption:
         # Nodes started together hear each other before either publishes (grace).
         self.epochs = EpochState(grace=grace)
         self.changed_at = 0.0  # for the coordinator's dwell
+        # When the last plans were adopted (monotonic): every node keeps them, so a newly elected
+        # coordinator knows how much the mesh has moved lately.
+        self.changes: deque[float] = deque(maxlen=8)
         self._event = event
 
     # ------------------------------------------------------------------ what this node holds
@@ -95,6 +99,7 @@ class Adoption:
         self.served.take(plan)
         self.epochs.adopted(plan.epoch, coordinator)
         self.changed_at = time.monotonic()
+        self.changes.append(self.changed_at)
         log.info("epoch %d adopted (from %s): %s", plan.epoch, source, describe(plan))
         self._event("plan", epoch=plan.epoch, stages=describe(plan))
         self.served.apply_soon(plan)

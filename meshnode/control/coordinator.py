@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 REPLAN_GAIN = 0.15
 # Assumed all-reduce cost of an unmeasured node, so tensor groups form on measurements.
 UNMEASURED_COLLECTIVE_S = 250e-6
+# Plan changes within this many seconds count toward an optional move's wait: each one doubles it,
+# so a mesh whose figures swing (a busy machine, a node slowing down and up) settles.
+MOVES_WINDOW_S = 300.0
+MOVES_BACKOFF_MAX = 16
+
 # Faults after which a node holds none of a model's layers until it restarts: once may be one
 # bad input, twice is a model the node cannot run.
 FAULT_LIMIT = 2
@@ -93,6 +98,14 @@ def pays_to_move(current: Plan, current_s: float, desired: Plan) -> bool:
     if desired.estimate_s < current_s * (1 - REPLAN_GAIN):
         return True
     return len(set(desired.node_ids())) < len(set(current.node_ids())) and desired.estimate_s <= current_s
+
+
+def rebalance_wait(dwell: float, moves: Sequence[float], now: float) -> float:
+    """Seconds a working plan stays before an optional move: ``dwell``, doubled for each plan change
+    at ``moves`` (their times) in the last MOVES_WINDOW_S, up to MOVES_BACKOFF_MAX times. A plan
+    that lost a node is replaced at once, never through this wait."""
+    recent = sum(1 for t in moves if now - t < MOVES_WINDOW_S)
+    return dwell * min(MOVES_BACKOFF_MAX, 2**recent)
 
 
 def squeezed(plan: Plan, alive: dict[str, NodeInfo], used: dict[str, int]) -> list[str]:
@@ -297,16 +310,20 @@ class Coordinator:
                 # Must win twice in a row: one noisy figure cannot tear down a group.
                 self._pending, self._planned_at = layout(desired), now
                 return
-            if now - adoption.changed_at < s.rebalance_dwell:
+            # The wait grows with the plans adopted lately, the first (this mesh's start) left out.
+            changes = list(adoption.changes)[1:]
+            wait = rebalance_wait(s.rebalance_dwell, changes, now)
+            if now - adoption.changed_at < wait:
                 if repaced:  # weigh the new slowdown again at the next tick
                     self._paces = {}
                 return  # else at the next regular weighing
             log.info(
-                "rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token): %s",
+                "rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token; the next move waits %.0f s): %s",
                 describe(current_plan),
                 current * 1e3,
                 describe(desired),
                 desired.estimate_s * 1e3,
+                rebalance_wait(s.rebalance_dwell, [*changes, now], now),
                 desired.reason,
             )
         if contested:
