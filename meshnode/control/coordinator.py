@@ -105,7 +105,7 @@ def rebalance_wait(dwell: float, moves: Sequence[float], now: float) -> float:
     at ``moves`` (their times) in the last MOVES_WINDOW_S, up to MOVES_BACKOFF_MAX times. A plan
     that lost a node is replaced at once, never through this wait."""
     recent = sum(1 for t in moves if now - t < MOVES_WINDOW_S)
-    return dwell * min(MOVES_BACKOFF_MAX, 2**recent)
+    return dwell * min(MOVES_BACKOFF_MAX, 1 << recent)
 
 
 def squeezed(plan: Plan, alive: dict[str, NodeInfo], used: dict[str, int]) -> list[str]:
