@@ -14,8 +14,9 @@ from meshnode.planner.cost import (
     supports_tensor,
     tensor_parallel_problem,
 )
-from meshnode.planner.plans import STRATEGIES, LinkSpec, NodeSpec, Plan, PlanError, Stage, Strategy, human_bytes
+from meshnode.planner.plans import LinkSpec, NodeSpec, Plan, PlanError, Stage, human_bytes
 from meshnode.planner.search import bytes_to_fetch, crossover_latency, estimate, plan
+from meshnode.values import STRATEGIES, Strategy
 
 __all__ = [
     "DEFAULT_LINK",

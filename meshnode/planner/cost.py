@@ -7,12 +7,15 @@ from collections.abc import Mapping, Sequence
 
 from meshnode.ids import NodeId
 from meshnode.planner.memory import LayerCosts, split_layers
-from meshnode.planner.plans import LinkSpec, NodeSpec, Strategy
+from meshnode.planner.plans import LinkSpec, NodeSpec
+from meshnode.values import Strategy
 from meshnode.weights.profile import ModelProfile
 from meshnode.weights.weightfiles import ITEMSIZE
 
 # A plan as the estimates see it: each unit's node ids (several: a tensor group) and its layers [start, end).
 Units = tuple[tuple[tuple[NodeId, ...], int, int], ...]
+# A unit's (group size, memory budget, seconds per layer, collective seconds, slowest member's speed)
+UnitSpec = tuple[int, int, float, float, float]
 
 DEFAULT_LINK = LinkSpec(rtt_s=1e-3, bandwidth_Bps=100e6)  # an unmeasured link: a conservative LAN
 DEFAULT_BYTES_PER_S = 100e9  # weight bytes/s of a compute-1.0 node (decode is memory-bound)
@@ -198,7 +201,7 @@ class CostModel:
         one_way, bw = self.worst(ids)
         return 2 * (2 * (g - 1) * (one_way + self.msg / (g * bw)) + self.machinery(ids))
 
-    def unit_spec(self, ids: Sequence[NodeId]) -> tuple[int, int, float, float, float]:
+    def unit_spec(self, ids: Sequence[NodeId]) -> UnitSpec:
         slowest = max(self.spb(i) for i in ids)
         return len(ids), min(self.by_id[i].memory_budget for i in ids), slowest / len(ids), self.coll(ids), slowest
 
@@ -281,7 +284,7 @@ class CostModel:
         return [0, *reversed(edges)]
 
 
-def _same_speeds(specs: list[tuple]) -> list[tuple]:
+def _same_speeds(specs: list[UnitSpec]) -> list[UnitSpec]:
     """``unit_spec`` tuples with speeds within SAME_SPEED of each other replaced by their mean."""
     order = sorted({sp[4] for sp in specs})
     snapped: dict[float, float] = {}

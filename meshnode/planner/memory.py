@@ -7,7 +7,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from meshnode.ids import NodeId
-from meshnode.planner.plans import NodeSpec, Plan, Stage, Strategy, describe_context, human_bytes
+from meshnode.planner.plans import NodeSpec, Plan, Stage, describe_context, human_bytes
+from meshnode.values import Strategy
 from meshnode.weights.profile import ModelProfile
 
 EXACT_MAX_NODES = 12  # subset DP over 2**k stage orders up to here

@@ -84,7 +84,7 @@ class Plan:
     reason: str = ""
     max_context: int = 0
     estimate_s: float = 0.0  # estimated seconds per decoded token (0: not estimated)
-    alternatives: tuple[dict, ...] = ()  # each other strategy's best plan, or why it has none
+    alternatives: tuple[dict[str, Any], ...] = ()  # each other strategy's best plan, or why it has none
     kv_bits: int = 0  # KV cache quantization bits; 0: unquantized
 
     @property

@@ -7,6 +7,7 @@ import itertools
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from meshnode.ids import NodeId
 from meshnode.planner.cost import (
@@ -24,16 +25,15 @@ from meshnode.planner.cost import (
 )
 from meshnode.planner.memory import fitting_order, memory_plan, why_not
 from meshnode.planner.plans import (
-    STRATEGIES,
     LinkSpec,
     NodeSpec,
     Plan,
     PlanError,
     Stage,
-    Strategy,
     describe_context,
     human_bytes,
 )
+from meshnode.values import STRATEGIES, Strategy
 from meshnode.weights.kvquant import KV_GROUP_SIZE
 from meshnode.weights.profile import ModelProfile
 
@@ -69,8 +69,8 @@ def _enumerate(cx: CostModel, ranked: list[NodeSpec], allowed: set[Strategy], by
     n, N = cx.n, len(ranked)
     ids = [x.node_id for x in ranked]  # by budget, largest first, then id
     out: list[_Cand] = []
-    seen: set = set()  # placements (units) listed
-    tried: set = set()  # group sequences split
+    seen: set[Units] = set()  # placements (units) listed
+    tried: set[tuple[tuple[NodeId, ...], ...]] = set()  # group sequences split
 
     def add(groups: Sequence[Sequence[NodeId]], by_memory_plan: Plan | None = None) -> None:
         key = tuple(tuple(g) for g in groups)
@@ -338,7 +338,7 @@ def kv_note(profile: ModelProfile, asked: int) -> str:
 
 def _alternatives(
     cx: CostModel, ranked: list[NodeSpec], cands: list[_Cand], estimates: list[float], pick: int, allowed: set[Strategy]
-) -> tuple[dict, ...]:
+) -> tuple[dict[str, Any], ...]:
     """Each other strategy's best plan (or why none), and the chosen one's runner-up."""
     chosen, est = cands[pick], estimates[pick]
     out = []
@@ -387,7 +387,7 @@ def _alternatives(
     return tuple(out)
 
 
-def _why_chosen(cx: CostModel, chosen: _Cand, est: float, alternatives: tuple[dict, ...]) -> str:
+def _why_chosen(cx: CostModel, chosen: _Cand, est: float, alternatives: tuple[dict[str, Any], ...]) -> str:
     rivals = [
         f"{a['strategy']} {tps_text(a['estimate_s'])}"
         for a in alternatives

@@ -15,6 +15,7 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import LlamaFileType, ReaderTensor
@@ -70,7 +71,9 @@ def ollama_blob(spec: str, root: Path | None = None) -> Path:
     if not manifest.is_file():
         raise FileNotFoundError(f"Ollama has no model {name}:{tag or 'latest'} (no manifest at {manifest})")
     layers = json.loads(manifest.read_text()).get("layers") or []
-    digest = next((layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
+    digest: str | None = next(
+        (layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_MEDIA), None
+    )
     if not digest or not re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
         raise FileNotFoundError(f"Ollama's manifest {manifest} names no model layer")
     blob = root / "blobs" / digest.replace(":", "-")
@@ -87,7 +90,7 @@ def content_hash(path: Path, cache_dir: Path, progress: Progress | None = None) 
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     memo = cache_dir / "gguf" / "hashes.json"
-    known = _read_json(memo)
+    known: dict[str, str] = _read_json(memo)
     if key in known:
         return known[key]
     digest, done = hashlib.sha256(), 0
@@ -106,14 +109,15 @@ def content_hash(path: Path, cache_dir: Path, progress: Progress | None = None) 
     return known[key]
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
     except (OSError, ValueError):
         return {}
 
 
-def model_id(meta: dict, sha: str) -> str:
+def model_id(meta: dict[str, Any], sha: str) -> str:
     """A readable id that only this file's content gives: base name, size, type, hash."""
     words = [str(meta.get(k) or "") for k in ("general.basename", "general.size_label")]
     if not any(words):
@@ -125,13 +129,13 @@ def model_id(meta: dict, sha: str) -> str:
     return f"{slug}-{sha[:12]}"
 
 
-def file_type(meta: dict) -> str:
+def file_type(meta: dict[str, Any]) -> str:
     """The file's type as llama.cpp names it (Q4_1, Q4_K_M, F16): general.file_type, else the
     commonest type of the blocks' weights."""
     value = meta.get("general.file_type")
     if isinstance(value, int) and (value & ~GUESSED) in FILE_TYPES:
         return FILE_TYPES[value & ~GUESSED]
-    kinds = Counter(meta.get("_tensor_types", []))
+    kinds: Counter[str] = Counter(meta.get("_tensor_types", []))
     return kinds.most_common(1)[0][0] if kinds else ""
 
 
@@ -256,7 +260,7 @@ def convert(path: Path, out: Path, sha: str, progress: Progress | None = None) -
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
-def _parameter_names(cfg: dict) -> list[str]:
+def _parameter_names(cfg: dict[str, Any]) -> list[str]:
     """The parameter names of the mlx-lm model ``cfg`` describes (built lazily: nothing allocated)."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -270,12 +274,12 @@ def _minus_one(p: Planned) -> Planned:
     return Planned(p.name, p.dtype, p.shape, lambda: p.make() - 1)
 
 
-def _quantization(bits_of: dict[str, int]) -> dict:
+def _quantization(bits_of: dict[str, int]) -> dict[str, Any]:
     """mlx-lm's quantization config: the commonest width for all, each other module by its path."""
     if not bits_of:
         return {}
     common = Counter(bits_of.values()).most_common(1)[0][0]
-    q: dict = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
+    q: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
     for module, bits in bits_of.items():
         if bits != common:
             q[module] = {"group_size": GROUP_SIZE, "bits": bits}
@@ -318,7 +322,7 @@ def _write_shards(out: Path, planned: list[tuple[int, Planned]], advance: Callab
     )
 
 
-def _check_rope_factors(tensors: dict, cfg: dict) -> None:
+def _check_rope_factors(tensors: dict[str, ReaderTensor], cfg: dict[str, Any]) -> None:
     """The four llama 3 rope numbers mlx-lm needs that give exactly the file's factor tensor, or refuse."""
     t = tensors.get("rope_freqs.weight")
     if t is None:

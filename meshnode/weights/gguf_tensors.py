@@ -113,7 +113,8 @@ def _pack(values: np.ndarray, bits: int) -> np.ndarray:
     per = 32 // bits
     v = values.astype(np.uint32).reshape(values.shape[0], -1, per)
     shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
-    return np.bitwise_or.reduce(v << shifts, axis=2)
+    packed: np.ndarray = np.bitwise_or.reduce(v << shifts, axis=2)
+    return packed
 
 
 def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -41,7 +41,7 @@ def holdings_from_pb(items: Sequence[mesh_pb2.ModelHolding]) -> tuple[Holding, .
     return tuple(out)
 
 
-def holdings_to_json(holdings: tuple[Holding, ...]) -> list[dict]:
+def holdings_to_json(holdings: tuple[Holding, ...]) -> list[dict[str, object]]:
     return [{"model": m, "complete": c, "layers": [[a, b] for a, b in r]} for m, c, r in holdings]
 
 

@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from meshnode.proto import mesh_pb2
 from meshnode.weights.manifest import (
@@ -45,7 +46,7 @@ def _small_patterns() -> list[str]:
     return [p for p in HUB_PATTERNS if not p.endswith(".safetensors")]
 
 
-def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, dict]:
+def _remote_header(model_id: str, filename: str, revision: str) -> tuple[int, dict[str, Any]]:
     """(header length with prefix, JSON header) of a Hub safetensors file, by HTTP ranges."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -91,7 +92,7 @@ def _remote_entry(model_id: str, revision: str, path: str, size: int, sha256: st
     return entry
 
 
-def _link_folder(dest: Path, links: dict[str, Path], marker: dict) -> Path:
+def _link_folder(dest: Path, links: dict[str, Path], marker: dict[str, Any]) -> Path:
     """Write ``dest`` (symlinks ``rel -> target`` plus the marker) and publish it by one rename."""
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     tmp.mkdir(parents=True)
@@ -341,7 +342,9 @@ def _download(
     raise FetchError(f"downloading {model_id}/{path} failed")
 
 
-def _check_hub_space(model_id: str, needed: list[str], files: dict, blobs: Path, reserve: int = 64 << 20) -> None:
+def _check_hub_space(
+    model_id: str, needed: list[str], files: dict[str, mesh_pb2.FileEntry], blobs: Path, reserve: int = 64 << 20
+) -> None:
     """Raise DiskSpaceError when ``blobs``' disk cannot take the files still missing."""
     blobs = Path(blobs)
     need = 0

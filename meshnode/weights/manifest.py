@@ -162,15 +162,18 @@ def hash_file(path: Path, rel: str) -> mesh_pb2.FileEntry:
 
 
 def manifest_to_dict(m: mesh_pb2.ModelManifest) -> dict[str, Any]:
-    return json_format.MessageToDict(m, preserving_proto_field_name=True)
+    d: dict[str, Any] = json_format.MessageToDict(m, preserving_proto_field_name=True)
+    return d
 
 
 def manifest_from_dict(d: dict[str, Any]) -> mesh_pb2.ModelManifest:
-    return json_format.ParseDict(d, mesh_pb2.ModelManifest())
+    m = mesh_pb2.ModelManifest()
+    json_format.ParseDict(d, m)  # fills m in place
+    return m
 
 
-def _cache_key(model_dir: Path, rels: list[str]) -> list:
-    key = []
+def _cache_key(model_dir: Path, rels: list[str]) -> list[list[str | int]]:
+    key: list[list[str | int]] = []
     for rel in rels:
         st = (model_dir / rel).stat()
         key.append([rel, st.st_size, st.st_mtime_ns])
@@ -272,8 +275,9 @@ def weights_identity(model_dir: Path | str) -> str:
     """A cheap name for a folder's weights: a partial folder's model digest, else a hash of config
     and weight file names, sizes and times."""
     marker = read_marker(model_dir)
-    if marker is not None and isinstance(marker.get("digest"), str) and marker["digest"]:
-        return marker["digest"]
+    digest = marker.get("digest") if marker is not None else None
+    if isinstance(digest, str) and digest:
+        return digest
     h = hashlib.sha256()
     config = Path(model_dir) / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")

@@ -30,7 +30,9 @@ def covers(model_dir: Path, start: int, end: int) -> bool:
         return False
     if marker is None:
         return (model_dir / "config.json").is_file()  # a complete mlx-lm folder
-    return marker.get("start", 0) <= start and end <= marker.get("end", -1)
+    first: int = marker.get("start", 0)
+    last: int = marker.get("end", -1)
+    return first <= start and end <= last
 
 
 def cached_metadata(cache_root: Path, model_id: str) -> Path | None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -150,7 +151,7 @@ def _held_layers(m: mesh_pb2.ModelManifest) -> set[int]:
     return out
 
 
-def _layout(tensors: list[tuple[str, mesh_pb2.TensorEntry]], max_bytes: int) -> dict[str, dict]:
+def _layout(tensors: list[tuple[str, mesh_pb2.TensorEntry]], max_bytes: int) -> dict[str, dict[str, Any]]:
     """Output safetensors files: name -> {"header": bytes-as-str, "tensors": [(tensor, out offset)]}."""
     groups: list[list[mesh_pb2.TensorEntry]] = []
     size = 0
@@ -163,7 +164,7 @@ def _layout(tensors: list[tuple[str, mesh_pb2.TensorEntry]], max_bytes: int) -> 
     out = {}
     for i, group in enumerate(groups):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
-        header: dict = {"__metadata__": {"format": "mlx"}}
+        header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
         pos = 0
         for t in group:
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.length]}
@@ -225,13 +226,15 @@ async def _config_of(
     partial: Path,
     metadata: Metadata | None,
     timeout: float,
-) -> dict:
+) -> dict[str, Any]:
     """config.json, read from an earlier partial folder or fetched into memory (verified)."""
     entry = next((f for f in ref.files if f.path == "config.json"), None)
     local = partial / "config.json"
     if entry is not None and local.is_file() and hashlib.sha256(local.read_bytes()).hexdigest() == entry.sha256:
-        return json.loads(local.read_bytes())
-    return json.loads(await _small_file(ref, "config.json", peers, holders, metadata, timeout))
+        config: dict[str, Any] = json.loads(local.read_bytes())
+        return config
+    config = json.loads(await _small_file(ref, "config.json", peers, holders, metadata, timeout))
+    return config
 
 
 async def fetch_metadata(
@@ -434,7 +437,7 @@ async def fetch_layers(
 def _finish(
     partial: Path,
     dest: Path,
-    layout: dict,
+    layout: dict[str, dict[str, Any]],
     ref: mesh_pb2.ModelManifest,
     model_id: str,
     start: int,

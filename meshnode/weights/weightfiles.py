@@ -45,7 +45,7 @@ SKIP_KEY = re.compile(
 )
 
 
-def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], where: str) -> tuple[int, dict]:
+def decode_safetensors_header(head: bytes, more: Callable[[int, int], bytes], where: str) -> tuple[int, dict[str, Any]]:
     """(bytes before the tensor data, header without ``__metadata__``) of a file starting with
     ``head``; ``more(first, last)`` reads an inclusive byte range of a longer header."""
     if len(head) < 8:
