@@ -58,7 +58,7 @@ def shared_from(model: nn.Module) -> Shared:
 def block_class(model_type: str) -> Callable[[Any], nn.Module]:
     """The decoder block class of mlx-lm's ``model_type`` family (``TransformerBlock``)."""
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    block = getattr(module, "TransformerBlock", None)
+    block: Callable[[Any], nn.Module] | None = getattr(module, "TransformerBlock", None)
     if block is None:
         raise ValueError(f"mlx-lm family {model_type!r} has no TransformerBlock an MTP head can use")
     return block
@@ -114,7 +114,8 @@ class MTPHead(nn.Module):
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         if "embed" in self:
-            return self.embed(tokens)
+            embedded: mx.array = self.embed(tokens)
+            return embedded
         assert self.shared is not None
         return self.shared.embed(tokens)
 

@@ -45,7 +45,8 @@ class HiddenTap:
         class Tapped(base):  # type: ignore[misc, valid-type]  # the norm's own class, whichever it is
             def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
                 tap.record(x)
-                return base.__call__(self, x, *args, **kwargs)
+                out: mx.array = base.__call__(self, x, *args, **kwargs)
+                return out
 
         Tapped.__name__ = Tapped.__qualname__ = base.__name__
         norm.__class__ = Tapped

@@ -111,7 +111,7 @@ def speculative_tokens(
     pipe = model.passes(held)
     y, n = history[-1], 0
     # Yielded once the next passes are out, so the stages compute while these stream.
-    drawn: list = []
+    drawn: list[int] = []
     last_out = None  # when the last pass came out
     promised = False  # the last step promised the stages that this one is plain
     try:
