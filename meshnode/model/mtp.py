@@ -91,7 +91,7 @@ class MTPHead(nn.Module):
         own_head: bool = False,
         block: Callable[[Any], nn.Module] | None = None,
     ):
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         dims, eps = args.hidden_size, args.rms_norm_eps
         self.enorm = nn.RMSNorm(dims, eps=eps)
         self.hnorm = nn.RMSNorm(dims, eps=eps)
@@ -209,11 +209,11 @@ class MTPHead(nn.Module):
 
     def quantized_bits(self) -> int | None:
         """The fewest bits any of the head's quantized layers has (None: not quantized)."""
-        bits = [m.bits for _, m in self.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+        bits = [m.bits for _, m in self.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         return min(bits) if bits else None
 
     def own_bytes(self) -> dict[str, int]:
         """The head's own tensors (its names -> bytes), for ``mtp_layout.mtp_footprint``."""
         from mlx.utils import tree_flatten
 
-        return {name: int(a.nbytes) for name, a in dict(tree_flatten(self.parameters())).items()}
+        return {name: int(a.nbytes) for name, a in dict(tree_flatten(self.parameters())).items()}  # type: ignore[no-untyped-call]  # mlx's Module has no annotations

@@ -40,7 +40,7 @@ def build_head(weights: Mapping[str, mx.array], args: Any, shared: Shared | None
     )
     _quantize_like(head, weights)
     head.load_weights(list(weights.items()), strict=True)
-    mx.eval(head.parameters())
+    mx.eval(head.parameters())  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
     bits = head.quantized_bits()
     if bits is not None and bits <= POOR_BITS:
         log.warning("MTP head of %s is quantized to %d bits: a 4-bit head drafts badly", source, bits)
@@ -51,7 +51,7 @@ def _quantize_like(head: MTPHead, weights: Mapping[str, mx.array]) -> None:
     """Quantize the layers whose weights come with scales, at the bits and group size they were
     stored with (read off the shapes: packed width against the layer's float width)."""
     params: dict[str, dict[str, Any]] = {}
-    for path, module in head.named_modules():
+    for path, module in head.named_modules():  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         scales = weights.get(f"{path}.scales")
         if scales is None or not hasattr(module, "to_quantized"):
             continue
@@ -179,7 +179,7 @@ def save_qwen(head: MTPHead, path: Path) -> None:
     back = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "norm": "norm"}
     back |= {"embed": "embed_tokens", "head": "lm_head"}
     out: dict[str, mx.array] = {}
-    for name, array in dict(tree_flatten(head.parameters())).items():
+    for name, array in dict(tree_flatten(head.parameters())).items():  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         module, _, rest = name.partition(".")
         out["mtp." + ("layers.0." + rest if module == "block" else f"{back[module]}.{rest}")] = array
     mx.save_safetensors(str(path), out, metadata={"format": "mlx"})

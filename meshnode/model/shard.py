@@ -50,7 +50,7 @@ class _Skip(nn.Module):
     """
 
     def __init__(self, arity: int = 1):
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         self._arity = arity
 
     def _out(self, h: mx.array) -> mx.array | tuple[mx.array | None, ...]:
@@ -82,7 +82,7 @@ class _NoEmbedding(nn.Module):
     """Replaces the embedding on stages that start with a received activation (never computed)."""
 
     def __init__(self, hidden_size: int, dtype: mx.Dtype):
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         self._hidden_size = hidden_size
         self._dtype = dtype
 
@@ -311,7 +311,7 @@ class Shard:
                 if i == start - 1:
                     stand_in = _Inject(self._slot, arity)
                 elif i == end:
-                    stand_in = _Exit()
+                    stand_in = _Exit()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
                 else:
                     stand_in = _Skip(arity)
                 layers[i] = _stand_in(stand_in, layers[i])
@@ -319,9 +319,9 @@ class Shard:
         if inner is not None and start > 0 and not (self.spec.is_last and tied):
             inner.embed_tokens = _NoEmbedding(self.hidden_size, dtype)
         if inner is not None and not self.spec.is_last:
-            inner.norm = _Absent()
+            inner.norm = _Absent()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
             if hasattr(model, "lm_head"):
-                model.lm_head = _Absent()
+                model.lm_head = _Absent()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         if partial:
             _check_partial(model, model_path, start, end)
         if inner is not None and group is not None and group.size() > 1:

@@ -66,7 +66,7 @@ class ShardModel(nn.Module):
     """The whole-model shard as BatchGenerator wants a model: logits of every position."""
 
     def __init__(self, shard: Shard):
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module has no annotations
         self.shard = shard
         self.layers = shard.model.layers
 
