@@ -409,18 +409,18 @@ def test_data_stream_for_a_model_not_served_here_is_refused_as_pending(pair):
         peer.recv(1)
 
 
-@pytest.mark.parametrize("batch", [False, True])
-def test_data_stream_goes_to_its_models_server(pair, monkeypatch, batch):
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_data_stream_goes_to_its_models_server(pair, monkeypatch, lockstep):
     conn, peer = pair
     calls = []
     monkeypatch.setattr(routing, "serve_forward", lambda *a, hook=None: calls.append(("forward", a)))
-    monkeypatch.setattr(routing, "serve_lockstep", lambda *a: calls.append(("batch", a)))
+    monkeypatch.setattr(routing, "serve_lockstep", lambda *a: calls.append(("lockstep", a)))
     first, second = object(), object()
     run_here = object()
     router = StageRouter(Lookup({"": first, "m2": second}), run_here)
-    opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(request_id="r", model="m2", batch=batch))
+    opening = mesh_pb2.DataOpen(forward=mesh_pb2.ForwardRequest(request_id="r", model="m2", lockstep=lockstep))
     router.data(conn, opening, "10.0.0.9")
-    assert calls == [("batch" if batch else "forward", (second, run_here, conn, opening, "10.0.0.9"))]
+    assert calls == [("lockstep" if lockstep else "forward", (second, run_here, conn, opening, "10.0.0.9"))]
     peer.setblocking(False)
     with pytest.raises(BlockingIOError):
         peer.recv(1)  # nothing refused

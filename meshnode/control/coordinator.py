@@ -108,6 +108,18 @@ def rebalance_wait(dwell: float, moves: Sequence[float], now: float) -> float:
     return dwell * min(MOVES_BACKOFF_MAX, 1 << recent)
 
 
+def say_move(current_plan: Plan, current_s: float, desired: Plan, next_wait: float) -> None:
+    log.info(
+        "rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token; the next move waits %.0f s): %s",
+        describe(current_plan),
+        current_s * 1e3,
+        describe(desired),
+        desired.estimate_s * 1e3,
+        next_wait,
+        desired.reason,
+    )
+
+
 def squeezed(plan: Plan, alive: dict[str, NodeInfo], used: dict[str, int]) -> list[str]:
     """The nodes of ``plan`` that offer less memory now than it and the other models' plans put on them."""
     return sorted(
@@ -317,15 +329,7 @@ class Coordinator:
                 if repaced:  # weigh the new slowdown again at the next tick
                     self._paces = {}
                 return  # else at the next regular weighing
-            log.info(
-                "rebalancing: %s (est. %.2f ms/token) -> %s (est. %.2f ms/token; the next move waits %.0f s): %s",
-                describe(current_plan),
-                current * 1e3,
-                describe(desired),
-                desired.estimate_s * 1e3,
-                rebalance_wait(s.rebalance_dwell, [*changes, now], now),
-                desired.reason,
-            )
+            say_move(current_plan, current, desired, rebalance_wait(s.rebalance_dwell, [*changes, now], now))
         if contested:
             log.info(
                 "another node published a different plan as epoch %d: publishing this mesh's plan again "
