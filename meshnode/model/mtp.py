@@ -6,11 +6,9 @@ family's own, with its own KV cache), the final norm and the LM head: logits for
 its own output it drafts k tokens. Layouts on disk: ``meshnode.weights.mtp_layout``; loaders:
 ``meshnode.model.mtp_load``.
 
-The cache holds one entry per position: entries built from the backbone's hidden states are true,
-those a draft chains on its own guesses are not, and ``settle`` cuts them off once the backbone has
-verified (the next ``draft`` feeds the verified positions' hidden states first). A decode loop:
-``extend`` the prompt's positions but the last; each round ``draft(hidden states of the positions
-not yet fed, the token after each, k)``, verify the guesses in one pass, ``settle()``.
+Its cache holds one entry per position; ``settle`` cuts off those a draft chained on its own guesses.
+A decode loop: ``extend`` the prompt's positions but the last; each round ``draft(hidden states of
+the positions not yet fed, the token after each, k)``, verify in one pass, ``settle()``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The last layer's hidden states a model computes, handed to the requests that listen for them:
-an MTP head drafts from them (meshnode.serving.mtp_drafting).
-
-The tap sits on the model's final norm, whose input is that hidden state at every position of a
-forward pass. Each listener is one request on its own thread; a forward pass on another thread, or
-after the listener is gone, is not recorded.
+"""The last layer's hidden states (the final norm's input), recorded for the request on each thread
+that listens: an MTP head drafts from them (meshnode.serving.mtp_drafting). A pass on another thread
+is not recorded.
 """
 
 from __future__ import annotations

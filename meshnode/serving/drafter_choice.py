@@ -1,5 +1,5 @@
-"""Which drafter a placement's requests speculate with (meshnode.serving.speculative), and why: the
-``speculative`` setting, what the model's files carry, and how this node serves it. Pure."""
+"""Which drafter a placement's requests speculate with, and why: from the ``speculative`` setting,
+the model's files and how this node serves it. Pure."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Guesses of a model's own multi-token-prediction (MTP) head (meshnode.model.mtp), for speculative
-decoding on a node that holds the whole model.
+"""Guesses of a model's own MTP head (meshnode.model.mtp) on a node that holds the whole model.
 
-The head drafts from the backbone's last hidden states of the confirmed positions: a HiddenTap on
-the model's final norm records each forward pass of the request's thread, and each ``extend``
-(the tokens one forward pass confirmed) pairs the oldest record with them. The forward passes
-recorded before the first ``propose`` or ``extend`` are the prompt's. A record that does not fit
-the pass it should be (another length, a batch) stops the drafting: guesses are never trusted,
-so that costs speed, never a different answer.
+A HiddenTap records the hidden states of each forward pass on the request's thread; each ``extend``
+(the tokens one pass confirmed) pairs the oldest record with them, the records before the first call
+being the prompt's. A record that does not fit its pass stops the drafting: speed lost, never a
+different answer.
 """
 
 from __future__ import annotations

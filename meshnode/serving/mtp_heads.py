@@ -1,6 +1,5 @@
-"""A served model's multi-token-prediction (MTP) head on this node: loaded from the model's files
-(meshnode.model.mtp_load) where this node runs every layer of a plan alone, and the drafter factory
-(meshnode.serving.mtp_drafting) its requests speculate with."""
+"""A served model's MTP head on this node, loaded where this node runs every layer of a plan alone,
+and the drafter factory its requests speculate with."""
 
 from __future__ import annotations
 
