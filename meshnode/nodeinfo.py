@@ -13,11 +13,13 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from meshnode.identity import VALID_ID  # a node id fits one DNS label
 from meshnode.ids import NodeId
-from meshnode.weights.holdings import Holding
+
+if TYPE_CHECKING:  # holdings imports the generated protobuf code, which `meshnode install` does without
+    from meshnode.weights.holdings import Holding
 
 log = logging.getLogger(__name__)
 
