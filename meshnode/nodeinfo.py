@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from meshnode.identity import VALID_ID  # a node id fits one DNS label
 from meshnode.ids import NodeId
 
-if TYPE_CHECKING:  # holdings imports the generated protobuf code, which `meshnode install` does without
+if TYPE_CHECKING:  # it imports protobuf, which `meshnode install` does without
     from meshnode.weights.holdings import Holding
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,7 @@ log = logging.getLogger(__name__)
 REPLAN_GAIN = 0.15
 # Assumed all-reduce cost of an unmeasured node, so tensor groups form on measurements.
 UNMEASURED_COLLECTIVE_S = 250e-6
-# Plan changes within this many seconds count toward an optional move's wait: each one doubles it,
-# so a mesh whose figures swing (a busy machine, a node slowing down and up) settles.
+# Each plan change this recent doubles an optional move's wait, so a mesh whose figures swing settles.
 MOVES_WINDOW_S = 300.0
 MOVES_BACKOFF_MAX = 16
 
