@@ -145,4 +145,5 @@ def test_the_agent_loop_on_two_stages_resumes_from_the_prompt_cache(taught, tmp_
     # Each turn starts as the ones before it did (the tools, the question): every stage resumed
     # every request after the first from its prompt cache.
     for name, (hits, reused) in reuse.items():
-        assert hits == 5 and reused > 0, (name, reuse, epochs, logs)
+        # A string, not a tuple: pytest cuts a tuple's repr, and the logs are what tells which turn missed.
+        assert hits == 5 and reused > 0, f"{name} {reuse} epochs {epochs}\n{logs}"
