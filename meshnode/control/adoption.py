@@ -34,8 +34,8 @@ class Adoption:
         # Nodes started together hear each other before either publishes (grace).
         self.epochs = EpochState(grace=grace)
         self.changed_at = 0.0  # for the coordinator's dwell
-        # When the last plans were adopted (monotonic): every node keeps them, so a newly elected
-        # coordinator knows how much the mesh has moved lately.
+        # When the plan last changed after this node's first (monotonic): every node keeps them, so a
+        # newly elected coordinator knows how much the mesh has moved lately.
         self.changes: deque[float] = deque(maxlen=8)
         self._event = event
 
@@ -98,8 +98,10 @@ class Adoption:
             return
         self.served.take(plan)
         self.epochs.adopted(plan.epoch, coordinator)
-        self.changed_at = time.monotonic()
-        self.changes.append(self.changed_at)
+        now = time.monotonic()
+        if self.changed_at:  # a change of plan, not this node's first
+            self.changes.append(now)
+        self.changed_at = now
         log.info("epoch %d adopted (from %s): %s", plan.epoch, source, describe(plan))
         self._event("plan", epoch=plan.epoch, stages=describe(plan))
         self.served.apply_soon(plan)

@@ -321,14 +321,11 @@ class Coordinator:
                 # Must win twice in a row: one noisy figure cannot tear down a group.
                 self._pending, self._planned_at = layout(desired), now
                 return
-            # The wait grows with the plans adopted lately, the first (this mesh's start) left out.
-            changes = list(adoption.changes)[1:]
-            wait = rebalance_wait(s.rebalance_dwell, changes, now)
-            if now - adoption.changed_at < wait:
+            if now - adoption.changed_at < rebalance_wait(s.rebalance_dwell, adoption.changes, now):
                 if repaced:  # weigh the new slowdown again at the next tick
                     self._paces = {}
                 return  # else at the next regular weighing
-            say_move(current_plan, current, desired, rebalance_wait(s.rebalance_dwell, [*changes, now], now))
+            say_move(current_plan, current, desired, rebalance_wait(s.rebalance_dwell, [*adoption.changes, now], now))
         if contested:
             log.info(
                 "another node published a different plan as epoch %d: publishing this mesh's plan again "
