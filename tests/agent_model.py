@@ -14,11 +14,7 @@ an answer; a coding agent treats an answer cut at max tokens as an error.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from mlx_lm import load
@@ -26,6 +22,7 @@ from mlx_lm import load
 from harness.scripted import script_successors
 from harness.teach import teach
 from meshnode.model.build import build_model
+from tests.once import made_once
 
 TOOLS = [
     {
@@ -80,18 +77,7 @@ def taught_agent(root: Path) -> Path:
 def taught_agent_once(shared: Path) -> Path:
     """:func:`taught_agent` under ``shared``, taught by the first process of a run that asks (the
     others wait on a lock, then read it): teaching takes tens of seconds of CPU."""
-    final = shared / "taught"
-    shared.mkdir(parents=True, exist_ok=True)
-    with open(shared / "taught.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (final / "qwen3-agent" / "config.json").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=".taught-", dir=shared))
-            try:
-                taught_agent(tmp)
-                os.replace(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final / "qwen3-agent"
+    return made_once(shared / "taught", "qwen3-agent/config.json", taught_agent) / "qwen3-agent"
 
 
 def scripted_model(root: Path, text: str, max_position_embeddings: int = 32768) -> Path:

@@ -8,7 +8,6 @@ does that ahead (``.ci/run``). Tests that need the model skip with the reason wh
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
@@ -140,18 +139,9 @@ def variant(folder: Path, out: Path, *, bits: int | None = None, dtype: str = "b
 def variant_once(folder: Path, shared: Path, *, dtype: str) -> Path:
     """:func:`variant` under ``shared``, made by the first process of a run that asks (the others
     wait on a lock, then read it)."""
-    out = shared / f"smollm2-{dtype}"
-    shared.mkdir(parents=True, exist_ok=True)
-    with open(shared / f"smollm2-{dtype}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=f".smollm2-{dtype}-", dir=shared))
-            try:
-                variant(folder, tmp / "model", dtype=dtype)
-                os.replace(tmp / "model", out)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    from tests.once import made_once  # here: `python3 tests/realmodel.py` runs without the package
+
+    return made_once(shared / f"smollm2-{dtype}", "config.json", lambda out: variant(folder, out, dtype=dtype))
 
 
 if __name__ == "__main__":
