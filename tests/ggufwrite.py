@@ -86,7 +86,7 @@ def write_gguf(
             data = gguf.quants.quantize(data, kind)
         w.add_tensor(f"{target}.{suffix}", data, raw_dtype=kind)
     if mtp is not None:
-        _nextn(w, mtp, layers, cfg, qtype)
+        add_nextn(w, mtp, layers, cfg, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,7 +94,7 @@ def write_gguf(
     return out
 
 
-def _nextn(w: gguf.GGUFWriter, head: Any, block: int, cfg: dict, qtype: gguf.GGMLQuantizationType) -> None:
+def add_nextn(w: gguf.GGUFWriter, head: Any, block: int, cfg: dict, qtype: gguf.GGMLQuantizationType) -> None:
     """A llama MTP head's tensors as block ``block``'s usual ones and its ``nextn.*``."""
     from mlx.utils import tree_flatten
 

@@ -18,8 +18,8 @@ from mlx_lm.models import llama
 
 from meshnode.model.mtp import MTPHead, hidden_states, shared_from
 from meshnode.model.mtp_load import NoMTPHead, load_mtp, mtp_sibling, save_qwen
-from meshnode.weights.mtp_layout import GGUF_BLOCK, NEXTN, mtp_footprint
-from tests.ggufwrite import _metadata, permute
+from meshnode.weights.mtp_layout import mtp_footprint
+from tests.ggufwrite import _metadata, add_nextn
 
 CFG = {
     "model_type": "llama",
@@ -121,19 +121,7 @@ def _write_gguf(head: MTPHead, out: Path, *, blocks: int, qtype=gguf.GGMLQuantiz
     _metadata(w, CFG | {"num_hidden_layers": blocks}, "llama")
     w.add_nextn_predict_layers(1)
     if nextn:
-        block = blocks - 1
-        names = {f"block.{v}": f"blk.{block}.{k}" for k, v in GGUF_BLOCK.items()}
-        names |= {v: f"blk.{block}.nextn.{k}" for k, v in NEXTN.items()}
-        for name, a in tree_flatten(head.parameters()):
-            module, _, part = name.rpartition(".")
-            target = names[module]
-            data = np.array(a.astype(mx.float32))
-            if target.endswith(("attn_q", "attn_k")):
-                data = permute(data, CFG["num_attention_heads" if target.endswith("q") else "num_key_value_heads"])
-            kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-            if kind != gguf.GGMLQuantizationType.F32:
-                data = gguf.quants.quantize(data, kind)
-            w.add_tensor(f"{target}.{part}", data, raw_dtype=kind)
+        add_nextn(w, head, blocks - 1, CFG, qtype)
     else:
         w.add_tensor("token_embd.weight", np.zeros((CFG["vocab_size"], CFG["hidden_size"]), np.float32))
     w.write_header_to_file()
