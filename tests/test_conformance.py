@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster import wait_until
+from harness.cluster import wait_mesh
 from tests.conformance import SUITES, Suite, fetch, problems, run
 from tests.helpers import clean_env, meshnode_run
 
@@ -42,12 +42,8 @@ def node(smollm2_float32, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("node")
     with meshnode_run(tmp, {**clean_env(), **ENV}, model=smollm2_float32, http_port=0, grpc_port=0) as (_, port, log):
         base = f"http://127.0.0.1:{port}"
-        # /health answers 503 (an OSError here: not yet) until the model is loaded
-        wait_until(
-            lambda: urllib.request.urlopen(f"{base}/health", timeout=5),
-            120,
-            "the node serving",
-            details=lambda: log.read_text()[-3000:],
+        wait_mesh(
+            base, lambda v: v["healthy"], timeout=120, what="the node serving", details=lambda: log.read_text()[-3000:]
         )
         with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
             (model,) = [m["id"] for m in json.load(r)["data"]]
